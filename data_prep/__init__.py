@@ -1,0 +1,1 @@
+"""The data stages of eagle3_train: prepare, dump, standardize."""

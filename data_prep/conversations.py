@@ -1,0 +1,200 @@
+"""Reading conversations from files or datasets, in ShareGPT or OpenAI form.
+
+Every row is normalised to ``[{"role": "system"|"user"|"assistant", "content": str}, ...]`` and
+carries its location (``file:line``, ``file[item i]`` or ``dataset[row i]``) so that any problem
+is reported where the user can find it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3_train.errors import BadInputError
+
+# ShareGPT uses many speaker names; these are the ones whose meaning is unambiguous.
+ROLE_ALIASES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+}
+
+
+class BadRow(BadInputError):
+    """A row that cannot be used; ``reason`` is a short code counted under ``on_bad_row=skip``."""
+
+    def __init__(self, source: str, reason: str, message: str, field: str | None = None):
+        self.source, self.reason, self.field = source, reason, field
+        where = f"{source}: field '{field}'" if field else source
+        super().__init__(f"{where}: {message} [{reason}]")
+
+
+@dataclass
+class Conversation:
+    """A normalised conversation and where it came from."""
+
+    messages: list[dict[str, str]]
+    source: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def iter_raw_rows(input: str, split: str = "train") -> Iterator[tuple[str, Any]]:
+    """Yield ``(location, row)`` for every row of ``input``.
+
+    ``input`` is a ``.jsonl``/``.json`` file, a directory of such files (read in name order), a
+    dataset saved with ``save_to_disk``, or a dataset id for ``datasets.load_dataset``. A line of
+    a JSONL file that is not valid JSON is yielded as a :class:`BadRow` in place of the row.
+    """
+    path = Path(input).expanduser()
+    if path.is_file():
+        yield from _iter_file(path)
+    elif path.is_dir():
+        if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
+            yield from _iter_dataset(_load_from_disk(path), str(path))
+            return
+        files = sorted(p for p in path.iterdir() if p.suffix in {".jsonl", ".json"} and p.is_file())
+        if not files:
+            raise BadInputError(f"input directory {path} holds no .jsonl or .json files")
+        for f in files:
+            yield from _iter_file(f)
+    elif input.startswith((".", "/", "~")) or input.endswith((".json", ".jsonl")):
+        raise BadInputError(f"input {input} does not exist")
+    else:
+        yield from _iter_dataset(_load_hub(input, split), f"{input}[{split}]")
+
+
+def _iter_file(path: Path) -> Iterator[tuple[str, Any]]:
+    if path.suffix not in {".jsonl", ".json"}:
+        raise BadInputError(f"input file {path} is neither .jsonl nor .json")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise BadInputError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+        if not isinstance(data, list):
+            raise BadInputError(f"{path}: a .json input must hold a list of conversations")
+        for i, row in enumerate(data):
+            yield f"{path}[item {i}]", row
+        return
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            source = f"{path}:{lineno}"
+            try:
+                yield source, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield source, BadRow(source, "malformed_json", f"malformed JSON: {e.msg} (column {e.colno})")
+
+
+def _iter_dataset(ds: Any, name: str) -> Iterator[tuple[str, Any]]:
+    for i, row in enumerate(ds):
+        yield f"{name}[row {i}]", row
+
+
+def _load_from_disk(path: Path) -> Any:
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        raise BadInputError(f"{path} is a DatasetDict {list(ds)}: point input= at one split's folder")
+    return ds
+
+
+def _load_hub(name: str, split: str) -> Any:
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as e:  # offline, unknown id, no such split: all are the user's to fix
+        raise BadInputError(
+            f"input {name} is not a local file or directory, and loading it as a dataset failed: {e}"
+        ) from None
+
+
+def normalize(row: Any, source: str, *, need_assistant: bool = True) -> Conversation:
+    """Turn one raw row into a :class:`Conversation`, or raise :class:`BadRow` saying why.
+
+    Accepted: ``{"conversations": [{"from", "value"}, ...]}`` (ShareGPT) and
+    ``{"messages": [{"role", "content"}, ...]}`` (OpenAI). A system message may only come first.
+    Assistant content is stripped of surrounding whitespace (a template would often trim it anyway,
+    and a reply never usefully starts with blank lines).
+    """
+    if isinstance(row, BadRow):
+        raise row
+    if not isinstance(row, dict):
+        raise BadRow(source, "missing_field", f"row is a {type(row).__name__}, not an object")
+    if "messages" in row:
+        key, role_key, text_key = "messages", "role", "content"
+    elif "conversations" in row:
+        key, role_key, text_key = "conversations", "from", "value"
+    else:
+        raise BadRow(source, "missing_field", "row has neither 'messages' (OpenAI) nor 'conversations' (ShareGPT)")
+    turns = row[key]
+    if not isinstance(turns, list):
+        raise BadRow(source, "missing_field", f"must be a list, got {type(turns).__name__}", key)
+    if not turns:
+        raise BadRow(source, "empty_conversation", "conversation has no messages", key)
+    messages = []
+    for i, turn in enumerate(turns):
+        where = f"{key}[{i}]"
+        if not isinstance(turn, dict):
+            raise BadRow(source, "missing_field", f"message is a {type(turn).__name__}, not an object", where)
+        if role_key not in turn:
+            raise BadRow(source, "missing_field", "message has no role", f"{where}.{role_key}")
+        raw_role = turn[role_key]
+        role = ROLE_ALIASES.get(str(raw_role).lower()) if isinstance(raw_role, str) else None
+        if role is None:
+            raise BadRow(
+                source, "unknown_role",
+                f"unknown role {raw_role!r}; known: {sorted(ROLE_ALIASES)}", f"{where}.{role_key}",
+            )
+        content = _text(turn.get(text_key), source, f"{where}.{text_key}")
+        if role == "system" and i != 0:
+            raise BadRow(source, "misplaced_system", "a system message may only be the first message", where)
+        if role == "assistant":
+            content = content.strip()
+            if not content:
+                raise BadRow(source, "empty_content", "assistant message is empty", f"{where}.{text_key}")
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] != "system" for m in messages):
+        raise BadRow(source, "empty_conversation", "conversation holds only a system prompt", key)
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise BadRow(source, "no_assistant_turn", "conversation has no assistant turn to train on", key)
+    meta = {k: row[k] for k in ("id", "category") if k in row and isinstance(row[k], (str, int))}
+    return Conversation(messages, source, meta)
+
+
+def _text(value: Any, source: str, where: str) -> str:
+    """Message content: a string, or OpenAI's list of ``{"type": "text", "text": ...}`` parts."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
+        return "".join(str(p.get("text", "")) for p in value)
+    if value is None:
+        raise BadRow(source, "missing_field", "message has no content", where)
+    raise BadRow(source, "bad_content", f"content must be text, got {type(value).__name__}", where)
+
+
+def input_fingerprint(input: str) -> dict[str, Any]:
+    """What identifies the input's content: file hashes, a saved dataset's state, or the hub id."""
+    from eagle3_train.fileio import sha256_file
+
+    path = Path(input).expanduser()
+    if path.is_file():
+        return {"files": {path.name: sha256_file(path)}}
+    if path.is_dir():
+        if (path / "state.json").is_file():
+            return {"dataset_state": json.loads((path / "state.json").read_text())}
+        files = sorted(p for p in path.iterdir() if p.suffix in {".jsonl", ".json"} and p.is_file())
+        return {"files": {p.name: sha256_file(p) for p in files}}
+    return {"hub_dataset": input}

@@ -1,0 +1,322 @@
+"""``eagle3-prepare``: conversations -> ``input_ids`` + assistant ``loss_mask`` (a datasets dataset).
+
+    eagle3-prepare target=embedded input=chats.jsonl out=/data/run/prepared
+
+Output ``<out>/dataset/`` (``datasets.load_from_disk``) with columns ``sample_id`` (row id, used by
+every later stage), ``input_ids`` (int32), ``loss_mask`` (uint8), ``num_tokens``,
+``num_loss_tokens``, ``source`` (``file:line`` of the input row); and ``<out>/manifest.json``,
+written last. Run again with the same options, it reuses the finished output; with other options,
+it refuses unless ``overwrite=true``. With ``regenerate=true`` the finished chunks under
+``<out>/regen/`` survive a crash and are not generated again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+from tqdm.auto import tqdm
+
+from data_prep.chat import Rendered, render_with_mask, special_ids
+from data_prep.conversations import BadRow, Conversation, input_fingerprint, iter_raw_rows, normalize
+from data_prep.regenerate import RegenConfig, regenerate
+from eagle3_train.cli import CONF_DIR, config_dict, to_config, user_errors
+from eagle3_train.contract import MANIFEST_NAME, read_manifest, write_manifest
+from eagle3_train.errors import ConfigError, ContractError, Eagle3Error
+from eagle3_train.fileio import atomic_write_json, sha256_json
+from eagle3_train.targets import Target, chat_template_of, load_target
+
+STAGE = "prepare"
+BAD_ROW_POLICIES = ("error", "skip")
+EXAMPLES_PER_REASON = 5
+
+
+@dataclass
+class PrepareConfig:
+    """Options of ``eagle3-prepare`` (``conf/prepare.yaml``)."""
+
+    target: str = "embedded"  # embedded | tiny | HF directory | hub id | .gguf file
+    input: str = MISSING  # .jsonl/.json file, directory of them, saved dataset, or hub dataset id
+    out: str = MISSING  # output directory (dataset/ + manifest.json)
+    split: str = "train"  # split to read when input is a hub dataset id
+    cache_dir: str | None = None  # where GGUF targets are converted once (never the working dir)
+    chat_template: str | None = None  # replaces the tokenizer's template: a .jinja file or the text
+    max_length: int = 2048  # longest tokenised conversation kept
+    truncate: bool = True  # cut longer conversations to max_length (false: they are bad rows)
+    on_bad_row: str = "error"  # error: stop at the first bad row; skip: count it and go on
+    limit: int | None = None  # read only the first N rows of the input
+    regenerate: bool = False  # the target rewrites every assistant turn (see regen.*)
+    regen: RegenConfig = field(default_factory=RegenConfig)
+    device: str = "auto"  # where the target runs for regeneration (auto: cuda if present)
+    dtype: str = "auto"  # target dtype for regeneration (auto: float32 on CPU, bfloat16 on GPU)
+    seed: int = 0  # sampling seed (regen.do_sample=true)
+    overwrite: bool = False  # replace an existing output made with other options
+    trust_remote_code: bool = False  # let transformers run the target repository's own code
+    progress: bool = True  # progress bars
+
+    def __post_init__(self) -> None:
+        if self.on_bad_row not in BAD_ROW_POLICIES:
+            raise ConfigError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.on_bad_row!r}")
+        if self.max_length <= 0:
+            raise ConfigError(f"max_length must be positive, got {self.max_length}")
+        if self.limit is not None and self.limit <= 0:
+            raise ConfigError(f"limit must be positive or null, got {self.limit}")
+
+
+ConfigStore.instance().store(name="prepare_schema", node=PrepareConfig)
+
+
+class BadRows:
+    """Applies ``on_bad_row``: raise at once, or count per reason and keep a few examples."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self.counts: Counter[str] = Counter()
+        self.examples: dict[str, list[str]] = {}
+
+    def handle(self, err: BadRow) -> None:
+        if self.policy == "error":
+            raise Eagle3Error(f"{err}\n(on_bad_row=skip would skip such rows and count them)")
+        self.counts[err.reason] += 1
+        examples = self.examples.setdefault(err.reason, [])
+        if len(examples) < EXAMPLES_PER_REASON:
+            examples.append(str(err))
+
+    def summary(self) -> str:
+        lines = [f"  {reason}: {n} (e.g. {self.examples[reason][0]})" for reason, n in self.counts.most_common()]
+        return f"skipped {sum(self.counts.values())} bad rows:\n" + "\n".join(lines)
+
+
+class Preparer:
+    """Runs the prepare stage: read -> (regenerate) -> render + mask -> write."""
+
+    def __init__(self, cfg: PrepareConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.out).expanduser()
+        self.bad = BadRows(cfg.on_bad_row)
+        self.target: Target = load_target(
+            cfg.target,
+            cache_dir=cfg.cache_dir,
+            load_model=cfg.regenerate,
+            dtype=cfg.dtype,
+            device=_device(cfg.device),
+            chat_template=cfg.chat_template,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+        if chat_template_of(self.target.tokenizer) is None:
+            raise Eagle3Error(
+                f"the tokenizer of target {cfg.target} has no chat template; pass "
+                f"chat_template=<file.jinja or template text>"
+            )
+        self.fingerprint = sha256_json(
+            {
+                "config": self._output_options(),
+                "target": self.target.identity.to_dict(),
+                "input": input_fingerprint(cfg.input),
+            }
+        )
+
+    def _output_options(self) -> dict[str, Any]:
+        """The options that decide the output (not where it goes or how fast it is made)."""
+        opts = config_dict(self.cfg)
+        for key in ("out", "overwrite", "cache_dir", "device", "progress"):
+            opts.pop(key)
+        if not self.cfg.regenerate:
+            opts.pop("regen")
+        return opts
+
+    def run(self) -> dict[str, Any]:
+        done = self._finished_output()
+        if done is not None:
+            print(f"eagle3-prepare: {self.out} is already prepared with these options; reusing it")
+            return done
+        conversations, rows_read = self.read()
+        regen_stats = {}
+        if self.cfg.regenerate:
+            conversations, regen_stats = self.regenerate(conversations)
+        rows, stats = self.render(conversations)
+        return self.write(rows, stats | {"rows_read": rows_read}, regen_stats)
+
+    def _finished_output(self) -> dict[str, Any] | None:
+        if not (self.out / MANIFEST_NAME).is_file():
+            return None
+        manifest = read_manifest(self.out, STAGE)
+        if manifest.get("fingerprint") == self.fingerprint:
+            return manifest
+        if not self.cfg.overwrite:
+            raise ContractError(
+                f"{self.out} holds a prepared dataset made with other options, input or target; "
+                f"pass overwrite=true to replace it, or choose another out="
+            )
+        (self.out / MANIFEST_NAME).unlink()
+        return None
+
+    def read(self) -> tuple[list[Conversation], int]:
+        """Normalise the input rows; bad rows follow ``on_bad_row``."""
+        conversations, rows_read = [], 0
+        for source, row in iter_raw_rows(self.cfg.input, self.cfg.split):
+            if self.cfg.limit is not None and rows_read >= self.cfg.limit:
+                break
+            rows_read += 1
+            try:
+                conversations.append(normalize(row, source, need_assistant=not self.cfg.regenerate))
+            except BadRow as e:
+                self.bad.handle(e)
+        if rows_read == 0:
+            raise Eagle3Error(f"input {self.cfg.input} holds no rows")
+        return conversations, rows_read
+
+    def regenerate(self, conversations: list[Conversation]) -> tuple[list[Conversation], dict]:
+        """Regenerate in chunks of ``regen.chunk_size``; finished chunks are kept on disk."""
+        import torch
+
+        regen_dir = self.out / "regen"
+        stamp = regen_dir / "fingerprint.json"
+        if stamp.is_file() and json.loads(stamp.read_text()) != self.fingerprint:
+            shutil.rmtree(regen_dir)  # chunks of other options or input: never mix them
+        regen_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(stamp, self.fingerprint)
+        tok, model = self.target.tokenizer, self.target.model
+        eos = sorted(_eos_ids(model, tok))
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+        size = self.cfg.regen.chunk_size
+        out, unfinished = [], 0
+        n_chunks = (len(conversations) + size - 1) // size
+        for c in range(n_chunks):
+            path = regen_dir / f"chunk-{c:05d}.json"
+            if path.is_file():
+                data = json.loads(path.read_text())
+                chunk = [Conversation(d["messages"], d["source"], d["meta"]) for d in data["conversations"]]
+            else:
+                torch.manual_seed(self.cfg.seed + c)
+                print(f"regenerating chunk {c + 1}/{n_chunks}", flush=True)
+                chunk, n_cut = regenerate(
+                    model, tok, conversations[c * size : (c + 1) * size], self.cfg.regen,
+                    eos_ids=eos, pad_id=pad, progress=self.cfg.progress,
+                )
+                data = {"unfinished": n_cut, "conversations": [vars(x) for x in chunk]}
+                atomic_write_json(path, data)
+            out.extend(chunk)
+            unfinished += data["unfinished"]
+        return out, {"turns_hit_max_new_tokens": unfinished}
+
+    def render(self, conversations: list[Conversation]) -> tuple[list[tuple[Conversation, Rendered]], dict]:
+        """Tokenise every conversation with its loss mask."""
+        tok = self.target.tokenizer
+        end_ids = special_ids(tok, _eos_ids(self.target.model, tok))
+        rows, truncated = [], 0
+        for conv in tqdm(conversations, desc="tokenize", unit="conv", disable=not self.cfg.progress):
+            try:
+                if self.cfg.regenerate:
+                    _check_regenerated(conv)
+                r = render_with_mask(
+                    tok, conv.messages, conv.source,
+                    max_length=self.cfg.max_length, truncate=self.cfg.truncate, end_ids=end_ids,
+                )
+            except BadRow as e:
+                self.bad.handle(e)
+                continue
+            truncated += r.truncated
+            rows.append((conv, r))
+        if not rows:
+            raise Eagle3Error(f"no usable conversation in {self.cfg.input}; {self.bad.summary()}")
+        return rows, {"truncated": truncated}
+
+    def write(self, rows: list[tuple[Conversation, Rendered]], stats: dict, regen_stats: dict) -> dict[str, Any]:
+        """Save the dataset, then the manifest (last, atomically)."""
+        import pyarrow as pa
+        from datasets import Dataset
+
+        lengths = np.array([len(r.input_ids) for _, r in rows], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32 if lengths.sum() < 2**31 else np.int64)
+        list_type = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
+        ids = np.concatenate([r.input_ids for _, r in rows])
+        mask = np.concatenate([r.loss_mask for _, r in rows])
+        loss_tokens = np.array([int(r.loss_mask.sum()) for _, r in rows], dtype=np.int32)
+        table = pa.table(
+            {
+                "sample_id": pa.array(np.arange(len(rows), dtype=np.int64)),
+                "input_ids": list_type.from_arrays(offsets, ids),
+                "loss_mask": list_type.from_arrays(offsets, mask),
+                "num_tokens": pa.array(lengths.astype(np.int32)),
+                "num_loss_tokens": pa.array(loss_tokens),
+                "source": pa.array([c.source for c, _ in rows]),
+            }
+        )
+        dataset_dir = self.out / "dataset"
+        if dataset_dir.exists():
+            shutil.rmtree(dataset_dir)
+        Dataset(table).save_to_disk(str(dataset_dir))
+        counts = {
+            "rows_read": stats["rows_read"],
+            "rows_written": len(rows),
+            "tokens": int(lengths.sum()),
+            "loss_tokens": int(loss_tokens.sum()),
+            "truncated": stats["truncated"],
+            "skipped": dict(self.bad.counts),
+        }
+        body = {
+            "fingerprint": self.fingerprint,
+            "target": self.target.identity.to_dict(),
+            "config": config_dict(self.cfg),
+            "dataset": "dataset",
+            "counts": counts,
+            "skipped_examples": self.bad.examples,
+            "regeneration": regen_stats or None,
+        }
+        write_manifest(self.out, STAGE, body)
+        print(
+            f"eagle3-prepare: {len(rows)} conversations, {counts['tokens']} tokens "
+            f"({counts['loss_tokens']} assistant), {counts['truncated']} truncated -> {dataset_dir}"
+        )
+        if self.bad.counts:
+            print(self.bad.summary())
+        return read_manifest(self.out, STAGE)
+
+
+def _check_regenerated(conv: Conversation) -> None:
+    for i, m in enumerate(conv.messages):
+        if m["role"] == "assistant" and not m["content"]:
+            raise BadRow(conv.source, "empty_regeneration", "the target replied with nothing", f"messages[{i}]")
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """End-of-turn ids: the generation config's eos ids and the tokenizer's eos token."""
+    ids = set()
+    gen = getattr(model, "generation_config", None) if model is not None else None
+    for e in [getattr(gen, "eos_token_id", None), tokenizer.eos_token_id]:
+        for x in e if isinstance(e, (list, tuple)) else [e]:
+            if x is not None:
+                ids.add(int(x))
+    return ids
+
+
+def _device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@hydra.main(config_path=CONF_DIR, config_name="prepare", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    with user_errors("eagle3-prepare"):
+        Preparer(to_config(cfg, PrepareConfig)).run()
+
+
+def main() -> None:
+    """Console entry point ``eagle3-prepare``."""
+    _main()
+
+
+if __name__ == "__main__":
+    main()

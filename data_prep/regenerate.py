@@ -1,0 +1,131 @@
+"""Regeneration: the target writes the assistant turns itself, turn by turn.
+
+EAGLE-3 and SpecForge report this as the largest lever on acceptance: a draft learns the target's
+own distribution, not the one of whoever wrote the dataset. Each conversation's assistant slots
+(every existing assistant turn, plus a reply to every user turn that has none, so a file of
+user prompts -- multi-turn ones too -- becomes conversations) are filled in order; slot ``s``
+of all conversations is generated in length-sorted batches before slot ``s+1``, since a later
+turn's prompt contains the earlier generated turns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from data_prep.chat import render_text
+from data_prep.conversations import Conversation
+from eagle3_train.errors import ConfigError
+
+
+@dataclass
+class RegenConfig:
+    """How the target regenerates assistant turns (``regenerate=true``)."""
+
+    max_new_tokens: int = 512  # longest reply generated for one turn
+    do_sample: bool = False  # false: greedy; true: sample with temperature/top_p
+    temperature: float = 0.7  # sampling temperature (do_sample=true only)
+    top_p: float = 0.95  # nucleus sampling mass (do_sample=true only)
+    batch_size: int = 32  # prompts generated together
+    chunk_size: int = 1024  # conversations per resumable chunk written under <out>/regen/
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "batch_size", "chunk_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"regen.{name} must be positive, got {getattr(self, name)}")
+        if self.do_sample and not (self.temperature > 0 and 0 < self.top_p <= 1):
+            raise ConfigError("regen.temperature must be > 0 and regen.top_p in (0, 1] when sampling")
+
+
+def assistant_slots(messages: list[dict]) -> tuple[list[dict], list[int]]:
+    """Messages with an empty assistant turn after every user turn that has no reply, and the
+    positions of all assistant turns (the slots to fill, in order)."""
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        out.append(dict(m))
+        following = messages[i + 1]["role"] if i + 1 < len(messages) else None
+        if m["role"] == "user" and following != "assistant":
+            out.append({"role": "assistant", "content": ""})
+    return out, [i for i, m in enumerate(out) if m["role"] == "assistant"]
+
+
+@torch.no_grad()
+def regenerate(
+    model: Any,
+    tokenizer: Any,
+    conversations: list[Conversation],
+    cfg: RegenConfig,
+    *,
+    eos_ids: list[int],
+    pad_id: int,
+    progress: bool = True,
+) -> tuple[list[Conversation], int]:
+    """Return the conversations with every assistant slot written by ``model``.
+
+    Returns:
+        The regenerated conversations (same order, same sources) and the number of turns that hit
+        ``max_new_tokens`` before an end-of-turn token.
+    """
+    device = next(model.parameters()).device
+    work = [assistant_slots(c.messages) for c in conversations]
+    unfinished = 0
+    n_turns = sum(len(slots) for _, slots in work)
+    bar = tqdm(total=n_turns, desc="regenerate", unit="turn", disable=not progress)
+    for s in range(max((len(slots) for _, slots in work), default=0)):
+        todo = [ci for ci, (_, slots) in enumerate(work) if len(slots) > s]
+        prompts = {}
+        for ci in todo:
+            messages, slots = work[ci]
+            text = render_text(tokenizer, messages[: slots[s]], conversations[ci].source, add_generation_prompt=True)
+            prompts[ci] = tokenizer(text, add_special_tokens=False)["input_ids"]
+        todo.sort(key=lambda ci: len(prompts[ci]))
+        for b in range(0, len(todo), cfg.batch_size):
+            batch = todo[b : b + cfg.batch_size]
+            replies, hit_limit = generate_batch(model, [prompts[ci] for ci in batch], cfg, eos_ids, pad_id, device)
+            unfinished += hit_limit
+            for ci, ids in zip(batch, replies):
+                messages, slots = work[ci]
+                messages[slots[s]]["content"] = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            bar.update(len(batch))
+    bar.close()
+    out = [Conversation(m, c.source, dict(c.meta)) for (m, _), c in zip(work, conversations)]
+    return out, unfinished
+
+
+def generate_batch(
+    model: Any,
+    prompts: list[list[int]],
+    cfg: RegenConfig,
+    eos_ids: list[int],
+    pad_id: int,
+    device: torch.device,
+) -> tuple[list[list[int]], int]:
+    """Generate one reply per prompt (left-padded batch); return the reply ids up to, not
+    including, the first end-of-turn token, and how many replies hit ``max_new_tokens``."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = torch.tensor(p)
+        attention[i, width - len(p) :] = 1
+    sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p) if cfg.do_sample else {}
+    out = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        max_new_tokens=cfg.max_new_tokens,
+        do_sample=cfg.do_sample,
+        eos_token_id=eos_ids,
+        pad_token_id=pad_id,
+        **sampling,
+    )
+    replies, hit_limit = [], 0
+    for row in out[:, width:].tolist():
+        cut = next((j for j, t in enumerate(row) if t in eos_ids), None)
+        if cut is None:
+            hit_limit += 1
+            cut = len(row)
+        replies.append(row[:cut])
+    return replies, hit_limit

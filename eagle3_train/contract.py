@@ -1,0 +1,254 @@
+"""The capture contract (DESIGN §1) shared by every stage.
+
+A captured layer is named by its *HF index* ``k``: its position in
+``model(..., output_hidden_states=True).hidden_states``. ``k = 0`` is the embedding output,
+``1 <= k <= N-1`` the output of decoder layer ``k-1``; ``k = N`` is the post-norm final state,
+which no serving engine captures as an aux state, so it is never an aux index (it is stored on its
+own as ``last_hidden``). Aux indices are stored ascending and unique, and concatenated in that
+order, as every engine concatenates them.
+
+The :class:`CaptureSpec` travels in every stage's ``manifest.json``; each stage compares the spec
+it reads with the one it is asked for and refuses a mismatch, naming every field that differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3_train import __version__
+from eagle3_train.errors import BadInputError, ContractError, IncompleteError
+from eagle3_train.fileio import atomic_write_json
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_aux_indices(num_hidden_layers: int) -> tuple[int, ...]:
+    """The capture every engine uses when given no ids: HF indices ``[2, N//2, N-3]``."""
+    n = num_hidden_layers
+    ks = (2, n // 2, n - 3)
+    if not 2 < n // 2 < n - 3:
+        raise ContractError(
+            f"the default aux indices [2, N//2, N-3] = {list(ks)} are not three distinct layers "
+            f"for a target with N={n} layers: pass aux indices explicitly"
+        )
+    return ks
+
+
+def validate_aux_indices(indices: Any, num_hidden_layers: int) -> tuple[int, ...]:
+    """Check that ``indices`` is a valid aux capture for a target with N layers; return a tuple.
+
+    Valid: non-empty, integers, strictly ascending (hence unique), each ``0 <= k < N``.
+    ``k = N`` is refused with its own reason: transformers returns the post-norm final state
+    there, which no engine captures as an aux state.
+    """
+    n = num_hidden_layers
+    try:
+        ks = tuple(indices)
+    except TypeError:
+        raise ContractError(f"aux indices must be a list of HF indices, got {indices!r}") from None
+    if not ks:
+        raise ContractError("aux indices are empty: at least one layer must be captured")
+    for k in ks:
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise ContractError(f"aux index {k!r} is not an integer (aux indices: {list(ks)})")
+    for k in ks:
+        if k == n:
+            raise ContractError(
+                f"aux index {k} = N is the post-norm final state (N={n} layers); no engine "
+                f"captures it as an aux state. Valid aux indices are 0..{n - 1}"
+            )
+        if not 0 <= k < n:
+            raise ContractError(
+                f"aux index {k} is out of range for a target with N={n} layers; valid HF indices "
+                f"are 0..{n - 1} (0 = embeddings, k = output of decoder layer k-1)"
+            )
+    if len(set(ks)) != len(ks):
+        dup = sorted({k for k in ks if ks.count(k) > 1})
+        raise ContractError(f"aux indices {list(ks)} repeat {dup}: each layer is captured once")
+    if list(ks) != sorted(ks):
+        raise ContractError(
+            f"aux indices {list(ks)} are not ascending; engines concatenate in ascending layer "
+            f"order, so write them as {sorted(ks)}"
+        )
+    return ks
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """Which target produced or consumes the data.
+
+    Args:
+        path: how the user named the target (local dir, hub id, ``.gguf`` file, ``embedded``);
+            informative only: the same weights at another path are the same target.
+        model_type: the transformers ``model_type`` (selects the engine rules at export).
+        config_hash: sha256 of the model config without volatile keys.
+        tokenizer_hash: sha256 of the tokenizer's serialised form.
+        chat_template_hash: sha256 of the chat template used to render conversations.
+    """
+
+    path: str
+    model_type: str
+    config_hash: str
+    tokenizer_hash: str
+    chat_template_hash: str
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TargetIdentity:
+        return cls(**{f: d[f] for f in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What was captured from which target (DESIGN §1).
+
+    Args:
+        aux_indices: HF indices of the aux states, ascending and unique, each ``< N``.
+        num_hidden_layers: N, the target's decoder layer count.
+        hidden_size: the target's hidden size H.
+        vocab_size: the target's vocabulary size.
+        dtype: the dtype the states are stored in (``float32``, ``bfloat16``, ``float16``).
+        target: the target's identity.
+    """
+
+    aux_indices: tuple[int, ...]
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str
+    target: TargetIdentity
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "aux_indices", validate_aux_indices(self.aux_indices, self.num_hidden_layers)
+        )
+        if self.dtype not in DTYPES:
+            raise ContractError(f"capture dtype {self.dtype!r} is not one of {list(DTYPES)}")
+        for name in ("num_hidden_layers", "hidden_size", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ContractError(f"capture {name} must be positive, got {getattr(self, name)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["aux_indices"] = list(self.aux_indices)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CaptureSpec:
+        missing = [f for f in cls.__dataclass_fields__ if f not in d]
+        if missing:
+            raise BadInputError(f"capture spec lacks fields {missing}: {d}")
+        return cls(
+            aux_indices=tuple(d["aux_indices"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            hidden_size=int(d["hidden_size"]),
+            vocab_size=int(d["vocab_size"]),
+            dtype=str(d["dtype"]),
+            target=TargetIdentity.from_dict(d["target"]),
+        )
+
+
+# Fields that name but do not define a target: a copy of the same weights elsewhere is the same.
+INFORMATIVE_FIELDS = frozenset({"target.path"})
+
+
+def differences(
+    a: CaptureSpec | TargetIdentity | dict,
+    b: CaptureSpec | TargetIdentity | dict,
+    *,
+    include_informative: bool = False,
+) -> list[str]:
+    """Every field in which ``a`` and ``b`` differ, as ``"field: a != b"`` lines.
+
+    Nested fields are named with dots (``target.config_hash``). Fields in
+    :data:`INFORMATIVE_FIELDS` are left out unless ``include_informative``.
+    """
+    da = a.to_dict() if hasattr(a, "to_dict") else dict(a)
+    db = b.to_dict() if hasattr(b, "to_dict") else dict(b)
+    prefix = "target." if isinstance(a, TargetIdentity) else ""
+    out: list[str] = []
+    _diff(da, db, prefix, out)
+    if not include_informative:
+        out = [line for line in out if line.split(":", 1)[0] not in INFORMATIVE_FIELDS]
+    return out
+
+
+def _diff(a: Any, b: Any, name: str, out: list[str]) -> None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            _diff(a.get(key, "<absent>"), b.get(key, "<absent>"), f"{name}{key}.", out)
+        return
+    if a != b:
+        out.append(f"{name.rstrip('.')}: {a!r} != {b!r}")
+
+
+def require_same(
+    have: CaptureSpec | TargetIdentity,
+    want: CaptureSpec | TargetIdentity,
+    have_name: str,
+    want_name: str,
+) -> None:
+    """Raise :class:`ContractError` naming both sides and every differing field, if any."""
+    diffs = differences(have, want)
+    if diffs:
+        raise ContractError(
+            f"{have_name} and {want_name} disagree ({have_name} != {want_name}):\n  "
+            + "\n  ".join(diffs)
+            + f"\n{have_name}: {json.dumps(have.to_dict(), sort_keys=True)}"
+            + f"\n{want_name}: {json.dumps(want.to_dict(), sort_keys=True)}"
+        )
+
+
+def write_manifest(directory: str | os.PathLike, stage: str, body: dict[str, Any]) -> Path:
+    """Write ``<directory>/manifest.json`` atomically; its presence marks the directory complete.
+
+    ``stage``, ``format_version``, the package version and a UTC timestamp are added to ``body``.
+    """
+    path = Path(directory) / MANIFEST_NAME
+    manifest = {
+        "stage": stage,
+        "format_version": FORMAT_VERSION,
+        "eagle3_train_version": __version__,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **body,
+    }
+    atomic_write_json(path, manifest)
+    return path
+
+
+def read_manifest(directory: str | os.PathLike, stage: str | None = None) -> dict[str, Any]:
+    """Read ``<directory>/manifest.json``; refuse a missing, unreadable or wrong-stage manifest."""
+    path = Path(directory) / MANIFEST_NAME
+    if not Path(directory).is_dir():
+        raise IncompleteError(f"{directory} does not exist or is not a directory")
+    if not path.is_file():
+        raise IncompleteError(
+            f"{directory} has no {MANIFEST_NAME}: the stage writing it did not finish (or this is "
+            f"not an eagle3_train directory); run that stage again to complete it"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BadInputError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or "stage" not in manifest:
+        raise BadInputError(f"{path}: not an eagle3_train manifest (no 'stage' field)")
+    if stage is not None and manifest["stage"] != stage:
+        raise ContractError(
+            f"{path}: expected the output of stage '{stage}', found stage '{manifest['stage']}'"
+        )
+    version = manifest.get("format_version", 0)
+    if version > FORMAT_VERSION:
+        raise ContractError(
+            f"{path}: format_version {version} is newer than this eagle3_train understands "
+            f"({FORMAT_VERSION}); upgrade eagle3_train"
+        )
+    return manifest

@@ -1,0 +1,63 @@
+"""Atomic file writes: a reader never sees a half-written file.
+
+Every file is written to a temporary name in the same directory, flushed to disk, then renamed
+over the final name (``os.replace`` is atomic on POSIX filesystems).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that ``path`` either holds all of it or is untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented, key-sorted JSON, atomically."""
+    text = json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n"
+    atomic_write_bytes(path, text.encode())
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def sha256_text(text: str) -> str:
+    """Hex sha256 of a string (utf-8)."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """Hex sha256 of the canonical (sorted, compact) JSON form of ``obj``."""
+    return sha256_text(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default))
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file's bytes, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

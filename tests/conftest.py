@@ -1,0 +1,74 @@
+"""Shared fixtures: the tiny target, chat templates, and helpers to write inputs and run prepare."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+# Three template families the loss mask must be right for. Literal special tokens are those of the
+# tiny tokenizer (eagle3_train.targets.TINY_SPECIAL_TOKENS).
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+# SmolLM2's template: ChatML that injects a default system prompt when none is given.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Llama-2 style: the system prompt folds into the first user turn; a space separates the reply
+# from its end-of-turn token; roles must alternate.
+LLAMA2_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set sys = '<<SYS>>\\n' + messages[0]['content'] + '\\n<</SYS>>\\n\\n' %}{% set msgs = messages[1:] %}"
+    "{% else %}{% set sys = '' %}{% set msgs = messages %}{% endif %}"
+    "{% for message in msgs %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "{% if message['role'] == 'user' %}"
+    "{{ bos_token + '[INST] ' + (sys if loop.first else '') + message['content'] + ' [/INST]' }}"
+    "{% else %}{{ ' ' + message['content'] + ' <|end_of_text|>' }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+@pytest.fixture
+def write_jsonl(tmp_path: Path):
+    """Write rows (dicts, or raw strings for broken lines) to a JSONL file; return its path."""
+
+    def write(rows: list[Any], name: str = "data.jsonl") -> Path:
+        path = tmp_path / name
+        with path.open("w") as f:
+            for row in rows:
+                f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+        return path
+
+    return write
+
+
+@pytest.fixture
+def prepare(tmp_path: Path):
+    """Run the prepare stage in process; return the manifest and the loaded dataset."""
+    from datasets import load_from_disk
+
+    from data_prep.prepare import PrepareConfig, Preparer
+
+    def run(input: Path | str, out: str = "prepared", **options: Any):
+        cfg = PrepareConfig(target=options.pop("target", "tiny"), input=str(input), out=str(tmp_path / out),
+                            progress=False, **options)
+        manifest = Preparer(cfg).run()
+        return manifest, load_from_disk(str(tmp_path / out / "dataset"))
+
+    return run

@@ -1,0 +1,152 @@
+"""eagle3-prepare end to end on the tiny target: input forms, regeneration, bad input, reuse."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import LLAMA3_TEMPLATE
+
+from eagle3_train.errors import ContractError, Eagle3Error
+
+OPENAI = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "4"}]},
+    {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]},
+]
+ROLE_TO_FROM = {"system": "system", "user": "human", "assistant": "gpt"}
+SHAREGPT = [
+    {"conversations": [{"from": ROLE_TO_FROM[m["role"]], "value": m["content"]} for m in row["messages"]]}
+    for row in OPENAI
+]
+
+
+def test_sharegpt_and_openai_give_identical_output(write_jsonl, prepare):
+    _, a = prepare(write_jsonl(OPENAI, "openai.jsonl"), out="a", chat_template=LLAMA3_TEMPLATE)
+    _, b = prepare(write_jsonl(SHAREGPT, "sharegpt.jsonl"), out="b", chat_template=LLAMA3_TEMPLATE)
+    assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
+    assert a["sample_id"] == [0, 1]
+    assert a["num_tokens"] == [len(x) for x in a["input_ids"]]
+    assert a["num_loss_tokens"] == [sum(m) for m in a["loss_mask"]]
+    assert a["source"][1].endswith("openai.jsonl:2")
+
+
+def test_json_array_and_directory_inputs(tmp_path, write_jsonl, prepare):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.json").write_text(json.dumps(OPENAI[:1]))
+    (tmp_path / "in" / "b.jsonl").write_text(json.dumps(OPENAI[1]) + "\n")
+    manifest, ds = prepare(tmp_path / "in")
+    assert manifest["counts"]["rows_written"] == 2
+    assert ds["source"][0].endswith("a.json[item 0]") and ds["source"][1].endswith("b.jsonl:1")
+
+
+def test_saved_dataset_input(tmp_path, write_jsonl, prepare):
+    from datasets import Dataset
+
+    Dataset.from_list(OPENAI).save_to_disk(str(tmp_path / "saved"))
+    _, from_disk = prepare(tmp_path / "saved", out="x")
+    _, from_file = prepare(write_jsonl(OPENAI), out="y")
+    assert from_disk["input_ids"] == from_file["input_ids"]
+
+
+def test_manifest_records_target_and_counts(write_jsonl, prepare):
+    manifest, ds = prepare(write_jsonl(OPENAI))
+    assert manifest["stage"] == "prepare"
+    assert manifest["target"]["path"] == "tiny" and len(manifest["target"]["chat_template_hash"]) == 64
+    c = manifest["counts"]
+    assert c["rows_read"] == c["rows_written"] == 2
+    assert c["tokens"] == sum(ds["num_tokens"]) and c["loss_tokens"] == sum(ds["num_loss_tokens"])
+
+
+def test_rerun_reuses_and_other_options_are_refused(write_jsonl, prepare):
+    path = write_jsonl(OPENAI)
+    first, _ = prepare(path)
+    again, _ = prepare(path)
+    assert again["created_at"] == first["created_at"]  # not rewritten
+    with pytest.raises(ContractError, match="overwrite=true"):
+        prepare(path, max_length=64)
+    replaced, ds = prepare(path, max_length=50, overwrite=True)
+    assert replaced["counts"]["truncated"] == 1 and max(ds["num_tokens"]) == 50
+
+
+# --- bad input: each case names file, line and field ---------------------------------------------
+
+BAD_CASES = [
+    ('{"messages": [', "data.jsonl:2: malformed JSON", "malformed_json"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "robot", "value": "x"}]},
+     "data.jsonl:2: field 'conversations[1].from': unknown role 'robot'", "unknown_role"),
+    ({"messages": []}, "data.jsonl:2: field 'messages': conversation has no messages", "empty_conversation"),
+    ({"messages": [{"role": "user", "content": "hi"}]},
+     "data.jsonl:2: field 'messages': conversation has no assistant turn", "no_assistant_turn"),
+    ({"text": "hello"}, "data.jsonl:2: row has neither 'messages' (OpenAI) nor 'conversations'", "missing_field"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 5}]},
+     "data.jsonl:2: field 'messages[1].content': content must be text", "bad_content"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"},
+                   {"role": "assistant", "content": "y"}]},
+     "data.jsonl:2: field 'messages[1]': a system message may only be the first", "misplaced_system"),
+]
+
+
+@pytest.mark.parametrize("bad, message, reason", BAD_CASES, ids=[c[2] for c in BAD_CASES])
+def test_bad_row_error_names_file_line_field(write_jsonl, prepare, bad, message, reason):
+    path = write_jsonl([OPENAI[0], bad, OPENAI[1]])
+    with pytest.raises(Eagle3Error) as e:
+        prepare(path)
+    assert message in str(e.value) and f"[{reason}]" in str(e.value)
+    manifest, ds = prepare(path, on_bad_row="skip", out="skipped")
+    assert manifest["counts"]["skipped"] == {reason: 1}
+    assert manifest["skipped_examples"][reason][0].startswith(str(path) + ":2")
+    assert manifest["counts"]["rows_read"] == 3 and len(ds) == 2
+
+
+def test_too_long_conversation(write_jsonl, prepare):
+    long = {"messages": [{"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "ok"}]}
+    path = write_jsonl([OPENAI[1], long])
+    with pytest.raises(Eagle3Error, match=r"data.jsonl:2: \d+ tokens exceed max_length=128 \(truncate=false\)"):
+        prepare(path, max_length=128, truncate=False)
+    # truncating would leave no assistant token: a bad row even with truncate=true
+    with pytest.raises(Eagle3Error, match="data.jsonl:2: no assistant token within the first max_length=128"):
+        prepare(path, max_length=128, out="t")
+    manifest, _ = prepare(path, max_length=128, on_bad_row="skip", out="s")
+    assert manifest["counts"]["skipped"] == {"no_assistant_tokens": 1}
+
+
+def test_template_error_is_a_bad_row(write_jsonl, prepare):
+    from conftest import LLAMA2_TEMPLATE
+
+    two_users = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                              {"role": "assistant", "content": "c"}]}
+    with pytest.raises(Eagle3Error, match="data.jsonl:1: the chat template refused .*roles must alternate"):
+        prepare(write_jsonl([two_users]), chat_template=LLAMA2_TEMPLATE)
+
+
+def test_tokenizer_without_chat_template(tmp_path, write_jsonl, prepare):
+    from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    tok.chat_template = None
+    build_tiny_model().save_pretrained(tmp_path / "plain")
+    tok.save_pretrained(tmp_path / "plain")
+    with pytest.raises(Eagle3Error, match="has no chat template; pass chat_template="):
+        prepare(write_jsonl(OPENAI), target=str(tmp_path / "plain"))
+    # the override makes the same directory usable
+    manifest, _ = prepare(write_jsonl(OPENAI), target=str(tmp_path / "plain"), chat_template=LLAMA3_TEMPLATE)
+    assert manifest["counts"]["rows_written"] == 2
+
+
+def test_missing_input(tmp_path, prepare):
+    with pytest.raises(Eagle3Error, match="does not exist"):
+        prepare(tmp_path / "nope.jsonl")
+
+
+def test_cli_prints_error_without_traceback(tmp_path, write_jsonl):
+    path = write_jsonl([OPENAI[0], '{"messages": ['])
+    proc = subprocess.run(
+        [sys.executable, "-m", "data_prep.prepare", "target=tiny", f"input={path}", f"out={tmp_path / 'o'}"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert f"eagle3-prepare: error: {path}:2: malformed JSON" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl"]  # nothing written to cwd
