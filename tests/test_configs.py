@@ -1,0 +1,67 @@
+"""Every conf/ file composes into its typed config; the package ships conf/ and the prompts."""
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from eagle3_train.cli import CONF_DIR, to_config
+
+import data_prep.prepare  # noqa: F401  (registers prepare_schema)
+
+PRIMARY = {"prepare.yaml": (data_prep.prepare.PrepareConfig, ["input=x.jsonl", "out=/tmp/o"])}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_primary_config_composes():
+    found = sorted(p.name for p in Path(CONF_DIR).glob("*.yaml") if p.name != "common.yaml")
+    assert found == sorted(PRIMARY)
+    for name, (schema, overrides) in PRIMARY.items():
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name=name.removesuffix(".yaml"), overrides=overrides)
+        obj = to_config(cfg, schema)
+        assert isinstance(obj, schema)
+        assert OmegaConf.select(cfg, "cache_dir")
+
+
+def test_config_checks_run_on_final_values():
+    from eagle3_train.errors import ConfigError
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="prepare", overrides=["input=x", "out=y", "on_bad_row=ignore"])
+    with pytest.raises(ConfigError, match="on_bad_row must be one of"):
+        to_config(cfg, data_prep.prepare.PrepareConfig)
+
+
+def test_shipped_prompts():
+    rows = {}
+    for split in ("train", "heldout"):
+        path = ROOT / "data_prep" / "prompts" / f"{split}.jsonl"
+        rows[split] = [json.loads(line) for line in path.read_text().splitlines()]
+    every = rows["train"] + rows["heldout"]
+    assert len(every) >= 300 and len(rows["heldout"]) >= 30
+    firsts = [r["messages"][0]["content"] for r in every]
+    assert len(set(firsts)) == len(firsts)  # no prompt twice, so held-out is really held out
+    cats = {r["category"] for r in every}
+    assert cats == {"coding", "math", "reasoning", "writing", "extraction", "chat", "multi_turn"}
+    assert {r["category"] for r in rows["heldout"]} == cats
+    assert all(len(r["messages"]) > 1 for r in every if r["category"] == "multi_turn")
+
+
+def test_wheel_ships_conf_and_prompts(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+        check=True, capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"eagle3_train/conf/prepare.yaml", "eagle3_train/conf/common.yaml"} <= names
+    assert {"data_prep/prompts/train.jsonl", "data_prep/prompts/heldout.jsonl"} <= names
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    for cmd in ("prepare", "dump", "standardize", "train", "export", "eval"):
+        assert f"eagle3-{cmd} =" in entry_points

@@ -1,0 +1,63 @@
+"""Regeneration writes every assistant turn with the target's own greedy output."""
+
+import torch
+from conftest import LLAMA3_TEMPLATE
+
+from data_prep.regenerate import RegenConfig, assistant_slots
+from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer
+
+ROWS = [
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "old reply"},
+                  {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "old"}]},
+    {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Tell me a story."}]},
+    {"messages": [{"role": "user", "content": "one"}, {"role": "user", "content": "two, longer prompt"}]},
+]
+MAX_NEW = 10
+EOS = [259, 262, 257]  # <|im_end|>, <|eot_id|>, <|end_of_text|> of the tiny tokenizer
+
+
+def direct_generate(model, tok, messages):
+    """Plain batch-of-one greedy generate, decoded the way any user would."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=EOS, pad_token_id=263)
+    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def test_assistant_slots():
+    msgs, slots = assistant_slots(ROWS[2]["messages"])
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"] and slots == [1, 3]
+    msgs, slots = assistant_slots(ROWS[0]["messages"])
+    assert len(msgs) == 4 and slots == [1, 3]
+
+
+def test_regeneration_matches_direct_generate(write_jsonl, prepare):
+    manifest, ds = prepare(write_jsonl(ROWS), chat_template=LLAMA3_TEMPLATE, regenerate=True,
+                           regen=RegenConfig(max_new_tokens=MAX_NEW, batch_size=2))
+    assert manifest["regeneration"]["turns_hit_max_new_tokens"] >= 0
+    tok = build_tiny_tokenizer(LLAMA3_TEMPLATE)
+    model = build_tiny_model()
+    with torch.no_grad():
+        for row, ids in zip(ROWS, ds["input_ids"]):
+            # replay the conversation turn by turn with direct generate calls
+            msgs, slots = assistant_slots(row["messages"])
+            for s in slots:
+                msgs[s]["content"] = direct_generate(model, tok, msgs[:s])
+            assert all(msgs[s]["content"] != "old reply" for s in slots)
+            want = tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
+            assert ids == want
+
+
+def test_regeneration_chunks_resume(tmp_path, write_jsonl, prepare):
+    path = write_jsonl(ROWS)
+    opts = dict(regenerate=True, regen=RegenConfig(max_new_tokens=MAX_NEW, chunk_size=2), chat_template=LLAMA3_TEMPLATE)
+    _, first = prepare(path, **opts)
+    chunks = sorted(p.name for p in (tmp_path / "prepared" / "regen").glob("chunk-*.json"))
+    assert chunks == ["chunk-00000.json", "chunk-00001.json"]
+    # a crash after the chunks but before the manifest: the rerun takes the chunks from disk
+    (tmp_path / "prepared" / "manifest.json").unlink()
+    (tmp_path / "prepared" / "regen" / "chunk-00000.json").write_text(
+        (tmp_path / "prepared" / "regen" / "chunk-00000.json").read_text().replace("\"Hi\"", "\"Hi!\"")
+    )
+    _, second = prepare(path, **opts)
+    assert second["input_ids"][1:] == first["input_ids"][1:]
+    assert second["input_ids"][0] != first["input_ids"][0]  # the edited chunk was read, not regenerated

@@ -1,0 +1,81 @@
+import time
+
+import pytest
+import torch
+
+from eagle3_train.errors import BadInputError, Eagle3Error
+from eagle3_train.targets import TINY_SPECIAL_TOKENS, load_target, target_identity
+
+
+def test_tiny_target_is_fast_deterministic_and_small():
+    load_target("tiny", cache_dir=None)  # imports
+    start = time.perf_counter()
+    a = load_target("tiny", cache_dir=None)
+    assert time.perf_counter() - start < 0.5
+    b = load_target("tiny", cache_dir=None)
+    assert a.hidden_size <= 64 and a.num_hidden_layers <= 4 and a.vocab_size <= 512
+    for (name, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        assert torch.equal(p, q), name
+    assert a.identity == b.identity
+    tok = a.tokenizer
+    assert [tok.convert_tokens_to_ids(t) for t in TINY_SPECIAL_TOKENS] == list(range(256, 264))
+    text = "héllo wörld 🙂"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    assert tok.chat_template
+
+
+def test_identity_tracks_template_and_config():
+    a = load_target("tiny", cache_dir=None, load_model=False)
+    b = load_target("tiny", cache_dir=None, load_model=False, chat_template="{{ messages[0]['content'] }}")
+    assert a.identity.config_hash == b.identity.config_hash
+    assert a.identity.chat_template_hash != b.identity.chat_template_hash
+    cfg = a.config
+    cfg.num_hidden_layers = 3
+    assert target_identity("tiny", cfg, a.tokenizer).config_hash != a.identity.config_hash
+
+
+def test_local_directory_target(tmp_path):
+    t = load_target("tiny", cache_dir=None)
+    t.model.save_pretrained(tmp_path / "m")
+    t.tokenizer.save_pretrained(tmp_path / "m")
+    local = load_target(str(tmp_path / "m"), cache_dir=None)
+    assert local.identity.config_hash == t.identity.config_hash
+    assert local.identity.tokenizer_hash == t.identity.tokenizer_hash
+    ids = torch.tensor([[1, 2, 3, 258]])
+    torch.testing.assert_close(local.model(ids).logits, t.model(ids).logits)
+
+
+def test_bad_targets(tmp_path):
+    with pytest.raises(BadInputError, match="no such GGUF file"):
+        load_target(str(tmp_path / "x.gguf"), cache_dir=tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BadInputError, match="without config.json"):
+        load_target(str(tmp_path / "empty"), cache_dir=None)
+    with pytest.raises(BadInputError, match="does not exist"):
+        load_target("./missing/model", cache_dir=None)
+    with pytest.raises(Eagle3Error, match="float32"):
+        load_target("tiny", cache_dir=None, dtype="fp8")
+
+
+@pytest.mark.slow
+def test_embedded_target_converts_once_and_matches_gguf(tmp_path):
+    """The embedded SmolLM2 is converted into the cache once; the cached copy computes the same."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_train.targets import EMBEDDED_GGUF, EMBEDDED_PACKAGE
+
+    t = load_target("embedded", cache_dir=tmp_path)
+    assert t.local_dir.parent == tmp_path and t.num_hidden_layers == 30 and t.hidden_size == 576
+    assert t.vocab_size == 49152 and "quantization_config" not in t.config.to_dict()
+    start = time.perf_counter()
+    again = load_target("embedded", cache_dir=tmp_path)
+    assert time.perf_counter() - start < 10 and again.local_dir == t.local_dir
+    assert again.identity == t.identity
+    folder = Path(importlib.util.find_spec(EMBEDDED_PACKAGE).submodule_search_locations[0])
+    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    ids = torch.tensor([[1, 504, 3458, 282, 4077, 30]])
+    with torch.no_grad():
+        torch.testing.assert_close(again.model(ids).logits, gguf(ids).logits)
