@@ -125,6 +125,7 @@ def load_target(
     device: str = "cpu",
     chat_template: str | None = None,
     trust_remote_code: bool = False,
+    model_kwargs: dict[str, Any] | None = None,
 ) -> Target:
     """Resolve ``target`` (see the module docstring) into a :class:`Target`.
 
@@ -136,7 +137,10 @@ def load_target(
         device: where the model is placed.
         chat_template: overrides the tokenizer's chat template: a file path or the template text.
         trust_remote_code: passed to transformers for targets with custom code.
+        model_kwargs: more ``from_pretrained`` arguments (``attn_implementation``, or
+            ``tp_plan``/``device_mesh`` for tensor parallelism, which places the weights itself).
     """
+    model_kwargs = dict(model_kwargs or {})
     if target == "tiny":
         tokenizer = build_tiny_tokenizer()
         config = tiny_config()
@@ -154,8 +158,10 @@ def load_target(
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(
-                src, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code
-            ).to(device)
+                src, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code, **model_kwargs
+            )
+            if "tp_plan" not in model_kwargs:
+                model = model.to(device)
             model.eval()
     if chat_template is not None:
         tokenizer.chat_template = _read_template(chat_template)

@@ -1,0 +1,520 @@
+"""``eagle3-dump``: run the target over a prepared dataset and store per-layer hidden states.
+
+    eagle3-dump target=embedded data=runs/x/prepared out=runs/x/dump
+    torchrun --nproc_per_node 8 -m data_prep.dump target=... data=... out=...
+
+Output (DESIGN §3): ``<out>/shards/*.safetensors`` packing many samples along tokens
+(``input_ids``, ``loss_mask``, ``cu_seqlens``, ``sample_ids``, ``hidden.<k>`` for every stored HF
+index ``k``, ``last_hidden`` = the post-norm final state), a record ``*.json`` beside each, and
+``<out>/manifest.json`` written last by rank 0.
+
+How it stays exact: samples are batched by length with right padding and *no* attention mask.
+Attention is causal, so a real token never sees the padding that follows it, and its states are
+those of the sample run alone; padded positions are dropped before anything is stored.
+
+How it resumes: the unit of work is the sample. At start, finished shards (those with a record)
+are scanned for their sample ids; leftovers of a crash (temp files, shards without a record) are
+deleted; the remaining samples are planned into batches again. Started with the same command
+after a kill, at any moment, it finishes with every sample stored exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+from tqdm.auto import tqdm
+
+from eagle3_train.cli import CONF_DIR, config_dict, to_config, user_errors
+from eagle3_train.contract import (
+    MANIFEST_NAME,
+    CaptureSpec,
+    TargetIdentity,
+    default_aux_indices,
+    differences,
+    read_manifest,
+    validate_aux_indices,
+    write_manifest,
+)
+from eagle3_train.dist import DistInfo, barrier, close, init_distributed, print0
+from eagle3_train.errors import BadInputError, ConfigError, ContractError, Eagle3Error, IncompleteError
+from eagle3_train.fileio import atomic_write_json
+from eagle3_train.formats import (
+    finished_records,
+    read_keys,
+    remove_unfinished,
+    verify_shard,
+    write_shard,
+)
+from eagle3_train.targets import load_target, resolve_dtype
+
+STAGE = "dump"
+REQUEST_NAME = "request.json"
+CRASH_ENV = "EAGLE3_DUMP_CRASH_AFTER_SHARDS"  # tests only: hard-exit a rank after N shards
+
+
+@dataclass
+class CaptureConfig:
+    """Which hidden states are stored (HF indices, DESIGN §1)."""
+
+    aux_indices: list[int] | None = None  # the aux capture; null: [2, N//2, N-3]
+    extra_indices: list[int] = field(default_factory=list)  # more layers kept for later choices
+
+
+@dataclass
+class DumpConfig:
+    """Options of ``eagle3-dump`` (``conf/dump.yaml``)."""
+
+    target: str = "embedded"  # the model whose states are dumped (must tokenise like the prepared data)
+    data: str | None = None  # the prepared directory (eagle3-prepare's out)
+    out: str = MISSING  # output directory (shards/ + manifest.json)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    dtype: str = "bfloat16"  # the target runs, and states are stored, in this dtype
+    max_tokens_per_batch: int = 16384  # token budget of one forward pass, padding included
+    max_batch_size: int = 256  # most samples in one forward pass
+    shard_size_mb: float = 1024.0  # a shard is written once its states reach this size
+    tp_size: int = 1  # tensor-parallel degree inside each data-parallel group (transformers tp_plan)
+    device: str = "auto"  # auto: cuda:<local_rank> if present, else cpu
+    attn_implementation: str | None = None  # passed to transformers (sdpa, flash_attention_2, eager)
+    verify: bool = False  # only re-read every shard of out and check it against the manifest
+    cache_dir: str | None = None  # where GGUF targets are converted once
+    trust_remote_code: bool = False  # let transformers run the target repository's own code
+    dist_timeout_minutes: float = 120.0  # how long ranks wait for each other at the final barrier
+    progress: bool = True  # progress bar on rank 0
+
+    def __post_init__(self) -> None:
+        if not self.verify and not self.data:
+            raise ConfigError("data=<prepared directory> is required (or verify=true to check a dump)")
+        for name in ("max_tokens_per_batch", "max_batch_size", "shard_size_mb", "tp_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+ConfigStore.instance().store(name="dump_schema", node=DumpConfig)
+
+
+@dataclass
+class Batch:
+    """Samples run in one forward pass, longest first."""
+
+    sample_ids: list[int]
+    lengths: list[int]
+
+    @property
+    def padded_tokens(self) -> int:
+        return len(self.lengths) * max(self.lengths)
+
+
+def plan_batches(sample_ids: np.ndarray, lengths: np.ndarray, max_tokens: int, max_batch: int) -> list[Batch]:
+    """Length-sorted batches within the token budget (padding included); a sample longer than
+    the budget runs alone. Longest first, so an out-of-memory shows at once."""
+    order = np.lexsort((sample_ids, -lengths))
+    batches: list[Batch] = []
+    current = Batch([], [])
+    for i in order:
+        sid, n = int(sample_ids[i]), int(lengths[i])
+        # sorted descending: the first sample of a batch is its longest
+        if current.sample_ids and ((len(current.lengths) + 1) * current.lengths[0] > max_tokens
+                                   or len(current.lengths) >= max_batch):
+            batches.append(current)
+            current = Batch([], [])
+        current.sample_ids.append(sid)
+        current.lengths.append(n)
+    if current.sample_ids:
+        batches.append(current)
+    return batches
+
+
+class ShardWriter:
+    """Collects captured samples and writes shards on a background thread.
+
+    Writing overlaps the next forward passes; at most two shards wait in memory, so a slow disk
+    slows the dump instead of filling host memory.
+    """
+
+    def __init__(self, directory: Path, prefix: str, max_bytes: int):
+        self.directory, self.prefix, self.max_bytes = directory, prefix, max_bytes
+        self.pieces: list[dict[str, torch.Tensor]] = []
+        self.lengths: list[int] = []
+        self.nonfinite: list[int] = []
+        self.buffered_bytes = 0
+        self.written = 0
+        self.bytes_written = 0
+        self.crash_after = int(os.environ.get(CRASH_ENV, 0))
+        self.queue: queue.Queue = queue.Queue(maxsize=2)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._work, daemon=True)
+        self.thread.start()
+
+    def add(self, piece: dict[str, torch.Tensor], lengths: list[int], nonfinite: list[int]) -> None:
+        """Buffer one batch: ``piece`` holds per-token tensors plus ``sample_ids``."""
+        self._raise_if_failed()
+        self.nonfinite += nonfinite
+        if lengths:
+            self.pieces.append(piece)
+            self.lengths += lengths
+            self.buffered_bytes += sum(t.numel() * t.element_size() for t in piece.values())
+        if self.buffered_bytes >= self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pieces and not self.nonfinite:
+            return
+        name = f"{self.prefix}-{self.written:05d}"
+        job = (name, self.pieces, self.lengths, self.nonfinite)
+        self.pieces, self.lengths, self.nonfinite, self.buffered_bytes = [], [], [], 0
+        self.written += 1
+        while True:  # a put that notices a dead writer instead of blocking forever
+            self._raise_if_failed()
+            try:
+                self.queue.put(job, timeout=1.0)
+                break
+            except queue.Full:
+                continue
+
+    def close(self) -> None:
+        self.flush()
+        self.queue.put(None)
+        self.thread.join()
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _work(self) -> None:
+        while (job := self.queue.get()) is not None:
+            if self.error is not None:
+                continue
+            name, pieces, lengths, nonfinite = job
+            try:
+                tensors = _pack(pieces, lengths)
+                record = write_shard(self.directory, name, tensors, {"nonfinite_sample_ids": nonfinite})
+                self.bytes_written += record.bytes
+            except BaseException as e:  # handed to the main thread at its next call
+                self.error = e
+                continue
+            if self.crash_after and self.written_files() >= self.crash_after:
+                os._exit(17)
+
+    def written_files(self) -> int:
+        return sum(1 for _ in self.directory.glob(f"{self.prefix}-*.json"))
+
+
+def _pack(pieces: list[dict[str, torch.Tensor]], lengths: list[int]) -> dict[str, torch.Tensor]:
+    if not pieces:  # only non-finite samples: an empty shard still records them
+        return {"input_ids": torch.zeros(0, dtype=torch.int32), "loss_mask": torch.zeros(0, dtype=torch.uint8),
+                "cu_seqlens": torch.zeros(1, dtype=torch.int64), "sample_ids": torch.zeros(0, dtype=torch.int64)}
+    out = {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
+    out["cu_seqlens"] = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
+    return out
+
+
+class Dumper:
+    """Runs the dump stage on this rank (see the module docstring)."""
+
+    def __init__(self, cfg: DumpConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.out).expanduser()
+        self.shard_dir = self.out / "shards"
+        self.dist: DistInfo = init_distributed(cfg.device, cfg.dist_timeout_minutes)
+        self.dp_rank, self.dp_size = self.dist.rank // cfg.tp_size, self.dist.world_size // cfg.tp_size
+        if self.dist.world_size % cfg.tp_size:
+            raise ConfigError(f"world size {self.dist.world_size} is not a multiple of tp_size={cfg.tp_size}")
+        self.writes = self.dist.rank % cfg.tp_size == 0  # one writer per tensor-parallel group
+        self.prepared_dir = Path(cfg.data).expanduser()
+        self.prepared = read_manifest(self.prepared_dir, "prepare")
+        self.dataset = self._load_dataset()
+        self.target = load_target(
+            cfg.target,
+            cache_dir=cfg.cache_dir,
+            dtype=cfg.dtype,
+            device=str(self.dist.device),
+            trust_remote_code=cfg.trust_remote_code,
+            model_kwargs=self._model_kwargs(),
+        )
+        self.identity = self._check_target()
+        n = self.target.num_hidden_layers
+        aux = cfg.capture.aux_indices
+        aux = default_aux_indices(n) if aux is None else validate_aux_indices(list(aux), n)
+        extra = validate_aux_indices(sorted(cfg.capture.extra_indices), n) if cfg.capture.extra_indices else ()
+        self.stored = sorted(set(aux) | set(extra))
+        self.spec = CaptureSpec(aux, n, self.target.hidden_size, self.target.vocab_size, cfg.dtype, self.identity)
+        self.request = {
+            "capture": self.spec.to_dict(),
+            "stored_indices": self.stored,
+            "prepared_fingerprint": self.prepared["fingerprint"],
+        }
+
+    def _load_dataset(self) -> Any:
+        from datasets import load_from_disk
+
+        path = self.prepared_dir / self.prepared.get("dataset", "dataset")
+        if not path.is_dir():
+            raise IncompleteError(f"prepared directory {self.prepared_dir} has a manifest but no {path.name}/")
+        ds = load_from_disk(str(path)).with_format("numpy")
+        ids = ds["sample_id"][:]
+        if not np.array_equal(ids, np.arange(len(ds))):
+            raise BadInputError(f"{path}: sample_id is not the row index; re-run eagle3-prepare")
+        return ds
+
+    def _model_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if self.cfg.attn_implementation:
+            kwargs["attn_implementation"] = self.cfg.attn_implementation
+        if self.cfg.tp_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.dist.device.type, (self.dp_size, self.cfg.tp_size), mesh_dim_names=("dp", "tp"))
+            kwargs |= {"tp_plan": "auto", "device_mesh": mesh["tp"]}
+        return kwargs
+
+    def _check_target(self) -> TargetIdentity:
+        """The prepared ids must mean the same to this target: same tokenizer. The dump records
+        the chat template the data was rendered with."""
+        have = TargetIdentity.from_dict(self.prepared["target"])
+        mine = self.target.identity
+        if have.tokenizer_hash != mine.tokenizer_hash:
+            raise ContractError(
+                f"{self.prepared_dir} was prepared with the tokenizer of {have.path} "
+                f"(tokenizer_hash {have.tokenizer_hash[:12]}), but target {self.cfg.target} tokenises "
+                f"differently ({mine.tokenizer_hash[:12]}): prepare the data with this target"
+            )
+        if have.config_hash != mine.config_hash:
+            print0(f"note: data prepared with {have.path}, dumping {mine.path} (same tokenizer, other model)")
+        return TargetIdentity(mine.path, mine.model_type, mine.config_hash, mine.tokenizer_hash, have.chat_template_hash)
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any] | None:
+        if (self.out / MANIFEST_NAME).is_file():
+            manifest = read_manifest(self.out, STAGE)
+            self._compare(manifest["request"], "the finished dump")
+            print0(f"eagle3-dump: {self.out} is already complete with this capture; nothing to do")
+            return manifest
+        self._claim()
+        todo = self._todo()
+        batches = plan_batches(todo, self.dataset["num_tokens"][:][todo], self.cfg.max_tokens_per_batch, self.cfg.max_batch_size)
+        mine = batches[self.dp_rank :: self.dp_size]  # round-robin: ranks get similar lengths
+        start = time.time()
+        written = self._dump(mine, len(todo))
+        totals = _sum_over_ranks([written, sum(sum(b.lengths) for b in mine)])
+        barrier()
+        manifest = None
+        if self.dist.is_main:
+            manifest = self._finalize(time.time() - start, totals)
+        barrier()
+        return manifest
+
+    def _compare(self, other: dict, what: str) -> None:
+        diffs = differences(other, self.request)
+        if diffs:
+            raise ContractError(
+                f"{self.out} holds {what} made with another capture or data; refusing to mix them "
+                f"(use another out=, or delete it):\n  " + "\n  ".join(diffs)
+            )
+
+    def _claim(self) -> None:
+        """Rank 0 records the request (or checks it against a partial dump's) and clears crash
+        leftovers; then every rank proceeds."""
+        if self.dist.is_main:
+            self.shard_dir.mkdir(parents=True, exist_ok=True)
+            request_file = self.out / REQUEST_NAME
+            if request_file.is_file():
+                import json
+
+                self._compare(json.loads(request_file.read_text()), "a partial dump")
+            else:
+                atomic_write_json(request_file, self.request)
+            removed = remove_unfinished(self.shard_dir)
+            if removed:
+                print0(f"removed {len(removed)} unfinished files of an interrupted run")
+        barrier()
+
+    def _todo(self) -> np.ndarray:
+        """Sample ids not yet stored (nor recorded as non-finite) by any finished shard."""
+        done: set[int] = set()
+        for rec in finished_records(self.shard_dir):
+            done.update(read_keys(self.shard_dir / f"{rec.name}.safetensors", ("sample_ids",))["sample_ids"].tolist())
+            done.update(rec.extra.get("nonfinite_sample_ids", []))
+        all_ids = np.arange(len(self.dataset))
+        todo = all_ids[~np.isin(all_ids, np.fromiter(done, dtype=np.int64, count=len(done)))]
+        if done:
+            print0(f"resuming: {len(done)} samples already stored, {len(todo)} to go")
+        return todo
+
+    @torch.no_grad()
+    def _dump(self, batches: list[Batch], n_todo: int) -> int:
+        prefix = f"{self.dist.rank:05d}-{secrets.token_hex(4)}"
+        writer = ShardWriter(self.shard_dir, prefix, int(self.cfg.shard_size_mb * 2**20)) if self.writes else None
+        bar = tqdm(
+            total=sum(sum(b.lengths) for b in batches), unit="tok", unit_scale=True, desc=f"dump rank 0/{self.dp_size}",
+            disable=not (self.cfg.progress and self.dist.is_main),
+        )
+        samples = 0
+        try:
+            for batch in batches:
+                piece, lengths, nonfinite = self.capture(batch)
+                if writer is not None:
+                    writer.add(piece, lengths, nonfinite)
+                samples += len(batch.sample_ids)
+                bar.update(sum(batch.lengths))
+                bar.set_postfix(samples=f"{samples}/{n_todo // self.dp_size}", refresh=False)
+            if writer is not None:
+                writer.close()
+        except OSError as e:
+            raise Eagle3Error(f"writing {self.shard_dir} failed: {e}; run the same command again to resume") from None
+        finally:
+            bar.close()
+        return writer.bytes_written if writer is not None else 0
+
+    def capture(self, batch: Batch) -> tuple[dict[str, torch.Tensor], list[int], list[int]]:
+        """One forward pass; returns the kept tokens' tensors (CPU), their sample lengths, and the
+        ids of samples dropped for non-finite states."""
+        dev = self.dist.device
+        rows = [self.dataset[int(i)] for i in batch.sample_ids]
+        lengths = torch.tensor(batch.lengths)
+        width = int(lengths.max())
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids[b, : len(row["input_ids"])] = torch.from_numpy(row["input_ids"].astype(np.int64))
+        # No attention mask: right padding under causal attention never reaches a real token.
+        out = self.target.model.base_model(input_ids=ids.to(dev), output_hidden_states=True, use_cache=False)
+        states = out.hidden_states  # N+1 tensors [B, W, H]; [N] is post-norm
+        valid = (torch.arange(width)[None, :] < lengths[:, None]).reshape(-1)
+        token_index = valid.nonzero().squeeze(1).to(dev)  # [sum(lengths)] positions in [B*W]
+        keys = {f"hidden.{k}": states[k] for k in self.stored} | {"last_hidden": states[self.spec.num_hidden_layers]}
+        flat = {name: s.reshape(-1, s.shape[-1]).index_select(0, token_index) for name, s in keys.items()}
+        # A sample with any non-finite state is dropped whole and counted.
+        sample_of_token = torch.repeat_interleave(torch.arange(len(rows)), lengths).to(dev)
+        bad_tokens = torch.zeros(len(token_index), dtype=torch.bool, device=dev)
+        for t in flat.values():
+            bad_tokens |= ~torch.isfinite(t).all(dim=-1)
+        bad = torch.zeros(len(rows), dtype=torch.int32, device=dev).index_add_(0, sample_of_token, bad_tokens.int()) > 0
+        bad_list = bad.tolist()
+        nonfinite = [sid for sid, b in zip(batch.sample_ids, bad_list) if b]
+        if nonfinite:
+            keep_tok = ~bad[sample_of_token]
+            flat = {name: t[keep_tok] for name, t in flat.items()}
+        kept = [b for b in range(len(rows)) if not bad_list[b]]
+        piece = {name: t.to("cpu", self.spec_dtype) for name, t in flat.items()}
+        piece["input_ids"] = torch.from_numpy(np.concatenate([rows[b]["input_ids"] for b in kept]).astype(np.int32)) if kept else torch.zeros(0, dtype=torch.int32)
+        piece["loss_mask"] = torch.from_numpy(np.concatenate([rows[b]["loss_mask"] for b in kept]).astype(np.uint8)) if kept else torch.zeros(0, dtype=torch.uint8)
+        piece["sample_ids"] = torch.tensor([batch.sample_ids[b] for b in kept], dtype=torch.int64)
+        return piece, [batch.lengths[b] for b in kept], nonfinite
+
+    @property
+    def spec_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.cfg.dtype, "cuda")
+
+    def _finalize(self, elapsed: float, totals: list[int]) -> dict[str, Any]:
+        """Rank 0, after every rank finished: check coverage, then write the manifest."""
+        records = finished_records(self.shard_dir)
+        stored: list[np.ndarray] = []
+        nonfinite: list[int] = []
+        for rec in records:
+            stored.append(read_keys(self.shard_dir / f"{rec.name}.safetensors", ("sample_ids",))["sample_ids"].numpy())
+            nonfinite += rec.extra.get("nonfinite_sample_ids", [])
+        ids = np.concatenate(stored) if stored else np.zeros(0, dtype=np.int64)
+        uniq, counts = np.unique(np.concatenate([ids, np.asarray(nonfinite, dtype=np.int64)]), return_counts=True)
+        if (counts > 1).any():
+            raise Eagle3Error(f"{self.shard_dir}: samples stored twice: {uniq[counts > 1][:10].tolist()}")
+        missing = np.setdiff1d(np.arange(len(self.dataset)), uniq)
+        if len(missing):
+            raise IncompleteError(
+                f"{self.shard_dir}: {len(missing)} samples are missing (e.g. {missing[:10].tolist()}); "
+                f"run the same command again to finish"
+            )
+        tokens = sum(r.num_tokens for r in records)
+        total_bytes = sum(r.bytes for r in records)
+        body = {
+            "request": self.request,
+            "capture": self.spec.to_dict(),
+            "stored_indices": self.stored,
+            "keys": [f"hidden.{k}" for k in self.stored] + ["last_hidden"],
+            "target": self.identity.to_dict(),
+            "prepared": {"path": str(self.prepared_dir.resolve()), "fingerprint": self.prepared["fingerprint"]},
+            "config": config_dict(self.cfg),
+            "shards": [r.to_dict() for r in records],
+            "counts": {
+                "samples": int(len(ids)),
+                "tokens": tokens,
+                "bytes": total_bytes,
+                "bytes_per_token": total_bytes / max(tokens, 1),
+                "nonfinite_samples": len(nonfinite),
+            },
+            "nonfinite_sample_ids": sorted(nonfinite),
+            "run": {"world_size": self.dist.world_size, "tp_size": self.cfg.tp_size, "seconds": round(elapsed, 3),
+                    "tokens_this_run": totals[1], "bytes_this_run": totals[0]},
+        }
+        write_manifest(self.out, STAGE, body)
+        rate = totals[1] / max(elapsed, 1e-9)
+        print0(
+            f"eagle3-dump: {len(ids)} samples, {tokens} tokens, {total_bytes / 2**30:.2f} GiB in "
+            f"{len(records)} shards -> {self.out}\n"
+            f"  this run: {totals[1]} tokens in {elapsed:.1f} s ({rate:.0f} tok/s, "
+            f"{rate / self.dp_size:.0f} tok/s per data-parallel rank); "
+            f"{len(nonfinite)} samples dropped for non-finite states"
+        )
+        return read_manifest(self.out, STAGE)
+
+
+def _sum_over_ranks(values: list[int]) -> list[int]:
+    from eagle3_train.dist import all_gather_objects
+
+    return [sum(v) for v in zip(*all_gather_objects(values))]
+
+
+def verify(out: str | os.PathLike) -> list[str]:
+    """Re-read every shard of a finished dump; return the problems found, by shard name."""
+    out = Path(out).expanduser()
+    manifest = read_manifest(out, STAGE)
+    from eagle3_train.formats import ShardRecord
+
+    problems: list[str] = []
+    records = [ShardRecord.from_dict(r) for r in manifest["shards"]]
+    for rec in tqdm(records, desc="verify", unit="shard"):
+        problems += verify_shard(out / "shards", rec)
+    listed = {f"{r.name}.safetensors" for r in records}
+    for extra in sorted(p.name for p in (out / "shards").glob("*.safetensors")):
+        if extra not in listed:
+            problems.append(f"{extra}: not listed in the manifest")
+    return problems
+
+
+@hydra.main(config_path=CONF_DIR, config_name="dump", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    with user_errors("eagle3-dump"):
+        config = to_config(cfg, DumpConfig)
+        if config.verify:
+            problems = verify(config.out)
+            for p in problems:
+                print(f"eagle3-dump verify: {p}")
+            print(f"eagle3-dump verify: {'OK' if not problems else f'{len(problems)} problems'} ({config.out})")
+            raise SystemExit(1 if problems else 0)
+        try:
+            Dumper(config).run()
+        finally:
+            close()
+
+
+def main() -> None:
+    """Console entry point ``eagle3-dump``."""
+    _main()
+
+
+if __name__ == "__main__":
+    main()

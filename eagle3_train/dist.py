@@ -1,0 +1,75 @@
+"""Process-group helpers: one place that knows ranks, so nothing else has to ask.
+
+Works under ``torchrun`` (any number of nodes and processes) and as a plain single process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands: global rank and size, rank on its node, its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto", timeout_minutes: float = 120.0) -> DistInfo:
+    """Join the process group that ``torchrun`` describes in the environment (if any).
+
+    ``device=auto`` picks ``cuda:<local_rank>`` when CUDA is present, else the CPU; the backend
+    follows (nccl on CUDA, gloo on CPU).
+    """
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if device == "auto":
+        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if dev.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    return DistInfo(rank, world, local, dev)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_gather_objects(obj: object) -> list:
+    """Every rank's ``obj``, in rank order (just ``[obj]`` without a process group)."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def print0(*args: object, **kwargs: object) -> None:
+    """``print`` on global rank 0 only."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)  # type: ignore[call-overload]
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

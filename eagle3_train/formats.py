@@ -1,0 +1,166 @@
+"""Shard files between stages (DESIGN §3): safetensors only, written atomically, checksummed.
+
+A shard packs many samples concatenated along tokens: ``input_ids`` int32 [T], ``loss_mask`` uint8
+[T], ``cu_seqlens`` int64 [n+1], ``sample_ids`` int64 [n], and per-token state tensors [T, H].
+Beside each finished shard ``<name>.safetensors`` a record ``<name>.json`` (checksum, sizes, counts)
+is written atomically *after* it; a shard without its record is the leftover of a crash and is
+discarded on resume.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
+
+from eagle3_train.errors import BadInputError, Eagle3Error
+from eagle3_train.fileio import atomic_write_bytes, atomic_write_json
+
+SHARD_SUFFIX = ".safetensors"
+RECORD_SUFFIX = ".json"
+INDEX_KEYS = ("input_ids", "loss_mask", "cu_seqlens", "sample_ids")
+INDEX_DTYPES = {
+    "input_ids": torch.int32,
+    "loss_mask": torch.uint8,
+    "cu_seqlens": torch.int64,
+    "sample_ids": torch.int64,
+}
+
+
+@dataclass
+class ShardRecord:
+    """What the manifest knows of one shard."""
+
+    name: str
+    sha256: str
+    bytes: int
+    num_samples: int
+    num_tokens: int
+    tensors: dict[str, list] = field(default_factory=dict)  # key -> [dtype, *shape]
+    extra: dict = field(default_factory=dict)  # stage-specific (e.g. non-finite sample ids)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ShardRecord:
+        return cls(**d)
+
+
+def write_shard(directory: Path, name: str, tensors: dict[str, torch.Tensor], extra: dict | None = None) -> ShardRecord:
+    """Write ``<directory>/<name>.safetensors`` then its record, both atomically.
+
+    Raises :class:`Eagle3Error` on a full disk, leaving neither file behind (so the run can be
+    resumed once space is freed).
+    """
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    data = save(tensors)
+    record = ShardRecord(
+        name=name,
+        sha256=hashlib.sha256(data).hexdigest(),
+        bytes=len(data),
+        num_samples=int(tensors["sample_ids"].numel()),
+        num_tokens=int(tensors["input_ids"].numel()),
+        tensors={k: [str(v.dtype).removeprefix("torch."), *v.shape] for k, v in tensors.items()},
+        extra=extra or {},
+    )
+    shard = directory / f"{name}{SHARD_SUFFIX}"
+    try:
+        atomic_write_bytes(shard, data)
+        atomic_write_json(directory / f"{name}{RECORD_SUFFIX}", record.to_dict())
+    except OSError as e:
+        shard.unlink(missing_ok=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise Eagle3Error(
+                f"out of disk space writing {shard} ({len(data) / 2**20:.0f} MiB); nothing partial "
+                f"was left: free space and run the same command again to resume"
+            ) from None
+        raise
+    return record
+
+
+def read_shard(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a shard; a corrupt file is reported by name."""
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises several types for truncated/garbled files
+        raise BadInputError(f"shard {path} is corrupt or unreadable: {e}") from None
+
+
+def read_keys(path: Path, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Only ``keys`` of a shard (cheap: safetensors reads just those bytes)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in keys}
+    except Exception as e:
+        raise BadInputError(f"shard {path} is corrupt or unreadable: {e}") from None
+
+
+def finished_records(directory: Path) -> list[ShardRecord]:
+    """Records of the finished shards in ``directory`` (name order)."""
+    out = []
+    for rec in sorted(directory.glob(f"*{RECORD_SUFFIX}")):
+        if rec.name.startswith("."):
+            continue
+        try:
+            out.append(ShardRecord.from_dict(json.loads(rec.read_text())))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise BadInputError(f"shard record {rec} is corrupt: {e}") from None
+    return out
+
+
+def remove_unfinished(directory: Path) -> list[str]:
+    """Delete temp files, shards without a record and records without a shard; return names."""
+    removed = []
+    for p in sorted(directory.iterdir()):
+        partner = None
+        if p.name.startswith(".") and p.name.endswith(".tmp"):
+            pass
+        elif p.suffix == SHARD_SUFFIX:
+            partner = p.with_suffix(RECORD_SUFFIX)
+        elif p.suffix == RECORD_SUFFIX:
+            partner = p.with_suffix(SHARD_SUFFIX)
+        else:
+            continue
+        if partner is None or not partner.exists():
+            p.unlink(missing_ok=True)
+            removed.append(p.name)
+    return removed
+
+
+def iter_samples(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[int, slice]]:
+    """``(sample_id, token slice)`` for every sample packed in a shard."""
+    cu = tensors["cu_seqlens"].tolist()
+    for i, sid in enumerate(tensors["sample_ids"].tolist()):
+        yield sid, slice(cu[i], cu[i + 1])
+
+
+def verify_shard(directory: Path, record: ShardRecord) -> list[str]:
+    """Problems of one shard against its record: checksum, size, keys, dtypes, shapes."""
+    path = directory / f"{record.name}{SHARD_SUFFIX}"
+    if not path.is_file():
+        return [f"{record.name}: file missing"]
+    data = path.read_bytes()
+    problems = []
+    if len(data) != record.bytes:
+        problems.append(f"{record.name}: {len(data)} bytes, manifest says {record.bytes}")
+    if hashlib.sha256(data).hexdigest() != record.sha256:
+        problems.append(f"{record.name}: sha256 differs from the manifest (the file changed or is corrupt)")
+        return problems
+    from safetensors.torch import load
+
+    tensors = load(data)
+    got = {k: [str(v.dtype).removeprefix("torch."), *v.shape] for k, v in tensors.items()}
+    if got != record.tensors:
+        problems.append(f"{record.name}: tensors {got} differ from the manifest {record.tensors}")
+    cu = tensors.get("cu_seqlens")
+    if cu is not None and (cu[0] != 0 or cu[-1] != record.num_tokens or (cu.diff() <= 0).any()):
+        problems.append(f"{record.name}: cu_seqlens is not increasing from 0 to {record.num_tokens}")
+    return problems
