@@ -83,7 +83,8 @@ class DumpConfig:
     dtype: str = "bfloat16"  # the target runs, and states are stored, in this dtype
     max_tokens_per_batch: int = 16384  # token budget of one forward pass, padding included
     max_batch_size: int = 256  # most samples in one forward pass
-    shard_size_mb: float = 1024.0  # a shard is written once its states reach this size
+    shard_size_mb: float = 512.0  # a shard is written once its states reach this size
+    writer_threads: int = 4  # threads packing, checksumming and writing shards in parallel
     tp_size: int = 1  # tensor-parallel degree inside each data-parallel group (transformers tp_plan)
     device: str = "auto"  # auto: cuda:<local_rank> if present, else cpu
     attn_implementation: str | None = None  # passed to transformers (sdpa, flash_attention_2, eager)
@@ -96,7 +97,7 @@ class DumpConfig:
     def __post_init__(self) -> None:
         if not self.verify and not self.data:
             raise ConfigError("data=<prepared directory> is required (or verify=true to check a dump)")
-        for name in ("max_tokens_per_batch", "max_batch_size", "shard_size_mb", "tp_size"):
+        for name in ("max_tokens_per_batch", "max_batch_size", "shard_size_mb", "tp_size", "writer_threads"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -138,89 +139,155 @@ def plan_batches(sample_ids: np.ndarray, lengths: np.ndarray, max_tokens: int, m
     return batches
 
 
-class ShardWriter:
-    """Collects captured samples and writes shards on a background thread.
+class HostShard:
+    """A reusable host buffer one shard is assembled in (pinned when CUDA is present, so the
+    GPU copies into it asynchronously and the writer streams it to disk without another copy)."""
 
-    Writing overlaps the next forward passes; at most two shards wait in memory, so a slow disk
-    slows the dump instead of filling host memory.
+    def __init__(self, state_keys: list[str], hidden: int, dtype: torch.dtype, capacity: int, pin: bool):
+        self.states = {k: torch.empty((capacity, hidden), dtype=dtype, pin_memory=pin) for k in state_keys}
+        self.capacity = capacity
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens = 0
+        self.small: list[dict[str, torch.Tensor]] = []
+        self.lengths: list[int] = []
+
+    def tensors(self) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """The shard's tensors without the samples whose states are not finite, and their ids.
+
+        A dropped sample costs one compaction copy of this shard; the common case is a view."""
+        lengths = torch.tensor(self.lengths, dtype=torch.int64)
+        finite = torch.cat([p["finite"] for p in self.small]) if self.small else torch.ones(0, dtype=torch.bool)
+        sample_ids = torch.cat([p["sample_ids"] for p in self.small]) if self.small else torch.zeros(0, dtype=torch.int64)
+        out = {k: v[: self.tokens] for k, v in self.states.items()}
+        for key, dtype in (("input_ids", torch.int32), ("loss_mask", torch.uint8)):
+            out[key] = torch.cat([p[key] for p in self.small]) if self.small else torch.zeros(0, dtype=dtype)
+        nonfinite = sample_ids[~finite].tolist()
+        if nonfinite:
+            keep = torch.repeat_interleave(finite, lengths)
+            out = {k: v[keep] for k, v in out.items()}
+            lengths, sample_ids = lengths[finite], sample_ids[finite]
+        out["sample_ids"] = sample_ids
+        out["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        return out, nonfinite
+
+
+class ShardWriter:
+    """Assembles shards in host buffers and writes them on background threads.
+
+    The main thread only launches work: each batch's states are copied from the GPU into the
+    current shard's pinned buffer on a side CUDA stream (overlapping the next forward pass). A full
+    shard goes to one of ``threads`` writer threads, which wait for its copies, then checksum and
+    stream it to disk straight from the buffer. There are ``threads + 1`` buffers: when all are in
+    flight the main thread waits, so a slow disk slows the dump instead of filling memory.
     """
 
-    def __init__(self, directory: Path, prefix: str, max_bytes: int):
-        self.directory, self.prefix, self.max_bytes = directory, prefix, max_bytes
-        self.pieces: list[dict[str, torch.Tensor]] = []
-        self.lengths: list[int] = []
-        self.nonfinite: list[int] = []
-        self.buffered_bytes = 0
-        self.written = 0
+    def __init__(self, directory: Path, prefix: str, state_keys: list[str], hidden: int, dtype: torch.dtype,
+                 shard_tokens: int, max_batch_tokens: int, threads: int, device: torch.device):
+        self.directory, self.prefix, self.shard_tokens = directory, prefix, shard_tokens
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        # A shard is submitted when the next batch would overflow it, so one batch always fits.
+        capacity = max(shard_tokens, max_batch_tokens)
+        self.make = lambda: HostShard(state_keys, hidden, dtype, capacity, self.cuda)
+        self.pool: queue.Queue = queue.Queue()
+        self.pool.put(None)  # a ticket: the main thread allocates its first buffer itself
+        self.write_queue: queue.Queue = queue.Queue()
+        self.current: HostShard | None = None
+        self.count = 0
         self.bytes_written = 0
-        self.crash_after = int(os.environ.get(CRASH_ENV, 0))
-        self.queue: queue.Queue = queue.Queue(maxsize=2)
+        self.lock = threading.Lock()
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._work, daemon=True)
-        self.thread.start()
+        self.crash_after = int(os.environ.get(CRASH_ENV, 0))
+        self.writers = [threading.Thread(target=self._write, daemon=True) for _ in range(threads)]
+        for t in self.writers:
+            t.start()
 
-    def add(self, piece: dict[str, torch.Tensor], lengths: list[int], nonfinite: list[int]) -> None:
-        """Buffer one batch: ``piece`` holds per-token tensors plus ``sample_ids``."""
-        self._raise_if_failed()
-        self.nonfinite += nonfinite
-        if lengths:
-            self.pieces.append(piece)
-            self.lengths += lengths
-            self.buffered_bytes += sum(t.numel() * t.element_size() for t in piece.values())
-        if self.buffered_bytes >= self.max_bytes:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.pieces and not self.nonfinite:
-            return
-        name = f"{self.prefix}-{self.written:05d}"
-        job = (name, self.pieces, self.lengths, self.nonfinite)
-        self.pieces, self.lengths, self.nonfinite, self.buffered_bytes = [], [], [], 0
-        self.written += 1
-        while True:  # a put that notices a dead writer instead of blocking forever
-            self._raise_if_failed()
-            try:
-                self.queue.put(job, timeout=1.0)
-                break
-            except queue.Full:
-                continue
+    def add(self, piece: dict[str, torch.Tensor], lengths: list[int], ready: Any = None) -> None:
+        """Append one batch: per-token states and per-sample ``finite`` flags (on the model's
+        device), ``input_ids``, ``loss_mask``, ``sample_ids`` (host); ``ready`` is a CUDA event
+        after which the device tensors are final (None: they already are)."""
+        n = sum(lengths)
+        if self.current is not None and self.current.tokens + n > self.current.capacity:
+            self._submit()
+        if self.current is None:
+            self.current = self._take()
+        shard = self.current
+        if shard.tokens + n > shard.capacity:
+            raise Eagle3Error(f"a batch of {n} tokens exceeds the shard buffer ({shard.capacity}); raise shard_size_mb")
+        small = {k: piece[k] for k in ("input_ids", "loss_mask", "sample_ids")}
+        if self.cuda:
+            self.stream.wait_event(ready)
+            with torch.cuda.stream(self.stream):
+                for key, buf in shard.states.items():
+                    buf[shard.tokens : shard.tokens + n].copy_(piece[key], non_blocking=True)
+                    piece[key].record_stream(self.stream)  # keep it alive until copied
+                small["finite"] = torch.empty(len(lengths), dtype=torch.bool, pin_memory=True)
+                small["finite"].copy_(piece["finite"], non_blocking=True)
+                piece["finite"].record_stream(self.stream)
+        else:
+            for key, buf in shard.states.items():
+                buf[shard.tokens : shard.tokens + n].copy_(piece[key])
+            small["finite"] = piece["finite"]
+        shard.small.append(small)
+        shard.lengths += lengths
+        shard.tokens += n
+        if shard.tokens >= self.shard_tokens:  # full enough: do not wait for the next batch
+            self._submit()
 
     def close(self) -> None:
-        self.flush()
-        self.queue.put(None)
-        self.thread.join()
+        """Write what is buffered and wait for every shard; re-raise a writer's error."""
+        if self.current is not None and self.current.small:
+            self._submit()
+        for _ in self.writers:
+            self.write_queue.put(None)
+        for t in self.writers:
+            t.join()
         self._raise_if_failed()
+
+    def _take(self) -> HostShard:
+        while True:  # notices a dead writer instead of blocking forever
+            self._raise_if_failed()
+            try:
+                shard = self.pool.get(timeout=0.5)
+                return shard if shard is not None else self.make()
+            except queue.Empty:
+                continue
+
+    def _submit(self) -> None:
+        ready = None
+        if self.cuda:
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        self.write_queue.put((f"{self.prefix}-{self.count:05d}", self.current, ready))
+        self.current, self.count = None, self.count + 1
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:
             raise self.error
 
-    def _work(self) -> None:
-        while (job := self.queue.get()) is not None:
-            if self.error is not None:
-                continue
-            name, pieces, lengths, nonfinite = job
+    def _write(self) -> None:
+        try:  # each writer allocates one more buffer, off the main thread (pinning is slow)
+            self.pool.put(self.make())
+        except BaseException as e:
+            self.error = e
+        while (job := self.write_queue.get()) is not None:
+            name, shard, ready = job
             try:
-                tensors = _pack(pieces, lengths)
-                record = write_shard(self.directory, name, tensors, {"nonfinite_sample_ids": nonfinite})
-                self.bytes_written += record.bytes
+                if self.error is None:
+                    if ready is not None:
+                        ready.synchronize()
+                    tensors, nonfinite = shard.tensors()
+                    record = write_shard(self.directory, name, tensors, {"nonfinite_sample_ids": nonfinite})
+                    with self.lock:
+                        self.bytes_written += record.bytes
+                    if self.crash_after and sum(1 for _ in self.directory.glob(f"{self.prefix}-*.json")) >= self.crash_after:
+                        os._exit(17)
             except BaseException as e:  # handed to the main thread at its next call
                 self.error = e
-                continue
-            if self.crash_after and self.written_files() >= self.crash_after:
-                os._exit(17)
-
-    def written_files(self) -> int:
-        return sum(1 for _ in self.directory.glob(f"{self.prefix}-*.json"))
-
-
-def _pack(pieces: list[dict[str, torch.Tensor]], lengths: list[int]) -> dict[str, torch.Tensor]:
-    if not pieces:  # only non-finite samples: an empty shard still records them
-        return {"input_ids": torch.zeros(0, dtype=torch.int32), "loss_mask": torch.zeros(0, dtype=torch.uint8),
-                "cu_seqlens": torch.zeros(1, dtype=torch.int64), "sample_ids": torch.zeros(0, dtype=torch.int64)}
-    out = {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
-    out["cu_seqlens"] = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
-    return out
+            shard.reset()
+            self.pool.put(shard)
 
 
 class Dumper:
@@ -359,7 +426,18 @@ class Dumper:
     @torch.no_grad()
     def _dump(self, batches: list[Batch], n_todo: int) -> int:
         prefix = f"{self.dist.rank:05d}-{secrets.token_hex(4)}"
-        writer = ShardWriter(self.shard_dir, prefix, int(self.cfg.shard_size_mb * 2**20)) if self.writes else None
+        writer = None
+        if self.writes:
+            keys = [f"hidden.{k}" for k in self.stored] + ["last_hidden"]
+            dtype = resolve_dtype(self.cfg.dtype, "cuda")
+            per_token = len(keys) * self.spec.hidden_size * dtype.itemsize
+            longest = int(self.dataset["num_tokens"][:].max())
+            writer = ShardWriter(
+                self.shard_dir, prefix, keys, self.spec.hidden_size, dtype,
+                shard_tokens=max(1, int(self.cfg.shard_size_mb * 2**20) // per_token),
+                max_batch_tokens=max(self.cfg.max_tokens_per_batch, longest),
+                threads=self.cfg.writer_threads, device=self.dist.device,
+            )
         bar = tqdm(
             total=sum(sum(b.lengths) for b in batches), unit="tok", unit_scale=True, desc=f"dump rank 0/{self.dp_size}",
             disable=not (self.cfg.progress and self.dist.is_main),
@@ -367,9 +445,9 @@ class Dumper:
         samples = 0
         try:
             for batch in batches:
-                piece, lengths, nonfinite = self.capture(batch)
+                piece, lengths, ready = self.capture(batch)
                 if writer is not None:
-                    writer.add(piece, lengths, nonfinite)
+                    writer.add(piece, lengths, ready)
                 samples += len(batch.sample_ids)
                 bar.update(sum(batch.lengths))
                 bar.set_postfix(samples=f"{samples}/{n_todo // self.dp_size}", refresh=False)
@@ -381,9 +459,14 @@ class Dumper:
             bar.close()
         return writer.bytes_written if writer is not None else 0
 
-    def capture(self, batch: Batch) -> tuple[dict[str, torch.Tensor], list[int], list[int]]:
-        """One forward pass; returns the kept tokens' tensors (CPU), their sample lengths, and the
-        ids of samples dropped for non-finite states."""
+    def capture(self, batch: Batch) -> tuple[dict[str, torch.Tensor], list[int], Any]:
+        """One forward pass, launched without waiting for the GPU.
+
+        Returns the real tokens' states (on the model's device), ``finite`` (one flag per sample),
+        ``input_ids``, ``loss_mask``, ``sample_ids`` (host), the sample lengths, and a CUDA event
+        after which the device tensors are final. Nothing here synchronises with the GPU: dropping
+        samples with non-finite states happens in the writer, once the flags reach the host.
+        """
         dev = self.dist.device
         rows = [self.dataset[int(i)] for i in batch.sample_ids]
         lengths = torch.tensor(batch.lengths)
@@ -391,34 +474,28 @@ class Dumper:
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         for b, row in enumerate(rows):
             ids[b, : len(row["input_ids"])] = torch.from_numpy(row["input_ids"].astype(np.int64))
-        # No attention mask: right padding under causal attention never reaches a real token.
-        out = self.target.model.base_model(input_ids=ids.to(dev), output_hidden_states=True, use_cache=False)
-        states = out.hidden_states  # N+1 tensors [B, W, H]; [N] is post-norm
         valid = (torch.arange(width)[None, :] < lengths[:, None]).reshape(-1)
-        token_index = valid.nonzero().squeeze(1).to(dev)  # [sum(lengths)] positions in [B*W]
+        token_index = valid.nonzero().squeeze(1)  # [sum(lengths)] positions in [B*W]
+        sample_of_token = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+        ids, token_index, sample_of_token = (_to_device(t, dev) for t in (ids, token_index, sample_of_token))
+        # No attention mask: right padding under causal attention never reaches a real token.
+        out = self.target.model.base_model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        states = out.hidden_states  # N+1 tensors [B, W, H]; [N] is post-norm
         keys = {f"hidden.{k}": states[k] for k in self.stored} | {"last_hidden": states[self.spec.num_hidden_layers]}
-        flat = {name: s.reshape(-1, s.shape[-1]).index_select(0, token_index) for name, s in keys.items()}
-        # A sample with any non-finite state is dropped whole and counted.
-        sample_of_token = torch.repeat_interleave(torch.arange(len(rows)), lengths).to(dev)
+        piece = {name: s.reshape(-1, s.shape[-1]).index_select(0, token_index) for name, s in keys.items()}
         bad_tokens = torch.zeros(len(token_index), dtype=torch.bool, device=dev)
-        for t in flat.values():
+        for t in piece.values():
             bad_tokens |= ~torch.isfinite(t).all(dim=-1)
-        bad = torch.zeros(len(rows), dtype=torch.int32, device=dev).index_add_(0, sample_of_token, bad_tokens.int()) > 0
-        bad_list = bad.tolist()
-        nonfinite = [sid for sid, b in zip(batch.sample_ids, bad_list) if b]
-        if nonfinite:
-            keep_tok = ~bad[sample_of_token]
-            flat = {name: t[keep_tok] for name, t in flat.items()}
-        kept = [b for b in range(len(rows)) if not bad_list[b]]
-        piece = {name: t.to("cpu", self.spec_dtype) for name, t in flat.items()}
-        piece["input_ids"] = torch.from_numpy(np.concatenate([rows[b]["input_ids"] for b in kept]).astype(np.int32)) if kept else torch.zeros(0, dtype=torch.int32)
-        piece["loss_mask"] = torch.from_numpy(np.concatenate([rows[b]["loss_mask"] for b in kept]).astype(np.uint8)) if kept else torch.zeros(0, dtype=torch.uint8)
-        piece["sample_ids"] = torch.tensor([batch.sample_ids[b] for b in kept], dtype=torch.int64)
-        return piece, [batch.lengths[b] for b in kept], nonfinite
-
-    @property
-    def spec_dtype(self) -> torch.dtype:
-        return resolve_dtype(self.cfg.dtype, "cuda")
+        bad = torch.zeros(len(rows), dtype=torch.int32, device=dev).index_add_(0, sample_of_token, bad_tokens.int())
+        piece["finite"] = bad == 0
+        ready = None
+        if dev.type == "cuda":  # the writer's copy stream waits for this
+            ready = torch.cuda.Event()
+            ready.record()
+        piece["input_ids"] = _cat([r["input_ids"] for r in rows], np.int32)
+        piece["loss_mask"] = _cat([r["loss_mask"] for r in rows], np.uint8)
+        piece["sample_ids"] = torch.tensor(batch.sample_ids, dtype=torch.int64)
+        return piece, list(batch.lengths), ready
 
     def _finalize(self, elapsed: float, totals: list[int]) -> dict[str, Any]:
         """Rank 0, after every rank finished: check coverage, then write the manifest."""
@@ -470,6 +547,15 @@ class Dumper:
             f"{len(nonfinite)} samples dropped for non-finite states"
         )
         return read_manifest(self.out, STAGE)
+
+
+def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """Host -> device without a stream sync (a copy from pageable memory would wait for the GPU)."""
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
+def _cat(arrays: list[np.ndarray], dtype: Any) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate(arrays).astype(dtype)) if arrays else torch.zeros(0, dtype=getattr(torch, np.dtype(dtype).name))
 
 
 def _sum_over_ranks(values: list[int]) -> list[int]:

@@ -12,16 +12,17 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 
 from eagle3_train.errors import BadInputError, Eagle3Error
-from eagle3_train.fileio import atomic_write_bytes, atomic_write_json
+from eagle3_train.fileio import atomic_write_json
 
 SHARD_SUFFIX = ".safetensors"
 RECORD_SUFFIX = ".json"
@@ -54,33 +55,70 @@ class ShardRecord:
         return cls(**d)
 
 
+# safetensors dtype names (the format's header spelling)
+_ST_DTYPES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+    torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def _serialize(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
+    """Write ``tensors`` to ``path`` in the safetensors format; return (sha256, bytes).
+
+    The header and each tensor's bytes are streamed straight from the tensors' memory (pinned
+    host buffers in the dump), checksummed on the way: no serialised copy is built in memory.
+    """
+    header: dict[str, dict] = {}
+    offset = 0
+    views = []
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.contiguous().cpu()
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if nbytes else b"")
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format pads the header to 8-byte alignment
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (len(head).to_bytes(8, "little"), head, *views):
+            digest.update(chunk)
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest.hexdigest(), 8 + len(head) + offset
+
+
 def write_shard(directory: Path, name: str, tensors: dict[str, torch.Tensor], extra: dict | None = None) -> ShardRecord:
-    """Write ``<directory>/<name>.safetensors`` then its record, both atomically.
+    """Write ``<directory>/<name>.safetensors`` then its record, both atomically (temp + rename).
 
     Raises :class:`Eagle3Error` on a full disk, leaving neither file behind (so the run can be
     resumed once space is freed).
     """
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    data = save(tensors)
-    record = ShardRecord(
-        name=name,
-        sha256=hashlib.sha256(data).hexdigest(),
-        bytes=len(data),
-        num_samples=int(tensors["sample_ids"].numel()),
-        num_tokens=int(tensors["input_ids"].numel()),
-        tensors={k: [str(v.dtype).removeprefix("torch."), *v.shape] for k, v in tensors.items()},
-        extra=extra or {},
-    )
     shard = directory / f"{name}{SHARD_SUFFIX}"
+    tmp = directory / f".{name}{SHARD_SUFFIX}.tmp"
     try:
-        atomic_write_bytes(shard, data)
+        sha, size = _serialize(tmp, tensors)
+        os.replace(tmp, shard)
+        record = ShardRecord(
+            name=name,
+            sha256=sha,
+            bytes=size,
+            num_samples=int(tensors["sample_ids"].numel()),
+            num_tokens=int(tensors["input_ids"].numel()),
+            tensors={k: [str(v.dtype).removeprefix("torch."), *v.shape] for k, v in tensors.items()},
+            extra=extra or {},
+        )
         atomic_write_json(directory / f"{name}{RECORD_SUFFIX}", record.to_dict())
     except OSError as e:
+        tmp.unlink(missing_ok=True)
         shard.unlink(missing_ok=True)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise Eagle3Error(
-                f"out of disk space writing {shard} ({len(data) / 2**20:.0f} MiB); nothing partial "
-                f"was left: free space and run the same command again to resume"
+                f"out of disk space writing {shard}; nothing partial was left: free space and run "
+                f"the same command again to resume"
             ) from None
         raise
     return record

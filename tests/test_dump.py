@@ -133,22 +133,23 @@ def test_nonfinite_sample_is_dropped_and_counted(prepared, tmp_path):
 def test_out_of_disk_leaves_nothing_partial_and_resumes(prepared, tmp_path, monkeypatch):
     import eagle3_train.formats as formats
 
-    real = formats.atomic_write_bytes
+    real = formats._serialize
     calls = {"n": 0}
 
-    def full_disk(path, data):
+    def full_disk(path, tensors):
         calls["n"] += 1
         if calls["n"] == 2:
+            path.write_bytes(b"half a shard")  # the disk filled up mid-write
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, data)
+        return real(path, tensors)
 
-    monkeypatch.setattr(formats, "atomic_write_bytes", full_disk)
+    monkeypatch.setattr(formats, "_serialize", full_disk)
     with pytest.raises(Eagle3Error, match="out of disk space writing .*run the same command again"):
-        dump(prepared, tmp_path / "d").run()
+        dump(prepared, tmp_path / "d", writer_threads=1).run()
     shards = sorted(p.name for p in (tmp_path / "d" / "shards").iterdir())
     assert all(Path(s).suffix in (".json", ".safetensors") for s in shards)
     assert len([s for s in shards if s.endswith(".json")]) == len([s for s in shards if s.endswith(".safetensors")]) == 1
-    monkeypatch.setattr(formats, "atomic_write_bytes", real)
+    monkeypatch.setattr(formats, "_serialize", real)
     manifest = dump(prepared, tmp_path / "d").run()
     assert manifest["counts"]["samples"] == 40
 
