@@ -57,7 +57,7 @@ from eagle3_train.formats import (
     verify_shard,
     write_shard,
 )
-from eagle3_train.targets import load_target, resolve_dtype
+from eagle3_train.targets import load_target, resolve_dtype, tensor_parallel_kwargs
 
 STAGE = "dump"
 REQUEST_NAME = "request.json"
@@ -346,7 +346,7 @@ class Dumper:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(self.dist.device.type, (self.dp_size, self.cfg.tp_size), mesh_dim_names=("dp", "tp"))
-            kwargs |= {"tp_plan": "auto", "device_mesh": mesh["tp"]}
+            kwargs |= tensor_parallel_kwargs(mesh["tp"])
         return kwargs
 
     def _check_target(self) -> TargetIdentity:
@@ -378,7 +378,8 @@ class Dumper:
         mine = batches[self.dp_rank :: self.dp_size]  # round-robin: ranks get similar lengths
         start = time.time()
         written = self._dump(mine, len(todo))
-        totals = _sum_over_ranks([written, sum(sum(b.lengths) for b in mine)])
+        # a tensor-parallel group dumps each token once: only its writer counts it
+        totals = _sum_over_ranks([written, sum(sum(b.lengths) for b in mine) if self.writes else 0])
         barrier()
         manifest = None
         if self.dist.is_main:

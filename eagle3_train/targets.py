@@ -137,8 +137,8 @@ def load_target(
         device: where the model is placed.
         chat_template: overrides the tokenizer's chat template: a file path or the template text.
         trust_remote_code: passed to transformers for targets with custom code.
-        model_kwargs: more ``from_pretrained`` arguments (``attn_implementation``, or
-            ``tp_plan``/``device_mesh`` for tensor parallelism, which places the weights itself).
+        model_kwargs: more ``from_pretrained`` arguments (``attn_implementation``, or those of
+            :func:`tensor_parallel_kwargs`, with which transformers places the weights itself).
     """
     model_kwargs = dict(model_kwargs or {})
     if target == "tiny":
@@ -160,13 +160,29 @@ def load_target(
             model = AutoModelForCausalLM.from_pretrained(
                 src, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code, **model_kwargs
             )
-            if "tp_plan" not in model_kwargs:
+            if "device_mesh" not in model_kwargs:  # tensor parallel: transformers placed the weights
                 model = model.to(device)
             model.eval()
     if chat_template is not None:
         tokenizer.chat_template = _read_template(chat_template)
     identity = target_identity(target, config, tokenizer)
     return Target(model, tokenizer, config, identity, local_dir)
+
+
+def tensor_parallel_kwargs(tp_mesh: Any) -> dict[str, Any]:
+    """``from_pretrained`` arguments for transformers' own tensor-parallel plan over ``tp_mesh``.
+
+    Newer transformers take ``distributed_config=DistributedConfig(tp_plan=...)``; older ones a
+    ``tp_plan`` argument. Either way the weights are sharded by the model's predefined plan.
+    """
+    import inspect
+
+    import transformers
+
+    dc = getattr(transformers, "DistributedConfig", None)
+    if dc is not None and "tp_plan" in inspect.signature(dc).parameters:
+        return {"distributed_config": dc(tp_plan="auto"), "device_mesh": tp_mesh}
+    return {"tp_plan": "auto", "device_mesh": tp_mesh}
 
 
 def target_identity(name: str, config: Any, tokenizer: Any) -> TargetIdentity:

@@ -12,9 +12,13 @@ from omegaconf import OmegaConf
 
 from eagle3_train.cli import CONF_DIR, to_config
 
+import data_prep.dump  # noqa: F401  (registers dump_schema)
 import data_prep.prepare  # noqa: F401  (registers prepare_schema)
 
-PRIMARY = {"prepare.yaml": (data_prep.prepare.PrepareConfig, ["input=x.jsonl", "out=/tmp/o"])}
+PRIMARY = {
+    "prepare.yaml": (data_prep.prepare.PrepareConfig, ["input=x.jsonl", "out=/tmp/o"]),
+    "dump.yaml": (data_prep.dump.DumpConfig, ["data=/tmp/p", "out=/tmp/o", "capture.aux_indices=[1,15,28]"]),
+}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -60,7 +64,7 @@ def test_wheel_ships_conf_and_prompts(tmp_path):
     )
     (wheel,) = tmp_path.glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"eagle3_train/conf/prepare.yaml", "eagle3_train/conf/common.yaml"} <= names
+    assert {"eagle3_train/conf/prepare.yaml", "eagle3_train/conf/dump.yaml", "eagle3_train/conf/common.yaml"} <= names
     assert {"data_prep/prompts/train.jsonl", "data_prep/prompts/heldout.jsonl"} <= names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     for cmd in ("prepare", "dump", "standardize", "train", "export", "eval"):

@@ -204,3 +204,26 @@ def test_torchrun_two_ranks_killed_and_resumed_equals_one_process(prepared, tmp_
     for sid in a:
         for k in a[sid]:
             torch.testing.assert_close(b[sid][k], a[sid][k], atol=1e-5, rtol=0)
+
+
+def test_tensor_parallel_dump_equals_single_process(prepared, tmp_path):
+    """tp_size=2 under torchrun (gloo): transformers' own tensor-parallel plan, same states."""
+    from eagle3_train.targets import build_tiny_tokenizer
+
+    model_dir = tmp_path / "tiny_hf"
+    build_tiny_model().save_pretrained(model_dir)
+    build_tiny_tokenizer().save_pretrained(model_dir)
+    dump(prepared, tmp_path / "one").run()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "data_prep.dump",
+           f"target={model_dir}", f"data={prepared}", f"out={tmp_path / 'tp'}", "dtype=float32", "progress=false",
+           f"capture.aux_indices={AUX}".replace(" ", ""), f"capture.extra_indices={EXTRA}", "tp_size=2"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((tmp_path / "tp" / "manifest.json").read_text())
+    assert manifest["run"]["tp_size"] == 2 and manifest["run"]["tokens_this_run"] == manifest["counts"]["tokens"]
+    a, b = stored_samples(tmp_path / "one"), stored_samples(tmp_path / "tp")
+    assert sorted(a) == sorted(b)
+    for sid in a:
+        for k in a[sid]:
+            torch.testing.assert_close(b[sid][k], a[sid][k], atol=1e-5, rtol=0)
