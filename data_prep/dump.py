@@ -109,9 +109,9 @@ ConfigStore.instance().store(name="dump_schema", node=DumpConfig)
 
 @dataclass
 class Batch:
-    """Samples run in one forward pass, longest first."""
+    """Samples (rows of the prepared dataset) run in one forward pass, longest first."""
 
-    sample_ids: list[int]
+    rows: list[int]
     lengths: list[int]
 
     @property
@@ -119,22 +119,22 @@ class Batch:
         return len(self.lengths) * max(self.lengths)
 
 
-def plan_batches(sample_ids: np.ndarray, lengths: np.ndarray, max_tokens: int, max_batch: int) -> list[Batch]:
+def plan_batches(rows: np.ndarray, lengths: np.ndarray, max_tokens: int, max_batch: int) -> list[Batch]:
     """Length-sorted batches within the token budget (padding included); a sample longer than
     the budget runs alone. Longest first, so an out-of-memory shows at once."""
-    order = np.lexsort((sample_ids, -lengths))
+    order = np.lexsort((rows, -lengths))
     batches: list[Batch] = []
     current = Batch([], [])
     for i in order:
-        sid, n = int(sample_ids[i]), int(lengths[i])
+        row, n = int(rows[i]), int(lengths[i])
         # sorted descending: the first sample of a batch is its longest
-        if current.sample_ids and ((len(current.lengths) + 1) * current.lengths[0] > max_tokens
+        if current.rows and ((len(current.lengths) + 1) * current.lengths[0] > max_tokens
                                    or len(current.lengths) >= max_batch):
             batches.append(current)
             current = Batch([], [])
-        current.sample_ids.append(sid)
+        current.rows.append(row)
         current.lengths.append(n)
-    if current.sample_ids:
+    if current.rows:
         batches.append(current)
     return batches
 
@@ -333,9 +333,9 @@ class Dumper:
         if not path.is_dir():
             raise IncompleteError(f"prepared directory {self.prepared_dir} has a manifest but no {path.name}/")
         ds = load_from_disk(str(path)).with_format("numpy")
-        ids = ds["sample_id"][:]
-        if not np.array_equal(ids, np.arange(len(ds))):
-            raise BadInputError(f"{path}: sample_id is not the row index; re-run eagle3-prepare")
+        self.sample_ids = ds["sample_id"][:].astype(np.int64)  # row -> sample id
+        if len(np.unique(self.sample_ids)) != len(ds):
+            raise BadInputError(f"{path}: sample_id repeats; re-run eagle3-prepare")
         return ds
 
     def _model_kwargs(self) -> dict[str, Any]:
@@ -413,13 +413,12 @@ class Dumper:
         barrier()
 
     def _todo(self) -> np.ndarray:
-        """Sample ids not yet stored (nor recorded as non-finite) by any finished shard."""
+        """Rows whose samples are not yet stored (nor recorded as non-finite) by a finished shard."""
         done: set[int] = set()
         for rec in finished_records(self.shard_dir):
             done.update(read_keys(self.shard_dir / f"{rec.name}.safetensors", ("sample_ids",))["sample_ids"].tolist())
             done.update(rec.extra.get("nonfinite_sample_ids", []))
-        all_ids = np.arange(len(self.dataset))
-        todo = all_ids[~np.isin(all_ids, np.fromiter(done, dtype=np.int64, count=len(done)))]
+        todo = np.nonzero(~np.isin(self.sample_ids, np.fromiter(done, dtype=np.int64, count=len(done))))[0]
         if done:
             print0(f"resuming: {len(done)} samples already stored, {len(todo)} to go")
         return todo
@@ -449,7 +448,7 @@ class Dumper:
                 piece, lengths, ready = self.capture(batch)
                 if writer is not None:
                     writer.add(piece, lengths, ready)
-                samples += len(batch.sample_ids)
+                samples += len(batch.rows)
                 bar.update(sum(batch.lengths))
                 bar.set_postfix(samples=f"{samples}/{n_todo // self.dp_size}", refresh=False)
             if writer is not None:
@@ -469,7 +468,7 @@ class Dumper:
         samples with non-finite states happens in the writer, once the flags reach the host.
         """
         dev = self.dist.device
-        rows = [self.dataset[int(i)] for i in batch.sample_ids]
+        rows = [self.dataset[int(i)] for i in batch.rows]
         lengths = torch.tensor(batch.lengths)
         width = int(lengths.max())
         ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -495,7 +494,7 @@ class Dumper:
             ready.record()
         piece["input_ids"] = _cat([r["input_ids"] for r in rows], np.int32)
         piece["loss_mask"] = _cat([r["loss_mask"] for r in rows], np.uint8)
-        piece["sample_ids"] = torch.tensor(batch.sample_ids, dtype=torch.int64)
+        piece["sample_ids"] = torch.from_numpy(self.sample_ids[batch.rows])
         return piece, list(batch.lengths), ready
 
     def _finalize(self, elapsed: float, totals: list[int]) -> dict[str, Any]:
@@ -510,7 +509,7 @@ class Dumper:
         uniq, counts = np.unique(np.concatenate([ids, np.asarray(nonfinite, dtype=np.int64)]), return_counts=True)
         if (counts > 1).any():
             raise Eagle3Error(f"{self.shard_dir}: samples stored twice: {uniq[counts > 1][:10].tolist()}")
-        missing = np.setdiff1d(np.arange(len(self.dataset)), uniq)
+        missing = np.setdiff1d(self.sample_ids, uniq)
         if len(missing):
             raise IncompleteError(
                 f"{self.shard_dir}: {len(missing)} samples are missing (e.g. {missing[:10].tolist()}); "

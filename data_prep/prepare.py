@@ -53,6 +53,7 @@ class PrepareConfig:
     truncate: bool = True  # cut longer conversations to max_length (false: they are bad rows)
     on_bad_row: str = "error"  # error: stop at the first bad row; skip: count it and go on
     limit: int | None = None  # read only the first N rows of the input
+    sample_id_offset: int = 0  # first sample id (give datasets to be merged later disjoint ranges)
     regenerate: bool = False  # the target rewrites every assistant turn (see regen.*)
     regen: RegenConfig = field(default_factory=RegenConfig)
     device: str = "auto"  # where the target runs for regeneration (auto: cuda if present)
@@ -67,6 +68,8 @@ class PrepareConfig:
             raise ConfigError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.on_bad_row!r}")
         if self.max_length <= 0:
             raise ConfigError(f"max_length must be positive, got {self.max_length}")
+        if self.sample_id_offset < 0:
+            raise ConfigError(f"sample_id_offset must be >= 0, got {self.sample_id_offset}")
         if self.limit is not None and self.limit <= 0:
             raise ConfigError(f"limit must be positive or null, got {self.limit}")
 
@@ -243,7 +246,7 @@ class Preparer:
         loss_tokens = np.array([int(r.loss_mask.sum()) for _, r in rows], dtype=np.int32)
         table = pa.table(
             {
-                "sample_id": pa.array(np.arange(len(rows), dtype=np.int64)),
+                "sample_id": pa.array(self.cfg.sample_id_offset + np.arange(len(rows), dtype=np.int64)),
                 "input_ids": list_type.from_arrays(offsets, ids),
                 "loss_mask": list_type.from_arrays(offsets, mask),
                 "num_tokens": pa.array(lengths.astype(np.int32)),

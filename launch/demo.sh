@@ -12,7 +12,13 @@ echo "== prepare: the target regenerates the assistant turns of the shipped prom
 eagle3-prepare target=embedded input="$PROMPTS/train.jsonl" out="$RUN_DIR/prepared" \
   regenerate=true limit="${DEMO_PROMPTS:-96}" regen.max_new_tokens=128 regen.batch_size=48
 
+echo "== dump: hidden states of HF layers [2, 15, 27] (the default for N=30) and the final state"
+eagle3-dump target=embedded data="$RUN_DIR/prepared" out="$RUN_DIR/dump" dtype=float32 \
+  max_tokens_per_batch=4096
+
+echo "== standardize: aux_hidden = cat(hidden.2, hidden.15, hidden.27); draft vocab from the training split"
+eagle3-standardize dumps="[$RUN_DIR/dump]" out="$RUN_DIR/std" draft_vocab_size=8192 eval_fraction=0.1
+
 echo
-echo "Prepared conversations are in $RUN_DIR/prepared (manifest.json, dataset/)."
-echo "The next stages (dump, standardize, train, export, eval) are not built yet:"
-echo "the demo stops after prepare."
+echo "Prepared conversations: $RUN_DIR/prepared; hidden states: $RUN_DIR/dump; training data: $RUN_DIR/std."
+echo "The next stages (train, export, eval) are not built yet: the demo stops here."

@@ -58,10 +58,10 @@ def stored_samples(out: Path) -> dict[int, dict[str, torch.Tensor]]:
 def test_plan_batches_respects_budget_and_covers_all():
     lengths = np.array([5, 100, 30, 30, 7, 64, 1])
     batches = plan_batches(np.arange(7), lengths, max_tokens=120, max_batch=3)
-    assert sorted(s for b in batches for s in b.sample_ids) == list(range(7))
-    assert all(b.padded_tokens <= 120 or len(b.sample_ids) == 1 for b in batches)
-    assert all(len(b.sample_ids) <= 3 for b in batches)
-    assert batches[0].sample_ids == [1]  # longest first
+    assert sorted(s for b in batches for s in b.rows) == list(range(7))
+    assert all(b.padded_tokens <= 120 or len(b.rows) == 1 for b in batches)
+    assert all(len(b.rows) <= 3 for b in batches)
+    assert batches[0].rows == [1]  # longest first
 
 
 def test_states_equal_plain_forward_of_each_sample_alone(prepared, tmp_path):

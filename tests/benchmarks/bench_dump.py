@@ -106,7 +106,7 @@ def make_dumper(args, target, prepared: Path, out: Path):
                           writer_threads=args.writer_threads, capture=dump.CaptureConfig(aux_indices=[2, n // 2, n - 3]))
     dumper = dump.Dumper(cfg)
     # warm-up: one batch through the same code path (CUDA kernels, allocator)
-    dumper.capture(dump.Batch(list(range(2)), [args.seq] * 2))
+    dumper.capture(dump.Batch([0, 1], [args.seq] * 2))
     _sync(dumper.dist.device)
     return dumper
 

@@ -1,0 +1,363 @@
+"""``eagle3-standardize``: dumps -> training shards (chosen aux layers concatenated) + vocab map.
+
+    eagle3-standardize dumps=[runs/x/dump] out=runs/x/std aux_indices=[2,15,27] draft_vocab_size=32000
+
+Output (DESIGN §3): ``<out>/train/*.safetensors`` and ``<out>/eval/*.safetensors`` holding
+``input_ids``, ``loss_mask``, ``cu_seqlens``, ``sample_ids``, ``aux_hidden`` [T, n_aux*H] (the
+chosen ``hidden.<k>`` concatenated in ascending k) and ``last_hidden`` [T, H];
+``<out>/vocab_map.safetensors`` (``d2t``, ``t2d``, ``token_counts``, counted over the training
+split's loss-masked tokens); ``<out>/manifest.json`` last.
+
+Each input shard becomes (at most) one train and one eval shard, processed in parallel by
+``workers`` threads, so memory stays bounded whatever the dataset size: about two input shards'
+worth of tensors per worker. A finished input shard is recognised by its outputs' records, so an
+interrupted run, started again, does only the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+from tqdm.auto import tqdm
+
+from eagle3_train.cli import CONF_DIR, config_dict, to_config, user_errors
+from eagle3_train.contract import (
+    MANIFEST_NAME,
+    CaptureSpec,
+    differences,
+    read_manifest,
+    validate_aux_indices,
+    write_manifest,
+)
+from eagle3_train.errors import BadInputError, ConfigError, ContractError, Eagle3Error
+from eagle3_train.fileio import atomic_write_json, sha256_file
+from eagle3_train.formats import (
+    RECORD_SUFFIX,
+    SHARD_SUFFIX,
+    ShardRecord,
+    finished_records,
+    read_keys,
+    write_shard,
+)
+from eagle3_train.vocab import VocabMap, build_vocab_map, count_tokens, load_vocab_map
+
+STAGE = "standardize"
+VOCAB_FILE = "vocab_map.safetensors"
+REQUEST_NAME = "request.json"
+
+
+@dataclass
+class StandardizeConfig:
+    """Options of ``eagle3-standardize`` (``conf/standardize.yaml``)."""
+
+    dumps: list[str] = field(default_factory=list)  # dump directories to read (capture specs must agree)
+    out: str = MISSING  # output directory (train/, eval/, vocab_map.safetensors, manifest.json)
+    aux_indices: list[int] | None = None  # HF indices to concatenate (null: the dumps' aux indices)
+    draft_vocab_size: int = 32000  # size of the draft lm_head's vocab (capped at the target's)
+    eval_fraction: float = 0.05  # share of samples held out for evaluation
+    seed: int = 0  # decides which samples are held out
+    vocab_map: str | None = None  # reuse this vocab_map.safetensors instead of counting a new one
+    only_vocab: bool = False  # rebuild only the vocab map of the standardized directory `out`
+    workers: int = 0  # threads processing shards in parallel (0: one per core)
+    verify_inputs: bool = True  # check each dump shard's sha256 against its record before use
+    progress: bool = True  # progress bar
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab_size <= 0:
+            raise ConfigError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if not self.only_vocab and not self.dumps:
+            raise ConfigError("dumps=[<dump dir>, ...] is required (or only_vocab=true with out=<standardized dir>)")
+        if self.workers < 0:
+            raise ConfigError(f"workers must be >= 0, got {self.workers}")
+
+
+ConfigStore.instance().store(name="standardize_schema", node=StandardizeConfig)
+
+
+@dataclass
+class Source:
+    """One input shard and the samples it holds."""
+
+    dump: int  # index into cfg.dumps
+    record: ShardRecord
+    path: Path
+    sample_ids: np.ndarray
+
+    @property
+    def out_name(self) -> str:
+        return f"{self.dump:03d}-{self.record.name}"
+
+
+def split_eval(sample_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """The held-out sample ids: the ``round(fraction * n)`` ids that rank first under a hash of
+    (seed, id). Deterministic per seed, and a sample's fate depends on its id alone, not on the
+    order or grouping of the data."""
+    n = len(sample_ids)
+    k = int(round(fraction * n))
+    if fraction > 0 and n >= 2:
+        k = min(max(k, 1), n - 1)
+    keys = _mix64(sample_ids.astype(np.uint64) ^ _mix64(np.array([seed], dtype=np.uint64))[0])
+    return np.sort(sample_ids[np.argsort(keys, kind="stable")[:k]])
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fast, well-mixed 64-bit hash."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+class Standardizer:
+    """Runs the standardize stage (see the module docstring)."""
+
+    def __init__(self, cfg: StandardizeConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.out).expanduser()
+        self.workers = cfg.workers or os.cpu_count() or 1
+
+    # -- vocab only ------------------------------------------------------------------------------
+
+    def rebuild_vocab(self) -> dict[str, Any]:
+        """``only_vocab=true``: count the standardized training split again, write a new map."""
+        manifest = read_manifest(self.out, STAGE)
+        spec = CaptureSpec.from_dict(manifest["capture"])
+        vocab, sha = self.make_vocab(spec.vocab_size)
+        manifest["vocab"] = self.vocab_summary(vocab, sha)
+        manifest["request"]["vocab"] = self.vocab_request(spec.vocab_size)
+        manifest["config"] = config_dict(self.cfg)
+        atomic_write_json(self.out / REQUEST_NAME, manifest["request"])
+        body = {k: v for k, v in manifest.items() if k not in ("stage", "format_version", "eagle3_train_version", "created_at")}
+        write_manifest(self.out, STAGE, body)
+        print(f"eagle3-standardize: new vocab map of {vocab.draft_vocab_size} tokens "
+              f"({vocab.coverage():.2%} of training tokens) -> {self.out / VOCAB_FILE}")
+        return read_manifest(self.out, STAGE)
+
+    def make_vocab(self, target_vocab: int) -> tuple[VocabMap, str]:
+        """The vocab map: reused from ``vocab_map=`` or counted over ``out/train``."""
+        if self.cfg.vocab_map:
+            vocab, sha = load_vocab_map(self.cfg.vocab_map, target_vocab)
+            if Path(self.cfg.vocab_map).expanduser().resolve() != (self.out / VOCAB_FILE).resolve():
+                shutil.copyfile(Path(self.cfg.vocab_map).expanduser(), self.out / VOCAB_FILE)
+            return vocab, sha
+        size = self.cfg.draft_vocab_size
+        if size > target_vocab:
+            warnings.warn(f"draft_vocab_size {size} capped at the target vocab size {target_vocab}", stacklevel=2)
+            size = target_vocab
+        counts = torch.zeros(target_vocab, dtype=torch.int64)
+        for rec in finished_records(self.out / "train"):
+            t = read_keys(self.out / "train" / f"{rec.name}{SHARD_SUFFIX}", ("input_ids", "loss_mask"))
+            counts += count_tokens(t["input_ids"], t["loss_mask"], target_vocab)
+        vocab = build_vocab_map(counts, size)
+        return vocab, vocab.save(self.out / VOCAB_FILE)
+
+    def vocab_request(self, target_vocab: int) -> dict[str, Any]:
+        """What decides the vocab map: a reused file (by hash) or the draft size counted for."""
+        if self.cfg.vocab_map:
+            return {"vocab_map": load_vocab_map(self.cfg.vocab_map, target_vocab)[1]}
+        return {"draft_vocab_size": min(self.cfg.draft_vocab_size, target_vocab)}
+
+    @staticmethod
+    def vocab_summary(vocab: VocabMap, sha: str) -> dict[str, Any]:
+        return {
+            "file": VOCAB_FILE,
+            "sha256": sha,
+            "draft_vocab_size": vocab.draft_vocab_size,
+            "target_vocab_size": vocab.target_vocab_size,
+            "distinct_tokens": int((vocab.token_counts > 0).sum()),
+            "coverage": vocab.coverage(),
+        }
+
+    # -- the full run ----------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        if self.cfg.only_vocab:
+            return self.rebuild_vocab()
+        dumps = [read_manifest(Path(d).expanduser(), "dump") for d in self.cfg.dumps]
+        spec = self.check_dumps(dumps)
+        sources = self.sources(dumps)
+        all_ids = np.concatenate([s.sample_ids for s in sources]) if sources else np.zeros(0, dtype=np.int64)
+        eval_ids = split_eval(all_ids, self.cfg.eval_fraction, self.cfg.seed)
+        request = {
+            "capture": spec.to_dict(),
+            "dumps": [{"path": str(Path(d).expanduser().resolve()), "created_at": m["created_at"],
+                       "shards": [r["sha256"] for r in m["shards"]]} for d, m in zip(self.cfg.dumps, dumps)],
+            "eval_fraction": self.cfg.eval_fraction,
+            "seed": self.cfg.seed,
+            "vocab": self.vocab_request(spec.vocab_size),
+        }
+        done = self.claim(request)
+        if done is not None:
+            return done
+        stats = self.convert(sources, spec, eval_ids)
+        vocab, sha = self.make_vocab(spec.vocab_size)
+        return self.finalize(spec, request, dumps, stats, vocab, sha, len(eval_ids), len(all_ids))
+
+    def check_dumps(self, dumps: list[dict]) -> CaptureSpec:
+        """Dumps must agree on capture and target; the asked layers must be in every dump."""
+        specs = [CaptureSpec.from_dict(m["capture"]) for m in dumps]
+        for path, spec in zip(self.cfg.dumps[1:], specs[1:]):
+            diffs = differences(spec, specs[0])
+            if diffs:
+                raise ContractError(
+                    f"dumps {self.cfg.dumps[0]} and {path} cannot be merged; they differ in:\n  " + "\n  ".join(diffs)
+                    + f"\n{self.cfg.dumps[0]}: {json.dumps(specs[0].to_dict(), sort_keys=True)}"
+                    + f"\n{path}: {json.dumps(spec.to_dict(), sort_keys=True)}"
+                )
+        first = specs[0]
+        aux = first.aux_indices if self.cfg.aux_indices is None else validate_aux_indices(list(self.cfg.aux_indices), first.num_hidden_layers)
+        for path, m in zip(self.cfg.dumps, dumps):
+            missing = [k for k in aux if k not in m["stored_indices"]]
+            if missing:
+                raise ContractError(
+                    f"layers {missing} are not in dump {path}; it holds HF indices {m['stored_indices']} "
+                    f"(hidden.<k>); choose aux_indices among them, or dump again with capture.extra_indices"
+                )
+        return CaptureSpec(aux, first.num_hidden_layers, first.hidden_size, first.vocab_size, first.dtype, first.target)
+
+    def sources(self, dumps: list[dict]) -> list[Source]:
+        """Every input shard with its sample ids; duplicate ids anywhere are refused."""
+        sources = []
+        seen: dict[int, str] = {}
+        for i, (d, m) in enumerate(zip(self.cfg.dumps, dumps)):
+            shard_dir = Path(d).expanduser() / "shards"
+            for r in m["shards"]:
+                rec = ShardRecord.from_dict(r)
+                path = shard_dir / f"{rec.name}{SHARD_SUFFIX}"
+                if not path.is_file() or path.stat().st_size != rec.bytes:
+                    raise BadInputError(f"shard {path} is missing or its size differs from the dump's manifest")
+                ids = read_keys(path, ("sample_ids",))["sample_ids"].numpy()
+                for sid in ids.tolist():
+                    if sid in seen:
+                        raise ContractError(
+                            f"sample id {sid} is in {seen[sid]} and in {path}: dumps to merge must hold "
+                            f"disjoint samples"
+                        )
+                    seen[sid] = str(path)
+                sources.append(Source(i, rec, path, ids))
+        return sources
+
+    def claim(self, request: dict) -> dict[str, Any] | None:
+        """Reuse a finished output made the same way; refuse one made otherwise."""
+        if (self.out / MANIFEST_NAME).is_file():
+            manifest = read_manifest(self.out, STAGE)
+            diffs = differences(manifest["request"], request)
+            if diffs:
+                hint = ""
+                if all(d.startswith("vocab.") for d in diffs):
+                    hint = "\n(only the vocab differs: only_vocab=true rebuilds just the map)"
+                raise ContractError(f"{self.out} holds data standardized otherwise:\n  " + "\n  ".join(diffs) + hint)
+            print(f"eagle3-standardize: {self.out} is already complete; nothing to do")
+            return manifest
+        request_file = self.out / REQUEST_NAME
+        if request_file.is_file():
+            diffs = differences(json.loads(request_file.read_text()), request)
+            if diffs:
+                raise ContractError(f"{self.out} holds a partial run made otherwise:\n  " + "\n  ".join(diffs))
+        for sub in ("train", "eval"):
+            (self.out / sub).mkdir(parents=True, exist_ok=True)
+            for tmp in (self.out / sub).glob(".*.tmp"):
+                tmp.unlink()
+        atomic_write_json(request_file, request)
+        return None
+
+    def convert(self, sources: list[Source], spec: CaptureSpec, eval_ids: np.ndarray) -> dict[str, int]:
+        """Write the train/eval shards of every input shard not done yet, in parallel."""
+        todo = [s for s in sources if not self._done(s, eval_ids)]
+        total = sum(s.record.bytes for s in todo)
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="standardize", disable=not self.cfg.progress)
+        with ThreadPoolExecutor(self.workers) as pool:
+            for src in pool.map(lambda s: self._convert_one(s, spec, eval_ids), todo):
+                bar.update(src.record.bytes)
+        bar.close()
+        return {"input_shards": len(sources), "converted_now": len(todo), "bytes_read_now": total}
+
+    def _expected(self, src: Source, eval_ids: np.ndarray) -> dict[str, int]:
+        is_eval = np.isin(src.sample_ids, eval_ids)
+        return {"train": int((~is_eval).sum()), "eval": int(is_eval.sum())}
+
+    def _done(self, src: Source, eval_ids: np.ndarray) -> bool:
+        return all(
+            n == 0 or (self.out / split / f"{src.out_name}{RECORD_SUFFIX}").is_file()
+            for split, n in self._expected(src, eval_ids).items()
+        )
+
+    def _convert_one(self, src: Source, spec: CaptureSpec, eval_ids: np.ndarray) -> Source:
+        if self.cfg.verify_inputs and sha256_file(src.path) != src.record.sha256:
+            raise BadInputError(f"shard {src.path} is corrupt: its sha256 differs from the dump's manifest")
+        keys = ("input_ids", "loss_mask", "cu_seqlens", "sample_ids", "last_hidden") + tuple(f"hidden.{k}" for k in spec.aux_indices)
+        t = read_keys(src.path, keys)
+        # [T, H] x n_aux -> [T, n_aux*H], ascending k (the order every engine concatenates in)
+        aux = torch.cat([t[f"hidden.{k}"] for k in spec.aux_indices], dim=1)
+        is_eval = torch.from_numpy(np.isin(src.sample_ids, eval_ids))
+        lengths = t["cu_seqlens"].diff()
+        for split, keep in (("train", ~is_eval), ("eval", is_eval)):
+            if not bool(keep.any()):
+                continue
+            out = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"], "aux_hidden": aux, "last_hidden": t["last_hidden"]}
+            if not bool(keep.all()):
+                token_keep = torch.repeat_interleave(keep, lengths)
+                out = {k: v[token_keep] for k, v in out.items()}
+            out["sample_ids"] = t["sample_ids"][keep]
+            out["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths[keep].cumsum(0)])
+            write_shard(self.out / split, src.out_name, out)
+        return src
+
+    def finalize(self, spec: CaptureSpec, request: dict, dumps: list[dict], stats: dict, vocab: VocabMap,
+                 sha: str, n_eval: int, n_all: int) -> dict[str, Any]:
+        shards = {split: finished_records(self.out / split) for split in ("train", "eval")}
+        counts = {
+            f"{split}_{what}": sum(getattr(r, f"num_{what}") for r in recs)
+            for split, recs in shards.items() for what in ("samples", "tokens")
+        }
+        if counts["train_samples"] + counts["eval_samples"] != n_all or counts["eval_samples"] != n_eval:
+            raise Eagle3Error(f"{self.out}: output holds {counts} but the dumps hold {n_all} samples ({n_eval} eval)")
+        body = {
+            "request": request,
+            "capture": spec.to_dict(),
+            "target": spec.target.to_dict(),
+            "sources": [{"path": d["path"], "capture": m["capture"], "stored_indices": m["stored_indices"]}
+                        for d, m in zip(request["dumps"], dumps)],
+            "config": config_dict(self.cfg),
+            "vocab": self.vocab_summary(vocab, sha),
+            "split": {"seed": self.cfg.seed, "eval_fraction": self.cfg.eval_fraction},
+            "counts": counts | {"bytes": sum(r.bytes for recs in shards.values() for r in recs)},
+            "shards": {split: [r.to_dict() for r in recs] for split, recs in shards.items()},
+            "run": stats,
+        }
+        write_manifest(self.out, STAGE, body)
+        print(
+            f"eagle3-standardize: {counts['train_samples']} train / {counts['eval_samples']} eval samples, "
+            f"aux {list(spec.aux_indices)} -> aux_hidden width {len(spec.aux_indices) * spec.hidden_size}; "
+            f"draft vocab {vocab.draft_vocab_size} covers {vocab.coverage():.2%} of training tokens -> {self.out}"
+        )
+        return read_manifest(self.out, STAGE)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="standardize", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    with user_errors("eagle3-standardize"):
+        Standardizer(to_config(cfg, StandardizeConfig)).run()
+
+
+def main() -> None:
+    """Console entry point ``eagle3-standardize``."""
+    _main()
+
+
+if __name__ == "__main__":
+    main()
