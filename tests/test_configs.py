@@ -1,6 +1,7 @@
 """Every conf/ file composes into its typed config; the package ships conf/ and the prompts."""
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -72,3 +73,24 @@ def test_wheel_ships_conf_and_prompts(tmp_path):
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     for cmd in ("prepare", "dump", "standardize", "train", "export", "eval"):
         assert f"eagle3-{cmd} =" in entry_points
+
+
+def test_installed_wheel_finds_conf_without_the_checkout(tmp_path):
+    """Installed non-editable, the CLIs compose their configs from the copy inside the wheel."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+         str(tmp_path / "site"), str(ROOT)],
+        check=True, capture_output=True,
+    )
+    code = (
+        "import eagle3_train.cli as c, data_prep.dump as d, hydra;"
+        "from hydra import compose, initialize_config_dir;"
+        "initialize_config_dir(config_dir=c.CONF_DIR, version_base='1.3').__enter__();"
+        "cfg = compose('dump', overrides=['data=/p', 'out=/o']);"
+        "print(c.CONF_DIR, cfg.max_tokens_per_batch)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(tmp_path / "site")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    conf, budget = out.stdout.split()
+    assert conf == str(tmp_path / "site" / "eagle3_train" / "conf") and budget == "16384"

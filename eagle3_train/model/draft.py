@@ -1,0 +1,276 @@
+"""The EAGLE-3 draft head (DESIGN §4): only the math.
+
+    h   = fc(aux_hidden)                                  [B, T, n_aux*H_t] -> [B, T, H]
+    x   = cat(input_layernorm(embed(next token)), hidden_norm(h))           [B, T, 2H]
+    h'  = h + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))
+    out = h' + mlp(post_attention_layernorm(h'))                            (pre-norm output)
+    logits = lm_head(norm(out))                                             [B, T, V_draft]
+
+Training-time test (TTT) unrolls the head ``ttt_length`` times: step j >= 1 feeds step j-1's
+pre-norm output back as h, with the next embedding one position further. The keys of step 0 are
+visible causally; the keys of steps 1..j only on the diagonal (the same position), as at inference
+where draft step j at position t attends to the accepted prefix and to its own earlier drafts.
+
+Attention without a [T, T*(j+1)] mask: step j's query at t sees the causal step-0 keys (one fused
+SDPA call, flash on GPU) plus j diagonal keys. The two parts are merged exactly through one extra
+key prepended to the step-0 keys, whose score is a per-query constant c_t (an extra head dimension
+carries it) and whose value is zero: SDPA then returns A = Z0*o0 / (e^c + Z0) and the extra key's
+probability p = e^c / (e^c + Z0), with Z0 the step-0 softmax normaliser and o0 the step-0 output.
+The full softmax over both parts is (A + p * sum_i e^(s_i - c) v_i) / (1 - p + p * sum_i e^(s_i - c))
+for diagonal scores s_i -- exact for any c, and c = max_i s_i keeps every exponent <= 0. Memory per
+step is O(T); gradients flow through SDPA's own backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.bias import causal_lower_right
+
+
+@dataclass
+class DraftConfig:
+    """Shapes of the draft head, derived from the target's config.
+
+    Args:
+        hidden_size: H of the draft (= the target's, so the target's embeddings fit).
+        target_hidden_size: H_t of the captured states.
+        num_aux: how many aux layers are concatenated (fc input = num_aux * H_t).
+        num_attention_heads, num_key_value_heads, head_dim: attention shapes.
+        intermediate_size: MLP width.
+        rms_norm_eps: epsilon of every RMSNorm.
+        vocab_size: the target vocab (embeddings, t2d).
+        draft_vocab_size: the draft lm_head's vocab (d2t).
+        max_position_embeddings, rope_parameters: RoPE as the target has it (scaling included).
+    """
+
+    hidden_size: int
+    target_hidden_size: int
+    num_aux: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    draft_vocab_size: int
+    max_position_embeddings: int
+    rope_parameters: dict[str, Any]
+
+    @classmethod
+    def from_target(cls, target_config: Any, num_aux: int, draft_vocab_size: int) -> DraftConfig:
+        c = getattr(target_config, "text_config", None) or target_config
+        rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+        rope = dict(rope)
+        if "rope_theta" not in rope:
+            rope["rope_theta"] = getattr(c, "rope_theta", 10000.0)
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        return cls(
+            hidden_size=c.hidden_size,
+            target_hidden_size=c.hidden_size,
+            num_aux=num_aux,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            intermediate_size=c.intermediate_size,
+            rms_norm_eps=c.rms_norm_eps,
+            vocab_size=c.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            max_position_embeddings=c.max_position_embeddings,
+            rope_parameters=rope,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def llama_config(self) -> Any:
+        """The equivalent one-layer LlamaConfig (for RoPE and for the exported config.json)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            num_hidden_layers=1,
+            rms_norm_eps=self.rms_norm_eps,
+            vocab_size=self.vocab_size,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, d]; cos/sin [B, T, d]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class TTTAttention(nn.Module):
+    """Self-attention over ``cat(embedding, hidden)`` (2H) with the TTT key pattern."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.num_kv * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.num_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, 2H] -> q [B, nh, T, d], k/v [B, nkv, T, d] (RoPE applied to q, k)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Attention of step ``len(cache) - 1``; ``cache[0]`` holds step 0's keys/values, later
+        entries the diagonal keys/values of steps 1..j. Returns [B, T, H]."""
+        b, _, t, d = q.shape
+        out = ttt_attention(q, cache, self.num_heads // self.num_kv)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * d))
+
+
+def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]], groups: int) -> torch.Tensor:
+    """q [B, nh, T, d]; cache of (k, v) [B, nkv, T, d] per step. Returns [B, nh, T, d].
+
+    See the module docstring for the exact merge of the causal and diagonal parts.
+    """
+    k0, v0 = cache[0]
+    b, nh, t, d = q.shape
+    scale = d**-0.5
+    if len(cache) == 1:
+        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale, enable_gqa=groups > 1)
+    # diagonal scores of steps 1..j, fp32: j x [B, nh, T]
+    s = [(q.float() * _expand(k, groups).float()).sum(-1) * scale for k, _ in cache[1:]]
+    c = torch.stack(s, -1).detach().amax(-1)  # [B, nh, T] per-query shift
+    c_q = (c / scale).to(q.dtype)  # carried by the extra q dimension ...
+    c = c_q.float() * scale  # ... so the shift used below is exactly the score SDPA sees
+    w = [torch.exp(si - c) for si in s]  # each <= 1 (up to rounding)
+    # The extra key (index 0, seen by every query) scores c_t; head dims padded to a multiple
+    # of 8 for the fused kernels. Its value is zero but for one channel that reads back p.
+    pad = 8
+    nkv = k0.shape[1]
+    q_aug = torch.cat([q, c_q.unsqueeze(-1), q.new_zeros(b, nh, t, pad - 1)], dim=-1)
+    k_extra = k0.new_zeros(b, nkv, 1, d + pad)
+    k_extra[..., d] = 1.0
+    k_aug = torch.cat([k_extra, F.pad(k0, (0, pad))], dim=2)  # [B, nkv, 1+T, d+pad]
+    v_extra = v0.new_zeros(b, nkv, 1, d + pad)
+    v_extra[..., d] = 1.0
+    v_aug = torch.cat([v_extra, F.pad(v0, (0, pad))], dim=2)
+    out = F.scaled_dot_product_attention(
+        q_aug, k_aug, v_aug, attn_mask=causal_lower_right(t, t + 1), scale=scale, enable_gqa=groups > 1
+    )
+    a, p = out[..., :d].float(), out[..., d].float()  # Z0*o0/(e^c+Z0) [B,nh,T,d], e^c/(e^c+Z0) [B,nh,T]
+    num = a + p.unsqueeze(-1) * sum(wi.unsqueeze(-1) * _expand(v, groups).float() for wi, (_, v) in zip(w, cache[1:]))
+    den = (1 - p) + p * sum(w)
+    return (num / den.unsqueeze(-1)).to(q.dtype)
+
+
+def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, nkv, T, d] -> [B, nkv*groups, T, d] (grouped-query attention)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+class DraftLayer(nn.Module):
+    """The one decoder layer: attention over cat(emb, hidden) (2H), residual on the hidden."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = TTTAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One TTT step; appends this step's (k, v) to ``cache``. [B, T, H] -> [B, T, H]."""
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        q, k, v = self.self_attn.project(x, cos, sin)
+        cache.append((k, v))
+        h = hidden + self.self_attn(q, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Draft(nn.Module):
+    """The EAGLE-3 draft head with Hugging Face module names (``fc``, ``midlayer.*``, ``norm``,
+    ``lm_head``), the target's frozen ``embed_tokens``, and the vocab map buffers ``d2t``/``t2d``.
+
+    Args:
+        cfg: shapes (see :class:`DraftConfig`).
+    """
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's; SGLang swaps in its own
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DraftLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.rotary_emb = LlamaRotaryEmbedding(cfg.llama_config())
+
+    def unroll(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, ttt_length: int) -> Iterator[torch.Tensor]:
+        """Yield the pre-norm output [B, T, H] of TTT steps 0..ttt_length-1.
+
+        Step j at position t sees the embedding of token t+1+j and (for j >= 1) step j-1's output
+        at t; its RoPE position is t+j, as draft step j of a chain that starts after token t.
+        Embeddings past the end of a row are those of token 0 (their positions never count).
+        """
+        b, t, _ = aux_hidden.shape
+        hidden = self.fc(aux_hidden)  # [B, T, n_aux*H_t] -> [B, T, H]
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        positions = torch.arange(t, device=aux_hidden.device).expand(b, t)
+        for j in range(ttt_length):
+            nxt = F.pad(input_ids[:, 1 + j :], (0, min(1 + j, t)), value=0)[:, :t]
+            emb = self.embed_tokens(nxt).to(hidden.dtype)
+            cos, sin = self.rotary_emb(hidden, positions + j)
+            hidden = self.midlayer(emb, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache)
+            yield hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits of a step's pre-norm output: [B, T, H] -> [B, T, V_draft]."""
+        return self.lm_head(self.norm(hidden))

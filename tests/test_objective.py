@@ -1,0 +1,46 @@
+"""The objective's pure functions on hand-built inputs."""
+
+import math
+
+import pytest
+import torch
+
+from eagle3_train.objective import (
+    acceptance_length,
+    correct_predictions,
+    soft_cross_entropy,
+    step_weights,
+    target_distribution,
+)
+
+
+def test_target_distribution_restricts_and_renormalises():
+    # target vocab 5, draft vocab = {1, 3, 4}; lm_head = identity so logits = last_hidden
+    t2d = torch.tensor([False, True, False, True, True])
+    hidden = torch.tensor([[0.0, 2.0, 1.0, 0.0, 0.0],    # argmax 1 -> draft 0
+                           [5.0, 1.0, 0.0, 1.0, 0.0],    # argmax 0 -> outside
+                           [0.0, 0.0, 0.0, 0.0, 3.0]])   # argmax 4 -> draft 2
+    probs, argmax, ok = target_distribution(hidden, torch.eye(5), t2d, chunk=2)
+    e = math.e
+    torch.testing.assert_close(probs[0], torch.tensor([e**2, 1.0, 1.0]) / (e**2 + 2))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+    assert argmax.tolist() == [0, -1, 2] and ok.tolist() == [True, False, True]
+
+
+def test_soft_cross_entropy_by_hand():
+    logits = torch.tensor([[0.0, math.log(3.0)], [1.0, 1.0], [9.0, -9.0]])
+    p = torch.tensor([[0.5, 0.5], [1.0, 0.0], [0.0, 1.0]])
+    mask = torch.tensor([True, True, False])
+    # row 0: q = [1/4, 3/4] -> -(0.5 log 1/4 + 0.5 log 3/4); row 1: q = [1/2, 1/2] -> log 2
+    want = (-(0.5 * math.log(0.25) + 0.5 * math.log(0.75)) + math.log(2.0)) / 2
+    assert soft_cross_entropy(logits, p, mask).item() == pytest.approx(want, rel=1e-6)
+    assert soft_cross_entropy(logits, p, torch.zeros(3, dtype=torch.bool)).item() == 0.0
+
+
+def test_accuracy_weights_and_acceptance():
+    logits = torch.tensor([[0.0, 1.0], [2.0, 0.0], [0.0, 3.0], [1.0, 0.0]])
+    hit, n = correct_predictions(logits, torch.tensor([1, 1, 1, -1]), torch.tensor([True, True, True, False]))
+    assert (hit, n) == (2, 3)
+    assert step_weights(3, 0.8) == pytest.approx([1.0, 0.8, 0.64])
+    assert acceptance_length([0.8, 0.5, 0.5]) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+    assert acceptance_length([]) == 1.0
