@@ -27,12 +27,15 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device: str = "auto", timeout_minutes: float = 120.0) -> DistInfo:
+def init_distributed(device: str = "auto", timeout_minutes: float = 120.0, always: bool = False) -> DistInfo:
     """Join the process group that ``torchrun`` describes in the environment (if any).
 
     ``device=auto`` picks ``cuda:<local_rank>`` when CUDA is present, else the CPU; the backend
-    follows (nccl on CUDA, gloo on CPU).
+    follows (nccl on CUDA, gloo on CPU). With ``always``, a single process outside torchrun forms a
+    group of one (DeepSpeed needs a group).
     """
+    if always and "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -41,13 +44,21 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 120.0) -> Di
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if world > 1 and not dist.is_initialized():
+    if (world > 1 or always) and not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if dev.type == "cuda" else "gloo",
             timeout=datetime.timedelta(minutes=timeout_minutes),
             device_id=dev if dev.type == "cuda" else None,
         )
     return DistInfo(rank, world, local, dev)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def barrier() -> None:

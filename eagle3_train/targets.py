@@ -185,13 +185,17 @@ def tensor_parallel_kwargs(tp_mesh: Any) -> dict[str, Any]:
     return {"tp_plan": "auto", "device_mesh": tp_mesh}
 
 
+def config_hash(config: Any) -> str:
+    """sha256 of what a config says about the model's math (not how it was saved or run)."""
+    return sha256_json({k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS})
+
+
 def target_identity(name: str, config: Any, tokenizer: Any) -> TargetIdentity:
     """Path and hashes that identify a target across machines and stages."""
-    cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     return TargetIdentity(
         path=name,
         model_type=str(text_config(config).model_type),
-        config_hash=sha256_json(cfg),
+        config_hash=config_hash(config),
         tokenizer_hash=tokenizer_hash(tokenizer),
         chat_template_hash=sha256_text(chat_template_of(tokenizer) or ""),
     )
@@ -357,3 +361,44 @@ def build_tiny_tokenizer(chat_template: str = CHATML_TEMPLATE) -> Any:
     )
     tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def load_embeddings_and_head(
+    target: str, *, cache_dir: str | os.PathLike | None, trust_remote_code: bool = False
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The target's config, input embeddings and lm_head weight ([V, H] each), read from its
+    safetensors files alone: training never loads the full target.
+
+    A tied lm_head (``tie_word_embeddings``) is the embedding matrix.
+    """
+    if target == "tiny":
+        model = build_tiny_model()
+        return model.config, model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
+    local = _local_dir(target, cache_dir)
+    if local is None:
+        from huggingface_hub import snapshot_download
+
+        local = Path(snapshot_download(target, allow_patterns=["*.json", "*.safetensors"]))
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(local), trust_remote_code=trust_remote_code)
+    files = sorted(local.glob("*.safetensors"))
+    if not files:
+        raise BadInputError(f"target {target} ({local}) has no .safetensors weights")
+    found: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if key.endswith("embed_tokens.weight") and "embed" not in found and "mtp" not in key:
+                    found["embed"] = st.get_tensor(key)
+                elif key.endswith("lm_head.weight") and "head" not in found:
+                    found["head"] = st.get_tensor(key)
+    if "embed" not in found:
+        raise BadInputError(f"no '*embed_tokens.weight' tensor in the safetensors files of {local}")
+    tied = getattr(text_config(config), "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)
+    if "head" not in found:
+        if not tied:
+            raise BadInputError(f"no 'lm_head.weight' in {local} and the config does not tie it to the embeddings")
+        found["head"] = found["embed"]
+    return config, found["embed"], found["head"]

@@ -16,25 +16,40 @@ from eagle3_train.cli import CONF_DIR, to_config
 import data_prep.dump  # noqa: F401  (registers dump_schema)
 import data_prep.prepare  # noqa: F401  (registers prepare_schema)
 import data_prep.standardize  # noqa: F401  (registers standardize_schema)
+import eagle3_train.trainer  # noqa: F401  (registers train_schema)
 
 PRIMARY = {
     "prepare.yaml": (data_prep.prepare.PrepareConfig, ["input=x.jsonl", "out=/tmp/o"]),
     "dump.yaml": (data_prep.dump.DumpConfig, ["data=/tmp/p", "out=/tmp/o", "capture.aux_indices=[1,15,28]"]),
     "standardize.yaml": (data_prep.standardize.StandardizeConfig, ["dumps=[/tmp/d]", "out=/tmp/o"]),
+    "train.yaml": (eagle3_train.trainer.TrainConfig, ["data=/tmp/s", "out=/tmp/o"]),
 }
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def compose_config(name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name=name.removesuffix(".yaml"), overrides=overrides)
 
 
 def test_every_primary_config_composes():
     found = sorted(p.name for p in Path(CONF_DIR).glob("*.yaml") if p.name != "common.yaml")
     assert found == sorted(PRIMARY)
     for name, (schema, overrides) in PRIMARY.items():
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name=name.removesuffix(".yaml"), overrides=overrides)
-        obj = to_config(cfg, schema)
-        assert isinstance(obj, schema)
+        cfg = compose_config(name, overrides)
+        assert isinstance(to_config(cfg, schema), schema)
         if hasattr(schema, "cache_dir"):
             assert OmegaConf.select(cfg, "cache_dir")
+
+
+def test_every_group_option_composes():
+    schema, overrides = PRIMARY["train.yaml"]
+    for group in sorted(g for g in Path(CONF_DIR).iterdir() if g.is_dir() and not g.name.startswith("_")):
+        for option in sorted(group.glob("*.yaml")):
+            obj = to_config(compose_config("train.yaml", overrides + [f"{group.name}={option.stem}"]), schema)
+            assert isinstance(obj, schema)
+    assert to_config(compose_config("train.yaml", overrides + ["deepspeed=zero3"]), schema).deepspeed.zero_stage == 3
+    assert to_config(compose_config("train.yaml", overrides + ["logging=wandb"]), schema).logging.wandb
 
 
 def test_config_checks_run_on_final_values():

@@ -1,0 +1,127 @@
+"""Training batches from standardized shards.
+
+Every sample of a split is indexed once (shard, token offset, length). An epoch is a deterministic
+function of (seed, epoch): samples are shuffled across shards, grouped into length-sorted windows
+(little padding), cut into micro-batches under a token budget, and the micro-batches shuffled.
+Micro-batch ``m`` goes to data-parallel rank ``m % world`` as accumulation step
+``(m // world) % grad_accum`` of optimizer step ``m // (world * grad_accum)``; one process with
+``grad_accum * world`` accumulation steps therefore sees exactly the same micro-batches per
+optimizer step as ``world`` processes do, and a run resumed at step s continues at micro-batch
+``s * world * grad_accum`` of the same epoch: no sample is seen twice or skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from eagle3_train.errors import BadInputError
+from eagle3_train.formats import SHARD_SUFFIX, ShardRecord
+
+SORT_WINDOW = 64  # micro-batches' worth of samples sorted together by length
+
+
+@dataclass
+class Batch:
+    """A padded micro-batch (right padding; ``lengths`` says where each row ends)."""
+
+    aux_hidden: torch.Tensor  # [B, T, n_aux*H]
+    last_hidden: torch.Tensor  # [B, T, H]
+    input_ids: torch.Tensor  # int64 [B, T]
+    loss_mask: torch.Tensor  # bool [B, T]
+    lengths: torch.Tensor  # int64 [B]
+    sample_ids: torch.Tensor  # int64 [B]
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
+        f = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(f(self.aux_hidden).to(dtype), f(self.last_hidden).to(dtype), f(self.input_ids),
+                     f(self.loss_mask), f(self.lengths), self.sample_ids)
+
+
+class ShardSplit:
+    """The samples of one split directory, readable by index.
+
+    Args:
+        directory: ``<standardized>/train`` or ``<standardized>/eval``.
+        records: the shard records listed for it in the manifest.
+        max_length: samples longer than this are cut (their tail is not trained on).
+    """
+
+    def __init__(self, directory: Path, records: list[ShardRecord], max_length: int):
+        self.directory = directory
+        self.paths = [directory / f"{r.name}{SHARD_SUFFIX}" for r in records]
+        shard, start, length, sid = [], [], [], []
+        for i, path in enumerate(self.paths):
+            if not path.is_file():
+                raise BadInputError(f"shard {path} listed in the manifest is missing")
+            with safe_open(str(path), framework="pt") as f:
+                cu = f.get_tensor("cu_seqlens").numpy()
+                ids = f.get_tensor("sample_ids").numpy()
+            shard.append(np.full(len(ids), i))
+            start.append(cu[:-1])
+            length.append(np.minimum(np.diff(cu), max_length))
+            sid.append(ids)
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+        self.shard, self.start, self.length, self.sample_id = (cat(x).astype(np.int64) for x in (shard, start, length, sid))
+        self._handles: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    def _open(self, i: int):
+        if i not in self._handles:
+            self._handles[i] = safe_open(str(self.paths[i]), framework="pt")
+        return self._handles[i]
+
+    def batch(self, indices: np.ndarray) -> Batch:
+        """Read and right-pad the samples ``indices`` (positions in this split's index)."""
+        lengths = self.length[indices]
+        b, t = len(indices), int(lengths.max())
+        rows = []
+        for i in indices:
+            f, s, n = self._open(int(self.shard[i])), int(self.start[i]), int(self.length[i])
+            rows.append({k: f.get_slice(k)[s : s + n] for k in ("aux_hidden", "last_hidden", "input_ids", "loss_mask")})
+        aux = rows[0]["aux_hidden"].new_zeros(b, t, rows[0]["aux_hidden"].shape[-1])
+        last = rows[0]["last_hidden"].new_zeros(b, t, rows[0]["last_hidden"].shape[-1])
+        ids = torch.zeros(b, t, dtype=torch.int64)
+        mask = torch.zeros(b, t, dtype=torch.bool)
+        for r, row in enumerate(rows):
+            n = int(lengths[r])
+            aux[r, :n], last[r, :n] = row["aux_hidden"], row["last_hidden"]
+            ids[r, :n], mask[r, :n] = row["input_ids"].long(), row["loss_mask"].bool()
+        return Batch(aux, last, ids, mask, torch.from_numpy(lengths.copy()), torch.from_numpy(self.sample_id[indices]))
+
+
+def plan_epoch(lengths: np.ndarray, max_tokens: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """Micro-batches of sample indices for one epoch, each within ``max_tokens`` padded tokens."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths))
+    window = max(1, SORT_WINDOW * max(1, max_tokens // max(1, int(np.median(lengths)) if len(lengths) else 1)))
+    batches: list[np.ndarray] = []
+    for w in range(0, len(order), window):
+        chunk = order[w : w + window]
+        chunk = chunk[np.argsort(-lengths[chunk], kind="stable")]
+        current: list[int] = []
+        for i in chunk:
+            if current and (len(current) + 1) * lengths[current[0]] > max_tokens:
+                batches.append(np.array(current))
+                current = []
+            current.append(int(i))
+        if current:
+            batches.append(np.array(current))
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def steps_in_epoch(n_batches: int, world: int, grad_accum: int) -> int:
+    """Optimizer steps an epoch holds; the last incomplete step's micro-batches are dropped."""
+    return n_batches // (world * grad_accum)
+
+
+def micro_batches_for(plan: list[np.ndarray], step: int, rank: int, world: int, grad_accum: int) -> list[np.ndarray]:
+    """The micro-batches rank ``rank`` runs for optimizer ``step`` (within the epoch)."""
+    base = step * world * grad_accum
+    return [plan[base + g * world + rank] for g in range(grad_accum)]

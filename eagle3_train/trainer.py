@@ -1,0 +1,479 @@
+"""``eagle3-train``: fit the EAGLE-3 draft head on standardized shards with DeepSpeed.
+
+    eagle3-train data=runs/x/std target=embedded out=runs/x/train
+    torchrun --nproc_per_node 8 -m eagle3_train.trainer data=... target=... out=... deepspeed=zero2
+
+The run directory holds ``checkpoints/step<N>/`` (DeepSpeed's own files plus ``draft.safetensors``,
+the consolidated head, and ``state.json``), ``metrics.jsonl`` (one line per logged step and per
+evaluation) and ``config.json``. ``resume=auto`` continues from the last checkpoint at its exact
+step and data position.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+from tqdm.auto import tqdm
+
+from eagle3_train.cli import CONF_DIR, config_dict, to_config, user_errors
+from eagle3_train.contract import CaptureSpec, read_manifest
+from eagle3_train.data import Batch, ShardSplit, micro_batches_for, plan_epoch, steps_in_epoch
+from eagle3_train.dist import DistInfo, all_gather_objects, barrier, close, init_distributed, print0
+from eagle3_train.errors import BadInputError, ConfigError, ContractError, Eagle3Error
+from eagle3_train.fileio import atomic_write_json
+from eagle3_train.formats import ShardRecord
+from eagle3_train.model import DraftConfig, Eagle3Draft
+from eagle3_train.objective import acceptance_length, correct_predictions, soft_cross_entropy, target_distribution
+from eagle3_train.targets import config_hash, load_embeddings_and_head
+from eagle3_train.vocab import load_vocab_map
+
+CRASH_ENV = "EAGLE3_TRAIN_CRASH_AFTER_STEP"  # tests only: hard-exit after saving this step
+
+
+@dataclass
+class OptimConfig:
+    """The training recipe (``train.*``)."""
+
+    ttt_length: int = 7  # training-time-test steps unrolled
+    loss_decay: float = 0.8  # weight of step j is loss_decay**j
+    epochs: int = 1  # passes over the training split
+    max_steps: int | None = None  # stop after this many optimizer steps (null: all epochs)
+    lr: float = 1e-4  # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.0  # final lr as a fraction of the peak
+    warmup_steps: int = 0  # linear warmup from 0
+    schedule: str = "cosine"  # decay after warmup: cosine | linear | constant
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    grad_clip: float = 0.5  # max global gradient norm (0: off)
+    max_tokens_per_batch: int = 8192  # padded tokens in one micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step on each rank
+    seed: int = 0  # data order and initialisation
+    eval_every: int = 0  # evaluate every N steps (0: only at the end)
+    save_every: int = 0  # checkpoint every N steps (0: only at the end)
+    keep_last: int = 2  # checkpoints kept
+    log_every: int = 10  # metrics line every N steps
+
+    def __post_init__(self) -> None:
+        if self.ttt_length < 1:
+            raise ConfigError(f"train.ttt_length must be >= 1, got {self.ttt_length}")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"train.schedule must be cosine, linear or constant, got {self.schedule!r}")
+        for name in ("epochs", "max_tokens_per_batch", "grad_accum", "keep_last", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class DeepSpeedConfig:
+    """How DeepSpeed shards the run (``deepspeed=zero1|zero2|zero3``)."""
+
+    zero_stage: int = 1  # ZeRO stage 0-3
+    bf16: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; true / false to force
+    offload_optimizer: bool = False  # ZeRO optimizer states in host memory
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go besides the console and metrics.jsonl (``logging=none|wandb``)."""
+
+    wandb: bool = False  # log to Weights & Biases
+    wandb_project: str = "eagle3_train"  # its project
+    wandb_mode: str = "offline"  # online | offline
+    run_name: str | None = None  # its run name (null: the run directory's name)
+
+
+@dataclass
+class TrainConfig:
+    """Options of ``eagle3-train`` (``conf/train.yaml``)."""
+
+    data: str = MISSING  # standardized directory (eagle3-standardize's out)
+    target: str = "embedded"  # the target whose embeddings and lm_head are read (safetensors only)
+    out: str = MISSING  # run directory
+    cache_dir: str | None = None  # where GGUF targets are converted once
+    resume: str = "auto"  # auto: continue from the last checkpoint in out; never: refuse a used out
+    device: str = "auto"  # auto: cuda:<local_rank> if present, else cpu
+    train: OptimConfig = field(default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    progress: bool = True  # progress bar on rank 0
+
+    def __post_init__(self) -> None:
+        if self.resume not in ("auto", "never"):
+            raise ConfigError(f"resume must be auto or never, got {self.resume!r}")
+
+
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
+    """Multiplier of the peak lr at ``step`` (0-based): linear warmup, then the decay schedule."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant" or total <= cfg.warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+class Trainer:
+    """One training run on this rank: build -> (resume) -> train_step... -> evaluate/save -> close."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.out).expanduser()
+        self.dist: DistInfo = init_distributed(cfg.device, always=True)
+        self.data_dir = Path(cfg.data).expanduser()
+        self.manifest = read_manifest(self.data_dir, "standardize")
+        self.spec = CaptureSpec.from_dict(self.manifest["capture"])
+        self.vocab, self.vocab_sha = self._load_vocab()
+        target_config, embed, head = load_embeddings_and_head(cfg.target, cache_dir=cfg.cache_dir)
+        self._check_target(target_config)
+        bf16 = cfg.deepspeed.bf16 == "true" or (cfg.deepspeed.bf16 == "auto" and self.dist.device.type == "cuda")
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
+        self.lm_head = head.to(self.dist.device, self.dtype)  # frozen target lm_head [V, H]
+        self.t2d = self.vocab.t2d.to(self.dist.device)
+        draft_cfg = DraftConfig.from_target(target_config, len(self.spec.aux_indices), self.vocab.draft_vocab_size)
+        torch.manual_seed(cfg.train.seed)
+        self.model = Eagle3Draft(draft_cfg)
+        with torch.no_grad():
+            self.model.embed_tokens.weight.copy_(embed)
+            self.model.d2t.copy_(self.vocab.d2t)
+            self.model.t2d.copy_(self.vocab.t2d)
+        o = cfg.train
+        self.train_split = ShardSplit(self.data_dir / "train", self._records("train"), o.max_tokens_per_batch)
+        self.eval_split = ShardSplit(self.data_dir / "eval", self._records("eval"), o.max_tokens_per_batch)
+        if len(self.train_split) == 0:
+            raise BadInputError(f"{self.data_dir} has no training samples")
+        self.world = self.dist.world_size
+        n_batches = len(plan_epoch(self.train_split.length, o.max_tokens_per_batch, o.seed, 0))
+        self.steps_per_epoch = steps_in_epoch(n_batches, self.world, o.grad_accum)
+        if self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"one optimizer step needs {self.world * o.grad_accum} micro-batches, the training split "
+                f"gives {n_batches}: lower train.grad_accum or train.max_tokens_per_batch"
+            )
+        self.total_steps = o.epochs * self.steps_per_epoch
+        if o.max_steps is not None:
+            self.total_steps = min(self.total_steps, o.max_steps)
+        self.engine = self._build_engine()
+        self.step = 0
+        self.metrics_path = self.out / "metrics.jsonl"
+        self._resume()
+        self.tracker = self._tracker()
+
+    # -- building --------------------------------------------------------------------------------
+
+    def _load_vocab(self):
+        path = self.data_dir / self.manifest["vocab"]["file"]
+        if not path.is_file():
+            raise BadInputError(f"{self.data_dir} has no vocab map ({path.name}); run eagle3-standardize again")
+        vocab, sha = load_vocab_map(path, self.spec.vocab_size)
+        if sha != self.manifest["vocab"]["sha256"]:
+            raise ContractError(f"{path} is not the vocab map recorded in {self.data_dir}/manifest.json (sha256 differs)")
+        return vocab, sha
+
+    def _check_target(self, target_config: Any) -> None:
+        """The standardized data must come from this target: same sizes and config."""
+        from eagle3_train.targets import text_config
+
+        c = text_config(target_config)
+        have = {"hidden_size": self.spec.hidden_size, "vocab_size": self.spec.vocab_size,
+                "num_hidden_layers": self.spec.num_hidden_layers}
+        want = {k: getattr(c, k) for k in have}
+        diffs = [f"{k}: data {have[k]} != target {want[k]}" for k in have if have[k] != want[k]]
+        mine = config_hash(target_config)
+        if mine != self.spec.target.config_hash:
+            diffs.append(f"target.config_hash: data {self.spec.target.config_hash[:12]} != target {mine[:12]}")
+        if diffs:
+            raise ContractError(
+                f"{self.data_dir} was captured from {self.spec.target.path}, not from target {self.cfg.target}:\n  "
+                + "\n  ".join(diffs)
+            )
+
+    def _records(self, split: str) -> list[ShardRecord]:
+        return [ShardRecord.from_dict(r) for r in self.manifest["shards"][split]]
+
+    def _build_engine(self) -> Any:
+        """The one place that turns the model into a DeepSpeed engine."""
+        import deepspeed
+
+        if self.dist.device.type == "cpu":  # skip the shared-memory op's C++ build on CPU
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        o, ds = self.cfg.train, self.cfg.deepspeed
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, self.total_steps, o))
+        zero: dict[str, Any] = {"stage": ds.zero_stage}
+        if ds.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        config = {
+            "train_micro_batch_size_per_gpu": 1,  # batches are token-budgeted; DeepSpeed only counts
+            "gradient_accumulation_steps": o.grad_accum,
+            "gradient_clipping": o.grad_clip,
+            "zero_optimization": zero,
+            "bf16": {"enabled": self.dtype == torch.bfloat16},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.model.to(self.dist.device)
+        engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=schedule, config=config)
+        return engine
+
+    def _tracker(self) -> Any:
+        if not (self.cfg.logging.wandb and self.dist.is_main):
+            return None
+        import wandb
+
+        return wandb.init(project=self.cfg.logging.wandb_project, mode=self.cfg.logging.wandb_mode,
+                          name=self.cfg.logging.run_name or self.out.name, dir=str(self.out),
+                          config=config_dict(self.cfg), resume="allow")
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def _checkpoints(self) -> list[Path]:
+        root = self.out / "checkpoints"
+        done = [p for p in root.glob("step*") if (p / "state.json").is_file()] if root.is_dir() else []
+        return sorted(done, key=lambda p: int(p.name.removeprefix("step")))
+
+    def _resume(self) -> None:
+        if self.dist.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        barrier()
+        ckpts = self._checkpoints()
+        if not ckpts:
+            if self.dist.is_main:
+                self.metrics_path.unlink(missing_ok=True)
+                atomic_write_json(self.out / "config.json", config_dict(self.cfg))
+            return
+        if self.cfg.resume == "never":
+            raise ContractError(f"{self.out} already holds checkpoints; resume=auto continues it, or use another out=")
+        last = ckpts[-1]
+        state = json.loads((last / "state.json").read_text())
+        if state["vocab_sha256"] != self.vocab_sha:
+            raise ContractError(
+                f"{last} was trained with vocab map {state['vocab_sha256'][:12]}, the data now has "
+                f"{self.vocab_sha[:12]}: the lm_head rows would mean other tokens. Standardize with "
+                f"vocab_map=<the old map>, or start a new run"
+            )
+        if state["world_size"] * state["grad_accum"] != self.world * self.cfg.train.grad_accum:
+            raise ContractError(
+                f"{last} ran {state['world_size']} ranks x grad_accum {state['grad_accum']}; this run has "
+                f"{self.world} x {self.cfg.train.grad_accum}: keep their product to resume at the same data position"
+            )
+        self.engine.load_checkpoint(str(last.parent), tag=last.name, load_optimizer_states=True, load_lr_scheduler_states=True)
+        with torch.no_grad():  # frozen weights are not in every ZeRO checkpoint: always the target's
+            self.model.d2t.copy_(self.vocab.d2t)
+            self.model.t2d.copy_(self.vocab.t2d)
+        self.step = state["step"]
+        print0(f"resumed from {last} at step {self.step}")
+
+    def save(self) -> Path:
+        """A DeepSpeed checkpoint plus the consolidated head; the oldest beyond keep_last go."""
+        tag = f"step{self.step}"
+        root = self.out / "checkpoints"
+        state = {"step": self.step, "epoch": self.step // self.steps_per_epoch, "world_size": self.world,
+                 "grad_accum": self.cfg.train.grad_accum, "vocab_sha256": self.vocab_sha,
+                 "capture": self.spec.to_dict(), "draft_config": self.model.config.to_dict()}
+        self.engine.save_checkpoint(str(root), tag=tag, client_state={"eagle3": state})
+        weights = self.consolidated_state_dict()
+        if self.dist.is_main:
+            from safetensors.torch import save_file
+
+            save_file(weights, str(root / tag / "draft.safetensors"))
+            atomic_write_json(root / tag / "state.json", state)  # last: marks the checkpoint complete
+            for old in self._checkpoints()[: -self.cfg.train.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        barrier()
+        return root / tag
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight but the target's embeddings, gathered whole (ZeRO-3 included), fp32 CPU."""
+        params = dict(self.model.named_parameters())
+        if self.cfg.deepspeed.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+                return self._cpu_weights()
+        return self._cpu_weights()
+
+    def _cpu_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
+                for k, v in self.model.state_dict().items() if not k.startswith("embed_tokens")}
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def losses(self, batch: Batch) -> tuple[torch.Tensor, list[tuple[int, int]], list[float]]:
+        """Weighted TTT loss of one micro-batch, per-step (correct, counted) and per-step losses."""
+        o = self.cfg.train
+        b, t = batch.input_ids.shape
+        h = batch.last_hidden.shape[-1]
+        probs, argmax, in_draft = target_distribution(batch.last_hidden.reshape(-1, h), self.lm_head, self.t2d)
+        probs, argmax, in_draft = probs.view(b, t, -1), argmax.view(b, t), in_draft.view(b, t)
+        positions = torch.arange(t, device=batch.input_ids.device)
+        total = torch.zeros((), device=batch.input_ids.device)
+        counts, step_losses = [], []
+        for j, out in enumerate(self.engine.module.unroll(batch.aux_hidden, batch.input_ids, o.ttt_length)):
+            # step j at position t predicts token t+2+j from the target's distribution at t+1+j
+            n = t - 2 - j
+            if n <= 0:
+                counts.append((0, 0))
+                step_losses.append(0.0)
+                continue
+            q, p = slice(1 + j, 1 + j + n), slice(2 + j, 2 + j + n)
+            mask = (positions[None, p] < batch.lengths[:, None]) & batch.loss_mask[:, p] & in_draft[:, q]
+            logits = self.engine.module.logits(out[:, :n])
+            loss = soft_cross_entropy(logits.reshape(-1, logits.shape[-1]), probs[:, q].reshape(-1, probs.shape[-1]), mask.reshape(-1))
+            total = total + o.loss_decay**j * loss
+            counts.append(correct_predictions(logits.reshape(-1, logits.shape[-1]), argmax[:, q].reshape(-1), mask.reshape(-1)))
+            step_losses.append(float(loss.detach()))
+        return total, counts, step_losses
+
+    def train_step(self, plan: list[np.ndarray], step_in_epoch: int) -> dict[str, Any]:
+        """One optimizer step: this rank's micro-batches, backward, DeepSpeed's step."""
+        o = self.cfg.train
+        self.engine.train()
+        counts = np.zeros((o.ttt_length, 2), dtype=np.int64)
+        loss_sum, tokens = 0.0, 0
+        for indices in micro_batches_for(plan, step_in_epoch, self.dist.rank, self.world, o.grad_accum):
+            batch = self.train_split.batch(indices).to(self.dist.device, self.dtype)
+            loss, step_counts, _ = self.losses(batch)
+            finite = torch.tensor([float(torch.isfinite(loss))], device=self.dist.device)
+            if torch.distributed.is_initialized():
+                torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+            if finite.item() < 1:
+                last = self._checkpoints()
+                raise Eagle3Error(
+                    f"non-finite loss at step {self.step + 1} (epoch {self.step // self.steps_per_epoch}, "
+                    f"micro-batch of samples {batch.sample_ids.tolist()[:8]} on some rank); last good "
+                    f"checkpoint: {last[-1] if last else 'none'}"
+                )
+            self.engine.backward(loss)
+            self.engine.step()
+            counts += np.array(step_counts)
+            loss_sum += float(loss.detach())
+            tokens += int(batch.lengths.sum())
+        self.step += 1
+        return {"loss": loss_sum / o.grad_accum, "counts": counts, "tokens": tokens}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Per-step accuracy, loss and simulated acceptance length on the eval split (all ranks)."""
+        o = self.cfg.train
+        self.engine.eval()
+        counts = np.zeros((o.ttt_length, 2), dtype=np.int64)
+        loss_sum, n = 0.0, 0
+        if len(self.eval_split):
+            batches = plan_epoch(self.eval_split.length, o.max_tokens_per_batch, 0, 0)
+            for indices in batches[self.dist.rank :: self.world]:
+                batch = self.eval_split.batch(indices).to(self.dist.device, self.dtype)
+                loss, step_counts, _ = self.losses(batch)
+                counts += np.array(step_counts)
+                loss_sum += float(loss)
+                n += 1
+        gathered = all_gather_objects((counts, loss_sum, n))
+        counts = sum(g[0] for g in gathered)
+        loss_sum, n = sum(g[1] for g in gathered), sum(g[2] for g in gathered)
+        acc = [float(c / m) if m else 0.0 for c, m in counts]
+        return {"step": self.step, "eval_loss": loss_sum / max(n, 1), "eval_acc": acc, "eval_tau": acceptance_length(acc)}
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.dist.is_main:
+            return
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tracker is not None:
+            flat = {k: v for k, v in record.items() if not isinstance(v, list)}
+            for k, v in record.items():
+                if isinstance(v, list):
+                    flat |= {f"{k}/{j}": x for j, x in enumerate(v)}
+            self.tracker.log(flat, step=record["step"])
+
+    def run(self) -> dict[str, Any]:
+        o = self.cfg.train
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                   disable=not (self.cfg.progress and self.dist.is_main))
+        window = np.zeros((o.ttt_length, 2), dtype=np.int64)
+        window_loss, window_tokens, window_start, window_steps = 0.0, 0, time.time(), 0
+        plan, plan_epoch_no = None, -1
+        crash_after = int(os.environ.get(CRASH_ENV, 0))
+        while self.step < self.total_steps:
+            epoch, step_in_epoch = divmod(self.step, self.steps_per_epoch)
+            if epoch != plan_epoch_no:
+                plan, plan_epoch_no = plan_epoch(self.train_split.length, o.max_tokens_per_batch, o.seed, epoch), epoch
+            result = self.train_step(plan, step_in_epoch)
+            window += result["counts"]
+            window_loss += result["loss"]
+            window_tokens += result["tokens"]
+            window_steps += 1
+            bar.update(1)
+            if self.step % o.log_every == 0 or self.step == self.total_steps:
+                record = self._train_record(window, window_loss / window_steps, window_tokens, time.time() - window_start)
+                self.log(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.2f}", tau=f"{record['tau']:.2f}",
+                                lr=f"{record['lr']:.1e}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+                window[:] = 0
+                window_loss, window_tokens, window_start, window_steps = 0.0, 0, time.time(), 0
+            if o.eval_every and self.step % o.eval_every == 0 and self.step < self.total_steps:
+                self.log(self.evaluate())
+            if o.save_every and self.step % o.save_every == 0 and self.step < self.total_steps:
+                self.save()
+                if crash_after and self.step >= crash_after:
+                    os._exit(17)
+        bar.close()
+        final = self.evaluate()
+        self.log(final)
+        path = self.save()
+        print0(
+            f"eagle3-train: {self.step} steps; eval acc per step "
+            f"{[round(a, 3) for a in final['eval_acc']]}, simulated tau {final['eval_tau']:.2f} -> {path}"
+        )
+        return final | {"checkpoint": str(path)}
+
+    def _train_record(self, counts: np.ndarray, loss: float, tokens: int, seconds: float) -> dict[str, Any]:
+        """Metrics of the steps since the last record, over all ranks (the loss is the mean of the
+        ranks' micro-batch means: what the averaged gradient descends)."""
+        gathered = all_gather_objects((counts, tokens, loss))
+        counts = sum(g[0] for g in gathered)
+        tokens = sum(g[1] for g in gathered)
+        loss = sum(g[2] for g in gathered) / len(gathered)
+        acc = [float(c / m) if m else 0.0 for c, m in counts]
+        return {"step": self.step, "loss": loss, "acc": acc, "tau": acceptance_length(acc),
+                "lr": self.engine.get_lr()[0], "tokens_per_s": tokens / max(seconds, 1e-9)}
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.finish()
+
+
+@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    with user_errors("eagle3-train"):
+        trainer = Trainer(to_config(cfg, TrainConfig))
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
+            close()
+
+
+def main() -> None:
+    """Console entry point ``eagle3-train``."""
+    _main()
+
+
+if __name__ == "__main__":
+    main()
