@@ -52,13 +52,12 @@ def soft_cross_entropy(draft_logits: torch.Tensor, target_probs: torch.Tensor, m
     return (per_position * mask).sum() / n.clamp(min=1)
 
 
-def correct_predictions(draft_logits: torch.Tensor, argmax_draft: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
-    """(correct, counted): positions where the draft's argmax is the target's argmax.
-
-    Both are draft-vocab indices, so comparing them is comparing target ids through d2t.
-    """
+def correct_predictions(draft_logits: torch.Tensor, argmax_draft: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[correct, counted] (float tensor, on the logits' device): counted positions where the
+    draft's argmax is the target's argmax. Both are draft-vocab indices, so comparing them is
+    comparing target ids through d2t."""
     hit = (draft_logits.argmax(-1) == argmax_draft) & mask
-    return int(hit.sum()), int(mask.sum())
+    return torch.stack([hit.sum(), mask.sum()]).float()
 
 
 def step_weights(ttt_length: int, decay: float) -> list[float]:

@@ -128,6 +128,66 @@ def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
+def build_engine(model: Eagle3Draft, o: OptimConfig, ds: DeepSpeedConfig, dtype: torch.dtype,
+                 device: torch.device, total_steps: int) -> Any:
+    """The one place that turns the draft into a DeepSpeed engine: AdamW (torch) on the trainable
+    parameters, warmup + decay schedule, ZeRO stage, bf16, clipping, gradient accumulation."""
+    import deepspeed
+
+    if device.type == "cpu":  # skip the shared-memory op's C++ build on CPU
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, o))
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,  # batches are token-budgeted; DeepSpeed only counts
+        "gradient_accumulation_steps": o.grad_accum,
+        "gradient_clipping": o.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=config)
+    return engine
+
+
+def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: torch.Tensor, ttt_length: int,
+               decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted TTT loss of one micro-batch, and per-step statistics [ttt_length, 3] (correct,
+    counted, loss) left on the device, so the step never waits for the GPU.
+
+    Step j at position t predicts token t+2+j; its target is the target's distribution at t+1+j.
+    A position counts when that token exists, is loss-masked, and the target's argmax at t+1+j is
+    in the draft vocab.
+    """
+    b, t = batch.input_ids.shape
+    h = batch.last_hidden.shape[-1]
+    dev = batch.input_ids.device
+    probs, argmax, in_draft = target_distribution(batch.last_hidden.reshape(-1, h), lm_head, t2d)
+    probs, argmax, in_draft = probs.view(b, t, -1), argmax.view(b, t), in_draft.view(b, t)
+    positions = torch.arange(t, device=dev)
+    total = torch.zeros((), device=dev)
+    stats = torch.zeros(ttt_length, 3, device=dev)
+    for j, out in enumerate(model.unroll(batch.aux_hidden, batch.input_ids, ttt_length)):
+        n = t - 2 - j
+        if n <= 0:
+            continue
+        q, p = slice(1 + j, 1 + j + n), slice(2 + j, 2 + j + n)
+        mask = ((positions[None, p] < batch.lengths[:, None]) & batch.loss_mask[:, p] & in_draft[:, q]).reshape(-1)
+        logits = model.logits(out[:, :n])
+        logits = logits.reshape(-1, logits.shape[-1])
+        loss = soft_cross_entropy(logits, probs[:, q].reshape(-1, probs.shape[-1]), mask)
+        total = total + decay**j * loss
+        stats[j, :2] = correct_predictions(logits, argmax[:, q].reshape(-1), mask)
+        stats[j, 2] = loss.detach()
+    return total, stats
+
+
 class Trainer:
     """One training run on this rank: build -> (resume) -> train_step... -> evaluate/save -> close."""
 
@@ -168,7 +228,8 @@ class Trainer:
         self.total_steps = o.epochs * self.steps_per_epoch
         if o.max_steps is not None:
             self.total_steps = min(self.total_steps, o.max_steps)
-        self.engine = self._build_engine()
+        self.model.to(self.dist.device)
+        self.engine = build_engine(self.model, cfg.train, cfg.deepspeed, self.dtype, self.dist.device, self.total_steps)
         self.step = 0
         self.metrics_path = self.out / "metrics.jsonl"
         self._resume()
@@ -205,33 +266,6 @@ class Trainer:
 
     def _records(self, split: str) -> list[ShardRecord]:
         return [ShardRecord.from_dict(r) for r in self.manifest["shards"][split]]
-
-    def _build_engine(self) -> Any:
-        """The one place that turns the model into a DeepSpeed engine."""
-        import deepspeed
-
-        if self.dist.device.type == "cpu":  # skip the shared-memory op's C++ build on CPU
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        o, ds = self.cfg.train, self.cfg.deepspeed
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, self.total_steps, o))
-        zero: dict[str, Any] = {"stage": ds.zero_stage}
-        if ds.offload_optimizer:
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        config = {
-            "train_micro_batch_size_per_gpu": 1,  # batches are token-budgeted; DeepSpeed only counts
-            "gradient_accumulation_steps": o.grad_accum,
-            "gradient_clipping": o.grad_clip,
-            "zero_optimization": zero,
-            "bf16": {"enabled": self.dtype == torch.bfloat16},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
-        self.model.to(self.dist.device)
-        engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=schedule, config=config)
-        return engine
 
     def _tracker(self) -> Any:
         if not (self.cfg.logging.wandb and self.dist.is_main):
@@ -316,31 +350,9 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------------
 
-    def losses(self, batch: Batch) -> tuple[torch.Tensor, list[tuple[int, int]], list[float]]:
-        """Weighted TTT loss of one micro-batch, per-step (correct, counted) and per-step losses."""
+    def losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         o = self.cfg.train
-        b, t = batch.input_ids.shape
-        h = batch.last_hidden.shape[-1]
-        probs, argmax, in_draft = target_distribution(batch.last_hidden.reshape(-1, h), self.lm_head, self.t2d)
-        probs, argmax, in_draft = probs.view(b, t, -1), argmax.view(b, t), in_draft.view(b, t)
-        positions = torch.arange(t, device=batch.input_ids.device)
-        total = torch.zeros((), device=batch.input_ids.device)
-        counts, step_losses = [], []
-        for j, out in enumerate(self.engine.module.unroll(batch.aux_hidden, batch.input_ids, o.ttt_length)):
-            # step j at position t predicts token t+2+j from the target's distribution at t+1+j
-            n = t - 2 - j
-            if n <= 0:
-                counts.append((0, 0))
-                step_losses.append(0.0)
-                continue
-            q, p = slice(1 + j, 1 + j + n), slice(2 + j, 2 + j + n)
-            mask = (positions[None, p] < batch.lengths[:, None]) & batch.loss_mask[:, p] & in_draft[:, q]
-            logits = self.engine.module.logits(out[:, :n])
-            loss = soft_cross_entropy(logits.reshape(-1, logits.shape[-1]), probs[:, q].reshape(-1, probs.shape[-1]), mask.reshape(-1))
-            total = total + o.loss_decay**j * loss
-            counts.append(correct_predictions(logits.reshape(-1, logits.shape[-1]), argmax[:, q].reshape(-1), mask.reshape(-1)))
-            step_losses.append(float(loss.detach()))
-        return total, counts, step_losses
+        return ttt_losses(self.engine.module, batch, self.lm_head, self.t2d, o.ttt_length, o.loss_decay)
 
     def train_step(self, plan: list[np.ndarray], step_in_epoch: int) -> dict[str, Any]:
         """One optimizer step: this rank's micro-batches, backward, DeepSpeed's step."""
@@ -350,8 +362,8 @@ class Trainer:
         loss_sum, tokens = 0.0, 0
         for indices in micro_batches_for(plan, step_in_epoch, self.dist.rank, self.world, o.grad_accum):
             batch = self.train_split.batch(indices).to(self.dist.device, self.dtype)
-            loss, step_counts, _ = self.losses(batch)
-            finite = torch.tensor([float(torch.isfinite(loss))], device=self.dist.device)
+            loss, stats = self.losses(batch)
+            finite = torch.isfinite(loss).float().reshape(1)
             if torch.distributed.is_initialized():
                 torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
             if finite.item() < 1:
@@ -363,7 +375,8 @@ class Trainer:
                 )
             self.engine.backward(loss)
             self.engine.step()
-            counts += np.array(step_counts)
+            stats = stats.cpu().numpy()
+            counts += stats[:, :2].astype(np.int64)
             loss_sum += float(loss.detach())
             tokens += int(batch.lengths.sum())
         self.step += 1
@@ -380,8 +393,8 @@ class Trainer:
             batches = plan_epoch(self.eval_split.length, o.max_tokens_per_batch, 0, 0)
             for indices in batches[self.dist.rank :: self.world]:
                 batch = self.eval_split.batch(indices).to(self.dist.device, self.dtype)
-                loss, step_counts, _ = self.losses(batch)
-                counts += np.array(step_counts)
+                loss, stats = self.losses(batch)
+                counts += stats[:, :2].cpu().numpy().astype(np.int64)
                 loss_sum += float(loss)
                 n += 1
         gathered = all_gather_objects((counts, loss_sum, n))

@@ -39,7 +39,7 @@ def test_soft_cross_entropy_by_hand():
 
 def test_accuracy_weights_and_acceptance():
     logits = torch.tensor([[0.0, 1.0], [2.0, 0.0], [0.0, 3.0], [1.0, 0.0]])
-    hit, n = correct_predictions(logits, torch.tensor([1, 1, 1, -1]), torch.tensor([True, True, True, False]))
+    hit, n = correct_predictions(logits, torch.tensor([1, 1, 1, -1]), torch.tensor([True, True, True, False])).tolist()
     assert (hit, n) == (2, 3)
     assert step_weights(3, 0.8) == pytest.approx([1.0, 0.8, 0.64])
     assert acceptance_length([0.8, 0.5, 0.5]) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
