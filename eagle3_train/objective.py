@@ -28,12 +28,13 @@ def target_distribution(
         outside the draft vocab), in_draft bool [N].
     """
     draft_of_target = torch.cumsum(t2d.long(), 0) - 1  # target id -> draft index, where t2d
+    draft_ids = t2d.nonzero().squeeze(1)  # [V_draft] target ids, ascending
     probs, argmax = [], []
     with torch.no_grad():
         for start in range(0, last_hidden.shape[0], chunk):
-            logits = (last_hidden[start : start + chunk] @ lm_head_weight.T).float()  # [n, V_target]
+            logits = last_hidden[start : start + chunk] @ lm_head_weight.T  # [n, V_target], model dtype
             top = logits.argmax(-1)
-            probs.append(torch.softmax(logits[:, t2d], dim=-1))
+            probs.append(torch.softmax(logits.index_select(1, draft_ids).float(), dim=-1))
             argmax.append(torch.where(t2d[top], draft_of_target[top], torch.full_like(top, -1)))
     p = torch.cat(probs) if probs else last_hidden.new_zeros(0, int(t2d.sum()), dtype=torch.float32)
     a = torch.cat(argmax) if argmax else torch.zeros(0, dtype=torch.long, device=last_hidden.device)
