@@ -36,6 +36,11 @@ class Batch:
     lengths: torch.Tensor  # int64 [B]
     sample_ids: torch.Tensor  # int64 [B]
 
+    def pin(self) -> Batch:
+        """The same batch in page-locked memory (asynchronous copies to the GPU)."""
+        return Batch(self.aux_hidden.pin_memory(), self.last_hidden.pin_memory(), self.input_ids.pin_memory(),
+                     self.loss_mask.pin_memory(), self.lengths.pin_memory(), self.sample_ids)
+
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
         f = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return Batch(f(self.aux_hidden).to(dtype), f(self.last_hidden).to(dtype), f(self.input_ids),

@@ -14,8 +14,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import shutil
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,6 +131,33 @@ def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
+class Prefetcher:
+    """Runs an iterator on a background thread, ``depth`` items ahead (reading and padding the
+    next micro-batches while the GPU trains on this one). Errors surface at ``next``."""
+
+    def __init__(self, items: Iterator[Any], depth: int):
+        self.queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self.thread = threading.Thread(target=self._fill, args=(items,), daemon=True)
+        self.thread.start()
+
+    def _fill(self, items: Iterator[Any]) -> None:
+        try:
+            for item in items:
+                self.queue.put((item, None))
+        except BaseException as e:
+            self.queue.put((None, e))
+        self.queue.put((None, StopIteration()))
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        item, error = self.queue.get()
+        if error is not None:
+            raise error
+        return item
+
+
 def build_engine(model: Eagle3Draft, o: OptimConfig, ds: DeepSpeedConfig, dtype: torch.dtype,
                  device: torch.device, total_steps: int) -> Any:
     """The one place that turns the draft into a DeepSpeed engine: AdamW (torch) on the trainable
@@ -218,14 +248,15 @@ class Trainer:
         if len(self.train_split) == 0:
             raise BadInputError(f"{self.data_dir} has no training samples")
         self.world = self.dist.world_size
-        n_batches = len(plan_epoch(self.train_split.length, o.max_tokens_per_batch, o.seed, 0))
-        self.steps_per_epoch = steps_in_epoch(n_batches, self.world, o.grad_accum)
-        if self.steps_per_epoch == 0:
+        # Epochs shuffle differently, so their micro-batch counts can differ by a few.
+        n_batches = [len(plan_epoch(self.train_split.length, o.max_tokens_per_batch, o.seed, e)) for e in range(o.epochs)]
+        self.epoch_steps = [steps_in_epoch(n, self.world, o.grad_accum) for n in n_batches]
+        if min(self.epoch_steps) == 0:
             raise ConfigError(
                 f"one optimizer step needs {self.world * o.grad_accum} micro-batches, the training split "
-                f"gives {n_batches}: lower train.grad_accum or train.max_tokens_per_batch"
+                f"gives {min(n_batches)}: lower train.grad_accum or train.max_tokens_per_batch"
             )
-        self.total_steps = o.epochs * self.steps_per_epoch
+        self.total_steps = sum(self.epoch_steps)
         if o.max_steps is not None:
             self.total_steps = min(self.total_steps, o.max_steps)
         self.model.to(self.dist.device)
@@ -319,7 +350,7 @@ class Trainer:
         """A DeepSpeed checkpoint plus the consolidated head; the oldest beyond keep_last go."""
         tag = f"step{self.step}"
         root = self.out / "checkpoints"
-        state = {"step": self.step, "epoch": self.step // self.steps_per_epoch, "world_size": self.world,
+        state = {"step": self.step, "epoch": self.epoch_of(self.step)[0], "world_size": self.world,
                  "grad_accum": self.cfg.train.grad_accum, "vocab_sha256": self.vocab_sha,
                  "capture": self.spec.to_dict(), "draft_config": self.model.config.to_dict()}
         self.engine.save_checkpoint(str(root), tag=tag, client_state={"eagle3": state})
@@ -354,14 +385,36 @@ class Trainer:
         o = self.cfg.train
         return ttt_losses(self.engine.module, batch, self.lm_head, self.t2d, o.ttt_length, o.loss_decay)
 
-    def train_step(self, plan: list[np.ndarray], step_in_epoch: int) -> dict[str, Any]:
-        """One optimizer step: this rank's micro-batches, backward, DeepSpeed's step."""
+    def epoch_of(self, step: int) -> tuple[int, int]:
+        """(epoch, step within it) of a global optimizer step."""
+        for epoch, n in enumerate(self.epoch_steps):
+            if step < n:
+                return epoch, step
+            step -= n
+        return len(self.epoch_steps), step
+
+    def train_batches(self) -> Iterator[Batch]:
+        """This rank's micro-batches from the current step to the end, in order (host memory,
+        pinned on CUDA). Runs on the prefetch thread."""
+        o = self.cfg.train
+        pin = self.dist.device.type == "cuda"
+        epoch_no, plan = -1, []
+        for step in range(self.step, self.total_steps):
+            epoch, step_in_epoch = self.epoch_of(step)
+            if epoch != epoch_no:
+                epoch_no, plan = epoch, plan_epoch(self.train_split.length, o.max_tokens_per_batch, o.seed, epoch)
+            for indices in micro_batches_for(plan, step_in_epoch, self.dist.rank, self.world, o.grad_accum):
+                batch = self.train_split.batch(indices)
+                yield batch.pin() if pin else batch
+
+    def train_step(self, batches: Iterator[Batch]) -> dict[str, Any]:
+        """One optimizer step: this rank's next micro-batches, backward, DeepSpeed's step."""
         o = self.cfg.train
         self.engine.train()
         counts = np.zeros((o.ttt_length, 2), dtype=np.int64)
         loss_sum, tokens = 0.0, 0
-        for indices in micro_batches_for(plan, step_in_epoch, self.dist.rank, self.world, o.grad_accum):
-            batch = self.train_split.batch(indices).to(self.dist.device, self.dtype)
+        for _ in range(o.grad_accum):
+            batch = next(batches).to(self.dist.device, self.dtype)
             loss, stats = self.losses(batch)
             finite = torch.isfinite(loss).float().reshape(1)
             if torch.distributed.is_initialized():
@@ -369,7 +422,7 @@ class Trainer:
             if finite.item() < 1:
                 last = self._checkpoints()
                 raise Eagle3Error(
-                    f"non-finite loss at step {self.step + 1} (epoch {self.step // self.steps_per_epoch}, "
+                    f"non-finite loss at step {self.step + 1} (epoch {self.epoch_of(self.step)[0]}, "
                     f"micro-batch of samples {batch.sample_ids.tolist()[:8]} on some rank); last good "
                     f"checkpoint: {last[-1] if last else 'none'}"
                 )
@@ -421,13 +474,10 @@ class Trainer:
                    disable=not (self.cfg.progress and self.dist.is_main))
         window = np.zeros((o.ttt_length, 2), dtype=np.int64)
         window_loss, window_tokens, window_start, window_steps = 0.0, 0, time.time(), 0
-        plan, plan_epoch_no = None, -1
         crash_after = int(os.environ.get(CRASH_ENV, 0))
+        batches = Prefetcher(self.train_batches(), depth=2 * o.grad_accum)
         while self.step < self.total_steps:
-            epoch, step_in_epoch = divmod(self.step, self.steps_per_epoch)
-            if epoch != plan_epoch_no:
-                plan, plan_epoch_no = plan_epoch(self.train_split.length, o.max_tokens_per_batch, o.seed, epoch), epoch
-            result = self.train_step(plan, step_in_epoch)
+            result = self.train_step(batches)
             window += result["counts"]
             window_loss += result["loss"]
             window_tokens += result["tokens"]
@@ -438,6 +488,10 @@ class Trainer:
                 self.log(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.2f}", tau=f"{record['tau']:.2f}",
                                 lr=f"{record['lr']:.1e}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+                if self.dist.is_main and not bar.disable:
+                    bar.write(f"step {self.step}/{self.total_steps} loss {record['loss']:.4f} acc "
+                              f"{' '.join(f'{a:.3f}' for a in record['acc'])} tau {record['tau']:.2f} "
+                              f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
                 window[:] = 0
                 window_loss, window_tokens, window_start, window_steps = 0.0, 0, time.time(), 0
             if o.eval_every and self.step % o.eval_every == 0 and self.step < self.total_steps:

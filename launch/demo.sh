@@ -19,6 +19,12 @@ eagle3-dump target=embedded data="$RUN_DIR/prepared" out="$RUN_DIR/dump" dtype=f
 echo "== standardize: aux_hidden = cat(hidden.2, hidden.15, hidden.27); draft vocab from the training split"
 eagle3-standardize dumps="[$RUN_DIR/dump]" out="$RUN_DIR/std" draft_vocab_size=8192 eval_fraction=0.1
 
+echo "== train: the draft head on the standardized data (CPU, fp32)"
+eagle3-train data="$RUN_DIR/std" target=embedded out="$RUN_DIR/train" \
+  train.epochs="${DEMO_EPOCHS:-4}" train.lr=1e-3 train.warmup_steps=5 train.max_tokens_per_batch=2048 \
+  train.log_every=10
+
 echo
-echo "Prepared conversations: $RUN_DIR/prepared; hidden states: $RUN_DIR/dump; training data: $RUN_DIR/std."
-echo "The next stages (train, export, eval) are not built yet: the demo stops here."
+echo "Prepared conversations: $RUN_DIR/prepared; hidden states: $RUN_DIR/dump; training data: $RUN_DIR/std;"
+echo "the trained head: $RUN_DIR/train/checkpoints (metrics in $RUN_DIR/train/metrics.jsonl)."
+echo "The next stages (export, eval) are not built yet: the demo stops here."
