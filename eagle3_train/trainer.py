@@ -470,6 +470,10 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         o = self.cfg.train
+        if self.step >= self.total_steps and self._checkpoints():
+            print0(f"eagle3-train: {self.out} is already trained to step {self.step}; nothing to do")
+            evals = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if "eval_acc" in line]
+            return (evals[-1] if evals else {}) | {"checkpoint": str(self._checkpoints()[-1])}
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                    disable=not (self.cfg.progress and self.dist.is_main))
         window = np.zeros((o.ttt_length, 2), dtype=np.int64)

@@ -11,10 +11,4 @@
 # `out` (and `data`) must be on a filesystem every node sees. Killed or preempted, run the same
 # command again: finished shards are kept and only the missing samples are computed.
 set -euo pipefail
-exec torchrun \
-  --nnodes "${NNODES:-1}" \
-  --nproc_per_node "${NPROC_PER_NODE:-1}" \
-  --rdzv_backend c10d \
-  --rdzv_endpoint "${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}" \
-  --rdzv_id "${RDZV_ID:-eagle3-dump}" \
-  -m data_prep.dump "$@"
+exec "$(dirname "$0")/torchrun.sh" data_prep.dump "$@"

@@ -11,10 +11,4 @@
 # command again: resume=auto continues from the last checkpoint at the same step and data position
 # (keep NNODES x NPROC_PER_NODE x train.grad_accum the same).
 set -euo pipefail
-exec torchrun \
-  --nnodes "${NNODES:-1}" \
-  --nproc_per_node "${NPROC_PER_NODE:-1}" \
-  --rdzv_backend c10d \
-  --rdzv_endpoint "${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}" \
-  --rdzv_id "${RDZV_ID:-eagle3-train}" \
-  -m eagle3_train.trainer "$@"
+exec "$(dirname "$0")/torchrun.sh" eagle3_train.trainer "$@"

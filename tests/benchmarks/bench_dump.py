@@ -23,19 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
-def matmul_rate(device: torch.device, n: int, dtype: torch.dtype) -> float:
-    """Dense matmul FLOP/s measured here: mean of 10 products after 3 warm-ups."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    _sync(device)
-    return 10 * 2 * n**3 / (time.perf_counter() - start)
+from common import matmul_rate, sync
 
 
 def forward_flops_per_token(cfg, seq: int) -> float:
@@ -47,7 +35,7 @@ def forward_flops_per_token(cfg, seq: int) -> float:
     return layers * (2 * per_layer + attention)
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -107,7 +95,7 @@ def make_dumper(args, target, prepared: Path, out: Path):
     dumper = dump.Dumper(cfg)
     # warm-up: one batch through the same code path (CUDA kernels, allocator)
     dumper.capture(dump.Batch([0, 1], [args.seq] * 2))
-    _sync(dumper.dist.device)
+    sync(dumper.dist.device)
     return dumper
 
 
@@ -122,7 +110,7 @@ def run_compute_only(args, target, prepared: Path) -> dict:
     start = time.perf_counter()
     for b in batches:
         dumper.capture(b)
-    _sync(dumper.dist.device)
+    sync(dumper.dist.device)
     seconds = time.perf_counter() - start
     tokens = sum(sum(b.lengths) for b in batches)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
@@ -168,7 +156,7 @@ def run_naive(args, target, prepared: Path, out: Path, device) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     samples = min(len(ds), args.naive_samples)
     target.model(torch.tensor(ds[0]["input_ids"][None].astype(np.int64), device=device), output_hidden_states=True)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     tokens = written = 0
     for i in range(samples):

@@ -18,27 +18,12 @@ import time
 
 import torch
 
+from common import matmul_rate, sync
+
 from eagle3_train.data import Batch
 from eagle3_train.dist import init_distributed
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.trainer import DeepSpeedConfig, OptimConfig, build_engine, ttt_losses
-
-
-def matmul_rate(device: torch.device, n: int, dtype: torch.dtype) -> float:
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    sync(device)
-    return 10 * 2 * n**3 / (time.perf_counter() - start)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def flops_per_token(c: DraftConfig, seq: int, ttt: int) -> float:
