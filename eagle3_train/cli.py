@@ -51,15 +51,3 @@ def config_dict(obj: Any) -> dict:
     """A dataclass config as plain, JSON-ready data (for manifests)."""
     return OmegaConf.to_container(OmegaConf.structured(obj), resolve=True)  # type: ignore[return-value]
 
-
-def pending() -> None:
-    """Entry point of a stage that is not built yet: say so instead of failing obscurely."""
-    import os
-
-    name = os.path.basename(sys.argv[0])
-    print(
-        f"{name}: this stage is not built yet in eagle3_train {__import__('eagle3_train').__version__}; "
-        f"the pipeline currently ends after eagle3-prepare",
-        file=sys.stderr,
-    )
-    sys.exit(2)

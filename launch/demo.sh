@@ -24,7 +24,24 @@ eagle3-train data="$RUN_DIR/std" target=embedded out="$RUN_DIR/train" \
   train.epochs="${DEMO_EPOCHS:-4}" train.lr=1e-3 train.warmup_steps=5 train.max_tokens_per_batch=2048 \
   train.log_every=10
 
+echo "== export for SGLang and vLLM, check what each engine will capture, evaluate on held-out prompts"
+eagle3-export run="$RUN_DIR/train" out="$RUN_DIR/export" engines=[sglang,vllm]
+eagle3-check draft="$RUN_DIR/export" target=embedded
+eagle3-eval draft="$RUN_DIR/export" target=embedded engine=sglang prompts="$PROMPTS/heldout.jsonl" \
+  limit="${DEMO_EVAL_PROMPTS:-10}" max_new_tokens=64 k=5 out="$RUN_DIR/eval"
+
 echo
-echo "Prepared conversations: $RUN_DIR/prepared; hidden states: $RUN_DIR/dump; training data: $RUN_DIR/std;"
-echo "the trained head: $RUN_DIR/train/checkpoints (metrics in $RUN_DIR/train/metrics.jsonl)."
-echo "The next stages (export, eval) are not built yet: the demo stops here."
+echo "== summary"
+python - "$RUN_DIR" <<'PY'
+import json, sys
+from pathlib import Path
+run = Path(sys.argv[1])
+prep = json.loads((run / "prepared" / "manifest.json").read_text())["counts"]
+evals = [json.loads(l) for l in (run / "train" / "metrics.jsonl").read_text().splitlines() if "eval_acc" in l]
+report = json.loads((run / "eval" / "report.json").read_text())
+print(f"samples {prep['rows_written']}, tokens {prep['tokens']} ({prep['loss_tokens']} assistant)")
+print("training eval accuracy per TTT step:", [round(a, 3) for a in evals[-1]["eval_acc"]])
+print(f"eagle3-eval ({report['engine']}, HF layers {report['captured_hf_indices']}): tau {report['tau']:.2f}, "
+      f"acceptance per position {[round(a, 3) for a in report['acceptance_per_position']]}, lossless {report['lossless']}")
+print(f"artifacts under {run}: prepared/ dump/ std/ train/ export/ eval/")
+PY

@@ -16,6 +16,9 @@ from eagle3_train.cli import CONF_DIR, to_config
 import data_prep.dump  # noqa: F401  (registers dump_schema)
 import data_prep.prepare  # noqa: F401  (registers prepare_schema)
 import data_prep.standardize  # noqa: F401  (registers standardize_schema)
+import eagle3_train.check  # noqa: F401  (registers check_schema)
+import eagle3_train.eval  # noqa: F401  (registers eval_schema)
+import eagle3_train.export  # noqa: F401  (registers export_schema)
 import eagle3_train.trainer  # noqa: F401  (registers train_schema)
 
 PRIMARY = {
@@ -23,6 +26,9 @@ PRIMARY = {
     "dump.yaml": (data_prep.dump.DumpConfig, ["data=/tmp/p", "out=/tmp/o", "capture.aux_indices=[1,15,28]"]),
     "standardize.yaml": (data_prep.standardize.StandardizeConfig, ["dumps=[/tmp/d]", "out=/tmp/o"]),
     "train.yaml": (eagle3_train.trainer.TrainConfig, ["data=/tmp/s", "out=/tmp/o"]),
+    "export.yaml": (eagle3_train.export.ExportConfig, ["run=/tmp/r", "out=/tmp/o"]),
+    "check.yaml": (eagle3_train.check.CheckConfig, ["draft=/tmp/d", "target=tiny"]),
+    "eval.yaml": (eagle3_train.eval.EvalConfig, ["draft=/tmp/d", "prompts=/tmp/p.jsonl"]),
 }
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +92,7 @@ def test_wheel_ships_conf_and_prompts(tmp_path):
     assert {"eagle3_train/conf/prepare.yaml", "eagle3_train/conf/dump.yaml", "eagle3_train/conf/standardize.yaml", "eagle3_train/conf/common.yaml"} <= names
     assert {"data_prep/prompts/train.jsonl", "data_prep/prompts/heldout.jsonl"} <= names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    for cmd in ("prepare", "dump", "standardize", "train", "export", "eval"):
+    for cmd in ("prepare", "dump", "standardize", "train", "export", "check", "eval"):
         assert f"eagle3-{cmd} =" in entry_points
 
 

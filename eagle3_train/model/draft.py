@@ -169,7 +169,8 @@ class TTTAttention(nn.Module):
 
 
 def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]], groups: int) -> torch.Tensor:
-    """q [B, nh, T, d]; cache of (k, v) [B, nkv, T, d] per step. Returns [B, nh, T, d].
+    """q [B, nh, T, d]; cache[0] = step 0's (k, v) [B, nkv, T_k, d] (T_k >= T: the last T
+    positions are the queries'), cache[1:] = later steps' (k, v) [B, nkv, T, d]. Returns [B, nh, T, d].
 
     See the module docstring for the exact merge of the causal and diagonal parts.
     """
@@ -191,12 +192,14 @@ def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]
     q_aug = torch.cat([q, c_q.unsqueeze(-1), q.new_zeros(b, nh, t, pad - 1)], dim=-1)
     k_extra = k0.new_zeros(b, nkv, 1, d + pad)
     k_extra[..., d] = 1.0
-    k_aug = torch.cat([k_extra, F.pad(k0, (0, pad))], dim=2)  # [B, nkv, 1+T, d+pad]
+    k_aug = torch.cat([k_extra, F.pad(k0, (0, pad))], dim=2)  # [B, nkv, 1+T_k, d+pad]
     v_extra = v0.new_zeros(b, nkv, 1, d + pad)
     v_extra[..., d] = 1.0
     v_aug = torch.cat([v_extra, F.pad(v0, (0, pad))], dim=2)
+    # lower-right causal: query i sees the extra key and step-0 keys up to its own position. With
+    # fewer queries than keys (inference: one new query after the context) it sees them all.
     out = F.scaled_dot_product_attention(
-        q_aug, k_aug, v_aug, attn_mask=causal_lower_right(t, t + 1), scale=scale, enable_gqa=groups > 1
+        q_aug, k_aug, v_aug, attn_mask=causal_lower_right(t, k0.shape[2] + 1), scale=scale, enable_gqa=groups > 1
     )
     a, p = out[..., :d].float(), out[..., d].float()  # Z0*o0/(e^c+Z0) [B,nh,T,d], e^c/(e^c+Z0) [B,nh,T]
     num = a + p.unsqueeze(-1) * sum(wi.unsqueeze(-1) * _expand(v, groups).float() for wi, (_, v) in zip(w, cache[1:]))

@@ -1,0 +1,178 @@
+"""``eagle3-check``: what will each engine capture for this draft, and is it what it was trained on?
+
+    eagle3-check draft=runs/x/export target=meta-llama/Llama-3.1-8B-Instruct
+    eagle3-check draft=some/third_party_draft target=/models/target/config.json trained=[2,16,29]
+
+Works on any EAGLE-3 draft directory. For each engine runner it prints where the ids are read, the
+HF indices captured, and the trained indices (from the draft's ``eagle3_train`` block, or
+``trained=`` for third-party drafts); it flags silent fallbacks (no key where the engine reads, so
+the engine default), a draft whose ``fc`` SGLang would skip, and ``d2t`` problems. Exits 1 on any
+mismatch or problem, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+from safetensors import safe_open
+
+from eagle3_train.cli import CONF_DIR, to_config, user_errors
+from eagle3_train.engines import ENGINES, TOP_KEY, family_of, fc_skipped, resolve
+from eagle3_train.errors import BadInputError, ConfigError
+from eagle3_train.targets import text_config
+
+
+@dataclass
+class CheckConfig:
+    """Options of ``eagle3-check`` (``conf/check.yaml``)."""
+
+    draft: str = MISSING  # an EAGLE-3 draft directory (config.json + *.safetensors)
+    target: str = MISSING  # the target: a config.json, an HF directory, a hub id, embedded or tiny
+    trained: list[int] | None = None  # HF indices the draft was trained on (null: its eagle3_train block)
+    engines: list[str] = field(default_factory=lambda: ["sglang", "vllm"])  # engines to check
+    cache_dir: str | None = None  # where GGUF targets are converted once
+
+    def __post_init__(self) -> None:
+        unknown = [e for e in self.engines if e not in ENGINES]
+        if unknown:
+            raise ConfigError(f"unknown engines {unknown}; known: {list(ENGINES)}")
+
+
+ConfigStore.instance().store(name="check_schema", node=CheckConfig)
+
+
+@dataclass
+class Finding:
+    level: str  # "error" (exit 1) or "warning"
+    text: str
+
+
+def target_config(target: str, cache_dir: str | None) -> Any:
+    """The target's transformers config, from a config.json file or any form load_target takes."""
+    path = Path(target).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(path.parent)) if path.name == "config.json" else _config_from(path)
+    from eagle3_train.targets import load_target
+
+    return load_target(target, cache_dir=cache_dir, load_model=False).config
+
+
+def _config_from(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    d = json.loads(path.read_text())
+    return AutoConfig.for_model(d.pop("model_type"), **d)
+
+
+def read_draft(draft: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The draft's config.json and its d2t/t2d tensors (absent ones left out)."""
+    if not (draft / "config.json").is_file():
+        raise BadInputError(f"{draft} has no config.json: not a draft directory")
+    files = sorted(draft.glob("*.safetensors"))
+    if not files:
+        raise BadInputError(f"{draft} has no .safetensors weights")
+    config = json.loads((draft / "config.json").read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if key.split(".")[-1] in ("d2t", "t2d"):
+                    tensors[key.split(".")[-1]] = st.get_tensor(key)
+                elif key.endswith("fc.weight"):
+                    tensors["fc.weight"] = st.get_tensor(key)
+    return config, tensors
+
+
+def check(config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any, trained: list[int] | None,
+          engines: list[str]) -> tuple[list[str], list[Finding]]:
+    """Report lines and findings for one draft (pure: no I/O)."""
+    tc = text_config(target_cfg)
+    n, h, v, mt = tc.num_hidden_layers, tc.hidden_size, tc.vocab_size, tc.model_type
+    lines = [f"target: model_type {mt}, N={n}, hidden {h}, vocab {v}; trained on HF indices {trained or 'unknown'}"]
+    findings: list[Finding] = []
+    for engine in engines:
+        if family_of(mt) is None and engine == "sglang":
+            findings.append(Finding("warning", f"sglang: no rule known for model_type {mt!r}; its capture is unknown"))
+            continue
+        for r in resolve(config, engine, mt, n):
+            where = f"{r.source}={r.ids}" if r.ids is not None else "no ids where it reads -> engine default"
+            ok = trained is None or r.hf_indices == sorted(trained)
+            lines.append(f"{engine} {r.rule.versions}: {where} -> captures HF {r.hf_indices}"
+                         + ("" if trained is None else ("  OK" if ok else f"  MISMATCH (trained {sorted(trained)})")))
+            if r.ids is None and _get_any(config):
+                findings.append(Finding("error" if not ok or trained is None else "warning",
+                                        f"{engine} {r.rule.versions}: the ids are not where it reads "
+                                        f"({' or '.join('.'.join(p) for p in r.rule.keys)}): it silently uses the default {r.hf_indices}"))
+            if not ok:
+                findings.append(Finding("error", f"{engine} {r.rule.versions}: captures HF {r.hf_indices}, the draft was trained on {sorted(trained)}"))
+            if any(k < 0 or k > n for k in r.hf_indices):
+                findings.append(Finding("error", f"{engine} {r.rule.versions}: HF indices {r.hf_indices} are outside 0..{n}"))
+        fc = tensors.get("fc.weight")  # [H_draft, width of the captured states]
+        if fc is not None and fc_skipped(engine, 1, fc.shape[1], fc.shape[0]):
+            findings.append(Finding("error", f"{engine}: fc input width {fc.shape[1]} equals the draft hidden size, so SGLang skips fc"))
+    findings += _check_vocab(config, tensors, v)
+    return lines, findings
+
+
+def _get_any(config: dict) -> bool:
+    return TOP_KEY in config or bool(config.get("eagle_config")) or "eagle3_layers_to_capture" in config
+
+
+def _check_vocab(config: dict, tensors: dict[str, torch.Tensor], v: int) -> list[Finding]:
+    out = []
+    d2t = tensors.get("d2t")
+    if d2t is None:
+        if config.get("draft_vocab_size", v) != v:
+            out.append(Finding("error", "no d2t tensor, but draft_vocab_size differs from the target vocab: engines cannot map draft ids"))
+        return out
+    ids = d2t.to(torch.int64) + torch.arange(len(d2t))
+    if len(d2t) < v and bool((d2t == 0).all()):
+        out.append(Finding("error", f"d2t is all zeros: the draft vocab would be target ids 0..{len(d2t) - 1}, almost surely not the trained map"))
+    if len(ids) and (ids.min() < 0 or ids.max() >= v):
+        out.append(Finding("error", f"d2t maps draft ids outside the target vocab of {v} (range {int(ids.min())}..{int(ids.max())})"))
+    elif len(torch.unique(ids)) != len(ids):
+        out.append(Finding("error", "d2t maps two draft ids to the same target id: not a permutation into the target vocab"))
+    t2d = tensors.get("t2d")
+    if t2d is not None and t2d.numel() == v and not torch.equal(t2d.bool().nonzero().squeeze(1), torch.sort(ids).values):
+        out.append(Finding("error", "t2d does not mark exactly the target ids d2t maps to"))
+    return out
+
+
+def run_check(cfg: CheckConfig) -> int:
+    draft = Path(cfg.draft).expanduser()
+    config, tensors = read_draft(draft)
+    trained = list(cfg.trained) if cfg.trained is not None else (config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"))
+    lines, findings = check(config, tensors, target_config(cfg.target, cfg.cache_dir), trained, list(cfg.engines))
+    for line in lines:
+        print(line)
+    for f in findings:
+        print(f"{f.level.upper()}: {f.text}")
+    errors = sum(f.level == "error" for f in findings)
+    print(f"eagle3-check: {draft}: {'OK' if not errors else f'{errors} problem(s)'}")
+    return 1 if errors else 0
+
+
+@hydra.main(config_path=CONF_DIR, config_name="check", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    with user_errors("eagle3-check"):
+        code = run_check(to_config(cfg, CheckConfig))
+    sys.exit(code)
+
+
+def main() -> None:
+    """Console entry point ``eagle3-check``."""
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""``eagle3-export``: a serving checkpoint whose config makes each engine capture exactly the
+hidden states the draft was trained on -- or a refusal that says why.
+
+    eagle3-export run=runs/x/train out=runs/x/export engines=[sglang,vllm]
+
+Writes ``config.json`` (``LlamaForCausalLMEagle3``, the draft's shapes, the engine keys computed by
+:mod:`eagle3_train.engines`, and an ``eagle3_train`` block with the capture spec, target identity,
+vocab map hash and training summary), ``model.safetensors`` (``fc``, ``midlayer.*``, ``norm``,
+``lm_head``, ``d2t``, ``t2d``; no embeddings: SGLang uses the target's) and ``manifest.json`` last.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+from safetensors.torch import load_file, save_file
+
+from eagle3_train.cli import CONF_DIR, config_dict, to_config, user_errors
+from eagle3_train.contract import CaptureSpec, write_manifest
+from eagle3_train.engines import RULES_VERSION, TOP_KEY, Unexpressible, fc_skipped, ids_for
+from eagle3_train.errors import BadInputError, ConfigError, ContractError
+from eagle3_train.fileio import atomic_write_json
+from eagle3_train.model import DraftConfig
+
+EXPORT_ENGINES = ("sglang", "vllm")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class ExportConfig:
+    """Options of ``eagle3-export`` (``conf/export.yaml``)."""
+
+    run: str = MISSING  # a training run directory (its last checkpoint) or one checkpoint directory
+    out: str = MISSING  # the serving directory to write
+    engines: list[str] = field(default_factory=lambda: list(EXPORT_ENGINES))  # engines the config must serve
+    dtype: str = "bfloat16"  # dtype of the exported weights
+
+    def __post_init__(self) -> None:
+        unknown = [e for e in self.engines if e not in EXPORT_ENGINES]
+        if unknown or not self.engines:
+            raise ConfigError(f"engines must be a non-empty subset of {list(EXPORT_ENGINES)}, got {self.engines}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+
+
+ConfigStore.instance().store(name="export_schema", node=ExportConfig)
+
+
+def find_checkpoint(run: Path) -> Path:
+    """``run`` itself if it is a finished checkpoint, else the run's last finished checkpoint."""
+    if (run / "state.json").is_file():
+        return run
+    ckpts = [p for p in (run / "checkpoints").glob("step*") if (p / "state.json").is_file()] if (run / "checkpoints").is_dir() else []
+    if not ckpts:
+        raise BadInputError(f"{run} is neither a checkpoint (state.json) nor a run directory with finished checkpoints")
+    return max(ckpts, key=lambda p: int(p.name.removeprefix("step")))
+
+
+def engine_keys(spec: CaptureSpec, engines: list[str]) -> dict[str, Any]:
+    """The config.json entries that make every engine capture ``spec.aux_indices``.
+
+    The top-level key (read by vLLM first) always carries the HF indices themselves, so a config
+    exported for SGLang alone still means the same thing to vLLM.
+    """
+    ks, n, mt = list(spec.aux_indices), spec.num_hidden_layers, spec.target.model_type
+    problems, entries = [], {(TOP_KEY,): ks}
+    for engine in engines:
+        if fc_skipped(engine, len(ks), spec.hidden_size, spec.hidden_size):
+            problems.append(
+                f"{engine}: the capture {ks} is {len(ks)} layer(s) of width {spec.hidden_size}, the draft's own hidden "
+                f"size, so SGLang would skip fc and feed the raw state: train with two or more aux layers"
+            )
+            continue
+        try:
+            for path, ids in ids_for(ks, engine, mt, n).items():
+                if entries.get(path, ids) != ids:
+                    problems.append(f"{engine}: needs {'.'.join(path)}={ids}, another engine needs {entries[path]}")
+                entries[path] = ids
+        except Unexpressible as e:
+            problems.append(str(e))
+    if problems:
+        raise ContractError("export refused; the config cannot mean the trained capture to every engine:\n  "
+                            + "\n  ".join(problems))
+    out: dict[str, Any] = {}
+    for path, ids in entries.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = ids
+    return out
+
+
+def draft_config_json(dc: DraftConfig) -> dict[str, Any]:
+    """The Llama-style fields engines build the draft from."""
+    rope = dict(dc.rope_parameters)
+    theta = rope.pop("rope_theta", 10000.0)
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": dc.hidden_size,
+        "intermediate_size": dc.intermediate_size,
+        "num_attention_heads": dc.num_attention_heads,
+        "num_key_value_heads": dc.num_key_value_heads,
+        "head_dim": dc.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": dc.rms_norm_eps,
+        "max_position_embeddings": dc.max_position_embeddings,
+        "rope_theta": theta,
+        "rope_scaling": rope if rope.get("rope_type", "default") != "default" else None,
+        "rope_parameters": dict(dc.rope_parameters),
+        "vocab_size": dc.vocab_size,
+        "draft_vocab_size": dc.draft_vocab_size,
+        "target_hidden_size": dc.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+class Exporter:
+    """Reads a checkpoint, computes the engine keys, writes the serving directory."""
+
+    def __init__(self, cfg: ExportConfig):
+        self.cfg = cfg
+        self.ckpt = find_checkpoint(Path(cfg.run).expanduser())
+        self.state = json.loads((self.ckpt / "state.json").read_text())
+        self.spec = CaptureSpec.from_dict(self.state["capture"])
+        self.draft_config = DraftConfig(**self.state["draft_config"])
+        self.out = Path(cfg.out).expanduser()
+
+    def run(self) -> dict[str, Any]:
+        keys = engine_keys(self.spec, list(self.cfg.engines))  # refuses before anything is written
+        weights = load_file(str(self.ckpt / "draft.safetensors"))
+        dtype = DTYPES[self.cfg.dtype]
+        weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items() if not k.startswith("embed_tokens")}
+        config = draft_config_json(self.draft_config) | keys | {"torch_dtype": self.cfg.dtype}
+        config["eagle3_train"] = {
+            "capture": self.spec.to_dict(),
+            "target": self.spec.target.to_dict(),
+            "vocab_map_sha256": self.state["vocab_sha256"],
+            "engines": list(self.cfg.engines),
+            "rules_version": RULES_VERSION,
+            "training": self._summary(),
+        }
+        tmp = self.out.with_name(f".{self.out.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(weights, str(tmp / "model.safetensors"))
+        atomic_write_json(tmp / "config.json", config)
+        write_manifest(tmp, "export", {"checkpoint": str(self.ckpt.resolve()), "config": config_dict(self.cfg)})
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        tmp.rename(self.out)
+        shown = {k: v for k, v in keys.items()}
+        print(f"eagle3-export: {self.ckpt} -> {self.out}; trained HF indices {list(self.spec.aux_indices)} as {shown}")
+        return config
+
+    def _summary(self) -> dict[str, Any]:
+        metrics = self.ckpt.parent.parent / "metrics.jsonl"
+        evals = [json.loads(x) for x in metrics.read_text().splitlines() if "eval_acc" in x] if metrics.is_file() else []
+        return {"checkpoint": self.ckpt.name, "step": self.state["step"], "last_eval": evals[-1] if evals else None}
+
+
+@hydra.main(config_path=CONF_DIR, config_name="export", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    with user_errors("eagle3-export"):
+        Exporter(to_config(cfg, ExportConfig)).run()
+
+
+def main() -> None:
+    """Console entry point ``eagle3-export``."""
+    _main()
+
+
+if __name__ == "__main__":
+    main()
