@@ -64,3 +64,15 @@ def test_defaults_and_rule_quirks():
     nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28], "layer_ids": [3, 4, 5]}}
     assert [r.hf_indices for r in resolve(nested, "vllm", "llama", 32)] == [[1, 15, 28], [3, 4, 5]]
     assert ids_for([2, 16, 29], "trtllm", "llama", 32) == {("eagle3_layers_to_capture",): [1, 15, 28]}
+
+
+def test_check_warns_about_unknown_families():
+    from types import SimpleNamespace
+
+    from eagle3_train.check import check
+
+    target = SimpleNamespace(model_type="mixtral", num_hidden_layers=32, hidden_size=4096, vocab_size=32000)
+    config = {"eagle_aux_hidden_state_layer_ids": [2, 16, 29], "draft_vocab_size": 32000}
+    lines, findings = check(config, {}, target, [2, 16, 29], ["sglang", "vllm"])
+    assert [f.level for f in findings] == ["warning"] and "no rule known for model_type 'mixtral'" in findings[0].text
+    assert any("vllm" in line and "OK" in line for line in lines)

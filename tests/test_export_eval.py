@@ -124,6 +124,9 @@ def test_bad_drafts(pipeline, tmp_path):
     save_file(w, str(bad / "model.safetensors"))
     with pytest.raises(ContractError, match="d2t maps draft ids outside the target vocab"):
         evaluate(pipeline, bad)
+    wide = off_by_one(pipeline, "wide", lambda c: c.update(hidden_size=128))
+    with pytest.raises(ContractError, match="do not fit target"):
+        evaluate(pipeline, wide)
     two = off_by_one(pipeline, "two_layers", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2]))
     with pytest.raises(ContractError, match="fc takes 192: the engine would fail"):
         evaluate(pipeline, two)
