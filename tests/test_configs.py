@@ -91,6 +91,8 @@ def test_wheel_ships_conf_and_prompts(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"eagle3_train/conf/prepare.yaml", "eagle3_train/conf/dump.yaml", "eagle3_train/conf/standardize.yaml", "eagle3_train/conf/common.yaml"} <= names
     assert {"data_prep/prompts/train.jsonl", "data_prep/prompts/heldout.jsonl"} <= names
+    sources = {str(p.relative_to(ROOT)) for pkg in ("eagle3_train", "data_prep") for p in (ROOT / pkg).rglob("*.py")}
+    assert sources <= names, f"modules missing from the wheel: {sorted(sources - names)}"
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     for cmd in ("prepare", "dump", "standardize", "train", "export", "check", "eval"):
         assert f"eagle3-{cmd} =" in entry_points
