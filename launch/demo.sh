@@ -10,19 +10,19 @@ mkdir -p "$RUN_DIR"
 
 echo "== prepare: the target regenerates the assistant turns of the shipped prompts"
 eagle3-prepare target=embedded input="$PROMPTS/train.jsonl" out="$RUN_DIR/prepared" \
-  regenerate=true limit="${DEMO_PROMPTS:-96}" regen.max_new_tokens=128 regen.batch_size=48
+  regenerate=true limit="${DEMO_PROMPTS:-280}" regen.max_new_tokens="${DEMO_NEW_TOKENS:-160}" regen.batch_size=64
 
 echo "== dump: hidden states of HF layers [2, 15, 27] (the default for N=30) and the final state"
 eagle3-dump target=embedded data="$RUN_DIR/prepared" out="$RUN_DIR/dump" dtype=float32 \
   max_tokens_per_batch=4096
 
 echo "== standardize: aux_hidden = cat(hidden.2, hidden.15, hidden.27); draft vocab from the training split"
-eagle3-standardize dumps="[$RUN_DIR/dump]" out="$RUN_DIR/std" draft_vocab_size=8192 eval_fraction=0.1
+eagle3-standardize dumps="[$RUN_DIR/dump]" out="$RUN_DIR/std" draft_vocab_size="${DEMO_DRAFT_VOCAB:-4096}" eval_fraction=0.05
 
 echo "== train: the draft head on the standardized data (CPU, fp32)"
 eagle3-train data="$RUN_DIR/std" target=embedded out="$RUN_DIR/train" \
-  train.epochs="${DEMO_EPOCHS:-4}" train.lr=1e-3 train.warmup_steps=5 train.max_tokens_per_batch=2048 \
-  train.log_every=10
+  train.epochs="${DEMO_EPOCHS:-3}" train.lr="${DEMO_LR:-2e-3}" train.warmup_steps=5 train.ttt_length="${DEMO_TTT:-5}" \
+  train.max_tokens_per_batch=4096 train.log_every=10
 
 echo "== export for SGLang and vLLM, check what each engine will capture, evaluate on held-out prompts"
 eagle3-export run="$RUN_DIR/train" out="$RUN_DIR/export" engines=[sglang,vllm]
