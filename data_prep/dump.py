@@ -29,14 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import hydra
 import numpy as np
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING
 from tqdm.auto import tqdm
 
-from eagle3_train.cli import CONF_DIR, config_dict, to_config, user_errors
+from eagle3_train.cli import config_dict, entry_point
 from eagle3_train.contract import (
     MANIFEST_NAME,
     CaptureSpec,
@@ -581,26 +580,22 @@ def verify(out: str | os.PathLike) -> list[str]:
     return problems
 
 
-@hydra.main(config_path=CONF_DIR, config_name="dump", version_base="1.3")
-def _main(cfg: DictConfig) -> None:
-    with user_errors("eagle3-dump"):
-        config = to_config(cfg, DumpConfig)
-        if config.verify:
-            problems = verify(config.out)
-            for p in problems:
-                print(f"eagle3-dump verify: {p}")
-            print(f"eagle3-dump verify: {'OK' if not problems else f'{len(problems)} problems'} ({config.out})")
-            raise SystemExit(1 if problems else 0)
-        try:
-            Dumper(config).run()
-        finally:
-            close()
+def _run(cfg: DumpConfig) -> int:
+    """``verify=true`` checks a finished dump; otherwise dump on this rank."""
+    if cfg.verify:
+        problems = verify(cfg.out)
+        for p in problems:
+            print(f"eagle3-dump verify: {p}")
+        print(f"eagle3-dump verify: {'OK' if not problems else f'{len(problems)} problems'} ({cfg.out})")
+        return 1 if problems else 0
+    try:
+        Dumper(cfg).run()
+    finally:
+        close()
+    return 0
 
 
-def main() -> None:
-    """Console entry point ``eagle3-dump``."""
-    _main()
-
+main = entry_point("dump", DumpConfig, _run)
 
 if __name__ == "__main__":
     main()

@@ -19,16 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import hydra
 import numpy as np
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING
 from tqdm.auto import tqdm
 
 from data_prep.chat import Rendered, render_with_mask, special_ids
 from data_prep.conversations import BadRow, Conversation, input_fingerprint, iter_raw_rows, normalize
 from data_prep.regenerate import RegenConfig, regenerate
-from eagle3_train.cli import CONF_DIR, config_dict, to_config, user_errors
+from eagle3_train.cli import config_dict, entry_point
 from eagle3_train.contract import MANIFEST_NAME, read_manifest, write_manifest
 from eagle3_train.errors import ConfigError, ContractError, Eagle3Error
 from eagle3_train.fileio import atomic_write_json, sha256_json
@@ -310,16 +309,7 @@ def _device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@hydra.main(config_path=CONF_DIR, config_name="prepare", version_base="1.3")
-def _main(cfg: DictConfig) -> None:
-    with user_errors("eagle3-prepare"):
-        Preparer(to_config(cfg, PrepareConfig)).run()
-
-
-def main() -> None:
-    """Console entry point ``eagle3-prepare``."""
-    _main()
-
+main = entry_point("prepare", PrepareConfig, lambda cfg: Preparer(cfg).run())
 
 if __name__ == "__main__":
     main()

@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import hydra
 import numpy as np
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING
 from tqdm.auto import tqdm
 
-from eagle3_train.cli import CONF_DIR, config_dict, to_config, user_errors
+from eagle3_train.cli import config_dict, entry_point
 from eagle3_train.contract import (
     MANIFEST_NAME,
     CaptureSpec,
@@ -348,16 +347,7 @@ class Standardizer:
         return read_manifest(self.out, STAGE)
 
 
-@hydra.main(config_path=CONF_DIR, config_name="standardize", version_base="1.3")
-def _main(cfg: DictConfig) -> None:
-    with user_errors("eagle3-standardize"):
-        Standardizer(to_config(cfg, StandardizeConfig)).run()
-
-
-def main() -> None:
-    """Console entry point ``eagle3-standardize``."""
-    _main()
-
+main = entry_point("standardize", StandardizeConfig, lambda cfg: Standardizer(cfg).run())
 
 if __name__ == "__main__":
     main()

@@ -13,18 +13,16 @@ mismatch or problem, 0 otherwise.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING
 from safetensors import safe_open
 
-from eagle3_train.cli import CONF_DIR, to_config, user_errors
+from eagle3_train.cli import entry_point
 from eagle3_train.engines import ENGINES, TOP_KEY, family_of, fc_skipped, resolve
 from eagle3_train.errors import BadInputError, ConfigError
 from eagle3_train.targets import text_config
@@ -162,17 +160,7 @@ def run_check(cfg: CheckConfig) -> int:
     return 1 if errors else 0
 
 
-@hydra.main(config_path=CONF_DIR, config_name="check", version_base="1.3")
-def _main(cfg: DictConfig) -> None:
-    with user_errors("eagle3-check"):
-        code = run_check(to_config(cfg, CheckConfig))
-    sys.exit(code)
-
-
-def main() -> None:
-    """Console entry point ``eagle3-check``."""
-    _main()
-
+main = entry_point("check", CheckConfig, run_check)
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,3 +51,25 @@ def config_dict(obj: Any) -> dict:
     """A dataclass config as plain, JSON-ready data (for manifests)."""
     return OmegaConf.to_container(OmegaConf.structured(obj), resolve=True)  # type: ignore[return-value]
 
+
+
+def entry_point(config_name: str, schema: type[T], run: Callable[[T], Any]) -> Callable[[], None]:
+    """The console entry point ``eagle3-<config_name>``: compose ``conf/<config_name>.yaml`` with
+    the command-line overrides, check it as ``schema``, call ``run``; user errors print one line
+    and exit 2, and an int that ``run`` returns is the exit status."""
+    import hydra
+
+    command = f"eagle3-{config_name}"
+
+    @hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")
+    def _main(cfg: DictConfig) -> None:
+        with user_errors(command):
+            code = run(to_config(cfg, schema))
+        if isinstance(code, int) and not isinstance(code, bool) and code:
+            sys.exit(code)
+
+    def main() -> None:
+        _main()
+
+    main.__doc__ = f"Console entry point ``{command}``."
+    return main

@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from eagle3_train.cli import CONF_DIR, config_dict, to_config, user_errors
+from eagle3_train.cli import config_dict, entry_point
 from eagle3_train.engines import resolve
 from eagle3_train.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.fileio import atomic_write_json
@@ -304,16 +303,7 @@ def plot_acceptance(per_position: list[float], tau: float, path: Path) -> None:
     plt.close(fig)
 
 
-@hydra.main(config_path=CONF_DIR, config_name="eval", version_base="1.3")
-def _main(cfg: DictConfig) -> None:
-    with user_errors("eagle3-eval"):
-        Evaluator(to_config(cfg, EvalConfig)).run()
-
-
-def main() -> None:
-    """Console entry point ``eagle3-eval``."""
-    _main()
-
+main = entry_point("eval", EvalConfig, lambda cfg: Evaluator(cfg).run())
 
 if __name__ == "__main__":
     main()

@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING
 from safetensors.torch import load_file, save_file
 
-from eagle3_train.cli import CONF_DIR, config_dict, to_config, user_errors
+from eagle3_train.cli import config_dict, entry_point
 from eagle3_train.contract import CaptureSpec, write_manifest
 from eagle3_train.engines import RULES_VERSION, TOP_KEY, Unexpressible, fc_skipped, ids_for
 from eagle3_train.errors import BadInputError, ConfigError, ContractError
@@ -170,16 +169,7 @@ class Exporter:
         return {"checkpoint": self.ckpt.name, "step": self.state["step"], "last_eval": evals[-1] if evals else None}
 
 
-@hydra.main(config_path=CONF_DIR, config_name="export", version_base="1.3")
-def _main(cfg: DictConfig) -> None:
-    with user_errors("eagle3-export"):
-        Exporter(to_config(cfg, ExportConfig)).run()
-
-
-def main() -> None:
-    """Console entry point ``eagle3-export``."""
-    _main()
-
+main = entry_point("export", ExportConfig, lambda cfg: Exporter(cfg).run())
 
 if __name__ == "__main__":
     main()

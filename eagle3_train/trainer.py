@@ -23,14 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import hydra
 import numpy as np
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING
 from tqdm.auto import tqdm
 
-from eagle3_train.cli import CONF_DIR, config_dict, to_config, user_errors
+from eagle3_train.cli import config_dict, entry_point
 from eagle3_train.contract import CaptureSpec, read_manifest
 from eagle3_train.data import Batch, ShardSplit, micro_batches_for, plan_epoch, steps_in_epoch
 from eagle3_train.dist import DistInfo, all_gather_objects, barrier, close, init_distributed, print0
@@ -530,21 +529,16 @@ class Trainer:
             self.tracker.finish()
 
 
-@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-def _main(cfg: DictConfig) -> None:
-    with user_errors("eagle3-train"):
-        trainer = Trainer(to_config(cfg, TrainConfig))
-        try:
-            trainer.run()
-        finally:
-            trainer.close()
-            close()
+def _run(cfg: TrainConfig) -> None:
+    trainer = Trainer(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+        close()
 
 
-def main() -> None:
-    """Console entry point ``eagle3-train``."""
-    _main()
-
+main = entry_point("train", TrainConfig, _run)
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,7 @@ mkdir -p "$RUN_DIR"
 
 echo "== prepare: the target regenerates the assistant turns of the shipped prompts"
 eagle3-prepare target=embedded input="$PROMPTS/train.jsonl" out="$RUN_DIR/prepared" \
-  regenerate=true limit="${DEMO_PROMPTS:-280}" regen.max_new_tokens="${DEMO_NEW_TOKENS:-160}" regen.batch_size=64
+  regenerate=true limit="${DEMO_PROMPTS:-280}" regen.max_new_tokens="${DEMO_NEW_TOKENS:-128}" regen.batch_size=64
 
 echo "== dump: hidden states of HF layers [2, 15, 27] (the default for N=30) and the final state"
 eagle3-dump target=embedded data="$RUN_DIR/prepared" out="$RUN_DIR/dump" dtype=float32 \
@@ -21,14 +21,14 @@ eagle3-standardize dumps="[$RUN_DIR/dump]" out="$RUN_DIR/std" draft_vocab_size="
 
 echo "== train: the draft head on the standardized data (CPU, fp32)"
 eagle3-train data="$RUN_DIR/std" target=embedded out="$RUN_DIR/train" \
-  train.epochs="${DEMO_EPOCHS:-3}" train.lr="${DEMO_LR:-2e-3}" train.warmup_steps=5 train.ttt_length="${DEMO_TTT:-5}" \
+  train.epochs="${DEMO_EPOCHS:-2}" train.lr="${DEMO_LR:-2e-3}" train.warmup_steps=5 train.ttt_length="${DEMO_TTT:-5}" \
   train.max_tokens_per_batch=4096 train.log_every=10
 
 echo "== export for SGLang and vLLM, check what each engine will capture, evaluate on held-out prompts"
 eagle3-export run="$RUN_DIR/train" out="$RUN_DIR/export" engines=[sglang,vllm]
 eagle3-check draft="$RUN_DIR/export" target=embedded
 eagle3-eval draft="$RUN_DIR/export" target=embedded engine=sglang prompts="$PROMPTS/heldout.jsonl" \
-  limit="${DEMO_EVAL_PROMPTS:-10}" max_new_tokens=64 k=5 out="$RUN_DIR/eval"
+  limit="${DEMO_EVAL_PROMPTS:-10}" max_new_tokens=64 k=5 dtype=float32 out="$RUN_DIR/eval"
 
 echo
 echo "== summary"

@@ -35,11 +35,6 @@ def forward_flops_per_token(cfg, seq: int) -> float:
     return layers * (2 * per_layer + attention)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def build(args, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
