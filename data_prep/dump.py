@@ -304,14 +304,8 @@ class Dumper:
         self.prepared_dir = Path(cfg.data).expanduser()
         self.prepared = read_manifest(self.prepared_dir, "prepare")
         self.dataset = self._load_dataset()
-        self.target = load_target(
-            cfg.target,
-            cache_dir=cfg.cache_dir,
-            dtype=cfg.dtype,
-            device=str(self.dist.device),
-            trust_remote_code=cfg.trust_remote_code,
-            model_kwargs=self._model_kwargs(),
-        )
+        # config and tokenizer now; the weights only once there is work (see model())
+        self.target = load_target(cfg.target, cache_dir=cfg.cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code)
         self.identity = self._check_target()
         n = self.target.num_hidden_layers
         aux = cfg.capture.aux_indices
@@ -336,6 +330,19 @@ class Dumper:
         if len(np.unique(self.sample_ids)) != len(ds):
             raise BadInputError(f"{path}: sample_id repeats; re-run eagle3-prepare")
         return ds
+
+    def model(self) -> Any:
+        """The target with its weights, loaded on first use (a finished dump never loads them)."""
+        if self.target.model is None:
+            self.target = load_target(
+                self.cfg.target,
+                cache_dir=self.cfg.cache_dir,
+                dtype=self.cfg.dtype,
+                device=str(self.dist.device),
+                trust_remote_code=self.cfg.trust_remote_code,
+                model_kwargs=self._model_kwargs(),
+            )
+        return self.target.model
 
     def _model_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
@@ -478,7 +485,7 @@ class Dumper:
         sample_of_token = torch.repeat_interleave(torch.arange(len(rows)), lengths)
         ids, token_index, sample_of_token = (_to_device(t, dev) for t in (ids, token_index, sample_of_token))
         # No attention mask: right padding under causal attention never reaches a real token.
-        out = self.target.model.base_model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        out = self.model().base_model(input_ids=ids, output_hidden_states=True, use_cache=False)
         states = out.hidden_states  # N+1 tensors [B, W, H]; [N] is post-norm
         keys = {f"hidden.{k}": states[k] for k in self.stored} | {"last_hidden": states[self.spec.num_hidden_layers]}
         piece = {name: s.reshape(-1, s.shape[-1]).index_select(0, token_index) for name, s in keys.items()}

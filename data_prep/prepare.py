@@ -104,15 +104,7 @@ class Preparer:
         self.cfg = cfg
         self.out = Path(cfg.out).expanduser()
         self.bad = BadRows(cfg.on_bad_row)
-        self.target: Target = load_target(
-            cfg.target,
-            cache_dir=cfg.cache_dir,
-            load_model=cfg.regenerate,
-            dtype=cfg.dtype,
-            device=_device(cfg.device),
-            chat_template=cfg.chat_template,
-            trust_remote_code=cfg.trust_remote_code,
-        )
+        self.target: Target = self._load(load_model=False)  # the weights only to regenerate
         if chat_template_of(self.target.tokenizer) is None:
             raise Eagle3Error(
                 f"the tokenizer of target {cfg.target} has no chat template; pass "
@@ -125,6 +117,11 @@ class Preparer:
                 "input": input_fingerprint(cfg.input),
             }
         )
+
+    def _load(self, load_model: bool) -> Target:
+        c = self.cfg
+        return load_target(c.target, cache_dir=c.cache_dir, load_model=load_model, dtype=c.dtype,
+                           device=_device(c.device), chat_template=c.chat_template, trust_remote_code=c.trust_remote_code)
 
     def _output_options(self) -> dict[str, Any]:
         """The options that decide the output (not where it goes or how fast it is made)."""
@@ -186,6 +183,8 @@ class Preparer:
             shutil.rmtree(regen_dir)  # chunks of other options or input: never mix them
         regen_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(stamp, self.fingerprint)
+        if self.target.model is None:
+            self.target = self._load(load_model=True)
         tok, model = self.target.tokenizer, self.target.model
         eos = sorted(_eos_ids(model, tok))
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]

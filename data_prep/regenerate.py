@@ -88,7 +88,8 @@ def regenerate(
             unfinished += hit_limit
             for ci, ids in zip(batch, replies):
                 messages, slots = work[ci]
-                messages[slots[s]]["content"] = tokenizer.decode(ids, skip_special_tokens=True).strip()
+                # special tokens stay (e.g. <think>): the text must re-tokenise to what the target wrote
+                messages[slots[s]]["content"] = tokenizer.decode(ids, skip_special_tokens=False).strip()
             bar.update(len(batch))
     bar.close()
     out = [Conversation(m, c.source, dict(c.meta)) for (m, _), c in zip(work, conversations)]

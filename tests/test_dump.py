@@ -123,7 +123,7 @@ def test_nonfinite_sample_is_dropped_and_counted(prepared, tmp_path):
     def poison(module, inputs, output):  # NaN in every sample containing the token 'Z'
         output[(inputs[0] == z).any(dim=1)] = float("nan")
 
-    d.target.model.get_input_embeddings().register_forward_hook(poison)
+    d.model().get_input_embeddings().register_forward_hook(poison)
     manifest = d.run()
     assert manifest["nonfinite_sample_ids"] == [7]
     assert manifest["counts"]["nonfinite_samples"] == 1

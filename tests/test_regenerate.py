@@ -20,7 +20,9 @@ def direct_generate(model, tok, messages):
     """Plain batch-of-one greedy generate, decoded the way any user would."""
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=EOS, pad_token_id=263)
-    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    reply = out[0, ids["input_ids"].shape[1]:].tolist()
+    reply = reply[: next((i for i, t in enumerate(reply) if t in EOS), len(reply))]  # up to the end of turn
+    return tok.decode(reply, skip_special_tokens=False).strip()
 
 
 def test_assistant_slots():
