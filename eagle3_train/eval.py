@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from eagle3_train.cli import config_dict, entry_point
 from eagle3_train.engines import resolve
 from eagle3_train.errors import BadInputError, ConfigError, ContractError
-from eagle3_train.fileio import atomic_write_json
+from eagle3_train.fileio import atomic_write_json, sha256_file, sha256_json
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.targets import Target, load_target, text_config
 
@@ -248,8 +248,21 @@ class Evaluator:
                 break
         return out
 
+    def fingerprint(self) -> str:
+        """What decides the report: options (not where it goes), the draft files, the target."""
+        opts = {k: v for k, v in config_dict(self.cfg).items() if k not in ("out", "progress")}
+        files = {p.name: sha256_file(p) for p in (self.draft_dir / "config.json", self.draft_dir / "model.safetensors")}
+        return sha256_json({"options": opts, "draft": files, "target": self.target.identity.to_dict()})
+
     def run(self) -> dict[str, Any]:
         k = self.cfg.k
+        report_path = self.out / "report.json"
+        fingerprint = self.fingerprint()
+        if report_path.is_file():
+            old = json.loads(report_path.read_text())
+            if old.get("fingerprint") == fingerprint:
+                print(f"eagle3-eval: {report_path} is up to date (tau {old['tau']:.2f}); nothing to do")
+                return old
         reached, hits = [0] * k, [0] * k
         steps, tokens, lossless = [], 0, 0
         prompts = self.prompts()
@@ -274,6 +287,7 @@ class Evaluator:
             "lossless_prompts": lossless, "lossless": lossless == len(prompts),
             "target_seconds": self.decoder.target_seconds, "draft_seconds": self.decoder.draft_seconds,
             "config": config_dict(self.cfg),
+            "fingerprint": fingerprint,
         }
         self.out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.out / "report.json", report)

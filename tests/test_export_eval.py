@@ -92,6 +92,10 @@ def test_right_config_beats_off_by_one_and_both_are_lossless(pipeline):
     assert (pipeline / "eval-export-vllm" / "acceptance.png").stat().st_size > 1000
     # SGLang reads the nested ids (+1): the same capture, the same result
     assert evaluate(pipeline, pipeline / "export", "sglang")["tau"] == pytest.approx(right["tau"])
+    # run again unchanged: the report is reused, not recomputed
+    again = evaluate(pipeline, pipeline / "export")
+    assert again == json.loads((pipeline / "eval-export-vllm" / "report.json").read_text())
+    assert again["target_seconds"] == right["target_seconds"]
 
 
 def test_check_flags_what_engines_would_get_wrong(pipeline, capsys):
