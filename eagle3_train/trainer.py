@@ -443,12 +443,18 @@ class Trainer:
         loss_sum, n = 0.0, 0
         if len(self.eval_split):
             batches = plan_epoch(self.eval_split.length, o.max_tokens_per_batch, 0, 0)
-            for indices in batches[self.dist.rank :: self.world]:
+            mine = batches[self.dist.rank :: self.world]
+            # every rank runs as many forwards (ZeRO-3 gathers parameters collectively); a rank
+            # short of batches repeats its first one without counting it
+            rounds = -(-len(batches) // self.world)
+            for r in range(rounds):
+                indices = mine[r] if r < len(mine) else batches[0]
                 batch = self.eval_split.batch(indices).to(self.dist.device, self.dtype)
                 loss, stats = self.losses(batch)
-                counts += stats[:, :2].cpu().numpy().astype(np.int64)
-                loss_sum += float(loss)
-                n += 1
+                if r < len(mine):
+                    counts += stats[:, :2].cpu().numpy().astype(np.int64)
+                    loss_sum += float(loss)
+                    n += 1
         gathered = all_gather_objects((counts, loss_sum, n))
         counts = sum(g[0] for g in gathered)
         loss_sum, n = sum(g[1] for g in gathered), sum(g[2] for g in gathered)
