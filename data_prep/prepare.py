@@ -31,7 +31,7 @@ from eagle3_train.cli import config_dict, entry_point
 from eagle3_train.contract import MANIFEST_NAME, read_manifest, write_manifest
 from eagle3_train.errors import ConfigError, ContractError, Eagle3Error
 from eagle3_train.fileio import atomic_write_json, sha256_json
-from eagle3_train.targets import Target, chat_template_of, load_target
+from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target
 
 STAGE = "prepare"
 BAD_ROW_POLICIES = ("error", "skip")
@@ -186,7 +186,7 @@ class Preparer:
         if self.target.model is None:
             self.target = self._load(load_model=True)
         tok, model = self.target.tokenizer, self.target.model
-        eos = sorted(_eos_ids(model, tok))
+        eos = sorted(eos_ids(model, tok))
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
         size = self.cfg.regen.chunk_size
         out, unfinished = [], 0
@@ -212,7 +212,7 @@ class Preparer:
     def render(self, conversations: list[Conversation]) -> tuple[list[tuple[Conversation, Rendered]], dict]:
         """Tokenise every conversation with its loss mask."""
         tok = self.target.tokenizer
-        end_ids = special_ids(tok, _eos_ids(self.target.model, tok))
+        end_ids = special_ids(tok, eos_ids(self.target.model, tok))
         rows, truncated = [], 0
         for conv in tqdm(conversations, desc="tokenize", unit="conv", disable=not self.cfg.progress):
             try:
@@ -287,17 +287,6 @@ def _check_regenerated(conv: Conversation) -> None:
     for i, m in enumerate(conv.messages):
         if m["role"] == "assistant" and not m["content"]:
             raise BadRow(conv.source, "empty_regeneration", "the target replied with nothing", f"messages[{i}]")
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """End-of-turn ids: the generation config's eos ids and the tokenizer's eos token."""
-    ids = set()
-    gen = getattr(model, "generation_config", None) if model is not None else None
-    for e in [getattr(gen, "eos_token_id", None), tokenizer.eos_token_id]:
-        for x in e if isinstance(e, (list, tuple)) else [e]:
-            if x is not None:
-                ids.add(int(x))
-    return ids
 
 
 def _device(device: str) -> str:

@@ -30,7 +30,7 @@ from eagle3_train.engines import resolve
 from eagle3_train.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.fileio import atomic_write_json, sha256_file, sha256_json
 from eagle3_train.model import DraftConfig, Eagle3Draft
-from eagle3_train.targets import Target, load_target, text_config
+from eagle3_train.targets import Target, eos_ids, load_target, text_config
 
 
 @dataclass
@@ -108,11 +108,11 @@ class SpecDecoder:
         layers: HF indices whose states feed the draft (``N`` = the last layer's pre-norm output,
             what an engine captures for it).
         k: draft tokens per verify step.
-        eos_ids: ids that end generation.
+        eos: ids that end generation.
     """
 
-    def __init__(self, target: Target, draft: Eagle3Draft, layers: list[int], k: int, eos_ids: set[int]):
-        self.target, self.draft, self.layers, self.k, self.eos = target.model, draft, layers, k, eos_ids
+    def __init__(self, target: Target, draft: Eagle3Draft, layers: list[int], k: int, eos: set[int]):
+        self.target, self.draft, self.layers, self.k, self.eos = target.model, draft, layers, k, eos
         self.n = target.num_hidden_layers
         self.device = next(self.target.parameters()).device
         self.dtype = next(self.target.parameters()).dtype
@@ -222,9 +222,8 @@ class Evaluator:
                 f"{self.resolution.source}) = width {len(self.layers) * tc.hidden_size}, but fc takes "
                 f"{self.draft.fc.in_features}: the engine would fail to run this draft"
             )
-        gen = getattr(self.target.model, "generation_config", None)
-        eos = {self.target.tokenizer.eos_token_id} | set(_as_list(getattr(gen, "eos_token_id", None)))
-        self.decoder = SpecDecoder(self.target, self.draft, self.layers, cfg.k, {e for e in eos if e is not None})
+        eos = eos_ids(self.target.model, self.target.tokenizer)
+        self.decoder = SpecDecoder(self.target, self.draft, self.layers, cfg.k, eos)
         self.out = Path(cfg.out).expanduser() if cfg.out else self.draft_dir / f"eval-{cfg.engine}"
 
     def prompts(self) -> list[list[int]]:
@@ -297,10 +296,6 @@ class Evaluator:
               f"lossless {lossless}/{len(prompts)}; target {report['target_seconds']:.1f} s, draft "
               f"{report['draft_seconds']:.1f} s -> {self.out}")
         return report
-
-
-def _as_list(x: Any) -> list:
-    return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 def plot_acceptance(per_position: list[float], tau: float, path: Path) -> None:

@@ -169,6 +169,18 @@ def load_target(
     return Target(model, tokenizer, config, identity, local_dir)
 
 
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """End-of-turn ids: the generation config's eos ids (when a model is loaded) and the
+    tokenizer's eos token."""
+    ids = set()
+    gen = getattr(model, "generation_config", None) if model is not None else None
+    for e in [getattr(gen, "eos_token_id", None), tokenizer.eos_token_id]:
+        for x in e if isinstance(e, (list, tuple)) else [e]:
+            if x is not None:
+                ids.add(int(x))
+    return ids
+
+
 def tensor_parallel_kwargs(tp_mesh: Any) -> dict[str, Any]:
     """``from_pretrained`` arguments for transformers' own tensor-parallel plan over ``tp_mesh``.
 
