@@ -37,7 +37,13 @@ from eagle3_train.errors import BadInputError, ConfigError, ContractError, Eagle
 from eagle3_train.fileio import atomic_write_json
 from eagle3_train.formats import ShardRecord
 from eagle3_train.model import DraftConfig, Eagle3Draft
-from eagle3_train.objective import acceptance_length, correct_predictions, soft_cross_entropy, target_distribution
+from eagle3_train.objective import (
+    acceptance_length,
+    correct_predictions,
+    soft_cross_entropy,
+    step_weights,
+    target_distribution,
+)
 from eagle3_train.targets import config_hash, load_embeddings_and_head
 from eagle3_train.vocab import load_vocab_map
 
@@ -202,6 +208,7 @@ def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: tor
     positions = torch.arange(t, device=dev)
     total = torch.zeros((), device=dev)
     stats = torch.zeros(ttt_length, 3, device=dev)
+    weights = step_weights(ttt_length, decay)
     for j, out in enumerate(model.unroll(batch.aux_hidden, batch.input_ids, ttt_length)):
         n = t - 2 - j
         if n <= 0:
@@ -211,7 +218,7 @@ def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: tor
         logits = model.logits(out[:, :n])
         logits = logits.reshape(-1, logits.shape[-1])
         loss = soft_cross_entropy(logits, probs[:, q].reshape(-1, probs.shape[-1]), mask)
-        total = total + decay**j * loss
+        total = total + weights[j] * loss
         stats[j, :2] = correct_predictions(logits, argmax[:, q].reshape(-1), mask)
         stats[j, 2] = loss.detach()
     return total, stats
