@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
 from tqdm.auto import tqdm
 
 from eagle3_train.cli import config_dict, entry_point
@@ -50,6 +49,7 @@ from eagle3_train.dist import DistInfo, barrier, close, init_distributed, print0
 from eagle3_train.errors import BadInputError, ConfigError, ContractError, Eagle3Error, IncompleteError
 from eagle3_train.fileio import atomic_write_json
 from eagle3_train.formats import (
+    ShardRecord,
     finished_records,
     read_keys,
     remove_unfinished,
@@ -71,13 +71,45 @@ class CaptureConfig:
     extra_indices: list[int] = field(default_factory=list)  # more layers kept for later choices
 
 
+BACKENDS = ("hf", "vllm", "sglang")
+
+
+@dataclass
+class ServerConfig:
+    """Where ``backend=vllm|sglang`` finds the engine (see data_prep/served.py)."""
+
+    url: str = "http://127.0.0.1:8000"  # the vLLM server, or SGLang's aux-state server
+    final_url: str = "http://127.0.0.1:30001"  # SGLang only: the server that returns the post-norm final state
+    model: str | None = None  # vLLM's served model name; null: the first one /v1/models lists
+    files_dir: str | None = None  # vLLM: the shared directory the engine writes states to, as this client sees it (null: <out>/engine_files)
+    server_files_dir: str | None = None  # vLLM: the same directory as the engine sees it (null: files_dir)
+    final_norm: str = "auto"  # vLLM: the target's final norm (auto: from model_type; llama, fp32, gemma)
+
+
+@dataclass
+class ClientConfig:
+    """How ``backend=vllm|sglang`` sends requests; each client process takes its share of samples."""
+
+    rank: int | None = None  # this client's index (null: $RANK, else 0)
+    world_size: int | None = None  # number of client processes (null: $WORLD_SIZE, else 1)
+    concurrency: int = 32  # requests in flight per client process (the engine batches them)
+    request_timeout_s: float = 600.0  # one request's time limit
+    file_timeout_s: float = 600.0  # vLLM: longest wait for a state file once its response came
+    retries: int = 5  # further attempts after a transient failure (connection, 5xx, timeout)
+    backoff_s: float = 1.0  # the first retry's delay; doubled on every further one (at most 60 s)
+    wait_for_server_s: float = 900.0  # how long to wait at start for the servers' /health
+    check_next_token: bool = True  # compare the engine's next token with lm_head(last_hidden)
+    keep_files: bool = False  # vLLM: keep the engine's per-request files after reading them
+
+
 @dataclass
 class DumpConfig:
     """Options of ``eagle3-dump`` (``conf/dump.yaml``)."""
 
     target: str = "embedded"  # the model whose states are dumped (must tokenise like the prepared data)
     data: str | None = None  # the prepared directory (eagle3-prepare's out)
-    out: str = MISSING  # output directory (shards/ + manifest.json)
+    out: str | None = None  # output directory (shards/ + manifest.json)
+    backend: str = "hf"  # hf: run the target in transformers; vllm / sglang: ask a running engine
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     dtype: str = "bfloat16"  # the target runs, and states are stored, in this dtype
     max_tokens_per_batch: int = 16384  # token budget of one forward pass, padding included
@@ -88,19 +120,37 @@ class DumpConfig:
     device: str = "auto"  # auto: cuda:<local_rank> if present, else cpu
     attn_implementation: str | None = None  # passed to transformers (sdpa, flash_attention_2, eager)
     verify: bool = False  # only re-read every shard of out and check it against the manifest
+    print_launch: bool = False  # backend=vllm|sglang: only print the engine launch command(s) for this capture
+    server: ServerConfig = field(default_factory=ServerConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
     cache_dir: str | None = None  # where GGUF targets are converted once
     trust_remote_code: bool = False  # let transformers run the target repository's own code
     dist_timeout_minutes: float = 120.0  # how long ranks wait for each other at the final barrier
     progress: bool = True  # progress bar on rank 0
 
     def __post_init__(self) -> None:
-        if not self.verify and not self.data:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.print_launch:
+            if self.backend == "hf":
+                raise ConfigError("print_launch=true prints an engine's launch command: add backend=vllm or backend=sglang")
+        elif not self.out:
+            raise ConfigError("out=<dump directory> is required")
+        elif not self.verify and not self.data:
             raise ConfigError("data=<prepared directory> is required (or verify=true to check a dump)")
         for name in ("max_tokens_per_batch", "max_batch_size", "shard_size_mb", "tp_size", "writer_threads"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.backend != "hf" and self.tp_size != 1:
+            raise ConfigError(f"tp_size={self.tp_size} applies to backend=hf; the {self.backend} engine has its own parallelism")
+        c = self.client
+        for name in ("concurrency", "request_timeout_s", "file_timeout_s", "wait_for_server_s"):
+            if getattr(c, name) <= 0:
+                raise ConfigError(f"client.{name} must be positive, got {getattr(c, name)}")
+        if c.retries < 0 or c.backoff_s < 0:
+            raise ConfigError("client.retries and client.backoff_s must not be negative")
 
 
 ConfigStore.instance().store(name="dump_schema", node=DumpConfig)
@@ -289,14 +339,26 @@ class ShardWriter:
             self.pool.put(shard)
 
 
+def stored_indices(capture: CaptureConfig, num_hidden_layers: int) -> tuple[tuple[int, ...], list[int]]:
+    """The aux capture (HF indices, checked; the default when unset) and every index stored."""
+    n = num_hidden_layers
+    aux = default_aux_indices(n) if capture.aux_indices is None else validate_aux_indices(list(capture.aux_indices), n)
+    extra = validate_aux_indices(sorted(capture.extra_indices), n) if capture.extra_indices else ()
+    return aux, sorted(set(aux) | set(extra))
+
+
 class Dumper:
-    """Runs the dump stage on this rank (see the module docstring)."""
+    """Runs the dump stage on this rank (see the module docstring).
+
+    ``backend=hf`` runs the target here; data_prep/served.py subclasses this for the engines,
+    replacing how ranks are found (:meth:`_ranks`) and how states are obtained (:meth:`_work`).
+    """
 
     def __init__(self, cfg: DumpConfig):
         self.cfg = cfg
         self.out = Path(cfg.out).expanduser()
         self.shard_dir = self.out / "shards"
-        self.dist: DistInfo = init_distributed(cfg.device, cfg.dist_timeout_minutes)
+        self.dist: DistInfo = self._ranks()
         self.dp_rank, self.dp_size = self.dist.rank // cfg.tp_size, self.dist.world_size // cfg.tp_size
         if self.dist.world_size % cfg.tp_size:
             raise ConfigError(f"world size {self.dist.world_size} is not a multiple of tp_size={cfg.tp_size}")
@@ -307,17 +369,18 @@ class Dumper:
         # config and tokenizer now; the weights only once there is work (see model())
         self.target = load_target(cfg.target, cache_dir=cfg.cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code)
         self.identity = self._check_target()
-        n = self.target.num_hidden_layers
-        aux = cfg.capture.aux_indices
-        aux = default_aux_indices(n) if aux is None else validate_aux_indices(list(aux), n)
-        extra = validate_aux_indices(sorted(cfg.capture.extra_indices), n) if cfg.capture.extra_indices else ()
-        self.stored = sorted(set(aux) | set(extra))
-        self.spec = CaptureSpec(aux, n, self.target.hidden_size, self.target.vocab_size, cfg.dtype, self.identity)
+        aux, self.stored = stored_indices(cfg.capture, self.target.num_hidden_layers)
+        self.spec = CaptureSpec(aux, self.target.num_hidden_layers, self.target.hidden_size, self.target.vocab_size,
+                                cfg.dtype, self.identity)
         self.request = {
             "capture": self.spec.to_dict(),
             "stored_indices": self.stored,
             "prepared_fingerprint": self.prepared["fingerprint"],
+            "backend": cfg.backend,
         }
+
+    def _ranks(self) -> DistInfo:
+        return init_distributed(self.cfg.device, self.cfg.dist_timeout_minutes)
 
     def _load_dataset(self) -> Any:
         from datasets import load_from_disk
@@ -373,10 +436,7 @@ class Dumper:
     # -- the run ---------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any] | None:
-        if (self.out / MANIFEST_NAME).is_file():
-            manifest = read_manifest(self.out, STAGE)
-            self._compare(manifest["request"], "the finished dump")
-            print0(f"eagle3-dump: {self.out} is already complete with this capture; nothing to do")
+        if (manifest := self._finished()) is not None:
             return manifest
         self._claim()
         todo = self._todo()
@@ -391,6 +451,15 @@ class Dumper:
         if self.dist.is_main:
             manifest = self._finalize(time.time() - start, totals)
         barrier()
+        return manifest
+
+    def _finished(self) -> dict[str, Any] | None:
+        """The manifest of a finished dump of this very request (another request is refused)."""
+        if not (self.out / MANIFEST_NAME).is_file():
+            return None
+        manifest = read_manifest(self.out, STAGE)
+        self._compare(manifest["request"], "the finished dump")
+        print0(f"eagle3-dump: {self.out} is already complete with this capture; nothing to do")
         return manifest
 
     def _compare(self, other: dict, what: str) -> None:
@@ -429,21 +498,22 @@ class Dumper:
             print0(f"resuming: {len(done)} samples already stored, {len(todo)} to go")
         return todo
 
+    def _writer(self) -> ShardWriter:
+        """This rank's shard writer; its shards are named ``<rank>-<random>-<count>``."""
+        keys = [f"hidden.{k}" for k in self.stored] + ["last_hidden"]
+        dtype = resolve_dtype(self.cfg.dtype, "cuda")
+        per_token = len(keys) * self.spec.hidden_size * dtype.itemsize
+        longest = int(self.dataset["num_tokens"][:].max())
+        return ShardWriter(
+            self.shard_dir, f"{self.dist.rank:05d}-{secrets.token_hex(4)}", keys, self.spec.hidden_size, dtype,
+            shard_tokens=max(1, int(self.cfg.shard_size_mb * 2**20) // per_token),
+            max_batch_tokens=max(self.cfg.max_tokens_per_batch, longest),
+            threads=self.cfg.writer_threads, device=self.dist.device,
+        )
+
     @torch.no_grad()
     def _dump(self, batches: list[Batch], n_todo: int) -> int:
-        prefix = f"{self.dist.rank:05d}-{secrets.token_hex(4)}"
-        writer = None
-        if self.writes:
-            keys = [f"hidden.{k}" for k in self.stored] + ["last_hidden"]
-            dtype = resolve_dtype(self.cfg.dtype, "cuda")
-            per_token = len(keys) * self.spec.hidden_size * dtype.itemsize
-            longest = int(self.dataset["num_tokens"][:].max())
-            writer = ShardWriter(
-                self.shard_dir, prefix, keys, self.spec.hidden_size, dtype,
-                shard_tokens=max(1, int(self.cfg.shard_size_mb * 2**20) // per_token),
-                max_batch_tokens=max(self.cfg.max_tokens_per_batch, longest),
-                threads=self.cfg.writer_threads, device=self.dist.device,
-            )
+        writer = self._writer() if self.writes else None
         bar = tqdm(
             total=sum(sum(b.lengths) for b in batches), unit="tok", unit_scale=True, desc=f"dump rank 0/{self.dp_size}",
             disable=not (self.cfg.progress and self.dist.is_main),
@@ -503,8 +573,9 @@ class Dumper:
         piece["sample_ids"] = torch.from_numpy(self.sample_ids[batch.rows])
         return piece, list(batch.lengths), ready
 
-    def _finalize(self, elapsed: float, totals: list[int]) -> dict[str, Any]:
-        """Rank 0, after every rank finished: check coverage, then write the manifest."""
+    def _coverage(self) -> tuple[list[ShardRecord], np.ndarray, list[int], np.ndarray]:
+        """The finished shards, the sample ids they store, those dropped as non-finite, and the
+        sample ids still missing; a sample stored twice is an error."""
         records = finished_records(self.shard_dir)
         stored: list[np.ndarray] = []
         nonfinite: list[int] = []
@@ -515,7 +586,14 @@ class Dumper:
         uniq, counts = np.unique(np.concatenate([ids, np.asarray(nonfinite, dtype=np.int64)]), return_counts=True)
         if (counts > 1).any():
             raise Eagle3Error(f"{self.shard_dir}: samples stored twice: {uniq[counts > 1][:10].tolist()}")
-        missing = np.setdiff1d(self.sample_ids, uniq)
+        return records, ids, nonfinite, np.setdiff1d(self.sample_ids, uniq)
+
+    def _run_info(self) -> dict[str, Any]:
+        return {"world_size": self.dist.world_size, "tp_size": self.cfg.tp_size}
+
+    def _finalize(self, elapsed: float, totals: list[int]) -> dict[str, Any]:
+        """After every rank finished: check coverage, then write the manifest."""
+        records, ids, nonfinite, missing = self._coverage()
         if len(missing):
             raise IncompleteError(
                 f"{self.shard_dir}: {len(missing)} samples are missing (e.g. {missing[:10].tolist()}); "
@@ -540,8 +618,8 @@ class Dumper:
                 "nonfinite_samples": len(nonfinite),
             },
             "nonfinite_sample_ids": sorted(nonfinite),
-            "run": {"world_size": self.dist.world_size, "tp_size": self.cfg.tp_size, "seconds": round(elapsed, 3),
-                    "tokens_this_run": totals[1], "bytes_this_run": totals[0]},
+            "run": self._run_info() | {"seconds": round(elapsed, 3), "tokens_this_run": totals[1],
+                                       "bytes_this_run": totals[0]},
         }
         write_manifest(self.out, STAGE, body)
         rate = totals[1] / max(elapsed, 1e-9)
@@ -574,8 +652,6 @@ def verify(out: str | os.PathLike) -> list[str]:
     """Re-read every shard of a finished dump; return the problems found, by shard name."""
     out = Path(out).expanduser()
     manifest = read_manifest(out, STAGE)
-    from eagle3_train.formats import ShardRecord
-
     problems: list[str] = []
     records = [ShardRecord.from_dict(r) for r in manifest["shards"]]
     for rec in tqdm(records, desc="verify", unit="shard"):
@@ -588,13 +664,22 @@ def verify(out: str | os.PathLike) -> list[str]:
 
 
 def _run(cfg: DumpConfig) -> int:
-    """``verify=true`` checks a finished dump; otherwise dump on this rank."""
+    """``verify=true`` checks a finished dump; ``backend=vllm|sglang`` asks an engine
+    (data_prep/served.py); otherwise dump on this rank."""
     if cfg.verify:
         problems = verify(cfg.out)
         for p in problems:
             print(f"eagle3-dump verify: {p}")
         print(f"eagle3-dump verify: {'OK' if not problems else f'{len(problems)} problems'} ({cfg.out})")
         return 1 if problems else 0
+    if cfg.backend != "hf":
+        from data_prep import served
+
+        if cfg.print_launch:
+            print(served.launch_text(cfg))
+            return 0
+        served.ServedDumper(cfg).run()
+        return 0
     try:
         Dumper(cfg).run()
     finally:

@@ -154,10 +154,13 @@ def finished_records(directory: Path) -> list[ShardRecord]:
     return out
 
 
-def remove_unfinished(directory: Path) -> list[str]:
-    """Delete temp files, shards without a record and records without a shard; return names."""
+def remove_unfinished(directory: Path, prefix: str = "") -> list[str]:
+    """Delete temp files, shards without a record and records without a shard whose names start
+    with ``prefix`` (a writer's own, while others may still be writing); return their names."""
     removed = []
     for p in sorted(directory.iterdir()):
+        if not p.name.removeprefix(".").startswith(prefix):
+            continue
         partner = None
         if p.name.startswith(".") and p.name.endswith(".tmp"):
             pass

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -383,9 +384,29 @@ def load_embeddings_and_head(
 
     A tied lm_head (``tie_word_embeddings``) is the embedding matrix.
     """
+    config, found = load_target_tensors(target, ("embed", "head"), cache_dir=cache_dir, trust_remote_code=trust_remote_code)
+    return config, found["embed"], found["head"]
+
+
+# Which checkpoint tensor each name means (the first matching key wins). The final norm is the
+# decoder's own (``model.norm`` / ``model.language_model.norm``), never a layer's or an MTP head's.
+_TENSOR_KEYS = {
+    "embed": lambda k: k.endswith("embed_tokens.weight") and "mtp" not in k,
+    "head": lambda k: k.endswith("lm_head.weight"),
+    "norm": lambda k: re.fullmatch(r"(.*\.)?(model|language_model)\.norm\.weight", k) is not None,
+}
+
+
+def load_target_tensors(
+    target: str, names: tuple[str, ...], *, cache_dir: str | os.PathLike | None, trust_remote_code: bool = False
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The target's config and the tensors ``names`` (of ``embed``, ``head``, ``norm``: the final
+    RMSNorm weight), read from its safetensors files: only those bytes, never the whole model."""
     if target == "tiny":
         model = build_tiny_model()
-        return model.config, model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
+        every = {"embed": model.get_input_embeddings().weight, "head": model.get_output_embeddings().weight,
+                 "norm": model.model.norm.weight}
+        return model.config, {n: every[n].detach() for n in names}
     local = _local_dir(target, cache_dir)
     if local is None:
         from huggingface_hub import snapshot_download
@@ -402,15 +423,19 @@ def load_embeddings_and_head(
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
-                if key.endswith("embed_tokens.weight") and "embed" not in found and "mtp" not in key:
-                    found["embed"] = st.get_tensor(key)
-                elif key.endswith("lm_head.weight") and "head" not in found:
-                    found["head"] = st.get_tensor(key)
-    if "embed" not in found:
-        raise BadInputError(f"no '*embed_tokens.weight' tensor in the safetensors files of {local}")
+                for name in names:
+                    if name not in found and _TENSOR_KEYS[name](key):
+                        found[name] = st.get_tensor(key)
     tied = getattr(text_config(config), "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)
-    if "head" not in found:
+    if "head" in names and "head" not in found:
         if not tied:
             raise BadInputError(f"no 'lm_head.weight' in {local} and the config does not tie it to the embeddings")
+        if "embed" not in found:  # tied: the head is the embedding matrix
+            _, more = load_target_tensors(target, ("embed",), cache_dir=cache_dir, trust_remote_code=trust_remote_code)
+            found["embed"] = more["embed"]
         found["head"] = found["embed"]
-    return config, found["embed"], found["head"]
+    spelled = {"embed": "*embed_tokens.weight", "norm": "model.norm.weight", "head": "lm_head.weight"}
+    for name in names:
+        if name not in found:
+            raise BadInputError(f"no '{spelled[name]}' tensor in the safetensors files of {local}")
+    return config, {n: found[n] for n in names}

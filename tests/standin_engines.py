@@ -1,0 +1,182 @@
+"""Stand-ins for vLLM and SGLang servers, fed by a transformers model, for the served-dump tests.
+
+No engine runs on the machines this project is tested on. These servers follow the API surface
+that data_prep/served.py documents (read from vLLM 0.33.0 and SGLang 0.5.23): the requests, the
+responses, vLLM's state files with their ``.lock`` and asynchronous write, SGLang's JSON rows and
+``cached_tokens``. They also fail on demand: HTTP 503, slow answers, a file never written, wrong
+token ids, a radix-cache hit, a chunked prefill.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+
+class _Standin:
+    """An HTTP server on a free local port running ``handle_post(path, body)`` per request."""
+
+    def __init__(self, model: Any, dtype: torch.dtype):
+        self.model = model.to(dtype).eval()
+        self.dtype = dtype
+        self.n = model.config.num_hidden_layers
+        self.model_lock = threading.Lock()
+        self.forward_lock = threading.Lock()  # guards the counters
+        self.posts = 0
+        self.fail_posts: set[int] = set()  # these POSTs (1-based) answer HTTP 503
+        self.fail_from: int | None = None  # every POST from this one on answers 503
+        self.slow_posts: dict[int, float] = {}  # these POSTs answer after a delay (seconds)
+        standin = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, status: int, payload: Any) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout)
+                    pass
+
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    self._send(200, {})
+                elif self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": "standin-model", "object": "model"}]})
+                else:
+                    self._send(404, {"error": "not found"})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with standin.forward_lock:
+                    standin.posts += 1
+                    number = standin.posts
+                if number in standin.slow_posts:
+                    time.sleep(standin.slow_posts[number])
+                if number in standin.fail_posts or (standin.fail_from is not None and number >= standin.fail_from):
+                    self._send(503, {"error": "service unavailable"})
+                    return
+                status, payload = standin.handle_post(self.path, body)
+                self._send(status, payload)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _Standin:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    @torch.no_grad()
+    def forward(self, prompt: list[int]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, int]:
+        """HF hidden states [T, H] each (index N post-norm), the pre-norm final state, next token."""
+        captured: dict[str, torch.Tensor] = {}
+        with self.model_lock:  # the hook must see this request's forward only
+            hook = self.model.model.norm.register_forward_pre_hook(lambda m, args: captured.setdefault("pre", args[0]))
+            try:
+                out = self.model(input_ids=torch.tensor([prompt]), output_hidden_states=True)
+            finally:
+                hook.remove()
+        return tuple(h[0] for h in out.hidden_states), captured["pre"][0], int(out.logits[0, -1].argmax())
+
+    def handle_post(self, path: str, body: dict) -> tuple[int, Any]:
+        raise NotImplementedError
+
+
+class StandinVllm(_Standin):
+    """vLLM with ``extract_hidden_states`` and ``ExampleHiddenStatesConnector``: id v is HF index
+    v, v = N the pre-norm final state; the file is written after the response, under a lock."""
+
+    def __init__(self, model: Any, layer_ids: list[int], storage: Path, dtype: torch.dtype = torch.float32,
+                 allow_custom_save_path: bool = True, write_delay_s: float = 0.02):
+        super().__init__(model, dtype)
+        self.layer_ids, self.storage = sorted(layer_ids), Path(storage)
+        self.allow_custom_save_path, self.write_delay_s = allow_custom_save_path, write_delay_s
+        self.unwritten_posts: set[int] = set()  # these requests' files are never written
+        self.shift_tokens = False  # report token ids one off (another tokenizer)
+        self.requests = 0
+
+    def handle_post(self, path: str, body: dict) -> tuple[int, Any]:
+        if path != "/v1/completions":
+            return 404, {"error": f"no route {path}"}
+        prompt = body["prompt"]
+        if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            return 400, {"error": "prompt must be token ids here"}
+        hidden, pre_norm, next_token = self.forward(prompt)
+        layers = [pre_norm if v == self.n else hidden[v] for v in self.layer_ids]
+        states = torch.stack(layers, dim=1).to(self.dtype).contiguous()  # [T, K, H]
+        with self.forward_lock:
+            self.requests += 1
+            number = self.requests
+        custom = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
+        filename = custom if custom and self.allow_custom_save_path else str(self.storage / f"cmpl-{number}.safetensors")
+        os.makedirs(os.path.dirname(filename), exist_ok=True)
+        lock = os.open(filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # taken before the response, released once written
+        token_ids = torch.tensor(prompt, dtype=torch.int64) + (1 if self.shift_tokens else 0)
+        write = number not in self.unwritten_posts
+
+        def write_later() -> None:
+            try:
+                time.sleep(self.write_delay_s)
+                if write:
+                    save_file({"hidden_states": states, "token_ids": token_ids}, filename)
+            finally:
+                os.close(lock)
+
+        threading.Thread(target=write_later, daemon=True).start()
+        return 200, {
+            "id": f"cmpl-{number}", "object": "text_completion", "model": body.get("model"),
+            "choices": [{"index": 0, "text": "?", "token_ids": [next_token], "prompt_token_ids": prompt,
+                         "finish_reason": "length"}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1},
+            "kv_transfer_params": {"hidden_states_path": filename},
+        }
+
+
+class StandinSglang(_Standin):
+    """SGLang ``/generate`` with ``return_hidden_states``: with ``layer_ids`` (the aux server),
+    rows [T][K*H] of HF indices v+1; without (the final-state server), the post-norm state [T][H]."""
+
+    def __init__(self, model: Any, layer_ids: list[int] | None, dtype: torch.dtype = torch.float32):
+        super().__init__(model, dtype)
+        self.layer_ids = layer_ids
+        self.cached_tokens = 0  # pretend a radix-cache hit of this many tokens (their rows go missing)
+        self.chunk = 0  # pretend a chunked prefill: only the last ``chunk`` rows come back
+
+    def handle_post(self, path: str, body: dict) -> tuple[int, Any]:
+        if path != "/generate":
+            return 404, {"error": f"no route {path}"}
+        prompt = body["input_ids"]
+        hidden, _, next_token = self.forward(prompt)
+        if self.layer_ids is not None:
+            rows = torch.cat([hidden[v + 1] for v in self.layer_ids], dim=-1)  # [T, K*H]
+        else:
+            rows = hidden[self.n]  # post-norm
+        rows = rows.to(self.dtype)[self.cached_tokens :]
+        if self.chunk:
+            rows = rows[-self.chunk :]
+        meta = {"id": "req", "prompt_tokens": len(prompt), "completion_tokens": 1, "cached_tokens": self.cached_tokens,
+                "finish_reason": {"type": "length", "length": 1}}
+        if body.get("return_hidden_states"):
+            meta["hidden_states"] = [rows.float().tolist()]
+        return 200, {"text": "?", "output_ids": [next_token], "meta_info": meta}

@@ -1,0 +1,260 @@
+"""eagle3-dump backend=vllm|sglang against stand-in servers fed by the tiny target.
+
+The shards written through each engine client must equal a ``backend=hf`` dump of the same data;
+every refusal, retry and check of data_prep/served.py is driven through the servers' API surface.
+"""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from data_prep.dump import CaptureConfig, ClientConfig, DumpConfig, Dumper, ServerConfig, verify
+from data_prep.served import EngineError, ServedDumper, exact_rows, final_norm, launch_text
+from eagle3_train.engines import Unexpressible
+from eagle3_train.errors import ConfigError, Eagle3Error
+from eagle3_train.targets import build_tiny_model
+from standin_engines import StandinSglang, StandinVllm
+from test_dump import stored_samples
+
+AUX = [1, 2, 3]
+N = 4  # the tiny target's layers
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """24 conversations of mixed lengths, prepared for the tiny target."""
+    from data_prep.prepare import PrepareConfig, Preparer
+
+    root = tmp_path_factory.mktemp("served")
+    rng = random.Random(1)
+    rows = [{"messages": [{"role": "user", "content": "w" * rng.randint(1, 40)},
+                          {"role": "assistant", "content": " ".join("xy"[rng.randint(0, 1)] * 2 for _ in range(rng.randint(1, 15)))}]}
+            for _ in range(24)]
+    (root / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    Preparer(PrepareConfig(target="tiny", input=str(root / "in.jsonl"), out=str(root / "p"), progress=False)).run()
+    return root / "p"
+
+
+def config(prepared, out, backend="hf", aux=AUX, extra=(0,), **kw):
+    client = ClientConfig(**{"concurrency": 4, "backoff_s": 0.01, "wait_for_server_s": 5.0, **kw.pop("client", {})})
+    return DumpConfig(target="tiny", data=str(prepared), out=str(out), backend=backend, dtype=kw.pop("dtype", "float32"),
+                      capture=CaptureConfig(aux_indices=list(aux), extra_indices=list(extra)), progress=False,
+                      max_tokens_per_batch=600, shard_size_mb=kw.pop("shard_size_mb", 0.05),
+                      server=kw.pop("server", ServerConfig()), client=client, **kw)
+
+
+@pytest.fixture(scope="module")
+def hf_dump(prepared, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "dump"
+    Dumper(config(prepared, out)).run()
+    return out
+
+
+def vllm(out, **kw):
+    return StandinVllm(build_tiny_model(), [0, *AUX, N], out.parent / "engine", **kw)
+
+
+def sglang_pair(dtype=torch.float32):
+    return StandinSglang(build_tiny_model(), [k - 1 for k in AUX], dtype), StandinSglang(build_tiny_model(), None, dtype)
+
+
+def assert_same_samples(a, b, atol=1e-5):
+    sa, sb = stored_samples(a), stored_samples(b)
+    assert sorted(sa) == sorted(sb)
+    for sid in sa:
+        assert sa[sid].keys() == sb[sid].keys()
+        for key in sa[sid]:
+            assert sa[sid][key].dtype == sb[sid][key].dtype, key
+            torch.testing.assert_close(sa[sid][key], sb[sid][key], atol=atol, rtol=0, msg=f"sample {sid} {key}")
+
+
+def test_vllm_backend_equals_hf_dump(prepared, hf_dump, tmp_path):
+    out = tmp_path / "dump"
+    with vllm(out) as server:
+        manifest = ServedDumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url))).run()
+    hf = json.loads((hf_dump / "manifest.json").read_text())
+    assert manifest["capture"] == hf["capture"] and manifest["keys"] == hf["keys"]
+    assert manifest["counts"]["samples"] == 24 and manifest["run"]["next_token_check"] == {"checked": 24, "agreed": 24}
+    assert_same_samples(out, hf_dump)
+    assert verify(out) == []
+    assert not any((out / "engine_files").rglob("*.safetensors*"))  # the engine's files were cleaned up
+
+
+def test_sglang_backend_equals_hf_dump(prepared, hf_dump, tmp_path):
+    out = tmp_path / "dump"
+    aux, final = sglang_pair()
+    with aux, final:
+        ServedDumper(config(prepared, out, "sglang", extra=(), server=ServerConfig(url=aux.url, final_url=final.url))).run()
+    hf = stored_samples(hf_dump)
+    got = stored_samples(out)
+    assert sorted(got) == sorted(hf)
+    for sid in got:
+        assert set(got[sid]) == {"input_ids", "loss_mask", "hidden.1", "hidden.2", "hidden.3", "last_hidden"}
+        for key in got[sid]:
+            torch.testing.assert_close(got[sid][key], hf[sid][key], atol=1e-5, rtol=0)
+
+
+def test_bfloat16_states_arrive_exactly(prepared, tmp_path):
+    """JSON rows and vLLM files of a bf16 engine become the very bf16 values the engine held."""
+    model = build_tiny_model().to(torch.bfloat16)
+    prompt = [5, 9, 200, 31, 7]
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt]), output_hidden_states=True)
+    for layer in (1, 2, 3):
+        values = out.hidden_states[layer][0]
+        assert torch.equal(exact_rows(values.float().tolist(), 64, torch.bfloat16, "x"), values)
+    with pytest.raises(EngineError, match="are not bfloat16 numbers: the engine runs in another dtype"):
+        exact_rows((out.hidden_states[1][0].float() + 1e-4).tolist(), 64, torch.bfloat16, "x")
+    # the same dump through both engines, in bf16: equal to each other where both hold the layer
+    a, b = tmp_path / "v", tmp_path / "s"
+    with vllm(a, dtype=torch.bfloat16) as server:
+        ServedDumper(config(prepared, a, "vllm", dtype="bfloat16", server=ServerConfig(url=server.url))).run()
+    aux, final = sglang_pair(torch.bfloat16)
+    with aux, final:
+        ServedDumper(config(prepared, b, "sglang", dtype="bfloat16", extra=(),
+                            server=ServerConfig(url=aux.url, final_url=final.url))).run()
+    sa, sb = stored_samples(a), stored_samples(b)
+    for sid in sa:
+        for key in ("hidden.1", "hidden.2", "hidden.3", "last_hidden"):
+            assert sa[sid][key].dtype == torch.bfloat16
+            # last_hidden: vLLM's is normed here from the pre-norm state, SGLang's by the model
+            assert torch.equal(sa[sid][key], sb[sid][key]), (sid, key)
+
+
+def test_final_norm_matches_transformers_in_every_dtype():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        norm = LlamaRMSNorm(64, eps=1e-5)
+        norm.weight.data = torch.randn(64)
+        norm = norm.to(dtype)
+        x = (torch.randn(7, 64) * 3).to(dtype)
+        assert torch.equal(final_norm(x, norm.weight.data, 1e-5, "llama"), norm(x))
+
+
+def test_two_clients_share_the_work_and_the_last_writes_the_manifest(prepared, hf_dump, tmp_path):
+    out = tmp_path / "dump"
+    with vllm(out) as server:
+        first = ServedDumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url), client={"rank": 1, "world_size": 2}))
+        assert first.run() is None and not (out / "manifest.json").exists()
+        assert len(stored_samples(out)) == 12
+        second = ServedDumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url), client={"rank": 0, "world_size": 2}))
+        assert second.run()["counts"]["samples"] == 24
+    assert_same_samples(out, hf_dump)
+
+
+def test_transient_failures_are_retried(prepared, hf_dump, tmp_path):
+    """503s, a request slower than its timeout, and a file the engine never wrote: retried."""
+    out = tmp_path / "dump"
+    with vllm(out) as server:
+        server.fail_posts = {1, 2, 3}
+        server.slow_posts = {5: 3.0}
+        server.unwritten_posts = {2, 7}
+        ServedDumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url),
+                            client={"request_timeout_s": 1.0, "file_timeout_s": 2.0})).run()
+    assert_same_samples(out, hf_dump)
+
+
+def test_repeated_failures_stop_keeping_what_arrived_then_resume(prepared, hf_dump, tmp_path):
+    out = tmp_path / "dump"
+    cfg = config(prepared, out, "sglang", extra=(), client={"retries": 2, "concurrency": 1})
+    aux, final = sglang_pair()
+    with aux, final:
+        cfg.server = ServerConfig(url=aux.url, final_url=final.url)
+        aux.fail_from = 6  # five samples succeed, then the aux server is down for good
+        with pytest.raises(Eagle3Error, match=r"3 attempts failed; the last: .*HTTP 503.*\n  5 samples received before the stop are stored"):
+            ServedDumper(cfg).run()
+        assert len(stored_samples(out)) == 5 and not (out / "manifest.json").exists()
+        assert not [p for p in (out / "shards").iterdir() if p.name.startswith(".")]  # nothing half-written
+        aux.fail_from = None
+        ServedDumper(cfg).run()
+    got, hf = stored_samples(out), stored_samples(hf_dump)
+    assert sorted(got) == sorted(hf)
+
+
+def test_engine_answers_that_retrying_cannot_fix_stop_at_once(prepared, tmp_path):
+    with vllm(tmp_path / "a") as server:
+        server.shift_tokens = True
+        with pytest.raises(Eagle3Error, match="token_ids differ from the prompt \\(position 0"):
+            ServedDumper(config(prepared, tmp_path / "a", "vllm", server=ServerConfig(url=server.url))).run()
+    # the engine launched for another capture (no embedding layer)
+    with StandinVllm(build_tiny_model(), [*AUX, N], tmp_path / "e") as server:
+        with pytest.raises(Eagle3Error, match=r"shape \[\d+, 4, 64\], expected \[\d+, 5, 64\].*launched for another capture"):
+            ServedDumper(config(prepared, tmp_path / "b", "vllm", server=ServerConfig(url=server.url))).run()
+    with vllm(tmp_path / "c", dtype=torch.bfloat16) as server:
+        with pytest.raises(Eagle3Error, match="states are torch.bfloat16, this dump stores torch.float32"):
+            ServedDumper(config(prepared, tmp_path / "c", "vllm", server=ServerConfig(url=server.url))).run()
+    # the engine ignores the path the client asks for (allow_custom_save_path off) and writes elsewhere
+    with vllm(tmp_path / "d", allow_custom_save_path=False) as server:
+        with pytest.raises(Eagle3Error, match="outside .*allow_custom_save_path"):
+            ServedDumper(config(prepared, tmp_path / "d", "vllm", server=ServerConfig(url=server.url))).run()
+    aux, final = sglang_pair()
+    with aux, final:
+        servers = ServerConfig(url=aux.url, final_url=final.url)
+        aux.cached_tokens = 3
+        with pytest.raises(Eagle3Error, match="cached_tokens=3.*--disable-radix-cache"):
+            ServedDumper(config(prepared, tmp_path / "f", "sglang", extra=(), server=servers)).run()
+        aux.cached_tokens, final.chunk = 0, 8
+        with pytest.raises(Eagle3Error, match="8 rows for \\d+ prompt tokens.*--chunked-prefill-size -1"):
+            ServedDumper(config(prepared, tmp_path / "g", "sglang", extra=(), server=servers)).run()
+
+
+def test_an_engine_serving_another_model_is_caught(prepared, tmp_path):
+    """Same tokenizer, other weights: the engine's next tokens disagree with lm_head(last_hidden)."""
+    other = StandinVllm(build_tiny_model(seed=7), [0, *AUX, N], tmp_path / "engine")
+    with other:
+        with pytest.raises(Eagle3Error, match="next token is outside the top 5 of lm_head\\(last_hidden\\)"):
+            ServedDumper(config(prepared, tmp_path / "dump", "vllm", server=ServerConfig(url=other.url))).run()
+
+
+def test_refusals_and_launch_commands(prepared, tmp_path):
+    with pytest.raises(Unexpressible, match="HF index 0 \\(the embeddings\\) cannot be captured"):
+        ServedDumper(config(prepared, tmp_path / "a", "sglang", aux=[1, 2], extra=(0,))).run()
+    with pytest.raises(ConfigError, match="add backend=vllm or backend=sglang"):
+        config(prepared, tmp_path, "hf", print_launch=True)
+    with pytest.raises(ConfigError, match="tp_size=2 applies to backend=hf"):
+        config(prepared, tmp_path, "vllm", tp_size=2)
+    with pytest.raises(ConfigError, match="client.rank=2 must be in"):
+        ServedDumper(config(prepared, tmp_path / "b", "vllm", client={"rank": 2, "world_size": 2}))
+    # a partial dump from one backend is not finished by another
+    out = tmp_path / "mixed"
+    (out).mkdir()
+    (out / "request.json").write_text(json.dumps(Dumper(config(prepared, out)).request))
+    with pytest.raises(Eagle3Error, match="backend"):
+        ServedDumper(config(prepared, out, "vllm")).run()
+
+    target = tmp_path / "target"
+    build_tiny_model().save_pretrained(target)
+    from eagle3_train.targets import build_tiny_tokenizer
+
+    build_tiny_tokenizer().save_pretrained(target)
+    cfg = DumpConfig(target=str(target), backend="vllm", print_launch=True, dtype="bfloat16",
+                     capture=CaptureConfig(aux_indices=[1, 2, 3]), server=ServerConfig(server_files_dir="/shared/hs"))
+    text = launch_text(cfg)
+    assert f"vllm serve {target} --port 8000 --dtype bfloat16 --no-enable-prefix-caching" in text
+    assert '"eagle_aux_hidden_state_layer_ids":[1,2,3,4]' in text
+    assert '"shared_storage_path":"/shared/hs","allow_custom_save_path":true' in text
+    cfg.backend = "sglang"
+    text = launch_text(cfg)
+    assert "--return-aux-hidden-state-layer-ids 0 1 2" in text and "--port 8000" in text
+    assert "--port 30001" in text and "--enable-return-hidden-states" in text
+    assert text.count("--disable-radix-cache --chunked-prefill-size -1") == 2
+
+
+def test_print_launch_from_the_command_line(tmp_path):
+    target = tmp_path / "target"
+    build_tiny_model().save_pretrained(target)
+    from eagle3_train.targets import build_tiny_tokenizer
+
+    build_tiny_tokenizer().save_pretrained(target)
+    run = subprocess.run([sys.executable, "-m", "data_prep.dump", "backend=vllm", f"target={target}", "print_launch=true",
+                          "capture.aux_indices=[1,2]"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert '"eagle_aux_hidden_state_layer_ids":[1,2,4]' in run.stdout and "<out>/engine_files" in run.stdout
+    run = subprocess.run([sys.executable, "-m", "data_prep.dump", "backend=sglang", f"target={target}", "print_launch=true",
+                          "capture.aux_indices=[0,2]"], capture_output=True, text=True)
+    assert run.returncode == 2 and "HF index 0 (the embeddings) cannot be captured" in run.stderr
