@@ -2,6 +2,7 @@
 
     eagle3-dump target=embedded data=runs/x/prepared out=runs/x/dump
     torchrun --nproc_per_node 8 -m data_prep.dump target=... data=... out=...
+    eagle3-dump backend=vllm ... server.url=http://gpu1:8000    # from a served target: data_prep/served.py
 
 Output (DESIGN §3): ``<out>/shards/*.safetensors`` packing many samples along tokens
 (``input_ids``, ``loss_mask``, ``cu_seqlens``, ``sample_ids``, ``hidden.<k>`` for every stored HF

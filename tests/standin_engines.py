@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 class _Standin:
     """An HTTP server on a free local port running ``handle_post(path, body)`` per request."""
 
-    def __init__(self, model: Any, dtype: torch.dtype):
+    def __init__(self, model: Any, dtype: torch.dtype, port: int = 0):
         self.model = model.to(dtype).eval()
         self.dtype = dtype
         self.n = model.config.num_hidden_layers
@@ -73,7 +73,7 @@ class _Standin:
                 status, payload = standin.handle_post(self.path, body)
                 self._send(status, payload)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -107,8 +107,8 @@ class StandinVllm(_Standin):
     v, v = N the pre-norm final state; the file is written after the response, under a lock."""
 
     def __init__(self, model: Any, layer_ids: list[int], storage: Path, dtype: torch.dtype = torch.float32,
-                 allow_custom_save_path: bool = True, write_delay_s: float = 0.02):
-        super().__init__(model, dtype)
+                 allow_custom_save_path: bool = True, write_delay_s: float = 0.02, port: int = 0):
+        super().__init__(model, dtype, port)
         self.layer_ids, self.storage = sorted(layer_ids), Path(storage)
         self.allow_custom_save_path, self.write_delay_s = allow_custom_save_path, write_delay_s
         self.unwritten_posts: set[int] = set()  # these requests' files are never written
@@ -157,8 +157,8 @@ class StandinSglang(_Standin):
     """SGLang ``/generate`` with ``return_hidden_states``: with ``layer_ids`` (the aux server),
     rows [T][K*H] of HF indices v+1; without (the final-state server), the post-norm state [T][H]."""
 
-    def __init__(self, model: Any, layer_ids: list[int] | None, dtype: torch.dtype = torch.float32):
-        super().__init__(model, dtype)
+    def __init__(self, model: Any, layer_ids: list[int] | None, dtype: torch.dtype = torch.float32, port: int = 0):
+        super().__init__(model, dtype, port)
         self.layer_ids = layer_ids
         self.cached_tokens = 0  # pretend a radix-cache hit of this many tokens (their rows go missing)
         self.chunk = 0  # pretend a chunked prefill: only the last ``chunk`` rows come back
@@ -180,3 +180,59 @@ class StandinSglang(_Standin):
         if body.get("return_hidden_states"):
             meta["hidden_states"] = [rows.float().tolist()]
         return 200, {"text": "?", "output_ids": [next_token], "meta_info": meta}
+
+
+def main(argv: list[str]) -> None:
+    """Serve from an engine's own command line, so launch scripts can be tested end to end:
+
+        standin_engines.py vllm serve MODEL --port P --dtype D --no-enable-prefix-caching
+            --speculative-config JSON --kv-transfer-config JSON
+        standin_engines.py sglang --model-path MODEL --port P --dtype D --disable-radix-cache
+            --chunked-prefill-size -1 (--enable-return-aux-hidden-states --speculative-algorithm EAGLE3
+            --return-aux-hidden-state-layer-ids ID... | --enable-return-hidden-states)
+
+    Flags the engines need for a correct dump are required here too."""
+    import argparse
+
+    from transformers import AutoModelForCausalLM
+
+    engine, rest = argv[0], argv[1:]
+    p = argparse.ArgumentParser(prog=f"standin {engine}")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--dtype", required=True)
+    if engine == "vllm":
+        p.add_argument("serve")
+        p.add_argument("model")
+        p.add_argument("--no-enable-prefix-caching", action="store_true", required=True)
+        p.add_argument("--speculative-config", type=json.loads, required=True)
+        p.add_argument("--kv-transfer-config", type=json.loads, required=True)
+    else:
+        p.add_argument("--model-path", dest="model", required=True)
+        p.add_argument("--disable-radix-cache", action="store_true", required=True)
+        p.add_argument("--chunked-prefill-size", type=int, choices=[-1], required=True)
+        p.add_argument("--enable-return-aux-hidden-states", action="store_true")
+        p.add_argument("--speculative-algorithm")
+        p.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+")
+        p.add_argument("--enable-return-hidden-states", action="store_true")
+    args = p.parse_args(rest)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    if engine == "vllm":
+        assert args.speculative_config["method"] == "extract_hidden_states"
+        ids = args.speculative_config["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+        extra = args.kv_transfer_config["kv_connector_extra_config"]
+        server: _Standin = StandinVllm(model, ids, Path(extra["shared_storage_path"]), dtype,
+                                       allow_custom_save_path=extra.get("allow_custom_save_path", False), port=args.port)
+    elif args.enable_return_aux_hidden_states:
+        assert args.speculative_algorithm == "EAGLE3" and args.return_aux_hidden_state_layer_ids
+        server = StandinSglang(model, args.return_aux_hidden_state_layer_ids, dtype, port=args.port)
+    else:
+        assert args.enable_return_hidden_states
+        server = StandinSglang(model, None, dtype, port=args.port)
+    server.server.serve_forever()
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

@@ -258,3 +258,65 @@ def test_print_launch_from_the_command_line(tmp_path):
     run = subprocess.run([sys.executable, "-m", "data_prep.dump", "backend=sglang", f"target={target}", "print_launch=true",
                           "capture.aux_indices=[0,2]"], capture_output=True, text=True)
     assert run.returncode == 2 and "HF index 0 (the embeddings) cannot be captured" in run.stderr
+
+
+def test_client_processes_from_the_command_line_equal_hf(prepared, hf_dump, tmp_path):
+    """Two concurrent ``eagle3-dump backend=vllm`` processes (client.rank 0 and 1) share one engine."""
+    out = tmp_path / "dump"
+    with vllm(out) as server:
+        procs = [subprocess.Popen([sys.executable, "-m", "data_prep.dump", "backend=vllm", "target=tiny", f"data={prepared}",
+                                   f"out={out}", "dtype=float32", "capture.aux_indices=[1,2,3]", "capture.extra_indices=[0]",
+                                   f"server.url={server.url}", f"client.rank={r}", "client.world_size=2", "progress=false"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    assert "[client 0/2]" in logs[0] and "[client 1/2]" in logs[1]
+    assert json.loads((out / "manifest.json").read_text())["run"]["client_world_size"] == 2
+    assert_same_samples(out, hf_dump)
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_launch_script_starts_the_printed_engines_and_clients(backend, prepared, hf_dump, tmp_path):
+    """launch/dump_served.sh runs the engine command(s) that print_launch prints (here answered by
+    stand-ins that require the same flags) and two clients; the dump equals backend=hf."""
+    import os
+    import socket
+    from pathlib import Path
+
+    from eagle3_train.targets import build_tiny_tokenizer
+
+    repo = Path(__file__).resolve().parents[1]
+    target = tmp_path / "target"
+    build_tiny_model().save_pretrained(target)
+    build_tiny_tokenizer().save_pretrained(target)
+    bin_dir, pkg = tmp_path / "bin", tmp_path / "py" / "sglang"
+    bin_dir.mkdir()
+    pkg.mkdir(parents=True)
+    standin = repo / "tests" / "standin_engines.py"
+    (bin_dir / "vllm").write_text(f'#!/bin/sh\nexec "{sys.executable}" "{standin}" vllm "$@"\n')
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(f"import sys\nsys.path.insert(0, {str(standin.parent)!r})\n"
+                                         "import standin_engines\nstandin_engines.main(['sglang', *sys.argv[1:]])\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    urls = [f"server.url=http://127.0.0.1:{ports[0]}", f"server.final_url=http://127.0.0.1:{ports[1]}"]
+    out = tmp_path / "dump"
+    env = dict(os.environ, BACKEND=backend, CLIENTS="2", LOGDIR=str(tmp_path), PATH=f"{bin_dir}:{os.environ['PATH']}",
+               PYTHONPATH=f"{tmp_path / 'py'}:{repo}", EAGLE3_DUMP=f"{sys.executable} -m data_prep.dump")
+    extra = "[0]" if backend == "vllm" else "[]"
+    run = subprocess.run(["bash", str(repo / "launch" / "dump_served.sh"), f"target={target}", f"data={prepared}",
+                          f"out={out}", "dtype=float32", "capture.aux_indices=[1,2,3]", f"capture.extra_indices={extra}",
+                          "progress=false", *urls], env=env, capture_output=True, text=True, timeout=240)
+    logs = "".join((tmp_path / f).read_text() for f in ("engine0.log", "engine1.log") if (tmp_path / f).exists())
+    assert run.returncode == 0, run.stdout + run.stderr + logs
+    got, hf = stored_samples(out), stored_samples(hf_dump)
+    assert sorted(got) == sorted(hf)
+    for sid in got:
+        for key in got[sid]:
+            torch.testing.assert_close(got[sid][key], hf[sid][key], atol=1e-5, rtol=0)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# eagle3-dump from a served target: start the engine(s) for exactly this capture on this host,
+# run CLIENTS client processes against them, stop the engine(s). Arguments are Hydra overrides of
+# eagle3-dump, passed to the launch-command printer and to every client unchanged.
+#
+#   BACKEND=vllm   CLIENTS=4 launch/dump_served.sh target=<hf dir> data=runs/x/prepared out=runs/x/dump
+#   BACKEND=sglang CLIENTS=4 launch/dump_served.sh target=<hf dir> data=... out=... \
+#       server.url=http://127.0.0.1:30000 server.final_url=http://127.0.0.1:30001
+#
+# The engine must be installed on this host (vllm 0.33 / sglang 0.5.23 were read for its API); add
+# its parallelism flags through ENGINE_ARGS (e.g. ENGINE_ARGS="--tensor-parallel-size 8"). Engine
+# logs go to $LOGDIR/engine<i>.log. To use engines already running elsewhere, skip this script:
+# run `eagle3-dump backend=... server.url=...` on any hosts with client.rank / client.world_size.
+# Stopped or killed, run the same command again: the clients resume after the stored samples.
+set -euo pipefail
+BACKEND=${BACKEND:-vllm}
+CLIENTS=${CLIENTS:-1}
+LOGDIR=${LOGDIR:-.}
+ENGINE_ARGS=${ENGINE_ARGS:-}
+DUMP=${EAGLE3_DUMP:-eagle3-dump}
+
+# The engine commands are the printed lines before "# then" (backslash continuations joined).
+launch=$($DUMP backend="$BACKEND" print_launch=true "$@")
+echo "$launch"
+mapfile -t engines < <(printf '%s\n' "$launch" | awk '/^# then/ {exit} /^#/ {next}
+    {line = line $0; if (sub(/\\$/, "", line)) next; print line; line = ""}')
+
+pids=()
+cleanup() { [ ${#pids[@]} -eq 0 ] || kill "${pids[@]}" 2>/dev/null || true; }
+trap cleanup EXIT
+for i in "${!engines[@]}"; do
+    bash -c "${engines[$i]} $ENGINE_ARGS" >"$LOGDIR/engine$i.log" 2>&1 &
+    pids+=($!)
+done
+
+# The clients wait for the engines' /health themselves (client.wait_for_server_s).
+clients=()
+for ((r = 0; r < CLIENTS; r++)); do
+    $DUMP backend="$BACKEND" client.rank=$r client.world_size="$CLIENTS" "$@" &
+    clients+=($!)
+done
+status=0
+for p in "${clients[@]}"; do wait "$p" || status=$?; done
+exit $status
