@@ -186,7 +186,8 @@ def launch_text(cfg: DumpConfig) -> str:
                   "# final-state server (post-norm last_hidden):",
                   sglang_launch(path, None, cfg.dtype, _port(cfg.server.final_url, 30001))]
     lines += ["# then, once the server is up:",
-              f"eagle3-dump backend={cfg.backend} target={shlex.quote(cfg.target)} data=<prepared> out=<dump> "
+              f"eagle3-dump backend={cfg.backend} target={shlex.quote(cfg.target)} data={cfg.data or '<prepared>'} "
+              f"out={cfg.out or '<dump>'} "
               f"server.url={cfg.server.url}" + (f" server.final_url={cfg.server.final_url}" if cfg.backend == "sglang" else "")
               + (f" capture.aux_indices=[{','.join(map(str, cfg.capture.aux_indices))}]" if cfg.capture.aux_indices else "")
               + (f" capture.extra_indices=[{','.join(map(str, cfg.capture.extra_indices))}]" if cfg.capture.extra_indices else "")]
