@@ -8,16 +8,26 @@ RUN_DIR=${RUN_DIR:-runs/demo}
 PROMPTS=$(python -c "import data_prep.prompts as p, os; print(os.path.dirname(p.__file__))")
 mkdir -p "$RUN_DIR"
 
-echo "== prepare: the target regenerates the assistant turns of the shipped prompts"
-eagle3-prepare target=embedded input="$PROMPTS/train.jsonl" out="$RUN_DIR/prepared" \
-  regenerate=true limit="${DEMO_PROMPTS:-280}" regen.max_new_tokens="${DEMO_NEW_TOKENS:-128}" regen.batch_size=64
+# DEMO_SAMPLED_PASSES=n adds n sampled regenerations of the same prompts (temperature 0.8, seeds
+# 1..n, disjoint sample ids) to the greedy one: more data for the head (see the README's numbers).
+PASSES=$((1 + ${DEMO_SAMPLED_PASSES:-0}))
+DUMPS=()
+for ((i = 0; i < PASSES; i++)); do
+  suffix=$([ "$i" -eq 0 ] && echo "" || echo "_s$i")
+  sampling=$([ "$i" -eq 0 ] && echo "" || echo "regen.do_sample=true regen.temperature=0.8 seed=$i sample_id_offset=$((i * 1000000))")
+  echo "== prepare${suffix}: the target regenerates the assistant turns of the shipped prompts ($([ "$i" -eq 0 ] && echo greedy || echo "sampled, seed $i"))"
+  # shellcheck disable=SC2086  # $sampling is a list of overrides
+  eagle3-prepare target=embedded input="$PROMPTS/train.jsonl" out="$RUN_DIR/prepared$suffix" \
+    regenerate=true limit="${DEMO_PROMPTS:-280}" regen.max_new_tokens="${DEMO_NEW_TOKENS:-128}" regen.batch_size=64 $sampling
 
-echo "== dump: hidden states of HF layers [2, 15, 27] (the default for N=30) and the final state"
-eagle3-dump target=embedded data="$RUN_DIR/prepared" out="$RUN_DIR/dump" dtype=float32 \
-  max_tokens_per_batch=4096
+  echo "== dump${suffix}: hidden states of HF layers [2, 15, 27] (the default for N=30) and the final state"
+  eagle3-dump target=embedded data="$RUN_DIR/prepared$suffix" out="$RUN_DIR/dump$suffix" dtype=float32 \
+    max_tokens_per_batch=4096
+  DUMPS+=("$RUN_DIR/dump$suffix")
+done
 
 echo "== standardize: aux_hidden = cat(hidden.2, hidden.15, hidden.27); draft vocab from the training split"
-eagle3-standardize dumps="[$RUN_DIR/dump]" out="$RUN_DIR/std" draft_vocab_size="${DEMO_DRAFT_VOCAB:-4096}" eval_fraction=0.05
+eagle3-standardize dumps="[$(IFS=,; echo "${DUMPS[*]}")]" out="$RUN_DIR/std" draft_vocab_size="${DEMO_DRAFT_VOCAB:-4096}" eval_fraction=0.05
 
 echo "== train: the draft head on the standardized data (CPU, fp32)"
 eagle3-train data="$RUN_DIR/std" target=embedded out="$RUN_DIR/train" \
@@ -36,12 +46,13 @@ python - "$RUN_DIR" <<'PY'
 import json, sys
 from pathlib import Path
 run = Path(sys.argv[1])
-prep = json.loads((run / "prepared" / "manifest.json").read_text())["counts"]
+counts = [json.loads(m.read_text())["counts"] for m in sorted(run.glob("prepared*/manifest.json"))]
+prep = {k: sum(c[k] for c in counts) for k in ("rows_written", "tokens", "loss_tokens")}
 evals = [json.loads(l) for l in (run / "train" / "metrics.jsonl").read_text().splitlines() if "eval_acc" in l]
 report = json.loads((run / "eval" / "report.json").read_text())
 print(f"samples {prep['rows_written']}, tokens {prep['tokens']} ({prep['loss_tokens']} assistant)")
 print("training eval accuracy per TTT step:", [round(a, 3) for a in evals[-1]["eval_acc"]])
 print(f"eagle3-eval ({report['engine']}, HF layers {report['captured_hf_indices']}): tau {report['tau']:.2f}, "
       f"acceptance per position {[round(a, 3) for a in report['acceptance_per_position']]}, lossless {report['lossless']}")
-print(f"artifacts under {run}: prepared/ dump/ std/ train/ export/ eval/")
+print(f"artifacts under {run}: prepared*/ dump*/ std/ train/ export/ eval/")
 PY
