@@ -220,6 +220,15 @@ def test_refusals_and_launch_commands(prepared, tmp_path):
         config(prepared, tmp_path, "vllm", tp_size=2)
     with pytest.raises(ConfigError, match="client.rank=2 must be in"):
         ServedDumper(config(prepared, tmp_path / "b", "vllm", client={"rank": 2, "world_size": 2}))
+    # no server: a clear stop after client.wait_for_server_s
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(Eagle3Error, match="did not become ready within 1 s .*is the engine running"):
+        ServedDumper(config(prepared, tmp_path / "c", "vllm", server=ServerConfig(url=closed),
+                            client={"wait_for_server_s": 1.0})).run()
     # a partial dump from one backend is not finished by another
     out = tmp_path / "mixed"
     (out).mkdir()
