@@ -72,6 +72,7 @@ class OptimConfig:
     save_every: int = 0  # checkpoint every N steps (0: only at the end)
     keep_last: int = 2  # checkpoints kept
     log_every: int = 10  # metrics line every N steps
+    cache_target_gb: float = 0.0  # keep each sample's target distribution in memory after its first use, up to this size (0: recompute every epoch)
 
     def __post_init__(self) -> None:
         if self.ttt_length < 1:
@@ -192,19 +193,23 @@ def build_engine(model: Eagle3Draft, o: OptimConfig, ds: DeepSpeedConfig, dtype:
 
 
 def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: torch.Tensor, ttt_length: int,
-               decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+               decay: float, target: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted TTT loss of one micro-batch, and per-step statistics [ttt_length, 3] (correct,
     counted, loss) left on the device, so the step never waits for the GPU.
 
     Step j at position t predicts token t+2+j; its target is the target's distribution at t+1+j.
     A position counts when that token exists, is loss-masked, and the target's argmax at t+1+j is
-    in the draft vocab.
+    in the draft vocab. ``target`` is that distribution when already known (probs [B, T, V_draft],
+    argmax [B, T], in_draft [B, T]); otherwise it is computed from ``last_hidden``.
     """
     b, t = batch.input_ids.shape
     h = batch.last_hidden.shape[-1]
     dev = batch.input_ids.device
-    probs, argmax, in_draft = target_distribution(batch.last_hidden.reshape(-1, h), lm_head, t2d)
-    probs, argmax, in_draft = probs.view(b, t, -1), argmax.view(b, t), in_draft.view(b, t)
+    if target is None:
+        probs, argmax, in_draft = target_distribution(batch.last_hidden.reshape(-1, h), lm_head, t2d)
+        target = probs.view(b, t, -1), argmax.view(b, t), in_draft.view(b, t)
+    probs, argmax, in_draft = target
     positions = torch.arange(t, device=dev)
     total = torch.zeros((), device=dev)
     stats = torch.zeros(ttt_length, 3, device=dev)
@@ -265,6 +270,7 @@ class Trainer:
         self.total_steps = sum(self.epoch_steps)
         if o.max_steps is not None:
             self.total_steps = min(self.total_steps, o.max_steps)
+        self.target_cache = self._target_cache()
         self.model.to(self.dist.device)
         self.engine = build_engine(self.model, cfg.train, cfg.deepspeed, self.dtype, self.dist.device, self.total_steps)
         self.step = 0
@@ -273,6 +279,18 @@ class Trainer:
         self.tracker = self._tracker()
 
     # -- building --------------------------------------------------------------------------------
+
+    def _target_cache(self) -> dict[int, tuple] | None:
+        limit = self.cfg.train.cache_target_gb
+        if limit <= 0:
+            return None
+        tokens = int(self.train_split.length.sum() + self.eval_split.length.sum())
+        need = tokens * self.vocab.draft_vocab_size * 4 / 2**30  # fp32 probabilities
+        if need > limit:
+            raise ConfigError(f"train.cache_target_gb={limit} is too small: the target distribution of {tokens} tokens "
+                              f"over {self.vocab.draft_vocab_size} draft tokens needs {need:.2f} GiB (set 0 to recompute instead)")
+        print0(f"caching the target distribution per sample (up to {need:.2f} GiB)")
+        return {}
 
     def _load_vocab(self):
         path = self.data_dir / self.manifest["vocab"]["file"]
@@ -389,7 +407,27 @@ class Trainer:
 
     def losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         o = self.cfg.train
-        return ttt_losses(self.engine.module, batch, self.lm_head, self.t2d, o.ttt_length, o.loss_decay)
+        return ttt_losses(self.engine.module, batch, self.lm_head, self.t2d, o.ttt_length, o.loss_decay,
+                          self.cached_target(batch))
+
+    def cached_target(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The batch's target distribution from the per-sample cache (``train.cache_target_gb``),
+        computing the samples seen for the first time; None when the cache is off.
+
+        On a CPU the target lm_head over the full vocab is ~40 % of a step; with the cache only the
+        first epoch pays it. Each sample is computed alone, so the values never depend on batching."""
+        if self.target_cache is None:
+            return None
+        b, t = batch.input_ids.shape
+        dev = batch.input_ids.device
+        probs = torch.zeros(b, t, self.vocab.draft_vocab_size, device=dev)
+        argmax = torch.full((b, t), -1, dtype=torch.long, device=dev)
+        in_draft = torch.zeros(b, t, dtype=torch.bool, device=dev)
+        for i, (sample, n) in enumerate(zip(batch.sample_ids.tolist(), batch.lengths.tolist(), strict=True)):
+            if sample not in self.target_cache:
+                self.target_cache[sample] = target_distribution(batch.last_hidden[i, :n], self.lm_head, self.t2d)
+            probs[i, :n], argmax[i, :n], in_draft[i, :n] = self.target_cache[sample]
+        return probs, argmax, in_draft
 
     def epoch_of(self, step: int) -> tuple[int, int]:
         """(epoch, step within it) of a global optimizer step."""

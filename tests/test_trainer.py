@@ -139,3 +139,28 @@ def test_missing_vocab_map_and_nan_loss(std, tmp_path):
         write_shard(data / "train", shard.stem, t)
     with pytest.raises(Eagle3Error, match=r"non-finite loss at step 1 .*samples \[\d+"):
         train(data, tmp_path / "b", max_steps=2)
+
+
+def test_cached_target_distribution_gives_the_same_training(std, tmp_path, monkeypatch):
+    """train.cache_target_gb: the target lm_head runs once per sample, not once per epoch, and the
+    run is the one without the cache (up to float rounding of per-sample vs batched matmuls)."""
+    import eagle3_train.trainer as trainer_module
+    from eagle3_train.formats import read_shard
+
+    calls = []
+    real = trainer_module.target_distribution
+    monkeypatch.setattr(trainer_module, "target_distribution", lambda h, *a: calls.append(h.shape[0]) or real(h, *a))
+    plain = train(std, tmp_path / "plain", epochs=3)
+    plain_rows = sum(calls)
+    calls.clear()
+    cached = train(std, tmp_path / "cached", epochs=3, cache_target_gb=1.0)
+    tokens = sum(read_shard(p)["input_ids"].numel() for p in std.glob("*/*.safetensors"))
+    assert sum(calls) == tokens  # every sample of both splits exactly once
+    assert plain_rows > 3 * tokens  # three epochs of padded batches, and the evaluations
+    assert cached["eval_acc"] == pytest.approx(plain["eval_acc"], abs=0.02)
+    a = load_file(str(tmp_path / "plain" / "checkpoints" / f"step{plain['step']}" / "draft.safetensors"))
+    b = load_file(str(tmp_path / "cached" / "checkpoints" / f"step{cached['step']}" / "draft.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-3, rtol=1e-3)
+    with pytest.raises(Eagle3Error, match="cache_target_gb=1e-06 is too small: .* needs"):
+        train(std, tmp_path / "small", cache_target_gb=1e-6)
