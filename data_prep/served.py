@@ -62,6 +62,7 @@ from eagle3_train.formats import remove_unfinished
 from eagle3_train.targets import load_target, load_target_tensors, resolve_dtype, text_config
 
 ENGINE_VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23"}
+CHECKS_DIR = "next_token_check"  # <out>/next_token_check/<client rank>.json: each client's counts
 
 # How transformers applies each family's final RMSNorm (x: the pre-norm state, h = x / rms(x) in
 # fp32): llama-style multiplies in the model dtype, gpt_oss in fp32, gemma scales by (1 + w).
@@ -497,8 +498,16 @@ class ServedDumper(Dumper):
 
     def _run_info(self) -> dict[str, Any]:
         urls = [self.cfg.server.url] + ([self.cfg.server.final_url] if self.cfg.backend == "sglang" else [])
+        counts = [json.loads(p.read_text()) for p in sorted((self.out / CHECKS_DIR).glob("*.json"))]
+        total = {k: sum(c[k] for c in counts) for k in ("checked", "agreed")}
         return {"backend": self.cfg.backend, "engine_api": f"{self.cfg.backend} {ENGINE_VERSIONS[self.cfg.backend]}",
-                "servers": urls, "client_world_size": self.dist.world_size, "next_token_check": self.agreement}
+                "servers": urls, "client_world_size": self.dist.world_size, "next_token_check": total}
+
+    def _record_agreement(self) -> None:
+        """Add this run's next-token counts to this client's file (summed into the manifest)."""
+        path = self.out / CHECKS_DIR / f"{self.dist.rank:05d}.json"
+        before = json.loads(path.read_text()) if path.is_file() else {"checked": 0, "agreed": 0}
+        atomic_write_json(path, {k: before[k] + self.agreement[k] for k in before})
 
     def run(self) -> dict[str, Any] | None:
         if (manifest := self._finished()) is not None:
@@ -512,6 +521,7 @@ class ServedDumper(Dumper):
         if len(mine):
             self._prepare_client()
             written, tokens = asyncio.run(self._fetch_all(mine))
+            self._record_agreement()
         records, ids, nonfinite, missing = self._coverage()
         if len(missing):
             self._say(f"my share is done; {len(missing)} samples of other clients are still missing. The last client to "

@@ -12,6 +12,8 @@
 # logs go to $LOGDIR/engine<i>.log. To use engines already running elsewhere, skip this script:
 # run `eagle3-dump backend=... server.url=...` on any hosts with client.rank / client.world_size.
 # Stopped or killed, run the same command again: the clients resume after the stored samples.
+# Several hosts, each with its own engine: CLIENT_RANK_OFFSET and CLIENT_WORLD_SIZE place this host's
+# clients among all of them (launch/slurm/dump_served.sbatch sets both).
 set -euo pipefail
 BACKEND=${BACKEND:-vllm}
 CLIENTS=${CLIENTS:-1}
@@ -34,9 +36,11 @@ for i in "${!engines[@]}"; do
 done
 
 # The clients wait for the engines' /health themselves (client.wait_for_server_s).
+OFFSET=${CLIENT_RANK_OFFSET:-0}
+WORLD=${CLIENT_WORLD_SIZE:-$CLIENTS}
 clients=()
 for ((r = 0; r < CLIENTS; r++)); do
-    $DUMP backend="$BACKEND" client.rank=$r client.world_size="$CLIENTS" "$@" &
+    $DUMP backend="$BACKEND" client.rank=$((OFFSET + r)) client.world_size="$WORLD" "$@" &
     clients+=($!)
 done
 status=0

@@ -143,7 +143,9 @@ def test_two_clients_share_the_work_and_the_last_writes_the_manifest(prepared, h
         assert first.run() is None and not (out / "manifest.json").exists()
         assert len(stored_samples(out)) == 12
         second = ServedDumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url), client={"rank": 0, "world_size": 2}))
-        assert second.run()["counts"]["samples"] == 24
+        manifest = second.run()
+    assert manifest["counts"]["samples"] == 24
+    assert manifest["run"]["next_token_check"] == {"checked": 24, "agreed": 24}  # both clients' counts
     assert_same_samples(out, hf_dump)
 
 
