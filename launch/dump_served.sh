@@ -8,8 +8,10 @@
 #       server.url=http://127.0.0.1:30000 server.final_url=http://127.0.0.1:30001
 #
 # The engine must be installed on this host (vllm 0.33 / sglang 0.5.23 were read for its API); add
-# its parallelism flags through ENGINE_ARGS (e.g. ENGINE_ARGS="--tensor-parallel-size 8"). Engine
-# logs go to $LOGDIR/engine<i>.log. To use engines already running elsewhere, skip this script:
+# its parallelism flags through ENGINE_ARGS (e.g. ENGINE_ARGS="--tensor-parallel-size 8"), and give
+# each engine its GPUs with ENGINE_DEVICES, one CUDA_VISIBLE_DEVICES list per engine separated by
+# ';' — SGLang's two servers must not share GPUs (e.g. ENGINE_DEVICES="0,1,2,3;4,5,6,7"
+# ENGINE_ARGS="--tp-size 4"). Engine logs go to $LOGDIR/engine<i>.log. To use engines already running elsewhere, skip this script:
 # run `eagle3-dump backend=... server.url=...` on any hosts with client.rank / client.world_size.
 # Stopped or killed, run the same command again: the clients resume after the stored samples.
 # Several hosts, each with its own engine: CLIENT_RANK_OFFSET and CLIENT_WORLD_SIZE place this host's
@@ -30,8 +32,13 @@ mapfile -t engines < <(printf '%s\n' "$launch" | awk '/^# then/ {exit} /^#/ {nex
 pids=()
 cleanup() { [ ${#pids[@]} -eq 0 ] || kill "${pids[@]}" 2>/dev/null || true; }
 trap cleanup EXIT
+IFS=';' read -r -a devices <<<"${ENGINE_DEVICES:-}"
 for i in "${!engines[@]}"; do
-    bash -c "${engines[$i]} $ENGINE_ARGS" >"$LOGDIR/engine$i.log" 2>&1 &
+    if [ -n "${devices[$i]:-}" ]; then
+        CUDA_VISIBLE_DEVICES=${devices[$i]} bash -c "${engines[$i]} $ENGINE_ARGS" >"$LOGDIR/engine$i.log" 2>&1 &
+    else
+        bash -c "${engines[$i]} $ENGINE_ARGS" >"$LOGDIR/engine$i.log" 2>&1 &
+    fi
     pids+=($!)
 done
 

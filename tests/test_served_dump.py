@@ -319,7 +319,8 @@ def test_launch_script_starts_the_printed_engines_and_clients(backend, prepared,
     urls = [f"server.url=http://127.0.0.1:{ports[0]}", f"server.final_url=http://127.0.0.1:{ports[1]}"]
     out = tmp_path / "dump"
     env = dict(os.environ, BACKEND=backend, CLIENTS="2", LOGDIR=str(tmp_path), PATH=f"{bin_dir}:{os.environ['PATH']}",
-               PYTHONPATH=f"{tmp_path / 'py'}:{repo}", EAGLE3_DUMP=f"{sys.executable} -m data_prep.dump")
+               PYTHONPATH=f"{tmp_path / 'py'}:{repo}", EAGLE3_DUMP=f"{sys.executable} -m data_prep.dump",
+               ENGINE_DEVICES="0;1")  # one device list per engine (the stand-ins ignore it)
     extra = "[0]" if backend == "vllm" else "[]"
     run = subprocess.run(["bash", str(repo / "launch" / "dump_served.sh"), f"target={target}", f"data={prepared}",
                           f"out={out}", "dtype=float32", "capture.aux_indices=[1,2,3]", f"capture.extra_indices={extra}",
