@@ -52,7 +52,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from data_prep.dump import REQUEST_NAME, DumpConfig, Dumper, ShardWriter, stored_indices
+from data_prep.dump import REQUEST_NAME, DumpConfig, Dumper, stored_indices
 from eagle3_train.contract import MANIFEST_NAME
 from eagle3_train.dist import DistInfo
 from eagle3_train.engines import NESTED, Unexpressible, family_of, ids_for
