@@ -397,6 +397,25 @@ _TENSOR_KEYS = {
 }
 
 
+WEIGHT_INDEX = "model.safetensors.index.json"
+
+
+def _shards_holding(directory: Path, names: tuple[str, ...]) -> list[str] | None:
+    """The weight files that hold ``names``, by the checkpoint's index (None: no index, read every
+    file). A 1T-parameter target keeps its final norm and lm_head in one or two of ~160 shards."""
+    index = directory / WEIGHT_INDEX
+    if not index.is_file():
+        return None
+    try:
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError) as e:
+        raise BadInputError(f"{index} is not a safetensors weight index: {e}") from None
+    wanted = set(names)
+    if "head" in wanted and not any(_TENSOR_KEYS["head"](k) for k in weight_map):
+        wanted.add("embed")  # a tied lm_head is the embedding matrix
+    return sorted({f for k, f in weight_map.items() if any(_TENSOR_KEYS[n](k) for n in wanted)})
+
+
 def load_target_tensors(
     target: str, names: tuple[str, ...], *, cache_dir: str | os.PathLike | None, trust_remote_code: bool = False
 ) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -408,15 +427,19 @@ def load_target_tensors(
                  "norm": model.model.norm.weight}
         return model.config, {n: every[n].detach() for n in names}
     local = _local_dir(target, cache_dir)
-    if local is None:
+    hub = local is None
+    if hub:  # the config and the weight index first: then only the shards that hold these tensors
         from huggingface_hub import snapshot_download
 
-        local = Path(snapshot_download(target, allow_patterns=["*.json", "*.safetensors"]))
+        local = Path(snapshot_download(target, allow_patterns=["*.json"]))
     from safetensors import safe_open
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(local), trust_remote_code=trust_remote_code)
-    files = sorted(local.glob("*.safetensors"))
+    shards = _shards_holding(local, names)
+    if hub:
+        local = Path(snapshot_download(target, allow_patterns=shards or ["*.safetensors"]))
+    files = [local / f for f in shards] if shards is not None else sorted(local.glob("*.safetensors"))
     if not files:
         raise BadInputError(f"target {target} ({local}) has no .safetensors weights")
     found: dict[str, torch.Tensor] = {}

@@ -79,3 +79,34 @@ def test_embedded_target_converts_once_and_matches_gguf(tmp_path):
     ids = torch.tensor([[1, 504, 3458, 282, 4077, 30]])
     with torch.no_grad():
         torch.testing.assert_close(again.model(ids).logits, gguf(ids).logits)
+
+
+def test_target_tensors_read_only_the_shards_that_hold_them(tmp_path, monkeypatch):
+    """Norm and lm_head come from their own shards (by the index); a hub target downloads the
+    json files, then only those shards."""
+    import json
+
+    import huggingface_hub
+
+    from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer, load_target_tensors
+
+    model = build_tiny_model()
+    model.save_pretrained(tmp_path / "t", max_shard_size="100KB")
+    build_tiny_tokenizer().save_pretrained(tmp_path / "t")
+    weight_map = json.loads((tmp_path / "t" / "model.safetensors.index.json").read_text())["weight_map"]
+    needed = {weight_map["model.norm.weight"], weight_map["lm_head.weight"]}
+    others = set(weight_map.values()) - needed
+    assert others
+    for name in others:  # never opened
+        (tmp_path / "t" / name).write_bytes(b"not a safetensors file")
+    _, tensors = load_target_tensors(str(tmp_path / "t"), ("norm", "head"), cache_dir=None)
+    assert torch.equal(tensors["norm"], model.model.norm.weight) and torch.equal(tensors["head"], model.lm_head.weight)
+    calls = []
+
+    def snapshot(repo_id, allow_patterns):
+        calls.append(list(allow_patterns))
+        return str(tmp_path / "t")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    load_target_tensors("some-org/some-model", ("norm", "head"), cache_dir=None)
+    assert calls == [["*.json"], sorted(needed)]
