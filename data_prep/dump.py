@@ -21,6 +21,7 @@ after a kill, at any moment, it finishes with every sample stored exactly once.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import secrets
@@ -352,7 +353,8 @@ class Dumper:
     """Runs the dump stage on this rank (see the module docstring).
 
     ``backend=hf`` runs the target here; data_prep/served.py subclasses this for the engines,
-    replacing how ranks are found (:meth:`_ranks`) and how states are obtained (:meth:`_work`).
+    replacing how ranks are found (:meth:`_ranks`), how a rank claims the output (:meth:`_claim`)
+    and the :meth:`run` loop, and reusing the rest.
     """
 
     def __init__(self, cfg: DumpConfig):
@@ -472,21 +474,23 @@ class Dumper:
             )
 
     def _claim(self) -> None:
-        """Rank 0 records the request (or checks it against a partial dump's) and clears crash
-        leftovers; then every rank proceeds."""
+        """Rank 0 records the request and clears crash leftovers; then every rank proceeds."""
         if self.dist.is_main:
-            self.shard_dir.mkdir(parents=True, exist_ok=True)
-            request_file = self.out / REQUEST_NAME
-            if request_file.is_file():
-                import json
-
-                self._compare(json.loads(request_file.read_text()), "a partial dump")
-            else:
-                atomic_write_json(request_file, self.request)
-            removed = remove_unfinished(self.shard_dir)
+            removed = self._record_request()
             if removed:
                 print0(f"removed {len(removed)} unfinished files of an interrupted run")
         barrier()
+
+    def _record_request(self, prefix: str = "") -> list[str]:
+        """Record the request (or check it against a partial dump's) and delete the unfinished
+        shard files whose names start with ``prefix``; return their names."""
+        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        request_file = self.out / REQUEST_NAME
+        if request_file.is_file():
+            self._compare(json.loads(request_file.read_text()), "a partial dump")
+        else:
+            atomic_write_json(request_file, self.request)
+        return remove_unfinished(self.shard_dir, prefix)
 
     def _todo(self) -> np.ndarray:
         """Rows whose samples are not yet stored (nor recorded as non-finite) by a finished shard."""

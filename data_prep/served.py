@@ -52,7 +52,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from data_prep.dump import REQUEST_NAME, DumpConfig, Dumper, stored_indices
+from data_prep.dump import DumpConfig, Dumper, stored_indices
 from eagle3_train.contract import MANIFEST_NAME
 from eagle3_train.dist import DistInfo
 from eagle3_train.engines import NESTED, Unexpressible, family_of, ids_for
@@ -486,13 +486,7 @@ class ServedDumper(Dumper):
     def _claim(self) -> None:
         """Every client records (or checks) the request and clears only its own crash leftovers:
         the others may be writing right now."""
-        self.shard_dir.mkdir(parents=True, exist_ok=True)
-        request_file = self.out / REQUEST_NAME
-        if request_file.is_file():
-            self._compare(json.loads(request_file.read_text()), "a partial dump")
-        else:
-            atomic_write_json(request_file, self.request)
-        removed = remove_unfinished(self.shard_dir, prefix=f"{self.dist.rank:05d}-")
+        removed = self._record_request(prefix=f"{self.dist.rank:05d}-")
         if removed:
             self._say(f"removed {len(removed)} unfinished files of an interrupted run")
 
@@ -613,7 +607,7 @@ class ServedDumper(Dumper):
         finite = all(bool(torch.isfinite(t).all()) for t in states.values())
         if finite and next_token is not None and self.head is not None:
             await asyncio.to_thread(self._check_next_token, states["last_hidden"][-1], int(next_token), sample_id)
-        piece = {k: v for k, v in states.items()}
+        piece = dict(states)
         piece["finite"] = torch.tensor([finite])
         piece["input_ids"] = torch.from_numpy(record["input_ids"].astype(np.int32))
         piece["loss_mask"] = torch.from_numpy(record["loss_mask"].astype(np.uint8))
