@@ -442,23 +442,26 @@ def load_target_tensors(
     files = [local / f for f in shards] if shards is not None else sorted(local.glob("*.safetensors"))
     if not files:
         raise BadInputError(f"target {target} ({local}) has no .safetensors weights")
-    found: dict[str, torch.Tensor] = {}
+    # Locate every wanted key by the file headers first; read only the tensors needed.
+    located: dict[str, tuple[Path, str]] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                for name in names:
-                    if name not in found and _TENSOR_KEYS[name](key):
-                        found[name] = st.get_tensor(key)
+            for key in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                for name in (*names, "embed"):
+                    if name not in located and _TENSOR_KEYS[name](key):
+                        located[name] = (f, key)
     tied = getattr(text_config(config), "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)
-    if "head" in names and "head" not in found:
+    if "head" in names and "head" not in located:
         if not tied:
             raise BadInputError(f"no 'lm_head.weight' in {local} and the config does not tie it to the embeddings")
-        if "embed" not in found:  # tied: the head is the embedding matrix
-            _, more = load_target_tensors(target, ("embed",), cache_dir=cache_dir, trust_remote_code=trust_remote_code)
-            found["embed"] = more["embed"]
-        found["head"] = found["embed"]
+        located["head"] = located.get("embed")  # tied: the head is the embedding matrix
     spelled = {"embed": "*embed_tokens.weight", "norm": "model.norm.weight", "head": "lm_head.weight"}
     for name in names:
-        if name not in found:
-            raise BadInputError(f"no '{spelled[name]}' tensor in the safetensors files of {local}")
-    return config, {n: found[n] for n in names}
+        if located.get(name) is None:
+            missing = "embed" if name == "head" else name  # a tied head without embeddings
+            raise BadInputError(f"no '{spelled[missing]}' tensor in the safetensors files of {local}")
+    read: dict[tuple[Path, str], torch.Tensor] = {}  # a tied head and the embeddings: one tensor, read once
+    for f, key in {located[n] for n in names}:
+        with safe_open(str(f), framework="pt") as st:
+            read[(f, key)] = st.get_tensor(key)
+    return config, {n: read[located[n]] for n in names}
