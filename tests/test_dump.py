@@ -21,20 +21,29 @@ AUX = [1, 2, 3]
 EXTRA = [0]
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """40 conversations of mixed lengths (30 to 150 tokens), prepared for the tiny target."""
+def prepare_tiny(root: Path, rows: list[dict]) -> Path:
+    """``rows`` (conversations) prepared for the tiny target under ``root/p``."""
     from data_prep.prepare import PrepareConfig, Preparer
 
-    root = tmp_path_factory.mktemp("prep")
-    rng = random.Random(0)
-    rows = [{"messages": [{"role": "user", "content": "q" * rng.randint(1, 50)},
-                          {"role": "assistant", "content": " ".join("ab"[rng.randint(0, 1)] * 3 for _ in range(rng.randint(1, 20)))}]}
-            for _ in range(40)]
-    rows[7]["messages"][0]["content"] = "Z marks this one"
     (root / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     Preparer(PrepareConfig(target="tiny", input=str(root / "in.jsonl"), out=str(root / "p"), progress=False)).run()
     return root / "p"
+
+
+def mixed_conversations(n: int, seed: int, max_user: int, max_words: int) -> list[dict]:
+    """``n`` one-turn conversations of random lengths (a user line, a reply of short words)."""
+    rng = random.Random(seed)
+    return [{"messages": [{"role": "user", "content": "q" * rng.randint(1, max_user)},
+                          {"role": "assistant", "content": " ".join("ab"[rng.randint(0, 1)] * 3 for _ in range(rng.randint(1, max_words)))}]}
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """40 conversations of mixed lengths (30 to 150 tokens), prepared for the tiny target."""
+    rows = mixed_conversations(40, seed=0, max_user=50, max_words=20)
+    rows[7]["messages"][0]["content"] = "Z marks this one"
+    return prepare_tiny(tmp_path_factory.mktemp("prep"), rows)
 
 
 def dump(prepared, out, **kw):

@@ -5,7 +5,6 @@ every refusal, retry and check of data_prep/served.py is driven through the serv
 """
 
 import json
-import random
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ from eagle3_train.engines import Unexpressible
 from eagle3_train.errors import ConfigError, Eagle3Error
 from eagle3_train.targets import build_tiny_model
 from standin_engines import StandinSglang, StandinVllm
-from test_dump import stored_samples
+from test_dump import mixed_conversations, prepare_tiny, stored_samples
 
 AUX = [1, 2, 3]
 N = 4  # the tiny target's layers
@@ -27,16 +26,7 @@ N = 4  # the tiny target's layers
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """24 conversations of mixed lengths, prepared for the tiny target."""
-    from data_prep.prepare import PrepareConfig, Preparer
-
-    root = tmp_path_factory.mktemp("served")
-    rng = random.Random(1)
-    rows = [{"messages": [{"role": "user", "content": "w" * rng.randint(1, 40)},
-                          {"role": "assistant", "content": " ".join("xy"[rng.randint(0, 1)] * 2 for _ in range(rng.randint(1, 15)))}]}
-            for _ in range(24)]
-    (root / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    Preparer(PrepareConfig(target="tiny", input=str(root / "in.jsonl"), out=str(root / "p"), progress=False)).run()
-    return root / "p"
+    return prepare_tiny(tmp_path_factory.mktemp("served"), mixed_conversations(24, seed=1, max_user=40, max_words=15))
 
 
 def config(prepared, out, backend="hf", aux=AUX, extra=(0,), **kw):
