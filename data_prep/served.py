@@ -392,6 +392,8 @@ class VllmClient:
         await _wait_ready(session, [self.url], self.cfg.client.wait_for_server_s)
         if self.model is None:
             async with session.get(f"{self.url}/v1/models") as resp:
+                if resp.status != 200:
+                    raise EngineError(f"{self.url}/v1/models answered HTTP {resp.status}; set server.model")
                 models = (await resp.json()).get("data") or []
             if not models:
                 raise EngineError(f"{self.url}/v1/models lists no model; set server.model")
