@@ -47,6 +47,9 @@ class DraftConfig:
         vocab_size: the target vocab (embeddings, t2d).
         draft_vocab_size: the draft lm_head's vocab (d2t).
         max_position_embeddings, rope_parameters: RoPE as the target has it (scaling included).
+        aux_norm: an RMSNorm over the concatenated aux states before ``fc``. SGLang's and vLLM's
+            llama_eagle3 have none, so a head with it is trained and scored on the eval split but
+            eagle3-export refuses it.
     """
 
     hidden_size: int
@@ -61,6 +64,7 @@ class DraftConfig:
     draft_vocab_size: int
     max_position_embeddings: int
     rope_parameters: dict[str, Any]
+    aux_norm: bool = False
 
     @classmethod
     def from_target(cls, target_config: Any, num_aux: int, draft_vocab_size: int) -> DraftConfig:
@@ -246,6 +250,8 @@ class Eagle3Draft(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's; SGLang swaps in its own
+        if cfg.aux_norm:  # one norm over the whole n_aux*H_t width, as the concatenation reaches fc
+            self.aux_norm = RMSNorm(cfg.num_aux * cfg.target_hidden_size, cfg.rms_norm_eps)
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = DraftLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -264,7 +270,7 @@ class Eagle3Draft(nn.Module):
         Embeddings past the end of a row are those of token 0 (their positions never count).
         """
         b, t, _ = aux_hidden.shape
-        hidden = self.fc(aux_hidden)  # [B, T, n_aux*H_t] -> [B, T, H]
+        hidden = self.fuse(aux_hidden)  # [B, T, n_aux*H_t] -> [B, T, H]
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         positions = torch.arange(t, device=aux_hidden.device).expand(b, t)
         for j in range(ttt_length):
@@ -273,6 +279,11 @@ class Eagle3Draft(nn.Module):
             cos, sin = self.rotary_emb(hidden, positions + j)
             hidden = self.midlayer(emb, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache)
             yield hidden
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's first hidden state from the captured ones: [..., n_aux*H_t] -> [..., H]
+        (``fc``, after ``aux_norm`` when the head has one)."""
+        return self.fc(self.aux_norm(aux_hidden) if self.config.aux_norm else aux_hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits of a step's pre-norm output: [B, T, H] -> [B, T, V_draft]."""
