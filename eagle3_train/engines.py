@@ -176,3 +176,19 @@ def _why(engine: str, model_type: str, rule: Rule, ks: list[int], n: int) -> str
 def fc_skipped(engine: str, num_aux: int, target_hidden: int, draft_hidden: int) -> bool:
     """SGLang applies ``fc`` only when the incoming width differs from the draft's hidden size."""
     return engine == "sglang" and num_aux * target_hidden == draft_hidden
+
+
+# The weights SGLang 0.5.23 and vLLM 0.33.0 load into a one-layer LlamaForCausalLMEagle3 (their
+# llama_eagle3.py; embeddings aside, which the target provides). Any other name is dropped without
+# a word by SGLang's load_weights and is a KeyError in vLLM's, so an exported draft holds these only.
+DRAFT_WEIGHTS = frozenset(
+    {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    | {f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"}
+    | {f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    | {f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")}
+)
+
+
+def unloadable_weights(names: set[str]) -> list[str]:
+    """The weight names neither engine would load (see :data:`DRAFT_WEIGHTS`), sorted."""
+    return sorted(set(names) - DRAFT_WEIGHTS)
