@@ -252,3 +252,31 @@ def read_manifest(directory: str | os.PathLike, stage: str | None = None) -> dic
             f"({FORMAT_VERSION}); upgrade eagle3_train"
         )
     return manifest
+
+
+# A training run (eagle3-train's out, eagle3-export's run): checkpoints/step<N>/ is finished once its
+# state.json exists; best.json, written with train.keep_best, names the checkpoint whose evaluation
+# had the best simulated acceptance length, which export then takes instead of the last.
+BEST_FILE = "best.json"
+
+
+def run_checkpoints(run: Path) -> list[Path]:
+    """The run's finished checkpoints, oldest (lowest step) first."""
+    root = run / "checkpoints"
+    done = [p for p in root.glob("step*") if (p / "state.json").is_file()] if root.is_dir() else []
+    return sorted(done, key=lambda p: int(p.name.removeprefix("step")))
+
+
+def best_checkpoint(run: Path) -> Path | None:
+    """The checkpoint ``best.json`` names (None without one); refuses one that is gone or unfinished."""
+    path = run / BEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        name = json.loads(path.read_text())["checkpoint"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise BadInputError(f"{path}: not a best-checkpoint record ({e})") from None
+    ckpt = run / "checkpoints" / name
+    if not (ckpt / "state.json").is_file():
+        raise BadInputError(f"{path} names {ckpt}, which is missing or unfinished; pass run=<a checkpoint directory>")
+    return ckpt
