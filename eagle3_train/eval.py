@@ -14,6 +14,7 @@ Writes ``report.json`` and ``acceptance.png`` to ``out``.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,17 @@ def load_draft(directory: Path, target: Target) -> tuple[Eagle3Draft, dict]:
     if ids.min() < 0 or ids.max() >= dc.vocab_size:
         raise ContractError(f"{directory}: d2t maps draft ids outside the target vocab of {dc.vocab_size}")
     return model.eval(), c
+
+
+def short_training_warning(config: dict, k: int) -> str | None:
+    """A warning when the exported draft was trained with fewer TTT steps than the chain drafts
+    (``eagle3_train.training.ttt_length`` of its config.json): positions past it were never trained
+    and accept less. None when it was trained for k or more, or the config does not say."""
+    ttt = ((config.get("eagle3_train") or {}).get("training") or {}).get("ttt_length")
+    if ttt is None or ttt >= k:
+        return None
+    return (f"the draft was trained with ttt_length={ttt} but drafts chains of k={k}: draft positions "
+            f"{ttt + 1}..{k} were never trained; train with train.ttt_length>={k} or evaluate with k={ttt}")
 
 
 class SpecDecoder:
@@ -209,6 +221,8 @@ class Evaluator:
         self.target = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=cfg.dtype, device=device, chat_template=cfg.chat_template)
         self.draft_dir = Path(cfg.draft).expanduser()
         self.draft, self.config = load_draft(self.draft_dir, self.target)
+        if (warning := short_training_warning(self.config, cfg.k)) is not None:
+            print(f"eagle3-eval: warning: {warning}", file=sys.stderr, flush=True)
         self.draft.to(device, next(self.target.model.parameters()).dtype)
         tc = text_config(self.target.config)
         resolutions = resolve(self.config, cfg.engine, tc.model_type, tc.num_hidden_layers)
@@ -280,6 +294,7 @@ class Evaluator:
             "engine": self.cfg.engine, "rule": self.resolution.rule.versions, "ids_read_from": self.resolution.source,
             "ids": self.resolution.ids, "captured_hf_indices": self.layers,
             "trained_hf_indices": self.config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"),
+            "trained_ttt_length": self.config.get("eagle3_train", {}).get("training", {}).get("ttt_length"),
             "prompts": len(prompts), "k": k, "tokens": tokens, "verify_steps": len(steps),
             "tau": (sum(steps) + len(steps)) / max(len(steps), 1),
             "acceptance_per_position": per_position,
