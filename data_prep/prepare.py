@@ -1,13 +1,16 @@
 """``eagle3-prepare``: conversations -> ``input_ids`` + assistant ``loss_mask`` (a datasets dataset).
 
     eagle3-prepare target=embedded input=chats.jsonl out=/data/run/prepared
+    eagle3-prepare target=embedded synthesize=2048 out=/data/run/synth      # the target writes the chats
+    torchrun --nproc_per_node 8 -m data_prep.prepare target=<hf dir> synthesize=500000 out=...
 
 Output ``<out>/dataset/`` (``datasets.load_from_disk``) with columns ``sample_id`` (row id, used by
 every later stage), ``input_ids`` (int32), ``loss_mask`` (uint8), ``num_tokens``,
 ``num_loss_tokens``, ``source`` (``file:line`` of the input row); and ``<out>/manifest.json``,
 written last. Run again with the same options, it reuses the finished output; with other options,
 it refuses unless ``overwrite=true``. With ``regenerate=true`` the finished chunks under
-``<out>/regen/`` survive a crash and are not generated again.
+``<out>/regen/`` survive a crash and are not generated again; with ``synthesize=N`` those under
+``<out>/synth/`` (``data_prep.synthesize``), on any number of ranks.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from tqdm.auto import tqdm
 from data_prep.chat import Rendered, render_with_mask, special_ids
 from data_prep.conversations import BadRow, Conversation, input_fingerprint, iter_raw_rows, normalize
 from data_prep.regenerate import RegenConfig, regenerate
+from data_prep.synthesize import SynthConfig, Synthesizer, template_name
 from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.contract import MANIFEST_NAME, read_manifest, write_manifest
+from eagle3_train.dist import DistInfo, barrier, init_distributed
+from eagle3_train.contract import MANIFEST_NAME, differences, read_manifest, write_manifest
 from eagle3_train.errors import ConfigError, ContractError, Eagle3Error
 from eagle3_train.fileio import atomic_write_json, sha256_json
 from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target
@@ -43,8 +48,10 @@ class PrepareConfig:
     """Options of ``eagle3-prepare`` (``conf/prepare.yaml``)."""
 
     target: str = "embedded"  # embedded | tiny | HF directory | hub id | .gguf file
-    input: str = MISSING  # .jsonl/.json file, directory of them, saved dataset, or hub dataset id
+    input: str | None = None  # .jsonl/.json file, directory of them, saved dataset, or hub dataset id
     out: str = MISSING  # output directory (dataset/ + manifest.json)
+    synthesize: int | None = None  # instead of input: N conversations written by the target itself (see synth.*)
+    synth: SynthConfig = field(default_factory=SynthConfig)
     split: str = "train"  # split to read when input is a hub dataset id
     cache_dir: str | None = None  # where GGUF targets are converted once (never the working dir)
     chat_template: str | None = None  # replaces the tokenizer's template: a .jinja file or the text
@@ -71,6 +78,10 @@ class PrepareConfig:
             raise ConfigError(f"sample_id_offset must be >= 0, got {self.sample_id_offset}")
         if self.limit is not None and self.limit <= 0:
             raise ConfigError(f"limit must be positive or null, got {self.limit}")
+        if self.synthesize is not None and self.synthesize <= 0:
+            raise ConfigError(f"synthesize must be a positive number of conversations, got {self.synthesize}")
+        if (self.input is None) == (self.synthesize is None):
+            raise ConfigError("give input=<conversations> or synthesize=<number of conversations>, exactly one")
 
 
 ConfigStore.instance().store(name="prepare_schema", node=PrepareConfig)
@@ -104,7 +115,9 @@ class Preparer:
         self.cfg = cfg
         self.out = Path(cfg.out).expanduser()
         self.bad = BadRows(cfg.on_bad_row)
-        self.target: Target = self._load(load_model=False)  # the weights only to regenerate
+        # synthesis runs data-parallel under torchrun; everything else is one process
+        self.dist = init_distributed(cfg.device) if cfg.synthesize else DistInfo(0, 1, 0, _device(cfg.device))
+        self.target: Target = self._load(load_model=False)  # the weights only to generate
         if chat_template_of(self.target.tokenizer) is None:
             raise Eagle3Error(
                 f"the tokenizer of target {cfg.target} has no chat template; pass "
@@ -114,22 +127,25 @@ class Preparer:
             {
                 "config": self._output_options(),
                 "target": self.target.identity.to_dict(),
-                "input": input_fingerprint(cfg.input),
+                "input": input_fingerprint(cfg.input) if cfg.input is not None else "synthesized",
             }
         )
 
     def _load(self, load_model: bool) -> Target:
         c = self.cfg
         return load_target(c.target, cache_dir=c.cache_dir, load_model=load_model, dtype=c.dtype,
-                           device=_device(c.device), chat_template=c.chat_template, trust_remote_code=c.trust_remote_code)
+                           device=str(self.dist.device), chat_template=c.chat_template, trust_remote_code=c.trust_remote_code)
 
-    def _output_options(self) -> dict[str, Any]:
-        """The options that decide the output (not where it goes or how fast it is made)."""
-        opts = config_dict(self.cfg)
+    def _output_options(self, config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The options that decide the output (not where it goes or how fast it is made), of this
+        run or of a ``config`` recorded in a manifest."""
+        opts = dict(config if config is not None else config_dict(self.cfg))
         for key in ("out", "overwrite", "cache_dir", "device", "progress"):
-            opts.pop(key)
-        if not self.cfg.regenerate:
-            opts.pop("regen")
+            opts.pop(key, None)
+        if not (opts.get("regenerate") or opts.get("synthesize")):
+            opts.pop("regen", None)
+        if not opts.get("synthesize"):
+            opts.pop("synth", None)
         return opts
 
     def run(self) -> dict[str, Any]:
@@ -137,12 +153,45 @@ class Preparer:
         if done is not None:
             print(f"eagle3-prepare: {self.out} is already prepared with these options; reusing it")
             return done
-        conversations, rows_read = self.read()
-        regen_stats = {}
+        if self.cfg.synthesize:
+            conversations, regen_stats = self.synthesize()
+            rows_read = len(conversations)
+            if not self.dist.is_main:
+                return None  # rank 0 writes the dataset
+        else:
+            conversations, rows_read = self.read()
+            regen_stats = {}
         if self.cfg.regenerate:
-            conversations, regen_stats = self.regenerate(conversations)
+            conversations, more = self.regenerate(conversations)
+            regen_stats |= more
         rows, stats = self.render(conversations)
         return self.write(rows, stats | {"rows_read": rows_read}, regen_stats)
+
+    def synthesize(self) -> tuple[list[Conversation], dict]:
+        """The target writes ``synthesize`` conversations (``data_prep.synthesize``)."""
+        c = self.cfg
+        tok = self.target.tokenizer
+        request = {  # what decides the chunks' content: not N, not how the result is tokenised
+            "target": self.target.identity.to_dict(),
+            "seed": c.seed,
+            "dtype": c.dtype,
+            "synth": config_dict(c.synth) | {"chunk_size": c.synth.chunk_size},
+            "regen": {k: v for k, v in config_dict(c.regen).items() if k != "chunk_size"},
+        }
+        synthesizer = Synthesizer(
+            n=c.synthesize, synth=c.synth, regen=c.regen, seed=c.seed, work_dir=self.out / "synth",
+            request=request, overwrite=c.overwrite, load_model=self._load_generator, tokenizer=tok, special=special_ids(tok),
+            template_name=template_name(c.target, chat_template_of(tok)), rank=self.dist.rank,
+            world=self.dist.world_size, barrier=barrier, progress=c.progress and self.dist.is_main,
+        )
+        conversations, stats = synthesizer.run()
+        return conversations, {"synthesis": stats}
+
+    def _load_generator(self) -> tuple[Any, list[int]]:
+        """The target's weights and end-of-turn ids (loaded only when something is generated)."""
+        if self.target.model is None:
+            self.target = self._load(load_model=True)
+        return self.target.model, sorted(eos_ids(self.target.model, self.target.tokenizer))
 
     def _finished_output(self) -> dict[str, Any] | None:
         if not (self.out / MANIFEST_NAME).is_file():
@@ -151,8 +200,11 @@ class Preparer:
         if manifest.get("fingerprint") == self.fingerprint:
             return manifest
         if not self.cfg.overwrite:
+            diffs = differences(self._output_options(manifest.get("config", {})), self._output_options())
+            diffs += differences(manifest.get("target", {}), self.target.identity.to_dict())
+            said = ("; options (left: the existing output, right: this run):\n  " + "\n  ".join(diffs)) if diffs else ""
             raise ContractError(
-                f"{self.out} holds a prepared dataset made with other options, input or target; "
+                f"{self.out} holds a prepared dataset made with other options, input or target{said}\n"
                 f"pass overwrite=true to replace it, or choose another out="
             )
         (self.out / MANIFEST_NAME).unlink()

@@ -69,31 +69,53 @@ def regenerate(
         The regenerated conversations (same order, same sources) and the number of turns that hit
         ``max_new_tokens`` before an end-of-turn token.
     """
-    device = next(model.parameters()).device
     work = [assistant_slots(c.messages) for c in conversations]
     unfinished = 0
     n_turns = sum(len(slots) for _, slots in work)
     bar = tqdm(total=n_turns, desc="regenerate", unit="turn", disable=not progress)
     for s in range(max((len(slots) for _, slots in work), default=0)):
         todo = [ci for ci, (_, slots) in enumerate(work) if len(slots) > s]
-        prompts = {}
+        prompts = []
         for ci in todo:
             messages, slots = work[ci]
             text = render_text(tokenizer, messages[: slots[s]], conversations[ci].source, add_generation_prompt=True)
-            prompts[ci] = tokenizer(text, add_special_tokens=False)["input_ids"]
-        todo.sort(key=lambda ci: len(prompts[ci]))
-        for b in range(0, len(todo), cfg.batch_size):
-            batch = todo[b : b + cfg.batch_size]
-            replies, hit_limit = generate_batch(model, [prompts[ci] for ci in batch], cfg, eos_ids, pad_id, device)
-            unfinished += hit_limit
-            for ci, ids in zip(batch, replies):
-                messages, slots = work[ci]
-                # special tokens stay (e.g. <think>): the text must re-tokenise to what the target wrote
-                messages[slots[s]]["content"] = tokenizer.decode(ids, skip_special_tokens=False).strip()
-            bar.update(len(batch))
+            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        replies, hit_limit = generate_sorted(model, prompts, cfg, eos_ids, pad_id, bar=bar)
+        unfinished += hit_limit
+        for ci, ids in zip(todo, replies):
+            messages, slots = work[ci]
+            # special tokens stay (e.g. <think>): the text must re-tokenise to what the target wrote
+            messages[slots[s]]["content"] = tokenizer.decode(ids, skip_special_tokens=False).strip()
     bar.close()
     out = [Conversation(m, c.source, dict(c.meta)) for (m, _), c in zip(work, conversations)]
     return out, unfinished
+
+
+def generate_sorted(
+    model: Any,
+    prompts: list[list[int]],
+    cfg: RegenConfig,
+    eos_ids: list[int],
+    pad_id: int,
+    bar: Any = None,
+) -> tuple[list[list[int]], int]:
+    """Generate one reply per prompt in batches of ``cfg.batch_size`` prompts of similar length
+    (less padding); the replies come back in the order of ``prompts``. ``bar`` (a tqdm) advances
+    by one per prompt. The batches depend only on ``prompts`` and ``cfg``, so a seeded run is
+    repeatable wherever it runs."""
+    device = next(model.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # stable: ties keep their order
+    replies: list[list[int]] = [[] for _ in prompts]
+    unfinished = 0
+    for b in range(0, len(order), cfg.batch_size):
+        batch = order[b : b + cfg.batch_size]
+        out, hit_limit = generate_batch(model, [prompts[i] for i in batch], cfg, eos_ids, pad_id, device)
+        unfinished += hit_limit
+        for i, ids in zip(batch, out):
+            replies[i] = ids
+        if bar is not None:
+            bar.update(len(batch))
+    return replies, unfinished
 
 
 def generate_batch(

@@ -1,0 +1,414 @@
+"""Conversations written entirely by the target: it asks the questions and answers them.
+
+Many users have no chat data in their target's distribution, and the draft learns best from the
+target's own text. Following Magpie (Xu et al., 2024), an instruction-tuned model that is shown
+its chat template up to the point where a user message begins writes a plausible user message;
+the target then answers it (the regeneration of ``data_prep.regenerate``), and a later user turn
+is written the same way after the conversation so far.
+
+**The user-turn prefix comes from the template itself**, as the loss mask does (no per-model
+strings): the conversation so far plus a user message holding a unique sentinel is rendered; the
+text before the sentinel is the prefix the target continues, and the special token that directly
+follows the sentinel (whitespace aside) is the user turn's end-of-turn token, where sampling stops.
+
+**Deterministic, resumable, parallel.** Conversation ``g`` belongs to chunk ``g // chunk_size``;
+a chunk is generated in one piece, seeded by ``(seed, chunk)``, and saved atomically under
+``<out>/synth/``. Which rank generates it does not matter: under torchrun, rank ``r`` takes the
+chunks ``c`` with ``c % world == r``, and every rank then reads all chunks and applies the same
+filters, so one rank and many give the same dataset. Chunks do not depend on the number of
+conversations asked for, so a larger run reuses a smaller one's chunks (copy its ``synth/``).
+
+**Filters**, each counted: per user turn ``empty``, ``too_short``, ``too_long``,
+``no_end_of_turn``, ``special_tokens``, ``repetition`` (a turn dropped at turn 0 drops the
+conversation; at a later turn the conversation ends before it); then across the whole set, in
+conversation order, ``exact_duplicate`` (same first user turn after case and whitespace
+folding) and ``near_duplicate`` (MinHash LSH over word 3-grams, estimated Jaccard at or above
+``near_duplicate_threshold``). If fewer than N conversations survive, more chunks are generated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from data_prep.chat import render_text
+from data_prep.conversations import BadRow, Conversation
+from data_prep.regenerate import RegenConfig, generate_sorted
+from eagle3_train.contract import differences
+from eagle3_train.errors import ConfigError, ContractError, Eagle3Error
+from eagle3_train.fileio import atomic_write_json, sha256_text
+
+USER_FILTERS = ("empty", "too_short", "too_long", "no_end_of_turn", "special_tokens", "repetition")
+SET_FILTERS = ("exact_duplicate", "near_duplicate")
+MAX_ROUNDS = 8  # rounds of extra chunks when filters drop more than expected
+CRASH_ENV = "EAGLE3_SYNTH_CRASH_AFTER_CHUNKS"  # tests only: hard-exit a rank after writing N chunks
+
+
+@dataclass
+class SynthConfig:
+    """How the target writes user turns (``synthesize=N``); replies follow ``regen.*``."""
+
+    turns: int = 1  # user turns per conversation (each answered by the target)
+    system_prompts: list[str] | None = None  # steer topics: conversation g uses prompt g % len; null: none
+    system_prompts_file: str | None = None  # the same, one prompt per line of a text file
+    keep_system_prompt: bool = True  # false: the system prompt steers the question only; the reply and the stored conversation go without it
+    temperature: float = 1.0  # sampling temperature of user turns
+    top_p: float = 0.99  # nucleus mass of user turns
+    max_new_tokens: int = 128  # longest user turn sampled; one that does not end by then is dropped (no_end_of_turn)
+    min_tokens: int = 3  # shorter user turns are dropped (too_short)
+    max_tokens: int = 100  # longer user turns are dropped (too_long)
+    max_repeated_ngrams: float = 0.5  # drop a turn whose share of repeated word 4-grams exceeds this (repetition)
+    near_duplicate_threshold: float = 0.8  # estimated Jaccard of word 3-grams at which a first user turn is a near duplicate
+    chunk_size: int = 512  # conversations per resumable chunk under <out>/synth/
+
+    def __post_init__(self) -> None:
+        for name in ("turns", "max_new_tokens", "chunk_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"synth.{name} must be positive, got {getattr(self, name)}")
+        if not (self.temperature > 0 and 0 < self.top_p <= 1):
+            raise ConfigError("synth.temperature must be > 0 and synth.top_p in (0, 1]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError(f"synth.min_tokens ({self.min_tokens}) must be in 0..synth.max_tokens ({self.max_tokens})")
+        if not 0 < self.max_repeated_ngrams <= 1:
+            raise ConfigError(f"synth.max_repeated_ngrams must be in (0, 1], got {self.max_repeated_ngrams}")
+        if not 0 < self.near_duplicate_threshold <= 1:
+            raise ConfigError(f"synth.near_duplicate_threshold must be in (0, 1], got {self.near_duplicate_threshold}")
+        if self.system_prompts is not None and self.system_prompts_file is not None:
+            raise ConfigError("give synth.system_prompts or synth.system_prompts_file, not both")
+
+    def systems(self) -> list[str | None]:
+        """The steering system prompts (``[None]``: no system message)."""
+        if self.system_prompts_file is not None:
+            path = Path(self.system_prompts_file).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"synth.system_prompts_file {path} does not exist")
+            lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            if not lines:
+                raise ConfigError(f"synth.system_prompts_file {path} holds no prompt")
+            return list(lines)
+        if self.system_prompts is not None:
+            if not self.system_prompts or not all(isinstance(s, str) and s.strip() for s in self.system_prompts):
+                raise ConfigError("synth.system_prompts must be a non-empty list of non-empty strings (or null)")
+            return list(self.system_prompts)
+        return [None]
+
+
+# -- the template's user-turn prefix ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UserTurnPrefix:
+    """Where the target starts writing a user message, and the token that ends it."""
+
+    text: str  # the rendering up to where the user message's content begins
+    end_id: int  # the special token the template puts right after a user message
+
+
+def user_turn_prefix(tokenizer: Any, history: list[dict], end_ids: set[int], template_name: str) -> UserTurnPrefix:
+    """Derive the pre-query rendering of ``history`` + a new user turn from the chat template.
+
+    Two renderings with different sentinels must agree up to the sentinel (else the template
+    treats user content in a way no prefix can express), and a special token must follow the
+    sentinel (else there is no token at which the user turn ends).
+
+    Raises:
+        Eagle3Error: naming ``template_name`` when either does not hold.
+    """
+    renders = []
+    for _ in range(2):
+        sentinel = f"XEAGLE3USER{secrets.token_hex(6)}X"
+        try:
+            text = render_text(tokenizer, [*history, {"role": "user", "content": sentinel}], "synthesize")
+        except BadRow as e:
+            raise Eagle3Error(f"{template_name} refuses a conversation ending in a user turn: {e}") from None
+        if text.count(sentinel) != 1:
+            raise Eagle3Error(f"{template_name} does not place a user message verbatim once; "
+                              f"its user-turn prefix cannot be derived")
+        renders.append(text.split(sentinel))
+    (prefix, after), (prefix2, after2) = renders
+    if prefix != prefix2 or after != after2:
+        raise Eagle3Error(f"{template_name} renders the text around a user message differently for different "
+                          f"messages; its user-turn prefix cannot be derived")
+    enc = tokenizer(after, add_special_tokens=False, return_offsets_mapping=True)
+    for tid, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]):
+        if tid in end_ids:
+            return UserTurnPrefix(prefix, int(tid))
+        if after[a:b].strip():
+            break
+    raise Eagle3Error(
+        f"{template_name} puts no special end-of-turn token after a user message (it continues with "
+        f"{after[:40]!r}); synthesis needs one to stop the user turn. Pass chat_template= with a template that has one"
+    )
+
+
+# -- filters ----------------------------------------------------------------------------------------
+
+
+def normalized(text: str) -> str:
+    """Case and whitespace folded: the key of the exact-duplicate filter."""
+    return " ".join(text.lower().split())
+
+
+def repeated_ngram_share(text: str, n: int = 4) -> float:
+    """Share of word ``n``-grams that repeat an earlier one (0 when the text has fewer than 2n
+    words: too short to call degenerate)."""
+    words = text.lower().split()
+    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+    if len(words) < 2 * n:
+        return 0.0
+    return 1.0 - len(set(grams)) / len(grams)
+
+
+def user_turn_problem(text: str, n_tokens: int, ended: bool, special: list[str], cfg: SynthConfig) -> str | None:
+    """The filter that drops a sampled user turn, or ``None`` when it is kept."""
+    if not ended:
+        return "no_end_of_turn"
+    if not text:
+        return "empty"
+    if n_tokens < cfg.min_tokens:
+        return "too_short"
+    if n_tokens > cfg.max_tokens:
+        return "too_long"
+    if any(s in text for s in special):
+        return "special_tokens"
+    if repeated_ngram_share(text) > cfg.max_repeated_ngrams:
+        return "repetition"
+    return None
+
+
+def shingles(text: str, n: int = 3) -> set[bytes]:
+    words = re.findall(r"\w+", text.lower())
+    if len(words) < n:
+        return {" ".join(words).encode()}
+    return {" ".join(words[i : i + n]).encode() for i in range(len(words) - n + 1)}
+
+
+def duplicates(texts: list[str], threshold: float, num_perm: int = 128, seed: int = 1) -> dict[int, str]:
+    """Indices of ``texts`` that repeat an earlier kept one: ``exact_duplicate`` (folded text
+    equal) or ``near_duplicate`` (MinHash estimate of word-3-gram Jaccard >= ``threshold``,
+    candidates from datasketch's LSH). The first of a group is kept; order decides, so the
+    result is deterministic."""
+    from datasketch import MinHash, MinHashLSH
+
+    # LSH only proposes candidates (a lower threshold proposes more; datasketch needs >= 2 bands)
+    lsh = MinHashLSH(threshold=min(threshold, 0.9), num_perm=num_perm)
+    signatures: dict[int, Any] = {}
+    seen: set[str] = set()
+    dropped: dict[int, str] = {}
+    for i, text in enumerate(texts):
+        key = normalized(text)
+        if key in seen:
+            dropped[i] = "exact_duplicate"
+            continue
+        m = MinHash(num_perm=num_perm, seed=seed)
+        m.update_batch(sorted(shingles(text)))
+        # LSH returns candidates; the estimate confirms (LSH alone has false positives)
+        if any(m.jaccard(signatures[c]) >= threshold for c in lsh.query(m)):
+            dropped[i] = "near_duplicate"
+            continue
+        seen.add(key)
+        lsh.insert(i, m)
+        signatures[i] = m
+    return dropped
+
+
+# -- the stage --------------------------------------------------------------------------------------
+
+
+def chunk_seed(seed: int, chunk: int) -> int:
+    return (seed * 1_000_003 + chunk) % (2**63)
+
+
+class Synthesizer:
+    """Writes ``n`` conversations with the target, in chunks (module docstring).
+
+    Args:
+        n: conversations wanted.
+        synth: user-turn options; regen: reply options (also the batch size of both).
+        work_dir: ``<out>/synth``, where chunks are kept.
+        request: what decides the chunks' content (options, target, seed), stored beside them; a
+            different request is refused, naming each difference, unless ``overwrite``.
+        load_model: a callable returning the target model and its end-of-turn ids (called only when
+            a chunk is missing).
+        tokenizer, special: the target's tokenizer and special ids; template_name names its template.
+        rank, world: this process's place among the data-parallel ranks; barrier: waits for all.
+    """
+
+    def __init__(self, *, n: int, synth: SynthConfig, regen: RegenConfig, seed: int, work_dir: Path,
+                 request: dict[str, Any], overwrite: bool, load_model: Any, tokenizer: Any, special: set[int], template_name: str, rank: int = 0, world: int = 1,
+                 barrier: Any = None, progress: bool = True):
+        if n <= 0:
+            raise ConfigError(f"synthesize must be a positive number of conversations, got {n}")
+        self.n, self.synth, self.regen, self.seed = n, synth, regen, seed
+        self.dir, self.request, self.overwrite = work_dir, request, overwrite
+        self.load_model, self.model, self.eos = load_model, None, []
+        self.tok, self.template_name = tokenizer, template_name
+        self.special_ids = special
+        self.special_text = [t for t in tokenizer.all_special_tokens if t]
+        self.rank, self.world, self.barrier = rank, world, barrier or (lambda: None)
+        self.progress = progress
+        self.systems = synth.systems()
+        self.user_cfg = RegenConfig(max_new_tokens=synth.max_new_tokens, do_sample=True, temperature=synth.temperature,
+                                    top_p=synth.top_p, batch_size=regen.batch_size, chunk_size=regen.chunk_size)
+        self.generated = Counter()  # new tokens and seconds of this rank's chunks
+
+    # ---- chunks on disk
+    def _claim_dir(self) -> None:
+        stamp = self.dir / "request.json"
+        if self.rank == 0:
+            if stamp.is_file():
+                have = json.loads(stamp.read_text())
+                diffs = differences(have, self.request)
+                if diffs and not self.overwrite:
+                    raise ContractError(
+                        f"{self.dir} holds conversations synthesized with other options:\n  " + "\n  ".join(diffs)
+                        + "\n(left: the existing chunks, right: this run); pass overwrite=true to discard them, "
+                        "or choose another out="
+                    )
+                if diffs:
+                    for p in self.dir.glob("chunk-*.json"):
+                        p.unlink()
+            self.dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(stamp, self.request)
+        self.barrier()
+
+    def _path(self, chunk: int) -> Path:
+        return self.dir / f"chunk-{chunk:06d}.json"
+
+    def run(self) -> tuple[list[Conversation], dict[str, Any]]:
+        """All ranks return the same conversations (the first ``n`` that pass every filter, in
+        conversation order) and statistics."""
+        for system in self.systems:  # a template without a derivable prefix fails before any work
+            self._prefix({"system": system, "messages": []})
+        self._claim_dir()
+        size = self.synth.chunk_size
+        n_chunks = -(-self.n // size)
+        start = time.perf_counter()
+        for round_ in range(MAX_ROUNDS):
+            for c in range(n_chunks):
+                if c % self.world == self.rank and not self._path(c).is_file():
+                    self._generate_chunk(c)
+            self.barrier()
+            kept, counts = self._select(n_chunks)
+            if len(kept) >= self.n:
+                break
+            # more chunks for the deficit, at the keep rate seen so far (plus a margin)
+            rate = max(len(kept), 1) / (n_chunks * size)
+            n_chunks += max(1, -(-int((self.n - len(kept)) / rate * 1.1) // size))
+        seconds = time.perf_counter() - start
+        if len(kept) < self.n:
+            print(f"eagle3-prepare: only {len(kept)} of {self.n} synthesized conversations passed the filters "
+                  f"after {n_chunks} chunks; see counts.synthesis in the manifest", flush=True)
+        stats = {
+            "conversations_asked": self.n,
+            "conversations_kept": min(len(kept), self.n),
+            "chunks": n_chunks,
+            "dropped": dict(counts),
+            "new_tokens": self.totals["new_tokens"],  # every chunk's, whichever run made it
+            "chunk_seconds": round(self.totals["seconds"], 3),
+            "this_run_new_tokens": self.generated["tokens"],  # this rank, this run
+            "this_run_wall_s": round(seconds, 3),
+        }
+        return kept[: self.n], stats
+
+    def _select(self, n_chunks: int) -> tuple[list[Conversation], Counter]:
+        convs: list[Conversation] = []
+        counts: Counter = Counter()
+        self.totals = Counter()
+        for c in range(n_chunks):
+            data = json.loads(self._path(c).read_text())
+            counts.update(data["dropped"])
+            self.totals.update(new_tokens=data["new_tokens"], seconds=data["seconds"])
+            convs.extend(Conversation(d["messages"], d["source"], d["meta"]) for d in data["conversations"])
+        firsts = [next(m["content"] for m in conv.messages if m["role"] == "user") for conv in convs]
+        dropped = duplicates(firsts, self.synth.near_duplicate_threshold)
+        counts.update(Counter(dropped.values()))
+        return [conv for i, conv in enumerate(convs) if i not in dropped], counts
+
+    # ---- generation
+    @torch.no_grad()
+    def _generate_chunk(self, chunk: int) -> None:
+        if self.model is None:
+            self.model, self.eos = self.load_model()
+            self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos[0]
+        t0 = time.perf_counter()
+        torch.manual_seed(chunk_seed(self.seed, chunk))
+        size = self.synth.chunk_size
+        ids = range(chunk * size, (chunk + 1) * size)
+        # per conversation: the messages kept, the system prompt that steers its user turns
+        convs = [{"id": g, "system": self.systems[g % len(self.systems)], "messages": [], "alive": True} for g in ids]
+        dropped: Counter = Counter()
+        new_tokens = 0
+        bar = tqdm(total=len(convs) * self.synth.turns * 2, desc=f"synthesize chunk {chunk}", unit="turn",
+                   disable=not self.progress)
+        for turn in range(self.synth.turns):
+            alive = [c for c in convs if c["alive"]]
+            if not alive:
+                break
+            # 1. the user turn, sampled from the template's pre-query rendering
+            prefixes = [self._prefix(c) for c in alive]
+            prompts = [self.tok(p.text, add_special_tokens=False)["input_ids"] for p in prefixes]
+            stops = sorted(set(self.eos) | {p.end_id for p in prefixes})
+            outs, _ = generate_sorted(self.model, prompts, self.user_cfg, stops, self.pad, bar=bar)
+            for c, reply in zip(alive, outs):
+                ended = len(reply) < self.user_cfg.max_new_tokens  # the stop token is never part of a reply
+                new_tokens += len(reply) + ended
+                text = self.tok.decode(reply, skip_special_tokens=False).strip()
+                problem = user_turn_problem(text, len(reply), ended, self.special_text, self.synth)
+                if problem is not None:
+                    dropped[problem] += 1
+                    c["alive"] = False
+                    if turn == 0:
+                        c["messages"] = []
+                    continue
+                c["messages"].append({"role": "user", "content": text})
+            # 2. the target's answer, as regeneration writes it
+            alive = [c for c in convs if c["alive"]]
+            prompts = [self.tok(render_text(self.tok, self._stored(c), f"synth[{c['id']}]", add_generation_prompt=True),
+                                add_special_tokens=False)["input_ids"] for c in alive]
+            outs, _ = generate_sorted(self.model, prompts, self.regen, self.eos, self.pad, bar=bar)
+            for c, reply in zip(alive, outs):
+                new_tokens += len(reply) + (len(reply) < self.regen.max_new_tokens)
+                c["messages"].append({"role": "assistant", "content": self.tok.decode(reply, skip_special_tokens=False).strip()})
+                if not c["messages"][-1]["content"]:
+                    dropped["empty_reply"] += 1
+                    c["messages"] = c["messages"][:-2]
+                    c["alive"] = False
+        bar.close()
+        kept = [
+            {"messages": self._stored(c), "source": f"synthesized[{c['id']}]",
+             "meta": {"id": c["id"], **({"system_prompt": c["system"]} if c["system"] is not None else {})}}
+            for c in convs if c["messages"]
+        ]
+        seconds = time.perf_counter() - t0
+        self.generated.update(tokens=new_tokens, seconds=seconds)
+        atomic_write_json(self._path(chunk), {"conversations": kept, "dropped": dict(dropped),
+                                              "new_tokens": new_tokens, "seconds": round(seconds, 3)})
+        self.generated.update(chunks=1)
+        if self.generated["chunks"] == int(os.environ.get(CRASH_ENV, 0)):
+            os._exit(17)  # a kill at the worst moment: other ranks are mid-chunk
+
+    def _stored(self, c: dict) -> list[dict]:
+        """The conversation as stored and answered: with its system prompt unless it only steers."""
+        if c["system"] is None or not self.synth.keep_system_prompt:
+            return list(c["messages"])
+        return [{"role": "system", "content": c["system"]}, *c["messages"]]
+
+    def _prefix(self, c: dict) -> UserTurnPrefix:
+        history = ([{"role": "system", "content": c["system"]}] if c["system"] is not None else []) + c["messages"]
+        return user_turn_prefix(self.tok, history, self.special_ids, self.template_name)
+
+
+def template_name(target: str, template: str) -> str:
+    """How errors name a chat template: the target and the template's hash."""
+    return f"the chat template of target {target} (sha256 {sha256_text(template)[:12]})"

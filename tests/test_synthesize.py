@@ -1,0 +1,202 @@
+"""eagle3-prepare synthesize=N: user turns from the template's own pre-query rendering, filters,
+data-parallel ranks, kill and resume."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import load_from_disk
+
+from data_prep.prepare import PrepareConfig, Preparer
+from data_prep.regenerate import RegenConfig
+from data_prep.synthesize import SynthConfig, duplicates, repeated_ngram_share, user_turn_prefix
+from eagle3_train.errors import ConfigError, ContractError, Eagle3Error
+from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer
+from tests.conftest import LLAMA2_TEMPLATE, LLAMA3_TEMPLATE, SMOLLM2_TEMPLATE
+
+SMOL_USER = "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n<|im_start|>user\n"
+
+
+def _ids(tok, name: str) -> int:
+    return tok.convert_tokens_to_ids(name)
+
+
+class Recording(torch.nn.Module):
+    """A model whose ``generate`` records the unpadded prompts it is given and answers from a
+    script (or from a real model). Script items: ``(text, ends)`` -- ``ends`` appends the stop id."""
+
+    def __init__(self, tok, script=None, model=None):
+        super().__init__()
+        self.tok, self.script, self.model = tok, list(script or []), model
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # generate_sorted asks for the device
+        self.prompts: list[list[int]] = []
+        self.generation_config = None
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **kw):
+        for row, mask in zip(input_ids, attention_mask):
+            self.prompts.append(row[mask.bool()].tolist())
+        if self.model is not None:
+            return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                       eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kw)
+        rows = []
+        for row in input_ids:
+            is_user = self.tok.decode(row.tolist()).endswith("user\n")
+            text, ends = self.script.pop(0) if is_user else ("Sure, here it is.", True)
+            ids = self.tok(text, add_special_tokens=False)["input_ids"][: max_new_tokens - ends]
+            if ends:
+                ids.append(_ids(self.tok, "<|im_end|>"))
+            ids += [pad_token_id] * (max_new_tokens - len(ids))
+            rows.append(ids)
+        return torch.cat([input_ids, torch.tensor(rows)], 1)
+
+
+def _prepare(tmp_path, monkeypatch, model, out="synth", **options):
+    opts = dict(target="tiny", out=str(tmp_path / out), progress=False, chat_template=SMOLLM2_TEMPLATE)
+    opts.update(options)
+    cfg = PrepareConfig(**opts)
+    preparer = Preparer(cfg)
+    if model is not None:
+        tok = preparer.target.tokenizer
+        monkeypatch.setattr(preparer, "_load_generator", lambda: (model, sorted({_ids(tok, "<|im_end|>"), tok.eos_token_id})))
+    return preparer.run()
+
+
+def test_user_prefix_is_the_templates_pre_query_rendering():
+    tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
+    end = {_ids(tok, "<|im_end|>")}
+    name = "the test template"
+    assert user_turn_prefix(tok, [], end, name).text == SMOL_USER  # the template's default system prompt
+    with_system = user_turn_prefix(tok, [{"role": "system", "content": "Ask about code."}], end, name)
+    assert with_system.text == "<|im_start|>system\nAsk about code.<|im_end|>\n<|im_start|>user\n"
+    assert with_system.end_id == _ids(tok, "<|im_end|>")
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    assert user_turn_prefix(tok, history, end, name).text == (
+        SMOL_USER + "Hi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\n"
+    )
+    llama3 = build_tiny_tokenizer(LLAMA3_TEMPLATE)
+    p = user_turn_prefix(llama3, [], {_ids(llama3, "<|eot_id|>")}, name)
+    assert p.text == "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n"
+    assert p.end_id == _ids(llama3, "<|eot_id|>")
+    llama2 = build_tiny_tokenizer(LLAMA2_TEMPLATE)  # the user turn ends in plain text " [/INST]"
+    with pytest.raises(Eagle3Error, match="the test template puts no special end-of-turn token"):
+        user_turn_prefix(llama2, [], {_ids(llama2, "<|end_of_text|>")}, name)
+
+
+@pytest.mark.parametrize("keep_system", [True, False])
+def test_synthesized_turns_are_generated_from_exactly_the_prefix(tmp_path, monkeypatch, keep_system):
+    tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
+    model = Recording(tok, [("How do I sort a list?", True), ("What is a closure?", True)])
+    manifest = _prepare(
+        tmp_path, monkeypatch, model, synthesize=2, synth=SynthConfig(chunk_size=2, system_prompts=["Ask about code."],
+                                                                      keep_system_prompt=keep_system),
+    )
+    steer = "<|im_start|>system\nAsk about code.<|im_end|>\n<|im_start|>user\n"
+    user_prompts, reply_prompts = model.prompts[:2], model.prompts[2:]
+    assert user_prompts == [tok(steer, add_special_tokens=False)["input_ids"]] * 2
+    system = steer[: -len("<|im_start|>user\n")] if keep_system else SMOL_USER[: -len("<|im_start|>user\n")]
+    asked = ["How do I sort a list?", "What is a closure?"]
+    assert sorted(tok.decode(p) for p in reply_prompts) == sorted(  # the replies are batched by length
+        system + f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in asked
+    )
+    ds = load_from_disk(str(tmp_path / "synth" / "dataset"))
+    assert manifest["counts"]["rows_written"] == 2
+    assert tok.decode(ds[1]["input_ids"]) == system + (
+        "<|im_start|>user\nWhat is a closure?<|im_end|>\n<|im_start|>assistant\nSure, here it is.<|im_end|>\n"
+    )
+
+
+def test_every_filter_drops_and_counts(tmp_path, monkeypatch):
+    tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
+    photosynthesis = ("Could you explain in simple terms how photosynthesis turns sunlight water and carbon dioxide "
+                      "into sugar for the plants")
+    script = [
+        ("How do I bake bread at home?", True),  # kept
+        ("", True),  # empty
+        ("hi", True),  # too_short (2 byte tokens < 3)
+        ("a very long question " * 8, True),  # too_long (168 > 140)
+        ("it goes on and on ", False),  # no_end_of_turn
+        ("What does <|im_start|> mean?", True),  # special_tokens
+        ("the cat sat on the mat " * 3, True),  # repetition (9 of 15 word 4-grams repeat)
+        ("how do I BAKE  bread at home?", True),  # exact_duplicate of the first
+        (photosynthesis + "?", True),  # kept
+        (photosynthesis + " and trees?", True),  # near_duplicate (Jaccard 15/17)
+        ("Write a short poem about the sea.", True),  # kept
+    ]
+    model = Recording(tok, script)
+    synth = SynthConfig(chunk_size=len(script), min_tokens=3, max_tokens=140, max_new_tokens=200)
+    manifest = _prepare(tmp_path, monkeypatch, model, synthesize=3, synth=synth)
+    stats = manifest["regeneration"]["synthesis"]
+    assert stats["dropped"] == {r: 1 for r in ("empty", "too_short", "too_long", "no_end_of_turn", "special_tokens",
+                                                "repetition", "exact_duplicate", "near_duplicate")}
+    assert stats["chunks"] == 1 and stats["conversations_kept"] == 3
+    ds = load_from_disk(str(tmp_path / "synth" / "dataset"))
+    firsts = [tok.decode(r["input_ids"]).split("<|im_start|>user\n")[1].split("<|im_end|>")[0] for r in ds]
+    assert firsts == [script[0][0], photosynthesis + "?", script[10][0]]
+
+
+def test_duplicates_exact_and_near():
+    base = "Please list five practical tips for staying focused while studying for long exams at home"
+    # 13 word 3-grams; "today" adds one (Jaccard 13/14), "school" for "home" swaps one (12/14), "ten" for
+    # "five" swaps three (10/16): below 0.8, kept
+    texts = [base, base.upper(), base + " today", "Tell me a joke about cats.", base.replace("home", "school"),
+             base.replace("five", "ten"), "Tell me a joke about dogs."]
+    assert duplicates(texts, threshold=0.8) == {1: "exact_duplicate", 2: "near_duplicate", 4: "near_duplicate"}
+    assert duplicates(texts, threshold=1.0) == {1: "exact_duplicate"}
+    assert repeated_ngram_share("one two three four " * 4) == pytest.approx(1 - 4 / 13)
+    assert repeated_ngram_share("a b c") == 0.0
+
+
+def test_bad_input(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="synthesize must be a positive"):
+        PrepareConfig(target="tiny", out=str(tmp_path / "x"), synthesize=0)
+    with pytest.raises(ConfigError, match="exactly one"):
+        PrepareConfig(target="tiny", out=str(tmp_path / "x"))
+    with pytest.raises(Eagle3Error, match="puts no special end-of-turn token"):
+        _prepare(tmp_path, monkeypatch, None, synthesize=2, chat_template=LLAMA2_TEMPLATE,
+                 synth=SynthConfig(chunk_size=2))
+    tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
+    _prepare(tmp_path, monkeypatch, Recording(tok, [("Why is the sky blue?", True)]), synthesize=1,
+             synth=SynthConfig(chunk_size=1))
+    with pytest.raises(ContractError, match=r"synth\.temperature: 1\.0 != 0\.5"):  # a finished output
+        _prepare(tmp_path, monkeypatch, None, synthesize=1, synth=SynthConfig(chunk_size=1, temperature=0.5))
+    (tmp_path / "synth" / "manifest.json").unlink()  # as if killed before the end: only chunks remain
+    with pytest.raises(ContractError, match=r"synthesized with other options:\n  synth\.temperature: 1\.0 != 0\.5"):
+        _prepare(tmp_path, monkeypatch, None, synthesize=1, synth=SynthConfig(chunk_size=1, temperature=0.5))
+
+
+def _torchrun(out: Path, nproc: int, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "data_prep.prepare",
+           "target=tiny", f"out={out}", "synthesize=10", "progress=false", "device=cpu", "synth.chunk_size=4",
+           "synth.max_new_tokens=48", "synth.min_tokens=1", "synth.max_tokens=48", "synth.max_repeated_ngrams=1",
+           "regen.max_new_tokens=8", "regen.batch_size=4", "synth.turns=2"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+
+
+def test_two_ranks_killed_and_resumed_equal_one_rank(tmp_path, monkeypatch):
+    one = tmp_path / "one"
+    cfg = PrepareConfig(target="tiny", out=str(one), synthesize=10, progress=False, device="cpu",
+                        synth=SynthConfig(chunk_size=4, max_new_tokens=48, min_tokens=1, max_tokens=48,
+                                          max_repeated_ngrams=1, turns=2),
+                        regen=RegenConfig(max_new_tokens=8, batch_size=4))
+    Preparer(cfg).run()
+    crashed = _torchrun(tmp_path / "two", 2, {"EAGLE3_SYNTH_CRASH_AFTER_CHUNKS": "1"})
+    assert crashed.returncode != 0
+    assert not (tmp_path / "two" / "manifest.json").exists()
+    survived = sorted(p.name for p in (tmp_path / "two" / "synth").glob("chunk-*.json"))
+    assert survived, crashed.stderr[-2000:]
+    mtimes = {n: (tmp_path / "two" / "synth" / n).stat().st_mtime_ns for n in survived}
+    resumed = _torchrun(tmp_path / "two", 2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert all((tmp_path / "two" / "synth" / n).stat().st_mtime_ns == t for n, t in mtimes.items())  # not redone
+    a, b = load_from_disk(str(one / "dataset")), load_from_disk(str(tmp_path / "two" / "dataset"))
+    assert len(a) == len(b) == 10
+    assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
+    assert any(r.count(1) > 1 for r in a["loss_mask"]) and len(set(map(tuple, a["input_ids"]))) == 10
+    two_turns = [build_tiny_tokenizer().decode(r).count("<|im_start|>assistant") for r in a["input_ids"]]
+    assert max(two_turns) == 2  # later user turns were written after the first reply
