@@ -7,6 +7,9 @@ Writes ``config.json`` (``LlamaForCausalLMEagle3``, the draft's shapes, the engi
 :mod:`eagle3_train.engines`, and an ``eagle3_train`` block with the capture spec, target identity,
 vocab map hash and training summary), ``model.safetensors`` (``fc``, ``midlayer.*``, ``norm``,
 ``lm_head``, ``d2t``, ``t2d``; no embeddings: SGLang uses the target's) and ``manifest.json`` last.
+A head holding any other weight (``model.aux_norm``) is refused: neither engine would run it as trained.
+From a run directory it exports the best checkpoint when the run kept one (``train.keep_best``),
+else the last.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from omegaconf import MISSING
 from safetensors.torch import load_file, save_file
 
 from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.contract import CaptureSpec, write_manifest
-from eagle3_train.engines import RULES_VERSION, TOP_KEY, Unexpressible, fc_skipped, ids_for
+from eagle3_train.contract import CaptureSpec, best_checkpoint, run_checkpoints, write_manifest
+from eagle3_train.engines import RULES_VERSION, TOP_KEY, Unexpressible, fc_skipped, ids_for, unloadable_weights
 from eagle3_train.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.fileio import atomic_write_json
 from eagle3_train.model import DraftConfig
@@ -37,7 +40,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 class ExportConfig:
     """Options of ``eagle3-export`` (``conf/export.yaml``)."""
 
-    run: str = MISSING  # a training run directory (its last checkpoint) or one checkpoint directory
+    run: str = MISSING  # a training run directory (its best checkpoint under train.keep_best, else its last) or one checkpoint directory
     out: str = MISSING  # the serving directory to write
     engines: list[str] = field(default_factory=lambda: list(EXPORT_ENGINES))  # engines the config must serve
     dtype: str = "bfloat16"  # dtype of the exported weights
@@ -54,13 +57,31 @@ ConfigStore.instance().store(name="export_schema", node=ExportConfig)
 
 
 def find_checkpoint(run: Path) -> Path:
-    """``run`` itself if it is a finished checkpoint, else the run's last finished checkpoint."""
+    """``run`` itself if it is a finished checkpoint; else the run's best checkpoint when it kept
+    one (``train.keep_best``: best eval simulated tau), else its last finished checkpoint."""
     if (run / "state.json").is_file():
         return run
-    ckpts = [p for p in (run / "checkpoints").glob("step*") if (p / "state.json").is_file()] if (run / "checkpoints").is_dir() else []
+    best = best_checkpoint(run)
+    if best is not None:
+        return best
+    ckpts = run_checkpoints(run)
     if not ckpts:
         raise BadInputError(f"{run} is neither a checkpoint (state.json) nor a run directory with finished checkpoints")
-    return max(ckpts, key=lambda p: int(p.name.removeprefix("step")))
+    return ckpts[-1]
+
+
+def refuse_unloadable(names: set[str], draft_config: DraftConfig) -> None:
+    """Refuse weights that SGLang and vLLM would not load (see ``engines.DRAFT_WEIGHTS``): SGLang
+    drops an unknown name silently and runs a different head; vLLM fails on it."""
+    extra = unloadable_weights(names)
+    if not extra:
+        return
+    why = ("the head was trained with model.aux_norm (an RMSNorm before fc), which no llama_eagle3 in SGLang or "
+           "vLLM has, and it cannot be folded into fc (it divides by each position's RMS): train with "
+           "model.aux_norm=false to serve, or compare heads by the run's eval simulated tau"
+           if draft_config.aux_norm else "they are not part of the EAGLE-3 draft the engines build")
+    raise ContractError(f"export refused: SGLang 0.5.23 would silently drop and vLLM 0.33.0 would fail on the weights "
+                        f"{extra}; {why}")
 
 
 def engine_keys(spec: CaptureSpec, engines: list[str]) -> dict[str, Any]:
@@ -141,6 +162,7 @@ class Exporter:
         weights = load_file(str(self.ckpt / "draft.safetensors"))
         dtype = DTYPES[self.cfg.dtype]
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items() if not k.startswith("embed_tokens")}
+        refuse_unloadable(set(weights), self.draft_config)
         config = draft_config_json(self.draft_config) | keys | {"torch_dtype": self.cfg.dtype}
         config["eagle3_train"] = {
             "capture": self.spec.to_dict(),
@@ -164,9 +186,15 @@ class Exporter:
         return config
 
     def _summary(self) -> dict[str, Any]:
+        """What the checkpoint is: its step, the TTT steps it was trained for (eval warns when a
+        chain drafts more), its recipe options, its own evaluation and the run's last one."""
         metrics = self.ckpt.parent.parent / "metrics.jsonl"
         evals = [json.loads(x) for x in metrics.read_text().splitlines() if "eval_acc" in x] if metrics.is_file() else []
-        return {"checkpoint": self.ckpt.name, "step": self.state["step"], "last_eval": evals[-1] if evals else None}
+        own = [e for e in evals if e["step"] == self.state["step"]]
+        best = self.state.get("best") or {}
+        return {"checkpoint": self.ckpt.name, "step": self.state["step"], "ttt_length": self.state.get("ttt_length"),
+                "model": self.state.get("model"), "is_best": best.get("step") == self.state["step"],
+                "eval": own[-1] if own else None, "last_eval": evals[-1] if evals else None}
 
 
 main = entry_point("export", ExportConfig, lambda cfg: Exporter(cfg).run())

@@ -1,13 +1,20 @@
 """The EAGLE-3 objective (DESIGN §4) as pure functions of tensors.
 
 The target distribution at a position is the softmax of the target's logits (its frozen lm_head
-on ``last_hidden``) restricted to the draft vocab and renormalised. A position counts only when
-its token is loss-masked and the target's argmax (over the full vocab) lies in the draft vocab.
+on ``last_hidden``) restricted to the draft vocab and renormalised. A position enters the loss only
+when its token is loss-masked and the target's argmax (over the full vocab) lies in the draft vocab.
 The loss of TTT step j is the soft cross-entropy, weighted ``decay**j``.
+
+Accuracy counts every loss-masked position: one whose target argmax lies outside the draft vocab
+is a miss, since the draft can never propose that token (the reference EAGLE-3 divides by the loss
+mask too). This is the figure whose simulated acceptance length predicts eagle3-eval's. The
+accuracy over in-vocab positions only (``acc_in_vocab``) is kept as a second figure: it isolates
+how well the head learns what it can express from how much the draft vocab covers.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -54,11 +61,27 @@ def soft_cross_entropy(draft_logits: torch.Tensor, target_probs: torch.Tensor, m
 
 
 def correct_predictions(draft_logits: torch.Tensor, argmax_draft: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[correct, counted] (float tensor, on the logits' device): counted positions where the
-    draft's argmax is the target's argmax. Both are draft-vocab indices, so comparing them is
-    comparing target ids through d2t."""
-    hit = (draft_logits.argmax(-1) == argmax_draft) & mask
-    return torch.stack([hit.sum(), mask.sum()]).float()
+    """[hits, in_vocab, counted] (float tensor, on the logits' device) over the positions of ``mask``.
+
+    counted: the masked positions; in_vocab: those whose target argmax is in the draft vocab
+    (``argmax_draft >= 0``); hits: those where the draft's argmax is the target's argmax. Both are
+    draft-vocab indices, so comparing them is comparing target ids through d2t, and an out-of-vocab
+    position (-1) is never a hit. Honest accuracy is hits / counted, ``acc_in_vocab`` hits / in_vocab.
+
+    Args:
+        draft_logits: [N, V_draft]; argmax_draft: [N] (-1: outside the draft vocab); mask: bool [N].
+    """
+    in_vocab = mask & (argmax_draft >= 0)
+    hit = (draft_logits.argmax(-1) == argmax_draft) & in_vocab
+    return torch.stack([hit.sum(), in_vocab.sum(), mask.sum()]).float()
+
+
+def accuracies(counts: np.ndarray) -> tuple[list[float], list[float]]:
+    """Per-step (honest accuracy, accuracy over in-vocab positions) from [steps, 3] counts of
+    :func:`correct_predictions`; 0 where nothing counted."""
+    honest = [float(h / n) if n else 0.0 for h, _, n in counts]
+    in_vocab = [float(h / v) if v else 0.0 for h, v, _ in counts]
+    return honest, in_vocab
 
 
 def step_weights(ttt_length: int, decay: float) -> list[float]:

@@ -5,8 +5,9 @@
 
 The run directory holds ``checkpoints/step<N>/`` (DeepSpeed's own files plus ``draft.safetensors``,
 the consolidated head, and ``state.json``), ``metrics.jsonl`` (one line per logged step and per
-evaluation) and ``config.json``. ``resume=auto`` continues from the last checkpoint at its exact
-step and data position.
+evaluation), ``config.json``, and with ``train.keep_best`` ``best.json`` (the checkpoint with the
+best eval simulated acceptance length, which keep_last never deletes and eagle3-export takes).
+``resume=auto`` continues from the last checkpoint at its exact step and data position.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from omegaconf import MISSING
 from tqdm.auto import tqdm
 
 from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.contract import CaptureSpec, read_manifest
+from eagle3_train.contract import BEST_FILE, CaptureSpec, read_manifest, run_checkpoints
 from eagle3_train.data import Batch, ShardSplit, micro_batches_for, plan_epoch, steps_in_epoch
 from eagle3_train.dist import DistInfo, all_gather_objects, barrier, close, init_distributed, print0
 from eagle3_train.errors import BadInputError, ConfigError, ContractError, Eagle3Error
@@ -39,15 +40,17 @@ from eagle3_train.formats import ShardRecord
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.objective import (
     acceptance_length,
+    accuracies,
     correct_predictions,
     soft_cross_entropy,
     step_weights,
     target_distribution,
 )
-from eagle3_train.targets import config_hash, load_embeddings_and_head
+from eagle3_train.targets import config_hash, load_target_tensors
 from eagle3_train.vocab import load_vocab_map
 
 CRASH_ENV = "EAGLE3_TRAIN_CRASH_AFTER_STEP"  # tests only: hard-exit after saving this step
+USUAL_CHAIN = 5  # draft tokens per verify step that eagle3-eval and the engines' recipes use
 
 
 @dataclass
@@ -73,15 +76,36 @@ class OptimConfig:
     keep_last: int = 2  # checkpoints kept
     log_every: int = 10  # metrics line every N steps
     cache_target_gb: float = 0.0  # keep each sample's target distribution in memory after its first use, up to this size (0: recompute every epoch)
+    keep_best: bool = False  # keep the checkpoint with the best eval simulated tau (saved when it improves, never deleted by keep_last, the one eagle3-export takes)
+    early_stop_patience: int = 0  # stop after this many evaluations without a better eval simulated tau (0: off; needs eval_every)
 
     def __post_init__(self) -> None:
         if self.ttt_length < 1:
             raise ConfigError(f"train.ttt_length must be >= 1, got {self.ttt_length}")
+        if self.early_stop_patience < 0:
+            raise ConfigError(f"train.early_stop_patience must be >= 0, got {self.early_stop_patience}")
+        if self.early_stop_patience and not self.eval_every:
+            raise ConfigError("train.early_stop_patience counts evaluations: set train.eval_every too")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ConfigError(f"train.schedule must be cosine, linear or constant, got {self.schedule!r}")
         for name in ("epochs", "max_tokens_per_batch", "grad_accum", "keep_last", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ModelOptions:
+    """Recipe options of the draft head (``model.*``); its shapes come from the target."""
+
+    lm_head_init: str = "random"  # random | target: start lm_head from the target lm_head's rows of the draft vocab (and norm from the target's final norm)
+    freeze_lm_head: bool = False  # keep lm_head at its initial value (needs lm_head_init=target)
+    aux_norm: bool = False  # RMSNorm over the concatenated aux states before fc; SGLang and vLLM cannot load it, so eagle3-export refuses such a head
+
+    def __post_init__(self) -> None:
+        if self.lm_head_init not in ("random", "target"):
+            raise ConfigError(f"model.lm_head_init must be random or target, got {self.lm_head_init!r}")
+        if self.freeze_lm_head and self.lm_head_init != "target":
+            raise ConfigError("model.freeze_lm_head=true would freeze a random lm_head: set model.lm_head_init=target")
 
 
 @dataclass
@@ -114,6 +138,7 @@ class TrainConfig:
     resume: str = "auto"  # auto: continue from the last checkpoint in out; never: refuse a used out
     device: str = "auto"  # auto: cuda:<local_rank> if present, else cpu
     train: OptimConfig = field(default_factory=OptimConfig)
+    model: ModelOptions = field(default_factory=ModelOptions)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     progress: bool = True  # progress bar on rank 0
@@ -195,12 +220,13 @@ def build_engine(model: Eagle3Draft, o: OptimConfig, ds: DeepSpeedConfig, dtype:
 def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: torch.Tensor, ttt_length: int,
                decay: float, target: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted TTT loss of one micro-batch, and per-step statistics [ttt_length, 3] (correct,
-    counted, loss) left on the device, so the step never waits for the GPU.
+    """Weighted TTT loss of one micro-batch, and per-step statistics [ttt_length, 4] (hits,
+    in-vocab, counted, loss; see :func:`correct_predictions`) left on the device, so the step never
+    waits for the GPU.
 
     Step j at position t predicts token t+2+j; its target is the target's distribution at t+1+j.
-    A position counts when that token exists, is loss-masked, and the target's argmax at t+1+j is
-    in the draft vocab. ``target`` is that distribution when already known (probs [B, T, V_draft],
+    A position is counted when that token exists and is loss-masked; it enters the loss only when
+    the target's argmax at t+1+j is also in the draft vocab (otherwise it is a miss). ``target`` is that distribution when already known (probs [B, T, V_draft],
     argmax [B, T], in_draft [B, T]); otherwise it is computed from ``last_hidden``.
     """
     b, t = batch.input_ids.shape
@@ -212,20 +238,21 @@ def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: tor
     probs, argmax, in_draft = target
     positions = torch.arange(t, device=dev)
     total = torch.zeros((), device=dev)
-    stats = torch.zeros(ttt_length, 3, device=dev)
+    stats = torch.zeros(ttt_length, 4, device=dev)
     weights = step_weights(ttt_length, decay)
     for j, out in enumerate(model.unroll(batch.aux_hidden, batch.input_ids, ttt_length)):
         n = t - 2 - j
         if n <= 0:
             continue
         q, p = slice(1 + j, 1 + j + n), slice(2 + j, 2 + j + n)
-        mask = ((positions[None, p] < batch.lengths[:, None]) & batch.loss_mask[:, p] & in_draft[:, q]).reshape(-1)
+        counted = ((positions[None, p] < batch.lengths[:, None]) & batch.loss_mask[:, p]).reshape(-1)
+        mask = counted & in_draft[:, q].reshape(-1)
         logits = model.logits(out[:, :n])
         logits = logits.reshape(-1, logits.shape[-1])
         loss = soft_cross_entropy(logits, probs[:, q].reshape(-1, probs.shape[-1]), mask)
         total = total + weights[j] * loss
-        stats[j, :2] = correct_predictions(logits, argmax[:, q].reshape(-1), mask)
-        stats[j, 2] = loss.detach()
+        stats[j, :3] = correct_predictions(logits, argmax[:, q].reshape(-1), counted)
+        stats[j, 3] = loss.detach()
     return total, stats
 
 
@@ -240,7 +267,9 @@ class Trainer:
         self.manifest = read_manifest(self.data_dir, "standardize")
         self.spec = CaptureSpec.from_dict(self.manifest["capture"])
         self.vocab, self.vocab_sha = self._load_vocab()
-        target_config, embed, head = load_embeddings_and_head(cfg.target, cache_dir=cfg.cache_dir)
+        from_target = ("embed", "head", "norm") if cfg.model.lm_head_init == "target" else ("embed", "head")
+        target_config, tensors = load_target_tensors(cfg.target, from_target, cache_dir=cfg.cache_dir)
+        embed, head = tensors["embed"], tensors["head"]
         self._check_target(target_config)
         bf16 = cfg.deepspeed.bf16 == "true" or (cfg.deepspeed.bf16 == "auto" and self.dist.device.type == "cuda")
         self.dtype = torch.bfloat16 if bf16 else torch.float32
@@ -248,12 +277,17 @@ class Trainer:
         self.t2d = self.vocab.t2d.to(self.dist.device)
         draft_cfg = DraftConfig.from_target(target_config, len(self.spec.aux_indices), self.vocab.draft_vocab_size)
         torch.manual_seed(cfg.train.seed)
-        self.model = Eagle3Draft(draft_cfg)
+        self.model = Eagle3Draft(replace(draft_cfg, aux_norm=cfg.model.aux_norm))
         with torch.no_grad():
             self.model.embed_tokens.weight.copy_(embed)
             self.model.d2t.copy_(self.vocab.d2t)
             self.model.t2d.copy_(self.vocab.t2d)
+        self._init_head(head, tensors.get("norm"))
         o = cfg.train
+        if o.ttt_length < USUAL_CHAIN:
+            print0(f"warning: train.ttt_length={o.ttt_length} < {USUAL_CHAIN}, the chain length eagle3-eval and the "
+                   f"engines usually draft: draft positions past {o.ttt_length} were never trained and accept less; "
+                   f"train at least as many steps as the draft will propose")
         self.train_split = ShardSplit(self.data_dir / "train", self._records("train"), o.max_tokens_per_batch)
         self.eval_split = ShardSplit(self.data_dir / "eval", self._records("eval"), o.max_tokens_per_batch)
         if len(self.train_split) == 0:
@@ -274,11 +308,29 @@ class Trainer:
         self.model.to(self.dist.device)
         self.engine = build_engine(self.model, cfg.train, cfg.deepspeed, self.dtype, self.dist.device, self.total_steps)
         self.step = 0
+        self.best: dict[str, Any] = {"step": None, "eval_tau": None}  # the best evaluation so far
+        self.evals_since_best = 0
+        self.early_stopped = False
         self.metrics_path = self.out / "metrics.jsonl"
         self._resume()
         self.tracker = self._tracker()
 
     # -- building --------------------------------------------------------------------------------
+
+    def _init_head(self, head: torch.Tensor, norm: torch.Tensor | None) -> None:
+        """``model.lm_head_init`` and ``model.freeze_lm_head``; head [V_target, H], norm [H]."""
+        m = self.cfg.model
+        if m.lm_head_init == "target":
+            with torch.no_grad():
+                # draft token i is target id t2d.nonzero()[i] (= i + d2t[i]): the draft vocab is
+                # sorted by target id, so these rows are in draft order. [V_draft, H]
+                self.model.lm_head.weight.copy_(head[self.vocab.t2d.nonzero().squeeze(1)])
+                # The target's rows were fitted to read the output of its final norm. With that
+                # norm's weight, the draft's logits are the target's own on whatever pre-norm state
+                # the layer produces, so the layer starts by approximating the target's last
+                # pre-norm hidden state; a unit weight would feed the rows differently scaled features.
+                self.model.norm.weight.copy_(norm)
+        self.model.lm_head.weight.requires_grad_(not m.freeze_lm_head)
 
     def _target_cache(self) -> dict[int, tuple] | None:
         limit = self.cfg.train.cache_target_gb
@@ -334,15 +386,16 @@ class Trainer:
     # -- checkpoints -----------------------------------------------------------------------------
 
     def _checkpoints(self) -> list[Path]:
-        root = self.out / "checkpoints"
-        done = [p for p in root.glob("step*") if (p / "state.json").is_file()] if root.is_dir() else []
-        return sorted(done, key=lambda p: int(p.name.removeprefix("step")))
+        return run_checkpoints(self.out)
 
     def _resume(self) -> None:
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
         barrier()
         ckpts = self._checkpoints()
+        if self.dist.is_main and (not ckpts or not self.cfg.train.keep_best):
+            # a record left by an earlier run, or one keep_last may now delete, would mislead export
+            (self.out / BEST_FILE).unlink(missing_ok=True)
         if not ckpts:
             if self.dist.is_main:
                 self.metrics_path.unlink(missing_ok=True)
@@ -368,15 +421,22 @@ class Trainer:
             self.model.d2t.copy_(self.vocab.d2t)
             self.model.t2d.copy_(self.vocab.t2d)
         self.step = state["step"]
+        self.best = state.get("best", self.best)
+        self.evals_since_best = state.get("evals_since_best", 0)
+        self.early_stopped = state.get("early_stopped", False)
         print0(f"resumed from {last} at step {self.step}")
 
     def save(self) -> Path:
-        """A DeepSpeed checkpoint plus the consolidated head; the oldest beyond keep_last go."""
+        """A DeepSpeed checkpoint plus the consolidated head; the oldest beyond keep_last go, but
+        for the best one under keep_best (``best.json`` names it)."""
+        o = self.cfg.train
         tag = f"step{self.step}"
         root = self.out / "checkpoints"
         state = {"step": self.step, "epoch": self.epoch_of(self.step)[0], "world_size": self.world,
-                 "grad_accum": self.cfg.train.grad_accum, "vocab_sha256": self.vocab_sha,
-                 "capture": self.spec.to_dict(), "draft_config": self.model.config.to_dict()}
+                 "grad_accum": o.grad_accum, "vocab_sha256": self.vocab_sha,
+                 "capture": self.spec.to_dict(), "draft_config": self.model.config.to_dict(),
+                 "ttt_length": o.ttt_length, "model": config_dict(self.cfg.model),
+                 "best": self.best, "evals_since_best": self.evals_since_best, "early_stopped": self.early_stopped}
         self.engine.save_checkpoint(str(root), tag=tag, client_state={"eagle3": state})
         weights = self.consolidated_state_dict()
         if self.dist.is_main:
@@ -384,7 +444,10 @@ class Trainer:
 
             save_file(weights, str(root / tag / "draft.safetensors"))
             atomic_write_json(root / tag / "state.json", state)  # last: marks the checkpoint complete
-            for old in self._checkpoints()[: -self.cfg.train.keep_last]:
+            best = f"step{self.best['step']}" if o.keep_best and self.best["step"] is not None else None
+            if best == tag:
+                atomic_write_json(self.out / BEST_FILE, {"checkpoint": tag} | self.best)
+            for old in [p for p in self._checkpoints() if p.name != best][: -o.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         barrier()
         return root / tag
@@ -455,7 +518,7 @@ class Trainer:
         """One optimizer step: this rank's next micro-batches, backward, DeepSpeed's step."""
         o = self.cfg.train
         self.engine.train()
-        counts = np.zeros((o.ttt_length, 2), dtype=np.int64)
+        counts = np.zeros((o.ttt_length, 3), dtype=np.int64)
         loss_sum, tokens = 0.0, 0
         for _ in range(o.grad_accum):
             batch = next(batches).to(self.dist.device, self.dtype)
@@ -473,7 +536,7 @@ class Trainer:
             self.engine.backward(loss)
             self.engine.step()
             stats = stats.cpu().numpy()
-            counts += stats[:, :2].astype(np.int64)
+            counts += stats[:, :3].astype(np.int64)
             loss_sum += float(loss.detach())
             tokens += int(batch.lengths.sum())
         self.step += 1
@@ -481,10 +544,12 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
-        """Per-step accuracy, loss and simulated acceptance length on the eval split (all ranks)."""
+        """Per-step accuracy, loss and simulated acceptance length on the eval split (all ranks),
+        honest and over in-vocab positions only, and the share of counted positions whose target
+        argmax is in the draft vocab (``eval_vocab_coverage``, step 0: the ceiling of eval_acc[0])."""
         o = self.cfg.train
         self.engine.eval()
-        counts = np.zeros((o.ttt_length, 2), dtype=np.int64)
+        counts = np.zeros((o.ttt_length, 3), dtype=np.int64)
         loss_sum, n = 0.0, 0
         if len(self.eval_split):
             batches = plan_epoch(self.eval_split.length, o.max_tokens_per_batch, 0, 0)
@@ -497,14 +562,28 @@ class Trainer:
                 batch = self.eval_split.batch(indices).to(self.dist.device, self.dtype)
                 loss, stats = self.losses(batch)
                 if r < len(mine):
-                    counts += stats[:, :2].cpu().numpy().astype(np.int64)
+                    counts += stats[:, :3].cpu().numpy().astype(np.int64)
                     loss_sum += float(loss)
                     n += 1
         gathered = all_gather_objects((counts, loss_sum, n))
         counts = sum(g[0] for g in gathered)
         loss_sum, n = sum(g[1] for g in gathered), sum(g[2] for g in gathered)
-        acc = [float(c / m) if m else 0.0 for c, m in counts]
-        return {"step": self.step, "eval_loss": loss_sum / max(n, 1), "eval_acc": acc, "eval_tau": acceptance_length(acc)}
+        acc, acc_in_vocab = accuracies(counts)
+        return {"step": self.step, "eval_loss": loss_sum / max(n, 1), "eval_acc": acc, "eval_tau": acceptance_length(acc),
+                "eval_acc_in_vocab": acc_in_vocab, "eval_tau_in_vocab": acceptance_length(acc_in_vocab),
+                "eval_vocab_coverage": float(counts[0, 1] / counts[0, 2]) if counts[0, 2] else 0.0}
+
+    def after_eval(self, result: dict[str, Any]) -> bool:
+        """Log an evaluation and track the best eval simulated tau; True when early stopping is due
+        (``train.early_stop_patience`` evaluations in a row without a better one)."""
+        self.log(result)
+        if self.best["eval_tau"] is None or result["eval_tau"] > self.best["eval_tau"]:
+            self.best = {"step": self.step, "eval_tau": result["eval_tau"]}
+            self.evals_since_best = 0
+        else:
+            self.evals_since_best += 1
+        patience = self.cfg.train.early_stop_patience
+        return bool(patience) and self.evals_since_best >= patience
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.dist.is_main:
@@ -520,16 +599,18 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         o = self.cfg.train
-        if self.step >= self.total_steps and self._checkpoints():
-            print0(f"eagle3-train: {self.out} is already trained to step {self.step}; nothing to do")
+        if (self.step >= self.total_steps or self.early_stopped) and self._checkpoints():
+            how = "stopped early" if self.early_stopped else "already trained"
+            print0(f"eagle3-train: {self.out} is {how} at step {self.step}; nothing to do")
             evals = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if "eval_acc" in line]
-            return (evals[-1] if evals else {}) | {"checkpoint": str(self._checkpoints()[-1])}
+            return (evals[-1] if evals else {}) | self._checkpoint_paths(self._checkpoints()[-1])
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                    disable=not (self.cfg.progress and self.dist.is_main))
-        window = np.zeros((o.ttt_length, 2), dtype=np.int64)
+        window = np.zeros((o.ttt_length, 3), dtype=np.int64)
         window_loss, window_tokens, window_start, window_steps = 0.0, 0, time.time(), 0
         crash_after = int(os.environ.get(CRASH_ENV, 0))
         batches = Prefetcher(self.train_batches(), depth=2 * o.grad_accum)
+        final: dict[str, Any] | None = None
         while self.step < self.total_steps:
             result = self.train_step(batches)
             window += result["counts"]
@@ -542,27 +623,54 @@ class Trainer:
                 self.log(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.2f}", tau=f"{record['tau']:.2f}",
                                 lr=f"{record['lr']:.1e}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-                if self.dist.is_main and not bar.disable:
-                    bar.write(f"step {self.step}/{self.total_steps} loss {record['loss']:.4f} acc "
-                              f"{' '.join(f'{a:.3f}' for a in record['acc'])} tau {record['tau']:.2f} "
-                              f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
+                self._write(bar, f"step {self.step}/{self.total_steps} loss {record['loss']:.4f} acc "
+                                 f"{' '.join(f'{a:.3f}' for a in record['acc'])} tau {record['tau']:.2f} (in-vocab "
+                                 f"{record['tau_in_vocab']:.2f}) lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
                 window[:] = 0
                 window_loss, window_tokens, window_start, window_steps = 0.0, 0, time.time(), 0
+            improved = False
             if o.eval_every and self.step % o.eval_every == 0 and self.step < self.total_steps:
-                self.log(self.evaluate())
-            if o.save_every and self.step % o.save_every == 0 and self.step < self.total_steps:
+                final = self.evaluate()
+                stop = self.after_eval(final)
+                self._write(bar, self._eval_line(final))
+                if stop:  # never on an improvement: the step's checkpoint is the final one below
+                    self.early_stopped = True
+                    self._write(bar, f"early stop: eval simulated tau has not improved on {self.best['eval_tau']:.3f} "
+                                     f"(step {self.best['step']}) for {self.evals_since_best} evaluations")
+                    break
+                improved = o.keep_best and self.best["step"] == self.step
+            if improved or (o.save_every and self.step % o.save_every == 0 and self.step < self.total_steps):
                 self.save()
                 if crash_after and self.step >= crash_after:
                     os._exit(17)
         bar.close()
-        final = self.evaluate()
-        self.log(final)
+        if final is None or final["step"] != self.step:
+            final = self.evaluate()
+            self.after_eval(final)
         path = self.save()
-        print0(
-            f"eagle3-train: {self.step} steps; eval acc per step "
-            f"{[round(a, 3) for a in final['eval_acc']]}, simulated tau {final['eval_tau']:.2f} -> {path}"
-        )
-        return final | {"checkpoint": str(path)}
+        print0(f"eagle3-train: {self.step} steps; {self._eval_line(final)} -> {path}")
+        paths = self._checkpoint_paths(path)
+        if "best_checkpoint" in paths:
+            print0(f"best: eval simulated tau {self.best['eval_tau']:.3f} at step {self.best['step']} -> {paths['best_checkpoint']}")
+        return final | paths
+
+    def _checkpoint_paths(self, last: Path) -> dict[str, str]:
+        """The last checkpoint, and under keep_best the best one (what eagle3-export takes)."""
+        out = {"checkpoint": str(last)}
+        if self.cfg.train.keep_best and self.best["step"] is not None:
+            out["best_checkpoint"] = str(self.out / "checkpoints" / f"step{self.best['step']}")
+        return out
+
+    @staticmethod
+    def _eval_line(r: dict[str, Any]) -> str:
+        return (f"eval at step {r['step']}: acc per step {[round(a, 3) for a in r['eval_acc']]}, simulated tau "
+                f"{r['eval_tau']:.2f} (over in-vocab positions: {r['eval_tau_in_vocab']:.2f}; the draft vocab covers "
+                f"{r['eval_vocab_coverage']:.1%} of the target's argmaxes)")
+
+    def _write(self, bar: Any, line: str) -> None:
+        """A console line on rank 0 that does not break the progress bar."""
+        if self.dist.is_main and not bar.disable:
+            bar.write(line)
 
     def _train_record(self, counts: np.ndarray, loss: float, tokens: int, seconds: float) -> dict[str, Any]:
         """Metrics of the steps since the last record, over all ranks (the loss is the mean of the
@@ -571,8 +679,9 @@ class Trainer:
         counts = sum(g[0] for g in gathered)
         tokens = sum(g[1] for g in gathered)
         loss = sum(g[2] for g in gathered) / len(gathered)
-        acc = [float(c / m) if m else 0.0 for c, m in counts]
+        acc, acc_in_vocab = accuracies(counts)
         return {"step": self.step, "loss": loss, "acc": acc, "tau": acceptance_length(acc),
+                "acc_in_vocab": acc_in_vocab, "tau_in_vocab": acceptance_length(acc_in_vocab),
                 "lr": self.engine.get_lr()[0], "tokens_per_s": tokens / max(seconds, 1e-9)}
 
     def close(self) -> None:

@@ -2,11 +2,13 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from eagle3_train.objective import (
     acceptance_length,
+    accuracies,
     correct_predictions,
     soft_cross_entropy,
     step_weights,
@@ -39,8 +41,33 @@ def test_soft_cross_entropy_by_hand():
 
 def test_accuracy_weights_and_acceptance():
     logits = torch.tensor([[0.0, 1.0], [2.0, 0.0], [0.0, 3.0], [1.0, 0.0]])
-    hit, n = correct_predictions(logits, torch.tensor([1, 1, 1, -1]), torch.tensor([True, True, True, False])).tolist()
-    assert (hit, n) == (2, 3)
+    hit, in_vocab, n = correct_predictions(logits, torch.tensor([1, 1, 1, -1]), torch.tensor([True, True, True, False])).tolist()
+    assert (hit, in_vocab, n) == (2, 3, 3)
     assert step_weights(3, 0.8) == pytest.approx([1.0, 0.8, 0.64])
     assert acceptance_length([0.8, 0.5, 0.5]) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
     assert acceptance_length([]) == 1.0
+
+
+def test_out_of_vocab_argmax_counts_as_a_miss():
+    """A loss-masked position whose target argmax lies outside the draft vocab is in the honest
+    denominator as a miss (the draft can never propose that token); acc_in_vocab leaves it out."""
+    t2d = torch.tensor([False, True, False, True, True])  # draft vocab = target ids {1, 3, 4}
+    hidden = torch.tensor([[0.0, 2.0, 0.0, 0.0, 0.0],    # target argmax 1 -> draft 0
+                           [3.0, 0.0, 0.0, 1.0, 0.0],    # target argmax 0 -> outside
+                           [0.0, 0.0, 0.0, 0.0, 3.0],    # target argmax 4 -> draft 2
+                           [0.0, 0.0, 4.0, 0.0, 1.0],    # target argmax 2 -> outside
+                           [0.0, 0.0, 0.0, 5.0, 0.0]])   # target argmax 3 -> draft 1, not loss-masked
+    _, argmax, _ = target_distribution(hidden, torch.eye(5), t2d)
+    # the draft's picks: draft 0 (hit), draft 0 (its best in-vocab guess at an out-of-vocab
+    # position: a miss), draft 1 (miss), draft 2 (out of vocab: miss), draft 1 (not counted)
+    draft = torch.nn.functional.one_hot(torch.tensor([0, 0, 1, 2, 1]), 3).float()
+    mask = torch.tensor([True, True, True, True, False])
+    counts = correct_predictions(draft, argmax, mask)
+    assert counts.tolist() == [1, 2, 4]
+    # a second step where the draft is right wherever it can be: honest accuracy = coverage 2/4
+    perfect = torch.nn.functional.one_hot(torch.tensor([0, 1, 2, 0, 1]), 3).float()
+    both = np.stack([counts.numpy(), correct_predictions(perfect, argmax, mask).numpy()])
+    honest, in_vocab = accuracies(both)
+    assert honest == [0.25, 0.5] and in_vocab == [0.5, 1.0]
+    assert acceptance_length(honest) == pytest.approx(1 + 0.25 + 0.25 * 0.5)
+    assert accuracies(np.zeros((1, 3))) == ([0.0], [0.0])

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from data_prep.standardize import StandardizeConfig, Standardizer
-from eagle3_train.errors import BadInputError, ContractError, Eagle3Error
-from eagle3_train.trainer import DeepSpeedConfig, OptimConfig, TrainConfig, Trainer, lr_factor
+from eagle3_train.errors import BadInputError, ConfigError, ContractError, Eagle3Error
+from eagle3_train.export import ExportConfig, Exporter
+from eagle3_train.trainer import DeepSpeedConfig, ModelOptions, OptimConfig, TrainConfig, Trainer, lr_factor
 from test_standardize import make_dump
 
 
@@ -26,8 +27,9 @@ def std(tmp_path_factory):
 
 def train(std, out, **opt):
     zero = opt.pop("zero_stage", 1)
+    model, target = opt.pop("model", ModelOptions()), opt.pop("target", "tiny")
     o = OptimConfig(**({"ttt_length": 3, "lr": 3e-3, "max_tokens_per_batch": 600, "log_every": 1, "epochs": 2} | opt))
-    t = Trainer(TrainConfig(data=str(std), target="tiny", out=str(out), train=o, progress=False,
+    t = Trainer(TrainConfig(data=str(std), target=target, out=str(out), train=o, model=model, progress=False,
                             deepspeed=DeepSpeedConfig(zero_stage=zero)))
     try:
         return t.run()
@@ -55,6 +57,64 @@ def test_lr_schedule():
     o = OptimConfig(warmup_steps=2, schedule="cosine", min_lr_ratio=0.1)
     assert [round(lr_factor(s, 10, o), 3) for s in (0, 1, 2, 10)] == [0.5, 1.0, 1.0, 0.1]
     assert lr_factor(6, 10, OptimConfig(schedule="linear")) == pytest.approx(0.4)
+
+
+def test_recipe_options_are_checked():
+    with pytest.raises(ConfigError, match="would freeze a random lm_head"):
+        ModelOptions(freeze_lm_head=True)
+    with pytest.raises(ConfigError, match="lm_head_init must be random or target"):
+        ModelOptions(lm_head_init="tied")
+    with pytest.raises(ConfigError, match="early_stop_patience counts evaluations: set train.eval_every"):
+        OptimConfig(early_stop_patience=2)
+
+
+def test_ttt_statistics_count_out_of_vocab_positions_as_misses():
+    """ttt_losses' per-step counts against loops over a hand-built batch: every existing,
+    loss-masked position is counted; one whose target argmax is outside the draft vocab is a miss;
+    a hit is the draft's pick, mapped through d2t, equal to the target's full-vocab argmax."""
+    from eagle3_train.data import Batch
+    from eagle3_train.model import DraftConfig, Eagle3Draft
+    from eagle3_train.targets import tiny_config
+    from eagle3_train.trainer import ttt_losses
+
+    g = torch.Generator().manual_seed(0)
+    b, t, h, v, ttt = 2, 12, 64, 320, 3
+    t2d = torch.arange(v) % 3 != 0  # a third of the target vocab is outside the draft vocab
+    draft_ids = t2d.nonzero().squeeze(1)
+    d2t = draft_ids - torch.arange(len(draft_ids))
+    head = torch.randn(v, h, generator=g)
+    batch = Batch(aux_hidden=torch.randn(b, t, 3 * h, generator=g), last_hidden=torch.randn(b, t, h, generator=g),
+                  input_ids=torch.randint(0, v, (b, t), generator=g), loss_mask=torch.rand(b, t, generator=g) < 0.8,
+                  lengths=torch.tensor([t, t - 3]), sample_ids=torch.tensor([0, 1]))
+    model = Eagle3Draft(DraftConfig.from_target(tiny_config(), num_aux=3, draft_vocab_size=len(draft_ids)))
+    model.d2t.copy_(d2t)
+    model.t2d.copy_(t2d)
+    target_logits = batch.last_hidden @ head.T  # [B, T, V]
+    # The draft's logits at step j: the target's own at t+1+j over the draft vocab, plus noise, so
+    # that some in-vocab positions are hits and some are not. Fed in place of the head's output.
+    picks = []
+
+    def scripted_logits(out):
+        j, n = len(picks), out.shape[1]
+        logits = target_logits[:, 1 + j : 1 + j + n][..., draft_ids] + 2.0 * torch.randn(b, n, len(draft_ids), generator=g)
+        picks.append(logits.argmax(-1))
+        return logits
+
+    model.logits = scripted_logits
+    _, stats = ttt_losses(model, batch, head, t2d, ttt, 0.8)
+    for j in range(ttt):
+        hits = in_vocab = counted = 0
+        for row in range(b):
+            for pos in range(t - 2 - j):  # predicts token pos+2+j from the target at pos+1+j
+                if pos + 2 + j >= int(batch.lengths[row]) or not batch.loss_mask[row, pos + 2 + j]:
+                    continue
+                counted += 1
+                want = int(target_logits[row, pos + 1 + j].argmax())
+                in_vocab += bool(t2d[want])
+                pick = int(picks[j][row, pos])
+                hits += pick + int(d2t[pick]) == want
+        assert stats[j, :3].tolist() == [hits, in_vocab, counted]
+        assert 0 < hits < in_vocab < counted  # the case is not degenerate
 
 
 def _torchrun(std, out, nproc, extra=(), env_extra=None):
@@ -164,3 +224,131 @@ def test_cached_target_distribution_gives_the_same_training(std, tmp_path, monke
         torch.testing.assert_close(a[k], b[k], atol=1e-3, rtol=1e-3)
     with pytest.raises(Eagle3Error, match="cache_target_gb=1e-06 is too small: .* needs"):
         train(std, tmp_path / "small", cache_target_gb=1e-6)
+
+
+REAL_EVALUATE = Trainer.evaluate
+
+
+def _scripted_taus(monkeypatch, taus):
+    """Each evaluation runs for real (all its counting), but reports the next simulated tau of
+    ``taus``: which checkpoint is best is then fixed, not a matter of training noise."""
+    scripted = iter(taus)
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: REAL_EVALUATE(self) | {"eval_tau": next(scripted)})
+
+
+def _ckpt_names(out):
+    return sorted(p.name for p in (out / "checkpoints").glob("step*"))
+
+
+def test_keep_best_exports_the_best_checkpoint(std, tmp_path, monkeypatch):
+    """Evaluations every 2 of 12 steps peak at step 4: that checkpoint outlives keep_last=1,
+    best.json names it, and eagle3-export of the run writes its weights, not the last ones."""
+    _scripted_taus(monkeypatch, [1.5, 2.5, 1.8, 2.5, 1.2, 2.0])  # steps 2, 4, ..., 12 (a tie is no improvement)
+    out = tmp_path / "r"
+    final = train(std, out, max_steps=12, eval_every=2, keep_best=True, keep_last=1)
+    assert final["step"] == 12 and final["checkpoint"].endswith("step12") and final["best_checkpoint"].endswith("step4")
+    assert [m["eval_tau"] for m in metrics(out) if "eval_tau" in m] == [1.5, 2.5, 1.8, 2.5, 1.2, 2.0]
+    assert _ckpt_names(out) == ["step12", "step4"]
+    assert json.loads((out / "best.json").read_text()) == {"checkpoint": "step4", "step": 4, "eval_tau": 2.5}
+    config = Exporter(ExportConfig(run=str(out), out=str(tmp_path / "export"), dtype="float32")).run()
+    training = config["eagle3_train"]["training"]
+    assert training["checkpoint"] == "step4" and training["is_best"] and training["eval"]["eval_tau"] == 2.5
+    assert training["ttt_length"] == 3 and training["last_eval"]["step"] == 12
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    best = load_file(str(out / "checkpoints" / "step4" / "draft.safetensors"))
+    last = load_file(str(out / "checkpoints" / "step12" / "draft.safetensors"))
+    assert set(exported) == set(best)
+    for k in exported:
+        assert torch.equal(exported[k], best[k]), k
+    assert not torch.equal(exported["fc.weight"], last["fc.weight"])
+    # without keep_best the run keeps no record and export takes the last checkpoint
+    _scripted_taus(monkeypatch, [1.5, 2.5, 1.0])
+    plain = train(std, tmp_path / "plain", max_steps=6, eval_every=2, keep_last=1)
+    assert "best_checkpoint" not in plain and not (tmp_path / "plain" / "best.json").exists()
+    config = Exporter(ExportConfig(run=str(tmp_path / "plain"), out=str(tmp_path / "export2"))).run()
+    assert config["eagle3_train"]["training"]["checkpoint"] == "step6"
+
+
+def test_early_stop_on_a_plateau(std, tmp_path, monkeypatch):
+    """Patience 2: the evaluations at steps 6 and 8 do not beat step 4's, so the run stops at
+    step 8 (of 12) without another evaluation, and running it again does not train past the stop."""
+    _scripted_taus(monkeypatch, [1.5, 2.5, 2.5, 2.4])
+    out = tmp_path / "r"
+    final = train(std, out, max_steps=12, eval_every=2, early_stop_patience=2, keep_best=True, keep_last=1)
+    assert final["step"] == 8 and final["best_checkpoint"].endswith("step4")
+    assert [m["step"] for m in metrics(out) if "eval_tau" in m] == [2, 4, 6, 8]
+    assert max(m["step"] for m in metrics(out)) == 8
+    assert _ckpt_names(out) == ["step4", "step8"]
+    assert json.loads((out / "checkpoints" / "step8" / "state.json").read_text())["early_stopped"]
+    again = train(std, out, max_steps=12, eval_every=2, early_stop_patience=2, keep_best=True, keep_last=1)
+    assert again["step"] == 8 and again["best_checkpoint"] == final["best_checkpoint"]
+    assert max(m["step"] for m in metrics(out)) == 8
+
+
+# What SGLang 0.5.23 and vLLM 0.33.0 load into a one-layer LlamaForCausalLMEagle3 (DESIGN §3)
+ENGINE_WEIGHT_NAMES = {
+    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+    "midlayer.post_attention_layernorm.weight",
+}
+
+
+@pytest.fixture(scope="module")
+def std_part(tmp_path_factory):
+    """Data whose draft vocab (200 of 320 tokens) misses some of the target's argmaxes."""
+    root = tmp_path_factory.mktemp("part")
+    make_dump(root, "d", n=48)
+    Standardizer(StandardizeConfig(dumps=[str(root / "d")], out=str(root / "std"), draft_vocab_size=200,
+                                   eval_fraction=0.15, progress=False)).run()
+    return root / "std"
+
+
+def test_lm_head_from_the_target_frozen_and_exported(std_part, tmp_path):
+    """model.lm_head_init=target: lm_head starts as the target's rows of the draft vocab (row i =
+    target id i + d2t[i]) and norm as the target's final norm; frozen, it is exported unchanged,
+    under the names and config the engines load."""
+    from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer
+
+    target = build_tiny_model()
+    with torch.no_grad():  # a final norm that is not all ones, so copying it shows
+        target.model.norm.weight.copy_(torch.linspace(0.5, 1.5, 64))
+    target.save_pretrained(tmp_path / "target")
+    build_tiny_tokenizer().save_pretrained(tmp_path / "target")
+    head = target.lm_head.weight.detach()
+    options = ModelOptions(lm_head_init="target", freeze_lm_head=True)
+    o = OptimConfig(ttt_length=3, lr=3e-3, max_tokens_per_batch=600, max_steps=4)
+    trainer = Trainer(TrainConfig(data=str(std_part), target=str(tmp_path / "target"), out=str(tmp_path / "r"),
+                                  train=o, model=options, progress=False))
+    d2t = trainer.model.d2t.cpu()
+    rows = head[torch.arange(len(d2t)) + d2t]  # [V_draft, H] by the map the engines use
+    assert len(d2t) == 200 and not torch.equal(d2t, torch.zeros_like(d2t))
+    assert torch.equal(trainer.model.lm_head.weight.detach().cpu(), rows)
+    assert torch.equal(trainer.model.norm.weight.detach().cpu(), target.model.norm.weight.detach())
+    assert not trainer.model.lm_head.weight.requires_grad
+    final = trainer.run()
+    trainer.close()
+    assert final["eval_vocab_coverage"] < 1.0 and final["eval_acc"][0] < final["eval_acc_in_vocab"][0]
+    config = Exporter(ExportConfig(run=str(tmp_path / "r"), out=str(tmp_path / "export"), dtype="float32")).run()
+    weights = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert set(weights) == ENGINE_WEIGHT_NAMES
+    assert torch.equal(weights["lm_head.weight"], rows)  # frozen through 4 steps
+    assert not torch.equal(weights["norm.weight"], target.model.norm.weight.detach())  # trained
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 200
+    assert config["eagle3_train"]["training"]["model"] == {"lm_head_init": "target", "freeze_lm_head": True,
+                                                         "aux_norm": False}
+
+
+def test_aux_norm_trains_but_export_refuses(std, tmp_path):
+    """model.aux_norm: the norm is trained (its weight moves) but no engine loads it, so export
+    refuses with the reason and writes nothing."""
+    from eagle3_train.engines import DRAFT_WEIGHTS
+
+    assert DRAFT_WEIGHTS == ENGINE_WEIGHT_NAMES
+    final = train(std, tmp_path / "r", max_steps=4, model=ModelOptions(aux_norm=True))
+    weights = load_file(str(tmp_path / "r" / "checkpoints" / f"step{final['step']}" / "draft.safetensors"))
+    assert weights["aux_norm.weight"].shape == (192,) and not torch.equal(weights["aux_norm.weight"], torch.ones(192))
+    with pytest.raises(ContractError, match=r"(?s)silently drop and vLLM 0.33.0 would fail on .*'aux_norm.weight'.*model.aux_norm=false"):
+        Exporter(ExportConfig(run=str(tmp_path / "r"), out=str(tmp_path / "x"))).run()
+    assert not (tmp_path / "x").exists()
