@@ -82,6 +82,17 @@ def test_export_layout(pipeline):
     assert "embed_tokens.weight" not in names and {"fc.weight", "d2t", "t2d", "lm_head.weight"} <= names
 
 
+def test_eval_warns_when_the_chain_is_longer_than_training(pipeline):
+    """The pipeline trains 3 TTT steps; export records it, and eval (k=5 by default) warns."""
+    from eagle3_train.eval import short_training_warning
+
+    config = json.loads((pipeline / "export" / "config.json").read_text())
+    assert config["eagle3_train"]["training"]["ttt_length"] == 3
+    assert "trained with ttt_length=3 but drafts chains of k=5: draft positions 4..5" in short_training_warning(config, 5)
+    assert short_training_warning(config, 3) is None
+    assert short_training_warning({"eagle3_train": {}}, 5) is None  # a config that does not say: no guess
+
+
 def test_right_config_beats_off_by_one_and_both_are_lossless(pipeline):
     right = evaluate(pipeline, pipeline / "export")
     wrong = evaluate(pipeline, off_by_one(pipeline, "wrong", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2])))
