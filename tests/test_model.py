@@ -129,3 +129,24 @@ def test_weight_names_are_what_engines_load():
                                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "hidden_norm",
                                          "input_layernorm", "post_attention_layernorm")}
     assert names == expected
+
+
+def test_aux_norm_is_one_rmsnorm_before_fc():
+    """model.aux_norm: the first hidden state is fc(RMSNorm(cat(aux))), one norm over the whole
+    n_aux*H_t width (transformers' LlamaRMSNorm as reference), and the unroll is a plain head's on
+    normalised states; without the option the head has no such weight."""
+    from dataclasses import replace
+
+    cfg = draft_cfg()
+    head = Eagle3Draft(replace(cfg, aux_norm=True))
+    nn.init.normal_(head.aux_norm.weight)
+    ref = hf.LlamaRMSNorm(3 * 64, eps=cfg.rms_norm_eps)
+    ref.weight.data.copy_(head.aux_norm.weight.data)
+    aux, ids = 5 * torch.randn(2, 6, 192), torch.randint(0, 320, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(head.fuse(aux), head.fc(ref(aux)))
+        plain = Eagle3Draft(cfg)
+        plain.load_state_dict({k: v for k, v in head.state_dict().items() if k != "aux_norm.weight"})
+        for a, b in zip(head.unroll(aux, ids, 3), plain.unroll(ref(aux), ids, 3), strict=True):
+            torch.testing.assert_close(a, b)
+    assert "aux_norm.weight" not in plain.state_dict()
