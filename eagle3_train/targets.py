@@ -376,18 +376,6 @@ def build_tiny_tokenizer(chat_template: str = CHATML_TEMPLATE) -> Any:
     return tokenizer
 
 
-def load_embeddings_and_head(
-    target: str, *, cache_dir: str | os.PathLike | None, trust_remote_code: bool = False
-) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """The target's config, input embeddings and lm_head weight ([V, H] each), read from its
-    safetensors files alone: training never loads the full target.
-
-    A tied lm_head (``tie_word_embeddings``) is the embedding matrix.
-    """
-    config, found = load_target_tensors(target, ("embed", "head"), cache_dir=cache_dir, trust_remote_code=trust_remote_code)
-    return config, found["embed"], found["head"]
-
-
 # Which checkpoint tensor each name means (the first matching key wins). The final norm is the
 # decoder's own (``model.norm`` / ``model.language_model.norm``), never a layer's or an MTP head's.
 _TENSOR_KEYS = {
