@@ -43,8 +43,9 @@ import os
 import shlex
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import numpy as np
@@ -77,6 +78,7 @@ FINAL_NORM_OF = {
 SGLANG_POST_NORM_FAMILIES = ("llama",)
 NEXT_TOKEN_TOP_K = 5  # the engine's next token must be among the checkpoint's top-k ...
 NEXT_TOKEN_MIN_AGREEMENT = 0.9  # ... on at least this share of samples (checked from 16 on)
+T = TypeVar("T")
 
 
 class EngineError(Eagle3Error):
@@ -317,8 +319,10 @@ async def _post(session: Any, url: str, body: dict, parse_gate: asyncio.Semaphor
         raise Transient(f"{url}: the response is not JSON: {text[:200]!r}") from None
 
 
-async def _wait_ready(session: Any, base_urls: list[str], wait_s: float) -> None:
-    """Wait until every server answers ``/health`` (engines take minutes to load a large target)."""
+async def _wait_ready(session: Any, base_urls: list[str], wait_s: float, command: str = "eagle3-dump",
+                      hint: str = "print_launch=true shows how to start it") -> None:
+    """Wait until every server answers ``/health`` (engines take minutes to load a large target);
+    ``command`` and ``hint`` name the caller in its messages (the dump, or regeneration)."""
     import aiohttp
 
     deadline = time.monotonic() + wait_s
@@ -334,11 +338,35 @@ async def _wait_ready(session: Any, base_urls: list[str], wait_s: float) -> None
                 problem = f"{type(e).__name__}: {e}"
             if time.monotonic() > deadline:
                 raise Eagle3Error(f"{base} did not become ready within {wait_s:.0f} s ({problem}); is the engine running? "
-                                  f"print_launch=true shows how to start it")
+                                  f"{hint}")
             if not said:
-                print(f"eagle3-dump: waiting for {base} ({problem})", flush=True)
+                print(f"{command}: waiting for {base} ({problem})", flush=True)
                 said = True
             await asyncio.sleep(2.0)
+
+
+async def _retrying(call: Callable[[int], Awaitable[T]], retries: int, backoff_s: float, what: str) -> T:
+    """``call(attempt)`` until it does not raise :class:`Transient`, at most ``retries`` more times,
+    sleeping ``backoff_s`` doubled on every retry (at most 60 s); then an :class:`EngineError`."""
+    for attempt in range(retries + 1):
+        try:
+            return await call(attempt)
+        except Transient as e:
+            if attempt == retries:
+                raise EngineError(f"{what}: {attempt + 1} attempts failed; the last: {e}") from None
+            await asyncio.sleep(min(backoff_s * 2**attempt, 60.0))
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+async def _served_model(session: Any, base_url: str, option: str) -> str:
+    """The first model vLLM's ``/v1/models`` lists (what to send when ``option`` is not set)."""
+    async with session.get(f"{base_url}/v1/models") as resp:
+        if resp.status != 200:
+            raise EngineError(f"{base_url}/v1/models answered HTTP {resp.status}; set {option}")
+        models = (await resp.json()).get("data") or []
+    if not models:
+        raise EngineError(f"{base_url}/v1/models lists no model; set {option}")
+    return models[0]["id"]
 
 
 def wait_and_load(path: Path, timeout_s: float) -> dict[str, torch.Tensor]:
@@ -391,13 +419,7 @@ class VllmClient:
         self.client_dir.mkdir(parents=True)
         await _wait_ready(session, [self.url], self.cfg.client.wait_for_server_s)
         if self.model is None:
-            async with session.get(f"{self.url}/v1/models") as resp:
-                if resp.status != 200:
-                    raise EngineError(f"{self.url}/v1/models answered HTTP {resp.status}; set server.model")
-                models = (await resp.json()).get("data") or []
-            if not models:
-                raise EngineError(f"{self.url}/v1/models lists no model; set server.model")
-            self.model = models[0]["id"]
+            self.model = await _served_model(session, self.url, "server.model")
 
     def _local(self, engine_path: str) -> Path:
         """The engine's path for a file, as this client sees it."""
@@ -598,14 +620,8 @@ class ServedDumper(Dumper):
         record = self.dataset[row]
         sample_id = int(self.sample_ids[row])
         prompt = record["input_ids"].astype(np.int64).tolist()
-        for attempt in range(c.retries + 1):
-            try:
-                states, next_token = await self.client.fetch(session, sample_id, prompt, attempt)
-                break
-            except Transient as e:
-                if attempt == c.retries:
-                    raise EngineError(f"sample {sample_id}: {attempt + 1} attempts failed; the last: {e}") from None
-                await asyncio.sleep(min(c.backoff_s * 2**attempt, 60.0))
+        states, next_token = await _retrying(lambda attempt: self.client.fetch(session, sample_id, prompt, attempt),
+                                             c.retries, c.backoff_s, f"sample {sample_id}")
         finite = all(bool(torch.isfinite(t).all()) for t in states.values())
         if finite and next_token is not None and self.head is not None:
             await asyncio.to_thread(self._check_next_token, states["last_hidden"][-1], int(next_token), sample_id)

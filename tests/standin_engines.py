@@ -1,10 +1,13 @@
-"""Stand-ins for vLLM and SGLang servers, fed by a transformers model, for the served-dump tests.
+"""Stand-ins for vLLM and SGLang servers, fed by a transformers model, for the served-dump and
+served-regeneration tests.
 
 No engine runs on the machines this project is tested on. These servers follow the API surface
 that data_prep/served.py documents (read from vLLM 0.33.0 and SGLang 0.5.23): the requests, the
 responses, vLLM's state files with their ``.lock`` and asynchronous write, SGLang's JSON rows and
-``cached_tokens``. They also fail on demand: HTTP 503, slow answers, a file never written, wrong
-token ids, a radix-cache hit, a chunked prefill.
+``cached_tokens``. A request that asks for no states generates, as data_prep/served_regen.py
+documents: token by token from the KV cache, greedy or seeded sampling, stopping as each engine
+does. They also fail on demand: HTTP 503, slow answers, a file never written, wrong token ids, a
+radix-cache hit, a chunked prefill, a prompt longer than the context.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ class _Standin:
         self.fail_posts: set[int] = set()  # these POSTs (1-based) answer HTTP 503
         self.fail_from: int | None = None  # every POST from this one on answers 503
         self.slow_posts: dict[int, float] = {}  # these POSTs answer after a delay (seconds)
+        self.bodies: list[dict] = []  # every POST body, in arrival order
+        self.max_model_len: int | None = None  # generation: refuse prompt + max tokens beyond this (HTTP 400)
+        eos = model.generation_config.eos_token_id
+        self.engine_eos: set[int] = set(eos if isinstance(eos, list) else [eos])  # ids the engine stops on by itself
         standin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -65,6 +72,7 @@ class _Standin:
                 with standin.forward_lock:
                     standin.posts += 1
                     number = standin.posts
+                    standin.bodies.append(body)
                 if number in standin.slow_posts:
                     time.sleep(standin.slow_posts[number])
                 if number in standin.fail_posts or (standin.fail_from is not None and number >= standin.fail_from):
@@ -98,6 +106,40 @@ class _Standin:
                 hook.remove()
         return tuple(h[0] for h in out.hidden_states), captured["pre"][0], int(out.logits[0, -1].argmax())
 
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new: int, stop: set[int], temperature: float, top_p: float,
+                 seed: int | None, length_first: bool) -> tuple[list[int], str, int | None]:
+        """Decode as an engine does: one token a step from the KV cache; temperature 0 takes the
+        argmax, else a draw from softmax(logits / T) cut to the top-p mass, by a generator of
+        the request's own seed. Returns (generated ids, stop token included; "stop" / "length";
+        the matched stop id). ``length_first``: the length is checked before the stop token
+        (SGLang), else after (vLLM)."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        out: list[int] = []
+        with self.model_lock:
+            ids, past = torch.tensor([prompt]), None
+            while True:
+                step = self.model(input_ids=ids, cache=past, use_cache=True)
+                past, logits = step.cache, step.logits[0, -1].float()  # [V]
+                if temperature == 0:
+                    token = int(logits.argmax())
+                else:
+                    probs = torch.softmax(logits / temperature, dim=-1)
+                    sorted_p, order = probs.sort(descending=True)
+                    keep = sorted_p.cumsum(0) - sorted_p < top_p  # the smallest prefix holding top_p
+                    token = int(order[keep][torch.multinomial(sorted_p[keep], 1, generator=gen)])
+                out.append(token)
+                if length_first and len(out) >= max_new:
+                    return out, "length", None
+                if token in stop:
+                    return out, "stop", token
+                if len(out) >= max_new:
+                    return out, "length", None
+                ids = torch.tensor([[token]])
+
+    def too_long(self, prompt: list[int], max_new: int) -> bool:
+        return self.max_model_len is not None and len(prompt) + max_new > self.max_model_len
+
     def handle_post(self, path: str, body: dict) -> tuple[int, Any]:
         raise NotImplementedError
 
@@ -106,10 +148,12 @@ class StandinVllm(_Standin):
     """vLLM with ``extract_hidden_states`` and ``ExampleHiddenStatesConnector``: id v is HF index
     v, v = N the pre-norm final state; the file is written after the response, under a lock."""
 
-    def __init__(self, model: Any, layer_ids: list[int], storage: Path, dtype: torch.dtype = torch.float32,
-                 allow_custom_save_path: bool = True, write_delay_s: float = 0.02, port: int = 0):
+    def __init__(self, model: Any, layer_ids: list[int] | None = None, storage: Path | None = None,
+                 dtype: torch.dtype = torch.float32, allow_custom_save_path: bool = True, write_delay_s: float = 0.02,
+                 port: int = 0):
         super().__init__(model, dtype, port)
-        self.layer_ids, self.storage = sorted(layer_ids), Path(storage)
+        # without layer_ids and storage: a plain ``vllm serve`` (generation only)
+        self.layer_ids, self.storage = sorted(layer_ids or []), Path(storage) if storage else None
         self.allow_custom_save_path, self.write_delay_s = allow_custom_save_path, write_delay_s
         self.unwritten_posts: set[int] = set()  # these requests' files are never written
         self.shift_tokens = False  # report token ids one off (another tokenizer)
@@ -121,6 +165,10 @@ class StandinVllm(_Standin):
         prompt = body["prompt"]
         if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             return 400, {"error": "prompt must be token ids here"}
+        if "kv_transfer_params" not in body:
+            return self.complete(prompt, body)
+        if self.storage is None:
+            return 400, {"error": "this server was launched without the hidden-states connector"}
         hidden, pre_norm, next_token = self.forward(prompt)
         layers = [pre_norm if v == self.n else hidden[v] for v in self.layer_ids]
         states = torch.stack(layers, dim=1).to(self.dtype).contiguous()  # [T, K, H]
@@ -152,12 +200,35 @@ class StandinVllm(_Standin):
             "kv_transfer_params": {"hidden_states_path": filename},
         }
 
+    def complete(self, prompt: list[int], body: dict) -> tuple[int, Any]:
+        """A plain completion: stops at ``stop_token_ids`` and, unless ``ignore_eos``, the
+        model's own eos ids; ``token_ids`` hold the stop token, ``stop_reason`` names it."""
+        if body.get("model") != "standin-model":
+            return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist.", "code": 404}}
+        max_new = body.get("max_tokens", 16)
+        if self.too_long(prompt, max_new):
+            return 400, {"error": {"message": f"This model's maximum context length is {self.max_model_len} tokens. "
+                                              f"However, you requested {len(prompt) + max_new} tokens.", "code": 400}}
+        stop = set(body.get("stop_token_ids") or []) | (set() if body.get("ignore_eos") else self.engine_eos)
+        temperature = body.get("temperature", 1.0)
+        ids, finish, matched = self.generate(prompt, max_new, stop, temperature, body.get("top_p", 1.0),
+                                             body.get("seed"), length_first=False)
+        with self.forward_lock:
+            self.requests += 1
+            number = self.requests
+        choice = {"index": 0, "text": "?", "finish_reason": finish, "stop_reason": matched,
+                  "token_ids": ids if body.get("return_token_ids") else None,
+                  "prompt_token_ids": prompt if body.get("return_token_ids") else None}
+        return 200, {"id": f"cmpl-{number}", "object": "text_completion", "model": body["model"], "choices": [choice],
+                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                               "total_tokens": len(prompt) + len(ids)}}
+
 
 class StandinSglang(_Standin):
     """SGLang ``/generate`` with ``return_hidden_states``: with ``layer_ids`` (the aux server),
     rows [T][K*H] of HF indices v+1; without (the final-state server), the post-norm state [T][H]."""
 
-    def __init__(self, model: Any, layer_ids: list[int] | None, dtype: torch.dtype = torch.float32, port: int = 0):
+    def __init__(self, model: Any, layer_ids: list[int] | None = None, dtype: torch.dtype = torch.float32, port: int = 0):
         super().__init__(model, dtype, port)
         self.layer_ids = layer_ids
         self.cached_tokens = 0  # pretend a radix-cache hit of this many tokens (their rows go missing)
@@ -167,6 +238,8 @@ class StandinSglang(_Standin):
         if path != "/generate":
             return 404, {"error": f"no route {path}"}
         prompt = body["input_ids"]
+        if not body.get("return_hidden_states"):
+            return self.generate_ids(prompt, body.get("sampling_params") or {})
         hidden, _, next_token = self.forward(prompt)
         if self.layer_ids is not None:
             rows = torch.cat([hidden[v + 1] for v in self.layer_ids], dim=-1)  # [T, K*H]
@@ -180,6 +253,23 @@ class StandinSglang(_Standin):
         if body.get("return_hidden_states"):
             meta["hidden_states"] = [rows.float().tolist()]
         return 200, {"text": "?", "output_ids": [next_token], "meta_info": meta}
+
+    def generate_ids(self, prompt: list[int], params: dict) -> tuple[int, Any]:
+        """``/generate`` without states: stops at ``stop_token_ids`` and the model's eos ids
+        (``ignore_eos`` disables both, as in SGLang); the length is checked first; ``output_ids``
+        hold the matched stop token."""
+        max_new = params.get("max_new_tokens", 128)
+        if self.too_long(prompt, max_new):
+            return 400, {"error": {"message": f"Requested token count exceeds the model's maximum context length of "
+                                              f"{self.max_model_len} tokens.", "code": 400}}
+        stop = set() if params.get("ignore_eos") else set(params.get("stop_token_ids") or []) | self.engine_eos
+        temperature = params.get("temperature", 1.0)
+        ids, finish, matched = self.generate(prompt, max_new, stop, temperature, params.get("top_p", 1.0),
+                                             params.get("sampling_seed"), length_first=True)
+        reason = {"type": "stop", "matched": matched} if finish == "stop" else {"type": "length", "length": max_new}
+        meta = {"id": "req", "prompt_tokens": len(prompt), "completion_tokens": len(ids), "cached_tokens": 0,
+                "finish_reason": reason}
+        return 200, {"text": "?", "output_ids": ids, "meta_info": meta}
 
 
 def main(argv: list[str]) -> None:

@@ -1,0 +1,267 @@
+"""Regeneration through a served engine (``regen.backend=vllm|sglang``), for targets that
+transformers cannot generate from at scale.
+
+    vllm serve <target> --port 8000
+    eagle3-prepare target=<hf dir> input=... out=... regenerate=true regen.backend=vllm regen.server.url=http://gpu1:8000
+
+:func:`served_generate_batch` keeps the contract of :func:`data_prep.regenerate.generate_batch`:
+one reply per prompt, its ids up to (not including) the first end-of-turn id, and how many replies
+hit ``max_new_tokens``. Each prompt goes to the engine as token ids, never as text, so the
+engine's tokenizer cannot re-split it; the reply is read from the returned ids, never from the
+engine's text. The HTTP client (``_post``, ``_wait_ready``, the retries) is the served dump's
+(data_prep/served.py).
+
+What each engine offers, read from the sources the search index stores (no engine runs on the
+machines this project is tested on; the tests drive this client against stand-in servers):
+
+- **vLLM** (``vllm/entrypoints/openai/completion/protocol.py`` @002032e,
+  ``vllm/v1/core/sched/utils.py`` @018d5dc, ``vllm/sampling_params.py``): ``/v1/completions``
+  takes ``prompt`` as a list of ids, ``max_tokens``, ``temperature`` (0: greedy), ``top_p``,
+  ``top_k``, ``seed`` (per request), ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``
+  and ``return_token_ids``; ``choices[0]`` carries ``token_ids`` (the stop token included),
+  ``finish_reason`` (``stop`` / ``length``) and ``stop_reason`` (the stop token's id). Fields
+  left out take the server's defaults, which ``--generation-config auto`` (the default) reads from
+  the target's generation_config.json (Qwen3's, say, sets top_k=20): every sampling field is
+  therefore sent. ``ignore_eos`` is set so the engine stops at exactly ``eos_ids``, as
+  transformers does with ``eos_token_id=eos_ids``; the stop-token list still applies.
+- **SGLang** (``python/sglang/srt/managers/io_struct.py`` @001067f,
+  ``sampling/sampling_params.py`` @00c17ca, ``managers/detokenizer_manager.py`` @000935b):
+  ``/generate`` takes ``input_ids`` and ``sampling_params`` {``max_new_tokens``,
+  ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``, ``skip_special_tokens``,
+  ``sampling_seed``}; it returns ``output_ids`` (the matched stop token included: only the text is
+  trimmed) and ``meta_info.finish_reason`` = {``type``: ``stop``, ``matched``: id} or {``type``:
+  ``length``}. Its ``ignore_eos`` would also disable ``stop_token_ids``, so it is not sent: SGLang
+  also stops at the model's own eos ids (normally the same set; a stop on another id is refused
+  below). ``sampling_seed`` is applied only by a server launched with
+  ``--enable-deterministic-inference``.
+
+A reply is cut at its first end-of-turn id whatever the engine reports (old vLLM and SGLang
+check the length before the stop token, so a stop token in the last place comes as ``length``);
+one without an end-of-turn id counts as hitting the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from data_prep.served import EngineError, _post, _retrying, _served_model, _wait_ready
+from eagle3_train.errors import ConfigError
+
+
+@dataclass
+class ServedRegenConfig:
+    """Where ``regen.backend=vllm|sglang`` finds the engine serving the target, and how hard to ask."""
+
+    url: str = "http://127.0.0.1:8000"  # the engine's base URL (vLLM serves on 8000, SGLang on 30000 by default)
+    model: str | None = None  # vLLM: the served model name; null: the first one /v1/models lists
+    concurrency: int = 64  # requests in flight (the engine batches them; more keeps a large engine busy)
+    request_timeout_s: float = 1800.0  # one request's time limit (a long reply on a loaded engine takes minutes)
+    retries: int = 5  # further attempts after a transient failure (connection, 408/429/5xx, timeout)
+    backoff_s: float = 1.0  # the first retry's delay; doubled on every further one (at most 60 s)
+    wait_for_server_s: float = 900.0  # how long to wait at start for the engine's /health
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"regen.server.url must be an http(s):// URL, got {self.url!r}")
+        if self.concurrency <= 0:
+            raise ConfigError(f"regen.server.concurrency must be positive, got {self.concurrency}")
+        if self.request_timeout_s <= 0:
+            raise ConfigError(f"regen.server.request_timeout_s must be positive, got {self.request_timeout_s}")
+        for name in ("retries", "backoff_s", "wait_for_server_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"regen.server.{name} must be >= 0, got {getattr(self, name)}")
+
+
+# -- the engines: a request builder and a response reader each --------------------------------------
+
+
+def prompt_seed(seed: int, index: int, prompt: list[int]) -> int:
+    """The sampling seed of one request: a hash of the run's seed, the prompt's index and its ids.
+
+    Engines seed each request on its own, so a reply depends on its seed only, not on what else
+    is in flight; the ids keep equal indices of different calls from sharing a seed (correlated
+    draws), the index keeps a prompt repeated within a call from repeating its reply.
+    """
+    h = hashlib.blake2b(f"{seed}:{index}:".encode(), digest_size=8)
+    h.update(",".join(map(str, prompt)).encode())
+    return int.from_bytes(h.digest(), "big") >> 1  # 63 bits: both engines take an int64
+
+
+def _sampling_fields(sampling: dict) -> dict[str, Any]:
+    """Sampling fields both engines name alike. All are sent: a field left out takes the server's
+    default, which may come from the target's generation_config (top_k, repetition penalty)."""
+    greedy = not sampling["do_sample"]
+    return {"temperature": 0.0 if greedy else float(sampling["temperature"]),
+            "top_p": 1.0 if greedy else float(sampling["top_p"]),
+            "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
+
+def vllm_request(prompt: list[int], model: str | None, sampling: dict, eos_ids: list[int], seed: int | None) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": int(sampling["max_new_tokens"]), **_sampling_fields(sampling),
+            "stop_token_ids": eos_ids, "ignore_eos": True, "skip_special_tokens": False, "return_token_ids": True}
+    if seed is not None:
+        body["seed"] = seed
+    return body
+
+
+def vllm_reply(resp: dict, where: str) -> tuple[list[int], str | None, Any]:
+    """(generated ids, finish reason, the stop token it matched) of a ``/v1/completions`` response."""
+    choices = resp.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise EngineError(f"{where}: expected one completion choice, got {str(choices)[:200]}")
+    ids = choices[0].get("token_ids")
+    if ids is None:
+        raise EngineError(f"{where}: the response has no choices[0].token_ids: this vLLM ignores return_token_ids "
+                          f"(a vLLM with return_token_ids is needed)")
+    return ids, choices[0].get("finish_reason"), choices[0].get("stop_reason")
+
+
+def sglang_request(prompt: list[int], model: str | None, sampling: dict, eos_ids: list[int], seed: int | None) -> dict:
+    params = {"max_new_tokens": int(sampling["max_new_tokens"]), **_sampling_fields(sampling),
+              "stop_token_ids": eos_ids, "skip_special_tokens": False}
+    if seed is not None:
+        params["sampling_seed"] = seed
+    return {"input_ids": prompt, "sampling_params": params}
+
+
+def sglang_reply(resp: dict, where: str) -> tuple[list[int], str | None, Any]:
+    """(generated ids, finish reason, the stop token it matched) of a ``/generate`` response."""
+    ids = resp.get("output_ids")
+    if ids is None:
+        raise EngineError(f"{where}: the response has no output_ids (it has {sorted(resp)})")
+    finish = (resp.get("meta_info") or {}).get("finish_reason") or {}
+    if not isinstance(finish, dict):
+        raise EngineError(f"{where}: meta_info.finish_reason is {finish!r}, expected an object with a type")
+    return ids, finish.get("type"), finish.get("matched")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine's generation endpoint: a row of data, read by the one client below."""
+
+    path: str  # the generation endpoint under the server's URL
+    names_model: bool  # the request names the served model (vLLM's OpenAI server routes by it)
+    request: Callable[[list[int], str | None, dict, list[int], int | None], dict]
+    reply: Callable[[dict, str], tuple[list[int], str | None, Any]]
+
+
+ENGINES = {
+    "vllm": Engine("/v1/completions", True, vllm_request, vllm_reply),
+    "sglang": Engine("/generate", False, sglang_request, sglang_reply),
+}
+
+
+def cut_reply(ids: list[int], finish: str | None, matched: Any, eos_ids: list[int], max_new_tokens: int,
+              where: str) -> tuple[list[int], bool]:
+    """The reply up to its first end-of-turn id, and whether it hit ``max_new_tokens`` instead;
+    what transformers' generate would not have produced is refused."""
+    if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
+        raise EngineError(f"{where}: the returned ids are not a list of integers: {str(ids)[:200]}")
+    if len(ids) > max_new_tokens:
+        raise EngineError(f"{where}: {len(ids)} tokens came back for max_new_tokens={max_new_tokens}")
+    eos = set(eos_ids)
+    cut = next((j for j, t in enumerate(ids) if t in eos), None)
+    if cut is not None:
+        return ids[:cut], False
+    if finish == "stop" and matched in eos:  # an engine that leaves its stop token out
+        return ids, False
+    if finish == "length":
+        if len(ids) < max_new_tokens:
+            raise EngineError(f"{where}: the engine stopped for length after {len(ids)} of {max_new_tokens} tokens: its "
+                              f"context is full; launch it with a longer context (vLLM --max-model-len, SGLang "
+                              f"--context-length) or lower regen.max_new_tokens")
+        return ids, True
+    if finish == "stop":
+        raise EngineError(f"{where}: the engine stopped on {matched!r}, which is not an end-of-turn id of this target "
+                          f"{sorted(eos)}: it serves another model, or stops on ids of its own (SGLang: the model's "
+                          f"eos ids); transformers would have gone on")
+    raise EngineError(f"{where}: finish_reason {finish!r} (expected stop or length)")
+
+
+# -- the client -------------------------------------------------------------------------------------
+
+
+def served_generate_batch(
+    prompts: list[list[int]],
+    cfg: ServedRegenConfig,
+    sampling: dict,
+    eos_ids: list[int],
+    backend: str,
+    bar: Any = None,
+) -> tuple[list[list[int]], int]:
+    """Generate one reply per prompt with the engine serving the target at ``cfg.url``.
+
+    Args:
+        prompts: rendered prompts as token ids; each is one request.
+        cfg: the server and the client's limits.
+        sampling: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p`` and ``seed``
+            (an int, or ``None`` for unseeded sampling); prompt ``i`` samples with
+            :func:`prompt_seed` of it, so replies do not depend on ``cfg.concurrency``.
+        eos_ids: end-of-turn ids; generation stops at any of them.
+        backend: ``vllm`` or ``sglang``.
+        bar: a tqdm advanced by one per reply, or ``None``.
+
+    Returns:
+        The reply ids up to (not including) the first end-of-turn id, in the order of ``prompts``,
+        and how many replies hit ``max_new_tokens``.
+    """
+    if backend not in ENGINES:
+        raise ConfigError(f"regen.backend for a served engine must be one of {sorted(ENGINES)}, got {backend!r}")
+    if not prompts:
+        return [], 0
+    cut = asyncio.run(_generate_all(prompts, cfg, ENGINES[backend], sampling, list(eos_ids), bar))
+    return [ids for ids, _ in cut], sum(hit for _, hit in cut)
+
+
+async def _generate_all(prompts: list[list[int]], cfg: ServedRegenConfig, engine: Engine, sampling: dict,
+                        eos_ids: list[int], bar: Any) -> list[tuple[list[int], bool]]:
+    """Keep ``cfg.concurrency`` requests in flight; the first failure that retries cannot fix
+    cancels the rest and is raised."""
+    import aiohttp
+
+    url = cfg.url.rstrip("/")
+    endpoint = f"{url}{engine.path}"
+    max_new = int(sampling["max_new_tokens"])
+    seed = sampling["seed"] if sampling["do_sample"] else None  # greedy replies need none
+    results: list[tuple[list[int], bool] | None] = [None] * len(prompts)
+    todo = iter(range(len(prompts)))  # shared by the workers: each index is taken once
+
+    async def one(session: Any, model: str | None, i: int) -> tuple[list[int], bool]:
+        where = f"{endpoint} (prompt {i})"
+        body = engine.request(prompts[i], model, sampling, eos_ids, None if seed is None else prompt_seed(seed, i, prompts[i]))
+
+        async def attempt(_: int) -> dict:
+            try:
+                return await _post(session, endpoint, body)
+            except EngineError as e:  # a refusal: name the prompt (the URL is in the message)
+                raise EngineError(f"prompt {i}: {e}") from None
+
+        resp = await _retrying(attempt, cfg.retries, cfg.backoff_s, where)
+        return cut_reply(*engine.reply(resp, where), eos_ids, max_new, where)
+
+    async def worker(session: Any, model: str | None) -> None:
+        for i in todo:
+            results[i] = await one(session, model, i)
+            if bar is not None:
+                bar.update(1)
+
+    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=cfg.concurrency)) as session:
+        await _wait_ready(session, [url], cfg.wait_for_server_s, command="eagle3-prepare",
+                          hint="README 'Regeneration through a served engine' shows how to start it")
+        model = (cfg.model or await _served_model(session, url, "regen.server.model")) if engine.names_model else None
+        workers = [asyncio.create_task(worker(session, model)) for _ in range(min(cfg.concurrency, len(prompts)))]
+        try:
+            done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # a failure, or Ctrl-C: stop the requests still in flight
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        for w in done:
+            if not w.cancelled() and w.exception() is not None:
+                raise w.exception()
+    return results  # type: ignore[return-value]  # every index was filled, or a worker raised
