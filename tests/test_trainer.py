@@ -16,13 +16,16 @@ from eagle3_train.trainer import DeepSpeedConfig, ModelOptions, OptimConfig, Tra
 from test_standardize import make_dump
 
 
+def standardized(dump, out, draft_vocab_size):
+    Standardizer(StandardizeConfig(dumps=[str(dump)], out=str(out), draft_vocab_size=draft_vocab_size,
+                                   eval_fraction=0.15, progress=False)).run()
+    return out
+
+
 @pytest.fixture(scope="module")
 def std(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    make_dump(root, "d", n=48)
-    Standardizer(StandardizeConfig(dumps=[str(root / "d")], out=str(root / "std"), draft_vocab_size=320,
-                                   eval_fraction=0.15, progress=False)).run()
-    return root / "std"
+    return standardized(make_dump(root, "d", n=48), root / "std", 320)
 
 
 def train(std, out, **opt):
@@ -296,13 +299,9 @@ ENGINE_WEIGHT_NAMES = {
 
 
 @pytest.fixture(scope="module")
-def std_part(tmp_path_factory):
-    """Data whose draft vocab (200 of 320 tokens) misses some of the target's argmaxes."""
-    root = tmp_path_factory.mktemp("part")
-    make_dump(root, "d", n=48)
-    Standardizer(StandardizeConfig(dumps=[str(root / "d")], out=str(root / "std"), draft_vocab_size=200,
-                                   eval_fraction=0.15, progress=False)).run()
-    return root / "std"
+def std_part(std):
+    """The same dump with a draft vocab of 200 of the 320 tokens: it misses some target argmaxes."""
+    return standardized(std.parent / "d", std.parent / "std_part", 200)
 
 
 def test_lm_head_from_the_target_frozen_and_exported(std_part, tmp_path):
