@@ -226,8 +226,9 @@ def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: tor
 
     Step j at position t predicts token t+2+j; its target is the target's distribution at t+1+j.
     A position is counted when that token exists and is loss-masked; it enters the loss only when
-    the target's argmax at t+1+j is also in the draft vocab (otherwise it is a miss). ``target`` is that distribution when already known (probs [B, T, V_draft],
-    argmax [B, T], in_draft [B, T]); otherwise it is computed from ``last_hidden``.
+    the target's argmax at t+1+j is also in the draft vocab (otherwise it is a miss). ``target`` is
+    that distribution when already known (probs [B, T, V_draft], argmax [B, T], in_draft [B, T]);
+    otherwise it is computed from ``last_hidden``.
     """
     b, t = batch.input_ids.shape
     h = batch.last_hidden.shape[-1]
@@ -424,6 +425,12 @@ class Trainer:
         self.best = state.get("best", self.best)
         self.evals_since_best = state.get("evals_since_best", 0)
         self.early_stopped = state.get("early_stopped", False)
+        if self.cfg.train.keep_best and self.best["step"] is not None:
+            best = self.out / "checkpoints" / f"step{self.best['step']}"
+            if not (best / "state.json").is_file():  # tracked while keep_best was off: never saved
+                self.best = {"step": None, "eval_tau": None}
+            elif self.dist.is_main:  # (re)written: a crash may have come between its save and this record
+                atomic_write_json(self.out / BEST_FILE, {"checkpoint": best.name} | self.best)
         print0(f"resumed from {last} at step {self.step}")
 
     def save(self) -> Path:
