@@ -117,3 +117,15 @@ def test_installed_wheel_finds_conf_without_the_checkout(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     conf, budget = out.stdout.split()
     assert conf == str(tmp_path / "site" / "eagle3_train" / "conf") and budget == "16384"
+
+
+def test_train_recipe_options_compose_from_the_command_line():
+    schema, overrides = PRIMARY["train.yaml"]
+    cfg = to_config(compose_config("train.yaml", overrides + [
+        "model.lm_head_init=target", "model.freeze_lm_head=true", "model.aux_norm=true",
+        "train.keep_best=true", "train.eval_every=50", "train.early_stop_patience=3"]), schema)
+    assert (cfg.model.lm_head_init, cfg.model.freeze_lm_head, cfg.model.aux_norm) == ("target", True, True)
+    assert (cfg.train.keep_best, cfg.train.early_stop_patience) == (True, 3)
+    default = to_config(compose_config("train.yaml", overrides), schema)
+    assert (default.model.lm_head_init, default.model.freeze_lm_head, default.model.aux_norm) == ("random", False, False)
+    assert (default.train.keep_best, default.train.early_stop_patience) == (False, 0)
