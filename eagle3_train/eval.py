@@ -5,10 +5,15 @@
 The draft is built from ``config.json`` + ``model.safetensors`` (embeddings: the target's, as SGLang
 does). Which target layers feed it is derived from the config by the chosen engine's rule
 (:mod:`eagle3_train.engines`), not from our own metadata, so a config that would make the engine
-capture the wrong layers shows up as a low acceptance. Greedy chain of ``k`` draft tokens; the
-target keeps its KV cache and crops it after each verify, so a verify step is one target forward.
-The output is checked token for token against plain greedy decoding of the target (lossless).
-Writes ``report.json`` and ``acceptance.png`` to ``out``.
+capture the wrong layers shows up as a low acceptance. Greedy chain of ``k`` draft tokens, decoded
+``batch_size`` prompts at a time by :class:`eagle3_train.decoding.SpecDecoder` (target and draft keep
+their KV caches; a verify step is one target forward). Prompt files: :mod:`eagle3_train.prompt_files`;
+a conversation's later user turns follow the target's own greedy replies to the earlier ones.
+
+Lossless check: every turn is also decoded by plain greedy decoding (batched the same way). At the
+first position where the two differ, the reference's top-1 minus top-2 logit margin decides:
+``numerical`` below ``tie_threshold`` (a near-tie that rounding can flip), else ``diverged`` (exit
+status 1). Writes ``report.json``, ``outputs.jsonl`` and ``acceptance.png`` to ``out``.
 """
 
 from __future__ import annotations
@@ -24,14 +29,19 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 from safetensors.torch import load_file
-from tqdm.auto import tqdm
 
 from eagle3_train.cli import config_dict, entry_point
+from eagle3_train.decoding import Reference, SpecDecoder
 from eagle3_train.engines import resolve
 from eagle3_train.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.fileio import atomic_write_json, sha256_file, sha256_json
 from eagle3_train.model import DraftConfig, Eagle3Draft
+from eagle3_train.prompt_files import Conversation, read_conversations
 from eagle3_train.targets import Target, eos_ids, load_target, text_config
+
+# Top-1/top-2 logit margins below which a first difference counts as numerical: a few units in the
+# last place of logits of magnitude ~10-30 in that dtype, plus what batching reorders upstream.
+TIE_THRESHOLDS = {torch.float32: 1e-3, torch.float16: 0.1, torch.bfloat16: 0.5}
 
 
 @dataclass
@@ -41,11 +51,15 @@ class EvalConfig:
     draft: str = MISSING  # an exported draft directory (config.json + model.safetensors)
     target: str = "embedded"  # the target (any form load_target takes)
     engine: str = "sglang"  # whose rule turns the config's ids into captured layers: sglang | vllm
-    prompts: str = MISSING  # JSONL of {"messages": [...]} (the first user turn, with a leading system prompt)
-    out: str | None = None  # where report.json and acceptance.png go (null: <draft>/eval-<engine>)
+    prompts: str = MISSING  # JSONL (messages / MT-bench turns / HumanEval prompt / GSM8K question) or a saved dataset
+    column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
+    out: str | None = None  # where report.json, outputs.jsonl and acceptance.png go (null: <draft>/eval-<engine>)
     k: int = 5  # draft tokens per verify step (chain)
-    max_new_tokens: int = 128  # generated tokens per prompt
-    limit: int | None = None  # only the first N prompts
+    max_new_tokens: int = 128  # generated tokens per turn
+    batch_size: int = 32  # prompts decoded together (1: one at a time)
+    max_turns: int | None = None  # only the first N user turns of each conversation (null: all)
+    limit: int | None = None  # only the first N conversations
+    tie_threshold: float | None = None  # lossless check's near-tie margin (null: by dtype, TIE_THRESHOLDS)
     device: str = "auto"  # auto: cuda if present, else cpu
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     cache_dir: str | None = None  # where GGUF targets are converted once
@@ -57,6 +71,12 @@ class EvalConfig:
             raise ConfigError(f"engine must be sglang or vllm, got {self.engine!r}")
         if self.k < 1 or self.max_new_tokens < 1:
             raise ConfigError("k and max_new_tokens must be >= 1")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ConfigError(f"max_turns must be >= 1 or null, got {self.max_turns}")
+        if self.tie_threshold is not None and self.tie_threshold < 0:
+            raise ConfigError(f"tie_threshold must be >= 0 or null, got {self.tie_threshold}")
 
 
 ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
@@ -111,120 +131,65 @@ def short_training_warning(config: dict, k: int) -> str | None:
             f"{ttt + 1}..{k} were never trained; train with train.ttt_length>={k} or evaluate with k={ttt}")
 
 
-class SpecDecoder:
-    """Greedy chain speculative decoding: target (transformers, KV cache) + draft.
 
-    Args:
-        target: the loaded target.
-        draft: the draft head.
-        layers: HF indices whose states feed the draft (``N`` = the last layer's pre-norm output,
-            what an engine captures for it).
-        k: draft tokens per verify step.
-        eos: ids that end generation.
-    """
 
-    def __init__(self, target: Target, draft: Eagle3Draft, layers: list[int], k: int, eos: set[int]):
-        self.target, self.draft, self.layers, self.k, self.eos = target.model, draft, layers, k, eos
-        self.n = target.num_hidden_layers
-        self.device = next(self.target.parameters()).device
-        self.dtype = next(self.target.parameters()).dtype
-        self._prenorm: list[torch.Tensor] = []
-        if self.n in layers:  # engines capture the last layer before the final norm
-            self.target.base_model.layers[-1].register_forward_hook(
-                lambda m, i, o: self._prenorm.append(o[0] if isinstance(o, tuple) else o))
-        self.target_seconds = self.draft_seconds = 0.0
+def lossless_check(tokens: list[int], reference: Reference, threshold: float) -> dict[str, Any]:
+    """Speculative ``tokens`` against plain greedy decoding: ``identical``, or at the first position
+    where they differ, ``numerical`` when the reference's top-1/top-2 margin there is below
+    ``threshold`` (a near-tie), else ``diverged``."""
+    ref = reference.tokens
+    if tokens == ref:
+        return {"status": "identical"}
+    i = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), min(len(tokens), len(ref)))
+    margin = reference.margins[i] if i < len(reference.margins) else None
+    return {
+        "status": "numerical" if margin is not None and margin < threshold else "diverged",
+        "position": i, "margin": margin, "threshold": threshold,
+        "speculative_token": tokens[i] if i < len(tokens) else None, "reference_token": ref[i] if i < len(ref) else None,
+    }
 
-    def _target(self, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """One target forward over ``ids`` [1, m] with the cache: logits [m, V], aux [m, n*H]."""
-        start = time.perf_counter()
-        self._prenorm.clear()
-        out = self.target(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-        states = [self._prenorm[-1] if k == self.n else out.hidden_states[k] for k in self.layers]
-        aux = torch.cat(states, dim=-1)[0]
-        logits = out.logits[0]
-        self._sync()
-        self.target_seconds += time.perf_counter() - start
-        return logits, aux
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+@dataclass
+class TurnResult:
+    """One user turn of one conversation, decoded both ways."""
 
-    def _draft(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> list[int]:
-        """k draft tokens (target ids) after the context: aux [T, n*H], next_tokens [T] (token t+1)."""
-        start = time.perf_counter()
-        d = self.draft
-        t = aux.shape[0]
-        hidden = d.fc(aux[None].to(d.fc.weight.dtype))  # [1, T, n*H] -> [1, T, H]
-        cos, sin = d.rotary_emb(hidden, torch.arange(t, device=hidden.device)[None])
-        cache: list = []
-        out = d.midlayer(d.embed_tokens(next_tokens[None]), hidden, cos, sin, cache)[:, -1:]
-        drafts = []
-        for i in range(self.k):
-            draft_id = int(d.logits(out)[0, -1].argmax())
-            token = draft_id + int(d.d2t[draft_id])
-            drafts.append(token)
-            if i + 1 == self.k:
-                break
-            # chain step i+1 at position T-1+i+1: sees the context and its own earlier steps
-            cos, sin = d.rotary_emb(out, torch.tensor([[t + i]], device=out.device))
-            out = d.midlayer(d.embed_tokens(torch.tensor([[token]], device=out.device)), out, cos, sin, cache)
-        self._sync()
-        self.draft_seconds += time.perf_counter() - start
-        return drafts
+    conversation: Conversation
+    turn: int
+    prompt_tokens: int
+    tokens: list[int]
+    accepted: list[int]
+    check: dict[str, Any]
+    reply: str
 
-    @torch.no_grad()
-    def generate(self, prompt: list[int], max_new: int) -> tuple[list[int], list[int]]:
-        """Greedy speculative decoding; returns the new tokens and each verify step's accepted count."""
-        from transformers import DynamicCache
 
-        cache = DynamicCache()
-        logits, aux = self._target(torch.tensor([prompt], device=self.device), cache)
-        seq = list(prompt) + [int(logits[-1].argmax())]  # the cache holds all of seq but its last token
-        accepted: list[int] = []
-        while len(seq) - len(prompt) < max_new and seq[-1] not in self.eos:
-            drafts = self._draft(aux, torch.tensor(seq[1:], device=self.device))
-            logits, new_aux = self._target(torch.tensor([[seq[-1]] + drafts], device=self.device), cache)
-            greedy = logits.argmax(-1).tolist()  # [k+1]: the target's token after each prefix
-            a = 0
-            while a < self.k and drafts[a] == greedy[a] and drafts[a] not in self.eos:
-                a += 1
-            drop = cache.get_seq_length() - (len(seq) + a)  # the rejected drafts' entries
-            if drop > 0:
-                cache.crop(-drop)  # negative: "remove this many" in every transformers version
-            aux = torch.cat([aux, new_aux[: a + 1]])
-            seq += drafts[:a] + [greedy[a]]
-            accepted.append(a)
-        new = seq[len(prompt) :]
-        for i, tok in enumerate(new):  # as plain greedy decoding: stop at the first eos
-            if tok in self.eos:
-                new = new[: i + 1]
-                break
-        return new[:max_new], accepted
-
-    @torch.no_grad()
-    def greedy(self, prompt: list[int], max_new: int) -> list[int]:
-        """Plain greedy decoding of the target, the reference for losslessness."""
-        out = self.target.generate(torch.tensor([prompt], device=self.device), max_new_tokens=max_new, do_sample=False,
-                                   eos_token_id=sorted(self.eos), pad_token_id=sorted(self.eos)[0])
-        return out[0, len(prompt) :].tolist()
+def acceptance(steps: list[list[int]], k: int) -> dict[str, Any]:
+    """τ (tokens per verify step) and acceptance rate per draft position over verify steps' accepted counts."""
+    flat = [a for s in steps for a in s]
+    reached, hits = [0] * k, [0] * k
+    for a in flat:
+        for i in range(min(a + 1, k)):
+            reached[i] += 1
+        for i in range(a):
+            hits[i] += 1
+    return {"tau": (sum(flat) + len(flat)) / max(len(flat), 1), "verify_steps": len(flat),
+            "acceptance_per_position": [h / r if r else 0.0 for h, r in zip(hits, reached)]}
 
 
 class Evaluator:
-    """Loads target + exported draft, decodes every prompt, writes the report."""
+    """Loads target + exported draft, decodes every conversation turn by turn, writes the report."""
 
     def __init__(self, cfg: EvalConfig):
-        import torch as _torch
-
         self.cfg = cfg
-        device = cfg.device if cfg.device != "auto" else ("cuda" if _torch.cuda.is_available() else "cpu")
+        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.target = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=cfg.dtype, device=device, chat_template=cfg.chat_template)
         self.draft_dir = Path(cfg.draft).expanduser()
         self.draft, self.config = load_draft(self.draft_dir, self.target)
         if (warning := short_training_warning(self.config, cfg.k)) is not None:
             print(f"eagle3-eval: warning: {warning}", file=sys.stderr, flush=True)
-        self.draft.to(device, next(self.target.model.parameters()).dtype)
+        self.dtype = next(self.target.model.parameters()).dtype
+        self.draft.to(device, self.dtype)
         tc = text_config(self.target.config)
+        self.context = tc.max_position_embeddings
         resolutions = resolve(self.config, cfg.engine, tc.model_type, tc.num_hidden_layers)
         self.resolution = resolutions[0]
         self.layers = self.resolution.hf_indices
@@ -236,30 +201,54 @@ class Evaluator:
                 f"{self.resolution.source}) = width {len(self.layers) * tc.hidden_size}, but fc takes "
                 f"{self.draft.fc.in_features}: the engine would fail to run this draft"
             )
-        eos = eos_ids(self.target.model, self.target.tokenizer)
-        self.decoder = SpecDecoder(self.target, self.draft, self.layers, cfg.k, eos)
+        self.eos = eos_ids(self.target.model, self.target.tokenizer)
+        self.decoder = SpecDecoder(self.target.model, self.draft, self.layers, cfg.k, self.eos)
+        self.threshold = cfg.tie_threshold if cfg.tie_threshold is not None else TIE_THRESHOLDS.get(self.dtype, 0.0)
         self.out = Path(cfg.out).expanduser() if cfg.out else self.draft_dir / f"eval-{cfg.engine}"
 
-    def prompts(self) -> list[list[int]]:
-        path = Path(self.cfg.prompts).expanduser()
-        if not path.is_file():
-            raise BadInputError(f"prompts file {path} does not exist")
-        out = []
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                messages = row["messages"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise BadInputError(f"{path}:{lineno}: expected an object with 'messages' ({e})") from None
-            first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
-            if first is None:
-                raise BadInputError(f"{path}:{lineno}: field 'messages': no user turn")
-            out.append(self.target.tokenizer.apply_chat_template(messages[: first + 1], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-            if self.cfg.limit and len(out) >= self.cfg.limit:
-                break
-        return out
+    def conversations(self) -> list[Conversation]:
+        return read_conversations(self.cfg.prompts, self.cfg.column, self.cfg.limit)
+
+    def tokenize(self, conversation: Conversation, turn: int, replies: list[str]) -> list[int]:
+        """The chat-templated prompt of one turn; refuses one that cannot fit the target's context."""
+        ids = self.target.tokenizer.apply_chat_template(conversation.messages(turn, replies), add_generation_prompt=True,
+                                                        tokenize=True, return_dict=True)["input_ids"]
+        if len(ids) + self.cfg.max_new_tokens + self.cfg.k + 1 > self.context:
+            raise BadInputError(
+                f"{conversation.source}: turn {turn + 1} is {len(ids)} tokens; with max_new_tokens="
+                f"{self.cfg.max_new_tokens} and k={self.cfg.k} it does not fit the target's context of {self.context}")
+        return ids
+
+    def reply(self, tokens: list[int]) -> str:
+        """The text of a reply, as the next turn's assistant message (without its end-of-turn)."""
+        if tokens and tokens[-1] in self.eos:
+            tokens = tokens[:-1]
+        return self.target.tokenizer.decode(tokens)
+
+    def decode(self, conversations: list[Conversation]) -> tuple[list[TurnResult], dict[str, float]]:
+        """Every turn of every conversation, speculative and plain greedy; turn t+1's prompts hold
+        the greedy replies (the target's own) to turns 1..t."""
+        replies: list[list[str]] = [[] for _ in conversations]
+        results: list[TurnResult] = []
+        seconds = {"speculative": 0.0, "greedy": 0.0}
+        turns = max(len(c.turns) for c in conversations)
+        for turn in range(min(turns, self.cfg.max_turns or turns)):
+            idx = [i for i, c in enumerate(conversations) if len(c.turns) > turn]
+            prompts = [self.tokenize(conversations[i], turn, replies[i]) for i in idx]
+            start = time.perf_counter()
+            spec = self.decoder.speculative(prompts, self.cfg.max_new_tokens, self.cfg.batch_size)
+            seconds["speculative"] += time.perf_counter() - start
+            start = time.perf_counter()
+            refs = self.decoder.greedy(prompts, self.cfg.max_new_tokens, self.cfg.batch_size)
+            seconds["greedy"] += time.perf_counter() - start
+            for i, prompt, s, r in zip(idx, prompts, spec, refs):
+                replies[i].append(self.reply(r.tokens))
+                results.append(TurnResult(conversations[i], turn, len(prompt), s.tokens, s.accepted,
+                                          lossless_check(s.tokens, r, self.threshold), replies[i][-1]))
+            if self.cfg.progress:
+                print(f"eagle3-eval: turn {turn + 1}: {len(idx)} prompts, speculative {seconds['speculative']:.1f} s, "
+                      f"greedy {seconds['greedy']:.1f} s so far", flush=True)
+        return results, seconds
 
     def fingerprint(self) -> str:
         """What decides the report: options (not where it goes), the draft files, the target."""
@@ -276,58 +265,93 @@ class Evaluator:
             if old.get("fingerprint") == fingerprint:
                 print(f"eagle3-eval: {report_path} is up to date (tau {old['tau']:.2f}); nothing to do")
                 return old
-        reached, hits = [0] * k, [0] * k
-        steps, tokens, lossless = [], 0, 0
-        prompts = self.prompts()
-        for prompt in tqdm(prompts, desc=f"eval {self.cfg.engine}", disable=not self.cfg.progress):
-            new, accepted = self.decoder.generate(prompt, self.cfg.max_new_tokens)
-            lossless += new == self.decoder.greedy(prompt, self.cfg.max_new_tokens)
-            steps += accepted
-            tokens += len(new)
-            for a in accepted:
-                for i in range(min(a + 1, k)):
-                    reached[i] += 1
-                for i in range(a):
-                    hits[i] += 1
-        per_position = [h / r if r else 0.0 for h, r in zip(hits, reached)]
+        conversations = self.conversations()
+        results, seconds = self.decode(conversations)
+        categories = sorted({r.conversation.category for r in results})
+        by_category = {c: [r for r in results if r.conversation.category == c] for c in categories}
+        overall = acceptance([r.accepted for r in results], k)
+        tokens = sum(len(r.tokens) for r in results)
+        cases = [{"source": r.conversation.source, "turn": r.turn + 1} | r.check for r in results
+                 if r.check["status"] != "identical"]
+        counts = {s: sum(r.check["status"] == s for r in results) for s in ("identical", "numerical", "diverged")}
+        c = self.decoder.counters
         report = {
             "engine": self.cfg.engine, "rule": self.resolution.rule.versions, "ids_read_from": self.resolution.source,
             "ids": self.resolution.ids, "captured_hf_indices": self.layers,
             "trained_hf_indices": self.config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"),
             "trained_ttt_length": self.config.get("eagle3_train", {}).get("training", {}).get("ttt_length"),
-            "prompts": len(prompts), "k": k, "tokens": tokens, "verify_steps": len(steps),
-            "tau": (sum(steps) + len(steps)) / max(len(steps), 1),
-            "acceptance_per_position": per_position,
-            "lossless_prompts": lossless, "lossless": lossless == len(prompts),
-            "target_seconds": self.decoder.target_seconds, "draft_seconds": self.decoder.draft_seconds,
+            "conversations": len(conversations), "prompts": len(results), "k": k, "tokens": tokens,
+            "verify_steps": overall["verify_steps"], "tau": overall["tau"],
+            "acceptance_per_position": overall["acceptance_per_position"],
+            "categories": {cat: {"prompts": len(rs), "tokens": sum(len(r.tokens) for r in rs)}
+                           | acceptance([r.accepted for r in rs], k) for cat, rs in by_category.items()},
+            "turns": {str(t + 1): acceptance([r.accepted for r in results if r.turn == t], k)["tau"]
+                      for t in sorted({r.turn for r in results})},
+            "lossless": "diverged" if counts["diverged"] else "numerical" if counts["numerical"] else "identical",
+            "lossless_counts": counts, "lossless_cases": cases, "tie_threshold": self.threshold,
+            "batch_size": self.cfg.batch_size, "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.decoder.device),
+            "timing": f"transformers eager execution, {self.cfg.batch_size} prompts at a time, both decoders",
+            "speculative_seconds": seconds["speculative"], "greedy_seconds": seconds["greedy"],
+            "speculative_tokens_per_s": tokens / max(seconds["speculative"], 1e-9),
+            "greedy_tokens_per_s": tokens / max(seconds["greedy"], 1e-9),
+            "speedup": seconds["greedy"] / max(seconds["speculative"], 1e-9),
+            "target_seconds": c.target_seconds, "draft_seconds": c.draft_seconds,
+            "draft_positions_per_verify_step": c.draft_positions / max(c.row_rounds, 1),
             "config": config_dict(self.cfg),
             "fingerprint": fingerprint,
         }
         self.out.mkdir(parents=True, exist_ok=True)
+        with (self.out / "outputs.jsonl").open("w") as f:
+            for r in results:
+                f.write(json.dumps({"source": r.conversation.source, "category": r.conversation.category,
+                                    "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens,
+                                    "accepted": r.accepted, "lossless": r.check["status"], "reply": r.reply}) + "\n")
+        plot_acceptance(report, self.out / "acceptance.png")
         atomic_write_json(self.out / "report.json", report)
-        plot_acceptance(per_position, report["tau"], self.out / "acceptance.png")
         print(f"eagle3-eval ({self.cfg.engine}: HF {self.layers} from {self.resolution.source}): tau {report['tau']:.2f} "
-              f"over {len(steps)} verify steps, acceptance per position {[round(p, 3) for p in per_position]}, "
-              f"lossless {lossless}/{len(prompts)}; target {report['target_seconds']:.1f} s, draft "
-              f"{report['draft_seconds']:.1f} s -> {self.out}")
+              f"over {report['verify_steps']} verify steps, acceptance per position "
+              f"{[round(p, 3) for p in report['acceptance_per_position']]}; per category "
+              f"{ {cat: round(v['tau'], 2) for cat, v in report['categories'].items()} }; lossless {report['lossless']} "
+              f"{counts}; {report['speculative_tokens_per_s']:.0f} tokens/s speculative, {report['speedup']:.2f}x "
+              f"plain greedy (batch {self.cfg.batch_size}) -> {self.out}")
+        for case in cases:
+            print(f"eagle3-eval: {case['status']}: {case['source']} turn {case['turn']} differs at token "
+                  f"{case['position']} (reference margin {case['margin']}, threshold {case['threshold']})",
+                  file=sys.stderr)
         return report
 
 
-def plot_acceptance(per_position: list[float], tau: float, path: Path) -> None:
+def plot_acceptance(report: dict[str, Any], path: Path) -> None:
+    """Acceptance rate per draft position: one group of bars per category (and all)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.bar(range(1, len(per_position) + 1), per_position, color="#4477aa")
-    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1), title=f"tau = {tau:.2f}")
+    groups = {"all": report} | report["categories"] if len(report["categories"]) > 1 else {"all": report}
+    k = len(report["acceptance_per_position"])
+    width = 0.8 / k
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(groups) + 2), 3.2))
+    colors = plt.get_cmap("viridis")
+    for i in range(k):
+        xs = [g + (i - (k - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, [v["acceptance_per_position"][i] for v in groups.values()], width, color=colors(i / max(k - 1, 1)),
+               label=f"position {i + 1}")
+    ax.set_xticks(range(len(groups)), [f"{name}\ntau {v['tau']:.2f}" for name, v in groups.items()], fontsize=8)
+    ax.set(ylabel="acceptance rate", ylim=(0, 1), title=f"tau = {report['tau']:.2f}")
+    ax.legend(fontsize=7, ncols=min(k, 5), loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-main = entry_point("eval", EvalConfig, lambda cfg: Evaluator(cfg).run())
+def run_eval(cfg: EvalConfig) -> int:
+    """``eagle3-eval``: the exit status is 1 when some output diverged from plain greedy decoding."""
+    return 1 if Evaluator(cfg).run()["lossless"] == "diverged" else 0
+
+
+main = entry_point("eval", EvalConfig, run_eval)
 
 if __name__ == "__main__":
     main()

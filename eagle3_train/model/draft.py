@@ -19,6 +19,13 @@ probability p = e^c / (e^c + Z0), with Z0 the step-0 softmax normaliser and o0 t
 The full softmax over both parts is (A + p * sum_i e^(s_i - c) v_i) / (1 - p + p * sum_i e^(s_i - c))
 for diagonal scores s_i -- exact for any c, and c = max_i s_i keeps every exponent <= 0. Memory per
 step is O(T); gradients flow through SDPA's own backward.
+
+Inference runs the same :meth:`Eagle3Draft.step` with a cache that outlives the chain: ``cache[0]``
+holds step 0's keys/values of every accepted position (computed once, from the target's states,
+when the position is accepted), and the chain's steps 1..j append one entry each, dropped when the
+next round's step 0 extends ``cache[0]`` -- as SGLang and vLLM keep an EAGLE-3 draft's KV cache. A
+round's draft cost is then independent of the context length, and chain step j at the last
+position t sees exactly what TTT step j at t sees in training.
 """
 
 from __future__ import annotations
@@ -164,24 +171,35 @@ class TTTAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of step ``len(cache) - 1``; ``cache[0]`` holds step 0's keys/values, later
-        entries the diagonal keys/values of steps 1..j. Returns [B, T, H]."""
+        entries the diagonal keys/values of steps 1..j; ``mask`` as in :func:`ttt_attention`.
+        Returns [B, T, H]."""
         b, _, t, d = q.shape
-        out = ttt_attention(q, cache, self.num_heads // self.num_kv)
+        out = ttt_attention(q, cache, self.num_heads // self.num_kv, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * d))
 
 
-def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]], groups: int) -> torch.Tensor:
+def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]], groups: int,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, nh, T, d]; cache[0] = step 0's (k, v) [B, nkv, T_k, d] (T_k >= T: the last T
     positions are the queries'), cache[1:] = later steps' (k, v) [B, nkv, T, d]. Returns [B, nh, T, d].
 
+    ``mask`` [B, T, T_k] (bool, True = visible) says which step-0 keys each query sees; None is
+    lower-right causal (every key up to the query's own position). Batched inference passes one for
+    caches whose rows hold padding or dropped entries; the diagonal keys are always visible.
     See the module docstring for the exact merge of the causal and diagonal parts.
     """
     k0, v0 = cache[0]
     b, nh, t, d = q.shape
     scale = d**-0.5
     if len(cache) == 1:
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k0, v0, attn_mask=mask[:, None], scale=scale, enable_gqa=groups > 1)
+        if t < k0.shape[2]:  # queries after cached keys (inference); SDPA's is_causal is top-left aligned
+            return F.scaled_dot_product_attention(q, k0, v0, attn_mask=causal_lower_right(t, k0.shape[2]), scale=scale,
+                                                  enable_gqa=groups > 1)
         return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale, enable_gqa=groups > 1)
     # diagonal scores of steps 1..j, fp32: j x [B, nh, T]
     s = [(q.float() * _expand(k, groups).float()).sum(-1) * scale for k, _ in cache[1:]]
@@ -202,9 +220,11 @@ def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]
     v_aug = torch.cat([v_extra, F.pad(v0, (0, pad))], dim=2)
     # lower-right causal: query i sees the extra key and step-0 keys up to its own position. With
     # fewer queries than keys (inference: one new query after the context) it sees them all.
-    out = F.scaled_dot_product_attention(
-        q_aug, k_aug, v_aug, attn_mask=causal_lower_right(t, k0.shape[2] + 1), scale=scale, enable_gqa=groups > 1
-    )
+    if mask is None:
+        attn_mask = causal_lower_right(t, k0.shape[2] + 1)
+    else:  # the extra key is seen by every query: [B, 1, T, 1+T_k]
+        attn_mask = F.pad(mask, (1, 0), value=True)[:, None]
+    out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1)
     a, p = out[..., :d].float(), out[..., d].float()  # Z0*o0/(e^c+Z0) [B,nh,T,d], e^c/(e^c+Z0) [B,nh,T]
     num = a + p.unsqueeze(-1) * sum(wi.unsqueeze(-1) * _expand(v, groups).float() for wi, (_, v) in zip(w, cache[1:]))
     den = (1 - p) + p * sum(w)
@@ -228,12 +248,23 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One TTT step; appends this step's (k, v) to ``cache``. [B, T, H] -> [B, T, H]."""
+                cache: list[tuple[torch.Tensor, torch.Tensor]], step: int | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """TTT step ``step`` (None: the next one, ``len(cache)``); [B, T, H] -> [B, T, H].
+
+        ``cache[j]`` ends up holding step j's (k, v): the entries of steps >= ``step`` are dropped
+        (a new chain) and this step's are appended. Step 0 with a non-empty cache extends
+        ``cache[0]`` along the positions: inference runs step 0 over each round's newly accepted
+        positions only, the earlier ones' keys and values being final (step 0 is causal).
+        """
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
         q, k, v = self.self_attn.project(x, cos, sin)
+        step = len(cache) if step is None else step
+        if step == 0 and cache:  # [B, nkv, T_old, d] + [B, nkv, T, d] along positions
+            k, v = torch.cat([cache[0][0], k], dim=2), torch.cat([cache[0][1], v], dim=2)
+        del cache[step:]
         cache.append((k, v))
-        h = hidden + self.self_attn(q, cache)
+        h = hidden + self.self_attn(q, cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -275,10 +306,43 @@ class Eagle3Draft(nn.Module):
         positions = torch.arange(t, device=aux_hidden.device).expand(b, t)
         for j in range(ttt_length):
             nxt = F.pad(input_ids[:, 1 + j :], (0, min(1 + j, t)), value=0)[:, :t]
-            emb = self.embed_tokens(nxt).to(hidden.dtype)
-            cos, sin = self.rotary_emb(hidden, positions + j)
-            hidden = self.midlayer(emb, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache)
+            hidden = self.step(hidden, nxt, positions + j, cache, j)
             yield hidden
+
+    def step(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+             cache: list[tuple[torch.Tensor, torch.Tensor]], step: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One draft step, shared by training's unroll and inference's chain: the pre-norm output
+        [B, T, H] from ``hidden`` [B, T, H] (``fuse(aux)`` for step 0, else step-1's output), the
+        ids [B, T] of the token each position predicts after, at RoPE ``positions`` [B, T].
+        ``cache`` and ``step`` as in :meth:`DraftLayer.forward`, ``mask`` as in :func:`ttt_attention`.
+        """
+        emb = self.embed_tokens(next_ids).to(hidden.dtype)  # [B, T, H]
+        cos, sin = self.rotary_emb(hidden, positions)
+        return self.midlayer(emb, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache, step, mask)
+
+    def propose(self, hidden: torch.Tensor, positions: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
+                k: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """A greedy chain of ``k`` draft tokens, as target ids [B, k].
+
+        ``hidden`` [B, H] is step 0's output at each row's last context position ``positions`` [B],
+        ``cache[0]`` the step-0 keys/values of the context; ``mask`` [B, T_k] which of those each row
+        sees (None: all). Chain step j feeds step j-1's output and its token back at position
+        ``positions + j`` and attends to the context and to steps 1..j -- exactly what TTT step j
+        at a context position sees in :meth:`unroll` (the cache keeps the chain's entries, which the
+        next round's step 0 drops).
+        """
+        tokens = []
+        chain_mask = None if mask is None else mask[:, None]  # [B, 1, T_k]
+        for j in range(k):
+            tokens.append(self.to_target(self.logits(hidden).argmax(-1)))  # [B]
+            if j + 1 < k:
+                hidden = self.step(hidden[:, None], tokens[-1][:, None], (positions + j + 1)[:, None], cache, j + 1,
+                                   chain_mask)[:, 0]
+        return torch.stack(tokens, dim=1)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target ids through ``d2t`` (offsets), any shape."""
+        return draft_ids + self.d2t[draft_ids]
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """The draft's first hidden state from the captured ones: [..., n_aux*H_t] -> [..., H]

@@ -1,0 +1,312 @@
+"""Batched greedy speculative decoding: a transformers target and an EAGLE-3 draft, both with KV caches.
+
+The engine of ``eagle3-eval``. A batch's rows share one cache layout of ``L`` columns, the target's
+(every layer of a transformers ``DynamicCache``) and the draft's step-0 cache (``cache[0]`` of
+:meth:`Eagle3Draft.step`) column for column; ``valid`` [B, L] marks the columns that belong to each
+row, in position order. Prompts are left-padded. A round drafts ``k`` tokens per row
+(:meth:`Eagle3Draft.propose`), verifies them in one target forward over ``[last token, drafts]``
+[B, k+1], and appends the k+1 columns of which the row's accepted ``1 + a_b`` stay valid; the draft's
+step 0 then runs over those same new columns only (the target's states of the accepted tokens), so a
+round costs the draft ``m + k - 1`` positions per row (m <= k+1) whatever the context length. Rows that
+finish leave the batch; when invalid columns make up more than a quarter of the layout, the valid
+ones are gathered to the right (compaction).
+
+Why this is exact: every query sees its row's valid columns up to its own (2-D attention mask for the
+target, [B, T, L] boolean mask for the draft) at its row's own RoPE positions, so masked columns get
+softmax weight exactly 0 and a row's tokens are those it gets alone; only the summation order of
+floating-point reductions differs with the batch's shapes. With one row and no padding no mask and no
+position ids are passed at all: the target runs exactly as plain ``DynamicCache`` decoding does, and
+the rejected drafts' columns are cropped.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from eagle3_train.errors import ContractError
+from eagle3_train.model import Eagle3Draft
+
+
+@dataclass
+class Decoded:
+    """One prompt's speculative decoding: new tokens (cut after the first eos and at max_new) and
+    each verify step's accepted draft count."""
+
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Reference:
+    """One prompt's plain greedy decoding, with the top-1 minus top-2 logit margin at each position."""
+
+    tokens: list[int]
+    margins: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Counters:
+    """What the decoder did: wall seconds of target forwards and of the draft, and the positions the
+    draft processed in decode rounds (prefill excluded) over ``row_rounds`` (rows x verify steps)."""
+
+    target_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    draft_positions: int = 0
+    row_rounds: int = 0
+
+
+def left_pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, L] (pad id 0) and the valid mask [B, L] of left-padded prompts."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+    lengths = torch.tensor([len(p) for p in prompts])
+    valid = torch.arange(width)[None] >= (width - lengths)[:, None]
+    return ids.to(device), valid.to(device)
+
+
+def extend_mask(valid_old: torch.Tensor, valid_new: torch.Tensor) -> torch.Tensor:
+    """Which keys the queries of new columns see: [B, L] + [B, T] -> [B, T, L+T] (bool).
+
+    A query sees the valid columns up to its own (causal over the layout, whose valid columns are in
+    position order). It always sees itself, so no row is empty: an invalid query's output is junk
+    but finite, and nothing valid ever reads it.
+    """
+    b, l = valid_old.shape
+    t = valid_new.shape[1]
+    valid = torch.cat([valid_old, valid_new], dim=1)  # [B, L+T]
+    col = torch.arange(l + t, device=valid.device)
+    row = l + torch.arange(t, device=valid.device)
+    causal = col[None, :] <= row[:, None]  # [T, L+T]
+    return (valid[:, None, :] & causal[None]) | (col[None, :] == row[:, None])[None]
+
+
+def compaction_index(valid: torch.Tensor) -> torch.Tensor:
+    """For each row, the columns to keep right-aligned: [B, L] -> [B, n], n = most valid columns of a
+    row. A stable sort puts a row's invalid columns first and its valid ones last, in order."""
+    n = int(valid.sum(1).max())
+    order = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices  # [B, L]
+    return order[:, valid.shape[1] - n :]
+
+
+def gather_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, L, d], index [B, n] -> [B, heads, n, d]."""
+    b, h, _, d = x.shape
+    return x.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
+
+
+class SpecDecoder:
+    """Greedy chain speculative decoding of batches of prompts, and the plain greedy reference.
+
+    Args:
+        model: the target (a transformers causal LM).
+        draft: the draft head, on the target's device and dtype.
+        layers: HF indices whose states feed the draft (``N`` = the last layer's pre-norm output,
+            what an engine captures for it).
+        k: draft tokens per verify step.
+        eos: ids that end generation.
+    """
+
+    def __init__(self, model: Any, draft: Eagle3Draft, layers: list[int], k: int, eos: set[int]):
+        self.model, self.draft, self.layers, self.k, self.eos = model, draft, layers, k, eos
+        self.n = model.config.get_text_config().num_hidden_layers
+        self.device = next(model.parameters()).device
+        self.eos_ids = torch.tensor(sorted(eos), device=self.device)
+        # transformers 5.x renamed the forward's past_key_values to cache (the old name warns)
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._prenorm: torch.Tensor | None = None
+        if self.n in layers:  # engines capture the last layer before the final norm
+            model.base_model.layers[-1].register_forward_hook(self._keep_prenorm)
+        self.counters = Counters()
+
+    def _keep_prenorm(self, module: Any, args: Any, out: Any) -> None:
+        self._prenorm = out[0] if isinstance(out, tuple) else out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _target(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None, cache: Any,
+                aux: bool, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward over ``ids`` [B, T] at ``positions`` [B, T] with the cache; ``valid``
+        [B, L+T] the 2-D attention mask (None: no padding anywhere, plain decoding). Returns logits
+        [B, T, V] ([B, 1, V] with ``last_only``) and, with ``aux``, the draft's input [B, T, n*H]."""
+        start = time.perf_counter()
+        out = self.model(input_ids=ids, attention_mask=None if valid is None else valid.long(),
+                         position_ids=None if valid is None else positions, use_cache=True,
+                         output_hidden_states=aux, logits_to_keep=1 if last_only else 0, **{self._cache_kw: cache})
+        states = None
+        if aux:
+            states = torch.cat([self._prenorm if k == self.n else out.hidden_states[k] for k in self.layers], dim=-1)
+        self._sync()
+        self.counters.target_seconds += time.perf_counter() - start
+        return out.logits, states
+
+    def _is_eos(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.isin(ids, self.eos_ids)
+
+    # -- speculative ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def speculative(self, prompts: list[list[int]], max_new: int, batch_size: int) -> list[Decoded]:
+        """Greedy speculative decoding of every prompt, ``batch_size`` at a time (longest first, so
+        a batch's prompts are alike in length); results in the prompts' order."""
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        results: list[Decoded | None] = [None] * len(prompts)
+        for s in range(0, len(order), batch_size):
+            chunk = order[s : s + batch_size]
+            for i, r in zip(chunk, self._speculative_batch([prompts[i] for i in chunk], max_new)):
+                results[i] = r
+        return results  # type: ignore[return-value]
+
+    def _speculative_batch(self, prompts: list[list[int]], max_new: int) -> list[Decoded]:
+        from transformers import DynamicCache
+
+        k, dev, draft = self.k, self.device, self.draft
+        ids, valid = left_pad(prompts, dev)  # [B, L]
+        lengths = [len(p) for p in prompts]  # valid columns per row = position of the row's last token
+        padded = len(set(lengths)) > 1
+        positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # [B, L]
+        cache = DynamicCache()
+        logits, aux = self._target(ids, positions, valid if padded else None, cache, aux=True)
+        last = logits[:, -1].argmax(-1)  # [B] the first new token
+        start = time.perf_counter()
+        dcache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        nxt = torch.cat([ids[:, 1:], last[:, None]], dim=1)  # [B, L]: the token after each position
+        mask = extend_mask(valid[:, :0], valid) if padded else None
+        hidden = draft.step(draft.fuse(aux), nxt, positions, dcache, 0, mask)[:, -1]  # [B, H]
+        self._sync()
+        self.counters.draft_seconds += time.perf_counter() - start
+
+        out = [Decoded([t]) for t in last.tolist()]
+        rows = [i for i in range(len(prompts)) if not (max_new <= 1 or out[i].tokens[-1] in self.eos)]
+        keep = torch.tensor(rows, dtype=torch.long, device=dev)
+        cache, dcache, valid, last, hidden = self._select(cache, dcache, valid, last, hidden, keep, len(prompts))
+        lengths = [lengths[i] for i in rows]
+        slot = torch.arange(k + 1, device=dev)[None]  # [1, k+1]
+        while rows:
+            b = len(rows)
+            length = torch.tensor(lengths, device=dev)  # [B]
+            padded = len(set(lengths)) > 1 or valid.shape[1] != lengths[0]
+            start = time.perf_counter()
+            drafts = draft.propose(hidden, length - 1, dcache, k, valid if padded else None)  # [B, k]
+            self._sync()
+            self.counters.draft_seconds += time.perf_counter() - start
+            inp = torch.cat([last[:, None], drafts], dim=1)  # [B, k+1]
+            pos = length[:, None] + slot  # [B, k+1]
+            valid_in = torch.cat([valid, valid.new_ones(b, k + 1)], dim=1) if padded else None
+            logits, aux = self._target(inp, pos, valid_in, cache, aux=True)
+            greedy = logits.argmax(-1)  # [B, k+1]: the target's token after each prefix
+            match = (drafts == greedy[:, :k]) & ~self._is_eos(drafts)
+            a = match.long().cumprod(1).sum(1)  # [B] accepted drafts
+            last = greedy.gather(1, a[:, None])[:, 0]  # [B] the target's own next token
+            host = torch.cat([a[:, None], drafts, last[:, None]], dim=1).tolist()
+            m = max(r[0] for r in host) + 1  # new columns kept by some row; the rest are cropped
+            self._edit(cache, lambda x: x[:, :, : x.shape[2] - (k + 1 - m)])
+            new_valid = slot[:, :m] <= a[:, None]  # [B, m]
+            padded = padded or any(r[0] + 1 < m for r in host)
+            # step 0 over the new columns: column i of a row predicts after its token i, i.e. draft
+            # i+1 while accepted, then the target's own token (later columns: junk, never seen)
+            start = time.perf_counter()
+            nxt = torch.where(slot[:, :m] < a[:, None], F.pad(drafts, (0, 1))[:, :m], last[:, None])
+            mask = extend_mask(valid, new_valid) if padded else None
+            out0 = draft.step(draft.fuse(aux[:, :m]), nxt, pos[:, :m], dcache, 0, mask)  # [B, m, H]
+            hidden = out0[torch.arange(b, device=dev), a]  # [B, H] at each row's last accepted column
+            self._sync()
+            self.counters.draft_seconds += time.perf_counter() - start
+            self.counters.draft_positions += b * (m + k - 1)
+            self.counters.row_rounds += b
+            valid = torch.cat([valid, new_valid], dim=1)
+            still = []
+            for j, (row, r) in enumerate(zip(rows, host)):
+                acc = r[0]
+                out[row].tokens += r[1 : 1 + acc] + [r[-1]]
+                out[row].accepted.append(acc)
+                lengths[j] += acc + 1
+                if len(out[row].tokens) < max_new and r[-1] not in self.eos:
+                    still.append(j)
+            if len(still) < b:
+                keep = torch.tensor(still, dtype=torch.long, device=dev)
+                cache, dcache, valid, last, hidden = self._select(cache, dcache, valid, last, hidden, keep, b)
+                rows, lengths = [rows[j] for j in still], [lengths[j] for j in still]
+            if rows and 4 * (valid.shape[1] - max(lengths)) > valid.shape[1]:
+                index = compaction_index(valid)
+                self._edit(cache, lambda x: gather_columns(x, index))
+                dcache[0] = (gather_columns(dcache[0][0], index), gather_columns(dcache[0][1], index))
+                valid = valid.gather(1, index)
+        for d in out:  # as plain greedy decoding: stop at the first eos, at most max_new tokens
+            cut = next((i + 1 for i, t in enumerate(d.tokens) if t in self.eos), len(d.tokens))
+            d.tokens = d.tokens[: min(cut, max_new)]
+        return out
+
+    def _select(self, cache: Any, dcache: list, valid: torch.Tensor, last: torch.Tensor, hidden: torch.Tensor,
+                keep: torch.Tensor, b: int) -> tuple:
+        """Keep only the rows ``keep`` (indices into the current batch of ``b`` rows)."""
+        if keep.numel() == b:
+            return cache, dcache, valid, last, hidden
+        self._edit(cache, lambda x: x[keep])
+        dcache[:] = [(kk[keep], vv[keep]) for kk, vv in dcache[:1]]
+        return cache, dcache, valid[keep], last[keep], hidden[keep]
+
+    @staticmethod
+    def _edit(cache: Any, fn: Any) -> None:
+        """Apply ``fn`` to every layer's keys and values [B, heads, L, d] of a transformers cache."""
+        for layer in cache.layers:
+            if getattr(layer, "is_sliding", False):
+                raise ContractError("eagle3-eval's batched cache edits need full-attention layers; this target's "
+                                    "cache has a sliding-window layer")
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+
+    # -- reference -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def greedy(self, prompts: list[list[int]], max_new: int, batch_size: int) -> list[Reference]:
+        """Plain greedy decoding of the target (the reference for losslessness), batched as
+        :meth:`speculative`, recording the top-1/top-2 logit margin at every position."""
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        results: list[Reference | None] = [None] * len(prompts)
+        for s in range(0, len(order), batch_size):
+            chunk = order[s : s + batch_size]
+            for i, r in zip(chunk, self._greedy_batch([prompts[i] for i in chunk], max_new)):
+                results[i] = r
+        return results  # type: ignore[return-value]
+
+    def _greedy_batch(self, prompts: list[list[int]], max_new: int) -> list[Reference]:
+        from transformers import DynamicCache
+
+        dev = self.device
+        ids, valid = left_pad(prompts, dev)
+        padded = len({len(p) for p in prompts}) > 1
+        length = valid.sum(1)  # [B]
+        positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits, _ = self._target(ids, positions, valid if padded else None, cache, aux=False, last_only=True)
+        out = [Reference([]) for _ in prompts]
+        rows = list(range(len(prompts)))
+        while True:
+            top = logits[:, -1].float().topk(2, dim=-1).values  # [B, 2]
+            tok = logits[:, -1].argmax(-1)  # [B]
+            host = torch.cat([tok[:, None].float(), top[:, :1] - top[:, 1:]], dim=1).tolist()
+            still = []
+            for j, (row, (t, margin)) in enumerate(zip(rows, host)):
+                out[row].tokens.append(int(t))
+                out[row].margins.append(margin)
+                if len(out[row].tokens) < max_new and int(t) not in self.eos:
+                    still.append(j)
+            if not still:
+                return out
+            if len(still) < len(rows):
+                keep = torch.tensor(still, dtype=torch.long, device=dev)
+                self._edit(cache, lambda x: x[keep])
+                valid, length, tok, rows = valid[keep], length[keep], tok[keep], [rows[j] for j in still]
+            valid = torch.cat([valid, valid.new_ones(len(rows), 1)], dim=1)
+            logits, _ = self._target(tok[:, None], length[:, None], valid if padded else None, cache, aux=False)
+            length = length + 1

@@ -1,0 +1,155 @@
+"""Evaluation prompts as users have them, read into conversations of user turns.
+
+Recognised rows (JSONL, ``.jsonl.gz`` too, or a ``datasets`` dataset saved with ``save_to_disk``):
+
+| shape | example | turns |
+|---|---|---|
+| ours / OpenAI | ``{"messages": [{"role": "system", ...}, {"role": "user", ...}, ...]}`` | every user message (assistant messages are dropped: the target writes its own) |
+| MT-bench ``question.jsonl`` | ``{"question_id": 81, "category": "writing", "turns": ["...", "..."]}`` | ``turns`` |
+| HumanEval | ``{"task_id": ..., "prompt": "def f(...):\\n    ..."}`` | ``[prompt]`` |
+| GSM8K | ``{"question": "...", "answer": "..."}`` | ``[question]`` |
+
+``column`` names the field to read instead (a string, a list of strings, or a list of messages).
+A row's ``category`` (a string) groups the report; rows without one take the file's (or dataset
+directory's) name. Anything else stops with the file, line and field.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3_train.errors import BadInputError
+
+SHAPES = ("messages", "turns", "prompt", "question")
+
+
+@dataclass
+class Conversation:
+    """User turns to send one after the other, each after the target's own reply to the previous.
+
+    Args:
+        source: where it was read (``file:line`` or ``dataset[row]``), for messages.
+        category: the report group.
+        turns: the user messages.
+        system: a leading system prompt, if the row had one.
+    """
+
+    source: str
+    category: str
+    turns: list[str]
+    system: str | None = None
+
+    def messages(self, turn: int, replies: list[str]) -> list[dict[str, str]]:
+        """The chat up to user turn ``turn`` (0-based), with ``replies`` as the assistant's answers
+        to the earlier turns."""
+        out = [{"role": "system", "content": self.system}] if self.system is not None else []
+        for user, reply in zip(self.turns[:turn], replies[:turn]):
+            out += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        return out + [{"role": "user", "content": self.turns[turn]}]
+
+
+def read_conversations(path: str | Path, column: str | None = None, limit: int | None = None) -> list[Conversation]:
+    """Conversations of a prompt file or saved dataset (the first ``limit`` of them)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        rows = _dataset_rows(path)
+    elif path.is_file():
+        rows = _jsonl_rows(path)
+    else:
+        raise BadInputError(f"prompts {path} does not exist")
+    default_category = path.name.removesuffix(".gz").removesuffix(".jsonl")
+    out = []
+    for source, row in rows:
+        out.append(conversation(row, source, column, default_category))
+        if limit and len(out) >= limit:
+            break
+    if not out:
+        raise BadInputError(f"prompts {path}: no prompts in it")
+    return out
+
+
+def conversation(row: Any, source: str, column: str | None, default_category: str) -> Conversation:
+    """One row as a :class:`Conversation`; ``source`` names it in errors."""
+    if not isinstance(row, dict):
+        raise BadInputError(f"{source}: expected an object, got {type(row).__name__}")
+    category = row.get("category", default_category)
+    if not isinstance(category, str):
+        raise BadInputError(f"{source}: field 'category' must be a string, got {category!r}")
+    if column is not None:
+        if column not in row:
+            raise BadInputError(f"{source}: no field {column!r} (column={column}); fields: {sorted(row)}")
+        field, value = column, row[column]
+    else:
+        field = next((f for f in SHAPES if f in row), None)
+        if field is None:
+            raise BadInputError(f"{source}: unknown prompt shape (fields {sorted(row)}): expected one of "
+                                f"{list(SHAPES)}, or name the field with column=<field>")
+        value = row[field]
+    if isinstance(value, str):
+        return Conversation(source, category, [_text(value, source, field)])
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return Conversation(source, category, [_text(v, source, field) for v in value])
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return _from_messages(value, source, field, category)
+    raise BadInputError(f"{source}: field {field!r} must be a string, a non-empty list of strings or a list of "
+                        f"messages, got {_show(value)}")
+
+
+def _from_messages(messages: list[dict], source: str, field: str, category: str) -> Conversation:
+    system, turns = None, []
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(content, str):
+            raise BadInputError(f"{source}: field '{field}[{i}].content' must be a string, got {_show(content)}")
+        if role == "system" and i == 0:
+            system = content
+        elif role == "user":
+            turns.append(content)
+        elif role != "assistant":  # the target answers for itself
+            raise BadInputError(f"{source}: field '{field}[{i}].role' is {role!r}: expected user or assistant "
+                                f"(or system, first)")
+    if not turns:
+        raise BadInputError(f"{source}: field {field!r}: no user turn")
+    return Conversation(source, category, turns, system)
+
+
+def _text(value: str, source: str, field: str) -> str:
+    if not value.strip():
+        raise BadInputError(f"{source}: field {field!r} is empty")
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _jsonl_rows(path: Path) -> list[tuple[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"{path}:{lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise BadInputError(f"{path}:{lineno}: not JSON ({e})") from None
+    return rows
+
+
+def _dataset_rows(path: Path) -> list[tuple[str, Any]]:
+    from datasets import DatasetDict, load_from_disk
+
+    try:
+        ds = load_from_disk(str(path))
+    except FileNotFoundError as e:
+        raise BadInputError(f"prompts {path} is a directory but not a saved datasets dataset ({e})") from None
+    if isinstance(ds, DatasetDict):
+        raise BadInputError(f"prompts {path} holds the splits {sorted(ds)}: point prompts at one of them "
+                            f"(e.g. {path / sorted(ds)[0]})")
+    return [(f"{path}[{i}]", row) for i, row in enumerate(ds)]
