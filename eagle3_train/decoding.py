@@ -52,13 +52,15 @@ class Reference:
 
 @dataclass
 class Counters:
-    """What the decoder did: wall seconds of target forwards and of the draft, and the positions the
-    draft processed in decode rounds (prefill excluded) over ``row_rounds`` (rows x verify steps)."""
+    """What the decoder did: wall seconds of target forwards and of the draft, the positions the
+    draft processed in decode rounds (prefill excluded) over ``row_rounds`` (rows x verify steps),
+    and how often the batch's caches were compacted."""
 
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
     draft_positions: int = 0
     row_rounds: int = 0
+    compactions: int = 0
 
 
 def left_pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,6 +243,7 @@ class SpecDecoder:
                 self._edit(cache, lambda x: gather_columns(x, index))
                 dcache[0] = (gather_columns(dcache[0][0], index), gather_columns(dcache[0][1], index))
                 valid = valid.gather(1, index)
+                self.counters.compactions += 1
         for d in out:  # as plain greedy decoding: stop at the first eos, at most max_new tokens
             cut = next((i + 1 for i, t in enumerate(d.tokens) if t in self.eos), len(d.tokens))
             d.tokens = d.tokens[: min(cut, max_new)]

@@ -15,9 +15,13 @@ from data_prep.regenerate import RegenConfig
 from data_prep.standardize import StandardizeConfig, Standardizer
 from eagle3_train.check import CheckConfig, run_check
 from eagle3_train.errors import BadInputError, ContractError
-from eagle3_train.eval import EvalConfig, Evaluator
+from eagle3_train.decoding import Counters, Reference, SpecDecoder
+from eagle3_train.errors import ConfigError
+from eagle3_train.eval import EvalConfig, Evaluator, lossless_check, run_eval
+from eagle3_train.prompt_files import Conversation
 from eagle3_train.export import ExportConfig, Exporter
 from eagle3_train.trainer import OptimConfig, TrainConfig, Trainer
+from legacy_eval import LegacySpecDecoder
 
 WORDS = "apple river stone cloud seven tiger music paper green window quick silver".split()
 
@@ -153,3 +157,145 @@ def test_bad_drafts(pipeline, tmp_path):
         (ck / "state.json").write_text(json.dumps(state))
         Exporter(ExportConfig(run=str(ck), out=str(tmp_path / "x"), engines=["sglang"])).run()
     assert not (tmp_path / "x").exists()  # nothing written on refusal
+
+
+# -- batched eval: the same tokens as the pre-batching decoder, multi-turn, lossless check --------
+
+
+def evaluator(root, **options):
+    cfg = dict(draft=str(root / "export"), target=str(root / "target"), engine="vllm", limit=10,
+               prompts=str(root / "prompts.jsonl"), max_new_tokens=48, progress=False) | options
+    return Evaluator(EvalConfig(**cfg))
+
+
+def first_turns(ev):
+    return [ev.tokenize(c, 0, []) for c in ev.conversations()]
+
+
+def test_batched_decoding_equals_the_pre_batching_decoder(pipeline, tmp_path):
+    """fp32: every batch size gives the old decoder's tokens and accepted counts, prompt by prompt;
+    the batched greedy reference gives transformers' generate."""
+    ev = evaluator(pipeline, limit=24)
+    prompts = first_turns(ev)
+    legacy = LegacySpecDecoder(ev.target, ev.draft, ev.layers, ev.cfg.k, ev.eos)
+    want = [legacy.generate(p, 48) for p in prompts]
+    assert len({a for _, acc in want for a in acc}) >= 4  # rows accept different counts
+    for batch in (1, 5, 24):
+        ev.decoder.counters = Counters()
+        got = ev.decoder.speculative(prompts, 48, batch)
+        assert [g.tokens for g in got] == [w[0] for w in want], batch
+        assert [g.accepted for g in got] == [w[1] for w in want], batch
+        assert (ev.decoder.counters.compactions > 0) == (batch > 1)  # batch 1 crops; batches compact
+    refs = ev.decoder.greedy(prompts, 48, 5)
+    assert [r.tokens for r in refs] == [legacy.greedy(p, 48) for p in prompts]
+    # the reports: the same tau at batch 1 and batch 7, both identical to plain greedy
+    one = evaluator(pipeline, limit=24, batch_size=1, out=str(tmp_path / "b1")).run()
+    seven = evaluator(pipeline, limit=24, batch_size=7, out=str(tmp_path / "b7")).run()
+    steps = [a for _, acc in want for a in acc]
+    assert one["tau"] == seven["tau"] == (sum(steps) + len(steps)) / len(steps)
+    assert one["lossless"] == seven["lossless"] == "identical"
+    read = lambda d: [json.loads(x)["tokens"] for x in (tmp_path / d / "outputs.jsonl").read_text().splitlines()]  # noqa: E731
+    assert read("b1") == read("b7") == [w[0] for w in want]
+
+
+def test_draft_cost_per_step_is_flat_in_the_context(pipeline):
+    """A verify step costs the draft the new columns (1 + accepted) and k-1 chain steps, whether the
+    context is 30 or 900 tokens (the old decoder re-ran the whole context every step)."""
+    ev = evaluator(pipeline)
+    k = ev.cfg.k
+    short = ev.tokenize(Conversation("short", "c", ["apple"]), 0, [])
+    long = ev.tokenize(Conversation("long", "c", [" ".join(WORDS * 15)]), 0, [])
+    assert len(long) > 25 * len(short) / 2
+    for prompt in (short, long):
+        ev.decoder.counters = Counters()
+        out = ev.decoder.speculative([prompt], 48, 1)[0]
+        c = ev.decoder.counters
+        assert c.row_rounds == len(out.accepted) > 5
+        assert c.draft_positions == sum(a + 1 + (k - 1) for a in out.accepted) <= 2 * k * c.row_rounds
+
+
+def test_multi_turn_follows_the_targets_own_replies(pipeline, tmp_path):
+    """MT-bench shape: turn 2 is asked after the target's greedy reply to turn 1 (rebuilt here with
+    transformers' generate), and the report groups tau by category."""
+    rows = [{"question_id": i, "category": cat, "turns": [u1, u2]} for i, (cat, u1, u2) in enumerate([
+        ("writing", "apple river stone", "seven tiger"), ("math", "cloud seven", "paper green window"),
+        ("writing", "quick silver music", "apple")])]
+    path = tmp_path / "question.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ev = evaluator(pipeline, prompts=str(path), out=str(tmp_path / "mt"), batch_size=2)
+    report = ev.run()
+    outputs = [json.loads(x) for x in (tmp_path / "mt" / "outputs.jsonl").read_text().splitlines()]
+    legacy = LegacySpecDecoder(ev.target, ev.draft, ev.layers, ev.cfg.k, ev.eos)
+    tok = ev.target.tokenizer
+    template = lambda m: tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]  # noqa: E731
+    for i, r in enumerate(rows):
+        u1 = {"role": "user", "content": r["turns"][0]}
+        first = legacy.greedy(template([u1]), 48)
+        reply = tok.decode(first[:-1] if first[-1] in ev.eos else first)
+        second = legacy.greedy(template([u1, {"role": "assistant", "content": reply},
+                                         {"role": "user", "content": r["turns"][1]}]), 48)
+        got = {o["turn"]: o for o in outputs if o["source"] == f"{path}:{i + 1}"}
+        assert got[1]["tokens"] == first and got[2]["tokens"] == second and got[1]["reply"] == reply
+    assert report["conversations"] == 3 and report["prompts"] == 6 and set(report["turns"]) == {"1", "2"}
+    assert report["lossless"] == "identical"
+    for cat in ("writing", "math"):
+        steps = [a for o in outputs if o["category"] == cat for a in o["accepted"]]
+        assert report["categories"][cat]["tau"] == pytest.approx((sum(steps) + len(steps)) / len(steps))
+    assert (tmp_path / "mt" / "acceptance.png").stat().st_size > 1000
+
+
+def test_lossless_check_classifies_the_first_difference():
+    ref = Reference([5, 6, 7, 8], [2.0, 1e-5, 3.0, 0.5])
+    assert lossless_check([5, 6, 7, 8], ref, 1e-3) == {"status": "identical"}
+    tie = lossless_check([5, 9, 7, 8], ref, 1e-3)
+    assert (tie["status"], tie["position"], tie["margin"], tie["speculative_token"], tie["reference_token"]) == (
+        "numerical", 1, 1e-5, 9, 6)
+    assert lossless_check([5, 6, 1], ref, 1e-3)["status"] == "diverged"
+    assert lossless_check([5, 6, 7, 8], Reference([5, 6, 7, 8, 2], [1.0] * 5), 1e-3)["position"] == 4
+
+
+def perturbed(monkeypatch, edit):
+    """Let ``edit(logits, speculative)`` change the target's logits as the decoders see them."""
+    real = SpecDecoder._target
+
+    def target(self, ids, positions, valid, cache, aux, last_only=False):
+        logits, states = real(self, ids, positions, valid, cache, aux, last_only)
+        return edit(logits.clone(), aux), states  # aux: the speculative path (greedy never asks)
+
+    monkeypatch.setattr(SpecDecoder, "_target", target)
+
+
+def test_near_tie_is_numerical_and_a_corrupted_decoder_diverges(pipeline, tmp_path, monkeypatch):
+    ev = evaluator(pipeline, limit=6)
+    a = ev.decoder.greedy(first_turns(ev)[:1], 48, 1)[0].tokens[0]  # a token the target emits
+    b = 300  # a token it never emits, made a's exact twin: plain greedy keeps a (the lower id) ...
+
+    def tie(logits, speculative):  # ... while speculative decoding sees b ahead by 1e-5
+        logits[..., b] = logits[..., a] + (1e-5 if speculative else 0.0)
+        return logits
+
+    perturbed(monkeypatch, tie)
+    report = evaluator(pipeline, limit=6, out=str(tmp_path / "tie")).run()
+    assert report["lossless"] == "numerical" and report["lossless_counts"]["numerical"] >= 1
+    case = report["lossless_cases"][0]
+    assert (case["margin"], case["reference_token"], case["speculative_token"]) == (0.0, a, b)
+    assert report["lossless_counts"]["diverged"] == 0
+
+    monkeypatch.undo()  # now a real bug: b pushed far ahead on the speculative path
+    perturbed(monkeypatch, lambda logits, speculative: logits + 50.0 * speculative * (torch.arange(logits.shape[-1]) == b))
+    cfg = EvalConfig(draft=str(pipeline / "export"), target=str(pipeline / "target"), engine="vllm", limit=6,
+                     prompts=str(pipeline / "prompts.jsonl"), max_new_tokens=48, progress=False, out=str(tmp_path / "bad"))
+    assert run_eval(cfg) == 1
+    report = json.loads((tmp_path / "bad" / "report.json").read_text())
+    assert report["lossless"] == "diverged" and report["lossless_counts"]["diverged"] == 6
+    assert all(c["position"] == 0 and c["speculative_token"] == b and c["margin"] > 1e-3 for c in report["lossless_cases"])
+
+
+def test_bad_eval_input(pipeline, tmp_path):
+    with pytest.raises(ConfigError, match="batch_size must be >= 1"):
+        EvalConfig(draft="x", prompts="y", batch_size=0)
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"prompt": "apple " * 700}) + "\n")
+    with pytest.raises(BadInputError, match=r"long.jsonl:1: turn 1 is \d+ tokens; with max_new_tokens=48 and k=5 it "
+                                            r"does not fit the target's context of 4096"):
+        evaluator(pipeline, prompts=str(path), out=str(tmp_path / "o")).run()
