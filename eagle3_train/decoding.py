@@ -52,7 +52,7 @@ class Reference:
 
 @dataclass
 class Counters:
-    """What the decoder did: wall seconds of target forwards and of the draft, the positions the
+    """What speculative decoding did: wall seconds of target forwards and of the draft, the positions the
     draft processed in decode rounds (prefill excluded) over ``row_rounds`` (rows x verify steps),
     and how often the batch's caches were compacted."""
 
@@ -148,7 +148,8 @@ class SpecDecoder:
         if aux:
             states = torch.cat([self._prenorm if k == self.n else out.hidden_states[k] for k in self.layers], dim=-1)
         self._sync()
-        self.counters.target_seconds += time.perf_counter() - start
+        if aux:  # the speculative path's (plain greedy is timed by its caller)
+            self.counters.target_seconds += time.perf_counter() - start
         return out.logits, states
 
     def _is_eos(self, ids: torch.Tensor) -> torch.Tensor:

@@ -313,8 +313,8 @@ class Evaluator:
               f"over {report['verify_steps']} verify steps, acceptance per position "
               f"{[round(p, 3) for p in report['acceptance_per_position']]}; per category "
               f"{ {cat: round(v['tau'], 2) for cat, v in report['categories'].items()} }; lossless {report['lossless']} "
-              f"{counts}; {report['speculative_tokens_per_s']:.0f} tokens/s speculative, {report['speedup']:.2f}x "
-              f"plain greedy (batch {self.cfg.batch_size}) -> {self.out}")
+              f"{counts}; {report['speculative_tokens_per_s']:.0f} tokens/s speculative, {report['speedup']:.2f}x the "
+              f"speed of plain greedy (batch {self.cfg.batch_size}) -> {self.out}")
         for case in cases:
             print(f"eagle3-eval: {case['status']}: {case['source']} turn {case['turn']} differs at token "
                   f"{case['position']} (reference margin {case['margin']}, threshold {case['threshold']})",
@@ -332,7 +332,7 @@ def plot_acceptance(report: dict[str, Any], path: Path) -> None:
     groups = {"all": report} | report["categories"] if len(report["categories"]) > 1 else {"all": report}
     k = len(report["acceptance_per_position"])
     width = 0.8 / k
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(groups) + 2), 3.2))
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(groups) + 2), 3.6))
     colors = plt.get_cmap("viridis")
     for i in range(k):
         xs = [g + (i - (k - 1) / 2) * width for g in range(len(groups))]
@@ -340,7 +340,7 @@ def plot_acceptance(report: dict[str, Any], path: Path) -> None:
                label=f"position {i + 1}")
     ax.set_xticks(range(len(groups)), [f"{name}\ntau {v['tau']:.2f}" for name, v in groups.items()], fontsize=8)
     ax.set(ylabel="acceptance rate", ylim=(0, 1), title=f"tau = {report['tau']:.2f}")
-    ax.legend(fontsize=7, ncols=min(k, 5), loc="upper right")
+    ax.legend(fontsize=7, ncols=min(k, 8), loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
