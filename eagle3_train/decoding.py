@@ -178,7 +178,7 @@ class SpecDecoder:
         padded = len(set(lengths)) > 1
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # [B, L]
         cache = DynamicCache()
-        logits, aux = self._target(ids, positions, valid if padded else None, cache, aux=True)
+        logits, aux = self._target(ids, positions, valid if padded else None, cache, aux=True, last_only=True)
         last = logits[:, -1].argmax(-1)  # [B] the first new token
         start = time.perf_counter()
         dcache: list[tuple[torch.Tensor, torch.Tensor]] = []
