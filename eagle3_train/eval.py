@@ -33,9 +33,10 @@ from safetensors.torch import load_file
 from eagle3_train.cli import config_dict, entry_point
 from eagle3_train.decoding import Reference, SpecDecoder
 from eagle3_train.engines import resolve
+from eagle3_train.export import draft_config_from_json
 from eagle3_train.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.fileio import atomic_write_json, sha256_file, sha256_json
-from eagle3_train.model import DraftConfig, Eagle3Draft
+from eagle3_train.model import Eagle3Draft
 from eagle3_train.prompt_files import Conversation, read_conversations
 from eagle3_train.targets import Target, eos_ids, load_target, text_config
 
@@ -90,16 +91,7 @@ def load_draft(directory: Path, target: Target) -> tuple[Eagle3Draft, dict]:
     weights = load_file(str(directory / "model.safetensors"))
     if "fc.weight" not in weights:
         raise BadInputError(f"{directory}/model.safetensors has no fc.weight")
-    th = c.get("target_hidden_size", c["hidden_size"])
-    width = weights["fc.weight"].shape[1]
-    rope = c.get("rope_parameters") or ({"rope_theta": c.get("rope_theta", 10000.0)} | (c.get("rope_scaling") or {"rope_type": "default"}))
-    dc = DraftConfig(
-        hidden_size=c["hidden_size"], target_hidden_size=th, num_aux=width // th,
-        num_attention_heads=c["num_attention_heads"], num_key_value_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
-        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"], intermediate_size=c["intermediate_size"],
-        rms_norm_eps=c["rms_norm_eps"], vocab_size=c["vocab_size"], draft_vocab_size=c.get("draft_vocab_size", c["vocab_size"]),
-        max_position_embeddings=c["max_position_embeddings"], rope_parameters=rope,
-    )
+    dc = draft_config_from_json(c, weights["fc.weight"].shape[1])
     if dc.vocab_size != target.vocab_size or dc.hidden_size != target.hidden_size:
         raise ContractError(
             f"{directory}: draft vocab {dc.vocab_size} / hidden {dc.hidden_size} do not fit target "

@@ -146,6 +146,21 @@ def draft_config_json(dc: DraftConfig) -> dict[str, Any]:
     }
 
 
+def draft_config_from_json(c: dict[str, Any], fc_width: int) -> DraftConfig:
+    """The inverse of :func:`draft_config_json`, for any EAGLE-3 draft config.json (ours or a third
+    party's: optional fields take the Llama defaults); ``fc_width`` is fc's input width
+    (n_aux * H_t), which fixes the number of aux layers."""
+    th = c.get("target_hidden_size") or c["hidden_size"]
+    rope = c.get("rope_parameters") or ({"rope_theta": c.get("rope_theta", 10000.0)} | (c.get("rope_scaling") or {"rope_type": "default"}))
+    return DraftConfig(
+        hidden_size=c["hidden_size"], target_hidden_size=th, num_aux=fc_width // th,
+        num_attention_heads=c["num_attention_heads"], num_key_value_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"], intermediate_size=c["intermediate_size"],
+        rms_norm_eps=c["rms_norm_eps"], vocab_size=c["vocab_size"], draft_vocab_size=c.get("draft_vocab_size") or c["vocab_size"],
+        max_position_embeddings=c["max_position_embeddings"], rope_parameters=dict(rope),
+    )
+
+
 class Exporter:
     """Reads a checkpoint, computes the engine keys, writes the serving directory."""
 

@@ -19,7 +19,8 @@ from eagle3_train.decoding import Counters, Reference, SpecDecoder
 from eagle3_train.errors import ConfigError
 from eagle3_train.eval import EvalConfig, Evaluator, lossless_check, run_eval
 from eagle3_train.prompt_files import Conversation
-from eagle3_train.export import ExportConfig, Exporter
+from eagle3_train.export import ExportConfig, Exporter, draft_config_from_json, draft_config_json
+from eagle3_train.model import DraftConfig
 from eagle3_train.trainer import OptimConfig, TrainConfig, Trainer
 from legacy_eval import LegacySpecDecoder
 
@@ -299,3 +300,22 @@ def test_bad_eval_input(pipeline, tmp_path):
     with pytest.raises(BadInputError, match=r"long.jsonl:1: turn 1 is \d+ tokens; with max_new_tokens=48 and k=5 it "
                                             r"does not fit the target's context of 4096"):
         evaluator(pipeline, prompts=str(path), out=str(tmp_path / "o")).run()
+
+
+def test_config_json_maps_back_to_the_draft_config():
+    """export writes config.json from a DraftConfig and eval reads it back through one pair of functions."""
+    from transformers import LlamaConfig
+
+    from eagle3_train.targets import tiny_config
+
+    llama31 = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 8192})
+    for dc in (DraftConfig.from_target(tiny_config(), 3, 200), DraftConfig.from_target(llama31, 3, 32000)):
+        assert draft_config_from_json(draft_config_json(dc), 3 * dc.target_hidden_size) == dc
+    # a third-party config without rope_parameters, head_dim or draft_vocab_size
+    old = {k: v for k, v in draft_config_json(DraftConfig.from_target(tiny_config(), 3, 320)).items()
+           if k not in ("rope_parameters", "head_dim", "draft_vocab_size")}
+    got = draft_config_from_json(old, 3 * 64)
+    assert (got.head_dim, got.draft_vocab_size, got.rope_parameters) == (16, 320, {"rope_theta": 10000.0, "rope_type": "default"})
