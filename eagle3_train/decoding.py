@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from eagle3_train.errors import ContractError
 from eagle3_train.model import Eagle3Draft
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -104,6 +107,18 @@ def gather_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
 
 
+def in_batches(prompts: list[list[int]], batch_size: int, run: Callable[[list[list[int]]], list[T]]) -> list[T]:
+    """``run`` over batches of ``batch_size`` prompts, longest first (a batch's prompts are alike in
+    length, little padding); results in the prompts' order."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    results: list[Any] = [None] * len(prompts)
+    for s in range(0, len(order), batch_size):
+        chunk = order[s : s + batch_size]
+        for i, r in zip(chunk, run([prompts[i] for i in chunk])):
+            results[i] = r
+    return results
+
+
 class SpecDecoder:
     """Greedy chain speculative decoding of batches of prompts, and the plain greedy reference.
 
@@ -159,15 +174,9 @@ class SpecDecoder:
 
     @torch.no_grad()
     def speculative(self, prompts: list[list[int]], max_new: int, batch_size: int) -> list[Decoded]:
-        """Greedy speculative decoding of every prompt, ``batch_size`` at a time (longest first, so
-        a batch's prompts are alike in length); results in the prompts' order."""
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        results: list[Decoded | None] = [None] * len(prompts)
-        for s in range(0, len(order), batch_size):
-            chunk = order[s : s + batch_size]
-            for i, r in zip(chunk, self._speculative_batch([prompts[i] for i in chunk], max_new)):
-                results[i] = r
-        return results  # type: ignore[return-value]
+        """Greedy speculative decoding of every prompt, ``batch_size`` at a time; results in the
+        prompts' order."""
+        return in_batches(prompts, batch_size, lambda batch: self._speculative_batch(batch, max_new))
 
     def _speculative_batch(self, prompts: list[list[int]], max_new: int) -> list[Decoded]:
         from transformers import DynamicCache
@@ -275,13 +284,7 @@ class SpecDecoder:
     def greedy(self, prompts: list[list[int]], max_new: int, batch_size: int) -> list[Reference]:
         """Plain greedy decoding of the target (the reference for losslessness), batched as
         :meth:`speculative`, recording the top-1/top-2 logit margin at every position."""
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        results: list[Reference | None] = [None] * len(prompts)
-        for s in range(0, len(order), batch_size):
-            chunk = order[s : s + batch_size]
-            for i, r in zip(chunk, self._greedy_batch([prompts[i] for i in chunk], max_new)):
-                results[i] = r
-        return results  # type: ignore[return-value]
+        return in_batches(prompts, batch_size, lambda batch: self._greedy_batch(batch, max_new))
 
     def _greedy_batch(self, prompts: list[list[int]], max_new: int) -> list[Reference]:
         from transformers import DynamicCache
