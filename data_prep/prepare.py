@@ -176,7 +176,7 @@ class Preparer:
             "seed": c.seed,
             "dtype": c.dtype,
             "synth": config_dict(c.synth) | {"chunk_size": c.synth.chunk_size},
-            "regen": {k: v for k, v in config_dict(c.regen).items() if k != "chunk_size"},
+            "regen": {k: v for k, v in config_dict(c.regen).items() if k not in ("chunk_size", "server")},
         }
         synthesizer = Synthesizer(
             n=c.synthesize, synth=c.synth, regen=c.regen, seed=c.seed, work_dir=self.out / "synth",
@@ -188,10 +188,11 @@ class Preparer:
         return conversations, {"synthesis": stats}
 
     def _load_generator(self) -> tuple[Any, list[int]]:
-        """The target's weights and end-of-turn ids (loaded only when something is generated)."""
-        if self.target.model is None:
+        """The target's weights (``None`` when an engine serves it: ``regen.backend``) and its
+        end-of-turn ids; loaded only when something is generated."""
+        if self.target.model is None and self.cfg.regen.backend == "hf":
             self.target = self._load(load_model=True)
-        return self.target.model, sorted(eos_ids(self.target.model, self.target.tokenizer))
+        return self.target.model, sorted(eos_ids(self.target.model, self.target.tokenizer, self.target.local_dir))
 
     def _finished_output(self) -> dict[str, Any] | None:
         if not (self.out / MANIFEST_NAME).is_file():
@@ -235,10 +236,8 @@ class Preparer:
             shutil.rmtree(regen_dir)  # chunks of other options or input: never mix them
         regen_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(stamp, self.fingerprint)
-        if self.target.model is None:
-            self.target = self._load(load_model=True)
-        tok, model = self.target.tokenizer, self.target.model
-        eos = sorted(eos_ids(model, tok))
+        model, eos = self._load_generator()
+        tok = self.target.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
         size = self.cfg.regen.chunk_size
         out, unfinished = [], 0
@@ -253,7 +252,7 @@ class Preparer:
                 print(f"regenerating chunk {c + 1}/{n_chunks}", flush=True)
                 chunk, n_cut = regenerate(
                     model, tok, conversations[c * size : (c + 1) * size], self.cfg.regen,
-                    eos_ids=eos, pad_id=pad, progress=self.cfg.progress,
+                    eos_ids=eos, pad_id=pad, progress=self.cfg.progress, seed=self.cfg.seed + c,
                 )
                 data = {"unfinished": n_cut, "conversations": [vars(x) for x in chunk]}
                 atomic_write_json(path, data)

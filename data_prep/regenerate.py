@@ -10,7 +10,7 @@ turn's prompt contains the earlier generated turns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,7 +18,10 @@ from tqdm.auto import tqdm
 
 from data_prep.chat import render_text
 from data_prep.conversations import Conversation
+from data_prep.served_regen import ServedRegenConfig, served_generate_batch
 from eagle3_train.errors import ConfigError
+
+BACKENDS = ("hf", "vllm", "sglang")
 
 
 @dataclass
@@ -31,8 +34,12 @@ class RegenConfig:
     top_p: float = 0.95  # nucleus sampling mass (do_sample=true only)
     batch_size: int = 32  # prompts generated together
     chunk_size: int = 1024  # conversations per resumable chunk written under <out>/regen/
+    backend: str = "hf"  # hf: transformers in this process; vllm | sglang: the engine serving the target at server.url
+    server: ServedRegenConfig = field(default_factory=ServedRegenConfig)  # backend=vllm|sglang only
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"regen.backend must be one of {BACKENDS}, got {self.backend!r}")
         for name in ("max_new_tokens", "batch_size", "chunk_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"regen.{name} must be positive, got {getattr(self, name)}")
@@ -62,6 +69,7 @@ def regenerate(
     eos_ids: list[int],
     pad_id: int,
     progress: bool = True,
+    seed: int | None = None,
 ) -> tuple[list[Conversation], int]:
     """Return the conversations with every assistant slot written by ``model``.
 
@@ -80,7 +88,8 @@ def regenerate(
             messages, slots = work[ci]
             text = render_text(tokenizer, messages[: slots[s]], conversations[ci].source, add_generation_prompt=True)
             prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-        replies, hit_limit = generate_sorted(model, prompts, cfg, eos_ids, pad_id, bar=bar)
+        replies, hit_limit = generate_sorted(model, prompts, cfg, eos_ids, pad_id, bar=bar,
+                                             seed=None if seed is None else seed * 1009 + s)
         unfinished += hit_limit
         for ci, ids in zip(todo, replies):
             messages, slots = work[ci]
@@ -98,11 +107,18 @@ def generate_sorted(
     eos_ids: list[int],
     pad_id: int,
     bar: Any = None,
+    seed: int | None = None,
 ) -> tuple[list[list[int]], int]:
     """Generate one reply per prompt in batches of ``cfg.batch_size`` prompts of similar length
     (less padding); the replies come back in the order of ``prompts``. ``bar`` (a tqdm) advances
     by one per prompt. The batches depend only on ``prompts`` and ``cfg``, so a seeded run is
-    repeatable wherever it runs."""
+    repeatable wherever it runs. With ``cfg.backend`` vllm or sglang, ``model`` is unused: every
+    prompt is one request to the engine (it batches them itself), sampled with a per-prompt seed
+    derived from ``seed``."""
+    if cfg.backend != "hf":
+        sampling = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, temperature=cfg.temperature,
+                        top_p=cfg.top_p, seed=seed)
+        return served_generate_batch(prompts, cfg.server, sampling, eos_ids, cfg.backend, bar=bar)
     device = next(model.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # stable: ties keep their order
     replies: list[list[int]] = [[] for _ in prompts]

@@ -21,7 +21,7 @@ import os
 import shutil
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,7 @@ class StandardizeConfig:
     aux_indices: list[int] | None = None  # HF indices to concatenate (null: the dumps' aux indices)
     draft_vocab_size: int = 32000  # size of the draft lm_head's vocab (capped at the target's)
     eval_fraction: float = 0.05  # share of samples held out for evaluation
+    max_samples: int | None = None  # only the samples with the N lowest ids (a data-scaling point from one dump); null: all
     seed: int = 0  # decides which samples are held out
     vocab_map: str | None = None  # reuse this vocab_map.safetensors instead of counting a new one
     only_vocab: bool = False  # rebuild only the vocab map of the standardized directory `out`
@@ -82,6 +83,8 @@ class StandardizeConfig:
             raise ConfigError("dumps=[<dump dir>, ...] is required (or only_vocab=true with out=<standardized dir>)")
         if self.workers < 0:
             raise ConfigError(f"workers must be >= 0, got {self.workers}")
+        if self.max_samples is not None and self.max_samples <= 0:
+            raise ConfigError(f"max_samples must be positive or null, got {self.max_samples}")
 
 
 ConfigStore.instance().store(name="standardize_schema", node=StandardizeConfig)
@@ -95,6 +98,11 @@ class Source:
     record: ShardRecord
     path: Path
     sample_ids: np.ndarray
+    keep: np.ndarray | None = None  # bool per sample: inside max_samples (None: all)
+
+    @property
+    def kept(self) -> np.ndarray:
+        return np.ones(len(self.sample_ids), dtype=bool) if self.keep is None else self.keep
 
     @property
     def out_name(self) -> str:
@@ -190,6 +198,9 @@ class Standardizer:
         spec = self.check_dumps(dumps)
         sources = self.sources(dumps)
         all_ids = np.concatenate([s.sample_ids for s in sources]) if sources else np.zeros(0, dtype=np.int64)
+        if self.cfg.max_samples is not None:  # the lowest ids: prepare numbers samples in input order
+            all_ids = np.sort(all_ids)[: self.cfg.max_samples]
+            sources = [replace(s, keep=np.isin(s.sample_ids, all_ids)) for s in sources]
         eval_ids = split_eval(all_ids, self.cfg.eval_fraction, self.cfg.seed)
         request = {
             "capture": spec.to_dict(),
@@ -197,6 +208,7 @@ class Standardizer:
                        "shards": [r["sha256"] for r in m["shards"]]} for d, m in zip(self.cfg.dumps, dumps)],
             "eval_fraction": self.cfg.eval_fraction,
             "seed": self.cfg.seed,
+            "max_samples": self.cfg.max_samples,
             "vocab": self.vocab_request(spec.vocab_size),
         }
         done = self.claim(request)
@@ -287,7 +299,7 @@ class Standardizer:
 
     def _expected(self, src: Source, eval_ids: np.ndarray) -> dict[str, int]:
         is_eval = np.isin(src.sample_ids, eval_ids)
-        return {"train": int((~is_eval).sum()), "eval": int(is_eval.sum())}
+        return {"train": int((~is_eval & src.kept).sum()), "eval": int(is_eval.sum())}
 
     def _done(self, src: Source, eval_ids: np.ndarray) -> bool:
         return all(
@@ -304,7 +316,7 @@ class Standardizer:
         aux = torch.cat([t[f"hidden.{k}"] for k in spec.aux_indices], dim=1)
         is_eval = torch.from_numpy(np.isin(src.sample_ids, eval_ids))
         lengths = t["cu_seqlens"].diff()
-        for split, keep in (("train", ~is_eval), ("eval", is_eval)):
+        for split, keep in (("train", ~is_eval & torch.from_numpy(src.kept)), ("eval", is_eval)):
             if not bool(keep.any()):
                 continue
             out = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"], "aux_hidden": aux, "last_hidden": t["last_hidden"]}

@@ -259,7 +259,8 @@ class Synthesizer:
         self.progress = progress
         self.systems = synth.systems()
         self.user_cfg = RegenConfig(max_new_tokens=synth.max_new_tokens, do_sample=True, temperature=synth.temperature,
-                                    top_p=synth.top_p, batch_size=regen.batch_size, chunk_size=regen.chunk_size)
+                                    top_p=synth.top_p, batch_size=regen.batch_size, chunk_size=regen.chunk_size,
+                                    backend=regen.backend, server=regen.server)
         self.generated = Counter()  # new tokens and seconds of this rank's chunks
 
     # ---- chunks on disk
@@ -359,7 +360,8 @@ class Synthesizer:
             prefixes = [self._prefix(c) for c in alive]
             prompts = [self.tok(p.text, add_special_tokens=False)["input_ids"] for p in prefixes]
             stops = sorted(set(self.eos) | {p.end_id for p in prefixes})
-            outs, _ = generate_sorted(self.model, prompts, self.user_cfg, stops, self.pad, bar=bar)
+            outs, _ = generate_sorted(self.model, prompts, self.user_cfg, stops, self.pad, bar=bar,
+                                      seed=chunk_seed(self.seed, chunk) + 2 * turn)
             for c, reply in zip(alive, outs):
                 ended = len(reply) < self.user_cfg.max_new_tokens  # the stop token is never part of a reply
                 new_tokens += len(reply) + ended
@@ -376,7 +378,8 @@ class Synthesizer:
             alive = [c for c in convs if c["alive"]]
             prompts = [self.tok(render_text(self.tok, self._stored(c), f"synth[{c['id']}]", add_generation_prompt=True),
                                 add_special_tokens=False)["input_ids"] for c in alive]
-            outs, _ = generate_sorted(self.model, prompts, self.regen, self.eos, self.pad, bar=bar)
+            outs, _ = generate_sorted(self.model, prompts, self.regen, self.eos, self.pad, bar=bar,
+                                      seed=chunk_seed(self.seed, chunk) + 2 * turn + 1)
             for c, reply in zip(alive, outs):
                 new_tokens += len(reply) + (len(reply) < self.regen.max_new_tokens)
                 c["messages"].append({"role": "assistant", "content": self.tok.decode(reply, skip_special_tokens=False).strip()})

@@ -170,11 +170,15 @@ def load_target(
     return Target(model, tokenizer, config, identity, local_dir)
 
 
-def eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """End-of-turn ids: the generation config's eos ids (when a model is loaded) and the
-    tokenizer's eos token."""
+def eos_ids(model: Any, tokenizer: Any, local_dir: Path | None = None) -> set[int]:
+    """End-of-turn ids: the generation config's eos ids (of the loaded model, or else read from
+    ``local_dir`` -- a served target's weights are never loaded here) and the tokenizer's eos token."""
     ids = set()
     gen = getattr(model, "generation_config", None) if model is not None else None
+    if gen is None and local_dir is not None and (Path(local_dir) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(str(local_dir))
     for e in [getattr(gen, "eos_token_id", None), tokenizer.eos_token_id]:
         for x in e if isinstance(e, (list, tuple)) else [e]:
             if x is not None:

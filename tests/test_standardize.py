@@ -156,3 +156,17 @@ def test_corrupt_shard_is_named(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(BadInputError, match=f"shard {shard} is corrupt"):
         standardize([d], tmp_path / "x")
+
+
+def test_max_samples_keeps_the_lowest_ids_of_merged_dumps(dumps, tmp_path):
+    manifest = standardize([dumps["b"], dumps["a"]], tmp_path / "s", max_samples=30)
+    train, held = samples_of(tmp_path / "s" / "train"), samples_of(tmp_path / "s" / "eval")
+    assert sorted({**train, **held}) == list(range(30))  # dump a holds ids 0..39, dump b 1000..1024
+    assert len(held) == 3 == manifest["counts"]["eval_samples"]  # round(0.1 * 30)
+    full = samples_of(dumps["a"] / "shards")
+    for sid, got in train.items():
+        assert torch.equal(got["input_ids"], full[sid]["input_ids"])
+    with pytest.raises(ContractError, match="max_samples: 30 != 20"):
+        standardize([dumps["b"], dumps["a"]], tmp_path / "s", max_samples=20)
+    with pytest.raises(ConfigError, match="max_samples must be positive"):
+        StandardizeConfig(dumps=["x"], out="y", max_samples=0)
