@@ -7,6 +7,7 @@ is reported where the user can find it.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -61,21 +62,28 @@ def iter_raw_rows(input: str, split: str = "train") -> Iterator[tuple[str, Any]]
         if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
             yield from _iter_dataset(_load_from_disk(path), str(path))
             return
-        files = sorted(p for p in path.iterdir() if p.suffix in {".jsonl", ".json"} and p.is_file())
+        files = sorted(p for p in path.iterdir() if _kind(p) is not None and p.is_file())
         if not files:
-            raise BadInputError(f"input directory {path} holds no .jsonl or .json files")
+            raise BadInputError(f"input directory {path} holds no .jsonl, .jsonl.gz or .json files")
         for f in files:
             yield from _iter_file(f)
-    elif input.startswith((".", "/", "~")) or input.endswith((".json", ".jsonl")):
+    elif input.startswith((".", "/", "~")) or input.endswith((".json", ".jsonl", ".jsonl.gz")):
         raise BadInputError(f"input {input} does not exist")
     else:
         yield from _iter_dataset(_load_hub(input, split), f"{input}[{split}]")
 
 
+def _kind(path: Path) -> str | None:
+    """``json``, ``jsonl`` (also gzip-compressed, ``.jsonl.gz``) or ``None`` for other files."""
+    name = path.name.lower()
+    return "jsonl" if name.endswith((".jsonl", ".jsonl.gz")) else "json" if name.endswith(".json") else None
+
+
 def _iter_file(path: Path) -> Iterator[tuple[str, Any]]:
-    if path.suffix not in {".jsonl", ".json"}:
-        raise BadInputError(f"input file {path} is neither .jsonl nor .json")
-    if path.suffix == ".json":
+    kind = _kind(path)
+    if kind is None:
+        raise BadInputError(f"input file {path} is neither .jsonl, .jsonl.gz nor .json")
+    if kind == "json":
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -85,7 +93,8 @@ def _iter_file(path: Path) -> Iterator[tuple[str, Any]]:
         for i, row in enumerate(data):
             yield f"{path}[item {i}]", row
         return
-    with path.open(encoding="utf-8") as f:
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -195,6 +204,6 @@ def input_fingerprint(input: str) -> dict[str, Any]:
     if path.is_dir():
         if (path / "state.json").is_file():
             return {"dataset_state": json.loads((path / "state.json").read_text())}
-        files = sorted(p for p in path.iterdir() if p.suffix in {".jsonl", ".json"} and p.is_file())
+        files = sorted(p for p in path.iterdir() if _kind(p) is not None and p.is_file())
         return {"files": {p.name: sha256_file(p) for p in files}}
     return {"hub_dataset": input}

@@ -39,6 +39,12 @@ def test_json_array_and_directory_inputs(tmp_path, write_jsonl, prepare):
     manifest, ds = prepare(tmp_path / "in")
     assert manifest["counts"]["rows_written"] == 2
     assert ds["source"][0].endswith("a.json[item 0]") and ds["source"][1].endswith("b.jsonl:1")
+    import gzip
+
+    with gzip.open(tmp_path / "in" / "c.jsonl.gz", "wt") as f:  # a compressed corpus reads the same
+        f.write(json.dumps(OPENAI[1]) + "\n")
+    _, both = prepare(tmp_path / "in", out="with_gz")
+    assert both["source"][2].endswith("c.jsonl.gz:1") and both["input_ids"][2] == ds["input_ids"][1]
 
 
 def test_saved_dataset_input(tmp_path, write_jsonl, prepare):
