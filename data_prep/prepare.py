@@ -35,7 +35,7 @@ from eagle3_train.cli import config_dict, entry_point
 from eagle3_train.dist import DistInfo, barrier, init_distributed
 from eagle3_train.contract import MANIFEST_NAME, differences, read_manifest, write_manifest
 from eagle3_train.errors import ConfigError, ContractError, Eagle3Error
-from eagle3_train.fileio import atomic_write_json, sha256_json
+from eagle3_train.fileio import atomic_write_bytes, atomic_write_json, sha256_json
 from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target
 
 STAGE = "prepare"
@@ -52,6 +52,7 @@ class PrepareConfig:
     out: str = MISSING  # output directory (dataset/ + manifest.json)
     synthesize: int | None = None  # instead of input: N conversations written by the target itself (see synth.*)
     synth: SynthConfig = field(default_factory=SynthConfig)
+    save_conversations: str | None = None  # also write the final conversations (after regeneration) as .jsonl or .jsonl.gz
     split: str = "train"  # split to read when input is a hub dataset id
     cache_dir: str | None = None  # where GGUF targets are converted once (never the working dir)
     chat_template: str | None = None  # replaces the tokenizer's template: a .jinja file or the text
@@ -140,7 +141,7 @@ class Preparer:
         """The options that decide the output (not where it goes or how fast it is made), of this
         run or of a ``config`` recorded in a manifest."""
         opts = dict(config if config is not None else config_dict(self.cfg))
-        for key in ("out", "overwrite", "cache_dir", "device", "progress"):
+        for key in ("out", "overwrite", "cache_dir", "device", "progress", "save_conversations"):
             opts.pop(key, None)
         if not (opts.get("regenerate") or opts.get("synthesize")):
             opts.pop("regen", None)
@@ -165,6 +166,8 @@ class Preparer:
             conversations, more = self.regenerate(conversations)
             regen_stats |= more
         rows, stats = self.render(conversations)
+        if self.cfg.save_conversations:
+            save_conversations([c for c, _ in rows], Path(self.cfg.save_conversations).expanduser())
         return self.write(rows, stats | {"rows_read": rows_read}, regen_stats)
 
     def synthesize(self) -> tuple[list[Conversation], dict]:
@@ -332,6 +335,17 @@ class Preparer:
         if self.bad.counts:
             print(self.bad.summary())
         return read_manifest(self.out, STAGE)
+
+
+def save_conversations(conversations: list[Conversation], path: Path) -> None:
+    """OpenAI-form JSONL (gzip for ``.gz``): the conversations as rendered, e.g. a synthesized
+    corpus to ship or to prepare again under another template."""
+    import gzip
+
+    lines = "".join(json.dumps({"messages": c.messages, **c.meta}, ensure_ascii=False) + "\n" for c in conversations)
+    data = lines.encode()
+    atomic_write_bytes(path, gzip.compress(data, mtime=0) if path.name.endswith(".gz") else data)
+    print(f"eagle3-prepare: {len(conversations)} conversations -> {path}")
 
 
 def _check_regenerated(conv: Conversation) -> None:

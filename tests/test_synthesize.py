@@ -94,6 +94,7 @@ def test_synthesized_turns_are_generated_from_exactly_the_prefix(tmp_path, monke
     manifest = _prepare(
         tmp_path, monkeypatch, model, synthesize=2, synth=SynthConfig(chunk_size=2, system_prompts=["Ask about code."],
                                                                       keep_system_prompt=keep_system),
+        save_conversations=str(tmp_path / "corpus.jsonl.gz"),
     )
     steer = "<|im_start|>system\nAsk about code.<|im_end|>\n<|im_start|>user\n"
     user_prompts, reply_prompts = model.prompts[:2], model.prompts[2:]
@@ -105,6 +106,9 @@ def test_synthesized_turns_are_generated_from_exactly_the_prefix(tmp_path, monke
     )
     ds = load_from_disk(str(tmp_path / "synth" / "dataset"))
     assert manifest["counts"]["rows_written"] == 2
+    again = _prepare(tmp_path, monkeypatch, None, out="again", input=str(tmp_path / "corpus.jsonl.gz"))
+    assert again["counts"]["rows_written"] == 2  # the saved corpus prepares to the same tokens
+    assert load_from_disk(str(tmp_path / "again" / "dataset"))["input_ids"] == ds["input_ids"]
     assert tok.decode(ds[1]["input_ids"]) == system + (
         "<|im_start|>user\nWhat is a closure?<|im_end|>\n<|im_start|>assistant\nSure, here it is.<|im_end|>\n"
     )

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The data recipe for SmolLM2-135M-Instruct (the embedded target) on one or two GPUs: the target
+# writes N conversations itself (eagle3-prepare synthesize=N, steered by
+# data_prep/prompts/synth_systems.txt, answered greedily), then dump, standardize, train (ttt 5 =
+# the chain length it is evaluated with, target-initialised lm_head), export, eval on the shipped
+# held-out prompts (chain k=5, greedy, 128 new tokens, fp32: the lossless check is exact).
+#
+#   bash launch/recipes/smollm2_synth.sh                          # all GPUs of this machine
+#   NGPU=1 N=16384 EPOCHS=4 RUN_DIR=runs/s16k bash launch/recipes/smollm2_synth.sh
+#
+# Every stage reuses finished output, so a rerun continues where a crash stopped. Stage times go to
+# $RUN_DIR/timings.jsonl. Variables: N, NGPU, RUN_DIR, EPOCHS, LR, TTT, BATCH_TOKENS, DRAFT_VOCAB,
+# NEW_TOKENS (reply length), GEN_BATCH (prompts generated together per GPU), TRAIN_EXTRA (more
+# eagle3-train overrides).
+set -euo pipefail
+N=${N:-32768}
+NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+RUN=${RUN_DIR:-runs/smollm2_synth}
+PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p.__file__))")
+mkdir -p "$RUN"
+run() {  # run <stage> <command...>: time it, record it
+  local stage=$1; shift
+  local t0; t0=$(date +%s.%N)
+  echo "== $stage: $*"
+  "$@"
+  python3 -c "import json,sys; print(json.dumps({'stage': sys.argv[1], 'seconds': round(float(sys.argv[3]) - float(sys.argv[2]), 1)}))" \
+    "$stage" "$t0" "$(date +%s.%N)" >> "$RUN/timings.jsonl"
+}
+dist() { if [ "$NGPU" -gt 1 ]; then python3 -m torch.distributed.run --nproc_per_node "$NGPU" "$@"; else python3 "$@"; fi; }
+
+run synthesize dist -m data_prep.prepare target=embedded synthesize="$N" out="$RUN/prepared" \
+  synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size=1024 \
+  regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="${GEN_BATCH:-1024}"
+run dump dist -m data_prep.dump target=embedded data="$RUN/prepared" out="$RUN/dump" dtype=bfloat16
+run standardize python3 -m data_prep.standardize dumps="[$RUN/dump]" out="$RUN/std" \
+  draft_vocab_size="${DRAFT_VOCAB:-8192}" eval_fraction=0.02 ${MAX_SAMPLES:+max_samples=$MAX_SAMPLES}
+# shellcheck disable=SC2086  # TRAIN_EXTRA is a list of overrides
+run train dist -m eagle3_train.trainer data="$RUN/std" target=embedded out="$RUN/train" \
+  train.ttt_length="${TTT:-5}" train.epochs="${EPOCHS:-4}" train.lr="${LR:-3e-3}" train.warmup_steps=30 \
+  train.max_tokens_per_batch="${BATCH_TOKENS:-32768}" train.eval_every=100 train.keep_best=true train.log_every=20 \
+  model.lm_head_init=target ${TRAIN_EXTRA:-}
+run export python3 -m eagle3_train.export run="$RUN/train" out="$RUN/export" engines=[sglang,vllm]
+run check python3 -m eagle3_train.check draft="$RUN/export" target=embedded
+run eval python3 -m eagle3_train.eval draft="$RUN/export" target=embedded engine=sglang \
+  prompts="$PROMPTS/heldout.jsonl" k=5 max_new_tokens=128 dtype=float32 batch_size=37 out="$RUN/eval"
+python3 - "$RUN" <<'PY'
+import json, sys
+from pathlib import Path
+run = Path(sys.argv[1])
+r = json.loads((run / "eval" / "report.json").read_text())
+t = [json.loads(l) for l in (run / "timings.jsonl").read_text().splitlines()]
+print(f"tau {r['tau']:.3f}, acceptance {[round(a, 3) for a in r['acceptance_per_position']]}, "
+      f"lossless {r.get('lossless')}; stages {[(x['stage'], x['seconds']) for x in t]}")
+PY

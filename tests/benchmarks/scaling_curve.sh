@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The data-scaling curve and the recipe-options table (not part of the suite): from one dump of
+# synthesized conversations (launch/recipes/smollm2_synth.sh, which also trains the largest point),
+# standardize the first n conversations for each n in POINTS, train each with the recipe's options
+# and evaluate it; VARIANTS train the same data (n = VARIANT_N) with one option changed. Runs share
+# the GPUs (a head this small leaves a GPU mostly idle), round-robin.
+#
+#   POINTS="2048 4096 8192 16384" bash tests/benchmarks/scaling_curve.sh runs/smollm2_synth
+#   python3 -m tests.benchmarks.scaling_results runs/smollm2_synth out.json out.png
+set -euo pipefail
+RUN=${1:?usage: scaling_curve.sh RUN_DIR}
+POINTS=${POINTS:-"2048 4096 8192 16384"}
+VARIANT_N=${VARIANT_N:-8192}
+NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p.__file__))")
+RECIPE="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-4} train.lr=${LR:-3e-3} train.warmup_steps=30 \
+train.max_tokens_per_batch=${BATCH_TOKENS:-32768} train.eval_every=100 train.keep_best=true train.log_every=20 \
+model.lm_head_init=target"
+# name|overrides that replace the recipe's (later overrides win)
+VARIANTS=${VARIANTS:-"lm_head_random|model.lm_head_init=random
+lm_head_frozen|model.freeze_lm_head=true
+aux_norm|model.aux_norm=true
+epochs_8|train.epochs=8
+warmup_0|train.warmup_steps=0
+ttt_7|train.ttt_length=7"}
+mkdir -p "$RUN/curve"
+
+for n in $POINTS $VARIANT_N; do  # one standardized copy per n (CPU work, in parallel)
+  [ -f "$RUN/curve/std_$n/manifest.json" ] && continue
+  python3 -m data_prep.standardize dumps="[$RUN/dump]" out="$RUN/curve/std_$n" draft_vocab_size="${DRAFT_VOCAB:-8192}" \
+    eval_fraction=0.02 max_samples="$n" progress=false workers=4 > "$RUN/curve/std_$n.log" 2>&1 &
+done
+wait
+
+one() {  # one <name> <n> <gpu> [overrides...]: train, export, eval; a refused export is recorded, not fatal
+  local name=$1 n=$2 gpu=$3; shift 3
+  local d="$RUN/curve/$name"
+  mkdir -p "$d"
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.trainer data="$RUN/curve/std_$n" target=embedded out="$d/train" \
+    $RECIPE "$@" > "$d/train.log" 2>&1 || { echo "$name: training failed (see $d/train.log)"; return 0; }
+  if CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.export run="$d/train" out="$d/export" > "$d/export.log" 2>&1; then
+    CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.eval draft="$d/export" target=embedded engine=sglang \
+      prompts="$PROMPTS/heldout.jsonl" k=5 max_new_tokens=128 dtype=float32 batch_size=37 out="$d/eval" progress=false \
+      > "$d/eval.log" 2>&1 || echo "$name: eval exit $? (see $d/eval.log)"
+  else
+    echo "$name: export refused (see $d/export.log)"
+  fi
+  echo "$name done"
+}
+i=0
+for n in $POINTS; do
+  one "n$n" "$n" $((i % NGPU)) & i=$((i + 1))
+done
+while IFS='|' read -r name overrides; do
+  [ -n "$name" ] || continue
+  # shellcheck disable=SC2086
+  one "$name" "$VARIANT_N" $((i % NGPU)) $overrides & i=$((i + 1))
+done <<< "$VARIANTS"
+wait

@@ -1,0 +1,105 @@
+"""Collect the data-scaling curve and the options table (tests/benchmarks/scaling_curve.sh) into a
+results JSON and a PNG.
+
+    python3 -m tests.benchmarks.scaling_results RUN_DIR results.json curve.png [--what "..."]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def collect(d: Path, std: Path) -> dict[str, Any]:
+    """One run: data size, training's last evaluation and best, eagle3-eval's report."""
+    out: dict[str, Any] = {}
+    if (std / "manifest.json").is_file():
+        c = json.loads((std / "manifest.json").read_text())["counts"]
+        out["data"] = {k: c[k] for k in ("train_samples", "eval_samples", "train_tokens") if k in c}
+    metrics = _jsonl(d / "train" / "metrics.jsonl")
+    evals = [m for m in metrics if "eval_tau" in m]
+    if evals:
+        best = max(evals, key=lambda m: m["eval_tau"])
+        out["train"] = {"steps": max(m.get("step", 0) for m in metrics), "last_eval_tau": round(evals[-1]["eval_tau"], 4),
+                        "best_eval_tau": round(best["eval_tau"], 4), "best_step": best["step"],
+                        "eval_acc_at_best": [round(a, 4) for a in best["eval_acc"]]}
+    report = d / "eval" / "report.json"
+    if report.is_file():
+        r = json.loads(report.read_text())
+        out["eval"] = {"tau": round(r["tau"], 4), "acceptance_per_position": [round(a, 4) for a in r["acceptance_per_position"]],
+                       "lossless": r.get("lossless"), "verify_steps": r.get("verify_steps")}
+    elif (d / "export.log").is_file() and "error" in (d / "export.log").read_text():
+        out["eval"] = {"export_refused": (d / "export.log").read_text().strip().splitlines()[-1][:300]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run")
+    ap.add_argument("json_out")
+    ap.add_argument("png_out")
+    ap.add_argument("--what", default="")
+    ap.add_argument("--machine", default="")
+    args = ap.parse_args()
+    run = Path(args.run)
+    curve, variants = [], []
+    for d in sorted((run / "curve").iterdir()):
+        if not d.is_dir() or d.name.startswith("std_"):
+            continue
+        if d.name.startswith("n") and d.name[1:].isdigit():
+            curve.append({"conversations": int(d.name[1:])} | collect(d, run / "curve" / f"std_{d.name[1:]}"))
+        else:
+            variants.append({"name": d.name} | collect(d, run / "curve" / f"std_{_variant_n(run)}"))
+    if (run / "eval" / "report.json").is_file():  # the recipe's own run: the largest point
+        n = json.loads((run / "prepared" / "manifest.json").read_text())["counts"]["rows_written"]
+        curve.append({"conversations": n, "recipe_run": True} | collect(run, run / "std"))
+    curve.sort(key=lambda p: p["conversations"])
+    result = {"what": args.what, "machine": args.machine, "curve": curve, "variants": variants,
+              "timings": _jsonl(run / "timings.jsonl")}
+    Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
+    plot(curve, Path(args.png_out))
+    for p in curve:
+        print(p["conversations"], p.get("eval", {}).get("tau"), p.get("train", {}).get("best_eval_tau"))
+    for v in variants:
+        print(v["name"], v.get("eval", {}).get("tau"), v.get("train", {}).get("best_eval_tau"))
+
+
+def _variant_n(run: Path) -> str:
+    """The n of the variants: the standardized copy that no curve point uses, else the largest."""
+    stds = sorted(int(p.name[4:]) for p in (run / "curve").glob("std_*") if p.is_dir())
+    points = {int(p.name[1:]) for p in (run / "curve").glob("n*") if p.name[1:].isdigit()}
+    rest = [n for n in stds if n not in points]
+    return str(rest[0] if rest else stds[-1])
+
+
+def plot(curve: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [(p["conversations"], p["eval"]["tau"]) for p in curve if "tau" in p.get("eval", {})]
+    sim = [(p["conversations"], p["train"]["best_eval_tau"]) for p in curve if "train" in p]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if pts:
+        ax.plot(*zip(*pts), "o-", label="eagle3-eval tau (held-out prompts, k=5, greedy)")
+    if sim:
+        ax.plot(*zip(*sim), "s--", alpha=0.6, label="simulated tau (training eval split)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("synthesized conversations")
+    ax.set_ylabel("tokens per verify step (tau)")
+    ax.set_title("SmolLM2-135M-Instruct: draft quality vs data")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
