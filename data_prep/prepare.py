@@ -178,7 +178,8 @@ class Preparer:
             "target": self.target.identity.to_dict(),
             "seed": c.seed,
             "dtype": c.dtype,
-            "synth": config_dict(c.synth) | {"chunk_size": c.synth.chunk_size},
+            # the steering prompts themselves, not the file they came from
+            "synth": config_dict(c.synth) | {"system_prompts": c.synth.systems(), "system_prompts_file": None},
             "regen": {k: v for k, v in config_dict(c.regen).items() if k not in ("chunk_size", "server")},
         }
         synthesizer = Synthesizer(

@@ -10,11 +10,12 @@
 #
 # Every stage reuses finished output, so a rerun continues where a crash stopped. Stage times go to
 # $RUN_DIR/timings.jsonl. Variables: N, NGPU, RUN_DIR, EPOCHS, LR, TTT, BATCH_TOKENS, DRAFT_VOCAB,
-# NEW_TOKENS (reply length), GEN_BATCH (prompts generated together per GPU), TRAIN_EXTRA (more
-# eagle3-train overrides).
+# NEW_TOKENS (reply length), GEN_BATCH (prompts generated together per GPU), TARGET (default
+# embedded), DUMP_EXTRA / TRAIN_EXTRA (more eagle3-dump / eagle3-train overrides).
 set -euo pipefail
 N=${N:-32768}
-NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+NGPU=${NGPU:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
+[ "$NGPU" -ge 1 ] || NGPU=1  # no GPU: one process on the CPU
 RUN=${RUN_DIR:-runs/smollm2_synth}
 PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p.__file__))")
 mkdir -p "$RUN"
@@ -28,20 +29,21 @@ run() {  # run <stage> <command...>: time it, record it
 }
 dist() { if [ "$NGPU" -gt 1 ]; then python3 -m torch.distributed.run --nproc_per_node "$NGPU" "$@"; else python3 "$@"; fi; }
 
-run synthesize dist -m data_prep.prepare target=embedded synthesize="$N" out="$RUN/prepared" \
+run synthesize dist -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$N" out="$RUN/prepared" \
   synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size=1024 \
   regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="${GEN_BATCH:-1024}"
-run dump dist -m data_prep.dump target=embedded data="$RUN/prepared" out="$RUN/dump" dtype=bfloat16
+# shellcheck disable=SC2086  # DUMP_EXTRA is a list of overrides
+run dump dist -m data_prep.dump target="${TARGET:-embedded}" data="$RUN/prepared" out="$RUN/dump" dtype=bfloat16 ${DUMP_EXTRA:-}
 run standardize python3 -m data_prep.standardize dumps="[$RUN/dump]" out="$RUN/std" \
   draft_vocab_size="${DRAFT_VOCAB:-8192}" eval_fraction=0.02 ${MAX_SAMPLES:+max_samples=$MAX_SAMPLES}
 # shellcheck disable=SC2086  # TRAIN_EXTRA is a list of overrides
-run train dist -m eagle3_train.trainer data="$RUN/std" target=embedded out="$RUN/train" \
+run train dist -m eagle3_train.trainer data="$RUN/std" target="${TARGET:-embedded}" out="$RUN/train" \
   train.ttt_length="${TTT:-5}" train.epochs="${EPOCHS:-4}" train.lr="${LR:-3e-3}" train.warmup_steps=30 \
   train.max_tokens_per_batch="${BATCH_TOKENS:-32768}" train.eval_every=100 train.keep_best=true train.log_every=20 \
   model.lm_head_init=target ${TRAIN_EXTRA:-}
 run export python3 -m eagle3_train.export run="$RUN/train" out="$RUN/export" engines=[sglang,vllm]
-run check python3 -m eagle3_train.check draft="$RUN/export" target=embedded
-run eval python3 -m eagle3_train.eval draft="$RUN/export" target=embedded engine=sglang \
+run check python3 -m eagle3_train.check draft="$RUN/export" target="${TARGET:-embedded}"
+run eval python3 -m eagle3_train.eval draft="$RUN/export" target="${TARGET:-embedded}" engine=sglang \
   prompts="$PROMPTS/heldout.jsonl" k=5 max_new_tokens=128 dtype=float32 batch_size=37 out="$RUN/eval"
 python3 - "$RUN" <<'PY'
 import json, sys

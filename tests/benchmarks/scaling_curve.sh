@@ -11,7 +11,8 @@ set -euo pipefail
 RUN=${1:?usage: scaling_curve.sh RUN_DIR}
 POINTS=${POINTS:-"2048 4096 8192 16384"}
 VARIANT_N=${VARIANT_N:-8192}
-NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+NGPU=${NGPU:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
+[ "$NGPU" -ge 1 ] || NGPU=1  # no GPU: one process on the CPU
 PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p.__file__))")
 RECIPE="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-4} train.lr=${LR:-3e-3} train.warmup_steps=30 \
 train.max_tokens_per_batch=${BATCH_TOKENS:-32768} train.eval_every=100 train.keep_best=true train.log_every=20 \
@@ -37,10 +38,10 @@ one() {  # one <name> <n> <gpu> [overrides...]: train, export, eval; a refused e
   local d="$RUN/curve/$name"
   mkdir -p "$d"
   # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.trainer data="$RUN/curve/std_$n" target=embedded out="$d/train" \
+  CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.trainer data="$RUN/curve/std_$n" target="${TARGET:-embedded}" out="$d/train" \
     $RECIPE "$@" > "$d/train.log" 2>&1 || { echo "$name: training failed (see $d/train.log)"; return 0; }
   if CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.export run="$d/train" out="$d/export" > "$d/export.log" 2>&1; then
-    CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.eval draft="$d/export" target=embedded engine=sglang \
+    CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.eval draft="$d/export" target="${TARGET:-embedded}" engine=sglang \
       prompts="$PROMPTS/heldout.jsonl" k=5 max_new_tokens=128 dtype=float32 batch_size=37 out="$d/eval" progress=false \
       > "$d/eval.log" 2>&1 || echo "$name: eval exit $? (see $d/eval.log)"
   else

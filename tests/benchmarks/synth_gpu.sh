@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU run behind issue #12/#13's numbers, in one background job (on a machine staged with
+# launch/gpu_stage.sh): the synthesis throughput on one GPU, the recipe on all GPUs (its synthesis
+# is the many-GPU throughput), the scaling curve and options table from the recipe's dump, the
+# demo corpus, and the collected results. Progress: $W/log.
+#
+#   W=/tmp/w N=32768 bash tests/benchmarks/synth_gpu.sh
+set -euo pipefail
+W=${W:-/tmp/w}
+N=${N:-32768}
+BENCH_N=${BENCH_N:-4096}
+DEMO_N=${DEMO_N:-2048}
+mkdir -p "$W"
+PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p.__file__))")
+SYN="synth.system_prompts_file=$PROMPTS/synth_systems.txt synth.keep_system_prompt=false synth.chunk_size=1024 \
+regen.max_new_tokens=${NEW_TOKENS:-128} regen.batch_size=${GEN_BATCH:-1024}"
+{
+  echo "== $(date +%T) synthesis on one GPU: $BENCH_N conversations"
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=0 python3 -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$BENCH_N" out="$W/bench1" $SYN progress=false
+  echo "== $(date +%T) recipe on all GPUs: $N conversations"
+  RUN_DIR="$W/run" N="$N" bash launch/recipes/smollm2_synth.sh &
+  recipe=$!
+  while [ ! -f "$W/run/dump/manifest.json" ] && kill -0 $recipe 2>/dev/null; do sleep 5; done
+  echo "== $(date +%T) dump done; demo corpus and scaling curve start beside the recipe's training"
+  mkdir -p "$W/demo" && cp -r "$W/run/prepared/synth" "$W/demo/"  # the same chunks: nothing is generated again
+  # shellcheck disable=SC2086
+  python3 -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$DEMO_N" out="$W/demo" $SYN progress=false \
+    save_conversations="$W/synth_smollm2.jsonl.gz" || echo "demo corpus failed"
+  bash tests/benchmarks/scaling_curve.sh "$W/run" || echo "curve failed"
+  wait $recipe || echo "recipe failed"
+  python3 -m tests.benchmarks.scaling_results "$W/run" "$W/scaling.json" "$W/scaling.png" \
+    --what "synthesized conversations (launch/recipes/smollm2_synth.sh), first n of one run; eagle3-eval chain k=5 greedy 128 new tokens fp32 on the 37 held-out prompts" \
+    --machine "$(nvidia-smi -L | wc -l) x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+  echo "== $(date +%T) eval benchmark"
+  python3 -m tests.benchmarks.bench_eval --draft "$W/run/export" --out "$W/eval_bench.json" --batch1-n 32 || echo "bench_eval failed"
+  echo "== $(date +%T) all done"
+} >> "$W/log" 2>&1
