@@ -8,23 +8,32 @@ RUN_DIR=${RUN_DIR:-runs/demo}
 PROMPTS=$(python -c "import data_prep.prompts as p, os; print(os.path.dirname(p.__file__))")
 mkdir -p "$RUN_DIR"
 
-# DEMO_SAMPLED_PASSES=n adds n sampled regenerations of the same prompts (temperature 0.8, seeds
-# 1..n, disjoint sample ids) to the greedy one: more data for the head (see the README's numbers).
-PASSES=$((1 + ${DEMO_SAMPLED_PASSES:-0}))
+# The data: DEMO_CONVS conversations of data_prep/prompts/synth_smollm2.jsonl.gz, which the target
+# wrote itself on a GPU (questions and greedy answers; the README gives the command that regenerates
+# it), so the demo's CPU minutes go to the dump and training. DEMO_DATA=regen instead regenerates
+# replies to the 280 shipped prompts here (DEMO_SAMPLED_PASSES=n adds n sampled passes of them).
 DUMPS=()
-for ((i = 0; i < PASSES; i++)); do
-  suffix=$([ "$i" -eq 0 ] && echo "" || echo "_s$i")
-  sampling=$([ "$i" -eq 0 ] && echo "" || echo "regen.do_sample=true regen.temperature=0.8 seed=$i sample_id_offset=$((i * 1000000))")
-  echo "== prepare${suffix}: the target regenerates the assistant turns of the shipped prompts ($([ "$i" -eq 0 ] && echo greedy || echo "sampled, seed $i"))"
-  # shellcheck disable=SC2086  # $sampling is a list of overrides
-  eagle3-prepare target=embedded input="$PROMPTS/train.jsonl" out="$RUN_DIR/prepared$suffix" \
-    regenerate=true limit="${DEMO_PROMPTS:-280}" regen.max_new_tokens="${DEMO_NEW_TOKENS:-128}" regen.batch_size=64 $sampling
-
-  echo "== dump${suffix}: hidden states of HF layers [2, 15, 27] (the default for N=30) and the final state"
-  eagle3-dump target=embedded data="$RUN_DIR/prepared$suffix" out="$RUN_DIR/dump$suffix" dtype=float32 \
-    max_tokens_per_batch=4096
-  DUMPS+=("$RUN_DIR/dump$suffix")
-done
+if [ "${DEMO_DATA:-synth}" = synth ]; then
+  echo "== prepare: ${DEMO_CONVS:-600} conversations the target wrote itself (shipped, compressed)"
+  eagle3-prepare target=embedded input="$PROMPTS/synth_smollm2.jsonl.gz" out="$RUN_DIR/prepared" limit="${DEMO_CONVS:-600}"
+  echo "== dump: hidden states of HF layers [2, 15, 27] (the default for N=30) and the final state"
+  eagle3-dump target=embedded data="$RUN_DIR/prepared" out="$RUN_DIR/dump" dtype=float32 max_tokens_per_batch=4096
+  DUMPS+=("$RUN_DIR/dump")
+else
+  PASSES=$((1 + ${DEMO_SAMPLED_PASSES:-0}))
+  for ((i = 0; i < PASSES; i++)); do
+    suffix=$([ "$i" -eq 0 ] && echo "" || echo "_s$i")
+    sampling=$([ "$i" -eq 0 ] && echo "" || echo "regen.do_sample=true regen.temperature=0.8 seed=$i sample_id_offset=$((i * 1000000))")
+    echo "== prepare${suffix}: the target regenerates the assistant turns of the shipped prompts ($([ "$i" -eq 0 ] && echo greedy || echo "sampled, seed $i"))"
+    # shellcheck disable=SC2086  # $sampling is a list of overrides
+    eagle3-prepare target=embedded input="$PROMPTS/train.jsonl" out="$RUN_DIR/prepared$suffix" \
+      regenerate=true limit="${DEMO_PROMPTS:-280}" regen.max_new_tokens="${DEMO_NEW_TOKENS:-128}" regen.batch_size=64 $sampling
+    echo "== dump${suffix}: hidden states of HF layers [2, 15, 27] (the default for N=30) and the final state"
+    eagle3-dump target=embedded data="$RUN_DIR/prepared$suffix" out="$RUN_DIR/dump$suffix" dtype=float32 \
+      max_tokens_per_batch=4096
+    DUMPS+=("$RUN_DIR/dump$suffix")
+  done
+fi
 
 echo "== standardize: aux_hidden = cat(hidden.2, hidden.15, hidden.27); draft vocab from the training split"
 eagle3-standardize dumps="[$(IFS=,; echo "${DUMPS[*]}")]" out="$RUN_DIR/std" draft_vocab_size="${DEMO_DRAFT_VOCAB:-4096}" eval_fraction=0.05

@@ -26,7 +26,7 @@ warmup_0|train.warmup_steps=0
 ttt_7|train.ttt_length=7"}
 mkdir -p "$RUN/curve"
 
-for n in $POINTS $VARIANT_N; do  # one standardized copy per n (CPU work, in parallel)
+for n in $(printf "%s\n" $POINTS "$VARIANT_N" | sort -un); do  # one standardized copy per n (CPU work, in parallel)
   [ -f "$RUN/curve/std_$n/manifest.json" ] && continue
   python3 -m data_prep.standardize dumps="[$RUN/dump]" out="$RUN/curve/std_$n" draft_vocab_size="${DRAFT_VOCAB:-8192}" \
     eval_fraction=0.02 max_samples="$n" progress=false workers=4 > "$RUN/curve/std_$n.log" 2>&1 &

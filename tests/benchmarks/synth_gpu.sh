@@ -19,7 +19,7 @@ regen.max_new_tokens=${NEW_TOKENS:-128} regen.batch_size=${GEN_BATCH:-1024}"
   # shellcheck disable=SC2086
   CUDA_VISIBLE_DEVICES=0 python3 -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$BENCH_N" out="$W/bench1" $SYN progress=false
   echo "== $(date +%T) recipe on all GPUs: $N conversations"
-  RUN_DIR="$W/run" N="$N" bash launch/recipes/smollm2_synth.sh &
+  RUN_DIR="$W/run" N="$N" EPOCHS="${EPOCHS:-4}" bash launch/recipes/smollm2_synth.sh &  # the curve's epochs
   recipe=$!
   while [ ! -f "$W/run/dump/manifest.json" ] && kill -0 $recipe 2>/dev/null; do sleep 5; done
   echo "== $(date +%T) dump done; demo corpus and scaling curve start beside the recipe's training"
