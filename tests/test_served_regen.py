@@ -188,3 +188,18 @@ def test_bad_options():
         ServedRegenConfig(retries=-1)
     with pytest.raises(ConfigError, match="regen.backend for a served engine must be one of"):
         served_generate_batch([[1]], ServedRegenConfig(), greedy(), EOS, "tgi")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prepare_through_a_served_engine_equals_transformers(backend, tmp_path, write_jsonl, prepare):
+    """eagle3-prepare regenerate=true regen.backend=<engine>: the same dataset as regen.backend=hf."""
+    rows = [{"messages": [{"role": "user", "content": t}]} for t in USER_TURNS[:5]]
+    rows.append({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "old"},
+                              {"role": "user", "content": "And now?"}]})  # two slots: the second sees the first
+    data = write_jsonl(rows)
+    regen = dict(max_new_tokens=MAX_NEW, batch_size=4)
+    _, want = prepare(data, out="hf", regenerate=True, regen=RegenConfig(**regen))
+    with BACKENDS[backend](build_tiny_model()) as server:
+        _, got = prepare(data, out=backend, regenerate=True,
+                         regen=RegenConfig(**regen, backend=backend, server=server_cfg(server.url)))
+    assert got["input_ids"] == want["input_ids"] and got["loss_mask"] == want["loss_mask"]
