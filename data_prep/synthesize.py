@@ -245,8 +245,8 @@ class Synthesizer:
     """
 
     def __init__(self, *, n: int, synth: SynthConfig, regen: RegenConfig, seed: int, work_dir: Path,
-                 request: dict[str, Any], overwrite: bool, load_model: Any, tokenizer: Any, special: set[int], template_name: str, rank: int = 0, world: int = 1,
-                 barrier: Any = None, progress: bool = True):
+                 request: dict[str, Any], overwrite: bool, load_model: Any, tokenizer: Any, special: set[int],
+                 template_name: str, rank: int = 0, world: int = 1, barrier: Any = None, progress: bool = True):
         if n <= 0:
             raise ConfigError(f"synthesize must be a positive number of conversations, got {n}")
         self.n, self.synth, self.regen, self.seed = n, synth, regen, seed
@@ -295,7 +295,7 @@ class Synthesizer:
         size = self.synth.chunk_size
         n_chunks = -(-self.n // size)
         start = time.perf_counter()
-        for round_ in range(MAX_ROUNDS):
+        for _ in range(MAX_ROUNDS):
             for c in range(n_chunks):
                 if c % self.world == self.rank and not self._path(c).is_file():
                     self._generate_chunk(c)
