@@ -14,8 +14,8 @@ mkdir -p "$RUN_DIR"
 # replies to the 280 shipped prompts here (DEMO_SAMPLED_PASSES=n adds n sampled passes of them).
 DUMPS=()
 if [ "${DEMO_DATA:-synth}" = synth ]; then
-  echo "== prepare: ${DEMO_CONVS:-600} conversations the target wrote itself (shipped, compressed)"
-  eagle3-prepare target=embedded input="$PROMPTS/synth_smollm2.jsonl.gz" out="$RUN_DIR/prepared" limit="${DEMO_CONVS:-600}"
+  echo "== prepare: ${DEMO_CONVS:-400} conversations the target wrote itself (shipped, compressed)"
+  eagle3-prepare target=embedded input="$PROMPTS/synth_smollm2.jsonl.gz" out="$RUN_DIR/prepared" limit="${DEMO_CONVS:-400}"
   echo "== dump: hidden states of HF layers [2, 15, 27] (the default for N=30) and the final state"
   eagle3-dump target=embedded data="$RUN_DIR/prepared" out="$RUN_DIR/dump" dtype=float32 max_tokens_per_batch=4096
   DUMPS+=("$RUN_DIR/dump")
@@ -40,14 +40,14 @@ eagle3-standardize dumps="[$(IFS=,; echo "${DUMPS[*]}")]" out="$RUN_DIR/std" dra
 
 echo "== train: the draft head on the standardized data (CPU, fp32)"
 eagle3-train data="$RUN_DIR/std" target=embedded out="$RUN_DIR/train" \
-  train.epochs="${DEMO_EPOCHS:-5}" train.lr="${DEMO_LR:-3e-3}" train.warmup_steps=5 train.ttt_length="${DEMO_TTT:-3}" \
+  train.epochs="${DEMO_EPOCHS:-6}" train.lr="${DEMO_LR:-3e-3}" train.warmup_steps=5 train.ttt_length="${DEMO_TTT:-3}" \
   train.max_tokens_per_batch=2048 train.log_every=10 train.cache_target_gb="${DEMO_CACHE_GB:-4}"
 
 echo "== export for SGLang and vLLM, check what each engine will capture, evaluate on held-out prompts"
 eagle3-export run="$RUN_DIR/train" out="$RUN_DIR/export" engines=[sglang,vllm]
 eagle3-check draft="$RUN_DIR/export" target=embedded
 eagle3-eval draft="$RUN_DIR/export" target=embedded engine=sglang prompts="$PROMPTS/heldout.jsonl" \
-  limit="${DEMO_EVAL_PROMPTS:-10}" max_new_tokens=64 k=5 dtype=float32 out="$RUN_DIR/eval"
+  limit="${DEMO_EVAL_PROMPTS:-10}" max_new_tokens=64 k="${DEMO_K:-3}" dtype=float32 out="$RUN_DIR/eval"
 
 echo
 echo "== summary"
