@@ -32,7 +32,7 @@ from data_prep.conversations import BadRow, Conversation, input_fingerprint, ite
 from data_prep.regenerate import RegenConfig, regenerate
 from data_prep.synthesize import SynthConfig, Synthesizer, template_name
 from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.dist import DistInfo, barrier, init_distributed
+from eagle3_train.dist import DistInfo, barrier, close, init_distributed
 from eagle3_train.contract import MANIFEST_NAME, differences, read_manifest, write_manifest
 from eagle3_train.errors import ConfigError, ContractError, Eagle3Error
 from eagle3_train.fileio import atomic_write_bytes, atomic_write_json, sha256_json
@@ -189,6 +189,7 @@ class Preparer:
             world=self.dist.world_size, barrier=barrier, progress=c.progress and self.dist.is_main,
         )
         conversations, stats = synthesizer.run()
+        close()  # the ranks are done together; rank 0 writes the dataset alone
         return conversations, {"synthesis": stats}
 
     def _load_generator(self) -> tuple[Any, list[int]]:
