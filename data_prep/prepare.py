@@ -81,6 +81,8 @@ class PrepareConfig:
             raise ConfigError(f"limit must be positive or null, got {self.limit}")
         if self.synthesize is not None and self.synthesize <= 0:
             raise ConfigError(f"synthesize must be a positive number of conversations, got {self.synthesize}")
+        if self.save_conversations is not None and not self.save_conversations.endswith((".jsonl", ".jsonl.gz")):
+            raise ConfigError(f"save_conversations must name a .jsonl or .jsonl.gz file, got {self.save_conversations!r}")
         if (self.input is None) == (self.synthesize is None):
             raise ConfigError("give input=<conversations> or synthesize=<number of conversations>, exactly one")
 
@@ -145,13 +147,25 @@ class Preparer:
             opts.pop(key, None)
         if not (opts.get("regenerate") or opts.get("synthesize")):
             opts.pop("regen", None)
+        else:  # where the engine listens and how the client retries do not change a reply
+            opts["regen"] = {k: v for k, v in opts["regen"].items() if k != "server"}
         if not opts.get("synthesize"):
             opts.pop("synth", None)
         return opts
 
     def run(self) -> dict[str, Any]:
-        done = self._finished_output()
+        # rank 0 decides (and may remove a manifest under overwrite) before the others look
+        done = self._finished_output() if self.dist.is_main else None
+        barrier()
+        if not self.dist.is_main:
+            done = self._finished_output()
         if done is not None:
+            if self.cfg.save_conversations:
+                raise ConfigError(
+                    f"{self.out} is already prepared with these options, and save_conversations= writes only while "
+                    f"preparing: choose another out= (copy {self.out}/synth or {self.out}/regen there to reuse "
+                    f"what was generated)"
+                )
             print(f"eagle3-prepare: {self.out} is already prepared with these options; reusing it")
             return done
         if self.cfg.synthesize:
@@ -213,7 +227,7 @@ class Preparer:
                 f"{self.out} holds a prepared dataset made with other options, input or target{said}\n"
                 f"pass overwrite=true to replace it, or choose another out="
             )
-        (self.out / MANIFEST_NAME).unlink()
+        (self.out / MANIFEST_NAME).unlink(missing_ok=True)
         return None
 
     def read(self) -> tuple[list[Conversation], int]:

@@ -199,6 +199,9 @@ class Standardizer:
         sources = self.sources(dumps)
         all_ids = np.concatenate([s.sample_ids for s in sources]) if sources else np.zeros(0, dtype=np.int64)
         if self.cfg.max_samples is not None:  # the lowest ids: prepare numbers samples in input order
+            if self.cfg.max_samples > len(all_ids):
+                warnings.warn(f"max_samples={self.cfg.max_samples} but the dumps hold {len(all_ids)} samples; using all",
+                              stacklevel=2)
             all_ids = np.sort(all_ids)[: self.cfg.max_samples]
             sources = [replace(s, keep=np.isin(s.sample_ids, all_ids)) for s in sources]
         eval_ids = split_eval(all_ids, self.cfg.eval_fraction, self.cfg.seed)

@@ -295,17 +295,23 @@ class Synthesizer:
         size = self.synth.chunk_size
         n_chunks = -(-self.n // size)
         start = time.perf_counter()
-        for _ in range(MAX_ROUNDS):
+        for round_ in range(MAX_ROUNDS):
             for c in range(n_chunks):
                 if c % self.world == self.rank and not self._path(c).is_file():
                     self._generate_chunk(c)
             self.barrier()
             kept, counts = self._select(n_chunks)
-            if len(kept) >= self.n:
+            if not kept:
+                raise Eagle3Error(
+                    f"every synthesized conversation of {n_chunks} chunk(s) was dropped ({dict(counts)}); "
+                    f"e.g. raise synth.max_new_tokens / synth.max_tokens if the target writes long questions, "
+                    f"or check that the target is a chat model"
+                )
+            if len(kept) >= self.n or round_ == MAX_ROUNDS - 1:
                 break
-            # more chunks for the deficit, at the keep rate seen so far (plus a margin)
-            rate = max(len(kept), 1) / (n_chunks * size)
-            n_chunks += max(1, -(-int((self.n - len(kept)) / rate * 1.1) // size))
+            # more chunks for the deficit at the keep rate seen so far (plus a margin), at most 4x
+            rate = len(kept) / (n_chunks * size)
+            n_chunks += min(3 * n_chunks, max(1, -(-int((self.n - len(kept)) / rate * 1.1) // size)))
         seconds = time.perf_counter() - start
         if len(kept) < self.n:
             print(f"eagle3-prepare: only {len(kept)} of {self.n} synthesized conversations passed the filters "

@@ -203,3 +203,16 @@ def test_prepare_through_a_served_engine_equals_transformers(backend, tmp_path, 
         _, got = prepare(data, out=backend, regenerate=True,
                          regen=RegenConfig(**regen, backend=backend, server=server_cfg(server.url)))
     assert got["input_ids"] == want["input_ids"] and got["loss_mask"] == want["loss_mask"]
+
+
+def test_engine_address_is_not_an_output_option(tmp_path, write_jsonl, prepare):
+    """Restarted against the engine on another port, a prepare keeps its finished chunks and output."""
+    data = write_jsonl([{"messages": [{"role": "user", "content": t}]} for t in USER_TURNS[:3]])
+    regen = dict(max_new_tokens=4, batch_size=4, backend="vllm")
+    with StandinVllm(build_tiny_model()) as server:
+        first, _ = prepare(data, out="p", regenerate=True, regen=RegenConfig(**regen, server=server_cfg(server.url)))
+    with StandinVllm(build_tiny_model()) as other:  # another port, another concurrency: nothing to redo
+        again, _ = prepare(data, out="p", regenerate=True,
+                           regen=RegenConfig(**regen, server=server_cfg(other.url, concurrency=7)))
+        assert other.bodies == []
+    assert again["fingerprint"] == first["fingerprint"]

@@ -204,3 +204,17 @@ def test_two_ranks_killed_and_resumed_equal_one_rank(tmp_path, monkeypatch):
     assert any(r.count(1) > 1 for r in a["loss_mask"]) and len(set(map(tuple, a["input_ids"]))) == 10
     two_turns = [build_tiny_tokenizer().decode(r).count("<|im_start|>assistant") for r in a["input_ids"]]
     assert max(two_turns) == 2  # later user turns were written after the first reply
+
+
+def test_nothing_kept_stops_with_the_counts_and_reuse_refuses_a_late_save(tmp_path, monkeypatch):
+    tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
+    never_ends = Recording(tok, [("and so on ", False)] * 4)  # a target that never ends its question
+    with pytest.raises(Eagle3Error, match=r"every synthesized conversation of 1 chunk\(s\) was dropped \(\{'no_end_of_turn': 2\}\)"):
+        _prepare(tmp_path, monkeypatch, never_ends, out="none", synthesize=2, synth=SynthConfig(chunk_size=2, max_new_tokens=8))
+    _prepare(tmp_path, monkeypatch, Recording(tok, [("Why is the sky blue?", True)]), synthesize=1,
+             synth=SynthConfig(chunk_size=1))
+    with pytest.raises(ConfigError, match="save_conversations= writes only while preparing"):
+        _prepare(tmp_path, monkeypatch, None, synthesize=1, synth=SynthConfig(chunk_size=1),
+                 save_conversations=str(tmp_path / "late.jsonl"))
+    with pytest.raises(ConfigError, match="must name a .jsonl or .jsonl.gz file"):
+        PrepareConfig(target="tiny", out=str(tmp_path / "x"), synthesize=1, save_conversations="c.json")
