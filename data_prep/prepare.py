@@ -203,7 +203,8 @@ class Preparer:
             world=self.dist.world_size, barrier=barrier, progress=c.progress and self.dist.is_main,
         )
         conversations, stats = synthesizer.run()
-        close()  # the ranks are done together; rank 0 writes the dataset alone
+        if self.dist.world_size > 1:  # torchrun's ranks are done together; rank 0 writes the dataset alone
+            close()
         return conversations, {"synthesis": stats}
 
     def _load_generator(self) -> tuple[Any, list[int]]:
