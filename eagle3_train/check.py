@@ -6,7 +6,8 @@
 Works on any EAGLE-3 draft directory. For each engine runner it prints where the ids are read, the
 HF indices captured, and the trained indices (from the draft's ``eagle3_train`` block, or
 ``trained=`` for third-party drafts); it flags silent fallbacks (no key where the engine reads, so
-the engine default), a draft whose ``fc`` SGLang would skip, and ``d2t`` problems. Exits 1 on any
+the engine default), a draft whose ``fc`` SGLang would skip, ``d2t`` problems, and weights the
+engines would not load. Exits 1 on any
 mismatch or problem, 0 otherwise.
 """
 
@@ -23,7 +24,7 @@ from omegaconf import MISSING
 from safetensors import safe_open
 
 from eagle3_train.cli import entry_point
-from eagle3_train.engines import ENGINES, TOP_KEY, family_of, fc_skipped, resolve
+from eagle3_train.engines import ENGINES, TOP_KEY, family_of, fc_skipped, resolve, unloadable_weights
 from eagle3_train.errors import BadInputError, ConfigError
 from eagle3_train.targets import text_config
 
@@ -72,8 +73,8 @@ def _config_from(path: Path) -> Any:
     return AutoConfig.for_model(d.pop("model_type"), **d)
 
 
-def read_draft(draft: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The draft's config.json and its d2t/t2d tensors (absent ones left out)."""
+def read_draft(draft: Path) -> tuple[dict, dict[str, torch.Tensor], set[str]]:
+    """The draft's config.json, its d2t/t2d/fc tensors (absent ones left out) and every weight name."""
     if not (draft / "config.json").is_file():
         raise BadInputError(f"{draft} has no config.json: not a draft directory")
     files = sorted(draft.glob("*.safetensors"))
@@ -81,19 +82,22 @@ def read_draft(draft: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise BadInputError(f"{draft} has no .safetensors weights")
     config = json.loads((draft / "config.json").read_text())
     tensors: dict[str, torch.Tensor] = {}
+    names: set[str] = set()
     for f in files:
         with safe_open(str(f), framework="pt") as st:
+            names.update(st.keys())
             for key in st.keys():
                 if key.split(".")[-1] in ("d2t", "t2d"):
                     tensors[key.split(".")[-1]] = st.get_tensor(key)
                 elif key.endswith("fc.weight"):
                     tensors["fc.weight"] = st.get_tensor(key)
-    return config, tensors
+    return config, tensors, names
 
 
 def check(config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any, trained: list[int] | None,
-          engines: list[str]) -> tuple[list[str], list[Finding]]:
-    """Report lines and findings for one draft (pure: no I/O)."""
+          engines: list[str], weight_names: set[str] | None = None) -> tuple[list[str], list[Finding]]:
+    """Report lines and findings for one draft (pure: no I/O); ``weight_names`` (all the draft's
+    tensors) are checked against what the engines load, when given."""
     tc = text_config(target_cfg)
     n, h, v, mt = tc.num_hidden_layers, tc.hidden_size, tc.vocab_size, tc.model_type
     lines = [f"target: model_type {mt}, N={n}, hidden {h}, vocab {v}; trained on HF indices {trained or 'unknown'}"]
@@ -119,6 +123,11 @@ def check(config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any, train
         if fc is not None and fc_skipped(engine, 1, fc.shape[1], fc.shape[0]):
             findings.append(Finding("error", f"{engine}: fc input width {fc.shape[1]} equals the draft hidden size, so SGLang skips fc"))
     findings += _check_vocab(config, tensors, v)
+    # embed_tokens is loaded too (SGLang then swaps in the target's): only other names are foreign
+    foreign = unloadable_weights((weight_names or set()) - {"embed_tokens.weight"})
+    if foreign:
+        findings.append(Finding("error", f"weights {foreign} are not part of the EAGLE-3 draft the engines build: "
+                                         f"SGLang drops them without a word, vLLM fails to load the draft"))
     return lines, findings
 
 
@@ -148,9 +157,9 @@ def _check_vocab(config: dict, tensors: dict[str, torch.Tensor], v: int) -> list
 
 def run_check(cfg: CheckConfig) -> int:
     draft = Path(cfg.draft).expanduser()
-    config, tensors = read_draft(draft)
+    config, tensors, names = read_draft(draft)
     trained = list(cfg.trained) if cfg.trained is not None else (config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"))
-    lines, findings = check(config, tensors, target_config(cfg.target, cfg.cache_dir), trained, list(cfg.engines))
+    lines, findings = check(config, tensors, target_config(cfg.target, cfg.cache_dir), trained, list(cfg.engines), names)
     for line in lines:
         print(line)
     for f in findings:

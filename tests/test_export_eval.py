@@ -133,6 +133,13 @@ def test_check_flags_what_engines_would_get_wrong(pipeline, capsys):
     # a third-party draft without our block: the user says what it was trained on
     foreign = off_by_one(pipeline, "foreign", lambda c: c.pop("eagle3_train"))
     assert run(foreign, trained=[1, 2, 3]) == 0 and run(foreign, trained=[2, 3]) == 1
+    capsys.readouterr()
+    extra = off_by_one(pipeline, "extra", lambda c: None)  # a weight no engine's draft has (and embeddings, which they load)
+    w = load_file(str(extra / "model.safetensors"))
+    w["aux_norm.weight"], w["embed_tokens.weight"] = torch.ones(3), torch.zeros(2, 2)
+    save_file(w, str(extra / "model.safetensors"))
+    assert run(extra) == 1
+    assert "weights ['aux_norm.weight'] are not part of the EAGLE-3 draft the engines build" in capsys.readouterr().out
 
 
 def test_bad_drafts(pipeline, tmp_path):
