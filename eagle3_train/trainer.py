@@ -91,6 +91,19 @@ class OptimConfig:
         for name in ("epochs", "max_tokens_per_batch", "grad_accum", "keep_last", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"train.max_steps must be >= 1 or null, got {self.max_steps}")
+        if not self.lr > 0:  # also refuses nan
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if not 0 < self.loss_decay <= 1:
+            raise ConfigError(f"train.loss_decay must be in (0, 1], got {self.loss_decay}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"train.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "save_every", "cache_target_gb"):
+            if not getattr(self, name) >= 0:  # 0 means off where the field says so; nan is refused
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass
@@ -115,6 +128,10 @@ class DeepSpeedConfig:
     zero_stage: int = 1  # ZeRO stage 0-3
     bf16: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; true / false to force
     offload_optimizer: bool = False  # ZeRO optimizer states in host memory
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
 
 
 @dataclass

@@ -65,6 +65,9 @@ def test_config_checks_run_on_final_values():
         cfg = compose(config_name="prepare", overrides=["input=x", "out=y", "on_bad_row=ignore"])
     with pytest.raises(ConfigError, match="on_bad_row must be one of"):
         to_config(cfg, data_prep.prepare.PrepareConfig)
+    schema, overrides = PRIMARY["train.yaml"]
+    with pytest.raises(ConfigError, match=r"^train\.lr must be > 0, got -1"):
+        to_config(compose_config("train.yaml", overrides + ["train.lr=-1"]), schema)
 
 
 def test_shipped_prompts():

@@ -71,6 +71,28 @@ def test_recipe_options_are_checked():
         OptimConfig(early_stop_patience=2)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("lr", -1.0), ("lr", 0.0), ("lr", float("nan")), ("weight_decay", -0.1), ("betas", [0.9, 1.0]),
+    ("betas", [-0.1, 0.95]), ("betas", [0.9]), ("grad_clip", -1.0), ("warmup_steps", -1), ("epochs", 0),
+    ("max_steps", 0), ("min_lr_ratio", 1.5), ("min_lr_ratio", -0.1), ("max_tokens_per_batch", 0),
+    ("grad_accum", 0), ("ttt_length", 0), ("loss_decay", 0.0), ("loss_decay", 1.1), ("eval_every", -1),
+    ("save_every", -1), ("keep_last", 0), ("log_every", 0), ("cache_target_gb", -1.0),
+    ("early_stop_patience", -1),
+])
+def test_numeric_recipe_options_are_range_checked(field, value):
+    with pytest.raises(ConfigError, match=rf"^train\.{field} must be") as e:
+        OptimConfig(**{field: value})
+    assert "\n" not in str(e.value)
+
+
+def test_numeric_recipe_options_accept_their_bounds():
+    o = OptimConfig(lr=1e-9, weight_decay=0.0, betas=[0.0, 0.999], grad_clip=0.0, warmup_steps=0, max_steps=1,
+                    min_lr_ratio=1.0, loss_decay=1.0, cache_target_gb=0.0)
+    assert o.grad_clip == 0.0 and o.min_lr_ratio == 1.0
+    with pytest.raises(ConfigError, match=r"^deepspeed\.zero_stage must be 0, 1, 2 or 3, got 4$"):
+        DeepSpeedConfig(zero_stage=4)
+
+
 def test_ttt_statistics_count_out_of_vocab_positions_as_misses():
     """ttt_losses' per-step counts against loops over a hand-built batch: every existing,
     loss-masked position is counted; one whose target argmax is outside the draft vocab is a miss;
