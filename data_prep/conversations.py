@@ -84,8 +84,12 @@ def _iter_file(path: Path) -> Iterator[tuple[str, Any]]:
     if kind is None:
         raise BadInputError(f"input file {path} is neither .jsonl, .jsonl.gz nor .json")
     if kind == "json":
+        raw = path.read_bytes()
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            line, column = raw.count(b"\n", 0, e.start) + 1, e.start - raw.rfind(b"\n", 0, e.start)
+            raise BadInputError(f"{path}:{line}: {_not_utf8(e, column)}") from None
         except json.JSONDecodeError as e:
             raise BadInputError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
         if not isinstance(data, list):
@@ -94,15 +98,25 @@ def _iter_file(path: Path) -> Iterator[tuple[str, Any]]:
             yield f"{path}[item {i}]", row
         return
     opener = gzip.open if path.name.lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    # bytes, decoded line by line: an undecodable line is one bad row (skippable), not a traceback
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            source = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield source, BadRow(source, "bad_encoding", _not_utf8(e, e.start + 1))
+                continue
             if not line.strip():
                 continue
-            source = f"{path}:{lineno}"
             try:
                 yield source, json.loads(line)
             except json.JSONDecodeError as e:
                 yield source, BadRow(source, "malformed_json", f"malformed JSON: {e.msg} (column {e.colno})")
+
+
+def _not_utf8(e: UnicodeDecodeError, column: int) -> str:
+    return f"not valid UTF-8 (byte 0x{e.object[e.start]:02x} at column {column}): re-encode the file as UTF-8"
 
 
 def _iter_dataset(ds: Any, name: str) -> Iterator[tuple[str, Any]]:

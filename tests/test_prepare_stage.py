@@ -106,6 +106,31 @@ def test_bad_row_error_names_file_line_field(write_jsonl, prepare, bad, message,
     assert manifest["counts"]["rows_read"] == 3 and len(ds) == 2
 
 
+@pytest.mark.parametrize("name", ["data.jsonl", "data.jsonl.gz"])
+def test_non_utf8_line_is_a_bad_row(tmp_path, prepare, name):
+    import gzip
+
+    latin1 = json.dumps({"messages": [{"role": "user", "content": "caf\u00e9"}, {"role": "assistant", "content": "x"}]},
+                        ensure_ascii=False).encode("latin-1")
+    raw = b"\n".join([json.dumps(OPENAI[0]).encode(), latin1, json.dumps(OPENAI[1]).encode()]) + b"\n"
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
+    with pytest.raises(Eagle3Error) as e:
+        prepare(path)
+    assert f"{path}:2: not valid UTF-8 (byte 0xe9 at column 47): re-encode the file as UTF-8 [bad_encoding]" in str(e.value)
+    manifest, ds = prepare(path, on_bad_row="skip", out="skipped")
+    assert manifest["counts"]["skipped"] == {"bad_encoding": 1}
+    assert manifest["counts"]["rows_read"] == 3 and len(ds) == 2
+    assert ds["source"][1].endswith(f"{name}:3")
+
+
+def test_non_utf8_json_array_names_file_and_line(tmp_path, prepare):
+    path = tmp_path / "data.json"
+    path.write_bytes(b'[\n{"messages": [{"role": "user", "content": "caf\xe9"}]}\n]\n')
+    with pytest.raises(Eagle3Error, match=rf"^{path}:2: not valid UTF-8 \(byte 0xe9 at column 47\)"):
+        prepare(path, on_bad_row="skip")  # the whole file is undecodable: not a row to skip
+
+
 def test_too_long_conversation(write_jsonl, prepare):
     long = {"messages": [{"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "ok"}]}
     path = write_jsonl([OPENAI[1], long])
@@ -156,3 +181,10 @@ def test_cli_prints_error_without_traceback(tmp_path, write_jsonl):
     assert f"eagle3-prepare: error: {path}:2: malformed JSON" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl"]  # nothing written to cwd
+    path.write_bytes(b"\xff\xfe{}\n")  # UTF-16 text, say
+    proc = subprocess.run(
+        [sys.executable, "-m", "data_prep.prepare", "target=tiny", f"input={path}", f"out={tmp_path / 'o'}"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"eagle3-prepare: error: {path}:1: not valid UTF-8 (byte 0xff at column 1)" in proc.stderr
