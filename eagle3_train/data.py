@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3_train.errors import BadInputError
-from eagle3_train.formats import SHARD_SUFFIX, ShardRecord
+from eagle3_train.formats import SHARD_SUFFIX, ShardRecord, check_shard
 
 SORT_WINDOW = 64  # micro-batches' worth of samples sorted together by length
 
@@ -50,6 +50,9 @@ class Batch:
 class ShardSplit:
     """The samples of one split directory, readable by index.
 
+    Each shard is checked against the sha256 recorded beside it when this process first reads its
+    tensors (once: the open handle is the verdict), so a corrupt shard stops the run by name.
+
     Args:
         directory: ``<standardized>/train`` or ``<standardized>/eval``.
         records: the shard records listed for it in the manifest.
@@ -63,9 +66,16 @@ class ShardSplit:
         for i, path in enumerate(self.paths):
             if not path.is_file():
                 raise BadInputError(f"shard {path} listed in the manifest is missing")
-            with safe_open(str(path), framework="pt") as f:
-                cu = f.get_tensor("cu_seqlens").numpy()
-                ids = f.get_tensor("sample_ids").numpy()
+            try:  # only the small index tensors here; a garbled index is blamed on the checksum if it differs
+                with safe_open(str(path), framework="pt") as f:
+                    cu = f.get_tensor("cu_seqlens").numpy()
+                    ids = f.get_tensor("sample_ids").numpy()
+                sane = len(cu) == len(ids) + 1 and cu[0] == 0 and bool((np.diff(cu) > 0).all())
+            except Exception:
+                sane = False
+            if not sane:
+                check_shard(path)
+                raise BadInputError(f"shard {path} has no valid cu_seqlens / sample_ids")
             shard.append(np.full(len(ids), i))
             start.append(cu[:-1])
             length.append(np.minimum(np.diff(cu), max_length))
@@ -79,6 +89,7 @@ class ShardSplit:
 
     def _open(self, i: int):
         if i not in self._handles:
+            check_shard(self.paths[i])
             self._handles[i] = safe_open(str(self.paths[i]), framework="pt")
         return self._handles[i]
 

@@ -141,6 +141,30 @@ def read_keys(path: Path, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
         raise BadInputError(f"shard {path} is corrupt or unreadable: {e}") from None
 
 
+def check_shard(path: Path) -> None:
+    """Refuse a shard whose bytes differ from those its producer recorded beside it (sha256, size).
+
+    Raises :class:`BadInputError` naming the shard. The file is read once, sequentially; reads of
+    its tensors that follow are served from the page cache.
+    """
+    record_path = path.with_suffix(RECORD_SUFFIX)
+    try:
+        record = ShardRecord.from_dict(json.loads(record_path.read_text()))
+    except FileNotFoundError:
+        raise BadInputError(f"shard {path} has no record {record_path.name} (its checksum): re-run the stage that wrote it") from None
+    except (json.JSONDecodeError, TypeError) as e:
+        raise BadInputError(f"shard record {record_path} is corrupt: {e}") from None
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        sha = hashlib.file_digest(f, "sha256").hexdigest() if size == record.bytes else None
+    if sha != record.sha256:
+        what = "sha256" if sha else f"size ({size} bytes, recorded {record.bytes})"
+        raise BadInputError(
+            f"shard {path} is corrupt: its {what} differs from {record_path.name} written with it; "
+            f"re-run the stage that wrote it"
+        )
+
+
 def finished_records(directory: Path) -> list[ShardRecord]:
     """Records of the finished shards in ``directory`` (name order)."""
     out = []

@@ -226,6 +226,27 @@ def test_missing_vocab_map_and_nan_loss(std, tmp_path):
         train(data, tmp_path / "b", max_steps=2)
 
 
+def test_corrupt_shard_is_refused_by_name(std, tmp_path):
+    """64 bytes zeroed in the middle of a train shard (its tensors still parse): the sha256 recorded
+    beside it no longer matches, and training stops naming the shard instead of training on it."""
+    import shutil
+
+    data = tmp_path / "std"
+    shutil.copytree(std, data)
+    shard = sorted((data / "train").glob("*.safetensors"))[-1]
+    raw = bytearray(shard.read_bytes())
+    mid = len(raw) // 2
+    assert any(raw[mid : mid + 64])  # the zeros really change the file
+    raw[mid : mid + 64] = bytes(64)
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(BadInputError, match=rf"^shard {shard} is corrupt: its sha256 differs from {shard.stem}.json") as e:
+        train(data, tmp_path / "r", epochs=1)
+    assert "\n" not in str(e.value)
+    shard.write_bytes(bytes(raw[:-8]))  # truncated: the size already differs
+    with pytest.raises(BadInputError, match=rf"^shard {shard} is corrupt: its size \({len(raw) - 8} bytes, recorded {len(raw)}\)"):
+        train(data, tmp_path / "t", epochs=1)
+
+
 def test_cached_target_distribution_gives_the_same_training(std, tmp_path, monkeypatch):
     """train.cache_target_gb: the target lm_head runs once per sample, not once per epoch, and the
     run is the one without the cache (up to float rounding of per-sample vs batched matmuls)."""
