@@ -194,7 +194,7 @@ class Preparer:
             "dtype": c.dtype,
             # the steering prompts themselves, not the file they came from
             "synth": config_dict(c.synth) | {"system_prompts": c.synth.systems(), "system_prompts_file": None},
-            "regen": {k: v for k, v in config_dict(c.regen).items() if k not in ("chunk_size", "server")},
+            "regen": {k: v for k, v in self._output_options()["regen"].items() if k != "chunk_size"},
         }
         synthesizer = Synthesizer(
             n=c.synthesize, synth=c.synth, regen=c.regen, seed=c.seed, work_dir=self.out / "synth",

@@ -261,7 +261,7 @@ class Synthesizer:
         self.user_cfg = RegenConfig(max_new_tokens=synth.max_new_tokens, do_sample=True, temperature=synth.temperature,
                                     top_p=synth.top_p, batch_size=regen.batch_size, chunk_size=regen.chunk_size,
                                     backend=regen.backend, server=regen.server)
-        self.generated = Counter()  # new tokens and seconds of this rank's chunks
+        self.generated = Counter()  # new tokens and chunks this rank generated in this run
 
     # ---- chunks on disk
     def _claim_dir(self) -> None:
@@ -400,10 +400,9 @@ class Synthesizer:
             for c in convs if c["messages"]
         ]
         seconds = time.perf_counter() - t0
-        self.generated.update(tokens=new_tokens, seconds=seconds)
         atomic_write_json(self._path(chunk), {"conversations": kept, "dropped": dict(dropped),
                                               "new_tokens": new_tokens, "seconds": round(seconds, 3)})
-        self.generated.update(chunks=1)
+        self.generated.update(tokens=new_tokens, chunks=1)
         if self.generated["chunks"] == int(os.environ.get(CRASH_ENV, 0)):
             os._exit(17)  # a kill at the worst moment: other ranks are mid-chunk
 
