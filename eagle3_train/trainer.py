@@ -113,12 +113,15 @@ class ModelOptions:
     lm_head_init: str = "random"  # random | target: start lm_head from the target lm_head's rows of the draft vocab (and norm from the target's final norm)
     freeze_lm_head: bool = False  # keep lm_head at its initial value (needs lm_head_init=target)
     aux_norm: bool = False  # RMSNorm over the concatenated aux states before fc; SGLang and vLLM cannot load it, so eagle3-export refuses such a head
+    intermediate_size: int = 0  # the draft MLP's width; 0: the target's (engines read it from the exported config.json)
 
     def __post_init__(self) -> None:
         if self.lm_head_init not in ("random", "target"):
             raise ConfigError(f"model.lm_head_init must be random or target, got {self.lm_head_init!r}")
         if self.freeze_lm_head and self.lm_head_init != "target":
             raise ConfigError("model.freeze_lm_head=true would freeze a random lm_head: set model.lm_head_init=target")
+        if self.intermediate_size < 0:
+            raise ConfigError(f"model.intermediate_size must be >= 0 (0: the target's), got {self.intermediate_size}")
 
 
 @dataclass
@@ -295,7 +298,9 @@ class Trainer:
         self.t2d = self.vocab.t2d.to(self.dist.device)
         draft_cfg = DraftConfig.from_target(target_config, len(self.spec.aux_indices), self.vocab.draft_vocab_size)
         torch.manual_seed(cfg.train.seed)
-        self.model = Eagle3Draft(replace(draft_cfg, aux_norm=cfg.model.aux_norm))
+        draft_cfg = replace(draft_cfg, aux_norm=cfg.model.aux_norm,
+                            intermediate_size=cfg.model.intermediate_size or draft_cfg.intermediate_size)
+        self.model = Eagle3Draft(draft_cfg)
         with torch.no_grad():
             self.model.embed_tokens.weight.copy_(embed)
             self.model.d2t.copy_(self.vocab.d2t)

@@ -379,7 +379,7 @@ def test_lm_head_from_the_target_frozen_and_exported(std_part, tmp_path):
     assert not torch.equal(weights["norm.weight"], target.model.norm.weight.detach())  # trained
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 200
     assert config["eagle3_train"]["training"]["model"] == {"lm_head_init": "target", "freeze_lm_head": True,
-                                                         "aux_norm": False}
+                                                         "aux_norm": False, "intermediate_size": 0}
 
 
 def test_aux_norm_trains_but_export_refuses(std, tmp_path):
@@ -394,3 +394,22 @@ def test_aux_norm_trains_but_export_refuses(std, tmp_path):
     with pytest.raises(ContractError, match=r"(?s)silently drop and vLLM 0.33.0 would fail on .*'aux_norm.weight'.*model.aux_norm=false"):
         Exporter(ExportConfig(run=str(tmp_path / "r"), out=str(tmp_path / "x"))).run()
     assert not (tmp_path / "x").exists()
+
+
+def test_wider_mlp_is_exported_and_loaded_back(std, tmp_path):
+    """model.intermediate_size: the draft MLP gets that width, export writes it to config.json (what
+    SGLang and vLLM size the MLP from) and eagle3-eval's loader rebuilds the same head from it."""
+    from eagle3_train.eval import load_draft
+    from eagle3_train.targets import load_target
+
+    with pytest.raises(ConfigError, match="intermediate_size must be >= 0"):
+        ModelOptions(intermediate_size=-1)
+    final = train(std, tmp_path / "r", max_steps=2, model=ModelOptions(intermediate_size=96))
+    weights = load_file(str(tmp_path / "r" / "checkpoints" / f"step{final['step']}" / "draft.safetensors"))
+    assert weights["midlayer.mlp.up_proj.weight"].shape == (96, 64)  # the tiny target's MLP is 128 wide
+    config = Exporter(ExportConfig(run=str(tmp_path / "r"), out=str(tmp_path / "x"), dtype="float32")).run()
+    assert config["intermediate_size"] == 96
+    head, _ = load_draft(tmp_path / "x", load_target("tiny", cache_dir=None, dtype="float32"))
+    exported = load_file(str(tmp_path / "x" / "model.safetensors"))
+    assert head.midlayer.mlp.down_proj.weight.shape == (64, 96)
+    assert torch.equal(head.midlayer.mlp.down_proj.weight, exported["midlayer.mlp.down_proj.weight"])
