@@ -14,7 +14,8 @@
 # Every stage reuses finished output, so a rerun continues where a crash stopped. Stage times go to
 # $RUN_DIR/timings.jsonl. Variables: N, NGPU, RUN_DIR, EPOCHS, LR, TTT, BATCH_TOKENS, DRAFT_VOCAB,
 # NEW_TOKENS (reply length), GEN_BATCH (prompts generated together per GPU), TARGET (default
-# embedded), DUMP_EXTRA / TRAIN_EXTRA (more eagle3-dump / eagle3-train overrides).
+# embedded), DUMP_EXTRA / TRAIN_EXTRA (more eagle3-dump / eagle3-train overrides), UNTIL=standardize
+# (stop once the training data is ready, e.g. to train several variants of it).
 set -euo pipefail
 N=${N:-32768}
 NGPU=${NGPU:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
@@ -39,6 +40,7 @@ run synthesize dist -m data_prep.prepare target="${TARGET:-embedded}" synthesize
 run dump dist -m data_prep.dump target="${TARGET:-embedded}" data="$RUN/prepared" out="$RUN/dump" dtype=bfloat16 ${DUMP_EXTRA:-}
 run standardize python3 -m data_prep.standardize dumps="[$RUN/dump]" out="$RUN/std" \
   draft_vocab_size="${DRAFT_VOCAB:-8192}" eval_fraction=0.02 ${MAX_SAMPLES:+max_samples=$MAX_SAMPLES}
+[ "${UNTIL:-}" = standardize ] && exit 0
 # shellcheck disable=SC2086  # TRAIN_EXTRA is a list of overrides
 run train dist -m eagle3_train.trainer data="$RUN/std" target="${TARGET:-embedded}" out="$RUN/train" \
   train.ttt_length="${TTT:-5}" train.epochs="${EPOCHS:-10}" train.lr="${LR:-3e-3}" train.warmup_steps=30 \

@@ -6,6 +6,10 @@
 # the GPUs (a head this small leaves a GPU mostly idle), round-robin.
 #
 #   POINTS="2048 4096 8192 16384" bash tests/benchmarks/scaling_curve.sh runs/smollm2_synth
+#   POINTS="" VARIANT_N=32768 VARIANTS="a|train.lr=1e-3" TRAIN_TIMEOUT=600 bash tests/benchmarks/scaling_curve.sh RUN
+#
+# TRAIN_TIMEOUT (seconds, 0: none) stops a training that runs past it; under keep_best its best
+# checkpoint so far is still exported and evaluated (the run's train.log says it was stopped).
 #   python3 -m tests.benchmarks.scaling_results runs/smollm2_synth out.json out.png
 set -euo pipefail
 RUN=${1:?usage: scaling_curve.sh RUN_DIR}
@@ -37,9 +41,16 @@ one() {  # one <name> <n> <gpu> [overrides...]: train, export, eval; a refused e
   local name=$1 n=$2 gpu=$3; shift 3
   local d="$RUN/curve/$name"
   mkdir -p "$d"
+  echo "$RECIPE $*" > "$d/overrides.txt"
+  local t0; t0=$(date +%s)
   # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.trainer data="$RUN/curve/std_$n" target="${TARGET:-embedded}" out="$d/train" \
-    $RECIPE "$@" > "$d/train.log" 2>&1 || { echo "$name: training failed (see $d/train.log)"; return 0; }
+  CUDA_VISIBLE_DEVICES=$gpu timeout -s INT "${TRAIN_TIMEOUT:-0}" python3 -m eagle3_train.trainer data="$RUN/curve/std_$n" \
+    target="${TARGET:-embedded}" out="$d/train" $RECIPE "$@" > "$d/train.log" 2>&1 || {
+    local rc=$?
+    if [ $rc -eq 124 ]; then echo "stopped by TRAIN_TIMEOUT=${TRAIN_TIMEOUT}s" >> "$d/train.log"; echo "$name: timed out"
+    else echo "$name: training failed (see $d/train.log)"; return 0; fi
+  }
+  echo $(( $(date +%s) - t0 )) > "$d/train_s"
   if CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.export run="$d/train" out="$d/export" > "$d/export.log" 2>&1; then
     CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.eval draft="$d/export" target="${TARGET:-embedded}" engine=sglang \
       prompts="$PROMPTS/heldout.jsonl" k=5 max_new_tokens=128 dtype=float32 batch_size=37 out="$d/eval" progress=false \

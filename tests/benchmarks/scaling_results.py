@@ -19,6 +19,8 @@ def _jsonl(path: Path) -> list[dict]:
 def collect(d: Path, std: Path) -> dict[str, Any]:
     """One run: data size, training's last evaluation and best, eagle3-eval's report."""
     out: dict[str, Any] = {}
+    if (d / "overrides.txt").is_file():
+        out["overrides"] = " ".join((d / "overrides.txt").read_text().split())
     if (std / "manifest.json").is_file():
         c = json.loads((std / "manifest.json").read_text())["counts"]
         out["data"] = {k: c[k] for k in ("train_samples", "eval_samples", "train_tokens") if k in c}
@@ -28,7 +30,15 @@ def collect(d: Path, std: Path) -> dict[str, Any]:
         best = max(evals, key=lambda m: m["eval_tau"])
         out["train"] = {"steps": max(m.get("step", 0) for m in metrics), "last_eval_tau": round(evals[-1]["eval_tau"], 4),
                         "best_eval_tau": round(best["eval_tau"], 4), "best_step": best["step"],
-                        "eval_acc_at_best": [round(a, 4) for a in best["eval_acc"]]}
+                        "eval_acc_at_best": [round(a, 4) for a in best["eval_acc"]],
+                        "eval_curve": [[m["step"], round(m["eval_tau"], 3)] for m in evals]}
+        rates = sorted(m["tokens_per_s"] for m in metrics if "tokens_per_s" in m)
+        if rates:
+            out["train"]["median_tokens_per_s"] = round(rates[len(rates) // 2])
+        if (d / "train_s").is_file():
+            out["train"]["wall_s"] = int((d / "train_s").read_text())
+        if "stopped by TRAIN_TIMEOUT" in (d / "train.log").read_text(errors="replace"):
+            out["train"]["stopped_by_timeout"] = True
     report = d / "eval" / "report.json"
     if report.is_file():
         r = json.loads(report.read_text())
