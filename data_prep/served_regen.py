@@ -8,8 +8,8 @@ transformers cannot generate from at scale.
 one reply per prompt, its ids up to (not including) the first end-of-turn id, and how many replies
 hit ``max_new_tokens``. Each prompt goes to the engine as token ids, never as text, so the
 engine's tokenizer cannot re-split it; the reply is read from the returned ids, never from the
-engine's text. The HTTP client (``_post``, ``_wait_ready``, the retries) is the served dump's
-(data_prep/served.py).
+engine's text. The HTTP client (``post_json``, ``wait_ready``, the retries) is the served dump's
+(data_prep/engine_http.py).
 
 What each engine offers, read from the sources the search index stores (no engine runs on the
 machines this project is tested on; the tests drive this client against stand-in servers):
@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from data_prep.served import EngineError, _post, _retrying, _served_model, _wait_ready
+from data_prep.engine_http import EngineError, post_json, retrying, served_model, wait_ready
 from eagle3_train.errors import ConfigError
 
 
@@ -236,11 +236,11 @@ async def _generate_all(prompts: list[list[int]], cfg: ServedRegenConfig, engine
 
         async def attempt(_: int) -> dict:
             try:
-                return await _post(session, endpoint, body)
+                return await post_json(session, endpoint, body)
             except EngineError as e:  # a refusal: name the prompt (the URL is in the message)
                 raise EngineError(f"prompt {i}: {e}") from None
 
-        resp = await _retrying(attempt, cfg.retries, cfg.backoff_s, where)
+        resp = await retrying(attempt, cfg.retries, cfg.backoff_s, where)
         return cut_reply(*engine.reply(resp, where), eos_ids, max_new, where)
 
     async def worker(session: Any, model: str | None) -> None:
@@ -251,9 +251,9 @@ async def _generate_all(prompts: list[list[int]], cfg: ServedRegenConfig, engine
 
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=cfg.concurrency)) as session:
-        await _wait_ready(session, [url], cfg.wait_for_server_s, command="eagle3-prepare",
+        await wait_ready(session, [url], cfg.wait_for_server_s, command="eagle3-prepare",
                           hint="README 'Regeneration through a served engine' shows how to start it")
-        model = (cfg.model or await _served_model(session, url, "regen.server.model")) if engine.names_model else None
+        model = (cfg.model or await served_model(session, url, "regen.server.model")) if engine.names_model else None
         workers = [asyncio.create_task(worker(session, model)) for _ in range(min(cfg.concurrency, len(prompts)))]
         try:
             done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)

@@ -2,7 +2,7 @@
 served-regeneration tests.
 
 No engine runs on the machines this project is tested on. These servers follow the API surface
-that data_prep/served.py documents (read from vLLM 0.33.0 and SGLang 0.5.23): the requests, the
+that data_prep/dump/vllm.py and sglang.py document (read from vLLM 0.33.0 and SGLang 0.5.23): the requests, the
 responses, vLLM's state files with their ``.lock`` and asynchronous write, SGLang's JSON rows and
 ``cached_tokens``. A request that asks for no states generates, as data_prep/served_regen.py
 documents: token by token from the KV cache, greedy or seeded sampling, stopping as each engine

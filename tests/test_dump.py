@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from data_prep.dump import CaptureConfig, DumpConfig, Dumper, plan_batches, verify
+from data_prep.dump import CaptureConfig, DumpConfig, Dumper, verify
+from data_prep.dump.hf import plan_batches
 from eagle3_train.errors import ContractError, Eagle3Error, IncompleteError
 from eagle3_train.formats import iter_samples, read_shard
 from eagle3_train.targets import build_tiny_model
@@ -132,7 +133,7 @@ def test_nonfinite_sample_is_dropped_and_counted(prepared, tmp_path):
     def poison(module, inputs, output):  # NaN in every sample containing the token 'Z'
         output[(inputs[0] == z).any(dim=1)] = float("nan")
 
-    d.model().get_input_embeddings().register_forward_hook(poison)
+    d.backend.model().get_input_embeddings().register_forward_hook(poison)
     manifest = d.run()
     assert manifest["nonfinite_sample_ids"] == [7]
     assert manifest["counts"]["nonfinite_samples"] == 1

@@ -1,7 +1,7 @@
 """eagle3-dump backend=vllm|sglang against stand-in servers fed by the tiny target.
 
 The shards written through each engine client must equal a ``backend=hf`` dump of the same data;
-every refusal, retry and check of data_prep/served.py is driven through the servers' API surface.
+every refusal, retry and check of data_prep/dump/{served,vllm,sglang}.py is driven through the servers' API surface.
 """
 
 import json
@@ -11,8 +11,10 @@ import sys
 import pytest
 import torch
 
-from data_prep.dump import CaptureConfig, ClientConfig, DumpConfig, Dumper, ServerConfig, verify
-from data_prep.served import EngineError, ServedDumper, exact_rows, final_norm, launch_text
+from data_prep.dump import CaptureConfig, ClientConfig, DumpConfig, Dumper, ServerConfig, launch_text, verify
+from data_prep.dump.sglang import exact_rows
+from data_prep.dump.vllm import final_norm
+from data_prep.engine_http import EngineError
 from eagle3_train.engines import Unexpressible
 from eagle3_train.errors import ConfigError, Eagle3Error
 from eagle3_train.targets import build_tiny_model
@@ -65,7 +67,7 @@ def assert_same_samples(a, b, atol=1e-5):
 def test_vllm_backend_equals_hf_dump(prepared, hf_dump, tmp_path):
     out = tmp_path / "dump"
     with vllm(out) as server:
-        manifest = ServedDumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url))).run()
+        manifest = Dumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url))).run()
     hf = json.loads((hf_dump / "manifest.json").read_text())
     assert manifest["capture"] == hf["capture"] and manifest["keys"] == hf["keys"]
     assert manifest["counts"]["samples"] == 24 and manifest["run"]["next_token_check"] == {"checked": 24, "agreed": 24}
@@ -78,7 +80,7 @@ def test_sglang_backend_equals_hf_dump(prepared, hf_dump, tmp_path):
     out = tmp_path / "dump"
     aux, final = sglang_pair()
     with aux, final:
-        ServedDumper(config(prepared, out, "sglang", extra=(), server=ServerConfig(url=aux.url, final_url=final.url))).run()
+        Dumper(config(prepared, out, "sglang", extra=(), server=ServerConfig(url=aux.url, final_url=final.url))).run()
     hf = stored_samples(hf_dump)
     got = stored_samples(out)
     assert sorted(got) == sorted(hf)
@@ -102,10 +104,10 @@ def test_bfloat16_states_arrive_exactly(prepared, tmp_path):
     # the same dump through both engines, in bf16: equal to each other where both hold the layer
     a, b = tmp_path / "v", tmp_path / "s"
     with vllm(a, dtype=torch.bfloat16) as server:
-        ServedDumper(config(prepared, a, "vllm", dtype="bfloat16", server=ServerConfig(url=server.url))).run()
+        Dumper(config(prepared, a, "vllm", dtype="bfloat16", server=ServerConfig(url=server.url))).run()
     aux, final = sglang_pair(torch.bfloat16)
     with aux, final:
-        ServedDumper(config(prepared, b, "sglang", dtype="bfloat16", extra=(),
+        Dumper(config(prepared, b, "sglang", dtype="bfloat16", extra=(),
                             server=ServerConfig(url=aux.url, final_url=final.url))).run()
     sa, sb = stored_samples(a), stored_samples(b)
     for sid in sa:
@@ -129,10 +131,10 @@ def test_final_norm_matches_transformers_in_every_dtype():
 def test_two_clients_share_the_work_and_the_last_writes_the_manifest(prepared, hf_dump, tmp_path):
     out = tmp_path / "dump"
     with vllm(out) as server:
-        first = ServedDumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url), client={"rank": 1, "world_size": 2}))
+        first = Dumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url), client={"rank": 1, "world_size": 2}))
         assert first.run() is None and not (out / "manifest.json").exists()
         assert len(stored_samples(out)) == 12
-        second = ServedDumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url), client={"rank": 0, "world_size": 2}))
+        second = Dumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url), client={"rank": 0, "world_size": 2}))
         manifest = second.run()
     assert manifest["counts"]["samples"] == 24
     assert manifest["run"]["next_token_check"] == {"checked": 24, "agreed": 24}  # both clients' counts
@@ -146,7 +148,7 @@ def test_transient_failures_are_retried(prepared, hf_dump, tmp_path):
         server.fail_posts = {1, 2, 3}
         server.slow_posts = {5: 3.0}
         server.unwritten_posts = {2, 7}
-        ServedDumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url),
+        Dumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url),
                             client={"request_timeout_s": 1.0, "file_timeout_s": 2.0})).run()
     assert_same_samples(out, hf_dump)
 
@@ -159,11 +161,11 @@ def test_repeated_failures_stop_keeping_what_arrived_then_resume(prepared, hf_du
         cfg.server = ServerConfig(url=aux.url, final_url=final.url)
         aux.fail_from = 6  # five samples succeed, then the aux server is down for good
         with pytest.raises(Eagle3Error, match=r"3 attempts failed; the last: .*HTTP 503.*\n  5 samples received before the stop are stored"):
-            ServedDumper(cfg).run()
+            Dumper(cfg).run()
         assert len(stored_samples(out)) == 5 and not (out / "manifest.json").exists()
         assert not [p for p in (out / "shards").iterdir() if p.name.startswith(".")]  # nothing half-written
         aux.fail_from = None
-        ServedDumper(cfg).run()
+        Dumper(cfg).run()
     got, hf = stored_samples(out), stored_samples(hf_dump)
     assert sorted(got) == sorted(hf)
 
@@ -172,27 +174,27 @@ def test_engine_answers_that_retrying_cannot_fix_stop_at_once(prepared, tmp_path
     with vllm(tmp_path / "a") as server:
         server.shift_tokens = True
         with pytest.raises(Eagle3Error, match="token_ids differ from the prompt \\(position 0"):
-            ServedDumper(config(prepared, tmp_path / "a", "vllm", server=ServerConfig(url=server.url))).run()
+            Dumper(config(prepared, tmp_path / "a", "vllm", server=ServerConfig(url=server.url))).run()
     # the engine launched for another capture (no embedding layer)
     with StandinVllm(build_tiny_model(), [*AUX, N], tmp_path / "e") as server:
         with pytest.raises(Eagle3Error, match=r"shape \[\d+, 4, 64\], expected \[\d+, 5, 64\].*launched for another capture"):
-            ServedDumper(config(prepared, tmp_path / "b", "vllm", server=ServerConfig(url=server.url))).run()
+            Dumper(config(prepared, tmp_path / "b", "vllm", server=ServerConfig(url=server.url))).run()
     with vllm(tmp_path / "c", dtype=torch.bfloat16) as server:
         with pytest.raises(Eagle3Error, match="states are torch.bfloat16, this dump stores torch.float32"):
-            ServedDumper(config(prepared, tmp_path / "c", "vllm", server=ServerConfig(url=server.url))).run()
+            Dumper(config(prepared, tmp_path / "c", "vllm", server=ServerConfig(url=server.url))).run()
     # the engine ignores the path the client asks for (allow_custom_save_path off) and writes elsewhere
     with vllm(tmp_path / "d", allow_custom_save_path=False) as server:
         with pytest.raises(Eagle3Error, match="outside .*allow_custom_save_path"):
-            ServedDumper(config(prepared, tmp_path / "d", "vllm", server=ServerConfig(url=server.url))).run()
+            Dumper(config(prepared, tmp_path / "d", "vllm", server=ServerConfig(url=server.url))).run()
     aux, final = sglang_pair()
     with aux, final:
         servers = ServerConfig(url=aux.url, final_url=final.url)
         aux.cached_tokens = 3
         with pytest.raises(Eagle3Error, match="cached_tokens=3.*--disable-radix-cache"):
-            ServedDumper(config(prepared, tmp_path / "f", "sglang", extra=(), server=servers)).run()
+            Dumper(config(prepared, tmp_path / "f", "sglang", extra=(), server=servers)).run()
         aux.cached_tokens, final.chunk = 0, 8
         with pytest.raises(Eagle3Error, match="8 rows for \\d+ prompt tokens.*--chunked-prefill-size -1"):
-            ServedDumper(config(prepared, tmp_path / "g", "sglang", extra=(), server=servers)).run()
+            Dumper(config(prepared, tmp_path / "g", "sglang", extra=(), server=servers)).run()
 
 
 def test_an_engine_serving_another_model_is_caught(prepared, tmp_path):
@@ -200,18 +202,18 @@ def test_an_engine_serving_another_model_is_caught(prepared, tmp_path):
     other = StandinVllm(build_tiny_model(seed=7), [0, *AUX, N], tmp_path / "engine")
     with other:
         with pytest.raises(Eagle3Error, match="next token is outside the top 5 of lm_head\\(last_hidden\\)"):
-            ServedDumper(config(prepared, tmp_path / "dump", "vllm", server=ServerConfig(url=other.url))).run()
+            Dumper(config(prepared, tmp_path / "dump", "vllm", server=ServerConfig(url=other.url))).run()
 
 
 def test_refusals_and_launch_commands(prepared, tmp_path):
     with pytest.raises(Unexpressible, match="HF index 0 \\(the embeddings\\) cannot be captured"):
-        ServedDumper(config(prepared, tmp_path / "a", "sglang", aux=[1, 2], extra=(0,))).run()
+        Dumper(config(prepared, tmp_path / "a", "sglang", aux=[1, 2], extra=(0,))).run()
     with pytest.raises(ConfigError, match="add backend=vllm or backend=sglang"):
         config(prepared, tmp_path, "hf", print_launch=True)
     with pytest.raises(ConfigError, match="tp_size=2 applies to backend=hf"):
         config(prepared, tmp_path, "vllm", tp_size=2)
     with pytest.raises(ConfigError, match="client.rank=2 must be in"):
-        ServedDumper(config(prepared, tmp_path / "b", "vllm", client={"rank": 2, "world_size": 2}))
+        Dumper(config(prepared, tmp_path / "b", "vllm", client={"rank": 2, "world_size": 2}))
     # no server: a clear stop after client.wait_for_server_s
     import socket
 
@@ -219,14 +221,14 @@ def test_refusals_and_launch_commands(prepared, tmp_path):
         sock.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
     with pytest.raises(Eagle3Error, match="did not become ready within 1 s .*is the engine running"):
-        ServedDumper(config(prepared, tmp_path / "c", "vllm", server=ServerConfig(url=closed),
+        Dumper(config(prepared, tmp_path / "c", "vllm", server=ServerConfig(url=closed),
                             client={"wait_for_server_s": 1.0})).run()
     # a partial dump from one backend is not finished by another
     out = tmp_path / "mixed"
     (out).mkdir()
     (out / "request.json").write_text(json.dumps(Dumper(config(prepared, out)).request))
     with pytest.raises(Eagle3Error, match="backend"):
-        ServedDumper(config(prepared, out, "vllm")).run()
+        Dumper(config(prepared, out, "vllm")).run()
 
     target = tmp_path / "target"
     build_tiny_model().save_pretrained(target)

@@ -81,15 +81,17 @@ def make_prepared(path: Path, target, samples: int, seq: int) -> None:
 
 def make_dumper(args, target, prepared: Path, out: Path):
     import data_prep.dump as dump
+    import data_prep.dump.hf as hf
+    import data_prep.dump.stage as stage
 
-    dump.load_target = lambda *a, **k: target  # the random model built above
+    stage.load_target = hf.load_target = lambda *a, **k: target  # the random model built above
     n = target.config.num_hidden_layers
     cfg = dump.DumpConfig(target="bench", data=str(prepared), out=str(out), dtype=args.dtype, progress=False,
                           max_tokens_per_batch=args.tokens_per_batch, shard_size_mb=args.shard_mb,
                           writer_threads=args.writer_threads, capture=dump.CaptureConfig(aux_indices=[2, n // 2, n - 3]))
     dumper = dump.Dumper(cfg)
     # warm-up: one batch through the same code path (CUDA kernels, allocator)
-    dumper.capture(dump.Batch([0, 1], [args.seq] * 2))
+    dumper.backend.capture(hf.Batch([0, 1], [args.seq] * 2))
     sync(dumper.dist.device)
     return dumper
 
@@ -97,14 +99,14 @@ def make_dumper(args, target, prepared: Path, out: Path):
 @torch.no_grad()
 def run_compute_only(args, target, prepared: Path) -> dict:
     """The capture loop alone (forward, token selection, finiteness check): no host copy, no disk."""
-    import data_prep.dump as dump
+    import data_prep.dump.hf as hf
 
     dumper = make_dumper(args, target, prepared, Path(args.out) / "unused")
-    batches = dump.plan_batches(np.arange(len(dumper.dataset)), dumper.dataset["num_tokens"][:],
+    batches = hf.plan_batches(np.arange(len(dumper.dataset)), dumper.dataset["num_tokens"][:],
                                 args.tokens_per_batch, 256)
     start = time.perf_counter()
     for b in batches:
-        dumper.capture(b)
+        dumper.backend.capture(b)
     sync(dumper.dist.device)
     seconds = time.perf_counter() - start
     tokens = sum(sum(b.lengths) for b in batches)

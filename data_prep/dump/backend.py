@@ -1,0 +1,83 @@
+"""The one interface between the dump stage (data_prep/dump/stage.py) and the ways of running a
+target: ``hf`` (transformers, here), ``vllm`` and ``sglang`` (a running engine, over HTTP).
+
+The stage owns everything a backend does not: the prepared data, the capture it is asked for,
+claiming the output directory, resuming, the shard writer, coverage and the manifest. A backend
+says how this process stands among the dump's processes (:meth:`Backend.team`), refuses what it
+cannot capture before any work (:meth:`Backend.check`), produces the states of its share of the
+samples (:meth:`Backend.dump`), and adds its own facts to the manifest (:meth:`Backend.run_info`).
+An engine backend also prints the command that launches its engine (:meth:`Backend.launch_text`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from eagle3_train.dist import DistInfo
+from eagle3_train.errors import ConfigError
+
+from data_prep.dump.config import BACKENDS, DumpConfig
+
+if TYPE_CHECKING:
+    from data_prep.dump.stage import Dumper
+
+
+@dataclass(frozen=True)
+class Team:
+    """How this process shares the dump with the others.
+
+    Args:
+        dist: this process: rank, world size, device.
+        group: True: the processes form one ``torch.distributed`` group started together
+            (torchrun): rank 0 claims the output for all, and writes the manifest after a barrier.
+            False: independent clients, started at any time: each claims only its own files, and
+            the one that finds every sample stored writes the manifest.
+    """
+
+    dist: DistInfo
+    group: bool
+
+
+class Backend(ABC):
+    """One way of producing a dump's hidden states (see the module docstring).
+
+    Args:
+        cfg: the dump's options.
+    """
+
+    def __init__(self, cfg: DumpConfig):
+        self.cfg = cfg
+
+    @abstractmethod
+    def team(self) -> Team:
+        """This process's place among the dump's processes (joins a process group if there is one)."""
+
+    def check(self, stage: Dumper) -> None:
+        """Refuse, before any work, a capture this backend cannot produce (default: none)."""
+
+    @abstractmethod
+    def dump(self, stage: Dumper, rows: np.ndarray) -> tuple[int, int]:
+        """Produce the states of this process's share of ``rows`` (rows of the prepared dataset
+        still to do, the same on every process) into ``stage.writer()``; return (bytes written,
+        tokens stored) by this process."""
+
+    def run_info(self, stage: Dumper) -> dict[str, Any]:
+        """What the manifest records about how the states were produced."""
+        return {}
+
+    def launch_text(self) -> str:
+        """The command(s) that start the engine for this capture (``print_launch=true``)."""
+        raise ConfigError(f"backend={self.cfg.backend} runs no engine, so it has no launch command")
+
+    def close(self) -> None:
+        """Release what the backend holds (a process group)."""
+
+
+def make_backend(cfg: DumpConfig) -> Backend:
+    """The backend ``cfg.backend`` names, from the registry :data:`~data_prep.dump.config.BACKENDS`."""
+    return importlib.import_module(BACKENDS[cfg.backend]).Backend(cfg)

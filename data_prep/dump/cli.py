@@ -1,0 +1,38 @@
+"""The ``eagle3-dump`` command: compose the config, pick the backend, run the stage (or verify a
+dump, or print an engine's launch command)."""
+
+from __future__ import annotations
+
+from eagle3_train.cli import entry_point
+
+from data_prep.dump.backend import make_backend
+from data_prep.dump.config import DumpConfig
+from data_prep.dump.stage import Dumper, verify
+
+
+def launch_text(cfg: DumpConfig) -> str:
+    """What ``print_launch=true`` prints: the engine command(s) for this capture, and the client's."""
+    return make_backend(cfg).launch_text()
+
+
+def _run(cfg: DumpConfig) -> int:
+    """``verify=true`` checks a finished dump; ``print_launch=true`` prints the engine command;
+    otherwise this process dumps its share."""
+    if cfg.verify:
+        problems = verify(cfg.out)
+        for p in problems:
+            print(f"eagle3-dump verify: {p}")
+        print(f"eagle3-dump verify: {'OK' if not problems else f'{len(problems)} problems'} ({cfg.out})")
+        return 1 if problems else 0
+    if cfg.print_launch:
+        print(launch_text(cfg))
+        return 0
+    backend = make_backend(cfg)
+    try:
+        Dumper(cfg, backend).run()
+    finally:
+        backend.close()
+    return 0
+
+
+main = entry_point("dump", DumpConfig, _run)

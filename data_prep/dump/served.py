@@ -1,0 +1,234 @@
+"""What the engine backends (``backend=vllm``, ``backend=sglang``) share: client processes that
+send one request per sample to a running engine and check every answer.
+
+    eagle3-dump backend=vllm target=<hf dir> print_launch=true        # the engine command to run
+    eagle3-dump backend=vllm target=<hf dir> data=<prepared> out=<dump> server.url=http://gpu1:8000
+    eagle3-dump backend=vllm ... client.rank=3 client.world_size=8       # eight client processes
+
+For targets that transformers cannot run at scale (DeepSeek, Kimi, Qwen3-235B), the states come
+from the engine the team serves, so they are the engine's own numerics. The shards are those of
+``backend=hf`` (DESIGN §3): everything downstream is unchanged. What each engine offers, and how
+its answers become states, is in its own module (data_prep/dump/vllm.py, sglang.py); no engine
+runs on the machines this project is tested on, so the test suite drives these clients against
+stand-in servers that follow the same API surface (tests/standin_engines.py).
+
+Every response is checked by the engine's module: the token ids the engine saw, the shape (layers
+x hidden size), the dtype; here: finiteness (a sample with a non-finite state is dropped and
+listed, as with ``backend=hf``), and the engine's next token against ``lm_head(last_hidden)`` of
+the checkpoint (does the engine serve this target, from these layers?). A failed request is
+retried with exponential backoff; one that keeps failing stops the run after writing every sample
+already received. Each client process writes its own shards and resumes by sample id; the last
+one to finish writes the manifest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+from abc import abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+
+from eagle3_train.dist import DistInfo
+from eagle3_train.errors import ConfigError, Eagle3Error
+from eagle3_train.fileio import atomic_write_json
+from eagle3_train.targets import Target, load_target, load_target_tensors
+
+from data_prep.dump import backend
+from data_prep.dump.config import stored_indices
+from data_prep.engine_http import EngineError, retrying
+
+if TYPE_CHECKING:
+    from data_prep.dump.stage import Dumper
+
+CHECKS_DIR = "next_token_check"  # <out>/next_token_check/<client rank>.json: each client's counts
+NEXT_TOKEN_TOP_K = 5  # the engine's next token must be among the checkpoint's top-k ...
+NEXT_TOKEN_MIN_AGREEMENT = 0.9  # ... on at least this share of samples (checked from 16 on)
+
+
+class EngineClient(Protocol):
+    """Talks to one engine (its servers) for one client process."""
+
+    async def start(self, session: Any) -> None:
+        """Wait for the servers; set up what requests need."""
+
+    async def fetch(self, session: Any, sample_id: int, prompt: list[int], attempt: int) -> tuple[dict, int | None]:
+        """One sample's states ({``hidden.<k>``, ``last_hidden``: [T, H]}, checked) and the engine's
+        greedy next token (None if it gives none); raises ``Transient`` for what a retry may fix."""
+
+
+def port_of(url: str, default: int) -> int:
+    return urlparse(url).port or default
+
+
+def first_difference(got: list[int], want: list[int]) -> str:
+    """Where two token lists part, for a message."""
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return f"position {i}: engine {a}, prompt {b}"
+    return f"lengths: engine {len(got)}, prompt {len(want)}"
+
+
+class ServedBackend(backend.Backend):
+    """A client process of ``client.world_size``, asking a running engine for states.
+
+    A subclass names its engine (:attr:`engine`, :attr:`version`), its servers
+    (:meth:`servers`), the checkpoint tensors its answers need (:attr:`tensors`), its launch
+    command (:meth:`engine_lines`) and its client (:meth:`client`).
+    """
+
+    engine: ClassVar[str]  # the engine's name, as in backend=
+    version: ClassVar[str]  # the engine version whose API was read
+    tensors: ClassVar[tuple[str, ...]] = ()  # checkpoint tensors the answers need (load_target_tensors names)
+
+    @abstractmethod
+    def servers(self) -> dict[str, str]:
+        """The servers this engine needs: {option name: URL}."""
+
+    @abstractmethod
+    def engine_lines(self, target: Target, path: str, stored: list[int]) -> list[str]:
+        """The launch command(s) of the engine for ``stored``, with comments."""
+
+    @abstractmethod
+    def client(self, stage: Dumper, tensors: dict[str, torch.Tensor]) -> EngineClient:
+        """The client for one dump, given the checkpoint tensors it asked for."""
+
+    def team(self) -> backend.Team:
+        c = self.cfg.client
+        rank = c.rank if c.rank is not None else int(os.environ.get("RANK", 0))
+        world = c.world_size if c.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+        if not 0 <= rank < world:
+            raise ConfigError(f"client.rank={rank} must be in [0, client.world_size={world})")
+        return backend.Team(DistInfo(rank, world, 0, torch.device("cpu")), group=False)
+
+    def launch_text(self) -> str:
+        """The engine command(s) that serve exactly the capture ``cfg`` asks for, and the client
+        command that dumps from them (``print_launch=true``)."""
+        cfg = self.cfg
+        if cfg.target == "tiny":
+            raise ConfigError("target=tiny exists only inside this process; no engine can serve it")
+        target = load_target(cfg.target, cache_dir=cfg.cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code)
+        n = target.num_hidden_layers
+        _, stored = stored_indices(cfg.capture, n)
+        lines = [f"# eagle3-dump backend={cfg.backend}: {target.identity.model_type}, N={n}, HF indices stored {stored} "
+                 f"+ last_hidden", f"# (engine API as read from {self.engine} {self.version})"]
+        lines += self.engine_lines(target, str(target.local_dir or cfg.target), stored)
+        capture = "".join(f" capture.{name}=[{','.join(map(str, v))}]"
+                          for name, v in (("aux_indices", cfg.capture.aux_indices), ("extra_indices", cfg.capture.extra_indices)) if v)
+        lines += ["# then, once the server is up:",
+                  f"eagle3-dump backend={cfg.backend} target={shlex.quote(cfg.target)} data={cfg.data or '<prepared>'} "
+                  f"out={cfg.out or '<dump>'} " + " ".join(f"{k}={v}" for k, v in self.servers().items()) + capture]
+        return "\n".join(lines)
+
+    def dump(self, stage: Dumper, rows: np.ndarray) -> tuple[int, int]:
+        mine = rows[stage.sample_ids[rows] % stage.dist.world_size == stage.dist.rank]  # stable across restarts
+        self.agreement = {"checked": 0, "agreed": 0}
+        if not len(mine):
+            return 0, 0
+        tensors: dict[str, torch.Tensor] = {}
+        names = self.tensors + (("head",) if self.cfg.client.check_next_token else ())
+        if names:
+            cfg = self.cfg
+            _, tensors = load_target_tensors(cfg.target, names, cache_dir=cfg.cache_dir, trust_remote_code=cfg.trust_remote_code)
+        self.head = tensors.get("head")
+        written, tokens = asyncio.run(self._fetch_all(stage, self.client(stage, tensors), mine))
+        self._record_agreement(stage)
+        return written, tokens
+
+    def run_info(self, stage: Dumper) -> dict[str, Any]:
+        counts = [json.loads(p.read_text()) for p in sorted((stage.out / CHECKS_DIR).glob("*.json"))]
+        total = {k: sum(c[k] for c in counts) for k in ("checked", "agreed")}
+        return {"backend": self.cfg.backend, "engine_api": f"{self.engine} {self.version}",
+                "servers": list(self.servers().values()), "client_world_size": stage.dist.world_size,
+                "next_token_check": total}
+
+    def _record_agreement(self, stage: Dumper) -> None:
+        """Add this run's next-token counts to this client's file (summed into the manifest)."""
+        path = stage.out / CHECKS_DIR / f"{stage.dist.rank:05d}.json"
+        before = json.loads(path.read_text()) if path.is_file() else {"checked": 0, "agreed": 0}
+        atomic_write_json(path, {k: before[k] + self.agreement[k] for k in before})
+
+    async def _fetch_all(self, stage: Dumper, client: EngineClient, rows: np.ndarray) -> tuple[int, int]:
+        """Keep ``client.concurrency`` requests in flight; hand finished samples to the writer.
+        On a failure that retries cannot fix, store what arrived, then stop. Returns (bytes, tokens)."""
+        import aiohttp
+
+        c = self.cfg.client
+        writer = stage.writer()
+        bar = stage.progress(rows, f"dump client {stage.dist.rank}/{stage.dist.world_size} ({self.cfg.backend})")
+        queue = iter(rows.tolist())
+        pending: set[asyncio.Task] = set()
+        tokens = samples = 0
+        failure: BaseException | None = None
+        timeout = aiohttp.ClientTimeout(total=c.request_timeout_s)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=2 * c.concurrency)) as session:
+                await client.start(session)
+                while failure is None:
+                    while len(pending) < c.concurrency and (row := next(queue, None)) is not None:
+                        pending.add(asyncio.create_task(self._sample(stage, client, session, row)))
+                    if not pending:
+                        break
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        if task.exception() is not None:
+                            failure = failure or task.exception()
+                            continue
+                        piece, n = task.result()
+                        writer.add(piece, [n])
+                        tokens, samples = tokens + n, samples + 1
+                        bar.update(n)
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+        except BaseException as e:  # Ctrl-C included: what arrived is still written below
+            failure = failure or e
+        finally:
+            bar.close()
+            writer.close()  # writes every sample received, so a rerun resumes after them
+        if failure is not None:
+            if isinstance(failure, Eagle3Error):
+                raise Eagle3Error(f"stopped: {failure}\n  {samples} samples received before the stop are stored; fix "
+                                  f"the cause and run the same command again to resume") from None
+            raise failure
+        stage.say(f"{samples} samples, {tokens} tokens received; next-token check: {self.agreement}")
+        return writer.bytes_written, tokens
+
+    async def _sample(self, stage: Dumper, client: EngineClient, session: Any, row: int) -> tuple[dict[str, torch.Tensor], int]:
+        """One sample's states and index tensors, retried with exponential backoff."""
+        c = self.cfg.client
+        record = stage.dataset[row]
+        sample_id = int(stage.sample_ids[row])
+        prompt = record["input_ids"].astype(np.int64).tolist()
+        states, next_token = await retrying(lambda attempt: client.fetch(session, sample_id, prompt, attempt),
+                                            c.retries, c.backoff_s, f"sample {sample_id}")
+        finite = all(bool(torch.isfinite(t).all()) for t in states.values())
+        if finite and next_token is not None and self.head is not None:
+            await asyncio.to_thread(self._check_next_token, states["last_hidden"][-1], int(next_token), sample_id)
+        piece = dict(states)
+        piece["finite"] = torch.tensor([finite])
+        piece["input_ids"] = torch.from_numpy(record["input_ids"].astype(np.int32))
+        piece["loss_mask"] = torch.from_numpy(record["loss_mask"].astype(np.uint8))
+        piece["sample_ids"] = torch.tensor([sample_id], dtype=torch.int64)
+        return piece, len(prompt)
+
+    def _check_next_token(self, last: torch.Tensor, token: int, sample_id: int) -> None:
+        """The engine's greedy next token should be (near) the top of the checkpoint's
+        ``lm_head(last_hidden)``; a low agreement means another model or other layers."""
+        logits = self.head @ last.to(self.head.dtype)  # [V]
+        top = logits.float().topk(NEXT_TOKEN_TOP_K).indices.tolist()
+        a = self.agreement
+        a["checked"] += 1
+        a["agreed"] += token in top
+        if a["checked"] >= 16 and a["agreed"] < NEXT_TOKEN_MIN_AGREEMENT * a["checked"]:
+            raise EngineError(
+                f"the engine's next token is outside the top {NEXT_TOKEN_TOP_K} of lm_head(last_hidden) of target "
+                f"{self.cfg.target} on {a['checked'] - a['agreed']} of {a['checked']} samples (e.g. sample {sample_id}: "
+                f"engine {token}, checkpoint top {top}): the engine serves another model, or its last captured state is "
+                f"not the final layer (compare its launch command with print_launch=true)"
+            )

@@ -1,0 +1,273 @@
+"""The dump stage, whichever backend produces the states.
+
+What it owns: the prepared data and the target's identity (the tokenizer must match), the capture
+(HF indices to store), claiming the output directory (``request.json``: a partial dump made for
+another request is refused, never mixed), resuming (the unit of work is the sample: finished
+shards are scanned for their sample ids, leftovers of a crash are deleted, the rest is done again),
+the shard writer, coverage (every sample stored exactly once) and the manifest, written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from eagle3_train.cli import config_dict
+from eagle3_train.contract import MANIFEST_NAME, CaptureSpec, TargetIdentity, differences, read_manifest, write_manifest
+from eagle3_train.dist import all_gather_objects, barrier, print0
+from eagle3_train.errors import BadInputError, ContractError, Eagle3Error, IncompleteError
+from eagle3_train.fileio import atomic_write_json
+from eagle3_train.formats import ShardRecord, finished_records, read_keys, remove_unfinished, verify_shard
+from eagle3_train.targets import load_target, resolve_dtype
+
+from data_prep.dump.backend import Backend, make_backend
+from data_prep.dump.config import DumpConfig, stored_indices
+from data_prep.dump.writer import ShardWriter
+
+STAGE = "dump"
+REQUEST_NAME = "request.json"
+
+
+class Dumper:
+    """The dump stage on this process (see the module docstring).
+
+    Args:
+        cfg: the dump's options.
+        backend: what produces the states; None: the one ``cfg.backend`` names.
+    """
+
+    def __init__(self, cfg: DumpConfig, backend: Backend | None = None):
+        self.cfg = cfg
+        self.backend = backend or make_backend(cfg)
+        self.out = Path(cfg.out).expanduser()
+        self.shard_dir = self.out / "shards"
+        self.team = self.backend.team()
+        self.dist = self.team.dist
+        self.prepared_dir = Path(cfg.data).expanduser()
+        self.prepared = read_manifest(self.prepared_dir, "prepare")
+        self.dataset = self._load_dataset()
+        # config and tokenizer only: a backend that runs the target loads its weights once there is work
+        self.target = load_target(cfg.target, cache_dir=cfg.cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code)
+        self.identity = self._check_target()
+        aux, self.stored = stored_indices(cfg.capture, self.target.num_hidden_layers)
+        self.spec = CaptureSpec(aux, self.target.num_hidden_layers, self.target.hidden_size, self.target.vocab_size,
+                                cfg.dtype, self.identity)
+        self.request = {
+            "capture": self.spec.to_dict(),
+            "stored_indices": self.stored,
+            "prepared_fingerprint": self.prepared["fingerprint"],
+            "backend": cfg.backend,
+        }
+        self.backend.check(self)
+
+    def _load_dataset(self) -> Any:
+        from datasets import load_from_disk
+
+        path = self.prepared_dir / self.prepared.get("dataset", "dataset")
+        if not path.is_dir():
+            raise IncompleteError(f"prepared directory {self.prepared_dir} has a manifest but no {path.name}/")
+        ds = load_from_disk(str(path)).with_format("numpy")
+        self.sample_ids = ds["sample_id"][:].astype(np.int64)  # row -> sample id
+        if len(np.unique(self.sample_ids)) != len(ds):
+            raise BadInputError(f"{path}: sample_id repeats; re-run eagle3-prepare")
+        return ds
+
+    def _check_target(self) -> TargetIdentity:
+        """The prepared ids must mean the same to this target: same tokenizer. The dump records
+        the chat template the data was rendered with."""
+        have = TargetIdentity.from_dict(self.prepared["target"])
+        mine = self.target.identity
+        if have.tokenizer_hash != mine.tokenizer_hash:
+            raise ContractError(
+                f"{self.prepared_dir} was prepared with the tokenizer of {have.path} "
+                f"(tokenizer_hash {have.tokenizer_hash[:12]}), but target {self.cfg.target} tokenises "
+                f"differently ({mine.tokenizer_hash[:12]}): prepare the data with this target"
+            )
+        if have.config_hash != mine.config_hash:
+            print0(f"note: data prepared with {have.path}, dumping {mine.path} (same tokenizer, other model)")
+        return TargetIdentity(mine.path, mine.model_type, mine.config_hash, mine.tokenizer_hash, have.chat_template_hash)
+
+    def say(self, text: str) -> None:
+        """A progress line: once for a process group, from every independent client (named)."""
+        if self.team.group:
+            print0(text)
+        else:
+            print(f"eagle3-dump [client {self.dist.rank}/{self.dist.world_size}]: {text}", flush=True)
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any] | None:
+        """Dump what is missing; return the manifest, or None when other clients still work."""
+        if (manifest := self._finished()) is not None:
+            return manifest
+        self._claim()
+        todo = self._todo()
+        start = time.time()
+        written, tokens = self.backend.dump(self, todo)
+        return self._finish(time.time() - start, written, tokens)
+
+    def _finished(self) -> dict[str, Any] | None:
+        """The manifest of a finished dump of this very request (another request is refused)."""
+        if not (self.out / MANIFEST_NAME).is_file():
+            return None
+        manifest = read_manifest(self.out, STAGE)
+        self._compare(manifest["request"], "the finished dump")
+        print0(f"eagle3-dump: {self.out} is already complete with this capture; nothing to do")
+        return manifest
+
+    def _compare(self, other: dict, what: str) -> None:
+        diffs = differences(other, self.request)
+        if diffs:
+            raise ContractError(
+                f"{self.out} holds {what} made with another capture or data; refusing to mix them "
+                f"(use another out=, or delete it):\n  " + "\n  ".join(diffs)
+            )
+
+    def _claim(self) -> None:
+        """Record the request (or check it against a partial dump's) and delete crash leftovers:
+        in a process group rank 0 does it for all, then every rank proceeds; an independent client
+        clears only its own files, as the others may be writing right now."""
+        if self.team.group and not self.dist.is_main:
+            barrier()
+            return
+        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        request_file = self.out / REQUEST_NAME
+        if request_file.is_file():
+            self._compare(json.loads(request_file.read_text()), "a partial dump")
+        else:
+            atomic_write_json(request_file, self.request)
+        removed = remove_unfinished(self.shard_dir, "" if self.team.group else self.shard_prefix())
+        if removed:
+            self.say(f"removed {len(removed)} unfinished files of an interrupted run")
+        if self.team.group:
+            barrier()
+
+    def _todo(self) -> np.ndarray:
+        """Rows whose samples are not yet stored (nor recorded as non-finite) by a finished shard."""
+        done: set[int] = set()
+        for rec in finished_records(self.shard_dir):
+            done.update(read_keys(self.shard_dir / f"{rec.name}.safetensors", ("sample_ids",))["sample_ids"].tolist())
+            done.update(rec.extra.get("nonfinite_sample_ids", []))
+        todo = np.nonzero(~np.isin(self.sample_ids, np.fromiter(done, dtype=np.int64, count=len(done))))[0]
+        if done:
+            self.say(f"resuming: {len(done)} samples already stored, {len(todo)} to go")
+        if self.team.group:
+            barrier()  # every rank has planned from the same shards before any rank writes one
+        return todo
+
+    def shard_prefix(self) -> str:
+        """The start of this process's shard names (the rest is random and a count)."""
+        return f"{self.dist.rank:05d}-"
+
+    def writer(self) -> ShardWriter:
+        """A shard writer for this process; its shards are named ``<rank>-<random>-<count>``."""
+        keys = [f"hidden.{k}" for k in self.stored] + ["last_hidden"]
+        dtype = resolve_dtype(self.cfg.dtype, "cuda")
+        per_token = len(keys) * self.spec.hidden_size * dtype.itemsize
+        longest = int(self.dataset["num_tokens"][:].max())
+        return ShardWriter(
+            self.shard_dir, f"{self.shard_prefix()}{secrets.token_hex(4)}", keys, self.spec.hidden_size, dtype,
+            shard_tokens=max(1, int(self.cfg.shard_size_mb * 2**20) // per_token),
+            max_batch_tokens=max(self.cfg.max_tokens_per_batch, longest),
+            threads=self.cfg.writer_threads, device=self.dist.device,
+        )
+
+    def _finish(self, elapsed: float, written: int, tokens: int) -> dict[str, Any] | None:
+        """In a process group: once every rank is done, rank 0 writes the manifest. An independent
+        client writes it if every sample is stored, else leaves that to the last one."""
+        if self.team.group:
+            totals = [sum(v) for v in zip(*all_gather_objects([written, tokens]))]
+            barrier()
+            manifest = self._finalize(elapsed, totals) if self.dist.is_main else None
+            barrier()
+            return manifest
+        missing = self._coverage()[3]
+        if len(missing):
+            self.say(f"my share is done; {len(missing)} samples of other clients are still missing. The last client to "
+                     f"finish writes {MANIFEST_NAME} (or run this command again once all are done)")
+            return None
+        remove_unfinished(self.shard_dir)  # every sample is stored: nobody is writing any more
+        return self._finalize(elapsed, [written, tokens])
+
+    def _coverage(self) -> tuple[list[ShardRecord], np.ndarray, list[int], np.ndarray]:
+        """The finished shards, the sample ids they store, those dropped as non-finite, and the
+        sample ids still missing; a sample stored twice is an error."""
+        records = finished_records(self.shard_dir)
+        stored: list[np.ndarray] = []
+        nonfinite: list[int] = []
+        for rec in records:
+            stored.append(read_keys(self.shard_dir / f"{rec.name}.safetensors", ("sample_ids",))["sample_ids"].numpy())
+            nonfinite += rec.extra.get("nonfinite_sample_ids", [])
+        ids = np.concatenate(stored) if stored else np.zeros(0, dtype=np.int64)
+        uniq, counts = np.unique(np.concatenate([ids, np.asarray(nonfinite, dtype=np.int64)]), return_counts=True)
+        if (counts > 1).any():
+            raise Eagle3Error(f"{self.shard_dir}: samples stored twice: {uniq[counts > 1][:10].tolist()}")
+        return records, ids, nonfinite, np.setdiff1d(self.sample_ids, uniq)
+
+    def _finalize(self, elapsed: float, totals: list[int]) -> dict[str, Any]:
+        """After every process finished: check coverage, then write the manifest."""
+        records, ids, nonfinite, missing = self._coverage()
+        if len(missing):
+            raise IncompleteError(
+                f"{self.shard_dir}: {len(missing)} samples are missing (e.g. {missing[:10].tolist()}); "
+                f"run the same command again to finish"
+            )
+        tokens = sum(r.num_tokens for r in records)
+        total_bytes = sum(r.bytes for r in records)
+        body = {
+            "request": self.request,
+            "capture": self.spec.to_dict(),
+            "stored_indices": self.stored,
+            "keys": [f"hidden.{k}" for k in self.stored] + ["last_hidden"],
+            "target": self.identity.to_dict(),
+            "prepared": {"path": str(self.prepared_dir.resolve()), "fingerprint": self.prepared["fingerprint"]},
+            "config": config_dict(self.cfg),
+            "shards": [r.to_dict() for r in records],
+            "counts": {
+                "samples": int(len(ids)),
+                "tokens": tokens,
+                "bytes": total_bytes,
+                "bytes_per_token": total_bytes / max(tokens, 1),
+                "nonfinite_samples": len(nonfinite),
+            },
+            "nonfinite_sample_ids": sorted(nonfinite),
+            "run": self.backend.run_info(self) | {"seconds": round(elapsed, 3), "tokens_this_run": totals[1],
+                                                  "bytes_this_run": totals[0]},
+        }
+        write_manifest(self.out, STAGE, body)
+        rate = totals[1] / max(elapsed, 1e-9)
+        print0(
+            f"eagle3-dump: {len(ids)} samples, {tokens} tokens, {total_bytes / 2**30:.2f} GiB in "
+            f"{len(records)} shards -> {self.out}\n"
+            f"  this run: {totals[1]} tokens in {elapsed:.1f} s ({rate:.0f} tok/s); "
+            f"{len(nonfinite)} samples dropped for non-finite states"
+        )
+        return read_manifest(self.out, STAGE)
+
+    def progress(self, rows: Any, desc: str) -> Any:
+        """A progress bar over the tokens of ``rows`` (shown on rank 0 of a group, by every client)."""
+        total = int(self.dataset["num_tokens"][:][np.asarray(rows, dtype=np.int64)].sum()) if len(rows) else 0
+        show = self.cfg.progress and (self.dist.is_main or not self.team.group)
+        return tqdm(total=total, unit="tok", unit_scale=True, desc=desc, disable=not show)
+
+
+def verify(out: str | os.PathLike) -> list[str]:
+    """Re-read every shard of a finished dump; return the problems found, by shard name."""
+    out = Path(out).expanduser()
+    manifest = read_manifest(out, STAGE)
+    problems: list[str] = []
+    records = [ShardRecord.from_dict(r) for r in manifest["shards"]]
+    for rec in tqdm(records, desc="verify", unit="shard"):
+        problems += verify_shard(out / "shards", rec)
+    listed = {f"{r.name}.safetensors" for r in records}
+    for extra in sorted(p.name for p in (out / "shards").glob("*.safetensors")):
+        if extra not in listed:
+            problems.append(f"{extra}: not listed in the manifest")
+    return problems

@@ -1,0 +1,98 @@
+"""The HTTP side of talking to a serving engine (vLLM, SGLang), shared by the served dump
+(data_prep/dump/served.py) and regeneration through a served engine (data_prep/served_regen.py):
+JSON POSTs whose failures are sorted into worth-retrying or not, retries with exponential backoff,
+the wait for ``/health``, and vLLM's served model name."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from eagle3_train.errors import Eagle3Error
+
+T = TypeVar("T")
+
+
+class EngineError(Eagle3Error):
+    """The engine answered, but not what was asked for: retrying cannot help."""
+
+
+class Transient(Exception):
+    """A failure worth retrying: connection, timeout, 5xx, a state file that did not come."""
+
+
+async def post_json(session: Any, url: str, body: dict, parse_gate: asyncio.Semaphore | None = None) -> dict:
+    """POST JSON; connection problems, timeouts, 408/429/5xx are :class:`Transient`, other
+    errors are the engine refusing the request. ``parse_gate`` bounds how many large responses
+    are parsed at once (parsing holds the GIL, so more at once only multiplies memory)."""
+    import aiohttp
+
+    try:
+        async with session.post(url, json=body) as resp:
+            text = await resp.read()
+            if resp.status in (408, 429) or resp.status >= 500:
+                raise Transient(f"{url}: HTTP {resp.status}: {text[:300].decode(errors='replace')}")
+            if resp.status != 200:
+                raise EngineError(f"{url} refused the request: HTTP {resp.status}: {text[:500].decode(errors='replace')}")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise Transient(f"{url}: {type(e).__name__}: {e}") from None
+    try:
+        if parse_gate is None:
+            return await asyncio.to_thread(json.loads, text)
+        async with parse_gate:
+            return await asyncio.to_thread(json.loads, text)
+    except ValueError:
+        raise Transient(f"{url}: the response is not JSON: {text[:200]!r}") from None
+
+
+async def wait_ready(session: Any, base_urls: list[str], wait_s: float, command: str = "eagle3-dump",
+                     hint: str = "print_launch=true shows how to start it") -> None:
+    """Wait until every server answers ``/health`` (engines take minutes to load a large target);
+    ``command`` and ``hint`` name the caller in its messages (the dump, or regeneration)."""
+    import aiohttp
+
+    deadline = time.monotonic() + wait_s
+    for base in base_urls:
+        said = False
+        while True:
+            try:
+                async with session.get(f"{base}/health") as resp:
+                    if resp.status == 200:
+                        break
+                    problem = f"HTTP {resp.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                problem = f"{type(e).__name__}: {e}"
+            if time.monotonic() > deadline:
+                raise Eagle3Error(f"{base} did not become ready within {wait_s:.0f} s ({problem}); is the engine running? "
+                                  f"{hint}")
+            if not said:
+                print(f"{command}: waiting for {base} ({problem})", flush=True)
+                said = True
+            await asyncio.sleep(2.0)
+
+
+async def retrying(call: Callable[[int], Awaitable[T]], retries: int, backoff_s: float, what: str) -> T:
+    """``call(attempt)`` until it does not raise :class:`Transient`, at most ``retries`` more times,
+    sleeping ``backoff_s`` doubled on every retry (at most 60 s); then an :class:`EngineError`."""
+    for attempt in range(retries + 1):
+        try:
+            return await call(attempt)
+        except Transient as e:
+            if attempt == retries:
+                raise EngineError(f"{what}: {attempt + 1} attempts failed; the last: {e}") from None
+            await asyncio.sleep(min(backoff_s * 2**attempt, 60.0))
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+async def served_model(session: Any, base_url: str, option: str) -> str:
+    """The first model vLLM's ``/v1/models`` lists (what to send when ``option`` is not set)."""
+    async with session.get(f"{base_url}/v1/models") as resp:
+        if resp.status != 200:
+            raise EngineError(f"{base_url}/v1/models answered HTTP {resp.status}; set {option}")
+        models = (await resp.json()).get("data") or []
+    if not models:
+        raise EngineError(f"{base_url}/v1/models lists no model; set {option}")
+    return models[0]["id"]

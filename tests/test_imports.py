@@ -1,0 +1,96 @@
+"""The import graph of the two packages: no cycle, and eagle3_train never imports data_prep.
+
+Every import statement counts, at module level or inside a function (a lazy import is still a
+dependency); imports under ``if TYPE_CHECKING:`` are for type hints only and do not.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("data_prep", "eagle3_train")
+
+
+def project_modules() -> dict[str, Path]:
+    """Dotted name -> file, for every module of the two packages (a package is its __init__)."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules ``name`` imports (``from pkg import sub`` names the submodule)."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if _type_checking_only(node):
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                here = name.split(".") if is_package else name.split(".")[:-1]
+                base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m in modules and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := dfs(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := dfs(node)):
+            return cycle
+    return None
+
+
+def test_the_walk_sees_lazy_imports_and_finds_a_cycle():
+    graph = import_graph()
+    assert "data_prep.dump.stage" in graph["data_prep.dump.cli"]
+    assert "data_prep.engine_http" in graph["data_prep.dump.vllm"]
+    assert "data_prep.dump.backend" in graph["data_prep.dump.hf"]  # `from data_prep.dump import backend`
+    assert "eagle3_train.targets" in graph["eagle3_train.check"]  # imported inside a function
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_import_cycle():
+    assert find_cycle(import_graph()) is None
+
+
+def test_eagle3_train_never_imports_data_prep():
+    graph = import_graph()
+    bad = {m: sorted(d for d in deps if d.startswith("data_prep")) for m, deps in graph.items() if m.startswith("eagle3_train")}
+    assert {m: d for m, d in bad.items() if d} == {}
