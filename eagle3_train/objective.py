@@ -48,20 +48,81 @@ def target_distribution(
     return p, a, a >= 0
 
 
-def soft_cross_entropy(draft_logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over counted positions of ``-sum_v p(v) log q(v)``; 0 when none counts.
+def soft_cross_entropy(draft_logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor,
+                       count: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum`` over the positions of ``mask`` of ``-sum_v p(v) log q(v)``, over ``count`` (default:
+    how many positions ``mask`` has, i.e. the mean); 0 when none counts.
 
     Args:
         draft_logits: [N, V_draft]; target_probs: [N, V_draft]; mask: bool [N].
+        count: the denominator, when the positions are a shard of a longer sequence (sequence
+            parallelism: every shard divides by the whole sequence's count).
     """
     logq = F.log_softmax(draft_logits.float(), dim=-1)
     per_position = -(target_probs * logq).sum(-1)
-    n = mask.sum()
+    n = mask.sum() if count is None else count
     return (per_position * mask).sum() / n.clamp(min=1)
 
 
-def correct_predictions(draft_logits: torch.Tensor, argmax_draft: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[hits, in_vocab, counted] (float tensor, on the logits' device) over the positions of ``mask``.
+def head_loss(hidden: torch.Tensor, weight: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor,
+              count: torch.Tensor | None = None, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`soft_cross_entropy` of the logits ``hidden @ weight.T`` without keeping them: the
+    draft lm_head and the loss fused, ``chunk`` positions at a time.
+
+    The gradient is computed with the loss, chunk by chunk (d loss / d logits = (softmax * sum p
+    - p) * mask / count, then ``@ weight`` and ``.T @ hidden``), and only d hidden [N, H] and
+    d weight [V, H] are kept until backward, which scales them by the incoming gradient. So no
+    [N, V] tensor outlives its chunk and nothing is recomputed: the same three matmuls as the
+    unfused head, and the largest temporaries are a few [chunk, V] fp32 tensors. Works only where
+    the loss enters backward linearly, as every weighted sum of losses does.
+
+    Args:
+        hidden: [N, H] the lm_head's input (the draft's ``norm`` output); weight: [V_draft, H].
+        target_probs: [N, V_draft]; mask: bool [N]; count: as in :func:`soft_cross_entropy`.
+        chunk: positions per chunk.
+
+    Returns:
+        the loss (a scalar with gradient to ``hidden`` and ``weight``), and the draft's argmax [N].
+    """
+    n = mask.sum() if count is None else count
+    scale = mask / n.clamp(min=1)  # [N] each position's weight in the loss
+    need = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _HeadLoss.apply(hidden, weight, target_probs, scale, chunk, need)
+
+
+class _HeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, probs, scale, chunk, need):  # type: ignore[override]
+        grad_hidden = torch.empty_like(hidden) if need and hidden.requires_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need and weight.requires_grad else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        pred = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk):
+            x, p, w = hidden[s : s + chunk], probs[s : s + chunk], scale[s : s + chunk]
+            logits = x @ weight.T  # [n, V], model dtype
+            pred[s : s + chunk] = logits.argmax(-1)
+            logq = torch.log_softmax(logits.float(), dim=-1)
+            loss += (w * -(p * logq).sum(-1)).sum()
+            if grad_hidden is None and grad_weight is None:
+                continue
+            g = ((logq.exp_() * p.sum(-1, keepdim=True) - p) * w[:, None]).to(x.dtype)  # d loss / d logits [n, V]
+            if grad_hidden is not None:
+                grad_hidden[s : s + chunk] = g @ weight
+            if grad_weight is not None:
+                grad_weight += g.T @ x
+        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
+        ctx.mark_non_differentiable(pred)
+        return loss, pred
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_pred):  # type: ignore[override]
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = lambda g: None if g is None else g * grad_loss.to(g.dtype)  # noqa: E731
+        return scale(grad_hidden), scale(grad_weight), None, None, None, None
+
+
+def correct_predictions(draft_pred: torch.Tensor, argmax_draft: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[hits, in_vocab, counted] (float tensor, on the predictions' device) over the positions of ``mask``.
 
     counted: the masked positions; in_vocab: those whose target argmax is in the draft vocab
     (``argmax_draft >= 0``); hits: those where the draft's argmax is the target's argmax. Both are
@@ -69,10 +130,11 @@ def correct_predictions(draft_logits: torch.Tensor, argmax_draft: torch.Tensor, 
     position (-1) is never a hit. Honest accuracy is hits / counted, ``acc_in_vocab`` hits / in_vocab.
 
     Args:
-        draft_logits: [N, V_draft]; argmax_draft: [N] (-1: outside the draft vocab); mask: bool [N].
+        draft_pred: [N] the draft's argmax (draft-vocab index); argmax_draft: [N] (-1: outside the
+            draft vocab); mask: bool [N].
     """
     in_vocab = mask & (argmax_draft >= 0)
-    hit = (draft_logits.argmax(-1) == argmax_draft) & in_vocab
+    hit = (draft_pred == argmax_draft) & in_vocab
     return torch.stack([hit.sum(), in_vocab.sum(), mask.sum()]).float()
 
 

@@ -42,9 +42,17 @@ from eagle3_train.objective import (
     acceptance_length,
     accuracies,
     correct_predictions,
+    head_loss,
     soft_cross_entropy,
     step_weights,
     target_distribution,
+)
+from eagle3_train.parallel import (
+    SequenceParallel,
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_sequence_parallel,
+    sequence_parallel,
 )
 from eagle3_train.targets import config_hash, load_target_tensors
 from eagle3_train.vocab import load_vocab_map
@@ -78,6 +86,10 @@ class OptimConfig:
     cache_target_gb: float = 0.0  # keep each sample's target distribution in memory after its first use, up to this size (0: recompute every epoch)
     keep_best: bool = False  # keep the checkpoint with the best eval simulated tau (saved when it improves, never deleted by keep_last, the one eagle3-export takes)
     early_stop_patience: int = 0  # stop after this many evaluations without a better eval simulated tau (0: off; needs eval_every)
+    head_chunk: int = 4096  # positions per chunk of the fused draft lm_head + soft cross-entropy: no step's [T, V_draft] logits are kept (0: whole logits through autograd; ZeRO-3 needs 0)
+    activation_checkpointing: bool = False  # recompute each TTT step's decoder layer in backward instead of keeping its activations (long sequences; ~1/3 more layer FLOPs)
+    compile: bool = False  # torch.compile the decoder layer (GPU; the first steps compile, one graph per TTT step)
+    sequence_parallel: int = 1  # ranks that share each sequence (Ulysses all-to-all over heads); divides the world size and the head counts; data parallelism runs over world / this
 
     def __post_init__(self) -> None:
         if self.ttt_length < 1:
@@ -88,7 +100,7 @@ class OptimConfig:
             raise ConfigError("train.early_stop_patience counts evaluations: set train.eval_every too")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ConfigError(f"train.schedule must be cosine, linear or constant, got {self.schedule!r}")
-        for name in ("epochs", "max_tokens_per_batch", "grad_accum", "keep_last", "log_every"):
+        for name in ("epochs", "max_tokens_per_batch", "grad_accum", "keep_last", "log_every", "sequence_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:
@@ -101,7 +113,7 @@ class OptimConfig:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"train.betas must be two numbers in [0, 1), got {list(self.betas)}")
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "save_every", "cache_target_gb"):
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "save_every", "cache_target_gb", "head_chunk"):
             if not getattr(self, name) >= 0:  # 0 means off where the field says so; nan is refused
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -166,6 +178,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.resume not in ("auto", "never"):
             raise ConfigError(f"resume must be auto or never, got {self.resume!r}")
+        if self.deepspeed.zero_stage == 3 and self.train.head_chunk:
+            raise ConfigError("train.head_chunk reads lm_head's weight outside its module, which ZeRO-3 does not gather: "
+                              "set train.head_chunk=0 with deepspeed=zero3")
 
 
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
@@ -210,10 +225,20 @@ class Prefetcher:
 
 
 def build_engine(model: Eagle3Draft, o: OptimConfig, ds: DeepSpeedConfig, dtype: torch.dtype,
-                 device: torch.device, total_steps: int) -> Any:
-    """The one place that turns the draft into a DeepSpeed engine: AdamW (torch) on the trainable
-    parameters, warmup + decay schedule, ZeRO stage, bf16, clipping, gradient accumulation."""
+                 device: torch.device, total_steps: int, sp: SequenceParallel | None = None) -> Any:
+    """The one place that turns the draft into a DeepSpeed engine: sequence parallelism over
+    ``sp``'s group, activation checkpointing and torch.compile as ``o`` asks (eagle3_train.parallel),
+    AdamW (torch) on the trainable parameters, warmup + decay schedule, ZeRO stage over every rank
+    (ZeRO's data parallelism averages the gradients of all ranks, sequence-parallel ones included:
+    see :meth:`Trainer.train_step`), bf16, clipping, gradient accumulation."""
     import deepspeed
+
+    if sp is not None:
+        apply_sequence_parallel(model, sp)
+    if o.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if o.compile:
+        apply_compile(model, o.ttt_length)
 
     if device.type == "cpu":  # skip the shared-memory op's C++ build on CPU
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -238,8 +263,8 @@ def build_engine(model: Eagle3Draft, o: OptimConfig, ds: DeepSpeedConfig, dtype:
 
 
 def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: torch.Tensor, ttt_length: int,
-               decay: float, target: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               decay: float, target: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+               head_chunk: int = 0, sp: SequenceParallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted TTT loss of one micro-batch, and per-step statistics [ttt_length, 4] (hits,
     in-vocab, counted, loss; see :func:`correct_predictions`) left on the device, so the step never
     waits for the GPU.
@@ -248,33 +273,67 @@ def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: tor
     A position is counted when that token exists and is loss-masked; it enters the loss only when
     the target's argmax at t+1+j is also in the draft vocab (otherwise it is a miss). ``target`` is
     that distribution when already known (probs [B, T, V_draft], argmax [B, T], in_draft [B, T]);
-    otherwise it is computed from ``last_hidden``.
+    otherwise it is computed from ``last_hidden``. ``head_chunk`` > 0 fuses the draft lm_head with
+    the loss (:func:`head_loss`, that many positions at a time; 0: whole logits).
+
+    With ``sp`` this rank runs its shard of every row's positions (rows padded to a multiple of the
+    group): the target distribution only where the shard's steps read it, each step's loss over the
+    whole rows' count of loss positions, so the group's losses add up to the one-rank loss; the
+    statistics are the shard's (they add up over the group as well).
     """
+    sp = sp or SequenceParallel(None, 0, 1)
+    batch, target = _pad_positions(batch, target, sp.size)
     b, t = batch.input_ids.shape
     h = batch.last_hidden.shape[-1]
     dev = batch.input_ids.device
+    start, stop = sp.span(t)
+    lo, hi = start, min(stop + ttt_length, t)  # target positions the shard's steps read (but lo itself)
     if target is None:
-        probs, argmax, in_draft = target_distribution(batch.last_hidden.reshape(-1, h), lm_head, t2d)
-        target = probs.view(b, t, -1), argmax.view(b, t), in_draft.view(b, t)
+        probs, argmax, in_draft = target_distribution(batch.last_hidden[:, lo:hi].reshape(-1, h), lm_head, t2d)
+        target = probs.view(b, hi - lo, -1), argmax.view(b, hi - lo), in_draft.view(b, hi - lo)
+    else:
+        target = tuple(x[:, lo:hi] for x in target)
     probs, argmax, in_draft = target
     positions = torch.arange(t, device=dev)
+    # step j: the shard's first n positions (start..start+n-1) have a token 2+j further on
+    steps = []
+    for j in range(ttt_length):
+        n = max(0, min(stop, t - 2 - j) - start)
+        q, p = slice(start + 1 + j - lo, start + 1 + j - lo + n), slice(start + 2 + j, start + 2 + j + n)
+        counted = ((positions[None, p] < batch.lengths[:, None]) & batch.loss_mask[:, p]).reshape(-1)
+        steps.append((n, q, counted, counted & in_draft[:, q].reshape(-1)))
+    counts = sp.all_reduce(torch.stack([mask.sum() for *_, mask in steps]))  # loss positions of step j, whole rows
     total = torch.zeros((), device=dev)
     stats = torch.zeros(ttt_length, 4, device=dev)
     weights = step_weights(ttt_length, decay)
-    for j, out in enumerate(model.unroll(batch.aux_hidden, batch.input_ids, ttt_length)):
-        n = t - 2 - j
-        if n <= 0:
-            continue
-        q, p = slice(1 + j, 1 + j + n), slice(2 + j, 2 + j + n)
-        counted = ((positions[None, p] < batch.lengths[:, None]) & batch.loss_mask[:, p]).reshape(-1)
-        mask = counted & in_draft[:, q].reshape(-1)
-        logits = model.logits(out[:, :n])
-        logits = logits.reshape(-1, logits.shape[-1])
-        loss = soft_cross_entropy(logits, probs[:, q].reshape(-1, probs.shape[-1]), mask)
+    # every step enters the loss, also with no position on this shard: the sequence-parallel
+    # backward runs the same collectives on every rank
+    for j, out in enumerate(model.unroll(batch.aux_hidden[:, start:stop], batch.input_ids, ttt_length, start)):
+        n, q, counted, mask = steps[j]
+        target_probs = probs[:, q].reshape(b * n, probs.shape[-1])  # [B*n, V_draft]
+        if head_chunk:
+            loss, pred = head_loss(model.norm(out[:, :n]).reshape(b * n, h), model.lm_head.weight, target_probs,
+                                   mask, counts[j], head_chunk)
+        else:
+            logits = model.logits(out[:, :n]).reshape(b * n, probs.shape[-1])  # [B*n, V_draft]
+            loss, pred = soft_cross_entropy(logits, target_probs, mask, counts[j]), logits.argmax(-1)
         total = total + weights[j] * loss
-        stats[j, :3] = correct_predictions(logits, argmax[:, q].reshape(-1), counted)
+        stats[j, :3] = correct_predictions(pred, argmax[:, q].reshape(-1), counted)
         stats[j, 3] = loss.detach()
     return total, stats
+
+
+def _pad_positions(batch: Batch, target: tuple[torch.Tensor, ...] | None, multiple: int
+                   ) -> tuple[Batch, tuple[torch.Tensor, ...] | None]:
+    """Rows right-padded to a multiple of ``multiple`` positions (``lengths`` unchanged: the
+    padding never counts), the target distribution with them."""
+    extra = -batch.input_ids.shape[1] % multiple
+    if not extra:
+        return batch, target
+    pad = lambda x: torch.cat([x, x.new_zeros(x.shape[0], extra, *x.shape[2:])], dim=1)  # noqa: E731
+    batch = Batch(pad(batch.aux_hidden), pad(batch.last_hidden), pad(batch.input_ids), pad(batch.loss_mask),
+                  batch.lengths, batch.sample_ids)
+    return batch, None if target is None else tuple(pad(x) for x in target)
 
 
 class Trainer:
@@ -315,7 +374,11 @@ class Trainer:
         self.eval_split = ShardSplit(self.data_dir / "eval", self._records("eval"), o.max_tokens_per_batch)
         if len(self.train_split) == 0:
             raise BadInputError(f"{self.data_dir} has no training samples")
-        self.world = self.dist.world_size
+        if self.dist.world_size % o.sequence_parallel:
+            raise ConfigError(f"train.sequence_parallel={o.sequence_parallel} must divide the number of ranks ({self.dist.world_size})")
+        self.sp = sequence_parallel(o.sequence_parallel)
+        self.world = self.dist.world_size // self.sp.size  # data-parallel ranks; each reads its own micro-batches
+        self.data_rank = self.dist.rank // self.sp.size
         # Epochs shuffle differently, so their micro-batch counts can differ by a few.
         n_batches = [len(plan_epoch(self.train_split.length, o.max_tokens_per_batch, o.seed, e)) for e in range(o.epochs)]
         self.epoch_steps = [steps_in_epoch(n, self.world, o.grad_accum) for n in n_batches]
@@ -329,7 +392,8 @@ class Trainer:
             self.total_steps = min(self.total_steps, o.max_steps)
         self.target_cache = self._target_cache()
         self.model.to(self.dist.device)
-        self.engine = build_engine(self.model, cfg.train, cfg.deepspeed, self.dtype, self.dist.device, self.total_steps)
+        self.engine = build_engine(self.model, cfg.train, cfg.deepspeed, self.dtype, self.dist.device, self.total_steps,
+                                   self.sp)
         self.step = 0
         self.best: dict[str, Any] = {"step": None, "eval_tau": None}  # the best evaluation so far
         self.evals_since_best = 0
@@ -500,7 +564,7 @@ class Trainer:
     def losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         o = self.cfg.train
         return ttt_losses(self.engine.module, batch, self.lm_head, self.t2d, o.ttt_length, o.loss_decay,
-                          self.cached_target(batch))
+                          self.cached_target(batch), o.head_chunk, self.sp)
 
     def cached_target(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The batch's target distribution from the per-sample cache (``train.cache_target_gb``),
@@ -539,7 +603,7 @@ class Trainer:
             epoch, step_in_epoch = self.epoch_of(step)
             if epoch != epoch_no:
                 epoch_no, plan = epoch, plan_epoch(self.train_split.length, o.max_tokens_per_batch, o.seed, epoch)
-            for indices in micro_batches_for(plan, step_in_epoch, self.dist.rank, self.world, o.grad_accum):
+            for indices in micro_batches_for(plan, step_in_epoch, self.data_rank, self.world, o.grad_accum):
                 batch = self.train_split.batch(indices)
                 yield batch.pin() if pin else batch
 
@@ -562,7 +626,9 @@ class Trainer:
                     f"micro-batch of samples {batch.sample_ids.tolist()[:8]} on some rank); last good "
                     f"checkpoint: {last[-1] if last else 'none'}"
                 )
-            self.engine.backward(loss)
+            # DeepSpeed averages gradients over all ranks; a sequence-parallel group's losses add up
+            # to its micro-batch's, so each counts sp times (the mean over data-parallel ranks)
+            self.engine.backward(loss * self.sp.size)
             self.engine.step()
             stats = stats.cpu().numpy()
             counts += stats[:, :3].astype(np.int64)
@@ -582,7 +648,7 @@ class Trainer:
         loss_sum, n = 0.0, 0
         if len(self.eval_split):
             batches = plan_epoch(self.eval_split.length, o.max_tokens_per_batch, 0, 0)
-            mine = batches[self.dist.rank :: self.world]
+            mine = batches[self.data_rank :: self.world]
             # every rank runs as many forwards (ZeRO-3 gathers parameters collectively); a rank
             # short of batches repeats its first one without counting it
             rounds = -(-len(batches) // self.world)
@@ -593,7 +659,7 @@ class Trainer:
                 if r < len(mine):
                     counts += stats[:, :3].cpu().numpy().astype(np.int64)
                     loss_sum += float(loss)
-                    n += 1
+                    n += self.sp.rank == 0  # a sequence-parallel group's shards add up to one batch
         gathered = all_gather_objects((counts, loss_sum, n))
         counts = sum(g[0] for g in gathered)
         loss_sum, n = sum(g[1] for g in gathered), sum(g[2] for g in gathered)
@@ -706,8 +772,8 @@ class Trainer:
         ranks' micro-batch means: what the averaged gradient descends)."""
         gathered = all_gather_objects((counts, tokens, loss))
         counts = sum(g[0] for g in gathered)
-        tokens = sum(g[1] for g in gathered)
-        loss = sum(g[2] for g in gathered) / len(gathered)
+        tokens = sum(g[1] for g in gathered) // self.sp.size  # a sequence-parallel group reads one batch
+        loss = sum(g[2] for g in gathered) / len(gathered) * self.sp.size  # and its shards' losses add up
         acc, acc_in_vocab = accuracies(counts)
         return {"step": self.step, "loss": loss, "acc": acc, "tau": acceptance_length(acc),
                 "acc_in_vocab": acc_in_vocab, "tau_in_vocab": acceptance_length(acc_in_vocab),

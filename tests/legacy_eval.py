@@ -61,9 +61,8 @@ class LegacySpecDecoder:
         d = self.draft
         t = aux.shape[0]
         hidden = d.fc(aux[None].to(d.fc.weight.dtype))  # [1, T, n*H] -> [1, T, H]
-        cos, sin = d.rotary_emb(hidden, torch.arange(t, device=hidden.device)[None])
         cache: list = []
-        out = d.midlayer(d.embed_tokens(next_tokens[None]), hidden, cos, sin, cache)[:, -1:]
+        out = d.step(hidden, next_tokens[None], torch.arange(t, device=hidden.device)[None], cache, 0)[:, -1:]
         drafts = []
         for i in range(self.k):
             draft_id = int(d.logits(out)[0, -1].argmax())
@@ -72,8 +71,8 @@ class LegacySpecDecoder:
             if i + 1 == self.k:
                 break
             # chain step i+1 at position T-1+i+1: sees the context and its own earlier steps
-            cos, sin = d.rotary_emb(out, torch.tensor([[t + i]], device=out.device))
-            out = d.midlayer(d.embed_tokens(torch.tensor([[token]], device=out.device)), out, cos, sin, cache)
+            out = d.step(out, torch.tensor([[token]], device=out.device), torch.tensor([[t + i]], device=out.device),
+                         cache, i + 1)
         self._sync()
         self.draft_seconds += time.perf_counter() - start
         return drafts

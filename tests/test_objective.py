@@ -41,7 +41,7 @@ def test_soft_cross_entropy_by_hand():
 
 def test_accuracy_weights_and_acceptance():
     logits = torch.tensor([[0.0, 1.0], [2.0, 0.0], [0.0, 3.0], [1.0, 0.0]])
-    hit, in_vocab, n = correct_predictions(logits, torch.tensor([1, 1, 1, -1]), torch.tensor([True, True, True, False])).tolist()
+    hit, in_vocab, n = correct_predictions(logits.argmax(-1), torch.tensor([1, 1, 1, -1]), torch.tensor([True, True, True, False])).tolist()
     assert (hit, in_vocab, n) == (2, 3, 3)
     assert step_weights(3, 0.8) == pytest.approx([1.0, 0.8, 0.64])
     assert acceptance_length([0.8, 0.5, 0.5]) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
@@ -60,12 +60,12 @@ def test_out_of_vocab_argmax_counts_as_a_miss():
     _, argmax, _ = target_distribution(hidden, torch.eye(5), t2d)
     # the draft's picks: draft 0 (hit), draft 0 (its best in-vocab guess at an out-of-vocab
     # position: a miss), draft 1 (miss), draft 2 (out of vocab: miss), draft 1 (not counted)
-    draft = torch.nn.functional.one_hot(torch.tensor([0, 0, 1, 2, 1]), 3).float()
+    draft = torch.tensor([0, 0, 1, 2, 1])
     mask = torch.tensor([True, True, True, True, False])
     counts = correct_predictions(draft, argmax, mask)
     assert counts.tolist() == [1, 2, 4]
     # a second step where the draft is right wherever it can be: honest accuracy = coverage 2/4
-    perfect = torch.nn.functional.one_hot(torch.tensor([0, 1, 2, 0, 1]), 3).float()
+    perfect = torch.tensor([0, 1, 2, 0, 1])
     both = np.stack([counts.numpy(), correct_predictions(perfect, argmax, mask).numpy()])
     honest, in_vocab = accuracies(both)
     assert honest == [0.25, 0.5] and in_vocab == [0.5, 1.0]

@@ -151,20 +151,28 @@ def _torchrun(std, out, nproc, extra=(), env_extra=None):
 
 
 def test_two_ranks_match_one_rank_with_the_same_global_batch(std, tmp_path):
+    """Data parallel (2 ranks x grad_accum 1) and sequence parallel (2 ranks sharing each row,
+    grad_accum 2) train as 1 rank x grad_accum 2: same losses, accuracies, evaluations, weights."""
     one = _torchrun(std, tmp_path / "one", 1, ["train.grad_accum=2"])
     assert one.returncode == 0, one.stderr[-3000:]
     two = _torchrun(std, tmp_path / "two", 2, ["train.grad_accum=1"])
     assert two.returncode == 0, two.stderr[-3000:]
+    sp = _torchrun(std, tmp_path / "sp", 2, ["train.grad_accum=2", "train.sequence_parallel=2", "train.head_chunk=100"])
+    assert sp.returncode == 0, sp.stderr[-3000:]
     a = [m for m in metrics(tmp_path / "one") if "loss" in m]
-    b = [m for m in metrics(tmp_path / "two") if "loss" in m]
-    assert len(a) == len(b) > 3
-    for x, y in zip(a, b):
-        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-5)
-        assert x["acc"] == pytest.approx(y["acc"], abs=1e-6)
     wa = load_file(str(sorted((tmp_path / "one" / "checkpoints").glob("step*"))[-1] / "draft.safetensors"))
-    wb = load_file(str(sorted((tmp_path / "two" / "checkpoints").glob("step*"))[-1] / "draft.safetensors"))
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=1e-3)
+    for run in ("two", "sp"):
+        b = [m for m in metrics(tmp_path / run) if "loss" in m]
+        assert len(a) == len(b) > 3
+        for x, y in zip(a, b):
+            assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-5)
+            assert x["acc"] == pytest.approx(y["acc"], abs=1e-6)
+        wb = load_file(str(sorted((tmp_path / run / "checkpoints").glob("step*"))[-1] / "draft.safetensors"))
+        for k in wa:
+            torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=1e-3)
+    evals = [[m for m in metrics(tmp_path / run) if "eval_loss" in m] for run in ("one", "sp")]
+    assert evals[0][-1]["eval_loss"] == pytest.approx(evals[1][-1]["eval_loss"], rel=1e-4)
+    assert evals[0][-1]["eval_acc"] == pytest.approx(evals[1][-1]["eval_acc"], abs=1e-6)
 
 
 def test_kill_and_resume_gives_the_same_weights(std, tmp_path):

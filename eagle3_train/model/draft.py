@@ -152,7 +152,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class TTTAttention(nn.Module):
-    """Self-attention over ``cat(embedding, hidden)`` (2H) with the TTT key pattern."""
+    """Self-attention over ``cat(embedding, hidden)`` (2H) with the TTT key pattern; the
+    parameterless part lives in ``core`` (:class:`TTTCore`), which sequence parallelism wraps."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -162,6 +163,7 @@ class TTTAttention(nn.Module):
         self.k_proj = nn.Linear(2 * h, self.num_kv * d, bias=False)
         self.v_proj = nn.Linear(2 * h, self.num_kv * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.core = TTTCore()
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, T, 2H] -> q [B, nh, T, d], k/v [B, nkv, T, d] (RoPE applied to q, k)."""
@@ -171,14 +173,30 @@ class TTTAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of step ``len(cache) - 1``; ``cache[0]`` holds step 0's keys/values, later
-        entries the diagonal keys/values of steps 1..j; ``mask`` as in :func:`ttt_attention`.
-        Returns [B, T, H]."""
-        b, _, t, d = q.shape
-        out = ttt_attention(q, cache, self.num_heads // self.num_kv, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * d))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
+                step: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Attention of TTT step ``step`` over x [B, T, 2H]: ([B, T, H], this step's cache entry);
+        ``cache`` (read only) and ``mask`` as in :class:`TTTCore`."""
+        b, t, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        out, kv = self.core(q, k, v, cache, step, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)), kv
+
+
+class TTTCore(nn.Module):
+    """The attention without weights: this step's keys/values joined to the cache, then
+    :func:`ttt_attention`. A module of its own so that parallelism can wrap it from outside (the
+    sequence-parallel wrapper trades the sequence for the heads around it)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
+                step: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """q [B, nh, T, d], k/v [B, nkv, T, d] of step ``step``; ``cache[i]`` the (k, v) of step i < step
+        (read only; for step 0 a non-empty ``cache[0]`` holds earlier positions, which this step's
+        keys extend). Returns the attention [B, nh, T, d] and this step's entry ``cache[step]``."""
+        if step == 0 and cache:  # [B, nkv, T_old, d] + [B, nkv, T, d] along positions
+            k, v = torch.cat([cache[0][0], k], dim=2), torch.cat([cache[0][1], v], dim=2)
+        keys = [(k, v)] if step == 0 else [*cache[:step], (k, v)]
+        return ttt_attention(q, keys, q.shape[1] // k.shape[1], mask), (k, v)
 
 
 def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]], groups: int,
@@ -201,39 +219,44 @@ def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]
             return F.scaled_dot_product_attention(q, k0, v0, attn_mask=causal_lower_right(t, k0.shape[2]), scale=scale,
                                                   enable_gqa=groups > 1)
         return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale, enable_gqa=groups > 1)
-    # diagonal scores of steps 1..j, fp32: j x [B, nh, T]
-    s = [(q.float() * _expand(k, groups).float()).sum(-1) * scale for k, _ in cache[1:]]
+    # diagonal scores of steps 1..j, fp32: j x [B, nh, T]. Query heads grouped over their kv head
+    # ([B, nkv, g, T, d]) so the keys broadcast instead of being copied g times.
+    nkv = k0.shape[1]
+    qf = q.float().reshape(b, nkv, groups, t, d)  # one fp32 copy of q for every diagonal score
+    s = [(qf * k.float()[:, :, None]).sum(-1).reshape(b, nh, t) * scale for k, _ in cache[1:]]
     c = torch.stack(s, -1).detach().amax(-1)  # [B, nh, T] per-query shift
     c_q = (c / scale).to(q.dtype)  # carried by the extra q dimension ...
     c = c_q.float() * scale  # ... so the shift used below is exactly the score SDPA sees
     w = [torch.exp(si - c) for si in s]  # each <= 1 (up to rounding)
     # The extra key (index 0, seen by every query) scores c_t; head dims padded to a multiple
     # of 8 for the fused kernels. Its value is zero but for one channel that reads back p.
-    pad = 8
-    nkv = k0.shape[1]
-    q_aug = torch.cat([q, c_q.unsqueeze(-1), q.new_zeros(b, nh, t, pad - 1)], dim=-1)
-    k_extra = k0.new_zeros(b, nkv, 1, d + pad)
-    k_extra[..., d] = 1.0
-    k_aug = torch.cat([k_extra, F.pad(k0, (0, pad))], dim=2)  # [B, nkv, 1+T_k, d+pad]
-    v_extra = v0.new_zeros(b, nkv, 1, d + pad)
-    v_extra[..., d] = 1.0
-    v_aug = torch.cat([v_extra, F.pad(v0, (0, pad))], dim=2)
-    # lower-right causal: query i sees the extra key and step-0 keys up to its own position. With
-    # fewer queries than keys (inference: one new query after the context) it sees them all.
-    if mask is None:
-        attn_mask = causal_lower_right(t, k0.shape[2] + 1)
-    else:  # the extra key is seen by every query: [B, 1, T, 1+T_k]
-        attn_mask = F.pad(mask, (1, 0), value=True)[:, None]
-    out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1)
+    # [B, nkv, 1+T_k, d+pad] each, written in place (one copy of k0 and v0):
+    pad, t_k = 8, k0.shape[2]
+    k_aug, v_aug = k0.new_zeros(b, nkv, 1 + t_k, d + pad), v0.new_zeros(b, nkv, 1 + t_k, d + pad)
+    k_aug[:, :, 0, d] = 1.0
+    v_aug[:, :, 0, d] = 1.0
+    k_aug[:, :, 1:, :d] = k0
+    v_aug[:, :, 1:, :d] = v0
+    # Query i sees the extra key and the step-0 keys up to its own position (lower-right causal).
+    # With as many queries as keys (training) one leading dummy query makes that the square causal
+    # pattern, which SDPA runs without any mask (flash on GPU, linear memory everywhere); its row
+    # is dropped. With fewer queries (inference: new queries after the context) the lower-right
+    # pattern or the caller's mask is given as such.
+    square = mask is None and t == t_k
+    q_aug = q.new_zeros(b, nh, t + square, d + pad)  # [B, nh, (1+)T, d+pad]
+    q_aug[:, :, square:, :d] = q
+    q_aug[:, :, square:, d] = c_q
+    if square:
+        out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, is_causal=True, scale=scale, enable_gqa=groups > 1)[:, :, 1:]
+    else:
+        attn_mask = causal_lower_right(t, t_k + 1) if mask is None else F.pad(mask, (1, 0), value=True)[:, None]
+        out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1)
     a, p = out[..., :d].float(), out[..., d].float()  # Z0*o0/(e^c+Z0) [B,nh,T,d], e^c/(e^c+Z0) [B,nh,T]
-    num = a + p.unsqueeze(-1) * sum(wi.unsqueeze(-1) * _expand(v, groups).float() for wi, (_, v) in zip(w, cache[1:]))
+    diag = sum((wi.reshape(b, nkv, groups, t, 1) * v.float()[:, :, None]).reshape(b, nh, t, d)
+               for wi, (_, v) in zip(w, cache[1:]))  # sum_i w_i v_i [B, nh, T, d]
+    num = a + p.unsqueeze(-1) * diag
     den = (1 - p) + p * sum(w)
     return (num / den.unsqueeze(-1)).to(q.dtype)
-
-
-def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, nkv, T, d] -> [B, nkv*groups, T, d] (grouped-query attention)."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
 class DraftLayer(nn.Module):
@@ -248,24 +271,16 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: list[tuple[torch.Tensor, torch.Tensor]], step: int | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """TTT step ``step`` (None: the next one, ``len(cache)``); [B, T, H] -> [B, T, H].
-
-        ``cache[j]`` ends up holding step j's (k, v): the entries of steps >= ``step`` are dropped
-        (a new chain) and this step's are appended. Step 0 with a non-empty cache extends
-        ``cache[0]`` along the positions: inference runs step 0 over each round's newly accepted
-        positions only, the earlier ones' keys and values being final (step 0 is causal).
+                cache: list[tuple[torch.Tensor, torch.Tensor]], step: int, mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """TTT step ``step``: [B, T, H] -> ([B, T, H], this step's (k, v), the entry ``cache[step]``
+        becomes). ``cache`` is only read (see :class:`TTTCore`), so the call is a pure function of
+        its arguments and can be recomputed in backward (activation checkpointing).
         """
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        q, k, v = self.self_attn.project(x, cos, sin)
-        step = len(cache) if step is None else step
-        if step == 0 and cache:  # [B, nkv, T_old, d] + [B, nkv, T, d] along positions
-            k, v = torch.cat([cache[0][0], k], dim=2), torch.cat([cache[0][1], v], dim=2)
-        del cache[step:]
-        cache.append((k, v))
-        h = hidden + self.self_attn(q, cache, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn, kv = self.self_attn(x, cos, sin, cache, step, mask)
+        h = hidden + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
 
 
 class Eagle3Draft(nn.Module):
@@ -293,19 +308,24 @@ class Eagle3Draft(nn.Module):
 
         self.rotary_emb = LlamaRotaryEmbedding(cfg.llama_config())
 
-    def unroll(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, ttt_length: int) -> Iterator[torch.Tensor]:
+    def unroll(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, ttt_length: int,
+               start: int = 0) -> Iterator[torch.Tensor]:
         """Yield the pre-norm output [B, T, H] of TTT steps 0..ttt_length-1.
 
         Step j at position t sees the embedding of token t+1+j and (for j >= 1) step j-1's output
         at t; its RoPE position is t+j, as draft step j of a chain that starts after token t.
         Embeddings past the end of a row are those of token 0 (their positions never count).
+        ``aux_hidden`` [B, T, n_aux*H_t] may hold only positions ``start .. start+T-1`` of the
+        rows ``input_ids`` [B, T_all] (a sequence-parallel shard; the attention then has to see
+        every shard's keys, which its wrapped ``core`` arranges).
         """
         b, t, _ = aux_hidden.shape
         hidden = self.fuse(aux_hidden)  # [B, T, n_aux*H_t] -> [B, T, H]
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
-        positions = torch.arange(t, device=aux_hidden.device).expand(b, t)
+        positions = torch.arange(start, start + t, device=aux_hidden.device).expand(b, t)
         for j in range(ttt_length):
-            nxt = F.pad(input_ids[:, 1 + j :], (0, min(1 + j, t)), value=0)[:, :t]
+            nxt = input_ids[:, start + 1 + j : start + 1 + j + t]
+            nxt = F.pad(nxt, (0, t - nxt.shape[1]), value=0)  # [B, T]
             hidden = self.step(hidden, nxt, positions + j, cache, j)
             yield hidden
 
@@ -314,11 +334,20 @@ class Eagle3Draft(nn.Module):
         """One draft step, shared by training's unroll and inference's chain: the pre-norm output
         [B, T, H] from ``hidden`` [B, T, H] (``fuse(aux)`` for step 0, else step-1's output), the
         ids [B, T] of the token each position predicts after, at RoPE ``positions`` [B, T].
-        ``cache`` and ``step`` as in :meth:`DraftLayer.forward`, ``mask`` as in :func:`ttt_attention`.
+        ``cache[j]`` ends up holding step j's (k, v): the entries of steps >= ``step`` are dropped
+        (a new chain) and this step's are appended. Step 0 with a non-empty cache extends
+        ``cache[0]`` along the positions: inference runs step 0 over each round's newly accepted
+        positions only, the earlier ones' keys and values being final (step 0 is causal). ``mask``
+        as in :func:`ttt_attention`.
         """
         emb = self.embed_tokens(next_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = self.rotary_emb(hidden, positions)
-        return self.midlayer(emb, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache, step, mask)
+        # the layer gets a copy of what it reads (step 0: the earlier positions' keys, if any), so
+        # that the list it saw is unchanged if it runs again in backward (activation checkpointing)
+        out, kv = self.midlayer(emb, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache[: max(step, 1)], step, mask)
+        del cache[step:]
+        cache.append(kv)
+        return out
 
     def propose(self, hidden: torch.Tensor, positions: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
                 k: int, mask: torch.Tensor | None = None) -> torch.Tensor:

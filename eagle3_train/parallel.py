@@ -1,0 +1,134 @@
+"""Memory and parallelism wraps of the draft head, applied from outside the model file.
+
+- **Sequence parallelism** (Ulysses): the ranks of a group each hold a contiguous shard of every
+  row's positions. Everything in the head but attention is per position; around the attention an
+  all-to-all trades the shard of positions for a shard of the heads ([B, heads, T/sp, d] ->
+  [B, heads/sp, T, d]), so each rank attends over the whole sequence with its heads (exactly the
+  single-rank attention, heads being independent), and a second all-to-all trades back. The TTT
+  cache keeps the second layout. Gradients flow through both all-to-alls (each one's backward is
+  the other); each rank's loss is its shard's share of the sequence's loss.
+- **Activation checkpointing**: each TTT step's decoder layer is recomputed in backward, so only
+  its inputs and outputs are kept (~1/3 more layer FLOPs; memory per step a few [T, H] tensors).
+- **torch.compile** of the decoder layer.
+
+Heads must divide by the group size; a micro-batch's rows are padded to a multiple of it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from eagle3_train.model import Eagle3Draft
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """This rank's place in its sequence-parallel group: rows are cut along positions into ``size``
+    equal shards, shard ``rank`` is this rank's. ``group`` None is a group of one."""
+
+    group: Any
+    rank: int
+    size: int
+
+    def span(self, t: int) -> tuple[int, int]:
+        """[start, stop) of this rank's positions in rows of ``t`` (a multiple of ``size``)."""
+        n = t // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the group (in place; no gradient)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+
+def sequence_parallel(size: int) -> SequenceParallel:
+    """Groups of ``size`` consecutive ranks (collective: every rank calls it with the same size);
+    rank r is position shard ``r % size`` of data-parallel rank ``r // size``."""
+    if size == 1:
+        return SequenceParallel(None, 0, 1)
+    group, _ = dist.new_subgroups(size)
+    return SequenceParallel(group, dist.get_rank(group), size)
+
+
+def apply_sequence_parallel(model: Eagle3Draft, sp: SequenceParallel) -> None:
+    """Wrap the decoder layer's attention core in the all-to-alls (no-op for a group of one)."""
+    if sp.size == 1:
+        return
+    attn = model.midlayer.self_attn
+    for heads, what in ((attn.num_heads, "attention heads"), (attn.num_kv, "key/value heads")):
+        if heads % sp.size:
+            raise ValueError(f"sequence parallelism over {sp.size} ranks needs the {what} ({heads}) to divide by it")
+    attn.core = UlyssesCore(attn.core, sp.group)
+
+
+def apply_activation_checkpointing(model: Eagle3Draft) -> None:
+    """Recompute each TTT step's decoder layer in backward (the layer's forward reads the cache
+    without changing it, so running it again gives the same result)."""
+    layer = model.midlayer
+    layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False,
+                                      preserve_rng_state=False)
+
+
+def apply_compile(model: Eagle3Draft, ttt_length: int) -> None:
+    """torch.compile the decoder layer (one graph per TTT step: the cache grows with the step)."""
+    import torch._dynamo
+
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, 2 * ttt_length + 2)
+    model.midlayer.compile()
+
+
+class UlyssesCore(nn.Module):
+    """A TTT attention core run over the whole sequence with this rank's share of the heads.
+
+    Args:
+        inner: the core it wraps (:class:`eagle3_train.model.draft.TTTCore`).
+        group: the sequence-parallel process group.
+    """
+
+    def __init__(self, inner: nn.Module, group: Any):
+        super().__init__()
+        self.inner = inner
+        self.group = group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
+                step: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """q [B, nh, T/sp, d], k/v [B, nkv, T/sp, d] (this rank's positions) -> ([B, nh, T/sp, d],
+        this step's cache entry [B, nkv/sp, T, d]); ``cache`` in that layout too."""
+        if mask is not None:
+            raise ValueError("sequence parallelism runs the training unroll (causal TTT attention) only")
+        q, k, v = (all_to_all(x, self.group, scatter=1, gather=2) for x in (q, k, v))  # -> [B, h/sp, T, d]
+        out, kv = self.inner(q, k, v, cache, step)
+        return all_to_all(out, self.group, scatter=2, gather=1), kv  # [B, nh/sp, T, d] -> [B, nh, T/sp, d]
+
+
+def all_to_all(x: torch.Tensor, group: Any, scatter: int, gather: int) -> torch.Tensor:
+    """Chunk ``i`` of ``x`` along ``scatter`` goes to rank ``i``; what comes from rank ``r`` is
+    part ``r`` along ``gather``. Differentiable: the backward is the all-to-all the other way."""
+    return _AllToAll.apply(x, group, scatter, gather)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter, gather):  # type: ignore[override]
+        ctx.args = (group, gather, scatter)
+        return _exchange(x, group, scatter, gather)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _exchange(grad, *ctx.args), None, None, None
+
+
+def _exchange(x: torch.Tensor, group: Any, scatter: int, gather: int) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    send = torch.stack(x.chunk(size, scatter))  # [size, ...]: row i goes to rank i
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), gather)
