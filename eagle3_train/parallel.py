@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from eagle3_train.errors import ConfigError
 from eagle3_train.model import Eagle3Draft
 
 
@@ -64,7 +65,7 @@ def apply_sequence_parallel(model: Eagle3Draft, sp: SequenceParallel) -> None:
     attn = model.midlayer.self_attn
     for heads, what in ((attn.num_heads, "attention heads"), (attn.num_kv, "key/value heads")):
         if heads % sp.size:
-            raise ValueError(f"sequence parallelism over {sp.size} ranks needs the {what} ({heads}) to divide by it")
+            raise ConfigError(f"train.sequence_parallel={sp.size} must divide the draft's {what} ({heads})")
     attn.core = UlyssesCore(attn.core, sp.group)
 
 

@@ -18,7 +18,7 @@ from eagle3_train.errors import ConfigError
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.model.draft import apply_rope
 from eagle3_train.objective import head_loss, soft_cross_entropy
-from eagle3_train.parallel import apply_activation_checkpointing
+from eagle3_train.parallel import SequenceParallel, apply_activation_checkpointing, apply_sequence_parallel
 from eagle3_train.targets import tiny_config
 from eagle3_train.trainer import DeepSpeedConfig, OptimConfig, TrainConfig, ttt_losses
 
@@ -164,7 +164,7 @@ def test_saved_activations_grow_linearly_and_options_shrink_them():
 
 def test_memory_options_are_checked():
     """ZeRO-3 does not gather lm_head for the fused head: deepspeed=zero3 turns it off, asking for
-    both is refused; the new numbers are range-checked."""
+    both is refused; sequence parallelism must divide the heads; the new numbers are range-checked."""
     from eagle3_train.cli import to_config
     from test_configs import compose_config
 
@@ -174,6 +174,8 @@ def test_memory_options_are_checked():
         to_config(compose_config("train.yaml", ["data=d", "out=o", "deepspeed=zero3", "train.head_chunk=512"]), TrainConfig)
     with pytest.raises(ConfigError, match="ZeRO-3 does not gather"):
         TrainConfig(data="d", out="o", deepspeed=DeepSpeedConfig(zero_stage=3))
+    with pytest.raises(ConfigError, match=r"sequence_parallel=4 must divide the draft's key/value heads \(2\)"):
+        apply_sequence_parallel(tiny_problem()[0], SequenceParallel(None, 0, 4))  # 4 heads, 2 kv heads
     for field, value in (("head_chunk", -1), ("sequence_parallel", 0)):
         with pytest.raises(ConfigError, match=rf"^train\.{field} must be"):
             OptimConfig(**{field: value})

@@ -242,7 +242,7 @@ def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]
     # pattern, which SDPA runs without any mask (flash on GPU, linear memory everywhere); its row
     # is dropped. With fewer queries (inference: new queries after the context) the lower-right
     # pattern or the caller's mask is given as such.
-    square = mask is None and t == t_k
+    square = int(mask is None and t == t_k)  # 1: the dummy query's row
     q_aug = q.new_zeros(b, nh, t + square, d + pad)  # [B, nh, (1+)T, d+pad]
     q_aug[:, :, square:, :d] = q
     q_aug[:, :, square:, d] = c_q
