@@ -17,8 +17,9 @@ key prepended to the step-0 keys, whose score is a per-query constant c_t (an ex
 carries it) and whose value is zero: SDPA then returns A = Z0*o0 / (e^c + Z0) and the extra key's
 probability p = e^c / (e^c + Z0), with Z0 the step-0 softmax normaliser and o0 the step-0 output.
 The full softmax over both parts is (A + p * sum_i e^(s_i - c) v_i) / (1 - p + p * sum_i e^(s_i - c))
-for diagonal scores s_i -- exact for any c, and c = max_i s_i keeps every exponent <= 0. Memory per
-step is O(T); gradients flow through SDPA's own backward.
+for diagonal scores s_i -- exact for any c, and c = max_i s_i keeps every exponent <= 0. A leading
+dummy query (its row dropped) makes the call SDPA's plain square causal pattern, which every fused
+kernel takes without a mask. Memory per step is O(T); gradients flow through SDPA's own backward.
 
 Inference runs the same :meth:`Eagle3Draft.step` with a cache that outlives the chain: ``cache[0]``
 holds step 0's keys/values of every accepted position (computed once, from the target's states,
