@@ -32,10 +32,11 @@ from data_prep.conversations import BadRow, Conversation, input_fingerprint, ite
 from data_prep.regenerate import RegenConfig, regenerate
 from data_prep.synthesize import SynthConfig, Synthesizer, template_name
 from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.dist import DistInfo, barrier, close, init_distributed
-from eagle3_train.contract import MANIFEST_NAME, differences, read_manifest, write_manifest
-from eagle3_train.errors import ConfigError, ContractError, Eagle3Error
+from eagle3_train.dist import DistInfo, barrier, close, init_distributed, resolve_device
+from eagle3_train.contract import check_dtype
+from eagle3_train.errors import ConfigError, Eagle3Error, check_numbers
 from eagle3_train.fileio import atomic_write_bytes, atomic_write_json, sha256_json
+from eagle3_train.stagedir import StageDir
 from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target
 
 STAGE = "prepare"
@@ -71,16 +72,10 @@ class PrepareConfig:
     progress: bool = True  # progress bars
 
     def __post_init__(self) -> None:
+        check_dtype(self.dtype, auto=True)
         if self.on_bad_row not in BAD_ROW_POLICIES:
             raise ConfigError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.on_bad_row!r}")
-        if self.max_length <= 0:
-            raise ConfigError(f"max_length must be positive, got {self.max_length}")
-        if self.sample_id_offset < 0:
-            raise ConfigError(f"sample_id_offset must be >= 0, got {self.sample_id_offset}")
-        if self.limit is not None and self.limit <= 0:
-            raise ConfigError(f"limit must be positive or null, got {self.limit}")
-        if self.synthesize is not None and self.synthesize <= 0:
-            raise ConfigError(f"synthesize must be a positive number of conversations, got {self.synthesize}")
+        check_numbers(self, positive=("max_length", "limit", "synthesize"), non_negative=("sample_id_offset",))
         if self.save_conversations is not None and not self.save_conversations.endswith((".jsonl", ".jsonl.gz")):
             raise ConfigError(f"save_conversations must name a .jsonl or .jsonl.gz file, got {self.save_conversations!r}")
         if (self.input is None) == (self.synthesize is None):
@@ -119,20 +114,21 @@ class Preparer:
         self.out = Path(cfg.out).expanduser()
         self.bad = BadRows(cfg.on_bad_row)
         # synthesis runs data-parallel under torchrun; everything else is one process
-        self.dist = init_distributed(cfg.device) if cfg.synthesize else DistInfo(0, 1, 0, _device(cfg.device))
+        self.dist = init_distributed(cfg.device) if cfg.synthesize else DistInfo(0, 1, 0, resolve_device(cfg.device))
         self.target: Target = self._load(load_model=False)  # the weights only to generate
         if chat_template_of(self.target.tokenizer) is None:
             raise Eagle3Error(
                 f"the tokenizer of target {cfg.target} has no chat template; pass "
                 f"chat_template=<file.jinja or template text>"
             )
-        self.fingerprint = sha256_json(
-            {
-                "config": self._output_options(),
-                "target": self.target.identity.to_dict(),
-                "input": input_fingerprint(cfg.input) if cfg.input is not None else "synthesized",
-            }
-        )
+        self.request = {
+            "config": self._output_options(),
+            "target": self.target.identity.to_dict(),
+            "input": input_fingerprint(cfg.input) if cfg.input is not None else "synthesized",
+        }
+        self.fingerprint = sha256_json(self.request)  # names this output in the dump's request
+        self.dir = StageDir(self.out, STAGE, self.request, what="prepared dataset",
+                            hint="pass overwrite=true to replace it, or choose another out=")
 
     def _load(self, load_model: bool) -> Target:
         c = self.cfg
@@ -215,21 +211,9 @@ class Preparer:
         return self.target.model, sorted(eos_ids(self.target.model, self.target.tokenizer, self.target.local_dir))
 
     def _finished_output(self) -> dict[str, Any] | None:
-        if not (self.out / MANIFEST_NAME).is_file():
-            return None
-        manifest = read_manifest(self.out, STAGE)
-        if manifest.get("fingerprint") == self.fingerprint:
-            return manifest
-        if not self.cfg.overwrite:
-            diffs = differences(self._output_options(manifest.get("config", {})), self._output_options())
-            diffs += differences(manifest.get("target", {}), self.target.identity.to_dict())
-            said = ("; options (left: the existing output, right: this run):\n  " + "\n  ".join(diffs)) if diffs else ""
-            raise ContractError(
-                f"{self.out} holds a prepared dataset made with other options, input or target{said}\n"
-                f"pass overwrite=true to replace it, or choose another out="
-            )
-        (self.out / MANIFEST_NAME).unlink(missing_ok=True)
-        return None
+        """A finished output of these options, input and target; another is refused, or removed
+        under ``overwrite``."""
+        return self.dir.finished(replace=self.cfg.overwrite)
 
     def read(self) -> tuple[list[Conversation], int]:
         """Normalise the input rows; bad rows follow ``on_bad_row``."""
@@ -251,11 +235,9 @@ class Preparer:
         import torch
 
         regen_dir = self.out / "regen"
-        stamp = regen_dir / "fingerprint.json"
-        if stamp.is_file() and json.loads(stamp.read_text()) != self.fingerprint:
-            shutil.rmtree(regen_dir)  # chunks of other options or input: never mix them
-        regen_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(stamp, self.fingerprint)
+        # chunks of other options or input: never mixed, always replaced
+        StageDir(regen_dir, "regen", self.request).claim(
+            replace=True, clear=lambda: [p.unlink() for p in regen_dir.glob("chunk-*.json")])
         model, eos = self._load_generator()
         tok = self.target.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
@@ -344,14 +326,14 @@ class Preparer:
             "skipped_examples": self.bad.examples,
             "regeneration": regen_stats or None,
         }
-        write_manifest(self.out, STAGE, body)
+        manifest = self.dir.write_manifest(body)
         print(
             f"eagle3-prepare: {len(rows)} conversations, {counts['tokens']} tokens "
             f"({counts['loss_tokens']} assistant), {counts['truncated']} truncated -> {dataset_dir}"
         )
         if self.bad.counts:
             print(self.bad.summary())
-        return read_manifest(self.out, STAGE)
+        return manifest
 
 
 def save_conversations(conversations: list[Conversation], path: Path) -> None:
@@ -369,14 +351,6 @@ def _check_regenerated(conv: Conversation) -> None:
     for i, m in enumerate(conv.messages):
         if m["role"] == "assistant" and not m["content"]:
             raise BadRow(conv.source, "empty_regeneration", "the target replied with nothing", f"messages[{i}]")
-
-
-def _device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 main = entry_point("prepare", PrepareConfig, lambda cfg: Preparer(cfg).run())

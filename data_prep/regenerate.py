@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from data_prep.chat import render_text
 from data_prep.conversations import Conversation
 from data_prep.served_regen import ServedRegenConfig, served_generate_batch
-from eagle3_train.errors import ConfigError
+from eagle3_train.errors import ConfigError, check_numbers
 
 BACKENDS = ("hf", "vllm", "sglang")
 
@@ -40,9 +40,7 @@ class RegenConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"regen.backend must be one of {BACKENDS}, got {self.backend!r}")
-        for name in ("max_new_tokens", "batch_size", "chunk_size"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"regen.{name} must be positive, got {getattr(self, name)}")
+        check_numbers(self, "regen.", positive=("max_new_tokens", "batch_size", "chunk_size"))
         if self.do_sample and not (self.temperature > 0 and 0 < self.top_p <= 1):
             raise ConfigError("regen.temperature must be > 0 and regen.top_p in (0, 1] when sampling")
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from data_prep.engine_http import EngineError, post_json, retrying, served_model, wait_ready
-from eagle3_train.errors import ConfigError
+from eagle3_train.errors import ConfigError, check_numbers
 
 
 @dataclass
@@ -67,13 +67,8 @@ class ServedRegenConfig:
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"regen.server.url must be an http(s):// URL, got {self.url!r}")
-        if self.concurrency <= 0:
-            raise ConfigError(f"regen.server.concurrency must be positive, got {self.concurrency}")
-        if self.request_timeout_s <= 0:
-            raise ConfigError(f"regen.server.request_timeout_s must be positive, got {self.request_timeout_s}")
-        for name in ("retries", "backoff_s", "wait_for_server_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"regen.server.{name} must be >= 0, got {getattr(self, name)}")
+        check_numbers(self, "regen.server.", positive=("concurrency", "request_timeout_s"),
+                      non_negative=("retries", "backoff_s", "wait_for_server_s"))
 
 
 # -- the engines: a request builder and a response reader each --------------------------------------

@@ -32,16 +32,9 @@ from omegaconf import MISSING
 from tqdm.auto import tqdm
 
 from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.contract import (
-    MANIFEST_NAME,
-    CaptureSpec,
-    differences,
-    read_manifest,
-    validate_aux_indices,
-    write_manifest,
-)
-from eagle3_train.errors import BadInputError, ConfigError, ContractError, Eagle3Error
-from eagle3_train.fileio import atomic_write_json, sha256_file
+from eagle3_train.contract import CaptureSpec, differences, read_manifest, validate_aux_indices
+from eagle3_train.errors import BadInputError, ConfigError, ContractError, Eagle3Error, check_numbers
+from eagle3_train.fileio import sha256_file
 from eagle3_train.formats import (
     RECORD_SUFFIX,
     SHARD_SUFFIX,
@@ -50,11 +43,11 @@ from eagle3_train.formats import (
     read_keys,
     write_shard,
 )
+from eagle3_train.stagedir import StageDir
 from eagle3_train.vocab import VocabMap, build_vocab_map, count_tokens, load_vocab_map
 
 STAGE = "standardize"
 VOCAB_FILE = "vocab_map.safetensors"
-REQUEST_NAME = "request.json"
 
 
 @dataclass
@@ -75,16 +68,11 @@ class StandardizeConfig:
     progress: bool = True  # progress bar
 
     def __post_init__(self) -> None:
-        if self.draft_vocab_size <= 0:
-            raise ConfigError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
+        check_numbers(self, positive=("draft_vocab_size", "max_samples"), non_negative=("workers",))
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if not self.only_vocab and not self.dumps:
             raise ConfigError("dumps=[<dump dir>, ...] is required (or only_vocab=true with out=<standardized dir>)")
-        if self.workers < 0:
-            raise ConfigError(f"workers must be >= 0, got {self.workers}")
-        if self.max_samples is not None and self.max_samples <= 0:
-            raise ConfigError(f"max_samples must be positive or null, got {self.max_samples}")
 
 
 ConfigStore.instance().store(name="standardize_schema", node=StandardizeConfig)
@@ -145,14 +133,15 @@ class Standardizer:
         spec = CaptureSpec.from_dict(manifest["capture"])
         vocab, sha = self.make_vocab(spec.vocab_size)
         manifest["vocab"] = self.vocab_summary(vocab, sha)
-        manifest["request"]["vocab"] = self.vocab_request(spec.vocab_size)
         manifest["config"] = config_dict(self.cfg)
-        atomic_write_json(self.out / REQUEST_NAME, manifest["request"])
-        body = {k: v for k, v in manifest.items() if k not in ("stage", "format_version", "eagle3_train_version", "created_at")}
-        write_manifest(self.out, STAGE, body)
+        out = self.stage_dir(manifest["request"] | {"vocab": self.vocab_request(spec.vocab_size)})
+        out.claim(replace=True)  # the same data with another vocab: the shards stay
+        body = {k: v for k, v in manifest.items() if k not in ("stage", "format_version", "eagle3_train_version",
+                                                               "created_at", "request")}
+        manifest = out.write_manifest(body)
         print(f"eagle3-standardize: new vocab map of {vocab.draft_vocab_size} tokens "
               f"({vocab.coverage():.2%} of training tokens) -> {self.out / VOCAB_FILE}")
-        return read_manifest(self.out, STAGE)
+        return manifest
 
     def make_vocab(self, target_vocab: int) -> tuple[VocabMap, str]:
         """The vocab map: reused from ``vocab_map=`` or counted over ``out/train``."""
@@ -267,27 +256,26 @@ class Standardizer:
 
     def claim(self, request: dict) -> dict[str, Any] | None:
         """Reuse a finished output made the same way; refuse one made otherwise."""
-        if (self.out / MANIFEST_NAME).is_file():
-            manifest = read_manifest(self.out, STAGE)
-            diffs = differences(manifest["request"], request)
-            if diffs:
-                hint = ""
-                if all(d.startswith("vocab.") for d in diffs):
-                    hint = "\n(only the vocab differs: only_vocab=true rebuilds just the map)"
-                raise ContractError(f"{self.out} holds data standardized otherwise:\n  " + "\n  ".join(diffs) + hint)
+        out = self.stage_dir(request)
+        if (done := out.finished()) is not None:
             print(f"eagle3-standardize: {self.out} is already complete; nothing to do")
-            return manifest
-        request_file = self.out / REQUEST_NAME
-        if request_file.is_file():
-            diffs = differences(json.loads(request_file.read_text()), request)
-            if diffs:
-                raise ContractError(f"{self.out} holds a partial run made otherwise:\n  " + "\n  ".join(diffs))
+            return done
+        out.claim()
         for sub in ("train", "eval"):
             (self.out / sub).mkdir(parents=True, exist_ok=True)
             for tmp in (self.out / sub).glob(".*.tmp"):
                 tmp.unlink()
-        atomic_write_json(request_file, request)
         return None
+
+    def stage_dir(self, request: dict) -> StageDir:
+        """The output directory for ``request``; when only the vocab differs, the refusal says
+        that only_vocab=true rebuilds just the map."""
+        def hint(diffs: list[str]) -> str:
+            if all(d.startswith("vocab.") for d in diffs):
+                return "(only the vocab differs: only_vocab=true rebuilds just the map)"
+            return "use another out=, or delete it"
+
+        return StageDir(self.out, STAGE, request, what="standardized output", hint=hint)
 
     def convert(self, sources: list[Source], spec: CaptureSpec, eval_ids: np.ndarray) -> dict[str, int]:
         """Write the train/eval shards of every input shard not done yet, in parallel."""
@@ -341,7 +329,6 @@ class Standardizer:
         if counts["train_samples"] + counts["eval_samples"] != n_all or counts["eval_samples"] != n_eval:
             raise Eagle3Error(f"{self.out}: output holds {counts} but the dumps hold {n_all} samples ({n_eval} eval)")
         body = {
-            "request": request,
             "capture": spec.to_dict(),
             "target": spec.target.to_dict(),
             "sources": [{"path": d["path"], "capture": m["capture"], "stored_indices": m["stored_indices"]}
@@ -353,13 +340,13 @@ class Standardizer:
             "shards": {split: [r.to_dict() for r in recs] for split, recs in shards.items()},
             "run": stats,
         }
-        write_manifest(self.out, STAGE, body)
+        manifest = self.stage_dir(request).write_manifest(body)
         print(
             f"eagle3-standardize: {counts['train_samples']} train / {counts['eval_samples']} eval samples, "
             f"aux {list(spec.aux_indices)} -> aux_hidden width {len(spec.aux_indices) * spec.hidden_size}; "
             f"draft vocab {vocab.draft_vocab_size} covers {vocab.coverage():.2%} of training tokens -> {self.out}"
         )
-        return read_manifest(self.out, STAGE)
+        return manifest
 
 
 main = entry_point("standardize", StandardizeConfig, lambda cfg: Standardizer(cfg).run())

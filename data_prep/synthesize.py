@@ -44,9 +44,9 @@ from tqdm.auto import tqdm
 from data_prep.chat import render_text
 from data_prep.conversations import BadRow, Conversation
 from data_prep.regenerate import RegenConfig, generate_sorted
-from eagle3_train.contract import differences
-from eagle3_train.errors import ConfigError, ContractError, Eagle3Error
+from eagle3_train.errors import ConfigError, Eagle3Error, check_numbers
 from eagle3_train.fileio import atomic_write_json, sha256_text
+from eagle3_train.stagedir import StageDir
 
 USER_FILTERS = ("empty", "too_short", "too_long", "no_end_of_turn", "special_tokens", "repetition")
 SET_FILTERS = ("exact_duplicate", "near_duplicate")
@@ -72,9 +72,7 @@ class SynthConfig:
     chunk_size: int = 512  # conversations per resumable chunk under <out>/synth/
 
     def __post_init__(self) -> None:
-        for name in ("turns", "max_new_tokens", "chunk_size"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"synth.{name} must be positive, got {getattr(self, name)}")
+        check_numbers(self, "synth.", positive=("turns", "max_new_tokens", "chunk_size"))
         if not (self.temperature > 0 and 0 < self.top_p <= 1):
             raise ConfigError("synth.temperature must be > 0 and synth.top_p in (0, 1]")
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -265,22 +263,10 @@ class Synthesizer:
 
     # ---- chunks on disk
     def _claim_dir(self) -> None:
-        stamp = self.dir / "request.json"
         if self.rank == 0:
-            if stamp.is_file():
-                have = json.loads(stamp.read_text())
-                diffs = differences(have, self.request)
-                if diffs and not self.overwrite:
-                    raise ContractError(
-                        f"{self.dir} holds conversations synthesized with other options:\n  " + "\n  ".join(diffs)
-                        + "\n(left: the existing chunks, right: this run); pass overwrite=true to discard them, "
-                        "or choose another out="
-                    )
-                if diffs:
-                    for p in self.dir.glob("chunk-*.json"):
-                        p.unlink()
-            self.dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(stamp, self.request)
+            StageDir(self.dir, "synth", self.request, what="set of synthesized conversations",
+                     hint="pass overwrite=true to discard them, or choose another out=").claim(
+                replace=self.overwrite, clear=lambda: [p.unlink() for p in self.dir.glob("chunk-*.json")])
         self.barrier()
 
     def _path(self, chunk: int) -> Path:

@@ -21,12 +21,19 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_train import __version__
-from eagle3_train.errors import BadInputError, ContractError, IncompleteError
+from eagle3_train.errors import BadInputError, ConfigError, ContractError, IncompleteError
 from eagle3_train.fileio import atomic_write_json
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")  # the one list of dtypes a target runs or a state is stored in
+
+
+def check_dtype(value: str, option: str = "dtype", auto: bool = False) -> None:
+    """Refuse a ``dtype`` option that is not one of :data:`DTYPES` (or ``auto``, where allowed)."""
+    allowed = ("auto", *DTYPES) if auto else DTYPES
+    if value not in allowed:
+        raise ConfigError(f"{option} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def default_aux_indices(num_hidden_layers: int) -> tuple[int, ...]:
@@ -208,12 +215,13 @@ def require_same(
         )
 
 
-def write_manifest(directory: str | os.PathLike, stage: str, body: dict[str, Any]) -> Path:
-    """Write ``<directory>/manifest.json`` atomically; its presence marks the directory complete.
+def write_manifest(directory: str | os.PathLike, stage: str, body: dict[str, Any], name: str = MANIFEST_NAME) -> Path:
+    """Write ``<directory>/manifest.json`` (or ``name``) atomically; its presence marks the
+    directory complete.
 
     ``stage``, ``format_version``, the package version and a UTC timestamp are added to ``body``.
     """
-    path = Path(directory) / MANIFEST_NAME
+    path = Path(directory) / name
     manifest = {
         "stage": stage,
         "format_version": FORMAT_VERSION,
@@ -225,14 +233,15 @@ def write_manifest(directory: str | os.PathLike, stage: str, body: dict[str, Any
     return path
 
 
-def read_manifest(directory: str | os.PathLike, stage: str | None = None) -> dict[str, Any]:
-    """Read ``<directory>/manifest.json``; refuse a missing, unreadable or wrong-stage manifest."""
-    path = Path(directory) / MANIFEST_NAME
+def read_manifest(directory: str | os.PathLike, stage: str | None = None, name: str = MANIFEST_NAME) -> dict[str, Any]:
+    """Read ``<directory>/manifest.json`` (or ``name``); refuse a missing, unreadable or
+    wrong-stage manifest."""
+    path = Path(directory) / name
     if not Path(directory).is_dir():
         raise IncompleteError(f"{directory} does not exist or is not a directory")
     if not path.is_file():
         raise IncompleteError(
-            f"{directory} has no {MANIFEST_NAME}: the stage writing it did not finish (or this is "
+            f"{directory} has no {name}: the stage writing it did not finish (or this is "
             f"not an eagle3_train directory); run that stage again to complete it"
         )
     try:

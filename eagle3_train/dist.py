@@ -39,9 +39,7 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 120.0, alway
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
-    if device == "auto":
-        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = resolve_device(device, local)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if (world > 1 or always) and not dist.is_initialized():
@@ -51,6 +49,14 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 120.0, alway
             device_id=dev if dev.type == "cuda" else None,
         )
     return DistInfo(rank, world, local, dev)
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """The one reading of ``device=``: ``auto`` is ``cuda:<local_rank>`` when CUDA is present,
+    else the CPU; anything else is taken as torch spells it."""
+    if device == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
 
 
 def _free_port() -> int:

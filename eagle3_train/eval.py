@@ -31,14 +31,19 @@ from omegaconf import MISSING
 from safetensors.torch import load_file
 
 from eagle3_train.cli import config_dict, entry_point
+from eagle3_train.contract import check_dtype
 from eagle3_train.decoding import Reference, SpecDecoder
+from eagle3_train.dist import resolve_device
 from eagle3_train.engines import resolve
 from eagle3_train.export import draft_config_from_json
-from eagle3_train.errors import BadInputError, ConfigError, ContractError
-from eagle3_train.fileio import atomic_write_json, sha256_file, sha256_json
+from eagle3_train.errors import BadInputError, ConfigError, ContractError, check_numbers
+from eagle3_train.fileio import sha256_file
 from eagle3_train.model import Eagle3Draft
 from eagle3_train.prompt_files import Conversation, read_conversations
+from eagle3_train.stagedir import StageDir
 from eagle3_train.targets import Target, eos_ids, load_target, text_config
+
+REPORT_NAME = "report.json"  # the eval directory's record, written last (eagle3_train.stagedir)
 
 # Top-1/top-2 logit margins below which a first difference counts as numerical: a few units in the
 # last place of logits of magnitude ~10-30 in that dtype, plus what batching reorders upstream.
@@ -68,16 +73,11 @@ class EvalConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        check_dtype(self.dtype, auto=True)
         if self.engine not in ("sglang", "vllm"):
             raise ConfigError(f"engine must be sglang or vllm, got {self.engine!r}")
-        if self.k < 1 or self.max_new_tokens < 1:
-            raise ConfigError("k and max_new_tokens must be >= 1")
-        if self.batch_size < 1:
-            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.max_turns is not None and self.max_turns < 1:
-            raise ConfigError(f"max_turns must be >= 1 or null, got {self.max_turns}")
-        if self.tie_threshold is not None and self.tie_threshold < 0:
-            raise ConfigError(f"tie_threshold must be >= 0 or null, got {self.tie_threshold}")
+        check_numbers(self, positive=("k", "max_new_tokens", "batch_size", "max_turns", "limit"),
+                      non_negative=("tie_threshold",))
 
 
 ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
@@ -172,8 +172,9 @@ class Evaluator:
 
     def __init__(self, cfg: EvalConfig):
         self.cfg = cfg
-        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.target = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=cfg.dtype, device=device, chat_template=cfg.chat_template)
+        device = resolve_device(cfg.device)
+        self.target = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=cfg.dtype, device=str(device),
+                                  chat_template=cfg.chat_template)
         self.draft_dir = Path(cfg.draft).expanduser()
         self.draft, self.config = load_draft(self.draft_dir, self.target)
         if (warning := short_training_warning(self.config, cfg.k)) is not None:
@@ -242,21 +243,19 @@ class Evaluator:
                       f"greedy {seconds['greedy']:.1f} s so far", flush=True)
         return results, seconds
 
-    def fingerprint(self) -> str:
+    def request(self) -> dict[str, Any]:
         """What decides the report: options (not where it goes), the draft files, the target."""
         opts = {k: v for k, v in config_dict(self.cfg).items() if k not in ("out", "progress")}
         files = {p.name: sha256_file(p) for p in (self.draft_dir / "config.json", self.draft_dir / "model.safetensors")}
-        return sha256_json({"options": opts, "draft": files, "target": self.target.identity.to_dict()})
+        return {"options": opts, "draft": files, "target": self.target.identity.to_dict()}
 
     def run(self) -> dict[str, Any]:
         k = self.cfg.k
-        report_path = self.out / "report.json"
-        fingerprint = self.fingerprint()
-        if report_path.is_file():
-            old = json.loads(report_path.read_text())
-            if old.get("fingerprint") == fingerprint:
-                print(f"eagle3-eval: {report_path} is up to date (tau {old['tau']:.2f}); nothing to do")
-                return old
+        out = StageDir(self.out, "eval", self.request(), record=REPORT_NAME)
+        old = out.finished(replace=True)  # a report of other options or another draft is redone
+        if old is not None:
+            print(f"eagle3-eval: {self.out / REPORT_NAME} is up to date (tau {old['tau']:.2f}); nothing to do")
+            return old
         conversations = self.conversations()
         results, seconds = self.decode(conversations)
         categories = sorted({r.conversation.category for r in results})
@@ -291,7 +290,6 @@ class Evaluator:
             "target_seconds": c.target_seconds, "draft_seconds": c.draft_seconds,
             "draft_positions_per_verify_step": c.draft_positions / max(c.row_rounds, 1),
             "config": config_dict(self.cfg),
-            "fingerprint": fingerprint,
         }
         self.out.mkdir(parents=True, exist_ok=True)
         with (self.out / "outputs.jsonl").open("w") as f:
@@ -300,7 +298,7 @@ class Evaluator:
                                     "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens,
                                     "accepted": r.accepted, "lossless": r.check["status"], "reply": r.reply}) + "\n")
         plot_acceptance(report, self.out / "acceptance.png")
-        atomic_write_json(self.out / "report.json", report)
+        report = out.write_manifest(report)
         print(f"eagle3-eval ({self.cfg.engine}: HF {self.layers} from {self.resolution.source}): tau {report['tau']:.2f} "
               f"over {report['verify_steps']} verify steps, acceptance per position "
               f"{[round(p, 3) for p in report['acceptance_per_position']]}; per category "

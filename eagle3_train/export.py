@@ -26,14 +26,13 @@ from omegaconf import MISSING
 from safetensors.torch import load_file, save_file
 
 from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.contract import CaptureSpec, best_checkpoint, run_checkpoints, write_manifest
+from eagle3_train.contract import CaptureSpec, best_checkpoint, check_dtype, run_checkpoints, write_manifest
 from eagle3_train.engines import RULES_VERSION, TOP_KEY, Unexpressible, fc_skipped, ids_for, unloadable_weights
 from eagle3_train.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.fileio import atomic_write_json
 from eagle3_train.model import DraftConfig
 
 EXPORT_ENGINES = ("sglang", "vllm")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -49,8 +48,7 @@ class ExportConfig:
         unknown = [e for e in self.engines if e not in EXPORT_ENGINES]
         if unknown or not self.engines:
             raise ConfigError(f"engines must be a non-empty subset of {list(EXPORT_ENGINES)}, got {self.engines}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        check_dtype(self.dtype)
 
 
 ConfigStore.instance().store(name="export_schema", node=ExportConfig)
@@ -175,7 +173,7 @@ class Exporter:
     def run(self) -> dict[str, Any]:
         keys = engine_keys(self.spec, list(self.cfg.engines))  # refuses before anything is written
         weights = load_file(str(self.ckpt / "draft.safetensors"))
-        dtype = DTYPES[self.cfg.dtype]
+        dtype = getattr(torch, self.cfg.dtype)
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items() if not k.startswith("embed_tokens")}
         refuse_unloadable(set(weights), self.draft_config)
         config = draft_config_json(self.draft_config) | keys | {"torch_dtype": self.cfg.dtype}

@@ -36,6 +36,12 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def json_ready(obj: Any) -> Any:
+    """``obj`` as it reads back from JSON (tuples become lists, paths strings), so that a value
+    compares equal to its recorded copy."""
+    return json.loads(json.dumps(obj, default=_json_default))
+
+
 def _json_default(obj: Any) -> Any:
     if isinstance(obj, (set, frozenset, tuple)):
         return list(obj)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from eagle3_train.contract import TargetIdentity
+from eagle3_train.contract import TargetIdentity, check_dtype
 from eagle3_train.errors import BadInputError, Eagle3Error
 from eagle3_train.fileio import sha256_file, sha256_json, sha256_text
 
@@ -108,13 +108,12 @@ def text_config(config: Any) -> Any:
 
 
 def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
-    """``auto`` is float32 on CPU (bf16 is slow there) and bfloat16 on an accelerator."""
+    """``auto`` is float32 on CPU (bf16 is slow there) and bfloat16 on an accelerator; otherwise
+    one of :data:`~eagle3_train.contract.DTYPES`."""
     if dtype == "auto":
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    except KeyError:
-        raise Eagle3Error(f"dtype {dtype!r} is not one of auto, float32, bfloat16, float16") from None
+    check_dtype(dtype, auto=True)
+    return getattr(torch, dtype)
 
 
 def load_target(

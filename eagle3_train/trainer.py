@@ -54,6 +54,7 @@ from eagle3_train.parallel import (
     apply_sequence_parallel,
     sequence_parallel,
 )
+from eagle3_train.stagedir import StageDir
 from eagle3_train.targets import config_hash, load_target_tensors
 from eagle3_train.vocab import load_vocab_map
 
@@ -475,11 +476,31 @@ class Trainer:
     def _checkpoints(self) -> list[Path]:
         return run_checkpoints(self.out)
 
+    @property
+    def run_dir(self) -> StageDir:
+        """The run directory; what its checkpoints must agree with to be continued: the capture
+        they learned from, the vocab map their lm_head rows mean, the draft's shape, and how many
+        micro-batches make one step (the data position)."""
+        request = {"capture": self.spec.to_dict(), "vocab_sha256": self.vocab_sha,
+                   "draft_config": self.model.config.to_dict(),
+                   "micro_batches_per_step": self.world * self.cfg.train.grad_accum}
+
+        def hint(diffs: list[str]) -> str:
+            why = {"vocab_sha256": "the lm_head rows would mean other tokens: standardize with vocab_map=<the old map>",
+                   "micro_batches_per_step": "keep ranks x train.grad_accum the same to resume at the same data position"}
+            said = [text for key, text in why.items() if any(d.startswith(key) for d in diffs)]
+            return "; ".join(said + ["or start a new run with another out="])
+
+        return StageDir(self.out, "train", request, what="training run", hint=hint)
+
     def _resume(self) -> None:
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
         barrier()
         ckpts = self._checkpoints()
+        if ckpts and self.cfg.resume == "never":
+            raise ContractError(f"{self.out} already holds checkpoints; resume=auto continues it, or use another out=")
+        self.run_dir.claim(replace=not ckpts)  # checkpoints are continued only by the same request
         if self.dist.is_main and (not ckpts or not self.cfg.train.keep_best):
             # a record left by an earlier run, or one keep_last may now delete, would mislead export
             (self.out / BEST_FILE).unlink(missing_ok=True)
@@ -488,21 +509,8 @@ class Trainer:
                 self.metrics_path.unlink(missing_ok=True)
                 atomic_write_json(self.out / "config.json", config_dict(self.cfg))
             return
-        if self.cfg.resume == "never":
-            raise ContractError(f"{self.out} already holds checkpoints; resume=auto continues it, or use another out=")
         last = ckpts[-1]
         state = json.loads((last / "state.json").read_text())
-        if state["vocab_sha256"] != self.vocab_sha:
-            raise ContractError(
-                f"{last} was trained with vocab map {state['vocab_sha256'][:12]}, the data now has "
-                f"{self.vocab_sha[:12]}: the lm_head rows would mean other tokens. Standardize with "
-                f"vocab_map=<the old map>, or start a new run"
-            )
-        if state["world_size"] * state["grad_accum"] != self.world * self.cfg.train.grad_accum:
-            raise ContractError(
-                f"{last} ran {state['world_size']} ranks x grad_accum {state['grad_accum']}; this run has "
-                f"{self.world} x {self.cfg.train.grad_accum}: keep their product to resume at the same data position"
-            )
         self.engine.load_checkpoint(str(last.parent), tag=last.name, load_optimizer_states=True, load_lr_scheduler_states=True)
         with torch.no_grad():  # frozen weights are not in every ZeRO checkpoint: always the target's
             self.model.d2t.copy_(self.vocab.d2t)
@@ -747,6 +755,9 @@ class Trainer:
         paths = self._checkpoint_paths(path)
         if "best_checkpoint" in paths:
             print0(f"best: eval simulated tau {self.best['eval_tau']:.3f} at step {self.best['step']} -> {paths['best_checkpoint']}")
+        if self.dist.is_main:
+            self.run_dir.write_manifest({"step": self.step, "early_stopped": self.early_stopped, "eval": final,
+                                         "best": self.best, "config": config_dict(self.cfg)} | paths)
         return final | paths
 
     def _checkpoint_paths(self, last: Path) -> dict[str, str]:

@@ -132,3 +132,72 @@ def test_train_recipe_options_compose_from_the_command_line():
     default = to_config(compose_config("train.yaml", overrides), schema)
     assert (default.model.lm_head_init, default.model.freeze_lm_head, default.model.aux_norm) == ("random", False, False)
     assert (default.train.keep_best, default.train.early_stop_patience) == (False, 0)
+
+
+def _repeated_defaults(raw, schema, prefix: str = "") -> list[str]:
+    """Keys of a raw YAML node whose value is the dataclass default already (written twice)."""
+    out = []
+    for key in raw:
+        if key in ("defaults", "hydra"):
+            continue
+        node = raw._get_node(key)
+        assert key in schema, f"{prefix}{key} is not a field of {type(schema).__name__}"
+        if OmegaConf.is_dict(node):
+            out += _repeated_defaults(node, schema[key], f"{prefix}{key}.")
+            continue
+        mine, default = node._value(), schema._get_node(key)._value()
+        if OmegaConf.is_list(node):
+            mine, default = OmegaConf.to_container(node), OmegaConf.to_container(schema._get_node(key))
+        if mine == default:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def test_each_default_is_written_once():
+    """A YAML value equal to its dataclass default is written twice: the YAML sets only what the
+    dataclass does not (interpolations such as cache_dir, a group option's own values)."""
+    repeated = {}
+    for name, (schema, _) in PRIMARY.items():
+        repeated[name] = _repeated_defaults(OmegaConf.load(Path(CONF_DIR) / name), OmegaConf.structured(schema))
+    train = OmegaConf.structured(PRIMARY["train.yaml"][0])
+    for group in ("deepspeed", "logging"):
+        for option in sorted((Path(CONF_DIR) / group).glob("*.yaml")):
+            glob = option.read_text().startswith("# @package _global_")
+            raw = OmegaConf.load(option)
+            repeated[f"{group}/{option.name}"] = _repeated_defaults(raw, train if glob else train[group])
+    assert {k: v for k, v in repeated.items() if v} == {}
+    # the check itself sees a repeat
+    assert _repeated_defaults(OmegaConf.create({"dtype": "bfloat16", "out": "x"}), OmegaConf.structured(PRIMARY["dump.yaml"][0])) == ["dtype"]
+
+
+@pytest.mark.parametrize("name, override, message", [
+    ("dump.yaml", "shard_size_mb=nan", r"^shard_size_mb must be positive, got nan$"),
+    ("dump.yaml", "dist_timeout_minutes=0", r"^dist_timeout_minutes must be positive, got 0"),
+    ("dump.yaml", "client.rank=-1", r"^client\.rank must be >= 0, got -1$"),
+    ("dump.yaml", "client.world_size=0", r"^client\.world_size must be positive, got 0$"),
+    ("dump.yaml", "dtype=auto", r"^dtype must be one of float32, bfloat16, float16, got 'auto'$"),
+    ("prepare.yaml", "regen.server.request_timeout_s=nan", r"^regen\.server\.request_timeout_s must be positive, got nan$"),
+    ("prepare.yaml", "dtype=fp8", r"^dtype must be one of auto, float32, bfloat16, float16, got 'fp8'$"),
+    ("prepare.yaml", "synth.turns=0", r"^synth\.turns must be positive, got 0$"),
+    ("standardize.yaml", "workers=-1", r"^workers must be >= 0, got -1$"),
+    ("eval.yaml", "limit=0", r"^limit must be positive, got 0$"),
+    ("eval.yaml", "tie_threshold=nan", r"^tie_threshold must be >= 0, got nan$"),
+    ("export.yaml", "dtype=int8", r"^dtype must be one of float32, bfloat16, float16, got 'int8'$"),
+])
+def test_numeric_and_dtype_options_are_checked_in_one_line(name, override, message):
+    from eagle3_train.errors import ConfigError
+
+    schema, overrides = PRIMARY[name]
+    with pytest.raises(ConfigError, match=message):
+        to_config(compose_config(name, overrides + [override]), schema)
+
+
+def test_device_auto_is_resolved_in_one_place(monkeypatch):
+    import torch
+
+    from eagle3_train.dist import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto", 3) == torch.device("cuda:3") and resolve_device("cpu", 3) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto", 3) == torch.device("cpu")

@@ -114,7 +114,7 @@ def test_partial_dump_resumes_and_refuses_other_capture(prepared, tmp_path):
     records = sorted((out / "shards").glob("*.json"))
     records[0].unlink()
     (out / "shards" / ".junk.safetensors.tmp").write_bytes(b"partial")
-    with pytest.raises(ContractError, match="partial dump"):
+    with pytest.raises(ContractError, match="holds an unfinished dump made otherwise"):
         dump(prepared, out, capture=CaptureConfig(aux_indices=[2, 3])).run()
     manifest = dump(prepared, out).run()
     assert not list((out / "shards").glob(".*"))

@@ -300,7 +300,7 @@ def test_near_tie_is_numerical_and_a_corrupted_decoder_diverges(pipeline, tmp_pa
 
 
 def test_bad_eval_input(pipeline, tmp_path):
-    with pytest.raises(ConfigError, match="batch_size must be >= 1"):
+    with pytest.raises(ConfigError, match="batch_size must be positive, got 0"):
         EvalConfig(draft="x", prompts="y", batch_size=0)
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"prompt": "apple " * 700}) + "\n")

@@ -156,7 +156,7 @@ def test_duplicates_exact_and_near():
 
 
 def test_bad_input(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match="synthesize must be a positive"):
+    with pytest.raises(ConfigError, match="synthesize must be positive, got 0"):
         PrepareConfig(target="tiny", out=str(tmp_path / "x"), synthesize=0)
     with pytest.raises(ConfigError, match="exactly one"):
         PrepareConfig(target="tiny", out=str(tmp_path / "x"))
@@ -169,7 +169,7 @@ def test_bad_input(tmp_path, monkeypatch):
     with pytest.raises(ContractError, match=r"synth\.temperature: 1\.0 != 0\.5"):  # a finished output
         _prepare(tmp_path, monkeypatch, None, synthesize=1, synth=SynthConfig(chunk_size=1, temperature=0.5))
     (tmp_path / "synth" / "manifest.json").unlink()  # as if killed before the end: only chunks remain
-    with pytest.raises(ContractError, match=r"synthesized with other options:\n  synth\.temperature: 1\.0 != 0\.5"):
+    with pytest.raises(ContractError, match=r"holds an unfinished set of synthesized conversations made otherwise .*:\n  synth\.temperature: 1\.0 != 0\.5"):
         _prepare(tmp_path, monkeypatch, None, synthesize=1, synth=SynthConfig(chunk_size=1, temperature=0.5))
 
 

@@ -196,8 +196,12 @@ def test_resume_refuses_another_vocab_map(std, tmp_path):
     data = tmp_path / "std"
     shutil.copytree(std, data)
     train(data, tmp_path / "r", max_steps=2)
+    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    assert manifest["stage"] == "train" and manifest["step"] == 2 and manifest["request"]["micro_batches_per_step"] == 1
+    with pytest.raises(ContractError, match=r"(?s)\n  micro_batches_per_step: 1 != 2\nkeep ranks x train.grad_accum"):
+        train(data, tmp_path / "r", max_steps=4, grad_accum=2)
     Standardizer(StandardizeConfig(out=str(data), only_vocab=True, draft_vocab_size=200, progress=False)).run()
-    with pytest.raises(ContractError, match="was trained with vocab map .* vocab_map=<the old map>"):
+    with pytest.raises(ContractError, match=r"(?s)holds a finished training run made otherwise.*\n  vocab_sha256: .*vocab_map=<the old map>"):
         train(data, tmp_path / "r", max_steps=4)
 
 

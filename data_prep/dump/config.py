@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from eagle3_train.contract import default_aux_indices, validate_aux_indices
-from eagle3_train.errors import ConfigError
+from eagle3_train.contract import check_dtype, default_aux_indices, validate_aux_indices
+from eagle3_train.errors import ConfigError, check_numbers
 
 # The backends: name -> the module that holds its ``Backend`` class (imported when picked, so
 # ``backend=hf`` never imports the HTTP clients). Adding a backend is one module and one line here.
@@ -53,6 +53,10 @@ class ClientConfig:
     check_next_token: bool = True  # compare the engine's next token with lm_head(last_hidden)
     keep_files: bool = False  # vLLM: keep the engine's per-request files after reading them
 
+    def __post_init__(self) -> None:
+        check_numbers(self, "client.", positive=("world_size", "concurrency", "request_timeout_s", "file_timeout_s",
+                                                  "wait_for_server_s"), non_negative=("rank", "retries", "backoff_s"))
+
 
 @dataclass
 class DumpConfig:
@@ -90,19 +94,11 @@ class DumpConfig:
             raise ConfigError("out=<dump directory> is required")
         elif not self.verify and not self.data:
             raise ConfigError("data=<prepared directory> is required (or verify=true to check a dump)")
-        for name in ("max_tokens_per_batch", "max_batch_size", "shard_size_mb", "tp_size", "writer_threads"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        check_numbers(self, positive=("max_tokens_per_batch", "max_batch_size", "shard_size_mb", "tp_size",
+                                      "writer_threads", "dist_timeout_minutes"))
+        check_dtype(self.dtype)
         if self.backend != "hf" and self.tp_size != 1:
             raise ConfigError(f"tp_size={self.tp_size} applies to backend=hf; the {self.backend} engine has its own parallelism")
-        c = self.client
-        for name in ("concurrency", "request_timeout_s", "file_timeout_s", "wait_for_server_s"):
-            if getattr(c, name) <= 0:
-                raise ConfigError(f"client.{name} must be positive, got {getattr(c, name)}")
-        if c.retries < 0 or c.backoff_s < 0:
-            raise ConfigError("client.retries and client.backoff_s must not be negative")
 
 
 ConfigStore.instance().store(name="dump_schema", node=DumpConfig)

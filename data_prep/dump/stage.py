@@ -1,7 +1,7 @@
 """The dump stage, whichever backend produces the states.
 
 What it owns: the prepared data and the target's identity (the tokenizer must match), the capture
-(HF indices to store), claiming the output directory (``request.json``: a partial dump made for
+(HF indices to store), claiming the output directory (eagle3_train.stagedir: a partial dump made for
 another request is refused, never mixed), resuming (the unit of work is the sample: finished
 shards are scanned for their sample ids, leftovers of a crash are deleted, the rest is done again),
 the shard writer, coverage (every sample stored exactly once) and the manifest, written last.
@@ -9,7 +9,6 @@ the shard writer, coverage (every sample stored exactly once) and the manifest, 
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import time
@@ -20,11 +19,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from eagle3_train.cli import config_dict
-from eagle3_train.contract import MANIFEST_NAME, CaptureSpec, TargetIdentity, differences, read_manifest, write_manifest
+from eagle3_train.contract import MANIFEST_NAME, CaptureSpec, TargetIdentity, read_manifest
 from eagle3_train.dist import all_gather_objects, barrier, print0
 from eagle3_train.errors import BadInputError, ContractError, Eagle3Error, IncompleteError
-from eagle3_train.fileio import atomic_write_json
 from eagle3_train.formats import ShardRecord, finished_records, read_keys, remove_unfinished, verify_shard
+from eagle3_train.stagedir import StageDir
 from eagle3_train.targets import load_target, resolve_dtype
 
 from data_prep.dump.backend import Backend, make_backend
@@ -32,7 +31,6 @@ from data_prep.dump.config import DumpConfig, stored_indices
 from data_prep.dump.writer import ShardWriter
 
 STAGE = "dump"
-REQUEST_NAME = "request.json"
 
 
 class Dumper:
@@ -65,6 +63,7 @@ class Dumper:
             "prepared_fingerprint": self.prepared["fingerprint"],
             "backend": cfg.backend,
         }
+        self.dir = StageDir(self.out, STAGE, self.request)
         self.backend.check(self)
 
     def _load_dataset(self) -> Any:
@@ -115,20 +114,10 @@ class Dumper:
 
     def _finished(self) -> dict[str, Any] | None:
         """The manifest of a finished dump of this very request (another request is refused)."""
-        if not (self.out / MANIFEST_NAME).is_file():
-            return None
-        manifest = read_manifest(self.out, STAGE)
-        self._compare(manifest["request"], "the finished dump")
-        print0(f"eagle3-dump: {self.out} is already complete with this capture; nothing to do")
+        manifest = self.dir.finished()
+        if manifest is not None:
+            print0(f"eagle3-dump: {self.out} is already complete with this capture; nothing to do")
         return manifest
-
-    def _compare(self, other: dict, what: str) -> None:
-        diffs = differences(other, self.request)
-        if diffs:
-            raise ContractError(
-                f"{self.out} holds {what} made with another capture or data; refusing to mix them "
-                f"(use another out=, or delete it):\n  " + "\n  ".join(diffs)
-            )
 
     def _claim(self) -> None:
         """Record the request (or check it against a partial dump's) and delete crash leftovers:
@@ -137,12 +126,8 @@ class Dumper:
         if self.team.group and not self.dist.is_main:
             barrier()
             return
+        self.dir.claim()
         self.shard_dir.mkdir(parents=True, exist_ok=True)
-        request_file = self.out / REQUEST_NAME
-        if request_file.is_file():
-            self._compare(json.loads(request_file.read_text()), "a partial dump")
-        else:
-            atomic_write_json(request_file, self.request)
         removed = remove_unfinished(self.shard_dir, "" if self.team.group else self.shard_prefix())
         if removed:
             self.say(f"removed {len(removed)} unfinished files of an interrupted run")
@@ -222,7 +207,6 @@ class Dumper:
         tokens = sum(r.num_tokens for r in records)
         total_bytes = sum(r.bytes for r in records)
         body = {
-            "request": self.request,
             "capture": self.spec.to_dict(),
             "stored_indices": self.stored,
             "keys": [f"hidden.{k}" for k in self.stored] + ["last_hidden"],
@@ -241,7 +225,7 @@ class Dumper:
             "run": self.backend.run_info(self) | {"seconds": round(elapsed, 3), "tokens_this_run": totals[1],
                                                   "bytes_this_run": totals[0]},
         }
-        write_manifest(self.out, STAGE, body)
+        manifest = self.dir.write_manifest(body)
         rate = totals[1] / max(elapsed, 1e-9)
         print0(
             f"eagle3-dump: {len(ids)} samples, {tokens} tokens, {total_bytes / 2**30:.2f} GiB in "
@@ -249,7 +233,7 @@ class Dumper:
             f"  this run: {totals[1]} tokens in {elapsed:.1f} s ({rate:.0f} tok/s); "
             f"{len(nonfinite)} samples dropped for non-finite states"
         )
-        return read_manifest(self.out, STAGE)
+        return manifest
 
     def progress(self, rows: Any, desc: str) -> Any:
         """A progress bar over the tokens of ``rows`` (shown on rank 0 of a group, by every client)."""

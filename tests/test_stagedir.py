@@ -1,0 +1,57 @@
+"""eagle3_train.stagedir: finished? same request? claim, replace, the record written last."""
+
+import json
+
+import pytest
+
+from eagle3_train.errors import ContractError
+from eagle3_train.stagedir import REQUEST_NAME, StageDir
+
+REQUEST = {"capture": {"aux_indices": (1, 2), "dtype": "float32"}, "seed": 0}
+
+
+def test_claim_then_manifest_then_finished(tmp_path):
+    d = StageDir(tmp_path / "out", "dump", REQUEST)
+    assert d.finished() is None
+    assert d.claim() is False
+    assert json.loads((tmp_path / "out" / REQUEST_NAME).read_text()) == {"capture": {"aux_indices": [1, 2], "dtype": "float32"}, "seed": 0}
+    assert d.finished() is None  # claimed, not finished
+    written = d.write_manifest({"counts": 3})
+    assert written["stage"] == "dump" and written["counts"] == 3 and written["request"]["seed"] == 0
+    again = StageDir(tmp_path / "out", "dump", dict(REQUEST)).finished()  # tuples equal their JSON lists
+    assert again == written
+
+
+def test_another_request_is_refused_naming_every_field(tmp_path):
+    StageDir(tmp_path, "dump", REQUEST).claim()
+    other = {"capture": {"aux_indices": [1, 3], "dtype": "float32"}, "seed": 1}
+    with pytest.raises(ContractError, match=r"(?s)holds an unfinished dump made otherwise \(left: the directory, right: "
+                                            r"this run\):\n  capture\.aux_indices: \[1, 2\] != \[1, 3\]\n  seed: 0 != 1\n"
+                                            r"use another out="):
+        StageDir(tmp_path, "dump", other).claim()
+    StageDir(tmp_path, "dump", REQUEST).write_manifest({})
+    with pytest.raises(ContractError, match=r"(?s)holds a finished training run made otherwise.*\n  seed: 0 != 1\nonly seed"):
+        StageDir(tmp_path, "dump", other, what="training run", hint=lambda diffs: f"only {diffs[-1].split(':')[0]}").finished()
+
+
+def test_replace_clears_before_recording(tmp_path):
+    StageDir(tmp_path, "regen", REQUEST).claim()
+    (tmp_path / "chunk-0.json").write_text("{}")
+    seen = []
+
+    def clear():  # runs while the old request is still recorded
+        seen.append(json.loads((tmp_path / REQUEST_NAME).read_text())["seed"])
+        (tmp_path / "chunk-0.json").unlink()
+
+    other = REQUEST | {"seed": 5}
+    assert StageDir(tmp_path, "regen", other).claim(replace=True, clear=clear) is True
+    assert seen == [0] and not (tmp_path / "chunk-0.json").exists()
+    assert json.loads((tmp_path / REQUEST_NAME).read_text())["seed"] == 5
+    assert StageDir(tmp_path, "regen", other).claim(replace=True, clear=clear) is False and seen == [0]
+
+
+def test_finished_with_replace_removes_the_old_record(tmp_path):
+    StageDir(tmp_path, "eval", REQUEST, record="report.json").write_manifest({"tau": 2.0})
+    assert StageDir(tmp_path, "eval", REQUEST, record="report.json").finished()["tau"] == 2.0
+    assert StageDir(tmp_path, "eval", REQUEST | {"seed": 1}, record="report.json").finished(replace=True) is None
+    assert not (tmp_path / "report.json").exists()
