@@ -13,6 +13,7 @@ Accepted forms of ``target``:
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -275,8 +276,9 @@ def _local_dir(target: str, cache_dir: str | os.PathLike | None) -> Path | None:
 def convert_gguf(gguf: Path, cache_dir: str | os.PathLike | None) -> Path:
     """Dequantise ``gguf`` once into ``<cache_dir>/<stem>-<sha>/`` (safetensors) and return it.
 
-    The directory appears by an atomic rename, so concurrent ranks converting at once, or a crash
-    mid-way, never leave a partial directory that looks complete.
+    A lock file beside it lets one process convert while concurrent ones wait, and the directory
+    appears by an atomic rename, so a crash mid-way never leaves a partial directory that looks
+    complete.
     """
     if cache_dir is None:
         raise Eagle3Error(f"loading {gguf.name} needs cache_dir= (where its conversion is kept)")
@@ -285,6 +287,19 @@ def convert_gguf(gguf: Path, cache_dir: str | os.PathLike | None) -> Path:
     dest = cache / f"{gguf.stem}-{sha256_file(gguf)[:16]}"
     if (dest / "config.json").is_file():
         return dest
+    # One process converts, the others (ranks of one launch) wait on the lock and find it done. Seen
+    # on a 2-GPU machine: two ranks converting at once, one failed reading the other's config.json.
+    with open(cache / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (dest / "config.json").is_file():
+            if dest.exists():  # left by something else half-way: never load it as a model
+                shutil.rmtree(dest)
+            _convert(gguf, dest)
+    return dest
+
+
+def _convert(gguf: Path, dest: Path) -> None:
+    """Dequantise ``gguf`` into ``dest``, which appears complete or not at all (atomic rename)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf.name} to safetensors under {dest} (once)", flush=True)
@@ -300,18 +315,14 @@ def convert_gguf(gguf: Path, cache_dir: str | os.PathLike | None) -> Path:
         clean = AutoModelForCausalLM.from_config(clean_config, dtype=torch.float32)
     clean.load_state_dict(model.state_dict(), assign=True)
     clean.tie_weights()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=cache))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         clean.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        try:
-            os.rename(tmp, dest)
-        except OSError:  # another process finished first; its directory is complete
-            shutil.rmtree(tmp, ignore_errors=True)
+        os.rename(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return dest
 
 
 def tiny_config() -> Any:

@@ -110,3 +110,36 @@ def test_target_tensors_read_only_the_shards_that_hold_them(tmp_path, monkeypatc
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
     load_target_tensors("some-org/some-model", ("norm", "head"), cache_dir=None)
     assert calls == [["*.json"], sorted(needed)]
+
+
+def test_concurrent_gguf_conversions_convert_once(tmp_path, monkeypatch):
+    """Ranks of one launch loading a GGUF target at once: one converts, the others wait on the lock
+    and load its finished directory; a half-written directory left behind is replaced, not loaded."""
+    import threading
+
+    from eagle3_train import targets
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"not really a gguf")
+    calls = []
+
+    def slow_convert(src, dest):  # stands in for the dequantisation: slow, then complete
+        calls.append(src)
+        time.sleep(0.3)
+        dest.mkdir()
+        (dest / "config.json").write_text("{}")
+
+    monkeypatch.setattr(targets, "_convert", slow_convert)
+    cache = tmp_path / "cache"
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(targets.convert_gguf(gguf, cache))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(results) == 3 and len(set(results)) == 1
+    assert (results[0] / "config.json").is_file()
+    (results[0] / "config.json").unlink()  # a partial directory: converted again, in its place
+    (results[0] / "junk").write_text("x")
+    assert targets.convert_gguf(gguf, cache) == results[0] and len(calls) == 2
+    assert not (results[0] / "junk").exists()

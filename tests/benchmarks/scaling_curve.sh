@@ -13,7 +13,7 @@
 #   python3 -m tests.benchmarks.scaling_results runs/smollm2_synth out.json out.png
 set -euo pipefail
 RUN=${1:?usage: scaling_curve.sh RUN_DIR}
-POINTS=${POINTS:-"2048 4096 8192 16384"}
+POINTS=${POINTS-"2048 4096 8192 16384"}  # set but empty: no curve, variants only
 VARIANT_N=${VARIANT_N:-8192}
 NGPU=${NGPU:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
 [ "$NGPU" -ge 1 ] || NGPU=1  # no GPU: one process on the CPU
