@@ -22,6 +22,7 @@ from data_prep.served_regen import ServedRegenConfig, served_generate_batch
 from eagle3_train.errors import ConfigError, check_numbers
 
 BACKENDS = ("hf", "vllm", "sglang")
+BATCHING = ("padded", "continuous")
 
 
 @dataclass
@@ -35,11 +36,14 @@ class RegenConfig:
     batch_size: int = 32  # prompts generated together
     chunk_size: int = 1024  # conversations per resumable chunk written under <out>/regen/
     backend: str = "hf"  # hf: transformers in this process; vllm | sglang: the engine serving the target at server.url
+    batching: str = "padded"  # hf only. padded: model.generate on left-padded, length-sorted batches of batch_size; continuous: transformers' continuous batching (model.generate_batch: paged cache, finished replies make room for new ones)
     server: ServedRegenConfig = field(default_factory=ServedRegenConfig)  # backend=vllm|sglang only
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"regen.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.batching not in BATCHING:
+            raise ConfigError(f"regen.batching must be one of {BATCHING}, got {self.batching!r}")
         check_numbers(self, "regen.", positive=("max_new_tokens", "batch_size", "chunk_size"))
         if self.do_sample and not (self.temperature > 0 and 0 < self.top_p <= 1):
             raise ConfigError("regen.temperature must be > 0 and regen.top_p in (0, 1] when sampling")
@@ -117,6 +121,11 @@ def generate_sorted(
         sampling = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, temperature=cfg.temperature,
                         top_p=cfg.top_p, seed=seed)
         return served_generate_batch(prompts, cfg.server, sampling, eos_ids, cfg.backend, bar=bar)
+    if cfg.batching == "continuous":
+        replies, unfinished = generate_continuous(model, prompts, cfg, eos_ids, pad_id, seed)
+        if bar is not None:
+            bar.update(len(prompts))
+        return replies, unfinished
     device = next(model.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # stable: ties keep their order
     replies: list[list[int]] = [[] for _ in prompts]
@@ -158,11 +167,55 @@ def generate_batch(
         pad_token_id=pad_id,
         **sampling,
     )
+    return cut_replies(out[:, width:].tolist(), eos_ids)
+
+
+def cut_replies(rows: list[list[int]], eos_ids: list[int]) -> tuple[list[list[int]], int]:
+    """Each row up to, not including, its first end-of-turn token; and how many rows have none (hit
+    ``max_new_tokens``)."""
     replies, hit_limit = [], 0
-    for row in out[:, width:].tolist():
+    for row in rows:
         cut = next((j for j, t in enumerate(row) if t in eos_ids), None)
         if cut is None:
             hit_limit += 1
             cut = len(row)
         replies.append(row[:cut])
     return replies, hit_limit
+
+
+def generate_continuous(
+    model: Any,
+    prompts: list[list[int]],
+    cfg: RegenConfig,
+    eos_ids: list[int],
+    pad_id: int,
+    seed: int | None,
+) -> tuple[list[list[int]], int]:
+    """One reply per prompt through transformers' continuous batching (``model.generate_batch``):
+    a paged KV cache where a finished reply frees its slot for the next prompt at once, instead of
+    a padded batch that runs until its longest reply ends. Up to ``cfg.batch_size`` replies are in
+    flight together. Greedy replies equal ``model.generate``'s (tested); sampled ones follow
+    ``seed`` but not the same random stream."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p) if cfg.do_sample else {}
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, eos_token_id=eos_ids,
+                           pad_token_id=pad_id, **sampling)
+    sizing = {}
+    if next(model.parameters()).device.type == "cpu":  # transformers would size the cache from all host memory
+        page = 256
+        per_reply = -(-(max(map(len, prompts)) + cfg.max_new_tokens) // page)
+        sizing = dict(page_size=page, num_blocks=per_reply * min(cfg.batch_size, len(prompts)) + 1,
+                      max_batch_tokens=4096)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=cfg.batch_size, seed=seed, **sizing)
+    results = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, progress_bar=False)
+    order = sorted(results, key=lambda rid: int(rid.rsplit("_", 1)[1]))  # request ids req_<i> follow the inputs
+    rows = []
+    for i, rid in enumerate(order):
+        r = results[rid]
+        if r.error or list(r.prompt_ids) != list(prompts[i]):
+            raise RuntimeError(f"continuous batching: request {rid} failed or does not match prompt {i}: {r.error}")
+        rows.append(list(r.generated_tokens))
+    if len(rows) != len(prompts):
+        raise RuntimeError(f"continuous batching returned {len(rows)} replies for {len(prompts)} prompts")
+    return cut_replies(rows, eos_ids)

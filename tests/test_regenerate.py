@@ -1,9 +1,11 @@
 """Regeneration writes every assistant turn with the target's own greedy output."""
 
+import pytest
 import torch
 from conftest import LLAMA3_TEMPLATE
 
 from data_prep.regenerate import RegenConfig, assistant_slots
+from eagle3_train.errors import ConfigError
 from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer
 
 ROWS = [
@@ -63,3 +65,21 @@ def test_regeneration_chunks_resume(tmp_path, write_jsonl, prepare):
     _, second = prepare(path, **opts)
     assert second["input_ids"][1:] == first["input_ids"][1:]
     assert second["input_ids"][0] != first["input_ids"][0]  # the edited chunk was read, not regenerated
+
+
+def test_continuous_batching_equals_padded_batches():
+    """regen.batching=continuous (transformers' generate_batch) gives the greedy replies of padded,
+    length-sorted model.generate batches, in the prompts' order, cut at the first end-of-turn token,
+    with the same count of replies that hit max_new_tokens."""
+    from data_prep.regenerate import generate_sorted
+
+    model = build_tiny_model().eval()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 250, (n,), generator=gen).tolist() for n in (5, 19, 9, 13, 7, 3)]
+    eos = [101, 277]  # tokens the tiny model emits early in some replies
+    padded = generate_sorted(model, prompts, RegenConfig(max_new_tokens=10, batch_size=4), eos, 0)
+    continuous = generate_sorted(model, prompts, RegenConfig(max_new_tokens=10, batch_size=4, batching="continuous"), eos, 0)
+    assert continuous == padded
+    assert 0 < padded[1] < len(prompts) and any(len(r) < 10 for r in padded[0])  # some cut, some at the limit
+    with pytest.raises(ConfigError, match="regen.batching must be one of"):
+        RegenConfig(batching="paged")
