@@ -43,10 +43,14 @@ from eagle3_train.formats import (
     read_keys,
     write_shard,
 )
+from eagle3_train.prepared import PreparedData, prepared_vocab
+from eagle3_train.split import EVAL_FRACTION, SPLIT_SEED, check_fraction, split_eval
 from eagle3_train.stagedir import StageDir
-from eagle3_train.vocab import VocabMap, build_vocab_map, count_tokens, load_vocab_map
+from eagle3_train.targets import load_target
+from eagle3_train.vocab import DRAFT_VOCAB_SIZE, VocabMap, build_vocab_map, capped_draft_size, count_tokens, load_vocab_map
 
 STAGE = "standardize"
+VOCAB_STAGE = "vocab"  # only_vocab=true data=<prepared>: a directory with just the map
 VOCAB_FILE = "vocab_map.safetensors"
 
 
@@ -57,22 +61,26 @@ class StandardizeConfig:
     dumps: list[str] = field(default_factory=list)  # dump directories to read (capture specs must agree)
     out: str = MISSING  # output directory (train/, eval/, vocab_map.safetensors, manifest.json)
     aux_indices: list[int] | None = None  # HF indices to concatenate (null: the dumps' aux indices)
-    draft_vocab_size: int = 32000  # size of the draft lm_head's vocab (capped at the target's)
-    eval_fraction: float = 0.05  # share of samples held out for evaluation
+    draft_vocab_size: int = DRAFT_VOCAB_SIZE  # size of the draft lm_head's vocab (capped at the target's)
+    eval_fraction: float = EVAL_FRACTION  # share of samples held out for evaluation
     max_samples: int | None = None  # only the samples with the N lowest ids (a data-scaling point from one dump); null: all
-    seed: int = 0  # decides which samples are held out
+    seed: int = SPLIT_SEED  # decides which samples are held out
     vocab_map: str | None = None  # reuse this vocab_map.safetensors instead of counting a new one
-    only_vocab: bool = False  # rebuild only the vocab map of the standardized directory `out`
+    only_vocab: bool = False  # rebuild only the vocab map of the standardized directory `out` (or, with data=, write one for online training)
+    data: str | None = None  # with only_vocab=true: a prepared directory whose training split's loss-masked tokens are counted into out/vocab_map.safetensors (the map a dump of it would get; for eagle3-train source=online)
+    target: str | None = None  # with data=: the target the map is for (null: the one the data was prepared with)
+    cache_dir: str | None = None  # where GGUF targets are converted once (target=embedded)
     workers: int = 0  # threads processing shards in parallel (0: one per core)
     verify_inputs: bool = True  # check each dump shard's sha256 against its record before use
     progress: bool = True  # progress bar
 
     def __post_init__(self) -> None:
         check_numbers(self, positive=("draft_vocab_size", "max_samples"), non_negative=("workers",))
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        check_fraction(self.eval_fraction)
         if not self.only_vocab and not self.dumps:
             raise ConfigError("dumps=[<dump dir>, ...] is required (or only_vocab=true with out=<standardized dir>)")
+        if self.data is not None and (not self.only_vocab or self.dumps or self.vocab_map):
+            raise ConfigError("data=<prepared dir> counts a new vocab map: use it with only_vocab=true, without dumps= and vocab_map=")
 
 
 ConfigStore.instance().store(name="standardize_schema", node=StandardizeConfig)
@@ -95,26 +103,6 @@ class Source:
     @property
     def out_name(self) -> str:
         return f"{self.dump:03d}-{self.record.name}"
-
-
-def split_eval(sample_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
-    """The held-out sample ids: the ``round(fraction * n)`` ids that rank first under a hash of
-    (seed, id). Deterministic per seed, and a sample's fate depends on its id alone, not on the
-    order or grouping of the data."""
-    n = len(sample_ids)
-    k = int(round(fraction * n))
-    if fraction > 0 and n >= 2:
-        k = min(max(k, 1), n - 1)
-    keys = _mix64(sample_ids.astype(np.uint64) ^ _mix64(np.array([seed], dtype=np.uint64))[0])
-    return np.sort(sample_ids[np.argsort(keys, kind="stable")[:k]])
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a fast, well-mixed 64-bit hash."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
 
 
 class Standardizer:
@@ -143,6 +131,32 @@ class Standardizer:
               f"({vocab.coverage():.2%} of training tokens) -> {self.out / VOCAB_FILE}")
         return manifest
 
+    def vocab_of_prepared(self) -> dict[str, Any]:
+        """``only_vocab=true data=<prepared>``: the map of the prepared data's training split
+        (:func:`~eagle3_train.prepared.prepared_vocab`), in ``out`` with a manifest of stage
+        ``vocab`` that records the split it was counted over (online training checks it)."""
+        cfg = self.cfg
+        prepared = PreparedData(cfg.data)
+        name = cfg.target or prepared.target.path
+        target = load_target(name, cache_dir=cfg.cache_dir, load_model=False)
+        identity = prepared.identity_for(target, name)
+        vocab, eval_ids = prepared_vocab(prepared, cfg.eval_fraction, cfg.seed, cfg.draft_vocab_size, target.vocab_size)
+        split = {"seed": cfg.seed, "eval_fraction": cfg.eval_fraction}
+        out = StageDir(self.out, VOCAB_STAGE, {"prepared_fingerprint": prepared.fingerprint, "target": identity.to_dict(),
+                                               "split": split, "vocab": self.vocab_request(target.vocab_size)},
+                       what="vocab map")
+        out.claim(replace=True)  # a map alone: nothing else to keep
+        sha = vocab.save(self.out / VOCAB_FILE)
+        manifest = out.write_manifest({
+            "vocab": self.vocab_summary(vocab, sha), "split": split, "target": identity.to_dict(),
+            "prepared": {"path": str(prepared.path.resolve()), "fingerprint": prepared.fingerprint},
+            "counts": {"train_samples": len(prepared.sample_ids) - len(eval_ids), "eval_samples": len(eval_ids)},
+            "config": config_dict(cfg),
+        })
+        print(f"eagle3-standardize: vocab map of {vocab.draft_vocab_size} tokens ({vocab.coverage():.2%} of the "
+              f"training split's tokens) from {prepared.path} -> {self.out / VOCAB_FILE}")
+        return manifest
+
     def make_vocab(self, target_vocab: int) -> tuple[VocabMap, str]:
         """The vocab map: reused from ``vocab_map=`` or counted over ``out/train``."""
         if self.cfg.vocab_map:
@@ -150,10 +164,7 @@ class Standardizer:
             if Path(self.cfg.vocab_map).expanduser().resolve() != (self.out / VOCAB_FILE).resolve():
                 shutil.copyfile(Path(self.cfg.vocab_map).expanduser(), self.out / VOCAB_FILE)
             return vocab, sha
-        size = self.cfg.draft_vocab_size
-        if size > target_vocab:
-            warnings.warn(f"draft_vocab_size {size} capped at the target vocab size {target_vocab}", stacklevel=2)
-            size = target_vocab
+        size = capped_draft_size(self.cfg.draft_vocab_size, target_vocab)
         counts = torch.zeros(target_vocab, dtype=torch.int64)
         for rec in finished_records(self.out / "train"):
             t = read_keys(self.out / "train" / f"{rec.name}{SHARD_SUFFIX}", ("input_ids", "loss_mask"))
@@ -165,7 +176,7 @@ class Standardizer:
         """What decides the vocab map: a reused file (by hash) or the draft size counted for."""
         if self.cfg.vocab_map:
             return {"vocab_map": load_vocab_map(self.cfg.vocab_map, target_vocab)[1]}
-        return {"draft_vocab_size": min(self.cfg.draft_vocab_size, target_vocab)}
+        return {"draft_vocab_size": min(self.cfg.draft_vocab_size, target_vocab)}  # (capped as make_vocab caps it)
 
     @staticmethod
     def vocab_summary(vocab: VocabMap, sha: str) -> dict[str, Any]:
@@ -182,7 +193,7 @@ class Standardizer:
 
     def run(self) -> dict[str, Any]:
         if self.cfg.only_vocab:
-            return self.rebuild_vocab()
+            return self.vocab_of_prepared() if self.cfg.data else self.rebuild_vocab()
         dumps = [read_manifest(Path(d).expanduser(), "dump") for d in self.cfg.dumps]
         spec = self.check_dumps(dumps)
         sources = self.sources(dumps)

@@ -1,6 +1,9 @@
-"""Training batches from standardized shards.
+"""Training batches, and where a run's states come from (:class:`Source`): standardized shards
+here (:class:`OfflineSource`), the target in the loop in eagle3_train/online.py.
 
-Every sample of a split is indexed once (shard, token offset, length). An epoch is a deterministic
+Every sample of a split is indexed once, in sample-id order (shard, token offset, length), so the
+epochs depend on the samples alone, not on how a dump grouped them into shards: online training
+over the prepared data plans the very same micro-batches. An epoch is a deterministic
 function of (seed, epoch): samples are shuffled across shards, grouped into length-sorted windows
 (little padding), cut into micro-batches under a token budget, and the micro-batches shuffled.
 Micro-batch ``m`` goes to data-parallel rank ``m % world`` as accumulation step
@@ -12,15 +15,21 @@ optimizer step as ``world`` processes do, and a run resumed at step s continues 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
-from eagle3_train.errors import BadInputError
+from eagle3_train.contract import CaptureSpec, read_manifest
+from eagle3_train.errors import BadInputError, ContractError
 from eagle3_train.formats import SHARD_SUFFIX, ShardRecord, check_shard
+from eagle3_train.targets import config_hash, load_target_tensors, text_config
+from eagle3_train.vocab import VocabMap, load_vocab_map
 
 SORT_WINDOW = 64  # micro-batches' worth of samples sorted together by length
 
@@ -81,7 +90,8 @@ class ShardSplit:
             length.append(np.minimum(np.diff(cu), max_length))
             sid.append(ids)
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-        self.shard, self.start, self.length, self.sample_id = (cat(x).astype(np.int64) for x in (shard, start, length, sid))
+        order = np.argsort(cat(sid), kind="stable")  # sample-id order (see the module docstring)
+        self.shard, self.start, self.length, self.sample_id = (cat(x).astype(np.int64)[order] for x in (shard, start, length, sid))
         self._handles: dict[int, object] = {}
 
     def __len__(self) -> int:
@@ -103,13 +113,22 @@ class ShardSplit:
             rows.append({k: f.get_slice(k)[s : s + n] for k in ("aux_hidden", "last_hidden", "input_ids", "loss_mask")})
         aux = rows[0]["aux_hidden"].new_zeros(b, t, rows[0]["aux_hidden"].shape[-1])
         last = rows[0]["last_hidden"].new_zeros(b, t, rows[0]["last_hidden"].shape[-1])
-        ids = torch.zeros(b, t, dtype=torch.int64)
-        mask = torch.zeros(b, t, dtype=torch.bool)
         for r, row in enumerate(rows):
             n = int(lengths[r])
             aux[r, :n], last[r, :n] = row["aux_hidden"], row["last_hidden"]
-            ids[r, :n], mask[r, :n] = row["input_ids"].long(), row["loss_mask"].bool()
+        ids, mask = pad_tokens([row["input_ids"] for row in rows], [row["loss_mask"] for row in rows], lengths)
         return Batch(aux, last, ids, mask, torch.from_numpy(lengths.copy()), torch.from_numpy(self.sample_id[indices]))
+
+
+def pad_tokens(ids: Sequence[Any], masks: Sequence[Any], lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of token ids and loss masks (arrays or tensors, each cut to its length) right-padded:
+    int64 [B, T] and bool [B, T], T the longest length."""
+    out_ids = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.int64)
+    out_mask = torch.zeros(out_ids.shape, dtype=torch.bool)
+    for r, n in enumerate(lengths.tolist()):
+        out_ids[r, :n] = torch.as_tensor(ids[r][:n]).long()
+        out_mask[r, :n] = torch.as_tensor(masks[r][:n]).bool()
+    return out_ids, out_mask
 
 
 def plan_epoch(lengths: np.ndarray, max_tokens: int, seed: int, epoch: int) -> list[np.ndarray]:
@@ -141,3 +160,91 @@ def micro_batches_for(plan: list[np.ndarray], step: int, rank: int, world: int, 
     """The micro-batches rank ``rank`` runs for optimizer ``step`` (within the epoch)."""
     base = step * world * grad_accum
     return [plan[base + g * world + rank] for g in range(grad_accum)]
+
+
+class Source(ABC):
+    """Where a run's samples and their states come from (``source=``): a dump's standardized
+    shards (:class:`OfflineSource`) or the target run in the loop (``eagle3_train.online``). For the
+    same data both give the same splits, vocab map, capture spec and micro-batches, so the trainer
+    never asks which one it has.
+
+    Attributes:
+        spec: the capture the draft trains on (recorded in every checkpoint, read by export).
+        vocab: the draft vocab map; ``vocab_sha`` its file's sha256.
+        train_split, eval_split: the samples by index: ``length`` (int64 per sample, cut at the
+            token budget), ``len()``, and ``batch(indices)``, a host micro-batch with ``pin()``.
+        where: how messages name the data.
+    """
+
+    spec: CaptureSpec
+    vocab: VocabMap
+    vocab_sha: str
+    train_split: Any
+    eval_split: Any
+    where: str
+
+    @abstractmethod
+    def target_tensors(self, names: tuple[str, ...]) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The target's config and its tensors ``names`` (``embed``, ``head``, ``norm``: the final
+        RMSNorm weight); refuses a target the states were not captured from."""
+
+    @abstractmethod
+    def device_batches(self, batches: Iterator[Any]) -> Iterator[Batch]:
+        """Host micro-batches (of a split's ``batch``) as :class:`Batch` es on the device, in the
+        training dtype, in the same order."""
+
+
+class OfflineSource(Source):
+    """Standardized shards (``eagle3-standardize``'s out): the states a dump captured.
+
+    Args:
+        data: the standardized directory.
+        target: the target whose embeddings and lm_head are read (safetensors only).
+        cache_dir: where GGUF targets are converted once.
+        max_length: samples are cut at this many tokens (the token budget of a micro-batch).
+        device, dtype: where and in what dtype batches train.
+    """
+
+    def __init__(self, data: str, target: str, cache_dir: str | None, max_length: int, device: torch.device,
+                 dtype: torch.dtype):
+        self.data_dir = Path(data).expanduser()
+        self.where, self.target, self.cache_dir = str(self.data_dir), target, cache_dir
+        self.device, self.dtype = device, dtype
+        self.manifest = read_manifest(self.data_dir, "standardize")
+        self.spec = CaptureSpec.from_dict(self.manifest["capture"])
+        self.vocab, self.vocab_sha = self._load_vocab()
+        records = lambda split: [ShardRecord.from_dict(r) for r in self.manifest["shards"][split]]  # noqa: E731
+        self.train_split = ShardSplit(self.data_dir / "train", records("train"), max_length)
+        self.eval_split = ShardSplit(self.data_dir / "eval", records("eval"), max_length)
+
+    def _load_vocab(self) -> tuple[VocabMap, str]:
+        path = self.data_dir / self.manifest["vocab"]["file"]
+        if not path.is_file():
+            raise BadInputError(f"{self.data_dir} has no vocab map ({path.name}); run eagle3-standardize again")
+        vocab, sha = load_vocab_map(path, self.spec.vocab_size)
+        if sha != self.manifest["vocab"]["sha256"]:
+            raise ContractError(f"{path} is not the vocab map recorded in {self.data_dir}/manifest.json (sha256 differs)")
+        return vocab, sha
+
+    def target_tensors(self, names: tuple[str, ...]) -> tuple[Any, dict[str, torch.Tensor]]:
+        """Read from the target's safetensors files; the data must come from this target: same
+        sizes and config."""
+        config, tensors = load_target_tensors(self.target, names, cache_dir=self.cache_dir)
+        c = text_config(config)
+        have = {"hidden_size": self.spec.hidden_size, "vocab_size": self.spec.vocab_size,
+                "num_hidden_layers": self.spec.num_hidden_layers}
+        want = {k: getattr(c, k) for k in have}
+        diffs = [f"{k}: data {have[k]} != target {want[k]}" for k in have if have[k] != want[k]]
+        mine = config_hash(config)
+        if mine != self.spec.target.config_hash:
+            diffs.append(f"target.config_hash: data {self.spec.target.config_hash[:12]} != target {mine[:12]}")
+        if diffs:
+            raise ContractError(
+                f"{self.data_dir} was captured from {self.spec.target.path}, not from target {self.target}:\n  "
+                + "\n  ".join(diffs)
+            )
+        return config, tensors
+
+    def device_batches(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        for batch in batches:
+            yield batch.to(self.device, self.dtype)

@@ -1,6 +1,8 @@
-"""``eagle3-train``: fit the EAGLE-3 draft head on standardized shards with DeepSpeed.
+"""``eagle3-train``: fit the EAGLE-3 draft head with DeepSpeed, on standardized shards or with the
+target in the loop (``source=online``, eagle3_train/online.py).
 
     eagle3-train data=runs/x/std target=embedded out=runs/x/train
+    eagle3-train source=online data=runs/x/prepared target=embedded out=runs/x/train
     torchrun --nproc_per_node 8 -m eagle3_train.trainer data=... target=... out=... deepspeed=zero2
 
 The run directory holds ``checkpoints/step<N>/`` (DeepSpeed's own files plus ``draft.safetensors``,
@@ -31,12 +33,11 @@ from omegaconf import MISSING
 from tqdm.auto import tqdm
 
 from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.contract import BEST_FILE, CaptureSpec, read_manifest, run_checkpoints
-from eagle3_train.data import Batch, ShardSplit, micro_batches_for, plan_epoch, steps_in_epoch
+from eagle3_train.contract import BEST_FILE, run_checkpoints
+from eagle3_train.data import Batch, OfflineSource, Source, micro_batches_for, plan_epoch, steps_in_epoch
 from eagle3_train.dist import DistInfo, all_gather_objects, barrier, close, init_distributed, print0
 from eagle3_train.errors import BadInputError, ConfigError, ContractError, Eagle3Error
 from eagle3_train.fileio import atomic_write_json
-from eagle3_train.formats import ShardRecord
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.objective import (
     acceptance_length,
@@ -54,9 +55,9 @@ from eagle3_train.parallel import (
     apply_sequence_parallel,
     sequence_parallel,
 )
+from eagle3_train.online import OnlineConfig, OnlineSource
 from eagle3_train.stagedir import StageDir
-from eagle3_train.targets import config_hash, load_target_tensors
-from eagle3_train.vocab import load_vocab_map
+from eagle3_train.targets import Target
 
 CRASH_ENV = "EAGLE3_TRAIN_CRASH_AFTER_STEP"  # tests only: hard-exit after saving this step
 USUAL_CHAIN = 5  # draft tokens per verify step that eagle3-eval and the engines' recipes use
@@ -164,8 +165,10 @@ class LoggingConfig:
 class TrainConfig:
     """Options of ``eagle3-train`` (``conf/train.yaml``)."""
 
-    data: str = MISSING  # standardized directory (eagle3-standardize's out)
-    target: str = "embedded"  # the target whose embeddings and lm_head are read (safetensors only)
+    data: str = MISSING  # source=offline: a standardized directory (eagle3-standardize's out); source=online: a prepared one (eagle3-prepare's out)
+    target: str = "embedded"  # the target whose embeddings and lm_head are read (offline: from its safetensors only; online: it runs in the loop)
+    source: str = "offline"  # offline: states read from data=; online: the target runs on data= in the training loop (online.*)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
     out: str = MISSING  # run directory
     cache_dir: str | None = None  # where GGUF targets are converted once
     resume: str = "auto"  # auto: continue from the last checkpoint in out; never: refuse a used out
@@ -179,6 +182,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.resume not in ("auto", "never"):
             raise ConfigError(f"resume must be auto or never, got {self.resume!r}")
+        if self.source not in ("offline", "online"):
+            raise ConfigError(f"source must be offline or online, got {self.source!r}")
         if self.deepspeed.zero_stage == 3 and self.train.head_chunk:
             raise ConfigError("train.head_chunk reads lm_head's weight outside its module, which ZeRO-3 does not gather: "
                               "set train.head_chunk=0 with deepspeed=zero3")
@@ -340,20 +345,18 @@ def _pad_positions(batch: Batch, target: tuple[torch.Tensor, ...] | None, multip
 class Trainer:
     """One training run on this rank: build -> (resume) -> train_step... -> evaluate/save -> close."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, target: Target | None = None):
+        """``target``: with source=online, an already loaded target (a benchmark's random weights)."""
         self.cfg = cfg
         self.out = Path(cfg.out).expanduser()
         self.dist: DistInfo = init_distributed(cfg.device, always=True)
-        self.data_dir = Path(cfg.data).expanduser()
-        self.manifest = read_manifest(self.data_dir, "standardize")
-        self.spec = CaptureSpec.from_dict(self.manifest["capture"])
-        self.vocab, self.vocab_sha = self._load_vocab()
-        from_target = ("embed", "head", "norm") if cfg.model.lm_head_init == "target" else ("embed", "head")
-        target_config, tensors = load_target_tensors(cfg.target, from_target, cache_dir=cfg.cache_dir)
-        embed, head = tensors["embed"], tensors["head"]
-        self._check_target(target_config)
         bf16 = cfg.deepspeed.bf16 == "true" or (cfg.deepspeed.bf16 == "auto" and self.dist.device.type == "cuda")
         self.dtype = torch.bfloat16 if bf16 else torch.float32
+        self.source = self._source(target)
+        self.spec, self.vocab, self.vocab_sha = self.source.spec, self.source.vocab, self.source.vocab_sha
+        from_target = ("embed", "head", "norm") if cfg.model.lm_head_init == "target" else ("embed", "head")
+        target_config, tensors = self.source.target_tensors(from_target)
+        embed, head = tensors["embed"], tensors["head"]
         self.lm_head = head.to(self.dist.device, self.dtype)  # frozen target lm_head [V, H]
         self.t2d = self.vocab.t2d.to(self.dist.device)
         draft_cfg = DraftConfig.from_target(target_config, len(self.spec.aux_indices), self.vocab.draft_vocab_size)
@@ -371,10 +374,9 @@ class Trainer:
             print0(f"warning: train.ttt_length={o.ttt_length} < {USUAL_CHAIN}, the chain length eagle3-eval and the "
                    f"engines usually draft: draft positions past {o.ttt_length} were never trained and accept less; "
                    f"train at least as many steps as the draft will propose")
-        self.train_split = ShardSplit(self.data_dir / "train", self._records("train"), o.max_tokens_per_batch)
-        self.eval_split = ShardSplit(self.data_dir / "eval", self._records("eval"), o.max_tokens_per_batch)
+        self.train_split, self.eval_split = self.source.train_split, self.source.eval_split
         if len(self.train_split) == 0:
-            raise BadInputError(f"{self.data_dir} has no training samples")
+            raise BadInputError(f"{self.source.where} has no training samples")
         if self.dist.world_size % o.sequence_parallel:
             raise ConfigError(f"train.sequence_parallel={o.sequence_parallel} must divide the number of ranks ({self.dist.world_size})")
         self.sp = sequence_parallel(o.sequence_parallel)
@@ -405,6 +407,16 @@ class Trainer:
 
     # -- building --------------------------------------------------------------------------------
 
+    def _source(self, target: Target | None) -> Source:
+        """Where the states come from (``source=``)."""
+        cfg = self.cfg
+        if cfg.source == "online":
+            return OnlineSource(cfg.data, cfg.target, cfg.cache_dir, cfg.online, cfg.train.max_tokens_per_batch, self.out,
+                                self.dist, self.dtype, target)
+        if target is not None:
+            raise ConfigError("a loaded target runs in the loop only: set source=online")
+        return OfflineSource(cfg.data, cfg.target, cfg.cache_dir, cfg.train.max_tokens_per_batch, self.dist.device, self.dtype)
+
     def _init_head(self, head: torch.Tensor, norm: torch.Tensor | None) -> None:
         """``model.lm_head_init`` and ``model.freeze_lm_head``; head [V_target, H], norm [H]."""
         m = self.cfg.model
@@ -431,36 +443,6 @@ class Trainer:
                               f"over {self.vocab.draft_vocab_size} draft tokens needs {need:.2f} GiB (set 0 to recompute instead)")
         print0(f"caching the target distribution per sample (up to {need:.2f} GiB)")
         return {}
-
-    def _load_vocab(self):
-        path = self.data_dir / self.manifest["vocab"]["file"]
-        if not path.is_file():
-            raise BadInputError(f"{self.data_dir} has no vocab map ({path.name}); run eagle3-standardize again")
-        vocab, sha = load_vocab_map(path, self.spec.vocab_size)
-        if sha != self.manifest["vocab"]["sha256"]:
-            raise ContractError(f"{path} is not the vocab map recorded in {self.data_dir}/manifest.json (sha256 differs)")
-        return vocab, sha
-
-    def _check_target(self, target_config: Any) -> None:
-        """The standardized data must come from this target: same sizes and config."""
-        from eagle3_train.targets import text_config
-
-        c = text_config(target_config)
-        have = {"hidden_size": self.spec.hidden_size, "vocab_size": self.spec.vocab_size,
-                "num_hidden_layers": self.spec.num_hidden_layers}
-        want = {k: getattr(c, k) for k in have}
-        diffs = [f"{k}: data {have[k]} != target {want[k]}" for k in have if have[k] != want[k]]
-        mine = config_hash(target_config)
-        if mine != self.spec.target.config_hash:
-            diffs.append(f"target.config_hash: data {self.spec.target.config_hash[:12]} != target {mine[:12]}")
-        if diffs:
-            raise ContractError(
-                f"{self.data_dir} was captured from {self.spec.target.path}, not from target {self.cfg.target}:\n  "
-                + "\n  ".join(diffs)
-            )
-
-    def _records(self, split: str) -> list[ShardRecord]:
-        return [ShardRecord.from_dict(r) for r in self.manifest["shards"][split]]
 
     def _tracker(self) -> Any:
         if not (self.cfg.logging.wandb and self.dist.is_main):
@@ -616,13 +598,14 @@ class Trainer:
                 yield batch.pin() if pin else batch
 
     def train_step(self, batches: Iterator[Batch]) -> dict[str, Any]:
-        """One optimizer step: this rank's next micro-batches, backward, DeepSpeed's step."""
+        """One optimizer step: this rank's next micro-batches (on the device: ``source.device_batches``),
+        backward, DeepSpeed's step."""
         o = self.cfg.train
         self.engine.train()
         counts = np.zeros((o.ttt_length, 3), dtype=np.int64)
         loss_sum, tokens = 0.0, 0
         for _ in range(o.grad_accum):
-            batch = next(batches).to(self.dist.device, self.dtype)
+            batch = next(batches)
             loss, stats = self.losses(batch)
             finite = torch.isfinite(loss).float().reshape(1)
             if torch.distributed.is_initialized():
@@ -660,9 +643,8 @@ class Trainer:
             # every rank runs as many forwards (ZeRO-3 gathers parameters collectively); a rank
             # short of batches repeats its first one without counting it
             rounds = -(-len(batches) // self.world)
-            for r in range(rounds):
-                indices = mine[r] if r < len(mine) else batches[0]
-                batch = self.eval_split.batch(indices).to(self.dist.device, self.dtype)
+            host = (self.eval_split.batch(mine[r] if r < len(mine) else batches[0]) for r in range(rounds))
+            for r, batch in enumerate(self.source.device_batches(host)):
                 loss, stats = self.losses(batch)
                 if r < len(mine):
                     counts += stats[:, :3].cpu().numpy().astype(np.int64)
@@ -712,7 +694,7 @@ class Trainer:
         window = np.zeros((o.ttt_length, 3), dtype=np.int64)
         window_loss, window_tokens, window_start, window_steps = 0.0, 0, time.time(), 0
         crash_after = int(os.environ.get(CRASH_ENV, 0))
-        batches = Prefetcher(self.train_batches(), depth=2 * o.grad_accum)
+        batches = self.source.device_batches(Prefetcher(self.train_batches(), depth=2 * o.grad_accum))
         final: dict[str, Any] | None = None
         while self.step < self.total_steps:
             result = self.train_step(batches)

@@ -19,6 +19,8 @@ from safetensors.torch import load_file, save
 from eagle3_train.errors import BadInputError, ConfigError
 from eagle3_train.fileio import atomic_write_bytes
 
+DRAFT_VOCAB_SIZE = 32000  # the default size of the draft vocab (eagle3-standardize, online training)
+
 
 @dataclass
 class VocabMap:
@@ -59,6 +61,14 @@ class VocabMap:
         data = self.to_bytes()
         atomic_write_bytes(path, data)
         return hashlib.sha256(data).hexdigest()
+
+
+def capped_draft_size(draft_vocab_size: int, target_vocab_size: int) -> int:
+    """The draft vocab size asked for, capped at the target's vocab (with a warning)."""
+    if draft_vocab_size > target_vocab_size:
+        warnings.warn(f"draft_vocab_size {draft_vocab_size} capped at the target vocab size {target_vocab_size}",
+                      stacklevel=3)
+    return min(draft_vocab_size, target_vocab_size)
 
 
 def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int) -> VocabMap:

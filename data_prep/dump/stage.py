@@ -19,10 +19,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from eagle3_train.cli import config_dict
-from eagle3_train.contract import MANIFEST_NAME, CaptureSpec, TargetIdentity, read_manifest
+from eagle3_train.contract import MANIFEST_NAME, CaptureSpec, read_manifest
 from eagle3_train.dist import all_gather_objects, barrier, print0
-from eagle3_train.errors import BadInputError, ContractError, Eagle3Error, IncompleteError
+from eagle3_train.errors import Eagle3Error, IncompleteError
 from eagle3_train.formats import ShardRecord, finished_records, read_keys, remove_unfinished, verify_shard
+from eagle3_train.prepared import PreparedData
 from eagle3_train.stagedir import StageDir
 from eagle3_train.targets import load_target, resolve_dtype
 
@@ -48,12 +49,11 @@ class Dumper:
         self.shard_dir = self.out / "shards"
         self.team = self.backend.team()
         self.dist = self.team.dist
-        self.prepared_dir = Path(cfg.data).expanduser()
-        self.prepared = read_manifest(self.prepared_dir, "prepare")
-        self.dataset = self._load_dataset()
+        data = PreparedData(cfg.data)
+        self.prepared_dir, self.prepared, self.dataset, self.sample_ids = data.path, data.manifest, data.dataset, data.sample_ids
         # config and tokenizer only: a backend that runs the target loads its weights once there is work
         self.target = load_target(cfg.target, cache_dir=cfg.cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code)
-        self.identity = self._check_target()
+        self.identity = data.identity_for(self.target, cfg.target)
         aux, self.stored = stored_indices(cfg.capture, self.target.num_hidden_layers)
         self.spec = CaptureSpec(aux, self.target.num_hidden_layers, self.target.hidden_size, self.target.vocab_size,
                                 cfg.dtype, self.identity)
@@ -65,33 +65,6 @@ class Dumper:
         }
         self.dir = StageDir(self.out, STAGE, self.request)
         self.backend.check(self)
-
-    def _load_dataset(self) -> Any:
-        from datasets import load_from_disk
-
-        path = self.prepared_dir / self.prepared.get("dataset", "dataset")
-        if not path.is_dir():
-            raise IncompleteError(f"prepared directory {self.prepared_dir} has a manifest but no {path.name}/")
-        ds = load_from_disk(str(path)).with_format("numpy")
-        self.sample_ids = ds["sample_id"][:].astype(np.int64)  # row -> sample id
-        if len(np.unique(self.sample_ids)) != len(ds):
-            raise BadInputError(f"{path}: sample_id repeats; re-run eagle3-prepare")
-        return ds
-
-    def _check_target(self) -> TargetIdentity:
-        """The prepared ids must mean the same to this target: same tokenizer. The dump records
-        the chat template the data was rendered with."""
-        have = TargetIdentity.from_dict(self.prepared["target"])
-        mine = self.target.identity
-        if have.tokenizer_hash != mine.tokenizer_hash:
-            raise ContractError(
-                f"{self.prepared_dir} was prepared with the tokenizer of {have.path} "
-                f"(tokenizer_hash {have.tokenizer_hash[:12]}), but target {self.cfg.target} tokenises "
-                f"differently ({mine.tokenizer_hash[:12]}): prepare the data with this target"
-            )
-        if have.config_hash != mine.config_hash:
-            print0(f"note: data prepared with {have.path}, dumping {mine.path} (same tokenizer, other model)")
-        return TargetIdentity(mine.path, mine.model_type, mine.config_hash, mine.tokenizer_hash, have.chat_template_hash)
 
     def say(self, text: str) -> None:
         """A progress line: once for a process group, from every independent client (named)."""

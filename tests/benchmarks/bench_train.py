@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Any
 
 import torch
 
-from common import matmul_rate, sync
+from common import matmul_rate, run_isolated, sync
 
 from eagle3_train.data import Batch
 from eagle3_train.dist import init_distributed
@@ -248,7 +247,6 @@ def suite(a: argparse.Namespace) -> None:
 def run_case(script: str, name: str, ranks: int, options: list[str], seconds: float, small_seqs: str,
              a: argparse.Namespace) -> dict[str, Any]:
     part = Path(a.out).with_name(f".{Path(a.out).stem}.{name}.json")
-    part.unlink(missing_ok=True)
     if a.small:
         options = [*options, "--small", "--seqs", small_seqs, "--steps", "2"]
     launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -257,21 +255,7 @@ def run_case(script: str, name: str, ranks: int, options: list[str], seconds: fl
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if ranks == 1 and not a.small:
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=seconds)
-        error = None if proc.returncode == 0 else f"exit status {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        output, _ = proc.communicate()
-        error = f"stopped after {seconds:.0f} s"
-    result = json.loads(part.read_text()) if part.is_file() else {}
-    part.unlink(missing_ok=True)
-    result["wall_s"] = time.monotonic() - start
-    if error:
-        result.update(error=error, output_tail=output[-3000:])
-    return result
+    return run_isolated(cmd, part, seconds, env)
 
 
 def summary(cases: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,38 @@
+"""The train/eval split rule, one for every stage that holds samples out: eagle3-standardize (over
+a dump's sample ids) and online training (over a prepared dataset's), so the same samples are held
+out for the same fraction and seed whichever way a run gets its states."""
+
+from __future__ import annotations
+
+import numpy as np
+
+EVAL_FRACTION = 0.05  # the default share of samples held out for evaluation
+SPLIT_SEED = 0  # the default seed of the split
+
+
+def split_eval(sample_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """The held-out sample ids: the ``round(fraction * n)`` ids that rank first under a hash of
+    (seed, id). Deterministic per seed, and a sample's fate depends on its id alone, not on the
+    order or grouping of the data."""
+    n = len(sample_ids)
+    k = int(round(fraction * n))
+    if fraction > 0 and n >= 2:
+        k = min(max(k, 1), n - 1)
+    keys = _mix64(sample_ids.astype(np.uint64) ^ _mix64(np.array([seed], dtype=np.uint64))[0])
+    return np.sort(sample_ids[np.argsort(keys, kind="stable")[:k]])
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fast, well-mixed 64-bit hash."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def check_fraction(value: float, option: str = "eval_fraction") -> None:
+    """Refuse a held-out share outside [0, 1) (nan included) with a one-line ConfigError."""
+    from eagle3_train.errors import ConfigError
+
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"{option} must be in [0, 1), got {value}")

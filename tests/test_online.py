@@ -1,0 +1,111 @@
+"""Online training (``source=online``): the tiny target in the loop trains exactly as offline
+training on a dump of the same data, across ranks and a kill."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from data_prep.standardize import StandardizeConfig, Standardizer
+from eagle3_train.errors import ContractError
+from eagle3_train.export import ExportConfig, Exporter
+from eagle3_train.online import OnlineConfig
+from eagle3_train.trainer import CRASH_ENV
+from test_standardize import make_dump
+from test_trainer import _torchrun, metrics, standardized, train
+
+VOCAB = 12  # fewer than the data's distinct tokens: the map is a real choice, some targets fall outside it
+EVAL = 0.15  # what test_trainer.standardized holds out
+ONLINE = OnlineConfig(aux_indices=[1, 2, 3], draft_vocab_size=VOCAB, eval_fraction=EVAL)
+ONLINE_ARGS = ["source=online", "online.aux_indices=[1,2,3]", f"online.draft_vocab_size={VOCAB}", f"online.eval_fraction={EVAL}"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread, as the torchrun runs have (OMP_NUM_THREADS=1): the same arithmetic in
+    and out of process, and no spinning thread pool on a machine whose cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """48 conversations prepared for the tiny target, and a float32 dump of them standardized."""
+    root = tmp_path_factory.mktemp("online")
+    dump = make_dump(root, "d", n=48)
+    return {"prep": root / "d-prep", "std": standardized(dump, root / "std", VOCAB)}
+
+
+def last_weights(run):
+    ckpt = sorted((run / "checkpoints").glob("step*"), key=lambda p: int(p.name[4:]))[-1]
+    return ckpt.name, load_file(str(ckpt / "draft.safetensors")), json.loads((ckpt / "state.json").read_text())
+
+
+def assert_same_training(a, b, rel, atol):
+    """Same metrics line by line (losses within ``rel``) and final weights within ``atol``."""
+    ma, mb = metrics(a), metrics(b)
+    assert [m["step"] for m in ma] == [m["step"] for m in mb] and len(ma) > 5
+    for x, y in zip(ma, mb):
+        for key in ("loss", "eval_loss"):
+            if key in x:
+                assert x[key] == pytest.approx(y[key], rel=rel), (x["step"], key)
+        for key in ("acc", "eval_acc"):
+            if key in x:
+                assert x[key] == pytest.approx(y[key], abs=1e-6), (x["step"], key)
+    (na, wa, _), (nb, wb, _) = last_weights(a), last_weights(b)
+    assert na == nb and wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0)
+
+
+def test_online_training_equals_offline_training_from_a_dump(data, tmp_path):
+    train(data["std"], tmp_path / "off")
+    train(data["prep"], tmp_path / "on", source="online", online=ONLINE)
+    assert_same_training(tmp_path / "off", tmp_path / "on", rel=1e-5, atol=1e-5)
+    # the same vocab map (byte for byte), capture spec and vocab hash in the checkpoint
+    assert (tmp_path / "on" / "vocab_map.safetensors").read_bytes() == (data["std"] / "vocab_map.safetensors").read_bytes()
+    (_, _, off), (_, _, on) = last_weights(tmp_path / "off"), last_weights(tmp_path / "on")
+    assert on["capture"] == off["capture"] and on["vocab_sha256"] == off["vocab_sha256"]
+    # export reads an online run as an offline one
+    configs = [Exporter(ExportConfig(run=str(tmp_path / r), out=str(tmp_path / f"x-{r}"))).run() for r in ("off", "on")]
+    assert configs[0]["eagle3_train"]["capture"] == configs[1]["eagle3_train"]["capture"]
+    # the map alone, from the prepared data: eagle3-standardize only_vocab=true data=<prepared>
+    manifest = Standardizer(StandardizeConfig(out=str(tmp_path / "vocab"), only_vocab=True, data=str(data["prep"]),
+                                              draft_vocab_size=VOCAB, eval_fraction=EVAL, progress=False)).run()
+    assert manifest["stage"] == "vocab" and manifest["split"] == {"seed": 0, "eval_fraction": EVAL}
+    assert (tmp_path / "vocab" / "vocab_map.safetensors").read_bytes() == (tmp_path / "on" / "vocab_map.safetensors").read_bytes()
+
+
+def test_two_ranks_and_a_killed_run_train_as_one_uninterrupted_rank(data, tmp_path):
+    """1 rank x grad_accum 2 (the reference) = 2 ranks (gloo) x grad_accum 1 = the same run killed
+    after its step-4 checkpoint and resumed."""
+    train(data["prep"], tmp_path / "one", source="online", online=ONLINE, grad_accum=2, save_every=2)
+    two = _torchrun(data["prep"], tmp_path / "two", 2, [*ONLINE_ARGS, "train.grad_accum=1", "train.save_every=2"])
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert_same_training(tmp_path / "one", tmp_path / "two", rel=1e-4, atol=1e-4)
+    killed = _torchrun(data["prep"], tmp_path / "cut", 1, [*ONLINE_ARGS, "train.grad_accum=2", "train.save_every=2"],
+                       {CRASH_ENV: "4"})
+    assert killed.returncode != 0 and last_weights(tmp_path / "cut")[0] == "step4", killed.stderr[-3000:]
+    train(data["prep"], tmp_path / "cut", source="online", online=ONLINE, grad_accum=2, save_every=2)
+    assert_same_training(tmp_path / "one", tmp_path / "cut", rel=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("aux, message", [
+    ([1, 4], r"aux index 4 = N is the post-norm final state \(N=4 layers\)"),
+    ([0, 9], r"aux index 9 is out of range for a target with N=4 layers"),
+    ([3, 1], r"not ascending"),
+])
+def test_a_capture_the_target_cannot_provide_is_refused_before_training(data, tmp_path, aux, message):
+    with pytest.raises(ContractError, match=message):
+        train(data["prep"], tmp_path / "r", source="online", online=OnlineConfig(aux_indices=aux))
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_vocab_map_counted_over_another_split_is_refused(data, tmp_path):
+    other = OnlineConfig(aux_indices=[1, 2, 3], vocab_map=str(data["std"] / "vocab_map.safetensors"), eval_fraction=0.3)
+    with pytest.raises(ContractError, match=r'counted over the split \{"eval_fraction": 0.15, "seed": 0\}.*holds out '
+                                            r'\{"eval_fraction": 0.3, "seed": 0\}'):
+        train(data["prep"], tmp_path / "r", source="online", online=other)
