@@ -34,7 +34,7 @@ import re
 import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -256,9 +256,8 @@ class Synthesizer:
         self.rank, self.world, self.barrier = rank, world, barrier or (lambda: None)
         self.progress = progress
         self.systems = synth.systems()
-        self.user_cfg = RegenConfig(max_new_tokens=synth.max_new_tokens, do_sample=True, temperature=synth.temperature,
-                                    top_p=synth.top_p, batch_size=regen.batch_size, chunk_size=regen.chunk_size,
-                                    backend=regen.backend, server=regen.server)
+        self.user_cfg = replace(regen, max_new_tokens=synth.max_new_tokens, do_sample=True, temperature=synth.temperature,
+                                top_p=synth.top_p)  # the questions: sampled, generated as the answers are
         self.generated = Counter()  # new tokens and chunks this rank generated in this run
 
     # ---- chunks on disk
