@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import matmul_rate, sync
+from common import matmul_rate, random_llama, sync
 
 
 def forward_flops_per_token(cfg, seq: int) -> float:
@@ -33,29 +33,6 @@ def forward_flops_per_token(cfg, seq: int) -> float:
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * cfg.intermediate_size
     attention = 2 * 2 * h * (seq + 1) / 2  # QK^T and AV over the mean causal context
     return layers * (2 * per_layer + attention)
-
-
-def build(args, device):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from eagle3_train.targets import Target, build_tiny_tokenizer, target_identity
-
-    if args.small:
-        cfg = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096)
-    else:  # Llama-3.1-8B
-        cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-                          rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).eval()
-    torch.set_default_dtype(default)
-    tok = build_tiny_tokenizer()
-    return Target(model, tok, cfg, target_identity("bench-llama-8b", cfg, tok), None), dtype
 
 
 def make_prepared(path: Path, target, samples: int, seq: int) -> None:
@@ -192,7 +169,7 @@ def main() -> None:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     rate = matmul_rate(device, 8192 if device.type == "cuda" else 1024, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    target, _ = build(args, device)
+    target = random_llama(args.small, device)
     flops = forward_flops_per_token(target.config, args.seq)
     floor = rate / flops
     make_prepared(root / "prepared", target, args.samples, args.seq)

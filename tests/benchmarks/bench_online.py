@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from common import run_isolated, sync
+from common import random_llama, run_isolated, sync
 
 GOAL = 0.85
 # name, seconds at most
@@ -59,30 +59,6 @@ def conversations(path: Path, n: int, words: int, seed: int = 0) -> Path:
                           {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=words))}]} for _ in range(n)]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
-
-
-def llama8b_target(small: bool, device: torch.device) -> Any:
-    """A Llama target with random weights (8B shapes; a small one on --small) and the tiny
-    byte-level tokenizer, so data prepared for target=tiny is its data."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from eagle3_train.targets import Target, build_tiny_tokenizer, target_identity
-
-    if small:
-        cfg = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096, tie_word_embeddings=False)
-    else:
-        cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-                          rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).eval()
-    torch.set_default_dtype(default)
-    tok = build_tiny_tokenizer()
-    return Target(model, tok, cfg, target_identity("bench-llama-8b", cfg, tok), None)
 
 
 def measure(a: argparse.Namespace) -> None:
@@ -104,7 +80,7 @@ def measure(a: argparse.Namespace) -> None:
         print(json.dumps(figures), flush=True)
 
     # eagle3-prepare for the target's tokenizer; every sample is cut at --seq tokens
-    loaded = llama8b_target(a.small, device) if a.case == "llama8b" else None
+    loaded = random_llama(a.small, device) if a.case == "llama8b" else None
     name = "embedded" if a.case == "embedded" and not a.small else "tiny"
     n = (a.warmup + a.steps) * max(1, a.tokens // a.seq) + 2
     start = time.perf_counter()

@@ -1,5 +1,5 @@
-"""Shared by the benchmarks: the measured matmul rate every efficiency figure is a fraction of, and
-running one case in its own process."""
+"""Shared by the benchmarks: the measured matmul rate every efficiency figure is a fraction of, a
+random-weight Llama target, and running one case in its own process."""
 
 from __future__ import annotations
 
@@ -51,3 +51,28 @@ def run_isolated(cmd: list[str], part: Path, seconds: float, env: dict[str, str]
     if error:
         result.update(error=error, output_tail=output[-3000:])
     return result
+
+
+def random_llama(small: bool, device: torch.device) -> Any:
+    """A Llama-3.1-8B-shaped target (a small one with ``small``) with random weights, fp32 on the CPU and bf16
+    elsewhere, and the tiny byte-level tokenizer, so data prepared for ``target=tiny`` is its data."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle3_train.targets import Target, build_tiny_tokenizer, target_identity
+
+    if small:
+        cfg = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096)
+    else:  # Llama-3.1-8B
+        cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                          rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).eval()
+    torch.set_default_dtype(default)
+    tok = build_tiny_tokenizer()
+    return Target(model, tok, cfg, target_identity("bench-llama-8b", cfg, tok), None)
