@@ -1,0 +1,147 @@
+"""Generation throughput of the target writing training data (issue #12/#13: synthesis is the
+recipe's slowest stage): new tokens/s of regenerate.generate_sorted for each way transformers can
+batch it, on the same prompts, each case in its own process within a time budget.
+
+Cases (``--cases``, default all): ``padded_<B>`` (model.generate on left-padded, length-sorted
+batches of B prompts, today's default), ``continuous_<B>`` (regen.batching=continuous, B replies in
+flight), each greedy; ``..._sampled`` samples at temperature 1.0, top-p 0.99 as the questions of
+synthesize are. Greedy cases also report how many replies equal the first greedy case's (bf16
+kernels differ between batchings, so a few may diverge after a near tie).
+
+Prompts: the first user turn of each conversation in ``--conversations`` (a .jsonl.gz that
+``eagle3-prepare synthesize=N save_conversations=...`` wrote), rendered with the target's chat
+template, or the shipped prompts repeated when none is given.
+
+    python3 tests/benchmarks/bench_generate.py --out $OUT/generate.json --n 4096 \\
+        --conversations synth_16384.jsonl.gz          # a GPU machine staged with launch/gpu_stage.sh
+    python3 tests/benchmarks/bench_generate.py --small --out /tmp/g.json   # tiny target on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tests.benchmarks.common import run_isolated  # noqa: E402
+
+CASES = ("padded_1024", "continuous_1024", "padded_4096", "continuous_4096", "padded_1024_sampled",
+         "continuous_1024_sampled")
+
+
+def prompts_for(a: argparse.Namespace, tokenizer) -> list[list[int]]:
+    """Token ids of ``a.n`` generation prompts (user turn + the assistant header)."""
+    if a.conversations:
+        with gzip.open(a.conversations, "rt") as f:
+            firsts = [next(m for m in json.loads(line)["messages"] if m["role"] == "user")["content"] for line in f]
+    else:
+        import data_prep.prompts as shipped
+
+        path = Path(shipped.__file__).parent / "train.jsonl"
+        firsts = [json.loads(line)["messages"][0]["content"] for line in path.read_text().splitlines() if line.strip()]
+    texts = [firsts[i % len(firsts)] for i in range(a.n)]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True,
+                                          return_dict=True)["input_ids"] for t in texts]
+
+
+def one(a: argparse.Namespace) -> None:
+    """Run the case ``a.case`` and write its result JSON to ``a.part``."""
+    import torch
+
+    from data_prep.regenerate import RegenConfig, generate_sorted
+    from eagle3_train.targets import eos_ids, load_target
+
+    target = load_target("tiny" if a.small else "embedded", cache_dir=a.cache_dir, dtype="float32" if a.small else "bfloat16",
+                         device="cpu" if a.small else "cuda")
+    model, tokenizer = target.model.eval(), target.tokenizer
+    eos = sorted(eos_ids(model, tokenizer, target.local_dir))
+    prompts = prompts_for(a, tokenizer)
+    parts = a.case.split("_")
+    cfg = RegenConfig(max_new_tokens=a.max_new_tokens, batching=parts[0], batch_size=int(parts[1]),
+                      do_sample=parts[-1] == "sampled", temperature=1.0, top_p=0.99)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    torch.manual_seed(0)
+    warm = generate_sorted(model, prompts[: min(64, len(prompts))], cfg, eos, pad, seed=0)  # compile, graphs, allocator
+    del warm
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    replies, hit_limit = generate_sorted(model, prompts, cfg, eos, pad, seed=1)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    new_tokens = sum(len(r) + (len(r) < cfg.max_new_tokens) for r in replies)  # the end-of-turn token counts
+    out = {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "new_tokens": new_tokens,
+           "hit_max_new_tokens": hit_limit, "seconds": round(seconds, 2), "new_tokens_per_s": round(new_tokens / seconds)}
+    if torch.cuda.is_available():
+        out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    Path(a.part).write_text(json.dumps(out))
+    if not cfg.do_sample:
+        Path(a.part + ".replies").write_text(json.dumps(replies))
+
+
+def suite(a: argparse.Namespace) -> None:
+    import torch
+    import transformers
+
+    results = {"what": "new tokens/s of data_prep.regenerate.generate_sorted, embedded target (SmolLM2-135M-Instruct), bf16",
+               "n": a.n, "max_new_tokens": a.max_new_tokens, "torch": torch.__version__,
+               "transformers": transformers.__version__, "cases": {}}
+    if torch.cuda.is_available():
+        results["device"] = torch.cuda.get_device_name(0)
+    deadline = time.monotonic() + a.budget
+    reference = None
+    cases = a.cases.split(",") if a.cases else list(CASES)
+    for i, name in enumerate(cases):
+        left = deadline - time.monotonic()
+        if left < 20:
+            results["cases"][name] = {"skipped": f"out of time ({left:.0f} s of the budget left)"}
+            continue
+        part = Path(a.out).with_suffix(f".{name}.part")
+        cmd = [sys.executable, __file__, "--case", name, "--part", str(part), "--n", str(a.n),
+               "--max-new-tokens", str(a.max_new_tokens), "--cache-dir", a.cache_dir]
+        cmd += ["--conversations", a.conversations] if a.conversations else []
+        cmd += ["--small"] if a.small else []
+        replies_file = Path(str(part) + ".replies")
+        replies_file.unlink(missing_ok=True)
+        r = run_isolated(cmd, part, min(left, a.case_budget))
+        if replies_file.is_file():
+            replies = json.loads(replies_file.read_text())
+            replies_file.unlink()
+            if reference is None:
+                reference, r["greedy_reference"] = replies, True
+            else:
+                r["replies_equal_to_reference"] = sum(x == y for x, y in zip(replies, reference)) / len(reference)
+        results["cases"][name] = r
+        Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
+        print(name, {k: v for k, v in r.items() if k != "output_tail"}, flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="generate.json")
+    p.add_argument("--cases", default="", help=f"comma-separated, of {CASES} (or any <padded|continuous>_<B>[_sampled])")
+    p.add_argument("--n", type=int, default=4096, help="prompts per case")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--conversations", default="", help="a .jsonl.gz of conversations: their first user turns")
+    p.add_argument("--cache-dir", default="/tmp/e3cache")
+    p.add_argument("--budget", type=float, default=420, help="seconds for all cases together")
+    p.add_argument("--case-budget", type=float, default=150, help="seconds for one case at most")
+    p.add_argument("--small", action="store_true", help="the tiny target on the CPU (a check that it runs)")
+    p.add_argument("--case", help=argparse.SUPPRESS)
+    p.add_argument("--part", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.case:
+        one(a)
+    else:
+        suite(a)
+
+
+if __name__ == "__main__":
+    main()
