@@ -22,7 +22,8 @@ from data_prep.served_regen import ServedRegenConfig, served_generate_batch
 from eagle3_train.errors import ConfigError, check_numbers
 
 BACKENDS = ("hf", "vllm", "sglang")
-BATCHING = ("padded", "continuous")
+BATCHING = ("padded", "static", "continuous")
+STATIC_WIDTH_STEP = 64  # regen.batching=static: prompt widths are rounded up to this (fewer compiled shapes)
 
 
 @dataclass
@@ -36,7 +37,7 @@ class RegenConfig:
     batch_size: int = 32  # prompts generated together
     chunk_size: int = 1024  # conversations per resumable chunk written under <out>/regen/
     backend: str = "hf"  # hf: transformers in this process; vllm | sglang: the engine serving the target at server.url
-    batching: str = "padded"  # hf only. padded: model.generate on left-padded, length-sorted batches of batch_size; continuous: transformers' continuous batching (model.generate_batch: paged cache, finished replies make room for new ones)
+    batching: str = "padded"  # hf only. padded: model.generate on left-padded, length-sorted batches of batch_size; static: the same with a static KV cache (generate compiles it on GPUs); continuous: transformers' continuous batching (model.generate_batch: paged cache, finished replies make room for new ones)
     server: ServedRegenConfig = field(default_factory=ServedRegenConfig)  # backend=vllm|sglang only
 
     def __post_init__(self) -> None:
@@ -150,11 +151,20 @@ def generate_batch(
     device: torch.device,
 ) -> tuple[list[list[int]], int]:
     """Generate one reply per prompt (left-padded batch); return the reply ids up to, not
-    including, the first end-of-turn token, and how many replies hit ``max_new_tokens``."""
+    including, the first end-of-turn token, and how many replies hit ``max_new_tokens``.
+
+    With ``cfg.batching=static`` the KV cache is transformers' static cache, which ``generate``
+    compiles on a GPU (CUDA graphs): to keep to few compiled shapes the batch is filled up to
+    ``cfg.batch_size`` rows (copies of the last prompt, discarded) and the width rounded up to a
+    multiple of STATIC_WIDTH_STEP (more left padding, which the attention mask hides)."""
+    static = cfg.batching == "static"
+    rows = [*prompts, *[prompts[-1]] * (cfg.batch_size - len(prompts))] if static else prompts
     width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
+    if static:
+        width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, p in enumerate(rows):
         input_ids[i, width - len(p) :] = torch.tensor(p)
         attention[i, width - len(p) :] = 1
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p) if cfg.do_sample else {}
@@ -165,9 +175,10 @@ def generate_batch(
         do_sample=cfg.do_sample,
         eos_token_id=eos_ids,
         pad_token_id=pad_id,
+        **({"cache_implementation": "static"} if static else {}),
         **sampling,
     )
-    return cut_replies(out[:, width:].tolist(), eos_ids)
+    return cut_replies(out[: len(prompts), width:].tolist(), eos_ids)
 
 
 def cut_replies(rows: list[list[int]], eos_ids: list[int]) -> tuple[list[list[int]], int]:

@@ -67,8 +67,9 @@ def test_regeneration_chunks_resume(tmp_path, write_jsonl, prepare):
     assert second["input_ids"][0] != first["input_ids"][0]  # the edited chunk was read, not regenerated
 
 
-def test_continuous_batching_equals_padded_batches():
-    """regen.batching=continuous (transformers' generate_batch) gives the greedy replies of padded,
+def test_continuous_and_static_batching_equal_padded_batches():
+    """regen.batching=continuous (transformers' generate_batch) and static (a static KV cache, full
+    batches, widths rounded up) give the greedy replies of padded,
     length-sorted model.generate batches, in the prompts' order, cut at the first end-of-turn token,
     with the same count of replies that hit max_new_tokens."""
     from data_prep.regenerate import generate_sorted
@@ -80,6 +81,8 @@ def test_continuous_batching_equals_padded_batches():
     padded = generate_sorted(model, prompts, RegenConfig(max_new_tokens=10, batch_size=4), eos, 0)
     continuous = generate_sorted(model, prompts, RegenConfig(max_new_tokens=10, batch_size=4, batching="continuous"), eos, 0)
     assert continuous == padded
+    static = generate_sorted(model, prompts, RegenConfig(max_new_tokens=10, batch_size=4, batching="static"), eos, 0)
+    assert static == padded  # a filled-up last batch and wider left padding change nothing
     assert 0 < padded[1] < len(prompts) and any(len(r) < 10 for r in padded[0])  # some cut, some at the limit
     with pytest.raises(ConfigError, match="regen.batching must be one of"):
         RegenConfig(batching="paged")

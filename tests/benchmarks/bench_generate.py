@@ -3,8 +3,9 @@ recipe's slowest stage): new tokens/s of regenerate.generate_sorted for each way
 batch it, on the same prompts, each case in its own process within a time budget.
 
 Cases (``--cases``, default all): ``padded_<B>`` (model.generate on left-padded, length-sorted
-batches of B prompts, today's default), ``continuous_<B>`` (regen.batching=continuous, B replies in
-flight), each greedy; ``..._sampled`` samples at temperature 1.0, top-p 0.99 as the questions of
+batches of B prompts, today's default), ``static_<B>`` (regen.batching=static: the same with a
+static KV cache, which generate compiles), ``continuous_<B>`` (regen.batching=continuous, B replies
+in flight), each greedy; ``..._sampled`` samples at temperature 1.0, top-p 0.99 as the questions of
 synthesize are. Greedy cases also report how many replies equal the first greedy case's (bf16
 kernels differ between batchings, so a few may diverge after a near tie).
 
@@ -31,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.benchmarks.common import run_isolated  # noqa: E402
 
-CASES = ("padded_1024", "continuous_1024", "padded_4096", "continuous_4096", "padded_1024_sampled",
+CASES = ("padded_1024", "padded_4096", "static_1024", "continuous_1024", "padded_1024_sampled", "static_1024_sampled",
          "continuous_1024_sampled")
 
 
@@ -126,7 +127,7 @@ def suite(a: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="generate.json")
-    p.add_argument("--cases", default="", help=f"comma-separated, of {CASES} (or any <padded|continuous>_<B>[_sampled])")
+    p.add_argument("--cases", default="", help=f"comma-separated, of {CASES} (or any <padded|static|continuous>_<B>[_sampled])")
     p.add_argument("--n", type=int, default=4096, help="prompts per case")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--conversations", default="", help="a .jsonl.gz of conversations: their first user turns")
