@@ -8,12 +8,16 @@
 #   bash launch/recipes/smollm2_synth.sh                          # all GPUs of this machine
 #   NGPU=1 N=16384 EPOCHS=4 RUN_DIR=runs/s16k bash launch/recipes/smollm2_synth.sh
 #
-# Measured on 2 H200s with N=32768 (tests/benchmarks/results/recipe_synth_h200x2.json): tau 2.40 on
-# the held-out prompts, lossless, about 13 minutes end to end (synthesis 7.4 of them).
+# Measured on 2 H200s with N=32768 and 32k-token micro-batches (tests/benchmarks/results/
+# recipe_synth_h200x2.json): tau 2.40 on the held-out prompts, lossless, about 13 minutes end to end
+# (synthesis 7.4 of them). The global batch is now BATCH_TOKENS=8192 tokens (split over the GPUs),
+# the best of the option sweep (recipe_sweep_h200x2.json: +0.18 tau at 16k conversations); the
+# end-to-end run with it is not measured yet.
 #
 # Every stage reuses finished output, so a rerun continues where a crash stopped. Stage times go to
-# $RUN_DIR/timings.jsonl. Variables: N, NGPU, RUN_DIR, EPOCHS, LR, TTT, BATCH_TOKENS, DRAFT_VOCAB,
-# NEW_TOKENS (reply length), GEN_BATCH (prompts generated together per GPU), TARGET (default
+# $RUN_DIR/timings.jsonl. Variables: N, NGPU, RUN_DIR, EPOCHS, LR, TTT, BATCH_TOKENS (global: divided
+# by NGPU per rank), DRAFT_VOCAB, NEW_TOKENS (reply length), GEN_BATCH (prompts generated together
+# per GPU), GEN_BATCHING (regen.batching: padded | static | continuous), TARGET (default
 # embedded), DUMP_EXTRA / TRAIN_EXTRA (more eagle3-dump / eagle3-train overrides), UNTIL=standardize
 # (stop once the training data is ready, e.g. to train several variants of it).
 set -euo pipefail
@@ -35,7 +39,7 @@ dist() { if [ "$NGPU" -gt 1 ]; then python3 -m torch.distributed.run --nproc_per
 
 run synthesize dist -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$N" out="$RUN/prepared" \
   synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size=1024 \
-  regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="${GEN_BATCH:-1024}"
+  regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="${GEN_BATCH:-1024}" regen.batching="${GEN_BATCHING:-padded}"
 # shellcheck disable=SC2086  # DUMP_EXTRA is a list of overrides
 run dump dist -m data_prep.dump target="${TARGET:-embedded}" data="$RUN/prepared" out="$RUN/dump" dtype=bfloat16 ${DUMP_EXTRA:-}
 run standardize python3 -m data_prep.standardize dumps="[$RUN/dump]" out="$RUN/std" \
@@ -44,7 +48,7 @@ run standardize python3 -m data_prep.standardize dumps="[$RUN/dump]" out="$RUN/s
 # shellcheck disable=SC2086  # TRAIN_EXTRA is a list of overrides
 run train dist -m eagle3_train.trainer data="$RUN/std" target="${TARGET:-embedded}" out="$RUN/train" \
   train.ttt_length="${TTT:-5}" train.epochs="${EPOCHS:-10}" train.lr="${LR:-3e-3}" train.warmup_steps=30 \
-  train.max_tokens_per_batch="${BATCH_TOKENS:-32768}" train.eval_every=100 train.keep_best=true train.log_every=20 \
+  train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-8192} / NGPU )) train.eval_every=500 train.keep_best=true train.log_every=50 \
   model.lm_head_init=target ${TRAIN_EXTRA:-}
 run export python3 -m eagle3_train.export run="$RUN/train" out="$RUN/export" engines=[sglang,vllm]
 run check python3 -m eagle3_train.check draft="$RUN/export" target="${TARGET:-embedded}"
