@@ -114,7 +114,8 @@ class Preparer:
         self.out = Path(cfg.out).expanduser()
         self.bad = BadRows(cfg.on_bad_row)
         # synthesis runs data-parallel under torchrun; everything else is one process
-        self.dist = init_distributed(cfg.device) if cfg.synthesize else DistInfo(0, 1, 0, resolve_device(cfg.device))
+        # synthesis ranks only meet at barriers: several may share a GPU (generation is bound by per-step overhead)
+        self.dist = init_distributed(cfg.device, share_gpus=True) if cfg.synthesize else DistInfo(0, 1, 0, resolve_device(cfg.device))
         self.target: Target = self._load(load_model=False)  # the weights only to generate
         if chat_template_of(self.target.tokenizer) is None:
             raise Eagle3Error(

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from eagle3_train.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -27,35 +29,48 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device: str = "auto", timeout_minutes: float = 120.0, always: bool = False) -> DistInfo:
+def init_distributed(device: str = "auto", timeout_minutes: float = 120.0, always: bool = False,
+                     share_gpus: bool = False) -> DistInfo:
     """Join the process group that ``torchrun`` describes in the environment (if any).
 
     ``device=auto`` picks ``cuda:<local_rank>`` when CUDA is present, else the CPU; the backend
     follows (nccl on CUDA, gloo on CPU). With ``always``, a single process outside torchrun forms a
-    group of one (DeepSpeed needs a group).
+    group of one (DeepSpeed needs a group). With ``share_gpus`` (work whose ranks only meet at
+    barriers, such as generation bound by per-step overhead), a node may run more ranks than it has
+    GPUs: rank ``l`` takes ``cuda:<l % GPUs>`` and the group uses gloo, since NCCL refuses two ranks
+    on one GPU.
     """
     if always and "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
-    dev = resolve_device(device, local)
+    dev = resolve_device(device, local, share_gpus)
+    shared = dev.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if (world > 1 or always) and not dist.is_initialized():
+        nccl = dev.type == "cuda" and not shared
         dist.init_process_group(
-            backend="nccl" if dev.type == "cuda" else "gloo",
+            backend="nccl" if nccl else "gloo",
             timeout=datetime.timedelta(minutes=timeout_minutes),
-            device_id=dev if dev.type == "cuda" else None,
+            device_id=dev if nccl else None,
         )
     return DistInfo(rank, world, local, dev)
 
 
-def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+def resolve_device(device: str, local_rank: int = 0, share_gpus: bool = False) -> torch.device:
     """The one reading of ``device=``: ``auto`` is ``cuda:<local_rank>`` when CUDA is present,
-    else the CPU; anything else is taken as torch spells it."""
+    else the CPU; anything else is taken as torch spells it. A local rank past the node's GPUs is
+    refused unless ``share_gpus``, which maps it round-robin."""
     if device == "auto":
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        gpus = torch.cuda.device_count()
+        if local_rank >= gpus and not share_gpus:
+            raise ConfigError(f"local rank {local_rank} has no GPU of its own ({gpus} on this node): start at most "
+                              f"{gpus} processes per node (torchrun --nproc_per_node {gpus})")
+        return torch.device(f"cuda:{local_rank % gpus}")
     return torch.device(device)
 
 

@@ -196,8 +196,14 @@ def test_device_auto_is_resolved_in_one_place(monkeypatch):
     import torch
 
     from eagle3_train.dist import resolve_device
+    from eagle3_train.errors import ConfigError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert resolve_device("auto", 3) == torch.device("cuda:3") and resolve_device("cpu", 3) == torch.device("cpu")
+    # more ranks than GPUs: refused by name, unless the work shares GPUs (synthesis), round-robin
+    with pytest.raises(ConfigError, match="local rank 5 has no GPU of its own"):
+        resolve_device("auto", 5)
+    assert [resolve_device("auto", r, share_gpus=True).index for r in range(6)] == [0, 1, 2, 3, 0, 1]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert resolve_device("auto", 3) == torch.device("cpu")
+    assert resolve_device("auto", 3) == torch.device("cpu") and resolve_device("auto", 9, share_gpus=True).type == "cpu"

@@ -17,7 +17,8 @@
 # Every stage reuses finished output, so a rerun continues where a crash stopped. Stage times go to
 # $RUN_DIR/timings.jsonl. Variables: N, NGPU, RUN_DIR, EPOCHS, LR, TTT, BATCH_TOKENS (global: divided
 # by NGPU per rank), DRAFT_VOCAB, NEW_TOKENS (reply length), GEN_BATCH (prompts generated together
-# per GPU), GEN_BATCHING (regen.batching: padded | static | continuous), TARGET (default
+# per GPU), GEN_BATCHING (regen.batching: padded | static | continuous), GEN_RANKS_PER_GPU
+# (synthesis processes per GPU, default 1), TARGET (default
 # embedded), DUMP_EXTRA / TRAIN_EXTRA (more eagle3-dump / eagle3-train overrides), UNTIL=standardize
 # (stop once the training data is ready, e.g. to train several variants of it).
 set -euo pipefail
@@ -36,8 +37,10 @@ run() {  # run <stage> <command...>: time it, record it
     "$stage" "$t0" "$(date +%s.%N)" >> "$RUN/timings.jsonl"
 }
 dist() { if [ "$NGPU" -gt 1 ]; then python3 -m torch.distributed.run --nproc_per_node "$NGPU" "$@"; else python3 "$@"; fi; }
+GEN_PROCS=$((NGPU * ${GEN_RANKS_PER_GPU:-1}))  # synthesis ranks may share a GPU (generation is bound by per-step overhead)
+gen_dist() { if [ "$GEN_PROCS" -gt 1 ]; then python3 -m torch.distributed.run --nproc_per_node "$GEN_PROCS" "$@"; else python3 "$@"; fi; }
 
-run synthesize dist -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$N" out="$RUN/prepared" \
+run synthesize gen_dist -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$N" out="$RUN/prepared" \
   synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size=1024 \
   regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="${GEN_BATCH:-1024}" regen.batching="${GEN_BATCHING:-padded}"
 # shellcheck disable=SC2086  # DUMP_EXTRA is a list of overrides
