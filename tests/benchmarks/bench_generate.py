@@ -6,7 +6,8 @@ Cases (``--cases``, default all): ``padded_<B>`` (model.generate on left-padded,
 batches of B prompts, today's default), ``static_<B>`` (regen.batching=static: the same with a
 static KV cache, which generate compiles), ``continuous_<B>`` (regen.batching=continuous, B replies
 in flight), each greedy; ``..._sampled`` samples at temperature 1.0, top-p 0.99 as the questions of
-synthesize are. Greedy cases also report how many replies equal the first greedy case's (bf16
+synthesize are; ``..._x<P>`` runs P processes on the one GPU at once, each with a P-th of the
+prompts (what several synthesis ranks per GPU do), and reports their joint rate. Greedy cases also report how many replies equal the first greedy case's (bf16
 kernels differ between batchings, so a few may diverge after a near tie).
 
 Prompts: the first user turn of each conversation in ``--conversations`` (a .jsonl.gz that
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,8 +34,8 @@ sys.path.insert(0, str(REPO))
 
 from tests.benchmarks.common import run_isolated  # noqa: E402
 
-CASES = ("padded_1024", "padded_4096", "static_1024", "continuous_1024", "padded_1024_sampled", "static_1024_sampled",
-         "continuous_1024_sampled")
+CASES = ("padded_1024", "padded_4096", "padded_1024_x3", "static_1024", "continuous_1024", "padded_1024_sampled",
+         "padded_1024_sampled_x3")
 
 
 def prompts_for(a: argparse.Namespace, tokenizer) -> list[list[int]]:
@@ -64,26 +66,56 @@ def one(a: argparse.Namespace) -> None:
     eos = sorted(eos_ids(model, tokenizer, target.local_dir))
     prompts = prompts_for(a, tokenizer)
     parts = a.case.split("_")
+    procs = int(parts[-1][1:]) if parts[-1].startswith("x") else 1
     cfg = RegenConfig(max_new_tokens=a.max_new_tokens, batching=parts[0], batch_size=int(parts[1]),
-                      do_sample=parts[-1] == "sampled", temperature=1.0, top_p=0.99)
+                      do_sample="sampled" in parts, temperature=1.0, top_p=0.99)
+    children = []
+    if procs > 1 and a.shard is None:
+        for i in range(procs):
+            Path(f"{a.part}.ready{i}").unlink(missing_ok=True)  # this process is shard 0; the others run beside it on the same GPU
+        for i in range(1, procs):
+            children.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--shard", str(i)]))
+    shard = a.shard or 0
+    prompts = prompts[shard::procs]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     torch.manual_seed(0)
     warm = generate_sorted(model, prompts[: min(64, len(prompts))], cfg, eos, pad, seed=0)  # compile, graphs, allocator
     del warm
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    if procs > 1:  # start together: every process loaded and warmed up first
+        ready = Path(f"{a.part}.ready{shard}")
+        ready.write_text("")
+        while sum(Path(f"{a.part}.ready{i}").is_file() for i in range(procs)) < procs:
+            time.sleep(0.05)
+    start = time.time()  # wall clock: shards of one case are compared across processes
     replies, hit_limit = generate_sorted(model, prompts, cfg, eos, pad, seed=1)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    end = time.time()
     new_tokens = sum(len(r) + (len(r) < cfg.max_new_tokens) for r in replies)  # the end-of-turn token counts
     out = {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "new_tokens": new_tokens,
-           "hit_max_new_tokens": hit_limit, "seconds": round(seconds, 2), "new_tokens_per_s": round(new_tokens / seconds)}
+           "hit_max_new_tokens": hit_limit, "start": start, "end": end}
     if torch.cuda.is_available():
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
-    Path(a.part).write_text(json.dumps(out))
-    if not cfg.do_sample:
+    part = Path(a.part if a.shard is None else f"{a.part}.{a.shard}")
+    part.write_text(json.dumps(out))
+    if a.shard is not None:
+        return
+    for child in children:
+        child.wait()
+    for i in range(procs):
+        Path(f"{a.part}.ready{i}").unlink(missing_ok=True)
+    shards = [out] + [json.loads(Path(f"{a.part}.{i}").read_text()) for i in range(1, procs) if Path(f"{a.part}.{i}").is_file()]
+    if len(shards) < procs:
+        raise RuntimeError(f"{procs - len(shards)} of {procs} processes wrote no result")
+    seconds = max(x["end"] for x in shards) - min(x["start"] for x in shards)
+    total = {k: sum(x[k] for x in shards) for k in ("prompts", "prompt_tokens", "new_tokens", "hit_max_new_tokens")}
+    total.update(processes=procs, seconds=round(seconds, 2), new_tokens_per_s=round(total["new_tokens"] / seconds))
+    if "peak_gib" in out:
+        total["peak_gib_per_process"] = out["peak_gib"]
+    part.write_text(json.dumps(total))
+    if not cfg.do_sample and procs == 1:
         Path(a.part + ".replies").write_text(json.dumps(replies))
 
 
@@ -127,7 +159,7 @@ def suite(a: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="generate.json")
-    p.add_argument("--cases", default="", help=f"comma-separated, of {CASES} (or any <padded|static|continuous>_<B>[_sampled])")
+    p.add_argument("--cases", default="", help=f"comma-separated, of {CASES} (or any <padded|static|continuous>_<B>[_sampled][_x<P>])")
     p.add_argument("--n", type=int, default=4096, help="prompts per case")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--conversations", default="", help="a .jsonl.gz of conversations: their first user turns")
@@ -137,6 +169,7 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="the tiny target on the CPU (a check that it runs)")
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--part", help=argparse.SUPPRESS)
+    p.add_argument("--shard", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.case:
         one(a)
