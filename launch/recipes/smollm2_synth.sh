@@ -18,7 +18,8 @@
 # $RUN_DIR/timings.jsonl. Variables: N, NGPU, RUN_DIR, EPOCHS, LR, TTT, BATCH_TOKENS (global: divided
 # by NGPU per rank), DRAFT_VOCAB, NEW_TOKENS (reply length), GEN_BATCH (prompts generated together
 # per GPU), GEN_BATCHING (regen.batching: padded | static | continuous), GEN_RANKS_PER_GPU
-# (synthesis processes per GPU, default 1), TARGET (default
+# (synthesis processes per GPU, default 1), SOURCE=online (train with the target in the loop: no
+# dump or standardize, so no disk limit on N), TARGET (default
 # embedded), DUMP_EXTRA / TRAIN_EXTRA (more eagle3-dump / eagle3-train overrides), UNTIL=standardize
 # (stop once the training data is ready, e.g. to train several variants of it).
 set -euo pipefail
@@ -43,16 +44,22 @@ gen_dist() { if [ "$GEN_PROCS" -gt 1 ]; then python3 -m torch.distributed.run --
 run synthesize gen_dist -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$N" out="$RUN/prepared" \
   synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size=1024 \
   regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="${GEN_BATCH:-1024}" regen.batching="${GEN_BATCHING:-padded}"
-# shellcheck disable=SC2086  # DUMP_EXTRA is a list of overrides
-run dump dist -m data_prep.dump target="${TARGET:-embedded}" data="$RUN/prepared" out="$RUN/dump" dtype=bfloat16 ${DUMP_EXTRA:-}
-run standardize python3 -m data_prep.standardize dumps="[$RUN/dump]" out="$RUN/std" \
-  draft_vocab_size="${DRAFT_VOCAB:-8192}" eval_fraction=0.02 ${MAX_SAMPLES:+max_samples=$MAX_SAMPLES}
-[ "${UNTIL:-}" = standardize ] && exit 0
-# shellcheck disable=SC2086  # TRAIN_EXTRA is a list of overrides
-run train dist -m eagle3_train.trainer data="$RUN/std" target="${TARGET:-embedded}" out="$RUN/train" \
-  train.ttt_length="${TTT:-5}" train.epochs="${EPOCHS:-10}" train.lr="${LR:-3e-3}" train.warmup_steps=30 \
-  train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-8192} / NGPU )) train.eval_every=500 train.keep_best=true train.log_every=50 \
-  model.lm_head_init=target ${TRAIN_EXTRA:-}
+RECIPE_TRAIN="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-10} train.lr=${LR:-3e-3} train.warmup_steps=30 \
+train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-8192} / NGPU )) train.eval_every=500 train.keep_best=true train.log_every=50 \
+model.lm_head_init=target"
+if [ "${SOURCE:-offline}" = online ]; then  # the target runs in the training loop: no dump, no standardize
+  # shellcheck disable=SC2086  # RECIPE_TRAIN and TRAIN_EXTRA are lists of overrides
+  run train dist -m eagle3_train.trainer source=online data="$RUN/prepared" target="${TARGET:-embedded}" out="$RUN/train" \
+    online.draft_vocab_size="${DRAFT_VOCAB:-8192}" online.eval_fraction=0.02 $RECIPE_TRAIN ${TRAIN_EXTRA:-}
+else
+  # shellcheck disable=SC2086  # DUMP_EXTRA is a list of overrides
+  run dump dist -m data_prep.dump target="${TARGET:-embedded}" data="$RUN/prepared" out="$RUN/dump" dtype=bfloat16 ${DUMP_EXTRA:-}
+  run standardize python3 -m data_prep.standardize dumps="[$RUN/dump]" out="$RUN/std" \
+    draft_vocab_size="${DRAFT_VOCAB:-8192}" eval_fraction=0.02 ${MAX_SAMPLES:+max_samples=$MAX_SAMPLES}
+  [ "${UNTIL:-}" = standardize ] && exit 0
+  # shellcheck disable=SC2086  # RECIPE_TRAIN and TRAIN_EXTRA are lists of overrides
+  run train dist -m eagle3_train.trainer data="$RUN/std" target="${TARGET:-embedded}" out="$RUN/train" $RECIPE_TRAIN ${TRAIN_EXTRA:-}
+fi
 run export python3 -m eagle3_train.export run="$RUN/train" out="$RUN/export" engines=[sglang,vllm]
 run check python3 -m eagle3_train.check draft="$RUN/export" target="${TARGET:-embedded}"
 run eval python3 -m eagle3_train.eval draft="$RUN/export" target="${TARGET:-embedded}" engine=sglang \
