@@ -3,8 +3,8 @@
     eagle3-check draft=runs/x/export target=meta-llama/Llama-3.1-8B-Instruct
     eagle3-check draft=some/third_party_draft target=/models/target/config.json trained=[2,16,29]
 
-Works on any EAGLE-3 draft directory. For each engine runner it prints where the ids are read, the
-HF indices captured, and the trained indices (from the draft's ``eagle3_train`` block, or
+Works on any EAGLE-3 draft directory. For each engine runner (the engine's default runner first:
+vLLM 0.33's V2) it prints where the ids are read, the HF indices captured, and the trained indices (from the draft's ``eagle3_train`` block, or
 ``trained=`` for third-party drafts); it flags silent fallbacks (no key where the engine reads, so
 the engine default), a draft whose ``fc`` SGLang would skip, ``d2t`` problems, and weights the
 engines would not load. Exits 1 on any
@@ -24,7 +24,7 @@ from omegaconf import MISSING
 from safetensors import safe_open
 
 from eagle3_train.cli import entry_point
-from eagle3_train.engines import ENGINES, TOP_KEY, family_of, fc_skipped, resolve, unloadable_weights
+from eagle3_train.engines import ENGINES, TOP_KEY, VLLM_EAGLE3, fc_skipped, resolve, rules_for, unloadable_weights
 from eagle3_train.errors import BadInputError, ConfigError
 from eagle3_train.targets import text_config
 
@@ -103,20 +103,30 @@ def check(config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any, train
     lines = [f"target: model_type {mt}, N={n}, hidden {h}, vocab {v}; trained on HF indices {trained or 'unknown'}"]
     findings: list[Finding] = []
     for engine in engines:
-        if family_of(mt) is None and engine == "sglang":
-            findings.append(Finding("warning", f"sglang: no rule known for model_type {mt!r}; its capture is unknown"))
+        if not rules_for(engine, mt):
+            if engine == "vllm":
+                findings.append(Finding("error", f"vllm: model_type {mt!r} has no EAGLE-3 interface in vLLM 0.33.0 "
+                                                 f"(only {sorted(VLLM_EAGLE3)}): it refuses the target at load"))
+            else:
+                findings.append(Finding("warning", f"{engine}: no rule known for model_type {mt!r}; its capture is unknown"))
             continue
-        for r in resolve(config, engine, mt, n):
+        for r in resolve(config, engine, mt, n):  # the engine's default runner first
             where = f"{r.source}={r.ids}" if r.ids is not None else "no ids where it reads -> engine default"
-            ok = trained is None or r.hf_indices == sorted(trained)
-            lines.append(f"{engine} {r.rule.versions}: {where} -> captures HF {r.hf_indices}"
+            ok = trained is None or (r.hf_indices == sorted(trained) and not r.pre_norm_final)
+            lines.append(f"{engine} {r.rule.versions}: {where} -> captures {r.describe()}"
                          + ("" if trained is None else ("  OK" if ok else f"  MISMATCH (trained {sorted(trained)})")))
+            if r.problem is not None:
+                findings.append(Finding("error", r.problem))
+            if r.pre_norm_final:
+                findings.append(Finding("warning", f"{engine} {r.rule.versions}: one id lands on N={n}, the last layer's "
+                                                   f"output before the final norm; no HF index names it (HF {n} is "
+                                                   f"after the norm), so no draft trained here saw it"))
             if r.ids is None and _get_any(config):
                 findings.append(Finding("error" if not ok or trained is None else "warning",
                                         f"{engine} {r.rule.versions}: the ids are not where it reads "
                                         f"({' or '.join('.'.join(p) for p in r.rule.keys)}): it silently uses the default {r.hf_indices}"))
             if not ok:
-                findings.append(Finding("error", f"{engine} {r.rule.versions}: captures HF {r.hf_indices}, the draft was trained on {sorted(trained)}"))
+                findings.append(Finding("error", f"{engine} {r.rule.versions}: captures {r.describe()}, the draft was trained on {sorted(trained)}"))
             if any(k < 0 or k > n for k in r.hf_indices):
                 findings.append(Finding("error", f"{engine} {r.rule.versions}: HF indices {r.hf_indices} are outside 0..{n}"))
         fc = tensors.get("fc.weight")  # [H_draft, width of the captured states]

@@ -1,9 +1,18 @@
 """What serving engines do with a draft's layer ids: the rules, as data, in one place (DESIGN §2).
 
 Facts read from the engines' source (SGLang 0.5.23, vLLM 0.33.0, TensorRT-LLM main of 2026-08).
-Each rule says where an engine reads the ids in the draft's ``config.json`` and which HF
-hidden-state indices (DESIGN §1) the ids it finds make it capture. With no ids, every engine
-captures the default HF indices ``[2, N//2, N-3]``.
+Each rule says for which targets it holds, where an engine reads the ids in the draft's
+``config.json``, and which HF hidden-state indices (DESIGN §1) the ids it finds make it capture.
+With no ids, every engine captures the default HF indices ``[2, N//2, N-3]``.
+
+Engines capture residual streams, never a normed state: an id that lands on N is the last layer's
+output *before* the final norm, which no HF index names (HF index N is the post-norm state). vLLM's
+id N and SGLang's gpt_oss id N do exactly that; :func:`resolve` reports it as ``pre_norm_final``,
+never as HF index N.
+
+vLLM runs EAGLE-3 drafts (and ``extract_hidden_states``) only for the target classes that implement
+its EAGLE-3 interface (:data:`VLLM_EAGLE3`); it refuses any other target at load. Its DeepSeek
+code (DeepSeek-V2/V3, Kimi-K2) crashes on id 0. Its default runner in 0.33 is V2, listed first.
 
 ``resolve`` answers "what will this engine capture given this config"; ``ids_for`` answers "what
 must the config say so that this engine captures these HF indices", or raises :class:`Unexpressible`
@@ -22,6 +31,12 @@ RULES_VERSION = "sglang-0.5.23/vllm-0.33.0/trtllm-2026-08"
 TOP_KEY = "eagle_aux_hidden_state_layer_ids"
 NESTED = ("eagle_config", "eagle_aux_hidden_state_layer_ids")
 NESTED_V2 = ("eagle_config", "layer_ids")
+
+# The target model_types whose vLLM 0.33.0 classes implement its EAGLE-3 interface (llama, mistral,
+# qwen2, qwen3, qwen3_moe, deepseek_v2/v3 -- Kimi-K2 runs in the DeepSeek-V3 class -- and gpt_oss);
+# vLLM refuses every other target at load, for drafts and for extract_hidden_states alike.
+VLLM_DEEPSEEK = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2"})
+VLLM_EAGLE3 = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"}) | VLLM_DEEPSEEK
 
 # Target model_type -> the family whose engine code serves it.
 FAMILIES = {
@@ -59,11 +74,14 @@ class Rule:
 
     Args:
         engine: ``sglang``, ``vllm`` or ``trtllm``.
-        versions: the engine versions the rule was read from.
+        versions: the engine versions the rule was read from (and which runner).
         family: a value of :data:`FAMILIES`, or ``*`` for every family.
         keys: where the ids are read, in order (the first present wins); each a key path.
-        to_hf: config ids -> captured HF indices, given N.
+        to_hf: config ids -> captured HF indices, given N (a result N is the pre-norm final state).
         note: what to tell the user about this engine.
+        model_types: the target model_types the engine serves with this rule (None: every one of
+            the family); for another the engine refuses the target.
+        min_id: the smallest id the engine's code survives.
     """
 
     engine: str
@@ -72,14 +90,23 @@ class Rule:
     keys: tuple[tuple[str, ...], ...]
     to_hf: Callable[[list[int], int], list[int]]
     note: str = ""
+    model_types: frozenset[str] | None = None
+    min_id: int = 0
 
 
 RULES = (
     Rule("sglang", "0.5.23", "llama", (NESTED,), _plus_one, "reads only eagle_config; a top-level key is ignored"),
     Rule("sglang", "0.5.23", "deepseek", (NESTED,), _deepseek, "adds 1 only when the first id is 1"),
     Rule("sglang", "0.5.23", "gpt_oss", (NESTED,), _gpt_oss, "adds 1 unless the largest id is N"),
-    Rule("vllm", "0.33.0 (V1 runner)", "*", ((TOP_KEY,), NESTED), _identity, "top-level key first"),
-    Rule("vllm", "0.33.0 (V2 runner)", "*", ((TOP_KEY,), NESTED_V2), _identity, "top-level key first"),
+    # V2, vLLM 0.33's default runner, never reads eagle_config.eagle_aux_hidden_state_layer_ids
+    Rule("vllm", "0.33.0 (V2 runner, the default)", "*", ((TOP_KEY,), NESTED_V2), _identity,
+         "top-level key first", VLLM_EAGLE3 - VLLM_DEEPSEEK),
+    Rule("vllm", "0.33.0 (V2 runner, the default)", "*", ((TOP_KEY,), NESTED_V2), _identity,
+         "top-level key first; its DeepSeek code crashes on id 0", VLLM_DEEPSEEK, min_id=1),
+    Rule("vllm", "0.33.0 (V1 runner)", "*", ((TOP_KEY,), NESTED), _identity, "top-level key first",
+         VLLM_EAGLE3 - VLLM_DEEPSEEK),
+    Rule("vllm", "0.33.0 (V1 runner)", "*", ((TOP_KEY,), NESTED), _identity,
+         "top-level key first; its DeepSeek code crashes on id 0", VLLM_DEEPSEEK, min_id=1),
     Rule("trtllm", "main 2026-08", "*", (("eagle3_layers_to_capture",),), _plus_one,
          "reads eagle3_layers_to_capture from its own decoding config, not config.json"),
 )
@@ -98,11 +125,18 @@ def family_of(model_type: str) -> str | None:
 
 
 def rules_for(engine: str, model_type: str) -> list[Rule]:
-    """The rules of ``engine`` that apply to a target of ``model_type`` (several runners may)."""
+    """The rules of ``engine`` that apply to a target of ``model_type`` (several runners may;
+    the engine's default runner first); none: the engine does not serve EAGLE-3 for it."""
     if engine not in ENGINES:
         raise ContractError(f"unknown engine {engine!r}; known: {list(ENGINES)}")
     fam = family_of(model_type)
-    return [r for r in RULES if r.engine == engine and (r.family == "*" or r.family == fam)]
+    return [r for r in RULES if r.engine == engine and (r.family == "*" or r.family == fam)
+            and (r.model_types is None or model_type in r.model_types)]
+
+
+def known_model_types(engine: str) -> list[str]:
+    """The target model_types some rule of ``engine`` covers."""
+    return sorted(m for m in set(FAMILIES) | VLLM_EAGLE3 if rules_for(engine, m))
 
 
 def _get(config: dict, path: tuple[str, ...]):
@@ -116,25 +150,48 @@ def _get(config: dict, path: tuple[str, ...]):
 
 @dataclass
 class Resolution:
-    """What one engine runner captures for a config."""
+    """What one engine runner captures for a config.
+
+    Args:
+        rule: the runner's rule.
+        ids: what it read (None: nothing, so the default).
+        source: the key path it read, or "default".
+        hf_indices: the HF indices it captures (ascending), never N.
+        pre_norm_final: it also captures the last layer's output before the final norm (an id
+            landing on N), which no HF index names.
+        problem: why the engine fails on these ids (None: it runs).
+    """
 
     rule: Rule
-    ids: list[int] | None  # what it read (None: nothing, so the default)
-    source: str  # the key path it read, or "default"
+    ids: list[int] | None
+    source: str
     hf_indices: list[int]
+    pre_norm_final: bool = False
+    problem: str | None = None
+
+    def describe(self) -> str:
+        """``HF [..]`` (+ the pre-norm final state), for a report line."""
+        return f"HF {self.hf_indices}" + (" + the pre-norm final state (no HF index)" if self.pre_norm_final else "")
 
 
 def resolve(config: dict, engine: str, model_type: str, num_hidden_layers: int) -> list[Resolution]:
-    """The HF indices each runner of ``engine`` captures given the draft's ``config``."""
+    """What each runner of ``engine`` captures given the draft's ``config`` (default runner first);
+    empty when the engine does not serve EAGLE-3 for ``model_type``."""
+    n = num_hidden_layers
     out = []
     for rule in rules_for(engine, model_type):
         for path in rule.keys:
             ids = _get(config, path)
             if ids is not None:
-                out.append(Resolution(rule, list(ids), ".".join(path), sorted(rule.to_hf(list(ids), num_hidden_layers))))
+                ids, source = list(ids), ".".join(path)
                 break
         else:
-            out.append(Resolution(rule, None, "default", engine_default(num_hidden_layers)))
+            ids, source = None, "default"
+        captured = sorted(rule.to_hf(ids, n)) if ids is not None else engine_default(n)
+        problem = None
+        if ids is not None and ids and min(ids) < rule.min_id:
+            problem = f"{engine} {rule.versions} fails on id {min(ids)} for a {model_type} target ({rule.note})"
+        out.append(Resolution(rule, ids, source, [k for k in captured if k != n], n in captured, problem))
     return out
 
 
@@ -146,15 +203,19 @@ def ids_for(hf_indices: list[int], engine: str, model_type: str, num_hidden_laye
     n, ks = num_hidden_layers, list(hf_indices)
     rules = rules_for(engine, model_type)
     if not rules:
+        if engine == "vllm":
+            raise Unexpressible(
+                f"vllm 0.33.0 runs EAGLE-3 drafts only for targets whose class implements its EAGLE-3 interface "
+                f"({sorted(VLLM_EAGLE3)}); it refuses model_type {model_type!r} at load"
+            )
         raise Unexpressible(
             f"{engine}: no rule covers target model_type {model_type!r} (known for {engine}: "
-            f"{sorted({m for m, f in FAMILIES.items() if any(r.family == f for r in RULES if r.engine == engine)})}); "
-            f"its behaviour is unknown, so no config can be promised to work"
+            f"{known_model_types(engine)}); its behaviour is unknown, so no config can be promised to work"
         )
     out: dict[tuple[str, ...], list[int]] = {}
     for rule in rules:
         candidates = [ks, [k - 1 for k in ks]]  # the only shapes the engines' rules take
-        good = [v for v in candidates if min(v) >= 0 and sorted(rule.to_hf(v, n)) == ks]
+        good = [v for v in candidates if min(v) >= rule.min_id and sorted(rule.to_hf(v, n)) == ks]
         if not good:
             raise Unexpressible(_why(engine, model_type, rule, ks, n))
         out.setdefault(rule.keys[0], good[0])
@@ -165,6 +226,9 @@ def _why(engine: str, model_type: str, rule: Rule, ks: list[int], n: int) -> str
     fam = family_of(model_type)
     if 0 in ks and rule.to_hf is _plus_one:
         hint = "HF index 0 (the embeddings) cannot be captured: choose aux layers >= 1, or serve with vLLM"
+    elif 0 in ks and rule.min_id > 0:
+        hint = ("HF index 0 (the embeddings) cannot be captured: vLLM's DeepSeek code crashes on id 0 (its residual "
+                "is still None there); choose aux layers >= 1")
     elif rule.to_hf is _deepseek and ks[0] == 1:
         hint = ("a first HF index of 1 cannot be written: ids starting at 1 are shifted by one, ids starting "
                 "at 0 are not; choose a first layer other than 1, or serve with vLLM")

@@ -184,8 +184,16 @@ class Evaluator:
         tc = text_config(self.target.config)
         self.context = tc.max_position_embeddings
         resolutions = resolve(self.config, cfg.engine, tc.model_type, tc.num_hidden_layers)
-        self.resolution = resolutions[0]
+        if not resolutions:
+            raise ContractError(f"{cfg.engine} serves no EAGLE-3 draft for a {tc.model_type} target (eagle3_train.engines)")
+        self.resolution = resolutions[0]  # the engine's default runner
         self.layers = self.resolution.hf_indices
+        if self.resolution.problem is not None:
+            raise ContractError(f"{self.resolution.problem}: the engine could not run this draft")
+        if self.resolution.pre_norm_final:
+            raise ContractError(f"{cfg.engine} would capture the last layer's output before the final norm (an id "
+                                f"landing on N={tc.num_hidden_layers}), which no HF index names: this draft was not "
+                                f"trained on what the engine would feed it")
         if any(k < 0 or k > tc.num_hidden_layers for k in self.layers):
             raise ContractError(f"{cfg.engine} would capture HF indices {self.layers}, outside 0..{tc.num_hidden_layers}")
         if len(self.layers) * tc.hidden_size != self.draft.fc.in_features:

@@ -8,7 +8,9 @@
 #       server.url=http://127.0.0.1:30000 server.final_url=http://127.0.0.1:30001
 #
 # The engine must be installed on this host (vllm 0.33 / sglang 0.5.23 were read for its API); add
-# its parallelism flags through ENGINE_ARGS (e.g. ENGINE_ARGS="--tensor-parallel-size 8"), and give
+# its parallelism flags through ENGINE_ARGS (e.g. ENGINE_ARGS="--tensor-parallel-size 8"): they go
+# into the printed engine commands as server.engine_args, which refuses what the dump cannot work
+# with (SGLang's --pp-size > 1) before any engine starts. Give
 # each engine its GPUs with ENGINE_DEVICES, one CUDA_VISIBLE_DEVICES list per engine separated by
 # ';' — SGLang's two servers must not share GPUs (e.g. ENGINE_DEVICES="0,1,2,3;4,5,6,7"
 # ENGINE_ARGS="--tp-size 4"). Engine logs go to $LOGDIR/engine<i>.log. To use engines already running elsewhere, skip this script:
@@ -24,7 +26,7 @@ ENGINE_ARGS=${ENGINE_ARGS:-}
 DUMP=${EAGLE3_DUMP:-eagle3-dump}
 
 # The engine commands are the printed lines before "# then" (backslash continuations joined).
-launch=$($DUMP backend="$BACKEND" print_launch=true "$@")
+launch=$($DUMP backend="$BACKEND" print_launch=true "server.engine_args='$ENGINE_ARGS'" "$@")
 echo "$launch"
 mapfile -t engines < <(printf '%s\n' "$launch" | awk '/^# then/ {exit} /^#/ {next}
     {line = line $0; if (sub(/\\$/, "", line)) next; print line; line = ""}')
@@ -35,9 +37,9 @@ trap cleanup EXIT
 IFS=';' read -r -a devices <<<"${ENGINE_DEVICES:-}"
 for i in "${!engines[@]}"; do
     if [ -n "${devices[$i]:-}" ]; then
-        CUDA_VISIBLE_DEVICES=${devices[$i]} bash -c "${engines[$i]} $ENGINE_ARGS" >"$LOGDIR/engine$i.log" 2>&1 &
+        CUDA_VISIBLE_DEVICES=${devices[$i]} bash -c "${engines[$i]}" >"$LOGDIR/engine$i.log" 2>&1 &
     else
-        bash -c "${engines[$i]} $ENGINE_ARGS" >"$LOGDIR/engine$i.log" 2>&1 &
+        bash -c "${engines[$i]}" >"$LOGDIR/engine$i.log" 2>&1 &
     fi
     pids+=($!)
 done

@@ -144,13 +144,32 @@ class _Standin:
         raise NotImplementedError
 
 
+# vLLM 0.33.0's target classes with its EAGLE-3 interface (by model_type); it refuses others at load,
+# and its DeepSeek code (DeepSeek-V2/V3, Kimi-K2) fails on layer id 0.
+VLLM_EAGLE3_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
+                           "kimi_k2"}
+VLLM_NO_ID_0 = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
+
+
+class EngineRefused(RuntimeError):
+    """The engine would not start with this model and configuration."""
+
+
 class StandinVllm(_Standin):
     """vLLM with ``extract_hidden_states`` and ``ExampleHiddenStatesConnector``: id v is HF index
-    v, v = N the pre-norm final state; the file is written after the response, under a lock."""
+    v, v = N the pre-norm final state; the file is written after the response, under a lock.
+    Started for a model without vLLM's EAGLE-3 interface, or a DeepSeek model with id 0, it refuses
+    (:class:`EngineRefused`), as vLLM fails at load."""
 
     def __init__(self, model: Any, layer_ids: list[int] | None = None, storage: Path | None = None,
                  dtype: torch.dtype = torch.float32, allow_custom_save_path: bool = True, write_delay_s: float = 0.02,
                  port: int = 0):
+        if layer_ids is not None:
+            model_type = model.config.model_type
+            if model_type not in VLLM_EAGLE3_MODEL_TYPES:
+                raise EngineRefused(f"Model does not support EAGLE3 interface ({model_type})")
+            if model_type in VLLM_NO_ID_0 and 0 in layer_ids:
+                raise EngineRefused("the DeepSeek model's residual is None at layer 0")
         super().__init__(model, dtype, port)
         # without layer_ids and storage: a plain ``vllm serve`` (generation only)
         self.layer_ids, self.storage = sorted(layer_ids or []), Path(storage) if storage else None
@@ -226,9 +245,14 @@ class StandinVllm(_Standin):
 
 class StandinSglang(_Standin):
     """SGLang ``/generate`` with ``return_hidden_states``: with ``layer_ids`` (the aux server),
-    rows [T][K*H] of HF indices v+1; without (the final-state server), the post-norm state [T][H]."""
+    rows [T][K*H] of HF indices v+1; without (the final-state server), the post-norm state [T][H].
+    Aux-state return with more than one pipeline stage is refused (:class:`EngineRefused`), as
+    SGLang's server-argument check does."""
 
-    def __init__(self, model: Any, layer_ids: list[int] | None = None, dtype: torch.dtype = torch.float32, port: int = 0):
+    def __init__(self, model: Any, layer_ids: list[int] | None = None, dtype: torch.dtype = torch.float32, port: int = 0,
+                 pp_size: int = 1):
+        if layer_ids is not None and pp_size != 1:
+            raise EngineRefused("enable_return_aux_hidden_states requires pp_size == 1")
         super().__init__(model, dtype, port)
         self.layer_ids = layer_ids
         self.cached_tokens = 0  # pretend a radix-cache hit of this many tokens (their rows go missing)
@@ -304,6 +328,8 @@ def main(argv: list[str]) -> None:
         p.add_argument("--speculative-algorithm")
         p.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+")
         p.add_argument("--enable-return-hidden-states", action="store_true")
+        p.add_argument("--pp-size", "--pipeline-parallel-size", dest="pp_size", type=int, default=1)
+        p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)  # one process here
     args = p.parse_args(rest)
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
@@ -315,7 +341,7 @@ def main(argv: list[str]) -> None:
                                        allow_custom_save_path=extra.get("allow_custom_save_path", False), port=args.port)
     elif args.enable_return_aux_hidden_states:
         assert args.speculative_algorithm == "EAGLE3" and args.return_aux_hidden_state_layer_ids
-        server = StandinSglang(model, args.return_aux_hidden_state_layer_ids, dtype, port=args.port)
+        server = StandinSglang(model, args.return_aux_hidden_state_layer_ids, dtype, port=args.port, pp_size=args.pp_size)
     else:
         assert args.enable_return_hidden_states
         server = StandinSglang(model, None, dtype, port=args.port)

@@ -15,14 +15,14 @@ def spec(model_type, aux, n=32, h=4096):
 
 CASES = [
     ("llama", [2, 16, 29]), ("llama", [1, 5, 9, 31]), ("qwen3", [2, 18, 33]), ("qwen3_moe", [3, 24, 45]),
-    ("qwen2", [1, 2]), ("deepseek_v2", [2, 30, 58]), ("deepseek_v2", [0, 30, 58]), ("deepseek_v3", [3, 31, 57]),
-    ("gpt_oss", [2, 12, 21]),
+    ("qwen2", [1, 2]), ("deepseek_v2", [2, 30, 58]), ("deepseek_v3", [3, 31, 57]), ("kimi_k2", [2, 31, 58]),
+    ("gpt_oss", [2, 12, 21]), ("gpt_oss", [1, 12, 23]),
 ]
 
 
 @pytest.mark.parametrize("model_type, aux", CASES)
 def test_exported_keys_resolve_to_the_trained_indices(model_type, aux):
-    n = {"qwen3": 36, "qwen3_moe": 48, "deepseek_v2": 61, "deepseek_v3": 61, "gpt_oss": 24}.get(model_type, 32)
+    n = {"qwen3": 36, "qwen3_moe": 48, "deepseek_v2": 61, "deepseek_v3": 61, "kimi_k2": 61, "gpt_oss": 24}.get(model_type, 32)
     config = engine_keys(spec(model_type, aux, n), ["sglang", "vllm"])
     for engine in ("sglang", "vllm"):
         for r in resolve(config, engine, model_type, n):
@@ -35,9 +35,44 @@ def test_worked_example_llama31():
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 15, 28]
 
 
-def test_vllm_only_export_works_for_any_family_and_embeddings():
-    config = engine_keys(spec("mixtral", [0, 16, 29]), ["vllm"])
-    assert [r.hf_indices for r in resolve(config, "vllm", "mixtral", 32)] == [[0, 16, 29]] * 2
+def test_vllm_only_export_captures_embeddings_for_llama_family_targets():
+    config = engine_keys(spec("qwen3", [0, 16, 29]), ["vllm"])
+    assert [r.hf_indices for r in resolve(config, "vllm", "qwen3", 32)] == [[0, 16, 29]] * 2
+
+
+def test_vllm_serves_only_targets_with_its_eagle3_interface():
+    """vLLM 0.33.0 runs EAGLE-3 (and extract_hidden_states) for llama/mistral, qwen2, qwen3,
+    qwen3_moe, deepseek_v2/v3 (Kimi-K2) and gpt_oss only; any other target fails at load."""
+    for model_type in ("mixtral", "qwen2_moe", "gemma2", "gemma3_text", "glm4_moe", "glm4_moe_lite"):
+        assert resolve({"eagle_aux_hidden_state_layer_ids": [2, 16, 29]}, "vllm", model_type, 32) == []
+        with pytest.raises(ContractError, match=f"runs EAGLE-3 drafts only for targets whose class implements its "
+                                                f"EAGLE-3 interface .*it refuses model_type '{model_type}' at load"):
+            engine_keys(spec(model_type, [2, 16, 29]), ["vllm"])
+    assert [r.hf_indices for r in resolve({}, "vllm", "mistral", 32)] == [[2, 16, 29]] * 2
+
+
+def test_vllm_deepseek_refuses_the_embeddings():
+    """vLLM's DeepSeek code crashes on id 0; SGLang's DeepSeek rule takes [0, ...] as is."""
+    for model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
+        with pytest.raises(ContractError, match="HF index 0 .*vLLM's DeepSeek code crashes on id 0"):
+            engine_keys(spec(model_type, [0, 30, 58], 61), ["vllm"])
+        bad = resolve({"eagle_aux_hidden_state_layer_ids": [0, 30, 58]}, "vllm", model_type, 61)
+        assert [r.problem is not None and "fails on id 0" in r.problem for r in bad] == [True, True]
+    config = engine_keys(spec("deepseek_v2", [0, 30, 58], 61), ["sglang"])
+    assert [r.hf_indices for r in resolve(config, "sglang", "deepseek_v2", 61)] == [[0, 30, 58]]
+    assert all(r.problem is None for r in resolve({"eagle_aux_hidden_state_layer_ids": [0, 30, 58]}, "vllm", "llama", 61))
+
+
+def test_an_id_landing_on_n_is_the_pre_norm_final_state_not_hf_index_n():
+    """vLLM's id N and SGLang's gpt_oss id N are the last layer's output before the final norm;
+    HF index N is after it, so no HF index names what they capture."""
+    v2, v1 = resolve({"eagle_aux_hidden_state_layer_ids": [2, 16, 32]}, "vllm", "llama", 32)
+    assert (v2.hf_indices, v2.pre_norm_final) == (v1.hf_indices, v1.pre_norm_final) == ([2, 16], True)
+    (oss,) = resolve({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 12, 24]}}, "sglang", "gpt_oss", 24)
+    assert (oss.hf_indices, oss.pre_norm_final) == ([1, 12], True)
+    (llama,) = resolve({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 31]}}, "sglang", "llama", 32)
+    assert (llama.hf_indices, llama.pre_norm_final) == ([2, 16], True)
+    assert resolve({"eagle_aux_hidden_state_layer_ids": [2, 16, 29]}, "vllm", "llama", 32)[0].pre_norm_final is False
 
 
 @pytest.mark.parametrize("model_type, aux, engines, message", [
@@ -59,14 +94,17 @@ def test_defaults_and_rule_quirks():
     assert resolve({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}, "sglang", "deepseek_v2", 61)[0].hf_indices == [2, 30, 58]
     assert resolve({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 29, 57]}}, "sglang", "deepseek_v2", 61)[0].hf_indices == [2, 29, 57]
     # gpt_oss: no shift when the largest id is N
-    assert resolve({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 12, 24]}}, "sglang", "gpt_oss", 24)[0].hf_indices == [1, 12, 24]
-    # vLLM V1 falls back to the nested key, V2 to eagle_config.layer_ids
+    assert resolve({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 12, 24]}}, "sglang", "gpt_oss", 24)[0].hf_indices == [1, 12]
+    shifted = resolve({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 12, 23]}}, "sglang", "gpt_oss", 24)[0]
+    assert (shifted.hf_indices, shifted.pre_norm_final) == ([2, 13], True)  # 23 + 1 lands on N: pre-norm
+    # vLLM's default runner, V2, first: it falls back to eagle_config.layer_ids, V1 to the nested key
     nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28], "layer_ids": [3, 4, 5]}}
-    assert [r.hf_indices for r in resolve(nested, "vllm", "llama", 32)] == [[1, 15, 28], [3, 4, 5]]
+    assert [(r.rule.versions, r.hf_indices) for r in resolve(nested, "vllm", "llama", 32)] == [
+        ("0.33.0 (V2 runner, the default)", [3, 4, 5]), ("0.33.0 (V1 runner)", [1, 15, 28])]
     assert ids_for([2, 16, 29], "trtllm", "llama", 32) == {("eagle3_layers_to_capture",): [1, 15, 28]}
 
 
-def test_check_warns_about_unknown_families():
+def test_check_warns_about_unknown_families_and_vllm_refusals():
     from types import SimpleNamespace
 
     from eagle3_train.check import check
@@ -74,5 +112,36 @@ def test_check_warns_about_unknown_families():
     target = SimpleNamespace(model_type="mixtral", num_hidden_layers=32, hidden_size=4096, vocab_size=32000)
     config = {"eagle_aux_hidden_state_layer_ids": [2, 16, 29], "draft_vocab_size": 32000}
     lines, findings = check(config, {}, target, [2, 16, 29], ["sglang", "vllm"])
-    assert [f.level for f in findings] == ["warning"] and "no rule known for model_type 'mixtral'" in findings[0].text
-    assert any("vllm" in line and "OK" in line for line in lines)
+    assert [f.level for f in findings] == ["warning", "error"]
+    assert "no rule known for model_type 'mixtral'" in findings[0].text
+    assert "vllm: model_type 'mixtral' has no EAGLE-3 interface in vLLM 0.33.0" in findings[1].text
+    assert not any(line.startswith("vllm") for line in lines)
+
+
+def _check(model_type, config, trained, n=32):
+    from types import SimpleNamespace
+
+    from eagle3_train.check import check
+
+    target = SimpleNamespace(model_type=model_type, num_hidden_layers=n, hidden_size=4096, vocab_size=32000)
+    return check(config | {"draft_vocab_size": 32000}, {}, target, trained, ["vllm"])
+
+
+def test_check_reports_vllm_v2_first_and_what_each_runner_reads():
+    """vLLM 0.33's default runner, V2, never reads eagle_config.eagle_aux_hidden_state_layer_ids."""
+    lines, findings = _check("llama", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 16, 29]}}, [2, 16, 29])
+    assert lines[1].startswith("vllm 0.33.0 (V2 runner, the default): no ids where it reads -> engine default")
+    assert lines[2].startswith("vllm 0.33.0 (V1 runner): eagle_config.eagle_aux_hidden_state_layer_ids=[2, 16, 29]")
+    assert lines[2].endswith("OK")
+    assert [f.level for f in findings] == ["warning"]  # the default happens to be the trained capture
+    assert "V2 runner, the default): the ids are not where it reads (eagle_aux_hidden_state_layer_ids or " \
+           "eagle_config.layer_ids)" in findings[0].text
+
+
+def test_check_flags_pre_norm_final_and_deepseek_id_0():
+    lines, findings = _check("llama", {"eagle_aux_hidden_state_layer_ids": [2, 16, 32]}, [2, 16, 29])
+    assert "captures HF [2, 16] + the pre-norm final state (no HF index)  MISMATCH" in lines[1]
+    assert any(f.level == "error" and "the draft was trained on [2, 16, 29]" in f.text for f in findings)
+    assert any("one id lands on N=32, the last layer's output before the final norm" in f.text for f in findings)
+    _, findings = _check("deepseek_v3", {"eagle_aux_hidden_state_layer_ids": [0, 30, 58]}, [0, 30, 58], 61)
+    assert [f.level for f in findings] == ["error", "error"] and all("fails on id 0" in f.text for f in findings)

@@ -102,6 +102,7 @@ def test_right_config_beats_off_by_one_and_both_are_lossless(pipeline):
     right = evaluate(pipeline, pipeline / "export")
     wrong = evaluate(pipeline, off_by_one(pipeline, "wrong", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2])))
     assert right["captured_hf_indices"] == [1, 2, 3] and wrong["captured_hf_indices"] == [0, 1, 2]
+    assert right["rule"] == "0.33.0 (V2 runner, the default)"  # vLLM's default runner decides what eval feeds
     assert right["lossless"] == wrong["lossless"] == "identical"  # fp32: token for token
     assert right["tau"] > wrong["tau"] + 0.2, (right["tau"], wrong["tau"])
     assert right["tau"] > 2.0
@@ -123,7 +124,8 @@ def test_check_flags_what_engines_would_get_wrong(pipeline, capsys):
     assert "sglang 0.5.23: no ids where it reads -> engine default" in out and "silently uses the default" in out
     shifted = off_by_one(pipeline, "shifted", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]))
     assert run(shifted) == 1
-    assert "captures HF [2, 3, 4], the draft was trained on [1, 2, 3]" in capsys.readouterr().out
+    # SGLang's id 3 + 1 lands on N = 4: the pre-norm final state, which no HF index names
+    assert "captures HF [2, 3] + the pre-norm final state (no HF index), the draft was trained on [1, 2, 3]" in capsys.readouterr().out
     zeros = off_by_one(pipeline, "zeros", lambda c: None)
     w = load_file(str(zeros / "model.safetensors"))
     w["d2t"] = torch.zeros(200, dtype=torch.int64)  # a 200-token draft vocab mapped to ids 0..199
@@ -157,6 +159,9 @@ def test_bad_drafts(pipeline, tmp_path):
     two = off_by_one(pipeline, "two_layers", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2]))
     with pytest.raises(ContractError, match="fc takes 192: the engine would fail"):
         evaluate(pipeline, two)
+    pre_norm = off_by_one(pipeline, "pre_norm", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 4]))
+    with pytest.raises(ContractError, match="vllm would capture the last layer's output before the final norm"):
+        evaluate(pipeline, pre_norm)  # vLLM's id N = 4 is not HF index 4 (post-norm)
     with pytest.raises(ContractError, match="HF index 0 \\(the embeddings\\)"):
         state = json.loads((pipeline / "train" / "checkpoints").glob("step*").__next__().joinpath("state.json").read_text())
         state["capture"]["aux_indices"] = [0, 1, 2]

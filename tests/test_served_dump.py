@@ -18,7 +18,7 @@ from data_prep.engine_http import EngineError
 from eagle3_train.engines import Unexpressible
 from eagle3_train.errors import ConfigError, Eagle3Error
 from eagle3_train.targets import build_tiny_model
-from standin_engines import StandinSglang, StandinVllm
+from standin_engines import EngineRefused, StandinSglang, StandinVllm
 from test_dump import mixed_conversations, prepare_tiny, stored_samples
 
 AUX = [1, 2, 3]
@@ -324,3 +324,81 @@ def test_launch_script_starts_the_printed_engines_and_clients(backend, prepared,
     for sid in got:
         for key in got[sid]:
             torch.testing.assert_close(got[sid][key], hf[sid][key], atol=1e-5, rtol=0)
+
+
+def typed_target(root, model_type):
+    """The tiny target saved as a directory whose config says ``model_type`` (same tokenizer)."""
+    from eagle3_train.targets import build_tiny_tokenizer
+
+    path = root / f"target_{model_type}"
+    build_tiny_model().save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"model_type": model_type}))
+    return path
+
+
+def launch(target, backend, aux, **server):
+    return launch_text(DumpConfig(target=str(target), backend=backend, print_launch=True, dtype="bfloat16",
+                                  capture=CaptureConfig(aux_indices=aux), server=ServerConfig(**server)))
+
+
+def pretend(model_type):
+    model = build_tiny_model()
+    model.config.model_type = model_type
+    return model
+
+
+def test_vllm_backend_refuses_targets_without_its_eagle3_interface(tmp_path):
+    """vLLM fails to load extract_hidden_states for a target class without its EAGLE-3 interface
+    (the stand-in does too); the dump refuses it before anything is launched."""
+    for model_type in ("mixtral", "gemma2"):
+        with pytest.raises(Unexpressible, match=f"backend=vllm cannot dump this capture: .*refuses model_type '{model_type}'"):
+            launch(typed_target(tmp_path, model_type), "vllm", [1, 2, 3])
+        with pytest.raises(EngineRefused, match="does not support EAGLE3 interface"):
+            StandinVllm(pretend(model_type), [1, 2, 3, N], tmp_path / "engine")
+    assert '"eagle_aux_hidden_state_layer_ids":[1,2,3,4]' in launch(typed_target(tmp_path, "qwen3"), "vllm", [1, 2, 3])
+
+
+def test_vllm_backend_refuses_the_embeddings_of_deepseek_targets(tmp_path):
+    target = typed_target(tmp_path, "deepseek_v3")
+    with pytest.raises(Unexpressible, match="HF index 0 .*vLLM's DeepSeek code crashes on id 0"):
+        launch(target, "vllm", [0, 2, 3])
+    with pytest.raises(EngineRefused, match="residual is None at layer 0"):
+        StandinVllm(pretend("deepseek_v3"), [0, 2, 3, N], tmp_path / "engine")
+    assert '"eagle_aux_hidden_state_layer_ids":[1,2,3,4]' in launch(target, "vllm", [1, 2, 3])
+
+
+def test_sglang_backend_takes_deepseek_and_gpt_oss_targets(tmp_path):
+    """SGLang returns the post-norm final state for deepseek_v2 and gpt_oss targets as for llama;
+    each family's id rule applies (DeepSeek: ids as written unless the first is 1; gpt_oss: +1)."""
+    text = launch(typed_target(tmp_path, "deepseek_v3"), "sglang", [2, 3])
+    assert "--return-aux-hidden-state-layer-ids 2 3" in text and "--enable-return-hidden-states" in text
+    assert "--return-aux-hidden-state-layer-ids 0 1 2" in launch(typed_target(tmp_path, "gpt_oss"), "sglang", [1, 2, 3])
+    with pytest.raises(Unexpressible, match="no rule covers target model_type 'mixtral'"):
+        launch(typed_target(tmp_path, "mixtral"), "sglang", [1, 2, 3])
+
+
+def test_sglang_pipeline_stages_are_refused_before_launch(prepared, tmp_path):
+    """SGLang returns aux hidden states only with pp_size == 1 (its stand-in refuses to start
+    otherwise); extra engine flags asking for more stages stop print_launch and the launch script
+    before any engine starts. Other flags go into both engine commands."""
+    target = typed_target(tmp_path, "llama")
+    for flags in ("--pp-size 2", "--tp-size 2 --pipeline-parallel-size=4"):
+        with pytest.raises(ConfigError, match="pipeline stages, but SGLang returns aux hidden states only with pp_size == 1"):
+            launch(target, "sglang", [1, 2, 3], engine_args=flags)
+    with pytest.raises(EngineRefused, match="requires pp_size == 1"):
+        StandinSglang(build_tiny_model(), [0, 1, 2], pp_size=2)
+    text = launch(target, "sglang", [1, 2, 3], engine_args="--tp-size 4 --pp-size 1")
+    assert text.count("--tp-size 4 --pp-size 1") == 2
+    import os
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, BACKEND="sglang", ENGINE_ARGS="--pp-size 2", LOGDIR=str(tmp_path),
+               EAGLE3_DUMP=f"{sys.executable} -m data_prep.dump")
+    run = subprocess.run(["bash", str(repo / "launch" / "dump_served.sh"), f"target={target}", f"data={prepared}",
+                          f"out={tmp_path / 'dump'}", "capture.aux_indices=[1,2,3]"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0 and "only with pp_size == 1" in run.stderr
+    assert not list(tmp_path.glob("engine*.log"))  # no engine was started

@@ -35,7 +35,7 @@ class ServerConfig:
     model: str | None = None  # vLLM's served model name; null: the first one /v1/models lists
     files_dir: str | None = None  # vLLM: the shared directory the engine writes states to, as this client sees it (null: <out>/engine_files)
     server_files_dir: str | None = None  # vLLM: the same directory as the engine sees it (null: files_dir)
-    final_norm: str = "auto"  # vLLM: the target's final norm (auto: from model_type; llama, fp32, gemma)
+    engine_args: str = ""  # extra engine flags (parallelism: --tp-size 4) for the printed launch commands; checked against what the dump needs
 
 
 @dataclass

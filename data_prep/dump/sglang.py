@@ -1,12 +1,14 @@
 """``backend=sglang``: states from two SGLang servers (API read from SGLang 0.5.23).
 
-Engine id ``v`` captures HF index ``v + 1`` for llama-family targets (the SGLang rules of
-eagle3_train/engines.py, so HF index 0 and the final layer cannot be asked for), returned as JSON
-rows ``[T][K*H]`` by ``/generate`` with ``return_hidden_states`` from a server launched with
-``--enable-return-aux-hidden-states``; the post-norm final state comes from a second server
-started with ``--enable-return-hidden-states``. A radix-cache hit or a chunked prefill drops rows,
-hence ``--disable-radix-cache --chunked-prefill-size -1`` and the ``cached_tokens == 0`` and
-row-count checks.
+Engine id ``v`` captures an HF index by the SGLang rule of the target's family (eagle3_train/
+engines.py: ``v + 1`` for llama-family targets, so HF index 0 cannot be asked for), returned as
+JSON rows ``[T][K*H]`` by ``/generate`` with ``return_hidden_states`` from a server launched with
+``--enable-return-aux-hidden-states`` (which SGLang allows only with ``pp_size == 1``: engine flags
+asking for pipeline stages are refused before launch); the post-norm final state comes from a
+second server started with ``--enable-return-hidden-states`` (SGLang hands the logits processor the
+post-norm state for llama, deepseek_v2 and gpt_oss targets alike). A radix-cache hit or a chunked
+prefill drops rows, hence ``--disable-radix-cache --chunked-prefill-size -1`` and the
+``cached_tokens == 0`` and row-count checks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from eagle3_train.engines import NESTED, Unexpressible, family_of, ids_for
+from eagle3_train.errors import ConfigError
 from eagle3_train.targets import Target, resolve_dtype
 
 from data_prep.dump.config import DumpConfig
@@ -28,8 +31,9 @@ from data_prep.engine_http import EngineError, post_json, wait_ready
 if TYPE_CHECKING:
     from data_prep.dump.stage import Dumper
 
-# Families whose SGLang server returns the *post-norm* final state with --enable-return-hidden-states.
-POST_NORM_FAMILIES = ("llama",)
+# Families whose SGLang server returns the *post-norm* final state with --enable-return-hidden-states
+# (their model code passes the normed state to the logits processor).
+POST_NORM_FAMILIES = ("llama", "deepseek", "gpt_oss")
 
 
 def layer_ids(stored: list[int], model_type: str, num_hidden_layers: int) -> list[int]:
@@ -47,13 +51,35 @@ def layer_ids(stored: list[int], model_type: str, num_hidden_layers: int) -> lis
     return ids
 
 
-def launch(model_path: str, ids: list[int] | None, dtype: str, port: int) -> str:
+def pipeline_stages(engine_args: str) -> int:
+    """The pipeline-parallel size that extra SGLang flags ask for (``--pp-size`` or
+    ``--pipeline-parallel-size``, as SGLang spells them; 1 when absent)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--pp-size", "--pipeline-parallel-size", dest="pp", default="1")
+    try:
+        value = parser.parse_known_args(shlex.split(engine_args))[0].pp
+        return int(value)
+    except (ValueError, SystemExit):
+        raise ConfigError(f"server.engine_args: cannot read the pipeline size from {engine_args!r}") from None
+
+
+def check_engine_args(engine_args: str) -> None:
+    """SGLang returns aux hidden states only with ``pp_size == 1``: refuse other flags before launch."""
+    if (pp := pipeline_stages(engine_args)) != 1:
+        raise ConfigError(f"server.engine_args asks SGLang for {pp} pipeline stages, but SGLang returns aux hidden states "
+                          f"only with pp_size == 1: use tensor parallelism (--tp-size) instead")
+
+
+def launch(model_path: str, ids: list[int] | None, dtype: str, port: int, extra: str = "") -> str:
     common = (f"python -m sglang.launch_server --model-path {shlex.quote(model_path)} --port {port} --dtype {dtype} "
               f"--disable-radix-cache --chunked-prefill-size -1")
+    tail = f" {extra}" if extra else ""
     if ids is None:
-        return f"{common} \\\n  --enable-return-hidden-states"
+        return f"{common} \\\n  --enable-return-hidden-states{tail}"
     return (f"{common} \\\n  --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "
-            f"--return-aux-hidden-state-layer-ids {' '.join(map(str, ids))}")
+            f"--return-aux-hidden-state-layer-ids {' '.join(map(str, ids))}{tail}")
 
 
 def exact_rows(rows: Any, width: int, dtype: torch.dtype, where: str) -> torch.Tensor:
@@ -146,15 +172,18 @@ class Backend(ServedBackend):
         return {"server.url": self.cfg.server.url, "server.final_url": self.cfg.server.final_url}
 
     def check(self, stage: Dumper) -> None:
+        check_engine_args(self.cfg.server.engine_args)
         layer_ids(stage.stored, stage.identity.model_type, stage.spec.num_hidden_layers)
 
     def engine_lines(self, target: Target, path: str, stored: list[int]) -> list[str]:
         cfg = self.cfg
+        check_engine_args(cfg.server.engine_args)
         ids = layer_ids(stored, target.identity.model_type, target.num_hidden_layers)
+        extra = cfg.server.engine_args
         return [f"# aux-state server: ids {ids} capture HF indices {stored}",
-                launch(path, ids, cfg.dtype, port_of(cfg.server.url, 30000)),
+                launch(path, ids, cfg.dtype, port_of(cfg.server.url, 30000), extra),
                 "# final-state server (post-norm last_hidden):",
-                launch(path, None, cfg.dtype, port_of(cfg.server.final_url, 30001))]
+                launch(path, None, cfg.dtype, port_of(cfg.server.final_url, 30001), extra)]
 
     def client(self, stage: Dumper, tensors: dict[str, torch.Tensor]) -> SglangClient:
         states = SglangStates(stage.stored, stage.spec.hidden_size, resolve_dtype(self.cfg.dtype, "cuda"))

@@ -1,7 +1,10 @@
 """``backend=vllm``: states from a vLLM server (API read from vLLM 0.33.0).
 
-vLLM serves them through ``extract_hidden_states`` with ``ExampleHiddenStatesConnector``: engine id
-``v`` captures HF index ``v``, and ``v = N`` is the last layer's output *before* the final norm.
+vLLM serves them through ``extract_hidden_states`` with ``ExampleHiddenStatesConnector``, only for
+targets whose vLLM class implements its EAGLE-3 interface (``eagle3_train.engines.VLLM_EAGLE3``;
+vLLM refuses any other at load, so this backend refuses it before launch): engine id ``v`` captures
+HF index ``v``, and ``v = N`` is the last layer's output *before* the final norm. Its DeepSeek code
+(DeepSeek-V2/V3, Kimi-K2) crashes on id 0, so HF index 0 is refused for those targets.
 One request per sample (``/v1/completions``, ``prompt`` = token ids, ``max_tokens=1``); the engine
 writes ``hidden_states`` [T, K, H] (ascending ids) and ``token_ids`` [T] to a safetensors file
 after the response, holding ``<file>.lock`` until it is complete. ``last_hidden`` is the target's
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file
 
-from eagle3_train.errors import ConfigError
+from eagle3_train.engines import TOP_KEY, VLLM_EAGLE3, Unexpressible, ids_for
 from eagle3_train.targets import Target, resolve_dtype, text_config
 
 from data_prep.dump.config import DumpConfig
@@ -33,15 +36,9 @@ from data_prep.engine_http import EngineError, Transient, post_json, served_mode
 if TYPE_CHECKING:
     from data_prep.dump.stage import Dumper
 
-# How transformers applies each family's final RMSNorm (x: the pre-norm state, h = x / rms(x) in
-# fp32): llama-style multiplies in the model dtype, gpt_oss in fp32, gemma scales by (1 + w).
-NORM_STYLES = ("llama", "fp32", "gemma")
-FINAL_NORM_OF = {
-    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v2",
-                     "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite"), "llama"),
-    "gpt_oss": "fp32",
-    **dict.fromkeys(("gemma", "gemma2", "gemma3_text"), "gemma"),
-}
+# How transformers applies the final RMSNorm of each target vLLM serves (x: the pre-norm state,
+# h = x / rms(x) in fp32): llama-style multiplies in the model dtype, gpt_oss in fp32.
+FINAL_NORM_OF = {**dict.fromkeys(VLLM_EAGLE3 - {"gpt_oss"}, "llama"), "gpt_oss": "fp32"}
 
 
 def final_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str) -> torch.Tensor:
@@ -53,31 +50,21 @@ def final_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str) ->
         return weight.to(x.dtype) * h.to(x.dtype)
     if style == "fp32":
         return (weight.float() * h).to(x.dtype)
-    if style == "gemma":
-        return (h * (1.0 + weight.float())).to(x.dtype)
-    raise ConfigError(f"server.final_norm must be auto or one of {NORM_STYLES}, got {style!r}")
+    raise ValueError(f"unknown final-norm style {style!r}")
 
 
-def norm_style(model_type: str, configured: str) -> str:
-    if configured != "auto":
-        if configured not in NORM_STYLES:
-            raise ConfigError(f"server.final_norm must be auto or one of {NORM_STYLES}, got {configured!r}")
-        return configured
-    if model_type not in FINAL_NORM_OF:
-        raise ConfigError(
-            f"the final norm of model_type {model_type!r} is not known here, so last_hidden cannot be rebuilt "
-            f"from vLLM's pre-norm state; set server.final_norm to one of {NORM_STYLES} after checking its "
-            f"RMSNorm in transformers"
-        )
-    return FINAL_NORM_OF[model_type]
+def layer_ids(stored: list[int], model_type: str, num_hidden_layers: int) -> list[int]:
+    """vLLM ids for the stored HF indices (the same numbers, by the rule export uses) plus N, the
+    pre-norm final state; refused (with the reason) for a target vLLM does not serve this way, or
+    ids its code fails on."""
+    try:
+        ids = ids_for(stored, "vllm", model_type, num_hidden_layers)[(TOP_KEY,)]
+    except Unexpressible as e:
+        raise Unexpressible(f"backend=vllm cannot dump this capture: {e}") from None
+    return sorted(ids) + [num_hidden_layers]
 
 
-def layer_ids(stored: list[int], num_hidden_layers: int) -> list[int]:
-    """vLLM ids for the stored HF indices (the same numbers) plus N, the pre-norm final state."""
-    return sorted(stored) + [num_hidden_layers]
-
-
-def launch(model_path: str, ids: list[int], dtype: str, port: int, storage: str) -> str:
+def launch(model_path: str, ids: list[int], dtype: str, port: int, storage: str, extra: str = "") -> str:
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}
     kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
@@ -85,16 +72,16 @@ def launch(model_path: str, ids: list[int], dtype: str, port: int, storage: str)
     return (
         f"vllm serve {shlex.quote(model_path)} --port {port} --dtype {dtype} --no-enable-prefix-caching \\\n"
         f"  --speculative-config {shlex.quote(json.dumps(spec, separators=(',', ':')))} \\\n"
-        f"  --kv-transfer-config {shlex.quote(json.dumps(kv, separators=(',', ':')))}"
+        f"  --kv-transfer-config {shlex.quote(json.dumps(kv, separators=(',', ':')))}" + (f" {extra}" if extra else "")
     )
 
 
 class VllmStates:
     """Turns one vLLM state file into the shard's states (HF indices + post-norm ``last_hidden``)."""
 
-    def __init__(self, stored: list[int], num_hidden_layers: int, hidden: int, dtype: torch.dtype,
+    def __init__(self, stored: list[int], ids: list[int], hidden: int, dtype: torch.dtype,
                  norm_weight: torch.Tensor, eps: float, style: str):
-        self.stored, self.ids = stored, layer_ids(stored, num_hidden_layers)
+        self.stored, self.ids = stored, ids
         self.hidden, self.dtype = hidden, dtype
         self.norm_weight, self.eps, self.style = norm_weight, eps, style
 
@@ -217,19 +204,19 @@ class Backend(ServedBackend):
         return {"server.url": self.cfg.server.url}
 
     def check(self, stage: Dumper) -> None:
-        self.norm_style = norm_style(stage.identity.model_type, self.cfg.server.final_norm)
+        self.ids = layer_ids(stage.stored, stage.identity.model_type, stage.spec.num_hidden_layers)
 
     def engine_lines(self, target: Target, path: str, stored: list[int]) -> list[str]:
         cfg, n = self.cfg, target.num_hidden_layers
-        ids = layer_ids(stored, n)
+        ids = layer_ids(stored, target.identity.model_type, n)
         storage = cfg.server.server_files_dir or cfg.server.files_dir or (
             str(Path(cfg.out).expanduser().resolve() / "engine_files") if cfg.out else "<out>/engine_files")
         return [f"# ids {ids}: HF indices {stored}, and {n} = the pre-norm final state (last_hidden = final norm of it)",
-                launch(path, ids, cfg.dtype, port_of(cfg.server.url, 8000), storage)]
+                launch(path, ids, cfg.dtype, port_of(cfg.server.url, 8000), storage, cfg.server.engine_args)]
 
     def client(self, stage: Dumper, tensors: dict[str, torch.Tensor]) -> VllmClient:
         spec = stage.spec
         eps = float(getattr(text_config(stage.target.config), "rms_norm_eps", 1e-6))
-        states = VllmStates(stage.stored, spec.num_hidden_layers, spec.hidden_size, resolve_dtype(self.cfg.dtype, "cuda"),
-                            tensors["norm"], eps, self.norm_style)
+        states = VllmStates(stage.stored, self.ids, spec.hidden_size, resolve_dtype(self.cfg.dtype, "cuda"),
+                            tensors["norm"], eps, FINAL_NORM_OF[stage.identity.model_type])
         return VllmClient(self.cfg, states, stage.dist.rank, stage.out)
