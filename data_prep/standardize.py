@@ -4,7 +4,8 @@
 
 Output (DESIGN §3): ``<out>/train/*.safetensors`` and ``<out>/eval/*.safetensors`` holding
 ``input_ids``, ``loss_mask``, ``cu_seqlens``, ``sample_ids``, ``aux_hidden`` [T, n_aux*H] (the
-chosen ``hidden.<k>`` concatenated in ascending k) and ``last_hidden`` [T, H];
+chosen ``hidden.<k>`` concatenated in ascending k) and ``last_hidden`` [T, H] (with ``storage=fp8``
+as e4m3 with ``aux_hidden.scale`` [T, n_aux] and ``last_hidden.scale`` [T, 1]: eagle3_train/storage.py);
 ``<out>/vocab_map.safetensors`` (``d2t``, ``t2d``, ``token_counts``, counted over the training
 split's loss-masked tokens); ``<out>/manifest.json`` last.
 
@@ -32,7 +33,7 @@ from omegaconf import MISSING
 from tqdm.auto import tqdm
 
 from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.contract import CaptureSpec, differences, read_manifest, validate_aux_indices
+from eagle3_train.contract import CaptureSpec, check_storage, differences, read_manifest, validate_aux_indices
 from eagle3_train.errors import BadInputError, ConfigError, ContractError, Eagle3Error, check_numbers
 from eagle3_train.fileio import sha256_file
 from eagle3_train.formats import (
@@ -46,7 +47,8 @@ from eagle3_train.formats import (
 from eagle3_train.prepared import PreparedData, prepared_vocab
 from eagle3_train.split import EVAL_FRACTION, SPLIT_SEED, check_fraction, split_eval
 from eagle3_train.stagedir import StageDir
-from eagle3_train.targets import load_target
+from eagle3_train.storage import FP8_STORAGE, concat, convert, scale_key
+from eagle3_train.targets import load_target, resolve_dtype
 from eagle3_train.vocab import DRAFT_VOCAB_SIZE, VocabMap, build_vocab_map, capped_draft_size, count_tokens, load_vocab_map
 
 STAGE = "standardize"
@@ -66,6 +68,7 @@ class StandardizeConfig:
     max_samples: int | None = None  # only the samples with the N lowest ids (a data-scaling point from one dump); null: all
     seed: int = SPLIT_SEED  # decides which samples are held out
     vocab_map: str | None = None  # reuse this vocab_map.safetensors instead of counting a new one
+    storage: str | None = None  # how the shards store the states: null: as the dumps do; dtype: fp8 dumps read back in their dtype; fp8: quantize (README: Compact storage)
     only_vocab: bool = False  # rebuild only the vocab map of the standardized directory `out` (or, with data=, write one for online training)
     data: str | None = None  # with only_vocab=true: a prepared directory whose training split's loss-masked tokens are counted into out/vocab_map.safetensors (the map a dump of it would get; for eagle3-train source=online)
     target: str | None = None  # with data=: the target the map is for (null: the one the data was prepared with)
@@ -77,6 +80,8 @@ class StandardizeConfig:
     def __post_init__(self) -> None:
         check_numbers(self, positive=("draft_vocab_size", "max_samples"), non_negative=("workers",))
         check_fraction(self.eval_fraction)
+        if self.storage is not None:
+            check_storage(self.storage)
         if not self.only_vocab and not self.dumps:
             raise ConfigError("dumps=[<dump dir>, ...] is required (or only_vocab=true with out=<standardized dir>)")
         if self.data is not None and (not self.only_vocab or self.dumps or self.vocab_map):
@@ -241,7 +246,9 @@ class Standardizer:
                     f"layers {missing} are not in dump {path}; it holds HF indices {m['stored_indices']} "
                     f"(hidden.<k>); choose aux_indices among them, or dump again with capture.extra_indices"
                 )
-        return CaptureSpec(aux, first.num_hidden_layers, first.hidden_size, first.vocab_size, first.dtype, first.target)
+        self.source_storage = first.storage  # the same in every dump (a difference is refused above)
+        return CaptureSpec(aux, first.num_hidden_layers, first.hidden_size, first.vocab_size, first.dtype, first.target,
+                           self.cfg.storage or first.storage)
 
     def sources(self, dumps: list[dict]) -> list[Source]:
         """Every input shard with its sample ids; duplicate ids anywhere are refused."""
@@ -312,16 +319,18 @@ class Standardizer:
     def _convert_one(self, src: Source, spec: CaptureSpec, eval_ids: np.ndarray) -> Source:
         if self.cfg.verify_inputs and sha256_file(src.path) != src.record.sha256:
             raise BadInputError(f"shard {src.path} is corrupt: its sha256 differs from the dump's manifest")
-        keys = ("input_ids", "loss_mask", "cu_seqlens", "sample_ids", "last_hidden") + tuple(f"hidden.{k}" for k in spec.aux_indices)
-        t = read_keys(src.path, keys)
-        # [T, H] x n_aux -> [T, n_aux*H], ascending k (the order every engine concatenates in)
-        aux = torch.cat([t[f"hidden.{k}"] for k in spec.aux_indices], dim=1)
+        states = [f"hidden.{k}" for k in spec.aux_indices] + ["last_hidden"]
+        stored = states + ([scale_key(k) for k in states] if self.source_storage == FP8_STORAGE else [])
+        t = read_keys(src.path, ("input_ids", "loss_mask", "cu_seqlens", "sample_ids", *stored))
+        kept = convert(t, states, self.source_storage, spec.storage, resolve_dtype(spec.dtype, "cpu"))
+        # [T, H] x n_aux -> [T, n_aux*H], ascending k (the order every engine concatenates in); fp8: scales [T, n_aux]
+        hidden = concat(kept, states[:-1], "aux_hidden") | concat(kept, ["last_hidden"], "last_hidden")
         is_eval = torch.from_numpy(np.isin(src.sample_ids, eval_ids))
         lengths = t["cu_seqlens"].diff()
         for split, keep in (("train", ~is_eval & torch.from_numpy(src.kept)), ("eval", is_eval)):
             if not bool(keep.any()):
                 continue
-            out = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"], "aux_hidden": aux, "last_hidden": t["last_hidden"]}
+            out = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"]} | hidden
             if not bool(keep.all()):
                 token_keep = torch.repeat_interleave(keep, lengths)
                 out = {k: v[token_keep] for k, v in out.items()}

@@ -27,6 +27,7 @@ from eagle3_train.fileio import atomic_write_json
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")  # the one list of dtypes a target runs or a state is stored in
+STORAGES = ("dtype", "fp8")  # how shards store states: as computed, or e4m3 + scales (eagle3_train/storage.py)
 
 
 def check_dtype(value: str, option: str = "dtype", auto: bool = False) -> None:
@@ -34,6 +35,12 @@ def check_dtype(value: str, option: str = "dtype", auto: bool = False) -> None:
     allowed = ("auto", *DTYPES) if auto else DTYPES
     if value not in allowed:
         raise ConfigError(f"{option} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def check_storage(value: str, option: str = "storage") -> None:
+    """Refuse a ``storage`` option that is not one of :data:`STORAGES`."""
+    if value not in STORAGES:
+        raise ConfigError(f"{option} must be one of {', '.join(STORAGES)}, got {value!r}")
 
 
 def default_aux_indices(num_hidden_layers: int) -> tuple[int, ...]:
@@ -123,8 +130,12 @@ class CaptureSpec:
         num_hidden_layers: N, the target's decoder layer count.
         hidden_size: the target's hidden size H.
         vocab_size: the target's vocabulary size.
-        dtype: the dtype the states are stored in (``float32``, ``bfloat16``, ``float16``).
+        dtype: the dtype the target ran in, and the states are stored or read back in
+            (``float32``, ``bfloat16``, ``float16``).
         target: the target's identity.
+        storage: how the shards store the states (:data:`STORAGES`; ``fp8``: e4m3 with a scale
+            per token and layer, eagle3_train/storage.py). Absent in specs written before it
+            existed, which stored ``dtype``.
     """
 
     aux_indices: tuple[int, ...]
@@ -133,6 +144,7 @@ class CaptureSpec:
     vocab_size: int
     dtype: str
     target: TargetIdentity
+    storage: str = "dtype"
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -140,6 +152,8 @@ class CaptureSpec:
         )
         if self.dtype not in DTYPES:
             raise ContractError(f"capture dtype {self.dtype!r} is not one of {list(DTYPES)}")
+        if self.storage not in STORAGES:
+            raise ContractError(f"capture storage {self.storage!r} is not one of {list(STORAGES)}")
         for name in ("num_hidden_layers", "hidden_size", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ContractError(f"capture {name} must be positive, got {getattr(self, name)}")
@@ -151,7 +165,7 @@ class CaptureSpec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CaptureSpec:
-        missing = [f for f in cls.__dataclass_fields__ if f not in d]
+        missing = [f for f in cls.__dataclass_fields__ if f not in d and f != "storage"]
         if missing:
             raise BadInputError(f"capture spec lacks fields {missing}: {d}")
         return cls(
@@ -161,6 +175,7 @@ class CaptureSpec:
             vocab_size=int(d["vocab_size"]),
             dtype=str(d["dtype"]),
             target=TargetIdentity.from_dict(d["target"]),
+            storage=str(d.get("storage", "dtype")),
         )
 
 

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from eagle3_train.contract import CaptureSpec, read_manifest
 from eagle3_train.errors import BadInputError, ContractError
 from eagle3_train.formats import SHARD_SUFFIX, ShardRecord, check_shard
+from eagle3_train.storage import DTYPE, FP8_STORAGE, dequantize, scale_key
 from eagle3_train.targets import config_hash, load_target_tensors, text_config
 from eagle3_train.vocab import VocabMap, load_vocab_map
 
@@ -44,16 +45,22 @@ class Batch:
     loss_mask: torch.Tensor  # bool [B, T]
     lengths: torch.Tensor  # int64 [B]
     sample_ids: torch.Tensor  # int64 [B]
+    aux_scale: torch.Tensor | None = None  # fp8 storage: float32 [B, T, n_aux] (aux_hidden is e4m3)
+    last_scale: torch.Tensor | None = None  # fp8 storage: float32 [B, T, 1] (last_hidden is e4m3)
 
     def pin(self) -> Batch:
         """The same batch in page-locked memory (asynchronous copies to the GPU)."""
-        return Batch(self.aux_hidden.pin_memory(), self.last_hidden.pin_memory(), self.input_ids.pin_memory(),
-                     self.loss_mask.pin_memory(), self.lengths.pin_memory(), self.sample_ids)
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return Batch(pin(self.aux_hidden), pin(self.last_hidden), pin(self.input_ids), pin(self.loss_mask),
+                     pin(self.lengths), self.sample_ids, pin(self.aux_scale), pin(self.last_scale))
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
+        """On ``device``, states in ``dtype``; fp8-stored states cross as fp8 and are dequantized there."""
         f = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(f(self.aux_hidden).to(dtype), f(self.last_hidden).to(dtype), f(self.input_ids),
-                     f(self.loss_mask), f(self.lengths), self.sample_ids)
+        aux, last = f(self.aux_hidden), f(self.last_hidden)
+        if self.aux_scale is not None:
+            aux, last = dequantize(aux, f(self.aux_scale), dtype), dequantize(last, f(self.last_scale), dtype)
+        return Batch(aux.to(dtype), last.to(dtype), f(self.input_ids), f(self.loss_mask), f(self.lengths), self.sample_ids)
 
 
 class ShardSplit:
@@ -66,10 +73,14 @@ class ShardSplit:
         directory: ``<standardized>/train`` or ``<standardized>/eval``.
         records: the shard records listed for it in the manifest.
         max_length: samples longer than this are cut (their tail is not trained on).
+        storage: how the shards store the states (fp8: batches carry the scales, see :class:`Batch`).
     """
 
-    def __init__(self, directory: Path, records: list[ShardRecord], max_length: int):
+    def __init__(self, directory: Path, records: list[ShardRecord], max_length: int, storage: str = DTYPE):
         self.directory = directory
+        self.states = ["aux_hidden", "last_hidden"]
+        if storage == FP8_STORAGE:
+            self.states += [scale_key(k) for k in self.states]
         self.paths = [directory / f"{r.name}{SHARD_SUFFIX}" for r in records]
         shard, start, length, sid = [], [], [], []
         for i, path in enumerate(self.paths):
@@ -110,14 +121,15 @@ class ShardSplit:
         rows = []
         for i in indices:
             f, s, n = self._open(int(self.shard[i])), int(self.start[i]), int(self.length[i])
-            rows.append({k: f.get_slice(k)[s : s + n] for k in ("aux_hidden", "last_hidden", "input_ids", "loss_mask")})
-        aux = rows[0]["aux_hidden"].new_zeros(b, t, rows[0]["aux_hidden"].shape[-1])
-        last = rows[0]["last_hidden"].new_zeros(b, t, rows[0]["last_hidden"].shape[-1])
+            rows.append({k: f.get_slice(k)[s : s + n] for k in (*self.states, "input_ids", "loss_mask")})
+        padded = {k: rows[0][k].new_zeros(b, t, rows[0][k].shape[-1]) for k in self.states}  # [B, T, width]
         for r, row in enumerate(rows):
-            n = int(lengths[r])
-            aux[r, :n], last[r, :n] = row["aux_hidden"], row["last_hidden"]
+            for k, v in padded.items():
+                v[r, : int(lengths[r])] = row[k]
         ids, mask = pad_tokens([row["input_ids"] for row in rows], [row["loss_mask"] for row in rows], lengths)
-        return Batch(aux, last, ids, mask, torch.from_numpy(lengths.copy()), torch.from_numpy(self.sample_id[indices]))
+        scales = [padded.get(scale_key(k)) for k in ("aux_hidden", "last_hidden")]
+        return Batch(padded["aux_hidden"], padded["last_hidden"], ids, mask, torch.from_numpy(lengths.copy()),
+                     torch.from_numpy(self.sample_id[indices]), *scales)
 
 
 def pad_tokens(ids: Sequence[Any], masks: Sequence[Any], lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,8 +226,8 @@ class OfflineSource(Source):
         self.spec = CaptureSpec.from_dict(self.manifest["capture"])
         self.vocab, self.vocab_sha = self._load_vocab()
         records = lambda split: [ShardRecord.from_dict(r) for r in self.manifest["shards"][split]]  # noqa: E731
-        self.train_split = ShardSplit(self.data_dir / "train", records("train"), max_length)
-        self.eval_split = ShardSplit(self.data_dir / "eval", records("eval"), max_length)
+        self.train_split = ShardSplit(self.data_dir / "train", records("train"), max_length, self.spec.storage)
+        self.eval_split = ShardSplit(self.data_dir / "eval", records("eval"), max_length, self.spec.storage)
 
     def _load_vocab(self) -> tuple[VocabMap, str]:
         path = self.data_dir / self.manifest["vocab"]["file"]

@@ -1,7 +1,8 @@
 """Shard files between stages (DESIGN §3): safetensors only, written atomically, checksummed.
 
 A shard packs many samples concatenated along tokens: ``input_ids`` int32 [T], ``loss_mask`` uint8
-[T], ``cu_seqlens`` int64 [n+1], ``sample_ids`` int64 [n], and per-token state tensors [T, H].
+[T], ``cu_seqlens`` int64 [n+1], ``sample_ids`` int64 [n], and per-token state tensors [T, H]
+(stored as fp8, each with its ``<key>.scale`` [T, n]: eagle3_train/storage.py).
 Beside each finished shard ``<name>.safetensors`` a record ``<name>.json`` (checksum, sizes, counts)
 is written atomically *after* it; a shard without its record is the leftover of a crash and is
 discarded on resume.
@@ -58,7 +59,7 @@ class ShardRecord:
 # safetensors dtype names (the format's header spelling)
 _ST_DTYPES = {
     torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-    torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
 }
 
 

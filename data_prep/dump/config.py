@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from eagle3_train.contract import check_dtype, default_aux_indices, validate_aux_indices
+from eagle3_train.contract import check_dtype, check_storage, default_aux_indices, validate_aux_indices
 from eagle3_train.errors import ConfigError, check_numbers
 
 # The backends: name -> the module that holds its ``Backend`` class (imported when picked, so
@@ -67,7 +67,9 @@ class DumpConfig:
     out: str | None = None  # output directory (shards/ + manifest.json)
     backend: str = "hf"  # hf: run the target in transformers; vllm / sglang: ask a running engine
     capture: CaptureConfig = field(default_factory=CaptureConfig)
-    dtype: str = "bfloat16"  # the target runs, and states are stored, in this dtype
+    dtype: str = "bfloat16"  # the target runs in this dtype (and states are stored in it with storage=dtype)
+    storage: str = "dtype"  # dtype: states as computed; fp8: e4m3 with a float32 scale per token and layer, half of bf16's bytes (README: Compact storage)
+    compile: bool = False  # backend=hf: torch.compile each decoder layer (dynamic shapes; the first batch compiles); states equal the eager forward's within the dtype's tolerance
     max_tokens_per_batch: int = 16384  # token budget of one forward pass, padding included
     max_batch_size: int = 256  # most samples in one forward pass
     shard_size_mb: float = 512.0  # a shard is written once its states reach this size
@@ -97,6 +99,9 @@ class DumpConfig:
         check_numbers(self, positive=("max_tokens_per_batch", "max_batch_size", "shard_size_mb", "tp_size",
                                       "writer_threads", "dist_timeout_minutes"))
         check_dtype(self.dtype)
+        check_storage(self.storage)
+        if self.compile and self.backend != "hf":
+            raise ConfigError(f"compile=true compiles the target run here (backend=hf); the {self.backend} engine runs its own")
         if self.backend != "hf" and self.tp_size != 1:
             raise ConfigError(f"tp_size={self.tp_size} applies to backend=hf; the {self.backend} engine has its own parallelism")
 

@@ -59,6 +59,19 @@ def plan_batches(rows: np.ndarray, lengths: np.ndarray, max_tokens: int, max_bat
 
 
 
+def compile_layers(model: Any) -> None:
+    """``compile=true``: torch.compile each decoder layer in place, with dynamic batch and length
+    (one compilation serves every layer and every batch shape). What runs between the layers (the
+    embedding, rotary tables, the hidden-state recording, the final norm) stays eager, so the
+    capture is the same code; the fused kernels only reorder float operations within a layer."""
+    layers = getattr(model.base_model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ConfigError(f"compile=true: {type(model.base_model).__name__} keeps no decoder layers in "
+                          f"base_model.layers to compile; run without compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
+
+
 class Backend(backend.Backend):
     """Runs the target on this rank; one writer per tensor-parallel group."""
 
@@ -82,6 +95,8 @@ class Backend(backend.Backend):
             cfg = self.cfg
             self.target = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=cfg.dtype, device=str(self.dist.device),
                                       trust_remote_code=cfg.trust_remote_code, model_kwargs=self._model_kwargs())
+            if cfg.compile:
+                compile_layers(self.target.model)
         return self.target.model
 
     def _model_kwargs(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from eagle3_train.errors import Eagle3Error, IncompleteError
 from eagle3_train.formats import ShardRecord, finished_records, read_keys, remove_unfinished, verify_shard
 from eagle3_train.prepared import PreparedData
 from eagle3_train.stagedir import StageDir
+from eagle3_train.storage import bytes_per_token, layout
 from eagle3_train.targets import load_target, resolve_dtype
 
 from data_prep.dump.backend import Backend, make_backend
@@ -56,7 +57,7 @@ class Dumper:
         self.identity = data.identity_for(self.target, cfg.target)
         aux, self.stored = stored_indices(cfg.capture, self.target.num_hidden_layers)
         self.spec = CaptureSpec(aux, self.target.num_hidden_layers, self.target.hidden_size, self.target.vocab_size,
-                                cfg.dtype, self.identity)
+                                cfg.dtype, self.identity, cfg.storage)
         self.request = {
             "capture": self.spec.to_dict(),
             "stored_indices": self.stored,
@@ -124,14 +125,22 @@ class Dumper:
         """The start of this process's shard names (the rest is random and a count)."""
         return f"{self.dist.rank:05d}-"
 
+    def state_keys(self) -> list[str]:
+        """The per-token states a shard holds."""
+        return [f"hidden.{k}" for k in self.stored] + ["last_hidden"]
+
+    def shapes(self) -> dict[str, tuple[Any, tuple[int, ...]]]:
+        """Every per-token tensor of a shard: key -> (dtype, one token's shape); fp8 storage adds
+        each state's ``.scale``."""
+        return layout(self.state_keys(), self.spec.hidden_size, resolve_dtype(self.cfg.dtype, "cuda"), self.spec.storage)
+
     def writer(self) -> ShardWriter:
         """A shard writer for this process; its shards are named ``<rank>-<random>-<count>``."""
-        keys = [f"hidden.{k}" for k in self.stored] + ["last_hidden"]
-        dtype = resolve_dtype(self.cfg.dtype, "cuda")
-        per_token = len(keys) * self.spec.hidden_size * dtype.itemsize
+        per_token = bytes_per_token(self.shapes())
         longest = int(self.dataset["num_tokens"][:].max())
         return ShardWriter(
-            self.shard_dir, f"{self.shard_prefix()}{secrets.token_hex(4)}", keys, self.spec.hidden_size, dtype,
+            self.shard_dir, f"{self.shard_prefix()}{secrets.token_hex(4)}", self.state_keys(), self.spec.hidden_size,
+            resolve_dtype(self.cfg.dtype, "cuda"), self.spec.storage,
             shard_tokens=max(1, int(self.cfg.shard_size_mb * 2**20) // per_token),
             max_batch_tokens=max(self.cfg.max_tokens_per_batch, longest),
             threads=self.cfg.writer_threads, device=self.dist.device,
@@ -182,7 +191,7 @@ class Dumper:
         body = {
             "capture": self.spec.to_dict(),
             "stored_indices": self.stored,
-            "keys": [f"hidden.{k}" for k in self.stored] + ["last_hidden"],
+            "keys": list(self.shapes()),
             "target": self.identity.to_dict(),
             "prepared": {"path": str(self.prepared_dir.resolve()), "fingerprint": self.prepared["fingerprint"]},
             "config": config_dict(self.cfg),

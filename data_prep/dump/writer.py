@@ -13,6 +13,7 @@ import torch
 
 from eagle3_train.errors import Eagle3Error
 from eagle3_train.formats import write_shard
+from eagle3_train.storage import DTYPE, encode, layout
 
 CRASH_ENV = "EAGLE3_DUMP_CRASH_AFTER_SHARDS"  # tests only: hard-exit a rank after N shards
 
@@ -21,8 +22,8 @@ class HostShard:
     """A reusable host buffer one shard is assembled in (pinned when CUDA is present, so the
     GPU copies into it asynchronously and the writer streams it to disk without another copy)."""
 
-    def __init__(self, state_keys: list[str], hidden: int, dtype: torch.dtype, capacity: int, pin: bool):
-        self.states = {k: torch.empty((capacity, hidden), dtype=dtype, pin_memory=pin) for k in state_keys}
+    def __init__(self, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]], capacity: int, pin: bool):
+        self.states = {k: torch.empty((capacity, *shape), dtype=dtype, pin_memory=pin) for k, (dtype, shape) in shapes.items()}
         self.capacity = capacity
         self.reset()
 
@@ -59,16 +60,21 @@ class ShardWriter:
     shard goes to one of ``threads`` writer threads, which wait for its copies, then checksum and
     stream it to disk straight from the buffer. There are ``threads + 1`` buffers: when all are in
     flight the main thread waits, so a slow disk slows the dump instead of filling memory.
+
+    ``storage=fp8`` quantizes each batch where its states are (on the GPU, before the copy: half
+    the bytes cross to the host) into the tensors :func:`eagle3_train.storage.layout` names.
     """
 
     def __init__(self, directory: Path, prefix: str, state_keys: list[str], hidden: int, dtype: torch.dtype,
-                 shard_tokens: int, max_batch_tokens: int, threads: int, device: torch.device):
+                 storage: str, shard_tokens: int, max_batch_tokens: int, threads: int, device: torch.device):
         self.directory, self.prefix, self.shard_tokens = directory, prefix, shard_tokens
+        self.state_keys, self.storage = state_keys, storage
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         # A shard is submitted when the next batch would overflow it, so one batch always fits.
         capacity = max(shard_tokens, max_batch_tokens)
-        self.make = lambda: HostShard(state_keys, hidden, dtype, capacity, self.cuda)
+        shapes = layout(state_keys, hidden, dtype, storage)
+        self.make = lambda: HostShard(shapes, capacity, self.cuda)
         self.pool: queue.Queue = queue.Queue()
         self.pool.put(None)  # a ticket: the main thread allocates its first buffer itself
         self.write_queue: queue.Queue = queue.Queue()
@@ -95,6 +101,11 @@ class ShardWriter:
         if shard.tokens + n > shard.capacity:
             raise Eagle3Error(f"a batch of {n} tokens exceeds the shard buffer ({shard.capacity}); raise shard_size_mb")
         small = {k: piece[k] for k in ("input_ids", "loss_mask", "sample_ids")}
+        if self.storage != DTYPE:  # on the states' device, after what produced them
+            piece = piece | encode({k: piece[k] for k in self.state_keys}, self.storage)
+            if self.cuda:
+                ready = torch.cuda.Event()
+                ready.record()
         if self.cuda:
             self.stream.wait_event(ready)
             with torch.cuda.stream(self.stream):

@@ -17,12 +17,13 @@ import torch
 
 from eagle3_train.contract import read_manifest
 from eagle3_train.formats import iter_samples, read_shard
+from eagle3_train.storage import decode
 
 
 def samples(dump: Path) -> dict[int, dict[str, torch.Tensor]]:
     out = {}
     for shard in sorted((dump / "shards").glob("*.safetensors")):
-        t = read_shard(shard)
+        t = decode(read_shard(shard))  # fp8 storage: the states read back
         for sid, sl in iter_samples(t):
             out[sid] = {k: v[sl] for k, v in t.items() if k not in ("cu_seqlens", "sample_ids")}
     return out
