@@ -222,7 +222,11 @@ class OfflineSource(Source):
         self.data_dir = Path(data).expanduser()
         self.where, self.target, self.cache_dir = str(self.data_dir), target, cache_dir
         self.device, self.dtype = device, dtype
-        self.manifest = read_manifest(self.data_dir, "standardize")
+        self.manifest = read_manifest(self.data_dir)
+        if self.manifest["stage"] != "standardize":
+            hint = " (a prepared dataset trains with source=online)" if self.manifest["stage"] == "prepare" else ""
+            raise ContractError(f"{self.data_dir} holds the output of stage '{self.manifest['stage']}', not of "
+                                f"eagle3-standardize{hint}")
         self.spec = CaptureSpec.from_dict(self.manifest["capture"])
         self.vocab, self.vocab_sha = self._load_vocab()
         records = lambda split: [ShardRecord.from_dict(r) for r in self.manifest["shards"][split]]  # noqa: E731

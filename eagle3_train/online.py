@@ -126,14 +126,16 @@ class OnlineSource(Source):
         self.cfg, self.device, self.dtype = cfg, dist.device, dtype
         self.prepared = PreparedData(data)
         self.where = str(self.prepared.path)
+        # config and tokenizer first: a capture the target cannot provide (a layer it does not have,
+        # N itself) and data of another tokenizer are refused before its weights are loaded
+        about = loaded or load_target(target, cache_dir=cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code)
+        n = about.num_hidden_layers
+        aux = default_aux_indices(n) if cfg.aux_indices is None else validate_aux_indices(list(cfg.aux_indices), n)
+        identity = self.prepared.identity_for(about, target)
         self.target = loaded or self._load(target, cache_dir)
         self.model = self.target.model.requires_grad_(False).eval()
-        n = self.target.num_hidden_layers
-        # refused here, before any training: a layer the target does not have, or N itself
-        aux = default_aux_indices(n) if cfg.aux_indices is None else validate_aux_indices(list(cfg.aux_indices), n)
         model_dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        self.spec = CaptureSpec(aux, n, self.target.hidden_size, self.target.vocab_size, model_dtype,
-                                self.prepared.identity_for(self.target, target))
+        self.spec = CaptureSpec(aux, n, about.hidden_size, about.vocab_size, model_dtype, identity)
         self.vocab, self.vocab_sha = self._vocab(out, dist)
         eval_ids = split_eval(self.prepared.sample_ids, cfg.eval_fraction, cfg.split_seed)
         train_ids = np.setdiff1d(self.prepared.sample_ids, eval_ids)

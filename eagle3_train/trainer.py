@@ -9,7 +9,8 @@ The run directory holds ``checkpoints/step<N>/`` (DeepSpeed's own files plus ``d
 the consolidated head, and ``state.json``), ``metrics.jsonl`` (one line per logged step and per
 evaluation), ``config.json``, and with ``train.keep_best`` ``best.json`` (the checkpoint with the
 best eval simulated acceptance length, which keep_last never deletes and eagle3-export takes).
-``resume=auto`` continues from the last checkpoint at its exact step and data position.
+``resume=auto`` continues from the last checkpoint at its exact step and data position. An online
+run also holds ``vocab_map.safetensors``, the map it counted at start (unless ``online.vocab_map``).
 """
 
 from __future__ import annotations
@@ -184,6 +185,8 @@ class TrainConfig:
             raise ConfigError(f"resume must be auto or never, got {self.resume!r}")
         if self.source not in ("offline", "online"):
             raise ConfigError(f"source must be offline or online, got {self.source!r}")
+        if self.source == "offline" and self.online != OnlineConfig():
+            raise ConfigError("online.* options apply to source=online (the target in the loop); add source=online")
         if self.deepspeed.zero_stage == 3 and self.train.head_chunk:
             raise ConfigError("train.head_chunk reads lm_head's weight outside its module, which ZeRO-3 does not gather: "
                               "set train.head_chunk=0 with deepspeed=zero3")

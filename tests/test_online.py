@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from data_prep.standardize import StandardizeConfig, Standardizer
-from eagle3_train.errors import ContractError
+from eagle3_train.errors import ConfigError, ContractError
 from eagle3_train.export import ExportConfig, Exporter
 from eagle3_train.online import OnlineConfig
-from eagle3_train.trainer import CRASH_ENV
+from eagle3_train.trainer import CRASH_ENV, TrainConfig
 from test_standardize import make_dump
 from test_trainer import _torchrun, metrics, standardized, train
 
@@ -102,6 +102,16 @@ def test_a_capture_the_target_cannot_provide_is_refused_before_training(data, tm
     with pytest.raises(ContractError, match=message):
         train(data["prep"], tmp_path / "r", source="online", online=OnlineConfig(aux_indices=aux))
     assert not (tmp_path / "r").exists()
+
+
+def test_each_source_refuses_the_other_sources_data_and_options(data, tmp_path):
+    with pytest.raises(ContractError, match=r"holds the output of stage 'prepare', not of eagle3-standardize \(a prepared "
+                                            r"dataset trains with source=online\)"):
+        train(data["prep"], tmp_path / "a")
+    with pytest.raises(ContractError, match=r"expected the output of stage 'prepare', found stage 'standardize'"):
+        train(data["std"], tmp_path / "b", source="online", online=ONLINE)
+    with pytest.raises(ConfigError, match=r"^online\.\* options apply to source=online"):
+        TrainConfig(data=str(data["std"]), out=str(tmp_path / "c"), online=ONLINE)
 
 
 def test_a_vocab_map_counted_over_another_split_is_refused(data, tmp_path):
