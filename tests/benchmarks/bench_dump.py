@@ -1,29 +1,51 @@
-"""Dump throughput: eagle3-dump against its forward-pass floor and against the naive way.
+"""Dump throughput (issue #16): eagle3-dump against its forward-pass floor and against the naive
+way, bytes per token, and data-parallel scaling. Not part of the test suite.
 
-Not part of the test suite. On a GPU (Llama-3.1-8B shapes, random bf16 weights, seq 2048):
+    python3 tests/benchmarks/bench_dump.py --out $OUT/dump_bench.json           # 1-2 H200s, < 8 min
+    python3 tests/benchmarks/bench_dump.py --small --out /tmp/dump_bench.json   # CPU smoke test
 
-    python tests/benchmarks/bench_dump.py --out /tmp/bench_dump
+Llama-3.1-8B shapes (random bf16 weights, the tiny byte-level tokenizer), `--samples` random
+sequences of `--seq` tokens, capture [2, 16, 29] + the final state. Cases, each in its own process
+(torchrun for 2 ranks) within its share of `--budget` seconds (a crash, hang or out-of-memory
+loses only that case; the JSON is rewritten after each case and by each case after each figure):
 
-Reports, in one run: the bf16 matmul rate (8192^3 products), the forward floor (FLOPs per token
-over that rate), eagle3-dump's tokens/s (the real `Dumper.run`, shards written to --out) and its
-ratio to the floor, bytes written per token; and the same for the naive way the reference
-implementations use (one sample at a time through the full model with `output_hidden_states=True`,
-then `torch.save` of the chosen states per sample). `--small` runs a tiny shape on the CPU as a
-smoke test of the script.
+- `floor`: the bf16 matmul rate (8192^3 products), the forward floor (decoder FLOPs per token over
+  that rate, tokens/s), and the local disk's plain sequential write rate (fsync'd);
+- `eager`: the capture loop alone (forward, token selection, finiteness; no copy, no disk) and the
+  real `Dumper.run` to local disk with `storage=dtype` (bf16), the transformers forward uncompiled:
+  the configuration of the previous results (dump_h200_8b.json);
+- `fast`: the same two with `compile=true`, the dump with `storage=fp8`, to local disk, then to RAM
+  (`--shm`): what the issue's goals are about;
+- `naive`: one sample at a time through the full model with `output_hidden_states=True`, then
+  `torch.save` of the chosen states per sample (the reference implementations' way);
+- `dp2`: `fast`'s dump to local disk on 2 GPUs (torchrun, data parallel), twice the samples, so
+  each GPU does the work of the 1-GPU run.
+
+The summary: bytes per token (goal <= 16.5 KiB), `fast` to disk over the floor (goal >= 0.70) and
+over `naive` (goal >= 3), `dp2` over `fast` (goal >= 1.9). Warm-ups (the compilation included)
+are outside the timings; the inductor cache is shared by the cases (`<dir>/inductor`).
+`--small` runs tiny shapes on the CPU (gloo for 2 ranks): numbers meaningless.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from common import matmul_rate, random_llama, sync
+from common import matmul_rate, random_llama, run_isolated, run_suite, sync
+
+GOALS = {"bytes_per_token_kib": 16.5, "ratio_to_floor": 0.70, "speedup_vs_naive": 3.0, "dp2_speedup": 1.9}
+# name, ranks, seconds at most
+SUITE = [("floor", 1, 60), ("eager", 1, 90), ("fast", 1, 150), ("naive", 1, 60), ("dp2", 2, 150)]
 
 
 def forward_flops_per_token(cfg, seq: int) -> float:
@@ -36,6 +58,7 @@ def forward_flops_per_token(cfg, seq: int) -> float:
 
 
 def make_prepared(path: Path, target, samples: int, seq: int) -> None:
+    """``samples`` random sequences of ``seq`` tokens as eagle3-prepare would leave them (manifest last)."""
     import pyarrow as pa
     from datasets import Dataset
 
@@ -56,31 +79,49 @@ def make_prepared(path: Path, target, samples: int, seq: int) -> None:
     write_manifest(path, "prepare", {"fingerprint": "bench", "target": target.identity.to_dict(), "dataset": "dataset"})
 
 
-def make_dumper(args, target, prepared: Path, out: Path):
+def prepared_for(a: argparse.Namespace, target, samples: int) -> Path:
+    """This case's prepared data: made by rank 0, waited for by the others."""
+    path = Path(a.dir) / f"{a.case}-prepared"
+    if int(os.environ.get("RANK", 0)) == 0:
+        make_prepared(path, target, samples, a.seq)
+    deadline = time.monotonic() + 300
+    while not (path / "manifest.json").is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} was not prepared by rank 0")
+        time.sleep(0.5)
+    return path
+
+
+def make_dumper(a: argparse.Namespace, target, prepared: Path, out: Path, storage: str, compile: bool):
+    """The real Dumper on the random target, after a warm-up batch of the run's shape (kernels,
+    allocator, the compilation)."""
     import data_prep.dump as dump
     import data_prep.dump.hf as hf
     import data_prep.dump.stage as stage
 
-    stage.load_target = hf.load_target = lambda *a, **k: target  # the random model built above
+    stage.load_target = hf.load_target = lambda *args, **kw: target  # the random model built here
     n = target.config.num_hidden_layers
-    cfg = dump.DumpConfig(target="bench", data=str(prepared), out=str(out), dtype=args.dtype, progress=False,
-                          max_tokens_per_batch=args.tokens_per_batch, shard_size_mb=args.shard_mb,
-                          writer_threads=args.writer_threads, capture=dump.CaptureConfig(aux_indices=[2, n // 2, n - 3]))
+    cfg = dump.DumpConfig(target="bench", data=str(prepared), out=str(out), dtype=a.dtype, progress=False,
+                          storage=storage, compile=compile, max_tokens_per_batch=a.tokens_per_batch,
+                          shard_size_mb=a.shard_mb, writer_threads=a.writer_threads,
+                          capture=dump.CaptureConfig(aux_indices=[2, n // 2, n - 3]))
     dumper = dump.Dumper(cfg)
-    # warm-up: one batch through the same code path (CUDA kernels, allocator)
-    dumper.backend.capture(hf.Batch([0, 1], [args.seq] * 2))
+    width = max(1, a.tokens_per_batch // a.seq)
+    start = time.perf_counter()
+    with torch.no_grad():  # as the dump runs it (a compiled layer is specialised to the grad mode)
+        dumper.backend.capture(hf.Batch(list(range(width)), [a.seq] * width))
     sync(dumper.dist.device)
-    return dumper
+    return dumper, time.perf_counter() - start
 
 
 @torch.no_grad()
-def run_compute_only(args, target, prepared: Path) -> dict:
+def compute_only(dumper) -> dict[str, Any]:
     """The capture loop alone (forward, token selection, finiteness check): no host copy, no disk."""
     import data_prep.dump.hf as hf
 
-    dumper = make_dumper(args, target, prepared, Path(args.out) / "unused")
-    batches = hf.plan_batches(np.arange(len(dumper.dataset)), dumper.dataset["num_tokens"][:],
-                                args.tokens_per_batch, 256)
+    cfg = dumper.cfg
+    batches = hf.plan_batches(np.arange(len(dumper.dataset)), dumper.dataset["num_tokens"][:], cfg.max_tokens_per_batch,
+                              cfg.max_batch_size)
     start = time.perf_counter()
     for b in batches:
         dumper.backend.capture(b)
@@ -90,12 +131,26 @@ def run_compute_only(args, target, prepared: Path) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
-def disk_write_rate(path: Path, gib: float = 2.0) -> float:
-    """Bytes/s of a plain sequential write with fsync, in 64 MiB blocks."""
-    import os
+def timed_run(dumper) -> dict[str, Any]:
+    """``Dumper.run`` (claim, batches, writer, manifest), timed; tokens/s over all ranks."""
+    from eagle3_train.dist import barrier
 
+    barrier()
+    start = time.perf_counter()
+    manifest = dumper.run()
+    seconds = time.perf_counter() - start
+    if manifest is None:  # a rank other than 0
+        return {}
+    tokens = manifest["counts"]["tokens"]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "bytes_per_token": manifest["counts"]["bytes_per_token"], "shards": len(manifest["shards"]),
+            "world_size": manifest["run"]["world_size"]}
+
+
+def disk_write_rate(path: Path, gib: float) -> float:
+    """Bytes/s of a plain sequential write with fsync, in 64 MiB blocks."""
     block = os.urandom(64 << 20)
-    n = int(gib * 16)
+    n = max(1, int(gib * 16))
     start = time.perf_counter()
     with open(path, "wb") as f:
         for _ in range(n):
@@ -107,28 +162,16 @@ def disk_write_rate(path: Path, gib: float = 2.0) -> float:
     return rate
 
 
-def run_ours(args, target, prepared: Path, out: Path) -> dict:
-    dumper = make_dumper(args, target, prepared, out)
-    start = time.perf_counter()
-    manifest = dumper.run()
-    seconds = time.perf_counter() - start
-    tokens = manifest["counts"]["tokens"]
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "bytes_per_token": manifest["counts"]["bytes_per_token"], "shards": len(manifest["shards"])}
-
-
 @torch.no_grad()
-def run_naive(args, target, prepared: Path, out: Path, device) -> dict:
+def naive_run(a: argparse.Namespace, target, prepared: Path, out: Path, device: torch.device) -> dict[str, Any]:
     """One sample at a time, full model with output_hidden_states, torch.save per sample."""
-    import os
-
     from datasets import load_from_disk
 
     ds = load_from_disk(str(prepared / "dataset")).with_format("numpy")
     n = target.config.num_hidden_layers
     aux = [2, n // 2, n - 3]
     out.mkdir(parents=True, exist_ok=True)
-    samples = min(len(ds), args.naive_samples)
+    samples = min(len(ds), a.naive_samples)
     target.model(torch.tensor(ds[0]["input_ids"][None].astype(np.int64), device=device), output_hidden_states=True)
     sync(device)
     start = time.perf_counter()
@@ -151,54 +194,145 @@ def run_naive(args, target, prepared: Path, out: Path, device) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "bytes_per_token": written / tokens}
 
 
+# -- one case, in its own process ---------------------------------------------------------------
+
+
+def run_case(a: argparse.Namespace) -> None:
+    """Measure ``a.case``; the part file ``a.out`` is rewritten after each figure."""
+    result: dict[str, Any] = {}
+    rank = int(os.environ.get("RANK", 0))
+
+    def record(key: str, value: Any) -> None:
+        result[key] = value
+        if rank == 0:
+            Path(a.out).write_text(json.dumps(result, indent=1))
+            print(f"{a.case}.{key}: {json.dumps(value)}", flush=True)
+
+    device = torch.device("cpu") if a.small else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if a.case == "floor":
+        size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+        rate = matmul_rate(device, size, dtype)
+        flops = forward_flops_per_token(random_llama(a.small, torch.device("meta")).config, a.seq)
+        record("matmul_tflops", rate / 1e12)
+        record("forward_gflop_per_token", flops / 1e9)
+        record("floor_tokens_per_s", rate / flops)
+        record("disk_write_gb_per_s", disk_write_rate(Path(a.dir) / "disk_probe", 0.05 if a.small else 4.0) / 1e9)
+        return
+    target = random_llama(a.small, device)
+    samples = a.samples * (2 if a.case == "dp2" else 1)
+    prepared = prepared_for(a, target, samples)
+    scratch = Path(a.dir) / a.case
+    if a.case == "naive":
+        record("naive", naive_run(a, target, prepared, scratch, device))
+        shutil.rmtree(scratch, ignore_errors=True)
+    elif a.case in ("eager", "fast"):
+        storage, compiled = ("fp8", True) if a.case == "fast" else ("dtype", False)
+        dumper, warm = make_dumper(a, target, prepared, scratch / "unused", storage, compiled)
+        record("compute_only", compute_only(dumper) | {"warmup_s": warm})
+        places = [("to_disk", scratch / "disk")]
+        if a.case == "fast" and a.shm and Path(a.shm).is_dir():
+            places.append(("to_ram", Path(a.shm) / "bench_dump_fast"))
+        for key, where in places:
+            shutil.rmtree(where, ignore_errors=True)
+            dumper, _ = make_dumper(a, target, prepared, where, storage, compiled)
+            record(key, timed_run(dumper))
+            shutil.rmtree(where, ignore_errors=True)
+    elif a.case == "dp2":
+        dumper, warm = make_dumper(a, target, prepared, scratch / "disk", "fp8", compile=True)
+        record("to_disk", timed_run(dumper) | {"warmup_s": warm})
+    else:
+        raise SystemExit(f"unknown case {a.case}")
+    if device.type == "cuda":
+        record("peak_gpu_memory_gib", torch.cuda.max_memory_allocated() / 2**30)
+
+
+# -- the suite ----------------------------------------------------------------------------------
+
+
+def suite(a: argparse.Namespace) -> None:
+    """Every case of SUITE in its own process, within ``--budget`` seconds; results to ``--out``."""
+    gpus = torch.cuda.device_count() if not a.small else 2
+    results: dict[str, Any] = {
+        "machine": f"{gpus} x {torch.cuda.get_device_name() if gpus and not a.small else 'cpu'}",
+        "torch": torch.__version__, "shape": "tiny" if a.small else "llama-3.1-8b", "seq": a.seq, "samples": a.samples,
+        "tokens_per_batch": a.tokens_per_batch, "shard_mb": a.shard_mb, "writer_threads": a.writer_threads,
+        "budget_s": a.budget, "goals": GOALS, "cases": {},
+    }
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(a.dir, ignore_errors=True)
+    Path(a.dir).mkdir(parents=True)
+    ranks = {name: r for name, r, _ in SUITE}
+    run_suite(SUITE, results, out, a.budget, gpus, a.cases, lambda name, seconds: case_process(name, ranks[name], seconds, a),
+              summary, least=30)
+    shutil.rmtree(a.dir, ignore_errors=True)
+
+
+def case_process(name: str, ranks: int, seconds: float, a: argparse.Namespace) -> dict[str, Any]:
+    part = Path(a.dir) / f"{name}.part.json"
+    launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  "--nproc_per_node", str(ranks)]
+    options = ["--samples", str(a.samples), "--naive-samples", str(a.naive_samples), "--seq", str(a.seq),
+               "--tokens-per-batch", str(a.tokens_per_batch), "--shard-mb", str(a.shard_mb),
+               "--writer-threads", str(a.writer_threads), "--shm", a.shm, "--dir", a.dir]
+    cmd = [*launch, str(Path(__file__).resolve()), "--case", name, "--out", str(part), *options,
+           *(["--small"] if a.small else [])]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(Path(a.dir) / "inductor"))
+    if ranks == 1 and not a.small:
+        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    return run_isolated(cmd, part, seconds, env)
+
+
+def summary(cases: dict[str, Any]) -> dict[str, Any]:
+    """The issue's figures from the cases there are, each with its goal."""
+    s: dict[str, Any] = {}
+    floor = cases.get("floor", {}).get("floor_tokens_per_s")
+    fast = cases.get("fast", {}).get("to_disk", {})
+    naive = cases.get("naive", {}).get("naive", {})
+    if "bytes_per_token" in fast:
+        s["bytes_per_token_kib"] = fast["bytes_per_token"] / 1024
+    if floor:
+        s["floor_tokens_per_s"] = floor
+        for case, part in (("eager", "compute_only"), ("eager", "to_disk"), ("fast", "compute_only"),
+                           ("fast", "to_disk"), ("fast", "to_ram"), ("naive", "naive")):
+            if "tokens_per_s" in cases.get(case, {}).get(part, {}):
+                s[f"{case}_{part}_ratio_to_floor".replace("naive_naive", "naive")] = cases[case][part]["tokens_per_s"] / floor
+        if "tokens_per_s" in fast:
+            s["ratio_to_floor"] = fast["tokens_per_s"] / floor
+    if "tokens_per_s" in fast and "tokens_per_s" in naive:
+        s["speedup_vs_naive"] = fast["tokens_per_s"] / naive["tokens_per_s"]
+    dp2 = cases.get("dp2", {}).get("to_disk", {})
+    if "tokens_per_s" in fast and "tokens_per_s" in dp2:
+        s["dp2_speedup"] = dp2["tokens_per_s"] / fast["tokens_per_s"]
+    s["goals_met"] = {k: (s[k] <= goal if k == "bytes_per_token_kib" else s[k] >= goal)
+                      for k, goal in GOALS.items() if k in s}
+    return s
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="/tmp/bench_dump", help="scratch directory (deleted first)")
-    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--out", required=True, help="results JSON (with --case: that case's part file)")
+    p.add_argument("--dir", default="/tmp/bench_dump", help="scratch directory on the local disk (deleted first)")
+    p.add_argument("--budget", type=float, default=460, help="seconds for all cases together")
+    p.add_argument("--cases", default="", help="only these cases (comma-separated names)")
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, in the process the suite starts
+    p.add_argument("--samples", type=int, default=256)
     p.add_argument("--naive-samples", type=int, default=32)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--tokens-per-batch", type=int, default=16384)
-    p.add_argument("--shard-mb", type=float, default=1024)
+    p.add_argument("--shard-mb", type=float, default=256)
     p.add_argument("--writer-threads", type=int, default=4)
     p.add_argument("--shm", default="/dev/shm", help="a RAM-backed directory for a disk-free run ('' to skip)")
     p.add_argument("--small", action="store_true", help="tiny shapes on the CPU: a smoke test of this script")
-    args = p.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
-    args.dtype = "bfloat16" if device.type == "cuda" else "float32"
-    root = Path(args.out)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    rate = matmul_rate(device, 8192 if device.type == "cuda" else 1024, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    target = random_llama(args.small, device)
-    flops = forward_flops_per_token(target.config, args.seq)
-    floor = rate / flops
-    make_prepared(root / "prepared", target, args.samples, args.seq)
-    disk = disk_write_rate(root / "disk_probe")
-    compute = run_compute_only(args, target, root / "prepared")
-    ours = run_ours(args, target, root / "prepared", root / "ours")
-    shutil.rmtree(root / "ours")
-    in_ram = None
-    if args.shm and Path(args.shm).is_dir():
-        ram_dir = Path(args.shm) / "bench_dump_ours"
-        shutil.rmtree(ram_dir, ignore_errors=True)
-        in_ram = run_ours(args, target, root / "prepared", ram_dir)
-        shutil.rmtree(ram_dir)
-        in_ram["ratio_to_floor"] = in_ram["tokens_per_s"] / floor
-    naive = run_naive(args, target, root / "prepared", root / "naive", device)
-    report = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "shape": "tiny" if args.small else "llama-3.1-8b", "seq": args.seq, "samples": args.samples,
-        "matmul_tflops": rate / 1e12, "forward_gflop_per_token": flops / 1e9, "floor_tokens_per_s": floor,
-        "disk_write_gb_per_s": disk / 1e9,
-        "compute_only": compute | {"ratio_to_floor": compute["tokens_per_s"] / floor},
-        "ours": ours | {"ratio_to_floor": ours["tokens_per_s"] / floor},
-        "ours_to_ram": in_ram,
-        "naive": naive | {"ratio_to_floor": naive["tokens_per_s"] / floor},
-        "speedup_vs_naive": ours["tokens_per_s"] / naive["tokens_per_s"],
-        "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-    }
-    print(json.dumps(report, indent=2))
-    shutil.rmtree(root, ignore_errors=True)
+    a = p.parse_args()
+    if a.small and a.samples == 256:
+        a.samples, a.naive_samples, a.seq, a.tokens_per_batch, a.shard_mb = 16, 4, 256, 1024, 1
+    a.dtype = "float32" if a.small else "bfloat16"
+    if a.case:
+        return run_case(a)
+    return suite(a)
 
 
 if __name__ == "__main__":

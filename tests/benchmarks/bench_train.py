@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from common import matmul_rate, run_isolated, sync
+from common import matmul_rate, run_isolated, run_suite, sync
 
 from eagle3_train.data import Batch
 from eagle3_train.dist import init_distributed
@@ -226,22 +226,11 @@ def suite(a: argparse.Namespace) -> None:
                                "torch": torch.__version__, "budget_s": a.budget, "cases": {}}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + a.budget
     script = str(Path(__file__).resolve())
-    for name, ranks, options, cap, small_seqs in SUITE:
-        if a.cases and name not in a.cases.split(","):
-            continue
-        left = deadline - time.monotonic()
-        if ranks > gpus:
-            results["cases"][name] = {"skipped": f"needs {ranks} GPUs, this machine has {gpus}"}
-        elif left < min(cap, 60):
-            results["cases"][name] = {"skipped": f"out of time ({left:.0f} s of the budget left)"}
-        else:
-            results["cases"][name] = run_case(script, name, ranks, options, min(cap, left), small_seqs, a)
-        results["summary"] = summary(results["cases"])
-        out.write_text(json.dumps(results, indent=1) + "\n")
-        print(f"== {name}: {json.dumps(results['cases'][name])[:2000]}", flush=True)
-    print(json.dumps(results["summary"], indent=1), flush=True)
+    case = {c[0]: c for c in SUITE}
+    run_suite([(name, ranks, cap) for name, ranks, _, cap, _ in SUITE], results, out, a.budget, gpus, a.cases,
+              lambda name, seconds: run_case(script, name, case[name][1], case[name][2], seconds, case[name][4], a),
+              summary)
 
 
 def run_case(script: str, name: str, ranks: int, options: list[str], seconds: float, small_seqs: str,

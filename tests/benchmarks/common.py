@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,30 @@ def run_isolated(cmd: list[str], part: Path, seconds: float, env: dict[str, str]
     if error:
         result.update(error=error, output_tail=output[-3000:])
     return result
+
+
+def run_suite(cases: list[tuple[str, int, float]], results: dict[str, Any], out: Path, budget: float, gpus: int,
+              only: str, run: Callable[[str, float], dict[str, Any]],
+              summary: Callable[[dict[str, Any]], dict[str, Any]], least: float = 60) -> None:
+    """Run each case ``(name, ranks, seconds at most)`` in order (``only``: comma-separated names,
+    empty: all) as ``run(name, seconds)``, within ``budget`` seconds in all; a case needing more
+    GPUs than ``gpus``, or left less than ``min(its seconds, least)``, is skipped with the reason.
+    ``results["cases"]`` and ``results["summary"]`` are rewritten to ``out`` after each case."""
+    deadline = time.monotonic() + budget
+    for name, ranks, cap in cases:
+        if only and name not in only.split(","):
+            continue
+        left = deadline - time.monotonic()
+        if ranks > gpus:
+            results["cases"][name] = {"skipped": f"needs {ranks} GPUs, this machine has {gpus}"}
+        elif left < min(cap, least):
+            results["cases"][name] = {"skipped": f"out of time ({left:.0f} s of the budget left)"}
+        else:
+            results["cases"][name] = run(name, min(cap, left))
+        results["summary"] = summary(results["cases"])
+        out.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"== {name}: {json.dumps(results['cases'][name])[:2000]}", flush=True)
+    print(json.dumps(results.get("summary", {}), indent=1), flush=True)
 
 
 def random_llama(small: bool, device: torch.device) -> Any:

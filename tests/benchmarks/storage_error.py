@@ -61,12 +61,21 @@ def load_states(dump: Path, max_tokens: int) -> tuple[dict[str, torch.Tensor], l
     return {k: torch.cat(v) for k, v in parts.items()}, samples, manifest
 
 
-def distribution_change(exact: torch.Tensor, approx: torch.Tensor) -> dict[str, float]:
-    """Top-1 agreement and mean KL(p || p') of the softmaxes of two logit tensors [N, V]."""
-    p, q = torch.log_softmax(exact.float(), -1), torch.log_softmax(approx.float(), -1)
-    kl = (p.exp() * (p - q)).sum(-1)
-    return {"top1_agreement": float((exact.argmax(-1) == approx.argmax(-1)).float().mean()),
-            "mean_kl": float(kl.mean())}
+class Agreement:
+    """Top-1 agreement and mean KL(p || p') of two softmaxes, accumulated chunk by chunk (a
+    [tokens, V] logit tensor of a real vocab does not fit in memory at once)."""
+
+    def __init__(self) -> None:
+        self.same = self.kl = self.n = 0.0
+
+    def add(self, exact: torch.Tensor, approx: torch.Tensor) -> None:
+        p, q = torch.log_softmax(exact.float(), -1), torch.log_softmax(approx.float(), -1)
+        self.kl += float((p.exp() * (p - q)).sum())
+        self.same += float((exact.argmax(-1) == approx.argmax(-1)).sum())
+        self.n += exact.shape[0]
+
+    def result(self) -> dict[str, float]:
+        return {"top1_agreement": self.same / self.n, "mean_kl": self.kl / self.n}
 
 
 def relative(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -75,37 +84,38 @@ def relative(x: torch.Tensor, y: torch.Tensor) -> float:
 
 @torch.no_grad()
 def measure(states: dict[str, torch.Tensor], samples: list[torch.Tensor], head: torch.Tensor, fc: torch.Tensor,
-            draft: Any) -> dict[str, Any]:
+            draft: Any, chunk: int = 1024) -> dict[str, Any]:
     aux_keys = [k for k in states if k != "last_hidden"]
     exact_aux = torch.cat([states[k] for k in aux_keys], dim=1)
-    exact_logits = states["last_hidden"] @ head.float().T
-    exact_draft = draft_logits(draft, exact_aux, samples) if draft is not None else None
+    head = head.float()
     report: dict[str, Any] = {}
     for name, round_trip in STORAGES.items():
         back = {k: round_trip(v) for k, v in states.items()}
         aux = torch.cat([back[k] for k in aux_keys], dim=1)
+        target = Agreement()
+        for i in range(0, len(aux), chunk):
+            target.add(states["last_hidden"][i : i + chunk] @ head.T, back["last_hidden"][i : i + chunk] @ head.T)
         r: dict[str, Any] = {
             "relative_l2": {k: relative(states[k], back[k]) for k in states},
             "share_off_by_10pct": {k: float(((states[k] - back[k]).abs() > 0.1 * states[k].abs()).float().mean())
                                    for k in states},
             "fc_relative_l2": relative(exact_aux @ fc.T, aux @ fc.T),
-            "target_next_token": distribution_change(exact_logits, back["last_hidden"] @ head.float().T),
+            "target_next_token": target.result(),
         }
         if draft is not None:
-            r["draft_step0"] = distribution_change(exact_draft, draft_logits(draft, aux, samples))
+            step0, start = Agreement(), 0
+            for ids in samples:  # each sample run on its own
+                n = len(ids)
+                step0.add(draft_logits(draft, exact_aux[start : start + n], ids), draft_logits(draft, aux[start : start + n], ids))
+                start += n
+            r["draft_step0"] = step0.result()
         report[name] = r
     return report
 
 
-def draft_logits(draft: Any, aux: torch.Tensor, samples: list[torch.Tensor]) -> torch.Tensor:
-    """The draft's step-0 logits at every token, each sample run on its own: [tokens, V_draft]."""
-    out, start = [], 0
-    for ids in samples:
-        n = len(ids)
-        hidden = next(draft.unroll(aux[None, start : start + n], ids[None], 1))
-        out.append(draft.logits(hidden)[0])
-        start += n
-    return torch.cat(out)
+def draft_logits(draft: Any, aux: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The draft's step-0 logits of one sample: [n, V_draft]."""
+    return draft.logits(next(draft.unroll(aux[None], ids[None], 1)))[0]
 
 
 def small_dump(root: Path) -> Path:
