@@ -18,8 +18,9 @@ loses only that case; the JSON is rewritten after each case and by each case aft
   (`--shm`): what the issue's goals are about;
 - `naive`: one sample at a time through the full model with `output_hidden_states=True`, then
   `torch.save` of the chosen states per sample (the reference implementations' way);
-- `dp2`: `fast`'s dump to local disk on 2 GPUs (torchrun, data parallel), twice the samples, so
-  each GPU does the work of the 1-GPU run.
+- `dp2`: `fast`'s dumps (local disk, RAM) on 2 GPUs (torchrun, data parallel), twice the samples,
+  so each GPU does the work of the 1-GPU run (both GPUs write to the same disk: if it is the limit,
+  the RAM figure shows the scaling of the rest).
 
 The summary: bytes per token (goal <= 16.5 KiB), `fast` to disk over the floor (goal >= 0.70) and
 over `naive` (goal >= 3), `dp2` over `fast` (goal >= 1.9). Warm-ups (the compilation included)
@@ -227,21 +228,19 @@ def run_case(a: argparse.Namespace) -> None:
     if a.case == "naive":
         record("naive", naive_run(a, target, prepared, scratch, device))
         shutil.rmtree(scratch, ignore_errors=True)
-    elif a.case in ("eager", "fast"):
-        storage, compiled = ("fp8", True) if a.case == "fast" else ("dtype", False)
-        dumper, warm = make_dumper(a, target, prepared, scratch / "unused", storage, compiled)
-        record("compute_only", compute_only(dumper) | {"warmup_s": warm})
+    elif a.case in ("eager", "fast", "dp2"):
+        storage, compiled = ("dtype", False) if a.case == "eager" else ("fp8", True)
+        if a.case != "dp2":
+            dumper, warm = make_dumper(a, target, prepared, scratch / "unused", storage, compiled)
+            record("compute_only", compute_only(dumper) | {"warmup_s": warm})
         places = [("to_disk", scratch / "disk")]
-        if a.case == "fast" and a.shm and Path(a.shm).is_dir():
-            places.append(("to_ram", Path(a.shm) / "bench_dump_fast"))
+        if a.case != "eager" and a.shm and Path(a.shm).is_dir():
+            places.append(("to_ram", Path(a.shm) / f"bench_dump_{a.case}"))
         for key, where in places:
             shutil.rmtree(where, ignore_errors=True)
-            dumper, _ = make_dumper(a, target, prepared, where, storage, compiled)
-            record(key, timed_run(dumper))
+            dumper, warm = make_dumper(a, target, prepared, where, storage, compiled)
+            record(key, timed_run(dumper) | {"warmup_s": warm})
             shutil.rmtree(where, ignore_errors=True)
-    elif a.case == "dp2":
-        dumper, warm = make_dumper(a, target, prepared, scratch / "disk", "fp8", compile=True)
-        record("to_disk", timed_run(dumper) | {"warmup_s": warm})
     else:
         raise SystemExit(f"unknown case {a.case}")
     if device.type == "cuda":
@@ -303,9 +302,10 @@ def summary(cases: dict[str, Any]) -> dict[str, Any]:
             s["ratio_to_floor"] = fast["tokens_per_s"] / floor
     if "tokens_per_s" in fast and "tokens_per_s" in naive:
         s["speedup_vs_naive"] = fast["tokens_per_s"] / naive["tokens_per_s"]
-    dp2 = cases.get("dp2", {}).get("to_disk", {})
-    if "tokens_per_s" in fast and "tokens_per_s" in dp2:
-        s["dp2_speedup"] = dp2["tokens_per_s"] / fast["tokens_per_s"]
+    for part, key in (("to_disk", "dp2_speedup"), ("to_ram", "dp2_speedup_to_ram")):
+        one, two = cases.get("fast", {}).get(part, {}), cases.get("dp2", {}).get(part, {})
+        if "tokens_per_s" in one and "tokens_per_s" in two:
+            s[key] = two["tokens_per_s"] / one["tokens_per_s"]
     s["goals_met"] = {k: (s[k] <= goal if k == "bytes_per_token_kib" else s[k] >= goal)
                       for k, goal in GOALS.items() if k in s}
     return s
