@@ -12,6 +12,7 @@ from data_prep.dump import verify
 from data_prep.standardize import StandardizeConfig, Standardizer
 from eagle3_train.data import OfflineSource
 from eagle3_train.errors import ConfigError, ContractError
+from eagle3_train.export import ExportConfig, Exporter
 from eagle3_train.formats import read_shard
 from eagle3_train.storage import FP8, FP8_MAX, decode, dequantize, quantize
 from eagle3_train.targets import build_tiny_model
@@ -153,6 +154,8 @@ def test_standardize_keeps_or_converts_and_fp8_data_trains_as_its_dequantized_co
     assert [m["loss"] for m in metrics(tmp_path / "run_fp8") if "loss" in m] == \
            [m["loss"] for m in metrics(tmp_path / "run_read_back") if "loss" in m]
     assert a["eval_acc"] == b["eval_acc"] and a["step"] > 2
+    config = Exporter(ExportConfig(run=str(tmp_path / "run_fp8"), out=str(tmp_path / "export"), dtype="float32")).run()
+    assert config["eagle3_train"]["capture"]["storage"] == "fp8"  # what the draft learned from, for the record
 
 
 def test_compiled_forward_equals_plain_forward_of_each_sample(dumps, tmp_path):
