@@ -46,7 +46,7 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 120.0, alway
     world = int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
     dev = resolve_device(device, local, share_gpus)
-    shared = dev.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
+    shared = share_gpus and dev.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if (world > 1 or always) and not dist.is_initialized():

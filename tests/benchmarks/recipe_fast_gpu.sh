@@ -22,11 +22,9 @@ mkdir -p "$W"
   read -r GEN_BATCHING GEN_BATCH GEN_RANKS_PER_GPU < <(python3 - "$W/generate.json" <<'PY'
 import json, sys
 try:
-    cases = json.load(open(sys.argv[1]))["cases"]
+    name = json.load(open(sys.argv[1]))["summary"]["fastest_greedy"]
 except (OSError, ValueError, KeyError):
-    cases = {}
-rated = [(c.get("new_tokens_per_s", 0), name) for name, c in cases.items() if "sampled" not in name]
-name = max(rated)[1] if rated and max(rated)[0] > 0 else "padded_1024"
+    name = "padded_1024"
 parts = name.split("_")
 print(parts[0], parts[1], parts[2][1:] if len(parts) > 2 and parts[2].startswith("x") else 1)
 PY
