@@ -11,14 +11,15 @@
 # Measured on 2 H200s with N=32768 and 32k-token micro-batches (tests/benchmarks/results/
 # recipe_synth_h200x2.json): tau 2.40 on the held-out prompts, lossless, about 13 minutes end to end
 # (synthesis 7.4 of them). The global batch is now BATCH_TOKENS=8192 tokens (split over the GPUs),
-# the best of the option sweep (recipe_sweep_h200x2.json: +0.18 tau at 16k conversations); the
-# end-to-end run with it is not measured yet.
+# the best of the option sweep (recipe_sweep_h200x2.json: +0.18 tau at 16k conversations), and the
+# synthesis generates 2048 prompts per batch in 2 processes per GPU, 1.9x the old 1024 x 1 on one
+# H200 (generate_h200.json); the end-to-end run with both is not measured yet.
 #
 # Every stage reuses finished output, so a rerun continues where a crash stopped. Stage times go to
 # $RUN_DIR/timings.jsonl. Variables: N, NGPU, RUN_DIR, EPOCHS, LR, TTT, BATCH_TOKENS (global: divided
 # by NGPU per rank), DRAFT_VOCAB, NEW_TOKENS (reply length), GEN_BATCH (prompts generated together
-# per GPU), GEN_BATCHING (regen.batching: padded | static | continuous), GEN_RANKS_PER_GPU
-# (synthesis processes per GPU, default 1), SOURCE=online (train with the target in the loop: no
+# per process, default 2048; also the synthesis chunk size), GEN_BATCHING (regen.batching: padded |
+# static | continuous), GEN_RANKS_PER_GPU (synthesis processes per GPU, default 2), SOURCE=online (train with the target in the loop: no
 # dump or standardize, so no disk limit on N), TARGET (default
 # embedded), DUMP_EXTRA / TRAIN_EXTRA (more eagle3-dump / eagle3-train overrides), UNTIL=standardize
 # (stop once the training data is ready, e.g. to train several variants of it).
@@ -38,12 +39,13 @@ run() {  # run <stage> <command...>: time it, record it
     "$stage" "$t0" "$(date +%s.%N)" >> "$RUN/timings.jsonl"
 }
 dist() { if [ "$NGPU" -gt 1 ]; then python3 -m torch.distributed.run --nproc_per_node "$NGPU" "$@"; else python3 "$@"; fi; }
-GEN_PROCS=$((NGPU * ${GEN_RANKS_PER_GPU:-1}))  # synthesis ranks may share a GPU (generation is bound by per-step overhead)
+GEN_BATCH=${GEN_BATCH:-2048}
+GEN_PROCS=$((NGPU * ${GEN_RANKS_PER_GPU:-2}))  # synthesis ranks may share a GPU (generation is bound by per-step overhead)
 gen_dist() { if [ "$GEN_PROCS" -gt 1 ]; then python3 -m torch.distributed.run --nproc_per_node "$GEN_PROCS" "$@"; else python3 "$@"; fi; }
 
 run synthesize gen_dist -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$N" out="$RUN/prepared" \
-  synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size=1024 \
-  regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="${GEN_BATCH:-1024}" regen.batching="${GEN_BATCHING:-padded}"
+  synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size="$GEN_BATCH" \
+  regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="$GEN_BATCH" regen.batching="${GEN_BATCHING:-padded}"
 RECIPE_TRAIN="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-10} train.lr=${LR:-3e-3} train.warmup_steps=30 \
 train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-8192} / NGPU )) train.eval_every=500 train.keep_best=true train.log_every=50 \
 model.lm_head_init=target"
