@@ -8,23 +8,27 @@
 #   bash launch/recipes/smollm2_synth.sh                          # all GPUs of this machine
 #   NGPU=1 N=16384 EPOCHS=4 RUN_DIR=runs/s16k bash launch/recipes/smollm2_synth.sh
 #
-# Measured on 2 H200s with N=32768 and 32k-token micro-batches (tests/benchmarks/results/
-# recipe_synth_h200x2.json): tau 2.40 on the held-out prompts, lossless, about 13 minutes end to end
-# (synthesis 7.4 of them). The global batch is now BATCH_TOKENS=8192 tokens (split over the GPUs),
-# the best of the option sweep (recipe_sweep_h200x2.json: +0.18 tau at 16k conversations), and the
-# synthesis generates 2048 prompts per batch in 2 processes per GPU, 1.9x the old 1024 x 1 on one
-# H200 (generate_h200.json); the end-to-end run with both is not measured yet.
+# Measured on 2 H200s (tests/benchmarks/results/recipe_synth_h200x2.json): tau 2.40 on the held-out
+# prompts, lossless, about 13 minutes end to end (synthesis 7.4 of them), with the earlier settings
+#   N=32768 SOURCE=offline BATCH_TOKENS=65536 LR=3e-3 EPOCHS=10 INTERMEDIATE=1536 GEN_BATCH=1024 GEN_RANKS_PER_GPU=1
+# The defaults now aim at tau 3 within 20 minutes on 2 H200s, from what was measured since: twice the
+# conversations (tau grew 0.25-0.3 per doubling), generated 1.9x faster (2048 prompts per batch in 2
+# processes per GPU, generate_h200.json), trained online (no dump, no standardize, no disk limit) with
+# the sweep's best options (recipe_sweep_h200x2.json: target lm_head, MLP 3072, lr below 3e-3) and a
+# 32k-token global batch (as many steps over 64k conversations as the sweep's best 8k batches over 16k,
+# at ~4x the tokens/s). The end-to-end run with these defaults is not measured yet.
 #
 # Every stage reuses finished output, so a rerun continues where a crash stopped. Stage times go to
-# $RUN_DIR/timings.jsonl. Variables: N, NGPU, RUN_DIR, EPOCHS, LR, TTT, BATCH_TOKENS (global: divided
-# by NGPU per rank), DRAFT_VOCAB, NEW_TOKENS (reply length), GEN_BATCH (prompts generated together
-# per process, default 2048; also the synthesis chunk size), GEN_BATCHING (regen.batching: padded |
-# static | continuous), GEN_RANKS_PER_GPU (synthesis processes per GPU, default 2), SOURCE=online (train with the target in the loop: no
-# dump or standardize, so no disk limit on N), TARGET (default
-# embedded), DUMP_EXTRA / TRAIN_EXTRA (more eagle3-dump / eagle3-train overrides), UNTIL=standardize
-# (stop once the training data is ready, e.g. to train several variants of it).
+# $RUN_DIR/timings.jsonl. Variables (default): N (65536), NGPU (all GPUs), RUN_DIR, EPOCHS (8), LR
+# (2e-3), TTT (5), BATCH_TOKENS (32768, global: divided by NGPU per rank), INTERMEDIATE (3072: the draft
+# MLP width), DRAFT_VOCAB (8192), NEW_TOKENS (128: reply length), GEN_BATCH (2048: prompts generated
+# together per process, also the synthesis chunk size), GEN_BATCHING (padded: regen.batching, or static
+# | continuous), GEN_RANKS_PER_GPU (2: synthesis processes per GPU), SOURCE (online: the target in the
+# training loop; offline: dump + standardize first), TARGET (embedded), DUMP_EXTRA / TRAIN_EXTRA (more
+# eagle3-dump / eagle3-train overrides), UNTIL=standardize (offline: stop once the training data is
+# ready, e.g. to train several variants of it).
 set -euo pipefail
-N=${N:-32768}
+N=${N:-65536}
 NGPU=${NGPU:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
 [ "$NGPU" -ge 1 ] || NGPU=1  # no GPU: one process on the CPU
 RUN=${RUN_DIR:-runs/smollm2_synth}
@@ -46,10 +50,10 @@ gen_dist() { if [ "$GEN_PROCS" -gt 1 ]; then python3 -m torch.distributed.run --
 run synthesize gen_dist -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$N" out="$RUN/prepared" \
   synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size="$GEN_BATCH" \
   regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="$GEN_BATCH" regen.batching="${GEN_BATCHING:-padded}"
-RECIPE_TRAIN="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-10} train.lr=${LR:-3e-3} train.warmup_steps=30 \
-train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-8192} / NGPU )) train.eval_every=500 train.keep_best=true train.log_every=50 \
-model.lm_head_init=target"
-if [ "${SOURCE:-offline}" = online ]; then  # the target runs in the training loop: no dump, no standardize
+RECIPE_TRAIN="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-8} train.lr=${LR:-2e-3} train.warmup_steps=30 \
+train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-32768} / NGPU )) train.eval_every=500 train.keep_best=true train.log_every=50 \
+model.lm_head_init=target model.intermediate_size=${INTERMEDIATE:-3072}"
+if [ "${SOURCE:-online}" = online ]; then  # the target runs in the training loop: no dump, no standardize
   # shellcheck disable=SC2086  # RECIPE_TRAIN and TRAIN_EXTRA are lists of overrides
   run train dist -m eagle3_train.trainer source=online data="$RUN/prepared" target="${TARGET:-embedded}" out="$RUN/train" \
     online.draft_vocab_size="${DRAFT_VOCAB:-8192}" online.eval_fraction=0.02 $RECIPE_TRAIN ${TRAIN_EXTRA:-}

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue #13's end-to-end recipe run as one background job on a 2-GPU machine staged with
+# launch/gpu_stage.sh (run from the repository root, PYTHONPATH and EAGLE3_CACHE set, the GGUF
+# conversion cache warmed in one process first): launch/recipes/smollm2_synth.sh with its defaults
+# (or the variables given), GPU use sampled every 10 s beside it. If online training fails, the same
+# conversations are trained offline (dump with fp8 storage, standardize) so the run still ends in a τ.
+#
+#   W=/tmp/w setsid nohup bash tests/benchmarks/recipe_big_gpu.sh > /dev/null 2>&1 < /dev/null &
+# Results under $W: run/ (timings.jsonl, eval/report.json, train/), gpu.csv; the log: $W/log.
+set -uo pipefail
+W=${W:-/tmp/w}
+mkdir -p "$W"
+nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 10 > "$W/gpu.csv" 2>/dev/null &
+smi=$!
+{
+  echo "== $(date +%T) recipe: N=${N:-65536} SOURCE=${SOURCE:-online}"
+  if ! RUN_DIR="$W/run" bash launch/recipes/smollm2_synth.sh; then
+    if [ "${SOURCE:-online}" = online ] && [ -f "$W/run/prepared/manifest.json" ]; then
+      echo "== $(date +%T) online run failed: training the same conversations offline (fp8 dump)"
+      rm -rf "$W/run/train"
+      RUN_DIR="$W/run" SOURCE=offline DUMP_EXTRA="storage=fp8 ${DUMP_EXTRA:-}" bash launch/recipes/smollm2_synth.sh \
+        || echo "offline run failed too"
+    fi
+  fi
+  echo "== $(date +%T) all done"
+} >> "$W/log" 2>&1
+kill $smi 2>/dev/null
