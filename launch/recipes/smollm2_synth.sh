@@ -28,6 +28,10 @@
 # eagle3-dump / eagle3-train overrides), UNTIL=standardize (offline: stop once the training data is
 # ready, e.g. to train several variants of it).
 set -euo pipefail
+if [ "${UNTIL:-}" = standardize ] && [ "${SOURCE:-online}" = online ]; then
+  echo "smollm2_synth.sh: UNTIL=standardize needs SOURCE=offline (online training has no dump or standardize)" >&2
+  exit 2
+fi
 N=${N:-65536}
 NGPU=${NGPU:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
 [ "$NGPU" -ge 1 ] || NGPU=1  # no GPU: one process on the CPU

@@ -21,11 +21,11 @@ PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p
     python3 -m torch.distributed.run --nproc_per_node "$NGPU" -m data_prep.dump target="${TARGET:-embedded}" \
       data="$W/run/prepared" out="$W/run/dump" dtype=bfloat16 progress=false
   else
-    RUN_DIR="$W/run" N="$N" UNTIL=standardize bash launch/recipes/smollm2_synth.sh
+    RUN_DIR="$W/run" N="$N" UNTIL=standardize SOURCE=offline bash launch/recipes/smollm2_synth.sh
     mkdir -p "$W/convs" && cp -r "$W/run/prepared/synth" "$W/convs/"  # the same chunks: nothing is generated again
     python3 -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$N" out="$W/convs" progress=false \
-      synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size=1024 \
-      regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="${GEN_BATCH:-1024}" \
+      synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size="${GEN_BATCH:-2048}" \
+      regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="${GEN_BATCH:-2048}" \
       save_conversations="$W/synth_$N.jsonl.gz" > "$W/convs.log" 2>&1 &
   fi
   echo "== $(date +%T) variants"

@@ -6,14 +6,17 @@
 #
 #   W=/tmp/w N=32768 bash tests/benchmarks/synth_gpu.sh
 set -euo pipefail
+# the recipe as it was when this run was measured (its defaults have moved on since)
+export SOURCE=offline GEN_BATCH=${GEN_BATCH:-1024} GEN_RANKS_PER_GPU=${GEN_RANKS_PER_GPU:-1} BATCH_TOKENS=${BATCH_TOKENS:-65536} \
+  LR=${LR:-3e-3} INTERMEDIATE=${INTERMEDIATE:-1536}
 W=${W:-/tmp/w}
 N=${N:-32768}
 BENCH_N=${BENCH_N:-4096}
 DEMO_N=${DEMO_N:-2048}
 mkdir -p "$W"
 PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p.__file__))")
-SYN="synth.system_prompts_file=$PROMPTS/synth_systems.txt synth.keep_system_prompt=false synth.chunk_size=1024 \
-regen.max_new_tokens=${NEW_TOKENS:-128} regen.batch_size=${GEN_BATCH:-1024}"
+SYN="synth.system_prompts_file=$PROMPTS/synth_systems.txt synth.keep_system_prompt=false synth.chunk_size=$GEN_BATCH \
+regen.max_new_tokens=${NEW_TOKENS:-128} regen.batch_size=$GEN_BATCH"
 {
   echo "== $(date +%T) synthesis on one GPU: $BENCH_N conversations"
   # shellcheck disable=SC2086
