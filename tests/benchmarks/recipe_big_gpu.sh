@@ -2,8 +2,9 @@
 # Issue #13's end-to-end recipe run as one background job on a 2-GPU machine staged with
 # launch/gpu_stage.sh (run from the repository root, PYTHONPATH and EAGLE3_CACHE set, the GGUF
 # conversion cache warmed in one process first): launch/recipes/smollm2_synth.sh with its defaults
-# (or the variables given), GPU use sampled every 10 s beside it. If online training fails, the same
-# conversations are trained offline (dump with fp8 storage, standardize) so the run still ends in a τ.
+# (or the variables given), GPU use sampled every 10 s beside it. If the synthesis fails with several
+# processes per GPU it continues with one; if online training fails, the same conversations are
+# trained offline (dump with fp8 storage, standardize), so the run still ends in a τ.
 #
 #   W=/tmp/w setsid nohup bash tests/benchmarks/recipe_big_gpu.sh > /dev/null 2>&1 < /dev/null &
 # Results under $W: run/ (timings.jsonl, eval/report.json, train/), gpu.csv; the log: $W/log.
@@ -15,6 +16,10 @@ smi=$!
 {
   echo "== $(date +%T) recipe: N=${N:-65536} SOURCE=${SOURCE:-online}"
   if ! RUN_DIR="$W/run" bash launch/recipes/smollm2_synth.sh; then
+    if [ ! -f "$W/run/prepared/manifest.json" ] && [ "${GEN_RANKS_PER_GPU:-2}" != 1 ]; then
+      echo "== $(date +%T) synthesis failed: again with one synthesis process per GPU (finished chunks are kept)"
+      RUN_DIR="$W/run" GEN_RANKS_PER_GPU=1 bash launch/recipes/smollm2_synth.sh && { echo "== $(date +%T) all done"; exit 0; }
+    fi
     if [ "${SOURCE:-online}" = online ] && [ -f "$W/run/prepared/manifest.json" ]; then
       echo "== $(date +%T) online run failed: training the same conversations offline (fp8 dump)"
       rm -rf "$W/run/train"
