@@ -79,7 +79,9 @@ def one(a: argparse.Namespace) -> None:
     prompts = prompts[shard::procs]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     torch.manual_seed(0)
-    warm = generate_sorted(model, prompts[: min(64, len(prompts))], cfg, eos, pad, seed=0)  # compile, graphs, allocator
+    # compile, graphs, allocator: on 64 prompts, or (--warm-all) on all of them, so that every batch shape
+    # static and continuous batching meet in the timed pass is compiled already (their steady state)
+    warm = generate_sorted(model, prompts if a.warm_all else prompts[: min(64, len(prompts))], cfg, eos, pad, seed=0)
     del warm
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -124,7 +126,7 @@ def suite(a: argparse.Namespace) -> None:
     import transformers
 
     results = {"what": "new tokens/s of data_prep.regenerate.generate_sorted, embedded target (SmolLM2-135M-Instruct), bf16",
-               "n": a.n, "max_new_tokens": a.max_new_tokens, "torch": torch.__version__,
+               "n": a.n, "max_new_tokens": a.max_new_tokens, "warm_all": a.warm_all, "torch": torch.__version__,
                "transformers": transformers.__version__, "cases": {}}
     if torch.cuda.is_available():
         results["device"] = torch.cuda.get_device_name(0)
@@ -137,6 +139,7 @@ def suite(a: argparse.Namespace) -> None:
                "--max-new-tokens", str(a.max_new_tokens), "--cache-dir", a.cache_dir]
         cmd += ["--conversations", a.conversations] if a.conversations else []
         cmd += ["--small"] if a.small else []
+        cmd += ["--warm-all"] if a.warm_all else []
         replies_file = Path(str(part) + ".replies")
         replies_file.unlink(missing_ok=True)
         r = run_isolated(cmd, part, seconds)
@@ -167,6 +170,8 @@ def main() -> None:
     p.add_argument("--cache-dir", default="/tmp/e3cache")
     p.add_argument("--budget", type=float, default=420, help="seconds for all cases together")
     p.add_argument("--case-budget", type=float, default=150, help="seconds for one case at most")
+    p.add_argument("--warm-all", action="store_true", help="warm up on every prompt (each case then runs twice): "
+                   "the steady state, with every shape compiled before the timed pass")
     p.add_argument("--small", action="store_true", help="the tiny target on the CPU (a check that it runs)")
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--part", help=argparse.SUPPRESS)
