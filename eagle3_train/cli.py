@@ -54,12 +54,12 @@ def config_dict(obj: Any) -> dict:
 
 
 def entry_point(config_name: str, schema: type[T], run: Callable[[T], Any]) -> Callable[[], None]:
-    """The console entry point ``eagle3-<config_name>``: compose ``conf/<config_name>.yaml`` with
-    the command-line overrides, check it as ``schema``, call ``run``; user errors print one line
-    and exit 2, and an int that ``run`` returns is the exit status."""
+    """The console entry point ``eagle3-<config_name>`` (``_`` written ``-``): compose
+    ``conf/<config_name>.yaml`` with the command-line overrides, check it as ``schema``, call
+    ``run``; user errors print one line and exit 2, and an int that ``run`` returns is the exit status."""
     import hydra
 
-    command = f"eagle3-{config_name}"
+    command = f"eagle3-{config_name.replace('_', '-')}"
 
     @hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")
     def _main(cfg: DictConfig) -> None:

@@ -8,6 +8,11 @@ responses, vLLM's state files with their ``.lock`` and asynchronous write, SGLan
 documents: token by token from the KV cache, greedy or seeded sampling, stopping as each engine
 does. They also fail on demand: HTTP 503, slow answers, a file never written, wrong token ids, a
 radix-cache hit, a chunked prefill, a prompt longer than the context.
+
+The vLLM stand-in also serves a target with an EAGLE-3 draft (``--speculative-config`` method
+eagle3), as eagle3_train/served_acceptance.py reads it (vLLM 0.26.0): ``/v1/chat/completions``
+and a Prometheus ``/metrics`` with vLLM's speculative-decoding counters, advanced per request by a
+given plan of accepted counts, or by the draft itself run as eagle3-eval runs it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -49,9 +55,10 @@ class _Standin:
                 pass
 
             def _send(self, status: int, payload: Any) -> None:
-                data = json.dumps(payload).encode()
+                text = isinstance(payload, str)  # Prometheus text, else JSON
+                data = payload.encode() if text else json.dumps(payload).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/plain; version=0.0.4" if text else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 try:
@@ -64,6 +71,8 @@ class _Standin:
                     self._send(200, {})
                 elif self.path == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": "standin-model", "object": "model"}]})
+                elif self.path == "/metrics" and (text := standin.metrics()) is not None:
+                    self._send(200, text)
                 else:
                     self._send(404, {"error": "not found"})
 
@@ -143,6 +152,10 @@ class _Standin:
     def handle_post(self, path: str, body: dict) -> tuple[int, Any]:
         raise NotImplementedError
 
+    def metrics(self) -> str | None:
+        """The Prometheus text of ``/metrics`` (None: no such route)."""
+        return None
+
 
 # vLLM 0.33.0's target classes with its EAGLE-3 interface (by model_type); it refuses others at load,
 # and its DeepSeek code (DeepSeek-V2/V3, Kimi-K2) fails on layer id 0.
@@ -159,11 +172,24 @@ class StandinVllm(_Standin):
     """vLLM with ``extract_hidden_states`` and ``ExampleHiddenStatesConnector``: id v is HF index
     v, v = N the pre-norm final state; the file is written after the response, under a lock.
     Started for a model without vLLM's EAGLE-3 interface, or a DeepSeek model with id 0, it refuses
-    (:class:`EngineRefused`), as vLLM fails at load."""
+    (:class:`EngineRefused`), as vLLM fails at load.
+
+    With ``speculative`` (the ``--speculative-config`` of method eagle3) and a ``tokenizer``, it
+    serves ``/v1/chat/completions`` greedily and counts as vLLM 0.26.0's ``/metrics`` does
+    (vllm/v1/spec_decode/metrics.py): each request's drafts are ``accepted_plan`` (the accepted
+    count of each of its drafts, whatever it generates, or a function of its messages that gives
+    them) or, without a plan, the verify steps of the draft in ``speculative["model"]`` run by
+    eagle3-eval's decoder on the layers vLLM's rule reads from its config. Requests alternate
+    between ``engines`` label sets, as data-parallel engines do; ``other_traffic`` counts one more
+    request of the plan per request (another client)."""
 
     def __init__(self, model: Any, layer_ids: list[int] | None = None, storage: Path | None = None,
                  dtype: torch.dtype = torch.float32, allow_custom_save_path: bool = True, write_delay_s: float = 0.02,
-                 port: int = 0):
+                 port: int = 0, tokenizer: Any = None, speculative: dict | None = None,
+                 accepted_plan: list[int] | Callable[[list[dict]], list[int]] | None = None, engines: int = 1):
+        if speculative is not None and speculative.get("method") == "eagle3" \
+                and model.config.model_type not in VLLM_EAGLE3_MODEL_TYPES:
+            raise EngineRefused(f"Model does not support EAGLE3 interface ({model.config.model_type})")
         if layer_ids is not None:
             model_type = model.config.model_type
             if model_type not in VLLM_EAGLE3_MODEL_TYPES:
@@ -177,8 +203,118 @@ class StandinVllm(_Standin):
         self.unwritten_posts: set[int] = set()  # these requests' files are never written
         self.shift_tokens = False  # report token ids one off (another tokenizer)
         self.requests = 0
+        self.tokenizer, self.speculative, self.accepted_plan = tokenizer, speculative, accepted_plan
+        self.other_traffic = False
+        self.k = int(speculative["num_speculative_tokens"]) if speculative else 0
+        self.decoder = None
+        if speculative and accepted_plan is None:
+            self.decoder = self._draft_decoder(speculative["model"])
+        # the counters, per engine label: drafts, draft tokens, accepted, accepted per position,
+        # finished requests per reason, generated tokens
+        self.counts = [{"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * self.k,
+                        "finished": {"stop": 0, "length": 0, "abort": 0}, "generation_tokens": 0} for _ in range(engines)]
+        self.chats = 0
+
+    def _draft_decoder(self, draft_dir: str) -> Any:
+        """eagle3-eval's chain decoder over this model and the exported draft, fed the layers that
+        vLLM's rule reads from the draft's config (top-level ids first)."""
+        from eagle3_train.decoding import SpecDecoder
+        from eagle3_train.engines import resolve
+        from eagle3_train.eval import load_draft
+        from eagle3_train.targets import Target, eos_ids, target_identity
+
+        identity = target_identity("standin", self.model.config, self.tokenizer)
+        draft, config = load_draft(Path(draft_dir), Target(self.model, self.tokenizer, self.model.config, identity, None))
+        rule = resolve(config, "vllm", self.model.config.model_type, self.n)[0]
+        layers = rule.hf_indices + ([self.n] if rule.pre_norm_final else [])
+        return SpecDecoder(self.model, draft.to(self.dtype), layers, self.k, eos_ids(self.model, self.tokenizer))
+
+    def count_request(self, accepted: list[int], tokens: int, reason: str) -> None:
+        """Advance the counters by one finished request: its drafts' accepted counts (each a draft
+        of ``k`` tokens), its generated tokens, its finish reason."""
+        with self.forward_lock:
+            c = self.counts[self.chats % len(self.counts)]
+            self.chats += 1
+            for a in accepted:
+                assert 0 <= a <= self.k, (a, self.k)
+                c["drafts"] += 1
+                c["draft_tokens"] += self.k
+                c["accepted"] += a
+                for i in range(a):
+                    c["per_pos"][i] += 1
+            c["finished"][reason] += 1
+            c["generation_tokens"] += tokens
+
+    def metrics(self) -> str | None:
+        """vLLM's counters as prometheus_client writes them (``_total`` and ``_created`` samples),
+        the speculative ones only when it speculates, and a gauge beside them."""
+        lines = []
+
+        def counter(name: str, doc: str, rows: list[tuple[dict[str, str], float]]) -> None:
+            lines.extend([f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter"])
+            for labels, value in rows:
+                text = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+                lines.append(f"{name}_total{{{text}}} {float(value)}")
+                lines.append(f"{name}_created{{{text}}} 1.7646e+09")
+
+        with self.forward_lock:
+            engines = [{"engine": str(i), "model_name": "standin-model"} for i in range(len(self.counts))]
+            lines += ["# HELP vllm:num_requests_running Number of requests in model execution batches.",
+                      "# TYPE vllm:num_requests_running gauge"]
+            lines += [f'vllm:num_requests_running{{engine="{e["engine"]}",model_name="standin-model"}} 0.0'
+                      for e in engines]
+            if self.speculative:
+                for key, name, doc in (("drafts", "num_drafts", "Number of spec decoding drafts."),
+                                       ("draft_tokens", "num_draft_tokens", "Number of draft tokens."),
+                                       ("accepted", "num_accepted_tokens", "Number of accepted tokens.")):
+                    counter(f"vllm:spec_decode_{name}", doc, [(e, c[key]) for e, c in zip(engines, self.counts)])
+                counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                        [(e | {"position": str(i)}, c["per_pos"][i]) for e, c in zip(engines, self.counts)
+                         for i in range(self.k)])
+            counter("vllm:request_success", "Count of successfully processed requests.",
+                    [(e | {"finished_reason": r}, n) for e, c in zip(engines, self.counts)
+                     for r, n in c["finished"].items()])
+            counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                    [(e, c["generation_tokens"]) for e, c in zip(engines, self.counts)])
+        return "\n".join(lines) + "\n"
+
+    def chat(self, body: dict) -> tuple[int, Any]:
+        """``/v1/chat/completions``, greedy: the chat template over ``messages``, then the draft
+        chain (or plain greedy decoding with a plan); stops at the model's eos ids or ``max_tokens``."""
+        if self.tokenizer is None:
+            return 400, {"error": {"message": "this stand-in was started without a tokenizer", "code": 400}}
+        if body.get("model") != "standin-model":
+            return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist.", "code": 404}}
+        if body.get("temperature", 1.0) != 0:
+            return 400, {"error": {"message": "the stand-in decodes greedily only (temperature 0)", "code": 400}}
+        prompt = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"]
+        max_new = body.get("max_tokens", 16)
+        if self.too_long(prompt, max_new):
+            return 400, {"error": {"message": f"This model's maximum context length is {self.max_model_len} tokens.",
+                                   "code": 400}}
+        if self.decoder is not None:
+            with self.model_lock:
+                (out,) = self.decoder.speculative([prompt], max_new, 1)
+            ids, accepted = out.tokens, out.accepted
+        else:
+            ids, _, _ = self.generate(prompt, max_new, self.engine_eos, 0.0, 1.0, None, length_first=False)
+            plan = self.accepted_plan
+            accepted = list(plan(body["messages"]) if callable(plan) else plan or [])
+        reason = "stop" if ids and ids[-1] in self.engine_eos else "length"
+        self.count_request(accepted, len(ids), reason)
+        if self.other_traffic:
+            self.count_request(accepted, len(ids), reason)
+        text = self.tokenizer.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
+        return 200, {"id": f"chatcmpl-{self.chats}", "object": "chat.completion", "model": body["model"],
+                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                  "finish_reason": reason, "stop_reason": None}],
+                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                               "total_tokens": len(prompt) + len(ids)}}
 
     def handle_post(self, path: str, body: dict) -> tuple[int, Any]:
+        if path == "/v1/chat/completions":
+            return self.chat(body)
         if path != "/v1/completions":
             return 404, {"error": f"no route {path}"}
         prompt = body["prompt"]
@@ -300,12 +436,15 @@ def main(argv: list[str]) -> None:
     """Serve from an engine's own command line, so launch scripts can be tested end to end:
 
         standin_engines.py vllm serve MODEL --port P --dtype D --no-enable-prefix-caching
-            --speculative-config JSON --kv-transfer-config JSON
+            --speculative-config JSON --kv-transfer-config JSON       (extract_hidden_states)
+        standin_engines.py vllm serve MODEL --port P --dtype D
+            --speculative-config '{"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K}'
         standin_engines.py sglang --model-path MODEL --port P --dtype D --disable-radix-cache
             --chunked-prefill-size -1 (--enable-return-aux-hidden-states --speculative-algorithm EAGLE3
             --return-aux-hidden-state-layer-ids ID... | --enable-return-hidden-states)
 
-    Flags the engines need for a correct dump are required here too."""
+    Flags the engines need for a correct dump are required here too; --enforce-eager,
+    --gpu-memory-utilization and --max-model-len are taken (the last one enforced)."""
     import argparse
 
     from transformers import AutoModelForCausalLM
@@ -317,9 +456,12 @@ def main(argv: list[str]) -> None:
     if engine == "vllm":
         p.add_argument("serve")
         p.add_argument("model")
-        p.add_argument("--no-enable-prefix-caching", action="store_true", required=True)
+        p.add_argument("--no-enable-prefix-caching", action="store_true")
         p.add_argument("--speculative-config", type=json.loads, required=True)
-        p.add_argument("--kv-transfer-config", type=json.loads, required=True)
+        p.add_argument("--kv-transfer-config", type=json.loads)
+        p.add_argument("--enforce-eager", action="store_true")
+        p.add_argument("--gpu-memory-utilization", type=float)
+        p.add_argument("--max-model-len", type=int)
     else:
         p.add_argument("--model-path", dest="model", required=True)
         p.add_argument("--disable-radix-cache", action="store_true", required=True)
@@ -333,12 +475,19 @@ def main(argv: list[str]) -> None:
     args = p.parse_args(rest)
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    if engine == "vllm":
+    if engine == "vllm" and args.speculative_config["method"] == "eagle3":
+        from transformers import AutoTokenizer
+
+        server: _Standin = StandinVllm(model, dtype=dtype, port=args.port, speculative=args.speculative_config,
+                                       tokenizer=AutoTokenizer.from_pretrained(args.model))
+        server.max_model_len = args.max_model_len
+    elif engine == "vllm":
         assert args.speculative_config["method"] == "extract_hidden_states"
+        assert args.no_enable_prefix_caching and args.kv_transfer_config, "the dump needs both"
         ids = args.speculative_config["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
         extra = args.kv_transfer_config["kv_connector_extra_config"]
-        server: _Standin = StandinVllm(model, ids, Path(extra["shared_storage_path"]), dtype,
-                                       allow_custom_save_path=extra.get("allow_custom_save_path", False), port=args.port)
+        server = StandinVllm(model, ids, Path(extra["shared_storage_path"]), dtype,
+                             allow_custom_save_path=extra.get("allow_custom_save_path", False), port=args.port)
     elif args.enable_return_aux_hidden_states:
         assert args.speculative_algorithm == "EAGLE3" and args.return_aux_hidden_state_layer_ids
         server = StandinSglang(model, args.return_aux_hidden_state_layer_ids, dtype, port=args.port, pp_size=args.pp_size)

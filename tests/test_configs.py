@@ -19,6 +19,7 @@ import data_prep.standardize  # noqa: F401  (registers standardize_schema)
 import eagle3_train.check  # noqa: F401  (registers check_schema)
 import eagle3_train.eval  # noqa: F401  (registers eval_schema)
 import eagle3_train.export  # noqa: F401  (registers export_schema)
+import eagle3_train.served_acceptance  # noqa: F401  (registers served_acceptance_schema)
 import eagle3_train.trainer  # noqa: F401  (registers train_schema)
 
 PRIMARY = {
@@ -29,6 +30,8 @@ PRIMARY = {
     "export.yaml": (eagle3_train.export.ExportConfig, ["run=/tmp/r", "out=/tmp/o"]),
     "check.yaml": (eagle3_train.check.CheckConfig, ["draft=/tmp/d", "target=tiny"]),
     "eval.yaml": (eagle3_train.eval.EvalConfig, ["draft=/tmp/d", "prompts=/tmp/p.jsonl"]),
+    "served_acceptance.yaml": (eagle3_train.served_acceptance.ServedAcceptanceConfig,
+                               ["server=http://127.0.0.1:8000", "prompts=/tmp/p.jsonl", "out=/tmp/o"]),
 }
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,7 +100,7 @@ def test_wheel_ships_conf_and_prompts(tmp_path):
     sources = {str(p.relative_to(ROOT)) for pkg in ("eagle3_train", "data_prep") for p in (ROOT / pkg).rglob("*.py")}
     assert sources <= names, f"modules missing from the wheel: {sorted(sources - names)}"
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    for cmd in ("prepare", "dump", "standardize", "train", "export", "check", "eval"):
+    for cmd in ("prepare", "dump", "standardize", "train", "export", "check", "eval", "served-acceptance"):
         assert f"eagle3-{cmd} =" in entry_points
 
 
@@ -183,6 +186,7 @@ def test_each_default_is_written_once():
     ("eval.yaml", "limit=0", r"^limit must be positive, got 0$"),
     ("eval.yaml", "tie_threshold=nan", r"^tie_threshold must be >= 0, got nan$"),
     ("export.yaml", "dtype=int8", r"^dtype must be one of float32, bfloat16, float16, got 'int8'$"),
+    ("served_acceptance.yaml", "concurrency=0", r"^concurrency must be positive, got 0$"),
 ])
 def test_numeric_and_dtype_options_are_checked_in_one_line(name, override, message):
     from eagle3_train.errors import ConfigError

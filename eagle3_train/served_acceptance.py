@@ -1,0 +1,447 @@
+"""``eagle3-served-acceptance``: a serving engine's own speculative-decoding figures on a prompt file.
+
+    vllm serve <target> --speculative-config '{"method": "eagle3", "model": "runs/x/export", "num_speculative_tokens": 5}'
+    eagle3-served-acceptance server=http://127.0.0.1:8000 prompts=data_prep/prompts/heldout.jsonl out=runs/x/served
+
+Sends every conversation of the prompt file (read as ``eagle3-eval`` reads it,
+:mod:`eagle3_train.prompt_files`) to the engine's OpenAI-compatible ``/v1/chat/completions``,
+greedily (temperature 0, ``max_new_tokens`` per turn), ``concurrency`` requests at a time; a
+conversation's later user turns follow the engine's own replies to the earlier ones, as eagle3-eval
+follows the target's. The figures are the engine's, not ours: its Prometheus ``/metrics`` is read
+before and after each category of prompts, and the counters' differences give them, so whatever the
+server counted before the run does not count.
+
+What vLLM counts (read from vLLM 0.26.0: ``vllm/v1/spec_decode/metrics.py``,
+``vllm/v1/core/sched/scheduler.py``, ``vllm/v1/metrics/loggers.py``): a *draft* is one verify
+step of one request that carried draft tokens (the prefill, which drafts nothing, is not one);
+``accepted`` counts the draft tokens the target kept, before the reply is cut at a stop token or
+``max_tokens``. Its log line's "Mean acceptance length" is ``1 + accepted / drafts`` (the target's
+own token of each step counted, as eagle3-eval's τ counts it) and its "Per-position acceptance rate"
+is ``accepted_per_position[i] / drafts``: the share of drafts whose first i+1 tokens were all
+accepted. eagle3-eval's ``acceptance_per_position`` is conditional (accepted at position i among
+the steps that reached it); the report gives both, so the two tools compare position by position.
+
+SGLang is not covered: its metric names could not be checked against its source here, so
+``engine=sglang`` is refused rather than guessed (add a row to :data:`METRICS` once they are).
+
+The counters are the whole server's: requests of other clients during the run count too. The report
+compares the server's count of finished requests and generated tokens with this run's, and warns when
+they differ. Writes ``report.json`` and ``outputs.jsonl`` (per turn: tokens, finish reason, reply) to
+``out``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from data_prep.engine_http import EngineError, post_json, retrying, wait_ready
+from eagle3_train.cli import config_dict, entry_point
+from eagle3_train.errors import ConfigError, Eagle3Error, check_numbers
+from eagle3_train.fileio import atomic_write_bytes, atomic_write_json
+from eagle3_train.prompt_files import Conversation, read_conversations
+
+COMMAND = "eagle3-served-acceptance"
+REPORT_NAME = "report.json"
+SETTLE_READS = 10  # at most this many further reads of /metrics until two agree
+
+
+@dataclass(frozen=True)
+class SpecMetrics:
+    """Where one engine's ``/metrics`` counts its speculative decoding: Prometheus counters, named
+    as registered (the text format adds ``_total`` to a counter's sample; both spellings are read).
+
+    Args:
+        engine: as in ``engine=``.
+        read_from: the engine version and the files the names were read from.
+        drafts: verify steps that carried draft tokens, over all requests.
+        draft_tokens: draft tokens proposed.
+        accepted: draft tokens accepted.
+        accepted_per_position: drafts whose tokens up to this position were all accepted, one
+            sample per value of ``position_label`` (0-based).
+        position_label: the label naming the draft position.
+        requests: finished requests (to see other clients' traffic).
+        generation_tokens: generated tokens (likewise).
+        enable: how to start the engine so that it speculates, for the error message.
+    """
+
+    engine: str
+    read_from: str
+    drafts: str
+    draft_tokens: str
+    accepted: str
+    accepted_per_position: str
+    position_label: str
+    requests: str
+    generation_tokens: str
+    enable: str
+
+
+METRICS = {
+    "vllm": SpecMetrics(
+        "vllm", "vLLM 0.26.0: vllm/v1/spec_decode/metrics.py (SpecDecodingProm), vllm/v1/metrics/loggers.py",
+        "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
+        "vllm:spec_decode_num_accepted_tokens_per_pos", "position", "vllm:request_success", "vllm:generation_tokens",
+        "vllm serve <target> --speculative-config '{\"method\": \"eagle3\", \"model\": <draft>, "
+        "\"num_speculative_tokens\": 5}' (and without --disable-log-stats)",
+    ),
+}
+
+# What vLLM 0.26.0 calls these figures (vllm/v1/spec_decode/metrics.py), written into the report.
+DEFINITIONS = {
+    "drafts": "verify steps of one request that carried draft tokens (the prefill is none)",
+    "mean_acceptance_length": "1 + accepted_tokens / drafts (vLLM's 'Mean acceptance length': the bonus token counted; "
+                              "eagle3-eval's tau)",
+    "acceptance_per_position": "drafts whose first i+1 tokens were all accepted / drafts (vLLM's 'Per-position "
+                               "acceptance rate')",
+    "conditional_acceptance_per_position": "accepted at position i / accepted at position i-1 (drafts for i=0): the "
+                                           "rate among steps that reached position i, as eagle3-eval's "
+                                           "acceptance_per_position",
+    "draft_acceptance_rate": "accepted_tokens / draft_tokens (vLLM's 'Avg Draft acceptance rate')",
+}
+
+
+@dataclass
+class ServedAcceptanceConfig:
+    """Options of ``eagle3-served-acceptance`` (``conf/served_acceptance.yaml``)."""
+
+    server: str = MISSING  # the engine's base URL (http://host:port), serving the target with a draft
+    prompts: str = MISSING  # JSONL (messages / MT-bench turns / HumanEval prompt / GSM8K question) or a saved dataset
+    out: str = MISSING  # where report.json and outputs.jsonl go
+    engine: str = "vllm"  # whose metric names are read (METRICS)
+    model: str | None = None  # the served model name to ask for (null: the first one /v1/models lists)
+    column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
+    max_new_tokens: int = 128  # generated tokens per turn (max_tokens)
+    max_turns: int | None = None  # only the first N user turns of each conversation (null: all)
+    limit: int | None = None  # only the first N conversations
+    concurrency: int = 8  # requests in flight (the engine batches them)
+    request_timeout_s: float = 600.0  # one request's time limit
+    retries: int = 0  # further attempts after a transient failure (a retried request the engine had served counts twice)
+    backoff_s: float = 1.0  # the first retry's delay, doubled on every further one
+    wait_for_server_s: float = 0.0  # how long to wait for the server's /health at start (0: it must answer now)
+    settle_s: float = 0.5  # /metrics is read again every settle_s until two reads agree (the engine counts just after answering)
+
+    def __post_init__(self) -> None:
+        if self.engine not in METRICS:
+            raise ConfigError(f"engine must be one of {sorted(METRICS)} (whose metric names were read from its "
+                              f"source), got {self.engine!r}")
+        if not self.server.startswith(("http://", "https://")):
+            raise ConfigError(f"server must be a base URL such as http://127.0.0.1:8000, got {self.server!r}")
+        check_numbers(self, positive=("max_new_tokens", "max_turns", "limit", "concurrency", "request_timeout_s"),
+                      non_negative=("retries", "backoff_s", "wait_for_server_s", "settle_s"))
+
+
+ConfigStore.instance().store(name="served_acceptance_schema", node=ServedAcceptanceConfig)
+
+
+# ---- Prometheus text and the figures: pure functions -----------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Samples of a Prometheus text exposition: {sample name: [(labels, value)]}; comments skipped."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue  # not a sample line this reader knows; the counters it needs are plain ones
+        name, labels, value = m.groups()
+        parsed = {k: re.sub(r'\\[\\"n]', lambda e: _ESCAPES[e.group()], v) for k, v in _LABEL.findall(labels or "")}
+        out.setdefault(name, []).append((parsed, float(value)))
+    return out
+
+
+def counter(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> list[tuple[dict[str, str], float]]:
+    """A counter's samples (every label set): ``<name>_total``, or ``<name>`` as some exporters write it."""
+    return samples.get(f"{name}_total") or samples.get(name) or []
+
+
+@dataclass(frozen=True)
+class SpecCounts:
+    """One read of an engine's speculative-decoding counters, summed over label sets (engines,
+    model names, finish reasons); ``accepted_per_position[i]`` is position i's (0-based)."""
+
+    drafts: float
+    draft_tokens: float
+    accepted: float
+    accepted_per_position: tuple[float, ...]
+    requests: float
+    generation_tokens: float
+
+    def minus(self, before: SpecCounts, where: str) -> SpecCounts:
+        """The counts between two reads; counters never go down unless the engine restarted."""
+        k = max(len(self.accepted_per_position), len(before.accepted_per_position))
+        pad = lambda v: tuple(v) + (0.0,) * (k - len(v))  # noqa: E731  (a position first counted between the reads)
+        now, then = pad(self.accepted_per_position), pad(before.accepted_per_position)
+        down = [f.name for f in fields(self)
+                if f.name != "accepted_per_position" and getattr(self, f.name) < getattr(before, f.name)]
+        down += [f"accepted_per_position[{i}]" for i in range(k) if now[i] < then[i]]
+        if down:
+            raise EngineError(f"{where}: the counters {down} went down between two reads: the engine restarted during "
+                              f"the run; run again")
+        return SpecCounts(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
+                          self.accepted - before.accepted, tuple(a - b for a, b in zip(now, then)),
+                          self.requests - before.requests, self.generation_tokens - before.generation_tokens)
+
+
+def read_counts(text: str, names: SpecMetrics, where: str) -> SpecCounts:
+    """The counters ``names`` lists, from one ``/metrics`` text; refuses a server that has none
+    (not speculating, or another engine) and a partial set, naming ``where``."""
+    samples = parse_prometheus(text)
+    found = {key: counter(samples, getattr(names, key)) for key in ("drafts", "draft_tokens", "accepted")}
+    if not any(found.values()):
+        raise EngineError(f"{where} exposes no speculative-decoding counters ({names.drafts}, ... as read from "
+                          f"{names.read_from}): the engine does not speculate, or is not {names.engine}; start it as "
+                          f"{names.enable}")
+    missing = [getattr(names, key) for key, v in found.items() if not v]
+    if missing:
+        raise EngineError(f"{where} exposes {names.drafts} but not {missing}: not the {names.read_from} metrics")
+    per: dict[int, float] = {}
+    for labels, value in counter(samples, names.accepted_per_position):
+        try:
+            position = int(labels[names.position_label])
+        except (KeyError, ValueError):
+            raise EngineError(f"{where}: a sample of {names.accepted_per_position} has no integer label "
+                              f"{names.position_label!r}: {labels}") from None
+        per[position] = per.get(position, 0.0) + value
+    total = lambda rows: sum(v for _, v in rows)  # noqa: E731
+    return SpecCounts(total(found["drafts"]), total(found["draft_tokens"]), total(found["accepted"]),
+                      tuple(per.get(i, 0.0) for i in range(max(per) + 1)) if per else (),
+                      total(counter(samples, names.requests)), total(counter(samples, names.generation_tokens)))
+
+
+def _count(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
+
+
+def figures(d: SpecCounts) -> dict[str, Any] | None:
+    """The figures of a difference of counts (see :data:`DEFINITIONS`); None when nothing was drafted."""
+    if not d.drafts:
+        return None
+    per = list(d.accepted_per_position)
+    reached = [d.drafts, *per[:-1]]  # position i is reached by the drafts accepted up to i-1
+    return {
+        "drafts": _count(d.drafts), "draft_tokens": _count(d.draft_tokens), "accepted_tokens": _count(d.accepted),
+        "mean_acceptance_length": 1 + d.accepted / d.drafts,
+        "mean_draft_length": d.draft_tokens / d.drafts,
+        "draft_acceptance_rate": d.accepted / d.draft_tokens if d.draft_tokens else 0.0,
+        "acceptance_per_position": [a / d.drafts for a in per],
+        "conditional_acceptance_per_position": [a / r if r else 0.0 for a, r in zip(per, reached)],
+    }
+
+
+# ---- the client ------------------------------------------------------------------------------
+
+@dataclass
+class Reply:
+    """The engine's answer to one user turn."""
+
+    conversation: Conversation
+    turn: int
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+    text: str
+
+
+class ServedAcceptance:
+    """Sends the prompt file to the engine, category by category, reading ``/metrics`` around each."""
+
+    def __init__(self, cfg: ServedAcceptanceConfig):
+        self.cfg = cfg
+        self.names = METRICS[cfg.engine]
+        self.url = cfg.server.rstrip("/")
+        self.out = Path(cfg.out).expanduser()
+        self.model: str | None = cfg.model
+        self.warnings: list[str] = []
+
+    async def get(self, session: Any, path: str) -> str:
+        """GET ``path`` of the server as text; an unreachable server or an error status names the URL."""
+        import aiohttp
+
+        url = f"{self.url}{path}"
+        try:
+            async with session.get(url) as resp:
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise EngineError(f"{url} is unreachable ({type(e).__name__}: {e}); is the engine running?") from None
+        if resp.status != 200:
+            raise EngineError(f"{url} answered HTTP {resp.status}: {text[:300]}")
+        return text
+
+    async def models(self, session: Any) -> list[str]:
+        """What ``/v1/models`` lists; the model asked for must be among them."""
+        try:
+            listed = [m["id"] for m in json.loads(await self.get(session, "/v1/models"))["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise EngineError(f"{self.url}/v1/models did not answer an OpenAI model list") from None
+        if not listed:
+            raise EngineError(f"{self.url}/v1/models lists no model")
+        if self.model is None:
+            self.model = listed[0]
+        elif self.model not in listed:
+            raise ConfigError(f"model={self.model} is not served by {self.url} (/v1/models lists {listed})")
+        return listed
+
+    async def counts(self, session: Any) -> SpecCounts:
+        return read_counts(await self.get(session, "/metrics"), self.names, f"{self.url}/metrics")
+
+    async def settled(self, session: Any) -> SpecCounts:
+        """The counters once two reads ``settle_s`` apart agree: the engine records a step's
+        counts just after it answers, so the last answer's may still be on their way."""
+        last = await self.counts(session)
+        for _ in range(SETTLE_READS):
+            await asyncio.sleep(self.cfg.settle_s)
+            now = await self.counts(session)
+            if now == last:
+                return now
+            last = now
+        self.warnings.append(f"{self.url}/metrics kept changing after the last reply ({SETTLE_READS} reads "
+                             f"{self.cfg.settle_s} s apart): another client is using the server")
+        return last
+
+    async def chat(self, session: Any, gate: asyncio.Semaphore, messages: list[dict[str, str]], what: str) -> dict:
+        """One greedy chat completion; returns the response's first choice and usage."""
+        c = self.cfg
+        # every field that changes greedy tokens is sent: the server's defaults come from the target's
+        # generation_config.json (vLLM's --generation-config auto), which may set a repetition penalty
+        body = {"model": self.model, "messages": messages, "max_tokens": c.max_new_tokens, "temperature": 0.0,
+                "top_p": 1.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+        url = f"{self.url}/v1/chat/completions"
+        async with gate:
+            resp = await retrying(lambda attempt: post_json(session, url, body), c.retries, c.backoff_s, f"{url} ({what})")
+        try:
+            choice, usage = resp["choices"][0], resp["usage"]
+            return {"text": choice["message"]["content"] or "", "finish_reason": choice.get("finish_reason"),
+                    "prompt_tokens": int(usage["prompt_tokens"]), "completion_tokens": int(usage["completion_tokens"])}
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise EngineError(f"{url} ({what}) answered without choices[0].message.content and usage: "
+                              f"{json.dumps(resp)[:300]}") from None
+
+    async def converse(self, session: Any, gate: asyncio.Semaphore, conversation: Conversation) -> list[Reply]:
+        """Every user turn in order, each after the engine's own replies to the earlier ones."""
+        turns = len(conversation.turns) if self.cfg.max_turns is None else min(len(conversation.turns), self.cfg.max_turns)
+        replies: list[Reply] = []
+        for turn in range(turns):
+            messages = conversation.messages(turn, [r.text for r in replies])
+            r = await self.chat(session, gate, messages, f"{conversation.source} turn {turn + 1}")
+            replies.append(Reply(conversation, turn, r["prompt_tokens"], r["completion_tokens"], r["finish_reason"],
+                                 r["text"]))
+        return replies
+
+    async def measure(self) -> tuple[list[str], SpecCounts, SpecCounts, dict[str, tuple[list[Reply], SpecCounts]], float]:
+        """Send every category's conversations (concurrently within one), reading the counters
+        before the first and after each. Returns the served models, the first and the last read,
+        per category its replies and the counts between its reads, and the seconds spent."""
+        import aiohttp
+
+        c = self.cfg
+        conversations = read_conversations(c.prompts, c.column, c.limit)
+        categories: dict[str, list[Conversation]] = {}
+        for conv in conversations:
+            categories.setdefault(conv.category, []).append(conv)
+        timeout = aiohttp.ClientTimeout(total=c.request_timeout_s)
+        connector = aiohttp.TCPConnector(limit=2 * c.concurrency)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            await wait_ready(session, [self.url], c.wait_for_server_s, command=COMMAND,
+                             hint=f"start it with speculative decoding first: {self.names.enable}")
+            models = await self.models(session)
+            first = before = await self.counts(session)
+            gate = asyncio.Semaphore(c.concurrency)
+            start = time.perf_counter()
+            per: dict[str, tuple[list[Reply], SpecCounts]] = {}
+            for category, convs in categories.items():
+                tasks = [asyncio.create_task(self.converse(session, gate, conv)) for conv in convs]
+                try:
+                    replies = await asyncio.gather(*tasks)
+                except BaseException:  # one failed: the others stop too, before the session closes
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    raise
+                after = await self.settled(session)
+                per[category] = ([r for rs in replies for r in rs], after.minus(before, f"{self.url}/metrics"))
+                before = after
+            seconds = time.perf_counter() - start
+        return models, first, before, per, seconds
+
+    def report(self, models: list[str], first: SpecCounts, last: SpecCounts,
+               per: dict[str, tuple[list[Reply], SpecCounts]], seconds: float) -> dict[str, Any]:
+        replies = [r for rs, _ in per.values() for r in rs]
+        delta = last.minus(first, f"{self.url}/metrics")
+        tokens = sum(r.completion_tokens for r in replies)
+        overall = figures(delta)
+        if overall is None:
+            raise EngineError(f"{self.url}/metrics counted no speculative drafts over {len(replies)} requests ({tokens} "
+                              f"tokens generated): the engine did not speculate (stats off with --disable-log-stats, or "
+                              f"replies of one token); start it as {self.names.enable}")
+        if delta.requests != len(replies) or delta.generation_tokens != tokens:
+            self.warnings.append(
+                f"the server counted {_count(delta.requests)} finished requests and {_count(delta.generation_tokens)} "
+                f"generated tokens during the run, this client {len(replies)} and {tokens}: other requests (another "
+                f"client, a retry) are in the figures")
+        if delta.accepted_per_position and abs(sum(delta.accepted_per_position) - delta.accepted) > 0.5:
+            self.warnings.append(f"the per-position counts sum to {_count(sum(delta.accepted_per_position))}, not the "
+                                 f"{_count(delta.accepted)} accepted tokens: the position counters mean something else")
+        finish = {}
+        for r in replies:
+            finish[str(r.finish_reason)] = finish.get(str(r.finish_reason), 0) + 1
+        return {
+            "server": self.url, "engine": self.cfg.engine, "metrics_read_from": self.names.read_from,
+            "models": models, "model": self.model, "prompts": self.cfg.prompts,
+            "conversations": len({id(r.conversation) for r in replies}), "requests": len(replies),
+            "prompt_tokens": sum(r.prompt_tokens for r in replies), "completion_tokens": tokens,
+            "finish_reasons": finish, "max_new_tokens": self.cfg.max_new_tokens,
+            "num_speculative_tokens": len(delta.accepted_per_position) or None,
+            **overall,
+            "categories": {cat: {"requests": len(rs), "completion_tokens": sum(r.completion_tokens for r in rs)}
+                           | (figures(d) or {"drafts": 0}) for cat, (rs, d) in per.items()},
+            "server_counted": {"requests": _count(delta.requests), "generation_tokens": _count(delta.generation_tokens)},
+            "counters_before": {"drafts": _count(first.drafts), "draft_tokens": _count(first.draft_tokens),
+                                "accepted_tokens": _count(first.accepted)},
+            "definitions": DEFINITIONS, "warnings": self.warnings,
+            "seconds": seconds, "completion_tokens_per_s": tokens / max(seconds, 1e-9),
+            "config": config_dict(self.cfg),
+        }
+
+    def run(self) -> dict[str, Any]:
+        models, first, last, per, seconds = asyncio.run(self.measure())
+        report = self.report(models, first, last, per, seconds)
+        lines = [json.dumps({"source": r.conversation.source, "category": r.conversation.category, "turn": r.turn + 1,
+                             "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+                             "finish_reason": r.finish_reason, "reply": r.text}) + "\n"
+                 for rs, _ in per.values() for r in rs]
+        atomic_write_bytes(self.out / "outputs.jsonl", "".join(lines).encode())
+        atomic_write_json(self.out / REPORT_NAME, report)
+        for warning in self.warnings:
+            print(f"{COMMAND}: warning: {warning}", file=sys.stderr, flush=True)
+        cats = {cat: round(v["mean_acceptance_length"], 2) for cat, v in report["categories"].items()
+                if "mean_acceptance_length" in v}
+        print(f"{COMMAND} ({self.cfg.engine} at {self.url}, model {self.model}): mean acceptance length "
+              f"{report['mean_acceptance_length']:.2f} over {report['drafts']} drafts of {report['mean_draft_length']:.2f} "
+              f"tokens, acceptance per position {[round(p, 3) for p in report['acceptance_per_position']]} (conditional "
+              f"{[round(p, 3) for p in report['conditional_acceptance_per_position']]}); per category {cats}; "
+              f"{report['requests']} requests, {report['completion_tokens']} tokens in {seconds:.1f} s -> {self.out}",
+              flush=True)
+        return report
+
+
+main = entry_point("served_acceptance", ServedAcceptanceConfig, lambda cfg: ServedAcceptance(cfg).run())
+
+if __name__ == "__main__":
+    main()
