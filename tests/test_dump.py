@@ -216,6 +216,28 @@ def test_torchrun_two_ranks_killed_and_resumed_equals_one_process(prepared, tmp_
             torch.testing.assert_close(b[sid][k], a[sid][k], atol=1e-5, rtol=0)
 
 
+def test_tensor_parallel_group_below_the_world_needs_a_transformers_that_takes_the_mesh(monkeypatch):
+    """tp_size=2 on 4 ranks (data parallel 2): a transformers whose from_pretrained builds its own
+    mesh over every rank would split each copy 4 ways; it is refused there, naming both sizes."""
+    import inspect
+    from types import SimpleNamespace
+
+    import transformers
+
+    from eagle3_train.errors import ConfigError
+    from eagle3_train.targets import tensor_parallel_kwargs
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
+    mesh = SimpleNamespace(size=lambda: 2)
+    prepare = getattr(transformers.PreTrainedModel, "prepare_distribute_model", None)
+    if prepare is not None and "device_mesh" not in inspect.signature(prepare).parameters:
+        with pytest.raises(ConfigError, match=r"^tp_size=2 with 4 ranks: .* use tp_size=4"):
+            tensor_parallel_kwargs(mesh)
+    else:
+        assert tensor_parallel_kwargs(mesh)["device_mesh"] is mesh
+
+
 def test_tensor_parallel_dump_equals_single_process(prepared, tmp_path):
     """tp_size=2 under torchrun (gloo): transformers' own tensor-parallel plan, same states."""
     from eagle3_train.targets import build_tiny_tokenizer
