@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common import matmul_rate, random_llama, run_isolated, run_suite, sync
+from common import launcher, matmul_rate, random_llama, run_isolated, run_suite, sync
 
 GOALS = {"bytes_per_token_kib": 16.5, "ratio_to_floor": 0.70, "speedup_vs_naive": 3.0, "dp2_speedup": 1.9}
 # name, ranks, seconds at most
@@ -107,26 +106,39 @@ def make_dumper(a: argparse.Namespace, target, prepared: Path, out: Path, storag
                           shard_size_mb=a.shard_mb, writer_threads=a.writer_threads,
                           capture=dump.CaptureConfig(aux_indices=[2, n // 2, n - 3]))
     dumper = dump.Dumper(cfg)
-    width = max(1, a.tokens_per_batch // a.seq)
+    return dumper, warm_up(dumper, a.seq)
+
+
+@torch.no_grad()  # as the dump runs it (a compiled layer is specialised to the grad mode)
+def warm_up(dumper, seq: int) -> float:
+    """Seconds of one batch of the run's shape (kernels, allocator, the compilation), on every rank."""
+    import data_prep.dump.hf as hf
+
+    width = max(1, dumper.cfg.max_tokens_per_batch // seq)
     start = time.perf_counter()
-    with torch.no_grad():  # as the dump runs it (a compiled layer is specialised to the grad mode)
-        dumper.backend.capture(hf.Batch(list(range(width)), [a.seq] * width))
+    dumper.backend.capture(hf.Batch(list(range(width)), [seq] * width))
     sync(dumper.dist.device)
-    return dumper, time.perf_counter() - start
+    return time.perf_counter() - start
 
 
 @torch.no_grad()
 def compute_only(dumper) -> dict[str, Any]:
-    """The capture loop alone (forward, token selection, finiteness check): no host copy, no disk."""
+    """The capture loop alone (forward, token selection, finiteness check): no host copy, no disk.
+    Each data-parallel group runs its share of the batches, as the dump would, timed between
+    barriers: tokens/s of all ranks together."""
     import data_prep.dump.hf as hf
 
-    cfg = dumper.cfg
+    from eagle3_train.dist import barrier
+
+    cfg, backend = dumper.cfg, dumper.backend
     batches = hf.plan_batches(np.arange(len(dumper.dataset)), dumper.dataset["num_tokens"][:], cfg.max_tokens_per_batch,
                               cfg.max_batch_size)
+    barrier()
     start = time.perf_counter()
-    for b in batches:
-        dumper.backend.capture(b)
+    for b in batches[backend.dp_rank :: backend.dp_size]:
+        backend.capture(b)
     sync(dumper.dist.device)
+    barrier()
     seconds = time.perf_counter() - start
     tokens = sum(sum(b.lengths) for b in batches)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
@@ -271,12 +283,10 @@ def suite(a: argparse.Namespace) -> None:
 
 def case_process(name: str, ranks: int, seconds: float, a: argparse.Namespace) -> dict[str, Any]:
     part = Path(a.dir) / f"{name}.part.json"
-    launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  "--nproc_per_node", str(ranks)]
     options = ["--samples", str(a.samples), "--naive-samples", str(a.naive_samples), "--seq", str(a.seq),
                "--tokens-per-batch", str(a.tokens_per_batch), "--shard-mb", str(a.shard_mb),
                "--writer-threads", str(a.writer_threads), "--shm", a.shm, "--dir", a.dir]
-    cmd = [*launch, str(Path(__file__).resolve()), "--case", name, "--out", str(part), *options,
+    cmd = [*launcher(ranks), str(Path(__file__).resolve()), "--case", name, "--out", str(part), *options,
            *(["--small"] if a.small else [])]
     env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(Path(a.dir) / "inductor"))
     if ranks == 1 and not a.small:

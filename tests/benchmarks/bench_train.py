@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from common import matmul_rate, run_isolated, run_suite, sync
+from common import launcher, matmul_rate, run_isolated, run_suite, sync
 
 from eagle3_train.data import Batch
 from eagle3_train.dist import init_distributed
@@ -238,9 +238,7 @@ def run_case(script: str, name: str, ranks: int, options: list[str], seconds: fl
     part = Path(a.out).with_name(f".{Path(a.out).stem}.{name}.json")
     if a.small:
         options = [*options, "--small", "--seqs", small_seqs, "--steps", "2"]
-    launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  "--nproc_per_node", str(ranks)]
-    cmd = [*launch, script, *options, "--out", str(part), "--ttt", str(a.ttt), "--zero", str(a.zero)]
+    cmd = [*launcher(ranks), script, *options, "--out", str(part), "--ttt", str(a.ttt), "--zero", str(a.zero)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if ranks == 1 and not a.small:
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,14 @@ def matmul_rate(device: torch.device, n: int, dtype: torch.dtype) -> float:
         a @ b
     sync(device)
     return 10 * 2 * n**3 / (time.perf_counter() - start)
+
+
+def launcher(ranks: int) -> list[str]:
+    """The start of a command that runs a script on ``ranks`` processes of this machine: plain
+    Python for one, torchrun (a free port each time) for more."""
+    if ranks == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
 
 
 def run_isolated(cmd: list[str], part: Path, seconds: float, env: dict[str, str] | None = None) -> dict[str, Any]:

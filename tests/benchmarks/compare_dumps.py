@@ -20,17 +20,21 @@ from eagle3_train.formats import iter_samples, read_shard
 from eagle3_train.storage import decode
 
 
-def samples(dump: Path) -> dict[int, dict[str, torch.Tensor]]:
+def samples(dump: Path, ids: set[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """The stored samples of ``dump`` by sample id (only ``ids``, when given)."""
     out = {}
     for shard in sorted((dump / "shards").glob("*.safetensors")):
         t = decode(read_shard(shard))  # fp8 storage: the states read back
         for sid, sl in iter_samples(t):
-            out[sid] = {k: v[sl] for k, v in t.items() if k not in ("cu_seqlens", "sample_ids")}
+            if ids is None or sid in ids:
+                out[sid] = {k: v[sl].clone() for k, v in t.items() if k not in ("cu_seqlens", "sample_ids")}
     return out
 
 
-def compare(a: Path, b: Path) -> dict[str, dict[str, float]]:
-    sa, sb = samples(a), samples(b)
+def compare(a: Path, b: Path, ids: set[int] | None = None) -> dict[str, dict[str, float]]:
+    """Per key: the largest absolute difference and the relative L2 error over the samples both
+    dumps hold (only ``ids``, when given); ids and masks: the share of identical samples."""
+    sa, sb = samples(a, ids), samples(b, ids)
     common = sorted(set(sa) & set(sb))
     report: dict[str, dict[str, float]] = {}
     keys = sorted(set(sa[common[0]]) & set(sb[common[0]])) if common else []
