@@ -9,7 +9,7 @@ import sys
 import pytest
 from transformers import AutoModelForCausalLM
 
-from data_prep.engine_http import EngineError
+from eagle3_train.engine_http import EngineError
 from eagle3_train.errors import ConfigError, Eagle3Error
 from eagle3_train.eval import EvalConfig, Evaluator
 from eagle3_train.served_acceptance import (

@@ -14,7 +14,7 @@ import torch
 from data_prep.dump import CaptureConfig, ClientConfig, DumpConfig, Dumper, ServerConfig, launch_text, verify
 from data_prep.dump.sglang import exact_rows
 from data_prep.dump.vllm import final_norm
-from data_prep.engine_http import EngineError
+from eagle3_train.engine_http import EngineError
 from eagle3_train.engines import Unexpressible
 from eagle3_train.errors import ConfigError, Eagle3Error
 from eagle3_train.targets import build_tiny_model

@@ -41,7 +41,7 @@ from eagle3_train.targets import Target, load_target, load_target_tensors
 
 from data_prep.dump import backend
 from data_prep.dump.config import stored_indices
-from data_prep.engine_http import EngineError, retrying
+from eagle3_train.engine_http import EngineError, retrying
 
 if TYPE_CHECKING:
     from data_prep.dump.stage import Dumper

@@ -26,7 +26,7 @@ from eagle3_train.targets import Target, resolve_dtype
 
 from data_prep.dump.config import DumpConfig
 from data_prep.dump.served import ServedBackend, port_of
-from data_prep.engine_http import EngineError, post_json, wait_ready
+from eagle3_train.engine_http import EngineError, post_json, wait_ready
 
 if TYPE_CHECKING:
     from data_prep.dump.stage import Dumper

@@ -1,5 +1,6 @@
 """The HTTP side of talking to a serving engine (vLLM, SGLang), shared by the served dump
-(data_prep/dump/served.py) and regeneration through a served engine (data_prep/served_regen.py):
+(data_prep/dump/served.py), regeneration through a served engine (data_prep/served_regen.py) and the
+engine's own acceptance figures (eagle3_train/served_acceptance.py):
 JSON POSTs whose failures are sorted into worth-retrying or not, retries with exponential backoff,
 the wait for ``/health``, and vLLM's served model name."""
 
