@@ -401,6 +401,8 @@ class Trainer:
         self.engine = build_engine(self.model, cfg.train, cfg.deepspeed, self.dtype, self.dist.device, self.total_steps,
                                    self.sp)
         self.step = 0
+        # each micro-batch's loss finiteness, still on the device: (0-based step, flag, sample ids)
+        self._unchecked: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self.best: dict[str, Any] = {"step": None, "eval_tau": None}  # the best evaluation so far
         self.evals_since_best = 0
         self.early_stopped = False
@@ -602,34 +604,45 @@ class Trainer:
 
     def train_step(self, batches: Iterator[Batch]) -> dict[str, Any]:
         """One optimizer step: this rank's next micro-batches (on the device: ``source.device_batches``),
-        backward, DeepSpeed's step."""
+        backward, DeepSpeed's step. Nothing here waits for the device, so the host queues the next
+        micro-batch's kernels while the GPU runs this one's (a small head is otherwise bound by the
+        launches): the loss, the counts and the tokens come back as device tensors, and each loss's
+        finiteness is checked later by ``check_finite``, which the loop calls before it logs,
+        evaluates or saves. A non-finite loss therefore stops training before any checkpoint or
+        evaluation sees weights it touched, naming its step and samples."""
         o = self.cfg.train
         self.engine.train()
-        counts = np.zeros((o.ttt_length, 3), dtype=np.int64)
-        loss_sum, tokens = 0.0, 0
+        counts = loss_sum = tokens = None
         for _ in range(o.grad_accum):
             batch = next(batches)
             loss, stats = self.losses(batch)
-            finite = torch.isfinite(loss).float().reshape(1)
-            if torch.distributed.is_initialized():
+            finite = torch.isfinite(loss.detach()).float().reshape(1)
+            if torch.distributed.is_initialized():  # every rank stops at the same step
                 torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
-            if finite.item() < 1:
-                last = self._checkpoints()
-                raise Eagle3Error(
-                    f"non-finite loss at step {self.step + 1} (epoch {self.epoch_of(self.step)[0]}, "
-                    f"micro-batch of samples {batch.sample_ids.tolist()[:8]} on some rank); last good "
-                    f"checkpoint: {last[-1] if last else 'none'}"
-                )
+            self._unchecked.append((self.step, finite, batch.sample_ids))
             # DeepSpeed averages gradients over all ranks; a sequence-parallel group's losses add up
             # to its micro-batch's, so each counts sp times (the mean over data-parallel ranks)
             self.engine.backward(loss * self.sp.size)
             self.engine.step()
-            stats = stats.cpu().numpy()
-            counts += stats[:, :3].astype(np.int64)
-            loss_sum += float(loss.detach())
-            tokens += int(batch.lengths.sum())
+            c, l, n = stats[:, :3].to(torch.int64), loss.detach().float(), batch.lengths.sum()
+            counts, loss_sum, tokens = (c, l, n) if counts is None else (counts + c, loss_sum + l, tokens + n)
         self.step += 1
         return {"loss": loss_sum / o.grad_accum, "counts": counts, "tokens": tokens}
+
+    def check_finite(self) -> None:
+        """Raise on the first micro-batch since the last check whose loss was not finite (one wait
+        for the device for all of them)."""
+        if not self._unchecked:
+            return
+        unchecked, self._unchecked = self._unchecked, []
+        bad = (torch.cat([f for _, f, _ in unchecked]).cpu() < 1).nonzero()
+        if len(bad):
+            step, _, samples = unchecked[int(bad[0])]
+            last = [c for c in self._checkpoints() if int(c.name.removeprefix("step")) <= step]
+            raise Eagle3Error(
+                f"non-finite loss at step {step + 1} (epoch {self.epoch_of(step)[0]}, micro-batch of samples "
+                f"{samples.tolist()[:8]} on some rank); last good checkpoint: {last[-1] if last else 'none'}"
+            )
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
@@ -699,14 +712,17 @@ class Trainer:
         crash_after = int(os.environ.get(CRASH_ENV, 0))
         batches = self.source.device_batches(Prefetcher(self.train_batches(), depth=2 * o.grad_accum))
         final: dict[str, Any] | None = None
+        pending: list[dict[str, torch.Tensor]] = []  # the steps' figures since the last record, on the device
         while self.step < self.total_steps:
-            result = self.train_step(batches)
-            window += result["counts"]
-            window_loss += result["loss"]
-            window_tokens += result["tokens"]
+            pending.append(self.train_step(batches))
             window_steps += 1
             bar.update(1)
             if self.step % o.log_every == 0 or self.step == self.total_steps:
+                self.check_finite()
+                window += torch.stack([r["counts"] for r in pending]).sum(0).cpu().numpy()
+                window_loss += float(torch.stack([r["loss"] for r in pending]).sum())
+                window_tokens += int(torch.stack([r["tokens"] for r in pending]).sum())
+                pending.clear()
                 record = self._train_record(window, window_loss / window_steps, window_tokens, time.time() - window_start)
                 self.log(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.2f}", tau=f"{record['tau']:.2f}",
@@ -718,6 +734,7 @@ class Trainer:
                 window_loss, window_tokens, window_start, window_steps = 0.0, 0, time.time(), 0
             improved = False
             if o.eval_every and self.step % o.eval_every == 0 and self.step < self.total_steps:
+                self.check_finite()
                 final = self.evaluate()
                 stop = self.after_eval(final)
                 self._write(bar, self._eval_line(final))
@@ -728,10 +745,12 @@ class Trainer:
                     break
                 improved = o.keep_best and self.best["step"] == self.step
             if improved or (o.save_every and self.step % o.save_every == 0 and self.step < self.total_steps):
+                self.check_finite()
                 self.save()
                 if crash_after and self.step >= crash_after:
                     os._exit(17)
         bar.close()
+        self.check_finite()
         if final is None or final["step"] != self.step:
             final = self.evaluate()
             self.after_eval(final)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -238,6 +239,27 @@ def test_missing_vocab_map_and_nan_loss(std, tmp_path):
         write_shard(data / "train", shard.stem, t)
     with pytest.raises(Eagle3Error, match=r"non-finite loss at step 1 .*samples \[\d+"):
         train(data, tmp_path / "b", max_steps=2)
+
+
+def test_a_non_finite_loss_stops_training_before_a_checkpoint_holds_it(std, tmp_path, monkeypatch):
+    """The finiteness of each loss is read from the device only before a log, an evaluation or a
+    checkpoint: a non-finite loss at step 3 is still reported as step 3, and training stops before
+    the step-3 checkpoint, so the last checkpoint is the last good one."""
+    from eagle3_train.trainer import Trainer
+
+    real, calls = Trainer.losses, []
+
+    def losses(self, batch):
+        loss, stats = real(self, batch)
+        calls.append(batch.sample_ids.tolist())
+        return (loss * float("nan") if len(calls) == 3 else loss), stats
+
+    monkeypatch.setattr(Trainer, "losses", losses)
+    with pytest.raises(Eagle3Error, match=r"non-finite loss at step 3 \(epoch 0, micro-batch of samples (\[[^]]*\]).*"
+                                          r"last good checkpoint: \S*step2$") as err:
+        train(std, tmp_path / "r", save_every=1, log_every=100, max_steps=5)
+    assert err.match(re.escape(str(calls[2][:8])))
+    assert [p.name for p in sorted((tmp_path / "r" / "checkpoints").glob("step*"))] == ["step1", "step2"]
 
 
 def test_corrupt_shard_is_refused_by_name(std, tmp_path):
