@@ -7,7 +7,8 @@
 # trained offline (dump with fp8 storage, standardize), so the run still ends in a τ.
 #
 #   W=/tmp/w setsid nohup bash tests/benchmarks/recipe_big_gpu.sh > /dev/null 2>&1 < /dev/null &
-# Results under $W: run/ (timings.jsonl, eval/report.json, train/), gpu.csv; the log: $W/log.
+# Results under $W: result.json (tests/benchmarks/recipe_results.py: everything below in one file), run/
+# (timings.jsonl, eval/report.json, train/), gpu.csv; the log: $W/log.
 set -uo pipefail
 W=${W:-/tmp/w}
 mkdir -p "$W"
@@ -18,15 +19,19 @@ smi=$!
   if ! RUN_DIR="$W/run" bash launch/recipes/smollm2_synth.sh; then
     if [ ! -f "$W/run/prepared/manifest.json" ] && [ "${GEN_RANKS_PER_GPU:-2}" != 1 ]; then
       echo "== $(date +%T) synthesis failed: again with one synthesis process per GPU (finished chunks are kept)"
-      RUN_DIR="$W/run" GEN_RANKS_PER_GPU=1 bash launch/recipes/smollm2_synth.sh && { echo "== $(date +%T) all done"; exit 0; }
+      RUN_DIR="$W/run" GEN_RANKS_PER_GPU=1 bash launch/recipes/smollm2_synth.sh && recovered=1
     fi
-    if [ "${SOURCE:-online}" = online ] && [ -f "$W/run/prepared/manifest.json" ]; then
+    if [ -z "${recovered:-}" ] && [ "${SOURCE:-online}" = online ] && [ -f "$W/run/prepared/manifest.json" ]; then
       echo "== $(date +%T) online run failed: training the same conversations offline (fp8 dump)"
       rm -rf "$W/run/train"
       RUN_DIR="$W/run" SOURCE=offline DUMP_EXTRA="storage=fp8 ${DUMP_EXTRA:-}" bash launch/recipes/smollm2_synth.sh \
         || echo "offline run failed too"
     fi
   fi
+  kill $smi 2>/dev/null
+  python3 -m tests.benchmarks.recipe_results "$W/run" "$W/result.json" --gpu-csv "$W/gpu.csv" \
+    --machine "$(nvidia-smi -L | wc -l) x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), NGPU=${NGPU:-all}" \
+    --what "issue #13: launch/recipes/smollm2_synth.sh end to end (tests/benchmarks/recipe_big_gpu.sh), N=${N:-65536} SOURCE=${SOURCE:-online}, single run, seed 0; eagle3-eval chain k=5 greedy 128 new tokens fp32 on the 37 held-out prompts" \
+    || echo "collecting the results failed"
   echo "== $(date +%T) all done"
 } >> "$W/log" 2>&1
-kill $smi 2>/dev/null

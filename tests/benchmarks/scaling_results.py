@@ -37,7 +37,7 @@ def collect(d: Path, std: Path) -> dict[str, Any]:
             out["train"]["median_tokens_per_s"] = round(rates[len(rates) // 2])
         if (d / "train_s").is_file():
             out["train"]["wall_s"] = int((d / "train_s").read_text())
-        if "stopped by TRAIN_TIMEOUT" in (d / "train.log").read_text(errors="replace"):
+        if (d / "train.log").is_file() and "stopped by TRAIN_TIMEOUT" in (d / "train.log").read_text(errors="replace"):
             out["train"]["stopped_by_timeout"] = True
     report = d / "eval" / "report.json"
     if report.is_file():
