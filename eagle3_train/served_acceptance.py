@@ -44,8 +44,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from eagle3_train.engine_http import EngineError, post_json, retrying, wait_ready
 from eagle3_train.cli import config_dict, entry_point
+from eagle3_train.engine_http import EngineError, post_json, retrying, wait_ready
 from eagle3_train.errors import ConfigError, Eagle3Error, check_numbers
 from eagle3_train.fileio import atomic_write_bytes, atomic_write_json
 from eagle3_train.prompt_files import Conversation, read_conversations

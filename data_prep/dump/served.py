@@ -35,13 +35,13 @@ import numpy as np
 import torch
 
 from eagle3_train.dist import DistInfo
+from eagle3_train.engine_http import EngineError, retrying
 from eagle3_train.errors import ConfigError, Eagle3Error
 from eagle3_train.fileio import atomic_write_json
 from eagle3_train.targets import Target, load_target, load_target_tensors
 
 from data_prep.dump import backend
 from data_prep.dump.config import stored_indices
-from eagle3_train.engine_http import EngineError, retrying
 
 if TYPE_CHECKING:
     from data_prep.dump.stage import Dumper
