@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tests.benchmarks.scaling_results import _jsonl, collect
+from tests.benchmarks.scaling_results import collect, read_jsonl
 
 
 def gpu_use(path: Path) -> dict[str, Any]:
@@ -30,7 +30,7 @@ def gpu_use(path: Path) -> dict[str, Any]:
 
 
 def recipe(run: Path) -> dict[str, Any]:
-    out: dict[str, Any] = {"timings": _jsonl(run / "timings.jsonl")}
+    out: dict[str, Any] = {"timings": read_jsonl(run / "timings.jsonl")}
     out["total_s"] = round(sum(t["seconds"] for t in out["timings"]), 1)
     prepared = run / "prepared" / "manifest.json"
     if prepared.is_file():

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
@@ -24,7 +24,7 @@ def collect(d: Path, std: Path) -> dict[str, Any]:
     if (std / "manifest.json").is_file():
         c = json.loads((std / "manifest.json").read_text())["counts"]
         out["data"] = {k: c[k] for k in ("train_samples", "eval_samples", "train_tokens") if k in c}
-    metrics = _jsonl(d / "train" / "metrics.jsonl")
+    metrics = read_jsonl(d / "train" / "metrics.jsonl")
     evals = [m for m in metrics if "eval_tau" in m]
     if evals:
         best = max(evals, key=lambda m: m["eval_tau"])
@@ -71,7 +71,7 @@ def main() -> None:
         curve.append({"conversations": n, "recipe_run": True} | collect(run, run / "std"))
     curve.sort(key=lambda p: p["conversations"])
     result = {"what": args.what, "machine": args.machine, "curve": curve, "variants": variants,
-              "timings": _jsonl(run / "timings.jsonl")}
+              "timings": read_jsonl(run / "timings.jsonl")}
     Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     plot(curve, Path(args.png_out))
     for p in curve:
