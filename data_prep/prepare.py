@@ -190,7 +190,8 @@ class Preparer:
             "seed": c.seed,
             "dtype": c.dtype,
             # the steering prompts themselves, not the file they came from
-            "synth": config_dict(c.synth) | {"system_prompts": c.synth.systems(), "system_prompts_file": None},
+            "synth": config_dict(c.synth) | {"system_prompts": c.synth.systems(), "system_prompts_file": None,
+                                             "example_prompts": c.synth.examples(), "example_prompts_file": None},
             "regen": {k: v for k, v in self._output_options()["regen"].items() if k != "chunk_size"},
         }
         synthesizer = Synthesizer(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import secrets
 import time
@@ -51,6 +52,8 @@ from eagle3_train.stagedir import StageDir
 USER_FILTERS = ("empty", "too_short", "too_long", "no_end_of_turn", "special_tokens", "repetition")
 SET_FILTERS = ("exact_duplicate", "near_duplicate")
 MAX_ROUNDS = 8  # rounds of extra chunks when filters drop more than expected
+EXAMPLE_CHARS = 300  # an example prompt longer than this is cut (a steering prompt, not a document)
+EXAMPLES_HEADER = "Users write requests like these:"
 CRASH_ENV = "EAGLE3_SYNTH_CRASH_AFTER_CHUNKS"  # tests only: hard-exit a rank after writing N chunks
 
 
@@ -62,6 +65,8 @@ class SynthConfig:
     system_prompts: list[str] | None = None  # steer topics: conversation g uses prompt g % len; null: none
     system_prompts_file: str | None = None  # the same, one prompt per line of a text file
     keep_system_prompt: bool = True  # false: the system prompt steers the question only; the reply and the stored conversation go without it
+    example_prompts_file: str | None = None  # a prompt file (eagle3-eval's formats: your own users' prompts); each steering system prompt then lists examples_per_prompt of their first user turns (use with keep_system_prompt=false)
+    examples_per_prompt: int = 3  # examples shown per conversation, drawn by (seed, conversation)
     temperature: float = 1.0  # sampling temperature of user turns
     top_p: float = 0.99  # nucleus mass of user turns
     max_new_tokens: int = 128  # longest user turn sampled; one that does not end by then is dropped (no_end_of_turn)
@@ -72,7 +77,7 @@ class SynthConfig:
     chunk_size: int = 512  # conversations per resumable chunk under <out>/synth/
 
     def __post_init__(self) -> None:
-        check_numbers(self, "synth.", positive=("turns", "max_new_tokens", "chunk_size"))
+        check_numbers(self, "synth.", positive=("turns", "max_new_tokens", "chunk_size", "examples_per_prompt"))
         if not (self.temperature > 0 and 0 < self.top_p <= 1):
             raise ConfigError("synth.temperature must be > 0 and synth.top_p in (0, 1]")
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -99,6 +104,22 @@ class SynthConfig:
                 raise ConfigError("synth.system_prompts must be a non-empty list of non-empty strings (or null)")
             return list(self.system_prompts)
         return [None]
+
+    def examples(self) -> list[str]:
+        """The first user turns of ``example_prompts_file`` on one line each, at most
+        EXAMPLE_CHARS characters (``[]`` without the file)."""
+        if self.example_prompts_file is None:
+            return []
+        from eagle3_train.prompt_files import read_conversations
+
+        path = Path(self.example_prompts_file).expanduser()
+        if not path.exists():
+            raise ConfigError(f"synth.example_prompts_file {path} does not exist")
+        shown = [" ".join(c.turns[0].split())[:EXAMPLE_CHARS] for c in read_conversations(path) if c.turns]
+        shown = [e for e in shown if e]
+        if not shown:
+            raise ConfigError(f"synth.example_prompts_file {path} holds no user prompt")
+        return shown
 
 
 # -- the template's user-turn prefix ---------------------------------------------------------------
@@ -256,6 +277,7 @@ class Synthesizer:
         self.rank, self.world, self.barrier = rank, world, barrier or (lambda: None)
         self.progress = progress
         self.systems = synth.systems()
+        self.examples = synth.examples()
         self.user_cfg = replace(regen, max_new_tokens=synth.max_new_tokens, do_sample=True, temperature=synth.temperature,
                                 top_p=synth.top_p)  # the questions: sampled, generated as the answers are
         self.generated = Counter()  # new tokens and chunks this rank generated in this run
@@ -267,6 +289,18 @@ class Synthesizer:
                      hint="pass overwrite=true to discard them, or choose another out=").claim(
                 replace=self.overwrite, clear=lambda: [p.unlink() for p in self.dir.glob("chunk-*.json")])
         self.barrier()
+
+    def steering(self, g: int) -> str | None:
+        """Conversation ``g``'s system prompt: steering prompt ``g % len``, then, with
+        ``synth.example_prompts_file``, ``examples_per_prompt`` of its examples drawn by ``(seed, g)``
+        (so which rank writes the conversation, or how many are asked for, does not matter)."""
+        system = self.systems[g % len(self.systems)]
+        if not self.examples:
+            return system
+        picked = random.Random(f"{self.seed}:{g}").sample(self.examples, min(self.synth.examples_per_prompt,
+                                                                             len(self.examples)))
+        listed = EXAMPLES_HEADER + "\n" + "\n".join(f"- {e}" for e in picked)
+        return listed if system is None else f"{system}\n\n{listed}"
 
     def _path(self, chunk: int) -> Path:
         return self.dir / f"chunk-{chunk:06d}.json"
@@ -338,7 +372,7 @@ class Synthesizer:
         size = self.synth.chunk_size
         ids = range(chunk * size, (chunk + 1) * size)
         # per conversation: the messages kept, the system prompt that steers its user turns
-        convs = [{"id": g, "system": self.systems[g % len(self.systems)], "messages": [], "alive": True} for g in ids]
+        convs = [{"id": g, "system": self.steering(g), "messages": [], "alive": True} for g in ids]
         dropped: Counter = Counter()
         new_tokens = 0
         bar = tqdm(total=len(convs) * self.synth.turns * 2, desc=f"synthesize chunk {chunk}", unit="turn",

@@ -115,6 +115,51 @@ def test_synthesized_turns_are_generated_from_exactly_the_prefix(tmp_path, monke
     )
 
 
+def test_example_prompts_steer_the_questions_only(tmp_path, monkeypatch):
+    """synth.example_prompts_file: each conversation's question is written under its steering prompt
+    plus examples_per_prompt first user turns of the file, drawn by (seed, conversation) whatever
+    the chunking; with keep_system_prompt=false the answers and the stored data never see them."""
+    import gzip
+    import json
+
+    from data_prep.synthesize import EXAMPLES_HEADER
+
+    examples = [f"Example request number {i}, about topic {i}." for i in range(6)]
+    (tmp_path / "mine.jsonl").write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": e}, {"role": "assistant", "content": "ok"}]}) + "\n"
+        for e in examples))
+    tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
+    asked = [(f"Question {i}?", True) for i in range(4)]
+    steerings = []
+    for chunk, out in ((4, "a"), (1, "b")):
+        model = Recording(tok, list(asked))
+        _prepare(tmp_path, monkeypatch, model, out=out, synthesize=4, synth=SynthConfig(
+            chunk_size=chunk, system_prompts=["Ask about code."], keep_system_prompt=False,
+            example_prompts_file=str(tmp_path / "mine.jsonl"), examples_per_prompt=2),
+            save_conversations=str(tmp_path / f"{out}.jsonl.gz"))
+        questions = [tok.decode(p) for p in model.prompts if tok.decode(p).endswith("user\n")]
+        replies = [tok.decode(p) for p in model.prompts if not tok.decode(p).endswith("user\n")]
+        steerings.append(sorted(questions))
+        for q in questions:
+            listed = q.split(f"Ask about code.\n\n{EXAMPLES_HEADER}\n")[1].split("<|im_end|>")[0].split("\n")
+            assert len(listed) == 2 and len(set(listed)) == 2
+            assert all(line.removeprefix("- ") in examples for line in listed)
+        assert len(set(questions)) > 1  # conversations draw their own examples
+        assert not any("Example request" in r for r in replies)
+        with gzip.open(tmp_path / f"{out}.jsonl.gz", "rt") as f:  # the steering is kept as metadata only
+            rows = [json.loads(line) for line in f]
+        assert all(EXAMPLES_HEADER in r["system_prompt"] for r in rows)
+        assert not any("Example request" in m["content"] for r in rows for m in r["messages"])
+        data = load_from_disk(str(tmp_path / out / "dataset"))
+        assert not any("Example request" in tok.decode(ids) for ids in data["input_ids"])
+    assert steerings[0] == steerings[1]  # one chunk of 4 or four of 1: the same draws
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises((ConfigError, Eagle3Error), match="empty.jsonl"):
+        SynthConfig(example_prompts_file=str(tmp_path / "empty.jsonl")).examples()
+    with pytest.raises(ConfigError, match="does not exist"):
+        SynthConfig(example_prompts_file=str(tmp_path / "none.jsonl")).examples()
+
+
 def test_every_filter_drops_and_counts(tmp_path, monkeypatch):
     tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
     photosynthesis = ("Could you explain in simple terms how photosynthesis turns sunlight water and carbon dioxide "

@@ -23,7 +23,9 @@
 # (2e-3), TTT (5), BATCH_TOKENS (32768, global: divided by NGPU per rank), INTERMEDIATE (3072: the draft
 # MLP width), DRAFT_VOCAB (8192), NEW_TOKENS (128: reply length), GEN_BATCH (2048: prompts generated
 # together per process, also the synthesis chunk size), GEN_BATCHING (padded: regen.batching, or static
-# | continuous), GEN_RANKS_PER_GPU (2: synthesis processes per GPU), SOURCE (online: the target in the
+# | continuous), GEN_RANKS_PER_GPU (2: synthesis processes per GPU), EXAMPLES (data_prep/prompts/
+# train.jsonl: user prompts shown as examples when the target writes its questions, synth.example_prompts_file;
+# '' for none), SOURCE (online: the target in the
 # training loop; offline: dump + standardize first), TARGET (embedded), DUMP_EXTRA / TRAIN_EXTRA (more
 # eagle3-dump / eagle3-train overrides), UNTIL=standardize (offline: stop once the training data is
 # ready, e.g. to train several variants of it).
@@ -51,8 +53,12 @@ GEN_BATCH=${GEN_BATCH:-2048}
 GEN_PROCS=$((NGPU * ${GEN_RANKS_PER_GPU:-2}))  # synthesis ranks may share a GPU (generation is bound by per-step overhead)
 gen_dist() { if [ "$GEN_PROCS" -gt 1 ]; then python3 -m torch.distributed.run --nproc_per_node "$GEN_PROCS" "$@"; else python3 "$@"; fi; }
 
+EXAMPLES=${EXAMPLES-$PROMPTS/train.jsonl}  # example user prompts shown when the target writes questions ('' for none)
+SYNTH_EXTRA=()
+if [ -n "$EXAMPLES" ]; then SYNTH_EXTRA+=("synth.example_prompts_file=$EXAMPLES"); fi
 run synthesize gen_dist -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$N" out="$RUN/prepared" \
   synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size="$GEN_BATCH" \
+  "${SYNTH_EXTRA[@]}" \
   regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="$GEN_BATCH" regen.batching="${GEN_BATCHING:-padded}"
 RECIPE_TRAIN="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-8} train.lr=${LR:-2e-3} train.warmup_steps=30 \
 train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-32768} / NGPU )) train.eval_every=500 train.keep_best=true train.log_every=50 \
