@@ -31,7 +31,6 @@ are outside the timings; the inductor cache is shared by the cases (`<dir>/induc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import time
@@ -41,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common import launcher, matmul_rate, random_llama, run_isolated, run_suite, sync
+from common import launcher, matmul_rate, part_recorder, random_llama, run_isolated, run_suite, sync
 
 GOALS = {"bytes_per_token_kib": 16.5, "ratio_to_floor": 0.70, "speedup_vs_naive": 3.0, "dp2_speedup": 1.9}
 # name, ranks, seconds at most
@@ -212,14 +211,7 @@ def naive_run(a: argparse.Namespace, target, prepared: Path, out: Path, device: 
 
 def run_case(a: argparse.Namespace) -> None:
     """Measure ``a.case``; the part file ``a.out`` is rewritten after each figure."""
-    result: dict[str, Any] = {}
-    rank = int(os.environ.get("RANK", 0))
-
-    def record(key: str, value: Any) -> None:
-        result[key] = value
-        if rank == 0:
-            Path(a.out).write_text(json.dumps(result, indent=1))
-            print(f"{a.case}.{key}: {json.dumps(value)}", flush=True)
+    record = part_recorder(a.out, a.case)
 
     device = torch.device("cpu") if a.small else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cuda":

@@ -39,7 +39,6 @@ only that case; the JSON is rewritten after each case and by each case after eac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -51,7 +50,7 @@ from typing import Any
 
 import torch
 
-from common import launcher, random_llama, run_isolated, run_suite
+from common import launcher, part_recorder, random_llama, run_isolated, run_suite
 
 GOAL = 0.90  # each scaling efficiency
 # Layouts differ in bf16 rounding (a tensor-parallel layer sums partial products in another order)
@@ -85,14 +84,7 @@ TRAIN = {"train_1gpu": 2, "train_zero2_8": 2, "train_zero3_8": 3}  # ZeRO stage
 
 def run_case(a: argparse.Namespace) -> None:
     """Measure ``a.case``; rank 0 rewrites the part file ``a.out`` after each figure."""
-    result: dict[str, Any] = {}
-    rank = int(os.environ.get("RANK", 0))
-
-    def record(key: str, value: Any) -> None:
-        result[key] = value
-        if rank == 0:
-            Path(a.out).write_text(json.dumps(result, indent=1))
-            print(f"{a.case}.{key}: {json.dumps(value)[:1000]}", flush=True)
+    record = part_recorder(a.out, a.case, limit=1000)
 
     if a.case == "target":
         make_target(a, record)

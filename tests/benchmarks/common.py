@@ -41,6 +41,22 @@ def launcher(ranks: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
 
 
+def part_recorder(out: str | Path, case: str, limit: int | None = None) -> Callable[[str, Any], None]:
+    """``record(key, value)`` for a case running in its own process: adds the figure to the case's
+    result and, on rank 0, rewrites the part file ``out`` and prints it (cut at ``limit`` characters),
+    so a crash later in the case keeps every figure recorded before it."""
+    result: dict[str, Any] = {}
+    rank = int(os.environ.get("RANK", 0))
+
+    def record(key: str, value: Any) -> None:
+        result[key] = value
+        if rank == 0:
+            Path(out).write_text(json.dumps(result, indent=1))
+            print(f"{case}.{key}: {json.dumps(value)[:limit]}", flush=True)
+
+    return record
+
+
 def run_isolated(cmd: list[str], part: Path, seconds: float, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``cmd`` in its own process group for at most ``seconds``. Its result is the JSON it left
     in ``part`` (whatever it wrote before failing, so a crash or an out-of-memory loses only what
