@@ -707,31 +707,28 @@ class Trainer:
             return (evals[-1] if evals else {}) | self._checkpoint_paths(self._checkpoints()[-1])
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                    disable=not (self.cfg.progress and self.dist.is_main))
-        window = np.zeros((o.ttt_length, 3), dtype=np.int64)
-        window_loss, window_tokens, window_start, window_steps = 0.0, 0, time.time(), 0
+        window_start = time.time()
         crash_after = int(os.environ.get(CRASH_ENV, 0))
         batches = self.source.device_batches(Prefetcher(self.train_batches(), depth=2 * o.grad_accum))
         final: dict[str, Any] | None = None
         pending: list[dict[str, torch.Tensor]] = []  # the steps' figures since the last record, on the device
         while self.step < self.total_steps:
             pending.append(self.train_step(batches))
-            window_steps += 1
             bar.update(1)
             if self.step % o.log_every == 0 or self.step == self.total_steps:
                 self.check_finite()
-                window += torch.stack([r["counts"] for r in pending]).sum(0).cpu().numpy()
-                window_loss += float(torch.stack([r["loss"] for r in pending]).sum())
-                window_tokens += int(torch.stack([r["tokens"] for r in pending]).sum())
+                counts = torch.stack([r["counts"] for r in pending]).sum(0).cpu().numpy()
+                loss = float(torch.stack([r["loss"] for r in pending]).double().mean())
+                tokens = int(torch.stack([r["tokens"] for r in pending]).sum())
                 pending.clear()
-                record = self._train_record(window, window_loss / window_steps, window_tokens, time.time() - window_start)
+                record = self._train_record(counts, loss, tokens, time.time() - window_start)
                 self.log(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.2f}", tau=f"{record['tau']:.2f}",
                                 lr=f"{record['lr']:.1e}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
                 self._write(bar, f"step {self.step}/{self.total_steps} loss {record['loss']:.4f} acc "
                                  f"{' '.join(f'{a:.3f}' for a in record['acc'])} tau {record['tau']:.2f} (in-vocab "
                                  f"{record['tau_in_vocab']:.2f}) lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
-                window[:] = 0
-                window_loss, window_tokens, window_start, window_steps = 0.0, 0, time.time(), 0
+                window_start = time.time()
             improved = False
             if o.eval_every and self.step % o.eval_every == 0 and self.step < self.total_steps:
                 self.check_finite()
