@@ -16,7 +16,7 @@ weights).
 
 Overlap (``online.overlap``, GPU): micro-batch i+1's target forward is queued on a side CUDA stream
 before the draft's step on micro-batch i, so the GPU always has the next forward to run while the
-step waits on the host (its loss check, its statistics); the states are handed to the main stream
+step's host-side work (its many small launches) catches up; the states are handed to the main stream
 through an event. Tensor parallelism of the target is left out: a rank holds the whole target.
 """
 
