@@ -117,7 +117,10 @@ def check(config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any, train
                          + ("" if trained is None else ("  OK" if ok else f"  MISMATCH (trained {sorted(trained)})")))
             if r.problem is not None:
                 findings.append(Finding("error", r.problem))
-            if r.pre_norm_final:
+            if r.pre_norm_final and r.note:
+                findings.append(Finding("error", f"{r.note}: it feeds the last layer's output before the final norm "
+                                                 f"there, which no draft trained here saw"))
+            elif r.pre_norm_final:
                 findings.append(Finding("warning", f"{engine} {r.rule.versions}: one id lands on N={n}, the last layer's "
                                                    f"output before the final norm; no HF index names it (HF {n} is "
                                                    f"after the norm), so no draft trained here saw it"))

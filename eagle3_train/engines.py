@@ -11,12 +11,18 @@ id N and SGLang's gpt_oss id N do exactly that; :func:`resolve` reports it as ``
 never as HF index N.
 
 vLLM runs EAGLE-3 drafts (and ``extract_hidden_states``) only for the target classes that implement
-its EAGLE-3 interface (:data:`VLLM_EAGLE3`); it refuses any other target at load. Its DeepSeek
-code (DeepSeek-V2/V3, Kimi-K2) crashes on id 0. Its default runner in 0.33 is V2, listed first.
+its EAGLE-3 interface (:data:`VLLM_EAGLE3`); it refuses any other target at load. Its default runner
+in 0.33 is V2, listed first. No vLLM id 0 gives the embeddings: the DeepSeek code (DeepSeek-V2/V3,
+Kimi-K2) crashes on it, and the llama-family code hands over the embedding tensor itself, which the
+first layer takes as its residual and ``fused_add_rms_norm`` then updates in place, so the draft gets
+a later residual stream instead (measured with vLLM 0.26.0 on an H200: a draft whose ids start at 0
+accepted 1.17 tokens per step where eagle3-eval, which feeds the embeddings, predicted 1.39; ids
+without 0 agreed within 0.02; tests/benchmarks/results/vllm_h200.json).
 
 ``resolve`` answers "what will this engine capture given this config"; ``ids_for`` answers "what
 must the config say so that this engine captures these HF indices", or raises :class:`Unexpressible`
-with the reason. Export uses the second, check and eval the first.
+with the reason. Export uses the second, check and eval the first; ``unservable`` (the second, over
+every engine) lets the dump and the online trainer warn before a capture no engine serves is trained.
 """
 
 from __future__ import annotations
@@ -81,7 +87,10 @@ class Rule:
         note: what to tell the user about this engine.
         model_types: the target model_types the engine serves with this rule (None: every one of
             the family); for another the engine refuses the target.
-        min_id: the smallest id the engine's code survives.
+        min_id: the smallest id for which the engine captures what the id names.
+        id0: why id 0 (the embeddings) fails, when ``min_id`` > 0.
+        id0_is_final: id 0 runs but feeds, in its slot, the last layer's output before the final
+            norm (the residual buffer the captured embedding tensor became); else id 0 crashes.
     """
 
     engine: str
@@ -92,21 +101,26 @@ class Rule:
     note: str = ""
     model_types: frozenset[str] | None = None
     min_id: int = 0
+    id0: str = ""
+    id0_is_final: bool = False
 
 
+_VLLM_ID0 = ("vLLM's id 0 arrives overwritten: its capture keeps the embedding tensor, which the first layer makes "
+             "its residual and fused_add_rms_norm updates in place (measured, vLLM 0.26.0)")
+_VLLM_DEEPSEEK_ID0 = "vLLM's DeepSeek code crashes on id 0 (its residual is still None there)"
 RULES = (
     Rule("sglang", "0.5.23", "llama", (NESTED,), _plus_one, "reads only eagle_config; a top-level key is ignored"),
     Rule("sglang", "0.5.23", "deepseek", (NESTED,), _deepseek, "adds 1 only when the first id is 1"),
     Rule("sglang", "0.5.23", "gpt_oss", (NESTED,), _gpt_oss, "adds 1 unless the largest id is N"),
     # V2, vLLM 0.33's default runner, never reads eagle_config.eagle_aux_hidden_state_layer_ids
     Rule("vllm", "0.33.0 (V2 runner, the default)", "*", ((TOP_KEY,), NESTED_V2), _identity,
-         "top-level key first", VLLM_EAGLE3 - VLLM_DEEPSEEK),
+         "top-level key first", VLLM_EAGLE3 - VLLM_DEEPSEEK, min_id=1, id0=_VLLM_ID0, id0_is_final=True),
     Rule("vllm", "0.33.0 (V2 runner, the default)", "*", ((TOP_KEY,), NESTED_V2), _identity,
-         "top-level key first; its DeepSeek code crashes on id 0", VLLM_DEEPSEEK, min_id=1),
+         "top-level key first", VLLM_DEEPSEEK, min_id=1, id0=_VLLM_DEEPSEEK_ID0),
     Rule("vllm", "0.33.0 (V1 runner)", "*", ((TOP_KEY,), NESTED), _identity, "top-level key first",
-         VLLM_EAGLE3 - VLLM_DEEPSEEK),
+         VLLM_EAGLE3 - VLLM_DEEPSEEK, min_id=1, id0=_VLLM_ID0, id0_is_final=True),
     Rule("vllm", "0.33.0 (V1 runner)", "*", ((TOP_KEY,), NESTED), _identity,
-         "top-level key first; its DeepSeek code crashes on id 0", VLLM_DEEPSEEK, min_id=1),
+         "top-level key first", VLLM_DEEPSEEK, min_id=1, id0=_VLLM_DEEPSEEK_ID0),
     Rule("trtllm", "main 2026-08", "*", (("eagle3_layers_to_capture",),), _plus_one,
          "reads eagle3_layers_to_capture from its own decoding config, not config.json"),
 )
@@ -158,8 +172,10 @@ class Resolution:
         source: the key path it read, or "default".
         hf_indices: the HF indices it captures (ascending), never N.
         pre_norm_final: it also captures the last layer's output before the final norm (an id
-            landing on N), which no HF index names.
+            landing on N, or vLLM's id 0), which no HF index names.
         problem: why the engine fails on these ids (None: it runs).
+        fed: the states it concatenates, in its order: HF indices, N for the pre-norm final state.
+        note: what it does with these ids that the config does not say (None: nothing).
     """
 
     rule: Rule
@@ -168,6 +184,8 @@ class Resolution:
     hf_indices: list[int]
     pre_norm_final: bool = False
     problem: str | None = None
+    fed: list[int] | None = None
+    note: str | None = None
 
     def describe(self) -> str:
         """``HF [..]`` (+ the pre-norm final state), for a report line."""
@@ -187,11 +205,15 @@ def resolve(config: dict, engine: str, model_type: str, num_hidden_layers: int) 
                 break
         else:
             ids, source = None, "default"
-        captured = sorted(rule.to_hf(ids, n)) if ids is not None else engine_default(n)
-        problem = None
+        fed = sorted(rule.to_hf(ids, n)) if ids is not None else engine_default(n)
+        problem = note = None
         if ids is not None and ids and min(ids) < rule.min_id:
-            problem = f"{engine} {rule.versions} fails on id {min(ids)} for a {model_type} target ({rule.note})"
-        out.append(Resolution(rule, ids, source, [k for k in captured if k != n], n in captured, problem))
+            text = f"{engine} {rule.versions} cannot use id {min(ids)} for a {model_type} target: {rule.id0}"
+            if rule.id0_is_final and min(ids) == 0:  # it runs, on the pre-norm final state in id 0's slot
+                fed, note = [n] + [k for k in fed if k != 0], text
+            else:
+                problem = text
+        out.append(Resolution(rule, ids, source, sorted(k for k in fed if k != n), n in fed, problem, fed, note))
     return out
 
 
@@ -222,13 +244,32 @@ def ids_for(hf_indices: list[int], engine: str, model_type: str, num_hidden_laye
     return out
 
 
+def unservable(hf_indices: list[int], model_type: str, num_hidden_layers: int) -> dict[str, str]:
+    """{engine: why no config makes it capture ``hf_indices``} for each engine that cannot (empty: all can)."""
+    out = {}
+    for engine in ENGINES:
+        try:
+            ids_for(hf_indices, engine, model_type, num_hidden_layers)
+        except Unexpressible as e:
+            out[engine] = str(e)
+    return out
+
+
+def serving_warning(hf_indices: list[int], model_type: str, num_hidden_layers: int) -> str | None:
+    """A warning when neither SGLang nor vLLM can serve a draft trained on ``hf_indices`` (None: one can)."""
+    bad = unservable(hf_indices, model_type, num_hidden_layers)
+    if not {"sglang", "vllm"} <= bad.keys():
+        return None
+    return (f"no serving engine can feed a draft the capture {list(hf_indices)}; eagle3-export will refuse it:\n  "
+            + "\n  ".join(bad[e] for e in ("sglang", "vllm")))
+
+
 def _why(engine: str, model_type: str, rule: Rule, ks: list[int], n: int) -> str:
     fam = family_of(model_type)
     if 0 in ks and rule.to_hf is _plus_one:
-        hint = "HF index 0 (the embeddings) cannot be captured: choose aux layers >= 1, or serve with vLLM"
+        hint = "HF index 0 (the embeddings) cannot be captured: its id would be -1; choose aux layers >= 1"
     elif 0 in ks and rule.min_id > 0:
-        hint = ("HF index 0 (the embeddings) cannot be captured: vLLM's DeepSeek code crashes on id 0 (its residual "
-                "is still None there); choose aux layers >= 1")
+        hint = f"HF index 0 (the embeddings) cannot be captured: {rule.id0}; choose aux layers >= 1"
     elif rule.to_hf is _deepseek and ks[0] == 1:
         hint = ("a first HF index of 1 cannot be written: ids starting at 1 are shifted by one, ids starting "
                 "at 0 are not; choose a first layer other than 1, or serve with vLLM")

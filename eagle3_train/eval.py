@@ -187,13 +187,16 @@ class Evaluator:
         if not resolutions:
             raise ContractError(f"{cfg.engine} serves no EAGLE-3 draft for a {tc.model_type} target (eagle3_train.engines)")
         self.resolution = resolutions[0]  # the engine's default runner
-        self.layers = self.resolution.hf_indices
+        self.layers = self.resolution.fed  # in the engine's order; N: the last layer's pre-norm output
         if self.resolution.problem is not None:
             raise ContractError(f"{self.resolution.problem}: the engine could not run this draft")
-        if self.resolution.pre_norm_final:
-            raise ContractError(f"{cfg.engine} would capture the last layer's output before the final norm (an id "
-                                f"landing on N={tc.num_hidden_layers}), which no HF index names: this draft was not "
-                                f"trained on what the engine would feed it")
+        self.warnings = []
+        if self.resolution.pre_norm_final:  # fed as the engine would: tau then shows what serving gets
+            how = self.resolution.note or f"an id lands on N={tc.num_hidden_layers}"
+            self.warnings.append(f"{cfg.engine} feeds the last layer's output before the final norm ({how}); no HF "
+                                 f"index names it and no draft trained here saw it: it is fed so, as the engine would")
+        for warning in self.warnings:
+            print(f"eagle3-eval: warning: {warning}", file=sys.stderr, flush=True)
         if any(k < 0 or k > tc.num_hidden_layers for k in self.layers):
             raise ContractError(f"{cfg.engine} would capture HF indices {self.layers}, outside 0..{tc.num_hidden_layers}")
         if len(self.layers) * tc.hidden_size != self.draft.fc.in_features:
@@ -276,7 +279,8 @@ class Evaluator:
         c = self.decoder.counters
         report = {
             "engine": self.cfg.engine, "rule": self.resolution.rule.versions, "ids_read_from": self.resolution.source,
-            "ids": self.resolution.ids, "captured_hf_indices": self.layers,
+            "ids": self.resolution.ids, "captured_hf_indices": self.resolution.hf_indices,
+            "fed": self.layers, "pre_norm_final": self.resolution.pre_norm_final, "warnings": self.warnings,
             "trained_hf_indices": self.config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"),
             "trained_ttt_length": self.config.get("eagle3_train", {}).get("training", {}).get("ttt_length"),
             "conversations": len(conversations), "prompts": len(results), "k": k, "tokens": tokens,
@@ -307,7 +311,7 @@ class Evaluator:
                                     "accepted": r.accepted, "lossless": r.check["status"], "reply": r.reply}) + "\n")
         plot_acceptance(report, self.out / "acceptance.png")
         report = out.write_manifest(report)
-        print(f"eagle3-eval ({self.cfg.engine}: HF {self.layers} from {self.resolution.source}): tau {report['tau']:.2f} "
+        print(f"eagle3-eval ({self.cfg.engine}: {self.resolution.describe()} from {self.resolution.source}): tau {report['tau']:.2f} "
               f"over {report['verify_steps']} verify steps, acceptance per position "
               f"{[round(p, 3) for p in report['acceptance_per_position']]}; per category "
               f"{ {cat: round(v['tau'], 2) for cat, v in report['categories'].items()} }; lossless {report['lossless']} "

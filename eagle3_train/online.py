@@ -23,6 +23,7 @@ through an event. Tensor parallelism of the target is left out: a rank holds the
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from eagle3_train.capture import capture
+from eagle3_train.engines import serving_warning
 from eagle3_train.contract import MANIFEST_NAME, CaptureSpec, check_dtype, default_aux_indices, validate_aux_indices
 from eagle3_train.data import Batch, Source, pad_tokens
 from eagle3_train.dist import DistInfo, barrier, print0
@@ -131,6 +133,9 @@ class OnlineSource(Source):
         about = loaded or load_target(target, cache_dir=cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code)
         n = about.num_hidden_layers
         aux = default_aux_indices(n) if cfg.aux_indices is None else validate_aux_indices(list(cfg.aux_indices), n)
+        warning = serving_warning(list(aux), about.identity.model_type, n)
+        if warning and dist.rank == 0:
+            print(f"eagle3-train: warning: {warning}", file=sys.stderr, flush=True)
         identity = self.prepared.identity_for(about, target)
         self.target = loaded or self._load(target, cache_dir)
         self.model = self.target.model.requires_grad_(False).eval()

@@ -226,7 +226,7 @@ class StandinVllm(_Standin):
         identity = target_identity("standin", self.model.config, self.tokenizer)
         draft, config = load_draft(Path(draft_dir), Target(self.model, self.tokenizer, self.model.config, identity, None))
         rule = resolve(config, "vllm", self.model.config.model_type, self.n)[0]
-        layers = rule.hf_indices + ([self.n] if rule.pre_norm_final else [])
+        layers = rule.fed  # in vLLM's order, N for the last layer's pre-norm output (an id N, or id 0)
         return SpecDecoder(self.model, draft.to(self.dtype), layers, self.k, eos_ids(self.model, self.tokenizer))
 
     def count_request(self, accepted: list[int], tokens: int, reason: str) -> None:
@@ -325,7 +325,9 @@ class StandinVllm(_Standin):
         if self.storage is None:
             return 400, {"error": "this server was launched without the hidden-states connector"}
         hidden, pre_norm, next_token = self.forward(prompt)
-        layers = [pre_norm if v == self.n else hidden[v] for v in self.layer_ids]
+        # vLLM's id 0 keeps the embedding tensor, which its in-place residual update turns into the
+        # last layer's pre-norm output by the time the states are read (measured, vLLM 0.26.0)
+        layers = [pre_norm if v in (0, self.n) else hidden[v] for v in self.layer_ids]
         states = torch.stack(layers, dim=1).to(self.dtype).contiguous()  # [T, K, H]
         with self.forward_lock:
             self.requests += 1

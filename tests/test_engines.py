@@ -3,7 +3,7 @@
 import pytest
 
 from eagle3_train.contract import CaptureSpec, TargetIdentity
-from eagle3_train.engines import ids_for, resolve
+from eagle3_train.engines import ids_for, resolve, unservable
 from eagle3_train.errors import ContractError
 from eagle3_train.export import engine_keys
 
@@ -35,9 +35,22 @@ def test_worked_example_llama31():
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 15, 28]
 
 
-def test_vllm_only_export_captures_embeddings_for_llama_family_targets():
-    config = engine_keys(spec("qwen3", [0, 16, 29]), ["vllm"])
-    assert [r.hf_indices for r in resolve(config, "vllm", "qwen3", 32)] == [[0, 16, 29]] * 2
+def test_no_engine_serves_the_embeddings():
+    """HF index 0 reaches no draft: SGLang's id would be -1, and vLLM's id 0 arrives overwritten (its
+    llama-family capture keeps the embedding tensor, which the in-place residual update turns into
+    the last layer's pre-norm output; measured with vLLM 0.26.0, results/vllm_h200.json) or crashes
+    (DeepSeek). Export and the served dump refuse it; resolve says what vLLM really feeds."""
+    for model_type in ("llama", "qwen3", "mistral"):
+        with pytest.raises(ContractError, match="HF index 0 .*vLLM's id 0 arrives overwritten.*in place"):
+            engine_keys(spec(model_type, [0, 16, 29]), ["vllm"])
+        for r in resolve({"eagle_aux_hidden_state_layer_ids": [0, 16, 29]}, "vllm", model_type, 32):
+            assert (r.hf_indices, r.pre_norm_final, r.fed, r.problem) == ([16, 29], True, [32, 16, 29], None)
+            assert "cannot use id 0" in r.note and "overwritten" in r.note
+        for r in resolve({"eagle_aux_hidden_state_layer_ids": [1, 16, 29]}, "vllm", model_type, 32):
+            assert (r.fed, r.note, r.problem) == ([1, 16, 29], None, None)
+    assert unservable([0, 16, 29], "llama", 32).keys() == {"sglang", "vllm", "trtllm"}
+    assert unservable([1, 16, 29], "llama", 32) == {}
+    assert set(unservable([1, 16, 29], "deepseek_v3", 61)) == {"sglang"}  # a first index of 1 (SGLang's guess)
 
 
 def test_vllm_serves_only_targets_with_its_eagle3_interface():
@@ -57,10 +70,9 @@ def test_vllm_deepseek_refuses_the_embeddings():
         with pytest.raises(ContractError, match="HF index 0 .*vLLM's DeepSeek code crashes on id 0"):
             engine_keys(spec(model_type, [0, 30, 58], 61), ["vllm"])
         bad = resolve({"eagle_aux_hidden_state_layer_ids": [0, 30, 58]}, "vllm", model_type, 61)
-        assert [r.problem is not None and "fails on id 0" in r.problem for r in bad] == [True, True]
+        assert [r.problem is not None and "crashes on id 0" in r.problem for r in bad] == [True, True]
     config = engine_keys(spec("deepseek_v2", [0, 30, 58], 61), ["sglang"])
     assert [r.hf_indices for r in resolve(config, "sglang", "deepseek_v2", 61)] == [[0, 30, 58]]
-    assert all(r.problem is None for r in resolve({"eagle_aux_hidden_state_layer_ids": [0, 30, 58]}, "vllm", "llama", 61))
 
 
 def test_an_id_landing_on_n_is_the_pre_norm_final_state_not_hf_index_n():
@@ -144,4 +156,4 @@ def test_check_flags_pre_norm_final_and_deepseek_id_0():
     assert any(f.level == "error" and "the draft was trained on [2, 16, 29]" in f.text for f in findings)
     assert any("one id lands on N=32, the last layer's output before the final norm" in f.text for f in findings)
     _, findings = _check("deepseek_v3", {"eagle_aux_hidden_state_layer_ids": [0, 30, 58]}, [0, 30, 58], 61)
-    assert [f.level for f in findings] == ["error", "error"] and all("fails on id 0" in f.text for f in findings)
+    assert [f.level for f in findings] == ["error", "error"] and all("cannot use id 0" in f.text and "crashes on id 0" in f.text for f in findings)

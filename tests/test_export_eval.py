@@ -100,8 +100,12 @@ def test_eval_warns_when_the_chain_is_longer_than_training(pipeline):
 
 def test_right_config_beats_off_by_one_and_both_are_lossless(pipeline):
     right = evaluate(pipeline, pipeline / "export")
+    # vLLM's id 0 is the last layer's pre-norm output (the embedding tensor it keeps is updated in
+    # place): eval feeds that, in id 0's slot, and says so
     wrong = evaluate(pipeline, off_by_one(pipeline, "wrong", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2])))
-    assert right["captured_hf_indices"] == [1, 2, 3] and wrong["captured_hf_indices"] == [0, 1, 2]
+    assert right["captured_hf_indices"] == right["fed"] == [1, 2, 3] and right["warnings"] == []
+    assert (wrong["captured_hf_indices"], wrong["fed"], wrong["pre_norm_final"]) == ([1, 2], [4, 1, 2], True)
+    assert "vLLM's id 0 arrives overwritten" in wrong["warnings"][0]
     assert right["rule"] == "0.33.0 (V2 runner, the default)"  # vLLM's default runner decides what eval feeds
     assert right["lossless"] == wrong["lossless"] == "identical"  # fp32: token for token
     assert right["tau"] > wrong["tau"] + 0.2, (right["tau"], wrong["tau"])
@@ -159,9 +163,9 @@ def test_bad_drafts(pipeline, tmp_path):
     two = off_by_one(pipeline, "two_layers", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2]))
     with pytest.raises(ContractError, match="fc takes 192: the engine would fail"):
         evaluate(pipeline, two)
-    pre_norm = off_by_one(pipeline, "pre_norm", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 4]))
-    with pytest.raises(ContractError, match="vllm would capture the last layer's output before the final norm"):
-        evaluate(pipeline, pre_norm)  # vLLM's id N = 4 is not HF index 4 (post-norm)
+    pre_norm = evaluate(pipeline, off_by_one(pipeline, "pre_norm", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 4])))
+    assert (pre_norm["captured_hf_indices"], pre_norm["fed"]) == ([1, 2], [1, 2, 4])  # vLLM's id N=4: not HF 4 (post-norm)
+    assert "feeds the last layer's output before the final norm (an id lands on N=4)" in pre_norm["warnings"][0]
     with pytest.raises(ContractError, match="HF index 0 \\(the embeddings\\)"):
         state = json.loads((pipeline / "train" / "checkpoints").glob("step*").__next__().joinpath("state.json").read_text())
         state["capture"]["aux_indices"] = [0, 1, 2]

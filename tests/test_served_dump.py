@@ -31,7 +31,7 @@ def prepared(tmp_path_factory):
     return prepare_tiny(tmp_path_factory.mktemp("served"), mixed_conversations(24, seed=1, max_user=40, max_words=15))
 
 
-def config(prepared, out, backend="hf", aux=AUX, extra=(0,), **kw):
+def config(prepared, out, backend="hf", aux=AUX, extra=(), **kw):
     client = ClientConfig(**{"concurrency": 4, "backoff_s": 0.01, "wait_for_server_s": 5.0, **kw.pop("client", {})})
     return DumpConfig(target="tiny", data=str(prepared), out=str(out), backend=backend, dtype=kw.pop("dtype", "float32"),
                       capture=CaptureConfig(aux_indices=list(aux), extra_indices=list(extra)), progress=False,
@@ -47,7 +47,7 @@ def hf_dump(prepared, tmp_path_factory):
 
 
 def vllm(out, **kw):
-    return StandinVllm(build_tiny_model(), [0, *AUX, N], out.parent / "engine", **kw)
+    return StandinVllm(build_tiny_model(), [*AUX, N], out.parent / "engine", **kw)
 
 
 def sglang_pair(dtype=torch.float32):
@@ -175,9 +175,9 @@ def test_engine_answers_that_retrying_cannot_fix_stop_at_once(prepared, tmp_path
         server.shift_tokens = True
         with pytest.raises(Eagle3Error, match="token_ids differ from the prompt \\(position 0"):
             Dumper(config(prepared, tmp_path / "a", "vllm", server=ServerConfig(url=server.url))).run()
-    # the engine launched for another capture (no embedding layer)
-    with StandinVllm(build_tiny_model(), [*AUX, N], tmp_path / "e") as server:
-        with pytest.raises(Eagle3Error, match=r"shape \[\d+, 4, 64\], expected \[\d+, 5, 64\].*launched for another capture"):
+    # the engine launched for another capture (layer 1 left out)
+    with StandinVllm(build_tiny_model(), [2, 3, N], tmp_path / "e") as server:
+        with pytest.raises(Eagle3Error, match=r"shape \[\d+, 3, 64\], expected \[\d+, 4, 64\].*launched for another capture"):
             Dumper(config(prepared, tmp_path / "b", "vllm", server=ServerConfig(url=server.url))).run()
     with vllm(tmp_path / "c", dtype=torch.bfloat16) as server:
         with pytest.raises(Eagle3Error, match="states are torch.bfloat16, this dump stores torch.float32"):
@@ -199,7 +199,7 @@ def test_engine_answers_that_retrying_cannot_fix_stop_at_once(prepared, tmp_path
 
 def test_an_engine_serving_another_model_is_caught(prepared, tmp_path):
     """Same tokenizer, other weights: the engine's next tokens disagree with lm_head(last_hidden)."""
-    other = StandinVllm(build_tiny_model(seed=7), [0, *AUX, N], tmp_path / "engine")
+    other = StandinVllm(build_tiny_model(seed=7), [*AUX, N], tmp_path / "engine")
     with other:
         with pytest.raises(Eagle3Error, match="next token is outside the top 5 of lm_head\\(last_hidden\\)"):
             Dumper(config(prepared, tmp_path / "dump", "vllm", server=ServerConfig(url=other.url))).run()
@@ -268,7 +268,7 @@ def test_client_processes_from_the_command_line_equal_hf(prepared, hf_dump, tmp_
     out = tmp_path / "dump"
     with vllm(out) as server:
         procs = [subprocess.Popen([sys.executable, "-m", "data_prep.dump", "backend=vllm", "target=tiny", f"data={prepared}",
-                                   f"out={out}", "dtype=float32", "capture.aux_indices=[1,2,3]", "capture.extra_indices=[0]",
+                                   f"out={out}", "dtype=float32", "capture.aux_indices=[1,2,3]",
                                    f"server.url={server.url}", f"client.rank={r}", "client.world_size=2", "progress=false"],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
         logs = [p.communicate(timeout=120)[0] for p in procs]
@@ -313,9 +313,8 @@ def test_launch_script_starts_the_printed_engines_and_clients(backend, prepared,
     env = dict(os.environ, BACKEND=backend, CLIENTS="2", LOGDIR=str(tmp_path), PATH=f"{bin_dir}:{os.environ['PATH']}",
                PYTHONPATH=f"{tmp_path / 'py'}:{repo}", EAGLE3_DUMP=f"{sys.executable} -m data_prep.dump",
                ENGINE_DEVICES="0;1")  # one device list per engine (the stand-ins ignore it)
-    extra = "[0]" if backend == "vllm" else "[]"
     run = subprocess.run(["bash", str(repo / "launch" / "dump_served.sh"), f"target={target}", f"data={prepared}",
-                          f"out={out}", "dtype=float32", "capture.aux_indices=[1,2,3]", f"capture.extra_indices={extra}",
+                          f"out={out}", "dtype=float32", "capture.aux_indices=[1,2,3]",
                           "progress=false", *urls], env=env, capture_output=True, text=True, timeout=240)
     logs = "".join((tmp_path / f).read_text() for f in ("engine0.log", "engine1.log") if (tmp_path / f).exists())
     assert run.returncode == 0, run.stdout + run.stderr + logs

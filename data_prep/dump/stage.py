@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from eagle3_train.cli import config_dict
 from eagle3_train.contract import MANIFEST_NAME, CaptureSpec, read_manifest
 from eagle3_train.dist import all_gather_objects, barrier, print0
+from eagle3_train.engines import serving_warning
 from eagle3_train.errors import Eagle3Error, IncompleteError
 from eagle3_train.formats import ShardRecord, finished_records, read_keys, remove_unfinished, verify_shard
 from eagle3_train.prepared import PreparedData
@@ -66,6 +67,9 @@ class Dumper:
         }
         self.dir = StageDir(self.out, STAGE, self.request)
         self.backend.check(self)
+        warning = serving_warning(list(aux), self.identity.model_type, self.target.num_hidden_layers)
+        if warning:
+            self.say(f"warning: {warning}")
 
     def say(self, text: str) -> None:
         """A progress line: once for a process group, from every independent client (named)."""
