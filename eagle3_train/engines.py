@@ -15,9 +15,9 @@ its EAGLE-3 interface (:data:`VLLM_EAGLE3`); it refuses any other target at load
 in 0.33 is V2, listed first. No vLLM id 0 gives the embeddings: the DeepSeek code (DeepSeek-V2/V3,
 Kimi-K2) crashes on it, and the llama-family code hands over the embedding tensor itself, which the
 first layer takes as its residual and ``fused_add_rms_norm`` then updates in place, so the draft gets
-a later residual stream instead (measured with vLLM 0.26.0 on an H200: a draft whose ids start at 0
-accepted 1.17 tokens per step where eagle3-eval, which feeds the embeddings, predicted 1.39; ids
-without 0 agreed within 0.02; tests/benchmarks/results/vllm_h200.json).
+the last layer's pre-norm output instead (measured with vLLM 0.26.0 on an H200: a draft whose ids
+start at 0 accepted 1.17 tokens per step; eagle3-eval predicted 1.39 feeding the embeddings and 1.16
+feeding that state; ids without 0 agreed within 0.02; tests/benchmarks/results/vllm_h200.json).
 
 ``resolve`` answers "what will this engine capture given this config"; ``ids_for`` answers "what
 must the config say so that this engine captures these HF indices", or raises :class:`Unexpressible`

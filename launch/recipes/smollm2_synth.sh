@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
 # The data recipe for SmolLM2-135M-Instruct (the embedded target) on one or two GPUs: the target
 # writes N conversations itself (eagle3-prepare synthesize=N, steered by
-# data_prep/prompts/synth_systems.txt, answered greedily), then dump, standardize, train (ttt 5 =
-# the chain length it is evaluated with, target-initialised lm_head), export, eval on the shipped
+# data_prep/prompts/synth_systems.txt, answered greedily), then trains online with the target in the
+# loop (SOURCE=offline: dump + standardize first; ttt 5 = the chain length it is evaluated with,
+# target-initialised lm_head), exports, checks and evals on the shipped
 # held-out prompts (chain k=5, greedy, 128 new tokens, fp32: the lossless check is exact).
 #
 #   bash launch/recipes/smollm2_synth.sh                          # all GPUs of this machine
 #   NGPU=1 N=16384 EPOCHS=4 RUN_DIR=runs/s16k bash launch/recipes/smollm2_synth.sh
 #
-# Measured on 2 H200s (tests/benchmarks/results/recipe_synth_h200x2.json): tau 2.40 on the held-out
-# prompts, lossless, about 13 minutes end to end (synthesis 7.4 of them), with the earlier settings
-#   N=32768 SOURCE=offline BATCH_TOKENS=65536 LR=3e-3 EPOCHS=10 INTERMEDIATE=1536 GEN_BATCH=1024 GEN_RANKS_PER_GPU=1
-# The defaults now aim at tau 3 within 20 minutes on 2 H200s, from what was measured since: twice the
-# conversations (tau grew 0.25-0.3 per doubling), generated 1.9x faster (2048 prompts per batch in 2
-# processes per GPU, generate_h200.json), trained online (no dump, no standardize, no disk limit) with
-# the sweep's best options (recipe_sweep_h200x2.json: target lm_head, MLP 3072, lr below 3e-3) and a
-# 32k-token global batch (as many steps over 64k conversations as the sweep's best 8k batches over 16k,
-# at ~4x the tokens/s). The end-to-end run with these defaults is not measured yet.
+# Measured with these defaults at N=32768 on one H200 (tests/benchmarks/results/recipe_online_h200x2.json):
+# tau 2.53 on the held-out prompts (vLLM 0.26 serving the export: 2.53), lossless, 15.0 minutes end to
+# end (synthesis 7.4, online training 6.6, export + check + eval 1.0); the same conversations on two
+# H200s, 12 epochs of 64k-token batches: 2.51 (training 5.6 minutes). The default N=65536 on two GPUs
+# (about 16 minutes: synthesis as long as 32768 on one, training 2 x the tokens at 1.8 x the tokens/s)
+# is not measured; tau grew 0.2-0.3 per doubling of conversations. Earlier settings, measured at
+# tau 2.40 (recipe_synth_h200x2.json):
+#   N=32768 SOURCE=offline BATCH_TOKENS=65536 LR=3e-3 EPOCHS=10 INTERMEDIATE=1536 GEN_BATCH=1024 GEN_RANKS_PER_GPU=1 EXAMPLES=
 #
 # Every stage reuses finished output, so a rerun continues where a crash stopped. Stage times go to
 # $RUN_DIR/timings.jsonl. Variables (default): N (65536), NGPU (all GPUs), RUN_DIR, EPOCHS (8), LR
-# (2e-3), TTT (5), BATCH_TOKENS (32768, global: divided by NGPU per rank), INTERMEDIATE (3072: the draft
+# (2e-3), TTT (5), BATCH_TOKENS (32768 x NGPU, global: divided by NGPU per rank; the online step's time
+# hardly depends on its tokens, so each GPU takes 32k), INTERMEDIATE (3072: the draft
 # MLP width), DRAFT_VOCAB (8192), NEW_TOKENS (128: reply length), GEN_BATCH (2048: prompts generated
 # together per process, also the synthesis chunk size), GEN_BATCHING (padded: regen.batching, or static
 # | continuous), GEN_RANKS_PER_GPU (2: synthesis processes per GPU), EXAMPLES (data_prep/prompts/
@@ -61,7 +62,7 @@ run synthesize gen_dist -m data_prep.prepare target="${TARGET:-embedded}" synthe
   "${SYNTH_EXTRA[@]}" \
   regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="$GEN_BATCH" regen.batching="${GEN_BATCHING:-padded}"
 RECIPE_TRAIN="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-8} train.lr=${LR:-2e-3} train.warmup_steps=30 \
-train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-32768} / NGPU )) train.eval_every=500 train.keep_best=true train.log_every=50 \
+train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-$((32768 * NGPU))} / NGPU )) train.eval_every=500 train.keep_best=true train.log_every=50 \
 model.lm_head_init=target model.intermediate_size=${INTERMEDIATE:-3072}"
 if [ "${SOURCE:-online}" = online ]; then  # the target runs in the training loop: no dump, no standardize
   # shellcheck disable=SC2086  # RECIPE_TRAIN and TRAIN_EXTRA are lists of overrides

@@ -13,7 +13,7 @@
 #          Nothing else runs on the GPU while vLLM starts: its memory profiling fails when another
 #          process frees GPU memory meanwhile (vllm/v1/worker/gpu_worker.py)
 #   c      the same with a copy of the export whose aux-layer ids (vLLM's top-level ones and SGLang's
-#          nested ones) are shifted by SHIFT layers: acceptance must collapse in vLLM as in eval
+#          nested ones) are shifted by SHIFT layers: vLLM must lose what eval loses
 #   a      prepare N conversations, dump them with backend=hf (bf16) and with backend=vllm
 #          (launch/dump_served.sh: vLLM with extract_hidden_states), compare the two dumps
 #          (tests/benchmarks/compare_dumps.py); last, as it needs no draft
