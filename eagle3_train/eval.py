@@ -194,7 +194,7 @@ class Evaluator:
         if self.resolution.pre_norm_final:  # fed as the engine would: tau then shows what serving gets
             how = self.resolution.note or f"an id lands on N={tc.num_hidden_layers}"
             self.warnings.append(f"{cfg.engine} feeds the last layer's output before the final norm ({how}); no HF "
-                                 f"index names it and no draft trained here saw it: it is fed so, as the engine would")
+                                 f"index names it and no draft trained here saw it; eval feeds it as the engine would")
         for warning in self.warnings:
             print(f"eagle3-eval: warning: {warning}", file=sys.stderr, flush=True)
         if any(k < 0 or k > tc.num_hidden_layers for k in self.layers):
