@@ -87,8 +87,7 @@ class Rule:
         note: what to tell the user about this engine.
         model_types: the target model_types the engine serves with this rule (None: every one of
             the family); for another the engine refuses the target.
-        min_id: the smallest id for which the engine captures what the id names.
-        id0: why id 0 (the embeddings) fails, when ``min_id`` > 0.
+        id0: why id 0 (the embeddings) fails in this engine ("": it does not).
         id0_is_final: id 0 runs but feeds, in its slot, the last layer's output before the final
             norm (the residual buffer the captured embedding tensor became); else id 0 crashes.
     """
@@ -100,9 +99,13 @@ class Rule:
     to_hf: Callable[[list[int], int], list[int]]
     note: str = ""
     model_types: frozenset[str] | None = None
-    min_id: int = 0
     id0: str = ""
     id0_is_final: bool = False
+
+    @property
+    def min_id(self) -> int:
+        """The smallest id for which the engine captures what the id names."""
+        return 1 if self.id0 else 0
 
 
 _VLLM_ID0 = ("vLLM's id 0 arrives overwritten: its capture keeps the embedding tensor, which the first layer makes "
@@ -114,13 +117,13 @@ RULES = (
     Rule("sglang", "0.5.23", "gpt_oss", (NESTED,), _gpt_oss, "adds 1 unless the largest id is N"),
     # V2, vLLM 0.33's default runner, never reads eagle_config.eagle_aux_hidden_state_layer_ids
     Rule("vllm", "0.33.0 (V2 runner, the default)", "*", ((TOP_KEY,), NESTED_V2), _identity,
-         "top-level key first", VLLM_EAGLE3 - VLLM_DEEPSEEK, min_id=1, id0=_VLLM_ID0, id0_is_final=True),
+         "top-level key first", VLLM_EAGLE3 - VLLM_DEEPSEEK, id0=_VLLM_ID0, id0_is_final=True),
     Rule("vllm", "0.33.0 (V2 runner, the default)", "*", ((TOP_KEY,), NESTED_V2), _identity,
-         "top-level key first", VLLM_DEEPSEEK, min_id=1, id0=_VLLM_DEEPSEEK_ID0),
+         "top-level key first", VLLM_DEEPSEEK, id0=_VLLM_DEEPSEEK_ID0),
     Rule("vllm", "0.33.0 (V1 runner)", "*", ((TOP_KEY,), NESTED), _identity, "top-level key first",
-         VLLM_EAGLE3 - VLLM_DEEPSEEK, min_id=1, id0=_VLLM_ID0, id0_is_final=True),
+         VLLM_EAGLE3 - VLLM_DEEPSEEK, id0=_VLLM_ID0, id0_is_final=True),
     Rule("vllm", "0.33.0 (V1 runner)", "*", ((TOP_KEY,), NESTED), _identity,
-         "top-level key first", VLLM_DEEPSEEK, min_id=1, id0=_VLLM_DEEPSEEK_ID0),
+         "top-level key first", VLLM_DEEPSEEK, id0=_VLLM_DEEPSEEK_ID0),
     Rule("trtllm", "main 2026-08", "*", (("eagle3_layers_to_capture",),), _plus_one,
          "reads eagle3_layers_to_capture from its own decoding config, not config.json"),
 )
@@ -208,7 +211,8 @@ def resolve(config: dict, engine: str, model_type: str, num_hidden_layers: int) 
         fed = sorted(rule.to_hf(ids, n)) if ids is not None else engine_default(n)
         problem = note = None
         if ids is not None and ids and min(ids) < rule.min_id:
-            text = f"{engine} {rule.versions} cannot use id {min(ids)} for a {model_type} target: {rule.id0}"
+            why = rule.id0 if min(ids) == 0 else f"ids below {rule.min_id} are outside its rule"
+            text = f"{engine} {rule.versions} cannot use id {min(ids)} for a {model_type} target: {why}"
             if rule.id0_is_final and min(ids) == 0:  # it runs, on the pre-norm final state in id 0's slot
                 fed, note = [n] + [k for k in fed if k != 0], text
             else:
@@ -244,10 +248,11 @@ def ids_for(hf_indices: list[int], engine: str, model_type: str, num_hidden_laye
     return out
 
 
-def unservable(hf_indices: list[int], model_type: str, num_hidden_layers: int) -> dict[str, str]:
-    """{engine: why no config makes it capture ``hf_indices``} for each engine that cannot (empty: all can)."""
+def unservable(hf_indices: list[int], model_type: str, num_hidden_layers: int,
+               engines: tuple[str, ...] = ENGINES) -> dict[str, str]:
+    """{engine: why no config makes it capture ``hf_indices``} for each of ``engines`` that cannot (empty: all can)."""
     out = {}
-    for engine in ENGINES:
+    for engine in engines:
         try:
             ids_for(hf_indices, engine, model_type, num_hidden_layers)
         except Unexpressible as e:
@@ -257,8 +262,8 @@ def unservable(hf_indices: list[int], model_type: str, num_hidden_layers: int) -
 
 def serving_warning(hf_indices: list[int], model_type: str, num_hidden_layers: int) -> str | None:
     """A warning when neither SGLang nor vLLM can serve a draft trained on ``hf_indices`` (None: one can)."""
-    bad = unservable(hf_indices, model_type, num_hidden_layers)
-    if not {"sglang", "vllm"} <= bad.keys():
+    bad = unservable(hf_indices, model_type, num_hidden_layers, ("sglang", "vllm"))
+    if len(bad) < 2:
         return None
     return (f"no serving engine can feed a draft the capture {list(hf_indices)}; eagle3-export will refuse it:\n  "
             + "\n  ".join(bad[e] for e in ("sglang", "vllm")))
