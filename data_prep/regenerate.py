@@ -22,7 +22,7 @@ from data_prep.served_regen import ServedRegenConfig, served_generate_batch
 from eagle3_train.errors import ConfigError, check_numbers
 
 BACKENDS = ("hf", "vllm", "sglang")
-BATCHING = ("padded", "static", "continuous")
+BATCHING = ("padded", "static", "continuous", "graph")
 STATIC_WIDTH_STEP = 64  # regen.batching=static: prompt widths are rounded up to this (fewer compiled shapes)
 
 
@@ -37,7 +37,7 @@ class RegenConfig:
     batch_size: int = 32  # prompts generated together
     chunk_size: int = 1024  # conversations per resumable chunk written under <out>/regen/
     backend: str = "hf"  # hf: transformers in this process; vllm | sglang: the engine serving the target at server.url
-    batching: str = "padded"  # hf only. padded: model.generate on left-padded, length-sorted batches of batch_size; static: the same with a static KV cache (generate compiles it on GPUs); continuous: transformers' continuous batching (model.generate_batch: paged cache, finished replies make room for new ones)
+    batching: str = "padded"  # hf only. padded: model.generate on left-padded, length-sorted batches of batch_size; static: the same with a static KV cache (generate compiles it on GPUs); continuous: transformers' continuous batching (model.generate_batch: paged cache, finished replies make room for new ones); graph: our own decode loop on a static cache, one CUDA graph per batch (dense llama/mistral/qwen2/qwen3; data_prep.graph_decode)
     server: ServedRegenConfig = field(default_factory=ServedRegenConfig)  # backend=vllm|sglang only
 
     def __post_init__(self) -> None:
@@ -127,6 +127,10 @@ def generate_sorted(
         if bar is not None:
             bar.update(len(prompts))
         return replies, unfinished
+    if cfg.batching == "graph":
+        from data_prep.graph_decode import generate_graph
+
+        return cut_replies(generate_graph(model, prompts, cfg, eos_ids, pad_id, bar=bar), eos_ids)
     device = next(model.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # stable: ties keep their order
     replies: list[list[int]] = [[] for _ in prompts]

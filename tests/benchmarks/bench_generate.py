@@ -4,7 +4,8 @@ batch it, on the same prompts, each case in its own process within a time budget
 
 Cases (``--cases``, default all): ``padded_<B>`` (model.generate on left-padded, length-sorted
 batches of B prompts, today's default), ``static_<B>`` (regen.batching=static: the same with a
-static KV cache, which generate compiles), ``continuous_<B>`` (regen.batching=continuous, B replies
+static KV cache, which generate compiles), ``graph_<B>`` (regen.batching=graph: our static-cache
+decode loop, one CUDA graph per batch), ``continuous_<B>`` (regen.batching=continuous, B replies
 in flight), each greedy; ``..._sampled`` samples at temperature 1.0, top-p 0.99 as the questions of
 synthesize are; ``..._x<P>`` runs P processes on the one GPU at once, each with a P-th of the
 prompts (what several synthesis ranks per GPU do), and reports their joint rate. Greedy cases also report how many replies equal the first greedy case's (bf16
@@ -34,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.benchmarks.common import run_isolated, run_suite  # noqa: E402
 
-CASES = ("padded_1024", "padded_4096", "padded_1024_x3", "static_1024", "continuous_1024", "padded_1024_sampled",
+CASES = ("graph_2048", "graph_4096", "padded_1024", "padded_4096", "padded_1024_x3", "static_1024", "continuous_1024", "padded_1024_sampled",
          "padded_1024_sampled_x3")
 
 
@@ -163,7 +164,7 @@ def suite(a: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="generate.json")
-    p.add_argument("--cases", default="", help=f"comma-separated, of {CASES} (or any <padded|static|continuous>_<B>[_sampled][_x<P>])")
+    p.add_argument("--cases", default="", help=f"comma-separated, of {CASES} (or any <padded|static|continuous|graph>_<B>[_sampled][_x<P>])")
     p.add_argument("--n", type=int, default=4096, help="prompts per case")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--conversations", default="", help="a .jsonl.gz of conversations: their first user turns")

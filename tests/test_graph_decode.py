@@ -1,0 +1,103 @@
+"""regen.batching=graph (data_prep.graph_decode): our static-cache decode loop gives the replies of
+transformers' padded ``generate`` (greedy, fp32), for each model family it accepts, and samples
+from the distribution it is asked to; what it cannot run it refuses by name."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from data_prep.graph_decode import GraphDecoder, check_supported
+from data_prep.regenerate import RegenConfig, generate_sorted
+from eagle3_train.errors import ConfigError
+from eagle3_train.targets import build_tiny_model, tiny_config
+
+EOS = [101, 277]  # tokens the tiny model emits early in some replies
+
+
+def prompts(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 250, (n,), generator=gen).tolist() for n in lengths]
+
+
+def family(model_type):
+    """A tiny model of ``model_type`` with the tiny Llama's sizes (Qwen2: biased q/k/v; Qwen3: q/k norms)."""
+    import transformers
+
+    base = tiny_config().to_dict()
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "pad_token_id")
+    kw = {k: base[k] for k in keep}
+    if model_type == "qwen3":
+        kw["head_dim"] = 24  # not hidden/heads: the decoder must take the config's head_dim
+    config = transformers.AutoConfig.for_model(model_type, **kw)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_greedy_replies_equal_padded_generate(model_type):
+    """Length-sorted batches (the last one short), prompt widths rounded up to 64, replies cut at the
+    first end-of-turn token; the same count of replies that hit max_new_tokens."""
+    model = build_tiny_model() if model_type == "llama" else family(model_type)
+    ps = prompts((5, 19, 9, 70, 13, 7, 3))
+    if model_type != "llama":  # qwen weights end replies elsewhere: take the tokens it emits early as ends
+        out = model.generate(torch.tensor([ps[0]]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        eos = out[0, len(ps[0]):].tolist()[3:5]
+    else:
+        eos = EOS
+    padded = generate_sorted(model, ps, RegenConfig(max_new_tokens=24, batch_size=3), eos, 0)
+    graph = generate_sorted(model, ps, RegenConfig(max_new_tokens=24, batch_size=3, batching="graph"), eos, 0)
+    assert graph == padded
+    assert 0 < padded[1] < len(ps) and any(len(r) < 24 for r in padded[0])  # some cut, some at the limit
+
+
+def test_every_reply_ending_early_stops_the_batch():
+    """When every row has ended the loop stops at its next look; the replies are still whole."""
+    model = build_tiny_model()
+    ps = prompts((5, 6))
+    first = generate_sorted(model, ps, RegenConfig(max_new_tokens=1), [], 0)[0]
+    eos = sorted({r[0] for r in first})  # each reply's first token ends it
+    dec = GraphDecoder(model, 40, eos, 0)
+    rows = dec.generate(ps)
+    assert [r[0] for r in rows] == [r[0] for r in first] and all(len(r) == 40 for r in rows)
+
+
+def test_sampling_draws_from_the_top_p_distribution():
+    """2000 rows of one prompt: every first token lies in the top-p set of the temperature-scaled
+    distribution, and each token's frequency is its renormalised probability (within 5 sd); a tiny
+    top_p is greedy; a seed repeats the draws."""
+    model = build_tiny_model()
+    p = prompts((12,))[0]
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([p])).logits[0, -1] / 0.5, -1)
+    sp, order = probs.sort(descending=True)
+    keep = int((sp.cumsum(0) - sp < 0.8).sum())  # the top-p set at top_p=0.8
+    want = torch.zeros_like(probs)
+    want[order[:keep]] = sp[:keep] / sp[:keep].sum()
+    assert keep >= 3  # a real choice, not a certainty
+    dec = GraphDecoder(model, 1, EOS, 0, do_sample=True, temperature=0.5, top_p=0.8)
+    torch.manual_seed(0)
+    first = torch.tensor([r[0] for r in dec.generate([p] * 2000)])
+    freq = torch.bincount(first, minlength=probs.numel()).double() / 2000
+    assert set(first.tolist()) <= set(order[:keep].tolist())
+    sd = (want * (1 - want) / 2000).sqrt()
+    assert ((freq - want).abs() <= 5 * sd + 1e-9).all()
+    greedy = GraphDecoder(model, 8, EOS, 0).generate([p])
+    assert GraphDecoder(model, 8, EOS, 0, do_sample=True, temperature=1.0, top_p=1e-6).generate([p]) == greedy
+    again = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        again.append(GraphDecoder(model, 8, EOS, 0, do_sample=True, temperature=1.0, top_p=0.95).generate([p] * 4))
+    assert again[0] == again[1]
+
+
+def test_unsupported_models_are_refused_by_name():
+    moe = SimpleNamespace(config=SimpleNamespace(model_type="mixtral"))
+    with pytest.raises(ConfigError, match="not model_type 'mixtral'.*regen.batching=padded"):
+        check_supported(moe, 100)
+    windowed = SimpleNamespace(config=SimpleNamespace(model_type="mistral", sliding_window=64))
+    with pytest.raises(ConfigError, match="sliding window of 64"):
+        check_supported(windowed, 100)
+    assert check_supported(windowed, 64).qk_norm is False
