@@ -43,7 +43,7 @@ import torch
 
 from eagle3_train.errors import ConfigError
 
-PREFILL_TOKENS = 1 << 19  # padded prompt tokens per prefill slice (bounds its activations)
+PREFILL_TOKENS = 1 << 18  # padded prompt tokens per prefill slice (bounds its activations)
 CHECK_EVERY = 16  # decode steps between the host's looks at "have all rows ended?"
 CACHE_SHARE = 0.6  # of the GPU's free memory, the most one batch's static cache may take
 WIDTH_STEP = 64  # prompt widths are rounded up to this: the cache's shape repeats across batches
@@ -186,7 +186,7 @@ class GraphDecoder:
             position = (mask.cumsum(-1) - 1).clamp(min=0)
             out = self.model(input_ids=x, attention_mask=mask, position_ids=position, use_cache=True,
                              logits_to_keep=1)
-            for li, (k, v) in enumerate(cache_layers(out.past_key_values)):
+            for li, (k, v) in enumerate(cache_layers(out["cache"] if "cache" in out else out.past_key_values)):
                 s["cache"][li, 0, r: r + rows, :, :W] = k
                 s["cache"][li, 1, r: r + rows, :, :W] = v
             first.append(self._pick(out.logits[:, -1].float()))
