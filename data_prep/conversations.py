@@ -34,9 +34,12 @@ class BadRow(BadInputError):
     """A row that cannot be used; ``reason`` is a short code counted under ``on_bad_row=skip``."""
 
     def __init__(self, source: str, reason: str, message: str, field: str | None = None):
-        self.source, self.reason, self.field = source, reason, field
+        self.source, self.reason, self.field, self.message = source, reason, field, message
         where = f"{source}: field '{field}'" if field else source
         super().__init__(f"{where}: {message} [{reason}]")
+
+    def __reduce__(self) -> tuple:  # rebuilt whole when it crosses from a tokenising process
+        return BadRow, (self.source, self.reason, self.message, self.field)
 
 
 @dataclass

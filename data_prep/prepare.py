@@ -16,8 +16,10 @@ it refuses unless ``overwrite=true``. With ``regenerate=true`` the finished chun
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target
 STAGE = "prepare"
 BAD_ROW_POLICIES = ("error", "skip")
 EXAMPLES_PER_REASON = 5
+TOKENIZE_PER_WORKER = 10_000  # conversations per tokenising process when tokenize_workers=0
 
 
 @dataclass
@@ -60,6 +63,7 @@ class PrepareConfig:
     max_length: int = 2048  # longest tokenised conversation kept
     truncate: bool = True  # cut longer conversations to max_length (false: they are bad rows)
     on_bad_row: str = "error"  # error: stop at the first bad row; skip: count it and go on
+    tokenize_workers: int = 0  # processes that tokenise the conversations; 0: one per 10,000 conversations, at most the CPUs (one, in this process, below 20,000)
     limit: int | None = None  # read only the first N rows of the input
     sample_id_offset: int = 0  # first sample id (give datasets to be merged later disjoint ranges)
     regenerate: bool = False  # the target rewrites every assistant turn (see regen.*)
@@ -140,7 +144,7 @@ class Preparer:
         """The options that decide the output (not where it goes or how fast it is made), of this
         run or of a ``config`` recorded in a manifest."""
         opts = dict(config if config is not None else config_dict(self.cfg))
-        for key in ("out", "overwrite", "cache_dir", "device", "progress", "save_conversations"):
+        for key in ("out", "overwrite", "cache_dir", "device", "progress", "save_conversations", "tokenize_workers"):
             opts.pop(key, None)
         if not (opts.get("regenerate") or opts.get("synthesize")):
             opts.pop("regen", None)
@@ -265,20 +269,31 @@ class Preparer:
         return out, {"turns_hit_max_new_tokens": unfinished}
 
     def render(self, conversations: list[Conversation]) -> tuple[list[tuple[Conversation, Rendered]], dict]:
-        """Tokenise every conversation with its loss mask."""
+        """Tokenise every conversation with its loss mask, in ``tokenize_workers`` processes."""
         tok = self.target.tokenizer
-        end_ids = special_ids(tok, eos_ids(self.target.model, tok))
+        opts = dict(regenerate=self.cfg.regenerate, max_length=self.cfg.max_length, truncate=self.cfg.truncate,
+                    end_ids=special_ids(tok, eos_ids(self.target.model, tok)))
+        workers = self.cfg.tokenize_workers or min(os.cpu_count() or 1, len(conversations) // TOKENIZE_PER_WORKER)
+        bar = tqdm(total=len(conversations), desc="tokenize", unit="conv", disable=not self.cfg.progress)
+        if workers <= 1:
+            rendered = [render_one(tok, conv, **opts) for conv in conversations]
+            bar.update(len(conversations))
+        else:
+            import multiprocessing
+
+            rendered = []
+            size = -(-len(conversations) // (workers * 4))  # a few slices per worker: the bar moves
+            slices = [conversations[i: i + size] for i in range(0, len(conversations), size)]
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_tokenizing_process, initargs=(tok, opts)) as pool:
+                for part in pool.map(_render_slice, slices):
+                    rendered.extend(part)
+                    bar.update(len(part))
+        bar.close()
         rows, truncated = [], 0
-        for conv in tqdm(conversations, desc="tokenize", unit="conv", disable=not self.cfg.progress):
-            try:
-                if self.cfg.regenerate:
-                    _check_regenerated(conv)
-                r = render_with_mask(
-                    tok, conv.messages, conv.source,
-                    max_length=self.cfg.max_length, truncate=self.cfg.truncate, end_ids=end_ids,
-                )
-            except BadRow as e:
-                self.bad.handle(e)
+        for conv, r in zip(conversations, rendered):
+            if isinstance(r, BadRow):
+                self.bad.handle(r)
                 continue
             truncated += r.truncated
             rows.append((conv, r))
@@ -347,6 +362,29 @@ def save_conversations(conversations: list[Conversation], path: Path) -> None:
     data = lines.encode()
     atomic_write_bytes(path, gzip.compress(data, mtime=0) if path.name.endswith(".gz") else data)
     print(f"eagle3-prepare: {len(conversations)} conversations -> {path}")
+
+
+def render_one(tok: Any, conv: Conversation, *, regenerate: bool, max_length: int, truncate: bool,
+               end_ids: set[int]) -> Rendered | BadRow:
+    """One conversation's ids and loss mask, or the BadRow that says why it cannot be used."""
+    try:
+        if regenerate:
+            _check_regenerated(conv)
+        return render_with_mask(tok, conv.messages, conv.source, max_length=max_length, truncate=truncate,
+                                end_ids=end_ids)
+    except BadRow as e:
+        return e
+
+
+_WORKER: dict[str, Any] = {}  # a tokenising process's tokenizer and options
+
+
+def _tokenizing_process(tok: Any, opts: dict[str, Any]) -> None:
+    _WORKER.update(tok=tok, opts=opts)
+
+
+def _render_slice(conversations: list[Conversation]) -> list[Rendered | BadRow]:
+    return [render_one(_WORKER["tok"], conv, **_WORKER["opts"]) for conv in conversations]
 
 
 def _check_regenerated(conv: Conversation) -> None:

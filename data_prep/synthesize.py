@@ -69,7 +69,7 @@ class SynthConfig:
     examples_per_prompt: int = 3  # examples shown per conversation, drawn by (seed, conversation)
     temperature: float = 1.0  # sampling temperature of user turns
     top_p: float = 0.99  # nucleus mass of user turns
-    max_new_tokens: int = 128  # longest user turn sampled; one that does not end by then is dropped (no_end_of_turn)
+    max_new_tokens: int = 128  # longest user turn sampled (at most max_tokens + 1: past that a turn is dropped anyway); one that does not end by then is dropped (no_end_of_turn)
     min_tokens: int = 3  # shorter user turns are dropped (too_short)
     max_tokens: int = 100  # longer user turns are dropped (too_long)
     max_repeated_ngrams: float = 0.5  # drop a turn whose share of repeated word 4-grams exceeds this (repetition)
@@ -190,8 +190,8 @@ def repeated_ngram_share(text: str, n: int = 4) -> float:
 
 def user_turn_problem(text: str, n_tokens: int, ended: bool, special: list[str], cfg: SynthConfig) -> str | None:
     """The filter that drops a sampled user turn, or ``None`` when it is kept."""
-    if not ended:
-        return "no_end_of_turn"
+    if not ended:  # cut off: past max_tokens already (generation stops at max_tokens + 1), or at max_new_tokens
+        return "too_long" if n_tokens > cfg.max_tokens else "no_end_of_turn"
     if not text:
         return "empty"
     if n_tokens < cfg.min_tokens:
@@ -278,8 +278,9 @@ class Synthesizer:
         self.progress = progress
         self.systems = synth.systems()
         self.examples = synth.examples()
-        self.user_cfg = replace(regen, max_new_tokens=synth.max_new_tokens, do_sample=True, temperature=synth.temperature,
-                                top_p=synth.top_p)  # the questions: sampled, generated as the answers are
+        # a user turn is dropped once it passes max_tokens, so sampling stops one token after that
+        self.user_cfg = replace(regen, max_new_tokens=min(synth.max_new_tokens, synth.max_tokens + 1), do_sample=True,
+                                temperature=synth.temperature, top_p=synth.top_p)  # sampled, generated as the answers are
         self.generated = Counter()  # new tokens and chunks this rank generated in this run
 
     # ---- chunks on disk

@@ -188,3 +188,21 @@ def test_cli_prints_error_without_traceback(tmp_path, write_jsonl):
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"eagle3-prepare: error: {path}:1: not valid UTF-8 (byte 0xff at column 1)" in proc.stderr
+
+
+def test_tokenizing_processes_write_what_one_process_writes(write_jsonl, prepare):
+    """tokenize_workers=2 (spawned processes, slices in order) gives the same rows, masks, skipped
+    rows and error as tokenising in this process; a row too long under truncate=false is a bad row
+    from either."""
+    rows = [{"messages": [{"role": "user", "content": f"q{i} " * (1 + i % 7)},
+                          {"role": "assistant", "content": f"answer {i} " * (1 + i % 40)}]} for i in range(24)]
+    path = write_jsonl(rows)
+    opts = dict(max_length=160, truncate=False, on_bad_row="skip")
+    one, ds1 = prepare(path, out="one", **opts)
+    two, ds2 = prepare(path, out="two", tokenize_workers=2, **opts)
+    assert 0 < one["counts"]["skipped"]["too_long"] < 24
+    assert two["counts"] == one["counts"] and two["skipped_examples"] == one["skipped_examples"]
+    assert ds2["input_ids"] == ds1["input_ids"] and ds2["loss_mask"] == ds1["loss_mask"]
+    assert ds2["source"] == ds1["source"]
+    with pytest.raises(Eagle3Error, match=r"data.jsonl:\d+: .*exceed max_length=160 \(truncate=false\) \[too_long\]"):
+        prepare(path, out="err", max_length=160, truncate=False, tokenize_workers=2)

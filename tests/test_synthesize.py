@@ -36,9 +36,11 @@ class Recording(torch.nn.Module):
         self.tok, self.script, self.model = tok, list(script or []), model
         self.anchor = torch.nn.Parameter(torch.zeros(1))  # generate_sorted asks for the device
         self.prompts: list[list[int]] = []
+        self.max_new_tokens: list[int] = []  # of each generate call
         self.generation_config = None
 
     def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **kw):
+        self.max_new_tokens.append(max_new_tokens)
         for row, mask in zip(input_ids, attention_mask):
             self.prompts.append(row[mask.bool()].tolist())
         if self.model is not None:
@@ -168,8 +170,8 @@ def test_every_filter_drops_and_counts(tmp_path, monkeypatch):
         ("How do I bake bread at home?", True),  # kept
         ("", True),  # empty
         ("hi", True),  # too_short (2 byte tokens < 3)
-        ("a very long question " * 8, True),  # too_long (168 > 140)
-        ("it goes on and on ", False),  # no_end_of_turn
+        ("a very long question " * 8, False),  # too_long: sampling stops at 141 tokens, past max_tokens=140
+        ("it goes on and on ", False),  # too_long as well: never ends (no_end_of_turn needs max_new_tokens <= max_tokens)
         ("What does <|im_start|> mean?", True),  # special_tokens
         ("the cat sat on the mat " * 3, True),  # repetition (9 of 15 word 4-grams repeat)
         ("how do I BAKE  bread at home?", True),  # exact_duplicate of the first
@@ -181,7 +183,9 @@ def test_every_filter_drops_and_counts(tmp_path, monkeypatch):
     synth = SynthConfig(chunk_size=len(script), min_tokens=3, max_tokens=140, max_new_tokens=200)
     manifest = _prepare(tmp_path, monkeypatch, model, synthesize=3, synth=synth)
     stats = manifest["regeneration"]["synthesis"]
-    assert stats["dropped"] == {r: 1 for r in USER_FILTERS + SET_FILTERS}  # every filter, once
+    every_once = {r: 1 for r in USER_FILTERS + SET_FILTERS if r != "no_end_of_turn"}  # tested below: never_ends
+    assert stats["dropped"] == every_once | {"too_long": 2}
+    assert model.max_new_tokens[0] == 141  # the user turns: no token sampled beyond what max_tokens can keep
     assert stats["chunks"] == 1 and stats["conversations_kept"] == 3
     ds = load_from_disk(str(tmp_path / "synth" / "dataset"))
     firsts = [tok.decode(r["input_ids"]).split("<|im_start|>user\n")[1].split("<|im_end|>")[0] for r in ds]
