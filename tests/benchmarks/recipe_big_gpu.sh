@@ -3,7 +3,7 @@
 # launch/gpu_stage.sh (run from the repository root, PYTHONPATH and EAGLE3_CACHE set, the GGUF
 # conversion cache warmed in one process first): launch/recipes/smollm2_synth.sh with its defaults
 # (or the variables given), GPU use sampled every 10 s beside it. If the synthesis fails with several
-# processes per GPU it continues with one; if online training fails, the same conversations are
+# graph decoder it starts over with transformers' generate; if online training fails, the same conversations are
 # trained offline (dump with fp8 storage, standardize), so the run still ends in a τ.
 #
 #   W=/tmp/w setsid nohup bash tests/benchmarks/recipe_big_gpu.sh > /dev/null 2>&1 < /dev/null &
@@ -15,11 +15,13 @@ mkdir -p "$W"
 nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 10 > "$W/gpu.csv" 2>/dev/null &
 smi=$!
 {
-  echo "== $(date +%T) recipe: N=${N:-65536} SOURCE=${SOURCE:-online}"
+  echo "== $(date +%T) recipe: N=${N:-default} SOURCE=${SOURCE:-online}"
   if ! RUN_DIR="$W/run" bash launch/recipes/smollm2_synth.sh; then
-    if [ ! -f "$W/run/prepared/manifest.json" ] && [ "${GEN_RANKS_PER_GPU:-2}" != 1 ]; then
-      echo "== $(date +%T) synthesis failed: again with one synthesis process per GPU (finished chunks are kept)"
-      RUN_DIR="$W/run" GEN_RANKS_PER_GPU=1 bash launch/recipes/smollm2_synth.sh && recovered=1
+    if [ ! -f "$W/run/prepared/manifest.json" ] && [ "${GEN_BATCHING:-graph}" != padded ]; then
+      echo "== $(date +%T) synthesis failed: again with transformers' generate (GEN_BATCHING=padded, 2 processes per GPU)"
+      rm -rf "$W/run/prepared"  # its chunks were made with the other batching: a different request
+      RUN_DIR="$W/run" GEN_BATCHING=padded GEN_RANKS_PER_GPU=2 GEN_BATCH=2048 bash launch/recipes/smollm2_synth.sh \
+        && recovered=1
     fi
     if [ -z "${recovered:-}" ] && [ "${SOURCE:-online}" = online ] && [ -f "$W/run/prepared/manifest.json" ]; then
       echo "== $(date +%T) online run failed: training the same conversations offline (fp8 dump)"
@@ -31,7 +33,7 @@ smi=$!
   kill $smi 2>/dev/null
   python3 -m tests.benchmarks.recipe_results "$W/run" "$W/result.json" --gpu-csv "$W/gpu.csv" \
     --machine "$(nvidia-smi -L | wc -l) x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), NGPU=${NGPU:-all}" \
-    --what "issue #13: launch/recipes/smollm2_synth.sh end to end (tests/benchmarks/recipe_big_gpu.sh), N=${N:-65536} SOURCE=${SOURCE:-online}, single run, seed 0; eagle3-eval chain k=5 greedy 128 new tokens fp32 on the 37 held-out prompts" \
+    --what "issue #13: launch/recipes/smollm2_synth.sh end to end (tests/benchmarks/recipe_big_gpu.sh), N=${N:-default} SOURCE=${SOURCE:-online}, single run, seed 0; eagle3-eval chain k=5 greedy 128 new tokens fp32 on the 37 held-out prompts" \
     || echo "collecting the results failed"
   echo "== $(date +%T) all done"
 } >> "$W/log" 2>&1
