@@ -45,7 +45,7 @@ from eagle3_train.errors import ConfigError
 
 PREFILL_TOKENS = 1 << 18  # padded prompt tokens per prefill slice (bounds its activations)
 CHECK_EVERY = 16  # decode steps between the host's looks at "have all rows ended?"
-CACHE_SHARE = 0.6  # of the GPU's free memory, the most one batch's static cache may take
+CACHE_SHARE = 0.6  # of the GPU's free memory (the driver's, plus torch's unused cache), the most one batch's static cache may take
 WIDTH_STEP = 64  # prompt widths are rounded up to this: the cache's shape repeats across batches
 
 
@@ -112,6 +112,8 @@ class GraphDecoder:
             return wanted
         per_row = 2 * len(self.layers) * self.kv_heads * (width + self.T) * self.head_dim * self.dtype.itemsize
         free, _ = torch.cuda.mem_get_info(self.device)
+        # what torch's allocator holds but no tensor uses (the last batch's cache) is free to us too
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return max(1, min(wanted, int(free * CACHE_SHARE) // per_row))
 
     @torch.no_grad()
