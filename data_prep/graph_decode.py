@@ -11,8 +11,8 @@ the batch only every ``CHECK_EVERY`` steps (all rows ended?).
 One batch (B prompts, widest W tokens, T = ``max_new_tokens``):
 
 1. **Prefill**: the model's own forward over the left-padded prompts (position ids
-   ``cumsum(mask) - 1`` as ``generate`` makes them), in row slices of at most ``PREFILL_TOKENS``
-   tokens, only the last position's logits; its key/value cache is copied into a static cache
+   ``cumsum(mask) - 1`` as ``generate`` makes them), in row slices whose key/value cache stays
+   under ``PREFILL_KV_BYTES``, only the last position's logits; its key/value cache is copied into a static cache
    ``[B, kv_heads, W + T, head_dim]`` per layer. The first new token comes from these logits.
 2. **Decode step** t = 1 .. T-1 (the graph), per layer, with ``x`` the new token's state ``[B, H]``::
 
@@ -43,7 +43,7 @@ import torch
 
 from eagle3_train.errors import ConfigError
 
-PREFILL_TOKENS = 1 << 18  # padded prompt tokens per prefill slice (bounds its activations)
+PREFILL_KV_BYTES = 8 << 30  # the transformers cache one prefill slice builds before it is copied (sets its rows)
 CHECK_EVERY = 16  # decode steps between the host's looks at "have all rows ended?"
 CACHE_SHARE = 0.6  # of the GPU's free memory (the driver's, plus torch's unused cache), the most one batch's static cache may take
 WIDTH_STEP = 64  # prompt widths are rounded up to this: the cache's shape repeats across batches
@@ -105,12 +105,16 @@ class GraphDecoder:
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of one position, all layers."""
+        return 2 * len(self.layers) * self.kv_heads * self.head_dim * self.dtype.itemsize
+
     def rows_per_batch(self, width: int, wanted: int) -> int:
         """At most ``wanted`` rows, fewer where the static cache of ``wanted`` rows of ``width`` +
         T columns would pass ``CACHE_SHARE`` of the GPU's free memory."""
         if self.device.type != "cuda":
             return wanted
-        per_row = 2 * len(self.layers) * self.kv_heads * (width + self.T) * self.head_dim * self.dtype.itemsize
+        per_row = self.kv_bytes_per_token() * (width + self.T)
         free, _ = torch.cuda.mem_get_info(self.device)
         # what torch's allocator holds but no tensor uses (the last batch's cache) is free to us too
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
@@ -180,7 +184,7 @@ class GraphDecoder:
         """Run the prompts through the model in row slices; fill the static cache; return the first
         new token of each row. ``ids``: [B, W] left-padded."""
         B, W = ids.shape
-        rows = max(1, PREFILL_TOKENS // W)
+        rows = max(1, PREFILL_KV_BYTES // (self.kv_bytes_per_token() * W))
         first = []
         for r in range(0, B, rows):
             x = ids[r: r + rows]

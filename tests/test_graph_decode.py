@@ -101,3 +101,17 @@ def test_unsupported_models_are_refused_by_name():
     with pytest.raises(ConfigError, match="sliding window of 64"):
         check_supported(windowed, 100)
     assert check_supported(windowed, 64).qk_norm is False
+
+
+def test_prefill_in_row_slices_changes_nothing(monkeypatch):
+    """A prefill split into slices of two rows (a small PREFILL_KV_BYTES, as a large target gets)
+    fills the same static cache: the replies equal padded generate's."""
+    import data_prep.graph_decode as gd
+
+    model = build_tiny_model()
+    ps = prompts((5, 19, 9, 13, 7))
+    dec = GraphDecoder(model, 12, EOS, 0)
+    monkeypatch.setattr(gd, "PREFILL_KV_BYTES", dec.kv_bytes_per_token() * 64 * 2 + 1)  # width 64: two rows a slice
+    padded = generate_sorted(model, ps, RegenConfig(max_new_tokens=12, batch_size=5), EOS, 0)
+    graph = generate_sorted(model, ps, RegenConfig(max_new_tokens=12, batch_size=5, batching="graph"), EOS, 0)
+    assert graph == padded
