@@ -20,6 +20,16 @@ def prompts(lengths, seed=0):
     return [torch.randint(0, 250, (n,), generator=gen).tolist() for n in lengths]
 
 
+def sharp(model, scale=6.0):
+    """The model with its query and key projections scaled up: a random model attends almost
+    uniformly, which would hide wrong keys or positions; sharp attention does not."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(scale)
+            layer.self_attn.k_proj.weight.mul_(scale)
+    return model
+
+
 def family(model_type):
     """A tiny model of ``model_type`` with the tiny Llama's sizes (Qwen2: biased q/k/v; Qwen3: q/k norms)."""
     import transformers
@@ -40,7 +50,7 @@ def family(model_type):
 def test_greedy_replies_equal_padded_generate(model_type):
     """Length-sorted batches (the last one short), prompt widths rounded up to 64, replies cut at the
     first end-of-turn token; the same count of replies that hit max_new_tokens."""
-    model = build_tiny_model() if model_type == "llama" else family(model_type)
+    model = sharp(build_tiny_model() if model_type == "llama" else family(model_type))
     ps = prompts((5, 19, 9, 70, 13, 7, 3))
     if model_type != "llama":  # qwen weights end replies elsewhere: take the tokens it emits early as ends
         out = model.generate(torch.tensor([ps[0]]), max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -108,7 +118,7 @@ def test_prefill_in_row_slices_changes_nothing(monkeypatch):
     fills the same static cache: the replies equal padded generate's."""
     import data_prep.graph_decode as gd
 
-    model = build_tiny_model()
+    model = sharp(build_tiny_model())
     ps = prompts((5, 19, 9, 13, 7))
     dec = GraphDecoder(model, 12, EOS, 0)
     monkeypatch.setattr(gd, "PREFILL_KV_BYTES", dec.kv_bytes_per_token() * 64 * 2 + 1)  # width 64: two rows a slice
