@@ -39,7 +39,7 @@ class BadRow(BadInputError):
         super().__init__(f"{where}: {message} [{reason}]")
 
     def __reduce__(self) -> tuple:  # rebuilt whole when it crosses from a tokenising process
-        return BadRow, (self.source, self.reason, self.message, self.field)
+        return type(self), (self.source, self.reason, self.message, self.field)
 
 
 @dataclass

@@ -30,12 +30,15 @@ The norms, projections, MLP and rotary tables are the model's own modules, so th
 the model's; only the attention over the static cache is ours (GQA by grouping the query heads,
 no repeated keys). Greedy replies equal ``model.generate``'s padded batches token for token in
 fp32 (tested); in bf16 a few may part after a near tie, as any two batchings do. Sampled replies
-follow ``torch.manual_seed`` but not ``generate``'s random stream. On a CPU there is no graph: the
-same step runs eagerly (the tests use it).
+follow ``torch.manual_seed`` but not ``generate``'s random stream. Only temperature and top-p apply:
+extras of the model's ``generation_config`` that ``generate`` would add (a repetition penalty, a top-k)
+do not, as in the served engines. On a CPU there is no graph: the same step runs eagerly (the tests
+use it).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +48,7 @@ from eagle3_train.errors import ConfigError
 
 PREFILL_KV_BYTES = 8 << 30  # the transformers cache one prefill slice builds before it is copied (sets its rows)
 CHECK_EVERY = 16  # decode steps between the host's looks at "have all rows ended?"
-CACHE_SHARE = 0.6  # of the GPU's free memory (the driver's, plus torch's unused cache), the most one batch's static cache may take
+CACHE_SHARE = 0.6  # of the GPU's memory less the model's weights, per process on the GPU: the most one batch's buffers may take
 WIDTH_STEP = 64  # prompt widths are rounded up to this: the cache's shape repeats across batches
 
 
@@ -74,6 +77,10 @@ def check_supported(model: Any, length: int) -> Arch:
     if arch is None:
         raise ConfigError(f"regen.batching=graph runs dense {sorted(ARCHS)} targets, not model_type "
                           f"{cfg.model_type!r}: use regen.batching=padded or a served engine (regen.backend=vllm)")
+    rope = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "rope_type", "default")
+    if "dynamic" in rope or rope == "longrope":  # their tables change with the sequence: one table cannot serve
+        raise ConfigError(f"regen.batching=graph: rope_type {rope!r} rescales with the sequence length; "
+                          f"use regen.batching=padded")
     window = getattr(cfg, "sliding_window", None)
     if window and getattr(cfg, "use_sliding_window", True) and length > window:
         raise ConfigError(f"regen.batching=graph: {cfg.model_type} attends within a sliding window of {window} "
@@ -94,6 +101,7 @@ class GraphDecoder:
 
     def __init__(self, model: Any, max_new_tokens: int, eos_ids: list[int], pad_id: int, *,
                  do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0) -> None:
+        self.arch = check_supported(model, 0)
         self.model, self.T, self.pad = model, max_new_tokens, pad_id
         self.sample = (temperature, top_p) if do_sample else None
         self.device = next(model.parameters()).device
@@ -110,21 +118,31 @@ class GraphDecoder:
         return 2 * len(self.layers) * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     def rows_per_batch(self, width: int, wanted: int) -> int:
-        """At most ``wanted`` rows, fewer where the static cache of ``wanted`` rows of ``width`` +
-        T columns would pass ``CACHE_SHARE`` of the GPU's free memory."""
+        """At most ``wanted`` rows, fewer where one batch's buffers (the static cache of ``width`` + T
+        columns, the step's fp32 logits and, sampling, the sort's copies of them) would pass
+        ``CACHE_SHARE`` of the GPU's memory less the weights, shared by the processes on the GPU.
+        Sized from the GPU's total, not its momentary free memory, so a run splits its batches
+        the same way every time (sampled replies depend on the split)."""
         if self.device.type != "cuda":
             return wanted
-        per_row = self.kv_bytes_per_token() * (width + self.T)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        # what torch's allocator holds but no tensor uses (the last batch's cache) is free to us too
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return max(1, min(wanted, int(free * CACHE_SHARE) // per_row))
+        vocab = self.model.lm_head.out_features
+        per_row = self.kv_bytes_per_token() * (width + self.T) + vocab * (32 if self.sample else 8)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = (total - weights) * CACHE_SHARE / processes_per_gpu()
+        return max(1, min(wanted, int(budget) // per_row))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]]) -> list[list[int]]:
         """``T`` new tokens per prompt (rows that ended continue with whatever follows; the caller cuts
         at the first end-of-turn token). Prompts are left-padded to the widest, rounded up to
         ``WIDTH_STEP``."""
+        if self.device.type == "cuda":  # graph capture uses the current device's stream: make it ours
+            with torch.cuda.device(self.device):
+                return self._generate(prompts)
+        return self._generate(prompts)
+
+    def _generate(self, prompts: list[list[int]]) -> list[list[int]]:
         B = len(prompts)
         W = -(-max(map(len, prompts)) // WIDTH_STEP) * WIDTH_STEP
         check_supported(self.model, W + self.T)
@@ -196,6 +214,7 @@ class GraphDecoder:
                 s["cache"][li, 0, r: r + rows, :, :W] = k
                 s["cache"][li, 1, r: r + rows, :, :W] = v
             first.append(self._pick(out.logits[:, -1].float()))
+            del out, k, v  # the slice's transformers cache goes before the next slice builds its own
         return torch.cat(first)
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
@@ -230,7 +249,7 @@ class GraphDecoder:
             q = attn.q_proj(h).view(B, -1, d)  # [B, heads, d]
             k = attn.k_proj(h).view(B, kvh, d)
             v = attn.v_proj(h).view(B, kvh, d)
-            if hasattr(attn, "q_norm"):
+            if self.arch.qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             cache[li, 0].index_copy_(2, s["col"][None], k[:, :, None])  # [B, kv, L, d] at column col
@@ -249,6 +268,12 @@ class GraphDecoder:
         tok.copy_(nxt)
         pos += 1
         s["col"] += 1
+
+
+def processes_per_gpu() -> int:
+    """Processes of this node that share one GPU (torchrun's local world over the GPUs it sees)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, -(-local // max(1, torch.cuda.device_count())))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

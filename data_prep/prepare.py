@@ -45,6 +45,7 @@ STAGE = "prepare"
 BAD_ROW_POLICIES = ("error", "skip")
 EXAMPLES_PER_REASON = 5
 TOKENIZE_PER_WORKER = 10_000  # conversations per tokenising process when tokenize_workers=0
+MAX_TOKENIZE_WORKERS = 32  # ... and at most this many (each imports torch and transformers)
 
 
 @dataclass
@@ -63,7 +64,7 @@ class PrepareConfig:
     max_length: int = 2048  # longest tokenised conversation kept
     truncate: bool = True  # cut longer conversations to max_length (false: they are bad rows)
     on_bad_row: str = "error"  # error: stop at the first bad row; skip: count it and go on
-    tokenize_workers: int = 0  # processes that tokenise the conversations; 0: one per 10,000 conversations, at most the CPUs (one, in this process, below 20,000)
+    tokenize_workers: int = 0  # processes that tokenise the conversations; 0: one per 10,000 conversations, at most the CPUs this process may use and 32 (one, in this process, below 20,000)
     limit: int | None = None  # read only the first N rows of the input
     sample_id_offset: int = 0  # first sample id (give datasets to be merged later disjoint ranges)
     regenerate: bool = False  # the target rewrites every assistant turn (see regen.*)
@@ -79,7 +80,7 @@ class PrepareConfig:
         check_dtype(self.dtype, auto=True)
         if self.on_bad_row not in BAD_ROW_POLICIES:
             raise ConfigError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.on_bad_row!r}")
-        check_numbers(self, positive=("max_length", "limit", "synthesize"), non_negative=("sample_id_offset",))
+        check_numbers(self, positive=("max_length", "limit", "synthesize"), non_negative=("sample_id_offset", "tokenize_workers"))
         if self.save_conversations is not None and not self.save_conversations.endswith((".jsonl", ".jsonl.gz")):
             raise ConfigError(f"save_conversations must name a .jsonl or .jsonl.gz file, got {self.save_conversations!r}")
         if (self.input is None) == (self.synthesize is None):
@@ -273,7 +274,9 @@ class Preparer:
         tok = self.target.tokenizer
         opts = dict(regenerate=self.cfg.regenerate, max_length=self.cfg.max_length, truncate=self.cfg.truncate,
                     end_ids=special_ids(tok, eos_ids(self.target.model, tok)))
-        workers = self.cfg.tokenize_workers or min(os.cpu_count() or 1, len(conversations) // TOKENIZE_PER_WORKER)
+        workers = self.cfg.tokenize_workers or min(len(os.sched_getaffinity(0)), MAX_TOKENIZE_WORKERS,
+                                                   len(conversations) // TOKENIZE_PER_WORKER)
+        workers = min(workers, len(conversations))
         bar = tqdm(total=len(conversations), desc="tokenize", unit="conv", disable=not self.cfg.progress)
         if workers <= 1:
             rendered = [render_one(tok, conv, **opts) for conv in conversations]
@@ -373,7 +376,7 @@ def render_one(tok: Any, conv: Conversation, *, regenerate: bool, max_length: in
         return render_with_mask(tok, conv.messages, conv.source, max_length=max_length, truncate=truncate,
                                 end_ids=end_ids)
     except BadRow as e:
-        return e
+        return e.with_traceback(None)  # kept until all are rendered: not the frames of its tokenisation
 
 
 _WORKER: dict[str, Any] = {}  # a tokenising process's tokenizer and options

@@ -111,6 +111,10 @@ def test_unsupported_models_are_refused_by_name():
     with pytest.raises(ConfigError, match="sliding window of 64"):
         check_supported(windowed, 100)
     assert check_supported(windowed, 64).qk_norm is False
+    dynamic = SimpleNamespace(config=SimpleNamespace(model_type="llama"),
+                              model=SimpleNamespace(rotary_emb=SimpleNamespace(rope_type="dynamic")))
+    with pytest.raises(ConfigError, match="rope_type 'dynamic' rescales"):
+        check_supported(dynamic, 10)
 
 
 def test_prefill_in_row_slices_changes_nothing(monkeypatch):
