@@ -274,8 +274,8 @@ class Preparer:
         tok = self.target.tokenizer
         opts = dict(regenerate=self.cfg.regenerate, max_length=self.cfg.max_length, truncate=self.cfg.truncate,
                     end_ids=special_ids(tok, eos_ids(self.target.model, tok)))
-        workers = self.cfg.tokenize_workers or min(len(os.sched_getaffinity(0)), MAX_TOKENIZE_WORKERS,
-                                                   len(conversations) // TOKENIZE_PER_WORKER)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # not on macOS
+        workers = self.cfg.tokenize_workers or min(cpus, MAX_TOKENIZE_WORKERS, len(conversations) // TOKENIZE_PER_WORKER)
         workers = min(workers, len(conversations))
         bar = tqdm(total=len(conversations), desc="tokenize", unit="conv", disable=not self.cfg.progress)
         if workers <= 1:
