@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from eagle3_train.errors import ConfigError
+from eagle3_train.model.draft import rotate_half
 
 PREFILL_KV_BYTES = 8 << 30  # the transformers cache one prefill slice builds before it is copied (sets its rows)
 CHECK_EVERY = 16  # decode steps between the host's looks at "have all rows ended?"
@@ -274,12 +275,6 @@ def processes_per_gpu() -> int:
     """Processes of this node that share one GPU (torchrun's local world over the GPUs it sees)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, -(-local // max(1, torch.cuda.device_count())))
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding's pairing of the two halves of each head: [x1, x2] -> [-x2, x1]."""
-    x1, x2 = x.chunk(2, -1)
-    return torch.cat((-x2, x1), -1)
 
 
 def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
