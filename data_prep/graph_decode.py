@@ -113,6 +113,10 @@ class GraphDecoder:
         cfg = model.config
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if self.device.type == "cuda":  # what one process may give a batch's buffers (rows_per_batch)
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            self.budget = int((total - weights) * CACHE_SHARE / processes_per_gpu())
 
     def kv_bytes_per_token(self) -> int:
         """Keys and values of one position, all layers."""
@@ -128,10 +132,7 @@ class GraphDecoder:
             return wanted
         vocab = self.model.lm_head.out_features
         per_row = self.kv_bytes_per_token() * (width + self.T) + vocab * (32 if self.sample else 8)
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = (total - weights) * CACHE_SHARE / processes_per_gpu()
-        return max(1, min(wanted, int(budget) // per_row))
+        return max(1, min(wanted, self.budget // per_row))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]]) -> list[list[int]]:
