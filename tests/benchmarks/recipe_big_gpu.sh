@@ -4,7 +4,8 @@
 # conversion cache warmed in one process first): launch/recipes/smollm2_synth.sh with its defaults
 # (or the variables given), GPU use sampled every 10 s beside it. If the synthesis fails with several
 # graph decoder it starts over with transformers' generate; if online training fails, the same conversations are
-# trained offline (dump with fp8 storage, standardize), so the run still ends in a τ.
+# trained offline (dump with fp8 storage, standardize), so the run still ends in a τ. GAP=1: then
+# recipe_gap.sh's two extra evals (bf16 target; fresh synthesized prompts).
 #
 #   W=/tmp/w setsid nohup bash tests/benchmarks/recipe_big_gpu.sh > /dev/null 2>&1 < /dev/null &
 # Results under $W: result.json (tests/benchmarks/recipe_results.py: everything below in one file), run/
@@ -29,6 +30,10 @@ smi=$!
       RUN_DIR="$W/run" SOURCE=offline DUMP_EXTRA="storage=fp8 ${DUMP_EXTRA:-}" bash launch/recipes/smollm2_synth.sh \
         || echo "offline run failed too"
     fi
+  fi
+  if [ -n "${GAP:-}" ] && [ -f "$W/run/eval/report.json" ]; then
+    echo "== $(date +%T) gap evals (recipe_gap.sh)"
+    RUN="$W/run" bash tests/benchmarks/recipe_gap.sh || echo "gap evals failed"
   fi
   kill $smi 2>/dev/null
   python3 -m tests.benchmarks.recipe_results "$W/run" "$W/result.json" --gpu-csv "$W/gpu.csv" \

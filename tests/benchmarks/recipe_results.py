@@ -45,6 +45,10 @@ def recipe(run: Path) -> dict[str, Any]:
     if report.is_file():
         r = json.loads(report.read_text())
         out["eval"] = out.get("eval", {}) | {"categories": r.get("categories"), "speedup": r.get("speedup")}
+    for extra in ("eval_bf16", "eval_fresh"):  # recipe_gap.sh
+        if (run / extra / "report.json").is_file():
+            r = json.loads((run / extra / "report.json").read_text())
+            out[extra] = {k: r.get(k) for k in ("tau", "acceptance_per_position", "lossless", "verify_steps")}
     return out
 
 

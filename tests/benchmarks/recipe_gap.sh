@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Where the held-out prompts lose τ against the synthesized eval split (issue #13): after a recipe run
+# (recipe_big_gpu.sh, GAP=1), eval its exported draft twice more:
+#   eval_bf16/   the same 37 held-out prompts with the target in bfloat16 (as served) instead of fp32;
+#   eval_fresh/  FRESH (128) conversations the target synthesizes with the recipe's own settings but
+#                another seed (never trained on), first user turns only, fp32.
+# eval_fresh close to training's simulated τ on its eval split: the draft decodes as it was scored,
+# and the held-out gap is the prompts'. eval_fresh well below it: decoding and scoring disagree.
+#
+#   RUN=/tmp/w/run bash tests/benchmarks/recipe_gap.sh
+set -euo pipefail
+RUN=${RUN:?set RUN to the recipe RUN_DIR}
+PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p.__file__))")
+TARGET=${TARGET:-embedded}
+python3 -m eagle3_train.eval draft="$RUN/export" target="$TARGET" engine=sglang prompts="$PROMPTS/heldout.jsonl" \
+  k=5 max_new_tokens=128 dtype=bfloat16 batch_size=37 out="$RUN/eval_bf16"
+python3 -m data_prep.prepare target="$TARGET" synthesize="${FRESH:-128}" out="$RUN/fresh" seed=100000 \
+  synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false \
+  synth.example_prompts_file="$PROMPTS/train.jsonl" synth.chunk_size="${FRESH:-128}" \
+  regen.max_new_tokens=128 regen.batch_size=512 regen.batching="${GEN_BATCHING:-graph}"
+python3 - "$RUN/fresh" "$RUN/fresh/prompts.jsonl" <<'PY'
+import gzip, json, sys
+from pathlib import Path
+rows = []
+for chunk in sorted((Path(sys.argv[1]) / "synth").glob("chunk-*.json.gz")):
+    for c in json.load(gzip.open(chunk))["conversations"]:
+        user = [m for m in c["messages"] if m["role"] == "user"]
+        rows.append({"id": f"fresh-{c['meta']['id']}", "category": "fresh", "messages": user[:1]})
+Path(sys.argv[2]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+print(f"{len(rows)} fresh prompts")
+PY
+python3 -m eagle3_train.eval draft="$RUN/export" target="$TARGET" engine=sglang prompts="$RUN/fresh/prompts.jsonl" \
+  k=5 max_new_tokens=128 dtype=float32 batch_size=64 out="$RUN/eval_fresh"
