@@ -22,8 +22,8 @@ python3 - "$RUN/fresh" "$RUN/fresh/prompts.jsonl" <<'PY'
 import gzip, json, sys
 from pathlib import Path
 rows = []
-for chunk in sorted((Path(sys.argv[1]) / "synth").glob("chunk-*.json.gz")):
-    for c in json.load(gzip.open(chunk))["conversations"]:
+for chunk in sorted((Path(sys.argv[1]) / "synth").glob("chunk-*.json*")):
+    for c in json.load(gzip.open(chunk) if chunk.suffix == ".gz" else chunk.open())["conversations"]:
         user = [m for m in c["messages"] if m["role"] == "user"]
         rows.append({"id": f"fresh-{c['meta']['id']}", "category": "fresh", "messages": user[:1]})
 Path(sys.argv[2]).write_text("".join(json.dumps(r) + "\n" for r in rows))
