@@ -383,6 +383,9 @@ _WORKER: dict[str, Any] = {}  # a tokenising process's tokenizer and options
 
 
 def _tokenizing_process(tok: Any, opts: dict[str, Any]) -> None:
+    # One conversation per call: the Rust tokenizer's own thread pool (one thread per CPU, in every
+    # worker) would only oversubscribe the CPUs the workers already fill.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER.update(tok=tok, opts=opts)
 
 
