@@ -14,6 +14,9 @@ how well the head learns what it can express from how much the draft vocab cover
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -65,7 +68,8 @@ def soft_cross_entropy(draft_logits: torch.Tensor, target_probs: torch.Tensor, m
 
 
 def head_loss(hidden: torch.Tensor, weight: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor,
-              count: torch.Tensor | None = None, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+              count: torch.Tensor | None = None, chunk: int = 4096, compiled: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`soft_cross_entropy` of the logits ``hidden @ weight.T`` without keeping them: the
     draft lm_head and the loss fused, ``chunk`` positions at a time.
 
@@ -80,6 +84,9 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, target_probs: torch.Te
         hidden: [N, H] the lm_head's input (the draft's ``norm`` output); weight: [V_draft, H].
         target_probs: [N, V_draft]; mask: bool [N]; count: as in :func:`soft_cross_entropy`.
         chunk: positions per chunk.
+        compiled: run each chunk's elementwise and reduction work (:func:`_chunk_terms`) through
+            torch.compile. Unfused, it passes over [chunk, V] fp32 tensors about twenty times (the
+            head's cost grows with the draft vocab); fused, a few times. The matmuls are the same.
 
     Returns:
         the loss (a scalar with gradient to ``hidden`` and ``weight``), and the draft's argmax [N].
@@ -87,25 +94,42 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, target_probs: torch.Te
     n = mask.sum() if count is None else count
     scale = mask / n.clamp(min=1)  # [N] each position's weight in the loss
     need = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _HeadLoss.apply(hidden, weight, target_probs, scale, chunk, need)
+    terms = _compiled_chunk_terms() if compiled else _chunk_terms
+    return _HeadLoss.apply(hidden, weight, target_probs, scale, chunk, need, terms)
+
+
+def _chunk_terms(logits: torch.Tensor, p: torch.Tensor, w: torch.Tensor, grad: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk's loss sum, argmax [n] and, with ``grad``, d loss / d logits [n, V] (logits' dtype),
+    from the draft logits [n, V], the target probabilities [n, V] (fp32) and the weights [n].
+
+    d/dz of -sum_v p_v log softmax(z)_v is softmax(z) * sum_v p_v - p."""
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    loss = (w * -(p * logq).sum(-1)).sum()
+    g = ((logq.exp_() * p.sum(-1, keepdim=True) - p) * w[:, None]).to(logits.dtype) if grad else None
+    return loss, logits.argmax(-1), g
+
+
+@functools.cache
+def _compiled_chunk_terms() -> Any:
+    return torch.compile(_chunk_terms, dynamic=True)  # chunk lengths vary: one graph per ``grad``
 
 
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, probs, scale, chunk, need):  # type: ignore[override]
+    def forward(ctx, hidden, weight, probs, scale, chunk, need, terms):  # type: ignore[override]
         grad_hidden = torch.empty_like(hidden) if need and hidden.requires_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need and weight.requires_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         pred = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
-            x, p, w = hidden[s : s + chunk], probs[s : s + chunk], scale[s : s + chunk]
-            logits = x @ weight.T  # [n, V], model dtype
-            pred[s : s + chunk] = logits.argmax(-1)
-            logq = torch.log_softmax(logits.float(), dim=-1)
-            loss += (w * -(p * logq).sum(-1)).sum()
-            if grad_hidden is None and grad_weight is None:
+            x = hidden[s : s + chunk]
+            # g: d loss / d logits [n, V]
+            part, pred[s : s + chunk], g = terms(x @ weight.T, probs[s : s + chunk], scale[s : s + chunk],
+                                                 grad_hidden is not None or grad_weight is not None)
+            loss += part
+            if g is None:
                 continue
-            g = ((logq.exp_() * p.sum(-1, keepdim=True) - p) * w[:, None]).to(x.dtype)  # d loss / d logits [n, V]
             if grad_hidden is not None:
                 grad_hidden[s : s + chunk] = g @ weight
             if grad_weight is not None:
@@ -118,7 +142,7 @@ class _HeadLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_pred):  # type: ignore[override]
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = lambda g: None if g is None else g * grad_loss.to(g.dtype)  # noqa: E731
-        return scale(grad_hidden), scale(grad_weight), None, None, None, None
+        return scale(grad_hidden), scale(grad_weight), None, None, None, None, None
 
 
 def correct_predictions(draft_pred: torch.Tensor, argmax_draft: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

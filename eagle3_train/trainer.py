@@ -91,7 +91,7 @@ class OptimConfig:
     early_stop_patience: int = 0  # stop after this many evaluations without a better eval simulated tau (0: off; needs eval_every)
     head_chunk: int = 4096  # positions per chunk of the fused draft lm_head + soft cross-entropy: no step's [T, V_draft] logits are kept (0: whole logits through autograd; ZeRO-3 needs 0)
     activation_checkpointing: bool = False  # recompute each TTT step's decoder layer in backward instead of keeping its activations (long sequences; ~1/3 more layer FLOPs)
-    compile: bool = False  # torch.compile the decoder layer (GPU; the first steps compile, one graph per TTT step)
+    compile: bool = False  # torch.compile the decoder layer (one graph per TTT step) and the fused head loss's chunk math (GPU; the first steps compile)
     sequence_parallel: int = 1  # ranks that share each sequence (Ulysses all-to-all over heads); divides the world size and the head counts; data parallelism runs over world / this
 
     def __post_init__(self) -> None:
@@ -273,7 +273,8 @@ def build_engine(model: Eagle3Draft, o: OptimConfig, ds: DeepSpeedConfig, dtype:
 
 def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: torch.Tensor, ttt_length: int,
                decay: float, target: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-               head_chunk: int = 0, sp: SequenceParallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               head_chunk: int = 0, sp: SequenceParallel | None = None, compiled_head: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted TTT loss of one micro-batch, and per-step statistics [ttt_length, 4] (hits,
     in-vocab, counted, loss; see :func:`correct_predictions`) left on the device, so the step never
     waits for the GPU.
@@ -283,7 +284,8 @@ def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: tor
     the target's argmax at t+1+j is also in the draft vocab (otherwise it is a miss). ``target`` is
     that distribution when already known (probs [B, T, V_draft], argmax [B, T], in_draft [B, T]);
     otherwise it is computed from ``last_hidden``. ``head_chunk`` > 0 fuses the draft lm_head with
-    the loss (:func:`head_loss`, that many positions at a time; 0: whole logits).
+    the loss (:func:`head_loss`, that many positions at a time, through torch.compile with
+    ``compiled_head``; 0: whole logits).
 
     With ``sp`` this rank runs its shard of every row's positions (rows padded to a multiple of the
     group): the target distribution only where the shard's steps read it, each step's loss over the
@@ -322,7 +324,7 @@ def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: tor
         target_probs = probs[:, q].reshape(b * n, probs.shape[-1])  # [B*n, V_draft]
         if head_chunk:
             loss, pred = head_loss(model.norm(out[:, :n]).reshape(b * n, h), model.lm_head.weight, target_probs,
-                                   mask, counts[j], head_chunk)
+                                   mask, counts[j], head_chunk, compiled_head)
         else:
             logits = model.logits(out[:, :n]).reshape(b * n, probs.shape[-1])  # [B*n, V_draft]
             loss, pred = soft_cross_entropy(logits, target_probs, mask, counts[j]), logits.argmax(-1)
@@ -559,7 +561,7 @@ class Trainer:
     def losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         o = self.cfg.train
         return ttt_losses(self.engine.module, batch, self.lm_head, self.t2d, o.ttt_length, o.loss_decay,
-                          self.cached_target(batch), o.head_chunk, self.sp)
+                          self.cached_target(batch), o.head_chunk, self.sp, o.compile and o.head_chunk > 0)
 
     def cached_target(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The batch's target distribution from the per-sample cache (``train.cache_target_gb``),

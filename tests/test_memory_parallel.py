@@ -126,6 +126,28 @@ def test_head_loss_is_the_unfused_loss():
         assert not head_loss(x, w, p, mask, chunk=4)[0].requires_grad
 
 
+def test_compiled_head_loss_is_the_unfused_loss():
+    """train.compile's head loss (the per-chunk math through torch.compile) gives the loss, argmax
+    and gradients of whole logits through autograd, for chunk lengths that vary (one dynamic graph)."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(13, 16, generator=g, requires_grad=True), torch.randn(40, 16, generator=g, requires_grad=True)
+    p = torch.randn(13, 40, generator=g).softmax(-1) * (torch.rand(13, 1, generator=g) < 0.8)  # rows without a target
+    mask = torch.rand(13, generator=g) < 0.7
+    logits = x @ w.T
+    want = soft_cross_entropy(logits, p, mask, torch.tensor(20))
+    want_grads = torch.autograd.grad(want, (x, w))
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]["ok"]
+    for chunk in (5, 13):
+        got, pred = head_loss(x, w, p, mask, torch.tensor(20), chunk, compiled=True)
+        torch.testing.assert_close(got, want)
+        assert torch.equal(pred, logits.argmax(-1))
+        for a, b in zip(torch.autograd.grad(got, (x, w)), want_grads, strict=True):
+            torch.testing.assert_close(a, b)
+    assert counters["frames"]["ok"] > frames  # it ran compiled, not eager
+
+
 def saved_activations(t, **options):
     """Bytes autograd keeps for backward over one TTT loss (7 steps) with rows of ``t`` positions
     (the weights and the batch excluded), and whether any of it is a [positions, V_draft] tensor."""
