@@ -91,13 +91,14 @@ def assert_same(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("head_chunk, checkpointing", [(0, False), (5, False), (7, True), (1000, True)])
-def test_ttt_loss_and_gradients_equal_the_dense_reference(head_chunk, checkpointing):
+@pytest.mark.parametrize("head_chunk, checkpointing, compiled_head",
+                         [(0, False, False), (5, False, False), (7, True, False), (1000, True, False), (6, False, True)])
+def test_ttt_loss_and_gradients_equal_the_dense_reference(head_chunk, checkpointing, compiled_head):
     model, head, t2d, batch = tiny_problem()
     want = loss_and_grads(model, dense_reference_loss(model, batch, head, t2d))
     if checkpointing:
         apply_activation_checkpointing(model)
-    loss, stats = ttt_losses(model, batch, head, t2d, TTT, DECAY, head_chunk=head_chunk)
+    loss, stats = ttt_losses(model, batch, head, t2d, TTT, DECAY, head_chunk=head_chunk, compiled_head=compiled_head)
     assert_same(loss_and_grads(model, loss), want)
     assert stats[:, 2].sum() > 0 and stats[-1, 2] < stats[0, 2]
 
