@@ -10,10 +10,11 @@
 #   bash launch/recipes/smollm2_synth.sh                          # all GPUs of this machine
 #   NGPU=1 N=16384 EPOCHS=4 RUN_DIR=runs/s16k bash launch/recipes/smollm2_synth.sh
 #
-# Measured with these defaults on two H200s, N=131072 (tests/benchmarks/results/recipe_graph_h200x2.json):
-# tau 2.78 on the held-out prompts (simulated on the synthesized eval split: 3.22), lossless, 20.9 minutes
-# end to end (synthesis 8.9 of which 1.5 were tokenising in one process, since spread over processes;
-# online training 11.1; export + check + eval 0.9). One H200 at N=65536 (its default) is not measured.
+# Measured with these defaults on two H200s, N=131072 (tests/benchmarks/results/recipe_vocab16k_h200x2.json):
+# tau 2.90 on the held-out prompts (3.09 on fresh synthesized prompts; simulated on the synthesized eval
+# split 3.25), lossless, 22.6 minutes end to end (synthesis 8.8, online training 12.9, export + check +
+# eval 1.0). With DRAFT_VOCAB=8192 (recipe_graph_h200x2.json): tau 2.78 in 20.9 minutes (training 11.1).
+# One H200 at N=65536 (its default) is not measured.
 # Earlier measurements (recipe_online_h200x2.json): N=32768 on one H200 with transformers' generate
 # (GEN_BATCHING=padded GEN_RANKS_PER_GPU=2 GEN_BATCH=2048 EPOCHS=8): tau 2.53 in 15.0 minutes; the
 # settings before those, tau 2.40 at the same N (recipe_synth_h200x2.json):
@@ -23,7 +24,7 @@
 # $RUN_DIR/timings.jsonl. Variables (default): N (65536 x NGPU), NGPU (all GPUs), RUN_DIR, EPOCHS (6), LR
 # (2e-3), TTT (5), BATCH_TOKENS (32768 x NGPU, global: divided by NGPU per rank; the online step's time
 # hardly depends on its tokens, so each GPU takes 32k), INTERMEDIATE (3072: the draft
-# MLP width), DRAFT_VOCAB (8192), NEW_TOKENS (128: reply length), GEN_BATCH (4096: prompts generated
+# MLP width), DRAFT_VOCAB (16384), NEW_TOKENS (128: reply length), GEN_BATCH (4096: prompts generated
 # together per process, also the synthesis chunk size), GEN_BATCHING (graph: regen.batching, or padded
 # | static | continuous), GEN_RANKS_PER_GPU (1: synthesis processes per GPU; 2 helped padded, not
 # graph), EXAMPLES (data_prep/prompts/
@@ -64,17 +65,17 @@ run synthesize gen_dist -m data_prep.prepare target="${TARGET:-embedded}" synthe
   "${SYNTH_EXTRA[@]}" \
   regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="$GEN_BATCH" regen.batching="${GEN_BATCHING:-graph}"
 RECIPE_TRAIN="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-6} train.lr=${LR:-2e-3} train.warmup_steps=30 \
-train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-$((32768 * NGPU))} / NGPU )) train.eval_every=500 train.keep_best=true train.log_every=50 \
+train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-$((32768 * NGPU))} / NGPU )) train.head_chunk=32768 train.eval_every=500 train.keep_best=true train.log_every=50 \
 model.lm_head_init=target model.intermediate_size=${INTERMEDIATE:-3072}"
 if [ "${SOURCE:-online}" = online ]; then  # the target runs in the training loop: no dump, no standardize
   # shellcheck disable=SC2086  # RECIPE_TRAIN and TRAIN_EXTRA are lists of overrides
   run train dist -m eagle3_train.trainer source=online data="$RUN/prepared" target="${TARGET:-embedded}" out="$RUN/train" \
-    online.draft_vocab_size="${DRAFT_VOCAB:-8192}" online.eval_fraction=0.02 $RECIPE_TRAIN ${TRAIN_EXTRA:-}
+    online.draft_vocab_size="${DRAFT_VOCAB:-16384}" online.eval_fraction=0.02 $RECIPE_TRAIN ${TRAIN_EXTRA:-}
 else
   # shellcheck disable=SC2086  # DUMP_EXTRA is a list of overrides
   run dump dist -m data_prep.dump target="${TARGET:-embedded}" data="$RUN/prepared" out="$RUN/dump" dtype=bfloat16 ${DUMP_EXTRA:-}
   run standardize python3 -m data_prep.standardize dumps="[$RUN/dump]" out="$RUN/std" \
-    draft_vocab_size="${DRAFT_VOCAB:-8192}" eval_fraction=0.02 ${MAX_SAMPLES:+max_samples=$MAX_SAMPLES}
+    draft_vocab_size="${DRAFT_VOCAB:-16384}" eval_fraction=0.02 ${MAX_SAMPLES:+max_samples=$MAX_SAMPLES}
   [ "${UNTIL:-}" = standardize ] && exit 0
   # shellcheck disable=SC2086  # RECIPE_TRAIN and TRAIN_EXTRA are lists of overrides
   run train dist -m eagle3_train.trainer data="$RUN/std" target="${TARGET:-embedded}" out="$RUN/train" $RECIPE_TRAIN ${TRAIN_EXTRA:-}
