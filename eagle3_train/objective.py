@@ -175,6 +175,42 @@ def step_weights(ttt_length: int, decay: float) -> list[float]:
     return [decay**j for j in range(ttt_length)]
 
 
+def decode_walk(hits: np.ndarray, answer: np.ndarray) -> tuple[int, int]:
+    """Tokens and verify steps of chain decoding over one row's replies, counted as eagle3-eval
+    counts them (τ = tokens / steps), from the teacher-forced hits of the TTT steps.
+
+    With the tokens known up to position s+1, a verify step drafts positions s+2, s+3, ...; its
+    j-th draft is what TTT step j predicts at position s (``hits[j, s]``), and it sees the inputs
+    decoding would while every earlier draft is right. The step accepts the leading hits (at most
+    k, not past the reply) and the target adds one token: s moves on by accepted + 1. Each run of
+    answer positions is one reply, whose first token comes from the prefill. Unlike
+    :func:`acceptance_length`, which scores every start position alike, this visits positions as
+    decoding does: more often where drafts fail.
+
+    Args:
+        hits: bool [k, T], step j's draft at position t (predicting token t+2+j) is right;
+        answer: bool [T], the row's loss-masked positions.
+    """
+    k, t_len = hits.shape
+    tokens = steps = 0
+    t = 0
+    while t < t_len:
+        if not answer[t]:
+            t += 1
+            continue
+        end = t
+        while end < t_len and answer[end]:
+            end += 1
+        s = t - 1  # the reply's first token, at t, is the prefill's
+        while s + 2 < end:
+            n = 0
+            while n < k and s + 2 + n < end and hits[n, s]:
+                n += 1
+            tokens, steps, s = tokens + n + 1, steps + 1, s + n + 1
+        t = end
+    return tokens, steps
+
+
 def acceptance_length(accuracies: list[float]) -> float:
     """Simulated acceptance length of a chain: ``1 + a0 + a0*a1 + ...`` (the 1 is the token the
     target always adds), from per-step accuracies."""

@@ -44,6 +44,7 @@ from eagle3_train.objective import (
     acceptance_length,
     accuracies,
     correct_predictions,
+    decode_walk,
     head_loss,
     soft_cross_entropy,
     step_weights,
@@ -273,8 +274,8 @@ def build_engine(model: Eagle3Draft, o: OptimConfig, ds: DeepSpeedConfig, dtype:
 
 def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: torch.Tensor, ttt_length: int,
                decay: float, target: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-               head_chunk: int = 0, sp: SequenceParallel | None = None, compiled_head: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               head_chunk: int = 0, sp: SequenceParallel | None = None, compiled_head: bool = False,
+               hits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted TTT loss of one micro-batch, and per-step statistics [ttt_length, 4] (hits,
     in-vocab, counted, loss; see :func:`correct_predictions`) left on the device, so the step never
     waits for the GPU.
@@ -286,6 +287,10 @@ def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: tor
     otherwise it is computed from ``last_hidden``. ``head_chunk`` > 0 fuses the draft lm_head with
     the loss (:func:`head_loss`, that many positions at a time, through torch.compile with
     ``compiled_head``; 0: whole logits).
+
+    ``hits`` (bool [ttt_length, B, T], given for eval's decode walk) receives at [j, b, t] whether
+    step j's draft at position t was right (a hit as the statistics count it); a shard writes its
+    own positions.
 
     With ``sp`` this rank runs its shard of every row's positions (rows padded to a multiple of the
     group): the target distribution only where the shard's steps read it, each step's loss over the
@@ -330,6 +335,10 @@ def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: tor
             loss, pred = soft_cross_entropy(logits, target_probs, mask, counts[j]), logits.argmax(-1)
         total = total + weights[j] * loss
         stats[j, :3] = correct_predictions(pred, argmax[:, q].reshape(-1), counted)
+        if hits is not None:
+            right = (pred == argmax[:, q].reshape(-1)) & (argmax[:, q].reshape(-1) >= 0) & counted  # [B*n]
+            m = max(0, min(n, hits.shape[2] - start))  # padded positions are never hits
+            hits[j, :, start: start + m] = right.view(b, n)[:, :m]
         stats[j, 3] = loss.detach()
     return total, stats
 
@@ -558,10 +567,10 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------------
 
-    def losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def losses(self, batch: Batch, hits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         o = self.cfg.train
         return ttt_losses(self.engine.module, batch, self.lm_head, self.t2d, o.ttt_length, o.loss_decay,
-                          self.cached_target(batch), o.head_chunk, self.sp, o.compile and o.head_chunk > 0)
+                          self.cached_target(batch), o.head_chunk, self.sp, o.compile and o.head_chunk > 0, hits)
 
     def cached_target(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The batch's target distribution from the per-sample cache (``train.cache_target_gb``),
@@ -655,6 +664,7 @@ class Trainer:
         self.engine.eval()
         counts = np.zeros((o.ttt_length, 3), dtype=np.int64)
         loss_sum, n = 0.0, 0
+        walk = np.zeros(2, dtype=np.int64)  # decode walk: tokens, verify steps
         if len(self.eval_split):
             batches = plan_epoch(self.eval_split.length, o.max_tokens_per_batch, 0, 0)
             mine = batches[self.data_rank :: self.world]
@@ -663,18 +673,32 @@ class Trainer:
             rounds = -(-len(batches) // self.world)
             host = (self.eval_split.batch(mine[r] if r < len(mine) else batches[0]) for r in range(rounds))
             for r, batch in enumerate(self.source.device_batches(host)):
-                loss, stats = self.losses(batch)
+                hits = torch.zeros(o.ttt_length, *batch.input_ids.shape, dtype=torch.int32, device=batch.input_ids.device)
+                loss, stats = self.losses(batch, hits)
+                hits = self.sp.all_reduce(hits)  # each shard wrote its own positions
                 if r < len(mine):
                     counts += stats[:, :3].cpu().numpy().astype(np.int64)
                     loss_sum += float(loss)
                     n += self.sp.rank == 0  # a sequence-parallel group's shards add up to one batch
-        gathered = all_gather_objects((counts, loss_sum, n))
+                    if self.sp.rank == 0:
+                        walk += self._walk(batch, hits)
+        gathered = all_gather_objects((counts, loss_sum, n, walk))
         counts = sum(g[0] for g in gathered)
         loss_sum, n = sum(g[1] for g in gathered), sum(g[2] for g in gathered)
+        tokens, steps = sum(g[3] for g in gathered)
         acc, acc_in_vocab = accuracies(counts)
         return {"step": self.step, "eval_loss": loss_sum / max(n, 1), "eval_acc": acc, "eval_tau": acceptance_length(acc),
+                "eval_tau_decoded": float(tokens / steps) if steps else 0.0,
                 "eval_acc_in_vocab": acc_in_vocab, "eval_tau_in_vocab": acceptance_length(acc_in_vocab),
                 "eval_vocab_coverage": float(counts[0, 1] / counts[0, 2]) if counts[0, 2] else 0.0}
+
+    @staticmethod
+    def _walk(batch: Batch, hits: torch.Tensor) -> np.ndarray:
+        """[tokens, verify steps] of :func:`decode_walk` over the batch's rows."""
+        h = hits.bool().cpu().numpy()  # [k, B, T]
+        answer = (batch.loss_mask & (torch.arange(batch.input_ids.shape[1], device=batch.lengths.device)[None]
+                                     < batch.lengths[:, None])).cpu().numpy()  # [B, T]
+        return np.sum([decode_walk(h[:, i], answer[i]) for i in range(len(answer))], axis=0, dtype=np.int64)
 
     def after_eval(self, result: dict[str, Any]) -> bool:
         """Log an evaluation and track the best eval simulated tau; True when early stopping is due
@@ -773,8 +797,9 @@ class Trainer:
     @staticmethod
     def _eval_line(r: dict[str, Any]) -> str:
         return (f"eval at step {r['step']}: acc per step {[round(a, 3) for a in r['eval_acc']]}, simulated tau "
-                f"{r['eval_tau']:.2f} (over in-vocab positions: {r['eval_tau_in_vocab']:.2f}; the draft vocab covers "
-                f"{r['eval_vocab_coverage']:.1%} of the target's argmaxes)")
+                f"{r['eval_tau']:.2f} (walked as decoding visits positions: {r['eval_tau_decoded']:.2f}; over in-vocab "
+                f"positions: {r['eval_tau_in_vocab']:.2f}; the draft vocab covers {r['eval_vocab_coverage']:.1%} of the "
+                f"target's argmaxes)")
 
     def _write(self, bar: Any, line: str) -> None:
         """A console line on rank 0 that does not break the progress bar."""

@@ -53,6 +53,8 @@ def test_training_learns_the_target(std, tmp_path):
     assert logged[-1]["loss"] < logged[0]["loss"]
     assert final["eval_acc"][0] > 0.3  # chance is 1/320
     assert final["eval_tau"] > 1.5
+    # the decode walk counts the same hits along the positions a decode visits: near the simulation
+    assert final["eval_tau_decoded"] > 1.3 and abs(final["eval_tau_decoded"] - final["eval_tau"]) < 0.25
     ck = tmp_path / "r" / "checkpoints" / f"step{final['step']}"
     weights = load_file(str(ck / "draft.safetensors"))
     assert "embed_tokens.weight" not in weights and weights["fc.weight"].shape == (64, 192)
@@ -176,6 +178,8 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(std, tmp_path):
     evals = [[m for m in metrics(tmp_path / run) if "eval_loss" in m] for run in ("one", "sp")]
     assert evals[0][-1]["eval_loss"] == pytest.approx(evals[1][-1]["eval_loss"], rel=1e-4)
     assert evals[0][-1]["eval_acc"] == pytest.approx(evals[1][-1]["eval_acc"], abs=1e-6)
+    walked = [[m["eval_tau_decoded"] for m in metrics(tmp_path / run) if "eval_loss" in m] for run in ("one", "two", "sp")]
+    assert walked[0] == walked[1] == walked[2] and walked[0][-1] >= 1
 
 
 def test_kill_and_resume_gives_the_same_weights(std, tmp_path):

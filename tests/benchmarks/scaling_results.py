@@ -32,6 +32,8 @@ def collect(d: Path, std: Path) -> dict[str, Any]:
                         "best_eval_tau": round(best["eval_tau"], 4), "best_step": best["step"],
                         "eval_acc_at_best": [round(a, 4) for a in best["eval_acc"]],
                         "eval_curve": [[m["step"], round(m["eval_tau"], 3)] for m in evals]}
+        if "eval_tau_decoded" in best:  # the decode walk (runs since 2026-11-30)
+            out["train"]["best_eval_tau_decoded"] = round(best["eval_tau_decoded"], 4)
         rates = sorted(m["tokens_per_s"] for m in metrics if "tokens_per_s" in m)
         if rates:
             out["train"]["median_tokens_per_s"] = round(rates[len(rates) // 2])
