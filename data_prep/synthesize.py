@@ -212,33 +212,48 @@ def shingles(text: str, n: int = 3) -> set[bytes]:
     return {" ".join(words[i : i + n]).encode() for i in range(len(words) - n + 1)}
 
 
-def duplicates(texts: list[str], threshold: float, num_perm: int = 128, seed: int = 1) -> dict[int, str]:
-    """Indices of ``texts`` that repeat an earlier kept one: ``exact_duplicate`` (folded text
-    equal) or ``near_duplicate`` (MinHash estimate of word-3-gram Jaccard >= ``threshold``,
-    candidates from datasketch's LSH). The first of a group is kept; order decides, so the
-    result is deterministic."""
-    from datasketch import MinHash, MinHashLSH
+class DuplicateFilter:
+    """Which texts repeat an earlier kept one: ``exact_duplicate`` (folded text equal) or
+    ``near_duplicate`` (MinHash estimate of word-3-gram Jaccard >= ``threshold``, candidates from
+    datasketch's LSH). The first of a group is kept; order decides, so the result is deterministic.
+    Texts may come in several calls (synthesis rounds): each continues the numbering and the state
+    of the previous, so texts given in pieces are judged as if given at once."""
 
-    # LSH only proposes candidates (a lower threshold proposes more; datasketch needs >= 2 bands)
-    lsh = MinHashLSH(threshold=min(threshold, 0.9), num_perm=num_perm)
-    signatures: dict[int, Any] = {}
-    seen: set[str] = set()
-    dropped: dict[int, str] = {}
-    for i, text in enumerate(texts):
-        key = normalized(text)
-        if key in seen:
-            dropped[i] = "exact_duplicate"
-            continue
-        m = MinHash(num_perm=num_perm, seed=seed)
-        m.update_batch(sorted(shingles(text)))
-        # LSH returns candidates; the estimate confirms (LSH alone has false positives)
-        if any(m.jaccard(signatures[c]) >= threshold for c in lsh.query(m)):
-            dropped[i] = "near_duplicate"
-            continue
-        seen.add(key)
-        lsh.insert(i, m)
-        signatures[i] = m
-    return dropped
+    def __init__(self, threshold: float, num_perm: int = 128, seed: int = 1) -> None:
+        from datasketch import MinHash, MinHashLSH
+
+        self.threshold = threshold
+        # LSH only proposes candidates (a lower threshold proposes more; datasketch needs >= 2 bands)
+        self.lsh = MinHashLSH(threshold=min(threshold, 0.9), num_perm=num_perm)
+        self.blank = MinHash(num_perm=num_perm, seed=seed)  # copies share its permutations (drawing them is slow)
+        self.signatures: dict[int, Any] = {}
+        self.seen: set[str] = set()
+        self.count = 0
+
+    def add(self, texts: list[str]) -> dict[int, str]:
+        """The dropped ones among ``texts`` (indices counted over every call) and why."""
+        dropped: dict[int, str] = {}
+        for i, text in enumerate(texts, start=self.count):
+            key = normalized(text)
+            if key in self.seen:
+                dropped[i] = "exact_duplicate"
+                continue
+            m = self.blank.copy()
+            m.update_batch(sorted(shingles(text)))
+            # LSH returns candidates; the estimate confirms (LSH alone has false positives)
+            if any(m.jaccard(self.signatures[c]) >= self.threshold for c in self.lsh.query(m)):
+                dropped[i] = "near_duplicate"
+                continue
+            self.seen.add(key)
+            self.lsh.insert(i, m)
+            self.signatures[i] = m
+        self.count += len(texts)
+        return dropped
+
+
+def duplicates(texts: list[str], threshold: float, num_perm: int = 128, seed: int = 1) -> dict[int, str]:
+    """Indices of ``texts`` that repeat an earlier kept one, and why (:class:`DuplicateFilter`)."""
+    return DuplicateFilter(threshold, num_perm, seed).add(texts)
 
 
 # -- the stage --------------------------------------------------------------------------------------
@@ -282,6 +297,10 @@ class Synthesizer:
         self.user_cfg = replace(regen, max_new_tokens=min(synth.max_new_tokens, synth.max_tokens + 1), do_sample=True,
                                 temperature=synth.temperature, top_p=synth.top_p)  # sampled, generated as the answers are
         self.generated = Counter()  # new tokens and chunks this rank generated in this run
+        self.totals = Counter()  # new tokens and seconds of the chunks read so far, whichever run made them
+        # what _select has read and filtered so far (the chunks 0..chunks-1)
+        self.selection = {"chunks": 0, "kept": [], "counts": Counter(),
+                          "filter": DuplicateFilter(synth.near_duplicate_threshold)}
 
     # ---- chunks on disk
     def _claim_dir(self) -> None:
@@ -349,18 +368,22 @@ class Synthesizer:
         return kept[: self.n], stats
 
     def _select(self, n_chunks: int) -> tuple[list[Conversation], Counter]:
-        convs: list[Conversation] = []
-        counts: Counter = Counter()
-        self.totals = Counter()
-        for c in range(n_chunks):
+        """The conversations of chunks 0..n_chunks-1 that pass the set filters, and every filter's
+        count. A later round's chunks follow the earlier ones, so each call reads and filters only
+        the chunks added since the last."""
+        sel = self.selection
+        for c in range(sel["chunks"], n_chunks):
             data = json.loads(self._path(c).read_text())
-            counts.update(data["dropped"])
+            sel["counts"].update(data["dropped"])
             self.totals.update(new_tokens=data["new_tokens"], seconds=data["seconds"])
-            convs.extend(Conversation(d["messages"], d["source"], d["meta"]) for d in data["conversations"])
-        firsts = [next(m["content"] for m in conv.messages if m["role"] == "user") for conv in convs]
-        dropped = duplicates(firsts, self.synth.near_duplicate_threshold)
-        counts.update(Counter(dropped.values()))
-        return [conv for i, conv in enumerate(convs) if i not in dropped], counts
+            convs = [Conversation(d["messages"], d["source"], d["meta"]) for d in data["conversations"]]
+            start = sel["filter"].count
+            dropped = sel["filter"].add([next(m["content"] for m in conv.messages if m["role"] == "user")
+                                         for conv in convs])
+            sel["counts"].update(Counter(dropped.values()))
+            sel["kept"].extend(conv for i, conv in enumerate(convs, start=start) if i not in dropped)
+        sel["chunks"] = max(sel["chunks"], n_chunks)
+        return list(sel["kept"]), Counter(sel["counts"])
 
     # ---- generation
     @torch.no_grad()

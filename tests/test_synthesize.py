@@ -14,7 +14,7 @@ from datasets import load_from_disk
 
 from data_prep.prepare import PrepareConfig, Preparer
 from data_prep.regenerate import RegenConfig
-from data_prep.synthesize import (SET_FILTERS, USER_FILTERS, SynthConfig, duplicates, repeated_ngram_share,
+from data_prep.synthesize import (SET_FILTERS, USER_FILTERS, DuplicateFilter, SynthConfig, duplicates, repeated_ngram_share,
                                   user_turn_prefix)
 from eagle3_train.errors import ConfigError, ContractError, Eagle3Error
 from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer
@@ -192,6 +192,24 @@ def test_every_filter_drops_and_counts(tmp_path, monkeypatch):
     assert firsts == [script[0][0], photosynthesis + "?", script[10][0]]
 
 
+def test_a_later_round_is_filtered_against_the_earlier_ones(tmp_path, monkeypatch):
+    """Filters that leave too few conversations make a second round of chunks; its set filters read
+    only the new chunks but continue the first round's state, so a repeat across rounds is
+    dropped and no count is taken twice."""
+    tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
+    script = [("How do I bake bread at home?", True), ("", True),  # chunk 0: kept, empty
+              ("What is a closure?", True), ("hi", True),  # chunk 1: kept, too_short
+              ("how do i bake bread at HOME?", True), ("Write a poem about the sea.", True)]  # round 2: repeat, kept
+    model = Recording(tok, script)
+    manifest = _prepare(tmp_path, monkeypatch, model, synthesize=3, synth=SynthConfig(chunk_size=2, min_tokens=3))
+    stats = manifest["regeneration"]["synthesis"]
+    assert stats["chunks"] == 3 and stats["conversations_kept"] == 3
+    assert stats["dropped"] == {"empty": 1, "too_short": 1, "exact_duplicate": 1}
+    ds = load_from_disk(str(tmp_path / "synth" / "dataset"))
+    firsts = [tok.decode(r["input_ids"]).split("<|im_start|>user\n")[1].split("<|im_end|>")[0] for r in ds]
+    assert firsts == [script[0][0], script[2][0], script[5][0]]
+
+
 def test_duplicates_exact_and_near():
     base = "Please list five practical tips for staying focused while studying for long exams at home"
     # 13 word 3-grams; "today" adds one (Jaccard 13/14), "school" for "home" swaps one (12/14), "ten" for
@@ -200,6 +218,8 @@ def test_duplicates_exact_and_near():
              base.replace("five", "ten"), "Tell me a joke about dogs."]
     assert duplicates(texts, threshold=0.8) == {1: "exact_duplicate", 2: "near_duplicate", 4: "near_duplicate"}
     assert duplicates(texts, threshold=1.0) == {1: "exact_duplicate"}
+    pieces = DuplicateFilter(0.8)  # synthesis rounds: the same texts in pieces, duplicates across them
+    assert pieces.add(texts[:2]) | pieces.add(texts[2:5]) | pieces.add([]) | pieces.add(texts[5:]) == duplicates(texts, 0.8)
     assert repeated_ngram_share("one two three four " * 4) == pytest.approx(1 - 4 / 13)
     assert repeated_ngram_share("a b c") == 0.0
 
