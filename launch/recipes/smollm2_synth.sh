@@ -31,9 +31,11 @@
 # train.jsonl: user prompts shown as examples when the target writes its questions, synth.example_prompts_file;
 # '' for none), SOURCE (online: the target in the
 # training loop; offline: dump + standardize first), TARGET (embedded), DUMP_EXTRA / TRAIN_EXTRA (more
-# eagle3-dump / eagle3-train overrides), UNTIL=standardize (offline: stop once the training data is
-# ready, e.g. to train several variants of it).
+# eagle3-dump / eagle3-train overrides), UNTIL (stop after this stage: synthesize, standardize (offline:
+# the training data is ready, e.g. to train several variants of it) or train).
 set -euo pipefail
+case "${UNTIL:-}" in ""|synthesize|standardize|train) ;; *)
+  echo "smollm2_synth.sh: UNTIL=${UNTIL} is not a stage to stop after: synthesize, standardize or train" >&2; exit 2;; esac
 if [ "${UNTIL:-}" = standardize ] && [ "${SOURCE:-online}" = online ]; then
   echo "smollm2_synth.sh: UNTIL=standardize needs SOURCE=offline (online training has no dump or standardize)" >&2
   exit 2
@@ -64,6 +66,7 @@ run synthesize gen_dist -m data_prep.prepare target="${TARGET:-embedded}" synthe
   synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size="$GEN_BATCH" \
   "${SYNTH_EXTRA[@]}" \
   regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="$GEN_BATCH" regen.batching="${GEN_BATCHING:-graph}"
+[ "${UNTIL:-}" = synthesize ] && exit 0
 RECIPE_TRAIN="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-6} train.lr=${LR:-2e-3} train.warmup_steps=30 \
 train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-$((32768 * NGPU))} / NGPU )) train.head_chunk=32768 train.eval_every=500 train.keep_best=true train.log_every=50 \
 model.lm_head_init=target model.intermediate_size=${INTERMEDIATE:-3072}"
@@ -80,6 +83,7 @@ else
   # shellcheck disable=SC2086  # RECIPE_TRAIN and TRAIN_EXTRA are lists of overrides
   run train dist -m eagle3_train.trainer data="$RUN/std" target="${TARGET:-embedded}" out="$RUN/train" $RECIPE_TRAIN ${TRAIN_EXTRA:-}
 fi
+[ "${UNTIL:-}" = train ] && exit 0
 run export python3 -m eagle3_train.export run="$RUN/train" out="$RUN/export" engines=[sglang,vllm]
 run check python3 -m eagle3_train.check draft="$RUN/export" target="${TARGET:-embedded}"
 run eval python3 -m eagle3_train.eval draft="$RUN/export" target="${TARGET:-embedded}" engine=sglang \
