@@ -288,9 +288,9 @@ def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: tor
     the loss (:func:`head_loss`, that many positions at a time, through torch.compile with
     ``compiled_head``; 0: whole logits).
 
-    ``hits`` (bool [ttt_length, B, T], given for eval's decode walk) receives at [j, b, t] whether
-    step j's draft at position t was right (a hit as the statistics count it); a shard writes its
-    own positions.
+    ``hits`` ([ttt_length, B, T], bool or integer; given for eval's decode walk) receives at [j, b, t]
+    whether step j's draft at position t was right (a hit as the statistics count it); a shard
+    writes its own positions only, so a group's buffers add up to the whole rows'.
 
     With ``sp`` this rank runs its shard of every row's positions (rows padded to a multiple of the
     group): the target distribution only where the shard's steps read it, each step's loss over the
