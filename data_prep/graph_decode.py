@@ -25,6 +25,8 @@ One batch (B prompts, widest W tokens, T = ``max_new_tokens``):
    then ``lm_head(norm(x))`` picks the next token: its argmax (greedy), or, sampled, the
    temperature-scaled distribution cut to its top-p mass and drawn by the exponential race
    ``argmax(p / E)``, ``E ~ Exp(1)`` (a draw from ``p``, with no host sync, so it can be captured).
+   The top-p cut needs no sort when top_p is near 1 (:func:`top_p_by_rejection`); otherwise the
+   probabilities are sorted (:func:`top_p_by_sorting`).
 
 The norms, projections, MLP and rotary tables are the model's own modules, so the arithmetic is
 the model's; only the attention over the static cache is ours (GQA by grouping the query heads,
@@ -38,6 +40,7 @@ use it).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +54,8 @@ PREFILL_KV_BYTES = 8 << 30  # the transformers cache one prefill slice builds be
 CHECK_EVERY = 16  # decode steps between the host's looks at "have all rows ended?"
 CACHE_SHARE = 0.6  # of the GPU's memory less the model's weights, per process on the GPU: the most one batch's buffers may take
 WIDTH_STEP = 64  # prompt widths are rounded up to this: the cache's shape repeats across batches
+TOP_P_MISS = 1e-6  # the most probability a row may have of no round of top_p_by_rejection accepting
+TOP_P_MAX_ROUNDS = 4  # top_p_by_rejection when it needs at most this many rounds, else top_p_by_sorting
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,7 @@ class GraphDecoder:
         self.arch = check_supported(model, 0)
         self.model, self.T, self.pad = model, max_new_tokens, pad_id
         self.sample = (temperature, top_p) if do_sample else None
+        self.rounds = top_p_rounds(top_p) if do_sample else 0
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.eos = torch.tensor(sorted(set(eos_ids)), device=self.device)
@@ -225,12 +231,11 @@ class GraphDecoder:
             return logits.argmax(-1)
         temperature, top_p = self.sample
         p = torch.softmax(logits / temperature, -1)  # [B, V]
-        if top_p < 1:
-            sp, order = p.sort(-1, descending=True)
-            # drop a token when the more probable ones already hold top_p of the mass (the first always stays)
-            sp = sp.masked_fill(sp.cumsum(-1) - sp > top_p, 0)
-            p = torch.zeros_like(p).scatter_(-1, order, sp)
-        return (p / torch.empty_like(p).exponential_()).argmax(-1)  # a draw from p (normalising is unneeded)
+        if top_p >= 1:
+            return race(p)
+        if self.rounds:
+            return top_p_by_rejection(p, top_p, self.rounds)
+        return race(top_p_by_sorting(p, top_p))
 
     def _ends(self, tok: torch.Tensor) -> torch.Tensor:
         """Which tokens [B] end a reply."""
@@ -270,6 +275,54 @@ class GraphDecoder:
         tok.copy_(nxt)
         pos += 1
         s["col"] += 1
+
+
+def race(p: torch.Tensor) -> torch.Tensor:
+    """A draw from each row of ``p`` [B, V] (unnormalised weights), with no host sync: the
+    exponential race ``argmax(p / E)``, ``E ~ Exp(1)``."""
+    return (p / torch.empty_like(p).exponential_()).argmax(-1)
+
+
+def top_p_by_sorting(p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``p`` [B, V] with each row cut to its nucleus: a token stays while the more probable ones
+    hold at most ``top_p`` of the mass (the first always stays)."""
+    sp, order = p.sort(-1, descending=True)
+    sp = sp.masked_fill(sp.cumsum(-1) - sp > top_p, 0)
+    return torch.zeros_like(p).scatter_(-1, order, sp)
+
+
+def top_p_rounds(top_p: float) -> int:
+    """Rounds :func:`top_p_by_rejection` needs for ``top_p`` (a round rejects with probability at
+    most 1 - top_p), or 0 where sorting is cheaper (more than ``TOP_P_MAX_ROUNDS``) or nothing is
+    cut (top_p >= 1)."""
+    if top_p >= 1:
+        return 0
+    rounds = math.ceil(math.log(TOP_P_MISS) / math.log(1 - top_p) - 1e-9) if top_p > 0 else TOP_P_MAX_ROUNDS + 1
+    return rounds if rounds <= TOP_P_MAX_ROUNDS else 0
+
+
+def top_p_by_rejection(p: torch.Tensor, top_p: float, rounds: int) -> torch.Tensor:
+    """A draw from each row of ``p`` [B, V] (probabilities) restricted to its nucleus, without
+    sorting ``[B, V]``: draw from the tokens still allowed; accept the draw x when the tokens more
+    probable than x hold at most ``top_p`` (x is in the nucleus); else every token at most as
+    probable as x is outside it too, so allow only the more probable ones and draw again.
+
+    An accepted draw is p renormalised over the nucleus, since the allowed tokens always include
+    the whole nucleus. A round rejects with probability at most 1 - top_p (the allowed tokens
+    outside the nucleus hold at most that much, the nucleus at least top_p); a row that no round
+    accepts takes its argmax, which is in every nucleus. Tied probabilities are in or out
+    together (sorting would split them at the boundary). A round is a few passes over ``p``
+    against a sort's many."""
+    pick = p.argmax(-1)  # [B]
+    done = torch.zeros_like(pick, dtype=torch.bool)
+    allowed = p
+    for _ in range(rounds):
+        x = race(allowed)  # [B]
+        allowed = torch.where(p > p.gather(-1, x[:, None]), p, 0)  # [B, V]: more probable than x
+        inside = allowed.sum(-1) <= top_p  # [B]
+        pick = torch.where(inside & ~done, x, pick)
+        done |= inside
+    return pick
 
 
 def processes_per_gpu() -> int:

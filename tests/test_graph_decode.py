@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from data_prep import graph_decode
 from data_prep.graph_decode import GraphDecoder, check_supported
 from data_prep.regenerate import RegenConfig, generate_sorted
 from eagle3_train.errors import ConfigError
@@ -74,10 +75,13 @@ def test_every_reply_ending_early_stops_the_batch():
     assert [r[0] for r in rows] == [r[0] for r in first] and all(len(r) == 40 for r in rows)
 
 
-def test_sampling_draws_from_the_top_p_distribution():
+@pytest.mark.parametrize("max_rounds", [0, 16])  # the sort; rejection (top_p 0.8 needs 9 rounds)
+def test_sampling_draws_from_the_top_p_distribution(monkeypatch, max_rounds):
     """2000 rows of one prompt: every first token lies in the top-p set of the temperature-scaled
     distribution, and each token's frequency is its renormalised probability (within 5 sd); a tiny
-    top_p is greedy; a seed repeats the draws."""
+    top_p is greedy; a seed repeats the draws. By sorting and by rejection."""
+    monkeypatch.setattr(graph_decode, "TOP_P_MAX_ROUNDS", max_rounds)
+    assert (graph_decode.top_p_rounds(0.8) > 0) == (max_rounds > 0)
     model = build_tiny_model()
     p = prompts((12,))[0]
     with torch.no_grad():
@@ -101,6 +105,23 @@ def test_sampling_draws_from_the_top_p_distribution():
         torch.manual_seed(7)
         again.append(GraphDecoder(model, 8, EOS, 0, do_sample=True, temperature=1.0, top_p=0.95).generate([p] * 4))
     assert again[0] == again[1]
+
+
+def test_top_p_by_rejection_is_the_nucleus_distribution():
+    """A hand-made distribution: the nucleus at top_p 0.7 is the first three tokens (0.4 + 0.25 hold
+    0.65 <= 0.7 before the third; 0.8 before the fourth), drawn at 0.4/0.8, 0.25/0.8, 0.15/0.8 over
+    40,000 rows (within 5 sd), as sorting cuts it; with one round, the rejected 20 % fall back to
+    the argmax. The rounds: 3 for top_p 0.99 (0.01**3 = 1e-6), 4 for 0.97, sorting from 0.968 down
+    (5 rounds and more), none at 1."""
+    p = torch.tensor([0.04, 0.4, 0.1, 0.25, 0.06, 0.15]).repeat(40_000, 1)
+    want = torch.tensor([0, 0.5, 0, 0.3125, 0, 0.1875], dtype=torch.float64)
+    assert torch.allclose(graph_decode.top_p_by_sorting(p[:1], 0.7)[0] / 0.8, want.float())
+    for rounds, expect in ((30, want), (1, torch.tensor([0, 0.4 + 0.2, 0, 0.25, 0, 0.15], dtype=torch.float64))):
+        torch.manual_seed(rounds)
+        freq = torch.bincount(graph_decode.top_p_by_rejection(p, 0.7, rounds), minlength=6).double() / len(p)
+        sd = (expect * (1 - expect) / len(p)).sqrt()
+        assert ((freq - expect).abs() <= 5 * sd + 1e-9).all(), (rounds, freq)
+    assert [graph_decode.top_p_rounds(x) for x in (0.99, 0.97, 0.968, 0.5, 0.0, 1.0)] == [3, 4, 0, 0, 0, 0]
 
 
 def test_unsupported_models_are_refused_by_name():
