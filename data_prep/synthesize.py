@@ -409,7 +409,8 @@ class Synthesizer:
                 break
             # 1. the user turn, sampled from the template's pre-query rendering
             prefixes = [self._prefix(c) for c in alive]
-            prompts = [self.tok(p.text, add_special_tokens=False)["input_ids"] for p in prefixes]
+            # one call for the batch: the Rust tokenizer spreads it over the CPUs
+            prompts = self.tok([p.text for p in prefixes], add_special_tokens=False)["input_ids"]
             stops = sorted(set(self.eos) | {p.end_id for p in prefixes})
             outs, _ = generate_sorted(self.model, prompts, self.user_cfg, stops, self.pad, bar=bar,
                                       seed=chunk_seed(self.seed, chunk) + 2 * turn)
@@ -427,8 +428,8 @@ class Synthesizer:
                 c["messages"].append({"role": "user", "content": text})
             # 2. the target's answer, as regeneration writes it
             alive = [c for c in convs if c["alive"]]
-            prompts = [self.tok(render_text(self.tok, self._stored(c), f"synth[{c['id']}]", add_generation_prompt=True),
-                                add_special_tokens=False)["input_ids"] for c in alive]
+            texts = [render_text(self.tok, self._stored(c), f"synth[{c['id']}]", add_generation_prompt=True) for c in alive]
+            prompts = self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
             outs, _ = generate_sorted(self.model, prompts, self.regen, self.eos, self.pad, bar=bar,
                                       seed=chunk_seed(self.seed, chunk) + 2 * turn + 1)
             for c, reply in zip(alive, outs):
