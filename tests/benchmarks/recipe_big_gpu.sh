@@ -2,9 +2,10 @@
 # Issue #13's end-to-end recipe run as one background job on a 2-GPU machine staged with
 # launch/gpu_stage.sh (run from the repository root, PYTHONPATH and EAGLE3_CACHE set, the GGUF
 # conversion cache warmed in one process first): launch/recipes/smollm2_synth.sh with its defaults
-# (or the variables given), GPU use sampled every 10 s beside it. If the synthesis fails with several
+# (or the variables given), GPU use sampled every 10 s beside it. If the synthesis fails with the
 # graph decoder it starts over with transformers' generate; if online training fails, the same conversations are
-# trained offline (dump with fp8 storage, standardize), so the run still ends in a τ. GAP=1: then
+# trained offline (dump with fp8 storage, standardize), so the run still ends in a τ; a run with
+# train.compile=true in TRAIN_EXTRA is first retried without it. GAP=1: then
 # recipe_gap.sh's two extra evals (bf16 target; fresh synthesized prompts).
 #
 #   W=/tmp/w setsid nohup bash tests/benchmarks/recipe_big_gpu.sh > /dev/null 2>&1 < /dev/null &
@@ -23,6 +24,12 @@ smi=$!
       rm -rf "$W/run/prepared"  # its chunks were made with the other batching: a different request
       RUN_DIR="$W/run" GEN_BATCHING=padded GEN_RANKS_PER_GPU=2 GEN_BATCH=2048 bash launch/recipes/smollm2_synth.sh \
         && recovered=1
+    fi
+    if [ -z "${recovered:-}" ] && [ -f "$W/run/prepared/manifest.json" ] && [[ "${TRAIN_EXTRA:-}" == *train.compile=true* ]]; then
+      # (the failed attempt's minutes are in the log's clock times, not in timings.jsonl)
+      echo "== $(date +%T) the run failed with train.compile=true: the same conversations again without it"
+      rm -rf "$W/run/train" "$W/run/export" "$W/run/eval"
+      RUN_DIR="$W/run" TRAIN_EXTRA="${TRAIN_EXTRA//train.compile=true/}" bash launch/recipes/smollm2_synth.sh && recovered=1
     fi
     if [ -z "${recovered:-}" ] && [ "${SOURCE:-online}" = online ] && [ -f "$W/run/prepared/manifest.json" ]; then
       echo "== $(date +%T) online run failed: training the same conversations offline (fp8 dump)"
