@@ -131,6 +131,7 @@ class UserTurnPrefix:
 
     text: str  # the rendering up to where the user message's content begins
     end_id: int  # the special token the template puts right after a user message
+    after: str = ""  # the rendering after the user message's content
 
 
 def user_turn_prefix(tokenizer: Any, history: list[dict], end_ids: set[int], template_name: str) -> UserTurnPrefix:
@@ -161,7 +162,7 @@ def user_turn_prefix(tokenizer: Any, history: list[dict], end_ids: set[int], tem
     enc = tokenizer(after, add_special_tokens=False, return_offsets_mapping=True)
     for tid, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]):
         if tid in end_ids:
-            return UserTurnPrefix(prefix, int(tid))
+            return UserTurnPrefix(prefix, int(tid), after)
         if after[a:b].strip():
             break
     raise Eagle3Error(
@@ -298,6 +299,7 @@ class Synthesizer:
                                 temperature=synth.temperature, top_p=synth.top_p)  # sampled, generated as the answers are
         self.generated = Counter()  # new tokens and chunks this rank generated in this run
         self.totals = Counter()  # new tokens and seconds of the chunks read so far, whichever run made them
+        self.endings: dict[str, int] = {}  # what the template renders after a user message -> its end token (_prefix)
         # what _select has read and filtered so far (the chunks 0..chunks-1)
         self.selection = {"chunks": 0, "kept": [], "counts": Counter(),
                           "filter": DuplicateFilter(synth.near_duplicate_threshold)}
@@ -459,8 +461,22 @@ class Synthesizer:
         return [{"role": "system", "content": c["system"]}, *c["messages"]]
 
     def _prefix(self, c: dict) -> UserTurnPrefix:
+        """:func:`user_turn_prefix` of the conversation so far. Its two renderings and the search for
+        the end token run once per kind of ending (what follows the user message); after that, one
+        rendering whose ending is one already derived gives the same prefix."""
         history = ([{"role": "system", "content": c["system"]}] if c["system"] is not None else []) + c["messages"]
-        return user_turn_prefix(self.tok, history, self.special_ids, self.template_name)
+        sentinel = f"XEAGLE3USER{secrets.token_hex(6)}X"
+        try:
+            text = render_text(self.tok, [*history, {"role": "user", "content": sentinel}], "synthesize")
+        except BadRow:
+            text = ""  # the full derivation names the template's complaint
+        if text.count(sentinel) == 1:
+            prefix, after = text.split(sentinel)
+            if after in self.endings:
+                return UserTurnPrefix(prefix, self.endings[after], after)
+        p = user_turn_prefix(self.tok, history, self.special_ids, self.template_name)
+        self.endings[p.after] = p.end_id
+        return p
 
 
 def template_name(target: str, template: str) -> str:

@@ -90,6 +90,31 @@ def test_user_prefix_is_the_templates_pre_query_rendering():
         user_turn_prefix(llama2, [], {_ids(llama2, "<|end_of_text|>")}, name)
 
 
+def test_a_known_ending_derives_the_prefix_from_one_rendering(tmp_path, monkeypatch):
+    """Synthesizer._prefix: the full derivation (two renderings) once per ending the template puts
+    after a user message, then one rendering; every prefix equals user_turn_prefix's."""
+    import data_prep.synthesize as synthesize
+
+    tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
+    end = {_ids(tok, "<|im_end|>")}
+    s = synthesize.Synthesizer(n=1, synth=SynthConfig(), regen=RegenConfig(), seed=0, work_dir=tmp_path, request={},
+                               overwrite=False, load_model=None, tokenizer=tok, special=end, template_name="t")
+    renders = []
+    real = synthesize.render_text
+    monkeypatch.setattr(synthesize, "render_text", lambda *a, **k: renders.append(1) or real(*a, **k))
+    convs = [{"system": None, "messages": []}, {"system": "Ask about code.", "messages": []},
+             {"system": "Ask about math.", "messages": [{"role": "user", "content": "Hi"},
+                                                       {"role": "assistant", "content": "Hello!"}]}]
+    for i, c in enumerate(convs):
+        history = ([{"role": "system", "content": c["system"]}] if c["system"] else []) + c["messages"]
+        want = user_turn_prefix(tok, history, end, "t")
+        before = len(renders)
+        got = s._prefix(c)
+        assert (got.text, got.end_id) == (want.text, want.end_id)
+        assert len(renders) - before == (1 + 2 if i == 0 else 1)  # a failed shortcut, then the derivation
+    assert s.endings == {"<|im_end|>\n": _ids(tok, "<|im_end|>")}
+
+
 @pytest.mark.parametrize("keep_system", [True, False])
 def test_synthesized_turns_are_generated_from_exactly_the_prefix(tmp_path, monkeypatch, keep_system):
     tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
