@@ -334,12 +334,13 @@ class Synthesizer:
             self._prefix({"system": system, "messages": []})
         self._claim_dir()
         size = self.synth.chunk_size
-        # a round asks a multiple of the ranks: its wall time is its busiest rank's anyway
-        whole = lambda k: -(-k // self.world) * self.world  # noqa: E731
-        n_chunks = whole(-(-self.n // size))
+        n_chunks = -(-self.n // size)
         start = time.perf_counter()
         for round_ in range(MAX_ROUNDS):
-            for c in range(n_chunks):
+            # a rank with no chunk left this round makes the next one (a round's wall time is its
+            # busiest rank's anyway); it is read only when a later round asks for it, so the
+            # dataset and the counts do not depend on the number of ranks
+            for c in range(-(-n_chunks // self.world) * self.world):
                 if c % self.world == self.rank and not self._path(c).is_file():
                     self._generate_chunk(c)
             self.barrier()
@@ -354,7 +355,7 @@ class Synthesizer:
                 break
             # more chunks for the deficit at the keep rate seen so far (plus a margin), at most 4x
             rate = len(kept) / (n_chunks * size)
-            n_chunks += whole(min(3 * n_chunks, max(1, -(-int((self.n - len(kept)) / rate * 1.1) // size))))
+            n_chunks += min(3 * n_chunks, max(1, -(-int((self.n - len(kept)) / rate * 1.1) // size)))
         seconds = time.perf_counter() - start
         if len(kept) < self.n:
             print(f"eagle3-prepare: only {len(kept)} of {self.n} synthesized conversations passed the filters "

@@ -183,7 +183,8 @@ def decode_walk(hits: np.ndarray, answer: np.ndarray) -> tuple[int, int]:
     j-th draft is what TTT step j predicts at position s (``hits[j, s]``), and it sees the inputs
     decoding would while every earlier draft is right. The step accepts the leading hits (at most
     k, not past the reply) and the target adds one token: s moves on by accepted + 1. Each run of
-    answer positions is one reply, whose first token comes from the prefill. Unlike
+    answer positions is one reply, whose first token comes from the prefill and whose last (its end
+    of turn) from the target, since eagle3-eval never accepts an end-of-turn draft. Unlike
     :func:`acceptance_length`, which scores every start position alike, this visits positions as
     decoding does: more often where drafts fail.
 
@@ -201,10 +202,10 @@ def decode_walk(hits: np.ndarray, answer: np.ndarray) -> tuple[int, int]:
         end = t
         while end < t_len and answer[end]:
             end += 1
-        s = t - 1  # the reply's first token, at t, is the prefill's
+        s = max(t - 1, 0)  # the reply's first token, at t, is the prefill's
         while s + 2 < end:
-            n = 0
-            while n < k and s + 2 + n < end and hits[n, s]:
+            n = 0  # the reply's last position (its end of turn) is never a draft eval accepts
+            while n < k and s + 2 + n < end - 1 and hits[n, s]:
                 n += 1
             tokens, steps, s = tokens + n + 1, steps + 1, s + n + 1
         t = end

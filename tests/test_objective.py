@@ -75,24 +75,25 @@ def test_out_of_vocab_argmax_counts_as_a_miss():
 
 
 def test_decode_walk_counts_verify_steps_as_decoding_does():
-    """Hand-walked rows: a reply's first token is the prefill's; each verify step accepts the leading
-    hits of the chain at its start (capped at k and at the reply's end) and counts accepted + 1, as
-    eagle3-eval counts every step, also the last one, whose added token lies past the reply."""
+    """Hand-walked rows: a reply's first token is the prefill's and its last (the end of turn) the
+    target's, since eagle3-eval never accepts an end-of-turn draft; each verify step accepts the
+    leading hits of the chain at its start (capped at k and before the reply's last token) and
+    counts accepted + 1."""
     k, t = 3, 16
     answer = np.zeros(t, bool)
-    answer[2:15] = True  # one reply: its first token at 2, then 12 tokens at 3..14
+    answer[2:15] = True  # one reply: its first token at 2, then 12 tokens at 3..14 (14: the end of turn)
     assert decode_walk(np.ones((k, t), bool), answer) == (12, 3)  # 3..6, 7..10, 11..14
     assert decode_walk(np.zeros((k, t), bool), answer) == (12, 12)
     hits = np.zeros((k, t), bool)
     hits[:, 1] = True  # step 1 (chain at 1) accepts 3, 4, 5; the target adds 6
     hits[0, 5] = hits[1, 5] = True  # step 2 (chain at 5): 7, 8, then a miss at 9, the target's
     hits[:, 7] = True  # never drafted: no step starts at 7
-    hits[:, 10] = True  # steps 3 and 4 (chains at 8, 9) miss; step 5 (at 10) accepts 12, 13, 14
-    assert decode_walk(hits, answer) == (4 + 3 + 1 + 1 + 4, 5)
+    hits[:, 10] = True  # steps 3 and 4 (chains at 8, 9) miss; step 5 (at 10) accepts 12, 13; the target adds 14
+    assert decode_walk(hits, answer) == (4 + 3 + 1 + 1 + 3, 5)
     short = np.zeros(t, bool)
     short[2:12] = True
-    assert decode_walk(np.ones((5, t), bool), short) == (6 + 4, 2)  # k=5: 3..8, then 9..11 and the end
+    assert decode_walk(np.ones((5, t), bool), short) == (6 + 3, 2)  # k=5: 3..8, then 9, 10 and the end of turn
     two = np.zeros(t, bool)
-    two[1:4] = two[8:12] = True  # two replies: 2..3 after 1, 9..11 after 8
-    assert decode_walk(np.ones((k, t), bool), two) == (3 + 4, 2)
+    two[1:4] = two[8:12] = True  # two replies: 2 and the end 3 after 1; 9, 10 and the end 11 after 8
+    assert decode_walk(np.ones((k, t), bool), two) == (2 + 3, 2)
     assert decode_walk(np.ones((k, t), bool), np.zeros(t, bool)) == (0, 0)

@@ -22,14 +22,17 @@ smi=$!
     if [ ! -f "$W/run/prepared/manifest.json" ] && [ "${GEN_BATCHING:-graph}" != padded ]; then
       echo "== $(date +%T) synthesis failed: again with transformers' generate (GEN_BATCHING=padded, 2 processes per GPU)"
       rm -rf "$W/run/prepared"  # its chunks were made with the other batching: a different request
-      RUN_DIR="$W/run" GEN_BATCHING=padded GEN_RANKS_PER_GPU=2 GEN_BATCH=2048 bash launch/recipes/smollm2_synth.sh \
-        && recovered=1
+      # exported: the later retries must ask prepare for these same conversations
+      export GEN_BATCHING=padded GEN_RANKS_PER_GPU=2 GEN_BATCH=2048
+      RUN_DIR="$W/run" bash launch/recipes/smollm2_synth.sh && recovered=1
     fi
-    if [ -z "${recovered:-}" ] && [ -f "$W/run/prepared/manifest.json" ] && [[ "${TRAIN_EXTRA:-}" == *train.compile=true* ]]; then
+    if [ -z "${recovered:-}" ] && [ -f "$W/run/prepared/manifest.json" ] && [ ! -f "$W/run/train/manifest.json" ] \
+        && [[ "${TRAIN_EXTRA:-}" == *train.compile=true* ]]; then
       # (the failed attempt's minutes are in the log's clock times, not in timings.jsonl)
-      echo "== $(date +%T) the run failed with train.compile=true: the same conversations again without it"
-      rm -rf "$W/run/train" "$W/run/export" "$W/run/eval"
-      RUN_DIR="$W/run" TRAIN_EXTRA="${TRAIN_EXTRA//train.compile=true/}" bash launch/recipes/smollm2_synth.sh && recovered=1
+      echo "== $(date +%T) training failed with train.compile=true: the same conversations again without it"
+      rm -rf "$W/run/train"
+      export TRAIN_EXTRA="${TRAIN_EXTRA//train.compile=true/}"
+      RUN_DIR="$W/run" bash launch/recipes/smollm2_synth.sh && recovered=1
     fi
     if [ -z "${recovered:-}" ] && [ "${SOURCE:-online}" = online ] && [ -f "$W/run/prepared/manifest.json" ]; then
       echo "== $(date +%T) online run failed: training the same conversations offline (fp8 dump)"

@@ -17,17 +17,8 @@ python3 -m eagle3_train.eval draft="$RUN/export" target="$TARGET" engine=sglang 
 python3 -m data_prep.prepare target="$TARGET" synthesize="${FRESH:-128}" out="$RUN/fresh" seed=100000 \
   synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false \
   synth.example_prompts_file="$PROMPTS/train.jsonl" synth.chunk_size="${FRESH:-128}" \
-  regen.max_new_tokens=128 regen.batch_size=512 regen.batching="${GEN_BATCHING:-graph}"
-python3 - "$RUN/fresh" "$RUN/fresh/prompts.jsonl" <<'PY'
-import gzip, json, sys
-from pathlib import Path
-rows = []
-for chunk in sorted((Path(sys.argv[1]) / "synth").glob("chunk-*.json*")):
-    for c in json.load(gzip.open(chunk) if chunk.suffix == ".gz" else chunk.open())["conversations"]:
-        user = [m for m in c["messages"] if m["role"] == "user"]
-        rows.append({"id": f"fresh-{c['meta']['id']}", "category": "fresh", "messages": user[:1]})
-Path(sys.argv[2]).write_text("".join(json.dumps(r) + "\n" for r in rows))
-print(f"{len(rows)} fresh prompts")
-PY
-python3 -m eagle3_train.eval draft="$RUN/export" target="$TARGET" engine=sglang prompts="$RUN/fresh/prompts.jsonl" \
+  regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size=512 regen.batching="${GEN_BATCHING:-graph}" \
+  save_conversations="$RUN/fresh/fresh.jsonl.gz"
+# the kept conversations (one user turn each): eagle3-eval sends their user turns, the target answers
+python3 -m eagle3_train.eval draft="$RUN/export" target="$TARGET" engine=sglang prompts="$RUN/fresh/fresh.jsonl.gz" \
   k=5 max_new_tokens=128 dtype=float32 batch_size=64 out="$RUN/eval_fresh"

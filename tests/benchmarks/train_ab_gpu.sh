@@ -11,7 +11,7 @@
 # A variant is name=overrides (eagle3-train overrides, space-separated; online.draft_vocab_size goes
 # through DRAFT_VOCAB, since the recipe sets it).
 set -uo pipefail
-W=${W:-/tmp/ab}
+W=$(realpath -m "${W:-/tmp/ab}")  # absolute: the variants link to its data
 N=${N:-16384}
 STEPS=${STEPS:-150}
 VARIANTS=${VARIANTS:-"base=;compile=train.compile=true"}
@@ -22,10 +22,10 @@ echo "== $(date +%T) synthesis: $N conversations" >> "$W/log"
 RUN_DIR="$W/data" N="$N" UNTIL=synthesize bash launch/recipes/smollm2_synth.sh >> "$W/log" 2>&1 || { echo "synthesis failed" >> "$W/log"; exit 1; }
 IFS=';' read -ra specs <<< "$VARIANTS"
 i=0
-pids=()
 for spec in "${specs[@]}"; do
   name=${spec%%=*}
-  extra=${spec#*=}
+  extra=""
+  [[ $spec == *=* ]] && extra=${spec#*=}
   vocab=$(sed -n 's/.*online\.draft_vocab_size=\([0-9]*\).*/\1/p' <<< "$extra")
   extra=$(sed 's/online\.draft_vocab_size=[0-9]*//' <<< "$extra")
   mkdir -p "$W/$name"
@@ -35,11 +35,10 @@ for spec in "${specs[@]}"; do
   ( env CUDA_VISIBLE_DEVICES=$gpu NGPU=1 N="$N" RUN_DIR="$W/$name" UNTIL=train ${vocab:+DRAFT_VOCAB=$vocab} \
       TRAIN_EXTRA="train.max_steps=$STEPS train.log_every=10 $extra" bash launch/recipes/smollm2_synth.sh \
       > "$W/$name.log" 2>&1; echo $? > "$W/$name.rc" ) &
-  pids+=($!)
   i=$((i + 1))
-  if [ $((i % NG)) -eq 0 ]; then wait "${pids[@]}"; pids=(); fi
+  if [ $((i % NG)) -eq 0 ]; then wait; fi
 done
-wait "${pids[@]}" 2>/dev/null
+wait
 python3 - "$W" "$VARIANTS" "$STEPS" <<'PY' >> "$W/log" 2>&1
 import json, statistics, sys
 from pathlib import Path
