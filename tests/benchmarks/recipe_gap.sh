@@ -3,7 +3,8 @@
 # (recipe_big_gpu.sh, GAP=1), eval its exported draft twice more:
 #   eval_bf16/   the same 37 held-out prompts with the target in bfloat16 (as served) instead of fp32;
 #   eval_fresh/  FRESH (128) conversations the target synthesizes with the recipe's own settings but
-#                another seed (never trained on), first user turns only, fp32.
+#                another seed (never trained on), the kept set, fp32 (the run of 2026-11-30 used every
+#                conversation of its chunks that passed the per-turn filters: 170).
 # eval_fresh close to training's simulated τ on its eval split: the draft decodes as it was scored,
 # and the held-out gap is the prompts'. eval_fresh well below it: decoding and scoring disagree.
 #
