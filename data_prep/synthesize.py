@@ -134,6 +134,17 @@ class UserTurnPrefix:
     after: str = ""  # the rendering after the user message's content
 
 
+def split_at_user_turn(tokenizer: Any, history: list[dict]) -> tuple[str, str] | None:
+    """The rendering of ``history`` + a user turn holding a fresh sentinel, as (before, after) the
+    sentinel; None unless the sentinel appears exactly once. Raises BadRow when the template refuses."""
+    sentinel = f"XEAGLE3USER{secrets.token_hex(6)}X"
+    text = render_text(tokenizer, [*history, {"role": "user", "content": sentinel}], "synthesize")
+    if text.count(sentinel) != 1:
+        return None
+    before, after = text.split(sentinel)
+    return before, after
+
+
 def user_turn_prefix(tokenizer: Any, history: list[dict], end_ids: set[int], template_name: str) -> UserTurnPrefix:
     """Derive the pre-query rendering of ``history`` + a new user turn from the chat template.
 
@@ -146,15 +157,14 @@ def user_turn_prefix(tokenizer: Any, history: list[dict], end_ids: set[int], tem
     """
     renders = []
     for _ in range(2):
-        sentinel = f"XEAGLE3USER{secrets.token_hex(6)}X"
         try:
-            text = render_text(tokenizer, [*history, {"role": "user", "content": sentinel}], "synthesize")
+            parts = split_at_user_turn(tokenizer, history)
         except BadRow as e:
             raise Eagle3Error(f"{template_name} refuses a conversation ending in a user turn: {e}") from None
-        if text.count(sentinel) != 1:
+        if parts is None:
             raise Eagle3Error(f"{template_name} does not place a user message verbatim once; "
                               f"its user-turn prefix cannot be derived")
-        renders.append(text.split(sentinel))
+        renders.append(parts)
     (prefix, after), (prefix2, after2) = renders
     if prefix != prefix2 or after != after2:
         raise Eagle3Error(f"{template_name} renders the text around a user message differently for different "
@@ -466,15 +476,12 @@ class Synthesizer:
         the end token run once per kind of ending (what follows the user message); after that, one
         rendering whose ending is one already derived gives the same prefix."""
         history = ([{"role": "system", "content": c["system"]}] if c["system"] is not None else []) + c["messages"]
-        sentinel = f"XEAGLE3USER{secrets.token_hex(6)}X"
         try:
-            text = render_text(self.tok, [*history, {"role": "user", "content": sentinel}], "synthesize")
+            parts = split_at_user_turn(self.tok, history)
         except BadRow:
-            text = ""  # the full derivation names the template's complaint
-        if text.count(sentinel) == 1:
-            prefix, after = text.split(sentinel)
-            if after in self.endings:
-                return UserTurnPrefix(prefix, self.endings[after], after)
+            parts = None  # the full derivation names the template's complaint
+        if parts is not None and parts[1] in self.endings:
+            return UserTurnPrefix(parts[0], self.endings[parts[1]], parts[1])
         p = user_turn_prefix(self.tok, history, self.special_ids, self.template_name)
         self.endings[p.after] = p.end_id
         return p
