@@ -262,11 +262,6 @@ class DuplicateFilter:
         return dropped
 
 
-def duplicates(texts: list[str], threshold: float, num_perm: int = 128, seed: int = 1) -> dict[int, str]:
-    """Indices of ``texts`` that repeat an earlier kept one, and why (:class:`DuplicateFilter`)."""
-    return DuplicateFilter(threshold, num_perm, seed).add(texts)
-
-
 # -- the stage --------------------------------------------------------------------------------------
 
 

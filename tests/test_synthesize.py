@@ -14,7 +14,7 @@ from datasets import load_from_disk
 
 from data_prep.prepare import PrepareConfig, Preparer
 from data_prep.regenerate import RegenConfig
-from data_prep.synthesize import (SET_FILTERS, USER_FILTERS, DuplicateFilter, SynthConfig, duplicates, repeated_ngram_share,
+from data_prep.synthesize import (SET_FILTERS, USER_FILTERS, DuplicateFilter, SynthConfig, repeated_ngram_share,
                                   user_turn_prefix)
 from eagle3_train.errors import ConfigError, ContractError, Eagle3Error
 from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer
@@ -241,10 +241,10 @@ def test_duplicates_exact_and_near():
     # "five" swaps three (10/16): below 0.8, kept
     texts = [base, base.upper(), base + " today", "Tell me a joke about cats.", base.replace("home", "school"),
              base.replace("five", "ten"), "Tell me a joke about dogs."]
-    assert duplicates(texts, threshold=0.8) == {1: "exact_duplicate", 2: "near_duplicate", 4: "near_duplicate"}
-    assert duplicates(texts, threshold=1.0) == {1: "exact_duplicate"}
+    assert DuplicateFilter(0.8).add(texts) == {1: "exact_duplicate", 2: "near_duplicate", 4: "near_duplicate"}
+    assert DuplicateFilter(1.0).add(texts) == {1: "exact_duplicate"}
     pieces = DuplicateFilter(0.8)  # synthesis rounds: the same texts in pieces, duplicates across them
-    assert pieces.add(texts[:2]) | pieces.add(texts[2:5]) | pieces.add([]) | pieces.add(texts[5:]) == duplicates(texts, 0.8)
+    assert pieces.add(texts[:2]) | pieces.add(texts[2:5]) | pieces.add([]) | pieces.add(texts[5:]) == DuplicateFilter(0.8).add(texts)
     assert repeated_ngram_share("one two three four " * 4) == pytest.approx(1 - 4 / 13)
     assert repeated_ngram_share("a b c") == 0.0
 
