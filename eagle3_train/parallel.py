@@ -77,13 +77,18 @@ def apply_activation_checkpointing(model: Eagle3Draft) -> None:
                                       preserve_rng_state=False)
 
 
-def apply_compile(model: Eagle3Draft, ttt_length: int) -> None:
-    """torch.compile the decoder layer (one graph per TTT step: the cache grows with the step)."""
+def apply_compile(model: Eagle3Draft, ttt_length: int, backend: Any = "inductor") -> None:
+    """torch.compile the decoder layer: one graph per TTT step (the cache grows with the step) and
+    grad mode (training, and the no-grad eval), each with dynamic sequence lengths from the start.
+
+    Compiled static first, every step would compile again as dynamic on the second batch length:
+    twice the compile minutes, and past dynamo's recompile limit the rest would run eagerly (seen
+    on the GPU: the limit of 12 hit in the first steps). ``backend``: tests count the graphs."""
     import torch._dynamo
 
     limit = torch._dynamo.config.recompile_limit
     torch._dynamo.config.recompile_limit = max(limit, 2 * ttt_length + 2)
-    model.midlayer.compile()
+    model.midlayer.compile(dynamic=True, backend=backend)
 
 
 class UlyssesCore(nn.Module):

@@ -18,7 +18,7 @@ from eagle3_train.errors import ConfigError
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.model.draft import apply_rope
 from eagle3_train.objective import head_loss, soft_cross_entropy
-from eagle3_train.parallel import SequenceParallel, apply_activation_checkpointing, apply_sequence_parallel
+from eagle3_train.parallel import SequenceParallel, apply_activation_checkpointing, apply_compile, apply_sequence_parallel
 from eagle3_train.targets import tiny_config
 from eagle3_train.trainer import DeepSpeedConfig, OptimConfig, TrainConfig, ttt_losses
 
@@ -148,6 +148,26 @@ def test_compiled_head_loss_is_the_unfused_loss():
         for a, b in zip(torch.autograd.grad(got, (x, w)), want_grads, strict=True):
             torch.testing.assert_close(a, b)
     assert counters["frames"]["ok"] > frames  # it ran compiled, not eager
+
+
+def test_compiled_layer_has_one_graph_per_step_and_grad_mode():
+    """train.compile: the decoder layer compiles once per TTT step for training and once for the
+    no-grad eval, whatever the batches' lengths; compiled static first, each step would compile a
+    second time on the second length, and dynamo's recompile limit would send steps back to eager."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    graphs = CompileCounter()
+    model, head, t2d, _ = tiny_problem()
+    apply_compile(model, TTT, backend=graphs)
+    for grad, lengths in ((True, (13, 9, 11)), (False, (13, 7))):
+        with torch.set_grad_enabled(grad):
+            for t in lengths:
+                loss, _ = ttt_losses(model, tiny_problem(t=t)[3], head, t2d, TTT, DECAY)
+                if grad:
+                    loss.backward()
+        assert graphs.frame_count == TTT * (1 if grad else 2)
 
 
 def saved_activations(t, **options):
