@@ -10,10 +10,12 @@
 #   bash launch/recipes/smollm2_synth.sh                          # all GPUs of this machine
 #   NGPU=1 N=16384 EPOCHS=4 RUN_DIR=runs/s16k bash launch/recipes/smollm2_synth.sh
 #
-# Measured with these defaults on two H200s, N=131072 (tests/benchmarks/results/recipe_vocab16k_h200x2.json):
-# tau 2.90 on the held-out prompts (3.09 on fresh synthesized prompts; simulated on the synthesized eval
-# split 3.25), lossless, 22.6 minutes end to end (synthesis 8.8, online training 12.9, export + check +
-# eval 1.0). With DRAFT_VOCAB=8192 (recipe_graph_h200x2.json): tau 2.78 in 20.9 minutes (training 11.1).
+# Measured with these defaults on two H200s, N=131072 (tests/benchmarks/results/recipe_mlp6144_h200x2.json,
+# where the decoder layer still compiled each TTT step twice, fixed in ce31b70): tau 2.92 on the held-out prompts (2.89 on the 280 shipped
+# training prompts, 3.26 on fresh synthesized prompts; simulated on the synthesized eval split 3.35),
+# lossless, 17.6 minutes end to end (synthesis 6.0, online training 10.9 of which ~2 compiling, export +
+# check + eval 0.7). With INTERMEDIATE=3072 COMPILE=false (recipe_vocab16k_h200x2.json): tau 2.90 in
+# 22.6 minutes; with DRAFT_VOCAB=8192 too (recipe_graph_h200x2.json): tau 2.78 in 20.9 minutes.
 # One H200 at N=65536 (its default) is not measured.
 # Earlier measurements (recipe_online_h200x2.json): N=32768 on one H200 with transformers' generate
 # (GEN_BATCHING=padded GEN_RANKS_PER_GPU=2 GEN_BATCH=2048 EPOCHS=8): tau 2.53 in 15.0 minutes; the
@@ -23,8 +25,9 @@
 # Every stage reuses finished output, so a rerun continues where a crash stopped. Stage times go to
 # $RUN_DIR/timings.jsonl. Variables (default): N (65536 x NGPU), NGPU (all GPUs), RUN_DIR, EPOCHS (6), LR
 # (2e-3), TTT (5), BATCH_TOKENS (32768 x NGPU, global: divided by NGPU per rank; the online step's time
-# hardly depends on its tokens, so each GPU takes 32k), INTERMEDIATE (3072: the draft
-# MLP width), DRAFT_VOCAB (16384), NEW_TOKENS (128: reply length), GEN_BATCH (4096: prompts generated
+# hardly depends on its tokens, so each GPU takes 32k), INTERMEDIATE (6144: the draft
+# MLP width, 4x the target's), COMPILE (true on a GPU: train.compile, the decoder layer and the fused
+# head loss compiled; false on the CPU), DRAFT_VOCAB (16384), NEW_TOKENS (128: reply length), GEN_BATCH (4096: prompts generated
 # together per process, also the synthesis chunk size), GEN_BATCHING (graph: regen.batching, or padded
 # | static | continuous), GEN_RANKS_PER_GPU (1: synthesis processes per GPU; 2 helped padded, not
 # graph), EXAMPLES (data_prep/prompts/
@@ -40,7 +43,8 @@ if [ "${UNTIL:-}" = standardize ] && [ "${SOURCE:-online}" = online ]; then
   echo "smollm2_synth.sh: UNTIL=standardize needs SOURCE=offline (online training has no dump or standardize)" >&2
   exit 2
 fi
-NGPU=${NGPU:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
+NGPU_SEEN=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
+NGPU=${NGPU:-$NGPU_SEEN}
 [ "$NGPU" -ge 1 ] || NGPU=1  # no GPU: one process on the CPU
 N=${N:-$((65536 * NGPU))}
 RUN=${RUN_DIR:-runs/smollm2_synth}
@@ -69,7 +73,7 @@ run synthesize gen_dist -m data_prep.prepare target="${TARGET:-embedded}" synthe
 [ "${UNTIL:-}" = synthesize ] && exit 0
 RECIPE_TRAIN="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-6} train.lr=${LR:-2e-3} train.warmup_steps=30 \
 train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-$((32768 * NGPU))} / NGPU )) train.head_chunk=32768 train.eval_every=500 train.keep_best=true train.log_every=50 \
-model.lm_head_init=target model.intermediate_size=${INTERMEDIATE:-3072}"
+train.compile=${COMPILE:-$([ "$NGPU_SEEN" -ge 1 ] && echo true || echo false)} model.lm_head_init=target model.intermediate_size=${INTERMEDIATE:-6144}"
 if [ "${SOURCE:-online}" = online ]; then  # the target runs in the training loop: no dump, no standardize
   # shellcheck disable=SC2086  # RECIPE_TRAIN and TRAIN_EXTRA are lists of overrides
   run train dist -m eagle3_train.trainer source=online data="$RUN/prepared" target="${TARGET:-embedded}" out="$RUN/train" \

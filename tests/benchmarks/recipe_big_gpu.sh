@@ -4,8 +4,8 @@
 # conversion cache warmed in one process first): launch/recipes/smollm2_synth.sh with its defaults
 # (or the variables given), GPU use sampled every 10 s beside it. If the synthesis fails with the
 # graph decoder it starts over with transformers' generate; if online training fails, the same conversations are
-# trained offline (dump with fp8 storage, standardize), so the run still ends in a τ; a run with
-# train.compile=true in TRAIN_EXTRA is first retried without it. GAP=1: then
+# trained offline (dump with fp8 storage, standardize), so the run still ends in a τ; a compiled
+# run (the recipe's default on a GPU) is first retried with COMPILE=false. GAP=1: then
 # recipe_gap.sh's two extra evals (bf16 target; fresh synthesized prompts).
 #
 #   W=/tmp/w setsid nohup bash tests/benchmarks/recipe_big_gpu.sh > /dev/null 2>&1 < /dev/null &
@@ -27,11 +27,11 @@ smi=$!
       RUN_DIR="$W/run" bash launch/recipes/smollm2_synth.sh && recovered=1
     fi
     if [ -z "${recovered:-}" ] && [ -f "$W/run/prepared/manifest.json" ] && [ ! -f "$W/run/train/manifest.json" ] \
-        && [[ "${TRAIN_EXTRA:-}" == *train.compile=true* ]]; then
+        && [ "${COMPILE:-true}" = true ]; then
       # (the failed attempt's minutes are in the log's clock times, not in timings.jsonl)
-      echo "== $(date +%T) training failed with train.compile=true: the same conversations again without it"
+      echo "== $(date +%T) compiled training failed: the same conversations again with COMPILE=false"
       rm -rf "$W/run/train"
-      export TRAIN_EXTRA="${TRAIN_EXTRA//train.compile=true/}"
+      export COMPILE=false
       RUN_DIR="$W/run" bash launch/recipes/smollm2_synth.sh && recovered=1
     fi
     if [ -z "${recovered:-}" ] && [ "${SOURCE:-online}" = online ] && [ -f "$W/run/prepared/manifest.json" ]; then

@@ -7,14 +7,14 @@
 # simulated tau). A variant that fails is reported with its return code; the others go on.
 #
 #   W=/tmp/ab bash tests/benchmarks/train_ab_gpu.sh
-#   W=/tmp/ab STEPS=150 VARIANTS="base=;compile=train.compile=true;v8k=online.draft_vocab_size=8192" bash tests/benchmarks/train_ab_gpu.sh
+#   W=/tmp/ab STEPS=150 VARIANTS="base=;eager=train.compile=false;v8k=online.draft_vocab_size=8192" bash tests/benchmarks/train_ab_gpu.sh
 # A variant is name=overrides (eagle3-train overrides, space-separated; online.draft_vocab_size goes
 # through DRAFT_VOCAB, since the recipe sets it).
 set -uo pipefail
 W=$(realpath -m "${W:-/tmp/ab}")  # absolute: the variants link to its data
 N=${N:-16384}
 STEPS=${STEPS:-150}
-VARIANTS=${VARIANTS:-"base=;compile=train.compile=true"}
+VARIANTS=${VARIANTS:-"base=;eager=train.compile=false"}
 NG=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
 [ "$NG" -ge 1 ] || NG=1
 mkdir -p "$W"
