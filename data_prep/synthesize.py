@@ -67,6 +67,7 @@ class SynthConfig:
     keep_system_prompt: bool = True  # false: the system prompt steers the question only; the reply and the stored conversation go without it
     example_prompts_file: str | None = None  # a prompt file (eagle3-eval's formats: your own users' prompts); each steering system prompt then lists examples_per_prompt of their first user turns (use with keep_system_prompt=false)
     examples_per_prompt: int = 3  # examples shown per conversation, drawn by (seed, conversation)
+    starter_words: int = 0  # >0: the first user turn begins with the first this many words of the first example its system prompt lists, which the target continues ("Write", "What", "Explain" ...: the openings of your users' requests rather than the target's own); needs example_prompts_file
     temperature: float = 1.0  # sampling temperature of user turns
     top_p: float = 0.99  # nucleus mass of user turns
     max_new_tokens: int = 128  # longest user turn sampled (at most max_tokens + 1: past that a turn is dropped anyway); one that does not end by then is dropped (no_end_of_turn)
@@ -88,6 +89,10 @@ class SynthConfig:
             raise ConfigError(f"synth.near_duplicate_threshold must be in (0, 1], got {self.near_duplicate_threshold}")
         if self.system_prompts is not None and self.system_prompts_file is not None:
             raise ConfigError("give synth.system_prompts or synth.system_prompts_file, not both")
+        if self.starter_words < 0:
+            raise ConfigError(f"synth.starter_words must be >= 0, got {self.starter_words}")
+        if self.starter_words and self.example_prompts_file is None:
+            raise ConfigError("synth.starter_words takes the openings of synth.example_prompts_file's prompts: give the file")
 
     def systems(self) -> list[str | None]:
         """The steering system prompts (``[None]``: no system message)."""
@@ -317,17 +322,20 @@ class Synthesizer:
                 replace=self.overwrite, clear=lambda: [p.unlink() for p in self.dir.glob("chunk-*.json")])
         self.barrier()
 
-    def steering(self, g: int) -> str | None:
-        """Conversation ``g``'s system prompt: steering prompt ``g % len``, then, with
-        ``synth.example_prompts_file``, ``examples_per_prompt`` of its examples drawn by ``(seed, g)``
-        (so which rank writes the conversation, or how many are asked for, does not matter)."""
+    def steering(self, g: int) -> tuple[str | None, str]:
+        """Conversation ``g``'s system prompt and the words its first user turn begins with. The
+        prompt: steering prompt ``g % len``, then, with ``synth.example_prompts_file``,
+        ``examples_per_prompt`` of its examples drawn by ``(seed, g)`` (so which rank writes the
+        conversation, or how many are asked for, does not matter). The words: the first
+        ``synth.starter_words`` of the first example listed ("" without them)."""
         system = self.systems[g % len(self.systems)]
         if not self.examples:
-            return system
+            return system, ""
         picked = random.Random(f"{self.seed}:{g}").sample(self.examples, min(self.synth.examples_per_prompt,
                                                                              len(self.examples)))
         listed = EXAMPLES_HEADER + "\n" + "\n".join(f"- {e}" for e in picked)
-        return listed if system is None else f"{system}\n\n{listed}"
+        starter = " ".join(picked[0].split()[: self.synth.starter_words])
+        return listed if system is None else f"{system}\n\n{listed}", starter
 
     def _path(self, chunk: int) -> Path:
         return self.dir / f"chunk-{chunk:06d}.json"
@@ -406,7 +414,8 @@ class Synthesizer:
         size = self.synth.chunk_size
         ids = range(chunk * size, (chunk + 1) * size)
         # per conversation: the messages kept, the system prompt that steers its user turns
-        convs = [{"id": g, "system": self.steering(g), "messages": [], "alive": True} for g in ids]
+        convs = [{"id": g, "system": system, "starter": starter, "messages": [], "alive": True}
+                 for g, (system, starter) in zip(ids, map(self.steering, ids))]
         dropped: Counter = Counter()
         new_tokens = 0
         bar = tqdm(total=len(convs) * self.synth.turns * 2, desc=f"synthesize chunk {chunk}", unit="turn",
@@ -418,14 +427,15 @@ class Synthesizer:
             # 1. the user turn, sampled from the template's pre-query rendering
             prefixes = [self._prefix(c) for c in alive]
             # one call for the batch: the Rust tokenizer spreads it over the CPUs
-            prompts = self.tok([p.text for p in prefixes], add_special_tokens=False)["input_ids"]
+            starts = [c["starter"] if turn == 0 else "" for c in alive]
+            prompts = self.tok([p.text + s for p, s in zip(prefixes, starts)], add_special_tokens=False)["input_ids"]
             stops = sorted(set(self.eos) | {p.end_id for p in prefixes})
             outs, _ = generate_sorted(self.model, prompts, self.user_cfg, stops, self.pad, bar=bar,
                                       seed=chunk_seed(self.seed, chunk) + 2 * turn)
-            for c, reply in zip(alive, outs):
+            for c, reply, start in zip(alive, outs, starts):
                 ended = len(reply) < self.user_cfg.max_new_tokens  # the stop token is never part of a reply
                 new_tokens += len(reply) + ended
-                text = self.tok.decode(reply, skip_special_tokens=False).strip()
+                text = (start + self.tok.decode(reply, skip_special_tokens=False)).strip()
                 problem = user_turn_problem(text, len(reply), ended, self.special_text, self.synth)
                 if problem is not None:
                     dropped[problem] += 1

@@ -48,7 +48,7 @@ class Recording(torch.nn.Module):
                                        eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kw)
         rows = []
         for row in input_ids:
-            is_user = self.tok.decode(row.tolist()).endswith("user\n")
+            is_user = self.tok.decode(row.tolist()).split("<|im_start|>")[-1].startswith("user")  # a turn opened by starter words too
             text, ends = self.script.pop(0) if is_user else ("Sure, here it is.", True)
             ids = self.tok(text, add_special_tokens=False)["input_ids"][: max_new_tokens - ends]
             if ends:
@@ -185,6 +185,46 @@ def test_example_prompts_steer_the_questions_only(tmp_path, monkeypatch):
         SynthConfig(example_prompts_file=str(tmp_path / "empty.jsonl")).examples()
     with pytest.raises(ConfigError, match="does not exist"):
         SynthConfig(example_prompts_file=str(tmp_path / "none.jsonl")).examples()
+
+
+def test_starter_words_open_the_first_question(tmp_path, monkeypatch):
+    """synth.starter_words=2: the first user turn's prompt ends with the first two words of the first
+    example its steering lists (the same in any chunking), and the stored question is those words
+    followed by what the target wrote; a later turn has none. Without the file it is refused."""
+    import gzip
+    import json
+
+    from data_prep.synthesize import EXAMPLES_HEADER
+
+    examples = ["Write a haiku about rain.", "What is a closure?", "Explain   recursion simply."]
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": e}]}) + "\n"
+                                                 for e in examples))
+    openings = {"Write a", "What is", "Explain recursion"}
+    tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
+    firsts = []
+    for chunk, out in ((6, "a"), (3, "b")):
+        model = Recording(tok, [(f" thing number {i}?", True) for i in range(12)])
+        _prepare(tmp_path, monkeypatch, model, out=out, synthesize=6, synth=SynthConfig(
+            chunk_size=chunk, turns=2, keep_system_prompt=False, starter_words=2,
+            example_prompts_file=str(tmp_path / "mine.jsonl")), save_conversations=str(tmp_path / f"{out}.jsonl.gz"))
+        asked = [tok.decode(p) for p in model.prompts if not tok.decode(p).split("<|im_start|>")[-1].startswith("assistant")]
+        first = [a for a in asked if a.count("<|im_start|>user") == 1]
+        openings_asked = [a.split("<|im_start|>user\n")[-1] for a in first]
+        for a, opening in zip(first, openings_asked):
+            shown = a.split(f"{EXAMPLES_HEADER}\n- ")[1].split("\n")[0]  # the first example listed
+            assert " ".join(shown.split()[:2]) == opening
+        later = [a for a in asked if a.count("<|im_start|>user") == 2]
+        assert len(first) == 6 and set(openings_asked) <= openings and len(later) == 6
+        assert all(a.endswith("<|im_start|>user\n") for a in later)
+        with gzip.open(tmp_path / f"{out}.jsonl.gz", "rt") as f:
+            stored = [json.loads(line)["messages"] for line in f]
+        starts = [c[0]["content"].split(" thing number ")[0] for c in stored]
+        assert sorted(starts) == sorted(openings_asked)
+        assert all(c[2]["content"].startswith("thing number ") for c in stored)
+        firsts.append(sorted(openings_asked))
+    assert firsts[0] == firsts[1] and len(set(firsts[0])) > 1
+    with pytest.raises(ConfigError, match="example_prompts_file"):
+        SynthConfig(starter_words=1)
 
 
 def test_every_filter_drops_and_counts(tmp_path, monkeypatch):
