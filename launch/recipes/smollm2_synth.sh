@@ -32,7 +32,8 @@
 # | static | continuous), GEN_RANKS_PER_GPU (1: synthesis processes per GPU; 2 helped padded, not
 # graph), EXAMPLES (data_prep/prompts/
 # train.jsonl: user prompts shown as examples when the target writes its questions, synth.example_prompts_file;
-# '' for none), SOURCE (online: the target in the
+# '' for none), STARTER_WORDS (1: each question opens with that many words of an example, synth.starter_words;
+# 0 for none; set after the measurements above, its effect on tau is not measured yet), SOURCE (online: the target in the
 # training loop; offline: dump + standardize first), TARGET (embedded), DUMP_EXTRA / TRAIN_EXTRA (more
 # eagle3-dump / eagle3-train overrides), UNTIL (stop after this stage: synthesize, standardize (offline:
 # the training data is ready, e.g. to train several variants of it) or train).
@@ -65,7 +66,7 @@ gen_dist() { if [ "$GEN_PROCS" -gt 1 ]; then python3 -m torch.distributed.run --
 
 EXAMPLES=${EXAMPLES-$PROMPTS/train.jsonl}  # example user prompts shown when the target writes questions ('' for none)
 SYNTH_EXTRA=()
-if [ -n "$EXAMPLES" ]; then SYNTH_EXTRA+=("synth.example_prompts_file=$EXAMPLES"); fi
+if [ -n "$EXAMPLES" ]; then SYNTH_EXTRA+=("synth.example_prompts_file=$EXAMPLES" "synth.starter_words=${STARTER_WORDS:-1}"); fi
 run synthesize gen_dist -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$N" out="$RUN/prepared" \
   synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size="$GEN_BATCH" \
   "${SYNTH_EXTRA[@]}" \
