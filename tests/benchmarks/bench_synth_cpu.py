@@ -15,12 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import FILLER_WORDS
+
 import data_prep.synthesize as synthesize
 from data_prep.prepare import PrepareConfig, Preparer
 from data_prep.regenerate import RegenConfig
 from data_prep.synthesize import SynthConfig
-
-WORDS = "alpha beta gamma delta river mountain python code list tree graph sort bread poem sea light".split()
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
 
         def stand_in(model, prompts, cfg, stops, pad, bar=None, seed=0):
             if cfg.do_sample:  # the questions
-                return [tok(" ".join(rng.choices(WORDS, k=25)) + "?", add_special_tokens=False)["input_ids"]
+                return [tok(" ".join(rng.choices(FILLER_WORDS, k=25)) + "?", add_special_tokens=False)["input_ids"]
                         for _ in prompts], {}
             return [list(answer) for _ in prompts], {}
 

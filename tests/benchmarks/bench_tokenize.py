@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-WORDS = "alpha beta gamma delta river mountain python code list tree graph sort bread poem sea light".split()
+from common import FILLER_WORDS
 
 
 def _nothing(_: int) -> None:
@@ -32,7 +32,7 @@ def conversations(n: int) -> list:
     from data_prep.conversations import Conversation
 
     rng = random.Random(0)
-    text = lambda k: " ".join(rng.choices(WORDS, k=k))  # noqa: E731
+    text = lambda k: " ".join(rng.choices(FILLER_WORDS, k=k))  # noqa: E731
     return [Conversation([{"role": "user", "content": text(25)}, {"role": "assistant", "content": text(90)}], f"bench[{i}]")
             for i in range(n)]
 

@@ -1,5 +1,5 @@
 """Shared by the benchmarks: the measured matmul rate every efficiency figure is a fraction of, a
-random-weight Llama target, and running one case in its own process."""
+random-weight Llama target, running one case in its own process, and filler words for stand-in text."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+FILLER_WORDS = "alpha beta gamma delta river mountain python code list tree graph sort bread poem sea light".split()
 
 
 def sync(device: torch.device) -> None:
