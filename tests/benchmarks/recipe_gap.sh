@@ -4,7 +4,8 @@
 #   eval_bf16/   the same 37 held-out prompts with the target in bfloat16 (as served) instead of fp32;
 #   eval_fresh/  FRESH (128) conversations the target synthesizes with the recipe's own settings but
 #                another seed (never trained on), the kept set, fp32 (the run of 2026-11-30 used every
-#                conversation of its chunks that passed the per-turn filters: 170).
+#                conversation of its chunks that passed the per-turn filters: 170; before
+#                STARTER_WORDS, the recipe's default since then, was set).
 # eval_fresh close to training's simulated τ on its eval split: the draft decodes as it was scored,
 # and the held-out gap is the prompts'. eval_fresh well below it: decoding and scoring disagree.
 #
@@ -17,7 +18,7 @@ python3 -m eagle3_train.eval draft="$RUN/export" target="$TARGET" engine=sglang 
   k=5 max_new_tokens=128 dtype=bfloat16 batch_size=37 out="$RUN/eval_bf16"
 python3 -m data_prep.prepare target="$TARGET" synthesize="${FRESH:-128}" out="$RUN/fresh" seed=100000 \
   synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false \
-  synth.example_prompts_file="$PROMPTS/train.jsonl" synth.chunk_size="${FRESH:-128}" \
+  synth.example_prompts_file="$PROMPTS/train.jsonl" synth.starter_words="${STARTER_WORDS:-1}" synth.chunk_size="${FRESH:-128}" \
   regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size=512 regen.batching="${GEN_BATCHING:-graph}" \
   save_conversations="$RUN/fresh/fresh.jsonl.gz"
 # the kept conversations (one user turn each): eagle3-eval sends their user turns, the target answers
