@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -278,21 +279,27 @@ class Preparer:
         workers = self.cfg.tokenize_workers or min(cpus, MAX_TOKENIZE_WORKERS, len(conversations) // TOKENIZE_PER_WORKER)
         workers = min(workers, len(conversations))
         bar = tqdm(total=len(conversations), desc="tokenize", unit="conv", disable=not self.cfg.progress)
+        began = time.time()
+        timing: dict[str, Any] = {"processes": max(workers, 1)}
         if workers <= 1:
             rendered = [render_one(tok, conv, **opts) for conv in conversations]
             bar.update(len(conversations))
         else:
             import multiprocessing
 
-            rendered = []
+            rendered, starts = [], []
             size = -(-len(conversations) // (workers * 4))  # a few slices per worker: the bar moves
             slices = [conversations[i: i + size] for i in range(0, len(conversations), size)]
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                      initializer=_tokenizing_process, initargs=(tok, opts)) as pool:
-                for part in pool.map(_render_slice, slices):
+                for started, part in pool.map(_render_slice, slices):
                     rendered.extend(part)
+                    starts.append(started)
                     bar.update(len(part))
+            # how long the processes took to start (import, tokenizer) against the tokenising itself
+            timing |= {"first_slice_began_s": round(min(starts) - began, 2), "last_slice_began_s": round(max(starts) - began, 2)}
         bar.close()
+        timing["seconds"] = round(time.time() - began, 2)
         rows, truncated = [], 0
         for conv, r in zip(conversations, rendered):
             if isinstance(r, BadRow):
@@ -302,7 +309,7 @@ class Preparer:
             rows.append((conv, r))
         if not rows:
             raise Eagle3Error(f"no usable conversation in {self.cfg.input}; {self.bad.summary()}")
-        return rows, {"truncated": truncated}
+        return rows, {"truncated": truncated, "tokenize": timing}
 
     def write(self, rows: list[tuple[Conversation, Rendered]], stats: dict, regen_stats: dict) -> dict[str, Any]:
         """Save the dataset, then the manifest (last, atomically)."""
@@ -345,6 +352,7 @@ class Preparer:
             "counts": counts,
             "skipped_examples": self.bad.examples,
             "regeneration": regen_stats or None,
+            "tokenize": stats.get("tokenize"),  # wall seconds, and when the processes began (not a count)
         }
         manifest = self.dir.write_manifest(body)
         print(
@@ -389,8 +397,9 @@ def _tokenizing_process(tok: Any, opts: dict[str, Any]) -> None:
     _WORKER.update(tok=tok, opts=opts)
 
 
-def _render_slice(conversations: list[Conversation]) -> list[Rendered | BadRow]:
-    return [render_one(_WORKER["tok"], conv, **_WORKER["opts"]) for conv in conversations]
+def _render_slice(conversations: list[Conversation]) -> tuple[float, list[Rendered | BadRow]]:
+    """When this process began the slice (wall clock), and the slice rendered."""
+    return time.time(), [render_one(_WORKER["tok"], conv, **_WORKER["opts"]) for conv in conversations]
 
 
 def _check_regenerated(conv: Conversation) -> None:

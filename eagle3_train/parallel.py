@@ -77,18 +77,19 @@ def apply_activation_checkpointing(model: Eagle3Draft) -> None:
                                       preserve_rng_state=False)
 
 
-def apply_compile(model: Eagle3Draft, ttt_length: int, backend: Any = "inductor") -> None:
-    """torch.compile the decoder layer: one graph per TTT step (the cache grows with the step) and
-    grad mode (training, and the no-grad eval), each with dynamic sequence lengths from the start.
+def apply_compile(model: Eagle3Draft, backend: Any = "inductor") -> None:
+    """torch.compile the decoder layer's two step-independent parts (:meth:`DraftLayer.qkv`: norms,
+    projections, RoPE; :meth:`DraftLayer.finish`: output projection, residuals, norm, MLP), with
+    dynamic batch and sequence sizes from the start: one graph each per grad mode (training, and the
+    no-grad eval) for every TTT step and batch shape. The attention core between them runs eagerly
+    (SDPA plus the diagonal terms, whose keys grow with the step).
 
-    Compiled static first, every step would compile again as dynamic on the second batch length:
-    twice the compile minutes, and past dynamo's recompile limit the rest would run eagerly (seen
-    on the GPU: the limit of 12 hit in the first steps). ``backend``: tests count the graphs."""
-    import torch._dynamo
-
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = max(limit, 2 * ttt_length + 2)
-    model.midlayer.compile(dynamic=True, backend=backend)
+    Compiling the whole layer instead gives one graph per TTT step and grad mode (10 at ttt 5),
+    several minutes of compiling on the GPU (recipe_starter_h200x2.json), and dynamo's recompile
+    limit reached at the first eval. ``backend``: tests count the graphs."""
+    layer = model.midlayer
+    layer.qkv = torch.compile(layer.qkv, dynamic=True, backend=backend)
+    layer.finish = torch.compile(layer.finish, dynamic=True, backend=backend)
 
 
 class UlyssesCore(nn.Module):

@@ -248,7 +248,7 @@ def build_engine(model: Eagle3Draft, o: OptimConfig, ds: DeepSpeedConfig, dtype:
     if o.activation_checkpointing:
         apply_activation_checkpointing(model)
     if o.compile:
-        apply_compile(model, o.ttt_length)
+        apply_compile(model)
 
     if device.type == "cpu":  # skip the shared-memory op's C++ build on CPU
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

@@ -45,7 +45,7 @@ def tiny_problem(seed=0, t=13, b=2):
     head = torch.randn(v, h, generator=g)
     batch = Batch(aux_hidden=torch.randn(b, t, 3 * h, generator=g), last_hidden=torch.randn(b, t, h, generator=g),
                   input_ids=torch.randint(0, v, (b, t), generator=g), loss_mask=torch.rand(b, t, generator=g) < 0.8,
-                  lengths=torch.tensor([t, t - 4][:b]), sample_ids=torch.arange(b))
+                  lengths=torch.tensor([t - 4 * (i % 2) for i in range(b)]), sample_ids=torch.arange(b))
     return model, head, t2d, batch
 
 
@@ -150,24 +150,30 @@ def test_compiled_head_loss_is_the_unfused_loss():
     assert counters["frames"]["ok"] > frames  # it ran compiled, not eager
 
 
-def test_compiled_layer_has_one_graph_per_step_and_grad_mode():
-    """train.compile: the decoder layer compiles once per TTT step for training and once for the
-    no-grad eval, whatever the batches' lengths; compiled static first, each step would compile a
-    second time on the second length, and dynamo's recompile limit would send steps back to eager."""
+def test_compiled_layer_has_two_graphs_per_grad_mode_for_every_step_and_shape():
+    """train.compile: the decoder layer's two step-independent parts compile once each for training
+    and once each for the no-grad eval, whatever the TTT step and the batch's rows and lengths; the
+    compiled layer gives the eager layer's loss and gradients."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
     graphs = CompileCounter()
     model, head, t2d, _ = tiny_problem()
-    apply_compile(model, TTT, backend=graphs)
-    for grad, lengths in ((True, (13, 9, 11)), (False, (13, 7))):
+    eager, _, _, _ = tiny_problem()
+    apply_compile(model, backend=graphs)
+    for grad, shapes in ((True, ((2, 13), (3, 9), (2, 11))), (False, ((2, 13), (4, 7)))):
         with torch.set_grad_enabled(grad):
-            for t in lengths:
-                loss, _ = ttt_losses(model, tiny_problem(t=t)[3], head, t2d, TTT, DECAY)
+            for b, t in shapes:
+                batch = tiny_problem(t=t, b=b)[3]
+                loss, _ = ttt_losses(model, batch, head, t2d, TTT, DECAY)
+                want, _ = ttt_losses(eager, batch, head, t2d, TTT, DECAY)
+                torch.testing.assert_close(loss, want)
                 if grad:
-                    loss.backward()
-        assert graphs.frame_count == TTT * (1 if grad else 2)
+                    trained = [[p for p in m.parameters() if p.requires_grad] for m in (model, eager)]
+                    for a, r in zip(torch.autograd.grad(loss, trained[0]), torch.autograd.grad(want, trained[1]), strict=True):
+                        torch.testing.assert_close(a, r)
+        assert graphs.frame_count == 2 * (1 if grad else 2)
 
 
 def saved_activations(t, **options):

@@ -204,5 +204,9 @@ def test_tokenizing_processes_write_what_one_process_writes(write_jsonl, prepare
     assert two["counts"] == one["counts"] and two["skipped_examples"] == one["skipped_examples"]
     assert ds2["input_ids"] == ds1["input_ids"] and ds2["loss_mask"] == ds1["loss_mask"]
     assert ds2["source"] == ds1["source"]
+    # the manifest says how the tokenising went: one process, or when the two began their slices
+    assert one["tokenize"]["processes"] == 1 and "first_slice_began_s" not in one["tokenize"]
+    t = two["tokenize"]
+    assert t["processes"] == 2 and 0 < t["first_slice_began_s"] <= t["last_slice_began_s"] <= t["seconds"]
     with pytest.raises(Eagle3Error, match=r"data.jsonl:\d+: .*exceed max_length=160 \(truncate=false\) \[too_long\]"):
         prepare(path, out="err", max_length=160, truncate=False, tokenize_workers=2)

@@ -178,10 +178,9 @@ class TTTAttention(nn.Module):
                 step: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Attention of TTT step ``step`` over x [B, T, 2H]: ([B, T, H], this step's cache entry);
         ``cache`` (read only) and ``mask`` as in :class:`TTTCore`."""
-        b, t, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         out, kv = self.core(q, k, v, cache, step, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)), kv
+        return self.o_proj(out.transpose(1, 2).flatten(2)), kv
 
 
 class TTTCore(nn.Module):
@@ -278,10 +277,24 @@ class DraftLayer(nn.Module):
         becomes). ``cache`` is only read (see :class:`TTTCore`), so the call is a pure function of
         its arguments and can be recomputed in backward (activation checkpointing).
         """
+        q, k, v = self.qkv(emb, hidden, cos, sin)
+        attn, kv = self.self_attn.core(q, k, v, cache, step, mask)  # [B, nh, T, d]
+        # one layout whatever produced it (SDPA's output is laid out [B, T, nh, d], the TTT merge's
+        # [B, nh, T, d]): the compiled finish would otherwise compile again for the other
+        return self.finish(attn.contiguous(), hidden), kv
+
+    # The two parts around the attention core are the same function at every TTT step (the core's
+    # keys grow with the step): ``train.compile`` compiles these, one graph each per grad mode.
+    def qkv(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, ...]:
+        """emb, hidden [B, T, H] -> q [B, nh, T, d], k/v [B, nkv, T, d] (normed, joined, projected, RoPE)."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        attn, kv = self.self_attn(x, cos, sin, cache, step, mask)
-        h = hidden + attn
-        return h + self.mlp(self.post_attention_layernorm(h)), kv
+        return self.self_attn.project(x, cos, sin)
+
+    def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """attn [B, nh, T, d] (the core's output), hidden [B, T, H] -> the layer's output [B, T, H]."""
+        h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).flatten(2))
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Eagle3Draft(nn.Module):

@@ -10,20 +10,21 @@
 #   bash launch/recipes/smollm2_synth.sh                          # all GPUs of this machine
 #   NGPU=1 N=16384 EPOCHS=4 RUN_DIR=runs/s16k bash launch/recipes/smollm2_synth.sh
 #
-# Measured with these defaults on two H200s, N=131072 (tests/benchmarks/results/recipe_mlp6144_h200x2.json,
-# where the decoder layer still compiled each TTT step twice, fixed in ce31b70): tau 2.92 on the held-out prompts (2.89 on the 280 shipped
-# training prompts, 3.26 on fresh synthesized prompts; simulated on the synthesized eval split 3.35),
-# lossless, 17.6 minutes end to end (synthesis 6.0, online training 10.9 of which ~2 compiling, export +
-# check + eval 0.7). With INTERMEDIATE=3072 COMPILE=false (recipe_vocab16k_h200x2.json): tau 2.90 in
-# 22.6 minutes; with DRAFT_VOCAB=8192 too (recipe_graph_h200x2.json): tau 2.78 in 20.9 minutes.
-# One H200 at N=65536 (its default) is not measured.
+# Measured with these defaults on two H200s, N=147456 (tests/benchmarks/results/recipe_starter_h200x2.json,
+# where the decoder layer was still compiled whole, one graph per TTT step): tau 3.04 on the held-out
+# prompts (3.16 on the 280 shipped training prompts, 2.98 with a bf16 target; simulated on the
+# synthesized eval split 3.29), lossless, 22.5 minutes end to end (synthesis 6.3, online training 15.4
+# of which ~4 compiling and slow first steps, export + check + eval 0.8). With STARTER_WORDS=0 N=131072
+# (recipe_mlp6144_h200x2.json): tau 2.92 in 17.6 minutes; with INTERMEDIATE=3072 COMPILE=false too
+# (recipe_vocab16k_h200x2.json): tau 2.90 in 22.6 minutes; with DRAFT_VOCAB=8192 too
+# (recipe_graph_h200x2.json): tau 2.78 in 20.9 minutes. One H200 at N=73728 (its default) is not measured.
 # Earlier measurements (recipe_online_h200x2.json): N=32768 on one H200 with transformers' generate
 # (GEN_BATCHING=padded GEN_RANKS_PER_GPU=2 GEN_BATCH=2048 EPOCHS=8): tau 2.53 in 15.0 minutes; the
 # settings before those, tau 2.40 at the same N (recipe_synth_h200x2.json):
 #   N=32768 SOURCE=offline BATCH_TOKENS=65536 LR=3e-3 EPOCHS=10 INTERMEDIATE=1536 GEN_BATCH=1024 GEN_RANKS_PER_GPU=1 GEN_BATCHING=padded EXAMPLES=
 #
 # Every stage reuses finished output, so a rerun continues where a crash stopped. Stage times go to
-# $RUN_DIR/timings.jsonl. Variables (default): N (65536 x NGPU), NGPU (all GPUs), RUN_DIR, EPOCHS (6), LR
+# $RUN_DIR/timings.jsonl. Variables (default): N (73728 x NGPU), NGPU (all GPUs), RUN_DIR, EPOCHS (6), LR
 # (2e-3), TTT (5), BATCH_TOKENS (32768 x NGPU, global: divided by NGPU per rank; the online step's time
 # hardly depends on its tokens, so each GPU takes 32k), INTERMEDIATE (6144: the draft
 # MLP width, 4x the target's), COMPILE (true on a GPU: train.compile, the decoder layer and the fused
@@ -33,7 +34,7 @@
 # graph), EXAMPLES (data_prep/prompts/
 # train.jsonl: user prompts shown as examples when the target writes its questions, synth.example_prompts_file;
 # '' for none), STARTER_WORDS (1: each question opens with that many words of an example, synth.starter_words;
-# 0 for none; set after the measurements above, its effect on tau is not measured yet), SOURCE (online: the target in the
+# 0 for none), SOURCE (online: the target in the
 # training loop; offline: dump + standardize first), TARGET (embedded), DUMP_EXTRA / TRAIN_EXTRA (more
 # eagle3-dump / eagle3-train overrides), UNTIL (stop after this stage: synthesize, standardize (offline:
 # the training data is ready, e.g. to train several variants of it) or train).
@@ -47,7 +48,7 @@ fi
 NGPU_SEEN=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
 NGPU=${NGPU:-$NGPU_SEEN}
 [ "$NGPU" -ge 1 ] || NGPU=1  # no GPU: one process on the CPU
-N=${N:-$((65536 * NGPU))}
+N=${N:-$((73728 * NGPU))}
 RUN=${RUN_DIR:-runs/smollm2_synth}
 PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p.__file__))")
 mkdir -p "$RUN"

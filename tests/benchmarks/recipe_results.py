@@ -35,7 +35,8 @@ def recipe(run: Path) -> dict[str, Any]:
     prepared = run / "prepared" / "manifest.json"
     if prepared.is_file():
         m = json.loads(prepared.read_text())
-        out["prepared"] = m["counts"] | {"synthesis": m.get("regeneration", {}).get("synthesis", m["counts"].get("synthesis"))}
+        out["prepared"] = m["counts"] | {"synthesis": m.get("regeneration", {}).get("synthesis", m["counts"].get("synthesis")),
+                                         "tokenize": m.get("tokenize")}
     out |= collect(run, run / "std")
     train = run / "train" / "manifest.json"
     if train.is_file():
