@@ -171,21 +171,43 @@ class Preparer:
                 )
             print(f"eagle3-prepare: {self.out} is already prepared with these options; reusing it")
             return done
-        if self.cfg.synthesize:
-            conversations, regen_stats = self.synthesize()
-            rows_read = len(conversations)
-            if not self.dist.is_main:
-                return None  # rank 0 writes the dataset
-        else:
-            conversations, rows_read = self.read()
-            regen_stats = {}
-        if self.cfg.regenerate:
-            conversations, more = self.regenerate(conversations)
-            regen_stats |= more
-        rows, stats = self.render(conversations)
+        # Synthesis: the tokenising processes start now and get ready while the target writes (on
+        # the GPU machine they took ~50 s to start, recipe_starter_h200x2.json); rank 0 tokenises.
+        pool = self._tokenizing_pool(self.cfg.synthesize) if self.cfg.synthesize and self.dist.is_main else None
+        try:
+            if self.cfg.synthesize:
+                conversations, regen_stats = self.synthesize()
+                rows_read = len(conversations)
+                if not self.dist.is_main:
+                    return None  # rank 0 writes the dataset
+            else:
+                conversations, rows_read = self.read()
+                regen_stats = {}
+            if self.cfg.regenerate:
+                conversations, more = self.regenerate(conversations)
+                regen_stats |= more
+            rows, stats = self.render(conversations, pool)
+        finally:
+            if pool is not None:
+                pool[0].shutdown(cancel_futures=True)
         if self.cfg.save_conversations:
             save_conversations([c for c, _ in rows], Path(self.cfg.save_conversations).expanduser())
         return self.write(rows, stats | {"rows_read": rows_read}, regen_stats)
+
+    def _tokenizing_pool(self, n: int) -> tuple[ProcessPoolExecutor, int] | None:
+        """``tokenize_workers`` processes (0: one per 10,000 of ``n`` conversations, at most the CPUs
+        and 32), started now, and their number; None where this process tokenises alone."""
+        import multiprocessing
+
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # not on macOS
+        workers = min(self.cfg.tokenize_workers or min(cpus, MAX_TOKENIZE_WORKERS, n // TOKENIZE_PER_WORKER), n)
+        if workers <= 1:
+            return None
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_tokenizing_process, initargs=(self.target.tokenizer,))
+        for _ in range(workers):  # a submission starts a process while none is idle
+            pool.submit(os.getpid)
+        return pool, workers
 
     def synthesize(self) -> tuple[list[Conversation], dict]:
         """The target writes ``synthesize`` conversations (``data_prep.synthesize``)."""
@@ -270,32 +292,35 @@ class Preparer:
             unfinished += data["unfinished"]
         return out, {"turns_hit_max_new_tokens": unfinished}
 
-    def render(self, conversations: list[Conversation]) -> tuple[list[tuple[Conversation, Rendered]], dict]:
-        """Tokenise every conversation with its loss mask, in ``tokenize_workers`` processes."""
+    def render(self, conversations: list[Conversation], pool: tuple[ProcessPoolExecutor, int] | None = None
+               ) -> tuple[list[tuple[Conversation, Rendered]], dict]:
+        """Tokenise every conversation with its loss mask, in ``pool`` (started earlier) or in the
+        ``tokenize_workers`` processes :meth:`_tokenizing_pool` starts now."""
         tok = self.target.tokenizer
         opts = dict(regenerate=self.cfg.regenerate, max_length=self.cfg.max_length, truncate=self.cfg.truncate,
                     end_ids=special_ids(tok, eos_ids(self.target.model, tok)))
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # not on macOS
-        workers = self.cfg.tokenize_workers or min(cpus, MAX_TOKENIZE_WORKERS, len(conversations) // TOKENIZE_PER_WORKER)
-        workers = min(workers, len(conversations))
         bar = tqdm(total=len(conversations), desc="tokenize", unit="conv", disable=not self.cfg.progress)
         began = time.time()
-        timing: dict[str, Any] = {"processes": max(workers, 1)}
-        if workers <= 1:
+        own = pool is None
+        if own:
+            pool = self._tokenizing_pool(len(conversations))
+        timing: dict[str, Any] = {"processes": pool[1] if pool else 1, "started_before": bool(pool) and not own}
+        if pool is None:
             rendered = [render_one(tok, conv, **opts) for conv in conversations]
             bar.update(len(conversations))
         else:
-            import multiprocessing
-
+            executor, workers = pool
             rendered, starts = [], []
             size = -(-len(conversations) // (workers * 4))  # a few slices per worker: the bar moves
             slices = [conversations[i: i + size] for i in range(0, len(conversations), size)]
-            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                     initializer=_tokenizing_process, initargs=(tok, opts)) as pool:
-                for started, part in pool.map(_render_slice, slices):
+            try:
+                for started, part in executor.map(_render_slice, slices, [opts] * len(slices)):
                     rendered.extend(part)
                     starts.append(started)
                     bar.update(len(part))
+            finally:
+                if own:
+                    executor.shutdown(cancel_futures=True)
             # how long the processes took to start (import, tokenizer) against the tokenising itself
             timing |= {"first_slice_began_s": round(min(starts) - began, 2), "last_slice_began_s": round(max(starts) - began, 2)}
         bar.close()
@@ -387,19 +412,19 @@ def render_one(tok: Any, conv: Conversation, *, regenerate: bool, max_length: in
         return e.with_traceback(None)  # kept until all are rendered: not the frames of its tokenisation
 
 
-_WORKER: dict[str, Any] = {}  # a tokenising process's tokenizer and options
+_WORKER: dict[str, Any] = {}  # a tokenising process's tokenizer
 
 
-def _tokenizing_process(tok: Any, opts: dict[str, Any]) -> None:
+def _tokenizing_process(tok: Any) -> None:
     # One conversation per call: the Rust tokenizer's own thread pool (one thread per CPU, in every
     # worker) would only oversubscribe the CPUs the workers already fill.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tok=tok, opts=opts)
+    _WORKER.update(tok=tok)
 
 
-def _render_slice(conversations: list[Conversation]) -> tuple[float, list[Rendered | BadRow]]:
+def _render_slice(conversations: list[Conversation], opts: dict[str, Any]) -> tuple[float, list[Rendered | BadRow]]:
     """When this process began the slice (wall clock), and the slice rendered."""
-    return time.time(), [render_one(_WORKER["tok"], conv, **_WORKER["opts"]) for conv in conversations]
+    return time.time(), [render_one(_WORKER["tok"], conv, **opts) for conv in conversations]
 
 
 def _check_regenerated(conv: Conversation) -> None:

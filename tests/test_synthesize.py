@@ -227,6 +227,22 @@ def test_starter_words_open_the_first_question(tmp_path, monkeypatch):
         SynthConfig(starter_words=1)
 
 
+def test_tokenizing_processes_started_before_synthesis_write_what_one_process_writes(tmp_path, monkeypatch):
+    """With tokenising processes (started before the target writes, so that their start-up overlaps
+    the generation) the synthesized dataset is the one tokenised in this process."""
+    from datasets import load_from_disk
+
+    tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
+    got = {}
+    for workers in (0, 2):
+        model = Recording(tok, [(f"Question {i} about {'x ' * i}?", True) for i in range(5)])
+        m = _prepare(tmp_path, monkeypatch, model, out=f"w{workers}", synthesize=5, tokenize_workers=workers,
+                     synth=SynthConfig(chunk_size=5))
+        assert m["tokenize"]["processes"] == max(workers, 1) and m["tokenize"]["started_before"] == (workers == 2)
+        got[workers] = load_from_disk(str(tmp_path / f"w{workers}" / "dataset")).to_dict()
+    assert len(got[0]["input_ids"]) == 5 and got[2] == got[0]
+
+
 def test_every_filter_drops_and_counts(tmp_path, monkeypatch):
     tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
     photosynthesis = ("Could you explain in simple terms how photosynthesis turns sunlight water and carbon dioxide "
