@@ -13,6 +13,8 @@
 # (timings.jsonl, eval/report.json, train/), gpu.csv; the log: $W/log.
 set -uo pipefail
 W=${W:-/tmp/w}
+# why dynamo compiles a function again, if it does (one note per recompile, in the log)
+export TORCH_LOGS=${TORCH_LOGS-recompiles}
 mkdir -p "$W"
 nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 10 > "$W/gpu.csv" 2>/dev/null &
 smi=$!
