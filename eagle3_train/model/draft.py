@@ -153,8 +153,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class TTTAttention(nn.Module):
-    """Self-attention over ``cat(embedding, hidden)`` (2H) with the TTT key pattern; the
-    parameterless part lives in ``core`` (:class:`TTTCore`), which sequence parallelism wraps."""
+    """Self-attention over ``cat(embedding, hidden)`` (2H) with the TTT key pattern: the weights
+    (``project`` before the core, ``o_proj`` after it, both run by :class:`DraftLayer`) and the
+    parameterless ``core`` (:class:`TTTCore`), which sequence parallelism wraps."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -173,14 +174,6 @@ class TTTAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.num_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                step: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Attention of TTT step ``step`` over x [B, T, 2H]: ([B, T, H], this step's cache entry);
-        ``cache`` (read only) and ``mask`` as in :class:`TTTCore`."""
-        q, k, v = self.project(x, cos, sin)
-        out, kv = self.core(q, k, v, cache, step, mask)
-        return self.o_proj(out.transpose(1, 2).flatten(2)), kv
 
 
 class TTTCore(nn.Module):
