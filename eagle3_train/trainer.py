@@ -92,7 +92,7 @@ class OptimConfig:
     early_stop_patience: int = 0  # stop after this many evaluations without a better eval simulated tau (0: off; needs eval_every)
     head_chunk: int = 4096  # positions per chunk of the fused draft lm_head + soft cross-entropy: no step's [T, V_draft] logits are kept (0: whole logits through autograd; ZeRO-3 needs 0)
     activation_checkpointing: bool = False  # recompute each TTT step's decoder layer in backward instead of keeping its activations (long sequences; ~1/3 more layer FLOPs)
-    compile: bool = False  # torch.compile the decoder layer (one graph per TTT step) and the fused head loss's chunk math (GPU; the first steps compile)
+    compile: bool = False  # torch.compile the decoder layer's step-independent parts (2 graphs per grad mode) and the fused head loss's chunk math (GPU; the first steps compile)
     sequence_parallel: int = 1  # ranks that share each sequence (Ulysses all-to-all over heads); divides the world size and the head counts; data parallelism runs over world / this
 
     def __post_init__(self) -> None:
