@@ -10,11 +10,12 @@
 #   bash launch/recipes/smollm2_synth.sh                          # all GPUs of this machine
 #   NGPU=1 N=16384 EPOCHS=4 RUN_DIR=runs/s16k bash launch/recipes/smollm2_synth.sh
 #
-# Measured with these defaults on two H200s, N=147456 (tests/benchmarks/results/recipe_starter_h200x2.json,
-# where the decoder layer was still compiled whole, one graph per TTT step): tau 3.04 on the held-out
-# prompts (3.16 on the 280 shipped training prompts, 2.98 with a bf16 target; simulated on the
-# synthesized eval split 3.29), lossless, 22.5 minutes end to end (synthesis 6.3, online training 15.4
-# of which ~4 compiling and slow first steps, export + check + eval 0.8). With STARTER_WORDS=0 N=131072
+# Measured with these defaults on two H200s, N=147456 (tests/benchmarks/results/recipe_parts_h200x2.json):
+# tau 3.02 on the held-out prompts (3.16 on the 280 shipped training prompts and on 128 fresh
+# synthesized ones, 3.00 with a bf16 target; simulated on the synthesized eval split 3.30), lossless,
+# 17.6 minutes end to end (synthesis 6.0, online training 10.8, export + check + eval 0.8). With the
+# decoder layer compiled whole (recipe_starter_h200x2.json): tau 3.04 in 22.5 minutes. With
+# STARTER_WORDS=0 N=131072 too
 # (recipe_mlp6144_h200x2.json): tau 2.92 in 17.6 minutes; with INTERMEDIATE=3072 COMPILE=false too
 # (recipe_vocab16k_h200x2.json): tau 2.90 in 22.6 minutes; with DRAFT_VOCAB=8192 too
 # (recipe_graph_h200x2.json): tau 2.78 in 20.9 minutes. One H200 at N=73728 (its default) is not measured.
