@@ -14,8 +14,8 @@ mkdir -p "$RUN_DIR"
 # replies to the 280 shipped prompts here (DEMO_SAMPLED_PASSES=n adds n sampled passes of them).
 DUMPS=()
 if [ "${DEMO_DATA:-synth}" = synth ]; then
-  echo "== prepare: ${DEMO_CONVS:-500} conversations the target wrote itself (shipped, compressed)"
-  eagle3-prepare target=embedded input="$PROMPTS/synth_smollm2.jsonl.gz" out="$RUN_DIR/prepared" limit="${DEMO_CONVS:-500}"
+  echo "== prepare: ${DEMO_CONVS:-400} conversations the target wrote itself (shipped, compressed)"
+  eagle3-prepare target=embedded input="$PROMPTS/synth_smollm2.jsonl.gz" out="$RUN_DIR/prepared" limit="${DEMO_CONVS:-400}"
   echo "== dump: hidden states of HF layers [2, 15, 27] (the default for N=30) and the final state"
   eagle3-dump target=embedded data="$RUN_DIR/prepared" out="$RUN_DIR/dump" dtype=float32 max_tokens_per_batch=4096
   DUMPS+=("$RUN_DIR/dump")
