@@ -172,7 +172,8 @@ class Preparer:
             print(f"eagle3-prepare: {self.out} is already prepared with these options; reusing it")
             return done
         # Synthesis: the tokenising processes start now and get ready while the target writes (on
-        # the GPU machine they took ~50 s to start, recipe_starter_h200x2.json); rank 0 tokenises.
+        # the GPU machine, started after it they took ~55 s to begin, recipe_starter_h200x2.json;
+        # started before, 0.06 s, recipe_parts_h200x2.json); rank 0 tokenises.
         pool = self._tokenizing_pool(self.cfg.synthesize) if self.cfg.synthesize and self.dist.is_main else None
         try:
             if self.cfg.synthesize:
