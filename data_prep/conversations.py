@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_train.errors import BadInputError
+from eagle3_train.core.errors import BadInputError
 
 # ShareGPT uses many speaker names; these are the ones whose meaning is unambiguous.
 ROLE_ALIASES = {
@@ -213,7 +213,7 @@ def _text(value: Any, source: str, where: str) -> str:
 
 def input_fingerprint(input: str) -> dict[str, Any]:
     """What identifies the input's content: file hashes, a saved dataset's state, or the hub id."""
-    from eagle3_train.fileio import sha256_file
+    from eagle3_train.core.fileio import sha256_file
 
     path = Path(input).expanduser()
     if path.is_file():

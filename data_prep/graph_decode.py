@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from eagle3_train.errors import ConfigError
+from eagle3_train.core.errors import ConfigError
 from eagle3_train.model.draft import rotate_half
 
 PREFILL_KV_BYTES = 8 << 30  # the transformers cache one prefill slice builds before it is copied (sets its rows)

@@ -34,12 +34,12 @@ from data_prep.chat import Rendered, render_with_mask, special_ids
 from data_prep.conversations import BadRow, Conversation, input_fingerprint, iter_raw_rows, normalize
 from data_prep.regenerate import RegenConfig, regenerate
 from data_prep.synthesize import SynthConfig, Synthesizer, template_name
-from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.dist import DistInfo, barrier, close, init_distributed, resolve_device
-from eagle3_train.contract import check_dtype
-from eagle3_train.errors import ConfigError, Eagle3Error, check_numbers
-from eagle3_train.fileio import atomic_write_bytes, atomic_write_json, sha256_json
-from eagle3_train.stagedir import StageDir
+from eagle3_train.core.cli import config_dict, entry_point
+from eagle3_train.core.dist import DistInfo, barrier, close, init_distributed, resolve_device
+from eagle3_train.core.contract import check_dtype
+from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
+from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json, sha256_json
+from eagle3_train.core.stagedir import StageDir
 from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target
 
 STAGE = "prepare"

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from data_prep.chat import render_text
 from data_prep.conversations import Conversation
 from data_prep.served_regen import ServedRegenConfig, served_generate_batch
-from eagle3_train.errors import ConfigError, check_numbers
+from eagle3_train.core.errors import ConfigError, check_numbers
 
 BACKENDS = ("hf", "vllm", "sglang")
 BATCHING = ("padded", "static", "continuous", "graph")

@@ -9,7 +9,7 @@ one reply per prompt, its ids up to (not including) the first end-of-turn id, an
 hit ``max_new_tokens``. Each prompt goes to the engine as token ids, never as text, so the
 engine's tokenizer cannot re-split it; the reply is read from the returned ids, never from the
 engine's text. The HTTP client (``post_json``, ``wait_ready``, the retries) is the served dump's
-(eagle3_train/engine_http.py).
+(eagle3_train/engines/http.py).
 
 What each engine offers, read from the sources the search index stores (no engine runs on the
 machines this project is tested on; the tests drive this client against stand-in servers):
@@ -48,8 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from eagle3_train.engine_http import EngineError, post_json, retrying, served_model, wait_ready
-from eagle3_train.errors import ConfigError, check_numbers
+from eagle3_train.engines.http import EngineError, post_json, retrying, served_model, wait_ready
+from eagle3_train.core.errors import ConfigError, check_numbers
 
 
 @dataclass

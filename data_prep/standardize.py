@@ -5,7 +5,7 @@
 Output (DESIGN §3): ``<out>/train/*.safetensors`` and ``<out>/eval/*.safetensors`` holding
 ``input_ids``, ``loss_mask``, ``cu_seqlens``, ``sample_ids``, ``aux_hidden`` [T, n_aux*H] (the
 chosen ``hidden.<k>`` concatenated in ascending k) and ``last_hidden`` [T, H] (with ``storage=fp8``
-as e4m3 with ``aux_hidden.scale`` [T, n_aux] and ``last_hidden.scale`` [T, 1]: eagle3_train/storage.py);
+as e4m3 with ``aux_hidden.scale`` [T, n_aux] and ``last_hidden.scale`` [T, 1]: eagle3_train/core/storage.py);
 ``<out>/vocab_map.safetensors`` (``d2t``, ``t2d``, ``token_counts``, counted over the training
 split's loss-masked tokens); ``<out>/manifest.json`` last.
 
@@ -32,11 +32,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 from tqdm.auto import tqdm
 
-from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.contract import CaptureSpec, check_storage, differences, read_manifest, validate_aux_indices
-from eagle3_train.errors import BadInputError, ConfigError, ContractError, Eagle3Error, check_numbers
-from eagle3_train.fileio import sha256_file
-from eagle3_train.formats import (
+from eagle3_train.core.cli import config_dict, entry_point
+from eagle3_train.core.contract import CaptureSpec, check_storage, differences, read_manifest, validate_aux_indices
+from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, Eagle3Error, check_numbers
+from eagle3_train.core.fileio import sha256_file
+from eagle3_train.core.formats import (
     RECORD_SUFFIX,
     SHARD_SUFFIX,
     ShardRecord,
@@ -44,12 +44,12 @@ from eagle3_train.formats import (
     read_keys,
     write_shard,
 )
-from eagle3_train.prepared import PreparedData, prepared_vocab
-from eagle3_train.split import EVAL_FRACTION, SPLIT_SEED, check_fraction, split_eval
-from eagle3_train.stagedir import StageDir
-from eagle3_train.storage import FP8_STORAGE, concat, convert, scale_key
+from eagle3_train.core.prepared import PreparedData, prepared_vocab
+from eagle3_train.core.split import EVAL_FRACTION, SPLIT_SEED, check_fraction, split_eval
+from eagle3_train.core.stagedir import StageDir
+from eagle3_train.core.storage import FP8_STORAGE, concat, convert, scale_key
 from eagle3_train.targets import load_target, resolve_dtype
-from eagle3_train.vocab import DRAFT_VOCAB_SIZE, VocabMap, build_vocab_map, capped_draft_size, count_tokens, load_vocab_map
+from eagle3_train.core.vocab import DRAFT_VOCAB_SIZE, VocabMap, build_vocab_map, capped_draft_size, count_tokens, load_vocab_map
 
 STAGE = "standardize"
 VOCAB_STAGE = "vocab"  # only_vocab=true data=<prepared>: a directory with just the map
@@ -138,7 +138,7 @@ class Standardizer:
 
     def vocab_of_prepared(self) -> dict[str, Any]:
         """``only_vocab=true data=<prepared>``: the map of the prepared data's training split
-        (:func:`~eagle3_train.prepared.prepared_vocab`), in ``out`` with a manifest of stage
+        (:func:`~eagle3_train.core.prepared.prepared_vocab`), in ``out`` with a manifest of stage
         ``vocab`` that records the split it was counted over (online training checks it)."""
         cfg = self.cfg
         prepared = PreparedData(cfg.data)

@@ -45,9 +45,9 @@ from tqdm.auto import tqdm
 from data_prep.chat import render_text
 from data_prep.conversations import BadRow, Conversation
 from data_prep.regenerate import RegenConfig, generate_sorted
-from eagle3_train.errors import ConfigError, Eagle3Error, check_numbers
-from eagle3_train.fileio import atomic_write_json, sha256_text
-from eagle3_train.stagedir import StageDir
+from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
+from eagle3_train.core.fileio import atomic_write_json, sha256_text
+from eagle3_train.core.stagedir import StageDir
 
 USER_FILTERS = ("empty", "too_short", "too_long", "no_end_of_turn", "special_tokens", "repetition")
 SET_FILTERS = ("exact_duplicate", "near_duplicate")
@@ -115,7 +115,7 @@ class SynthConfig:
         EXAMPLE_CHARS characters (``[]`` without the file)."""
         if self.example_prompts_file is None:
             return []
-        from eagle3_train.prompt_files import read_conversations
+        from eagle3_train.core.prompt_files import read_conversations
 
         path = Path(self.example_prompts_file).expanduser()
         if not path.exists():

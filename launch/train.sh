@@ -11,4 +11,4 @@
 # command again: resume=auto continues from the last checkpoint at the same step and data position
 # (keep NNODES x NPROC_PER_NODE x train.grad_accum the same).
 set -euo pipefail
-exec "$(dirname "$0")/torchrun.sh" eagle3_train.trainer "$@"
+exec "$(dirname "$0")/torchrun.sh" eagle3_train.training.trainer "$@"

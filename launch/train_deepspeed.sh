@@ -10,4 +10,4 @@ set -euo pipefail
 hostfile=$1
 shift
 exec deepspeed --hostfile "$hostfile" --no_local_rank --master_port "${MASTER_PORT:-29500}" \
-  --module eagle3_train.trainer "$@"
+  --module eagle3_train.training.trainer "$@"

@@ -10,7 +10,7 @@ does. They also fail on demand: HTTP 503, slow answers, a file never written, wr
 radix-cache hit, a chunked prefill, a prompt longer than the context.
 
 The vLLM stand-in also serves a target with an EAGLE-3 draft (``--speculative-config`` method
-eagle3), as eagle3_train/served_acceptance.py reads it (vLLM 0.26.0): ``/v1/chat/completions``
+eagle3), as eagle3_train/evaluation/served_acceptance.py reads it (vLLM 0.26.0): ``/v1/chat/completions``
 and a Prometheus ``/metrics`` with vLLM's speculative-decoding counters, advanced per request by a
 given plan of accepted counts, or by the draft itself run as eagle3-eval runs it.
 """
@@ -218,9 +218,9 @@ class StandinVllm(_Standin):
     def _draft_decoder(self, draft_dir: str) -> Any:
         """eagle3-eval's chain decoder over this model and the exported draft, fed the layers that
         vLLM's rule reads from the draft's config (top-level ids first)."""
-        from eagle3_train.decoding import SpecDecoder
-        from eagle3_train.engines import resolve
-        from eagle3_train.eval import load_draft
+        from eagle3_train.evaluation.decoding import SpecDecoder
+        from eagle3_train.engines.rules import resolve
+        from eagle3_train.evaluation.eval import load_draft
         from eagle3_train.targets import Target, eos_ids, target_identity
 
         identity = target_identity("standin", self.model.config, self.tokenizer)

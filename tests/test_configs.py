@@ -11,26 +11,26 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from eagle3_train.cli import CONF_DIR, to_config
+from eagle3_train.core.cli import CONF_DIR, to_config
 
 import data_prep.dump  # noqa: F401  (registers dump_schema)
 import data_prep.prepare  # noqa: F401  (registers prepare_schema)
 import data_prep.standardize  # noqa: F401  (registers standardize_schema)
-import eagle3_train.check  # noqa: F401  (registers check_schema)
-import eagle3_train.eval  # noqa: F401  (registers eval_schema)
-import eagle3_train.export  # noqa: F401  (registers export_schema)
-import eagle3_train.served_acceptance  # noqa: F401  (registers served_acceptance_schema)
-import eagle3_train.trainer  # noqa: F401  (registers train_schema)
+import eagle3_train.serving.check  # noqa: F401  (registers check_schema)
+import eagle3_train.evaluation.eval  # noqa: F401  (registers eval_schema)
+import eagle3_train.serving.export  # noqa: F401  (registers export_schema)
+import eagle3_train.evaluation.served_acceptance  # noqa: F401  (registers served_acceptance_schema)
+import eagle3_train.training.trainer  # noqa: F401  (registers train_schema)
 
 PRIMARY = {
     "prepare.yaml": (data_prep.prepare.PrepareConfig, ["input=x.jsonl", "out=/tmp/o"]),
     "dump.yaml": (data_prep.dump.DumpConfig, ["data=/tmp/p", "out=/tmp/o", "capture.aux_indices=[1,15,28]"]),
     "standardize.yaml": (data_prep.standardize.StandardizeConfig, ["dumps=[/tmp/d]", "out=/tmp/o"]),
-    "train.yaml": (eagle3_train.trainer.TrainConfig, ["data=/tmp/s", "out=/tmp/o"]),
-    "export.yaml": (eagle3_train.export.ExportConfig, ["run=/tmp/r", "out=/tmp/o"]),
-    "check.yaml": (eagle3_train.check.CheckConfig, ["draft=/tmp/d", "target=tiny"]),
-    "eval.yaml": (eagle3_train.eval.EvalConfig, ["draft=/tmp/d", "prompts=/tmp/p.jsonl"]),
-    "served_acceptance.yaml": (eagle3_train.served_acceptance.ServedAcceptanceConfig,
+    "train.yaml": (eagle3_train.training.trainer.TrainConfig, ["data=/tmp/s", "out=/tmp/o"]),
+    "export.yaml": (eagle3_train.serving.export.ExportConfig, ["run=/tmp/r", "out=/tmp/o"]),
+    "check.yaml": (eagle3_train.serving.check.CheckConfig, ["draft=/tmp/d", "target=tiny"]),
+    "eval.yaml": (eagle3_train.evaluation.eval.EvalConfig, ["draft=/tmp/d", "prompts=/tmp/p.jsonl"]),
+    "served_acceptance.yaml": (eagle3_train.evaluation.served_acceptance.ServedAcceptanceConfig,
                                ["server=http://127.0.0.1:8000", "prompts=/tmp/p.jsonl", "out=/tmp/o"]),
 }
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def test_every_group_option_composes():
 
 
 def test_config_checks_run_on_final_values():
-    from eagle3_train.errors import ConfigError
+    from eagle3_train.core.errors import ConfigError
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="prepare", overrides=["input=x", "out=y", "on_bad_row=ignore"])
@@ -112,7 +112,7 @@ def test_installed_wheel_finds_conf_without_the_checkout(tmp_path):
         check=True, capture_output=True,
     )
     code = (
-        "import eagle3_train.cli as c, data_prep.dump as d, hydra;"
+        "import eagle3_train.core.cli as c, data_prep.dump as d, hydra;"
         "from hydra import compose, initialize_config_dir;"
         "initialize_config_dir(config_dir=c.CONF_DIR, version_base='1.3').__enter__();"
         "cfg = compose('dump', overrides=['data=/p', 'out=/o']);"
@@ -189,7 +189,7 @@ def test_each_default_is_written_once():
     ("served_acceptance.yaml", "concurrency=0", r"^concurrency must be positive, got 0$"),
 ])
 def test_numeric_and_dtype_options_are_checked_in_one_line(name, override, message):
-    from eagle3_train.errors import ConfigError
+    from eagle3_train.core.errors import ConfigError
 
     schema, overrides = PRIMARY[name]
     with pytest.raises(ConfigError, match=message):
@@ -199,8 +199,8 @@ def test_numeric_and_dtype_options_are_checked_in_one_line(name, override, messa
 def test_device_auto_is_resolved_in_one_place(monkeypatch):
     import torch
 
-    from eagle3_train.dist import resolve_device
-    from eagle3_train.errors import ConfigError
+    from eagle3_train.core.dist import resolve_device
+    from eagle3_train.core.errors import ConfigError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from eagle3_train.contract import (
+from eagle3_train.core.contract import (
     CaptureSpec,
     TargetIdentity,
     default_aux_indices,
@@ -12,7 +12,7 @@ from eagle3_train.contract import (
     validate_aux_indices,
     write_manifest,
 )
-from eagle3_train.errors import ContractError, IncompleteError
+from eagle3_train.core.errors import ContractError, IncompleteError
 
 IDENT = TargetIdentity("meta-llama/Llama-3.1-8B", "llama", "c" * 64, "t" * 64, "h" * 64)
 

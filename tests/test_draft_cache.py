@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from eagle3_train.model.draft import DraftConfig, Eagle3Draft
-from eagle3_train.targets import tiny_config
+from eagle3_train.targets.tiny import tiny_config
 
 K = 4  # TTT steps / chain length
 

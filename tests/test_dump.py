@@ -14,9 +14,9 @@ import torch
 
 from data_prep.dump import CaptureConfig, DumpConfig, Dumper, verify
 from data_prep.dump.hf import plan_batches
-from eagle3_train.errors import ContractError, Eagle3Error, IncompleteError
-from eagle3_train.formats import iter_samples, read_shard
-from eagle3_train.targets import build_tiny_model
+from eagle3_train.core.errors import ContractError, Eagle3Error, IncompleteError
+from eagle3_train.core.formats import iter_samples, read_shard
+from eagle3_train.targets.tiny import build_tiny_model
 
 AUX = [1, 2, 3]
 EXTRA = [0]
@@ -141,7 +141,7 @@ def test_nonfinite_sample_is_dropped_and_counted(prepared, tmp_path):
 
 
 def test_out_of_disk_leaves_nothing_partial_and_resumes(prepared, tmp_path, monkeypatch):
-    import eagle3_train.formats as formats
+    import eagle3_train.core.formats as formats
 
     real = formats._serialize
     calls = {"n": 0}
@@ -224,7 +224,7 @@ def test_tensor_parallel_group_below_the_world_needs_a_transformers_that_takes_t
 
     import transformers
 
-    from eagle3_train.errors import ConfigError
+    from eagle3_train.core.errors import ConfigError
     from eagle3_train.targets import tensor_parallel_kwargs
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
@@ -240,7 +240,7 @@ def test_tensor_parallel_group_below_the_world_needs_a_transformers_that_takes_t
 
 def test_tensor_parallel_dump_equals_single_process(prepared, tmp_path):
     """tp_size=2 under torchrun (gloo): transformers' own tensor-parallel plan, same states."""
-    from eagle3_train.targets import build_tiny_tokenizer
+    from eagle3_train.targets.tiny import build_tiny_tokenizer
 
     model_dir = tmp_path / "tiny_hf"
     build_tiny_model().save_pretrained(model_dir)

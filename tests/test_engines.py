@@ -2,10 +2,10 @@
 
 import pytest
 
-from eagle3_train.contract import CaptureSpec, TargetIdentity
-from eagle3_train.engines import ids_for, resolve, unservable
-from eagle3_train.errors import ContractError
-from eagle3_train.export import engine_keys
+from eagle3_train.core.contract import CaptureSpec, TargetIdentity
+from eagle3_train.engines.rules import ids_for, resolve, unservable
+from eagle3_train.core.errors import ContractError
+from eagle3_train.serving.export import engine_keys
 
 
 def spec(model_type, aux, n=32, h=4096):
@@ -119,7 +119,7 @@ def test_defaults_and_rule_quirks():
 def test_check_warns_about_unknown_families_and_vllm_refusals():
     from types import SimpleNamespace
 
-    from eagle3_train.check import check
+    from eagle3_train.serving.check import check
 
     target = SimpleNamespace(model_type="mixtral", num_hidden_layers=32, hidden_size=4096, vocab_size=32000)
     config = {"eagle_aux_hidden_state_layer_ids": [2, 16, 29], "draft_vocab_size": 32000}
@@ -133,7 +133,7 @@ def test_check_warns_about_unknown_families_and_vllm_refusals():
 def _check(model_type, config, trained, n=32):
     from types import SimpleNamespace
 
-    from eagle3_train.check import check
+    from eagle3_train.serving.check import check
 
     target = SimpleNamespace(model_type=model_type, num_hidden_layers=n, hidden_size=4096, vocab_size=32000)
     return check(config | {"draft_vocab_size": 32000}, {}, target, trained, ["vllm"])

@@ -13,15 +13,15 @@ from data_prep.dump import CaptureConfig, DumpConfig, Dumper
 from data_prep.prepare import PrepareConfig, Preparer
 from data_prep.regenerate import RegenConfig
 from data_prep.standardize import StandardizeConfig, Standardizer
-from eagle3_train.check import CheckConfig, run_check
-from eagle3_train.errors import BadInputError, ContractError
-from eagle3_train.decoding import Counters, Reference, SpecDecoder
-from eagle3_train.errors import ConfigError
-from eagle3_train.eval import EvalConfig, Evaluator, lossless_check, run_eval
-from eagle3_train.prompt_files import Conversation
-from eagle3_train.export import ExportConfig, Exporter, draft_config_from_json, draft_config_json
+from eagle3_train.serving.check import CheckConfig, run_check
+from eagle3_train.core.errors import BadInputError, ContractError
+from eagle3_train.evaluation.decoding import Counters, Reference, SpecDecoder
+from eagle3_train.core.errors import ConfigError
+from eagle3_train.evaluation.eval import EvalConfig, Evaluator, lossless_check, run_eval
+from eagle3_train.core.prompt_files import Conversation
+from eagle3_train.serving.export import ExportConfig, Exporter, draft_config_from_json, draft_config_json
 from eagle3_train.model import DraftConfig
-from eagle3_train.trainer import OptimConfig, TrainConfig, Trainer
+from eagle3_train.training.trainer import OptimConfig, TrainConfig, Trainer
 from legacy_eval import LegacySpecDecoder
 
 WORDS = "apple river stone cloud seven tiger music paper green window quick silver".split()
@@ -31,7 +31,7 @@ WORDS = "apple river stone cloud seven tiger music paper green window quick silv
 def pipeline(tmp_path_factory):
     """A tiny target whose layers differ (init std 0.1) and which never emits special tokens but
     its end-of-turn (so regenerated text re-tokenises to the target's own trajectory)."""
-    from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer, tiny_config
+    from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer, tiny_config
 
     root = tmp_path_factory.mktemp("e2e")
     cfg = tiny_config()
@@ -89,7 +89,7 @@ def test_export_layout(pipeline):
 
 def test_eval_warns_when_the_chain_is_longer_than_training(pipeline):
     """The pipeline trains 3 TTT steps; export records it, and eval (k=5 by default) warns."""
-    from eagle3_train.eval import short_training_warning
+    from eagle3_train.evaluation.eval import short_training_warning
 
     config = json.loads((pipeline / "export" / "config.json").read_text())
     assert config["eagle3_train"]["training"]["ttt_length"] == 3
@@ -322,7 +322,7 @@ def test_config_json_maps_back_to_the_draft_config():
     """export writes config.json from a DraftConfig and eval reads it back through one pair of functions."""
     from transformers import LlamaConfig
 
-    from eagle3_train.targets import tiny_config
+    from eagle3_train.targets.tiny import tiny_config
 
     llama31 = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
                           rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,

@@ -10,8 +10,8 @@ import torch
 from data_prep import graph_decode
 from data_prep.graph_decode import GraphDecoder, check_supported
 from data_prep.regenerate import RegenConfig, generate_sorted
-from eagle3_train.errors import ConfigError
-from eagle3_train.targets import build_tiny_model, tiny_config
+from eagle3_train.core.errors import ConfigError
+from eagle3_train.targets.tiny import build_tiny_model, tiny_config
 
 EOS = [101, 277]  # tokens the tiny model emits early in some replies
 

@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3_train.data import Batch
-from eagle3_train.errors import ConfigError
+from eagle3_train.training.data import Batch
+from eagle3_train.core.errors import ConfigError
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.model.draft import apply_rope
-from eagle3_train.objective import head_loss, soft_cross_entropy
-from eagle3_train.parallel import SequenceParallel, apply_activation_checkpointing, apply_compile, apply_sequence_parallel
-from eagle3_train.targets import tiny_config
-from eagle3_train.trainer import DeepSpeedConfig, OptimConfig, TrainConfig, ttt_losses
+from eagle3_train.training.objective import head_loss, soft_cross_entropy
+from eagle3_train.training.parallel import SequenceParallel, apply_activation_checkpointing, apply_compile, apply_sequence_parallel
+from eagle3_train.targets.tiny import tiny_config
+from eagle3_train.training.trainer import DeepSpeedConfig, OptimConfig, TrainConfig, ttt_losses
 
 TTT, DECAY = 4, 0.8
 
@@ -215,7 +215,7 @@ def test_saved_activations_grow_linearly_and_options_shrink_them():
 def test_memory_options_are_checked():
     """ZeRO-3 does not gather lm_head for the fused head: deepspeed=zero3 turns it off, asking for
     both is refused; sequence parallelism must divide the heads; the new numbers are range-checked."""
-    from eagle3_train.cli import to_config
+    from eagle3_train.core.cli import to_config
     from test_configs import compose_config
 
     cfg = to_config(compose_config("train.yaml", ["data=d", "out=o", "deepspeed=zero3"]), TrainConfig)

@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 from transformers.models.llama import modeling_llama as hf
 
 from eagle3_train.model.draft import DraftConfig, Eagle3Draft, MLP, RMSNorm, apply_rope, ttt_attention
-from eagle3_train.targets import tiny_config
+from eagle3_train.targets.tiny import tiny_config
 
 torch.manual_seed(0)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3_train.objective import (
+from eagle3_train.training.objective import (
     acceptance_length,
     decode_walk,
     accuracies,

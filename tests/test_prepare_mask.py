@@ -10,7 +10,7 @@ import pytest
 from conftest import LLAMA2_TEMPLATE, LLAMA3_TEMPLATE, SMOLLM2_TEMPLATE
 
 from data_prep.chat import render_with_mask, special_ids
-from eagle3_train.targets import build_tiny_tokenizer
+from eagle3_train.targets.tiny import build_tiny_tokenizer
 
 CONV = [
     {"role": "system", "content": "Be brief."},

@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import LLAMA3_TEMPLATE
 
-from eagle3_train.errors import ContractError, Eagle3Error
+from eagle3_train.core.errors import ContractError, Eagle3Error
 
 OPENAI = [
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -153,7 +153,7 @@ def test_template_error_is_a_bad_row(write_jsonl, prepare):
 
 
 def test_tokenizer_without_chat_template(tmp_path, write_jsonl, prepare):
-    from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer
+    from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     tok.chat_template = None

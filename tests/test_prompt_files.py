@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from eagle3_train.errors import BadInputError
-from eagle3_train.prompt_files import Conversation, read_conversations
+from eagle3_train.core.errors import BadInputError
+from eagle3_train.core.prompt_files import Conversation, read_conversations
 
 
 def test_each_benchmark_shape_parses(write_jsonl, tmp_path):

@@ -5,8 +5,8 @@ import torch
 from conftest import LLAMA3_TEMPLATE
 
 from data_prep.regenerate import RegenConfig, assistant_slots
-from eagle3_train.errors import ConfigError
-from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer
+from eagle3_train.core.errors import ConfigError
+from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
 
 ROWS = [
     {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "old reply"},

@@ -9,13 +9,13 @@ import sys
 import pytest
 from transformers import AutoModelForCausalLM
 
-from eagle3_train.engine_http import EngineError
-from eagle3_train.errors import ConfigError, Eagle3Error
-from eagle3_train.eval import EvalConfig, Evaluator
-from eagle3_train.served_acceptance import (
+from eagle3_train.engines.http import EngineError
+from eagle3_train.core.errors import ConfigError, Eagle3Error
+from eagle3_train.evaluation.eval import EvalConfig, Evaluator
+from eagle3_train.evaluation.served_acceptance import (
     METRICS, ServedAcceptance, ServedAcceptanceConfig, SpecCounts, figures, parse_prometheus, read_counts,
 )
-from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer
+from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
 from standin_engines import StandinVllm
 from test_export_eval import off_by_one, pipeline  # noqa: F401  (the tiny target with a trained, exported draft)
 
@@ -171,14 +171,14 @@ def test_clear_errors(prompts, tmp_path):
 
 def test_command_line(prompts, tmp_path):
     with standin() as server:
-        run = subprocess.run([sys.executable, "-m", "eagle3_train.served_acceptance", f"server={server.url}",
+        run = subprocess.run([sys.executable, "-m", "eagle3_train.evaluation.served_acceptance", f"server={server.url}",
                               f"prompts={prompts}", f"out={tmp_path / 'out'}", "max_new_tokens=4", "settle_s=0.01"],
                              capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert f"eagle3-served-acceptance (vllm at {server.url}, model standin-model): mean acceptance length 3.09 over " \
            f"11 drafts of 5.00 tokens" in run.stdout
     port = free_port()
-    run = subprocess.run([sys.executable, "-m", "eagle3_train.served_acceptance", f"server=http://127.0.0.1:{port}",
+    run = subprocess.run([sys.executable, "-m", "eagle3_train.evaluation.served_acceptance", f"server=http://127.0.0.1:{port}",
                           f"prompts={prompts}", f"out={tmp_path / 'x'}"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.startswith(f"eagle3-served-acceptance: error: http://127.0.0.1:{port} ")
 

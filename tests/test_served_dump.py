@@ -14,10 +14,10 @@ import torch
 from data_prep.dump import CaptureConfig, ClientConfig, DumpConfig, Dumper, ServerConfig, launch_text, verify
 from data_prep.dump.sglang import exact_rows
 from data_prep.dump.vllm import final_norm
-from eagle3_train.engine_http import EngineError
-from eagle3_train.engines import Unexpressible
-from eagle3_train.errors import ConfigError, Eagle3Error
-from eagle3_train.targets import build_tiny_model
+from eagle3_train.engines.http import EngineError
+from eagle3_train.engines.rules import Unexpressible
+from eagle3_train.core.errors import ConfigError, Eagle3Error
+from eagle3_train.targets.tiny import build_tiny_model
 from standin_engines import EngineRefused, StandinSglang, StandinVllm
 from test_dump import mixed_conversations, prepare_tiny, stored_samples
 
@@ -232,7 +232,7 @@ def test_refusals_and_launch_commands(prepared, tmp_path):
 
     target = tmp_path / "target"
     build_tiny_model().save_pretrained(target)
-    from eagle3_train.targets import build_tiny_tokenizer
+    from eagle3_train.targets.tiny import build_tiny_tokenizer
 
     build_tiny_tokenizer().save_pretrained(target)
     cfg = DumpConfig(target=str(target), backend="vllm", print_launch=True, dtype="bfloat16",
@@ -251,7 +251,7 @@ def test_refusals_and_launch_commands(prepared, tmp_path):
 def test_print_launch_from_the_command_line(tmp_path):
     target = tmp_path / "target"
     build_tiny_model().save_pretrained(target)
-    from eagle3_train.targets import build_tiny_tokenizer
+    from eagle3_train.targets.tiny import build_tiny_tokenizer
 
     build_tiny_tokenizer().save_pretrained(target)
     run = subprocess.run([sys.executable, "-m", "data_prep.dump", "backend=vllm", f"target={target}", "print_launch=true",
@@ -286,7 +286,7 @@ def test_launch_script_starts_the_printed_engines_and_clients(backend, prepared,
     import socket
     from pathlib import Path
 
-    from eagle3_train.targets import build_tiny_tokenizer
+    from eagle3_train.targets.tiny import build_tiny_tokenizer
 
     repo = Path(__file__).resolve().parents[1]
     target = tmp_path / "target"
@@ -327,7 +327,7 @@ def test_launch_script_starts_the_printed_engines_and_clients(backend, prepared,
 
 def typed_target(root, model_type):
     """The tiny target saved as a directory whose config says ``model_type`` (same tokenizer)."""
-    from eagle3_train.targets import build_tiny_tokenizer
+    from eagle3_train.targets.tiny import build_tiny_tokenizer
 
     path = root / f"target_{model_type}"
     build_tiny_model().save_pretrained(path)

@@ -1,11 +1,11 @@
-"""eagle3_train.stagedir: finished? same request? claim, replace, the record written last."""
+"""eagle3_train.core.stagedir: finished? same request? claim, replace, the record written last."""
 
 import json
 
 import pytest
 
-from eagle3_train.errors import ContractError
-from eagle3_train.stagedir import REQUEST_NAME, StageDir
+from eagle3_train.core.errors import ContractError
+from eagle3_train.core.stagedir import REQUEST_NAME, StageDir
 
 REQUEST = {"capture": {"aux_indices": (1, 2), "dtype": "float32"}, "seed": 0}
 

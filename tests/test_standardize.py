@@ -10,9 +10,9 @@ import torch
 
 from data_prep.dump import CaptureConfig, DumpConfig, Dumper
 from data_prep.standardize import StandardizeConfig, Standardizer, split_eval
-from eagle3_train.errors import BadInputError, ConfigError, ContractError, IncompleteError
-from eagle3_train.formats import iter_samples, read_shard
-from eagle3_train.vocab import build_vocab_map, load_vocab_map
+from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, IncompleteError
+from eagle3_train.core.formats import iter_samples, read_shard
+from eagle3_train.core.vocab import build_vocab_map, load_vocab_map
 
 STORED = [0, 1, 2, 3]
 

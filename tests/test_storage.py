@@ -1,4 +1,4 @@
-"""storage=fp8 (eagle3_train/storage.py) through dump, standardize and training, and the compiled
+"""storage=fp8 (eagle3_train/core/storage.py) through dump, standardize and training, and the compiled
 dump forward, on the tiny target."""
 
 import json
@@ -10,12 +10,12 @@ import torch
 
 from data_prep.dump import verify
 from data_prep.standardize import StandardizeConfig, Standardizer
-from eagle3_train.data import OfflineSource
-from eagle3_train.errors import ConfigError, ContractError
-from eagle3_train.export import ExportConfig, Exporter
-from eagle3_train.formats import read_shard
-from eagle3_train.storage import FP8, FP8_MAX, decode, dequantize, quantize
-from eagle3_train.targets import build_tiny_model
+from eagle3_train.training.data import OfflineSource
+from eagle3_train.core.errors import ConfigError, ContractError
+from eagle3_train.serving.export import ExportConfig, Exporter
+from eagle3_train.core.formats import read_shard
+from eagle3_train.core.storage import FP8, FP8_MAX, decode, dequantize, quantize
+from eagle3_train.targets.tiny import build_tiny_model
 from test_dump import dump, mixed_conversations, prepare_tiny, stored_samples
 from test_standardize import samples_of
 from test_trainer import metrics, train

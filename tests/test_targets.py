@@ -3,8 +3,9 @@ import time
 import pytest
 import torch
 
-from eagle3_train.errors import BadInputError, Eagle3Error
-from eagle3_train.targets import TINY_SPECIAL_TOKENS, load_target, target_identity
+from eagle3_train.core.errors import BadInputError, Eagle3Error
+from eagle3_train.targets import load_target, target_identity
+from eagle3_train.targets.tiny import TINY_SPECIAL_TOKENS
 
 
 def test_tiny_target_is_fast_deterministic_and_small():
@@ -88,7 +89,9 @@ def test_target_tensors_read_only_the_shards_that_hold_them(tmp_path, monkeypatc
 
     import huggingface_hub
 
-    from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer, load_target_tensors
+    from eagle3_train.targets import load_target_tensors
+
+    from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
 
     model = build_tiny_model()
     model.save_pretrained(tmp_path / "t", max_shard_size="100KB")

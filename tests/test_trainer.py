@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from data_prep.standardize import StandardizeConfig, Standardizer
-from eagle3_train.errors import BadInputError, ConfigError, ContractError, Eagle3Error
-from eagle3_train.export import ExportConfig, Exporter
-from eagle3_train.trainer import DeepSpeedConfig, ModelOptions, OptimConfig, TrainConfig, Trainer, lr_factor
+from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, Eagle3Error
+from eagle3_train.serving.export import ExportConfig, Exporter
+from eagle3_train.training.trainer import DeepSpeedConfig, ModelOptions, OptimConfig, TrainConfig, Trainer, lr_factor
 from test_standardize import make_dump
 
 
@@ -102,10 +102,10 @@ def test_ttt_statistics_count_out_of_vocab_positions_as_misses():
     """ttt_losses' per-step counts against loops over a hand-built batch: every existing,
     loss-masked position is counted; one whose target argmax is outside the draft vocab is a miss;
     a hit is the draft's pick, mapped through d2t, equal to the target's full-vocab argmax."""
-    from eagle3_train.data import Batch
+    from eagle3_train.training.data import Batch
     from eagle3_train.model import DraftConfig, Eagle3Draft
-    from eagle3_train.targets import tiny_config
-    from eagle3_train.trainer import ttt_losses
+    from eagle3_train.targets.tiny import tiny_config
+    from eagle3_train.training.trainer import ttt_losses
 
     g = torch.Generator().manual_seed(0)
     b, t, h, v, ttt = 2, 12, 64, 320, 3
@@ -149,7 +149,7 @@ def test_ttt_statistics_count_out_of_vocab_positions_as_misses():
 
 def _torchrun(std, out, nproc, extra=(), env_extra=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "eagle3_train.trainer",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "eagle3_train.training.trainer",
            f"data={std}", "target=tiny", f"out={out}", "progress=false", "train.ttt_length=3", "train.lr=3e-3",
            "train.max_tokens_per_batch=600", "train.log_every=1", "train.epochs=2", *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -213,7 +213,7 @@ def test_resume_refuses_another_vocab_map(std, tmp_path):
 
 
 def test_data_from_another_target_is_refused(std, tmp_path):
-    from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer, tiny_config
+    from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer, tiny_config
 
     cfg = tiny_config()
     cfg.rope_theta = 1234.0
@@ -229,7 +229,7 @@ def test_data_from_another_target_is_refused(std, tmp_path):
 def test_missing_vocab_map_and_nan_loss(std, tmp_path):
     import shutil
 
-    from eagle3_train.formats import read_shard, write_shard
+    from eagle3_train.core.formats import read_shard, write_shard
 
     data = tmp_path / "std"
     shutil.copytree(std, data)
@@ -249,7 +249,7 @@ def test_a_non_finite_loss_stops_training_before_a_checkpoint_holds_it(std, tmp_
     """The finiteness of each loss is read from the device only before a log, an evaluation or a
     checkpoint: a non-finite loss at step 3 is still reported as step 3, and training stops before
     the step-3 checkpoint, so the last checkpoint is the last good one."""
-    from eagle3_train.trainer import Trainer
+    from eagle3_train.training.trainer import Trainer
 
     real, calls = Trainer.losses, []
 
@@ -290,8 +290,8 @@ def test_corrupt_shard_is_refused_by_name(std, tmp_path):
 def test_cached_target_distribution_gives_the_same_training(std, tmp_path, monkeypatch):
     """train.cache_target_gb: the target lm_head runs once per sample, not once per epoch, and the
     run is the one without the cache (up to float rounding of per-sample vs batched matmuls)."""
-    import eagle3_train.trainer as trainer_module
-    from eagle3_train.formats import read_shard
+    import eagle3_train.training.trainer as trainer_module
+    from eagle3_train.core.formats import read_shard
 
     calls = []
     real = trainer_module.target_distribution
@@ -391,7 +391,7 @@ def test_lm_head_from_the_target_frozen_and_exported(std_part, tmp_path):
     """model.lm_head_init=target: lm_head starts as the target's rows of the draft vocab (row i =
     target id i + d2t[i]) and norm as the target's final norm; frozen, it is exported unchanged,
     under the names and config the engines load."""
-    from eagle3_train.targets import build_tiny_model, build_tiny_tokenizer
+    from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
 
     target = build_tiny_model()
     with torch.no_grad():  # a final norm that is not all ones, so copying it shows
@@ -425,7 +425,7 @@ def test_lm_head_from_the_target_frozen_and_exported(std_part, tmp_path):
 def test_aux_norm_trains_but_export_refuses(std, tmp_path):
     """model.aux_norm: the norm is trained (its weight moves) but no engine loads it, so export
     refuses with the reason and writes nothing."""
-    from eagle3_train.engines import DRAFT_WEIGHTS
+    from eagle3_train.engines.rules import DRAFT_WEIGHTS
 
     assert DRAFT_WEIGHTS == ENGINE_WEIGHT_NAMES
     final = train(std, tmp_path / "r", max_steps=4, model=ModelOptions(aux_norm=True))
@@ -439,7 +439,7 @@ def test_aux_norm_trains_but_export_refuses(std, tmp_path):
 def test_wider_mlp_is_exported_and_loaded_back(std, tmp_path):
     """model.intermediate_size: the draft MLP gets that width, export writes it to config.json (what
     SGLang and vLLM size the MLP from) and eagle3-eval's loader rebuilds the same head from it."""
-    from eagle3_train.eval import load_draft
+    from eagle3_train.evaluation.eval import load_draft
     from eagle3_train.targets import load_target
 
     with pytest.raises(ConfigError, match="intermediate_size must be >= 0"):

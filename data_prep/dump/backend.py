@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from eagle3_train.dist import DistInfo
-from eagle3_train.errors import ConfigError
+from eagle3_train.core.dist import DistInfo
+from eagle3_train.core.errors import ConfigError
 
 from data_prep.dump.config import BACKENDS, DumpConfig
 
@@ -56,6 +56,10 @@ class Backend(ABC):
     @abstractmethod
     def team(self) -> Team:
         """This process's place among the dump's processes (joins a process group if there is one)."""
+
+    def device(self, dist: DistInfo) -> str:
+        """Where the target computes, which decides what ``dtype=auto`` means (default: an engine's GPU)."""
+        return "cuda"
 
     def check(self, stage: Dumper) -> None:
         """Refuse, before any work, a capture this backend cannot produce (default: none)."""

@@ -3,7 +3,7 @@ dump, or print an engine's launch command)."""
 
 from __future__ import annotations
 
-from eagle3_train.cli import entry_point
+from eagle3_train.core.cli import entry_point
 
 from data_prep.dump.backend import make_backend
 from data_prep.dump.config import DumpConfig

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from eagle3_train.contract import check_dtype, check_storage, default_aux_indices, validate_aux_indices
-from eagle3_train.errors import ConfigError, check_numbers
+from eagle3_train.core.contract import check_dtype, check_storage, default_aux_indices, validate_aux_indices
+from eagle3_train.core.errors import ConfigError, check_numbers
 
 # The backends: name -> the module that holds its ``Backend`` class (imported when picked, so
 # ``backend=hf`` never imports the HTTP clients). Adding a backend is one module and one line here.
@@ -67,7 +67,7 @@ class DumpConfig:
     out: str | None = None  # output directory (shards/ + manifest.json)
     backend: str = "hf"  # hf: run the target in transformers; vllm / sglang: ask a running engine
     capture: CaptureConfig = field(default_factory=CaptureConfig)
-    dtype: str = "bfloat16"  # the target runs in this dtype (and states are stored in it with storage=dtype)
+    dtype: str = "auto"  # auto: float32 on a CPU, bfloat16 on a GPU (recorded as what it became); the target runs in this dtype (and states are stored in it with storage=dtype)
     storage: str = "dtype"  # dtype: states as computed; fp8: e4m3 with a float32 scale per token and layer, half of bf16's bytes (README: Compact storage)
     compile: bool = False  # backend=hf: torch.compile each decoder layer (dynamic shapes; the first batch compiles); states equal the eager forward's within the dtype's tolerance
     max_tokens_per_batch: int = 16384  # token budget of one forward pass, padding included
@@ -98,7 +98,7 @@ class DumpConfig:
             raise ConfigError("data=<prepared directory> is required (or verify=true to check a dump)")
         check_numbers(self, positive=("max_tokens_per_batch", "max_batch_size", "shard_size_mb", "tp_size",
                                       "writer_threads", "dist_timeout_minutes"))
-        check_dtype(self.dtype)
+        check_dtype(self.dtype, auto=True)
         check_storage(self.storage)
         if self.compile and self.backend != "hf":
             raise ConfigError(f"compile=true compiles the target run here (backend=hf); the {self.backend} engine runs its own")

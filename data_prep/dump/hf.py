@@ -4,7 +4,7 @@ number of nodes; ``tp_size`` > 1 shards each copy with transformers' own tensor-
 How it stays exact: samples are batched by length with right padding and *no* attention mask.
 Attention is causal, so a real token never sees the padding that follows it, and its states are
 those of the sample run alone; padded positions are dropped before anything is stored. The forward
-pass is :func:`eagle3_train.capture.capture`, the one capture of the project; ``compile=true`` runs
+pass is :func:`eagle3_train.core.capture.capture`, the one capture of the project; ``compile=true`` runs
 its decoder layers compiled (:func:`compile_layers`), the same states within the dtype's tolerance.
 """
 
@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from eagle3_train.capture import capture
-from eagle3_train.dist import close, init_distributed
-from eagle3_train.errors import ConfigError, Eagle3Error
+from eagle3_train.core.capture import capture
+from eagle3_train.core.dist import DistInfo, close, init_distributed
+from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.targets import load_target, tensor_parallel_kwargs
 
 from data_prep.dump import backend
@@ -87,6 +87,9 @@ class Backend(backend.Backend):
         self.writes = dist.rank % tp == 0  # a tensor-parallel group stores each token once
         self.target: Any = None
         return backend.Team(dist, group=True)
+
+    def device(self, dist: DistInfo) -> str:
+        return str(dist.device)
 
     def check(self, stage: Dumper) -> None:
         self.stage = stage

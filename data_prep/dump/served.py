@@ -34,11 +34,12 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from eagle3_train.dist import DistInfo
-from eagle3_train.engine_http import EngineError, retrying
-from eagle3_train.errors import ConfigError, Eagle3Error
-from eagle3_train.fileio import atomic_write_json
+from eagle3_train.core.dist import DistInfo
+from eagle3_train.engines.http import EngineError, retrying
+from eagle3_train.core.errors import ConfigError, Eagle3Error
+from eagle3_train.core.fileio import atomic_write_json
 from eagle3_train.targets import Target, load_target, load_target_tensors
+from eagle3_train.targets.tiny import is_tiny
 
 from data_prep.dump import backend
 from data_prep.dump.config import stored_indices
@@ -110,8 +111,9 @@ class ServedBackend(backend.Backend):
         """The engine command(s) that serve exactly the capture ``cfg`` asks for, and the client
         command that dumps from them (``print_launch=true``)."""
         cfg = self.cfg
-        if cfg.target == "tiny":
-            raise ConfigError("target=tiny exists only inside this process; no engine can serve it")
+        if is_tiny(cfg.target):
+            raise ConfigError(f"target={cfg.target} exists only inside this process; no engine can serve it (save it "
+                              "as a directory first: eagle3_train.targets.tiny.save_tiny)")
         target = load_target(cfg.target, cache_dir=cfg.cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code)
         n = target.num_hidden_layers
         _, stored = stored_indices(cfg.capture, n)

@@ -1,7 +1,7 @@
 """The dump stage, whichever backend produces the states.
 
 What it owns: the prepared data and the target's identity (the tokenizer must match), the capture
-(HF indices to store), claiming the output directory (eagle3_train.stagedir: a partial dump made for
+(HF indices to store), claiming the output directory (eagle3_train.core.stagedir: a partial dump made for
 another request is refused, never mixed), resuming (the unit of work is the sample: finished
 shards are scanned for their sample ids, leftovers of a crash are deleted, the rest is done again),
 the shard writer, coverage (every sample stored exactly once) and the manifest, written last.
@@ -18,15 +18,15 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from eagle3_train.cli import config_dict
-from eagle3_train.contract import MANIFEST_NAME, CaptureSpec, read_manifest
-from eagle3_train.dist import all_gather_objects, barrier, print0
-from eagle3_train.engines import serving_warning
-from eagle3_train.errors import Eagle3Error, IncompleteError
-from eagle3_train.formats import ShardRecord, finished_records, read_keys, remove_unfinished, verify_shard
-from eagle3_train.prepared import PreparedData
-from eagle3_train.stagedir import StageDir
-from eagle3_train.storage import bytes_per_token, layout
+from eagle3_train.core.cli import config_dict
+from eagle3_train.core.contract import MANIFEST_NAME, CaptureSpec, read_manifest
+from eagle3_train.core.dist import all_gather_objects, barrier, print0
+from eagle3_train.engines.rules import serving_warning
+from eagle3_train.core.errors import Eagle3Error, IncompleteError
+from eagle3_train.core.formats import ShardRecord, finished_records, read_keys, remove_unfinished, verify_shard
+from eagle3_train.core.prepared import PreparedData
+from eagle3_train.core.stagedir import StageDir
+from eagle3_train.core.storage import bytes_per_token, layout
 from eagle3_train.targets import load_target, resolve_dtype
 
 from data_prep.dump.backend import Backend, make_backend
@@ -51,6 +51,8 @@ class Dumper:
         self.shard_dir = self.out / "shards"
         self.team = self.backend.team()
         self.dist = self.team.dist
+        # auto: float32 on a CPU, bfloat16 on a GPU, as prepare and eval; recorded as the dtype it became
+        cfg.dtype = str(resolve_dtype(cfg.dtype, self.backend.device(self.dist))).removeprefix("torch.")
         data = PreparedData(cfg.data)
         self.prepared_dir, self.prepared, self.dataset, self.sample_ids = data.path, data.manifest, data.dataset, data.sample_ids
         # config and tokenizer only: a backend that runs the target loads its weights once there is work

@@ -1,7 +1,7 @@
 """``backend=vllm``: states from a vLLM server (API read from vLLM 0.33.0).
 
 vLLM serves them through ``extract_hidden_states`` with ``ExampleHiddenStatesConnector``, only for
-targets whose vLLM class implements its EAGLE-3 interface (``eagle3_train.engines.VLLM_EAGLE3``;
+targets whose vLLM class implements its EAGLE-3 interface (``eagle3_train.engines.rules.VLLM_EAGLE3``;
 vLLM refuses any other at load, so this backend refuses it before launch): engine id ``v`` captures
 HF index ``v``, and ``v = N`` is the last layer's output *before* the final norm. Its DeepSeek code
 (DeepSeek-V2/V3, Kimi-K2) crashes on id 0, so HF index 0 is refused for those targets.
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file
 
-from eagle3_train.engine_http import EngineError, Transient, post_json, served_model, wait_ready
-from eagle3_train.engines import TOP_KEY, VLLM_EAGLE3, Unexpressible, ids_for
+from eagle3_train.engines.http import EngineError, Transient, post_json, served_model, wait_ready
+from eagle3_train.engines.rules import TOP_KEY, VLLM_EAGLE3, Unexpressible, ids_for
 from eagle3_train.targets import Target, resolve_dtype, text_config
 
 from data_prep.dump.config import DumpConfig

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from eagle3_train.errors import Eagle3Error
-from eagle3_train.formats import write_shard
-from eagle3_train.storage import DTYPE, encode, layout
+from eagle3_train.core.errors import Eagle3Error
+from eagle3_train.core.formats import write_shard
+from eagle3_train.core.storage import DTYPE, encode, layout
 
 CRASH_ENV = "EAGLE3_DUMP_CRASH_AFTER_SHARDS"  # tests only: hard-exit a rank after N shards
 
@@ -62,7 +62,7 @@ class ShardWriter:
     flight the main thread waits, so a slow disk slows the dump instead of filling memory.
 
     ``storage=fp8`` quantizes each batch where its states are (on the GPU, before the copy: half
-    the bytes cross to the host) into the tensors :func:`eagle3_train.storage.layout` names.
+    the bytes cross to the host) into the tensors :func:`eagle3_train.core.storage.layout` names.
     """
 
     def __init__(self, directory: Path, prefix: str, state_keys: list[str], hidden: int, dtype: torch.dtype,

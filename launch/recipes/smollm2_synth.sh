@@ -79,7 +79,7 @@ train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-$((32768 * NGPU))} / NGPU )) trai
 train.compile=${COMPILE:-$([ "$NGPU_SEEN" -ge 1 ] && echo true || echo false)} model.lm_head_init=target model.intermediate_size=${INTERMEDIATE:-6144}"
 if [ "${SOURCE:-online}" = online ]; then  # the target runs in the training loop: no dump, no standardize
   # shellcheck disable=SC2086  # RECIPE_TRAIN and TRAIN_EXTRA are lists of overrides
-  run train dist -m eagle3_train.trainer source=online data="$RUN/prepared" target="${TARGET:-embedded}" out="$RUN/train" \
+  run train dist -m eagle3_train.training.trainer source=online data="$RUN/prepared" target="${TARGET:-embedded}" out="$RUN/train" \
     online.draft_vocab_size="${DRAFT_VOCAB:-16384}" online.eval_fraction=0.02 $RECIPE_TRAIN ${TRAIN_EXTRA:-}
 else
   # shellcheck disable=SC2086  # DUMP_EXTRA is a list of overrides
@@ -88,12 +88,12 @@ else
     draft_vocab_size="${DRAFT_VOCAB:-16384}" eval_fraction=0.02 ${MAX_SAMPLES:+max_samples=$MAX_SAMPLES}
   [ "${UNTIL:-}" = standardize ] && exit 0
   # shellcheck disable=SC2086  # RECIPE_TRAIN and TRAIN_EXTRA are lists of overrides
-  run train dist -m eagle3_train.trainer data="$RUN/std" target="${TARGET:-embedded}" out="$RUN/train" $RECIPE_TRAIN ${TRAIN_EXTRA:-}
+  run train dist -m eagle3_train.training.trainer data="$RUN/std" target="${TARGET:-embedded}" out="$RUN/train" $RECIPE_TRAIN ${TRAIN_EXTRA:-}
 fi
 [ "${UNTIL:-}" = train ] && exit 0
-run export python3 -m eagle3_train.export run="$RUN/train" out="$RUN/export" engines=[sglang,vllm]
-run check python3 -m eagle3_train.check draft="$RUN/export" target="${TARGET:-embedded}"
-run eval python3 -m eagle3_train.eval draft="$RUN/export" target="${TARGET:-embedded}" engine=sglang \
+run export python3 -m eagle3_train.serving.export run="$RUN/train" out="$RUN/export" engines=[sglang,vllm]
+run check python3 -m eagle3_train.serving.check draft="$RUN/export" target="${TARGET:-embedded}"
+run eval python3 -m eagle3_train.evaluation.eval draft="$RUN/export" target="${TARGET:-embedded}" engine=sglang \
   prompts="$PROMPTS/heldout.jsonl" k=5 max_new_tokens=128 dtype=float32 batch_size=37 out="$RUN/eval"
 python3 - "$RUN" <<'PY'
 import json, sys

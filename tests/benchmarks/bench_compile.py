@@ -5,7 +5,7 @@ after them, for three ways to run the decoder layer, each in its own process (fr
 - ``eager``: nothing compiled;
 - ``layer``: the whole decoder layer compiled with dynamic sizes (train.compile until 2026-11-30:
   one graph per TTT step and grad mode, the attention's keys growing with the step);
-- ``parts``: :func:`eagle3_train.parallel.apply_compile`, the layer's two step-independent parts.
+- ``parts``: :func:`eagle3_train.training.parallel.apply_compile`, the layer's two step-independent parts.
 
 Every variant runs the same batches through the real ``ttt_losses`` (fused head, compiled too when
 the layer is), backward and an AdamW step: ``--steps`` training batches of about ``--tokens``
@@ -48,10 +48,10 @@ def batches(n: int, tokens: int, seed: int):
 
 
 def case(a: argparse.Namespace) -> None:
-    from eagle3_train.data import Batch
+    from eagle3_train.training.data import Batch
     from eagle3_train.model import Eagle3Draft
-    from eagle3_train.parallel import apply_compile
-    from eagle3_train.trainer import ttt_losses
+    from eagle3_train.training.parallel import apply_compile
+    from eagle3_train.training.trainer import ttt_losses
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

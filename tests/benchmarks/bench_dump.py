@@ -61,7 +61,7 @@ def make_prepared(path: Path, target, samples: int, seq: int) -> None:
     import pyarrow as pa
     from datasets import Dataset
 
-    from eagle3_train.contract import write_manifest
+    from eagle3_train.core.contract import write_manifest
 
     rng = np.random.default_rng(0)
     ids = rng.integers(0, target.config.vocab_size, size=(samples, seq), dtype=np.int32)
@@ -127,7 +127,7 @@ def compute_only(dumper) -> dict[str, Any]:
     barriers: tokens/s of all ranks together."""
     import data_prep.dump.hf as hf
 
-    from eagle3_train.dist import barrier
+    from eagle3_train.core.dist import barrier
 
     cfg, backend = dumper.cfg, dumper.backend
     batches = hf.plan_batches(np.arange(len(dumper.dataset)), dumper.dataset["num_tokens"][:], cfg.max_tokens_per_batch,
@@ -145,7 +145,7 @@ def compute_only(dumper) -> dict[str, Any]:
 
 def timed_run(dumper) -> dict[str, Any]:
     """``Dumper.run`` (claim, batches, writer, manifest), timed; tokens/s over all ranks."""
-    from eagle3_train.dist import barrier
+    from eagle3_train.core.dist import barrier
 
     barrier()
     start = time.perf_counter()

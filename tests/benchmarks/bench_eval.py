@@ -8,7 +8,7 @@ The embedded target (SmolLM2-135M) by default, fp32 (so the batch sizes must agr
 token), the first ``--n`` first-turn prompts of ``--prompts`` x ``--max-new`` new tokens, chain of
 ``--k``. Phases, each printed and written to ``--out`` as soon as it ends:
 
-1. ``batched``: :class:`eagle3_train.decoding.SpecDecoder` at ``--batch-size`` over all prompts;
+1. ``batched``: :class:`eagle3_train.evaluation.decoding.SpecDecoder` at ``--batch-size`` over all prompts;
 2. ``greedy``: its plain greedy reference at the same batch size (speculative over greedy);
 3. ``legacy``: ``tests/legacy_eval.py``, eval's decoder before batching (batch 1, draft recomputed
    over the whole context each step), over the first ``--legacy-n`` prompts -- the baseline;
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3_train.decoding import Decoded
-from eagle3_train.eval import EvalConfig, Evaluator
-from eagle3_train.prompt_files import read_conversations
+from eagle3_train.evaluation.decoding import Decoded
+from eagle3_train.evaluation.eval import EvalConfig, Evaluator
+from eagle3_train.core.prompt_files import read_conversations
 from tests.legacy_eval import LegacySpecDecoder
 
 PROMPTS = ["data_prep/prompts/heldout.jsonl", "data_prep/prompts/train.jsonl"]

@@ -127,7 +127,7 @@ def dump_case(a: argparse.Namespace, tp: int, record: Record) -> None:
     import data_prep.dump as dump
     from bench_dump import compute_only, timed_run, warm_up
 
-    from eagle3_train.formats import read_keys
+    from eagle3_train.core.formats import read_keys
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     prepared = Path(a.dir) / ("prepared-1" if world == 1 else "prepared-all")
@@ -191,7 +191,7 @@ def resume_case(a: argparse.Namespace, record: Record) -> None:
     from test_standardize import make_dump
     from test_trainer import metrics, standardized
 
-    from eagle3_train.trainer import CRASH_ENV
+    from eagle3_train.training.trainer import CRASH_ENV
 
     root = Path(a.dir) / "resume"
     shutil.rmtree(root, ignore_errors=True)
@@ -202,7 +202,7 @@ def resume_case(a: argparse.Namespace, record: Record) -> None:
                  f"train.max_steps={RESUME_STEPS}", f"train.save_every={RESUME_SAVE_EVERY}"]
 
     def train(out: Path, kill_after: int = 0) -> dict[str, Any]:
-        cmd = [*launcher(a.world), "-m", "eagle3_train.trainer", *overrides, f"out={out}"]
+        cmd = [*launcher(a.world), "-m", "eagle3_train.training.trainer", *overrides, f"out={out}"]
         env = dict(os.environ, **({CRASH_ENV: str(kill_after)} if kill_after else {}))
         start = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.resume_timeout)

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from data_prep.standardize import StandardizeConfig, Standardizer
-from eagle3_train.contract import CaptureSpec, TargetIdentity, write_manifest
-from eagle3_train.formats import write_shard
+from eagle3_train.core.contract import CaptureSpec, TargetIdentity, write_manifest
+from eagle3_train.core.formats import write_shard
 
 
 def make_dump(root: Path, shards: int, shard_mb: float, hidden: int, seq: int) -> int:

@@ -110,7 +110,9 @@ def random_llama(small: bool, device: torch.device) -> Any:
     elsewhere, and the tiny byte-level tokenizer, so data prepared for ``target=tiny`` is its data."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle3_train.targets import Target, build_tiny_tokenizer, target_identity
+    from eagle3_train.targets import Target, target_identity
+
+    from eagle3_train.targets.tiny import build_tiny_tokenizer
 
     if small:
         cfg = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3_train.contract import read_manifest
-from eagle3_train.formats import iter_samples, read_shard
-from eagle3_train.storage import decode
+from eagle3_train.core.contract import read_manifest
+from eagle3_train.core.formats import iter_samples, read_shard
+from eagle3_train.core.storage import decode
 
 
 def samples(dump: Path, ids: set[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:

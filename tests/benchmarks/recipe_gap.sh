@@ -16,7 +16,7 @@ PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p
 TARGET=${TARGET:-embedded}
 # eagle3-eval exits 1 when a turn diverged from plain greedy; in bf16 a near-tie at the threshold can
 # (the report counts it), and the fresh-prompt eval must still run
-python3 -m eagle3_train.eval draft="$RUN/export" target="$TARGET" engine=sglang prompts="$PROMPTS/heldout.jsonl" \
+python3 -m eagle3_train.evaluation.eval draft="$RUN/export" target="$TARGET" engine=sglang prompts="$PROMPTS/heldout.jsonl" \
   k=5 max_new_tokens=128 dtype=bfloat16 batch_size=37 out="$RUN/eval_bf16" \
   || grep -q '"lossless": "diverged"' "$RUN/eval_bf16/report.json"
 python3 -m data_prep.prepare target="$TARGET" synthesize="${FRESH:-128}" out="$RUN/fresh" seed=100000 \
@@ -25,5 +25,5 @@ python3 -m data_prep.prepare target="$TARGET" synthesize="${FRESH:-128}" out="$R
   regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size=512 regen.batching="${GEN_BATCHING:-graph}" \
   save_conversations="$RUN/fresh/fresh.jsonl.gz"
 # the kept conversations (one user turn each): eagle3-eval sends their user turns, the target answers
-python3 -m eagle3_train.eval draft="$RUN/export" target="$TARGET" engine=sglang prompts="$RUN/fresh/fresh.jsonl.gz" \
+python3 -m eagle3_train.evaluation.eval draft="$RUN/export" target="$TARGET" engine=sglang prompts="$RUN/fresh/fresh.jsonl.gz" \
   k=5 max_new_tokens=128 dtype=float32 batch_size=64 out="$RUN/eval_fresh"

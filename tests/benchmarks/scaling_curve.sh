@@ -44,15 +44,15 @@ one() {  # one <name> <n> <gpu> [overrides...]: train, export, eval; a refused e
   echo "$RECIPE $*" > "$d/overrides.txt"
   local t0; t0=$(date +%s)
   # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=$gpu timeout -s INT "${TRAIN_TIMEOUT:-0}" python3 -m eagle3_train.trainer data="$RUN/curve/std_$n" \
+  CUDA_VISIBLE_DEVICES=$gpu timeout -s INT "${TRAIN_TIMEOUT:-0}" python3 -m eagle3_train.training.trainer data="$RUN/curve/std_$n" \
     target="${TARGET:-embedded}" out="$d/train" $RECIPE "$@" > "$d/train.log" 2>&1 || {
     local rc=$?
     if [ $rc -eq 124 ]; then echo "stopped by TRAIN_TIMEOUT=${TRAIN_TIMEOUT}s" >> "$d/train.log"; echo "$name: timed out"
     else echo "$name: training failed (see $d/train.log)"; return 0; fi
   }
   echo $(( $(date +%s) - t0 )) > "$d/train_s"
-  if CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.export run="$d/train" out="$d/export" > "$d/export.log" 2>&1; then
-    CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.eval draft="$d/export" target="${TARGET:-embedded}" engine=sglang \
+  if CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.serving.export run="$d/train" out="$d/export" > "$d/export.log" 2>&1; then
+    CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.evaluation.eval draft="$d/export" target="${TARGET:-embedded}" engine=sglang \
       prompts="$PROMPTS/heldout.jsonl" k=5 max_new_tokens=128 dtype=float32 batch_size=37 out="$d/eval" progress=false \
       > "$d/eval.log" 2>&1 || echo "$name: eval exit $? (see $d/eval.log)"
   else

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from eagle3_train.formats import iter_samples, read_shard
-from eagle3_train.storage import dequantize, quantize
+from eagle3_train.core.formats import iter_samples, read_shard
+from eagle3_train.core.storage import dequantize, quantize
 
 
 def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +151,7 @@ def main() -> None:
     _, tensors = load_target_tensors(target, ("head",), cache_dir=a.cache_dir)
     draft = None
     if a.draft:
-        from eagle3_train.eval import load_draft
+        from eagle3_train.evaluation.eval import load_draft
 
         draft, _ = load_draft(Path(a.draft), load_target(target, cache_dir=a.cache_dir))
         draft = draft.float()

@@ -187,13 +187,13 @@ print("shifted ids:", c["eagle_aux_hidden_state_layer_ids"], nested)' "$2" "$SHI
 speculate() {  # speculate <which> <draft dir>: step b (which=export) or c (which=shifted)
   local which=$1 draft=$2
   for dtype in fp32 bf16; do
-    RESULT=$W/eval_${which}_$dtype/report.json step "eval_${which}_$dtype" 600 $py -m eagle3_train.eval draft="$draft" \
+    RESULT=$W/eval_${which}_$dtype/report.json step "eval_${which}_$dtype" 600 $py -m eagle3_train.evaluation.eval draft="$draft" \
       target="$TARGET" engine=vllm prompts="$HELDOUT" k="$K" max_new_tokens="$NEW_TOKENS" \
       dtype="$([ $dtype = fp32 ] && echo float32 || echo bfloat16)" batch_size=37 out="$W/eval_${which}_$dtype"
   done
   serve "serve_$which" "$draft"
   if ready "ready_$which" 900; then
-    RESULT=$W/served_$which/report.json step "served_$which" 600 $py -m eagle3_train.served_acceptance server="$URL" \
+    RESULT=$W/served_$which/report.json step "served_$which" 600 $py -m eagle3_train.evaluation.served_acceptance server="$URL" \
       prompts="$HELDOUT" max_new_tokens="$NEW_TOKENS" out="$W/served_$which" wait_for_server_s=60
   fi
   stop_server
@@ -222,17 +222,17 @@ if [ -z "$DRAFT" ]; then
   step standardize 300 $py -m data_prep.standardize dumps="[$W/dump_train]" out="$W/std" \
     draft_vocab_size="${DRAFT_VOCAB:-8192}" eval_fraction=0.02 progress=false
   # shellcheck disable=SC2086  # TRAIN_EXTRA is a list of overrides
-  step train "${TRAIN_S:-300}" $py -m eagle3_train.trainer data="$W/std" target="$TARGET" out="$W/train" \
+  step train "${TRAIN_S:-300}" $py -m eagle3_train.training.trainer data="$W/std" target="$TARGET" out="$W/train" \
     train.ttt_length="$K" train.epochs="${EPOCHS:-20}" train.lr=2e-3 train.warmup_steps=30 \
     train.max_tokens_per_batch=16384 train.eval_every=50 train.save_every=50 train.keep_best=true train.log_every=20 \
     model.lm_head_init=target model.intermediate_size=3072 progress=false ${TRAIN_EXTRA:-}
-  step export 300 $py -m eagle3_train.export run="$W/train" out="$W/export" "engines=[vllm]"
+  step export 300 $py -m eagle3_train.serving.export run="$W/train" out="$W/export" "engines=[vllm]"
   DRAFT=$W/export
 else
   note draft_source "carried: $DRAFT"
 fi
 note draft "$DRAFT"
-step check 300 $py -m eagle3_train.check draft="$DRAFT" target="$TARGET" "engines=[vllm]"
+step check 300 $py -m eagle3_train.serving.check draft="$DRAFT" target="$TARGET" "engines=[vllm]"
 
 # ---- b: the export served by vLLM; c: its shifted copy ----
 speculate export "$DRAFT"
@@ -254,7 +254,7 @@ step dump_vllm 900 env BACKEND=vllm CLIENTS=1 LOGDIR="$W/dump_vllm_engine" EAGLE
 cp "$W/dump_vllm_engine/engine0.log" "$W/dump_vllm_engine.log" 2>/dev/null
 RESULT=$W/compare.json step compare 600 $py -c 'import json, sys
 from pathlib import Path
-from eagle3_train.contract import read_manifest
+from eagle3_train.core.contract import read_manifest
 from tests.benchmarks.compare_dumps import compare
 hf, vllm, out = map(Path, sys.argv[1:])
 for d in (hf, vllm):

@@ -23,9 +23,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 from safetensors import safe_open
 
-from eagle3_train.cli import entry_point
-from eagle3_train.engines import ENGINES, TOP_KEY, VLLM_EAGLE3, fc_skipped, resolve, rules_for, unloadable_weights
-from eagle3_train.errors import BadInputError, ConfigError
+from eagle3_train.core.cli import entry_point
+from eagle3_train.engines.rules import ENGINES, TOP_KEY, VLLM_EAGLE3, fc_skipped, resolve, rules_for, unloadable_weights
+from eagle3_train.core.errors import BadInputError, ConfigError
 from eagle3_train.targets import text_config
 
 

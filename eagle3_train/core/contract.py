@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_train import __version__
-from eagle3_train.errors import BadInputError, ConfigError, ContractError, IncompleteError
-from eagle3_train.fileio import atomic_write_json
+from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, IncompleteError
+from eagle3_train.core.fileio import atomic_write_json
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")  # the one list of dtypes a target runs or a state is stored in
-STORAGES = ("dtype", "fp8")  # how shards store states: as computed, or e4m3 + scales (eagle3_train/storage.py)
+STORAGES = ("dtype", "fp8")  # how shards store states: as computed, or e4m3 + scales (eagle3_train/core/storage.py)
 
 
 def check_dtype(value: str, option: str = "dtype", auto: bool = False) -> None:
@@ -134,7 +134,7 @@ class CaptureSpec:
             (``float32``, ``bfloat16``, ``float16``).
         target: the target's identity.
         storage: how the shards store the states (:data:`STORAGES`; ``fp8``: e4m3 with a scale
-            per token and layer, eagle3_train/storage.py). Absent in specs written before it
+            per token and layer, eagle3_train/core/storage.py). Absent in specs written before it
             existed, which stored ``dtype``.
     """
 

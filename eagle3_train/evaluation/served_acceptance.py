@@ -4,7 +4,7 @@
     eagle3-served-acceptance server=http://127.0.0.1:8000 prompts=data_prep/prompts/heldout.jsonl out=runs/x/served
 
 Sends every conversation of the prompt file (read as ``eagle3-eval`` reads it,
-:mod:`eagle3_train.prompt_files`) to the engine's OpenAI-compatible ``/v1/chat/completions``,
+:mod:`eagle3_train.core.prompt_files`) to the engine's OpenAI-compatible ``/v1/chat/completions``,
 greedily (temperature 0, ``max_new_tokens`` per turn), ``concurrency`` requests at a time; a
 conversation's later user turns follow the engine's own replies to the earlier ones, as eagle3-eval
 follows the target's. The figures are the engine's, not ours: its Prometheus ``/metrics`` is read
@@ -44,11 +44,11 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.engine_http import EngineError, post_json, retrying, wait_ready
-from eagle3_train.errors import ConfigError, Eagle3Error, check_numbers
-from eagle3_train.fileio import atomic_write_bytes, atomic_write_json
-from eagle3_train.prompt_files import Conversation, read_conversations
+from eagle3_train.core.cli import config_dict, entry_point
+from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
+from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
+from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
+from eagle3_train.core.prompt_files import Conversation, read_conversations
 
 COMMAND = "eagle3-served-acceptance"
 REPORT_NAME = "report.json"

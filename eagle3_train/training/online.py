@@ -3,13 +3,13 @@ training loop on each micro-batch and nothing is written to disk.
 
 Each rank holds the whole target (``online.dtype``: bf16 on GPU, fp32 on CPU), reads its
 micro-batches of token ids from the prepared dataset exactly as offline training reads them from
-shards (same sample-id order, token budget, epochs and rank assignment: eagle3_train/data.py), and
-turns each into the states a dump would have stored with :func:`eagle3_train.capture.capture`,
+shards (same sample-id order, token budget, epochs and rank assignment: eagle3_train/training/data.py), and
+turns each into the states a dump would have stored with :func:`eagle3_train.core.capture.capture`,
 the forward pass the dump runs. What follows is the offline step itself: the target distribution
 from ``last_hidden`` and the target lm_head, the TTT loss, DeepSpeed's step.
 
 The vocab map is the one eagle3-standardize counts from a dump of the same data (the loss-masked
-tokens of the training split, held out by the same rule: :mod:`eagle3_train.split`): built at start
+tokens of the training split, held out by the same rule: :mod:`eagle3_train.core.split`): built at start
 and saved as ``<out>/vocab_map.safetensors``, or read from ``online.vocab_map``. So an online run
 and an offline run of the same data and options train the same head (a test checks losses and
 weights).
@@ -32,16 +32,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3_train.capture import capture
-from eagle3_train.engines import serving_warning
-from eagle3_train.contract import MANIFEST_NAME, CaptureSpec, check_dtype, default_aux_indices, validate_aux_indices
-from eagle3_train.data import Batch, Source, pad_tokens
-from eagle3_train.dist import DistInfo, barrier, print0
-from eagle3_train.errors import ConfigError, ContractError, check_numbers
-from eagle3_train.prepared import PreparedData, prepared_vocab
-from eagle3_train.split import EVAL_FRACTION, SPLIT_SEED, check_fraction, split_eval
+from eagle3_train.core.capture import capture
+from eagle3_train.engines.rules import serving_warning
+from eagle3_train.core.contract import MANIFEST_NAME, CaptureSpec, check_dtype, default_aux_indices, validate_aux_indices
+from eagle3_train.training.data import Batch, Source, pad_tokens
+from eagle3_train.core.dist import DistInfo, barrier, print0
+from eagle3_train.core.errors import ConfigError, ContractError, check_numbers
+from eagle3_train.core.prepared import PreparedData, prepared_vocab
+from eagle3_train.core.split import EVAL_FRACTION, SPLIT_SEED, check_fraction, split_eval
 from eagle3_train.targets import Target, load_target
-from eagle3_train.vocab import DRAFT_VOCAB_SIZE, VocabMap, load_vocab_map
+from eagle3_train.core.vocab import DRAFT_VOCAB_SIZE, VocabMap, load_vocab_map
 
 VOCAB_FILE = "vocab_map.safetensors"  # in the run directory, when built at start
 
@@ -82,7 +82,7 @@ class Tokens:
 
 class PreparedSplit:
     """The samples of one split of a prepared dataset, in sample-id order, readable by index (the
-    counterpart of :class:`eagle3_train.data.ShardSplit`).
+    counterpart of :class:`eagle3_train.training.data.ShardSplit`).
 
     Args:
         prepared: the prepared dataset.

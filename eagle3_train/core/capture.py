@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from eagle3_train.errors import ContractError
+from eagle3_train.core.errors import ContractError
 
 
 @dataclass

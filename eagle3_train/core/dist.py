@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from eagle3_train.errors import ConfigError
+from eagle3_train.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

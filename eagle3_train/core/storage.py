@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from eagle3_train.contract import STORAGES
+from eagle3_train.core.contract import STORAGES
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

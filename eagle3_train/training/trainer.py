@@ -1,9 +1,9 @@
 """``eagle3-train``: fit the EAGLE-3 draft head with DeepSpeed, on standardized shards or with the
-target in the loop (``source=online``, eagle3_train/online.py).
+target in the loop (``source=online``, eagle3_train/training/online.py).
 
     eagle3-train data=runs/x/std target=embedded out=runs/x/train
     eagle3-train source=online data=runs/x/prepared target=embedded out=runs/x/train
-    torchrun --nproc_per_node 8 -m eagle3_train.trainer data=... target=... out=... deepspeed=zero2
+    torchrun --nproc_per_node 8 -m eagle3_train.training.trainer data=... target=... out=... deepspeed=zero2
 
 The run directory holds ``checkpoints/step<N>/`` (DeepSpeed's own files plus ``draft.safetensors``,
 the consolidated head, and ``state.json``), ``metrics.jsonl`` (one line per logged step and per
@@ -33,14 +33,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 from tqdm.auto import tqdm
 
-from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.contract import BEST_FILE, run_checkpoints
-from eagle3_train.data import Batch, OfflineSource, Source, micro_batches_for, plan_epoch, steps_in_epoch
-from eagle3_train.dist import DistInfo, all_gather_objects, barrier, close, init_distributed, print0
-from eagle3_train.errors import BadInputError, ConfigError, ContractError, Eagle3Error
-from eagle3_train.fileio import atomic_write_json
+from eagle3_train.core.cli import config_dict, entry_point
+from eagle3_train.core.contract import BEST_FILE, run_checkpoints
+from eagle3_train.training.data import Batch, OfflineSource, Source, micro_batches_for, plan_epoch, steps_in_epoch
+from eagle3_train.core.dist import DistInfo, all_gather_objects, barrier, close, init_distributed, print0
+from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, Eagle3Error
+from eagle3_train.core.fileio import atomic_write_json
 from eagle3_train.model import DraftConfig, Eagle3Draft
-from eagle3_train.objective import (
+from eagle3_train.training.objective import (
     acceptance_length,
     accuracies,
     correct_predictions,
@@ -50,15 +50,15 @@ from eagle3_train.objective import (
     step_weights,
     target_distribution,
 )
-from eagle3_train.parallel import (
+from eagle3_train.training.parallel import (
     SequenceParallel,
     apply_activation_checkpointing,
     apply_compile,
     apply_sequence_parallel,
     sequence_parallel,
 )
-from eagle3_train.online import OnlineConfig, OnlineSource
-from eagle3_train.stagedir import StageDir
+from eagle3_train.training.online import OnlineConfig, OnlineSource
+from eagle3_train.core.stagedir import StageDir
 from eagle3_train.targets import Target
 
 CRASH_ENV = "EAGLE3_TRAIN_CRASH_AFTER_STEP"  # tests only: hard-exit after saving this step
@@ -237,7 +237,7 @@ class Prefetcher:
 def build_engine(model: Eagle3Draft, o: OptimConfig, ds: DeepSpeedConfig, dtype: torch.dtype,
                  device: torch.device, total_steps: int, sp: SequenceParallel | None = None) -> Any:
     """The one place that turns the draft into a DeepSpeed engine: sequence parallelism over
-    ``sp``'s group, activation checkpointing and torch.compile as ``o`` asks (eagle3_train.parallel),
+    ``sp``'s group, activation checkpointing and torch.compile as ``o`` asks (eagle3_train.training.parallel),
     AdamW (torch) on the trainable parameters, warmup + decay schedule, ZeRO stage over every rank
     (ZeRO's data parallelism averages the gradients of all ranks, sequence-parallel ones included:
     see :meth:`Trainer.train_step`), bf16, clipping, gradient accumulation."""

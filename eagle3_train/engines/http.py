@@ -1,6 +1,6 @@
 """The HTTP side of talking to a serving engine (vLLM, SGLang), shared by the served dump
 (data_prep/dump/served.py), regeneration through a served engine (data_prep/served_regen.py) and the
-engine's own acceptance figures (eagle3_train/served_acceptance.py):
+engine's own acceptance figures (eagle3_train/evaluation/served_acceptance.py):
 JSON POSTs whose failures are sorted into worth-retrying or not, retries with exponential backoff,
 the wait for ``/health``, and vLLM's served model name."""
 
@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from eagle3_train.errors import Eagle3Error
+from eagle3_train.core.errors import Eagle3Error
 
 T = TypeVar("T")
 

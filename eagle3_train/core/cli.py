@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from eagle3_train.errors import Eagle3Error
+from eagle3_train.core.errors import Eagle3Error
 
 T = TypeVar("T")
 
@@ -19,7 +19,7 @@ T = TypeVar("T")
 def conf_dir() -> str:
     """Absolute path of the Hydra configs: ``<repo>/conf`` in a checkout or editable install,
     ``eagle3_train/conf`` inside an installed wheel (pyproject maps one onto the other)."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the eagle3_train package
     for candidate in (here.parent / "conf", here / "conf"):
         if (candidate / "prepare.yaml").is_file():
             return str(candidate)

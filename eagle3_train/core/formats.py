@@ -2,7 +2,7 @@
 
 A shard packs many samples concatenated along tokens: ``input_ids`` int32 [T], ``loss_mask`` uint8
 [T], ``cu_seqlens`` int64 [n+1], ``sample_ids`` int64 [n], and per-token state tensors [T, H]
-(stored as fp8, each with its ``<key>.scale`` [T, n]: eagle3_train/storage.py).
+(stored as fp8, each with its ``<key>.scale`` [T, n]: eagle3_train/core/storage.py).
 Beside each finished shard ``<name>.safetensors`` a record ``<name>.json`` (checksum, sizes, counts)
 is written atomically *after* it; a shard without its record is the leftover of a crash and is
 discarded on resume.
@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagle3_train.errors import BadInputError, Eagle3Error
-from eagle3_train.fileio import atomic_write_json
+from eagle3_train.core.errors import BadInputError, Eagle3Error
+from eagle3_train.core.fileio import atomic_write_json
 
 SHARD_SUFFIX = ".safetensors"
 RECORD_SUFFIX = ".json"

@@ -1,5 +1,5 @@
 """Training batches, and where a run's states come from (:class:`Source`): standardized shards
-here (:class:`OfflineSource`), the target in the loop in eagle3_train/online.py.
+here (:class:`OfflineSource`), the target in the loop in eagle3_train/training/online.py.
 
 Every sample of a split is indexed once, in sample-id order (shard, token offset, length), so the
 epochs depend on the samples alone, not on how a dump grouped them into shards: online training
@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from eagle3_train.contract import CaptureSpec, read_manifest
-from eagle3_train.errors import BadInputError, ContractError
-from eagle3_train.formats import SHARD_SUFFIX, ShardRecord, check_shard
-from eagle3_train.storage import DTYPE, FP8_STORAGE, dequantize, scale_key
+from eagle3_train.core.contract import CaptureSpec, read_manifest
+from eagle3_train.core.errors import BadInputError, ContractError
+from eagle3_train.core.formats import SHARD_SUFFIX, ShardRecord, check_shard
+from eagle3_train.core.storage import DTYPE, FP8_STORAGE, dequantize, scale_key
 from eagle3_train.targets import config_hash, load_target_tensors, text_config
-from eagle3_train.vocab import VocabMap, load_vocab_map
+from eagle3_train.core.vocab import VocabMap, load_vocab_map
 
 SORT_WINDOW = 64  # micro-batches' worth of samples sorted together by length
 
@@ -176,7 +176,7 @@ def micro_batches_for(plan: list[np.ndarray], step: int, rank: int, world: int, 
 
 class Source(ABC):
     """Where a run's samples and their states come from (``source=``): a dump's standardized
-    shards (:class:`OfflineSource`) or the target run in the loop (``eagle3_train.online``). For the
+    shards (:class:`OfflineSource`) or the target run in the loop (``eagle3_train.training.online``). For the
     same data both give the same splits, vocab map, capture spec and micro-batches, so the trainer
     never asks which one it has.
 

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 
-from eagle3_train.errors import ContractError
+from eagle3_train.core.errors import ContractError
 from eagle3_train.model import Eagle3Draft
 
 T = TypeVar("T")
@@ -93,6 +93,43 @@ def extend_mask(valid_old: torch.Tensor, valid_new: torch.Tensor) -> torch.Tenso
     return (valid[:, None, :] & causal[None]) | (col[None, :] == row[:, None])[None]
 
 
+def sliding_window_of(config: Any) -> int | None:
+    """The target's attention window if any of its layers is windowed (gpt-oss, Mistral, Qwen2 with
+    ``use_sliding_window``), else None."""
+    c = config.get_text_config()
+    window = getattr(c, "sliding_window", None)
+    types = getattr(c, "layer_types", None)
+    if not window or getattr(c, "use_sliding_window", True) is False or (types and "sliding_attention" not in types):
+        return None
+    return int(window)
+
+
+def position_masks(valid: torch.Tensor, positions: torch.Tensor, window: int | None, layer_types: list[str] | None,
+                   dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Additive attention masks [B, 1, T, L] for queries at ``positions`` [B, T] over the columns
+    ``valid`` [B, L] (the last T of them the queries' own), measured in each row's token positions.
+
+    transformers measures a sliding window in cache columns; the batched layout keeps a row's
+    rejected drafts as invalid columns between its tokens, so a window of W columns would hold fewer
+    than W of the row's tokens and the row would see less than it sees alone. Here a column's
+    position is the count of valid columns before it, the position RoPE gave its token. Returns the
+    full-attention mask alone when every layer is windowed the same way, else a mask per layer type
+    (what transformers' mixed-attention models take as ``attention_mask``).
+    """
+    col = valid.long().cumsum(1) - 1  # [B, L] token position of each valid column
+    q = positions[:, :, None]  # [B, T, 1]
+    full = valid[:, None, :] & (col[:, None, :] <= q)  # [B, T, L]
+    sliding = full & (col[:, None, :] > q - window) if window else full
+    neg = torch.finfo(dtype).min
+
+    def additive(allowed: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, neg)[:, None]
+
+    if not layer_types or set(layer_types) == {"sliding_attention"}:  # every layer windowed alike
+        return additive(sliding)
+    return {"full_attention": additive(full), "sliding_attention": additive(sliding)}
+
+
 def compaction_index(valid: torch.Tensor) -> torch.Tensor:
     """For each row, the columns to keep right-aligned: [B, L] -> [B, n], n = most valid columns of a
     row. A stable sort puts a row's invalid columns first and its valid ones last, in order."""
@@ -136,6 +173,9 @@ class SpecDecoder:
         self.n = model.config.get_text_config().num_hidden_layers
         self.device = next(model.parameters()).device
         self.eos_ids = torch.tensor(sorted(eos), device=self.device)
+        text = model.config.get_text_config()
+        self.window = sliding_window_of(model.config)
+        self.layer_types = list(getattr(text, "layer_types", None) or []) or None
         # transformers 5.x renamed the forward's past_key_values to cache (the old name warns)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._prenorm: torch.Tensor | None = None
@@ -156,7 +196,10 @@ class SpecDecoder:
         [B, L+T] the 2-D attention mask (None: no padding anywhere, plain decoding). Returns logits
         [B, T, V] ([B, 1, V] with ``last_only``) and, with ``aux``, the draft's input [B, T, n*H]."""
         start = time.perf_counter()
-        out = self.model(input_ids=ids, attention_mask=None if valid is None else valid.long(),
+        mask: Any = None if valid is None else valid.long()
+        if valid is not None and self.window:  # windows counted in tokens, not columns
+            mask = position_masks(valid, positions, self.window, self.layer_types, self.model.dtype)
+        out = self.model(input_ids=ids, attention_mask=mask,
                          position_ids=None if valid is None else positions, use_cache=True,
                          output_hidden_states=aux, logits_to_keep=1 if last_only else 0, **{self._cache_kw: cache})
         states = None

@@ -1,5 +1,5 @@
 """A prepared dataset (``eagle3-prepare``'s out) as the stages that run the target on it read it:
-the dump (data_prep/dump), online training (eagle3_train/online.py) and the vocab map of
+the dump (data_prep/dump), online training (eagle3_train/training/online.py) and the vocab map of
 ``eagle3-standardize only_vocab=true data=<prepared>``.
 
 ``<prepared>/dataset/`` (``datasets.load_from_disk``) holds one row per sample: ``sample_id``,
@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3_train.contract import TargetIdentity, read_manifest
-from eagle3_train.dist import print0
-from eagle3_train.errors import BadInputError, ContractError, IncompleteError
-from eagle3_train.split import split_eval
-from eagle3_train.vocab import VocabMap, build_vocab_map, capped_draft_size, count_tokens
+from eagle3_train.core.contract import TargetIdentity, read_manifest
+from eagle3_train.core.dist import print0
+from eagle3_train.core.errors import BadInputError, ContractError, IncompleteError
+from eagle3_train.core.split import split_eval
+from eagle3_train.core.vocab import VocabMap, build_vocab_map, capped_draft_size, count_tokens
 
 COUNT_CHUNK = 4096  # rows whose tokens are counted at a time (bounds the memory of a count)
 
@@ -94,7 +94,7 @@ class PreparedData:
 def prepared_vocab(prepared: PreparedData, eval_fraction: float, seed: int, draft_vocab_size: int,
                    target_vocab_size: int) -> tuple[VocabMap, np.ndarray]:
     """The draft vocab map of a prepared dataset and its held-out sample ids: the loss-masked tokens
-    of the samples :func:`~eagle3_train.split.split_eval` keeps for training, counted whole -- the
+    of the samples :func:`~eagle3_train.core.split.split_eval` keeps for training, counted whole -- the
     map eagle3-standardize counts from a dump of the same data with the same fraction and seed."""
     eval_ids = split_eval(prepared.sample_ids, eval_fraction, seed)
     counts = prepared.token_counts(~np.isin(prepared.sample_ids, eval_ids), target_vocab_size)

@@ -32,7 +32,7 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 
 def check_fraction(value: float, option: str = "eval_fraction") -> None:
     """Refuse a held-out share outside [0, 1) (nan included) with a one-line ConfigError."""
-    from eagle3_train.errors import ConfigError
+    from eagle3_train.core.errors import ConfigError
 
     if not 0.0 <= value < 1.0:
         raise ConfigError(f"{option} must be in [0, 1), got {value}")

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from eagle3_train.errors import ContractError
+from eagle3_train.core.errors import ContractError
 
 RULES_VERSION = "sglang-0.5.23/vllm-0.33.0/trtllm-2026-08"
 
@@ -46,7 +46,8 @@ VLLM_EAGLE3 = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt
 
 # Target model_type -> the family whose engine code serves it.
 FAMILIES = {
-    "llama": "llama", "qwen2": "llama", "qwen3": "llama", "qwen3_moe": "llama",
+    # SGLang's MistralForCausalLM is its LlamaForCausalLM (models/mistral.py, 0.5.17)
+    "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "qwen3_moe": "llama",
     # SGLang's DeepSeek-V3 / Kimi-K2 classes live in its deepseek_v2 code and share its rule
     "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "kimi_k2": "deepseek", "glm4_moe_lite": "deepseek",
     "gpt_oss": "gpt_oss",
@@ -112,9 +113,9 @@ _VLLM_ID0 = ("vLLM's id 0 arrives overwritten: its capture keeps the embedding t
              "its residual and fused_add_rms_norm updates in place (measured, vLLM 0.26.0)")
 _VLLM_DEEPSEEK_ID0 = "vLLM's DeepSeek code crashes on id 0 (its residual is still None there)"
 RULES = (
-    Rule("sglang", "0.5.23", "llama", (NESTED,), _plus_one, "reads only eagle_config; a top-level key is ignored"),
-    Rule("sglang", "0.5.23", "deepseek", (NESTED,), _deepseek, "adds 1 only when the first id is 1"),
-    Rule("sglang", "0.5.23", "gpt_oss", (NESTED,), _gpt_oss, "adds 1 unless the largest id is N"),
+    Rule("sglang", "0.5.17, 0.5.23", "llama", (NESTED,), _plus_one, "reads only eagle_config; a top-level key is ignored"),
+    Rule("sglang", "0.5.17, 0.5.23", "deepseek", (NESTED,), _deepseek, "adds 1 only when the first id is 1"),
+    Rule("sglang", "0.5.17, 0.5.23", "gpt_oss", (NESTED,), _gpt_oss, "adds 1 unless the largest id is N"),
     # V2, vLLM 0.33's default runner, never reads eagle_config.eagle_aux_hidden_state_layer_ids
     Rule("vllm", "0.33.0 (V2 runner, the default)", "*", ((TOP_KEY,), NESTED_V2), _identity,
          "top-level key first", VLLM_EAGLE3 - VLLM_DEEPSEEK, id0=_VLLM_ID0, id0_is_final=True),
@@ -128,6 +129,23 @@ RULES = (
          "reads eagle3_layers_to_capture from its own decoding config, not config.json"),
 )
 ENGINES = ("sglang", "vllm", "trtllm")
+
+# (engine, target model_type) -> the real engine run that confirmed its rule: version, machine, date
+# and the results file. Every other pair is read from the engines' source only (Rule.versions).
+VERIFIED: dict[tuple[str, str], str] = {
+    ("vllm", "llama"): "vLLM 0.26.0, H200, 2026-11-30 (tests/benchmarks/results/vllm_h200.json)",
+}
+
+
+def verification(engine: str, model_type: str) -> str:
+    """How this project knows the rule of ``engine`` for ``model_type``: a real run (which), the
+    engines' source only (which versions), or no rule at all."""
+    if (engine, model_type) in VERIFIED:
+        return f"verified by a run: {VERIFIED[(engine, model_type)]}"
+    rules = rules_for(engine, model_type)
+    if not rules:
+        return "no rule: the engine serves no EAGLE-3 draft for it, or its code was not read"
+    return "read from source only: " + "; ".join(sorted({f"{engine} {r.versions}" for r in rules}))
 
 
 def engine_default(num_hidden_layers: int) -> list[int]:

@@ -4,7 +4,7 @@ hidden states the draft was trained on -- or a refusal that says why.
     eagle3-export run=runs/x/train out=runs/x/export engines=[sglang,vllm]
 
 Writes ``config.json`` (``LlamaForCausalLMEagle3``, the draft's shapes, the engine keys computed by
-:mod:`eagle3_train.engines`, and an ``eagle3_train`` block with the capture spec, target identity,
+:mod:`eagle3_train.engines.rules`, and an ``eagle3_train`` block with the capture spec, target identity,
 vocab map hash and training summary), ``model.safetensors`` (``fc``, ``midlayer.*``, ``norm``,
 ``lm_head``, ``d2t``, ``t2d``; no embeddings: SGLang uses the target's) and ``manifest.json`` last.
 A head holding any other weight (``model.aux_norm``) is refused: neither engine would run it as trained.
@@ -25,11 +25,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 from safetensors.torch import load_file, save_file
 
-from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.contract import CaptureSpec, best_checkpoint, check_dtype, run_checkpoints, write_manifest
-from eagle3_train.engines import RULES_VERSION, TOP_KEY, Unexpressible, fc_skipped, ids_for, unloadable_weights
-from eagle3_train.errors import BadInputError, ConfigError, ContractError
-from eagle3_train.fileio import atomic_write_json
+from eagle3_train.core.cli import config_dict, entry_point
+from eagle3_train.core.contract import CaptureSpec, best_checkpoint, check_dtype, run_checkpoints, write_manifest
+from eagle3_train.engines.rules import RULES_VERSION, TOP_KEY, Unexpressible, fc_skipped, ids_for, unloadable_weights
+from eagle3_train.core.errors import BadInputError, ConfigError, ContractError
+from eagle3_train.core.fileio import atomic_write_json
 from eagle3_train.model import DraftConfig
 
 EXPORT_ENGINES = ("sglang", "vllm")

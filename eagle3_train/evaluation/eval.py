@@ -4,10 +4,10 @@
 
 The draft is built from ``config.json`` + ``model.safetensors`` (embeddings: the target's, as SGLang
 does). Which target layers feed it is derived from the config by the chosen engine's rule
-(:mod:`eagle3_train.engines`), not from our own metadata, so a config that would make the engine
+(:mod:`eagle3_train.engines.rules`), not from our own metadata, so a config that would make the engine
 capture the wrong layers shows up as a low acceptance. Greedy chain of ``k`` draft tokens, decoded
-``batch_size`` prompts at a time by :class:`eagle3_train.decoding.SpecDecoder` (target and draft keep
-their KV caches; a verify step is one target forward). Prompt files: :mod:`eagle3_train.prompt_files`;
+``batch_size`` prompts at a time by :class:`eagle3_train.evaluation.decoding.SpecDecoder` (target and draft keep
+their KV caches; a verify step is one target forward). Prompt files: :mod:`eagle3_train.core.prompt_files`;
 a conversation's later user turns follow the target's own greedy replies to the earlier ones.
 
 Lossless check: every turn is also decoded by plain greedy decoding (batched the same way). At the
@@ -30,20 +30,20 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 from safetensors.torch import load_file
 
-from eagle3_train.cli import config_dict, entry_point
-from eagle3_train.contract import check_dtype
-from eagle3_train.decoding import Reference, SpecDecoder
-from eagle3_train.dist import resolve_device
-from eagle3_train.engines import resolve
-from eagle3_train.export import draft_config_from_json
-from eagle3_train.errors import BadInputError, ConfigError, ContractError, check_numbers
-from eagle3_train.fileio import sha256_file
+from eagle3_train.core.cli import config_dict, entry_point
+from eagle3_train.core.contract import check_dtype
+from eagle3_train.evaluation.decoding import Reference, SpecDecoder
+from eagle3_train.core.dist import resolve_device
+from eagle3_train.engines.rules import resolve
+from eagle3_train.serving.export import draft_config_from_json
+from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, check_numbers
+from eagle3_train.core.fileio import sha256_file
 from eagle3_train.model import Eagle3Draft
-from eagle3_train.prompt_files import Conversation, read_conversations
-from eagle3_train.stagedir import StageDir
+from eagle3_train.core.prompt_files import Conversation, read_conversations
+from eagle3_train.core.stagedir import StageDir
 from eagle3_train.targets import Target, eos_ids, load_target, text_config
 
-REPORT_NAME = "report.json"  # the eval directory's record, written last (eagle3_train.stagedir)
+REPORT_NAME = "report.json"  # the eval directory's record, written last (eagle3_train.core.stagedir)
 
 # Top-1/top-2 logit margins below which a first difference counts as numerical: a few units in the
 # last place of logits of magnitude ~10-30 in that dtype, plus what batching reorders upstream.
@@ -185,7 +185,7 @@ class Evaluator:
         self.context = tc.max_position_embeddings
         resolutions = resolve(self.config, cfg.engine, tc.model_type, tc.num_hidden_layers)
         if not resolutions:
-            raise ContractError(f"{cfg.engine} serves no EAGLE-3 draft for a {tc.model_type} target (eagle3_train.engines)")
+            raise ContractError(f"{cfg.engine} serves no EAGLE-3 draft for a {tc.model_type} target (eagle3_train.engines.rules)")
         self.resolution = resolutions[0]  # the engine's default runner
         self.layers = self.resolution.fed  # in the engine's order; N: the last layer's pre-norm output
         if self.resolution.problem is not None:

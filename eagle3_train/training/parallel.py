@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from eagle3_train.errors import ConfigError
+from eagle3_train.core.errors import ConfigError
 from eagle3_train.model import Eagle3Draft
 
 

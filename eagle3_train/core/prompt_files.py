@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_train.errors import BadInputError
+from eagle3_train.core.errors import BadInputError
 
 SHAPES = ("messages", "turns", "prompt", "question")
 

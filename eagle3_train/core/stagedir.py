@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eagle3_train.contract import MANIFEST_NAME, differences, read_manifest, write_manifest
-from eagle3_train.errors import BadInputError, ContractError
-from eagle3_train.fileio import atomic_write_json, json_ready
+from eagle3_train.core.contract import MANIFEST_NAME, differences, read_manifest, write_manifest
+from eagle3_train.core.errors import BadInputError, ContractError
+from eagle3_train.core.fileio import atomic_write_json, json_ready
 
 REQUEST_NAME = "request.json"
 

@@ -1,0 +1,1 @@
+"""Formats, the capture contract, storage and the helpers every stage shares."""

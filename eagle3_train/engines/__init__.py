@@ -1,0 +1,1 @@
+"""What serving engines do: layer-id rules, HTTP clients."""

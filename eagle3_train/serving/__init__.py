@@ -1,0 +1,1 @@
+"""Export for serving, and the contract check of an export."""

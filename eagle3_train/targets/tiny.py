@@ -1,0 +1,182 @@
+"""Tiny random-init targets, built in process from the transformers classes: ``target=tiny`` and
+``target=tiny:<family>``.
+
+``tiny`` is the 4-layer Llama (hidden 64) the unit tests run on in well under a second.
+``tiny:<family>`` is one target of each family an engine serves with EAGLE-3, small but with the
+family's own machinery: 8 layers (so the default aux indices ``[2, 4, 5]`` are distinct), hidden 256,
+GQA, mixture-of-experts with 4 experts and top-2 routing, DeepSeek's multi-head latent attention,
+gpt-oss's attention sinks and alternating sliding-window layers, tied and untied embeddings. They
+share a byte-level tokenizer (one token per UTF-8 byte) with a ChatML template, and can be saved as a
+Hugging Face directory (:func:`save_tiny`) that an engine loads like a user's model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_train.core.errors import ConfigError
+
+# ChatML, as SmolLM2 and Qwen use it: the default template of the tiny targets.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TINY_SPECIAL_TOKENS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<pad>",
+)
+TINY_VOCAB_SIZE = 320  # 256 bytes + 8 special tokens, padded as real vocabularies are
+_TOKEN_IDS = {t: 256 + i for i, t in enumerate(TINY_SPECIAL_TOKENS)}
+
+TINY = "tiny"
+PREFIX = "tiny:"
+
+# Shared by every family: the vocabulary, the special token ids and an honest small shape.
+_COMMON: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB_SIZE,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": _TOKEN_IDS["<|begin_of_text|>"],
+    "eos_token_id": [_TOKEN_IDS["<|im_end|>"], _TOKEN_IDS["<|eot_id|>"], _TOKEN_IDS["<|end_of_text|>"]],
+    "pad_token_id": _TOKEN_IDS["<pad>"],
+}
+_MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": True}
+
+# family -> the model_type and what its config says beyond _COMMON (one row per family).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama", "tie_word_embeddings": False},
+    "mistral": {"model_type": "mistral", "head_dim": 64, "sliding_window": None, "tie_word_embeddings": False},
+    "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True},
+    "qwen3": {"model_type": "qwen3", "head_dim": 64, "tie_word_embeddings": True},
+    # transformers 5.17 names the expert count num_experts, later releases num_local_experts
+    "qwen3_moe": {"model_type": "qwen3_moe", **_MOE, "num_experts": 4, "num_local_experts": 4,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "head_dim": 64, "tie_word_embeddings": False},
+    # MLA with DeepSeek-V3's per-head dimensions (the MLA kernels of the engines assume them); MLA
+    # needs as many key/value heads as query heads
+    "deepseek_v3": {"model_type": "deepseek_v3", **_MOE, "num_key_value_heads": 4, "q_lora_rank": 128,
+                    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                    "head_dim": 64, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 0,
+                    "tie_word_embeddings": False},
+    # attention sinks as transformers builds them; sliding window 32 alternating with full attention,
+    # shorter than a byte-tokenized prompt, so the windowed layers really cut
+    "gpt_oss": {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 256,
+                "head_dim": 64, "sliding_window": 32,
+                "layer_types": ["sliding_attention", "full_attention"] * 4, "tie_word_embeddings": False},
+}
+
+
+def is_tiny(target: str) -> bool:
+    """Whether ``target`` names a tiny in-process target (``tiny`` or ``tiny:<family>``)."""
+    return target == TINY or target.startswith(PREFIX)
+
+
+def tiny_family(target: str) -> str | None:
+    """The family of ``tiny:<family>`` (None for the plain ``tiny``), refusing an unknown one."""
+    if target == TINY:
+        return None
+    family = target[len(PREFIX):]
+    if family not in FAMILIES:
+        raise ConfigError(f"target={target}: no tiny target of family {family!r}; choose one of "
+                          f"{', '.join(PREFIX + f for f in FAMILIES)} (or plain {TINY})")
+    return family
+
+
+def tiny_config(target: str = TINY) -> Any:
+    """Config of ``target``: ``tiny`` is 4 layers, hidden 64, GQA 4/2 heads; ``tiny:<family>`` is
+    :data:`FAMILIES`' row over the shared shape. Vocabulary 320 for all."""
+    from transformers import AutoConfig, LlamaConfig
+
+    family = tiny_family(target)
+    if family is None:
+        return LlamaConfig(**{**_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4},
+                           tie_word_embeddings=False)
+    row = dict(FAMILIES[family])
+    return AutoConfig.for_model(row.pop("model_type"), **{**_COMMON, **row})
+
+
+def build_tiny_model(config: Any | None = None, seed: int = 0) -> Any:
+    """The tiny target of ``config`` (default: ``tiny``'s) with weights fixed by ``seed``, in fp32
+    (the global RNG is left untouched). A family target (8 layers) replies in text: see
+    :func:`_speak_text`."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config = config or tiny_config()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    if config.num_hidden_layers != 4:
+        _speak_text(model)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    return model.eval()
+
+
+def _speak_text(model: Any) -> None:
+    """Keep greedy replies to bytes and the end of turn, so a regenerated reply is never empty or
+    cut at a token the tokenizer lacks: the output rows of the padding ids (no token of the
+    tokenizer) are zeroed, those of the special tokens other than ``<|im_end|>`` scaled by 1/100
+    (with tied embeddings they are also the input rows, which prompts use)."""
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        head[256 + len(TINY_SPECIAL_TOKENS):] = 0
+        quiet = [i for i in range(256, 256 + len(TINY_SPECIAL_TOKENS)) if i != _TOKEN_IDS["<|im_end|>"]]
+        head[quiet] *= 0.01
+
+
+def build_tiny_tokenizer(chat_template: str = CHATML_TEMPLATE) -> Any:
+    """A byte-level tokenizer (one token per UTF-8 byte, no merges) plus special tokens.
+
+    Every string round-trips, and tokenisation is plain concatenation, which lets tests build the
+    expected ids of a conversation piece by piece.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        additional_special_tokens=[
+            t for t in TINY_SPECIAL_TOKENS if t not in {"<|begin_of_text|>", "<|im_end|>", "<pad>"}
+        ],
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def save_tiny(target: str, directory: str | Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """Save ``target`` (``tiny`` or ``tiny:<family>``) as a Hugging Face directory (config,
+    safetensors weights in ``dtype``, tokenizer with its chat template, generation config), the way a
+    user's model arrives: engines and ``target=<dir>`` load it. Returns the directory."""
+    out = Path(directory)
+    model = build_tiny_model(tiny_config(target), seed=seed).to(getattr(torch, dtype))
+    model.save_pretrained(out)
+    build_tiny_tokenizer().save_pretrained(out)
+    return out

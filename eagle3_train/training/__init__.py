@@ -1,0 +1,1 @@
+"""The trainer: data sources, the objective, DeepSpeed wrapping, online training."""
