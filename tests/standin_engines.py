@@ -186,7 +186,8 @@ class StandinVllm(_Standin):
     def __init__(self, model: Any, layer_ids: list[int] | None = None, storage: Path | None = None,
                  dtype: torch.dtype = torch.float32, allow_custom_save_path: bool = True, write_delay_s: float = 0.02,
                  port: int = 0, tokenizer: Any = None, speculative: dict | None = None,
-                 accepted_plan: list[int] | Callable[[list[dict]], list[int]] | None = None, engines: int = 1):
+                 accepted_plan: list[int] | Callable[[list[dict]], list[int]] | None = None, engines: int = 1,
+                 reply_meta: bool = False):
         if speculative is not None and speculative.get("method") == "eagle3" \
                 and model.config.model_type not in VLLM_EAGLE3_MODEL_TYPES:
             raise EngineRefused(f"Model does not support EAGLE3 interface ({model.config.model_type})")
@@ -206,18 +207,21 @@ class StandinVllm(_Standin):
         self.tokenizer, self.speculative, self.accepted_plan = tokenizer, speculative, accepted_plan
         self.other_traffic = False
         self.k = int(speculative["num_speculative_tokens"]) if speculative else 0
+        # reply_meta: count as SGLang 0.5.17 does instead, in each chat reply's meta_info (asked with
+        # return_meta_info; srt/managers/tokenizer_manager.py), with SGLang's rule for the layers
+        self.reply_meta, self.hide_spec = reply_meta, False
         self.decoder = None
         if speculative and accepted_plan is None:
-            self.decoder = self._draft_decoder(speculative["model"])
+            self.decoder = self._draft_decoder(speculative["model"], "sglang" if reply_meta else "vllm")
         # the counters, per engine label: drafts, draft tokens, accepted, accepted per position,
         # finished requests per reason, generated tokens
         self.counts = [{"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * self.k,
                         "finished": {"stop": 0, "length": 0, "abort": 0}, "generation_tokens": 0} for _ in range(engines)]
         self.chats = 0
 
-    def _draft_decoder(self, draft_dir: str) -> Any:
+    def _draft_decoder(self, draft_dir: str, engine: str) -> Any:
         """eagle3-eval's chain decoder over this model and the exported draft, fed the layers that
-        vLLM's rule reads from the draft's config (top-level ids first)."""
+        ``engine``'s rule reads from the draft's config (vLLM: top-level ids first)."""
         from eagle3_train.evaluation.decoding import SpecDecoder
         from eagle3_train.engines.rules import resolve
         from eagle3_train.evaluation.eval import load_draft
@@ -225,7 +229,7 @@ class StandinVllm(_Standin):
 
         identity = target_identity("standin", self.model.config, self.tokenizer)
         draft, config = load_draft(Path(draft_dir), Target(self.model, self.tokenizer, self.model.config, identity, None))
-        rule = resolve(config, "vllm", self.model.config.model_type, self.n)[0]
+        rule = resolve(config, engine, self.model.config.model_type, self.n)[0]
         layers = rule.fed  # in vLLM's order, N for the last layer's pre-norm output (an id N, or id 0)
         return SpecDecoder(self.model, draft.to(self.dtype), layers, self.k, eos_ids(self.model, self.tokenizer))
 
@@ -263,7 +267,7 @@ class StandinVllm(_Standin):
                       "# TYPE vllm:num_requests_running gauge"]
             lines += [f'vllm:num_requests_running{{engine="{e["engine"]}",model_name="standin-model"}} 0.0'
                       for e in engines]
-            if self.speculative:
+            if self.speculative and not self.reply_meta:
                 for key, name, doc in (("drafts", "num_drafts", "Number of spec decoding drafts."),
                                        ("draft_tokens", "num_draft_tokens", "Number of draft tokens."),
                                        ("accepted", "num_accepted_tokens", "Number of accepted tokens.")):
@@ -306,9 +310,17 @@ class StandinVllm(_Standin):
         if self.other_traffic:
             self.count_request(accepted, len(ids), reason)
         text = self.tokenizer.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                  "stop_reason": None}
+        if self.reply_meta and body.get("return_meta_info"):
+            choice["meta_info"] = {"id": f"chatcmpl-{self.chats}", "completion_tokens": len(ids)}
+            if accepted and not self.hide_spec:  # SGLang adds these only for a request that verified drafts
+                choice["meta_info"] |= {"spec_verify_ct": len(accepted), "spec_num_correct_drafts": sum(accepted),
+                                        "spec_num_proposed_drafts": self.k * len(accepted),
+                                        "spec_accept_length": len(ids) / len(accepted),
+                                        "spec_correct_drafts_histogram": [accepted.count(n) for n in range(self.k + 1)]}
         return 200, {"id": f"chatcmpl-{self.chats}", "object": "chat.completion", "model": body["model"],
-                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": reason, "stop_reason": None}],
+                     "choices": [choice],
                      "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
                                "total_tokens": len(prompt) + len(ids)}}
 

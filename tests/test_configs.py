@@ -170,7 +170,7 @@ def test_each_default_is_written_once():
             repeated[f"{group}/{option.name}"] = _repeated_defaults(raw, train if glob else train[group])
     assert {k: v for k, v in repeated.items() if v} == {}
     # the check itself sees a repeat
-    assert _repeated_defaults(OmegaConf.create({"dtype": "bfloat16", "out": "x"}), OmegaConf.structured(PRIMARY["dump.yaml"][0])) == ["dtype"]
+    assert _repeated_defaults(OmegaConf.create({"dtype": "auto", "out": "x"}), OmegaConf.structured(PRIMARY["dump.yaml"][0])) == ["dtype"]
 
 
 @pytest.mark.parametrize("name, override, message", [
@@ -178,7 +178,7 @@ def test_each_default_is_written_once():
     ("dump.yaml", "dist_timeout_minutes=0", r"^dist_timeout_minutes must be positive, got 0"),
     ("dump.yaml", "client.rank=-1", r"^client\.rank must be >= 0, got -1$"),
     ("dump.yaml", "client.world_size=0", r"^client\.world_size must be positive, got 0$"),
-    ("dump.yaml", "dtype=auto", r"^dtype must be one of float32, bfloat16, float16, got 'auto'$"),
+    ("dump.yaml", "dtype=fp8", r"^dtype must be one of auto, float32, bfloat16, float16, got 'fp8'$"),
     ("prepare.yaml", "regen.server.request_timeout_s=nan", r"^regen\.server\.request_timeout_s must be positive, got nan$"),
     ("prepare.yaml", "dtype=fp8", r"^dtype must be one of auto, float32, bfloat16, float16, got 'fp8'$"),
     ("prepare.yaml", "synth.turns=0", r"^synth\.turns must be positive, got 0$"),

@@ -125,7 +125,7 @@ def test_check_flags_what_engines_would_get_wrong(pipeline, capsys):
     top_only = off_by_one(pipeline, "top_only", lambda c: c.pop("eagle_config"))
     assert run(top_only) == 1
     out = capsys.readouterr().out
-    assert "sglang 0.5.23: no ids where it reads -> engine default" in out and "silently uses the default" in out
+    assert "sglang 0.5.17, 0.5.23: no ids where it reads -> engine default" in out and "silently uses the default" in out
     shifted = off_by_one(pipeline, "shifted", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]))
     assert run(shifted) == 1
     # SGLang's id 3 + 1 lands on N = 4: the pre-norm final state, which no HF index names

@@ -162,8 +162,8 @@ def test_clear_errors(prompts, tmp_path):
         report = measure(server.url, prompts, tmp_path / "f", retries=1, backoff_s=0.01)
         assert report["requests"] == 5 and report["server_counted"]["requests"] == 5  # the 503 was never served
         assert report["warnings"] == [] and server.posts == 6
-    with pytest.raises(ConfigError, match=r"engine must be one of \['vllm'\]"):
-        ServedAcceptanceConfig(server="http://x:1", prompts="p", out="o", engine="sglang")
+    with pytest.raises(ConfigError, match=r"engine must be one of \['sglang', 'vllm'\]"):
+        ServedAcceptanceConfig(server="http://x:1", prompts="p", out="o", engine="trtllm")
     with pytest.raises(ConfigError, match=r"server must be a base URL"):
         ServedAcceptanceConfig(server="127.0.0.1:8000", prompts="p", out="o")
     assert not (tmp_path / "a").exists()  # nothing written when the run fails
@@ -203,3 +203,23 @@ def test_a_drafting_standin_gives_eagle3_evals_figures(pipeline, tmp_path):  # n
         assert served["drafts"] == ev["verify_steps"] and served["completion_tokens"] == ev["tokens"]
         results[name] = served["mean_acceptance_length"]
     assert results["right"] > 2.0 and results["right"] > results["wrong"] + 0.2, results
+
+
+def test_sglang_figures_are_summed_from_each_replys_meta_info(pipeline, tmp_path):  # noqa: F811
+    """SGLang returns its counts per reply (meta_info, asked with return_meta_info) and none in
+    /metrics: the served figures are the sums over this client's replies, equal to eagle3-eval's
+    with engine=sglang on the same draft and prompts; a server whose replies lack them is refused."""
+    model = AutoModelForCausalLM.from_pretrained(pipeline / "target")
+    spec = {"method": "eagle3", "model": str(pipeline / "export"), "num_speculative_tokens": 3}
+    with StandinVllm(model, tokenizer=build_tiny_tokenizer(), speculative=spec, reply_meta=True) as server:
+        served = measure(server.url, pipeline / "prompts.jsonl", tmp_path / "sg", limit=10, max_new_tokens=48,
+                         engine="sglang")
+        with pytest.raises(EngineError, match="carries no spec_verify_ct in its meta_info"):
+            server.hide_spec = True  # replies without the figures: a server that does not speculate
+            measure(server.url, pipeline / "prompts.jsonl", tmp_path / "sg2", limit=2, max_new_tokens=48, engine="sglang")
+    ev = Evaluator(EvalConfig(draft=str(pipeline / "export"), target=str(pipeline / "target"), engine="sglang", k=3,
+                              limit=10, prompts=str(pipeline / "prompts.jsonl"), max_new_tokens=48, progress=False,
+                              out=str(tmp_path / "eval-sg"))).run()
+    assert served["mean_acceptance_length"] == pytest.approx(ev["tau"], abs=1e-9) and served["drafts"] == ev["verify_steps"]
+    assert served["conditional_acceptance_per_position"] == pytest.approx(ev["acceptance_per_position"], abs=1e-9)
+    assert served["metrics_read_from"].startswith("SGLang 0.5.17") and served["warnings"] == []

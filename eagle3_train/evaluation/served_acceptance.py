@@ -21,8 +21,12 @@ is ``accepted_per_position[i] / drafts``: the share of drafts whose first i+1 to
 accepted. eagle3-eval's ``acceptance_per_position`` is conditional (accepted at position i among
 the steps that reached it); the report gives both, so the two tools compare position by position.
 
-SGLang is not covered: its metric names could not be checked against its source here, so
-``engine=sglang`` is refused rather than guessed (add a row to :data:`METRICS` once they are).
+SGLang (read from 0.5.17: ``srt/managers/tokenizer_manager.py``, ``srt/entrypoints/openai/serving_chat.py``)
+exposes no Prometheus counters for these; it returns them per request instead, in the
+``meta_info`` of a chat completion asked with ``return_meta_info``: ``spec_verify_ct`` (verify
+steps: drafts), ``spec_num_proposed_drafts``, ``spec_num_correct_drafts`` (accepted) and
+``spec_correct_drafts_histogram`` (steps that accepted exactly n drafts). This client sums them over
+its own replies, so with SGLang other clients' requests never count.
 
 The counters are the whole server's: requests of other clients during the run count too. The report
 compares the server's count of finished requests and generated tokens with this run's, and warns when
@@ -72,6 +76,8 @@ class SpecMetrics:
         requests: finished requests (to see other clients' traffic).
         generation_tokens: generated tokens (likewise).
         enable: how to start the engine so that it speculates, for the error message.
+        per_reply: the figures come in each reply's ``meta_info`` (the names are its keys;
+            ``accepted_per_position`` a histogram of accepted drafts per step), not from ``/metrics``.
     """
 
     engine: str
@@ -84,6 +90,7 @@ class SpecMetrics:
     requests: str
     generation_tokens: str
     enable: str
+    per_reply: bool = False
 
 
 METRICS = {
@@ -93,6 +100,15 @@ METRICS = {
         "vllm:spec_decode_num_accepted_tokens_per_pos", "position", "vllm:request_success", "vllm:generation_tokens",
         "vllm serve <target> --speculative-config '{\"method\": \"eagle3\", \"model\": <draft>, "
         "\"num_speculative_tokens\": 5}' (and without --disable-log-stats)",
+    ),
+    "sglang": SpecMetrics(
+        "sglang", "SGLang 0.5.17: srt/managers/tokenizer_manager.py (_calculate_spec_decoding_metrics), "
+        "srt/entrypoints/openai/serving_chat.py (return_meta_info)",
+        "spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts", "spec_correct_drafts_histogram", "",
+        "", "completion_tokens",
+        "python -m sglang.launch_server --model-path <target> --speculative-algorithm EAGLE3 "
+        "--speculative-draft-model-path <draft> --speculative-num-steps 5 --speculative-eagle-topk 1 "
+        "--speculative-num-draft-tokens 6", per_reply=True,
     ),
 }
 
@@ -225,6 +241,29 @@ def read_counts(text: str, names: SpecMetrics, where: str) -> SpecCounts:
                       total(counter(samples, names.requests)), total(counter(samples, names.generation_tokens)))
 
 
+def reply_counts(meta: dict[str, Any], names: SpecMetrics, completion_tokens: int, where: str) -> SpecCounts:
+    """One reply's counts from its ``meta_info`` (engines with ``per_reply``); a reply of one
+    token verifies nothing and carries none of the keys."""
+    if names.drafts not in meta:
+        if completion_tokens > 1:
+            raise EngineError(f"{where}: a reply of {completion_tokens} tokens carries no {names.drafts} in its meta_info "
+                              f"(as read from {names.read_from}): the engine does not speculate; start it as "
+                              f"{names.enable}")
+        return SpecCounts(0, 0, 0, (), 1, completion_tokens)
+    hist = [float(x) for x in meta.get(names.accepted_per_position) or []]  # steps that accepted exactly n drafts
+    per = tuple(sum(hist[i + 1:]) for i in range(len(hist) - 1))
+    return SpecCounts(float(meta[names.drafts]), float(meta.get(names.draft_tokens, 0)), float(meta[names.accepted]),
+                      per, 1, completion_tokens)
+
+
+def add(a: SpecCounts, b: SpecCounts) -> SpecCounts:
+    k = max(len(a.accepted_per_position), len(b.accepted_per_position))
+    pad = lambda v: tuple(v) + (0.0,) * (k - len(v))  # noqa: E731
+    return SpecCounts(a.drafts + b.drafts, a.draft_tokens + b.draft_tokens, a.accepted + b.accepted,
+                      tuple(x + y for x, y in zip(pad(a.accepted_per_position), pad(b.accepted_per_position))),
+                      a.requests + b.requests, a.generation_tokens + b.generation_tokens)
+
+
 def _count(x: float) -> int | float:
     return int(x) if float(x).is_integer() else x
 
@@ -269,6 +308,7 @@ class ServedAcceptance:
         self.out = Path(cfg.out).expanduser()
         self.model: str | None = cfg.model
         self.warnings: list[str] = []
+        self.tally = SpecCounts(0, 0, 0, (), 0, 0)  # per_reply engines: the sum over this client's replies
 
     async def get(self, session: Any, path: str) -> str:
         """GET ``path`` of the server as text; an unreachable server or an error status names the URL."""
@@ -299,11 +339,15 @@ class ServedAcceptance:
         return listed
 
     async def counts(self, session: Any) -> SpecCounts:
+        if self.names.per_reply:
+            return self.tally
         return read_counts(await self.get(session, "/metrics"), self.names, f"{self.url}/metrics")
 
     async def settled(self, session: Any) -> SpecCounts:
         """The counters once two reads ``settle_s`` apart agree: the engine records a step's
         counts just after it answers, so the last answer's may still be on their way."""
+        if self.names.per_reply:  # counted from the replies themselves: nothing on its way
+            return self.tally
         last = await self.counts(session)
         for _ in range(SETTLE_READS):
             await asyncio.sleep(self.cfg.settle_s)
@@ -322,16 +366,25 @@ class ServedAcceptance:
         # generation_config.json (vLLM's --generation-config auto), which may set a repetition penalty
         body = {"model": self.model, "messages": messages, "max_tokens": c.max_new_tokens, "temperature": 0.0,
                 "top_p": 1.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+        if self.names.per_reply:
+            body["return_meta_info"] = True
         url = f"{self.url}/v1/chat/completions"
         async with gate:
             resp = await retrying(lambda attempt: post_json(session, url, body), c.retries, c.backoff_s, f"{url} ({what})")
         try:
             choice, usage = resp["choices"][0], resp["usage"]
-            return {"text": choice["message"]["content"] or "", "finish_reason": choice.get("finish_reason"),
-                    "prompt_tokens": int(usage["prompt_tokens"]), "completion_tokens": int(usage["completion_tokens"])}
+            out = {"text": choice["message"]["content"] or "", "finish_reason": choice.get("finish_reason"),
+                   "prompt_tokens": int(usage["prompt_tokens"]), "completion_tokens": int(usage["completion_tokens"])}
         except (KeyError, IndexError, TypeError, ValueError):
             raise EngineError(f"{url} ({what}) answered without choices[0].message.content and usage: "
                               f"{json.dumps(resp)[:300]}") from None
+        if self.names.per_reply:
+            meta = choice.get("meta_info")
+            if not isinstance(meta, dict):
+                raise EngineError(f"{url} ({what}) answered without choices[0].meta_info although asked with "
+                                  f"return_meta_info (as {self.names.read_from} does): not {self.names.engine}?")
+            self.tally = add(self.tally, reply_counts(meta, self.names, out["completion_tokens"], f"{url} ({what})"))
+        return out
 
     async def converse(self, session: Any, gate: asyncio.Semaphore, conversation: Conversation) -> list[Reply]:
         """Every user turn in order, each after the engine's own replies to the earlier ones."""
