@@ -12,9 +12,10 @@
 #           which collects the part under /tmp/vstage, says which parts are still missing, and once
 #           all are there installs every wheel into /tmp/vsite (once) and prints the exports.
 #
-# The bundle: vllm==0.26.0 without three files it does not need on an H200 for a dense target (the
-# FlashAttention-2 kernels, sm90 runs FA3; the fused-MoE kernels; the opt-in Rust frontend binary):
-# 112 MiB instead of 290. VLLM_SLIM=0 keeps the wheel whole. Its dependencies are the pinned list
+# The bundle: vllm==0.26.0 without two files it does not need on an H200 (the FlashAttention-2
+# kernels, sm90 runs FA3; the opt-in Rust frontend binary): 151 MiB instead of 290. The fused-MoE
+# kernels stay (MoE targets: qwen3_moe, deepseek_v3, gpt_oss); VLLM_DROP_MOE=1 drops them too (112 MiB,
+# dense targets only). VLLM_SLIM=0 keeps the wheel whole. Its dependencies are the pinned list
 # launch/stage_vllm.txt (what the image lacks; that file says what is left out and why).
 set -euo pipefail
 cmd=${1:?usage: stage_vllm.sh pack|install}
@@ -22,8 +23,9 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 site=${SITE:-/tmp/vsite}
 stage=${STAGE:-/tmp/vstage}
 part_mib=60
-# Inside the vllm wheel: never loaded for a dense llama-family target on sm90.
-slim_out=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/vllm-rs)
+# Inside the vllm wheel: never loaded on sm90 (and, with VLLM_DROP_MOE=1, for a dense target).
+slim_out=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs)
+[ "${VLLM_DROP_MOE:-0}" = 1 ] && slim_out+=(vllm/_moe_C_stable_libtorch.abi3.so)
 
 case $cmd in
 pack)

@@ -476,6 +476,7 @@ def main(argv: list[str]) -> None:
         p.add_argument("--enforce-eager", action="store_true")
         p.add_argument("--gpu-memory-utilization", type=float)
         p.add_argument("--max-model-len", type=int)
+        p.add_argument("--kv-cache-memory-bytes", type=int)
     else:
         p.add_argument("--model-path", dest="model", required=True)
         p.add_argument("--disable-radix-cache", action="store_true", required=True)

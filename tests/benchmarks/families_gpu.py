@@ -19,9 +19,11 @@ Results: $W/results.json (per family and engine: steps with exit status and seco
 table), rewritten after every step; $W/bundle/ holds results.json, log and logs.tgz for a polling
 call to copy back. Every step runs under a time limit; a failed step never stops the others.
 
-Variables (default): W (/tmp/w31), FAMILIES (every tiny family), ENGINES (vllm), SGLANG_FAMILIES
-(llama,deepseek_v3), TRAIN_N (512), CMP_N (64), K (4), NEW_TOKENS (64), EPOCHS (10), TRAIN_S (400),
-BASE_PORT (8100).
+Variables (default): W (/tmp/w31), FAMILIES (every tiny family), ENGINES (vllm), DUMP_ENGINES (vllm:
+SGLang 0.5.17 has no aux-state return for a dump, --return-aux-hidden-state-layer-ids came later),
+SGLANG_FAMILIES (llama,deepseek_v3), TRAIN_N (512), CMP_N (64), K (4), NEW_TOKENS (64), EPOCHS (10),
+TRAIN_S (400), BASE_PORT (8100), SITE / VSITE / SGSITE (/tmp/site, /tmp/vsite, /tmp/sgsite: where
+launch/gpu_stage.sh, stage_vllm.sh and stage_sglang.sh installed; each engine runs with its own).
 
 On the CPU the same script runs against the stand-in engines of tests/standin_engines.py (PATH with a
 `vllm` that runs it) to catch mistakes before device time is spent:
@@ -51,6 +53,7 @@ from eagle3_train.targets.tiny import FAMILIES  # noqa: E402
 W = Path(os.environ.get("W", "/tmp/w31"))
 FAMS = [f for f in os.environ.get("FAMILIES", ",".join(FAMILIES)).split(",") if f]
 ENGINES = [e for e in os.environ.get("ENGINES", "vllm").split(",") if e]
+DUMP_ENGINES = [e for e in os.environ.get("DUMP_ENGINES", "vllm").split(",") if e]
 SGLANG_FAMILIES = os.environ.get("SGLANG_FAMILIES", "llama,deepseek_v3").split(",")
 TRAIN_N = int(os.environ.get("TRAIN_N", 512))
 CMP_N = int(os.environ.get("CMP_N", 64))
@@ -62,11 +65,21 @@ BASE_PORT = int(os.environ.get("BASE_PORT", 8100))
 PY = sys.executable
 PROMPTS = REPO / "data_prep" / "prompts"
 HELDOUT = PROMPTS / "heldout.jsonl"
-VARIANTS = ("export", "shifted", "nod2t")
+VARIANTS = ("export", "shifted", "nod2t")  # checked and evaluated; the first SERVED are also served
+SERVED = ("export", "shifted")
 VLLM_ARGS = ["--enforce-eager", "--gpu-memory-utilization", "0.04", "--kv-cache-memory-bytes", str(1 << 30),
              "--max-model-len", "4096"]
 SGLANG_ARGS = ["--disable-cuda-graph", "--mem-fraction-static", "0.05", "--attention-backend", "triton",
-               "--sampling-backend", "pytorch", "--context-length", "4096"]
+               "--sampling-backend", "pytorch", "--context-length", "4096", "--skip-server-warmup"]
+SITE, VSITE, SGSITE = (os.environ.get(k, d) for k, d in (("SITE", "/tmp/site"), ("VSITE", "/tmp/vsite"), ("SGSITE", "/tmp/sgsite")))
+# each engine's packages first on the path; the project's own wheels and the repository after them
+ENGINE_ENV = {
+    "vllm": {"PYTHONPATH": f"{VSITE}:{SITE}:{REPO}", "PATH": f"{VSITE}/bin:{os.environ.get('PATH', '')}",
+             "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
+    "sglang": {"PYTHONPATH": f"{SGSITE}:{SGSITE}/nvidia_cutlass_dsl/dsl_packages:{SITE}:{REPO}",
+               "PATH": f"{SGSITE}/bin:{os.environ.get('PATH', '')}", "TVM_FFI_CACHE_DIR": "/tmp/sgcache/tvm-ffi",
+               "FLASHINFER_WORKSPACE_BASE": "/tmp/sgcache"},
+}
 
 _lock = threading.Lock()
 RESULTS: dict = {"issue": 31, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": {}}
@@ -172,7 +185,7 @@ def train_family(fam: str) -> None:
                                   f"regen.max_new_tokens={NEW}", "regen.batch_size=128", "on_bad_row=skip", "progress=false"))
     step(f"{fam}/dump_hf", 600, m("data_prep.dump", f"target={t}", f"data={d / 'prep'}", f"out={d / 'dump'}", "progress=false"))
     step(f"{fam}/standardize", 300, m("data_prep.standardize", f"dumps=[{d / 'dump'}]", f"out={d / 'std'}",
-                                      "draft_vocab_size=320", "eval_fraction=0.05", "progress=false"))
+                                      "draft_vocab_size=256", "eval_fraction=0.05", "progress=false"))
     step(f"{fam}/train", TRAIN_S, m("eagle3_train.training.trainer", f"data={d / 'std'}", f"target={t}",
                                     f"out={d / 'train'}", f"train.ttt_length={K}", f"train.epochs={EPOCHS}",
                                     "train.lr=2e-3", "train.warmup_steps=20", "train.max_tokens_per_batch=16384",
@@ -218,7 +231,7 @@ class Server:
         self.t0 = time.time()
         self.logf = open(W / f"{self.key}.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=REPO, start_new_session=True)
+                                     cwd=REPO, start_new_session=True, env={**os.environ, **ENGINE_ENV[engine]})
 
     def ready(self, limit: int) -> bool:
         deadline = time.time() + limit
@@ -246,9 +259,14 @@ class Server:
 
 
 def serve_all(engine: str, fams: list[str], port0: int) -> None:
-    """Phase 2 for one engine: every family x variant served at once, then the engine's own figures."""
-    servers = [Server(engine, f, v, port0 + i) for i, (f, v) in enumerate((f, v) for f in fams for v in VARIANTS)
-               if (W / f / v / "config.json").is_file()]
+    """Phase 2 for one engine, one wave per served variant: every family's server started at once,
+    then the engine's own figures against each."""
+    for i, variant in enumerate(SERVED):
+        serve_wave(engine, [f for f in fams if (W / f / variant / "config.json").is_file()], variant, port0 + 20 * i)
+
+
+def serve_wave(engine: str, fams: list[str], variant: str, port0: int) -> None:
+    servers = [Server(engine, f, variant, port0 + i) for i, f in enumerate(fams)]
     try:
         with ThreadPoolExecutor(len(servers) or 1) as pool:
             up = list(pool.map(lambda s: s.ready(900), servers))
@@ -275,7 +293,7 @@ def dump_served(engine: str, fam: str, port: int) -> None:
     rc = step(f"{fam}/dump_{engine}", 900, ["bash", "launch/dump_served.sh", f"target={d / 'target'}",
                                             f"data={d / 'prep_cmp'}", f"out={d / f'dump_cmp_{engine}'}", *urls,
                                             "client.wait_for_server_s=600", "progress=false"],
-              env={"BACKEND": engine, "CLIENTS": "1", "LOGDIR": str(d / f"dump_{engine}_engine"),
+              env={**ENGINE_ENV[engine], "BACKEND": engine, "CLIENTS": "1", "LOGDIR": str(d / f"dump_{engine}_engine"),
                    "EAGLE3_DUMP": f"{PY} -m data_prep.dump", "ENGINE_ARGS": " ".join(args)})
     if rc == 0:
         step(f"{fam}/compare_{engine}", 300, [PY, "-c", "import json, sys; from pathlib import Path; "
@@ -301,7 +319,7 @@ def summary() -> dict:
             row[f"eval_{variant}_{dtype}"] = {k: r.get(k) for k in ("tau", "acceptance_per_position", "lossless",
                                                                       "captured_hf_indices")}
         for engine in ENGINES:
-            for variant in VARIANTS:
+            for variant in SERVED:
                 r = res(f"{fam}/{engine}_{variant}_served")
                 row[f"{engine}_{variant}"] = {k: r.get(k) for k in ("mean_acceptance_length", "acceptance_per_position",
                                                                      "conditional_acceptance_per_position", "warnings")}
@@ -342,8 +360,9 @@ def main() -> None:
         t1 = time.time()
         serve_all(engine, fams, port)
         port += 100
-        with ThreadPoolExecutor(len(fams) or 1) as pool:
-            list(pool.map(lambda ip: dump_served(engine, ip[1], port + 2 * ip[0]), enumerate(fams)))
+        if engine in DUMP_ENGINES:
+            with ThreadPoolExecutor(len(fams) or 1) as pool:
+                list(pool.map(lambda ip: dump_served(engine, ip[1], port + 2 * ip[0]), enumerate(fams)))
         port += 100
         RESULTS["phase_seconds"][engine] = round(time.time() - t1, 1)
     RESULTS["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
