@@ -157,3 +157,23 @@ def test_check_flags_pre_norm_final_and_deepseek_id_0():
     assert any("one id lands on N=32, the last layer's output before the final norm" in f.text for f in findings)
     _, findings = _check("deepseek_v3", {"eagle_aux_hidden_state_layer_ids": [0, 30, 58]}, [0, 30, 58], 61)
     assert [f.level for f in findings] == ["error", "error"] and all("cannot use id 0" in f.text and "crashes on id 0" in f.text for f in findings)
+
+
+def test_every_verified_rule_names_its_results_file_and_family():
+    """A rule counts as verified only with the run's results file in the repository, which names
+    that target family; every other pair reads 'from source only'."""
+    import json
+    import re
+    from pathlib import Path
+
+    from eagle3_train.engines.rules import VERIFIED, verification
+
+    root = Path(__file__).resolve().parents[1]
+    for (engine, model_type), text in VERIFIED.items():
+        files = re.findall(r"tests/benchmarks/results/[\w.]+\.json", text)
+        assert files, (engine, model_type)
+        found = [json.loads((root / f).read_text()) for f in files]
+        assert any(model_type in json.dumps(r) for r in found), (engine, model_type, files)
+        assert verification(engine, model_type).startswith("verified by a run")
+    assert verification("sglang", "llama").startswith("read from source only: sglang 0.5.17")
+    assert verification("vllm", "glm4_moe").startswith("no rule")

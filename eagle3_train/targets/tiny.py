@@ -73,6 +73,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
                     "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
                     "head_dim": 64, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
                     "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 0,
+                    # what DeepSeek-V3's own config.json says and transformers always computes (sigmoid
+                    # scores, bias-corrected top-k); vLLM 0.26 reads them and, without topk_method, builds
+                    # no e_score_correction_bias and fails at load on the checkpoint's (seen on an H200)
+                    "topk_method": "noaux_tc", "scoring_func": "sigmoid",
                     "tie_word_embeddings": False},
     # attention sinks as transformers builds them; sliding window 32 alternating with full attention,
     # shorter than a byte-tokenized prompt, so the windowed layers really cut
