@@ -55,3 +55,23 @@ def test_finished_with_replace_removes_the_old_record(tmp_path):
     assert StageDir(tmp_path, "eval", REQUEST, record="report.json").finished()["tau"] == 2.0
     assert StageDir(tmp_path, "eval", REQUEST | {"seed": 1}, record="report.json").finished(replace=True) is None
     assert not (tmp_path / "report.json").exists()
+
+
+def test_atomic_writes_are_readable_as_the_umask_allows(tmp_path):
+    """mkstemp creates 0600 files; an atomic write must end as a plain open() would (0644 under
+    umask 022, 0640 under 027), or a serving process of another user cannot read an export."""
+    import os
+    import stat
+
+    from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_bytes(tmp_path / "a.bin", b"x")
+        atomic_write_json(tmp_path / "m.json", {"a": 1})
+        os.umask(0o027)
+        atomic_write_bytes(tmp_path / "b.bin", b"x")
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE((tmp_path / p).stat().st_mode)  # noqa: E731
+    assert (mode("a.bin"), mode("m.json"), mode("b.bin")) == (0o644, 0o644, 0o640)

