@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from eagle3_train.training.parallel import apply_activation_checkpointing, apply_sequence_parallel, sequence_parallel
-from eagle3_train.training.trainer import ttt_losses
+from eagle3_train.training.ttt import ttt_losses
 from test_memory_parallel import DECAY, TTT, loss_and_grads, tiny_problem
 
 

@@ -20,13 +20,13 @@ import eagle3_train.serving.check  # noqa: F401  (registers check_schema)
 import eagle3_train.evaluation.eval  # noqa: F401  (registers eval_schema)
 import eagle3_train.serving.export  # noqa: F401  (registers export_schema)
 import eagle3_train.evaluation.served_acceptance  # noqa: F401  (registers served_acceptance_schema)
-import eagle3_train.training.trainer  # noqa: F401  (registers train_schema)
+import eagle3_train.training.config  # noqa: F401  (registers train_schema)
 
 PRIMARY = {
     "prepare.yaml": (data_prep.prepare.PrepareConfig, ["input=x.jsonl", "out=/tmp/o"]),
     "dump.yaml": (data_prep.dump.DumpConfig, ["data=/tmp/p", "out=/tmp/o", "capture.aux_indices=[1,15,28]"]),
     "standardize.yaml": (data_prep.standardize.StandardizeConfig, ["dumps=[/tmp/d]", "out=/tmp/o"]),
-    "train.yaml": (eagle3_train.training.trainer.TrainConfig, ["data=/tmp/s", "out=/tmp/o"]),
+    "train.yaml": (eagle3_train.training.config.TrainConfig, ["data=/tmp/s", "out=/tmp/o"]),
     "export.yaml": (eagle3_train.serving.export.ExportConfig, ["run=/tmp/r", "out=/tmp/o"]),
     "check.yaml": (eagle3_train.serving.check.CheckConfig, ["draft=/tmp/d", "target=tiny"]),
     "eval.yaml": (eagle3_train.evaluation.eval.EvalConfig, ["draft=/tmp/d", "prompts=/tmp/p.jsonl"]),

@@ -21,7 +21,8 @@ from eagle3_train.evaluation.eval import EvalConfig, Evaluator, lossless_check, 
 from eagle3_train.core.prompt_files import Conversation
 from eagle3_train.serving.export import ExportConfig, Exporter, draft_config_from_json, draft_config_json
 from eagle3_train.model import DraftConfig
-from eagle3_train.training.trainer import OptimConfig, TrainConfig, Trainer
+from eagle3_train.training.config import OptimConfig, TrainConfig
+from eagle3_train.training.trainer import Trainer
 from legacy_eval import LegacySpecDecoder
 
 WORDS = "apple river stone cloud seven tiger music paper green window quick silver".split()

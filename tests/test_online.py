@@ -11,7 +11,7 @@ from data_prep.standardize import StandardizeConfig, Standardizer
 from eagle3_train.core.errors import ConfigError, ContractError
 from eagle3_train.serving.export import ExportConfig, Exporter
 from eagle3_train.training.online import OnlineConfig
-from eagle3_train.training.trainer import CRASH_ENV, TrainConfig
+from eagle3_train.training.config import CRASH_ENV, TrainConfig
 from test_standardize import make_dump
 from test_trainer import _torchrun, metrics, standardized, train
 

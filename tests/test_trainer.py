@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from data_prep.standardize import StandardizeConfig, Standardizer
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, Eagle3Error
 from eagle3_train.serving.export import ExportConfig, Exporter
-from eagle3_train.training.trainer import DeepSpeedConfig, ModelOptions, OptimConfig, TrainConfig, Trainer, lr_factor
+from eagle3_train.training.config import DeepSpeedConfig, ModelOptions, OptimConfig, TrainConfig, lr_factor
+from eagle3_train.training.trainer import Trainer
 from test_standardize import make_dump
 
 
@@ -105,7 +106,7 @@ def test_ttt_statistics_count_out_of_vocab_positions_as_misses():
     from eagle3_train.training.data import Batch
     from eagle3_train.model import DraftConfig, Eagle3Draft
     from eagle3_train.targets.tiny import tiny_config
-    from eagle3_train.training.trainer import ttt_losses
+    from eagle3_train.training.ttt import ttt_losses
 
     g = torch.Generator().manual_seed(0)
     b, t, h, v, ttt = 2, 12, 64, 320, 3
@@ -290,7 +291,7 @@ def test_corrupt_shard_is_refused_by_name(std, tmp_path):
 def test_cached_target_distribution_gives_the_same_training(std, tmp_path, monkeypatch):
     """train.cache_target_gb: the target lm_head runs once per sample, not once per epoch, and the
     run is the one without the cache (up to float rounding of per-sample vs batched matmuls)."""
-    import eagle3_train.training.trainer as trainer_module
+    import eagle3_train.training.ttt as trainer_module  # where the TTT loss and the cache compute it
     from eagle3_train.core.formats import read_shard
 
     calls = []

@@ -15,6 +15,9 @@ optimizer step as ``world`` processes do, and a run resumed at step s continues 
 
 from __future__ import annotations
 
+import queue
+import threading
+
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -264,3 +267,39 @@ class OfflineSource(Source):
     def device_batches(self, batches: Iterator[Batch]) -> Iterator[Batch]:
         for batch in batches:
             yield batch.to(self.device, self.dtype)
+
+
+class Prefetcher:
+    """Runs an iterator on a background thread, ``depth`` items ahead (reading and padding the
+    next micro-batches while the GPU trains on this one). Errors surface at ``next``."""
+
+    def __init__(self, items: Iterator[Any], depth: int):
+        self.queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self.thread = threading.Thread(target=self._fill, args=(items,), daemon=True)
+        self.thread.start()
+
+    def _fill(self, items: Iterator[Any]) -> None:
+        try:
+            for item in items:
+                self.queue.put((item, None))
+        except BaseException as e:
+            self.queue.put((None, e))
+        self.queue.put((None, StopIteration()))
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        item, error = self.queue.get()
+        if error is not None:
+            raise error
+        return item
+
+
+def epoch_of(step: int, epoch_steps: list[int]) -> tuple[int, int]:
+    """(epoch, step within it) of a global optimizer step, epochs having ``epoch_steps`` steps."""
+    for epoch, n in enumerate(epoch_steps):
+        if step < n:
+            return epoch, step
+        step -= n
+    return len(epoch_steps), step

@@ -26,6 +26,7 @@ from torch import nn
 
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.model import Eagle3Draft
+from eagle3_train.training.config import DeepSpeedConfig, OptimConfig, lr_factor
 
 
 @dataclass(frozen=True)
@@ -139,3 +140,41 @@ def _exchange(x: torch.Tensor, group: Any, scatter: int, gather: int) -> torch.T
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return torch.cat(recv.unbind(0), gather)
+
+
+def build_engine(model: Eagle3Draft, o: OptimConfig, ds: DeepSpeedConfig, dtype: torch.dtype,
+                 device: torch.device, total_steps: int, sp: SequenceParallel | None = None) -> Any:
+    """The one place that turns the draft into a DeepSpeed engine: sequence parallelism over
+    ``sp``'s group, activation checkpointing and torch.compile as ``o`` asks (eagle3_train.training.parallel),
+    AdamW (torch) on the trainable parameters, warmup + decay schedule, ZeRO stage over every rank
+    (ZeRO's data parallelism averages the gradients of all ranks, sequence-parallel ones included:
+    see :meth:`Trainer.train_step`), bf16, clipping, gradient accumulation."""
+    import deepspeed
+
+    if sp is not None:
+        apply_sequence_parallel(model, sp)
+    if o.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if o.compile:
+        apply_compile(model)
+
+    if device.type == "cpu":  # skip the shared-memory op's C++ build on CPU
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, o))
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,  # batches are token-budgeted; DeepSpeed only counts
+        "gradient_accumulation_steps": o.grad_accum,
+        "gradient_clipping": o.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=config)
+    return engine

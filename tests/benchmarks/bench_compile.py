@@ -51,7 +51,7 @@ def case(a: argparse.Namespace) -> None:
     from eagle3_train.training.data import Batch
     from eagle3_train.model import Eagle3Draft
     from eagle3_train.training.parallel import apply_compile
-    from eagle3_train.training.trainer import ttt_losses
+    from eagle3_train.training.ttt import ttt_losses
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

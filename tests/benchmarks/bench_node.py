@@ -191,7 +191,7 @@ def resume_case(a: argparse.Namespace, record: Record) -> None:
     from test_standardize import make_dump
     from test_trainer import metrics, standardized
 
-    from eagle3_train.training.trainer import CRASH_ENV
+    from eagle3_train.training.config import CRASH_ENV
 
     root = Path(a.dir) / "resume"
     shutil.rmtree(root, ignore_errors=True)

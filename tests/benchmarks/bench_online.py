@@ -65,7 +65,8 @@ def measure(a: argparse.Namespace) -> None:
     """One case in this process; ``--out`` is rewritten after each figure."""
     from data_prep.prepare import PrepareConfig, Preparer
     from eagle3_train.training.online import OnlineConfig
-    from eagle3_train.training.trainer import DeepSpeedConfig, OptimConfig, TrainConfig, Trainer
+    from eagle3_train.training.config import DeepSpeedConfig, OptimConfig, TrainConfig
+    from eagle3_train.training.trainer import Trainer
 
     device = torch.device("cpu" if a.small else "cuda")
     work = Path(tempfile.mkdtemp(prefix=f"bench_online_{a.case}_"))

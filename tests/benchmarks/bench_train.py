@@ -46,7 +46,9 @@ from eagle3_train.training.data import Batch
 from eagle3_train.core.dist import init_distributed
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.training.parallel import sequence_parallel
-from eagle3_train.training.trainer import DeepSpeedConfig, OptimConfig, build_engine, ttt_losses
+from eagle3_train.training.config import DeepSpeedConfig, OptimConfig
+from eagle3_train.training.parallel import build_engine
+from eagle3_train.training.ttt import ttt_losses
 
 SMALL = DraftConfig(hidden_size=256, target_hidden_size=256, num_aux=3, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=64, intermediate_size=768, rms_norm_eps=1e-5, vocab_size=4096, draft_vocab_size=1024,

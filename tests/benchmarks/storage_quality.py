@@ -37,7 +37,8 @@ def recipe(a: argparse.Namespace, seed: int = 0) -> dict[str, Any]:
 
 
 def trainer(a: argparse.Namespace, data: Path, out: Path, seed: int = 0) -> Any:
-    from eagle3_train.training.trainer import ModelOptions, OptimConfig, TrainConfig, Trainer
+    from eagle3_train.training.config import ModelOptions, OptimConfig, TrainConfig
+    from eagle3_train.training.trainer import Trainer
 
     return Trainer(TrainConfig(data=str(data), target=a.target, out=str(out), cache_dir=a.cache_dir, progress=False,
                                train=OptimConfig(**recipe(a, seed)), model=ModelOptions(lm_head_init="target")))

@@ -1,0 +1,159 @@
+"""The options of ``eagle3-train`` (``conf/train.yaml``): typed sections and their checks, and the
+learning-rate schedule they define."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from eagle3_train.core.errors import ConfigError
+from eagle3_train.training.online import OnlineConfig
+
+
+CRASH_ENV = "EAGLE3_TRAIN_CRASH_AFTER_STEP"  # tests only: hard-exit after saving this step
+USUAL_CHAIN = 5  # draft tokens per verify step that eagle3-eval and the engines' recipes use
+
+
+@dataclass
+class OptimConfig:
+    """The training recipe (``train.*``)."""
+
+    ttt_length: int = 7  # training-time-test steps unrolled
+    loss_decay: float = 0.8  # weight of step j is loss_decay**j
+    epochs: int = 1  # passes over the training split
+    max_steps: int | None = None  # stop after this many optimizer steps (null: all epochs)
+    lr: float = 1e-4  # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.0  # final lr as a fraction of the peak
+    warmup_steps: int = 0  # linear warmup from 0
+    schedule: str = "cosine"  # decay after warmup: cosine | linear | constant
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    grad_clip: float = 0.5  # max global gradient norm (0: off)
+    max_tokens_per_batch: int = 8192  # padded tokens in one micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step on each rank
+    seed: int = 0  # data order and initialisation
+    eval_every: int = 0  # evaluate every N steps (0: only at the end)
+    save_every: int = 0  # checkpoint every N steps (0: only at the end)
+    keep_last: int = 2  # checkpoints kept
+    log_every: int = 10  # metrics line every N steps
+    cache_target_gb: float = 0.0  # keep each sample's target distribution in memory after its first use, up to this size (0: recompute every epoch)
+    keep_best: bool = False  # keep the checkpoint with the best eval simulated tau (saved when it improves, never deleted by keep_last, the one eagle3-export takes)
+    early_stop_patience: int = 0  # stop after this many evaluations without a better eval simulated tau (0: off; needs eval_every)
+    head_chunk: int = 4096  # positions per chunk of the fused draft lm_head + soft cross-entropy: no step's [T, V_draft] logits are kept (0: whole logits through autograd; ZeRO-3 needs 0)
+    activation_checkpointing: bool = False  # recompute each TTT step's decoder layer in backward instead of keeping its activations (long sequences; ~1/3 more layer FLOPs)
+    compile: bool = False  # torch.compile the decoder layer's step-independent parts (2 graphs per grad mode) and the fused head loss's chunk math (GPU; the first steps compile)
+    sequence_parallel: int = 1  # ranks that share each sequence (Ulysses all-to-all over heads); divides the world size and the head counts; data parallelism runs over world / this
+
+    def __post_init__(self) -> None:
+        if self.ttt_length < 1:
+            raise ConfigError(f"train.ttt_length must be >= 1, got {self.ttt_length}")
+        if self.early_stop_patience < 0:
+            raise ConfigError(f"train.early_stop_patience must be >= 0, got {self.early_stop_patience}")
+        if self.early_stop_patience and not self.eval_every:
+            raise ConfigError("train.early_stop_patience counts evaluations: set train.eval_every too")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"train.schedule must be cosine, linear or constant, got {self.schedule!r}")
+        for name in ("epochs", "max_tokens_per_batch", "grad_accum", "keep_last", "log_every", "sequence_parallel"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"train.max_steps must be >= 1 or null, got {self.max_steps}")
+        if not self.lr > 0:  # also refuses nan
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if not 0 < self.loss_decay <= 1:
+            raise ConfigError(f"train.loss_decay must be in (0, 1], got {self.loss_decay}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"train.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "save_every", "cache_target_gb", "head_chunk"):
+            if not getattr(self, name) >= 0:  # 0 means off where the field says so; nan is refused
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass
+class ModelOptions:
+    """Recipe options of the draft head (``model.*``); its shapes come from the target."""
+
+    lm_head_init: str = "random"  # random | target: start lm_head from the target lm_head's rows of the draft vocab (and norm from the target's final norm)
+    freeze_lm_head: bool = False  # keep lm_head at its initial value (needs lm_head_init=target)
+    aux_norm: bool = False  # RMSNorm over the concatenated aux states before fc; SGLang and vLLM cannot load it, so eagle3-export refuses such a head
+    intermediate_size: int = 0  # the draft MLP's width; 0: the target's (engines read it from the exported config.json)
+
+    def __post_init__(self) -> None:
+        if self.lm_head_init not in ("random", "target"):
+            raise ConfigError(f"model.lm_head_init must be random or target, got {self.lm_head_init!r}")
+        if self.freeze_lm_head and self.lm_head_init != "target":
+            raise ConfigError("model.freeze_lm_head=true would freeze a random lm_head: set model.lm_head_init=target")
+        if self.intermediate_size < 0:
+            raise ConfigError(f"model.intermediate_size must be >= 0 (0: the target's), got {self.intermediate_size}")
+
+
+@dataclass
+class DeepSpeedConfig:
+    """How DeepSpeed shards the run (``deepspeed=zero1|zero2|zero3``)."""
+
+    zero_stage: int = 1  # ZeRO stage 0-3
+    bf16: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; true / false to force
+    offload_optimizer: bool = False  # ZeRO optimizer states in host memory
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go besides the console and metrics.jsonl (``logging=none|wandb``)."""
+
+    wandb: bool = False  # log to Weights & Biases
+    wandb_project: str = "eagle3_train"  # its project
+    wandb_mode: str = "offline"  # online | offline
+    run_name: str | None = None  # its run name (null: the run directory's name)
+
+
+@dataclass
+class TrainConfig:
+    """Options of ``eagle3-train`` (``conf/train.yaml``)."""
+
+    data: str = MISSING  # source=offline: a standardized directory (eagle3-standardize's out); source=online: a prepared one (eagle3-prepare's out)
+    target: str = "embedded"  # the target whose embeddings and lm_head are read (offline: from its safetensors only; online: it runs in the loop)
+    source: str = "offline"  # offline: states read from data=; online: the target runs on data= in the training loop (online.*)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
+    out: str = MISSING  # run directory
+    cache_dir: str | None = None  # where GGUF targets are converted once
+    resume: str = "auto"  # auto: continue from the last checkpoint in out; never: refuse a used out
+    device: str = "auto"  # auto: cuda:<local_rank> if present, else cpu
+    train: OptimConfig = field(default_factory=OptimConfig)
+    model: ModelOptions = field(default_factory=ModelOptions)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    progress: bool = True  # progress bar on rank 0
+
+    def __post_init__(self) -> None:
+        if self.resume not in ("auto", "never"):
+            raise ConfigError(f"resume must be auto or never, got {self.resume!r}")
+        if self.source not in ("offline", "online"):
+            raise ConfigError(f"source must be offline or online, got {self.source!r}")
+        if self.source == "offline" and self.online != OnlineConfig():
+            raise ConfigError("online.* options apply to source=online (the target in the loop); add source=online")
+        if self.deepspeed.zero_stage == 3 and self.train.head_chunk:
+            raise ConfigError("train.head_chunk reads lm_head's weight outside its module, which ZeRO-3 does not gather: "
+                              "set train.head_chunk=0 with deepspeed=zero3")
+
+
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
+    """Multiplier of the peak lr at ``step`` (0-based): linear warmup, then the decay schedule."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant" or total <= cfg.warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape

@@ -1,0 +1,96 @@
+"""What a training run reports: ``metrics.jsonl`` lines on rank 0, the optional wandb tracker,
+the per-step figures gathered over ranks, and the console lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from eagle3_train.core.dist import all_gather_objects
+from eagle3_train.training.data import Batch
+from eagle3_train.training.objective import acceptance_length, accuracies, decode_walk
+
+
+class MetricsLog:
+    """``metrics.jsonl`` (one JSON line per record) and, with ``tracker``, the same figures there
+    (lists flattened as ``name/j``); writes on the main rank only.
+
+    Args:
+        path: the metrics file.
+        is_main: whether this rank writes.
+        tracker: a wandb run (or anything with ``log(dict, step=)`` and ``finish()``), or None.
+    """
+
+    def __init__(self, path: Path, is_main: bool, tracker: Any = None):
+        self.path, self.is_main, self.tracker = path, is_main, tracker
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tracker is not None:
+            flat = {k: v for k, v in record.items() if not isinstance(v, list)}
+            for k, v in record.items():
+                if isinstance(v, list):
+                    flat |= {f"{k}/{j}": x for j, x in enumerate(v)}
+            self.tracker.log(flat, step=record["step"])
+
+    def evals(self) -> list[dict[str, Any]]:
+        """The evaluation records written so far."""
+        return [json.loads(line) for line in self.path.read_text().splitlines() if "eval_acc" in line]
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.finish()
+
+
+def wandb_tracker(logging: Any, out: Path, config: dict[str, Any], is_main: bool) -> Any:
+    """A wandb run when ``logging.wandb`` on the main rank, else None."""
+    if not (logging.wandb and is_main):
+        return None
+    import wandb
+
+    return wandb.init(project=logging.wandb_project, mode=logging.wandb_mode, name=logging.run_name or out.name,
+                      dir=str(out), config=config, resume="allow")
+
+
+def train_record(step: int, counts: np.ndarray, loss: float, tokens: int, seconds: float, lr: float,
+                 sp_size: int) -> dict[str, Any]:
+    """Metrics of the steps since the last record, over all ranks (the loss is the mean of the
+    ranks' micro-batch means: what the averaged gradient descends); collective."""
+    gathered = all_gather_objects((counts, tokens, loss))
+    counts = sum(g[0] for g in gathered)
+    tokens = sum(g[1] for g in gathered) // sp_size  # a sequence-parallel group reads one batch
+    loss = sum(g[2] for g in gathered) / len(gathered) * sp_size  # and its shards' losses add up
+    acc, acc_in_vocab = accuracies(counts)
+    return {"step": step, "loss": loss, "acc": acc, "tau": acceptance_length(acc),
+            "acc_in_vocab": acc_in_vocab, "tau_in_vocab": acceptance_length(acc_in_vocab),
+            "lr": lr, "tokens_per_s": tokens / max(seconds, 1e-9)}
+
+
+def walk_counts(batch: Batch, hits: torch.Tensor) -> np.ndarray:
+    """[tokens, verify steps] of :func:`decode_walk` over the batch's rows; hits [k, B, T]."""
+    h = hits.bool().cpu().numpy()
+    answer = (batch.loss_mask & (torch.arange(batch.input_ids.shape[1], device=batch.lengths.device)[None]
+                                 < batch.lengths[:, None])).cpu().numpy()  # [B, T]
+    return np.sum([decode_walk(h[:, i], answer[i]) for i in range(len(answer))], axis=0, dtype=np.int64)
+
+
+def eval_line(r: dict[str, Any]) -> str:
+    """One evaluation as a console line."""
+    return (f"eval at step {r['step']}: acc per step {[round(a, 3) for a in r['eval_acc']]}, simulated tau "
+            f"{r['eval_tau']:.2f} (walked as decoding visits positions: {r['eval_tau_decoded']:.2f}; over in-vocab "
+            f"positions: {r['eval_tau_in_vocab']:.2f}; the draft vocab covers {r['eval_vocab_coverage']:.1%} of the "
+            f"target's argmaxes)")
+
+
+def console(bar: Any, line: str) -> None:
+    """A console line that does not break the progress bar; silent where the bar is off (other
+    ranks, progress=false)."""
+    if not bar.disable:
+        bar.write(line)
