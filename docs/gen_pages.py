@@ -80,7 +80,8 @@ def value_text(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 1e6 else f"{v:,.0f}"
+        short = repr(v)
+        return short if len(short) <= 8 else (f"{v:.4g}" if abs(v) < 1e6 else f"{v:,.0f}")
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(value_text(x) for x in v) + "]"
     if isinstance(v, dict):
