@@ -513,7 +513,7 @@ def result_section(name: str, data: Any) -> str:
         rows.append([code(k), cell(value_text(v))])
     if len(figures) > MAX_ROWS:
         rows.append(["…", f"{len(figures) - MAX_ROWS} more figures in the file"])
-    out.append(table(["", ""], rows) + "\n")
+    out.append(table(["field", "value"], rows) + "\n")
     return "".join(out)
 
 
