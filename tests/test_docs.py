@@ -22,7 +22,7 @@ DOCS = ROOT / "docs"
 def _gen_pages():
     spec = importlib.util.spec_from_file_location("gen_pages", DOCS / "gen_pages.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gen_pages", module)
+    sys.modules["gen_pages"] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return module
 
