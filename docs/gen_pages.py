@@ -641,6 +641,26 @@ def write(docs_dir: Path = DOCS) -> list[Path]:
     return written
 
 
+def generated_nav() -> dict[str, list]:
+    """The nav sections of the generated pages, so a new command or results page is never left out."""
+    reference = ["reference/index.md"] + [{script: f"reference/{script}.md"} for script, _ in commands()]
+    titles = {**{p: t for p, (t, _) in RESULT_PAGES.items()}, "other": "Other results"}
+    results = ["results/index.md"] + [{titles[p]: f"results/{p}.md"} for p in [*RESULT_PAGES, "other"]]
+    return {"reference/index.md": reference, "results/index.md": results}
+
+
+def on_config(config: Any, **kwargs: Any) -> Any:
+    """mkdocs hook: the Reference and Results sections of the nav list every generated page."""
+    sections = generated_nav()
+    for item in config.get("nav") or []:
+        if isinstance(item, dict):
+            for title, children in item.items():
+                first = children[0] if isinstance(children, list) and children else None
+                if isinstance(first, str) and first in sections:
+                    item[title] = sections[first]
+    return config
+
+
 def on_pre_build(config: Any, **kwargs: Any) -> None:
     """mkdocs hook: regenerate the pages before mkdocs collects the files."""
     write(Path(config["docs_dir"]))
