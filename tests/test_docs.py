@@ -111,7 +111,7 @@ def test_the_site_builds_strict(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     site = tmp_path / "site"
-    for page in ("concepts/engine-rules", "reference/eagle3-train", "results/index", "changelog"):
+    for page in ("concepts/engine-rules", "reference/eagle3-train", "results", "results/recipe", "changelog"):
         assert (site / page / "index.html").is_file(), page
     rules = (site / "concepts" / "engine-rules" / "index.html").read_text()
     assert "verified by a run" in rules and "read from source only" in rules
