@@ -70,7 +70,7 @@ class EvalConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     cache_dir: str | None = None  # where GGUF targets are converted once
     chat_template: str | None = None  # replaces the tokenizer's template (as in prepare)
-    progress: bool = True
+    progress: bool = True  # progress bar on the console
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, auto=True)
