@@ -2,7 +2,7 @@
 
     eagle3-standardize dumps=[runs/x/dump] out=runs/x/std aux_indices=[2,15,27] draft_vocab_size=32000
 
-Output (DESIGN §3): ``<out>/train/*.safetensors`` and ``<out>/eval/*.safetensors`` holding
+Output (docs/concepts/storage.md): ``<out>/train/*.safetensors`` and ``<out>/eval/*.safetensors`` holding
 ``input_ids``, ``loss_mask``, ``cu_seqlens``, ``sample_ids``, ``aux_hidden`` [T, n_aux*H] (the
 chosen ``hidden.<k>`` concatenated in ascending k) and ``last_hidden`` [T, H] (with ``storage=fp8``
 as e4m3 with ``aux_hidden.scale`` [T, n_aux] and ``last_hidden.scale`` [T, 1]: eagle3_train/core/storage.py);

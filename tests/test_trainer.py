@@ -372,7 +372,7 @@ def test_early_stop_on_a_plateau(std, tmp_path, monkeypatch):
     assert max(m["step"] for m in metrics(out)) == 8
 
 
-# What SGLang 0.5.23 and vLLM 0.33.0 load into a one-layer LlamaForCausalLMEagle3 (DESIGN §3)
+# What SGLang 0.5.23 and vLLM 0.33.0 load into a one-layer LlamaForCausalLMEagle3 (docs/concepts/storage.md)
 ENGINE_WEIGHT_NAMES = {
     "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
     "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",

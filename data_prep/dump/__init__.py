@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 8 -m data_prep.dump target=... data=... out=...
     eagle3-dump backend=vllm ... server.url=http://gpu1:8000    # from a served target
 
-Output (DESIGN §3): ``<out>/shards/*.safetensors`` packing many samples along tokens
+Output (docs/concepts/storage.md): ``<out>/shards/*.safetensors`` packing many samples along tokens
 (``input_ids``, ``loss_mask``, ``cu_seqlens``, ``sample_ids``, ``hidden.<k>`` for every stored HF
 index ``k``, ``last_hidden`` = the post-norm final state), a record ``*.json`` beside each, and
 ``<out>/manifest.json`` written last.

@@ -20,7 +20,7 @@ BACKENDS = {
 
 @dataclass
 class CaptureConfig:
-    """Which hidden states are stored (HF indices, DESIGN §1)."""
+    """Which hidden states are stored (HF indices, docs/concepts/hf-index.md)."""
 
     aux_indices: list[int] | None = None  # the aux capture; null: [2, N//2, N-3]
     extra_indices: list[int] = field(default_factory=list)  # more layers kept for later choices

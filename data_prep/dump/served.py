@@ -7,7 +7,7 @@ send one request per sample to a running engine and check every answer.
 
 For targets that transformers cannot run at scale (DeepSeek, Kimi, Qwen3-235B), the states come
 from the engine the team serves, so they are the engine's own numerics. The shards are those of
-``backend=hf`` (DESIGN §3): everything downstream is unchanged. What each engine offers, and how
+``backend=hf`` (docs/concepts/storage.md): everything downstream is unchanged. What each engine offers, and how
 its answers become states, is in its own module (data_prep/dump/vllm.py, sglang.py); no engine
 runs on the machines this project is tested on, so the test suite drives these clients against
 stand-in servers that follow the same API surface (tests/standin_engines.py).

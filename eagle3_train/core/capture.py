@@ -1,5 +1,5 @@
 """Hidden-state capture from a transformers target: the one forward pass that turns token ids into
-the states a draft trains on (DESIGN §1), shared by the dump (data_prep/dump/hf.py) and anything
+the states a draft trains on (docs/concepts/hf-index.md), shared by the dump (data_prep/dump/hf.py) and anything
 that captures online.
 
     states = capture(target.model, input_ids, None, [1, 2, 3])

@@ -1,4 +1,4 @@
-"""The capture contract (DESIGN §1) shared by every stage.
+"""The capture contract (docs/concepts/hf-index.md) shared by every stage.
 
 A captured layer is named by its *HF index* ``k``: its position in
 ``model(..., output_hidden_states=True).hidden_states``. ``k = 0`` is the embedding output,
@@ -123,7 +123,7 @@ class TargetIdentity:
 
 @dataclass(frozen=True)
 class CaptureSpec:
-    """What was captured from which target (DESIGN §1).
+    """What was captured from which target (docs/concepts/hf-index.md).
 
     Args:
         aux_indices: HF indices of the aux states, ascending and unique, each ``< N``.

@@ -1,4 +1,4 @@
-"""Shard files between stages (DESIGN §3): safetensors only, written atomically, checksummed.
+"""Shard files between stages (docs/concepts/storage.md): safetensors only, written atomically, checksummed.
 
 A shard packs many samples concatenated along tokens: ``input_ids`` int32 [T], ``loss_mask`` uint8
 [T], ``cu_seqlens`` int64 [n+1], ``sample_ids`` int64 [n], and per-token state tensors [T, H]

@@ -1,4 +1,4 @@
-"""The draft vocabulary map (DESIGN §3): which target tokens the draft's lm_head predicts.
+"""The draft vocabulary map (docs/concepts/storage.md): which target tokens the draft's lm_head predicts.
 
 ``vocab_map.safetensors`` holds ``d2t`` int64 [V_draft] as offsets (``target_id = draft_id +
 d2t[draft_id]``), ``t2d`` bool [V_target] (which target ids are in the draft vocab), and

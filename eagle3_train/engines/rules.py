@@ -1,8 +1,8 @@
-"""What serving engines do with a draft's layer ids: the rules, as data, in one place (DESIGN §2).
+"""What serving engines do with a draft's layer ids: the rules, as data, in one place (docs/concepts/engines.md).
 
 Facts read from the engines' source (SGLang 0.5.23, vLLM 0.33.0, TensorRT-LLM main of 2026-08).
 Each rule says for which targets it holds, where an engine reads the ids in the draft's
-``config.json``, and which HF hidden-state indices (DESIGN §1) the ids it finds make it capture.
+``config.json``, and which HF hidden-state indices (docs/concepts/hf-index.md) the ids it finds make it capture.
 With no ids, every engine captures the default HF indices ``[2, N//2, N-3]``.
 
 Engines capture residual streams, never a normed state: an id that lands on N is the last layer's

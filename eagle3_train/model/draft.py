@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft head (DESIGN §4): only the math.
+"""The EAGLE-3 draft head (docs/concepts/draft-head.md): only the math.
 
     h   = fc(aux_hidden)                                  [B, T, n_aux*H_t] -> [B, T, H]
     x   = cat(input_layernorm(embed(next token)), hidden_norm(h))           [B, T, 2H]

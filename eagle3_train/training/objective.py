@@ -1,4 +1,4 @@
-"""The EAGLE-3 objective (DESIGN §4) as pure functions of tensors.
+"""The EAGLE-3 objective (docs/concepts/draft-head.md) as pure functions of tensors.
 
 The target distribution at a position is the softmax of the target's logits (its frozen lm_head
 on ``last_hidden``) restricted to the draft vocab and renormalised. A position enters the loss only

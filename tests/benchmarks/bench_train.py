@@ -1,6 +1,6 @@
 """Training throughput of the draft head: tokens/s, model FLOP utilisation, peak memory, longest
 sequence that fits, sequence and data parallelism. Not part of the test suite. 8B shapes by
-default (DESIGN §5): H=4096, 32 heads, 8 kv heads, intermediate 14336, target vocab 128256, draft
+default (docs/guide/benchmarks.md): H=4096, 32 heads, 8 kv heads, intermediate 14336, target vocab 128256, draft
 vocab 32000, ttt 7, bf16, ZeRO-2, through the real `build_engine` and `ttt_losses`.
 
     python3 tests/benchmarks/bench_train.py --suite --out $OUT/train_bench.json   # everything, 1-2 GPUs
