@@ -20,6 +20,7 @@ import numpy as np
 
 from eagle3_train.core.dist import DistInfo
 from eagle3_train.core.errors import ConfigError
+from eagle3_train.targets import resolve_dtype
 
 from data_prep.dump.config import BACKENDS, DumpConfig
 
@@ -57,9 +58,14 @@ class Backend(ABC):
     def team(self) -> Team:
         """This process's place among the dump's processes (joins a process group if there is one)."""
 
-    def device(self, dist: DistInfo) -> str:
+    def device(self, dist: DistInfo | None) -> str:
         """Where the target computes, which decides what ``dtype=auto`` means (default: an engine's GPU)."""
         return "cuda"
+
+    def resolve_dtype(self, dist: DistInfo | None) -> None:
+        """Turn ``cfg.dtype=auto`` into the dtype the target computes in here (float32 on a CPU,
+        bfloat16 on a GPU, as prepare and eval), so the manifest and the launch command record it."""
+        self.cfg.dtype = str(resolve_dtype(self.cfg.dtype, self.device(dist))).removeprefix("torch.")
 
     def check(self, stage: Dumper) -> None:
         """Refuse, before any work, a capture this backend cannot produce (default: none)."""

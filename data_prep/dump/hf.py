@@ -88,7 +88,8 @@ class Backend(backend.Backend):
         self.target: Any = None
         return backend.Team(dist, group=True)
 
-    def device(self, dist: DistInfo) -> str:
+    def device(self, dist: DistInfo | None) -> str:
+        assert dist is not None, "backend=hf computes on this process's device"
         return str(dist.device)
 
     def check(self, stage: Dumper) -> None:

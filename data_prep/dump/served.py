@@ -38,7 +38,7 @@ from eagle3_train.core.dist import DistInfo
 from eagle3_train.engines.http import EngineError, retrying
 from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.core.fileio import atomic_write_json
-from eagle3_train.targets import Target, load_target, load_target_tensors, resolve_dtype
+from eagle3_train.targets import Target, load_target, load_target_tensors
 from eagle3_train.targets.tiny import is_tiny
 
 from data_prep.dump import backend
@@ -111,8 +111,7 @@ class ServedBackend(backend.Backend):
         """The engine command(s) that serve exactly the capture ``cfg`` asks for, and the client
         command that dumps from them (``print_launch=true``)."""
         cfg = self.cfg
-        # dtype=auto means what the engine computes in: bfloat16 on its GPUs (as the dump records it)
-        cfg.dtype = str(resolve_dtype(cfg.dtype, "cuda")).removeprefix("torch.")
+        self.resolve_dtype(None)  # the engine's GPUs: what the dump records
         if is_tiny(cfg.target):
             raise ConfigError(f"target={cfg.target} exists only inside this process; no engine can serve it (save it "
                               "as a directory first: eagle3_train.targets.tiny.save_tiny)")

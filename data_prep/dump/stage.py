@@ -51,8 +51,7 @@ class Dumper:
         self.shard_dir = self.out / "shards"
         self.team = self.backend.team()
         self.dist = self.team.dist
-        # auto: float32 on a CPU, bfloat16 on a GPU, as prepare and eval; recorded as the dtype it became
-        cfg.dtype = str(resolve_dtype(cfg.dtype, self.backend.device(self.dist))).removeprefix("torch.")
+        self.backend.resolve_dtype(self.dist)
         data = PreparedData(cfg.data)
         self.prepared_dir, self.prepared, self.dataset, self.sample_ids = data.path, data.manifest, data.dataset, data.sample_ids
         # config and tokenizer only: a backend that runs the target loads its weights once there is work

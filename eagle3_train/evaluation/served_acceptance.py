@@ -50,7 +50,7 @@ from omegaconf import MISSING
 
 from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
-from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
+from eagle3_train.core.errors import ConfigError, check_numbers
 from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
 from eagle3_train.core.prompt_files import Conversation, read_conversations
 
@@ -201,12 +201,11 @@ class SpecCounts:
 
     def minus(self, before: SpecCounts, where: str) -> SpecCounts:
         """The counts between two reads; counters never go down unless the engine restarted."""
-        k = max(len(self.accepted_per_position), len(before.accepted_per_position))
-        pad = lambda v: tuple(v) + (0.0,) * (k - len(v))  # noqa: E731  (a position first counted between the reads)
-        now, then = pad(self.accepted_per_position), pad(before.accepted_per_position)
+        # a position first counted between the reads has no earlier count
+        now, then = _aligned(self.accepted_per_position, before.accepted_per_position)
         down = [f.name for f in fields(self)
                 if f.name != "accepted_per_position" and getattr(self, f.name) < getattr(before, f.name)]
-        down += [f"accepted_per_position[{i}]" for i in range(k) if now[i] < then[i]]
+        down += [f"accepted_per_position[{i}]" for i in range(len(now)) if now[i] < then[i]]
         if down:
             raise EngineError(f"{where}: the counters {down} went down between two reads: the engine restarted during "
                               f"the run; run again")
@@ -256,12 +255,18 @@ def reply_counts(meta: dict[str, Any], names: SpecMetrics, completion_tokens: in
                       per, 1, completion_tokens)
 
 
+def _aligned(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Two per-position counts padded with zeros to the longer one's positions."""
+    k = max(len(a), len(b))
+    return tuple(a) + (0.0,) * (k - len(a)), tuple(b) + (0.0,) * (k - len(b))
+
+
 def add(a: SpecCounts, b: SpecCounts) -> SpecCounts:
-    k = max(len(a.accepted_per_position), len(b.accepted_per_position))
-    pad = lambda v: tuple(v) + (0.0,) * (k - len(v))  # noqa: E731
+    """The counts of two disjoint sets of replies together."""
+    pa, pb = _aligned(a.accepted_per_position, b.accepted_per_position)
     return SpecCounts(a.drafts + b.drafts, a.draft_tokens + b.draft_tokens, a.accepted + b.accepted,
-                      tuple(x + y for x, y in zip(pad(a.accepted_per_position), pad(b.accepted_per_position))),
-                      a.requests + b.requests, a.generation_tokens + b.generation_tokens)
+                      tuple(x + y for x, y in zip(pa, pb)), a.requests + b.requests,
+                      a.generation_tokens + b.generation_tokens)
 
 
 def _count(x: float) -> int | float:
