@@ -297,6 +297,20 @@ class StandinVllm(_Standin):
         if self.too_long(prompt, max_new):
             return 400, {"error": {"message": f"This model's maximum context length is {self.max_model_len} tokens.",
                                    "code": 400}}
+        ids, accepted, reason = self.speculate(prompt, max_new, body["messages"])
+        text = self.tokenizer.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                  "stop_reason": None}
+        if self.reply_meta and body.get("return_meta_info"):
+            choice["meta_info"] = self.spec_meta(ids, accepted)
+        return 200, {"id": f"chatcmpl-{self.chats}", "object": "chat.completion", "model": body["model"],
+                     "choices": [choice],
+                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                               "total_tokens": len(prompt) + len(ids)}}
+
+    def speculate(self, prompt: list[int], max_new: int, messages: list[dict] | None) -> tuple[list[int], list[int], str]:
+        """One greedy reply with the draft chain (or plain greedy decoding with a plan), counted:
+        its tokens, each draft's accepted count, its finish reason."""
         if self.decoder is not None:
             with self.model_lock:
                 (out,) = self.decoder.speculative([prompt], max_new, 1)
@@ -304,29 +318,37 @@ class StandinVllm(_Standin):
         else:
             ids, _, _ = self.generate(prompt, max_new, self.engine_eos, 0.0, 1.0, None, length_first=False)
             plan = self.accepted_plan
-            accepted = list(plan(body["messages"]) if callable(plan) else plan or [])
+            accepted = list(plan(messages) if callable(plan) else plan or [])
         reason = "stop" if ids and ids[-1] in self.engine_eos else "length"
         self.count_request(accepted, len(ids), reason)
         if self.other_traffic:
             self.count_request(accepted, len(ids), reason)
+        return ids, accepted, reason
+
+    def spec_meta(self, ids: list[int], accepted: list[int]) -> dict:
+        """SGLang 0.5.17's meta_info of one reply (srt/managers/tokenizer_manager.py)."""
+        meta = {"id": f"chatcmpl-{self.chats}", "completion_tokens": len(ids)}
+        if accepted and not self.hide_spec:  # SGLang adds these only for a request that verified drafts
+            meta |= {"spec_verify_ct": len(accepted), "spec_num_correct_drafts": sum(accepted),
+                     "spec_num_proposed_drafts": self.k * len(accepted), "spec_accept_length": len(ids) / len(accepted),
+                     "spec_correct_drafts_histogram": [accepted.count(n) for n in range(self.k + 1)]}
+        return meta
+
+    def generate_route(self, body: dict) -> tuple[int, Any]:
+        """SGLang's native ``/generate`` with ``input_ids``, speculating (as SGLang: ``reply_meta``)."""
+        prompt, params = body["input_ids"], body.get("sampling_params") or {}
+        if params.get("temperature", 1.0) != 0:
+            return 400, {"error": {"message": "the stand-in decodes greedily only (temperature 0)", "code": 400}}
+        ids, accepted, reason = self.speculate(prompt, params.get("max_new_tokens", 128), None)
         text = self.tokenizer.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                  "stop_reason": None}
-        if self.reply_meta and body.get("return_meta_info"):
-            choice["meta_info"] = {"id": f"chatcmpl-{self.chats}", "completion_tokens": len(ids)}
-            if accepted and not self.hide_spec:  # SGLang adds these only for a request that verified drafts
-                choice["meta_info"] |= {"spec_verify_ct": len(accepted), "spec_num_correct_drafts": sum(accepted),
-                                        "spec_num_proposed_drafts": self.k * len(accepted),
-                                        "spec_accept_length": len(ids) / len(accepted),
-                                        "spec_correct_drafts_histogram": [accepted.count(n) for n in range(self.k + 1)]}
-        return 200, {"id": f"chatcmpl-{self.chats}", "object": "chat.completion", "model": body["model"],
-                     "choices": [choice],
-                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                               "total_tokens": len(prompt) + len(ids)}}
+        meta = self.spec_meta(ids, accepted) | {"prompt_tokens": len(prompt), "finish_reason": {"type": reason}}
+        return 200, {"text": text, "output_ids": ids, "meta_info": meta}
 
     def handle_post(self, path: str, body: dict) -> tuple[int, Any]:
         if path == "/v1/chat/completions":
             return self.chat(body)
+        if path == "/generate" and self.reply_meta and self.speculative:
+            return self.generate_route(body)
         if path != "/v1/completions":
             return 404, {"error": f"no route {path}"}
         prompt = body["prompt"]
@@ -378,6 +400,15 @@ class StandinVllm(_Standin):
         if self.too_long(prompt, max_new):
             return 400, {"error": {"message": f"This model's maximum context length is {self.max_model_len} tokens. "
                                               f"However, you requested {len(prompt) + max_new} tokens.", "code": 400}}
+        if self.speculative and self.speculative.get("method") == "eagle3" and not self.reply_meta:  # with the draft: speculates as chat does
+            if body.get("temperature", 1.0) != 0:
+                return 400, {"error": {"message": "the stand-in decodes greedily only (temperature 0)", "code": 400}}
+            ids, _, reason = self.speculate(prompt, max_new, None)
+            text = self.tokenizer.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
+            return 200, {"id": f"cmpl-{self.chats}", "object": "text_completion", "model": body["model"],
+                         "choices": [{"index": 0, "text": text, "finish_reason": reason, "stop_reason": None}],
+                         "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                                   "total_tokens": len(prompt) + len(ids)}}
         stop = set(body.get("stop_token_ids") or []) | (set() if body.get("ignore_eos") else self.engine_eos)
         temperature = body.get("temperature", 1.0)
         ids, finish, matched = self.generate(prompt, max_new, stop, temperature, body.get("top_p", 1.0),

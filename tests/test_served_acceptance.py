@@ -29,6 +29,9 @@ ROWS = [
 ]
 
 
+FIGURES = ("drafts", "accepted_tokens", "completion_tokens", "prompt_tokens", "acceptance_per_position", "requests")
+
+
 def plan(messages):
     """Accepted counts of each draft of one request: chat (the one with a system prompt) [1], math [5, 2, 0]."""
     return [1] if messages[0]["role"] == "system" else [5, 2, 0]
@@ -166,6 +169,10 @@ def test_clear_errors(prompts, tmp_path):
         ServedAcceptanceConfig(server="http://x:1", prompts="p", out="o", engine="trtllm")
     with pytest.raises(ConfigError, match=r"server must be a base URL"):
         ServedAcceptanceConfig(server="127.0.0.1:8000", prompts="p", out="o")
+    with pytest.raises(ConfigError, match=r"template=client renders the prompts with tokenizer="):
+        ServedAcceptanceConfig(server="http://x:1", prompts="p", out="o", template="client")
+    with pytest.raises(ConfigError, match=r"template must be server .* or client"):
+        ServedAcceptanceConfig(server="http://x:1", prompts="p", out="o", template="harmony")
     assert not (tmp_path / "a").exists()  # nothing written when the run fails
 
 
@@ -195,6 +202,10 @@ def test_a_drafting_standin_gives_eagle3_evals_figures(pipeline, tmp_path):  # n
         spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
         with StandinVllm(model, tokenizer=tokenizer, speculative=spec) as server:
             served = measure(server.url, pipeline / "prompts.jsonl", tmp_path / name, limit=10, max_new_tokens=48)
+            if name == "right":  # the prompts rendered here and sent as token ids to /v1/completions: the same
+                ids = measure(server.url, pipeline / "prompts.jsonl", tmp_path / "ids", limit=10, max_new_tokens=48,
+                              template="client", tokenizer=str(pipeline / "target"))
+                assert {k: ids[k] for k in FIGURES} == {k: served[k] for k in FIGURES}
         ev = Evaluator(EvalConfig(draft=str(draft), target=str(pipeline / "target"), engine="vllm", k=3, limit=10,
                                   prompts=str(pipeline / "prompts.jsonl"), max_new_tokens=48, progress=False,
                                   out=str(tmp_path / f"eval-{name}"))).run()
@@ -214,6 +225,10 @@ def test_sglang_figures_are_summed_from_each_replys_meta_info(pipeline, tmp_path
     with StandinVllm(model, tokenizer=build_tiny_tokenizer(), speculative=spec, reply_meta=True) as server:
         served = measure(server.url, pipeline / "prompts.jsonl", tmp_path / "sg", limit=10, max_new_tokens=48,
                          engine="sglang")
+        # token ids rendered here, to SGLang's native /generate: the same replies and figures
+        ids = measure(server.url, pipeline / "prompts.jsonl", tmp_path / "sg-ids", limit=10, max_new_tokens=48,
+                      engine="sglang", template="client", tokenizer=str(pipeline / "target"))
+        assert {k: ids[k] for k in FIGURES} == {k: served[k] for k in FIGURES}
         with pytest.raises(EngineError, match="carries no spec_verify_ct in its meta_info"):
             server.hide_spec = True  # replies without the figures: a server that does not speculate
             measure(server.url, pipeline / "prompts.jsonl", tmp_path / "sg2", limit=2, max_new_tokens=48, engine="sglang")

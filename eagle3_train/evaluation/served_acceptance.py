@@ -7,7 +7,11 @@ Sends every conversation of the prompt file (read as ``eagle3-eval`` reads it,
 :mod:`eagle3_train.core.prompt_files`) to the engine's OpenAI-compatible ``/v1/chat/completions``,
 greedily (temperature 0, ``max_new_tokens`` per turn), ``concurrency`` requests at a time; a
 conversation's later user turns follow the engine's own replies to the earlier ones, as eagle3-eval
-follows the target's. The figures are the engine's, not ours: its Prometheus ``/metrics`` is read
+follows the target's. With ``template=client`` the prompts are rendered here instead, by the target's
+own tokenizer (``tokenizer=``) exactly as eagle3-eval renders them, and sent as token ids (vLLM
+``/v1/completions``, SGLang ``/generate``): for a target whose engine-side chat template differs
+from its tokenizer's (vLLM renders gpt-oss chats in harmony tokens), or to compare with eval prompt
+for prompt. The figures are the engine's, not ours: its Prometheus ``/metrics`` is read
 before and after each category of prompts, and the counters' differences give them, so whatever the
 server counted before the run does not count.
 
@@ -78,6 +82,7 @@ class SpecMetrics:
         enable: how to start the engine so that it speculates, for the error message.
         per_reply: the figures come in each reply's ``meta_info`` (the names are its keys;
             ``accepted_per_position`` a histogram of accepted drafts per step), not from ``/metrics``.
+        ids_route: where ``template=client`` sends token ids (a key of :data:`ID_ROUTES`).
     """
 
     engine: str
@@ -91,6 +96,7 @@ class SpecMetrics:
     generation_tokens: str
     enable: str
     per_reply: bool = False
+    ids_route: str = "/v1/completions"
 
 
 METRICS = {
@@ -108,7 +114,7 @@ METRICS = {
         "", "completion_tokens",
         "python -m sglang.launch_server --model-path <target> --speculative-algorithm EAGLE3 "
         "--speculative-draft-model-path <draft> --speculative-num-steps 5 --speculative-eagle-topk 1 "
-        "--speculative-num-draft-tokens 6", per_reply=True,
+        "--speculative-num-draft-tokens 6", per_reply=True, ids_route="/generate",
     ),
 }
 
@@ -134,6 +140,9 @@ class ServedAcceptanceConfig:
     prompts: str = MISSING  # JSONL (messages / MT-bench turns / HumanEval prompt / GSM8K question) or a saved dataset
     out: str = MISSING  # where report.json and outputs.jsonl go
     engine: str = "vllm"  # whose metric names are read (METRICS)
+    template: str = "server"  # server: the engine applies its chat template to the messages; client: `tokenizer` renders them here and token ids are sent (the prompts eagle3-eval decodes, token for token)
+    tokenizer: str | None = None  # with template=client: the target's directory (or hub id) whose chat template renders the prompts
+    cache_dir: str | None = None  # with template=client and a GGUF tokenizer: where it is converted once
     model: str | None = None  # the served model name to ask for (null: the first one /v1/models lists)
     column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
     max_new_tokens: int = 128  # generated tokens per turn (max_tokens)
@@ -152,6 +161,12 @@ class ServedAcceptanceConfig:
                               f"source), got {self.engine!r}")
         if not self.server.startswith(("http://", "https://")):
             raise ConfigError(f"server must be a base URL such as http://127.0.0.1:8000, got {self.server!r}")
+        if self.template not in ("server", "client"):
+            raise ConfigError(f"template must be server (the engine's chat template) or client (rendered here with "
+                              f"tokenizer=), got {self.template!r}")
+        if (self.template == "client") != (self.tokenizer is not None):
+            raise ConfigError("template=client renders the prompts with tokenizer=<the target's directory>; pass both "
+                              "or neither")
         check_numbers(self, positive=("max_new_tokens", "max_turns", "limit", "concurrency", "request_timeout_s"),
                       non_negative=("retries", "backoff_s", "wait_for_server_s", "settle_s"))
 
@@ -289,6 +304,58 @@ def figures(d: SpecCounts) -> dict[str, Any] | None:
     }
 
 
+# ---- the requests: one row per route --------------------------------------------------------
+
+# every field that changes greedy tokens is sent: the server's defaults come from the target's
+# generation_config.json (vLLM's --generation-config auto), which may set a repetition penalty
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
+
+@dataclass(frozen=True)
+class Route:
+    """One way to ask an engine for a greedy reply.
+
+    Args:
+        body: (model, prompt: messages or token ids, max_new_tokens) -> the JSON body.
+        parse: the response -> ({text, finish_reason, prompt_tokens, completion_tokens}, meta_info or None).
+        needs: what the response must hold, for the error message.
+        meta_at: where the per-reply figures are, for the error message.
+    """
+
+    body: Any
+    parse: Any
+    needs: str
+    meta_at: str
+
+
+def _openai_parse(resp: dict, text_of: Any) -> tuple[dict, Any]:
+    choice, usage = resp["choices"][0], resp["usage"]
+    return ({"text": text_of(choice) or "", "finish_reason": choice.get("finish_reason"),
+             "prompt_tokens": int(usage["prompt_tokens"]), "completion_tokens": int(usage["completion_tokens"])},
+            choice.get("meta_info"))
+
+
+def _generate_parse(resp: dict) -> tuple[dict, Any]:
+    """SGLang's native ``/generate`` (read from 0.5.17: ``srt/managers/io_struct.py``): ``text`` and
+    ``meta_info`` with the token counts and ``finish_reason`` ``{"type": "stop" | "length", ...}``."""
+    meta = resp["meta_info"]
+    reason = meta.get("finish_reason")
+    return ({"text": resp["text"], "finish_reason": reason.get("type") if isinstance(reason, dict) else reason,
+             "prompt_tokens": int(meta["prompt_tokens"]), "completion_tokens": int(meta["completion_tokens"])}, meta)
+
+
+CHAT_ROUTE = Route(lambda model, messages, n: {"model": model, "messages": messages, "max_tokens": n, **GREEDY},
+                   lambda resp: _openai_parse(resp, lambda ch: ch["message"]["content"]),
+                   "choices[0].message.content and usage", "choices[0].meta_info")
+ID_ROUTES = {
+    "/v1/completions": Route(lambda model, ids, n: {"model": model, "prompt": ids, "max_tokens": n, **GREEDY},
+                             lambda resp: _openai_parse(resp, lambda ch: ch["text"]),
+                             "choices[0].text and usage", "choices[0].meta_info"),
+    "/generate": Route(lambda model, ids, n: {"input_ids": ids, "sampling_params": {"max_new_tokens": n, **GREEDY}},
+                       _generate_parse, "text and meta_info (prompt_tokens, completion_tokens)", "meta_info"),
+}
+
+
 # ---- the client ------------------------------------------------------------------------------
 
 @dataclass
@@ -314,6 +381,11 @@ class ServedAcceptance:
         self.model: str | None = cfg.model
         self.warnings: list[str] = []
         self.tally = SpecCounts(0, 0, 0, (), 0, 0)  # per_reply engines: the sum over this client's replies
+        self.tokenizer = None
+        if cfg.template == "client":
+            from eagle3_train.targets import load_target
+
+            self.tokenizer = load_target(cfg.tokenizer, cache_dir=cfg.cache_dir, load_model=False).tokenizer
 
     async def get(self, session: Any, path: str) -> str:
         """GET ``path`` of the server as text; an unreachable server or an error status names the URL."""
@@ -365,28 +437,30 @@ class ServedAcceptance:
         return last
 
     async def chat(self, session: Any, gate: asyncio.Semaphore, messages: list[dict[str, str]], what: str) -> dict:
-        """One greedy chat completion; returns the response's first choice and usage."""
+        """One greedy reply to ``messages``: the engine's chat completion (``template=server``) or
+        a completion of the prompt's token ids rendered here (``template=client``). Returns its
+        text, finish reason and token counts."""
         c = self.cfg
-        # every field that changes greedy tokens is sent: the server's defaults come from the target's
-        # generation_config.json (vLLM's --generation-config auto), which may set a repetition penalty
-        body = {"model": self.model, "messages": messages, "max_tokens": c.max_new_tokens, "temperature": 0.0,
-                "top_p": 1.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+        if c.template == "client":
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)["input_ids"]
+            route = ID_ROUTES[self.names.ids_route]
+            path, body = self.names.ids_route, route.body(self.model, list(ids), c.max_new_tokens)
+        else:
+            route = CHAT_ROUTE
+            path, body = "/v1/chat/completions", CHAT_ROUTE.body(self.model, messages, c.max_new_tokens)
         if self.names.per_reply:
             body["return_meta_info"] = True
-        url = f"{self.url}/v1/chat/completions"
+        url = f"{self.url}{path}"
         async with gate:
             resp = await retrying(lambda attempt: post_json(session, url, body), c.retries, c.backoff_s, f"{url} ({what})")
         try:
-            choice, usage = resp["choices"][0], resp["usage"]
-            out = {"text": choice["message"]["content"] or "", "finish_reason": choice.get("finish_reason"),
-                   "prompt_tokens": int(usage["prompt_tokens"]), "completion_tokens": int(usage["completion_tokens"])}
+            out, meta = route.parse(resp)
         except (KeyError, IndexError, TypeError, ValueError):
-            raise EngineError(f"{url} ({what}) answered without choices[0].message.content and usage: "
-                              f"{json.dumps(resp)[:300]}") from None
+            raise EngineError(f"{url} ({what}) answered without {route.needs}: {json.dumps(resp)[:300]}") from None
         if self.names.per_reply:
-            meta = choice.get("meta_info")
             if not isinstance(meta, dict):
-                raise EngineError(f"{url} ({what}) answered without choices[0].meta_info although asked with "
+                raise EngineError(f"{url} ({what}) answered without {route.meta_at} although asked with "
                                   f"return_meta_info (as {self.names.read_from} does): not {self.names.engine}?")
             self.tally = add(self.tally, reply_counts(meta, self.names, out["completion_tokens"], f"{url} ({what})"))
         return out

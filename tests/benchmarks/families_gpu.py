@@ -21,7 +21,8 @@ call to copy back. Every step runs under a time limit; a failed step never stops
 
 Variables (default): W (/tmp/w31), FAMILIES (every tiny family), ENGINES (vllm), DUMP_ENGINES (vllm:
 SGLang 0.5.17 has no aux-state return for a dump, --return-aux-hidden-state-layer-ids came later),
-SGLANG_FAMILIES (llama,deepseek_v3), TRAIN_N (512), CMP_N (64), K (4), NEW_TOKENS (64), EPOCHS (10),
+VLLM_FAMILIES / SGLANG_FAMILIES (every tiny family: those each engine serves), PHASES (train,serve; serve
+alone reuses phase 1's outputs in W), CLIENT_TEMPLATE (gpt_oss: served acceptance with template=client), TRAIN_N (512), CMP_N (64), K (4), NEW_TOKENS (64), EPOCHS (10),
 TRAIN_S (400), BASE_PORT (8100), SITE / VSITE / SGSITE (/tmp/site, /tmp/vsite, /tmp/sgsite: where
 launch/gpu_stage.sh, stage_vllm.sh and stage_sglang.sh installed; each engine runs with its own).
 
@@ -54,7 +55,11 @@ W = Path(os.environ.get("W", "/tmp/w31"))
 FAMS = [f for f in os.environ.get("FAMILIES", ",".join(FAMILIES)).split(",") if f]
 ENGINES = [e for e in os.environ.get("ENGINES", "vllm").split(",") if e]
 DUMP_ENGINES = [e for e in os.environ.get("DUMP_ENGINES", "vllm").split(",") if e]
-SGLANG_FAMILIES = os.environ.get("SGLANG_FAMILIES", "llama,deepseek_v3").split(",")
+SERVE_FAMILIES = {e: os.environ.get(f"{e.upper()}_FAMILIES", ",".join(FAMILIES)).split(",") for e in ("vllm", "sglang")}
+PHASES = os.environ.get("PHASES", "train,serve").split(",")  # serve only: phase 1's outputs already in W
+# served acceptance with the prompts rendered here (template=client: token ids to the engine), for
+# targets whose engine-side chat template the tiny tokenizer cannot render (vLLM's harmony for gpt-oss)
+CLIENT_TEMPLATE = os.environ.get("CLIENT_TEMPLATE", "gpt_oss").split(",")
 TRAIN_N = int(os.environ.get("TRAIN_N", 512))
 CMP_N = int(os.environ.get("CMP_N", 64))
 K = int(os.environ.get("K", 4))
@@ -273,9 +278,10 @@ def serve_wave(engine: str, fams: list[str], variant: str, port0: int) -> None:
 
         def measure(s: Server) -> None:
             out = W / s.fam / f"served_{engine}_{s.variant}"
+            client = ["template=client", f"tokenizer={W / s.fam / 'target'}"] if s.fam in CLIENT_TEMPLATE else []
             step(f"{s.key}_served", 600, m("eagle3_train.evaluation.served_acceptance", f"server={s.url}",
                                           f"engine={engine}", f"prompts={HELDOUT}", f"max_new_tokens={NEW}",
-                                          f"out={out}", "wait_for_server_s=60"), result=out / "report.json")
+                                          f"out={out}", "wait_for_server_s=60", *client), result=out / "report.json")
 
         with ThreadPoolExecutor(len(servers) or 1) as pool:
             list(pool.map(measure, [s for s, ok in zip(servers, up) if ok]))
@@ -351,12 +357,13 @@ def main() -> None:
         RESULTS["machine"] = "no GPU"
     save()
     t0 = time.time()
-    with ThreadPoolExecutor(len(FAMS)) as pool:
-        list(pool.map(train_family, FAMS))
+    if "train" in PHASES:
+        with ThreadPoolExecutor(len(FAMS)) as pool:  # started 2 s apart: 7 interpreters importing at once once failed
+            list(pool.map(lambda i_f: (time.sleep(2 * i_f[0]), train_family(i_f[1])), enumerate(FAMS)))
     RESULTS["phase_seconds"] = {"train": round(time.time() - t0, 1)}
     port = BASE_PORT
-    for engine in ENGINES:
-        fams = [f for f in FAMS if engine != "sglang" or f in SGLANG_FAMILIES]
+    for engine in ENGINES if "serve" in PHASES else []:
+        fams = [f for f in FAMS if f in SERVE_FAMILIES[engine]]
         t1 = time.time()
         serve_all(engine, fams, port)
         port += 100
