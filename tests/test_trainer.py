@@ -206,11 +206,53 @@ def test_resume_refuses_another_vocab_map(std, tmp_path):
     train(data, tmp_path / "r", max_steps=2)
     manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
     assert manifest["stage"] == "train" and manifest["step"] == 2 and manifest["request"]["micro_batches_per_step"] == 1
-    with pytest.raises(ContractError, match=r"(?s)\n  micro_batches_per_step: 1 != 2\nkeep ranks x train.grad_accum"):
+    with pytest.raises(ContractError, match=r"(?s)\n  micro_batches_per_step: 1 != 2\n"
+                                                r"  options.train.grad_accum: 1 != 2\nkeep ranks x train.grad_accum"):
         train(data, tmp_path / "r", max_steps=4, grad_accum=2)
     Standardizer(StandardizeConfig(out=str(data), only_vocab=True, draft_vocab_size=200, progress=False)).run()
     with pytest.raises(ContractError, match=r"(?s)holds a finished training run made otherwise.*\n  vocab_sha256: .*vocab_map=<the old map>"):
         train(data, tmp_path / "r", max_steps=4)
+
+
+def test_a_rerun_with_a_changed_option_is_refused_by_name(std, tmp_path, capsys):
+    """Every option that changes the weights is in the run's request (core.fingerprint): a rerun
+    that changes one is refused naming it; an option listed as outside the request (how often it
+    logs) is taken; raising max_steps extends the run, says so, and with a constant lr gives the
+    weights of a run trained straight to the new total."""
+    run = tmp_path / "r"
+    train(std, run, max_steps=2, schedule="constant")
+    for change, field in (({"lr": 1e-3}, r"options.train.lr: 0.003 != 0.001"),
+                          ({"ttt_length": 2}, r"options.train.ttt_length: 3 != 2"),
+                          ({"seed": 1}, r"options.train.seed: 0 != 1"),
+                          ({"schedule": "cosine"}, r"options.train.schedule: 'constant' != 'cosine'")):
+        with pytest.raises(ContractError, match=rf"(?s)holds a finished training run made otherwise.*\n  {field}\n"
+                                                r".*only with the options it was started with"):
+            train(std, run, **({"max_steps": 2, "schedule": "constant"} | change))
+    capsys.readouterr()
+    train(std, run, max_steps=2, schedule="constant", log_every=5)  # outside the request: nothing to do
+    assert "already trained at step 2; nothing to do" in capsys.readouterr().out
+    train(std, run, max_steps=4, schedule="constant")
+    assert "train.max_steps: 2 -> 4: the run continues from step 2 to 4 (was 2)" in capsys.readouterr().out
+    train(std, tmp_path / "straight", max_steps=4, schedule="constant")
+    last = lambda d: load_file(str(d / "checkpoints" / "step4" / "draft.safetensors"))  # noqa: E731
+    a, b = last(run), last(tmp_path / "straight")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6)
+    assert json.loads((run / "manifest.json").read_text())["step"] == 4
+
+
+def test_every_train_option_is_fingerprinted_or_listed():
+    """A new option joins the request unless core.fingerprint lists it, and every listed name exists."""
+    from eagle3_train.core.cli import config_dict
+    from eagle3_train.core.fingerprint import CONTINUATIONS, OUTSIDE_REQUEST, flatten, request_options
+
+    options = flatten(config_dict(TrainConfig(data="d", out="o")))
+    listed = {**OUTSIDE_REQUEST["train"], **CONTINUATIONS["train"]}
+    for name in listed:
+        assert any(o == name or o.startswith(f"{name}.") for o in options), f"{name} is no train option"
+    request = request_options("train", config_dict(TrainConfig(data="d", out="o")))
+    assert {"train.lr", "train.ttt_length", "model.lm_head_init", "deepspeed.zero_stage", "source"} <= set(request)
+    assert not {"train.epochs", "progress", "out", "logging.wandb"} & set(request)
 
 
 def test_data_from_another_target_is_refused(std, tmp_path):

@@ -62,16 +62,21 @@ def checkpoint_paths(out: Path, last: Path, best: dict[str, Any] | None) -> dict
 
 
 def run_directory(out: Path, capture: dict[str, Any], vocab_sha: str, draft_config: dict[str, Any],
-                  micro_batches_per_step: int) -> StageDir:
+                  micro_batches_per_step: int, options: dict[str, Any], data_fingerprint: str) -> StageDir:
     """The run directory; what its checkpoints must agree with to be continued: the capture they
-    learned from, the vocab map their lm_head rows mean, the draft's shape, and how many
-    micro-batches make one step (the data position)."""
+    learned from, the vocab map their lm_head rows mean, the draft's shape, how many micro-batches
+    make one step (the data position), every option that changes the weights (``options``: the
+    config less what :mod:`eagle3_train.core.fingerprint` lists) and the data's content."""
     request = {"capture": capture, "vocab_sha256": vocab_sha, "draft_config": draft_config,
-               "micro_batches_per_step": micro_batches_per_step}
+               "micro_batches_per_step": micro_batches_per_step, "options": options,
+               "data_fingerprint": data_fingerprint}
 
     def hint(diffs: list[str]) -> str:
         why = {"vocab_sha256": "the lm_head rows would mean other tokens: standardize with vocab_map=<the old map>",
-               "micro_batches_per_step": "keep ranks x train.grad_accum the same to resume at the same data position"}
+               "micro_batches_per_step": "keep ranks x train.grad_accum the same to resume at the same data position",
+               "options": "a run continues only with the options it was started with (train.epochs and "
+                          "train.max_steps may be raised to extend it)",
+               "data_fingerprint": "the run was trained on other data"}
         said = [text for key, text in why.items() if any(d.startswith(key) for d in diffs)]
         return "; ".join(said + ["or start a new run with another out="])
 

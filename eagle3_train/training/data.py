@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from eagle3_train.core.fingerprint import digest
 from eagle3_train.core.contract import CaptureSpec, read_manifest
 from eagle3_train.core.errors import BadInputError, ContractError
 from eagle3_train.core.formats import SHARD_SUFFIX, ShardRecord, check_shard
@@ -189,6 +190,7 @@ class Source(ABC):
         train_split, eval_split: the samples by index: ``length`` (int64 per sample, cut at the
             token budget), ``len()``, and ``batch(indices)``, a host micro-batch with ``pin()``.
         where: how messages name the data.
+        data_fingerprint: the data's content (a run continues only on the same).
     """
 
     spec: CaptureSpec
@@ -197,6 +199,7 @@ class Source(ABC):
     train_split: Any
     eval_split: Any
     where: str
+    data_fingerprint: str
 
     @abstractmethod
     def target_tensors(self, names: tuple[str, ...]) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -232,6 +235,7 @@ class OfflineSource(Source):
                                 f"eagle3-standardize{hint}")
         self.spec = CaptureSpec.from_dict(self.manifest["capture"])
         self.vocab, self.vocab_sha = self._load_vocab()
+        self.data_fingerprint = digest({split: [r["sha256"] for r in rows] for split, rows in self.manifest["shards"].items()})
         records = lambda split: [ShardRecord.from_dict(r) for r in self.manifest["shards"][split]]  # noqa: E731
         self.train_split = ShardSplit(self.data_dir / "train", records("train"), max_length, self.spec.storage)
         self.eval_split = ShardSplit(self.data_dir / "eval", records("eval"), max_length, self.spec.storage)

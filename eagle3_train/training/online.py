@@ -128,6 +128,7 @@ class OnlineSource(Source):
         self.cfg, self.device, self.dtype = cfg, dist.device, dtype
         self.prepared = PreparedData(data)
         self.where = str(self.prepared.path)
+        self.data_fingerprint = self.prepared.fingerprint
         # config and tokenizer first: a capture the target cannot provide (a layer it does not have,
         # N itself) and data of another tokenizer are refused before its weights are loaded
         about = loaded or load_target(target, cache_dir=cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code)

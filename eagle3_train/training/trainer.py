@@ -28,10 +28,11 @@ import torch
 from tqdm.auto import tqdm
 
 from eagle3_train.core.cli import config_dict, entry_point
-from eagle3_train.core.contract import BEST_FILE, run_checkpoints
+from eagle3_train.core.contract import BEST_FILE, MANIFEST_NAME, run_checkpoints
 from eagle3_train.core.dist import DistInfo, all_gather_objects, barrier, close, init_distributed, print0
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, Eagle3Error
 from eagle3_train.core.fileio import atomic_write_json
+from eagle3_train.core.fingerprint import continued_options, request_options
 from eagle3_train.core.stagedir import StageDir
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.targets import Target
@@ -148,7 +149,8 @@ class Trainer:
     @property
     def run_dir(self) -> StageDir:
         return run_directory(self.out, self.spec.to_dict(), self.vocab_sha, self.model.config.to_dict(),
-                             self.world * self.cfg.train.grad_accum)
+                             self.world * self.cfg.train.grad_accum, request_options("train", config_dict(self.cfg)),
+                             self.source.data_fingerprint)
 
     def _resume(self) -> None:
         if self.dist.is_main:
@@ -176,6 +178,7 @@ class Trainer:
         self.best = state.get("best", self.best)
         self.evals_since_best = state.get("evals_since_best", 0)
         self.early_stopped = state.get("early_stopped", False)
+        self._continuation(state)
         if self.cfg.train.keep_best and self.best["step"] is not None:
             best = self.out / "checkpoints" / f"step{self.best['step']}"
             if not (best / "state.json").is_file():  # tracked while keep_best was off: never saved
@@ -184,6 +187,25 @@ class Trainer:
                 atomic_write_json(self.out / BEST_FILE, {"checkpoint": best.name} | self.best)
         print0(f"resumed from {last} at step {self.step}")
 
+    def _continuation(self, state: dict[str, Any]) -> None:
+        """Say what a rerun with changed continuation options (core.fingerprint.CONTINUATIONS) does."""
+        before, now = state.get("continued"), continued_options("train", config_dict(self.cfg))
+        if before is None or before == now:
+            return
+        changed = ", ".join(f"{k}: {before.get(k)} -> {v}" for k, v in now.items() if before.get(k) != v)
+        old_total = state.get("total_steps")
+        if self.step >= self.total_steps:
+            what = f"the run is already at step {self.step} of {self.total_steps}: nothing more is trained"
+        else:
+            what = (f"the run continues from step {self.step} to {self.total_steps} (was {old_total}); the lr "
+                    f"schedule is recomputed over {self.total_steps} steps, so the lr now follows the longer curve")
+            if self.dist.is_main:  # unfinished again until the new total is reached
+                (self.out / MANIFEST_NAME).unlink(missing_ok=True)
+        if self.early_stopped and self.cfg.train.early_stop_patience > state.get("evals_since_best", 0):
+            self.early_stopped = False
+            what += "; the early stop is lifted (patience raised)"
+        print0(f"eagle3-train: {changed}: {what}")
+
     def save(self) -> Path:
         """A DeepSpeed checkpoint plus the consolidated head (:mod:`eagle3_train.training.checkpoint`)."""
         o = self.cfg.train
@@ -191,7 +213,8 @@ class Trainer:
                  "grad_accum": o.grad_accum, "vocab_sha256": self.vocab_sha,
                  "capture": self.spec.to_dict(), "draft_config": self.model.config.to_dict(),
                  "ttt_length": o.ttt_length, "model": config_dict(self.cfg.model),
-                 "best": self.best, "evals_since_best": self.evals_since_best, "early_stopped": self.early_stopped}
+                 "best": self.best, "evals_since_best": self.evals_since_best, "early_stopped": self.early_stopped,
+                 "total_steps": self.total_steps, "continued": continued_options("train", config_dict(self.cfg))}
         weights = consolidated_state_dict(self.model, self.cfg.deepspeed.zero_stage)
         return save_checkpoint(self.engine, self.out, f"step{self.step}", state, weights, self.dist.is_main,
                                o.keep_last, self._kept_best())
