@@ -73,6 +73,24 @@ def test_config_checks_run_on_final_values():
         to_config(compose_config("train.yaml", overrides + ["train.lr=-1"]), schema)
 
 
+def test_keys_the_schema_lacks_are_refused_naming_the_nearest():
+    """``+train.learning_rate=...`` (what Hydra suggests for a key the schema lacks) was dropped and
+    the run trained at the default lr: every command refuses such a key, whatever its depth."""
+    from eagle3_train.core.errors import ConfigError
+
+    schema, overrides = PRIMARY["train.yaml"]
+    cases = (("+train.learning_rate=1e-3", r"unknown option train.learning_rate \(did you mean train.lr\?\)"),
+             ("+online.dtypo=x", r"unknown option online.dtypo \(did you mean online.dtype\?\)"),
+             ("+deepspeed.zero=3", r"unknown option deepspeed.zero \(did you mean deepspeed.zero_stage\?\)"),
+             ("+unrelated_thing=1", r"unknown option unrelated_thing: not a field of TrainConfig"))
+    for override, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            to_config(compose_config("train.yaml", overrides + [override]), schema)
+    for name, (schema, overrides) in PRIMARY.items():  # every command, and its real keys still compose
+        with pytest.raises(ConfigError, match=rf"unknown option zzz_extra: not a field of {schema.__name__}"):
+            to_config(compose_config(name, overrides + ["+zzz_extra=1"]), schema)
+
+
 def test_shipped_prompts():
     rows = {}
     for split in ("train", "heldout"):

@@ -39,12 +39,79 @@ def user_errors(command: str) -> Iterator[None]:
         sys.exit(2)
 
 
+# names other trainers give our options (a misspelt key is matched by spelling otherwise)
+SYNONYMS = {"learning_rate": "lr", "num_epochs": "epochs", "num_train_epochs": "epochs", "warmup": "warmup_steps",
+            "gradient_accumulation_steps": "grad_accum", "max_grad_norm": "grad_clip", "output_dir": "out"}
+
+
+def unknown_keys(cfg: DictConfig, schema: type) -> list[str]:
+    """Keys of the composed config that ``schema`` (a dataclass, nested) has no field for, dotted;
+    ``hydra`` and ``defaults`` are Hydra's own."""
+    import dataclasses
+
+    found: list[str] = []
+
+    def walk(node: Any, cls: Any, prefix: str) -> None:
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        for key in node.keys() if isinstance(node, DictConfig) else []:
+            name = f"{prefix}{key}"
+            if not prefix and key in ("hydra", "defaults"):
+                continue
+            if key not in names:
+                found.append(name)
+                continue
+            sub = None if OmegaConf.is_missing(node, key) else node[key]
+            field_cls = _dataclass_of(names[key], cls)
+            if isinstance(sub, DictConfig) and field_cls is not None:
+                walk(sub, field_cls, f"{name}.")
+
+    walk(cfg, schema, "")
+    return found
+
+
+def _dataclass_of(field: Any, owner: type) -> type | None:
+    """A field's dataclass type where annotations are strings (``from __future__ import annotations``)."""
+    import dataclasses
+    import typing
+
+    hint = field.type
+    if not isinstance(hint, type):
+        try:
+            hint = typing.get_type_hints(owner)[field.name]
+        except (NameError, TypeError):  # an annotation that cannot be resolved: not a nested config
+            return None
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
 def to_config(cfg: DictConfig, schema: type[T]) -> T:
-    """The composed Hydra config as its dataclass, so ``__post_init__`` checks run on final values."""
+    """The composed Hydra config as its dataclass, so ``__post_init__`` checks run on final values.
+    A key the schema has no field for (``+train.learning_rate=...``, which Hydra suggests for a
+    misspelt key) is refused, naming the nearest field, instead of dropped."""
+    import difflib
+
+    from eagle3_train.core.errors import ConfigError
+    from eagle3_train.core.fingerprint import flatten
+
+    unknown = unknown_keys(cfg, schema)
+    if unknown:
+        known = list(flatten(config_dict_of_schema(schema)))
+        said = []
+        for key in unknown:
+            prefix, _, leaf = key.rpartition(".")
+            alias = ".".join(filter(None, (prefix, SYNONYMS.get(leaf))))
+            near = [alias] if alias in known else difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+            said.append(f"{key}" + (f" (did you mean {near[0]}?)" if near else ""))
+        raise ConfigError(f"unknown option{'s' if len(said) > 1 else ''} {', '.join(said)}: not a field of "
+                          f"{schema.__name__}; the reference page of this command lists them all")
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, schema):
         raise TypeError(f"config composed into {type(obj).__name__}, expected {schema.__name__}")
     return obj
+
+
+def config_dict_of_schema(schema: type) -> dict:
+    """A schema's fields as plain data, required ones (MISSING) included as ``???``."""
+    return OmegaConf.to_container(OmegaConf.structured(schema), resolve=False)  # type: ignore[return-value]
 
 
 def config_dict(obj: Any) -> dict:
