@@ -241,6 +241,27 @@ def test_a_rerun_with_a_changed_option_is_refused_by_name(std, tmp_path, capsys)
     assert json.loads((run / "manifest.json").read_text())["step"] == 4
 
 
+def test_a_sweep_runs_each_job_in_its_own_process_and_directory(std, tmp_path):
+    """``eagle3-train -m ... train.lr=a,b``: the second job failed on DeepSpeed state left by the
+    first, and both wrote one out=. Now each job runs in its own process, in <out>/<swept options>,
+    with the weights of a plain run at its lr."""
+    sweep = tmp_path / "sweep"
+    run = subprocess.run([sys.executable, "-m", "eagle3_train.training.trainer", "-m", f"data={std}", "target=tiny",
+                          f"out={sweep}", "train.ttt_length=3", "train.max_tokens_per_batch=600", "train.epochs=2",
+                          "train.max_steps=1", "train.lr=1e-3,3e-3", "progress=false"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml", "train.lr=0.001", "train.lr=0.003"]
+    for lr in (1e-3, 3e-3):
+        job = sweep / f"train.lr={lr}"
+        assert json.loads((job / "config.json").read_text())["train"]["lr"] == lr
+        train(std, tmp_path / f"plain{lr}", max_steps=1, lr=lr, log_every=10)
+        a = load_file(str(job / "checkpoints" / "step1" / "draft.safetensors"))
+        b = load_file(str(tmp_path / f"plain{lr}" / "checkpoints" / "step1" / "draft.safetensors"))
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6)
+
+
 def test_every_train_option_is_fingerprinted_or_listed():
     """A new option joins the request unless core.fingerprint lists it, and every listed name exists."""
     from eagle3_train.core.cli import config_dict

@@ -120,6 +120,44 @@ def config_dict(obj: Any) -> dict:
 
 
 
+SWEEP_CHILD_ENV = "EAGLE3_SWEEP_JOB"  # set in a sweep job's own process
+
+
+def sweep_job(command: str, run: Callable[..., Any], cfg: DictConfig) -> int | None:
+    """One job of a Hydra sweep (``-m``), run in its own process, so that no state of an earlier
+    job (DeepSpeed's process groups, a CUDA context, a loaded target) reaches it; its ``out=`` is
+    ``<out>/<the swept options of this job>``, so every job has its own output directory. None
+    outside a sweep (and inside the job's own process): the caller runs the command itself."""
+    import os
+    import subprocess
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+
+    from eagle3_train.core.errors import ConfigError
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN or os.environ.get(SWEEP_CHILD_ENV):
+        return None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"{command} -m under torchrun: start the sweep without torchrun (each job runs in its own "
+                          "process), or run one torchrun per setting")
+    given = [a for a in sys.argv[1:] if not a.startswith("-")]
+    swept = {o.key_or_group for o in OverridesParser.create().parse_overrides(given) if o.is_sweep_override()}
+    task = list(hc.overrides.task)
+    values = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in task if "=" in o}
+    if "out" in cfg and not OmegaConf.is_missing(cfg, "out") and swept - {"out"}:
+        name = ",".join(f"{k}={values[k]}" for k in sorted(swept - {"out"}) if k in values).replace("/", "_")
+        task = [o for o in task if o.split("=", 1)[0] != "out"] + [f"out='{Path(str(cfg.out)) / name}'"]
+    module = run.__module__
+    if module == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        module = spec.name if spec is not None else module
+    print(f"{command}: sweep job {hc.job.num}: {' '.join(task)}", flush=True)
+    return subprocess.run([sys.executable, "-m", module, *task], env={**os.environ, SWEEP_CHILD_ENV: "1"}).returncode
+
+
 def entry_point(config_name: str, schema: type[T], run: Callable[[T], Any]) -> Callable[[], None]:
     """The console entry point ``eagle3-<config_name>`` (``_`` written ``-``): compose
     ``conf/<config_name>.yaml`` with the command-line overrides, check it as ``schema``, call
@@ -131,7 +169,9 @@ def entry_point(config_name: str, schema: type[T], run: Callable[[T], Any]) -> C
     @hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")
     def _main(cfg: DictConfig) -> None:
         with user_errors(command):
-            code = run(to_config(cfg, schema))
+            code = sweep_job(command, run, cfg)
+            if code is None:
+                code = run(to_config(cfg, schema))
         if isinstance(code, int) and not isinstance(code, bool) and code:
             sys.exit(code)
 
