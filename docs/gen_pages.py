@@ -299,6 +299,26 @@ def reference_page(command: str, cls: type, yaml_name: str | None = None, compos
                 name += f" ([section](#{_anchor(r.name)}))"
             body.append([name, code(r.type), _default_text(r.default), cell(r.doc)])
         out.append(table(["field", "type", "default", "doc"], body) + "\n")
+    out.append(rerun_section(command))
+    return "".join(out)
+
+
+def rerun_section(command: str) -> str:
+    """What a rerun on the same out= compares (eagle3_train.core.fingerprint), for stages that list it."""
+    from eagle3_train.core.fingerprint import CONTINUATIONS, OUTSIDE_REQUEST
+
+    stage = command.removeprefix("eagle3-")
+    if stage not in OUTSIDE_REQUEST and stage not in CONTINUATIONS:
+        return ""
+    out = ["## Reruns on the same `out=`\n\n",
+           "Every option above is recorded in `out/request.json` and compared on a rerun: one that differs is "
+           "refused, naming it. Only these are left out (`eagle3_train/core/fingerprint.py`):\n\n",
+           table(["option", "why it cannot change the output"],
+                 [[f"`{k}`", cell(v)] for k, v in OUTSIDE_REQUEST.get(stage, {}).items()]) + "\n"]
+    if CONTINUATIONS.get(stage):
+        out += ["A rerun may change these to continue the same output:\n\n",
+                table(["option", "what the change does"],
+                      [[f"`{k}`", cell(v)] for k, v in CONTINUATIONS[stage].items()]) + "\n"]
     return "".join(out)
 
 
