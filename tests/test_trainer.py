@@ -262,6 +262,35 @@ def test_a_sweep_runs_each_job_in_its_own_process_and_directory(std, tmp_path):
             torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6)
 
 
+def test_export_refuses_an_unfinished_run_and_another_runs_export(std, tmp_path):
+    """A run without its final manifest (still training, or killed) is exported only by naming a
+    checkpoint; an out= holding another run's export, or no export at all, is replaced only with
+    overwrite=true; a re-export of the same run replaces its own."""
+    import shutil
+
+    for name in ("a", "b"):
+        train(std, tmp_path / name, max_steps=2, save_every=1)
+    shutil.copytree(tmp_path / "a", tmp_path / "running")
+    (tmp_path / "running" / "manifest.json").unlink()  # what a run still training looks like
+    export = lambda run, out, **kw: Exporter(ExportConfig(run=str(run), out=str(out), **kw)).run()  # noqa: E731
+    with pytest.raises(ContractError, match=r"running is still training, or stopped before its end .*last checkpoint is "
+                                            r"step2\): to export that checkpoint anyway, name it: run=.*running/checkpoints/step2"):
+        export(tmp_path / "running", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    export(tmp_path / "running" / "checkpoints" / "step2", tmp_path / "x")
+    export(tmp_path / "a", tmp_path / "ea")
+    export(tmp_path / "a" / "checkpoints" / "step1", tmp_path / "ea")  # the same run: replaced
+    with pytest.raises(ContractError, match=r"ea holds the export of .*a/checkpoints/step1, another run than"):
+        export(tmp_path / "b", tmp_path / "ea")
+    export(tmp_path / "b", tmp_path / "ea", overwrite=True)
+    assert "/b/checkpoints/" in json.loads((tmp_path / "ea" / "manifest.json").read_text())["checkpoint"]
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("keep me")
+    with pytest.raises(ContractError, match=r"notes exists and is not an export"):
+        export(tmp_path / "a", tmp_path / "notes")
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "keep me"
+
+
 def test_every_train_option_is_fingerprinted_or_listed():
     """A new option joins the request unless core.fingerprint lists it, and every listed name exists."""
     from eagle3_train.core.cli import config_dict

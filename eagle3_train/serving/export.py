@@ -26,7 +26,9 @@ from omegaconf import MISSING
 from safetensors.torch import load_file, save_file
 
 from eagle3_train.core.cli import config_dict, entry_point
-from eagle3_train.core.contract import CaptureSpec, best_checkpoint, check_dtype, run_checkpoints, write_manifest
+from eagle3_train.core.contract import (
+    MANIFEST_NAME, CaptureSpec, best_checkpoint, check_dtype, run_checkpoints, write_manifest,
+)
 from eagle3_train.engines.rules import RULES_VERSION, TOP_KEY, Unexpressible, fc_skipped, ids_for, unloadable_weights
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.core.fileio import atomic_write_json
@@ -43,6 +45,7 @@ class ExportConfig:
     out: str = MISSING  # the serving directory to write
     engines: list[str] = field(default_factory=lambda: list(EXPORT_ENGINES))  # engines the config must serve
     dtype: str = "bfloat16"  # dtype of the exported weights
+    overwrite: bool = False  # replace an out= that holds an export of another run (or anything that is not an export)
 
     def __post_init__(self) -> None:
         unknown = [e for e in self.engines if e not in EXPORT_ENGINES]
@@ -55,17 +58,39 @@ ConfigStore.instance().store(name="export_schema", node=ExportConfig)
 
 
 def find_checkpoint(run: Path) -> Path:
-    """``run`` itself if it is a finished checkpoint; else the run's best checkpoint when it kept
-    one (``train.keep_best``: best eval simulated tau), else its last finished checkpoint."""
+    """``run`` itself if it is a finished checkpoint; else, of a finished run, its best checkpoint
+    when it kept one (``train.keep_best``: best eval simulated tau), else its last. A run still
+    training (or stopped before its end) is refused: name one of its checkpoints instead."""
     if (run / "state.json").is_file():
         return run
-    best = best_checkpoint(run)
-    if best is not None:
-        return best
     ckpts = run_checkpoints(run)
     if not ckpts:
         raise BadInputError(f"{run} is neither a checkpoint (state.json) nor a run directory with finished checkpoints")
-    return ckpts[-1]
+    if not (run / MANIFEST_NAME).is_file():
+        raise ContractError(f"{run} is still training, or stopped before its end (no {MANIFEST_NAME}; its last checkpoint "
+                            f"is {ckpts[-1].name}): to export that checkpoint anyway, name it: run={ckpts[-1]}")
+    best = best_checkpoint(run)
+    return best if best is not None else ckpts[-1]
+
+
+def refuse_foreign_out(out: Path, ckpt: Path, overwrite: bool) -> None:
+    """An existing ``out`` is replaced only when it is an export of the same run (a re-export), or
+    with ``overwrite``: never another model's export, or a directory that is no export at all."""
+    if not out.exists() or overwrite:
+        return
+    manifest = out / MANIFEST_NAME
+    try:
+        record = json.loads(manifest.read_text()) if manifest.is_file() else None
+    except json.JSONDecodeError:
+        record = None
+    if record is None or record.get("stage") != "export":
+        raise ContractError(f"{out} exists and is not an export (no export {MANIFEST_NAME}): pass overwrite=true to "
+                            f"replace it, or choose another out=")
+    before = Path(str(record.get("checkpoint", "")))
+    run_of = lambda c: c.parent.parent if c.parent.name == "checkpoints" else c  # noqa: E731
+    if run_of(before) != run_of(ckpt.resolve()):
+        raise ContractError(f"{out} holds the export of {before}, another run than {ckpt}: pass overwrite=true to "
+                            f"replace it, or choose another out=")
 
 
 def refuse_unloadable(names: set[str], draft_config: DraftConfig) -> None:
@@ -172,6 +197,7 @@ class Exporter:
 
     def run(self) -> dict[str, Any]:
         keys = engine_keys(self.spec, list(self.cfg.engines))  # refuses before anything is written
+        refuse_foreign_out(self.out, self.ckpt, self.cfg.overwrite)
         weights = load_file(str(self.ckpt / "draft.safetensors"))
         dtype = getattr(torch, self.cfg.dtype)
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items() if not k.startswith("embed_tokens")}
