@@ -74,7 +74,9 @@ VARIANTS = ("export", "shifted", "nod2t")  # checked and evaluated; the first SE
 SERVED = ("export", "shifted")
 VLLM_ARGS = ["--enforce-eager", "--gpu-memory-utilization", "0.04", "--kv-cache-memory-bytes", str(1 << 30),
              "--max-model-len", "4096"]
-SGLANG_ARGS = ["--disable-cuda-graph", "--mem-fraction-static", "0.05", "--attention-backend", "triton",
+# SGLang refuses a fraction below what other processes already hold (its weights check), so its
+# servers start one family at a time (SGLANG_FAMILIES run one after the other: launch per family)
+SGLANG_ARGS = ["--disable-cuda-graph", "--mem-fraction-static", os.environ.get("SGLANG_MEM", "0.05"), "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--context-length", "4096", "--skip-server-warmup"]
 SITE, VSITE, SGSITE = (os.environ.get(k, d) for k, d in (("SITE", "/tmp/site"), ("VSITE", "/tmp/vsite"), ("SGSITE", "/tmp/sgsite")))
 # each engine's packages first on the path; the project's own wheels and the repository after them
@@ -355,6 +357,8 @@ def main() -> None:
                                             capture_output=True, text=True).stdout.strip()
     except OSError:
         RESULTS["machine"] = "no GPU"
+    if "train" not in PHASES and (W / "results.json").is_file():  # phase 1's steps kept beside this run's
+        RESULTS["steps"] = json.loads((W / "results.json").read_text()).get("steps", {})
     save()
     t0 = time.time()
     if "train" in PHASES:
