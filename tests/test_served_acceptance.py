@@ -238,3 +238,21 @@ def test_sglang_figures_are_summed_from_each_replys_meta_info(pipeline, tmp_path
     assert served["mean_acceptance_length"] == pytest.approx(ev["tau"], abs=1e-9) and served["drafts"] == ev["verify_steps"]
     assert served["conditional_acceptance_per_position"] == pytest.approx(ev["acceptance_per_position"], abs=1e-9)
     assert served["metrics_read_from"].startswith("SGLang 0.5.17") and served["warnings"] == []
+
+
+def test_sglang_meta_info_as_sglang_0_5_17_returned_it():
+    """A reply's meta_info as SGLang 0.5.17 returned it on an H200 (a draft that accepted nothing):
+    the histogram stops after the largest count seen, and the positions up to the draft length
+    (proposed / verify steps) count as accepting nothing, not as absent."""
+    from eagle3_train.evaluation.served_acceptance import reply_counts
+
+    names = METRICS["sglang"]
+    seen = {"finish_reason": {"type": "length", "length": 16}, "prompt_tokens": 27, "completion_tokens": 16,
+            "spec_accept_rate": 0.0, "spec_accept_length": 1.0666666666666667, "spec_num_correct_drafts": 0,
+            "spec_num_proposed_drafts": 60, "spec_verify_ct": 15, "spec_correct_drafts_histogram": [15]}
+    c = reply_counts(seen, names, 16, "x")
+    assert c.accepted_per_position == (0, 0, 0, 0) and figures(c)["acceptance_per_position"] == [0, 0, 0, 0]
+    partial = {**seen, "spec_num_correct_drafts": 5, "spec_num_proposed_drafts": 24, "spec_verify_ct": 6,
+               "spec_correct_drafts_histogram": [3, 1, 2]}  # 3 steps accepted 0, one 1, two 2
+    c = reply_counts(partial, names, 16, "x")
+    assert c.accepted_per_position == (3, 2, 0, 0) and sum(c.accepted_per_position) == c.accepted

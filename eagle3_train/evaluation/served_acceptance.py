@@ -265,9 +265,12 @@ def reply_counts(meta: dict[str, Any], names: SpecMetrics, completion_tokens: in
                               f"{names.enable}")
         return SpecCounts(0, 0, 0, (), 1, completion_tokens)
     hist = [float(x) for x in meta.get(names.accepted_per_position) or []]  # steps that accepted exactly n drafts
-    per = tuple(sum(hist[i + 1:]) for i in range(len(hist) - 1))
-    return SpecCounts(float(meta[names.drafts]), float(meta.get(names.draft_tokens, 0)), float(meta[names.accepted]),
-                      per, 1, completion_tokens)
+    drafts, proposed = float(meta[names.drafts]), float(meta.get(names.draft_tokens, 0))
+    # SGLang cuts the histogram after the largest count seen ([15]: every step accepted none); the
+    # positions past it, up to the draft length, accepted nothing
+    k = max(len(hist) - 1, round(proposed / drafts) if drafts else 0)
+    per = tuple(sum(hist[i + 1:]) for i in range(k))
+    return SpecCounts(drafts, proposed, float(meta[names.accepted]), per, 1, completion_tokens)
 
 
 def _aligned(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -77,6 +77,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
                     # scores, bias-corrected top-k); vLLM 0.26 reads them and, without topk_method, builds
                     # no e_score_correction_bias and fails at load on the checkpoint's (seen on an H200)
                     "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                    # DeepSeek-V3's config.json has it and SGLang 0.5.17's deepseek_v2.py reads it
+                    # (AttributeError at load without; seen on an H200); transformers ignores it
+                    "moe_layer_freq": 1,
                     "tie_word_embeddings": False},
     # attention sinks as transformers builds them; sliding window 32 alternating with full attention,
     # shorter than a byte-tokenized prompt, so the windowed layers really cut
@@ -182,5 +185,9 @@ def save_tiny(target: str, directory: str | Path, dtype: str = "bfloat16", seed:
     out = Path(directory)
     model = build_tiny_model(tiny_config(target), seed=seed).to(getattr(torch, dtype))
     model.save_pretrained(out)
+    # every field written, as released checkpoints write them: transformers saves only the fields
+    # that differ from its class defaults, and an engine pinned to an older transformers reads the
+    # file with older defaults (SGLang 0.5.17 on transformers 5.12.1 has no gpt-oss swiglu_limit)
+    (out / "config.json").write_text(model.config.to_json_string(use_diff=False))
     build_tiny_tokenizer().save_pretrained(out)
     return out

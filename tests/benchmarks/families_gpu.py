@@ -8,10 +8,11 @@ Per family (all families at once: the targets are tiny and the GPU is large):
      dump (hf), standardize, train, export for both engines, eagle3-check; eagle3-eval (fp32: the
      lossless check; bf16: the served dtype) of the export and of two broken copies (ids shifted by
      one layer; d2t removed: eagle3-check must refuse both)
-  2. each engine serving the target with the export, with the shifted copy and without d2t, all
-     servers started together (vLLM with --kv-cache-memory-bytes, which skips the memory
-     profiling that concurrent start-ups upset), then eagle3-served-acceptance against each: the
-     engine's own acceptance length beside eval's tau
+  2. each engine serving the target with the export, then with the shifted copy: vLLM's servers
+     for every family started together (with --kv-cache-memory-bytes, which skips the memory
+     profiling that concurrent start-ups upset), SGLang's one at a time (it refuses a
+     --mem-fraction-static below the share other processes already hold), then
+     eagle3-served-acceptance against each: the engine's own acceptance length beside eval's tau
   3. eagle3-dump backend=<engine> of CMP_N prompts against backend=hf of the same prepared data
      (tests/benchmarks/compare_dumps.py: per-layer relative L2, token ids identical)
 
@@ -23,7 +24,7 @@ Variables (default): W (/tmp/w31), FAMILIES (every tiny family), ENGINES (vllm),
 SGLang 0.5.17 has no aux-state return for a dump, --return-aux-hidden-state-layer-ids came later),
 VLLM_FAMILIES / SGLANG_FAMILIES (every tiny family: those each engine serves), PHASES (train,serve; serve
 alone reuses phase 1's outputs in W), CLIENT_TEMPLATE (gpt_oss: served acceptance with template=client), TRAIN_N (512), CMP_N (64), K (4), NEW_TOKENS (64), EPOCHS (10),
-TRAIN_S (400), BASE_PORT (8100), SITE / VSITE / SGSITE (/tmp/site, /tmp/vsite, /tmp/sgsite: where
+TRAIN_S (400), SGLANG_MEM (0.1: --mem-fraction-static), BASE_PORT (8100), SITE / VSITE / SGSITE (/tmp/site, /tmp/vsite, /tmp/sgsite: where
 launch/gpu_stage.sh, stage_vllm.sh and stage_sglang.sh installed; each engine runs with its own).
 
 On the CPU the same script runs against the stand-in engines of tests/standin_engines.py (PATH with a
@@ -76,7 +77,7 @@ VLLM_ARGS = ["--enforce-eager", "--gpu-memory-utilization", "0.04", "--kv-cache-
              "--max-model-len", "4096"]
 # SGLang refuses a fraction below what other processes already hold (its weights check), so its
 # servers start one family at a time (SGLANG_FAMILIES run one after the other: launch per family)
-SGLANG_ARGS = ["--disable-cuda-graph", "--mem-fraction-static", os.environ.get("SGLANG_MEM", "0.05"), "--attention-backend", "triton",
+SGLANG_ARGS = ["--disable-cuda-graph", "--mem-fraction-static", os.environ.get("SGLANG_MEM", "0.1"), "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--context-length", "4096", "--skip-server-warmup"]
 SITE, VSITE, SGSITE = (os.environ.get(k, d) for k, d in (("SITE", "/tmp/site"), ("VSITE", "/tmp/vsite"), ("SGSITE", "/tmp/sgsite")))
 # each engine's packages first on the path; the project's own wheels and the repository after them
@@ -369,7 +370,8 @@ def main() -> None:
     for engine in ENGINES if "serve" in PHASES else []:
         fams = [f for f in FAMS if f in SERVE_FAMILIES[engine]]
         t1 = time.time()
-        serve_all(engine, fams, port)
+        for group in ([[f] for f in fams] if engine == "sglang" else [fams]):  # SGLang: one server at a time
+            serve_all(engine, group, port)
         port += 100
         if engine in DUMP_ENGINES:
             with ThreadPoolExecutor(len(fams) or 1) as pool:
