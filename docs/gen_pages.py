@@ -466,6 +466,7 @@ def engine_rules_page() -> str:
                              _ids_example(r, n, ks), verified])
         out.append(table(["target model_type", "reads the ids from (first present wins)", "id → HF index",
                           "note", "read from", f"ids for HF {ks} (N={n})", "verification"], body) + "\n")
+    out.append(families_measured())
     out.append("## Target families\n\n")
     out.append(table(["model_type", "family (whose engine code serves it)"],
                      [[f"`{m}`", f"`{f}`"] for m, f in sorted(rules.FAMILIES.items())]) + "\n")
@@ -481,6 +482,44 @@ def engine_rules_page() -> str:
                    "silently by SGLang and fails in vLLM): "
                    + ", ".join(f"`{w}`" for w in sorted(rules.DRAFT_WEIGHTS)) + ".\n")
     return "".join(out)
+
+
+def _pct(x: Any) -> str:
+    return f"{x:+.1%}" if isinstance(x, (int, float)) else "—"
+
+
+def _num(x: Any) -> str:
+    return f"{x:.2f}" if isinstance(x, (int, float)) else "—"
+
+
+def families_measured() -> str:
+    """Family x engine as measured: the results files ``families_<engine>_*.json`` (per family:
+    eval tau, the engine's acceptance length, their difference, the shifted copy's, the served
+    dump's worst relative L2), or why a pair did not run."""
+    rows = []
+    for path in sorted(RESULTS.glob("families_*.json")):
+        data = json.loads(path.read_text())
+        engine = path.stem.split("_")[1]
+        for fam, r in sorted((data.get("families") or {}).items()):
+            served = r.get(f"{engine}_mean_acceptance_length")
+            l2 = r.get(f"{engine}_dump_vs_hf_rel_l2")
+            worst = max(l2.values()) if isinstance(l2, dict) and l2 else None
+            why = r.get(f"{engine}_failure") or r.get("served_with") or ("" if served is not None else "not served in this run")
+            rows.append([f"`{fam}`", engine, _num(r.get("eval_tau_bf16")), _num(served),
+                         _pct(r.get(f"{engine}_vs_eval_bf16_relative")), _num(r.get(f"{engine}_shifted_mean_acceptance_length")),
+                         f"{worst:.2%}" if worst is not None else "—", cell(why), f"`{path.name}`"])
+        for fam, why in (data.get("not_run") or {}).items():
+            rows.append([cell(fam), engine, "—", "—", "—", "—", "—", cell(f"not run: {why}"), f"`{path.name}`"])
+    if not rows:
+        return ""
+    return ("## Families × engines, as measured\n\n"
+            "Tiny targets of each family through the pipeline and a real engine (single runs on one H200; "
+            "random-init targets, so τ is low and adjacent layers differ little: a shifted config barely "
+            "moves it). τ is `eagle3-eval`'s (bf16), the engine's figure its own mean acceptance length "
+            "(`eagle3-served-acceptance`); the dump column the worst per-layer relative L2 of the engine's "
+            "served dump against the transformers one.\n\n"
+            + table(["family", "engine", "eval τ", "engine τ", "engine vs eval", "shifted ids: engine τ",
+                     "served dump rel L2", "note", "results"], rows) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
