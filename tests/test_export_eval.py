@@ -309,6 +309,14 @@ def test_near_tie_is_numerical_and_a_corrupted_decoder_diverges(pipeline, tmp_pa
     assert all(c["position"] == 0 and c["speculative_token"] == b and c["margin"] > 1e-3 for c in report["lossless_cases"])
 
 
+def test_eval_writes_beside_the_export_by_default(pipeline):
+    """Without out=, the report goes next to the draft, not into the directory engines load and
+    users upload."""
+    ev = Evaluator(EvalConfig(draft=str(pipeline / "export"), target=str(pipeline / "target"), engine="sglang",
+                              prompts=str(pipeline / "prompts.jsonl"), progress=False))
+    assert ev.out == pipeline / "export-eval-sglang"
+
+
 def test_bad_eval_input(pipeline, tmp_path):
     with pytest.raises(ConfigError, match="batch_size must be positive, got 0"):
         EvalConfig(draft="x", prompts="y", batch_size=0)

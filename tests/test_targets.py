@@ -46,7 +46,7 @@ def test_local_directory_target(tmp_path):
     torch.testing.assert_close(local.model(ids).logits, t.model(ids).logits)
 
 
-def test_bad_targets(tmp_path):
+def test_bad_targets(tmp_path, monkeypatch):
     with pytest.raises(BadInputError, match="no such GGUF file"):
         load_target(str(tmp_path / "x.gguf"), cache_dir=tmp_path)
     (tmp_path / "empty").mkdir()
@@ -54,6 +54,17 @@ def test_bad_targets(tmp_path):
         load_target(str(tmp_path / "empty"), cache_dir=None)
     with pytest.raises(BadInputError, match="does not exist"):
         load_target("./missing/model", cache_dir=None)
+    # a typo beside a local model (models/mymodl): refused at once, naming the near one, never
+    # tried as a hub id; a hub id the hub does not give (offline) is one message, no traceback
+    (tmp_path / "models" / "mymodel").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BadInputError, match=r"target models/mymodl does not exist, and models/ is a local "
+                                            r"directory: a typo\? \(did you mean models/mymodel\?\)"):
+        load_target("models/mymodl", cache_dir=None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(BadInputError, match=r"target nobody-here/no-such-model is no local directory, and the hub "
+                                            r"did not give it"):
+        load_target("nobody-here/no-such-model", cache_dir=None)
     with pytest.raises(Eagle3Error, match="float32"):
         load_target("tiny", cache_dir=None, dtype="fp8")
 

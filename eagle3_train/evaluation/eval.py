@@ -59,7 +59,7 @@ class EvalConfig:
     engine: str = "sglang"  # whose rule turns the config's ids into captured layers: sglang | vllm
     prompts: str = MISSING  # JSONL (messages / MT-bench turns / HumanEval prompt / GSM8K question) or a saved dataset
     column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
-    out: str | None = None  # where report.json, outputs.jsonl and acceptance.png go (null: <draft>/eval-<engine>)
+    out: str | None = None  # where report.json, outputs.jsonl and acceptance.png go (null: <draft>-eval-<engine> beside the draft, never inside the directory an engine loads)
     k: int = 5  # draft tokens per verify step (chain)
     max_new_tokens: int = 128  # generated tokens per turn
     batch_size: int = 32  # prompts decoded together (1: one at a time)
@@ -208,7 +208,7 @@ class Evaluator:
         self.eos = eos_ids(self.target.model, self.target.tokenizer)
         self.decoder = SpecDecoder(self.target.model, self.draft, self.layers, cfg.k, self.eos)
         self.threshold = cfg.tie_threshold if cfg.tie_threshold is not None else TIE_THRESHOLDS.get(self.dtype, 0.0)
-        self.out = Path(cfg.out).expanduser() if cfg.out else self.draft_dir / f"eval-{cfg.engine}"
+        self.out = Path(cfg.out).expanduser() if cfg.out else self.draft_dir.with_name(f"{self.draft_dir.name}-eval-{cfg.engine}")
 
     def conversations(self) -> list[Conversation]:
         return read_conversations(self.cfg.prompts, self.cfg.column, self.cfg.limit)

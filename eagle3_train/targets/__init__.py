@@ -135,7 +135,14 @@ def load_target(
         from transformers import AutoConfig, AutoTokenizer
 
         src = str(local_dir) if local_dir is not None else target
-        config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
+        try:
+            config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
+        except OSError as e:
+            if local_dir is not None:
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise BadInputError(f"target {target} is no local directory, and the hub did not give it ({first}); "
+                                f"a local model is a directory with config.json, a .gguf file, or embedded") from None
         tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code)
         model = None
         if load_model:
@@ -264,8 +271,24 @@ def _local_dir(target: str, cache_dir: str | os.PathLike | None) -> Path | None:
             raise BadInputError(f"target {target} is a directory without config.json")
         return path.resolve()
     if target.startswith((".", "/", "~")) or os.sep in target and target.count("/") > 1:
-        raise BadInputError(f"target {target} does not exist")
+        raise BadInputError(f"target {target} does not exist{_near(path)}")
+    if path.parent != Path(".") and path.parent.is_dir():  # models/mymodl beside models/mymodel: a typo
+        raise BadInputError(f"target {target} does not exist, and {path.parent}/ is a local directory: a typo?"
+                            f"{_near(path)} (a hub id whose organisation has the name of a local directory: "
+                            f"run from another directory)")
     return None  # a hub id such as meta-llama/Llama-3.1-8B-Instruct
+
+
+def _near(path: Path) -> str:
+    """The entries of ``path``'s directory whose names are close to its name, for a message."""
+    import difflib
+
+    try:
+        names = [p.name for p in path.parent.expanduser().iterdir()] if path.parent.expanduser().is_dir() else []
+    except OSError:
+        return ""
+    near = difflib.get_close_matches(path.name, names, n=3, cutoff=0.6)
+    return f" (did you mean {', '.join(str(path.parent / n) for n in near)}?)" if near else ""
 
 
 def convert_gguf(gguf: Path, cache_dir: str | os.PathLike | None) -> Path:
