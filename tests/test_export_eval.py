@@ -147,6 +147,15 @@ def test_check_flags_what_engines_would_get_wrong(pipeline, capsys):
     save_file(w, str(extra / "model.safetensors"))
     assert run(extra) == 1
     assert "weights ['aux_norm.weight'] are not part of the EAGLE-3 draft the engines build" in capsys.readouterr().out
+    # against another target: the layers resolved OK there too, but the shapes say it is not the one
+    assert run_check(CheckConfig(draft=str(pipeline / "export"), target="tiny:llama")) == 1
+    out = capsys.readouterr().out
+    assert "fc takes states of width 192, but 3 layers of this target (hidden 256) are 768 wide" in out
+    assert "hidden_size 64 (trained) != 256 (this target)" in out and "vocab_size" not in out  # both have 320
+    assert "the draft was trained against another target" in out and "num_hidden_layers 4 (trained) != 8" in out
+    # the same shapes, another config (a quantized or re-saved copy looks like this): a warning only
+    assert run_check(CheckConfig(draft=str(pipeline / "export"), target="tiny")) == 0
+    assert "WARNING: the target's config differs from the one the draft was trained against" in capsys.readouterr().out
 
 
 def test_bad_drafts(pipeline, tmp_path):

@@ -135,6 +135,7 @@ def check(config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any, train
         fc = tensors.get("fc.weight")  # [H_draft, width of the captured states]
         if fc is not None and fc_skipped(engine, 1, fc.shape[1], fc.shape[0]):
             findings.append(Finding("error", f"{engine}: fc input width {fc.shape[1]} equals the draft hidden size, so SGLang skips fc"))
+    findings += _check_target(config, tensors, target_cfg, trained)
     findings += _check_vocab(config, tensors, v)
     # embed_tokens is loaded too (SGLang then swaps in the target's): only other names are foreign
     foreign = unloadable_weights((weight_names or set()) - {"embed_tokens.weight"})
@@ -142,6 +143,38 @@ def check(config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any, train
         findings.append(Finding("error", f"weights {foreign} are not part of the EAGLE-3 draft the engines build: "
                                          f"SGLang drops them without a word, vLLM fails to load the draft"))
     return lines, findings
+
+
+def _check_target(config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any,
+                  trained: list[int] | None) -> list[Finding]:
+    """Is this the target the draft was trained against? Its shapes (fc's input is the captured
+    states' width; the capture records the target's hidden size, vocab, depth and model_type) and,
+    as a warning, its config hash (a quantized or re-saved copy of the same model differs there)."""
+    from eagle3_train.targets import config_hash
+
+    tc = text_config(target_cfg)
+    out: list[Finding] = []
+    fc = tensors.get("fc.weight")
+    if fc is not None and trained and fc.shape[1] != len(trained) * tc.hidden_size:
+        out.append(Finding("error", f"fc takes states of width {fc.shape[1]}, but {len(trained)} layers of this target "
+                                    f"(hidden {tc.hidden_size}) are {len(trained) * tc.hidden_size} wide: not the target "
+                                    f"the draft was trained on"))
+    capture = (config.get("eagle3_train") or {}).get("capture") or {}
+    recorded = {"hidden_size": capture.get("hidden_size"), "vocab_size": capture.get("vocab_size"),
+                "num_hidden_layers": capture.get("num_hidden_layers"),
+                "model_type": (capture.get("target") or {}).get("model_type")}
+    here = {"hidden_size": tc.hidden_size, "vocab_size": tc.vocab_size, "num_hidden_layers": tc.num_hidden_layers,
+            "model_type": tc.model_type}
+    differ = [f"{k} {recorded[k]} (trained) != {here[k]} (this target)" for k in here
+              if recorded[k] is not None and recorded[k] != here[k]]
+    if differ:
+        out.append(Finding("error", f"the draft was trained against another target ({(capture.get('target') or {}).get('path')}): "
+                                    + "; ".join(differ)))
+    elif capture.get("target", {}).get("config_hash") not in (None, config_hash(target_cfg)):
+        out.append(Finding("warning", f"the target's config differs from the one the draft was trained against "
+                                      f"({capture['target'].get('path')}; same shapes): fine for a quantized or re-saved "
+                                      f"copy of that model, not for another model"))
+    return out
 
 
 def _get_any(config: dict) -> bool:
