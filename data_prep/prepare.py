@@ -40,7 +40,7 @@ from eagle3_train.core.contract import check_dtype
 from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
 from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json, sha256_json
 from eagle3_train.core.stagedir import StageDir
-from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target
+from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target, text_config
 
 STAGE = "prepare"
 BAD_ROW_POLICIES = ("error", "skip")
@@ -128,6 +128,7 @@ class Preparer:
                 f"the tokenizer of target {cfg.target} has no chat template; pass "
                 f"chat_template=<file.jinja or template text>"
             )
+        self._check_lengths()
         self.request = {
             "config": self._output_options(),
             "target": self.target.identity.to_dict(),
@@ -136,6 +137,24 @@ class Preparer:
         self.fingerprint = sha256_json(self.request)  # names this output in the dump's request
         self.dir = StageDir(self.out, STAGE, self.request, what="prepared dataset",
                             hint="pass overwrite=true to replace it, or choose another out=")
+
+    def _check_lengths(self) -> None:
+        """Generated lengths against the target's context and max_length, before any work: a reply
+        can never be longer than either (regen.max_new_tokens=10000000 once ran for 11 minutes)."""
+        c = self.cfg
+        if not (c.regenerate or c.synthesize):
+            return
+        context = getattr(text_config(self.target.config), "max_position_embeddings", None)
+        limits = [("regen.max_new_tokens", c.regen.max_new_tokens)]
+        if c.synthesize:
+            limits.append(("synth.max_new_tokens", c.synth.max_new_tokens))
+        for name, value in limits:
+            if context is not None and value >= context:
+                raise ConfigError(f"{name}={value} does not fit the target's context of {context} tokens (with the "
+                                  f"prompt before it): lower it")
+            if value > c.max_length:
+                raise ConfigError(f"{name}={value} is longer than max_length={c.max_length}, where every conversation "
+                                  f"is cut: lower {name} or raise max_length")
 
     def _load(self, load_model: bool) -> Target:
         c = self.cfg

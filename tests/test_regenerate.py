@@ -86,3 +86,23 @@ def test_continuous_and_static_batching_equal_padded_batches():
     assert 0 < padded[1] < len(prompts) and any(len(r) < 10 for r in padded[0])  # some cut, some at the limit
     with pytest.raises(ConfigError, match="regen.batching must be one of"):
         RegenConfig(batching="paged")
+
+
+def test_generated_lengths_are_checked_before_any_work(tmp_path):
+    """regen.max_new_tokens (and synth.max_new_tokens) longer than the target's context, or than
+    max_length where every conversation is cut, is refused at start (10,000,000 once ran 11 minutes)."""
+    from data_prep.prepare import PrepareConfig, Preparer
+    from data_prep.synthesize import SynthConfig
+
+    rows = tmp_path / "in.jsonl"
+    rows.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    base = dict(target="tiny", input=str(rows), out=str(tmp_path / "o"), regenerate=True, progress=False)
+    with pytest.raises(ConfigError, match=r"regen.max_new_tokens=10000000 does not fit the target's context of 4096"):
+        Preparer(PrepareConfig(**base, regen=RegenConfig(max_new_tokens=10_000_000)))
+    with pytest.raises(ConfigError, match=r"regen.max_new_tokens=600 is longer than max_length=512"):
+        Preparer(PrepareConfig(**base, max_length=512, regen=RegenConfig(max_new_tokens=600)))
+    synth = dict(base, input=None, regenerate=False, synthesize=4)
+    with pytest.raises(ConfigError, match=r"synth.max_new_tokens=5000 does not fit"):
+        Preparer(PrepareConfig(**synth, synth=SynthConfig(max_new_tokens=5000)))
+    assert not (tmp_path / "o").exists()
+    Preparer(PrepareConfig(**base, max_length=512, regen=RegenConfig(max_new_tokens=512)))  # at the limit: taken
