@@ -293,7 +293,7 @@ class Standardizer:
                 return "(only the vocab differs: only_vocab=true rebuilds just the map)"
             return "use another out=, or delete it"
 
-        return StageDir(self.out, STAGE, request, what="standardized output", hint=hint)
+        return StageDir(self.out, STAGE, request, what="standardized output", hint=hint, exclusive=True)
 
     def convert(self, sources: list[Source], spec: CaptureSpec, eval_ids: np.ndarray) -> dict[str, int]:
         """Write the train/eval shards of every input shard not done yet, in parallel."""

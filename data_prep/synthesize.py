@@ -11,12 +11,14 @@ strings): the conversation so far plus a user message holding a unique sentinel 
 text before the sentinel is the prefix the target continues, and the special token that directly
 follows the sentinel (whitespace aside) is the user turn's end-of-turn token, where sampling stops.
 
-**Deterministic, resumable, parallel.** Conversation ``g`` belongs to chunk ``g // chunk_size``;
+**Deterministic, resumable, parallel.** Conversation ``g`` belongs to chunk ``g // chunk_size``
+(for a request smaller than one chunk, a smaller power of two: :func:`chunk_size_for`);
 a chunk is generated in one piece, seeded by ``(seed, chunk)``, and saved atomically under
 ``<out>/synth/``. Which rank generates it does not matter: under torchrun, rank ``r`` takes the
 chunks ``c`` with ``c % world == r``, and every rank then reads all chunks and applies the same
 filters, so one rank and many give the same dataset. Chunks do not depend on the number of
-conversations asked for, so a larger run reuses a smaller one's chunks (copy its ``synth/``).
+conversations asked for (once it is at least ``EXPECTED_KEEP * chunk_size``), so a larger run reuses
+a smaller one's chunks (copy its ``synth/``).
 
 **Filters**, each counted: per user turn ``empty``, ``too_short``, ``too_long``,
 ``no_end_of_turn``, ``special_tokens``, ``repetition`` (a turn dropped at turn 0 drops the
@@ -29,6 +31,7 @@ folding) and ``near_duplicate`` (MinHash LSH over word 3-grams, estimated Jaccar
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -75,7 +78,7 @@ class SynthConfig:
     max_tokens: int = 100  # longer user turns are dropped (too_long)
     max_repeated_ngrams: float = 0.5  # drop a turn whose share of repeated word 4-grams exceeds this (repetition)
     near_duplicate_threshold: float = 0.8  # estimated Jaccard of word 3-grams at which a first user turn is a near duplicate
-    chunk_size: int = 512  # conversations per resumable chunk under <out>/synth/
+    chunk_size: int = 512  # conversations per resumable chunk under <out>/synth/ (fewer for a small synthesize=N: see chunk_size_for)
 
     def __post_init__(self) -> None:
         check_numbers(self, "synth.", positive=("turns", "max_new_tokens", "chunk_size", "examples_per_prompt"))
@@ -270,6 +273,19 @@ class DuplicateFilter:
 # -- the stage --------------------------------------------------------------------------------------
 
 
+MIN_CHUNK = 16
+EXPECTED_KEEP = 0.8  # share of synthesized conversations the filters keep, to size a small first chunk
+
+
+def chunk_size_for(n: int, chunk_size: int) -> int:
+    """Conversations per chunk for ``synthesize=n``: ``chunk_size``, or for a request smaller than
+    one chunk the power of two that holds ``n`` at the expected keep rate (at least MIN_CHUNK), so
+    asking for 6 writes 16, not 512. Every request of at least ``EXPECTED_KEEP * chunk_size``
+    conversations uses ``chunk_size`` itself and shares its chunks."""
+    need = math.ceil(n / EXPECTED_KEEP)
+    return min(chunk_size, max(MIN_CHUNK, 1 << max(0, need - 1).bit_length()))
+
+
 def chunk_seed(seed: int, chunk: int) -> int:
     return (seed * 1_000_003 + chunk) % (2**63)
 
@@ -295,6 +311,9 @@ class Synthesizer:
         if n <= 0:
             raise ConfigError(f"synthesize must be a positive number of conversations, got {n}")
         self.n, self.synth, self.regen, self.seed = n, synth, regen, seed
+        self.size = chunk_size_for(n, synth.chunk_size)
+        # the chunks' size decides which conversations share a batch (and its sampling): recorded
+        request = {**request, "synth": {**request.get("synth", {}), "chunk_size": self.size}}
         self.dir, self.request, self.overwrite = work_dir, request, overwrite
         self.load_model, self.model, self.eos = load_model, None, []
         self.tok, self.template_name = tokenizer, template_name
@@ -318,7 +337,7 @@ class Synthesizer:
     def _claim_dir(self) -> None:
         if self.rank == 0:
             StageDir(self.dir, "synth", self.request, what="set of synthesized conversations",
-                     hint="pass overwrite=true to discard them, or choose another out=").claim(
+                     hint="pass overwrite=true to discard them, or choose another out=", exclusive=True).claim(
                 replace=self.overwrite, clear=lambda: [p.unlink() for p in self.dir.glob("chunk-*.json")])
         self.barrier()
 
@@ -346,7 +365,7 @@ class Synthesizer:
         for system in self.systems:  # a template without a derivable prefix fails before any work
             self._prefix({"system": system, "messages": []})
         self._claim_dir()
-        size = self.synth.chunk_size
+        size = self.size
         n_chunks = -(-self.n // size)
         start = time.perf_counter()
         for round_ in range(MAX_ROUNDS):
@@ -411,7 +430,7 @@ class Synthesizer:
             self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos[0]
         t0 = time.perf_counter()
         torch.manual_seed(chunk_seed(self.seed, chunk))
-        size = self.synth.chunk_size
+        size = self.size
         ids = range(chunk * size, (chunk + 1) * size)
         # per conversation: the messages kept, the system prompt that steers its user turns
         convs = [{"id": g, "system": system, "starter": starter, "messages": [], "alive": True}

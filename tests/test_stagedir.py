@@ -75,3 +75,31 @@ def test_atomic_writes_are_readable_as_the_umask_allows(tmp_path):
         os.umask(old)
     mode = lambda p: stat.S_IMODE((tmp_path / p).stat().st_mode)  # noqa: E731
     assert (mode("a.bin"), mode("m.json"), mode("b.bin")) == (0o644, 0o644, 0o640)
+
+
+def test_a_second_process_on_one_directory_is_refused_naming_the_first(tmp_path):
+    """An exclusive stage directory is held by one process: a second one (another process) is
+    refused with the first's pid and host; once the first dies (kill -9), the lock is gone."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from eagle3_train.core.errors import ContractError
+    from eagle3_train.core.stagedir import StageDir
+
+    code = ("import sys, time; from eagle3_train.core.stagedir import StageDir; "
+            "StageDir(sys.argv[1], 'train', {'a': 1}, exclusive=True).claim(); print('held', flush=True); time.sleep(60)")
+    first = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        with pytest.raises(ContractError, match=rf"run is in use: another process is writing this training run "
+                                                rf"\(pid {first.pid} on {socket.gethostname()}, since "):
+            StageDir(tmp_path / "run", "train", {"a": 1}, what="training run", exclusive=True).claim()
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    time.sleep(0.1)
+    StageDir(tmp_path / "run", "train", {"a": 1}, exclusive=True).claim()  # free again: taken
+    StageDir(tmp_path / "run", "train", {"a": 1}, exclusive=True).claim()  # this process again: fine

@@ -368,3 +368,18 @@ def test_nothing_kept_stops_with_the_counts_and_reuse_refuses_a_late_save(tmp_pa
                  save_conversations=str(tmp_path / "late.jsonl"))
     with pytest.raises(ConfigError, match="must name a .jsonl or .jsonl.gz file"):
         PrepareConfig(target="tiny", out=str(tmp_path / "x"), synthesize=1, save_conversations="c.json")
+
+
+def test_a_small_request_writes_about_what_it_asks(tmp_path, monkeypatch):
+    """synthesize=6 wrote a whole chunk of 512 (over 20 minutes on a CPU); now its chunk holds 16
+    (6 at the expected keep rate, as a power of two), the first 6 kept conversations are the
+    dataset, and a request of at least 0.8 chunks keeps the configured size."""
+    from data_prep.synthesize import chunk_size_for
+
+    tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
+    model = Recording(tok, [(f"Question number {i}?", True) for i in range(16)])
+    manifest = _prepare(tmp_path, monkeypatch, model, synthesize=6, synth=SynthConfig(turns=1))
+    questions = [p for p in model.prompts if tok.decode(p).endswith("user\n")]
+    assert len(questions) == 16 and manifest["regeneration"]["chunks"] == 1
+    assert manifest["counts"]["rows_written"] == 6 and manifest["regeneration"]["conversations_kept"] == 6
+    assert [chunk_size_for(n, 512) for n in (1, 6, 13, 100, 409, 410, 5000)] == [16, 16, 32, 128, 512, 512, 512]

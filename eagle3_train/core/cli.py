@@ -155,7 +155,9 @@ def sweep_job(command: str, run: Callable[..., Any], cfg: DictConfig) -> int | N
         spec = getattr(sys.modules["__main__"], "__spec__", None)
         module = spec.name if spec is not None else module
     print(f"{command}: sweep job {hc.job.num}: {' '.join(task)}", flush=True)
-    return subprocess.run([sys.executable, "-m", module, *task], env={**os.environ, SWEEP_CHILD_ENV: "1"}).returncode
+    # a group of one formed earlier in this process (its port may still be bound) is not the job's
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([sys.executable, "-m", module, *task], env={**env, SWEEP_CHILD_ENV: "1"}).returncode
 
 
 def entry_point(config_name: str, schema: type[T], run: Callable[[T], Any]) -> Callable[[], None]:

@@ -36,12 +36,16 @@ class StageDir:
         record: the file written last, whose presence marks the directory finished.
         what: how messages name the directory's content (default: the stage name).
         hint: what a refused user can do; a callable gets the differing fields.
+        exclusive: one process at a time (global rank 0 of a run): :meth:`claim` takes the
+            directory's lock (:func:`hold_lock`), and a second process is refused, naming the first.
     """
 
     def __init__(self, path: str | os.PathLike, stage: str, request: dict[str, Any], *, record: str = MANIFEST_NAME,
-                 what: str | None = None, hint: str | Callable[[list[str]], str] = "use another out=, or delete it"):
+                 what: str | None = None, hint: str | Callable[[list[str]], str] = "use another out=, or delete it",
+                 exclusive: bool = False):
         self.path, self.stage, self.request = Path(path), stage, json_ready(request)
         self.record, self.what, self.hint = record, what or stage, hint
+        self.exclusive = exclusive
 
     def differences(self, recorded: dict[str, Any] | None) -> list[str]:
         """Every field in which a recorded request differs from this run's, as ``field: old != new``."""
@@ -75,6 +79,8 @@ class StageDir:
         recorded, so a crash never leaves old files under a new request). Returns whether it was
         replaced."""
         self.path.mkdir(parents=True, exist_ok=True)
+        if self.exclusive and int(os.environ.get("RANK", "0")) == 0:
+            hold_lock(self.path, self.what)
         file = self.path / REQUEST_NAME
         replaced = False
         if file.is_file():
@@ -97,3 +103,36 @@ class StageDir:
         """Write the record last (atomically), with the request, and return it as read back."""
         write_manifest(self.path, self.stage, {**body, "request": self.request}, name=self.record)
         return read_manifest(self.path, self.stage, name=self.record)
+
+
+LOCK_NAME = ".eagle3.lock"
+_HELD: dict[Path, int] = {}  # directory -> the open lock file of this process (kept until it exits)
+
+
+def hold_lock(path: Path, what: str) -> None:
+    """Take ``path``'s lock for the rest of this process (the kernel drops it when the process
+    dies, kill -9 included, so a crash never leaves a stale lock); another process holding it is
+    refused, naming its pid, host and start."""
+    import fcntl
+    import socket
+    import time
+
+    path = Path(path).resolve()
+    if path in _HELD:
+        return
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        except (ValueError, OSError):
+            holder = {}
+        os.close(fd)
+        raise ContractError(f"{path} is in use: another process is writing this {what} (pid {holder.get('pid', '?')} on "
+                            f"{holder.get('host', '?')}, since {holder.get('since', '?')}); wait for it to finish, or "
+                            f"choose another out=") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                              "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode(), 0)
+    _HELD[path] = fd

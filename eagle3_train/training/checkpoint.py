@@ -80,4 +80,4 @@ def run_directory(out: Path, capture: dict[str, Any], vocab_sha: str, draft_conf
         said = [text for key, text in why.items() if any(d.startswith(key) for d in diffs)]
         return "; ".join(said + ["or start a new run with another out="])
 
-    return StageDir(out, "train", request, what="training run", hint=hint)
+    return StageDir(out, "train", request, what="training run", hint=hint, exclusive=True)
