@@ -15,20 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_train.core.errors import BadInputError
-
-# ShareGPT uses many speaker names; these are the ones whose meaning is unambiguous.
-ROLE_ALIASES = {
-    "system": "system",
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
-    "bard": "assistant",
-    "model": "assistant",
-}
-
+from eagle3_train.core.fileio import table_rows
+from eagle3_train.core.prompt_files import ROLE_ALIASES
 
 class BadRow(BadInputError):
     """A row that cannot be used; ``reason`` is a short code counted under ``on_bad_row=skip``."""
@@ -62,12 +50,13 @@ def iter_raw_rows(input: str, split: str = "train") -> Iterator[tuple[str, Any]]
     if path.is_file():
         yield from _iter_file(path)
     elif path.is_dir():
-        if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
-            yield from _iter_dataset(_load_from_disk(path), str(path))
+        if _saved_dataset(path):
+            yield from _iter_dataset(_load_from_disk(path, split), f"{path}[{split}]" if _is_dict(path) else str(path))
             return
         files = sorted(p for p in path.iterdir() if _kind(p) is not None and p.is_file())
         if not files:
-            raise BadInputError(f"input directory {path} holds no .jsonl, .jsonl.gz or .json files")
+            raise BadInputError(f"input directory {path} holds no {', '.join(KINDS_TEXT)} files, and is no dataset "
+                                f"saved with save_to_disk")
         for f in files:
             yield from _iter_file(f)
     elif input.startswith((".", "/", "~")) or input.endswith((".json", ".jsonl", ".jsonl.gz")):
@@ -76,16 +65,33 @@ def iter_raw_rows(input: str, split: str = "train") -> Iterator[tuple[str, Any]]
         yield from _iter_dataset(_load_hub(input, split), f"{input}[{split}]")
 
 
+KINDS_TEXT = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".arrow")
+
+
 def _kind(path: Path) -> str | None:
-    """``json``, ``jsonl`` (also gzip-compressed, ``.jsonl.gz``) or ``None`` for other files."""
+    """``json``, ``jsonl`` (also gzip-compressed, ``.jsonl.gz``), ``parquet``, ``arrow`` (an Arrow
+    IPC stream or file, as ``datasets`` writes its cache) or ``None`` for other files."""
     name = path.name.lower()
-    return "jsonl" if name.endswith((".jsonl", ".jsonl.gz")) else "json" if name.endswith(".json") else None
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        return "jsonl"
+    return {".json": "json", ".parquet": "parquet", ".arrow": "arrow"}.get(path.suffix.lower())
+
+
+def _saved_dataset(path: Path) -> bool:
+    return any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+def _is_dict(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file()
 
 
 def _iter_file(path: Path) -> Iterator[tuple[str, Any]]:
     kind = _kind(path)
     if kind is None:
-        raise BadInputError(f"input file {path} is neither .jsonl, .jsonl.gz nor .json")
+        raise BadInputError(f"input file {path} is none of {', '.join(KINDS_TEXT)}")
+    if kind in ("parquet", "arrow"):
+        yield from table_rows(path, kind)
+        return
     if kind == "json":
         raw = path.read_bytes()
         try:
@@ -127,12 +133,16 @@ def _iter_dataset(ds: Any, name: str) -> Iterator[tuple[str, Any]]:
         yield f"{name}[row {i}]", row
 
 
-def _load_from_disk(path: Path) -> Any:
+def _load_from_disk(path: Path, split: str) -> Any:
+    """A dataset saved with ``save_to_disk``; of a DatasetDict, its ``split``."""
     import datasets
 
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
-        raise BadInputError(f"{path} is a DatasetDict {list(ds)}: point input= at one split's folder")
+        if split not in ds:
+            raise BadInputError(f"{path} is a DatasetDict without a split {split!r}; its splits: {list(ds)} "
+                                f"(choose one with split=)")
+        return ds[split]
     return ds
 
 
@@ -221,6 +231,9 @@ def input_fingerprint(input: str) -> dict[str, Any]:
     if path.is_dir():
         if (path / "state.json").is_file():
             return {"dataset_state": json.loads((path / "state.json").read_text())}
+        if _is_dict(path):
+            return {"dataset_dict": {p.name: json.loads((p / "state.json").read_text())
+                                     for p in sorted(path.iterdir()) if (p / "state.json").is_file()}}
         files = sorted(p for p in path.iterdir() if _kind(p) is not None and p.is_file())
         return {"files": {p.name: sha256_file(p) for p in files}}
     return {"hub_dataset": input}

@@ -57,7 +57,7 @@ def assistant_slots(messages: list[dict]) -> tuple[list[dict], list[int]]:
     for i, m in enumerate(messages):
         out.append(dict(m))
         following = messages[i + 1]["role"] if i + 1 < len(messages) else None
-        if m["role"] == "user" and following != "assistant":
+        if m["role"] in ("user", "tool") and following not in ("assistant", "tool"):
             out.append({"role": "assistant", "content": ""})
     return out, [i for i, m in enumerate(out) if m["role"] == "assistant"]
 

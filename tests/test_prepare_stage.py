@@ -56,6 +56,51 @@ def test_saved_dataset_input(tmp_path, write_jsonl, prepare):
     assert from_disk["input_ids"] == from_file["input_ids"]
 
 
+def test_parquet_arrow_and_dataset_dict_inputs(tmp_path, write_jsonl, prepare):
+    """Local parquet and Arrow files read as the JSONL they hold; a saved DatasetDict reads the
+    split= it names, and one it lacks is refused listing its splits (was a misleading .json error)."""
+    from datasets import Dataset, DatasetDict
+
+    from eagle3_train.core.errors import BadInputError
+
+    _, reference = prepare(write_jsonl(OPENAI), out="ref")
+    ds = Dataset.from_list(OPENAI)
+    ds.to_parquet(str(tmp_path / "data.parquet"))
+    _, parquet = prepare(tmp_path / "data.parquet", out="pq")
+    assert parquet["input_ids"] == reference["input_ids"] and parquet["source"][1].endswith("data.parquet[row 1]")
+    import pyarrow as pa
+
+    with pa.ipc.new_stream(str(tmp_path / "data.arrow"), ds.data.table.schema) as w:  # as datasets writes its cache
+        w.write_table(ds.data.table)
+    _, arrow = prepare(tmp_path / "data.arrow", out="arrow")
+    assert arrow["input_ids"] == reference["input_ids"]
+    DatasetDict({"train": ds, "test": Dataset.from_list(OPENAI[:1])}).save_to_disk(str(tmp_path / "dd"))
+    _, train = prepare(tmp_path / "dd", out="dd_train")
+    _, test = prepare(tmp_path / "dd", out="dd_test", split="test")
+    assert train["input_ids"] == reference["input_ids"] and test["input_ids"] == reference["input_ids"][:1]
+    with pytest.raises(BadInputError, match=r"dd is a DatasetDict without a split 'validation'; its splits: "
+                                            r"\['train', 'test'\]"):
+        prepare(tmp_path / "dd", out="dd_x", split="validation")
+
+
+def test_tool_messages_stay_in_the_context_and_out_of_the_loss(write_jsonl, prepare):
+    """A tool's result (role tool) is rendered where it stands and never trained on: the loss covers
+    the assistant turns only, exactly as without the tool message's tokens being masked."""
+    row = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                        {"role": "assistant", "content": "Let me look."},
+                        {"role": "tool", "content": "sunny, 21C"},
+                        {"role": "assistant", "content": "It is sunny."}]}
+    _, ds = prepare(write_jsonl([row], "tool.jsonl"), chat_template=LLAMA3_TEMPLATE)
+    from eagle3_train.targets.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(LLAMA3_TEMPLATE)
+    ids, mask = ds["input_ids"][0], ds["loss_mask"][0]
+    text = tok.decode(ids)
+    assert "sunny, 21C" in text
+    trained = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert "Let me look." in trained and "It is sunny." in trained and "sunny, 21C" not in trained
+
+
 def test_manifest_records_target_and_counts(write_jsonl, prepare):
     manifest, ds = prepare(write_jsonl(OPENAI))
     assert manifest["stage"] == "prepare"

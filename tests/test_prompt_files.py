@@ -46,13 +46,13 @@ def test_a_saved_dataset_with_a_column(tmp_path):
 
 
 @pytest.mark.parametrize("row, message", [
-    ({"text": "hi"}, r":1: unknown prompt shape \(fields \['text'\]\): expected one of \['messages', 'turns', 'prompt', 'question'\]"),
+    ({"text": "hi"}, r":1: unknown prompt shape \(fields \['text'\]\): expected one of \['messages', 'conversations', 'turns', 'prompt', 'question'\]"),
     ({"turns": ["a", 3]}, r":1: field 'turns' must be a string, a non-empty list of strings or a list of messages, got \['a', 3\]"),
     ({"turns": []}, r":1: field 'turns' must be a string, a non-empty list"),
     ({"prompt": "  "}, r":1: field 'prompt' is empty"),
     ({"question": "q", "category": 3}, r":1: field 'category' must be a string, got 3"),
     ({"messages": [{"role": "assistant", "content": "x"}]}, r":1: field 'messages': no user turn"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, r":1: field 'messages\[0\].role' is 'tool'"),
+    ({"messages": [{"role": "critic", "content": "x"}]}, r":1: field 'messages\[0\].role' is 'critic'"),
     ({"messages": [{"role": "user", "content": None}]}, r":1: field 'messages\[0\].content' must be a string"),
     ('{"prompt": ', r":1: not JSON"),
     ('["a"]', r":1: expected an object, got list"),
@@ -78,3 +78,23 @@ def test_messages_of_a_later_turn_carry_the_replies():
     assert c.messages(2, ["r1", "r2"]) == [
         {"role": "system", "content": "sys"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "r1"},
         {"role": "user", "content": "u2"}, {"role": "assistant", "content": "r2"}, {"role": "user", "content": "u3"}]
+
+
+def test_prepares_formats_read_in_eval_too(write_jsonl, tmp_path):
+    """ShareGPT rows (refused by eval while prepare took them) and parquet files read as the same
+    conversations; a tool message is refused by name (eval has the target answer every turn)."""
+    from datasets import Dataset
+
+    openai = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                           {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Again"}]}
+    sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                                  {"from": "gpt", "value": "Hello"}, {"from": "human", "value": "Again"}]}
+    (a,) = read_conversations(write_jsonl([openai], "a.jsonl"))
+    (b,) = read_conversations(write_jsonl([sharegpt], "b.jsonl"))
+    assert (a.turns, a.system) == (b.turns, b.system) == (["Hi", "Again"], "Be brief.")
+    Dataset.from_list([sharegpt]).to_parquet(str(tmp_path / "p.parquet"))
+    (c,) = read_conversations(tmp_path / "p.parquet")
+    assert (c.turns, c.system, c.category) == (["Hi", "Again"], "Be brief.", "p")
+    tool = {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]}
+    with pytest.raises(BadInputError, match=r"t.jsonl:1: field 'messages\[1\]' is a tool message"):
+        read_conversations(write_jsonl([tool], "t.jsonl"))

@@ -10,8 +10,11 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from eagle3_train.core.errors import BadInputError
 
 
 def umask_mode(mode: int = 0o666) -> int:
@@ -83,3 +86,35 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def table_rows(path: Path, kind: str) -> Iterator[tuple[str, Any]]:
+    """``(location, row)`` of a parquet file or an Arrow IPC file/stream (``kind``: parquet or
+    arrow), batch by batch (never all in memory); an unreadable file names itself."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if kind == "parquet":
+            batches = pq.ParquetFile(str(path)).iter_batches(batch_size=1024)
+        else:
+            batches = _arrow_batches(path)
+        row = 0
+        for batch in batches:
+            for item in batch.to_pylist():
+                yield f"{path}[row {row}]", item
+                row += 1
+    except (pa.ArrowInvalid, OSError) as e:
+        raise BadInputError(f"{path}: not a readable {kind} file ({e})") from None
+
+
+def _arrow_batches(path: Path) -> Iterator[Any]:
+    """An Arrow IPC stream (what ``datasets`` writes) or, failing that, an Arrow IPC file."""
+    import pyarrow as pa
+
+    try:
+        yield from pa.ipc.open_stream(pa.memory_map(str(path)))
+    except pa.ArrowInvalid:
+        reader = pa.ipc.open_file(pa.memory_map(str(path)))
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)

@@ -1,10 +1,12 @@
 """Evaluation prompts as users have them, read into conversations of user turns.
 
-Recognised rows (JSONL, ``.jsonl.gz`` too, or a ``datasets`` dataset saved with ``save_to_disk``):
+Recognised rows (JSONL, ``.jsonl.gz`` too, parquet, Arrow, or a ``datasets`` dataset saved with
+``save_to_disk``), the conversation formats ``eagle3-prepare`` reads among them:
 
 | shape | example | turns |
 |---|---|---|
 | ours / OpenAI | ``{"messages": [{"role": "system", ...}, {"role": "user", ...}, ...]}`` | every user message (assistant messages are dropped: the target writes its own) |
+| ShareGPT | ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}`` | every human turn (speaker names as prepare reads them) |
 | MT-bench ``question.jsonl`` | ``{"question_id": 81, "category": "writing", "turns": ["...", "..."]}`` | ``turns`` |
 | HumanEval | ``{"task_id": ..., "prompt": "def f(...):\\n    ..."}`` | ``[prompt]`` |
 | GSM8K | ``{"question": "...", "answer": "..."}`` | ``[question]`` |
@@ -23,8 +25,25 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_train.core.errors import BadInputError
+from eagle3_train.core.fileio import table_rows
 
-SHAPES = ("messages", "turns", "prompt", "question")
+# ShareGPT uses many speaker names; these are the ones whose meaning is unambiguous.
+ROLE_ALIASES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "tool": "tool",  # a tool's result: in the context the draft sees, never in the loss
+    "ipython": "tool",
+    "function": "tool",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+}
+
+SHAPES = ("messages", "conversations", "turns", "prompt", "question")
 
 
 @dataclass
@@ -57,11 +76,13 @@ def read_conversations(path: str | Path, column: str | None = None, limit: int |
     path = Path(path).expanduser()
     if path.is_dir():
         rows = _dataset_rows(path)
+    elif path.is_file() and path.suffix.lower() in (".parquet", ".arrow"):
+        rows = list(table_rows(path, path.suffix.lower()[1:]))
     elif path.is_file():
         rows = _jsonl_rows(path)
     else:
         raise BadInputError(f"prompts {path} does not exist")
-    default_category = path.name.removesuffix(".gz").removesuffix(".jsonl")
+    default_category = path.name.removesuffix(".gz").removesuffix(".jsonl").removesuffix(".parquet").removesuffix(".arrow")
     out = []
     for source, row in rows:
         out.append(conversation(row, source, column, default_category))
@@ -100,18 +121,24 @@ def conversation(row: Any, source: str, column: str | None, default_category: st
 
 
 def _from_messages(messages: list[dict], source: str, field: str, category: str) -> Conversation:
+    """OpenAI messages (role, content) or ShareGPT turns (from, value), roles read as prepare reads them."""
     system, turns = None, []
     for i, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content")
+        role_key, text_key = ("from", "value") if "from" in m else ("role", "content")
+        raw, content = m.get(role_key), m.get(text_key)
+        role = ROLE_ALIASES.get(raw.lower()) if isinstance(raw, str) else None
         if not isinstance(content, str):
-            raise BadInputError(f"{source}: field '{field}[{i}].content' must be a string, got {_show(content)}")
+            raise BadInputError(f"{source}: field '{field}[{i}].{text_key}' must be a string, got {_show(content)}")
         if role == "system" and i == 0:
             system = content
         elif role == "user":
             turns.append(content)
+        elif role == "tool":
+            raise BadInputError(f"{source}: field '{field}[{i}]' is a tool message: eval replays the user turns "
+                                f"and lets the target answer, so a tool's result has no place (drop the row)")
         elif role != "assistant":  # the target answers for itself
-            raise BadInputError(f"{source}: field '{field}[{i}].role' is {role!r}: expected user or assistant "
-                                f"(or system, first)")
+            raise BadInputError(f"{source}: field '{field}[{i}].{role_key}' is {raw!r}: expected user or assistant "
+                                f"(or system, first; known names: {sorted(ROLE_ALIASES)})")
     if not turns:
         raise BadInputError(f"{source}: field {field!r}: no user turn")
     return Conversation(source, category, turns, system)
