@@ -380,6 +380,6 @@ def test_a_small_request_writes_about_what_it_asks(tmp_path, monkeypatch):
     model = Recording(tok, [(f"Question number {i}?", True) for i in range(16)])
     manifest = _prepare(tmp_path, monkeypatch, model, synthesize=6, synth=SynthConfig(turns=1))
     questions = [p for p in model.prompts if tok.decode(p).endswith("user\n")]
-    assert len(questions) == 16 and manifest["regeneration"]["chunks"] == 1
-    assert manifest["counts"]["rows_written"] == 6 and manifest["regeneration"]["conversations_kept"] == 6
+    assert len(questions) == 16 and manifest["regeneration"]["synthesis"]["chunks"] == 1
+    assert manifest["counts"]["rows_written"] == 6 and manifest["regeneration"]["synthesis"]["conversations_kept"] == 6
     assert [chunk_size_for(n, 512) for n in (1, 6, 13, 100, 409, 410, 5000)] == [16, 16, 32, 128, 512, 512, 512]
