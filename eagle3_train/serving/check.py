@@ -170,7 +170,8 @@ def _check_target(config: dict, tensors: dict[str, torch.Tensor], target_cfg: An
     if differ:
         out.append(Finding("error", f"the draft was trained against another target ({(capture.get('target') or {}).get('path')}): "
                                     + "; ".join(differ)))
-    elif capture.get("target", {}).get("config_hash") not in (None, config_hash(target_cfg)):
+    elif (recorded_hash := (capture.get("target") or {}).get("config_hash")) is not None \
+            and hasattr(target_cfg, "to_dict") and recorded_hash != config_hash(target_cfg):
         out.append(Finding("warning", f"the target's config differs from the one the draft was trained against "
                                       f"({capture['target'].get('path')}; same shapes): fine for a quantized or re-saved "
                                       f"copy of that model, not for another model"))
