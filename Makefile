@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: setup
-	WANDB_MODE=disabled $(BIN)/python -m pytest -q tests
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q --durations=25 tests
 
 demo: setup
 	WANDB_MODE=disabled RUN_DIR=$(RUN_DIR) PATH=$(CURDIR)/$(BIN):$$PATH bash launch/demo.sh
