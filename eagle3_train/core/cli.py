@@ -46,41 +46,14 @@ SYNONYMS = {"learning_rate": "lr", "num_epochs": "epochs", "num_train_epochs": "
 
 def unknown_keys(cfg: DictConfig, schema: type) -> list[str]:
     """Keys of the composed config that ``schema`` (a dataclass, nested) has no field for, dotted;
-    ``hydra`` and ``defaults`` are Hydra's own."""
-    import dataclasses
+    ``hydra`` and ``defaults`` are Hydra's own. A key below a field whose value is free-form (a
+    dict or list option) is that field's."""
+    from eagle3_train.core.fingerprint import flatten
 
-    found: list[str] = []
-
-    def walk(node: Any, cls: Any, prefix: str) -> None:
-        names = {f.name: f for f in dataclasses.fields(cls)}
-        for key in node.keys() if isinstance(node, DictConfig) else []:
-            name = f"{prefix}{key}"
-            if not prefix and key in ("hydra", "defaults"):
-                continue
-            if key not in names:
-                found.append(name)
-                continue
-            sub = None if OmegaConf.is_missing(node, key) else node[key]
-            field_cls = _dataclass_of(names[key], cls)
-            if isinstance(sub, DictConfig) and field_cls is not None:
-                walk(sub, field_cls, f"{name}.")
-
-    walk(cfg, schema, "")
-    return found
-
-
-def _dataclass_of(field: Any, owner: type) -> type | None:
-    """A field's dataclass type where annotations are strings (``from __future__ import annotations``)."""
-    import dataclasses
-    import typing
-
-    hint = field.type
-    if not isinstance(hint, type):
-        try:
-            hint = typing.get_type_hints(owner)[field.name]
-        except (NameError, TypeError):  # an annotation that cannot be resolved: not a nested config
-            return None
-    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+    known = set(flatten(config_dict(schema)))
+    given = flatten({k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k not in ("hydra", "defaults")})
+    parents = lambda key: {key.rsplit(".", i)[0] for i in range(key.count(".") + 1)}  # noqa: E731  (a.b.c, a.b, a)
+    return [key for key in given if not parents(key) & known]
 
 
 def to_config(cfg: DictConfig, schema: type[T]) -> T:
@@ -94,7 +67,7 @@ def to_config(cfg: DictConfig, schema: type[T]) -> T:
 
     unknown = unknown_keys(cfg, schema)
     if unknown:
-        known = list(flatten(config_dict_of_schema(schema)))
+        known = list(flatten(config_dict(schema)))
         said = []
         for key in unknown:
             prefix, _, leaf = key.rpartition(".")
@@ -107,11 +80,6 @@ def to_config(cfg: DictConfig, schema: type[T]) -> T:
     if not isinstance(obj, schema):
         raise TypeError(f"config composed into {type(obj).__name__}, expected {schema.__name__}")
     return obj
-
-
-def config_dict_of_schema(schema: type) -> dict:
-    """A schema's fields as plain data, required ones (MISSING) included as ``???``."""
-    return OmegaConf.to_container(OmegaConf.structured(schema), resolve=False)  # type: ignore[return-value]
 
 
 def config_dict(obj: Any) -> dict:
