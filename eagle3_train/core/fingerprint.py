@@ -10,8 +10,6 @@ unless it is listed here, so one forgotten is refused on a rerun rather than sil
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 # stage -> option -> why it cannot change what the stage writes
@@ -79,8 +77,3 @@ def continued_options(stage: str, options: dict[str, Any]) -> dict[str, Any]:
     """The options a rerun may change to continue the output (:data:`CONTINUATIONS`)."""
     continued = CONTINUATIONS.get(stage, {})
     return {name: value for name, value in sorted(flatten(options).items()) if _listed(name, continued)}
-
-
-def digest(value: Any) -> str:
-    """sha256 of a JSON-ready value, keys sorted."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()

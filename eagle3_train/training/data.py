@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from eagle3_train.core.fingerprint import digest
 from eagle3_train.core.contract import CaptureSpec, read_manifest
 from eagle3_train.core.errors import BadInputError, ContractError
+from eagle3_train.core.fileio import sha256_json
 from eagle3_train.core.formats import SHARD_SUFFIX, ShardRecord, check_shard
 from eagle3_train.core.storage import DTYPE, FP8_STORAGE, dequantize, scale_key
 from eagle3_train.targets import config_hash, load_target_tensors, text_config
@@ -235,7 +235,7 @@ class OfflineSource(Source):
                                 f"eagle3-standardize{hint}")
         self.spec = CaptureSpec.from_dict(self.manifest["capture"])
         self.vocab, self.vocab_sha = self._load_vocab()
-        self.data_fingerprint = digest({split: [r["sha256"] for r in rows] for split, rows in self.manifest["shards"].items()})
+        self.data_fingerprint = sha256_json({split: [r["sha256"] for r in rows] for split, rows in self.manifest["shards"].items()})
         records = lambda split: [ShardRecord.from_dict(r) for r in self.manifest["shards"][split]]  # noqa: E731
         self.train_split = ShardSplit(self.data_dir / "train", records("train"), max_length, self.spec.storage)
         self.eval_split = ShardSplit(self.data_dir / "eval", records("eval"), max_length, self.spec.storage)
