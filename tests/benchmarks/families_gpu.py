@@ -185,15 +185,19 @@ def train_family(fam: str) -> None:
     d = W / fam
     target = d / "target"
     t = str(target)
-    if step(f"{fam}/save_target", 300, [PY, "-c", "import sys; from eagle3_train.targets.tiny import save_tiny; "
-                                                 "save_tiny(sys.argv[1], sys.argv[2])", f"tiny:{fam}", t]):
+    # smollm2: the embedded SmolLM2-135M-Instruct (trained weights: real margins, distinct layers) as
+    # the HF directory its GGUF converts to; every other name is a tiny random-init family
+    save = ("import shutil, sys, os; from eagle3_train.targets import _local_dir; "
+            "shutil.copytree(_local_dir('embedded', os.environ['EAGLE3_CACHE']), sys.argv[2])") if fam == "smollm2" else \
+        "import sys; from eagle3_train.targets.tiny import save_tiny; save_tiny(sys.argv[1], sys.argv[2])"
+    if step(f"{fam}/save_target", 300, [PY, "-c", save, f"tiny:{fam}", t]):
         return
     step(f"{fam}/prepare", 900, m("data_prep.prepare", f"target={t}", f"input={PROMPTS / 'synth_smollm2.jsonl.gz'}",
-                                  f"out={d / 'prep'}", f"limit={TRAIN_N}", "regenerate=true",
+                                  f"out={d / 'prep'}", f"limit={TRAIN_N * (4 if fam == 'smollm2' else 1)}", "regenerate=true",
                                   f"regen.max_new_tokens={NEW}", "regen.batch_size=128", "on_bad_row=skip", "progress=false"))
     step(f"{fam}/dump_hf", 600, m("data_prep.dump", f"target={t}", f"data={d / 'prep'}", f"out={d / 'dump'}", "progress=false"))
     step(f"{fam}/standardize", 300, m("data_prep.standardize", f"dumps=[{d / 'dump'}]", f"out={d / 'std'}",
-                                      "draft_vocab_size=256", "eval_fraction=0.05", "progress=false"))
+                                      f"draft_vocab_size={8192 if fam == 'smollm2' else 256}", "eval_fraction=0.05", "progress=false"))
     step(f"{fam}/train", TRAIN_S, m("eagle3_train.training.trainer", f"data={d / 'std'}", f"target={t}",
                                     f"out={d / 'train'}", f"train.ttt_length={K}", f"train.epochs={EPOCHS}",
                                     "train.lr=2e-3", "train.warmup_steps=20", "train.max_tokens_per_batch=16384",
