@@ -18,6 +18,7 @@ from eagle3_train.core.errors import BadInputError
 from eagle3_train.core.fileio import table_rows
 from eagle3_train.core.prompt_files import ROLE_ALIASES
 
+
 class BadRow(BadInputError):
     """A row that cannot be used; ``reason`` is a short code counted under ``on_bad_row=skip``."""
 

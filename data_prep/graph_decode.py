@@ -218,7 +218,9 @@ class GraphDecoder:
             position = (mask.cumsum(-1) - 1).clamp(min=0)
             out = self.model(input_ids=x, attention_mask=mask, position_ids=position, use_cache=True,
                              logits_to_keep=1)
-            for li, (k, v) in enumerate(cache_layers(out["cache"] if "cache" in out else out.past_key_values)):
+            # not out.get("cache", out.past_key_values): that reads the attribute even when "cache" is there
+            cache = out["cache"] if "cache" in out else out.past_key_values  # noqa: SIM401
+            for li, (k, v) in enumerate(cache_layers(cache)):
                 s["cache"][li, 0, r: r + rows, :, :W] = k
                 s["cache"][li, 1, r: r + rows, :, :W] = v
             first.append(self._pick(out.logits[:, -1].float()))

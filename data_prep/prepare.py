@@ -35,8 +35,8 @@ from data_prep.conversations import BadRow, Conversation, input_fingerprint, ite
 from data_prep.regenerate import RegenConfig, regenerate
 from data_prep.synthesize import SynthConfig, Synthesizer, template_name
 from eagle3_train.core.cli import config_dict, entry_point
-from eagle3_train.core.dist import DistInfo, barrier, close, init_distributed, resolve_device
 from eagle3_train.core.contract import check_dtype
+from eagle3_train.core.dist import DistInfo, barrier, close, init_distributed, resolve_device
 from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
 from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json, sha256_json
 from eagle3_train.core.stagedir import StageDir

@@ -48,8 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from eagle3_train.engines.http import EngineError, post_json, retrying, served_model, wait_ready
 from eagle3_train.core.errors import ConfigError, check_numbers
+from eagle3_train.engines.http import EngineError, post_json, retrying, served_model, wait_ready
 
 
 @dataclass

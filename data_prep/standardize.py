@@ -48,8 +48,15 @@ from eagle3_train.core.prepared import PreparedData, prepared_vocab
 from eagle3_train.core.split import EVAL_FRACTION, SPLIT_SEED, check_fraction, split_eval
 from eagle3_train.core.stagedir import StageDir
 from eagle3_train.core.storage import FP8_STORAGE, concat, convert, scale_key
+from eagle3_train.core.vocab import (
+    DRAFT_VOCAB_SIZE,
+    VocabMap,
+    build_vocab_map,
+    capped_draft_size,
+    count_tokens,
+    load_vocab_map,
+)
 from eagle3_train.targets import load_target, resolve_dtype
-from eagle3_train.core.vocab import DRAFT_VOCAB_SIZE, VocabMap, build_vocab_map, capped_draft_size, count_tokens, load_vocab_map
 
 STAGE = "standardize"
 VOCAB_STAGE = "vocab"  # only_vocab=true data=<prepared>: a directory with just the map

@@ -116,7 +116,7 @@ def _class_node(tree: ast.Module, qualname: str) -> ast.ClassDef | None:
     return node
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _source_docs(cls: type) -> dict[str, str]:
     """Field name -> doc written in the source of ``cls`` itself (not its bases): an attribute
     docstring (a string right after the field), else the comment on the field's line(s), else the

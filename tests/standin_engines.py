@@ -17,6 +17,7 @@ given plan of accepted counts, or by the draft itself run as eagle3-eval runs it
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -61,10 +62,8 @@ class _Standin:
                 self.send_header("Content-Type", "text/plain; version=0.0.4" if text else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                try:
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout)
                     self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout)
-                    pass
 
             def do_GET(self) -> None:
                 if self.path == "/health":
@@ -222,8 +221,8 @@ class StandinVllm(_Standin):
     def _draft_decoder(self, draft_dir: str, engine: str) -> Any:
         """eagle3-eval's chain decoder over this model and the exported draft, fed the layers that
         ``engine``'s rule reads from the draft's config (vLLM: top-level ids first)."""
-        from eagle3_train.evaluation.decoding import SpecDecoder
         from eagle3_train.engines.rules import resolve
+        from eagle3_train.evaluation.decoding import SpecDecoder
         from eagle3_train.evaluation.eval import load_draft
         from eagle3_train.targets import Target, eos_ids, target_identity
 

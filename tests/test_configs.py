@@ -11,16 +11,15 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from eagle3_train.core.cli import CONF_DIR, to_config
-
 import data_prep.dump  # noqa: F401  (registers dump_schema)
 import data_prep.prepare  # noqa: F401  (registers prepare_schema)
 import data_prep.standardize  # noqa: F401  (registers standardize_schema)
-import eagle3_train.serving.check  # noqa: F401  (registers check_schema)
 import eagle3_train.evaluation.eval  # noqa: F401  (registers eval_schema)
-import eagle3_train.serving.export  # noqa: F401  (registers export_schema)
 import eagle3_train.evaluation.served_acceptance  # noqa: F401  (registers served_acceptance_schema)
+import eagle3_train.serving.check  # noqa: F401  (registers check_schema)
+import eagle3_train.serving.export  # noqa: F401  (registers export_schema)
 import eagle3_train.training.config  # noqa: F401  (registers train_schema)
+from eagle3_train.core.cli import CONF_DIR, to_config
 
 PRIMARY = {
     "prepare.yaml": (data_prep.prepare.PrepareConfig, ["input=x.jsonl", "out=/tmp/o"]),

@@ -3,8 +3,8 @@
 import pytest
 
 from eagle3_train.core.contract import CaptureSpec, TargetIdentity
-from eagle3_train.engines.rules import ids_for, resolve, unservable
 from eagle3_train.core.errors import ContractError
+from eagle3_train.engines.rules import ids_for, resolve, unservable
 from eagle3_train.serving.export import engine_keys
 
 

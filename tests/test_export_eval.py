@@ -13,19 +13,18 @@ from data_prep.dump import CaptureConfig, DumpConfig, Dumper
 from data_prep.prepare import PrepareConfig, Preparer
 from data_prep.regenerate import RegenConfig
 from data_prep.standardize import StandardizeConfig, Standardizer
-from eagle3_train.serving.check import CheckConfig, run_check
-from eagle3_train.core.errors import BadInputError, ContractError
-from eagle3_train.evaluation.decoding import Counters, Reference, SpecDecoder
-from eagle3_train.core.errors import ConfigError
-from eagle3_train.evaluation.eval import EvalConfig, Evaluator, lossless_check, run_eval
+from eagle3_train.core.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.core.prompt_files import Conversation
-from eagle3_train.serving.export import ExportConfig, Exporter, draft_config_from_json, draft_config_json
+from eagle3_train.evaluation.decoding import Counters, Reference, SpecDecoder
+from eagle3_train.evaluation.eval import EvalConfig, Evaluator, lossless_check, run_eval
 from eagle3_train.model import DraftConfig
+from eagle3_train.serving.check import CheckConfig, run_check
+from eagle3_train.serving.export import ExportConfig, Exporter, draft_config_from_json, draft_config_json
 from eagle3_train.training.config import OptimConfig, TrainConfig
 from eagle3_train.training.trainer import Trainer
 from legacy_eval import LegacySpecDecoder
 
-WORDS = "apple river stone cloud seven tiger music paper green window quick silver".split()
+WORDS = ["apple", "river", "stone", "cloud", "seven", "tiger", "music", "paper", "green", "window", "quick", "silver"]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from data_prep.dump import DumpConfig, Dumper
 from data_prep.prepare import PrepareConfig, Preparer
 from data_prep.regenerate import RegenConfig
 from data_prep.standardize import StandardizeConfig, Standardizer
-from eagle3_train.engines.rules import ENGINES, rules_for, resolve
+from eagle3_train.engines.rules import ENGINES, resolve, rules_for
 from eagle3_train.evaluation.eval import EvalConfig, Evaluator
 from eagle3_train.serving.check import CheckConfig, run_check
 from eagle3_train.serving.export import ExportConfig, Exporter
@@ -29,7 +29,7 @@ from eagle3_train.training.online import OnlineConfig
 from test_online import assert_same_training
 from test_trainer import train
 
-WORDS = "apple river stone cloud seven tiger music paper green window quick silver".split()
+WORDS = ["apple", "river", "stone", "cloud", "seven", "tiger", "music", "paper", "green", "window", "quick", "silver"]
 DEFAULT_AUX = [2, 4, 5]  # [2, N//2, N-3] for the 8-layer tiny targets
 VOCAB, EVAL = 320, 0.2
 

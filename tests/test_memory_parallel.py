@@ -13,14 +13,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3_train.training.data import Batch
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.model.draft import apply_rope
-from eagle3_train.training.objective import head_loss, soft_cross_entropy
-from eagle3_train.training.parallel import SequenceParallel, apply_activation_checkpointing, apply_compile, apply_sequence_parallel
 from eagle3_train.targets.tiny import tiny_config
 from eagle3_train.training.config import DeepSpeedConfig, OptimConfig, TrainConfig
+from eagle3_train.training.data import Batch
+from eagle3_train.training.objective import head_loss, soft_cross_entropy
+from eagle3_train.training.parallel import (
+    SequenceParallel,
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_sequence_parallel,
+)
 from eagle3_train.training.ttt import ttt_losses
 
 TTT, DECAY = 4, 0.8

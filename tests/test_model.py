@@ -9,7 +9,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama import modeling_llama as hf
 
-from eagle3_train.model.draft import DraftConfig, Eagle3Draft, MLP, RMSNorm, apply_rope, ttt_attention
+from eagle3_train.model.draft import MLP, DraftConfig, Eagle3Draft, RMSNorm, apply_rope, ttt_attention
 from eagle3_train.targets.tiny import tiny_config
 
 torch.manual_seed(0)

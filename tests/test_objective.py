@@ -8,9 +8,9 @@ import torch
 
 from eagle3_train.training.objective import (
     acceptance_length,
-    decode_walk,
     accuracies,
     correct_predictions,
+    decode_walk,
     soft_cross_entropy,
     step_weights,
     target_distribution,

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from data_prep.standardize import StandardizeConfig, Standardizer
 from eagle3_train.core.errors import ConfigError, ContractError
 from eagle3_train.serving.export import ExportConfig, Exporter
-from eagle3_train.training.online import OnlineConfig
 from eagle3_train.training.config import CRASH_ENV, TrainConfig
+from eagle3_train.training.online import OnlineConfig
 from test_standardize import make_dump
 from test_trainer import _torchrun, metrics, standardized, train
 

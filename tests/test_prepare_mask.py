@@ -7,8 +7,8 @@ prepare finds the spans.
 
 import numpy as np
 import pytest
-from conftest import LLAMA2_TEMPLATE, LLAMA3_TEMPLATE, SMOLLM2_TEMPLATE
 
+from conftest import LLAMA2_TEMPLATE, LLAMA3_TEMPLATE, SMOLLM2_TEMPLATE
 from data_prep.chat import render_with_mask, special_ids
 from eagle3_train.targets.tiny import build_tiny_tokenizer
 

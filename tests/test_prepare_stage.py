@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import LLAMA3_TEMPLATE
 
+from conftest import LLAMA3_TEMPLATE
 from eagle3_train.core.errors import ContractError, Eagle3Error
 
 OPENAI = [

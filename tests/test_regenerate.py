@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from conftest import LLAMA3_TEMPLATE
 
+from conftest import LLAMA3_TEMPLATE
 from data_prep.regenerate import RegenConfig, assistant_slots
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer

@@ -9,11 +9,17 @@ import sys
 import pytest
 from transformers import AutoModelForCausalLM
 
-from eagle3_train.engines.http import EngineError
 from eagle3_train.core.errors import ConfigError, Eagle3Error
+from eagle3_train.engines.http import EngineError
 from eagle3_train.evaluation.eval import EvalConfig, Evaluator
 from eagle3_train.evaluation.served_acceptance import (
-    METRICS, ServedAcceptance, ServedAcceptanceConfig, SpecCounts, figures, parse_prometheus, read_counts,
+    METRICS,
+    ServedAcceptance,
+    ServedAcceptanceConfig,
+    SpecCounts,
+    figures,
+    parse_prometheus,
+    read_counts,
 )
 from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
 from standin_engines import StandinVllm

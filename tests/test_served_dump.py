@@ -14,9 +14,9 @@ import torch
 from data_prep.dump import CaptureConfig, ClientConfig, DumpConfig, Dumper, ServerConfig, launch_text, verify
 from data_prep.dump.sglang import exact_rows
 from data_prep.dump.vllm import final_norm
+from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.engines.http import EngineError
 from eagle3_train.engines.rules import Unexpressible
-from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.targets.tiny import build_tiny_model
 from standin_engines import EngineRefused, StandinSglang, StandinVllm
 from test_dump import mixed_conversations, prepare_tiny, stored_samples
@@ -176,16 +176,16 @@ def test_engine_answers_that_retrying_cannot_fix_stop_at_once(prepared, tmp_path
         with pytest.raises(Eagle3Error, match="token_ids differ from the prompt \\(position 0"):
             Dumper(config(prepared, tmp_path / "a", "vllm", server=ServerConfig(url=server.url))).run()
     # the engine launched for another capture (layer 1 left out)
-    with StandinVllm(build_tiny_model(), [2, 3, N], tmp_path / "e") as server:
-        with pytest.raises(Eagle3Error, match=r"shape \[\d+, 3, 64\], expected \[\d+, 4, 64\].*launched for another capture"):
-            Dumper(config(prepared, tmp_path / "b", "vllm", server=ServerConfig(url=server.url))).run()
-    with vllm(tmp_path / "c", dtype=torch.bfloat16) as server:
-        with pytest.raises(Eagle3Error, match="states are torch.bfloat16, this dump stores torch.float32"):
-            Dumper(config(prepared, tmp_path / "c", "vllm", server=ServerConfig(url=server.url))).run()
+    with (StandinVllm(build_tiny_model(), [2, 3, N], tmp_path / "e") as server,
+          pytest.raises(Eagle3Error, match=r"shape \[\d+, 3, 64\], expected \[\d+, 4, 64\].*launched for another capture")):
+        Dumper(config(prepared, tmp_path / "b", "vllm", server=ServerConfig(url=server.url))).run()
+    with (vllm(tmp_path / "c", dtype=torch.bfloat16) as server,
+          pytest.raises(Eagle3Error, match="states are torch.bfloat16, this dump stores torch.float32")):
+        Dumper(config(prepared, tmp_path / "c", "vllm", server=ServerConfig(url=server.url))).run()
     # the engine ignores the path the client asks for (allow_custom_save_path off) and writes elsewhere
-    with vllm(tmp_path / "d", allow_custom_save_path=False) as server:
-        with pytest.raises(Eagle3Error, match="outside .*allow_custom_save_path"):
-            Dumper(config(prepared, tmp_path / "d", "vllm", server=ServerConfig(url=server.url))).run()
+    with (vllm(tmp_path / "d", allow_custom_save_path=False) as server,
+          pytest.raises(Eagle3Error, match="outside .*allow_custom_save_path")):
+        Dumper(config(prepared, tmp_path / "d", "vllm", server=ServerConfig(url=server.url))).run()
     aux, final = sglang_pair()
     with aux, final:
         servers = ServerConfig(url=aux.url, final_url=final.url)
@@ -200,9 +200,8 @@ def test_engine_answers_that_retrying_cannot_fix_stop_at_once(prepared, tmp_path
 def test_an_engine_serving_another_model_is_caught(prepared, tmp_path):
     """Same tokenizer, other weights: the engine's next tokens disagree with lm_head(last_hidden)."""
     other = StandinVllm(build_tiny_model(seed=7), [*AUX, N], tmp_path / "engine")
-    with other:
-        with pytest.raises(Eagle3Error, match="next token is outside the top 5 of lm_head\\(last_hidden\\)"):
-            Dumper(config(prepared, tmp_path / "dump", "vllm", server=ServerConfig(url=other.url))).run()
+    with other, pytest.raises(Eagle3Error, match="next token is outside the top 5 of lm_head\\(last_hidden\\)"):
+        Dumper(config(prepared, tmp_path / "dump", "vllm", server=ServerConfig(url=other.url))).run()
 
 
 def test_refusals_and_launch_commands(prepared, tmp_path):

@@ -7,8 +7,8 @@ import torch
 
 from data_prep.regenerate import RegenConfig, generate_batch
 from data_prep.served_regen import ServedRegenConfig, cut_reply, prompt_seed, served_generate_batch
-from eagle3_train.engines.http import EngineError
 from eagle3_train.core.errors import ConfigError
+from eagle3_train.engines.http import EngineError
 from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
 from standin_engines import StandinSglang, StandinVllm
 

@@ -10,12 +10,11 @@ import torch
 
 from data_prep.dump import verify
 from data_prep.standardize import StandardizeConfig, Standardizer
-from eagle3_train.training.data import OfflineSource
 from eagle3_train.core.errors import ConfigError, ContractError
-from eagle3_train.serving.export import ExportConfig, Exporter
-from eagle3_train.core.formats import read_shard
 from eagle3_train.core.storage import FP8, FP8_MAX, decode, dequantize, quantize
+from eagle3_train.serving.export import ExportConfig, Exporter
 from eagle3_train.targets.tiny import build_tiny_model
+from eagle3_train.training.data import OfflineSource
 from test_dump import dump, mixed_conversations, prepare_tiny, stored_samples
 from test_standardize import samples_of
 from test_trainer import metrics, train
@@ -131,6 +130,7 @@ def test_standardize_keeps_or_converts_and_fp8_data_trains_as_its_dequantized_co
     read_back = standardize([dumps["fp8"]], tmp_path / "read_back", storage="dtype")
     quantized = standardize([dumps["plain"]], tmp_path / "quantized", storage="fp8")
     assert read_back["capture"]["storage"] == "dtype"
+    assert quantized["capture"]["storage"] == "fp8"
     k, q, r = (samples_of(tmp_path / name / "train") for name in ("kept", "quantized", "read_back"))
     assert sorted(k) == sorted(q) == sorted(r)
     for sid in k:

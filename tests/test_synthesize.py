@@ -14,10 +14,16 @@ from datasets import load_from_disk
 
 from data_prep.prepare import PrepareConfig, Preparer
 from data_prep.regenerate import RegenConfig
-from data_prep.synthesize import (SET_FILTERS, USER_FILTERS, DuplicateFilter, SynthConfig, repeated_ngram_share,
-                                  user_turn_prefix)
+from data_prep.synthesize import (
+    SET_FILTERS,
+    USER_FILTERS,
+    DuplicateFilter,
+    SynthConfig,
+    repeated_ngram_share,
+    user_turn_prefix,
+)
 from eagle3_train.core.errors import ConfigError, ContractError, Eagle3Error
-from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
+from eagle3_train.targets.tiny import build_tiny_tokenizer
 from tests.conftest import LLAMA2_TEMPLATE, LLAMA3_TEMPLATE, SMOLLM2_TEMPLATE
 
 SMOL_USER = "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n<|im_start|>user\n"

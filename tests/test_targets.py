@@ -101,7 +101,6 @@ def test_target_tensors_read_only_the_shards_that_hold_them(tmp_path, monkeypatc
     import huggingface_hub
 
     from eagle3_train.targets import load_target_tensors
-
     from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
 
     model = build_tiny_model()

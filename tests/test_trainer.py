@@ -103,9 +103,9 @@ def test_ttt_statistics_count_out_of_vocab_positions_as_misses():
     """ttt_losses' per-step counts against loops over a hand-built batch: every existing,
     loss-masked position is counted; one whose target argmax is outside the draft vocab is a miss;
     a hit is the draft's pick, mapped through d2t, equal to the target's full-vocab argmax."""
-    from eagle3_train.training.data import Batch
     from eagle3_train.model import DraftConfig, Eagle3Draft
     from eagle3_train.targets.tiny import tiny_config
+    from eagle3_train.training.data import Batch
     from eagle3_train.training.ttt import ttt_losses
 
     g = torch.Generator().manual_seed(0)

@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from data_prep.dump.config import BACKENDS, DumpConfig
 from eagle3_train.core.dist import DistInfo
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.targets import resolve_dtype
-
-from data_prep.dump.config import BACKENDS, DumpConfig
 
 if TYPE_CHECKING:
     from data_prep.dump.stage import Dumper

@@ -3,11 +3,10 @@ dump, or print an engine's launch command)."""
 
 from __future__ import annotations
 
-from eagle3_train.core.cli import entry_point
-
 from data_prep.dump.backend import make_backend
 from data_prep.dump.config import DumpConfig
 from data_prep.dump.stage import Dumper, verify
+from eagle3_train.core.cli import entry_point
 
 
 def launch_text(cfg: DumpConfig) -> str:

@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from data_prep.dump import backend
 from eagle3_train.core.capture import capture
 from eagle3_train.core.dist import DistInfo, close, init_distributed
 from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.targets import load_target, tensor_parallel_kwargs
-
-from data_prep.dump import backend
 
 if TYPE_CHECKING:
     from data_prep.dump.stage import Dumper

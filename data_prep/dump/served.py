@@ -34,15 +34,14 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from eagle3_train.core.dist import DistInfo
-from eagle3_train.engines.http import EngineError, retrying
-from eagle3_train.core.errors import ConfigError, Eagle3Error
-from eagle3_train.core.fileio import atomic_write_json
-from eagle3_train.targets import Target, load_target, load_target_tensors
-from eagle3_train.targets.tiny import is_tiny
-
 from data_prep.dump import backend
 from data_prep.dump.config import stored_indices
+from eagle3_train.core.dist import DistInfo
+from eagle3_train.core.errors import ConfigError, Eagle3Error
+from eagle3_train.core.fileio import atomic_write_json
+from eagle3_train.engines.http import EngineError, retrying
+from eagle3_train.targets import Target, load_target, load_target_tensors
+from eagle3_train.targets.tiny import is_tiny
 
 if TYPE_CHECKING:
     from data_prep.dump.stage import Dumper

@@ -20,13 +20,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from eagle3_train.engines.http import EngineError, post_json, wait_ready
-from eagle3_train.engines.rules import NESTED, Unexpressible, family_of, ids_for
-from eagle3_train.core.errors import ConfigError
-from eagle3_train.targets import Target, resolve_dtype
-
 from data_prep.dump.config import DumpConfig
 from data_prep.dump.served import ServedBackend, port_of
+from eagle3_train.core.errors import ConfigError
+from eagle3_train.engines.http import EngineError, post_json, wait_ready
+from eagle3_train.engines.rules import NESTED, Unexpressible, family_of, ids_for
+from eagle3_train.targets import Target, resolve_dtype
 
 if TYPE_CHECKING:
     from data_prep.dump.stage import Dumper

@@ -18,20 +18,19 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from data_prep.dump.backend import Backend, make_backend
+from data_prep.dump.config import DumpConfig, stored_indices
+from data_prep.dump.writer import ShardWriter
 from eagle3_train.core.cli import config_dict
 from eagle3_train.core.contract import MANIFEST_NAME, CaptureSpec, read_manifest
 from eagle3_train.core.dist import all_gather_objects, barrier, print0
-from eagle3_train.engines.rules import serving_warning
 from eagle3_train.core.errors import Eagle3Error, IncompleteError
 from eagle3_train.core.formats import ShardRecord, finished_records, read_keys, remove_unfinished, verify_shard
 from eagle3_train.core.prepared import PreparedData
 from eagle3_train.core.stagedir import StageDir
 from eagle3_train.core.storage import bytes_per_token, layout
+from eagle3_train.engines.rules import serving_warning
 from eagle3_train.targets import load_target, resolve_dtype
-
-from data_prep.dump.backend import Backend, make_backend
-from data_prep.dump.config import DumpConfig, stored_indices
-from data_prep.dump.writer import ShardWriter
 
 STAGE = "dump"
 

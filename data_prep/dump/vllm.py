@@ -26,12 +26,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file
 
+from data_prep.dump.config import DumpConfig
+from data_prep.dump.served import ServedBackend, first_difference, port_of
 from eagle3_train.engines.http import EngineError, Transient, post_json, served_model, wait_ready
 from eagle3_train.engines.rules import TOP_KEY, VLLM_EAGLE3, Unexpressible, ids_for
 from eagle3_train.targets import Target, resolve_dtype, text_config
-
-from data_prep.dump.config import DumpConfig
-from data_prep.dump.served import ServedBackend, first_difference, port_of
 
 if TYPE_CHECKING:
     from data_prep.dump.stage import Dumper

@@ -95,10 +95,7 @@ def table_rows(path: Path, kind: str) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
     try:
-        if kind == "parquet":
-            batches = pq.ParquetFile(str(path)).iter_batches(batch_size=1024)
-        else:
-            batches = _arrow_batches(path)
+        batches = pq.ParquetFile(str(path)).iter_batches(batch_size=1024) if kind == "parquet" else _arrow_batches(path)
         row = 0
         for batch in batches:
             for item in batch.to_pylist():

@@ -86,8 +86,9 @@ class PreparedData:
             table = arrow[start : start + COUNT_CHUNK]
             ids, mask = (table.column(k).combine_chunks() for k in ("input_ids", "loss_mask"))
             token_keep = np.repeat(keep[start : start + len(table)], pc.list_value_length(ids).to_numpy())
-            flat = lambda a: np.asarray(pc.list_flatten(a).to_numpy(zero_copy_only=False))[token_keep]  # noqa: E731
-            counts += count_tokens(torch.from_numpy(flat(ids).astype(np.int64)), torch.from_numpy(flat(mask)), vocab_size)
+            flat_ids, flat_mask = (np.asarray(pc.list_flatten(a).to_numpy(zero_copy_only=False))[token_keep]
+                                   for a in (ids, mask))
+            counts += count_tokens(torch.from_numpy(flat_ids.astype(np.int64)), torch.from_numpy(flat_mask), vocab_size)
         return counts
 
 

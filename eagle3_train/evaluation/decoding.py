@@ -84,11 +84,10 @@ def extend_mask(valid_old: torch.Tensor, valid_new: torch.Tensor) -> torch.Tenso
     position order). It always sees itself, so no row is empty: an invalid query's output is junk
     but finite, and nothing valid ever reads it.
     """
-    b, l = valid_old.shape
-    t = valid_new.shape[1]
+    n_old, t = valid_old.shape[1], valid_new.shape[1]
     valid = torch.cat([valid_old, valid_new], dim=1)  # [B, L+T]
-    col = torch.arange(l + t, device=valid.device)
-    row = l + torch.arange(t, device=valid.device)
+    col = torch.arange(n_old + t, device=valid.device)
+    row = n_old + torch.arange(t, device=valid.device)
     causal = col[None, :] <= row[:, None]  # [T, L+T]
     return (valid[:, None, :] & causal[None]) | (col[None, :] == row[:, None])[None]
 
@@ -264,7 +263,7 @@ class SpecDecoder:
             last = greedy.gather(1, a[:, None])[:, 0]  # [B] the target's own next token
             host = torch.cat([a[:, None], drafts, last[:, None]], dim=1).tolist()
             m = max(r[0] for r in host) + 1  # new columns kept by some row; the rest are cropped
-            self._edit(cache, lambda x: x[:, :, : x.shape[2] - (k + 1 - m)])
+            self._edit(cache, lambda x, cut=k + 1 - m: x[:, :, : x.shape[2] - cut])
             new_valid = slot[:, :m] <= a[:, None]  # [B, m]
             padded = padded or any(r[0] + 1 < m for r in host)
             # step 0 over the new columns: column i of a row predicts after its token i, i.e. draft
@@ -293,7 +292,7 @@ class SpecDecoder:
                 rows, lengths = [rows[j] for j in still], [lengths[j] for j in still]
             if rows and 4 * (valid.shape[1] - max(lengths)) > valid.shape[1]:
                 index = compaction_index(valid)
-                self._edit(cache, lambda x: gather_columns(x, index))
+                self._edit(cache, lambda x, index=index: gather_columns(x, index))
                 dcache[0] = (gather_columns(dcache[0][0], index), gather_columns(dcache[0][1], index))
                 valid = valid.gather(1, index)
                 self.counters.compactions += 1
@@ -355,7 +354,7 @@ class SpecDecoder:
                 return out
             if len(still) < len(rows):
                 keep = torch.tensor(still, dtype=torch.long, device=dev)
-                self._edit(cache, lambda x: x[keep])
+                self._edit(cache, lambda x, keep=keep: x[keep])
                 valid, length, tok, rows = valid[keep], length[keep], tok[keep], [rows[j] for j in still]
             valid = torch.cat([valid, valid.new_ones(len(rows), 1)], dim=1)
             logits, _ = self._target(tok[:, None], length[:, None], valid if padded else None, cache, aux=False)

@@ -32,15 +32,15 @@ from safetensors.torch import load_file
 
 from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.contract import check_dtype
-from eagle3_train.evaluation.decoding import Reference, SpecDecoder
 from eagle3_train.core.dist import resolve_device
-from eagle3_train.engines.rules import resolve
-from eagle3_train.serving.export import draft_config_from_json
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, check_numbers
 from eagle3_train.core.fileio import sha256_file
-from eagle3_train.model import Eagle3Draft
 from eagle3_train.core.prompt_files import Conversation, read_conversations
 from eagle3_train.core.stagedir import StageDir
+from eagle3_train.engines.rules import resolve
+from eagle3_train.evaluation.decoding import Reference, SpecDecoder
+from eagle3_train.model import Eagle3Draft
+from eagle3_train.serving.export import draft_config_from_json
 from eagle3_train.targets import Target, eos_ids, load_target, text_config
 
 REPORT_NAME = "report.json"  # the eval directory's record, written last (eagle3_train.core.stagedir)

@@ -53,10 +53,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from eagle3_train.core.cli import config_dict, entry_point
-from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
 from eagle3_train.core.errors import ConfigError, check_numbers
 from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
 from eagle3_train.core.prompt_files import Conversation, read_conversations
+from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
 
 COMMAND = "eagle3-served-acceptance"
 REPORT_NAME = "report.json"

@@ -24,8 +24,8 @@ from omegaconf import MISSING
 from safetensors import safe_open
 
 from eagle3_train.core.cli import entry_point
-from eagle3_train.engines.rules import ENGINES, TOP_KEY, VLLM_EAGLE3, fc_skipped, resolve, rules_for, unloadable_weights
 from eagle3_train.core.errors import BadInputError, ConfigError
+from eagle3_train.engines.rules import ENGINES, TOP_KEY, VLLM_EAGLE3, fc_skipped, resolve, rules_for, unloadable_weights
 from eagle3_train.targets import text_config
 
 
@@ -85,8 +85,9 @@ def read_draft(draft: Path) -> tuple[dict, dict[str, torch.Tensor], set[str]]:
     names: set[str] = set()
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            names.update(st.keys())
-            for key in st.keys():
+            keys = list(st.keys())
+            names.update(keys)
+            for key in keys:
                 if key.split(".")[-1] in ("d2t", "t2d"):
                     tensors[key.split(".")[-1]] = st.get_tensor(key)
                 elif key.endswith("fc.weight"):

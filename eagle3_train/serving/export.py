@@ -27,11 +27,16 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.contract import (
-    MANIFEST_NAME, CaptureSpec, best_checkpoint, check_dtype, run_checkpoints, write_manifest,
+    MANIFEST_NAME,
+    CaptureSpec,
+    best_checkpoint,
+    check_dtype,
+    run_checkpoints,
+    write_manifest,
 )
-from eagle3_train.engines.rules import RULES_VERSION, TOP_KEY, Unexpressible, fc_skipped, ids_for, unloadable_weights
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.core.fileio import atomic_write_json
+from eagle3_train.engines.rules import RULES_VERSION, TOP_KEY, Unexpressible, fc_skipped, ids_for, unloadable_weights
 from eagle3_train.model import DraftConfig
 
 EXPORT_ENGINES = ("sglang", "vllm")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import queue
 import threading
-
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -33,8 +32,8 @@ from eagle3_train.core.errors import BadInputError, ContractError
 from eagle3_train.core.fileio import sha256_json
 from eagle3_train.core.formats import SHARD_SUFFIX, ShardRecord, check_shard
 from eagle3_train.core.storage import DTYPE, FP8_STORAGE, dequantize, scale_key
-from eagle3_train.targets import config_hash, load_target_tensors, text_config
 from eagle3_train.core.vocab import VocabMap, load_vocab_map
+from eagle3_train.targets import config_hash, load_target_tensors, text_config
 
 SORT_WINDOW = 64  # micro-batches' worth of samples sorted together by length
 

@@ -33,15 +33,21 @@ import numpy as np
 import torch
 
 from eagle3_train.core.capture import capture
-from eagle3_train.engines.rules import serving_warning
-from eagle3_train.core.contract import MANIFEST_NAME, CaptureSpec, check_dtype, default_aux_indices, validate_aux_indices
-from eagle3_train.training.data import Batch, Source, pad_tokens
+from eagle3_train.core.contract import (
+    MANIFEST_NAME,
+    CaptureSpec,
+    check_dtype,
+    default_aux_indices,
+    validate_aux_indices,
+)
 from eagle3_train.core.dist import DistInfo, barrier, print0
 from eagle3_train.core.errors import ConfigError, ContractError, check_numbers
 from eagle3_train.core.prepared import PreparedData, prepared_vocab
 from eagle3_train.core.split import EVAL_FRACTION, SPLIT_SEED, check_fraction, split_eval
-from eagle3_train.targets import Target, load_target
 from eagle3_train.core.vocab import DRAFT_VOCAB_SIZE, VocabMap, load_vocab_map
+from eagle3_train.engines.rules import serving_warning
+from eagle3_train.targets import Target, load_target
+from eagle3_train.training.data import Batch, Source, pad_tokens
 
 VOCAB_FILE = "vocab_map.safetensors"  # in the run directory, when built at start
 

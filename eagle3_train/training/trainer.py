@@ -38,8 +38,16 @@ from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.targets import Target
 from eagle3_train.training.checkpoint import checkpoint_paths, consolidated_state_dict, run_directory, save_checkpoint
 from eagle3_train.training.config import CRASH_ENV, USUAL_CHAIN, TrainConfig
-from eagle3_train.training.data import (Batch, OfflineSource, Prefetcher, Source, epoch_of, micro_batches_for, plan_epoch,
-                                        steps_in_epoch)
+from eagle3_train.training.data import (
+    Batch,
+    OfflineSource,
+    Prefetcher,
+    Source,
+    epoch_of,
+    micro_batches_for,
+    plan_epoch,
+    steps_in_epoch,
+)
 from eagle3_train.training.metrics import MetricsLog, console, eval_line, train_record, walk_counts, wandb_tracker
 from eagle3_train.training.objective import acceptance_length, accuracies
 from eagle3_train.training.online import OnlineSource
@@ -270,8 +278,8 @@ class Trainer:
             # to its micro-batch's, so each counts sp times (the mean over data-parallel ranks)
             self.engine.backward(loss * self.sp.size)
             self.engine.step()
-            c, l, n = stats[:, :3].to(torch.int64), loss.detach().float(), batch.lengths.sum()
-            counts, loss_sum, tokens = (c, l, n) if counts is None else (counts + c, loss_sum + l, tokens + n)
+            c, ls, n = stats[:, :3].to(torch.int64), loss.detach().float(), batch.lengths.sum()
+            counts, loss_sum, tokens = (c, ls, n) if counts is None else (counts + c, loss_sum + ls, tokens + n)
         self.step += 1
         return {"loss": loss_sum / o.grad_accum, "counts": counts, "tokens": tokens}
 

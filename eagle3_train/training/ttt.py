@@ -4,15 +4,14 @@ each step's soft cross-entropy against the target's distribution (the pure piece
 
 from __future__ import annotations
 
-
 from typing import Any
 
 import torch
 
 from eagle3_train.core.dist import print0
 from eagle3_train.core.errors import ConfigError
-from eagle3_train.training.data import Batch
 from eagle3_train.model import Eagle3Draft
+from eagle3_train.training.data import Batch
 from eagle3_train.training.objective import (
     correct_predictions,
     head_loss,

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from common import run_isolated, sync
 
 VARIANTS = ("eager", "layer", "parts")
@@ -48,8 +47,8 @@ def batches(n: int, tokens: int, seed: int):
 
 
 def case(a: argparse.Namespace) -> None:
-    from eagle3_train.training.data import Batch
     from eagle3_train.model import Eagle3Draft
+    from eagle3_train.training.data import Batch
     from eagle3_train.training.parallel import apply_compile
     from eagle3_train.training.ttt import ttt_losses
 

@@ -39,7 +39,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from common import launcher, matmul_rate, part_recorder, random_llama, run_isolated, run_suite, sync
 
 GOALS = {"bytes_per_token_kib": 16.5, "ratio_to_floor": 0.70, "speedup_vs_naive": 3.0, "dp2_speedup": 1.9}
@@ -126,7 +125,6 @@ def compute_only(dumper) -> dict[str, Any]:
     Each data-parallel group runs its share of the batches, as the dump would, timed between
     barriers: tokens/s of all ranks together."""
     import data_prep.dump.hf as hf
-
     from eagle3_train.core.dist import barrier
 
     cfg, backend = dumper.cfg, dumper.backend

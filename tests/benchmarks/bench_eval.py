@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
+from eagle3_train.core.prompt_files import read_conversations
 from eagle3_train.evaluation.decoding import Decoded
 from eagle3_train.evaluation.eval import EvalConfig, Evaluator
-from eagle3_train.core.prompt_files import read_conversations
 from tests.legacy_eval import LegacySpecDecoder
 
 PROMPTS = ["data_prep/prompts/heldout.jsonl", "data_prep/prompts/train.jsonl"]

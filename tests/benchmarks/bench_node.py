@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from common import launcher, part_recorder, random_llama, run_isolated, run_suite
 
 GOAL = 0.90  # each scaling efficiency
@@ -124,9 +123,9 @@ def check_ids(a: argparse.Namespace) -> list[int]:
 
 
 def dump_case(a: argparse.Namespace, tp: int, record: Record) -> None:
-    import data_prep.dump as dump
     from bench_dump import compute_only, timed_run, warm_up
 
+    import data_prep.dump as dump
     from eagle3_train.core.formats import read_keys
 
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -188,10 +187,10 @@ def resume_case(a: argparse.Namespace, record: Record) -> None:
     ranks: uninterrupted, and killed after a checkpoint then resumed; losses and weights compared."""
     sys.path.insert(0, str(TESTS))
     from safetensors.torch import load_file
-    from test_standardize import make_dump
-    from test_trainer import metrics, standardized
 
     from eagle3_train.training.config import CRASH_ENV
+    from test_standardize import make_dump
+    from test_trainer import metrics, standardized
 
     root = Path(a.dir) / "resume"
     shutil.rmtree(root, ignore_errors=True)

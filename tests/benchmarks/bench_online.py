@@ -40,16 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from common import random_llama, run_isolated, sync
 
 GOAL = 0.85
 # name, seconds at most
 CASES = [("embedded", 150), ("llama8b", 240)]
-WORDS = ("the of and to in is was that for it with as his on be at by had are but from or have an they which one "
-         "you were all we her she there would their will when who him been has more if no out do so can what up "
-         "said about other into than its time only could new them man some these then two first may any like now "
-         "my such make over our even most me state after also made many did must before back see through way where").split()
+WORDS = ["the", "of", "and", "to", "in", "is", "was", "that", "for", "it", "with", "as", "his", "on", "be", "at", "by", "had", "are", "but", "from", "or", "have", "an", "they", "which", "one", "you", "were", "all", "we", "her", "she", "there", "would", "their", "will", "when", "who", "him", "been", "has", "more", "if", "no", "out", "do", "so", "can", "what", "up", "said", "about", "other", "into", "than", "its", "time", "only", "could", "new", "them", "man", "some", "these", "then", "two", "first", "may", "any", "like", "now", "my", "such", "make", "over", "our", "even", "most", "me", "state", "after", "also", "made", "many", "did", "must", "before", "back", "see", "through", "way", "where"]
 
 
 def conversations(path: Path, n: int, words: int, seed: int = 0) -> Path:
@@ -64,8 +60,8 @@ def conversations(path: Path, n: int, words: int, seed: int = 0) -> Path:
 def measure(a: argparse.Namespace) -> None:
     """One case in this process; ``--out`` is rewritten after each figure."""
     from data_prep.prepare import PrepareConfig, Preparer
-    from eagle3_train.training.online import OnlineConfig
     from eagle3_train.training.config import DeepSpeedConfig, OptimConfig, TrainConfig
+    from eagle3_train.training.online import OnlineConfig
     from eagle3_train.training.trainer import Trainer
 
     device = torch.device("cpu" if a.small else "cuda")

@@ -39,15 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from common import launcher, matmul_rate, run_isolated, run_suite, sync
 
-from eagle3_train.training.data import Batch
 from eagle3_train.core.dist import init_distributed
 from eagle3_train.model import DraftConfig, Eagle3Draft
-from eagle3_train.training.parallel import sequence_parallel
 from eagle3_train.training.config import DeepSpeedConfig, OptimConfig
-from eagle3_train.training.parallel import build_engine
+from eagle3_train.training.data import Batch
+from eagle3_train.training.parallel import build_engine, sequence_parallel
 from eagle3_train.training.ttt import ttt_losses
 
 SMALL = DraftConfig(hidden_size=256, target_hidden_size=256, num_aux=3, num_attention_heads=4, num_key_value_heads=2,
@@ -183,9 +181,8 @@ def attention_check(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     reference of tests/test_model.py in fp32 on the CPU: the largest absolute difference of the
     output and of the gradients, for 1..7 TTT steps (8 heads over 2 kv heads, head dim 128)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from test_model import dense_ttt_reference
-
     from eagle3_train.model.draft import ttt_attention
+    from test_model import dense_ttt_reference
 
     result = {}
     for dt in dict.fromkeys([torch.float32, dtype]):

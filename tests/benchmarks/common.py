@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-FILLER_WORDS = "alpha beta gamma delta river mountain python code list tree graph sort bread poem sea light".split()
+FILLER_WORDS = ["alpha", "beta", "gamma", "delta", "river", "mountain", "python", "code", "list", "tree", "graph", "sort", "bread", "poem", "sea", "light"]
 
 
 def sync(device: torch.device) -> None:
@@ -111,7 +111,6 @@ def random_llama(small: bool, device: torch.device) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from eagle3_train.targets import Target, target_identity
-
     from eagle3_train.targets.tiny import build_tiny_tokenizer
 
     if small:

@@ -241,7 +241,7 @@ class Server:
                    "--speculative-num-draft-tokens", str(K + 1), *SGLANG_ARGS]
         log(f"{self.key}: {' '.join(cmd)}")
         self.t0 = time.time()
-        self.logf = open(W / f"{self.key}.log", "w")
+        self.logf = open(W / f"{self.key}.log", "w")  # noqa: SIM115 (the server's log while it runs; closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=self.logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      cwd=REPO, start_new_session=True, env={**os.environ, **ENGINE_ENV[engine]})
 
@@ -379,7 +379,8 @@ def main() -> None:
         port += 100
         if engine in DUMP_ENGINES:
             with ThreadPoolExecutor(len(fams) or 1) as pool:
-                list(pool.map(lambda ip: dump_served(engine, ip[1], port + 2 * ip[0]), enumerate(fams)))
+                list(pool.map(lambda ip, engine=engine, port=port: dump_served(engine, ip[1], port + 2 * ip[0]),
+                              enumerate(fams)))
         port += 100
         RESULTS["phase_seconds"][engine] = round(time.time() - t1, 1)
     RESULTS["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
