@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagle3_train.core.errors import ConfigError, check_numbers
+from eagle3_train.core.extras import optional_import
 from eagle3_train.engines.http import EngineError, post_json, retrying, served_model, wait_ready
 
 
@@ -216,7 +217,7 @@ async def _generate_all(prompts: list[list[int]], cfg: ServedRegenConfig, engine
                         eos_ids: list[int], bar: Any) -> list[tuple[list[int], bool]]:
     """Keep ``cfg.concurrency`` requests in flight; the first failure that retries cannot fix
     cancels the rest and is raised."""
-    import aiohttp
+    aiohttp = optional_import("aiohttp")
 
     url = cfg.url.rstrip("/")
     endpoint = f"{url}{engine.path}"

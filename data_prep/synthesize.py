@@ -49,6 +49,7 @@ from data_prep.chat import render_text
 from data_prep.conversations import BadRow, Conversation
 from data_prep.regenerate import RegenConfig, generate_sorted
 from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
+from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import atomic_write_json, sha256_text
 from eagle3_train.core.stagedir import StageDir
 
@@ -239,12 +240,12 @@ class DuplicateFilter:
     of the previous, so texts given in pieces are judged as if given at once."""
 
     def __init__(self, threshold: float, num_perm: int = 128, seed: int = 1) -> None:
-        from datasketch import MinHash, MinHashLSH
+        datasketch = optional_import("datasketch")
 
         self.threshold = threshold
         # LSH only proposes candidates (a lower threshold proposes more; datasketch needs >= 2 bands)
-        self.lsh = MinHashLSH(threshold=min(threshold, 0.9), num_perm=num_perm)
-        self.blank = MinHash(num_perm=num_perm, seed=seed)  # copies share its permutations (drawing them is slow)
+        self.lsh = datasketch.MinHashLSH(threshold=min(threshold, 0.9), num_perm=num_perm)
+        self.blank = datasketch.MinHash(num_perm=num_perm, seed=seed)  # copies share its permutations (drawing them is slow)
         self.signatures: dict[int, Any] = {}
         self.seen: set[str] = set()
         self.count = 0

@@ -38,6 +38,7 @@ from data_prep.dump import backend
 from data_prep.dump.config import stored_indices
 from eagle3_train.core.dist import DistInfo
 from eagle3_train.core.errors import ConfigError, Eagle3Error
+from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import atomic_write_json
 from eagle3_train.engines.http import EngineError, retrying
 from eagle3_train.targets import Target, load_target, load_target_tensors
@@ -158,7 +159,7 @@ class ServedBackend(backend.Backend):
     async def _fetch_all(self, stage: Dumper, client: EngineClient, rows: np.ndarray) -> tuple[int, int]:
         """Keep ``client.concurrency`` requests in flight; hand finished samples to the writer.
         On a failure that retries cannot fix, store what arrived, then stop. Returns (bytes, tokens)."""
-        import aiohttp
+        aiohttp = optional_import("aiohttp")
 
         c = self.cfg.client
         writer = stage.writer()

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from eagle3_train.core.errors import Eagle3Error
+from eagle3_train.core.extras import optional_import
 
 T = TypeVar("T")
 
@@ -29,7 +30,7 @@ async def post_json(session: Any, url: str, body: dict, parse_gate: asyncio.Sema
     """POST JSON; connection problems, timeouts, 408/429/5xx are :class:`Transient`, other
     errors are the engine refusing the request. ``parse_gate`` bounds how many large responses
     are parsed at once (parsing holds the GIL, so more at once only multiplies memory)."""
-    import aiohttp
+    aiohttp = optional_import("aiohttp")
 
     try:
         async with session.post(url, json=body) as resp:
@@ -53,7 +54,7 @@ async def wait_ready(session: Any, base_urls: list[str], wait_s: float, command:
                      hint: str = "print_launch=true shows how to start it") -> None:
     """Wait until every server answers ``/health`` (engines take minutes to load a large target);
     ``command`` and ``hint`` name the caller in its messages (the dump, or regeneration)."""
-    import aiohttp
+    aiohttp = optional_import("aiohttp")
 
     deadline = time.monotonic() + wait_s
     for base in base_urls:

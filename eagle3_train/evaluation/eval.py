@@ -34,6 +34,7 @@ from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.contract import check_dtype
 from eagle3_train.core.dist import resolve_device
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, check_numbers
+from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import sha256_file
 from eagle3_train.core.prompt_files import Conversation, read_conversations
 from eagle3_train.core.stagedir import StageDir
@@ -71,6 +72,7 @@ class EvalConfig:
     cache_dir: str | None = None  # where GGUF targets are converted once
     chat_template: str | None = None  # replaces the tokenizer's template (as in prepare)
     progress: bool = True  # progress bar on the console
+    plot: bool = True  # draw acceptance.png (needs the plots extra, matplotlib)
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, auto=True)
@@ -172,6 +174,8 @@ class Evaluator:
 
     def __init__(self, cfg: EvalConfig):
         self.cfg = cfg
+        if cfg.plot:  # before the target loads, not after the decoding
+            optional_import("matplotlib")
         device = resolve_device(cfg.device)
         self.target = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=cfg.dtype, device=str(device),
                                   chat_template=cfg.chat_template)
@@ -256,7 +260,7 @@ class Evaluator:
 
     def request(self) -> dict[str, Any]:
         """What decides the report: options (not where it goes), the draft files, the target."""
-        opts = {k: v for k, v in config_dict(self.cfg).items() if k not in ("out", "progress")}
+        opts = {k: v for k, v in config_dict(self.cfg).items() if k not in ("out", "progress", "plot")}
         files = {p.name: sha256_file(p) for p in (self.draft_dir / "config.json", self.draft_dir / "model.safetensors")}
         return {"options": opts, "draft": files, "target": self.target.identity.to_dict()}
 
@@ -309,7 +313,8 @@ class Evaluator:
                 f.write(json.dumps({"source": r.conversation.source, "category": r.conversation.category,
                                     "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens,
                                     "accepted": r.accepted, "lossless": r.check["status"], "reply": r.reply}) + "\n")
-        plot_acceptance(report, self.out / "acceptance.png")
+        if self.cfg.plot:
+            plot_acceptance(report, self.out / "acceptance.png")
         report = out.write_manifest(report)
         print(f"eagle3-eval ({self.cfg.engine}: {self.resolution.describe()} from {self.resolution.source}): tau {report['tau']:.2f} "
               f"over {report['verify_steps']} verify steps, acceptance per position "
@@ -326,10 +331,9 @@ class Evaluator:
 
 def plot_acceptance(report: dict[str, Any], path: Path) -> None:
     """Acceptance rate per draft position: one group of bars per category (and all)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    matplotlib = optional_import("matplotlib")
+    matplotlib.use("Agg")  # files only, never a window
+    plt = optional_import("matplotlib.pyplot")
 
     groups = {"all": report} | report["categories"] if len(report["categories"]) > 1 else {"all": report}
     k = len(report["acceptance_per_position"])

@@ -54,6 +54,7 @@ from omegaconf import MISSING
 
 from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.errors import ConfigError, check_numbers
+from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
 from eagle3_train.core.prompt_files import Conversation, read_conversations
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
@@ -392,7 +393,7 @@ class ServedAcceptance:
 
     async def get(self, session: Any, path: str) -> str:
         """GET ``path`` of the server as text; an unreachable server or an error status names the URL."""
-        import aiohttp
+        aiohttp = optional_import("aiohttp")
 
         url = f"{self.url}{path}"
         try:
@@ -483,7 +484,7 @@ class ServedAcceptance:
         """Send every category's conversations (concurrently within one), reading the counters
         before the first and after each. Returns the served models, the first and the last read,
         per category its replies and the counts between its reads, and the seconds spent."""
-        import aiohttp
+        aiohttp = optional_import("aiohttp")
 
         c = self.cfg
         conversations = read_conversations(c.prompts, c.column, c.limit)

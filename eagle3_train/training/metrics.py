@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from eagle3_train.core.dist import all_gather_objects
+from eagle3_train.core.extras import optional_import
 from eagle3_train.training.data import Batch
 from eagle3_train.training.objective import acceptance_length, accuracies, decode_walk
 
@@ -53,7 +54,7 @@ def wandb_tracker(logging: Any, out: Path, config: dict[str, Any], is_main: bool
     """A wandb run when ``logging.wandb`` on the main rank, else None."""
     if not (logging.wandb and is_main):
         return None
-    import wandb
+    wandb = optional_import("wandb")
 
     return wandb.init(project=logging.wandb_project, mode=logging.wandb_mode, name=logging.run_name or out.name,
                       dir=str(out), config=config, resume="allow")
