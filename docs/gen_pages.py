@@ -513,9 +513,10 @@ def families_measured() -> str:
     if not rows:
         return ""
     return ("## Families × engines, as measured\n\n"
-            "Tiny targets of each family through the pipeline and a real engine (single runs on one H200; "
-            "random-init targets, so τ is low and adjacent layers differ little: a shifted config barely "
-            "moves it). τ is `eagle3-eval`'s (bf16), the engine's figure its own mean acceptance length "
+            "Tiny targets of each family, and the embedded SmolLM2 (`smollm2`, trained weights), through "
+            "the pipeline and a real engine (single runs on one H200; the tiny targets are random-init, so "
+            "τ is low, greedy paths turn on near-tied logits, and adjacent layers differ little: a shifted "
+            "config barely moves τ except on SmolLM2 and deepseek_v3). τ is `eagle3-eval`'s (bf16), the engine's figure its own mean acceptance length "
             "(`eagle3-served-acceptance`); the dump column the worst per-layer relative L2 of the engine's "
             "served dump against the transformers one.\n\n"
             + table(["family", "engine", "eval τ", "engine τ", "engine vs eval", "shifted ids: engine τ",

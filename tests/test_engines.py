@@ -175,5 +175,6 @@ def test_every_verified_rule_names_its_results_file_and_family():
         found = [json.loads((root / f).read_text()) for f in files]
         assert any(model_type in json.dumps(r) for r in found), (engine, model_type, files)
         assert verification(engine, model_type).startswith("verified by a run")
-    assert verification("sglang", "qwen2").startswith("read from source only: sglang 0.5.17")
+    assert verification("sglang", "qwen2").startswith("verified by a run: SGLang 0.5.17")
+    assert verification("vllm", "kimi_k2").startswith("read from source only: vllm ")
     assert verification("vllm", "glm4_moe").startswith("no rule")
