@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from data_prep.standardize import StandardizeConfig, Standardizer
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, Eagle3Error
 from eagle3_train.serving.export import ExportConfig, Exporter
+from eagle3_train.training.checkpoint import BestTracker
 from eagle3_train.training.config import DeepSpeedConfig, ModelOptions, OptimConfig, TrainConfig, lr_factor
 from eagle3_train.training.trainer import Trainer
 from test_standardize import make_dump
@@ -460,6 +462,19 @@ def test_early_stop_on_a_plateau(std, tmp_path, monkeypatch):
     again = train(std, out, max_steps=12, eval_every=2, early_stop_patience=2, keep_best=True, keep_last=1)
     assert again["step"] == 8 and again["best_checkpoint"] == final["best_checkpoint"]
     assert max(m["step"] for m in metrics(out)) == 8
+
+
+
+def test_best_tracker_counts_evaluations_without_a_better_one():
+    """Ties do not improve; patience 2 stops at the second evaluation in a row without a better tau;
+    the record survives state.json, and keep_best=false keeps no best checkpoint."""
+    best = BestTracker(keep_best=True, patience=2)
+    assert [best.update(step, tau) for step, tau in [(2, 1.5), (4, 2.5), (6, 2.5), (8, 3.0), (10, 2.9), (12, 2.0)]] \
+        == [False, False, False, False, False, True]
+    assert best.kept() == {"step": 8, "eval_tau": 3.0} and best.evals_since_best == 2
+    again = BestTracker(keep_best=False, patience=2)
+    again.restore(json.loads(json.dumps(best.state())), Path("/nonexistent"), is_main=False)
+    assert (again.record, again.evals_since_best, again.kept()) == (best.record, 2, None)
 
 
 # What SGLang 0.5.23 and vLLM 0.33.0 load into a one-layer LlamaForCausalLMEagle3 (docs/concepts/storage.md)

@@ -1,18 +1,22 @@
-"""A training run's checkpoints: ``checkpoints/step<N>/`` (DeepSpeed's files, the consolidated
-head ``draft.safetensors``, and ``state.json`` written last, which marks it complete), the
-``best.json`` record under ``train.keep_best``, and the oldest beyond ``train.keep_last`` removed."""
+"""A training run's directory and checkpoints: ``checkpoints/step<N>/`` (DeepSpeed's files, the
+consolidated head ``draft.safetensors``, and ``state.json`` written last, which marks it complete),
+the ``best.json`` record under ``train.keep_best``, the oldest beyond ``train.keep_last`` removed;
+which checkpoint a run continues from, and the best evaluation that keep_best and early stopping
+track across a resume."""
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from eagle3_train.core.contract import BEST_FILE, run_checkpoints
+from eagle3_train.core.contract import BEST_FILE, MANIFEST_NAME, run_checkpoints
 from eagle3_train.core.dist import barrier
+from eagle3_train.core.errors import ContractError
 from eagle3_train.core.fileio import atomic_write_json
 from eagle3_train.core.stagedir import StageDir
 
@@ -81,3 +85,88 @@ def run_directory(out: Path, capture: dict[str, Any], vocab_sha: str, draft_conf
         return "; ".join(said + ["or start a new run with another out="])
 
     return StageDir(out, "train", request, what="training run", hint=hint, exclusive=True)
+
+
+def open_run(out: Path, run_dir: StageDir, resume: str, keep_best: bool, metrics: Path, config: dict[str, Any],
+             is_main: bool) -> Path | None:
+    """Claim the run directory for this request (collective); the checkpoint to continue from, or
+    None for a fresh start, which clears an earlier run's metrics and writes ``config.json``."""
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    barrier()
+    ckpts = run_checkpoints(out)
+    if ckpts and resume == "never":
+        raise ContractError(f"{out} already holds checkpoints; resume=auto continues it, or use another out=")
+    run_dir.claim(replace=not ckpts)  # checkpoints are continued only by the same request
+    if is_main and (not ckpts or not keep_best):
+        # a record left by an earlier run, or one keep_last may now delete, would mislead export
+        (out / BEST_FILE).unlink(missing_ok=True)
+    if ckpts:
+        return ckpts[-1]
+    if is_main:
+        metrics.unlink(missing_ok=True)
+        atomic_write_json(out / "config.json", config)
+    return None
+
+
+@dataclass
+class BestTracker:
+    """The best evaluation so far by eval simulated tau: the checkpoint ``train.keep_best`` keeps
+    and the evaluations without a better one that ``train.early_stop_patience`` stops after. Each
+    checkpoint's ``state.json`` holds it (:meth:`state`), so a resumed run goes on counting."""
+
+    keep_best: bool
+    patience: int  # 0: no early stop
+    record: dict[str, Any] = field(default_factory=lambda: {"step": None, "eval_tau": None})
+    evals_since_best: int = 0
+    early_stopped: bool = False
+
+    def update(self, step: int, eval_tau: float) -> bool:
+        """Count an evaluation at ``step``; True when early stopping is due."""
+        if self.record["eval_tau"] is None or eval_tau > self.record["eval_tau"]:
+            self.record = {"step": step, "eval_tau": eval_tau}
+            self.evals_since_best = 0
+        else:
+            self.evals_since_best += 1
+        return bool(self.patience) and self.evals_since_best >= self.patience
+
+    def kept(self) -> dict[str, Any] | None:
+        """The best evaluation's step and tau when keep_best keeps its checkpoint."""
+        return self.record if self.keep_best and self.record["step"] is not None else None
+
+    def state(self) -> dict[str, Any]:
+        return {"best": self.record, "evals_since_best": self.evals_since_best, "early_stopped": self.early_stopped}
+
+    def restore(self, state: dict[str, Any], out: Path, is_main: bool) -> None:
+        """Continue from a checkpoint's ``state.json``; under keep_best, (re)write ``best.json``."""
+        self.record = state.get("best", self.record)
+        self.evals_since_best = state.get("evals_since_best", 0)
+        self.early_stopped = state.get("early_stopped", False)
+        if self.keep_best and self.record["step"] is not None:
+            best = out / "checkpoints" / f"step{self.record['step']}"
+            if not (best / "state.json").is_file():  # tracked while keep_best was off: never saved
+                self.record = {"step": None, "eval_tau": None}
+            elif is_main:  # a crash may have come between the best checkpoint's save and its record
+                atomic_write_json(out / BEST_FILE, {"checkpoint": best.name} | self.record)
+
+
+def continue_run(state: dict[str, Any], now: dict[str, Any], step: int, total_steps: int, best: BestTracker,
+                 out: Path, is_main: bool) -> str | None:
+    """What a rerun that changed continuation options (core.fingerprint.CONTINUATIONS; ``now``,
+    against the checkpoint's ``state``) does, in one line, or None when none changed. A run that
+    trains again loses its final manifest; a raised patience lifts an early stop."""
+    before = state.get("continued")
+    if before is None or before == now:
+        return None
+    changed = ", ".join(f"{k}: {before.get(k)} -> {v}" for k, v in now.items() if before.get(k) != v)
+    if step >= total_steps:
+        what = f"the run is already at step {step} of {total_steps}: nothing more is trained"
+    else:
+        what = (f"the run continues from step {step} to {total_steps} (was {state.get('total_steps')}); the lr "
+                f"schedule is recomputed over {total_steps} steps, so the lr now follows the longer curve")
+        if is_main:  # unfinished again until the new total is reached
+            (out / MANIFEST_NAME).unlink(missing_ok=True)
+    if best.early_stopped and best.patience > best.evals_since_best:
+        best.early_stopped = False
+        what += "; the early stop is lifted (patience raised)"
+    return f"{changed}: {what}"

@@ -28,15 +28,22 @@ import torch
 from tqdm.auto import tqdm
 
 from eagle3_train.core.cli import config_dict, entry_point
-from eagle3_train.core.contract import BEST_FILE, MANIFEST_NAME, run_checkpoints
-from eagle3_train.core.dist import DistInfo, all_gather_objects, barrier, close, init_distributed, print0
-from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, Eagle3Error
-from eagle3_train.core.fileio import atomic_write_json
+from eagle3_train.core.contract import run_checkpoints
+from eagle3_train.core.dist import DistInfo, all_gather_objects, close, init_distributed, print0
+from eagle3_train.core.errors import BadInputError, ConfigError, Eagle3Error
 from eagle3_train.core.fingerprint import continued_options, request_options
 from eagle3_train.core.stagedir import StageDir
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.targets import Target
-from eagle3_train.training.checkpoint import checkpoint_paths, consolidated_state_dict, run_directory, save_checkpoint
+from eagle3_train.training.checkpoint import (
+    BestTracker,
+    checkpoint_paths,
+    consolidated_state_dict,
+    continue_run,
+    open_run,
+    run_directory,
+    save_checkpoint,
+)
 from eagle3_train.training.config import CRASH_ENV, USUAL_CHAIN, TrainConfig
 from eagle3_train.training.data import (
     Batch,
@@ -114,9 +121,7 @@ class Trainer:
         self.step = 0
         # each micro-batch's loss finiteness, still on the device: (0-based step, flag, sample ids)
         self._unchecked: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self.best: dict[str, Any] = {"step": None, "eval_tau": None}  # the best evaluation so far
-        self.evals_since_best = 0
-        self.early_stopped = False
+        self.best = BestTracker(o.keep_best, o.early_stop_patience)
         self.metrics_path = self.out / "metrics.jsonl"
         self._resume()
         self.metrics = MetricsLog(self.metrics_path, self.dist.is_main,
@@ -161,58 +166,23 @@ class Trainer:
                              self.source.data_fingerprint)
 
     def _resume(self) -> None:
-        if self.dist.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-        barrier()
-        ckpts = self._checkpoints()
-        if ckpts and self.cfg.resume == "never":
-            raise ContractError(f"{self.out} already holds checkpoints; resume=auto continues it, or use another out=")
-        self.run_dir.claim(replace=not ckpts)  # checkpoints are continued only by the same request
-        if self.dist.is_main and (not ckpts or not self.cfg.train.keep_best):
-            # a record left by an earlier run, or one keep_last may now delete, would mislead export
-            (self.out / BEST_FILE).unlink(missing_ok=True)
-        if not ckpts:
-            if self.dist.is_main:
-                self.metrics_path.unlink(missing_ok=True)
-                atomic_write_json(self.out / "config.json", config_dict(self.cfg))
+        """Claim ``out``; continue its last checkpoint if it has one: weights, optimizer, lr schedule,
+        step (the data position) and the best evaluation."""
+        last = open_run(self.out, self.run_dir, self.cfg.resume, self.cfg.train.keep_best, self.metrics_path,
+                        config_dict(self.cfg), self.dist.is_main)
+        if last is None:
             return
-        last = ckpts[-1]
         state = json.loads((last / "state.json").read_text())
         self.engine.load_checkpoint(str(last.parent), tag=last.name, load_optimizer_states=True, load_lr_scheduler_states=True)
         with torch.no_grad():  # frozen weights are not in every ZeRO checkpoint: always the target's
             self.model.d2t.copy_(self.vocab.d2t)
             self.model.t2d.copy_(self.vocab.t2d)
         self.step = state["step"]
-        self.best = state.get("best", self.best)
-        self.evals_since_best = state.get("evals_since_best", 0)
-        self.early_stopped = state.get("early_stopped", False)
-        self._continuation(state)
-        if self.cfg.train.keep_best and self.best["step"] is not None:
-            best = self.out / "checkpoints" / f"step{self.best['step']}"
-            if not (best / "state.json").is_file():  # tracked while keep_best was off: never saved
-                self.best = {"step": None, "eval_tau": None}
-            elif self.dist.is_main:  # (re)written: a crash may have come between its save and this record
-                atomic_write_json(self.out / BEST_FILE, {"checkpoint": best.name} | self.best)
+        self.best.restore(state, self.out, self.dist.is_main)
+        now = continued_options("train", config_dict(self.cfg))
+        if note := continue_run(state, now, self.step, self.total_steps, self.best, self.out, self.dist.is_main):
+            print0(f"eagle3-train: {note}")
         print0(f"resumed from {last} at step {self.step}")
-
-    def _continuation(self, state: dict[str, Any]) -> None:
-        """Say what a rerun with changed continuation options (core.fingerprint.CONTINUATIONS) does."""
-        before, now = state.get("continued"), continued_options("train", config_dict(self.cfg))
-        if before is None or before == now:
-            return
-        changed = ", ".join(f"{k}: {before.get(k)} -> {v}" for k, v in now.items() if before.get(k) != v)
-        old_total = state.get("total_steps")
-        if self.step >= self.total_steps:
-            what = f"the run is already at step {self.step} of {self.total_steps}: nothing more is trained"
-        else:
-            what = (f"the run continues from step {self.step} to {self.total_steps} (was {old_total}); the lr "
-                    f"schedule is recomputed over {self.total_steps} steps, so the lr now follows the longer curve")
-            if self.dist.is_main:  # unfinished again until the new total is reached
-                (self.out / MANIFEST_NAME).unlink(missing_ok=True)
-        if self.early_stopped and self.cfg.train.early_stop_patience > state.get("evals_since_best", 0):
-            self.early_stopped = False
-            what += "; the early stop is lifted (patience raised)"
-        print0(f"eagle3-train: {changed}: {what}")
 
     def save(self) -> Path:
         """A DeepSpeed checkpoint plus the consolidated head (:mod:`eagle3_train.training.checkpoint`)."""
@@ -221,15 +191,11 @@ class Trainer:
                  "grad_accum": o.grad_accum, "vocab_sha256": self.vocab_sha,
                  "capture": self.spec.to_dict(), "draft_config": self.model.config.to_dict(),
                  "ttt_length": o.ttt_length, "model": config_dict(self.cfg.model),
-                 "best": self.best, "evals_since_best": self.evals_since_best, "early_stopped": self.early_stopped,
                  "total_steps": self.total_steps, "continued": continued_options("train", config_dict(self.cfg))}
+        state |= self.best.state()
         weights = consolidated_state_dict(self.model, self.cfg.deepspeed.zero_stage)
         return save_checkpoint(self.engine, self.out, f"step{self.step}", state, weights, self.dist.is_main,
-                               o.keep_last, self._kept_best())
-
-    def _kept_best(self) -> dict[str, Any] | None:
-        """The best evaluation's step and tau when keep_best keeps its checkpoint."""
-        return self.best if self.cfg.train.keep_best and self.best["step"] is not None else None
+                               o.keep_last, self.best.kept())
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -339,21 +305,15 @@ class Trainer:
         """Log an evaluation and track the best eval simulated tau; True when early stopping is due
         (``train.early_stop_patience`` evaluations in a row without a better one)."""
         self.metrics.log(result)
-        if self.best["eval_tau"] is None or result["eval_tau"] > self.best["eval_tau"]:
-            self.best = {"step": self.step, "eval_tau": result["eval_tau"]}
-            self.evals_since_best = 0
-        else:
-            self.evals_since_best += 1
-        patience = self.cfg.train.early_stop_patience
-        return bool(patience) and self.evals_since_best >= patience
+        return self.best.update(self.step, result["eval_tau"])
 
     def run(self) -> dict[str, Any]:
         o = self.cfg.train
-        if (self.step >= self.total_steps or self.early_stopped) and self._checkpoints():
-            how = "stopped early" if self.early_stopped else "already trained"
+        if (self.step >= self.total_steps or self.best.early_stopped) and self._checkpoints():
+            how = "stopped early" if self.best.early_stopped else "already trained"
             print0(f"eagle3-train: {self.out} is {how} at step {self.step}; nothing to do")
             evals = self.metrics.evals()
-            return (evals[-1] if evals else {}) | checkpoint_paths(self.out, self._checkpoints()[-1], self._kept_best())
+            return (evals[-1] if evals else {}) | checkpoint_paths(self.out, self._checkpoints()[-1], self.best.kept())
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                    disable=not (self.cfg.progress and self.dist.is_main))
         window_start = time.time()
@@ -386,11 +346,11 @@ class Trainer:
                 stop = self.after_eval(final)
                 console(bar, eval_line(final))
                 if stop:  # never on an improvement: the step's checkpoint is the final one below
-                    self.early_stopped = True
-                    console(bar, f"early stop: eval simulated tau has not improved on {self.best['eval_tau']:.3f} "
-                                     f"(step {self.best['step']}) for {self.evals_since_best} evaluations")
+                    self.best.early_stopped = True
+                    console(bar, f"early stop: eval simulated tau has not improved on {self.best.record['eval_tau']:.3f} "
+                                     f"(step {self.best.record['step']}) for {self.best.evals_since_best} evaluations")
                     break
-                improved = o.keep_best and self.best["step"] == self.step
+                improved = o.keep_best and self.best.record["step"] == self.step
             if improved or (o.save_every and self.step % o.save_every == 0 and self.step < self.total_steps):
                 self.check_finite()
                 self.save()
@@ -403,12 +363,12 @@ class Trainer:
             self.after_eval(final)
         path = self.save()
         print0(f"eagle3-train: {self.step} steps; {eval_line(final)} -> {path}")
-        paths = checkpoint_paths(self.out, path, self._kept_best())
+        paths = checkpoint_paths(self.out, path, self.best.kept())
         if "best_checkpoint" in paths:
-            print0(f"best: eval simulated tau {self.best['eval_tau']:.3f} at step {self.best['step']} -> {paths['best_checkpoint']}")
+            print0(f"best: eval simulated tau {self.best.record['eval_tau']:.3f} at step {self.best.record['step']} -> {paths['best_checkpoint']}")
         if self.dist.is_main:
-            self.run_dir.write_manifest({"step": self.step, "early_stopped": self.early_stopped, "eval": final,
-                                         "best": self.best, "config": config_dict(self.cfg)} | paths)
+            self.run_dir.write_manifest({"step": self.step, "early_stopped": self.best.early_stopped, "eval": final,
+                                         "best": self.best.record, "config": config_dict(self.cfg)} | paths)
         return final | paths
 
     def close(self) -> None:
