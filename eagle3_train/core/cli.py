@@ -51,7 +51,9 @@ def unknown_keys(cfg: DictConfig, schema: type) -> list[str]:
     from eagle3_train.core.fingerprint import flatten
 
     known = set(flatten(config_dict(schema)))
-    given = flatten({k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k not in ("hydra", "defaults")})
+    composed = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(composed, dict)  # a composed config is a mapping
+    given = flatten({str(k): v for k, v in composed.items() if k not in ("hydra", "defaults")})
     parents = lambda key: {key.rsplit(".", i)[0] for i in range(key.count(".") + 1)}  # noqa: E731  (a.b.c, a.b, a)
     return [key for key in given if not parents(key) & known]
 

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle3_train.core.errors import BadInputError, Eagle3Error
-from eagle3_train.core.fileio import atomic_write_json
+from eagle3_train.core.fileio import atomic_write_json, sha256_file
 
 SHARD_SUFFIX = ".safetensors"
 RECORD_SUFFIX = ".json"
@@ -79,7 +79,7 @@ def _serialize(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
         nbytes = t.numel() * t.element_size()
         header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-        views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if nbytes else b"")
+        views.append(t.reshape(-1).view(torch.uint8).numpy().data if nbytes else b"")  # a memoryview, no copy
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format pads the header to 8-byte alignment
     digest = hashlib.sha256()
@@ -155,9 +155,8 @@ def check_shard(path: Path) -> None:
         raise BadInputError(f"shard {path} has no record {record_path.name} (its checksum): re-run the stage that wrote it") from None
     except (json.JSONDecodeError, TypeError) as e:
         raise BadInputError(f"shard record {record_path} is corrupt: {e}") from None
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        sha = hashlib.file_digest(f, "sha256").hexdigest() if size == record.bytes else None
+    size = path.stat().st_size
+    sha = sha256_file(path) if size == record.bytes else None
     if sha != record.sha256:
         what = "sha256" if sha else f"size ({size} bytes, recorded {record.bytes})"
         raise BadInputError(

@@ -105,11 +105,11 @@ def conversation(row: Any, source: str, column: str | None, default_category: st
             raise BadInputError(f"{source}: no field {column!r} (column={column}); fields: {sorted(row)}")
         field, value = column, row[column]
     else:
-        field = next((f for f in SHAPES if f in row), None)
-        if field is None:
+        shape = next((f for f in SHAPES if f in row), None)
+        if shape is None:
             raise BadInputError(f"{source}: unknown prompt shape (fields {sorted(row)}): expected one of "
                                 f"{list(SHAPES)}, or name the field with column=<field>")
-        value = row[field]
+        field, value = shape, row[shape]
     if isinstance(value, str):
         return Conversation(source, category, [_text(value, source, field)])
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):

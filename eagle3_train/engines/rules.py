@@ -28,7 +28,7 @@ every engine) lets the dump and the online trainer warn before a capture no engi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from eagle3_train.core.errors import ContractError
 
@@ -216,7 +216,7 @@ class Resolution:
     hf_indices: list[int]
     pre_norm_final: bool = False
     problem: str | None = None
-    fed: list[int] | None = None
+    fed: list[int] = field(default_factory=list)
     note: str | None = None
 
     def describe(self) -> str:

@@ -25,7 +25,7 @@ import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -203,7 +203,8 @@ class SpecDecoder:
                          output_hidden_states=aux, logits_to_keep=1 if last_only else 0, **{self._cache_kw: cache})
         states = None
         if aux:
-            states = torch.cat([self._prenorm if k == self.n else out.hidden_states[k] for k in self.layers], dim=-1)
+            prenorm = cast(torch.Tensor, self._prenorm)  # kept by the hook during this forward when N is fed
+            states = torch.cat([prenorm if k == self.n else out.hidden_states[k] for k in self.layers], dim=-1)
         self._sync()
         if aux:  # the speculative path's (plain greedy is timed by its caller)
             self.counters.target_seconds += time.perf_counter() - start
@@ -230,6 +231,7 @@ class SpecDecoder:
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # [B, L]
         cache = DynamicCache()
         logits, aux = self._target(ids, positions, valid if padded else None, cache, aux=True, last_only=True)
+        assert aux is not None  # aux=True
         last = logits[:, -1].argmax(-1)  # [B] the first new token
         start = time.perf_counter()
         dcache: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -257,6 +259,7 @@ class SpecDecoder:
             pos = length[:, None] + slot  # [B, k+1]
             valid_in = torch.cat([valid, valid.new_ones(b, k + 1)], dim=1) if padded else None
             logits, aux = self._target(inp, pos, valid_in, cache, aux=True)
+            assert aux is not None  # aux=True
             greedy = logits.argmax(-1)  # [B, k+1]: the target's token after each prefix
             match = (drafts == greedy[:, :k]) & ~self._is_eos(drafts)
             a = match.long().cumprod(1).sum(1)  # [B] accepted drafts

@@ -386,7 +386,7 @@ class ServedAcceptance:
         self.warnings: list[str] = []
         self.tally = SpecCounts(0, 0, 0, (), 0, 0)  # per_reply engines: the sum over this client's replies
         self.tokenizer = None
-        if cfg.template == "client":
+        if cfg.tokenizer is not None:  # template=client (the config has both or neither)
             from eagle3_train.targets import load_target
 
             self.tokenizer = load_target(cfg.tokenizer, cache_dir=cfg.cache_dir, load_model=False).tokenizer
@@ -445,7 +445,7 @@ class ServedAcceptance:
         a completion of the prompt's token ids rendered here (``template=client``). Returns its
         text, finish reason and token counts."""
         c = self.cfg
-        if c.template == "client":
+        if self.tokenizer is not None:  # template=client
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=True)["input_ids"]
             route = ID_ROUTES[self.names.ids_route]
@@ -534,7 +534,7 @@ class ServedAcceptance:
         if delta.accepted_per_position and abs(sum(delta.accepted_per_position) - delta.accepted) > 0.5:
             self.warnings.append(f"the per-position counts sum to {_count(sum(delta.accepted_per_position))}, not the "
                                  f"{_count(delta.accepted)} accepted tokens: the position counters mean something else")
-        finish = {}
+        finish: dict[str, int] = {}
         for r in replies:
             finish[str(r.finish_reason)] = finish.get(str(r.finish_reason), 0) + 1
         return {

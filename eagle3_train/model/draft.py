@@ -165,7 +165,7 @@ class TTTAttention(nn.Module):
         self.k_proj = nn.Linear(2 * h, self.num_kv * d, bias=False)
         self.v_proj = nn.Linear(2 * h, self.num_kv * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        self.core = TTTCore()
+        self.core: nn.Module = TTTCore()  # sequence parallelism wraps it from outside
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, T, 2H] -> q [B, nh, T, d], k/v [B, nkv, T, d] (RoPE applied to q, k)."""
@@ -297,6 +297,9 @@ class Eagle3Draft(nn.Module):
     Args:
         cfg: shapes (see :class:`DraftConfig`).
     """
+
+    d2t: torch.Tensor  # buffers, registered in __init__
+    t2d: torch.Tensor
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()

@@ -129,7 +129,7 @@ def check(config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any, train
                 findings.append(Finding("error" if not ok or trained is None else "warning",
                                         f"{engine} {r.rule.versions}: the ids are not where it reads "
                                         f"({' or '.join('.'.join(p) for p in r.rule.keys)}): it silently uses the default {r.hf_indices}"))
-            if not ok:
+            if not ok and trained is not None:  # (not ok: trained is known)
                 findings.append(Finding("error", f"{engine} {r.rule.versions}: captures {r.describe()}, the draft was trained on {sorted(trained)}"))
             if any(k < 0 or k > n for k in r.hf_indices):
                 findings.append(Finding("error", f"{engine} {r.rule.versions}: HF indices {r.hf_indices} are outside 0..{n}"))

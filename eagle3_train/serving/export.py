@@ -119,7 +119,8 @@ def engine_keys(spec: CaptureSpec, engines: list[str]) -> dict[str, Any]:
     exported for SGLang alone still means the same thing to vLLM.
     """
     ks, n, mt = list(spec.aux_indices), spec.num_hidden_layers, spec.target.model_type
-    problems, entries = [], {(TOP_KEY,): ks}
+    problems: list[str] = []
+    entries: dict[tuple[str, ...], list[int]] = {(TOP_KEY,): ks}  # key path -> ids
     for engine in engines:
         if fc_skipped(engine, len(ks), spec.hidden_size, spec.hidden_size):
             problems.append(
@@ -139,7 +140,7 @@ def engine_keys(spec: CaptureSpec, engines: list[str]) -> dict[str, Any]:
                             + "\n  ".join(problems))
     out: dict[str, Any] = {}
     for path, ids in entries.items():
-        node = out
+        node: dict[str, Any] = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = ids

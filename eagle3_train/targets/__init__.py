@@ -384,7 +384,7 @@ def load_target_tensors(
         return model.config, {n: every[n].detach() for n in names}
     local = _local_dir(target, cache_dir)
     hub = local is None
-    if hub:  # the config and the weight index first: then only the shards that hold these tensors
+    if local is None:  # a hub id: the config and the weight index first, then only the shards holding these tensors
         from huggingface_hub import snapshot_download
 
         local = Path(snapshot_download(target, allow_patterns=["*.json"]))
@@ -410,7 +410,8 @@ def load_target_tensors(
     if "head" in names and "head" not in located:
         if not tied:
             raise BadInputError(f"no 'lm_head.weight' in {local} and the config does not tie it to the embeddings")
-        located["head"] = located.get("embed")  # tied: the head is the embedding matrix
+        if "embed" in located:  # tied: the head is the embedding matrix
+            located["head"] = located["embed"]
     spelled = {"embed": "*embed_tokens.weight", "norm": "model.norm.weight", "head": "lm_head.weight"}
     for name in names:
         if located.get(name) is None:

@@ -49,7 +49,7 @@ def save_checkpoint(engine: Any, out: Path, tag: str, state: dict[str, Any], wei
         save_file(weights, str(root / tag / "draft.safetensors"), metadata={"format": "pt"})
         atomic_write_json(root / tag / "state.json", state)  # last: marks the checkpoint complete
         best_tag = f"step{best['step']}" if best is not None else None
-        if best_tag == tag:
+        if best is not None and best_tag == tag:
             atomic_write_json(out / BEST_FILE, {"checkpoint": tag} | best)
         for old in [p for p in run_checkpoints(out) if p.name != best_tag][:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)

@@ -53,9 +53,9 @@ class Batch:
 
     def pin(self) -> Batch:
         """The same batch in page-locked memory (asynchronous copies to the GPU)."""
-        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
-        return Batch(pin(self.aux_hidden), pin(self.last_hidden), pin(self.input_ids), pin(self.loss_mask),
-                     pin(self.lengths), self.sample_ids, pin(self.aux_scale), pin(self.last_scale))
+        scales = (None if s is None else s.pin_memory() for s in (self.aux_scale, self.last_scale))
+        return Batch(self.aux_hidden.pin_memory(), self.last_hidden.pin_memory(), self.input_ids.pin_memory(),
+                     self.loss_mask.pin_memory(), self.lengths.pin_memory(), self.sample_ids, *scales)
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
         """On ``device``, states in ``dtype``; fp8-stored states cross as fp8 and are dequantized there."""

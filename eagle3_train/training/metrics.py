@@ -79,7 +79,7 @@ def walk_counts(batch: Batch, hits: torch.Tensor) -> np.ndarray:
     h = hits.bool().cpu().numpy()
     answer = (batch.loss_mask & (torch.arange(batch.input_ids.shape[1], device=batch.lengths.device)[None]
                                  < batch.lengths[:, None])).cpu().numpy()  # [B, T]
-    return np.sum([decode_walk(h[:, i], answer[i]) for i in range(len(answer))], axis=0, dtype=np.int64)
+    return np.asarray(np.sum([decode_walk(h[:, i], answer[i]) for i in range(len(answer))], axis=0, dtype=np.int64))
 
 
 def eval_line(r: dict[str, Any]) -> str:

@@ -117,7 +117,7 @@ def _compiled_chunk_terms() -> Any:
 
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, probs, scale, chunk, need, terms):  # type: ignore[override]
+    def forward(ctx, hidden, weight, probs, scale, chunk, need, terms):
         grad_hidden = torch.empty_like(hidden) if need and hidden.requires_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need and weight.requires_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -139,7 +139,7 @@ class _HeadLoss(torch.autograd.Function):
         return loss, pred
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_pred):  # type: ignore[override]
+    def backward(ctx, grad_loss, _grad_pred):
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = lambda g: None if g is None else g * grad_loss.to(g.dtype)  # noqa: E731
         return scale(grad_hidden), scale(grad_weight), None, None, None, None, None

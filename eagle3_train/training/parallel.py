@@ -74,8 +74,9 @@ def apply_activation_checkpointing(model: Eagle3Draft) -> None:
     """Recompute each TTT step's decoder layer in backward (the layer's forward reads the cache
     without changing it, so running it again gives the same result)."""
     layer = model.midlayer
-    layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False,
-                                      preserve_rng_state=False)
+    # the methods are wrapped in place (here and in apply_compile): the same module and weights
+    layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward,  # type: ignore[method-assign]
+                                      use_reentrant=False, preserve_rng_state=False)
 
 
 def apply_compile(model: Eagle3Draft, backend: Any = "inductor") -> None:
@@ -89,8 +90,8 @@ def apply_compile(model: Eagle3Draft, backend: Any = "inductor") -> None:
     several minutes of compiling on the GPU (recipe_starter_h200x2.json), and dynamo's recompile
     limit reached at the first eval. ``backend``: tests count the graphs."""
     layer = model.midlayer
-    layer.qkv = torch.compile(layer.qkv, dynamic=True, backend=backend)
-    layer.finish = torch.compile(layer.finish, dynamic=True, backend=backend)
+    layer.qkv = torch.compile(layer.qkv, dynamic=True, backend=backend)  # type: ignore[method-assign]
+    layer.finish = torch.compile(layer.finish, dynamic=True, backend=backend)  # type: ignore[method-assign]
 
 
 class UlyssesCore(nn.Module):
@@ -125,12 +126,12 @@ def all_to_all(x: torch.Tensor, group: Any, scatter: int, gather: int) -> torch.
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, scatter, gather):  # type: ignore[override]
+    def forward(ctx, x, group, scatter, gather):
         ctx.args = (group, gather, scatter)
         return _exchange(x, group, scatter, gather)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         return _exchange(grad, *ctx.args), None, None, None
 
 
@@ -161,7 +162,7 @@ def build_engine(model: Eagle3Draft, o: OptimConfig, ds: DeepSpeedConfig, dtype:
     if device.type == "cpu":  # skip the shared-memory op's C++ build on CPU
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, o))
     zero: dict[str, Any] = {"stage": ds.zero_stage}
     if ds.offload_optimizer:

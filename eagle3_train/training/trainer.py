@@ -151,6 +151,7 @@ class Trainer:
                 # norm's weight, the draft's logits are the target's own on whatever pre-norm state
                 # the layer produces, so the layer starts by approximating the target's last
                 # pre-norm hidden state; a unit weight would feed the rows differently scaled features.
+                assert norm is not None  # fetched with the head when lm_head_init=target
                 self.model.norm.weight.copy_(norm)
         self.model.lm_head.weight.requires_grad_(not m.freeze_lm_head)
 
@@ -232,7 +233,7 @@ class Trainer:
         evaluation sees weights it touched, naming its step and samples."""
         o = self.cfg.train
         self.engine.train()
-        counts = loss_sum = tokens = None
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # counts [k, 3], loss, tokens
         for _ in range(o.grad_accum):
             batch = next(batches)
             loss, stats = self.losses(batch)
@@ -244,9 +245,11 @@ class Trainer:
             # to its micro-batch's, so each counts sp times (the mean over data-parallel ranks)
             self.engine.backward(loss * self.sp.size)
             self.engine.step()
-            c, ls, n = stats[:, :3].to(torch.int64), loss.detach().float(), batch.lengths.sum()
-            counts, loss_sum, tokens = (c, ls, n) if counts is None else (counts + c, loss_sum + ls, tokens + n)
+            parts.append((stats[:, :3].to(torch.int64), loss.detach().float(), batch.lengths.sum()))
         self.step += 1
+        counts, loss_sum, tokens = parts[0]
+        for c, ls, n in parts[1:]:
+            counts, loss_sum, tokens = counts + c, loss_sum + ls, tokens + n
         return {"loss": loss_sum / o.grad_accum, "counts": counts, "tokens": tokens}
 
     def check_finite(self) -> None:

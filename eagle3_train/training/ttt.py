@@ -50,18 +50,17 @@ def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: tor
     statistics are the shard's (they add up over the group as well).
     """
     sp = sp or SequenceParallel(None, 0, 1)
-    batch, target = _pad_positions(batch, target, sp.size)
+    batch, padded = _pad_positions(batch, target, sp.size)
     b, t = batch.input_ids.shape
     h = batch.last_hidden.shape[-1]
     dev = batch.input_ids.device
     start, stop = sp.span(t)
     lo, hi = start, min(stop + ttt_length, t)  # target positions the shard's steps read (but lo itself)
-    if target is None:
+    if padded is None:
         probs, argmax, in_draft = target_distribution(batch.last_hidden[:, lo:hi].reshape(-1, h), lm_head, t2d)
-        target = probs.view(b, hi - lo, -1), argmax.view(b, hi - lo), in_draft.view(b, hi - lo)
+        probs, argmax, in_draft = probs.view(b, hi - lo, -1), argmax.view(b, hi - lo), in_draft.view(b, hi - lo)
     else:
-        target = tuple(x[:, lo:hi] for x in target)
-    probs, argmax, in_draft = target
+        probs, argmax, in_draft = (x[:, lo:hi] for x in padded)
     positions = torch.arange(t, device=dev)
     # step j: the shard's first n positions (start..start+n-1) have a token 2+j further on
     steps = []
