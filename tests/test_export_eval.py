@@ -15,8 +15,9 @@ from data_prep.regenerate import RegenConfig
 from data_prep.standardize import StandardizeConfig, Standardizer
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.core.prompt_files import Conversation
-from eagle3_train.evaluation.decoding import Counters, Reference, SpecDecoder
+from eagle3_train.evaluation.decoding import Counters, Decoded, Reference, SpecDecoder
 from eagle3_train.evaluation.eval import EvalConfig, Evaluator, lossless_check, run_eval
+from eagle3_train.evaluation.tree import TreeShape
 from eagle3_train.model import DraftConfig
 from eagle3_train.serving.check import CheckConfig, run_check
 from eagle3_train.serving.export import ExportConfig, Exporter, draft_config_from_json, draft_config_json
@@ -268,6 +269,45 @@ def test_multi_turn_follows_the_targets_own_replies(pipeline, tmp_path):
         steps = [a for o in outputs if o["category"] == cat for a in o["accepted"]]
         assert report["categories"][cat]["tau"] == pytest.approx((sum(steps) + len(steps)) / len(steps))
     assert (tmp_path / "mt" / "acceptance.png").stat().st_size > 1000
+
+
+def test_tree_drafts_are_lossless_batch_invariant_and_accept_more(pipeline, tmp_path):
+    """Trees verified in one target forward under the tree mask: topk=1 is the chain of the same
+    depth, token for token and step for step; topk=4 gives plain greedy's tokens, the same tokens and
+    accepted counts at batch 1 and 6, and accepts more per step than the chain (the trained draft
+    agrees with the target often, and a tree holds its runner-up guesses too)."""
+    ev = evaluator(pipeline, limit=6, k=4)
+    prompts = first_turns(ev)
+    refs = [r.tokens for r in ev.decoder.greedy(prompts, 48, 6)]
+    chain = ev.decoder.speculative(prompts, 48, 6)
+    tau = lambda out: sum(a + 1 for o in out for a in o.accepted) / sum(len(o.accepted) for o in out)  # noqa: E731
+    for shape in (TreeShape(1, 5), TreeShape(4, 24)):
+        dec = SpecDecoder(ev.target.model, ev.draft, ev.layers, 4, ev.eos, shape)
+        got = {}
+        for batch in (6, 1):
+            dec.counters = Counters()
+            got[batch] = dec.speculative(prompts, 48, batch)
+        assert [o.tokens for o in got[1]] == [o.tokens for o in got[6]] == refs, shape
+        assert [o.accepted for o in got[1]] == [o.accepted for o in got[6]], shape
+        if shape.topk == 1:
+            assert [o.accepted for o in got[1]] == [o.accepted for o in chain]
+        else:
+            assert tau(got[6]) > tau(chain) + 0.2, (tau(got[6]), tau(chain))
+            # one row at a time: a round costs the draft its new columns and 3 frontier steps of 4 nodes
+            assert dec.counters.draft_positions == sum(a + 1 + 3 * 4 for o in got[1] for a in o.accepted)
+    # the report: the tree's settings, per-depth acceptance, lossless; tau by reply position is the
+    # same verify steps regrouped, for trees and chains
+    for options in (dict(topk=4, num_steps=4, num_draft_tokens=24), dict(k=4)):
+        report = evaluator(pipeline, limit=6, position_bucket=8, out=str(tmp_path / str(len(options))), **options).run()
+        assert report["lossless"] == "identical" and report["k"] == 4
+        assert report["tree"] == (None if len(options) == 1 else {"topk": 4, "num_steps": 4, "num_draft_tokens": 24})
+        steps = [json.loads(x)["accepted"] for x in (tmp_path / str(len(options)) / "outputs.jsonl").read_text().splitlines()]
+        assert report["tau"] == pytest.approx(tau([Decoded([], s) for s in steps]))
+        buckets = report["by_reply_position"]
+        assert [(b["from"], b["to"]) for b in buckets] == [(0, 8), (8, 16), (16, 32), (32, 64)]
+        assert sum(b["verify_steps"] for b in buckets) == report["verify_steps"]
+        assert sum(b["tokens"] for b in buckets) == sum(a + 1 for s in steps for a in s)
+        assert sum(b["tau"] * b["verify_steps"] for b in buckets) == pytest.approx(report["tau"] * report["verify_steps"])
 
 
 def test_lossless_check_classifies_the_first_difference():

@@ -11,6 +11,12 @@ round costs the draft ``m + k - 1`` positions per row (m <= k+1) whatever the co
 finish leave the batch; when invalid columns make up more than a quarter of the layout, the valid
 ones are gathered to the right (compaction).
 
+Tree drafts (:mod:`eagle3_train.evaluation.tree`) change only the middle of a round: the draft
+proposes a tree of N nodes per row, the target verifies the N nodes in one forward under the tree
+mask (4-D, each node seeing the row's valid columns and its own ancestors), and the accepted path's
+N-column entries are gathered to the first ``1 + a`` new columns in path order -- after which the
+round goes on exactly as a chain's whose drafts were the path.
+
 Why this is exact: every query sees its row's valid columns up to its own (2-D attention mask for the
 target, [B, T, L] boolean mask for the draft) at its row's own RoPE positions, so masked columns get
 softmax weight exactly 0 and a row's tokens are those it gets alone; only the summation order of
@@ -31,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_train.core.errors import ContractError
+from eagle3_train.evaluation.tree import TreeShape, accept_path, propose_tree
 from eagle3_train.model import Eagle3Draft
 
 T = TypeVar("T")
@@ -104,7 +111,7 @@ def sliding_window_of(config: Any) -> int | None:
 
 
 def position_masks(valid: torch.Tensor, positions: torch.Tensor, window: int | None, layer_types: list[str] | None,
-                   dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+                   dtype: torch.dtype, tree: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
     """Additive attention masks [B, 1, T, L] for queries at ``positions`` [B, T] over the columns
     ``valid`` [B, L] (the last T of them the queries' own), measured in each row's token positions.
 
@@ -114,10 +121,18 @@ def position_masks(valid: torch.Tensor, positions: torch.Tensor, window: int | N
     position is the count of valid columns before it, the position RoPE gave its token. Returns the
     full-attention mask alone when every layer is windowed the same way, else a mask per layer type
     (what transformers' mixed-attention models take as ``attention_mask``).
+
+    ``tree`` [B, T, T] (bool): the queries are a draft tree's nodes, each seeing among the last T
+    columns only itself and its ancestors (``DraftTree.ancestors``), at the positions given (siblings
+    share one), instead of every earlier query.
     """
     col = valid.long().cumsum(1) - 1  # [B, L] token position of each valid column
     q = positions[:, :, None]  # [B, T, 1]
     full = valid[:, None, :] & (col[:, None, :] <= q)  # [B, T, L]
+    if tree is not None:  # the context part as above; the nodes' part is the ancestor pattern
+        t = tree.shape[1]
+        col = torch.cat([col[:, :-t], positions], dim=1)
+        full = torch.cat([full[:, :, :-t], tree], dim=2)
     sliding = full & (col[:, None, :] > q - window) if window else full
     neg = torch.finfo(dtype).min
 
@@ -156,19 +171,27 @@ def in_batches(prompts: list[list[int]], batch_size: int, run: Callable[[list[li
 
 
 class SpecDecoder:
-    """Greedy chain speculative decoding of batches of prompts, and the plain greedy reference.
+    """Greedy speculative decoding of batches of prompts (chain or tree drafts), and the plain greedy
+    reference.
 
     Args:
         model: the target (a transformers causal LM).
         draft: the draft head, on the target's device and dtype.
         layers: HF indices whose states feed the draft (``N`` = the last layer's pre-norm output,
             what an engine captures for it).
-        k: draft tokens per verify step.
+        k: draft tokens per verify step of a chain; with ``tree``, the tree's depth (SGLang's
+            num_steps).
         eos: ids that end generation.
+        tree: draft a tree of this shape per round (:mod:`eagle3_train.evaluation.tree`), verified
+            in one target forward under a tree attention mask; None: a chain of ``k``.
     """
 
-    def __init__(self, model: Any, draft: Eagle3Draft, layers: list[int], k: int, eos: set[int]):
+    def __init__(self, model: Any, draft: Eagle3Draft, layers: list[int], k: int, eos: set[int],
+                 tree: TreeShape | None = None):
         self.model, self.draft, self.layers, self.k, self.eos = model, draft, layers, k, eos
+        if tree is not None:
+            tree.check(k)
+        self.tree = tree
         self.n = model.config.get_text_config().num_hidden_layers
         self.device = next(model.parameters()).device
         self.eos_ids = torch.tensor(sorted(eos), device=self.device)
@@ -190,14 +213,17 @@ class SpecDecoder:
             torch.cuda.synchronize()
 
     def _target(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None, cache: Any,
-                aux: bool, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                aux: bool, last_only: bool = False, tree: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target forward over ``ids`` [B, T] at ``positions`` [B, T] with the cache; ``valid``
-        [B, L+T] the 2-D attention mask (None: no padding anywhere, plain decoding). Returns logits
-        [B, T, V] ([B, 1, V] with ``last_only``) and, with ``aux``, the draft's input [B, T, n*H]."""
+        [B, L+T] the 2-D attention mask (None: no padding anywhere, plain decoding); ``tree``
+        [B, T, T] the ancestor pattern when the queries are a draft tree's nodes (``valid`` then
+        required). Returns logits [B, T, V] ([B, 1, V] with ``last_only``) and, with ``aux``, the
+        draft's input [B, T, n*H]."""
         start = time.perf_counter()
         mask: Any = None if valid is None else valid.long()
-        if valid is not None and self.window:  # windows counted in tokens, not columns
-            mask = position_masks(valid, positions, self.window, self.layer_types, self.model.dtype)
+        if valid is not None and (self.window or tree is not None):  # windows counted in tokens, not columns
+            mask = position_masks(valid, positions, self.window, self.layer_types, self.model.dtype, tree)
         out = self.model(input_ids=ids, attention_mask=mask,
                          position_ids=None if valid is None else positions, use_cache=True,
                          output_hidden_states=aux, logits_to_keep=1 if last_only else 0, **{self._cache_kw: cache})
@@ -251,22 +277,40 @@ class SpecDecoder:
             b = len(rows)
             length = torch.tensor(lengths, device=dev)  # [B]
             padded = len(set(lengths)) > 1 or valid.shape[1] != lengths[0]
+            pos = length[:, None] + slot  # [B, k+1] positions of the last token and a chain's drafts
             start = time.perf_counter()
-            drafts = draft.propose(hidden, length - 1, dcache, k, valid if padded else None)  # [B, k]
+            if self.tree is None:
+                drafts = draft.propose(hidden, length - 1, dcache, k, valid if padded else None)  # [B, k]
+            else:
+                tree = propose_tree(draft, hidden, last, length - 1, dcache, self.tree, k, valid if padded else None)
             self._sync()
             self.counters.draft_seconds += time.perf_counter() - start
-            inp = torch.cat([last[:, None], drafts], dim=1)  # [B, k+1]
-            pos = length[:, None] + slot  # [B, k+1]
-            valid_in = torch.cat([valid, valid.new_ones(b, k + 1)], dim=1) if padded else None
-            logits, aux = self._target(inp, pos, valid_in, cache, aux=True)
-            assert aux is not None  # aux=True
-            greedy = logits.argmax(-1)  # [B, k+1]: the target's token after each prefix
-            match = (drafts == greedy[:, :k]) & ~self._is_eos(drafts)
-            a = match.long().cumprod(1).sum(1)  # [B] accepted drafts
+            if self.tree is None:
+                valid_in = torch.cat([valid, valid.new_ones(b, k + 1)], dim=1) if padded else None
+                logits, aux = self._target(torch.cat([last[:, None], drafts], dim=1), pos, valid_in, cache, aux=True)
+                assert aux is not None  # aux=True
+                greedy = logits.argmax(-1)  # [B, k+1]: the target's token after each prefix
+                match = (drafts == greedy[:, :k]) & ~self._is_eos(drafts)
+                a = match.long().cumprod(1).sum(1)  # [B] accepted drafts
+            else:  # one forward over the N nodes [B, N], each at its depth's position, seeing its ancestors
+                n = tree.tokens.shape[1]
+                valid_in = torch.cat([valid, valid.new_ones(b, n)], dim=1)
+                logits, aux = self._target(tree.tokens, length[:, None] + tree.depths, valid_in, cache, aux=True,
+                                           tree=tree.ancestors())
+                assert aux is not None  # aux=True
+                greedy = logits.argmax(-1)  # [B, N]: the target's token after each node's path
+                a, path = accept_path(tree, greedy, self._is_eos(tree.tokens), k)  # path [B, k+1]
+                # from here on as a chain's: the accepted path's drafts, the target's choices and states
+                drafts, greedy = tree.tokens.gather(1, path[:, 1:]), greedy.gather(1, path)
+                aux = aux.gather(1, path[..., None].expand(b, k + 1, aux.shape[-1]))
             last = greedy.gather(1, a[:, None])[:, 0]  # [B] the target's own next token
             host = torch.cat([a[:, None], drafts, last[:, None]], dim=1).tolist()
             m = max(r[0] for r in host) + 1  # new columns kept by some row; the rest are cropped
-            self._edit(cache, lambda x, cut=k + 1 - m: x[:, :, : x.shape[2] - cut])
+            if self.tree is None:
+                self._edit(cache, lambda x, cut=k + 1 - m: x[:, :, : x.shape[2] - cut])
+            else:  # only the accepted path's entries survive, moved to the first m new columns in path order
+                self._edit(cache, lambda x, old=valid.shape[1], keep=path[:, :m]:
+                           torch.cat([x[:, :, :old], gather_columns(x[:, :, old:], keep)], dim=2))
             new_valid = slot[:, :m] <= a[:, None]  # [B, m]
             padded = padded or any(r[0] + 1 < m for r in host)
             # step 0 over the new columns: column i of a row predicts after its token i, i.e. draft
@@ -278,7 +322,7 @@ class SpecDecoder:
             hidden = out0[torch.arange(b, device=dev), a]  # [B, H] at each row's last accepted column
             self._sync()
             self.counters.draft_seconds += time.perf_counter() - start
-            self.counters.draft_positions += b * (m + k - 1)
+            self.counters.draft_positions += b * (m + (k - 1) * (self.tree.topk if self.tree else 1))
             self.counters.row_rounds += b
             valid = torch.cat([valid, new_valid], dim=1)
             still = []

@@ -5,8 +5,10 @@
 The draft is built from ``config.json`` + ``model.safetensors`` (embeddings: the target's, as SGLang
 does). Which target layers feed it is derived from the config by the chosen engine's rule
 (:mod:`eagle3_train.engines.rules`), not from our own metadata, so a config that would make the engine
-capture the wrong layers shows up as a low acceptance. Greedy chain of ``k`` draft tokens, decoded
-``batch_size`` prompts at a time by :class:`eagle3_train.evaluation.decoding.SpecDecoder` (target and draft keep
+capture the wrong layers shows up as a low acceptance. Greedy chain of ``k`` draft tokens, or with
+``topk`` > 1 an EAGLE-2 tree (SGLang's ``--speculative-eagle-topk``, ``--speculative-num-steps``,
+``--speculative-num-draft-tokens``; :mod:`eagle3_train.evaluation.tree`), decoded ``batch_size``
+prompts at a time by :class:`eagle3_train.evaluation.decoding.SpecDecoder` (target and draft keep
 their KV caches; a verify step is one target forward). Prompt files: :mod:`eagle3_train.core.prompt_files`;
 a conversation's later user turns follow the target's own greedy replies to the earlier ones.
 
@@ -40,6 +42,7 @@ from eagle3_train.core.prompt_files import Conversation, read_conversations
 from eagle3_train.core.stagedir import StageDir
 from eagle3_train.engines.rules import resolve
 from eagle3_train.evaluation.decoding import Reference, SpecDecoder
+from eagle3_train.evaluation.tree import TreeShape
 from eagle3_train.model import Eagle3Draft
 from eagle3_train.serving.export import draft_config_from_json
 from eagle3_train.targets import Target, eos_ids, load_target, text_config
@@ -61,7 +64,11 @@ class EvalConfig:
     prompts: str = MISSING  # JSONL (messages / MT-bench turns / HumanEval prompt / GSM8K question) or a saved dataset
     column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
     out: str | None = None  # where report.json, outputs.jsonl and acceptance.png go (null: <draft>-eval-<engine> beside the draft, never inside the directory an engine loads)
-    k: int = 5  # draft tokens per verify step (chain)
+    k: int = 5  # draft tokens per verify step (chain); a tree's depth unless num_steps says otherwise
+    topk: int = 1  # tree drafts: children expanded per frontier node and the frontier's width, SGLang's --speculative-eagle-topk (1: the chain of k)
+    num_steps: int | None = None  # draft steps per verify step = the tree's depth, SGLang's --speculative-num-steps (null: k)
+    num_draft_tokens: int | None = None  # tree nodes verified per step, the last accepted token included, SGLang's --speculative-num-draft-tokens (null: num_steps+1, the chain; required with topk>1)
+    position_bucket: int = 128  # tau by position in the reply: the first bucket's width in tokens; later buckets double (0-128, 128-256, 256-512, ...)
     max_new_tokens: int = 128  # generated tokens per turn
     batch_size: int = 32  # prompts decoded together (1: one at a time)
     max_turns: int | None = None  # only the first N user turns of each conversation (null: all)
@@ -78,8 +85,30 @@ class EvalConfig:
         check_dtype(self.dtype, auto=True)
         if self.engine not in ("sglang", "vllm"):
             raise ConfigError(f"engine must be sglang or vllm, got {self.engine!r}")
-        check_numbers(self, positive=("k", "max_new_tokens", "batch_size", "max_turns", "limit"),
+        check_numbers(self, positive=("k", "topk", "num_steps", "num_draft_tokens", "position_bucket", "max_new_tokens",
+                                      "batch_size", "max_turns", "limit"),
                       non_negative=("tie_threshold",))
+        if self.tree is not None:
+            self.tree.check(self.depth)
+        elif self.num_draft_tokens not in (None, self.depth + 1):
+            raise ConfigError(f"with topk=1 the draft is the chain of num_steps={self.depth} tokens, verified as "
+                              f"{self.depth + 1} (num_draft_tokens null or {self.depth + 1}); got num_draft_tokens="
+                              f"{self.num_draft_tokens} (SGLang aligns it the same way)")
+
+    @property
+    def depth(self) -> int:
+        """Draft tokens per verify step of the chain, or the tree's depth."""
+        return self.num_steps or self.k
+
+    @property
+    def tree(self) -> TreeShape | None:
+        """The tree's shape with topk > 1, else None (the chain)."""
+        if self.topk == 1:
+            return None
+        if self.num_draft_tokens is None:
+            raise ConfigError(f"topk={self.topk} drafts a tree: give num_draft_tokens (SGLang's "
+                              f"--speculative-num-draft-tokens, the nodes verified per step, the last accepted token included)")
+        return TreeShape(self.topk, self.num_draft_tokens)
 
 
 ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
@@ -114,15 +143,17 @@ def load_draft(directory: Path, target: Target) -> tuple[Eagle3Draft, dict]:
     return model.eval(), c
 
 
-def short_training_warning(config: dict, k: int) -> str | None:
-    """A warning when the exported draft was trained with fewer TTT steps than the chain drafts
-    (``eagle3_train.training.ttt_length`` of its config.json): positions past it were never trained
-    and accept less. None when it was trained for k or more, or the config does not say."""
+def short_training_warning(config: dict, k: int, tree: bool = False) -> str | None:
+    """A warning when the exported draft was trained with fewer TTT steps than the chain (or the
+    tree, ``tree``) is deep (``eagle3_train.training.ttt_length`` of its config.json): positions past
+    it were never trained and accept less. None when it was trained for k or more, or the config
+    does not say."""
     ttt = ((config.get("eagle3_train") or {}).get("training") or {}).get("ttt_length")
     if ttt is None or ttt >= k:
         return None
-    return (f"the draft was trained with ttt_length={ttt} but drafts chains of k={k}: draft positions "
-            f"{ttt + 1}..{k} were never trained; train with train.ttt_length>={k} or evaluate with k={ttt}")
+    drafts, option = (f"trees of num_steps={k}", "num_steps") if tree else (f"chains of k={k}", "k")
+    return (f"the draft was trained with ttt_length={ttt} but drafts {drafts}: draft positions "
+            f"{ttt + 1}..{k} were never trained; train with train.ttt_length>={k} or evaluate with {option}={ttt}")
 
 
 
@@ -169,6 +200,29 @@ def acceptance(steps: list[list[int]], k: int) -> dict[str, Any]:
             "acceptance_per_position": [h / r if r else 0.0 for h, r in zip(hits, reached)]}
 
 
+def bucket_edges(position: int, bucket: int) -> tuple[int, int]:
+    """The reply-position bucket holding ``position`` (0-based): [0, b), [b, 2b), [2b, 4b), ..."""
+    start, end = 0, bucket
+    while position >= end:
+        start, end = end, 2 * end
+    return start, end
+
+
+def acceptance_by_position(steps: list[list[int]], k: int, bucket: int) -> list[dict[str, Any]]:
+    """τ and acceptance per draft position (:func:`acceptance`) of the verify steps grouped by where
+    in the reply each one starts: a reply's first token comes from the prefill, so its verify step i
+    produces the tokens from position ``1 + sum(a_j + 1 for j < i)`` on. The same steps as the
+    overall figure, regrouped; only buckets that hold some."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for accepted in steps:
+        position = 1
+        for a in accepted:
+            groups.setdefault(bucket_edges(position, bucket), []).append(a)
+            position += a + 1
+    return [{"from": start, "to": end, "tokens": sum(a + 1 for a in flat)} | acceptance([flat], k)
+            for (start, end), flat in sorted(groups.items())]
+
+
 class Evaluator:
     """Loads target + exported draft, decodes every conversation turn by turn, writes the report."""
 
@@ -181,7 +235,7 @@ class Evaluator:
                                   chat_template=cfg.chat_template)
         self.draft_dir = Path(cfg.draft).expanduser()
         self.draft, self.config = load_draft(self.draft_dir, self.target)
-        if (warning := short_training_warning(self.config, cfg.k)) is not None:
+        if (warning := short_training_warning(self.config, cfg.depth, cfg.tree is not None)) is not None:
             print(f"eagle3-eval: warning: {warning}", file=sys.stderr, flush=True)
         self.dtype = next(self.target.model.parameters()).dtype
         self.draft.to(device, self.dtype)
@@ -210,7 +264,7 @@ class Evaluator:
                 f"{self.draft.fc.in_features}: the engine would fail to run this draft"
             )
         self.eos = eos_ids(self.target.model, self.target.tokenizer)
-        self.decoder = SpecDecoder(self.target.model, self.draft, self.layers, cfg.k, self.eos)
+        self.decoder = SpecDecoder(self.target.model, self.draft, self.layers, cfg.depth, self.eos, cfg.tree)
         self.threshold = cfg.tie_threshold if cfg.tie_threshold is not None else TIE_THRESHOLDS.get(self.dtype, 0.0)
         self.out = Path(cfg.out).expanduser() if cfg.out else self.draft_dir.with_name(f"{self.draft_dir.name}-eval-{cfg.engine}")
 
@@ -221,10 +275,10 @@ class Evaluator:
         """The chat-templated prompt of one turn; refuses one that cannot fit the target's context."""
         ids = self.target.tokenizer.apply_chat_template(conversation.messages(turn, replies), add_generation_prompt=True,
                                                         tokenize=True, return_dict=True)["input_ids"]
-        if len(ids) + self.cfg.max_new_tokens + self.cfg.k + 1 > self.context:
+        if len(ids) + self.cfg.max_new_tokens + self.cfg.depth + 1 > self.context:
             raise BadInputError(
                 f"{conversation.source}: turn {turn + 1} is {len(ids)} tokens; with max_new_tokens="
-                f"{self.cfg.max_new_tokens} and k={self.cfg.k} it does not fit the target's context of {self.context}")
+                f"{self.cfg.max_new_tokens} and k={self.cfg.depth} it does not fit the target's context of {self.context}")
         return ids
 
     def reply(self, tokens: list[int]) -> str:
@@ -265,7 +319,7 @@ class Evaluator:
         return {"options": opts, "draft": files, "target": self.target.identity.to_dict()}
 
     def run(self) -> dict[str, Any]:
-        k = self.cfg.k
+        k = self.cfg.depth
         out = StageDir(self.out, "eval", self.request(), record=REPORT_NAME)
         old = out.finished(replace=True)  # a report of other options or another draft is redone
         if old is not None:
@@ -288,8 +342,11 @@ class Evaluator:
             "trained_hf_indices": self.config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"),
             "trained_ttt_length": self.config.get("eagle3_train", {}).get("training", {}).get("ttt_length"),
             "conversations": len(conversations), "prompts": len(results), "k": k, "tokens": tokens,
+            "tree": None if self.cfg.tree is None else {"topk": self.cfg.topk, "num_steps": k,
+                                                        "num_draft_tokens": self.cfg.num_draft_tokens},
             "verify_steps": overall["verify_steps"], "tau": overall["tau"],
             "acceptance_per_position": overall["acceptance_per_position"],
+            "by_reply_position": acceptance_by_position([r.accepted for r in results], k, self.cfg.position_bucket),
             "categories": {cat: {"prompts": len(rs), "tokens": sum(len(r.tokens) for r in rs)}
                            | acceptance([r.accepted for r in rs], k) for cat, rs in by_category.items()},
             "turns": {str(t + 1): acceptance([r.accepted for r in results if r.turn == t], k)["tau"]
@@ -316,9 +373,14 @@ class Evaluator:
         if self.cfg.plot:
             plot_acceptance(report, self.out / "acceptance.png")
         report = out.write_manifest(report)
-        print(f"eagle3-eval ({self.cfg.engine}: {self.resolution.describe()} from {self.resolution.source}): tau {report['tau']:.2f} "
-              f"over {report['verify_steps']} verify steps, acceptance per position "
-              f"{[round(p, 3) for p in report['acceptance_per_position']]}; per category "
+        drafts = (f"tree topk={self.cfg.topk} num_steps={k} num_draft_tokens={self.cfg.num_draft_tokens}"
+                  if self.cfg.tree else f"chain k={k}")
+        by_position = {f"{b['from']}-{b['to']}": round(b["tau"], 2) for b in report["by_reply_position"]}
+        print(f"eagle3-eval ({self.cfg.engine}: {self.resolution.describe()} from {self.resolution.source}; {drafts}): "
+              f"tau {report['tau']:.2f} over {report['verify_steps']} verify steps, acceptance per "
+              f"{'depth' if self.cfg.tree else 'position'} {[round(p, 3) for p in report['acceptance_per_position']]}; "
+              f"tau by reply position {by_position}; "
+              f"per category "
               f"{ {cat: round(v['tau'], 2) for cat, v in report['categories'].items()} }; lossless {report['lossless']} "
               f"{counts}; {report['speculative_tokens_per_s']:.0f} tokens/s speculative, {report['speedup']:.2f}x the "
               f"speed of plain greedy (batch {self.cfg.batch_size}) -> {self.out}")
