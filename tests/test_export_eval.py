@@ -96,6 +96,7 @@ def test_eval_warns_when_the_chain_is_longer_than_training(pipeline):
     assert config["eagle3_train"]["training"]["ttt_length"] == 3
     assert "trained with ttt_length=3 but drafts chains of k=5: draft positions 4..5" in short_training_warning(config, 5)
     assert short_training_warning(config, 3) is None
+    assert "drafts trees of num_steps=4: draft positions 4..4" in short_training_warning(config, 4, tree=True)
     assert short_training_warning({"eagle3_train": {}}, 5) is None  # a config that does not say: no guess
 
 
