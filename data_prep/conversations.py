@@ -107,20 +107,19 @@ def _iter_file(path: Path) -> Iterator[tuple[str, Any]]:
         for i, row in enumerate(data):
             yield f"{path}[item {i}]", row
         return
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
     # bytes, decoded line by line: an undecodable line is one bad row (skippable), not a traceback
-    with opener(path, "rb") as f:
+    with gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             source = f"{path}:{lineno}"
             try:
-                line = raw.decode("utf-8")
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 yield source, BadRow(source, "bad_encoding", _not_utf8(e, e.start + 1))
                 continue
-            if not line.strip():
+            if not text.strip():
                 continue
             try:
-                yield source, json.loads(line)
+                yield source, json.loads(text)
             except json.JSONDecodeError as e:
                 yield source, BadRow(source, "malformed_json", f"malformed JSON: {e.msg} (column {e.colno})")
 

@@ -38,7 +38,7 @@ from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.contract import check_dtype
 from eagle3_train.core.dist import DistInfo, barrier, close, init_distributed, resolve_device
 from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
-from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json, sha256_json
+from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json, remove_files, sha256_json
 from eagle3_train.core.stagedir import StageDir
 from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target, text_config
 
@@ -175,7 +175,7 @@ class Preparer:
             opts.pop("synth", None)
         return opts
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> dict[str, Any] | None:
         # rank 0 decides (and may remove a manifest under overwrite) before the others look
         done = self._finished_output() if self.dist.is_main else None
         barrier()
@@ -242,10 +242,11 @@ class Preparer:
                                              "example_prompts": c.synth.examples(), "example_prompts_file": None},
             "regen": {k: v for k, v in self._output_options()["regen"].items() if k != "chunk_size"},
         }
+        assert c.synthesize is not None  # how this method is reached: synthesize=N
         synthesizer = Synthesizer(
             n=c.synthesize, synth=c.synth, regen=c.regen, seed=c.seed, work_dir=self.out / "synth",
             request=request, overwrite=c.overwrite, load_model=self._load_generator, tokenizer=tok, special=special_ids(tok),
-            template_name=template_name(c.target, chat_template_of(tok)), rank=self.dist.rank,
+            template_name=template_name(c.target, chat_template_of(tok) or ""), rank=self.dist.rank,
             world=self.dist.world_size, barrier=barrier, progress=c.progress and self.dist.is_main,
         )
         conversations, stats = synthesizer.run()
@@ -267,6 +268,7 @@ class Preparer:
 
     def read(self) -> tuple[list[Conversation], int]:
         """Normalise the input rows; bad rows follow ``on_bad_row``."""
+        assert self.cfg.input is not None  # PrepareConfig: input= or synthesize=N, and read() is for input=
         conversations, rows_read = [], 0
         for source, row in iter_raw_rows(self.cfg.input, self.cfg.split):
             if self.cfg.limit is not None and rows_read >= self.cfg.limit:
@@ -286,8 +288,7 @@ class Preparer:
 
         regen_dir = self.out / "regen"
         # chunks of other options or input: never mixed, always replaced
-        StageDir(regen_dir, "regen", self.request).claim(
-            replace=True, clear=lambda: [p.unlink() for p in regen_dir.glob("chunk-*.json")])
+        StageDir(regen_dir, "regen", self.request).claim(replace=True, clear=lambda: remove_files(regen_dir, "chunk-*.json"))
         model, eos = self._load_generator()
         tok = self.target.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
@@ -317,7 +318,7 @@ class Preparer:
         """Tokenise every conversation with its loss mask, in ``pool`` (started earlier) or in the
         ``tokenize_workers`` processes :meth:`_tokenizing_pool` starts now."""
         tok = self.target.tokenizer
-        opts = dict(regenerate=self.cfg.regenerate, max_length=self.cfg.max_length, truncate=self.cfg.truncate,
+        opts: dict[str, Any] = dict(regenerate=self.cfg.regenerate, max_length=self.cfg.max_length, truncate=self.cfg.truncate,
                     end_ids=special_ids(tok, eos_ids(self.target.model, tok)))
         bar = tqdm(total=len(conversations), desc="tokenize", unit="conv", disable=not self.cfg.progress)
         began = time.time()

@@ -123,10 +123,10 @@ def generate_sorted(
                         top_p=cfg.top_p, seed=seed)
         return served_generate_batch(prompts, cfg.server, sampling, eos_ids, cfg.backend, bar=bar)
     if cfg.batching == "continuous":
-        replies, unfinished = generate_continuous(model, prompts, cfg, eos_ids, pad_id, seed)
+        continuous = generate_continuous(model, prompts, cfg, eos_ids, pad_id, seed)
         if bar is not None:
             bar.update(len(prompts))
-        return replies, unfinished
+        return continuous
     if cfg.batching == "graph":
         from data_prep.graph_decode import generate_graph
 

@@ -258,6 +258,6 @@ async def _generate_all(prompts: list[list[int]], cfg: ServedRegenConfig, engine
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
         for w in done:
-            if not w.cancelled() and w.exception() is not None:
-                raise w.exception()
+            if not w.cancelled() and (error := w.exception()) is not None:
+                raise error
     return results  # type: ignore[return-value]  # every index was filled, or a worker raised

@@ -148,6 +148,7 @@ class Standardizer:
         (:func:`~eagle3_train.core.prepared.prepared_vocab`), in ``out`` with a manifest of stage
         ``vocab`` that records the split it was counted over (online training checks it)."""
         cfg = self.cfg
+        assert cfg.data is not None  # how this method is reached: only_vocab=true data=...
         prepared = PreparedData(cfg.data)
         name = cfg.target or prepared.target.path
         target = load_target(name, cache_dir=cfg.cache_dir, load_model=False)

@@ -50,7 +50,7 @@ from data_prep.conversations import BadRow, Conversation
 from data_prep.regenerate import RegenConfig, generate_sorted
 from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
 from eagle3_train.core.extras import optional_import
-from eagle3_train.core.fileio import atomic_write_json, sha256_text
+from eagle3_train.core.fileio import atomic_write_json, remove_files, sha256_text
 from eagle3_train.core.stagedir import StageDir
 
 USER_FILTERS = ("empty", "too_short", "too_long", "no_end_of_turn", "special_tokens", "repetition")
@@ -316,7 +316,8 @@ class Synthesizer:
         # the chunks' size decides which conversations share a batch (and its sampling): recorded
         request = {**request, "synth": {**request.get("synth", {}), "chunk_size": self.size}}
         self.dir, self.request, self.overwrite = work_dir, request, overwrite
-        self.load_model, self.model, self.eos = load_model, None, []
+        self.load_model, self.model = load_model, None
+        self.eos: list[int] = []  # the generator's end ids, once it is loaded
         self.tok, self.template_name = tokenizer, template_name
         self.special_ids = special
         self.special_text = [t for t in tokenizer.all_special_tokens if t]
@@ -327,11 +328,11 @@ class Synthesizer:
         # a user turn is dropped once it passes max_tokens, so sampling stops one token after that
         self.user_cfg = replace(regen, max_new_tokens=min(synth.max_new_tokens, synth.max_tokens + 1), do_sample=True,
                                 temperature=synth.temperature, top_p=synth.top_p)  # sampled, generated as the answers are
-        self.generated = Counter()  # new tokens and chunks this rank generated in this run
-        self.totals = Counter()  # new tokens and seconds of the chunks read so far, whichever run made them
+        self.generated: Counter[str] = Counter()  # new tokens and chunks this rank generated in this run
+        self.totals: Counter[str] = Counter()  # new tokens and seconds of the chunks read so far, whichever run made them
         self.endings: dict[str, int] = {}  # what the template renders after a user message -> its end token (_prefix)
         # what _select has read and filtered so far (the chunks 0..chunks-1)
-        self.selection = {"chunks": 0, "kept": [], "counts": Counter(),
+        self.selection: dict[str, Any] = {"chunks": 0, "kept": [], "counts": Counter(),
                           "filter": DuplicateFilter(synth.near_duplicate_threshold)}
 
     # ---- chunks on disk
@@ -339,7 +340,7 @@ class Synthesizer:
         if self.rank == 0:
             StageDir(self.dir, "synth", self.request, what="set of synthesized conversations",
                      hint="pass overwrite=true to discard them, or choose another out=", exclusive=True).claim(
-                replace=self.overwrite, clear=lambda: [p.unlink() for p in self.dir.glob("chunk-*.json")])
+                replace=self.overwrite, clear=lambda: remove_files(self.dir, "chunk-*.json"))
         self.barrier()
 
     def steering(self, g: int) -> tuple[str | None, str]:
@@ -434,7 +435,7 @@ class Synthesizer:
         size = self.size
         ids = range(chunk * size, (chunk + 1) * size)
         # per conversation: the messages kept, the system prompt that steers its user turns
-        convs = [{"id": g, "system": system, "starter": starter, "messages": [], "alive": True}
+        convs: list[dict[str, Any]] = [{"id": g, "system": system, "starter": starter, "messages": [], "alive": True}
                  for g, (system, starter) in zip(ids, map(self.steering, ids))]
         dropped: Counter = Counter()
         new_tokens = 0

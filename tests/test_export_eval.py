@@ -255,7 +255,10 @@ def test_multi_turn_follows_the_targets_own_replies(pipeline, tmp_path):
     outputs = [json.loads(x) for x in (tmp_path / "mt" / "outputs.jsonl").read_text().splitlines()]
     legacy = LegacySpecDecoder(ev.target, ev.draft, ev.layers, ev.cfg.k, ev.eos)
     tok = ev.target.tokenizer
-    template = lambda m: tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]  # noqa: E731
+
+    def template(m: list[dict]) -> list[int]:
+        return tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+
     for i, r in enumerate(rows):
         u1 = {"role": "user", "content": r["turns"][0]}
         first = legacy.greedy(template([u1]), 48)

@@ -18,6 +18,7 @@ def _run(cfg: DumpConfig) -> int:
     """``verify=true`` checks a finished dump; ``print_launch=true`` prints the engine command;
     otherwise this process dumps its share."""
     if cfg.verify:
+        assert cfg.out is not None  # DumpConfig requires out= but for print_launch
         problems = verify(cfg.out)
         for p in problems:
             print(f"eagle3-dump verify: {p}")

@@ -212,7 +212,7 @@ class ServedBackend(backend.Backend):
                                             c.retries, c.backoff_s, f"sample {sample_id}")
         finite = all(bool(torch.isfinite(t).all()) for t in states.values())
         if finite and next_token is not None and self.head is not None:
-            await asyncio.to_thread(self._check_next_token, states["last_hidden"][-1], int(next_token), sample_id)
+            await asyncio.to_thread(self._check_next_token, self.head, states["last_hidden"][-1], int(next_token), sample_id)
         piece = dict(states)
         piece["finite"] = torch.tensor([finite])
         piece["input_ids"] = torch.from_numpy(record["input_ids"].astype(np.int32))
@@ -220,10 +220,10 @@ class ServedBackend(backend.Backend):
         piece["sample_ids"] = torch.tensor([sample_id], dtype=torch.int64)
         return piece, len(prompt)
 
-    def _check_next_token(self, last: torch.Tensor, token: int, sample_id: int) -> None:
+    def _check_next_token(self, head: torch.Tensor, last: torch.Tensor, token: int, sample_id: int) -> None:
         """The engine's greedy next token should be (near) the top of the checkpoint's
         ``lm_head(last_hidden)``; a low agreement means another model or other layers."""
-        logits = self.head @ last.to(self.head.dtype)  # [V]
+        logits = head @ last.to(head.dtype)  # [V]
         top = logits.float().topk(NEXT_TOKEN_TOP_K).indices.tolist()
         a = self.agreement
         a["checked"] += 1

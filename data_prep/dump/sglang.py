@@ -156,6 +156,7 @@ class SglangClient:
         aux, final = await asyncio.gather(post_json(session, f"{self.url}/generate", body, self.parse_gate),
                                           post_json(session, f"{self.final_url}/generate", body, self.parse_gate))
         where = (f"{self.url} (sample {sample_id})", f"{self.final_url} (sample {sample_id})")
+        assert self.parse_gate is not None  # start() ran
         async with self.parse_gate:
             states = await asyncio.to_thread(self.states, aux, final, prompt, where)
         generated = final.get("output_ids") or [None]

@@ -44,6 +44,7 @@ class Dumper:
     """
 
     def __init__(self, cfg: DumpConfig, backend: Backend | None = None):
+        assert cfg.out is not None and cfg.data is not None  # DumpConfig requires both to dump
         self.cfg = cfg
         self.backend = backend or make_backend(cfg)
         self.out = Path(cfg.out).expanduser()

@@ -106,7 +106,7 @@ class ShardWriter:
             if self.cuda:
                 ready = torch.cuda.Event()
                 ready.record()
-        if self.cuda:
+        if self.stream is not None:  # CUDA
             self.stream.wait_event(ready)
             with torch.cuda.stream(self.stream):
                 for key, buf in shard.states.items():

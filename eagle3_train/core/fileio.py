@@ -79,6 +79,12 @@ def sha256_json(obj: Any) -> str:
     return sha256_text(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default))
 
 
+def remove_files(directory: Path, pattern: str) -> None:
+    """Delete the files of ``directory`` that match the glob ``pattern``."""
+    for path in directory.glob(pattern):
+        path.unlink()
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     """Hex sha256 of a file's bytes, read in 4 MiB chunks."""
     h = hashlib.sha256()

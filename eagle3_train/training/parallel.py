@@ -75,8 +75,9 @@ def apply_activation_checkpointing(model: Eagle3Draft) -> None:
     without changing it, so running it again gives the same result)."""
     layer = model.midlayer
     # the methods are wrapped in place (here and in apply_compile): the same module and weights
-    layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward,  # type: ignore[method-assign]
-                                      use_reentrant=False, preserve_rng_state=False)
+    wrapped = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False,
+                                preserve_rng_state=False)
+    layer.forward = wrapped  # type: ignore[method-assign]
 
 
 def apply_compile(model: Eagle3Draft, backend: Any = "inductor") -> None:
