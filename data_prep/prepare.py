@@ -38,8 +38,15 @@ from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.contract import check_dtype
 from eagle3_train.core.dist import DistInfo, barrier, close, init_distributed, resolve_device
 from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
-from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json, remove_files, sha256_json
-from eagle3_train.core.stagedir import StageDir
+from eagle3_train.core.faults import fault_point
+from eagle3_train.core.fileio import (
+    atomic_write_bytes,
+    atomic_write_json,
+    remove_files,
+    remove_temporaries,
+    sha256_json,
+)
+from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target, text_config
 
 STAGE = "prepare"
@@ -176,6 +183,10 @@ class Preparer:
         return opts
 
     def run(self) -> dict[str, Any] | None:
+        if self.dist.is_main:  # one launch at a time: a second is refused, naming the first
+            self.out.mkdir(parents=True, exist_ok=True)
+            hold_lock(self.out, "prepared dataset")
+            remove_temporaries(self.out)  # a killed run's unrenamed manifest
         # rank 0 decides (and may remove a manifest under overwrite) before the others look
         done = self._finished_output() if self.dist.is_main else None
         barrier()
@@ -289,6 +300,7 @@ class Preparer:
         regen_dir = self.out / "regen"
         # chunks of other options or input: never mixed, always replaced
         StageDir(regen_dir, "regen", self.request).claim(replace=True, clear=lambda: remove_files(regen_dir, "chunk-*.json"))
+        remove_temporaries(regen_dir)  # a chunk killed before its rename (this process holds out=)
         model, eos = self._load_generator()
         tok = self.target.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
@@ -303,15 +315,29 @@ class Preparer:
             else:
                 torch.manual_seed(self.cfg.seed + c)
                 print(f"regenerating chunk {c + 1}/{n_chunks}", flush=True)
-                chunk, n_cut = regenerate(
-                    model, tok, conversations[c * size : (c + 1) * size], self.cfg.regen,
-                    eos_ids=eos, pad_id=pad, progress=self.cfg.progress, seed=self.cfg.seed + c,
-                )
+                try:
+                    chunk, n_cut = regenerate(
+                        model, tok, conversations[c * size : (c + 1) * size], self.cfg.regen,
+                        eos_ids=eos, pad_id=pad, progress=self.cfg.progress, seed=self.cfg.seed + c,
+                    )
+                except Eagle3Error as e:
+                    if self.cfg.regen.backend == "hf":
+                        raise
+                    raise self._engine_stopped(e, c, n_chunks, regen_dir) from None
                 data = {"unfinished": n_cut, "conversations": [vars(x) for x in chunk]}
                 atomic_write_json(path, data)
+                fault_point("regen.chunk")
             out.extend(chunk)
             unfinished += data["unfinished"]
         return out, {"turns_hit_max_new_tokens": unfinished}
+
+    def _engine_stopped(self, error: Eagle3Error, chunk: int, n_chunks: int, regen_dir: Path) -> Eagle3Error:
+        """A served engine's failure, naming the engine, its URL and the chunks kept."""
+        r = self.cfg.regen
+        kept = len(list(regen_dir.glob("chunk-*.json")))
+        return Eagle3Error(f"regeneration through {r.backend} at regen.server.url={r.server.url} stopped in chunk "
+                           f"{chunk + 1} of {n_chunks}: {error}\n  the {kept} finished chunks are kept under "
+                           f"{regen_dir}; once the engine answers again, run the same command to resume")
 
     def render(self, conversations: list[Conversation], pool: tuple[ProcessPoolExecutor, int] | None = None
                ) -> tuple[list[tuple[Conversation, Rendered]], dict]:

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.contract import CaptureSpec, check_storage, differences, read_manifest, validate_aux_indices
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, Eagle3Error, check_numbers
-from eagle3_train.core.fileio import sha256_file
+from eagle3_train.core.fileio import remove_temporaries, sha256_file
 from eagle3_train.core.formats import (
     RECORD_SUFFIX,
     SHARD_SUFFIX,
@@ -289,8 +289,7 @@ class Standardizer:
         out.claim()
         for sub in ("train", "eval"):
             (self.out / sub).mkdir(parents=True, exist_ok=True)
-            for tmp in (self.out / sub).glob(".*.tmp"):
-                tmp.unlink()
+            remove_temporaries(self.out / sub)
         return None
 
     def stage_dir(self, request: dict) -> StageDir:

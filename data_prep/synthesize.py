@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import re
 import secrets
@@ -50,6 +49,7 @@ from data_prep.conversations import BadRow, Conversation
 from data_prep.regenerate import RegenConfig, generate_sorted
 from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
 from eagle3_train.core.extras import optional_import
+from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fileio import atomic_write_json, remove_files, sha256_text
 from eagle3_train.core.stagedir import StageDir
 
@@ -58,7 +58,6 @@ SET_FILTERS = ("exact_duplicate", "near_duplicate")
 MAX_ROUNDS = 8  # rounds of extra chunks when filters drop more than expected
 EXAMPLE_CHARS = 300  # an example prompt longer than this is cut (a steering prompt, not a document)
 EXAMPLES_HEADER = "Users write requests like these:"
-CRASH_ENV = "EAGLE3_SYNTH_CRASH_AFTER_CHUNKS"  # tests only: hard-exit a rank after writing N chunks
 
 
 @dataclass
@@ -488,8 +487,7 @@ class Synthesizer:
         atomic_write_json(self._path(chunk), {"conversations": kept, "dropped": dict(dropped),
                                               "new_tokens": new_tokens, "seconds": round(seconds, 3)})
         self.generated.update(tokens=new_tokens, chunks=1)
-        if self.generated["chunks"] == int(os.environ.get(CRASH_ENV, 0)):
-            os._exit(17)  # a kill at the worst moment: other ranks are mid-chunk
+        fault_point("synth.chunk")  # tests: a kill at the worst moment, other ranks mid-chunk
 
     def _stored(self, c: dict) -> list[dict]:
         """The conversation as stored and answered: with its system prompt unless it only steers."""

@@ -7,7 +7,7 @@ responses, vLLM's state files with their ``.lock`` and asynchronous write, SGLan
 ``cached_tokens``. A request that asks for no states generates, as data_prep/served_regen.py
 documents: token by token from the KV cache, greedy or seeded sampling, stopping as each engine
 does. They also fail on demand: HTTP 503, slow answers, a file never written, wrong token ids, a
-radix-cache hit, a chunked prefill, a prompt longer than the context.
+radix-cache hit, a chunked prefill, a prompt longer than the context, an engine that dies.
 
 The vLLM stand-in also serves a target with an EAGLE-3 draft (``--speculative-config`` method
 eagle3), as eagle3_train/evaluation/served_acceptance.py reads it (vLLM 0.26.0): ``/v1/chat/completions``
@@ -44,6 +44,7 @@ class _Standin:
         self.posts = 0
         self.fail_posts: set[int] = set()  # these POSTs (1-based) answer HTTP 503
         self.fail_from: int | None = None  # every POST from this one on answers 503
+        self.die_at: int | None = None  # this POST finds the engine dead: dropped unanswered, the port closed
         self.slow_posts: dict[int, float] = {}  # these POSTs answer after a delay (seconds)
         self.bodies: list[dict] = []  # every POST body, in arrival order
         self.max_model_len: int | None = None  # generation: refuse prompt + max tokens beyond this (HTTP 400)
@@ -81,6 +82,10 @@ class _Standin:
                     standin.posts += 1
                     number = standin.posts
                     standin.bodies.append(body)
+                if standin.die_at is not None and number >= standin.die_at:  # the process died: no answer, no port
+                    self.close_connection = True
+                    threading.Thread(target=standin.die, daemon=True).start()
+                    return
                 if number in standin.slow_posts:
                     time.sleep(standin.slow_posts[number])
                 if number in standin.fail_posts or (standin.fail_from is not None and number >= standin.fail_from):
@@ -99,6 +104,10 @@ class _Standin:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.die()
+
+    def die(self) -> None:
+        """Stop serving and close the port, as a killed engine does."""
         self.server.shutdown()
         self.server.server_close()
 

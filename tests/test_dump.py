@@ -198,8 +198,9 @@ def _torchrun(prepared, out, nproc, env_extra=None):
 def test_torchrun_two_ranks_killed_and_resumed_equals_one_process(prepared, tmp_path):
     one = dump(prepared, tmp_path / "one", max_tokens_per_batch=300, max_batch_size=4)
     one.run()
-    # rank 0 dies hard after its first shard; torchrun then kills rank 1 wherever it is
-    crashed = _torchrun(prepared, tmp_path / "two", 2, {"EAGLE3_DUMP_CRASH_AFTER_SHARDS": "1"})
+    # the first rank to rename its second shard dies before that shard's record; torchrun then kills
+    # the other wherever it is
+    crashed = _torchrun(prepared, tmp_path / "two", 2, {"EAGLE3_FAULT_AT": "shard:2"})
     assert crashed.returncode != 0, crashed.stderr[-2000:]
     assert not (tmp_path / "two" / "manifest.json").exists()
     partial = list((tmp_path / "two" / "shards").glob("*.json"))

@@ -9,8 +9,9 @@ from safetensors.torch import load_file
 
 from data_prep.standardize import StandardizeConfig, Standardizer
 from eagle3_train.core.errors import ConfigError, ContractError
+from eagle3_train.core.faults import FAULT_ENV
 from eagle3_train.serving.export import ExportConfig, Exporter
-from eagle3_train.training.config import CRASH_ENV, TrainConfig
+from eagle3_train.training.config import TrainConfig
 from eagle3_train.training.online import OnlineConfig
 from test_standardize import make_dump
 from test_trainer import _torchrun, metrics, standardized, train
@@ -87,7 +88,7 @@ def test_two_ranks_and_a_killed_run_train_as_one_uninterrupted_rank(data, tmp_pa
     assert two.returncode == 0, two.stderr[-3000:]
     assert_same_training(tmp_path / "one", tmp_path / "two", rel=1e-4, atol=1e-4)
     killed = _torchrun(data["prep"], tmp_path / "cut", 1, [*ONLINE_ARGS, "train.grad_accum=2", "train.save_every=2"],
-                       {CRASH_ENV: "4"})
+                       {FAULT_ENV: "train.step:5"})
     assert killed.returncode != 0 and last_weights(tmp_path / "cut")[0] == "step4", killed.stderr[-3000:]
     train(data["prep"], tmp_path / "cut", source="online", online=ONLINE, grad_accum=2, save_every=2)
     assert_same_training(tmp_path / "one", tmp_path / "cut", rel=1e-5, atol=1e-5)

@@ -345,7 +345,7 @@ def test_two_ranks_killed_and_resumed_equal_one_rank(tmp_path, monkeypatch):
                                           max_repeated_ngrams=1, turns=2),
                         regen=RegenConfig(max_new_tokens=8, batch_size=4))
     Preparer(cfg).run()
-    crashed = _torchrun(tmp_path / "two", 2, {"EAGLE3_SYNTH_CRASH_AFTER_CHUNKS": "1"})
+    crashed = _torchrun(tmp_path / "two", 2, {"EAGLE3_FAULT_AT": "synth.chunk:1"})
     assert crashed.returncode != 0
     assert not (tmp_path / "two" / "manifest.json").exists()
     survived = sorted(p.name for p in (tmp_path / "two" / "synth").glob("chunk-*.json"))

@@ -186,7 +186,7 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(std, tmp_path):
 
 def test_kill_and_resume_gives_the_same_weights(std, tmp_path):
     train(std, tmp_path / "whole", save_every=2)  # the uninterrupted reference, in this process
-    killed = _torchrun(std, tmp_path / "cut", 1, ["train.save_every=2"], {"EAGLE3_TRAIN_CRASH_AFTER_STEP": "4"})
+    killed = _torchrun(std, tmp_path / "cut", 1, ["train.save_every=2"], {"EAGLE3_FAULT_AT": "train.step:5"})
     assert killed.returncode != 0
     resumed = _torchrun(std, tmp_path / "cut", 1, ["train.save_every=2"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -196,8 +196,12 @@ class ServedBackend(backend.Backend):
             writer.close()  # writes every sample received, so a rerun resumes after them
         if failure is not None:
             if isinstance(failure, Eagle3Error):
-                raise Eagle3Error(f"stopped: {failure}\n  {samples} samples received before the stop are stored; fix "
-                                  f"the cause and run the same command again to resume") from None
+                servers = ", ".join(f"{k}={v}" for k, v in self.servers().items())
+                raise Eagle3Error(f"{self.engine} ({servers}) stopped client {stage.dist.rank}/{stage.dist.world_size} "
+                                  f"of the dump: {failure}\n  {samples} samples received before the stop are stored "
+                                  f"({writer.count} shards written by this run, under {stage.shard_dir}); fix the "
+                                  f"cause (is the engine still running?) and run the same command again to resume"
+                                  ) from None
             raise failure
         stage.say(f"{samples} samples, {tokens} tokens received; next-token check: {self.agreement}")
         return writer.bytes_written, tokens

@@ -25,9 +25,10 @@ from eagle3_train.core.cli import config_dict
 from eagle3_train.core.contract import MANIFEST_NAME, CaptureSpec, read_manifest
 from eagle3_train.core.dist import all_gather_objects, barrier, print0
 from eagle3_train.core.errors import Eagle3Error, IncompleteError
+from eagle3_train.core.fileio import remove_temporaries
 from eagle3_train.core.formats import ShardRecord, finished_records, read_keys, remove_unfinished, verify_shard
 from eagle3_train.core.prepared import PreparedData
-from eagle3_train.core.stagedir import StageDir
+from eagle3_train.core.stagedir import LOCK_NAME, StageDir, hold_lock
 from eagle3_train.core.storage import bytes_per_token, layout
 from eagle3_train.engines.rules import serving_warning
 from eagle3_train.targets import load_target, resolve_dtype
@@ -105,9 +106,14 @@ class Dumper:
         if self.team.group and not self.dist.is_main:
             barrier()
             return
+        # one launch at a time (one process per client: clients share the directory by design)
+        self.out.mkdir(parents=True, exist_ok=True)
+        hold_lock(self.out, "dump", LOCK_NAME if self.team.group else f".eagle3-client{self.dist.rank:05d}.lock")
         self.dir.claim()
         self.shard_dir.mkdir(parents=True, exist_ok=True)
         removed = remove_unfinished(self.shard_dir, "" if self.team.group else self.shard_prefix())
+        if self.team.group:  # the only writer of the directory (clients share it, and only clear their own)
+            removed += remove_temporaries(self.out)
         if removed:
             self.say(f"removed {len(removed)} unfinished files of an interrupted run")
         if self.team.group:

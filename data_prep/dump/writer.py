@@ -3,7 +3,6 @@ threads, so the target's next forward pass (or the next engine responses) overla
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from pathlib import Path
@@ -14,8 +13,6 @@ import torch
 from eagle3_train.core.errors import Eagle3Error
 from eagle3_train.core.formats import write_shard
 from eagle3_train.core.storage import DTYPE, encode, layout
-
-CRASH_ENV = "EAGLE3_DUMP_CRASH_AFTER_SHARDS"  # tests only: hard-exit a rank after N shards
 
 
 class HostShard:
@@ -83,7 +80,6 @@ class ShardWriter:
         self.bytes_written = 0
         self.lock = threading.Lock()
         self.error: BaseException | None = None
-        self.crash_after = int(os.environ.get(CRASH_ENV, 0))
         self.writers = [threading.Thread(target=self._write, daemon=True) for _ in range(threads)]
         for t in self.writers:
             t.start()
@@ -171,8 +167,6 @@ class ShardWriter:
                     record = write_shard(self.directory, name, tensors, {"nonfinite_sample_ids": nonfinite})
                     with self.lock:
                         self.bytes_written += record.bytes
-                    if self.crash_after and sum(1 for _ in self.directory.glob(f"{self.prefix}-*.json")) >= self.crash_after:
-                        os._exit(17)
             except BaseException as e:  # handed to the main thread at its next call
                 self.error = e
             shard.reset()

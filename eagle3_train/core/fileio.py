@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_train.core.errors import BadInputError
+from eagle3_train.core.faults import fault_point
 
 
 def umask_mode(mode: int = 0o666) -> int:
@@ -43,10 +44,22 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        fault_point("write")  # tests: a crash between the complete temporary file and its rename
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def remove_temporaries(directory: str | os.PathLike) -> list[str]:
+    """Delete the temporary files that atomic writes killed before their rename left directly in
+    ``directory`` (``.<name>.<random>.tmp``); only its one writer may call it, as another's writes
+    may be in flight. Returns their names."""
+    directory = Path(directory)
+    removed = sorted(p.name for p in directory.glob(".*.tmp") if p.is_file()) if directory.is_dir() else []
+    for name in removed:
+        (directory / name).unlink(missing_ok=True)
+    return removed
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

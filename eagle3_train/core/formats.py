@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle3_train.core.errors import BadInputError, Eagle3Error
+from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fileio import atomic_write_json, sha256_file
 
 SHARD_SUFFIX = ".safetensors"
@@ -103,6 +104,7 @@ def write_shard(directory: Path, name: str, tensors: dict[str, torch.Tensor], ex
     try:
         sha, size = _serialize(tmp, tensors)
         os.replace(tmp, shard)
+        fault_point("shard")  # tests: a crash between a shard and its record
         record = ShardRecord(
             name=name,
             sha256=sha,

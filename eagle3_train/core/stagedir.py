@@ -21,7 +21,7 @@ from typing import Any
 
 from eagle3_train.core.contract import MANIFEST_NAME, differences, read_manifest, write_manifest
 from eagle3_train.core.errors import BadInputError, ContractError
-from eagle3_train.core.fileio import atomic_write_json, json_ready
+from eagle3_train.core.fileio import atomic_write_json, json_ready, remove_temporaries
 
 REQUEST_NAME = "request.json"
 
@@ -81,6 +81,7 @@ class StageDir:
         self.path.mkdir(parents=True, exist_ok=True)
         if self.exclusive and int(os.environ.get("RANK", "0")) == 0:
             hold_lock(self.path, self.what)
+            remove_temporaries(self.path)  # a killed run's unrenamed writes: this process is the only writer
         file = self.path / REQUEST_NAME
         replaced = False
         if file.is_file():
@@ -106,21 +107,22 @@ class StageDir:
 
 
 LOCK_NAME = ".eagle3.lock"
-_HELD: dict[Path, int] = {}  # directory -> the open lock file of this process (kept until it exits)
+_HELD: dict[Path, int] = {}  # lock file -> its open descriptor in this process (kept until it exits)
 
 
-def hold_lock(path: Path, what: str) -> None:
-    """Take ``path``'s lock for the rest of this process (the kernel drops it when the process
-    dies, kill -9 included, so a crash never leaves a stale lock); another process holding it is
-    refused, naming its pid, host and start."""
+def hold_lock(path: Path, what: str, name: str = LOCK_NAME) -> None:
+    """Take the lock file ``path/name`` for the rest of this process (the kernel drops it when the
+    process dies, kill -9 included, so a crash never leaves a stale lock); another process holding
+    it is refused, naming its pid, host and start. ``name``: one lock per writer where several
+    processes share a directory by design (the served dump's clients)."""
     import fcntl
     import socket
     import time
 
-    path = Path(path).resolve()
-    if path in _HELD:
+    file = Path(path).resolve() / name
+    if file in _HELD:
         return
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -129,10 +131,10 @@ def hold_lock(path: Path, what: str) -> None:
         except (ValueError, OSError):
             holder = {}
         os.close(fd)
-        raise ContractError(f"{path} is in use: another process is writing this {what} (pid {holder.get('pid', '?')} on "
-                            f"{holder.get('host', '?')}, since {holder.get('since', '?')}); wait for it to finish, or "
-                            f"choose another out=") from None
+        raise ContractError(f"{file.parent} is in use: another process is writing this {what} (pid "
+                            f"{holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('since', '?')}); "
+                            f"wait for it to finish, or choose another out=") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                               "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode(), 0)
-    _HELD[path] = fd
+    _HELD[file] = fd

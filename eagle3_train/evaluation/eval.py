@@ -37,9 +37,10 @@ from eagle3_train.core.contract import check_dtype
 from eagle3_train.core.dist import resolve_device
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, check_numbers
 from eagle3_train.core.extras import optional_import
-from eagle3_train.core.fileio import sha256_file
+from eagle3_train.core.faults import fault_point
+from eagle3_train.core.fileio import remove_temporaries, sha256_file
 from eagle3_train.core.prompt_files import Conversation, read_conversations
-from eagle3_train.core.stagedir import StageDir
+from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.engines.rules import resolve
 from eagle3_train.evaluation.decoding import Reference, SpecDecoder
 from eagle3_train.evaluation.tree import TreeShape
@@ -307,6 +308,7 @@ class Evaluator:
                 replies[i].append(self.reply(r.tokens))
                 results.append(TurnResult(conversations[i], turn, len(prompt), s.tokens, s.accepted,
                                           lossless_check(s.tokens, r, self.threshold), replies[i][-1]))
+            fault_point("eval.turn")
             if self.cfg.progress:
                 print(f"eagle3-eval: turn {turn + 1}: {len(idx)} prompts, speculative {seconds['speculative']:.1f} s, "
                       f"greedy {seconds['greedy']:.1f} s so far", flush=True)
@@ -320,6 +322,9 @@ class Evaluator:
 
     def run(self) -> dict[str, Any]:
         k = self.cfg.depth
+        self.out.mkdir(parents=True, exist_ok=True)
+        hold_lock(self.out, "evaluation")  # one eval to out= at a time: a second is refused, naming the first
+        remove_temporaries(self.out)  # a killed eval's unrenamed report
         out = StageDir(self.out, "eval", self.request(), record=REPORT_NAME)
         old = out.finished(replace=True)  # a report of other options or another draft is redone
         if old is not None:

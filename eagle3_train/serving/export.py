@@ -35,7 +35,9 @@ from eagle3_train.core.contract import (
     write_manifest,
 )
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError
+from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fileio import atomic_write_json
+from eagle3_train.core.stagedir import hold_lock
 from eagle3_train.engines.rules import RULES_VERSION, TOP_KEY, Unexpressible, fc_skipped, ids_for, unloadable_weights
 from eagle3_train.model import DraftConfig
 
@@ -203,6 +205,14 @@ class Exporter:
 
     def run(self) -> dict[str, Any]:
         keys = engine_keys(self.spec, list(self.cfg.engines))  # refuses before anything is written
+        # one export to out= at a time; the lock lies beside it, as out= itself is replaced by a rename
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        hold_lock(self.out.parent, f"export ({self.out.name})", name=f".{self.out.name}.lock")
+        tmp, old = (self.out.with_name(f".{self.out.name}.{what}") for what in ("tmp", "old"))
+        if old.exists() and self.out.exists():  # an export killed after its swap: the previous one is replaced
+            shutil.rmtree(old)
+        elif old.exists():  # killed between its renames: the previous one comes back (and is checked below)
+            old.rename(self.out)
         refuse_foreign_out(self.out, self.ckpt, self.cfg.overwrite)
         weights = load_file(str(self.ckpt / "draft.safetensors"))
         dtype = getattr(torch, self.cfg.dtype)
@@ -217,15 +227,18 @@ class Exporter:
             "rules_version": RULES_VERSION,
             "training": self._summary(),
         }
-        tmp = self.out.with_name(f".{self.out.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_file(weights, str(tmp / "model.safetensors"))
         atomic_write_json(tmp / "config.json", config)
         write_manifest(tmp, "export", {"checkpoint": str(self.ckpt.resolve()), "config": config_dict(self.cfg)})
+        # renames only, so that a kill anywhere leaves out= whole (old or new) or absent, never
+        # half deleted (which a rerun would refuse as "not an export")
         if self.out.exists():
-            shutil.rmtree(self.out)
+            self.out.rename(old)
+        fault_point("export.swap")
         tmp.rename(self.out)
+        shutil.rmtree(old, ignore_errors=True)
         shown = {k: v for k, v in keys.items()}
         print(f"eagle3-export: {self.ckpt} -> {self.out}; trained HF indices {list(self.spec.aux_indices)} as {shown}")
         return config

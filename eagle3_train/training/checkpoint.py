@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from eagle3_train.core.contract import BEST_FILE, MANIFEST_NAME, run_checkpoints
-from eagle3_train.core.dist import barrier
-from eagle3_train.core.errors import ContractError
+from eagle3_train.core.dist import barrier, print0
+from eagle3_train.core.errors import ContractError, Eagle3Error
 from eagle3_train.core.fileio import atomic_write_json
 from eagle3_train.core.stagedir import StageDir
 
@@ -42,12 +42,16 @@ def save_checkpoint(engine: Any, out: Path, tag: str, state: dict[str, Any], wei
     """Write checkpoint ``tag`` (collective: every rank calls it); ``best`` (step and eval_tau, or
     None) is the checkpoint keep_last never deletes, recorded in ``best.json`` when it is this one."""
     root = out / "checkpoints"
-    engine.save_checkpoint(str(root), tag=tag, client_state={"eagle3": state})
-    if is_main:
-        from safetensors.torch import save_file
+    try:
+        engine.save_checkpoint(str(root), tag=tag, client_state={"eagle3": state})
+        if is_main:
+            from safetensors.torch import save_file
 
-        save_file(weights, str(root / tag / "draft.safetensors"), metadata={"format": "pt"})
-        atomic_write_json(root / tag / "state.json", state)  # last: marks the checkpoint complete
+            save_file(weights, str(root / tag / "draft.safetensors"), metadata={"format": "pt"})
+            atomic_write_json(root / tag / "state.json", state)  # last: marks the checkpoint complete
+    except Exception as e:  # a full disk reaches us as OSError, torch.save's RuntimeError or a SafetensorError
+        raise failed_save(out, tag, e) from e
+    if is_main:
         best_tag = f"step{best['step']}" if best is not None else None
         if best is not None and best_tag == tag:
             atomic_write_json(out / BEST_FILE, {"checkpoint": tag} | best)
@@ -55,6 +59,27 @@ def save_checkpoint(engine: Any, out: Path, tag: str, state: dict[str, Any], wei
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return root / tag
+
+
+def remove_unfinished_checkpoints(out: Path) -> list[str]:
+    """Delete the checkpoints a killed save left without ``state.json`` (never continued from; a
+    later save of the same step would write over some of their files only); returns their names."""
+    partial = [p for p in (out / "checkpoints").glob("step*") if p.is_dir() and not (p / "state.json").is_file()]
+    for p in partial:
+        shutil.rmtree(p, ignore_errors=True)
+    return sorted(p.name for p in partial)
+
+
+def failed_save(out: Path, tag: str, error: Exception) -> Eagle3Error:
+    """The error of a checkpoint save that failed part way (a full disk, say): its files are
+    removed (they hold space, and no ``state.json`` marks them complete), and the message names
+    the checkpoint that resume continues from instead."""
+    shutil.rmtree(out / "checkpoints" / tag, ignore_errors=True)
+    done = run_checkpoints(out)
+    kept = (f"the last complete checkpoint, {done[-1]}, is intact and resume=auto continues from it" if done else
+            "no earlier checkpoint exists: the run starts over")
+    return Eagle3Error(f"saving checkpoint {tag} of {out} failed ({type(error).__name__}: {error}); its partial files "
+                       f"are removed, and {kept}. Free disk space if it is full, then run the same command again")
 
 
 def checkpoint_paths(out: Path, last: Path, best: dict[str, Any] | None) -> dict[str, str]:
@@ -98,6 +123,8 @@ def open_run(out: Path, run_dir: StageDir, resume: str, keep_best: bool, metrics
     if ckpts and resume == "never":
         raise ContractError(f"{out} already holds checkpoints; resume=auto continues it, or use another out=")
     run_dir.claim(replace=not ckpts)  # checkpoints are continued only by the same request
+    if is_main and (partial := remove_unfinished_checkpoints(out)):
+        print0(f"eagle3-train: removed the unfinished checkpoints {partial} of an interrupted run")
     if is_main and (not ckpts or not keep_best):
         # a record left by an earlier run, or one keep_last may now delete, would mislead export
         (out / BEST_FILE).unlink(missing_ok=True)

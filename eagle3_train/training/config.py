@@ -12,7 +12,6 @@ from omegaconf import MISSING
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.training.online import OnlineConfig
 
-CRASH_ENV = "EAGLE3_TRAIN_CRASH_AFTER_STEP"  # tests only: hard-exit after saving this step
 USUAL_CHAIN = 5  # draft tokens per verify step that eagle3-eval and the engines' recipes use
 
 

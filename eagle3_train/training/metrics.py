@@ -12,6 +12,7 @@ import torch
 
 from eagle3_train.core.dist import all_gather_objects
 from eagle3_train.core.extras import optional_import
+from eagle3_train.core.fileio import atomic_write_bytes
 from eagle3_train.training.data import Batch
 from eagle3_train.training.objective import acceptance_length, accuracies, decode_walk
 
@@ -48,6 +49,21 @@ class MetricsLog:
     def close(self) -> None:
         if self.tracker is not None:
             self.tracker.finish()
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the records of steps up to ``step``, the checkpoint a run resumes from: a killed run
+    logged steps past it, which the resumed run logs again (and a line the kill cut short)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if line.endswith("\n") and json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # a line the kill cut short
+    atomic_write_bytes(path, "".join(kept).encode())
 
 
 def wandb_tracker(logging: Any, out: Path, config: dict[str, Any], is_main: bool) -> Any:

@@ -16,7 +16,6 @@ run also holds ``vocab_map.safetensors``, the map it counted at start (unless ``
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -31,8 +30,9 @@ from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.contract import run_checkpoints
 from eagle3_train.core.dist import DistInfo, all_gather_objects, close, init_distributed, print0
 from eagle3_train.core.errors import BadInputError, ConfigError, Eagle3Error
+from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fingerprint import continued_options, request_options
-from eagle3_train.core.stagedir import StageDir
+from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.targets import Target
 from eagle3_train.training.checkpoint import (
@@ -44,7 +44,7 @@ from eagle3_train.training.checkpoint import (
     run_directory,
     save_checkpoint,
 )
-from eagle3_train.training.config import CRASH_ENV, USUAL_CHAIN, TrainConfig
+from eagle3_train.training.config import USUAL_CHAIN, TrainConfig
 from eagle3_train.training.data import (
     Batch,
     OfflineSource,
@@ -55,7 +55,15 @@ from eagle3_train.training.data import (
     plan_epoch,
     steps_in_epoch,
 )
-from eagle3_train.training.metrics import MetricsLog, console, eval_line, train_record, walk_counts, wandb_tracker
+from eagle3_train.training.metrics import (
+    MetricsLog,
+    console,
+    eval_line,
+    train_record,
+    truncate_metrics,
+    walk_counts,
+    wandb_tracker,
+)
 from eagle3_train.training.objective import acceptance_length, accuracies
 from eagle3_train.training.online import OnlineSource
 from eagle3_train.training.parallel import build_engine, sequence_parallel
@@ -70,6 +78,9 @@ class Trainer:
         self.cfg = cfg
         self.out = Path(cfg.out).expanduser()
         self.dist: DistInfo = init_distributed(cfg.device, always=True)
+        if self.dist.is_main:  # before anything is written (an online run's vocab map): a second run is refused first
+            self.out.mkdir(parents=True, exist_ok=True)
+            hold_lock(self.out, "training run")
         bf16 = cfg.deepspeed.bf16 == "true" or (cfg.deepspeed.bf16 == "auto" and self.dist.device.type == "cuda")
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         self.source = self._source(target)
@@ -179,6 +190,8 @@ class Trainer:
             self.model.d2t.copy_(self.vocab.d2t)
             self.model.t2d.copy_(self.vocab.t2d)
         self.step = state["step"]
+        if self.dist.is_main:  # what a killed run logged after this checkpoint is logged again
+            truncate_metrics(self.metrics_path, self.step)
         self.best.restore(state, self.out, self.dist.is_main)
         now = continued_options("train", config_dict(self.cfg))
         if note := continue_run(state, now, self.step, self.total_steps, self.best, self.out, self.dist.is_main):
@@ -320,12 +333,12 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                    disable=not (self.cfg.progress and self.dist.is_main))
         window_start = time.time()
-        crash_after = int(os.environ.get(CRASH_ENV, 0))
         batches = self.source.device_batches(Prefetcher(self.train_batches(), depth=2 * o.grad_accum))
         final: dict[str, Any] | None = None
         pending: list[dict[str, torch.Tensor]] = []  # the steps' figures since the last record, on the device
         while self.step < self.total_steps:
             pending.append(self.train_step(batches))
+            fault_point("train.step")  # tests: a kill between checkpoints
             bar.update(1)
             if self.step % o.log_every == 0 or self.step == self.total_steps:
                 self.check_finite()
@@ -357,8 +370,6 @@ class Trainer:
             if improved or (o.save_every and self.step % o.save_every == 0 and self.step < self.total_steps):
                 self.check_finite()
                 self.save()
-                if crash_after and self.step >= crash_after:
-                    os._exit(17)
         bar.close()
         self.check_finite()
         if final is None or final["step"] != self.step:

@@ -188,7 +188,7 @@ def resume_case(a: argparse.Namespace, record: Record) -> None:
     sys.path.insert(0, str(TESTS))
     from safetensors.torch import load_file
 
-    from eagle3_train.training.config import CRASH_ENV
+    from eagle3_train.core.faults import FAULT_ENV
     from test_standardize import make_dump
     from test_trainer import metrics, standardized
 
@@ -202,7 +202,8 @@ def resume_case(a: argparse.Namespace, record: Record) -> None:
 
     def train(out: Path, kill_after: int = 0) -> dict[str, Any]:
         cmd = [*launcher(a.world), "-m", "eagle3_train.training.trainer", *overrides, f"out={out}"]
-        env = dict(os.environ, **({CRASH_ENV: str(kill_after)} if kill_after else {}))
+        # killed once the step after the checkpoint at kill_after is computed (eagle3_train/core/faults.py)
+        env = dict(os.environ, **({FAULT_ENV: f"train.step:{kill_after + 1}"} if kill_after else {}))
         start = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.resume_timeout)
         return {"exit": proc.returncode, "seconds": time.perf_counter() - start,
@@ -220,7 +221,7 @@ def resume_case(a: argparse.Namespace, record: Record) -> None:
         record("equal", False)
         return
 
-    def losses(out: Path) -> dict[int, float]:  # a step logged twice (before and after the kill): the last line
+    def losses(out: Path) -> dict[int, float]:
         return {m["step"]: m["loss"] for m in metrics(out) if "loss" in m}
 
     def last_weights(out: Path) -> dict[str, torch.Tensor]:
