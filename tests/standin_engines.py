@@ -12,7 +12,9 @@ radix-cache hit, a chunked prefill, a prompt longer than the context, an engine 
 The vLLM stand-in also serves a target with an EAGLE-3 draft (``--speculative-config`` method
 eagle3), as eagle3_train/evaluation/served_acceptance.py reads it (vLLM 0.26.0): ``/v1/chat/completions``
 and a Prometheus ``/metrics`` with vLLM's speculative-decoding counters, advanced per request by a
-given plan of accepted counts, or by the draft itself run as eagle3-eval runs it.
+given plan of accepted counts, or by the draft itself run as eagle3-eval runs it. For eagle3-bench
+it can also answer as fast as a given simulated engine would (:class:`SimulatedSteps`: a target step,
+a verify step, a draft step), and counts the requests in flight as each arrives.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,10 @@ class _Standin:
         self.die_at: int | None = None  # this POST finds the engine dead: dropped unanswered, the port closed
         self.slow_posts: dict[int, float] = {}  # these POSTs answer after a delay (seconds)
         self.bodies: list[dict] = []  # every POST body, in arrival order
+        self.in_flight = 0  # POSTs being answered now
+        self.arrivals: list[int] = []  # POSTs in flight as each arrived (itself included), in arrival order
+        self.version = "0.0.0+standin"  # what /version (vLLM) and /get_server_info (SGLang) say
+        self.request = threading.local()  # .arrived: when the POST this thread answers arrived (monotonic)
         self.max_model_len: int | None = None  # generation: refuse prompt + max tokens beyond this (HTTP 400)
         eos = model.generation_config.eos_token_id
         self.engine_eos: set[int] = set(eos if isinstance(eos, list) else [eos])  # ids the engine stops on by itself
@@ -69,6 +76,8 @@ class _Standin:
             def do_GET(self) -> None:
                 if self.path == "/health":
                     self._send(200, {})
+                elif self.path in ("/version", "/get_server_info"):
+                    self._send(200, {"version": standin.version})
                 elif self.path == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": "standin-model", "object": "model"}]})
                 elif self.path == "/metrics" and (text := standin.metrics()) is not None:
@@ -77,21 +86,28 @@ class _Standin:
                     self._send(404, {"error": "not found"})
 
             def do_POST(self) -> None:
+                standin.request.arrived = time.monotonic()
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with standin.forward_lock:
                     standin.posts += 1
                     number = standin.posts
                     standin.bodies.append(body)
-                if standin.die_at is not None and number >= standin.die_at:  # the process died: no answer, no port
-                    self.close_connection = True
-                    threading.Thread(target=standin.die, daemon=True).start()
-                    return
-                if number in standin.slow_posts:
-                    time.sleep(standin.slow_posts[number])
-                if number in standin.fail_posts or (standin.fail_from is not None and number >= standin.fail_from):
-                    self._send(503, {"error": "service unavailable"})
-                    return
-                status, payload = standin.handle_post(self.path, body)
+                    standin.in_flight += 1
+                    standin.arrivals.append(standin.in_flight)
+                try:
+                    if standin.die_at is not None and number >= standin.die_at:  # the process died: no answer, no port
+                        self.close_connection = True
+                        threading.Thread(target=standin.die, daemon=True).start()
+                        return
+                    if number in standin.slow_posts:
+                        time.sleep(standin.slow_posts[number])
+                    if number in standin.fail_posts or (standin.fail_from is not None and number >= standin.fail_from):
+                        status, payload = 503, {"error": "service unavailable"}
+                    else:
+                        status, payload = standin.handle_post(self.path, body)
+                finally:  # answered: no longer in flight (before the client can see it and send the next)
+                    with standin.forward_lock:
+                        standin.in_flight -= 1
                 self._send(status, payload)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
@@ -172,6 +188,23 @@ VLLM_EAGLE3_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "g
 VLLM_NO_ID_0 = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
 
 
+@dataclass(frozen=True)
+class SimulatedSteps:
+    """How long an engine would take, in seconds: a reply arrives no sooner than its tokens would
+    take to decode, each request as if alone on the engine (so requests in flight overlap, as in
+    an ideal batch). Without a draft a reply of n tokens takes ``n * target_step_s``; with one, its
+    first token (the prefill's) ``target_step_s`` and each verify step ``verify_s + k * draft_step_s``."""
+
+    target_step_s: float  # one target step, one new token
+    verify_s: float  # one target forward over the k + 1 tokens of a verify step
+    draft_step_s: float  # one draft step
+
+    def reply_s(self, tokens: int, drafts: int, k: int) -> float:
+        if not k:
+            return tokens * self.target_step_s
+        return self.target_step_s + drafts * (self.verify_s + k * self.draft_step_s)
+
+
 class EngineRefused(RuntimeError):
     """The engine would not start with this model and configuration."""
 
@@ -189,13 +222,21 @@ class StandinVllm(_Standin):
     them) or, without a plan, the verify steps of the draft in ``speculative["model"]`` run by
     eagle3-eval's decoder on the layers vLLM's rule reads from its config. Requests alternate
     between ``engines`` label sets, as data-parallel engines do; ``other_traffic`` counts one more
-    request of the plan per request (another client)."""
+    request of the plan per request (another client).
+
+    For eagle3-bench: ``accept_each`` is a plan that follows the reply (each draft accepts that many
+    tokens, the last one what is left of the reply, so ``1 + accepted / drafts`` is the reply's
+    tokens after the first per draft, as in vLLM when a reply is not cut mid-draft); ``scripted``
+    gives the reply's tokens (prompt ids, max tokens -> ids) without running the model, at any
+    temperature; ``steps`` makes each reply arrive as late as that simulated engine would answer it;
+    ``generated`` counts every token replied to a chat or completion of generated text."""
 
     def __init__(self, model: Any, layer_ids: list[int] | None = None, storage: Path | None = None,
                  dtype: torch.dtype = torch.float32, allow_custom_save_path: bool = True, write_delay_s: float = 0.02,
                  port: int = 0, tokenizer: Any = None, speculative: dict | None = None,
                  accepted_plan: list[int] | Callable[[list[dict]], list[int]] | None = None, engines: int = 1,
-                 reply_meta: bool = False):
+                 reply_meta: bool = False, accept_each: int | None = None,
+                 scripted: Callable[[list[int], int], list[int]] | None = None, steps: SimulatedSteps | None = None):
         if speculative is not None and speculative.get("method") == "eagle3" \
                 and model.config.model_type not in VLLM_EAGLE3_MODEL_TYPES:
             raise EngineRefused(f"Model does not support EAGLE3 interface ({model.config.model_type})")
@@ -218,8 +259,10 @@ class StandinVllm(_Standin):
         # reply_meta: count as SGLang 0.5.17 does instead, in each chat reply's meta_info (asked with
         # return_meta_info; srt/managers/tokenizer_manager.py), with SGLang's rule for the layers
         self.reply_meta, self.hide_spec = reply_meta, False
+        self.accept_each, self.scripted, self.steps = accept_each, scripted, steps
+        self.generated = 0
         self.decoder = None
-        if speculative and accepted_plan is None:
+        if speculative and accepted_plan is None and accept_each is None:
             self.decoder = self._draft_decoder(speculative["model"], "sglang" if reply_meta else "vllm")
         # the counters, per engine label: drafts, draft tokens, accepted, accepted per position,
         # finished requests per reason, generated tokens
@@ -297,7 +340,8 @@ class StandinVllm(_Standin):
             return 400, {"error": {"message": "this stand-in was started without a tokenizer", "code": 400}}
         if body.get("model") != "standin-model":
             return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist.", "code": 404}}
-        if body.get("temperature", 1.0) != 0:
+        temperature = body.get("temperature", 1.0)
+        if temperature != 0 and self.scripted is None:
             return 400, {"error": {"message": "the stand-in decodes greedily only (temperature 0)", "code": 400}}
         prompt = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)["input_ids"]
@@ -306,6 +350,9 @@ class StandinVllm(_Standin):
             return 400, {"error": {"message": f"This model's maximum context length is {self.max_model_len} tokens.",
                                    "code": 400}}
         ids, accepted, reason = self.speculate(prompt, max_new, body["messages"])
+        if self.steps is not None:  # answer when the simulated engine would have
+            reply_s = self.steps.reply_s(len(ids), len(accepted), self.k)
+            time.sleep(max(0.0, self.request.arrived + reply_s - time.monotonic()))
         text = self.tokenizer.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                   "stop_reason": None}
@@ -324,10 +371,21 @@ class StandinVllm(_Standin):
                 (out,) = self.decoder.speculative([prompt], max_new, 1)
             ids, accepted = out.tokens, out.accepted
         else:
-            ids, _, _ = self.generate(prompt, max_new, self.engine_eos, 0.0, 1.0, None, length_first=False)
-            plan = self.accepted_plan
-            accepted = list(plan(messages) if callable(plan) else plan or [])
+            if self.scripted is not None:
+                ids = self.scripted(prompt, max_new)[:max_new]
+            else:
+                ids, _, _ = self.generate(prompt, max_new, self.engine_eos, 0.0, 1.0, None, length_first=False)
+            if self.accept_each is not None and self.speculative:
+                # the first token is the prefill's; drafts of accept_each + 1 tokens follow, the last cut
+                a, rest = self.accept_each, len(ids) - 1
+                drafts = -(-rest // (a + 1)) if rest > 0 else 0
+                accepted = [a] * max(drafts - 1, 0) + ([rest - (drafts - 1) * (a + 1) - 1] if drafts else [])
+            else:
+                plan = self.accepted_plan
+                accepted = list(plan(messages) if callable(plan) else plan or [])
         reason = "stop" if ids and ids[-1] in self.engine_eos else "length"
+        with self.forward_lock:
+            self.generated += len(ids)
         self.count_request(accepted, len(ids), reason)
         if self.other_traffic:
             self.count_request(accepted, len(ids), reason)
@@ -492,12 +550,15 @@ def main(argv: list[str]) -> None:
             --speculative-config JSON --kv-transfer-config JSON       (extract_hidden_states)
         standin_engines.py vllm serve MODEL --port P --dtype D
             --speculative-config '{"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K}'
+        standin_engines.py vllm serve MODEL --port P                    (no draft: plain generation)
         standin_engines.py sglang --model-path MODEL --port P --dtype D --disable-radix-cache
             --chunked-prefill-size -1 (--enable-return-aux-hidden-states --speculative-algorithm EAGLE3
             --return-aux-hidden-state-layer-ids ID... | --enable-return-hidden-states)
 
     Flags the engines need for a correct dump are required here too; --enforce-eager,
-    --gpu-memory-utilization and --max-model-len are taken (the last one enforced)."""
+    --gpu-memory-utilization and --max-model-len are taken (the last one enforced). Stand-in only:
+    ``--standin-accept-each A`` counts drafts of A accepted tokens (``accept_each``) instead of running
+    the draft, ``--standin-steps T,V,D`` answers as :class:`SimulatedSteps` (T, V, D) would."""
     import argparse
 
     from transformers import AutoModelForCausalLM
@@ -505,18 +566,21 @@ def main(argv: list[str]) -> None:
     engine, rest = argv[0], argv[1:]
     p = argparse.ArgumentParser(prog=f"standin {engine}")
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--dtype", required=True)
+    p.add_argument("--standin-accept-each", type=int)
+    p.add_argument("--standin-steps", type=lambda s: SimulatedSteps(*map(float, s.split(","))))
     if engine == "vllm":
+        p.add_argument("--dtype", default="float32")  # vLLM's "auto": the stand-in's fp32
         p.add_argument("serve")
         p.add_argument("model")
         p.add_argument("--no-enable-prefix-caching", action="store_true")
-        p.add_argument("--speculative-config", type=json.loads, required=True)
+        p.add_argument("--speculative-config", type=json.loads)
         p.add_argument("--kv-transfer-config", type=json.loads)
         p.add_argument("--enforce-eager", action="store_true")
         p.add_argument("--gpu-memory-utilization", type=float)
         p.add_argument("--max-model-len", type=int)
         p.add_argument("--kv-cache-memory-bytes", type=int)
     else:
+        p.add_argument("--dtype", required=True)
         p.add_argument("--model-path", dest="model", required=True)
         p.add_argument("--disable-radix-cache", action="store_true", required=True)
         p.add_argument("--chunked-prefill-size", type=int, choices=[-1], required=True)
@@ -529,11 +593,12 @@ def main(argv: list[str]) -> None:
     args = p.parse_args(rest)
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    if engine == "vllm" and args.speculative_config["method"] == "eagle3":
+    if engine == "vllm" and (args.speculative_config is None or args.speculative_config["method"] == "eagle3"):
         from transformers import AutoTokenizer
 
         server: _Standin = StandinVllm(model, dtype=dtype, port=args.port, speculative=args.speculative_config,
-                                       tokenizer=AutoTokenizer.from_pretrained(args.model))
+                                       tokenizer=AutoTokenizer.from_pretrained(args.model),
+                                       accept_each=args.standin_accept_each, steps=args.standin_steps)
         server.max_model_len = args.max_model_len
     elif engine == "vllm":
         assert args.speculative_config["method"] == "extract_hidden_states"

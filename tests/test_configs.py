@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 import data_prep.dump  # noqa: F401  (registers dump_schema)
 import data_prep.prepare  # noqa: F401  (registers prepare_schema)
 import data_prep.standardize  # noqa: F401  (registers standardize_schema)
+import eagle3_train.evaluation.bench  # noqa: F401  (registers bench_schema)
 import eagle3_train.evaluation.eval  # noqa: F401  (registers eval_schema)
 import eagle3_train.evaluation.served_acceptance  # noqa: F401  (registers served_acceptance_schema)
 import eagle3_train.serving.check  # noqa: F401  (registers check_schema)
@@ -31,6 +32,7 @@ PRIMARY = {
     "eval.yaml": (eagle3_train.evaluation.eval.EvalConfig, ["draft=/tmp/d", "prompts=/tmp/p.jsonl"]),
     "served_acceptance.yaml": (eagle3_train.evaluation.served_acceptance.ServedAcceptanceConfig,
                                ["server=http://127.0.0.1:8000", "prompts=/tmp/p.jsonl", "out=/tmp/o"]),
+    "bench.yaml": (eagle3_train.evaluation.bench.BenchConfig, ["target=/tmp/t", "draft=/tmp/d", "out=/tmp/o"]),
 }
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,7 +119,7 @@ def test_wheel_ships_conf_and_prompts(tmp_path):
     sources = {str(p.relative_to(ROOT)) for pkg in ("eagle3_train", "data_prep") for p in (ROOT / pkg).rglob("*.py")}
     assert sources <= names, f"modules missing from the wheel: {sorted(sources - names)}"
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    for cmd in ("prepare", "dump", "standardize", "train", "export", "check", "eval", "served-acceptance"):
+    for cmd in ("prepare", "dump", "standardize", "train", "export", "check", "eval", "served-acceptance", "bench"):
         assert f"eagle3-{cmd} =" in entry_points
 
 
@@ -204,6 +206,8 @@ def test_each_default_is_written_once():
     ("eval.yaml", "tie_threshold=nan", r"^tie_threshold must be >= 0, got nan$"),
     ("export.yaml", "dtype=int8", r"^dtype must be one of float32, bfloat16, float16, got 'int8'$"),
     ("served_acceptance.yaml", "concurrency=0", r"^concurrency must be positive, got 0$"),
+    ("bench.yaml", "max_new_tokens=0", r"^max_new_tokens must be positive, got 0$"),
+    ("bench.yaml", "concurrency=[1,0]", r"^concurrency levels must be >= 1, got \[1, 0\]$"),
 ])
 def test_numeric_and_dtype_options_are_checked_in_one_line(name, override, message):
     from eagle3_train.core.errors import ConfigError

@@ -98,3 +98,13 @@ def test_prepares_formats_read_in_eval_too(write_jsonl, tmp_path):
     tool = {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]}
     with pytest.raises(BadInputError, match=r"t.jsonl:1: field 'messages\[1\]' is a tool message"):
         read_conversations(write_jsonl([tool], "t.jsonl"))
+
+
+def test_the_shipped_prompts_are_found_by_path():
+    from pathlib import Path
+
+    from eagle3_train.core.prompt_files import shipped_prompts
+
+    assert shipped_prompts("heldout.jsonl") == Path(__file__).resolve().parents[1] / "data_prep" / "prompts" / "heldout.jsonl"
+    with pytest.raises(BadInputError, match=r"the shipped prompt file .*nothing.jsonl is missing .* give prompts="):
+        shipped_prompts("nothing.jsonl")

@@ -11,8 +11,8 @@ from eagle3_train.core.errors import Eagle3Error
 # top-level module -> (the extra in pyproject.toml that installs it, what needs it)
 EXTRAS: dict[str, tuple[str, str]] = {
     "wandb": ("wandb", "logging=wandb"),
-    "aiohttp": ("served", "a served engine (the served dump, served regeneration, eagle3-served-acceptance)"),
-    "matplotlib": ("plots", "eagle3-eval's acceptance.png (plot=false skips it)"),
+    "aiohttp": ("served", "a served engine (the served dump, served regeneration, eagle3-served-acceptance, eagle3-bench)"),
+    "matplotlib": ("plots", "eagle3-eval's acceptance.png and eagle3-bench's speedup.png (plot=false skips them)"),
     "datasketch": ("synthesis", "synthesis's near-duplicate filter"),
 }
 

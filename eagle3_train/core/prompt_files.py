@@ -46,6 +46,17 @@ ROLE_ALIASES = {
 SHAPES = ("messages", "conversations", "turns", "prompt", "question")
 
 
+def shipped_prompts(name: str) -> Path:
+    """A prompt file shipped in ``data_prep/prompts/`` (``heldout.jsonl``, ``train.jsonl``): a
+    package beside this one in a checkout and in an installed wheel, found by path, since
+    eagle3_train imports nothing of data_prep."""
+    path = Path(__file__).resolve().parents[2] / "data_prep" / "prompts" / name
+    if not path.is_file():
+        raise BadInputError(f"the shipped prompt file {path} is missing (this installation lacks data_prep/prompts); "
+                            f"give prompts=<a prompt file>")
+    return path
+
+
 @dataclass
 class Conversation:
     """User turns to send one after the other, each after the target's own reply to the previous.

@@ -374,22 +374,25 @@ class Reply:
     text: str
 
 
-class ServedAcceptance:
-    """Sends the prompt file to the engine, category by category, reading ``/metrics`` around each."""
+class EngineClient:
+    """One engine server as served acceptance and ``eagle3-bench`` talk to it: the model it serves,
+    and its speculative-decoding counts (its ``/metrics``, or for engines that count per reply the
+    sum over this client's replies) read once they settle.
 
-    def __init__(self, cfg: ServedAcceptanceConfig):
-        self.cfg = cfg
-        self.names = METRICS[cfg.engine]
-        self.url = cfg.server.rstrip("/")
-        self.out = Path(cfg.out).expanduser()
-        self.model: str | None = cfg.model
+    Args:
+        url: the server's base URL.
+        names: where the engine counts its speculative decoding.
+        settle_s: ``/metrics`` is read again every this many seconds until two reads agree.
+        model: the served model to ask for (None: the first one ``/v1/models`` lists).
+    """
+
+    def __init__(self, url: str, names: SpecMetrics, settle_s: float, model: str | None = None):
+        self.url = url.rstrip("/")
+        self.names = names
+        self.settle_s = settle_s
+        self.model: str | None = model
         self.warnings: list[str] = []
         self.tally = SpecCounts(0, 0, 0, (), 0, 0)  # per_reply engines: the sum over this client's replies
-        self.tokenizer = None
-        if cfg.tokenizer is not None:  # template=client (the config has both or neither)
-            from eagle3_train.targets import load_target
-
-            self.tokenizer = load_target(cfg.tokenizer, cache_dir=cfg.cache_dir, load_model=False).tokenizer
 
     async def get(self, session: Any, path: str) -> str:
         """GET ``path`` of the server as text; an unreachable server or an error status names the URL."""
@@ -431,14 +434,36 @@ class ServedAcceptance:
             return self.tally
         last = await self.counts(session)
         for _ in range(SETTLE_READS):
-            await asyncio.sleep(self.cfg.settle_s)
+            await asyncio.sleep(self.settle_s)
             now = await self.counts(session)
             if now == last:
                 return now
             last = now
         self.warnings.append(f"{self.url}/metrics kept changing after the last reply ({SETTLE_READS} reads "
-                             f"{self.cfg.settle_s} s apart): another client is using the server")
+                             f"{self.settle_s} s apart): another client is using the server")
         return last
+
+    def count_reply(self, meta: Any, completion_tokens: int, where: str, meta_at: str) -> None:
+        """Add one reply's figures (its ``meta_info``, found at ``meta_at``) to the tally of an
+        engine that counts per reply."""
+        if not isinstance(meta, dict):
+            raise EngineError(f"{where} answered without {meta_at} although asked with return_meta_info (as "
+                              f"{self.names.read_from} does): not {self.names.engine}?")
+        self.tally = add(self.tally, reply_counts(meta, self.names, completion_tokens, where))
+
+
+class ServedAcceptance(EngineClient):
+    """Sends the prompt file to the engine, category by category, reading ``/metrics`` around each."""
+
+    def __init__(self, cfg: ServedAcceptanceConfig):
+        super().__init__(cfg.server, METRICS[cfg.engine], cfg.settle_s, cfg.model)
+        self.cfg = cfg
+        self.out = Path(cfg.out).expanduser()
+        self.tokenizer = None
+        if cfg.tokenizer is not None:  # template=client (the config has both or neither)
+            from eagle3_train.targets import load_target
+
+            self.tokenizer = load_target(cfg.tokenizer, cache_dir=cfg.cache_dir, load_model=False).tokenizer
 
     async def chat(self, session: Any, gate: asyncio.Semaphore, messages: list[dict[str, str]], what: str) -> dict:
         """One greedy reply to ``messages``: the engine's chat completion (``template=server``) or
@@ -463,10 +488,7 @@ class ServedAcceptance:
         except (KeyError, IndexError, TypeError, ValueError):
             raise EngineError(f"{url} ({what}) answered without {route.needs}: {json.dumps(resp)[:300]}") from None
         if self.names.per_reply:
-            if not isinstance(meta, dict):
-                raise EngineError(f"{url} ({what}) answered without {route.meta_at} although asked with "
-                                  f"return_meta_info (as {self.names.read_from} does): not {self.names.engine}?")
-            self.tally = add(self.tally, reply_counts(meta, self.names, out["completion_tokens"], f"{url} ({what})"))
+            self.count_reply(meta, out["completion_tokens"], f"{url} ({what})", route.meta_at)
         return out
 
     async def converse(self, session: Any, gate: asyncio.Semaphore, conversation: Conversation) -> list[Reply]:

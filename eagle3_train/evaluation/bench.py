@@ -1,0 +1,528 @@
+"""``eagle3-bench``: the speed-up a draft buys in a serving engine, the figure users buy it for.
+
+    eagle3-bench target=HuggingFaceTB/SmolLM2-135M-Instruct draft=runs/x/export out=runs/x/bench
+    eagle3-bench baseline_url=http://127.0.0.1:8000 spec_url=http://127.0.0.1:8001 out=runs/x/bench
+
+The engine (vLLM, or SGLang with ``engine=sglang``) serves the target twice: alone, and with the
+exported draft. This command starts each in turn on ``port`` (``target=``, ``draft=``; its log goes
+to ``out``) and stops it after its measurements, or uses servers already running (``baseline_url=``,
+``spec_url=``). Each gets the same prompts (a prompt file read as eagle3-eval reads it, the first
+``max_turns`` user turns of each conversation; the shipped held-out prompts by default) at each
+concurrency of ``concurrency`` (that many requests in flight, a new one sent as one returns) and
+each temperature of ``temperatures``, after ``warmup_requests`` requests that are not counted. A
+level sends ``max(min_requests, requests_per_slot * concurrency)`` conversations, the prompt file
+repeated as needed. Per level and engine it measures output tokens/s (the replies' tokens, as the
+engine's ``usage`` counts them, over the level's wall time) and each request's time per output
+token (its latency over its tokens: the prefill is included, there being no streaming); of the
+speculating engine, its acceptance length over the level, read as ``eagle3-served-acceptance``
+reads it (vLLM's ``/metrics`` counters before and after, SGLang's per-reply ``meta_info``); and the
+speed-up, the speculating engine's tokens/s over the baseline's.
+
+Writes ``results.json`` (machine, command, date, engine version, settings, one row per temperature
+and concurrency), ``requests.jsonl`` (each request: engine, level, tokens, latency) and
+``speedup.png`` (speed-up against concurrency; the ``plots`` extra) to ``out``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from eagle3_train.core.cli import config_dict, entry_point
+from eagle3_train.core.errors import ConfigError, check_numbers
+from eagle3_train.core.extras import optional_import
+from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
+from eagle3_train.core.prompt_files import Conversation, read_conversations, shipped_prompts
+from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
+from eagle3_train.evaluation.served_acceptance import (
+    CHAT_ROUTE,
+    METRICS,
+    EngineClient,
+    SpecCounts,
+    SpecMetrics,
+    counter,
+    figures,
+    parse_prometheus,
+)
+
+COMMAND = "eagle3-bench"
+RESULTS_NAME = "results.json"
+SIDES = ("baseline", "spec")  # the target served alone, and with the draft
+
+
+# ---- what the bench needs of each engine --------------------------------------------------------
+# The one place that knows engines here; eagle3_train.engines' registry will hold these facts.
+
+@dataclass(frozen=True)
+class ServedEngine:
+    """How the bench starts one engine and reads it.
+
+    Args:
+        metrics: where it counts its speculative decoding.
+        plain: (target, port) -> the argv that serves the target alone.
+        spec: (target, draft, draft tokens per step, port) -> the argv that serves it with the draft.
+        version_route: (GET path, JSON key) of the engine's version.
+    """
+
+    metrics: SpecMetrics
+    plain: Callable[[str, int], list[str]]
+    spec: Callable[[str, str, int, int], list[str]]
+    version_route: tuple[str, str]
+
+
+def _vllm_spec(target: str, draft: str, k: int, port: int) -> list[str]:
+    config = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+    return ["vllm", "serve", target, "--port", str(port), "--speculative-config", json.dumps(config)]
+
+
+def _sglang_plain(target: str, port: int) -> list[str]:
+    return ["python", "-m", "sglang.launch_server", "--model-path", target, "--port", str(port)]
+
+
+def _sglang_spec(target: str, draft: str, k: int, port: int) -> list[str]:
+    # a chain of k draft tokens (top-k 1), as eagle3-eval and vLLM draft them
+    return _sglang_plain(target, port) + [
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft, "--speculative-num-steps",
+        str(k), "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1)]
+
+
+ENGINES = {
+    # vLLM 0.26.0: vllm/entrypoints/openai/api_server.py (GET /version)
+    "vllm": ServedEngine(METRICS["vllm"], lambda target, port: ["vllm", "serve", target, "--port", str(port)],
+                         _vllm_spec, ("/version", "version")),
+    # SGLang 0.5.17: srt/entrypoints/http_server.py (GET /get_server_info carries "version")
+    "sglang": ServedEngine(METRICS["sglang"], _sglang_plain, _sglang_spec, ("/get_server_info", "version")),
+}
+
+
+# ---- the config ---------------------------------------------------------------------------------
+
+@dataclass
+class BenchConfig:
+    """Options of ``eagle3-bench`` (``conf/bench.yaml``)."""
+
+    out: str = MISSING  # where results.json, requests.jsonl, speedup.png and the started engines' logs go
+    engine: str = "vllm"  # the serving engine (vllm | sglang): how it is started, where it counts its drafts
+    target: str | None = None  # the target (directory or hub id) the started engines serve
+    draft: str | None = None  # the exported draft directory the speculating engine serves, when started here
+    num_speculative_tokens: int = 5  # draft tokens per step of the started speculating engine (a chain)
+    baseline_url: str | None = None  # an engine already serving the target alone (null: start one)
+    spec_url: str | None = None  # an engine already serving the target with the draft (null: start one)
+    port: int = 8000  # where a started engine listens (one runs at a time)
+    engine_args: str = ""  # more flags for the started engines, as shell words ("--enforce-eager --max-model-len 4096")
+    startup_timeout_s: float = 1800.0  # how long an engine started here may take to answer /health
+    wait_for_server_s: float = 0.0  # how long to wait for a given server's /health (0: it must answer now)
+    prompts: str | None = None  # JSONL (messages / MT-bench turns / HumanEval prompt / ...) or a saved dataset (null: the shipped held-out prompts)
+    column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
+    max_turns: int = 1  # user turns sent per conversation (a later turn follows the engine's own reply)
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64])  # requests in flight, one level each
+    temperatures: list[float] = field(default_factory=lambda: [0.0])  # sampling temperatures, each at every concurrency (0: greedy)
+    requests_per_slot: int = 4  # a level sends max(min_requests, requests_per_slot x concurrency) conversations
+    min_requests: int = 16  # the fewest conversations a level sends
+    max_new_tokens: int = 256  # generated tokens per request at most (max_tokens)
+    warmup_requests: int = 4  # requests sent to each engine before the levels, not counted
+    model: str | None = None  # the served model name to ask for (null: the first one /v1/models lists)
+    request_timeout_s: float = 600.0  # one request's time limit
+    retries: int = 0  # further attempts after a transient failure (a retried request counts in the level's time)
+    backoff_s: float = 1.0  # the first retry's delay, doubled on every further one
+    settle_s: float = 0.5  # /metrics is read again every settle_s until two reads agree (the engine counts just after answering)
+    plot: bool = True  # draw speedup.png (needs the plots extra, matplotlib)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {sorted(ENGINES)}, got {self.engine!r}")
+        for name in ("baseline_url", "spec_url"):
+            url = getattr(self, name)
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{name} must be a base URL such as http://127.0.0.1:8000, got {url!r}")
+        started = [name for name in ("baseline_url", "spec_url") if getattr(self, name) is None]
+        if started and self.target is None:
+            raise ConfigError(f"{' and '.join(started)} not given: the engine is started here on target=<the target "
+                              f"directory or hub id>; give target= or the running servers' URLs")
+        if self.spec_url is None and self.draft is None:
+            raise ConfigError("spec_url not given: the speculating engine is started here with draft=<the exported draft "
+                              "directory>; give draft= or spec_url=")
+        if not self.concurrency or len(set(self.concurrency)) != len(self.concurrency):
+            raise ConfigError(f"concurrency must list distinct levels, got {list(self.concurrency)}")
+        if any(c < 1 for c in self.concurrency):
+            raise ConfigError(f"concurrency levels must be >= 1, got {list(self.concurrency)}")
+        if not self.temperatures or any(not t >= 0 for t in self.temperatures):
+            raise ConfigError(f"temperatures must list values >= 0 (0: greedy), got {list(self.temperatures)}")
+        check_numbers(self, positive=("num_speculative_tokens", "port", "max_turns", "requests_per_slot",
+                                      "min_requests", "max_new_tokens", "request_timeout_s", "settle_s"),
+                      non_negative=("startup_timeout_s", "wait_for_server_s", "warmup_requests", "retries",
+                                    "backoff_s"))
+
+
+ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
+
+
+# ---- figures: pure functions --------------------------------------------------------------------
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, linear between the closest ranks."""
+    if not values:
+        raise ValueError("percentile of no values")
+    xs = sorted(values)
+    rank = (len(xs) - 1) * q / 100
+    lo = int(rank)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Mean, median and 90th percentile."""
+    return {"mean": sum(values) / len(values), "p50": percentile(values, 50), "p90": percentile(values, 90)}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request's measurement."""
+
+    source: str  # the conversation it came from (file:line)
+    turn: int  # 1-based
+    completion_tokens: int  # the engine's usage count
+    latency_s: float  # from sending it to its whole reply
+    finish_reason: str | None
+
+
+def level_figures(requests: list[Request], seconds: float) -> dict[str, Any]:
+    """One engine's figures over one level: output tokens/s over the level's wall time, and the
+    spread of the time per output token (a request's latency over its tokens) and of latency."""
+    tokens = sum(r.completion_tokens for r in requests)
+    per_token = [r.latency_s / r.completion_tokens for r in requests if r.completion_tokens]
+    return {"requests": len(requests), "completion_tokens": tokens, "seconds": seconds,
+            "output_tokens_per_s": tokens / seconds,
+            "time_per_output_token_s": spread(per_token) if per_token else None,
+            "latency_s": spread([r.latency_s for r in requests])}
+
+
+def level_requests(c: int, cfg: BenchConfig) -> int:
+    """Conversations sent at concurrency ``c``."""
+    return max(cfg.min_requests, cfg.requests_per_slot * c)
+
+
+def cycled(conversations: list[Conversation], n: int) -> list[Conversation]:
+    """The first ``n`` of the conversations repeated as often as needed."""
+    return [conversations[i % len(conversations)] for i in range(n)]
+
+
+# ---- the engines: started here, or given ---------------------------------------------------------
+
+class StartedEngine:
+    """An engine process started here: its output goes to ``log``; ``stop`` ends its whole process
+    group (the engines start workers of their own)."""
+
+    def __init__(self, argv: list[str], log: Path, url: str):
+        self.argv, self.log, self.url = argv, log, url
+        if argv[0] == "python":  # the engine's module runs in this interpreter's environment
+            argv = [sys.executable, *argv[1:]]
+        if shutil.which(argv[0]) is None:
+            raise ConfigError(f"{argv[0]} is not on PATH: install the engine, or give the running servers' URLs "
+                              f"(baseline_url=, spec_url=)")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log_file = log.open("w")
+        self.proc = subprocess.Popen(argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until ``/health`` answers 200; the engine exiting first, or ``timeout_s`` passing, is an error
+        quoting its log's tail."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise EngineError(f"the engine exited with status {self.proc.returncode} before answering /health "
+                                  f"({shlex.join(self.argv)}); its log {self.log} ends:\n{self.tail()}")
+            with contextlib.suppress(urllib.error.URLError, OSError), \
+                    urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise EngineError(f"the engine did not answer {self.url}/health within {timeout_s:.0f} s "
+                                  f"({shlex.join(self.argv)}); its log {self.log} ends:\n{self.tail()}")
+            time.sleep(1.0)
+
+    def tail(self, lines: int = 20) -> str:
+        self.log_file.flush()
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 60.0) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log_file.close()
+
+
+# ---- the measurement ----------------------------------------------------------------------------
+
+class Bench:
+    """Measures each engine in turn (the baseline, then the speculating one) at every level."""
+
+    def __init__(self, cfg: BenchConfig):
+        self.cfg = cfg
+        self.engine = ENGINES[cfg.engine]
+        self.names = self.engine.metrics
+        self.out = Path(cfg.out).expanduser()
+        self.warnings: list[str] = []
+        if cfg.plot:  # fail before the engines start, not after the measurements
+            optional_import("matplotlib")
+        self.prompts = cfg.prompts if cfg.prompts is not None else str(shipped_prompts("heldout.jsonl"))
+        self.conversations = read_conversations(self.prompts, cfg.column)
+
+    def argv(self, side: str) -> list[str]:
+        """The command that starts the engine of ``side``, the user's ``engine_args`` last."""
+        c = self.cfg
+        assert c.target is not None  # checked by the config
+        argv = (self.engine.plain(c.target, c.port) if side == "baseline"
+                else self.engine.spec(c.target, str(c.draft), c.num_speculative_tokens, c.port))
+        return argv + shlex.split(c.engine_args)
+
+    @contextlib.contextmanager
+    def server(self, side: str) -> Iterator[tuple[str, list[str] | None]]:
+        """The URL of the engine of ``side`` (and the command that started it here, or None)."""
+        given = self.cfg.baseline_url if side == "baseline" else self.cfg.spec_url
+        if given is not None:
+            yield given.rstrip("/"), None
+            return
+        url = f"http://127.0.0.1:{self.cfg.port}"
+        argv = self.argv(side)
+        print(f"{COMMAND}: starting the {side} engine: {shlex.join(argv)}", flush=True)
+        engine = StartedEngine(argv, self.out / f"engine-{side}.log", url)
+        try:
+            engine.wait_ready(self.cfg.startup_timeout_s)
+            yield url, argv
+        finally:
+            engine.stop()
+
+    async def ask(self, session: Any, client: EngineClient, messages: list[dict[str, str]], temperature: float,
+                  speculating: bool, what: str) -> tuple[dict, float]:
+        """One chat completion; its reply (text, finish reason, token counts) and latency. A
+        speculating engine that counts per reply adds the reply's figures to ``client.tally``."""
+        c = self.cfg
+        body = CHAT_ROUTE.body(client.model, messages, c.max_new_tokens) | {"temperature": temperature}
+        if self.names.per_reply:
+            body["return_meta_info"] = True
+        url = f"{client.url}/v1/chat/completions"
+        start = time.perf_counter()
+        resp = await retrying(lambda attempt: post_json(session, url, body), c.retries, c.backoff_s, f"{url} ({what})")
+        latency = time.perf_counter() - start
+        try:
+            out, meta = CHAT_ROUTE.parse(resp)
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise EngineError(f"{url} ({what}) answered without {CHAT_ROUTE.needs}: {json.dumps(resp)[:300]}") from None
+        if self.names.per_reply:
+            if speculating:
+                client.count_reply(meta, out["completion_tokens"], f"{url} ({what})", CHAT_ROUTE.meta_at)
+            elif isinstance(meta, dict) and self.names.drafts in meta:
+                raise EngineError(f"{url} ({what}): the baseline engine's reply carries {self.names.drafts}: it "
+                                  f"serves the target with a draft; the baseline must serve it alone")
+        return out, latency
+
+    async def level(self, session: Any, client: EngineClient, conversations: list[Conversation], concurrency: int,
+                    temperature: float, speculating: bool) -> list[Request]:
+        """Send ``conversations`` with ``concurrency`` of them in flight (a new one as one ends);
+        a conversation's turns one after the other."""
+        pending = iter(conversations)
+        done: list[Request] = []
+
+        async def worker() -> None:
+            for conv in pending:  # the workers share the iterator: each takes the next conversation
+                replies: list[str] = []
+                for turn in range(min(len(conv.turns), self.cfg.max_turns)):
+                    out, latency = await self.ask(session, client, conv.messages(turn, replies), temperature,
+                                                  speculating, f"{conv.source} turn {turn + 1}")
+                    done.append(Request(conv.source, turn + 1, out["completion_tokens"], latency, out["finish_reason"]))
+                    replies.append(out["text"])
+
+        tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:  # one failed: the others stop too, before the session closes
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return done
+
+    async def version(self, session: Any, client: EngineClient) -> str:
+        path, key = self.engine.version_route
+        try:
+            return str(json.loads(await client.get(session, path))[key])
+        except (EngineError, ValueError, KeyError, TypeError) as e:
+            self.warnings.append(f"{client.url}{path} did not say the engine's version ({e})")
+            return "unknown"
+
+    async def drafts_counted(self, session: Any, client: EngineClient) -> float:
+        """The engine's drafts so far by its ``/metrics`` (0 when it has no such counter)."""
+        return sum(v for _, v in counter(parse_prometheus(await client.get(session, "/metrics")), self.names.drafts))
+
+    async def measure(self, side: str, url: str) -> dict[str, Any]:
+        """Every level on the engine at ``url``: its model and version, the warm-up, and per level its
+        figures and requests (and, speculating, its counts between the level's reads)."""
+        aiohttp = optional_import("aiohttp")
+
+        c = self.cfg
+        speculating = side == "spec"
+        client = EngineClient(url, self.names, c.settle_s, c.model)
+        timeout = aiohttp.ClientTimeout(total=c.request_timeout_s)
+        connector = aiohttp.TCPConnector(limit=2 * max(c.concurrency + [c.warmup_requests]))
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            wait = 0.0 if (c.baseline_url if side == "baseline" else c.spec_url) is None else c.wait_for_server_s
+            await wait_ready(session, [url], wait, command=COMMAND, hint="start it first, or let eagle3-bench start it")
+            models = await client.models(session)
+            version = await self.version(session, client)
+            checks_metrics = not speculating and not self.names.per_reply
+            drafts_before = await self.drafts_counted(session, client) if checks_metrics else 0.0
+            warmup = await self.level(session, client, cycled(self.conversations, c.warmup_requests),
+                                      max(c.warmup_requests, 1), c.temperatures[0], speculating) if c.warmup_requests else []
+            levels = []
+            for temperature in c.temperatures:
+                for concurrency in c.concurrency:
+                    before = await client.settled(session) if speculating else None
+                    convs = cycled(self.conversations, level_requests(concurrency, c))
+                    start = time.perf_counter()
+                    requests = await self.level(session, client, convs, concurrency, temperature, speculating)
+                    seconds = time.perf_counter() - start
+                    counts = None if before is None else (await client.settled(session)).minus(before, f"{url}/metrics")
+                    levels.append({"temperature": temperature, "concurrency": concurrency, "requests": requests,
+                                   "seconds": seconds, "counts": counts})
+                    print(f"{COMMAND}: {side}: temperature {temperature}, concurrency {concurrency}: "
+                          f"{sum(r.completion_tokens for r in requests) / seconds:.1f} tokens/s", flush=True)
+            if checks_metrics and (drafted := await self.drafts_counted(session, client) - drafts_before):
+                raise EngineError(f"{url}/metrics counted {drafted:.0f} drafts during the baseline's run: the baseline "
+                                  f"engine serves the target with a draft; it must serve it alone")
+        self.warnings += client.warnings
+        return {"url": url, "models": models, "model": client.model, "version": version, "levels": levels,
+                "warmup": {"requests": len(warmup), "completion_tokens": sum(r.completion_tokens for r in warmup)}}
+
+    def spec_figures(self, counts: SpecCounts, requests: list[Request], where: str) -> dict[str, Any]:
+        """The engine's acceptance figures over one level; no drafts at all is an error."""
+        tokens = sum(r.completion_tokens for r in requests)
+        found = figures(counts)
+        if found is None:
+            raise EngineError(f"{where} counted no speculative drafts over {len(requests)} requests ({tokens} tokens): "
+                              f"the engine does not speculate; start it as {self.names.enable}")
+        if not self.names.per_reply and (counts.requests != len(requests) or counts.generation_tokens != tokens):
+            self.warnings.append(f"{where}: the server counted {counts.requests:.0f} requests and "
+                                 f"{counts.generation_tokens:.0f} tokens during a level, this client {len(requests)} "
+                                 f"and {tokens}: other requests are in the figures")
+        keep = ("mean_acceptance_length", "drafts", "accepted_tokens", "draft_acceptance_rate", "mean_draft_length",
+                "acceptance_per_position")
+        return {k: found[k] for k in keep}
+
+    def rows(self, measured: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+        """One row per temperature and concurrency: each engine's figures and the speed-up."""
+        rows = []
+        for base, spec in zip(measured["baseline"]["levels"], measured["spec"]["levels"]):
+            row: dict[str, Any] = {"temperature": base["temperature"], "concurrency": base["concurrency"]}
+            for side, level in (("baseline", base), ("spec", spec)):
+                row[side] = level_figures(level["requests"], level["seconds"])
+            row["spec"] |= self.spec_figures(spec["counts"], spec["requests"],
+                                             f"{measured['spec']['url']} (concurrency {spec['concurrency']})")
+            row["speedup"] = row["spec"]["output_tokens_per_s"] / row["baseline"]["output_tokens_per_s"]
+            rows.append(row)
+        return rows
+
+    def run(self) -> dict[str, Any]:
+        c = self.cfg
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        measured: dict[str, dict[str, Any]] = {}
+        for side in SIDES:
+            with self.server(side) as (url, argv):
+                measured[side] = asyncio.run(self.measure(side, url)) | {"started_here": argv}
+        rows = self.rows(measured)
+        report = {
+            "what": f"eagle3-bench: output tokens/s of {c.engine} serving the target alone and with the draft, "
+                    f"speed-up per concurrency",
+            "machine": machine(), "command": shlex.join([COMMAND, *sys.argv[1:]]), "date": started,
+            "engine": {"name": c.engine, "metrics_read_from": self.names.read_from}
+                      | {side: {k: v for k, v in measured[side].items() if k != "levels"} for side in SIDES},
+            "settings": {"prompts": self.prompts, "conversations": len(self.conversations), "max_turns": c.max_turns,
+                         "max_new_tokens": c.max_new_tokens, "num_speculative_tokens": c.num_speculative_tokens
+                         if c.spec_url is None else None, "concurrency": list(c.concurrency),
+                         "temperatures": list(c.temperatures),
+                         "conversations_per_level": {str(n): level_requests(n, c) for n in c.concurrency}},
+            "rows": rows, "warnings": self.warnings, "config": config_dict(c),
+        }
+        lines = [json.dumps({"engine": side, "temperature": lv["temperature"], "concurrency": lv["concurrency"],
+                             "source": r.source, "turn": r.turn, "completion_tokens": r.completion_tokens,
+                             "latency_s": r.latency_s, "finish_reason": r.finish_reason}) + "\n"
+                 for side in SIDES for lv in measured[side]["levels"] for r in lv["requests"]]
+        atomic_write_bytes(self.out / "requests.jsonl", "".join(lines).encode())
+        atomic_write_json(self.out / RESULTS_NAME, report)
+        if c.plot:
+            plot_speedup(report, self.out / "speedup.png")
+        for warning in self.warnings:
+            print(f"{COMMAND}: warning: {warning}", file=sys.stderr, flush=True)
+        summary = ", ".join(f"c={r['concurrency']}" + (f" T={r['temperature']}" if len(c.temperatures) > 1 else "")
+                            + f": {r['speedup']:.2f}x (tau {r['spec']['mean_acceptance_length']:.2f})" for r in rows)
+        print(f"{COMMAND} ({c.engine}): speed-up {summary} -> {self.out / RESULTS_NAME}", flush=True)
+        return report
+
+
+def machine() -> dict[str, Any]:
+    """The machine this command runs on (the engines', when it started them): host, OS, Python, GPUs."""
+    gpus = None
+    if shutil.which("nvidia-smi"):
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30)
+            gpus = [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else None
+    return {"host": platform.node(), "os": platform.platform(), "python": platform.python_version(), "gpus": gpus}
+
+
+def plot_speedup(report: dict[str, Any], path: Path) -> None:
+    """Speed-up against concurrency (one line per temperature), and both engines' tokens/s."""
+    matplotlib = optional_import("matplotlib")
+    matplotlib.use("Agg")  # files only, never a window
+    plt = optional_import("matplotlib.pyplot")
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for temperature in report["settings"]["temperatures"]:
+        rows = [r for r in report["rows"] if r["temperature"] == temperature]
+        xs = [r["concurrency"] for r in rows]
+        label = "greedy" if temperature == 0 else f"temperature {temperature}"
+        left.plot(xs, [r["speedup"] for r in rows], marker="o", label=label)
+        for side, style in (("baseline", "--"), ("spec", "-")):
+            right.plot(xs, [r[side]["output_tokens_per_s"] for r in rows], style, marker="o", label=f"{side}, {label}")
+    left.axhline(1.0, color="grey", linewidth=0.8)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.legend(fontsize=8)
+    left.set_ylabel("speed-up (x)")
+    right.set_ylabel("output tokens/s")
+    left.set_title(f"{report['engine']['name']}: with the draft / without")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+main = entry_point("bench", BenchConfig, lambda cfg: Bench(cfg).run())
+
+if __name__ == "__main__":
+    main()

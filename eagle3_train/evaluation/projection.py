@@ -1,0 +1,98 @@
+"""The speed-up speculative decoding should buy, predicted from measured step times
+(docs/guide/bench.md, "The projection").
+
+The model. Without a draft, an engine decoding a batch of B sequences writes one token per sequence
+per target step: ``B / t_T(B)`` tokens/s. With a chain draft of ``k`` tokens, one *cycle* is ``k``
+draft steps and one target forward that verifies the ``k + 1`` positions of every sequence at once,
+and it writes on average ``tau`` tokens per sequence (the accepted draft tokens plus the target's
+own; the engines' "mean acceptance length"): ``B * tau / (t_V(B) + k * t_D(B))`` tokens/s. So
+
+    speed-up(B) = tau * t_T(B) / (t_V(B) + k * t_D(B) + t_O(B))
+
+with ``t_O`` whatever a cycle costs beyond its forwards (acceptance, sampling, bookkeeping; 0 unless
+measured). Its assumptions: every sequence of the batch steps in lockstep (no prefill interleaved,
+no sequence waiting); ``tau`` is the same at every batch size and the mean over cycles (the ratio of
+total tokens to total cycles, as the engines count it); the host keeps the GPU busy (an engine whose
+step is launch-bound, eager serving of a small target, runs slower than its forwards and gains less).
+It is the long-reply limit: a reply's first token comes from the prefill, not from a cycle. For
+replies of n tokens, with the prefill costed as one target step, the baseline takes ``n * t_T`` and
+the draft ``t_T + (n - 1) / tau * cycle`` (``reply_tokens=n``), which tends to the above as n grows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from eagle3_train.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Measured times, in seconds, of one batch size.
+
+    Args:
+        batch: sequences decoded together (B).
+        target_step_s: one target forward over one new token of each sequence, t_T(B).
+        verify_s: one target forward over k + 1 new tokens of each sequence, t_V(B).
+        draft_step_s: one draft forward over one new token of each sequence, t_D(B).
+        cycle_overhead_s: what a cycle costs beyond its forwards, t_O(B).
+    """
+
+    batch: int
+    target_step_s: float
+    verify_s: float
+    draft_step_s: float
+    cycle_overhead_s: float = 0.0
+
+
+def speedup(tau: float, k: int, target_step_s: float, verify_s: float, draft_step_s: float,
+            cycle_overhead_s: float = 0.0, reply_tokens: int | None = None) -> float:
+    """``tau * t_T / (t_V + k * t_D + t_O)``: the tokens/s with a chain draft of ``k`` tokens that
+    accepts ``tau`` tokens per cycle (the target's own included), over the tokens/s without one.
+    With ``reply_tokens`` = n, for replies of n tokens whose first comes from the prefill:
+    ``n * t_T / (t_T + (n - 1) / tau * cycle)``."""
+    if k < 1:
+        raise ConfigError(f"k (draft tokens per cycle) must be >= 1, got {k}")
+    if not 1.0 <= tau <= k + 1:
+        raise ConfigError(f"tau (tokens per cycle) must lie in [1, k + 1] = [1, {k + 1}], got {tau}")
+    times = {"target_step_s": target_step_s, "verify_s": verify_s, "draft_step_s": draft_step_s}
+    bad = {name: t for name, t in times.items() if not t > 0} | ({"cycle_overhead_s": cycle_overhead_s}
+                                                                  if not cycle_overhead_s >= 0 else {})
+    if bad:
+        raise ConfigError(f"step times must be positive (the overhead >= 0), got {bad}")
+    cycle = cycle_s(k, verify_s, draft_step_s, cycle_overhead_s)
+    if reply_tokens is None:
+        return tau * target_step_s / cycle
+    if reply_tokens < 1:
+        raise ConfigError(f"reply_tokens must be >= 1, got {reply_tokens}")
+    n = reply_tokens
+    return n * target_step_s / (target_step_s + (n - 1) / tau * cycle)
+
+
+def cycle_s(k: int, verify_s: float, draft_step_s: float, cycle_overhead_s: float = 0.0) -> float:
+    """One draft-and-verify cycle: ``t_V + k * t_D + t_O``."""
+    return verify_s + k * draft_step_s + cycle_overhead_s
+
+
+def break_even_tau(k: int, target_step_s: float, verify_s: float, draft_step_s: float,
+                   cycle_overhead_s: float = 0.0, wanted: float = 1.0) -> float:
+    """The tokens per cycle at which the draft buys ``wanted`` x (1: where it starts to pay);
+    above ``k + 1`` no draft of ``k`` tokens can reach it."""
+    return wanted * cycle_s(k, verify_s, draft_step_s, cycle_overhead_s) / target_step_s
+
+
+def project(times: list[StepTimes], tau: float, k: int) -> list[dict[str, Any]]:
+    """Per batch size: tokens/s without and with the draft, the speed-up, and the tau at which
+    the draft starts to pay."""
+    rows = []
+    for t in times:
+        cycle = cycle_s(k, t.verify_s, t.draft_step_s, t.cycle_overhead_s)
+        rows.append({
+            "batch": t.batch, "tau": tau, "k": k,
+            "baseline_tokens_per_s": t.batch / t.target_step_s,
+            "spec_tokens_per_s": t.batch * tau / cycle,
+            "speedup": speedup(tau, k, t.target_step_s, t.verify_s, t.draft_step_s, t.cycle_overhead_s),
+            "break_even_tau": break_even_tau(k, t.target_step_s, t.verify_s, t.draft_step_s, t.cycle_overhead_s),
+        })
+    return rows
