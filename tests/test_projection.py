@@ -116,6 +116,7 @@ def test_bench_projection_smoke_mode(tmp_path):
     assert {"what", "machine", "command", "date", "settings", "shapes"} <= set(results)
     assert set(results["shapes"]) == {"tiny_dense", "tiny_moe"}
     for shape in results["shapes"].values():
+        assert "error" not in shape, shape
         times = shape["times"]
         assert [t["batch"] for t in times] == [1, 4] and all(t[k] > 0 for t in times for k in ("target_step_s", "verify_s"))
         rows = [StepTimes(t["batch"], t["target_step_s"], t["verify_s"], t["draft_step_s"], t["cycle_overhead_s"])
