@@ -19,7 +19,8 @@ random (bf16 on a GPU, fp32 on the CPU): the arithmetic does not depend on their
 MoE block routes each token to its top experts and runs a grouped GEMM over the experts the batch
 routes to (what fused MoE kernels read). A target that does not fit is built with ``max_layers``
 of its layers, and its times scaled by layers: ``t = t_head + L * (t_built - t_head) / built``,
-with ``t_head`` the same forward with no layer (embedding, final norm, lm_head, argmax).
+with ``t_head`` the same forward with no layer (embedding, final norm, lm_head, argmax). On a GPU each
+shape runs in its own process, so that one shape's memory is all gone before the next is built.
 
 Shapes: ``llama8b`` (Llama-3.1-8B), ``llama70b`` (Llama-3.1-70B: 16 of 80 layers built, scaled),
 ``qwen3moe`` (Qwen3-30B-A3B: 128 experts, 8 per token), ``smollm2`` (SmolLM2-135M, the embedded
@@ -53,6 +54,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from eagle3_train.evaluation.projection import StepTimes, project  # noqa: E402
+from tests.benchmarks.common import run_isolated  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -279,6 +281,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--taus", default="1.78,2.5,3.5", help="acceptance lengths to project at")
     p.add_argument("--replays", type=int, default=None, help="calls per timed round (default 20; smoke 3)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds; the median is kept")
+    p.add_argument("--shape-timeout-s", type=float, default=900, help="a GPU shape's time limit")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # a GPU shape in its own process: measure it alone ...
+    p.add_argument("--part", help=argparse.SUPPRESS)  # ... and write its result here
+    argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
     shapes = SMOKE if a.smoke else SHAPES
     names = a.shapes.split(",") if a.shapes else list(shapes)
@@ -292,12 +298,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
+    if a.one:
+        Path(a.part).write_text(json.dumps(measure(shapes[a.one], a, device, dtype)))
+        return {}
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     results: dict[str, Any] = {
         "what": "issue #34: step times of random-weight targets and EAGLE-3 drafts (our graph-captured forward), "
                 "and the speed-up they project (eagle3_train.evaluation.projection)",
         "machine": f"{gpu or platform.processor() or 'CPU'}, torch {torch.__version__}, Python {platform.python_version()}",
-        "command": " ".join(["python3", "tests/benchmarks/bench_projection.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python3", "tests/benchmarks/bench_projection.py", *argv]),
         "date": datetime.date.today().isoformat(),
         "settings": {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "context": a.context, "k": a.k,
                      "batches": a.batches, "taus": a.taus, "replays": a.replays, "repeats": a.repeats},
@@ -307,12 +316,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in names:
         print(f"== {name}", flush=True)
-        try:
-            results["shapes"][name] = measure(shapes[name], a, device, dtype)
-        except Exception as e:  # out of memory, a kernel this GPU lacks: the next shape may still run
-            results["shapes"][name] = {"error": f"{type(e).__name__}: {e}"[:1000]}
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        if device.type == "cuda":  # each GPU shape in its own process: a shape's memory is all gone before the next
+            part = out.with_name(f"{out.stem}.{name}.part.json")
+            cmd = [sys.executable, __file__, *argv, "--one", name, "--part", str(part)]
+            results["shapes"][name] = run_isolated(cmd, part, a.shape_timeout_s)
+        else:
+            try:
+                results["shapes"][name] = measure(shapes[name], a, device, dtype)
+            except Exception as e:  # a kernel this machine lacks: the next shape may still run
+                results["shapes"][name] = {"error": f"{type(e).__name__}: {e}"[:1000]}
         out.write_text(json.dumps(results, indent=1) + "\n")
     return results
 
