@@ -531,7 +531,7 @@ RESULT_PAGES = {
     "recipe": ("Recipe and data scaling", ("recipe_", "scaling_", "aux_", "vocab_", "synth_question")),
     "demo": ("The CPU demo", ("demo_",)),
     "speed": ("Speed", ("dump_", "train_", "online_", "generate_", "eval_", "standardize_", "tokenize_",
-                        "synth_cpu", "compile_")),
+                        "synth_cpu", "compile_", "projection_", "bench_")),
     "storage": ("Storage (fp8, bf16, int8)", ("storage_",)),
     "engines": ("Served by real engines", ("vllm_", "sglang_", "families_")),
 }
