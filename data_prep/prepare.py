@@ -47,6 +47,7 @@ from eagle3_train.core.fileio import (
     sha256_json,
 )
 from eagle3_train.core.stagedir import StageDir, hold_lock
+from eagle3_train.engines import registry
 from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target, text_config
 
 STAGE = "prepare"
@@ -268,7 +269,7 @@ class Preparer:
     def _load_generator(self) -> tuple[Any, list[int]]:
         """The target's weights (``None`` when an engine serves it: ``regen.backend``) and its
         end-of-turn ids; loaded only when something is generated."""
-        if self.target.model is None and self.cfg.regen.backend == "hf":
+        if self.target.model is None and registry.ENGINES[self.cfg.regen.backend].in_process:
             self.target = self._load(load_model=True)
         return self.target.model, sorted(eos_ids(self.target.model, self.target.tokenizer, self.target.local_dir))
 
@@ -321,7 +322,7 @@ class Preparer:
                         eos_ids=eos, pad_id=pad, progress=self.cfg.progress, seed=self.cfg.seed + c,
                     )
                 except Eagle3Error as e:
-                    if self.cfg.regen.backend == "hf":
+                    if registry.ENGINES[self.cfg.regen.backend].in_process:  # no engine to name
                         raise
                     raise self._engine_stopped(e, c, n_chunks, regen_dir) from None
                 data = {"unfinished": n_cut, "conversations": [vars(x) for x in chunk]}

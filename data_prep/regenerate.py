@@ -20,8 +20,8 @@ from data_prep.chat import render_text
 from data_prep.conversations import Conversation
 from data_prep.served_regen import ServedRegenConfig, served_generate_batch
 from eagle3_train.core.errors import ConfigError, check_numbers
+from eagle3_train.engines import registry
 
-BACKENDS = ("hf", "vllm", "sglang")
 BATCHING = ("padded", "static", "continuous", "graph")
 STATIC_WIDTH_STEP = 64  # regen.batching=static: prompt widths are rounded up to this (fewer compiled shapes)
 
@@ -36,13 +36,12 @@ class RegenConfig:
     top_p: float = 0.95  # nucleus sampling mass (do_sample=true only)
     batch_size: int = 32  # prompts generated together
     chunk_size: int = 1024  # conversations per resumable chunk written under <out>/regen/
-    backend: str = "hf"  # hf: transformers in this process; vllm | sglang: the engine serving the target at server.url
+    backend: str = "hf"  # hf: transformers in this process; an engine (vllm | sglang): the engine serving the target at server.url
     batching: str = "padded"  # hf only. padded: model.generate on left-padded, length-sorted batches of batch_size; static: the same with a static KV cache (generate compiles it on GPUs); continuous: transformers' continuous batching (model.generate_batch: paged cache, finished replies make room for new ones); graph: our own decode loop on a static cache, one CUDA graph per batch (dense llama/mistral/qwen2/qwen3; data_prep.graph_decode)
     server: ServedRegenConfig = field(default_factory=ServedRegenConfig)  # backend=vllm|sglang only
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"regen.backend must be one of {BACKENDS}, got {self.backend!r}")
+        registry.engine(self.backend, "regenerate", "regen.backend")
         if self.batching not in BATCHING:
             raise ConfigError(f"regen.batching must be one of {BATCHING}, got {self.batching!r}")
         check_numbers(self, "regen.", positive=("max_new_tokens", "batch_size", "chunk_size"))
@@ -118,7 +117,7 @@ def generate_sorted(
     repeatable wherever it runs. With ``cfg.backend`` vllm or sglang, ``model`` is unused: every
     prompt is one request to the engine (it batches them itself), sampled with a per-prompt seed
     derived from ``seed``."""
-    if cfg.backend != "hf":
+    if not registry.ENGINES[cfg.backend].in_process:
         sampling = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, temperature=cfg.temperature,
                         top_p=cfg.top_p, seed=seed)
         return served_generate_batch(prompts, cfg.server, sampling, eos_ids, cfg.backend, bar=bar)

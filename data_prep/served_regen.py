@@ -11,29 +11,10 @@ engine's tokenizer cannot re-split it; the reply is read from the returned ids, 
 engine's text. The HTTP client (``post_json``, ``wait_ready``, the retries) is the served dump's
 (eagle3_train/engines/http.py).
 
-What each engine offers, read from the sources the search index stores (no engine runs on the
-machines this project is tested on; the tests drive this client against stand-in servers):
-
-- **vLLM** (``vllm/entrypoints/openai/completion/protocol.py`` @002032e,
-  ``vllm/v1/core/sched/utils.py`` @018d5dc, ``vllm/sampling_params.py``): ``/v1/completions``
-  takes ``prompt`` as a list of ids, ``max_tokens``, ``temperature`` (0: greedy), ``top_p``,
-  ``top_k``, ``seed`` (per request), ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``
-  and ``return_token_ids``; ``choices[0]`` carries ``token_ids`` (the stop token included),
-  ``finish_reason`` (``stop`` / ``length``) and ``stop_reason`` (the stop token's id). Fields
-  left out take the server's defaults, which ``--generation-config auto`` (the default) reads from
-  the target's generation_config.json (Qwen3's, say, sets top_k=20): every sampling field is
-  therefore sent. ``ignore_eos`` is set so the engine stops at exactly ``eos_ids``, as
-  transformers does with ``eos_token_id=eos_ids``; the stop-token list still applies.
-- **SGLang** (``python/sglang/srt/managers/io_struct.py`` @001067f,
-  ``sampling/sampling_params.py`` @00c17ca, ``managers/detokenizer_manager.py`` @000935b):
-  ``/generate`` takes ``input_ids`` and ``sampling_params`` {``max_new_tokens``,
-  ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``, ``skip_special_tokens``,
-  ``sampling_seed``}; it returns ``output_ids`` (the matched stop token included: only the text is
-  trimmed) and ``meta_info.finish_reason`` = {``type``: ``stop``, ``matched``: id} or {``type``:
-  ``length``}. Its ``ignore_eos`` would also disable ``stop_token_ids``, so it is not sent: SGLang
-  also stops at the model's own eos ids (normally the same set; a stop on another id is refused
-  below). ``sampling_seed`` is applied only by a server launched with
-  ``--enable-deterministic-inference``.
+What each engine offers, read from its source, is in its module: its generation endpoint, the
+request it takes and the reply it gives (:class:`eagle3_train.engines.base.Generation`, in
+eagle3_train/engines/vllm.py and sglang.py). No engine runs on the machines this project is tested
+on; the tests drive this client against stand-in servers.
 
 A reply is cut at its first end-of-turn id whatever the engine reports (old vLLM and SGLang
 check the length before the stop token, so a stop token in the last place comes as ``length``);
@@ -44,18 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from eagle3_train.core.errors import ConfigError, check_numbers
 from eagle3_train.core.extras import optional_import
+from eagle3_train.engines import registry
+from eagle3_train.engines.base import Generation
 from eagle3_train.engines.http import EngineError, post_json, retrying, served_model, wait_ready
 
 
 @dataclass
 class ServedRegenConfig:
-    """Where ``regen.backend=vllm|sglang`` finds the engine serving the target, and how hard to ask."""
+    """Where ``regen.backend=<engine>`` (vllm, sglang) finds the engine serving the target, and how hard to ask."""
 
     url: str = "http://127.0.0.1:8000"  # the engine's base URL (vLLM serves on 8000, SGLang on 30000 by default)
     model: str | None = None  # vLLM: the served model name; null: the first one /v1/models lists
@@ -72,7 +54,7 @@ class ServedRegenConfig:
                       non_negative=("retries", "backoff_s", "wait_for_server_s"))
 
 
-# -- the engines: a request builder and a response reader each --------------------------------------
+# -- what the client adds to each engine's request and takes from its reply ------------------------------
 
 
 def prompt_seed(seed: int, index: int, prompt: list[int]) -> int:
@@ -85,70 +67,6 @@ def prompt_seed(seed: int, index: int, prompt: list[int]) -> int:
     h = hashlib.blake2b(f"{seed}:{index}:".encode(), digest_size=8)
     h.update(",".join(map(str, prompt)).encode())
     return int.from_bytes(h.digest(), "big") >> 1  # 63 bits: both engines take an int64
-
-
-def _sampling_fields(sampling: dict) -> dict[str, Any]:
-    """Sampling fields both engines name alike. All are sent: a field left out takes the server's
-    default, which may come from the target's generation_config (top_k, repetition penalty)."""
-    greedy = not sampling["do_sample"]
-    return {"temperature": 0.0 if greedy else float(sampling["temperature"]),
-            "top_p": 1.0 if greedy else float(sampling["top_p"]),
-            "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
-
-
-def vllm_request(prompt: list[int], model: str | None, sampling: dict, eos_ids: list[int], seed: int | None) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": int(sampling["max_new_tokens"]), **_sampling_fields(sampling),
-            "stop_token_ids": eos_ids, "ignore_eos": True, "skip_special_tokens": False, "return_token_ids": True}
-    if seed is not None:
-        body["seed"] = seed
-    return body
-
-
-def vllm_reply(resp: dict, where: str) -> tuple[list[int], str | None, Any]:
-    """(generated ids, finish reason, the stop token it matched) of a ``/v1/completions`` response."""
-    choices = resp.get("choices")
-    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        raise EngineError(f"{where}: expected one completion choice, got {str(choices)[:200]}")
-    ids = choices[0].get("token_ids")
-    if ids is None:
-        raise EngineError(f"{where}: the response has no choices[0].token_ids: this vLLM ignores return_token_ids "
-                          f"(a vLLM with return_token_ids is needed)")
-    return ids, choices[0].get("finish_reason"), choices[0].get("stop_reason")
-
-
-def sglang_request(prompt: list[int], model: str | None, sampling: dict, eos_ids: list[int], seed: int | None) -> dict:
-    params = {"max_new_tokens": int(sampling["max_new_tokens"]), **_sampling_fields(sampling),
-              "stop_token_ids": eos_ids, "skip_special_tokens": False}
-    if seed is not None:
-        params["sampling_seed"] = seed
-    return {"input_ids": prompt, "sampling_params": params}
-
-
-def sglang_reply(resp: dict, where: str) -> tuple[list[int], str | None, Any]:
-    """(generated ids, finish reason, the stop token it matched) of a ``/generate`` response."""
-    ids = resp.get("output_ids")
-    if ids is None:
-        raise EngineError(f"{where}: the response has no output_ids (it has {sorted(resp)})")
-    finish = (resp.get("meta_info") or {}).get("finish_reason") or {}
-    if not isinstance(finish, dict):
-        raise EngineError(f"{where}: meta_info.finish_reason is {finish!r}, expected an object with a type")
-    return ids, finish.get("type"), finish.get("matched")
-
-
-@dataclass(frozen=True)
-class Engine:
-    """One engine's generation endpoint: a row of data, read by the one client below."""
-
-    path: str  # the generation endpoint under the server's URL
-    names_model: bool  # the request names the served model (vLLM's OpenAI server routes by it)
-    request: Callable[[list[int], str | None, dict, list[int], int | None], dict]
-    reply: Callable[[dict, str], tuple[list[int], str | None, Any]]
-
-
-ENGINES = {
-    "vllm": Engine("/v1/completions", True, vllm_request, vllm_reply),
-    "sglang": Engine("/generate", False, sglang_request, sglang_reply),
-}
 
 
 def cut_reply(ids: list[int], finish: str | None, matched: Any, eos_ids: list[int], max_new_tokens: int,
@@ -198,22 +116,24 @@ def served_generate_batch(
             (an int, or ``None`` for unseeded sampling); prompt ``i`` samples with
             :func:`prompt_seed` of it, so replies do not depend on ``cfg.concurrency``.
         eos_ids: end-of-turn ids; generation stops at any of them.
-        backend: ``vllm`` or ``sglang``.
+        backend: an engine with a generation endpoint (``vllm``, ``sglang``).
         bar: a tqdm advanced by one per reply, or ``None``.
 
     Returns:
         The reply ids up to (not including) the first end-of-turn id, in the order of ``prompts``,
         and how many replies hit ``max_new_tokens``.
     """
-    if backend not in ENGINES:
-        raise ConfigError(f"regen.backend for a served engine must be one of {sorted(ENGINES)}, got {backend!r}")
+    generation = registry.ENGINES[backend].generation if backend in registry.ENGINES else None
+    if generation is None:
+        served = [n for n, e in registry.ENGINES.items() if e.generation is not None]
+        raise ConfigError(f"regen.backend for a served engine must be one of {served}, got {backend!r}")
     if not prompts:
         return [], 0
-    cut = asyncio.run(_generate_all(prompts, cfg, ENGINES[backend], sampling, list(eos_ids), bar))
+    cut = asyncio.run(_generate_all(prompts, cfg, generation, sampling, list(eos_ids), bar))
     return [ids for ids, _ in cut], sum(hit for _, hit in cut)
 
 
-async def _generate_all(prompts: list[list[int]], cfg: ServedRegenConfig, engine: Engine, sampling: dict,
+async def _generate_all(prompts: list[list[int]], cfg: ServedRegenConfig, engine: Generation, sampling: dict,
                         eos_ids: list[int], bar: Any) -> list[tuple[list[int], bool]]:
     """Keep ``cfg.concurrency`` requests in flight; the first failure that retries cannot fix
     cancels the rest and is raised."""

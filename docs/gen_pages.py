@@ -4,7 +4,7 @@
 pages, so every build regenerates them; ``python docs/gen_pages.py`` writes them by hand. A page
 is rewritten only when its text changes (``mkdocs serve`` would otherwise rebuild forever).
 
-- ``concepts/engine-rules.md`` from :mod:`eagle3_train.engines.rules`: per engine and target
+- ``concepts/engine-rules.md`` from the engine modules (:mod:`eagle3_train.engines.registry`): per engine and target
   ``model_type``, where the ids are read, the rule, the versions it was read from, and how it was
   verified.
 - ``reference/<command>.md`` from the config dataclasses each ``conf/<name>.yaml`` names in its
@@ -440,48 +440,63 @@ def _ids_example(rule: Any, n: int, ks: list[int]) -> str:
 
 def engine_rules_page() -> str:
     rules = importlib.import_module("eagle3_train.engines.rules")
+    registry = importlib.import_module("eagle3_train.engines.registry")
     n = 32
     ks = sorted({2, n // 2, n - 3})
     out = [GENERATED_NOTE, "# Engine rules\n\n",
            "What each serving engine does with a draft's layer ids, per target `model_type`, generated from "
-           "`eagle3_train.engines.rules` (the rules as data, used by `eagle3-export`, `eagle3-check`, "
-           "`eagle3-eval` and the served dump). Every pair not listed as verified by a run was read from "
-           "the engine's source only. See [Engines](engines.md) for what follows from them.\n\n"]
-    if hasattr(rules, "RULES_VERSION"):
-        out.append(f"Rules version: `{rules.RULES_VERSION}`.\n\n")
-    for engine in rules.ENGINES:
-        out.append(f"## {engine}\n\n")
+           "the engine modules of `eagle3_train.engines` (one per engine, listed in `eagle3_train.engines.registry`: "
+           "the rules as data, used by `eagle3-export`, `eagle3-check`, `eagle3-eval` and the served dump). Every "
+           "pair not listed as verified by a run was read from the engine's source only. See [Engines](engines.md) "
+           "for what follows from them.\n\n",
+           f"Rules version: `{rules.rules_version()}`.\n\n", engines_overview(registry)]
+    for name in registry.names("rules"):
+        engine = registry.ENGINES[name]
+        out.append(f"## {name}\n\n")
         body = []
         for model_type in sorted(rules.FAMILIES):
-            verified = cell(rules.verification(engine, model_type))
-            found = rules.rules_for(engine, model_type)
+            verified = cell(engine.verification(model_type))
+            found = engine.rules_for(model_type)
             if not found:
                 body.append([f"`{model_type}`", "—", "—", "no rule", "—", "—", verified])
                 continue
             for r in found:
                 note = cell(r.note)
-                if getattr(r, "id0", ""):
+                if r.id0:
                     note += "; id 0: " + cell(r.id0)
                 body.append([f"`{model_type}`", _keys_text(r.keys), _mapping(r, n), note, cell(r.versions),
                              _ids_example(r, n, ks), verified])
         out.append(table(["target model_type", "reads the ids from (first present wins)", "id → HF index",
                           "note", "read from", f"ids for HF {ks} (N={n})", "verification"], body) + "\n")
+        if engine.serves is not None:
+            out.append(f"{engine.title} {engine.serves_note}: " + ", ".join(f"`{m}`" for m in sorted(engine.serves))
+                       + "; it refuses any other target at load.\n\n")
     out.append(families_measured())
     out.append("## Target families\n\n")
     out.append(table(["model_type", "family (whose engine code serves it)"],
                      [[f"`{m}`", f"`{f}`"] for m, f in sorted(rules.FAMILIES.items())]) + "\n")
-    if hasattr(rules, "VLLM_EAGLE3"):
-        out.append("vLLM serves EAGLE-3 drafts (and `extract_hidden_states`) only for the target classes with its "
-                   "EAGLE-3 interface: " + ", ".join(f"`{m}`" for m in sorted(rules.VLLM_EAGLE3)) + ".\n\n")
-    if hasattr(rules, "engine_default"):
-        out.append(f"With no ids where it reads them, every engine captures the default `[2, N//2, N-3]` "
-                   f"(N={n}: `{rules.engine_default(n)}`).\n\n")
-    if hasattr(rules, "DRAFT_WEIGHTS"):
-        out.append("## Weights the engines load\n\n"
-                   "A one-layer `LlamaForCausalLMEagle3` draft holds these tensors only (any other name is dropped "
-                   "silently by SGLang and fails in vLLM): "
-                   + ", ".join(f"`{w}`" for w in sorted(rules.DRAFT_WEIGHTS)) + ".\n")
+    out.append(f"With no ids where it reads them, every engine captures the default `[2, N//2, N-3]` "
+               f"(N={n}: `{rules.engine_default(n)}`).\n\n")
+    out.append("## Weights the engines load\n\n"
+               "A one-layer `LlamaForCausalLMEagle3` draft holds these tensors only (any other name is dropped "
+               "silently by SGLang and fails in vLLM): "
+               + ", ".join(f"`{w}`" for w in sorted(rules.DRAFT_WEIGHTS)) + ".\n")
     return "".join(out)
+
+
+def engines_overview(registry: Any) -> str:
+    """One row per engine of the registry: what the project uses it for, and the source each part
+    was read from."""
+    rows = []
+    for name, e in registry.ENGINES.items():
+        rows.append([f"`{name}`", e.title, ", ".join(sorted(e.roles)) or "—", cell(e.version) or "—",
+                     cell(e.command.read_from) if e.command else "—",
+                     cell(e.capture.read_from) if e.capture else ("in process" if e.in_process else "—"),
+                     cell(e.generation.read_from) if e.generation else ("in process" if e.in_process else "—"),
+                     cell(e.metrics.read_from) if e.metrics else "—", str(len(e.verified))])
+    return ("## Engines\n\n" + table(["name", "engine", "used for", "rules read from", "command line",
+                                       "served dump API", "generation API", "speculative-decoding figures",
+                                       "model_types verified by a run"], rows) + "\n")
 
 
 def _pct(x: Any) -> str:

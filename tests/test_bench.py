@@ -249,7 +249,7 @@ def test_started_engines(tiny, prompts, tmp_path, monkeypatch):
         report = Bench(BenchConfig(**cfg)).run()
     base_argv = ["vllm", "serve", "some/target", "--port", str(port), "--enforce-eager", "--max-model-len", "512"]
     spec_argv = base_argv[:5] + ["--speculative-config", json.dumps({"method": "eagle3", "model": str(tmp_path / "export"),
-                                                                     "num_speculative_tokens": K})] + base_argv[5:]
+                                                                     "num_speculative_tokens": K}, separators=(",", ":"))] + base_argv[5:]
     assert [report["engine"][s]["started_here"] for s in ("baseline", "spec")] == [base_argv, spec_argv]
     started = [json.loads(x) for x in (tmp_path / "argv.jsonl").read_text().splitlines()]
     assert started == [base_argv[1:], spec_argv[1:]]  # what ran, in this order

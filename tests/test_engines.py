@@ -125,8 +125,9 @@ def test_check_warns_about_unknown_families_and_vllm_refusals():
     config = {"eagle_aux_hidden_state_layer_ids": [2, 16, 29], "draft_vocab_size": 32000}
     lines, findings = check(config, {}, target, [2, 16, 29], ["sglang", "vllm"])
     assert [f.level for f in findings] == ["warning", "error"]
-    assert "no rule known for model_type 'mixtral'" in findings[0].text
-    assert "vllm: model_type 'mixtral' has no EAGLE-3 interface in vLLM 0.33.0" in findings[1].text
+    assert "sglang: no rule covers target model_type 'mixtral'" in findings[0].text
+    assert "vllm 0.33.0 runs EAGLE-3 drafts only for targets whose class implements its EAGLE-3 interface" in findings[1].text
+    assert "it refuses model_type 'mixtral' at load" in findings[1].text
     assert not any(line.startswith("vllm") for line in lines)
 
 
@@ -166,10 +167,13 @@ def test_every_verified_rule_names_its_results_file_and_family():
     import re
     from pathlib import Path
 
-    from eagle3_train.engines.rules import VERIFIED, verification
+    from eagle3_train.engines.registry import ENGINES
+    from eagle3_train.engines.rules import verification
 
     root = Path(__file__).resolve().parents[1]
-    for (engine, model_type), text in VERIFIED.items():
+    verified = {(name, mt): text for name, e in ENGINES.items() for mt, text in e.verified.items()}
+    assert {e for e, _ in verified} == {"sglang", "vllm"}
+    for (engine, model_type), text in verified.items():
         files = re.findall(r"tests/benchmarks/results/[\w.]+\.json", text)
         assert files, (engine, model_type)
         found = [json.loads((root / f).read_text()) for f in files]
@@ -178,3 +182,28 @@ def test_every_verified_rule_names_its_results_file_and_family():
     assert verification("sglang", "qwen2").startswith("verified by a run: SGLang 0.5.17")
     assert verification("vllm", "kimi_k2").startswith("read from source only: vllm ")
     assert verification("vllm", "glm4_moe").startswith("no rule")
+
+
+def test_engine_command_lines_take_only_their_flags():
+    """Each engine's command line is built from the flags its module read from the engine's CLI
+    and parses back to what was asked; a flag it does not know is refused both ways."""
+    import shlex
+
+    from eagle3_train.engines.registry import ENGINES
+
+    vllm, sglang = ENGINES["vllm"], ENGINES["sglang"]
+    argv = vllm.serve_command("org/target", "org/draft", 4, port=8001)
+    assert vllm.command.parse(argv) == {"model": "org/target", "--port": 8001, "--speculative-config": {
+        "method": "eagle3", "model": "org/draft", "num_speculative_tokens": 4}}
+    argv = sglang.serve_command("org/target", "org/draft", 4)
+    assert sglang.command.parse(argv)["--speculative-num-draft-tokens"] == 5
+    with pytest.raises(ValueError, match="--max-num-seqs is not a flag of vllm serve"):
+        vllm.serve_command("t", "d", 4, max_num_seqs=8)
+    with pytest.raises(ValueError, match="'--tp' is not a flag of python -m sglang.launch_server"):
+        sglang.command.parse(argv + ["--tp", "2"])
+    with pytest.raises(ValueError, match="--port takes int"):
+        sglang.command.parse(argv + ["--port", "x"])
+    # served acceptance's hint is each engine's own serve command
+    for engine in (vllm, sglang):
+        hint = engine.metrics.enable.split(" (and ")[0]
+        assert engine.command.parse(shlex.split(hint))

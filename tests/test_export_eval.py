@@ -396,3 +396,83 @@ def test_config_json_maps_back_to_the_draft_config():
            if k not in ("rope_parameters", "head_dim", "draft_vocab_size")}
     got = draft_config_from_json(old, 3 * 64)
     assert (got.head_dim, got.draft_vocab_size, got.rope_parameters) == (16, 320, {"rope_theta": 10000.0, "rope_type": "default"})
+
+
+def card_commands(text):
+    """The shell commands of a card's ```bash blocks, each split into words."""
+    import re
+    import shlex
+
+    return [shlex.split(block) for block in re.findall(r"```bash\n(.*?)\n```", text, re.S)]
+
+
+def parse_command(argv):
+    """(engine name, {argument: value}) of a command line, parsed by the flags its engine module
+    knows; ValueError for a program no engine has or a flag the engine does not take."""
+    from eagle3_train.engines.registry import ENGINES
+
+    for name, engine in ENGINES.items():
+        if engine.command is not None and tuple(argv[:len(engine.command.program)]) == engine.command.program:
+            return name, engine.command.parse(argv)
+    raise ValueError(f"no engine starts with {argv[:3]}")
+
+
+def test_the_export_is_ready_to_publish(pipeline, tmp_path):
+    """An export holds its model card: the hub's front matter, the target and capture it was
+    trained for, each engine's serve command (parsed back by the flags its engine module knows),
+    and, once eval has run on these very files, their tau. No file names a local path; the
+    weights say format pt."""
+    import yaml
+    from safetensors import safe_open
+
+    from eagle3_train.serving.export import CardConfig
+
+    out = tmp_path / "published"
+    export = lambda **card: Exporter(ExportConfig(run=str(pipeline / "train"), out=str(out),  # noqa: E731
+                                                  card=CardConfig(**card))).run()
+    config = export(base_model="org/tiny-target")
+    local = str(pipeline.parent)  # pytest's base directory: the run, the target and this export are under it
+    for f in out.rglob("*"):
+        assert local.encode() not in f.read_bytes(), f"{f.name} names a local path"
+    assert config["eagle3_train"]["target"]["path"] == config["eagle3_train"]["capture"]["target"]["path"] == "target"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as st:
+        assert st.metadata() == {"format": "pt"}
+    text = (out / "README.md").read_text()
+    meta = yaml.safe_load(text.split("---\n")[1])
+    assert meta["base_model"] == "org/tiny-target" and meta["library_name"] == "eagle3_train"
+    assert meta["license"] == "other" and {"eagle3", "speculative-decoding", "sglang", "vllm"} <= set(meta["tags"])
+    identity = config["eagle3_train"]["target"]
+    assert f"| `target` | `{identity['model_type']}` | 4 |" in text and identity["config_hash"] in text
+    assert "HF indices `[1, 2, 3]`" in text
+    assert "| `eagle_config.eagle_aux_hidden_state_layer_ids` | `[0, 1, 2]` | HF [1, 2, 3] |" in text  # SGLang's ids
+    assert "| `eagle_aux_hidden_state_layer_ids` | `[1, 2, 3]` | HF [1, 2, 3] |" in text  # vLLM's
+    commands = dict(parse_command(argv) for argv in card_commands(text))
+    assert commands == {  # the trained 3 TTT steps drafted per step; the draft by its directory's name
+        "vllm": {"model": "org/tiny-target",
+                 "--speculative-config": {"method": "eagle3", "model": "published", "num_speculative_tokens": 3}},
+        "sglang": {"--model-path": "org/tiny-target", "--speculative-algorithm": "EAGLE3",
+                   "--speculative-draft-model-path": "published", "--speculative-num-steps": 3,
+                   "--speculative-eagle-topk": 1, "--speculative-num-draft-tokens": 4}}
+    with pytest.raises(ValueError, match="'--speculative-topk' is not a flag of python -m sglang.launch_server"):
+        parse_command(card_commands(text)[0] + ["--speculative-topk", "1"])
+    assert "No `eagle3-eval` report of these files" in text
+    # eval beside the export (its default out), then the same export again: the card shows its tau
+    report = Evaluator(EvalConfig(draft=str(out), target=str(pipeline / "target"), engine="sglang", limit=4,
+                                  prompts=str(pipeline / "prompts.jsonl"), max_new_tokens=16, progress=False)).run()
+    stale = tmp_path / "published-eval-vllm"  # a report of other files is not this draft's
+    shutil.copytree(tmp_path / "published-eval-sglang", stale)
+    (stale / "report.json").write_text(json.dumps(report | {"engine": "vllm", "request": report["request"] | {
+        "draft": {"config.json": "0" * 64, "model.safetensors": "0" * 64}}}))
+    weights = (out / "model.safetensors").read_bytes()
+    export(repo_id="org/tiny-draft", license="llama3.1")
+    assert (out / "model.safetensors").read_bytes() == weights  # the same files eval measured
+    text = (out / "README.md").read_text()
+    accept = ", ".join(f"{a:.2f}" for a in report["acceptance_per_position"])
+    assert f"| sglang | `prompts.jsonl` | 4 | 5 | {report['tau']:.2f} | {accept} | {report['lossless']} |" in text
+    assert "| vllm |" not in text and "No `eagle3-eval` report" not in text
+    assert yaml.safe_load(text.split("---\n")[1])["license"] == "llama3.1"
+    commands = dict(parse_command(argv) for argv in card_commands(text))
+    assert commands["sglang"]["--speculative-draft-model-path"] == "org/tiny-draft"
+    assert commands["vllm"]["--speculative-config"]["model"] == "org/tiny-draft"
+    for f in out.rglob("*"):
+        assert local.encode() not in f.read_bytes(), f"{f.name} names a local path"

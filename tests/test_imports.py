@@ -80,7 +80,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_walk_sees_lazy_imports_and_finds_a_cycle():
     graph = import_graph()
     assert "data_prep.dump.stage" in graph["data_prep.dump.cli"]
-    assert "eagle3_train.engines.http" in graph["data_prep.dump.vllm"]
+    assert "eagle3_train.engines.http" in graph["eagle3_train.engines.vllm"]
     assert "data_prep.dump.backend" in graph["data_prep.dump.hf"]  # `from data_prep.dump import backend`
     assert "eagle3_train.targets" in graph["eagle3_train.serving.check"]  # imported inside a function
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]

@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.engines.http import EngineError
+from eagle3_train.engines.registry import ENGINES
 from eagle3_train.evaluation.eval import EvalConfig, Evaluator
 from eagle3_train.evaluation.served_acceptance import (
-    METRICS,
     ServedAcceptance,
     ServedAcceptanceConfig,
     SpecCounts,
@@ -87,7 +87,7 @@ def test_prometheus_text_as_prometheus_client_writes_it():
     samples = parse_prometheus(text)
     assert samples["vllm:spec_decode_num_drafts_total"][0] == ({"engine": "0", "model_name": 'a "b", c'}, 7.0)
     assert samples["vllm:request_prompt_tokens_bucket"] == [({"le": "+Inf"}, 3.0)]
-    counts = read_counts(text, METRICS["vllm"], "here")
+    counts = read_counts(text, ENGINES["vllm"].metrics, "here")
     assert counts == SpecCounts(drafts=12, draft_tokens=60, accepted=9, accepted_per_position=(7, 3), requests=3,
                                 generation_tokens=0)
 
@@ -252,7 +252,7 @@ def test_sglang_meta_info_as_sglang_0_5_17_returned_it():
     (proposed / verify steps) count as accepting nothing, not as absent."""
     from eagle3_train.evaluation.served_acceptance import reply_counts
 
-    names = METRICS["sglang"]
+    names = ENGINES["sglang"].metrics
     seen = {"finish_reason": {"type": "length", "length": 16}, "prompt_tokens": 27, "completion_tokens": 16,
             "spec_accept_rate": 0.0, "spec_accept_length": 1.0666666666666667, "spec_num_correct_drafts": 0,
             "spec_num_proposed_drafts": 60, "spec_verify_ct": 15, "spec_correct_drafts_histogram": [15]}

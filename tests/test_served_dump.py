@@ -1,7 +1,8 @@
 """eagle3-dump backend=vllm|sglang against stand-in servers fed by the tiny target.
 
 The shards written through each engine client must equal a ``backend=hf`` dump of the same data;
-every refusal, retry and check of data_prep/dump/{served,vllm,sglang}.py is driven through the servers' API surface.
+every refusal, retry and check of data_prep/dump/served.py and eagle3_train/engines/{vllm,sglang}.py is driven
+through the servers' API surface.
 """
 
 import json
@@ -12,11 +13,11 @@ import pytest
 import torch
 
 from data_prep.dump import CaptureConfig, ClientConfig, DumpConfig, Dumper, ServerConfig, launch_text, verify
-from data_prep.dump.sglang import exact_rows
-from data_prep.dump.vllm import final_norm
 from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.engines.http import EngineError
 from eagle3_train.engines.rules import Unexpressible
+from eagle3_train.engines.sglang import exact_rows
+from eagle3_train.engines.vllm import final_norm
 from eagle3_train.targets.tiny import build_tiny_model
 from standin_engines import EngineRefused, StandinSglang, StandinVllm
 from test_dump import mixed_conversations, prepare_tiny, stored_samples
@@ -207,7 +208,7 @@ def test_an_engine_serving_another_model_is_caught(prepared, tmp_path):
 def test_refusals_and_launch_commands(prepared, tmp_path):
     with pytest.raises(Unexpressible, match="HF index 0 \\(the embeddings\\) cannot be captured"):
         Dumper(config(prepared, tmp_path / "a", "sglang", aux=[1, 2], extra=(0,))).run()
-    with pytest.raises(ConfigError, match="add backend=vllm or backend=sglang"):
+    with pytest.raises(ConfigError, match="add backend=sglang or backend=vllm"):
         config(prepared, tmp_path, "hf", print_launch=True)
     with pytest.raises(ConfigError, match="tp_size=2 applies to backend=hf"):
         config(prepared, tmp_path, "vllm", tp_size=2)
@@ -400,3 +401,27 @@ def test_sglang_pipeline_stages_are_refused_before_launch(prepared, tmp_path):
                          text=True, timeout=120)
     assert run.returncode != 0 and "only with pp_size == 1" in run.stderr
     assert not list(tmp_path.glob("engine*.log"))  # no engine was started
+
+
+def test_every_printed_engine_command_parses_by_its_engines_flags(tmp_path):
+    """print_launch's engine commands (the lines launch/dump_served.sh runs) parse back by the flags
+    the engine's module knows, with the capture's ids where the engine reads them."""
+    import shlex
+
+    from eagle3_train.engines.registry import ENGINES
+
+    target = typed_target(tmp_path, "llama")
+    for backend, want in (("vllm", 2), ("sglang", 3)):
+        text = launch(target, backend, [1, 2, 3], engine_args="--trust-remote-code")
+        commands = [line for line in text.replace("\\\n", "").splitlines() if line and not line.startswith("#")][:-1]
+        parsed = [ENGINES[backend].command.parse(shlex.split(c)) for c in commands]
+        assert [p.get("--trust-remote-code") for p in parsed] == [True] * len(parsed)
+        if backend == "vllm":
+            (p,) = parsed
+            assert p["model"] == str(target) and p["--no-enable-prefix-caching"] is True
+            assert p["--speculative-config"]["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3, N]
+        else:
+            aux, final = parsed
+            assert aux["--return-aux-hidden-state-layer-ids"] == [0, 1, 2] and aux["--chunked-prefill-size"] == -1
+            assert final["--enable-return-hidden-states"] is True and final["--port"] == 30001
+        assert len(commands) + 1 == want  # the engine command(s), and the client's

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from data_prep.standardize import StandardizeConfig, Standardizer
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, Eagle3Error
-from eagle3_train.serving.export import ExportConfig, Exporter
+from eagle3_train.serving.export import ExportConfig, Exporter, run_sha256
 from eagle3_train.training.checkpoint import BestTracker
 from eagle3_train.training.config import DeepSpeedConfig, ModelOptions, OptimConfig, TrainConfig, lr_factor
 from eagle3_train.training.trainer import Trainer
@@ -280,10 +280,18 @@ def test_export_refuses_an_unfinished_run_and_another_runs_export(std, tmp_path)
     export(tmp_path / "running" / "checkpoints" / "step2", tmp_path / "x")
     export(tmp_path / "a", tmp_path / "ea")
     export(tmp_path / "a" / "checkpoints" / "step1", tmp_path / "ea")  # the same run: replaced
-    with pytest.raises(ContractError, match=r"ea holds the export of .*a/checkpoints/step1, another run than"):
+    with pytest.raises(ContractError, match=r"ea holds the export of another run \(checkpoint step1\) than .*/b/checkpoints/"):
         export(tmp_path / "b", tmp_path / "ea")
     export(tmp_path / "b", tmp_path / "ea", overwrite=True)
-    assert "/b/checkpoints/" in json.loads((tmp_path / "ea" / "manifest.json").read_text())["checkpoint"]
+    manifest = json.loads((tmp_path / "ea" / "manifest.json").read_text())  # the run by a hash, not its path
+    assert manifest["run_sha256"] == run_sha256(tmp_path / "b" / "checkpoints" / "step2") != run_sha256(tmp_path / "a")
+    assert manifest["checkpoint"] == "step2" and str(tmp_path) not in json.dumps(manifest)
+    legacy = manifest | {"checkpoint": str(tmp_path / "b" / "checkpoints" / "step2")}  # as exports wrote it before
+    del legacy["run_sha256"]
+    (tmp_path / "ea" / "manifest.json").write_text(json.dumps(legacy))
+    export(tmp_path / "b", tmp_path / "ea")  # still known as this run's export: replaced
+    with pytest.raises(ContractError, match=r"another run"):
+        export(tmp_path / "a", tmp_path / "ea")
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "mine.txt").write_text("keep me")
     with pytest.raises(ContractError, match=r"notes exists and is not an export"):

@@ -11,13 +11,15 @@ index ``k``, ``last_hidden`` = the post-norm final state), a record ``*.json`` b
 
 The modules:
 
-- ``config``: the options (:class:`DumpConfig`) and the backend registry (``BACKENDS``);
+- ``config``: the options (:class:`DumpConfig`); the backends are the engines of
+  :mod:`eagle3_train.engines.registry` that produce hidden states;
 - ``stage``: the stage itself, whatever the backend (:class:`Dumper`: claim, resume, coverage,
   manifest) and :func:`verify`;
 - ``backend``: the one interface the stage calls (:class:`~data_prep.dump.backend.Backend`);
 - ``hf``: the target run here in transformers, under torchrun;
-- ``served``: what the engine backends share (client processes, retries, the next-token check);
-  ``vllm`` and ``sglang``: each engine's launch command, client and answer checks;
+- ``served``: the backend of every engine with a hidden-state capture (client processes, retries,
+  the next-token check); each engine's launch command, client and answer checks are in its module
+  (eagle3_train/engines/vllm.py, sglang.py);
 - ``writer``: the shard writer (host buffers, background threads);
 - ``cli``: the command.
 

@@ -1,5 +1,6 @@
 """The one interface between the dump stage (data_prep/dump/stage.py) and the ways of running a
-target: ``hf`` (transformers, here), ``vllm`` and ``sglang`` (a running engine, over HTTP).
+target: ``hf`` (transformers, here: data_prep/dump/hf.py) and every engine of the registry with a
+hidden-state capture (a running engine, over HTTP: data_prep/dump/served.py).
 
 The stage owns everything a backend does not: the prepared data, the capture it is asked for,
 claiming the output directory, resuming, the shard writer, coverage and the manifest. A backend
@@ -18,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from data_prep.dump.config import BACKENDS, DumpConfig
+from data_prep.dump.config import DumpConfig
 from eagle3_train.core.dist import DistInfo
 from eagle3_train.core.errors import ConfigError
+from eagle3_train.engines import registry
 from eagle3_train.targets import resolve_dtype
 
 if TYPE_CHECKING:
@@ -88,5 +90,8 @@ class Backend(ABC):
 
 
 def make_backend(cfg: DumpConfig) -> Backend:
-    """The backend ``cfg.backend`` names, from the registry :data:`~data_prep.dump.config.BACKENDS`."""
-    return importlib.import_module(BACKENDS[cfg.backend]).Backend(cfg)
+    """The backend for the engine ``cfg.backend`` names (:mod:`eagle3_train.engines.registry`):
+    transformers here for an in-process one, else a client of the running engine."""
+    engine = registry.engine(cfg.backend, "dump", "backend")
+    # imported when picked (backend=hf never imports the HTTP clients), by name (both modules import this one)
+    return importlib.import_module("data_prep.dump.hf" if engine.in_process else "data_prep.dump.served").Backend(cfg)

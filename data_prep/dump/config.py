@@ -1,4 +1,5 @@
-"""The options of ``eagle3-dump`` (``conf/dump.yaml``) and the backend registry."""
+"""The options of ``eagle3-dump`` (``conf/dump.yaml``); the backends are the engines of
+:mod:`eagle3_train.engines.registry` that produce hidden states (``hf`` runs the target here)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,8 @@ from hydra.core.config_store import ConfigStore
 
 from eagle3_train.core.contract import check_dtype, check_storage, default_aux_indices, validate_aux_indices
 from eagle3_train.core.errors import ConfigError, check_numbers
-
-# The backends: name -> the module that holds its ``Backend`` class (imported when picked, so
-# ``backend=hf`` never imports the HTTP clients). Adding a backend is one module and one line here.
-BACKENDS = {
-    "hf": "data_prep.dump.hf",
-    "vllm": "data_prep.dump.vllm",
-    "sglang": "data_prep.dump.sglang",
-}
+from eagle3_train.engines import registry
+from eagle3_train.engines.capture import ClientConfig, ServerConfig
 
 
 @dataclass
@@ -27,45 +22,13 @@ class CaptureConfig:
 
 
 @dataclass
-class ServerConfig:
-    """Where ``backend=vllm|sglang`` finds the engine (data_prep/dump/vllm.py, sglang.py)."""
-
-    url: str = "http://127.0.0.1:8000"  # the vLLM server, or SGLang's aux-state server
-    final_url: str = "http://127.0.0.1:30001"  # SGLang only: the server that returns the post-norm final state
-    model: str | None = None  # vLLM's served model name; null: the first one /v1/models lists
-    files_dir: str | None = None  # vLLM: the shared directory the engine writes states to, as this client sees it (null: <out>/engine_files)
-    server_files_dir: str | None = None  # vLLM: the same directory as the engine sees it (null: files_dir)
-    engine_args: str = ""  # extra engine flags (parallelism: --tp-size 4) for the printed launch commands; checked against what the dump needs
-
-
-@dataclass
-class ClientConfig:
-    """How ``backend=vllm|sglang`` sends requests; each client process takes its share of samples."""
-
-    rank: int | None = None  # this client's index (null: $RANK, else 0)
-    world_size: int | None = None  # number of client processes (null: $WORLD_SIZE, else 1)
-    concurrency: int = 32  # requests in flight per client process (the engine batches them)
-    request_timeout_s: float = 600.0  # one request's time limit
-    file_timeout_s: float = 600.0  # vLLM: longest wait for a state file once its response came
-    retries: int = 5  # further attempts after a transient failure (connection, 5xx, timeout)
-    backoff_s: float = 1.0  # the first retry's delay; doubled on every further one (at most 60 s)
-    wait_for_server_s: float = 900.0  # how long to wait at start for the servers' /health
-    check_next_token: bool = True  # compare the engine's next token with lm_head(last_hidden)
-    keep_files: bool = False  # vLLM: keep the engine's per-request files after reading them
-
-    def __post_init__(self) -> None:
-        check_numbers(self, "client.", positive=("world_size", "concurrency", "request_timeout_s", "file_timeout_s",
-                                                  "wait_for_server_s"), non_negative=("rank", "retries", "backoff_s"))
-
-
-@dataclass
 class DumpConfig:
     """Options of ``eagle3-dump`` (``conf/dump.yaml``)."""
 
     target: str = "embedded"  # the model whose states are dumped (must tokenise like the prepared data)
     data: str | None = None  # the prepared directory (eagle3-prepare's out)
     out: str | None = None  # output directory (shards/ + manifest.json)
-    backend: str = "hf"  # hf: run the target in transformers; vllm / sglang: ask a running engine
+    backend: str = "hf"  # hf: run the target in transformers; an engine (vllm | sglang): ask it, running
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     dtype: str = "auto"  # auto: float32 on a CPU, bfloat16 on a GPU (recorded as what it became); the target runs in this dtype (and states are stored in it with storage=dtype)
     storage: str = "dtype"  # dtype: states as computed; fp8: e4m3 with a float32 scale per token and layer, half of bf16's bytes (README: Compact storage)
@@ -87,11 +50,13 @@ class DumpConfig:
     progress: bool = True  # progress bar on rank 0
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        engine = registry.engine(self.backend, "dump", "backend")
+        here = " or ".join(f"backend={n}" for n in registry.names("dump") if registry.ENGINES[n].in_process)
         if self.print_launch:
-            if self.backend == "hf":
-                raise ConfigError("print_launch=true prints an engine's launch command: add backend=vllm or backend=sglang")
+            if engine.in_process:
+                served = [n for n in registry.names("dump") if not registry.ENGINES[n].in_process]
+                raise ConfigError(f"print_launch=true prints an engine's launch command: add "
+                                  f"{' or '.join(f'backend={n}' for n in served)}")
         elif not self.out:
             raise ConfigError("out=<dump directory> is required")
         elif not self.verify and not self.data:
@@ -100,10 +65,10 @@ class DumpConfig:
                                       "writer_threads", "dist_timeout_minutes"))
         check_dtype(self.dtype, auto=True)
         check_storage(self.storage)
-        if self.compile and self.backend != "hf":
-            raise ConfigError(f"compile=true compiles the target run here (backend=hf); the {self.backend} engine runs its own")
-        if self.backend != "hf" and self.tp_size != 1:
-            raise ConfigError(f"tp_size={self.tp_size} applies to backend=hf; the {self.backend} engine has its own parallelism")
+        if self.compile and not engine.in_process:
+            raise ConfigError(f"compile=true compiles the target run here ({here}); the {self.backend} engine runs its own")
+        if not engine.in_process and self.tp_size != 1:
+            raise ConfigError(f"tp_size={self.tp_size} applies to {here}; the {self.backend} engine has its own parallelism")
 
 
 ConfigStore.instance().store(name="dump_schema", node=DumpConfig)

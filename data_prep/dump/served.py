@@ -1,5 +1,6 @@
-"""What the engine backends (``backend=vllm``, ``backend=sglang``) share: client processes that
-send one request per sample to a running engine and check every answer.
+"""The engine backends (``backend=vllm``, ``backend=sglang``, any engine of the registry with a
+hidden-state capture): client processes that send one request per sample to a running engine and
+check every answer.
 
     eagle3-dump backend=vllm target=<hf dir> print_launch=true        # the engine command to run
     eagle3-dump backend=vllm target=<hf dir> data=<prepared> out=<dump> server.url=http://gpu1:8000
@@ -8,9 +9,10 @@ send one request per sample to a running engine and check every answer.
 For targets that transformers cannot run at scale (DeepSeek, Kimi, Qwen3-235B), the states come
 from the engine the team serves, so they are the engine's own numerics. The shards are those of
 ``backend=hf`` (docs/concepts/storage.md): everything downstream is unchanged. What each engine offers, and how
-its answers become states, is in its own module (data_prep/dump/vllm.py, sglang.py); no engine
-runs on the machines this project is tested on, so the test suite drives these clients against
-stand-in servers that follow the same API surface (tests/standin_engines.py).
+its answers become states, is in its own module (eagle3_train/engines/vllm.py, sglang.py: its
+:class:`~eagle3_train.engines.capture.StateCapture`); no engine runs on the machines this project
+is tested on, so the test suite drives these clients against stand-in servers that follow the same
+API surface (tests/standin_engines.py).
 
 Every response is checked by the engine's module: the token ids the engine saw, the shape (layers
 x hidden size), the dtype; here: finiteness (a sample with a non-finite state is dropped and
@@ -27,21 +29,21 @@ import asyncio
 import json
 import os
 import shlex
-from abc import abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
-from urllib.parse import urlparse
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from data_prep.dump import backend
-from data_prep.dump.config import stored_indices
+from data_prep.dump.config import DumpConfig, stored_indices
 from eagle3_train.core.dist import DistInfo
 from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import atomic_write_json
+from eagle3_train.engines import registry
+from eagle3_train.engines.capture import CaptureJob, EngineClient, StateCapture
 from eagle3_train.engines.http import EngineError, retrying
-from eagle3_train.targets import Target, load_target, load_target_tensors
+from eagle3_train.targets import load_target, load_target_tensors, resolve_dtype, text_config
 from eagle3_train.targets.tiny import is_tiny
 
 if TYPE_CHECKING:
@@ -52,52 +54,15 @@ NEXT_TOKEN_TOP_K = 5  # the engine's next token must be among the checkpoint's t
 NEXT_TOKEN_MIN_AGREEMENT = 0.9  # ... on at least this share of samples (checked from 16 on)
 
 
-class EngineClient(Protocol):
-    """Talks to one engine (its servers) for one client process."""
+class Backend(backend.Backend):
+    """A client process of ``client.world_size``, asking the running engine ``cfg.backend`` for
+    states through its :class:`~eagle3_train.engines.capture.StateCapture`."""
 
-    async def start(self, session: Any) -> None:
-        """Wait for the servers; set up what requests need."""
-
-    async def fetch(self, session: Any, sample_id: int, prompt: list[int], attempt: int) -> tuple[dict, int | None]:
-        """One sample's states ({``hidden.<k>``, ``last_hidden``: [T, H]}, checked) and the engine's
-        greedy next token (None if it gives none); raises ``Transient`` for what a retry may fix."""
-
-
-def port_of(url: str, default: int) -> int:
-    return urlparse(url).port or default
-
-
-def first_difference(got: list[int], want: list[int]) -> str:
-    """Where two token lists part, for a message."""
-    for i, (a, b) in enumerate(zip(got, want, strict=False)):
-        if a != b:
-            return f"position {i}: engine {a}, prompt {b}"
-    return f"lengths: engine {len(got)}, prompt {len(want)}"
-
-
-class ServedBackend(backend.Backend):
-    """A client process of ``client.world_size``, asking a running engine for states.
-
-    A subclass names its engine (:attr:`engine`, :attr:`version`), its servers
-    (:meth:`servers`), the checkpoint tensors its answers need (:attr:`tensors`), its launch
-    command (:meth:`engine_lines`) and its client (:meth:`client`).
-    """
-
-    engine: ClassVar[str]  # the engine's name, as in backend=
-    version: ClassVar[str]  # the engine version whose API was read
-    tensors: ClassVar[tuple[str, ...]] = ()  # checkpoint tensors the answers need (load_target_tensors names)
-
-    @abstractmethod
-    def servers(self) -> dict[str, str]:
-        """The servers this engine needs: {option name: URL}."""
-
-    @abstractmethod
-    def engine_lines(self, target: Target, path: str, stored: list[int]) -> list[str]:
-        """The launch command(s) of the engine for ``stored``, with comments."""
-
-    @abstractmethod
-    def client(self, stage: Dumper, tensors: dict[str, torch.Tensor]) -> EngineClient:
-        """The client for one dump, given the checkpoint tensors it asked for."""
+    def __init__(self, cfg: DumpConfig):
+        super().__init__(cfg)
+        capture = registry.engine(cfg.backend, "dump", "backend").capture
+        assert capture is not None, "data_prep.dump.backend picks this backend for engines with a capture"
+        self.capture: StateCapture = capture
 
     def team(self) -> backend.Team:
         c = self.cfg.client
@@ -106,6 +71,16 @@ class ServedBackend(backend.Backend):
         if not 0 <= rank < world:
             raise ConfigError(f"client.rank={rank} must be in [0, client.world_size={world})")
         return backend.Team(DistInfo(rank, world, 0, torch.device("cpu")), group=False)
+
+    def check(self, stage: Dumper) -> None:
+        self.capture.layer_ids(stage.stored, stage.identity.model_type, stage.spec.num_hidden_layers, self.cfg.server)
+
+    def job(self, stage: Dumper) -> CaptureJob:
+        """What this client process asks the engine for."""
+        spec, cfg = stage.spec, self.cfg
+        eps = float(getattr(text_config(stage.target.config), "rms_norm_eps", 1e-6))
+        return CaptureJob(list(stage.stored), stage.identity.model_type, spec.num_hidden_layers, spec.hidden_size, eps,
+                          resolve_dtype(cfg.dtype, "cuda"), stage.dist.rank, stage.out, cfg.server, cfg.client)
 
     def launch_text(self) -> str:
         """The engine command(s) that serve exactly the capture ``cfg`` asks for, and the client
@@ -119,13 +94,15 @@ class ServedBackend(backend.Backend):
         n = target.num_hidden_layers
         _, stored = stored_indices(cfg.capture, n)
         lines = [f"# eagle3-dump backend={cfg.backend}: {target.identity.model_type}, N={n}, HF indices stored {stored} "
-                 f"+ last_hidden", f"# (engine API as read from {self.engine} {self.version})"]
-        lines += self.engine_lines(target, str(target.local_dir or cfg.target), stored)
+                 f"+ last_hidden", f"# (engine API as read from {cfg.backend} {self.capture.read_from})"]
+        lines += self.capture.launch_lines(str(target.local_dir or cfg.target), target.identity.model_type, n, stored,
+                                           cfg.dtype, cfg.server, cfg.out)
         capture = "".join(f" capture.{name}=[{','.join(map(str, v))}]"
                           for name, v in (("aux_indices", cfg.capture.aux_indices), ("extra_indices", cfg.capture.extra_indices)) if v)
         lines += ["# then, once the server is up:",
                   f"eagle3-dump backend={cfg.backend} target={shlex.quote(cfg.target)} data={cfg.data or '<prepared>'} "
-                  f"out={cfg.out or '<dump>'} " + " ".join(f"{k}={v}" for k, v in self.servers().items()) + capture]
+                  f"out={cfg.out or '<dump>'} " + " ".join(f"{k}={v}" for k, v in self.capture.servers(cfg.server).items())
+                  + capture]
         return "\n".join(lines)
 
     def dump(self, stage: Dumper, rows: np.ndarray) -> tuple[int, int]:
@@ -134,20 +111,20 @@ class ServedBackend(backend.Backend):
         if not len(mine):
             return 0, 0
         tensors: dict[str, torch.Tensor] = {}
-        names = self.tensors + (("head",) if self.cfg.client.check_next_token else ())
+        names = self.capture.tensors + (("head",) if self.cfg.client.check_next_token else ())
         if names:
             cfg = self.cfg
             _, tensors = load_target_tensors(cfg.target, names, cache_dir=cfg.cache_dir, trust_remote_code=cfg.trust_remote_code)
         self.head = tensors.get("head")
-        written, tokens = asyncio.run(self._fetch_all(stage, self.client(stage, tensors), mine))
+        written, tokens = asyncio.run(self._fetch_all(stage, self.capture.client(self.job(stage), tensors), mine))
         self._record_agreement(stage)
         return written, tokens
 
     def run_info(self, stage: Dumper) -> dict[str, Any]:
         counts = [json.loads(p.read_text()) for p in sorted((stage.out / CHECKS_DIR).glob("*.json"))]
         total = {k: sum(c[k] for c in counts) for k in ("checked", "agreed")}
-        return {"backend": self.cfg.backend, "engine_api": f"{self.engine} {self.version}",
-                "servers": list(self.servers().values()), "client_world_size": stage.dist.world_size,
+        return {"backend": self.cfg.backend, "engine_api": f"{self.cfg.backend} {self.capture.read_from}",
+                "servers": list(self.capture.servers(self.cfg.server).values()), "client_world_size": stage.dist.world_size,
                 "next_token_check": total}
 
     def _record_agreement(self, stage: Dumper) -> None:
@@ -196,8 +173,8 @@ class ServedBackend(backend.Backend):
             writer.close()  # writes every sample received, so a rerun resumes after them
         if failure is not None:
             if isinstance(failure, Eagle3Error):
-                servers = ", ".join(f"{k}={v}" for k, v in self.servers().items())
-                raise Eagle3Error(f"{self.engine} ({servers}) stopped client {stage.dist.rank}/{stage.dist.world_size} "
+                servers = ", ".join(f"{k}={v}" for k, v in self.capture.servers(self.cfg.server).items())
+                raise Eagle3Error(f"{self.cfg.backend} ({servers}) stopped client {stage.dist.rank}/{stage.dist.world_size} "
                                   f"of the dump: {failure}\n  {samples} samples received before the stop are stored "
                                   f"({writer.count} shards written by this run, under {stage.shard_dir}); fix the "
                                   f"cause (is the engine still running?) and run the same command again to resume"

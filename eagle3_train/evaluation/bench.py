@@ -39,7 +39,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,13 +52,13 @@ from eagle3_train.core.errors import ConfigError, check_numbers
 from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
 from eagle3_train.core.prompt_files import Conversation, read_conversations, shipped_prompts
+from eagle3_train.engines import registry
+from eagle3_train.engines.base import Engine, SpecMetrics
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
 from eagle3_train.evaluation.served_acceptance import (
     CHAT_ROUTE,
-    METRICS,
     EngineClient,
     SpecCounts,
-    SpecMetrics,
     counter,
     figures,
     parse_prometheus,
@@ -67,51 +67,6 @@ from eagle3_train.evaluation.served_acceptance import (
 COMMAND = "eagle3-bench"
 RESULTS_NAME = "results.json"
 SIDES = ("baseline", "spec")  # the target served alone, and with the draft
-
-
-# ---- what the bench needs of each engine --------------------------------------------------------
-# The one place that knows engines here; eagle3_train.engines' registry will hold these facts.
-
-@dataclass(frozen=True)
-class ServedEngine:
-    """How the bench starts one engine and reads it.
-
-    Args:
-        metrics: where it counts its speculative decoding.
-        plain: (target, port) -> the argv that serves the target alone.
-        spec: (target, draft, draft tokens per step, port) -> the argv that serves it with the draft.
-        version_route: (GET path, JSON key) of the engine's version.
-    """
-
-    metrics: SpecMetrics
-    plain: Callable[[str, int], list[str]]
-    spec: Callable[[str, str, int, int], list[str]]
-    version_route: tuple[str, str]
-
-
-def _vllm_spec(target: str, draft: str, k: int, port: int) -> list[str]:
-    config = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
-    return ["vllm", "serve", target, "--port", str(port), "--speculative-config", json.dumps(config)]
-
-
-def _sglang_plain(target: str, port: int) -> list[str]:
-    return ["python", "-m", "sglang.launch_server", "--model-path", target, "--port", str(port)]
-
-
-def _sglang_spec(target: str, draft: str, k: int, port: int) -> list[str]:
-    # a chain of k draft tokens (top-k 1), as eagle3-eval and vLLM draft them
-    return _sglang_plain(target, port) + [
-        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft, "--speculative-num-steps",
-        str(k), "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1)]
-
-
-ENGINES = {
-    # vLLM 0.26.0: vllm/entrypoints/openai/api_server.py (GET /version)
-    "vllm": ServedEngine(METRICS["vllm"], lambda target, port: ["vllm", "serve", target, "--port", str(port)],
-                         _vllm_spec, ("/version", "version")),
-    # SGLang 0.5.17: srt/entrypoints/http_server.py (GET /get_server_info carries "version")
-    "sglang": ServedEngine(METRICS["sglang"], _sglang_plain, _sglang_spec, ("/get_server_info", "version")),
-}
 
 
 # ---- the config ---------------------------------------------------------------------------------
@@ -148,8 +103,7 @@ class BenchConfig:
     plot: bool = True  # draw speedup.png (needs the plots extra, matplotlib)
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ConfigError(f"engine must be one of {sorted(ENGINES)}, got {self.engine!r}")
+        registry.engine(self.engine, "bench", "engine")
         for name in ("baseline_url", "spec_url"):
             url = getattr(self, name)
             if url is not None and not url.startswith(("http://", "https://")):
@@ -283,8 +237,9 @@ class Bench:
 
     def __init__(self, cfg: BenchConfig):
         self.cfg = cfg
-        self.engine = ENGINES[cfg.engine]
-        self.names = self.engine.metrics
+        self.engine: Engine = registry.engine(cfg.engine, "bench", "engine")
+        assert self.engine.metrics is not None and self.engine.version_route is not None  # the bench role says so
+        self.names: SpecMetrics = self.engine.metrics
         self.out = Path(cfg.out).expanduser()
         self.warnings: list[str] = []
         if cfg.plot:  # fail before the engines start, not after the measurements
@@ -296,9 +251,8 @@ class Bench:
         """The command that starts the engine of ``side``, the user's ``engine_args`` last."""
         c = self.cfg
         assert c.target is not None  # checked by the config
-        argv = (self.engine.plain(c.target, c.port) if side == "baseline"
-                else self.engine.spec(c.target, str(c.draft), c.num_speculative_tokens, c.port))
-        return argv + shlex.split(c.engine_args)
+        draft = None if side == "baseline" else str(c.draft)
+        return self.engine.serve_command(c.target, draft, c.num_speculative_tokens, port=c.port) + shlex.split(c.engine_args)
 
     @contextlib.contextmanager
     def server(self, side: str) -> Iterator[tuple[str, list[str] | None]]:
@@ -368,6 +322,7 @@ class Bench:
         return done
 
     async def version(self, session: Any, client: EngineClient) -> str:
+        assert self.engine.version_route is not None
         path, key = self.engine.version_route
         try:
             return str(json.loads(await client.get(session, path))[key])

@@ -41,10 +41,12 @@ from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fileio import remove_temporaries, sha256_file
 from eagle3_train.core.prompt_files import Conversation, read_conversations
 from eagle3_train.core.stagedir import StageDir, hold_lock
+from eagle3_train.engines import registry
 from eagle3_train.engines.rules import resolve
 from eagle3_train.evaluation.decoding import Reference, SpecDecoder
 from eagle3_train.evaluation.tree import TreeShape
 from eagle3_train.model import Eagle3Draft
+from eagle3_train.serving.card import eval_dir
 from eagle3_train.serving.export import draft_config_from_json
 from eagle3_train.targets import Target, eos_ids, load_target, text_config
 
@@ -61,10 +63,10 @@ class EvalConfig:
 
     draft: str = MISSING  # an exported draft directory (config.json + model.safetensors)
     target: str = "embedded"  # the target (any form load_target takes)
-    engine: str = "sglang"  # whose rule turns the config's ids into captured layers: sglang | vllm
+    engine: str = "sglang"  # whose rule turns the config's ids into captured layers: an engine export writes for (sglang | vllm)
     prompts: str = MISSING  # JSONL (messages / MT-bench turns / HumanEval prompt / GSM8K question) or a saved dataset
     column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
-    out: str | None = None  # where report.json, outputs.jsonl and acceptance.png go (null: <draft>-eval-<engine> beside the draft, never inside the directory an engine loads)
+    out: str | None = None  # where report.json, outputs.jsonl and acceptance.png go (null: <draft>-eval-<engine> beside the draft, never inside the directory an engine loads; eagle3-export puts its tau on the model card)
     k: int = 5  # draft tokens per verify step (chain); a tree's depth unless num_steps says otherwise
     topk: int = 1  # tree drafts: children expanded per frontier node and the frontier's width, SGLang's --speculative-eagle-topk (1: the chain of k)
     num_steps: int | None = None  # draft steps per verify step = the tree's depth, SGLang's --speculative-num-steps (null: k)
@@ -84,8 +86,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, auto=True)
-        if self.engine not in ("sglang", "vllm"):
-            raise ConfigError(f"engine must be sglang or vllm, got {self.engine!r}")
+        registry.engine(self.engine, "export", "engine")
         check_numbers(self, positive=("k", "topk", "num_steps", "num_draft_tokens", "position_bucket", "max_new_tokens",
                                       "batch_size", "max_turns", "limit"),
                       non_negative=("tie_threshold",))
@@ -267,7 +268,7 @@ class Evaluator:
         self.eos = eos_ids(self.target.model, self.target.tokenizer)
         self.decoder = SpecDecoder(self.target.model, self.draft, self.layers, cfg.depth, self.eos, cfg.tree)
         self.threshold = cfg.tie_threshold if cfg.tie_threshold is not None else TIE_THRESHOLDS.get(self.dtype, 0.0)
-        self.out = Path(cfg.out).expanduser() if cfg.out else self.draft_dir.with_name(f"{self.draft_dir.name}-eval-{cfg.engine}")
+        self.out = Path(cfg.out).expanduser() if cfg.out else eval_dir(self.draft_dir, cfg.engine)
 
     def conversations(self) -> list[Conversation]:
         return read_conversations(self.cfg.prompts, self.cfg.column, self.cfg.limit)

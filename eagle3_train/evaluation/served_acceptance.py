@@ -57,67 +57,14 @@ from eagle3_train.core.errors import ConfigError, check_numbers
 from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
 from eagle3_train.core.prompt_files import Conversation, read_conversations
+from eagle3_train.engines import registry
+from eagle3_train.engines.base import SpecMetrics
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
 
 COMMAND = "eagle3-served-acceptance"
 REPORT_NAME = "report.json"
 SETTLE_READS = 10  # at most this many further reads of /metrics until two agree
 
-
-@dataclass(frozen=True)
-class SpecMetrics:
-    """Where one engine's ``/metrics`` counts its speculative decoding: Prometheus counters, named
-    as registered (the text format adds ``_total`` to a counter's sample; both spellings are read).
-
-    Args:
-        engine: as in ``engine=``.
-        read_from: the engine version and the files the names were read from.
-        drafts: verify steps that carried draft tokens, over all requests.
-        draft_tokens: draft tokens proposed.
-        accepted: draft tokens accepted.
-        accepted_per_position: drafts whose tokens up to this position were all accepted, one
-            sample per value of ``position_label`` (0-based).
-        position_label: the label naming the draft position.
-        requests: finished requests (to see other clients' traffic).
-        generation_tokens: generated tokens (likewise).
-        enable: how to start the engine so that it speculates, for the error message.
-        per_reply: the figures come in each reply's ``meta_info`` (the names are its keys;
-            ``accepted_per_position`` a histogram of accepted drafts per step), not from ``/metrics``.
-        ids_route: where ``template=client`` sends token ids (a key of :data:`ID_ROUTES`).
-    """
-
-    engine: str
-    read_from: str
-    drafts: str
-    draft_tokens: str
-    accepted: str
-    accepted_per_position: str
-    position_label: str
-    requests: str
-    generation_tokens: str
-    enable: str
-    per_reply: bool = False
-    ids_route: str = "/v1/completions"
-
-
-METRICS = {
-    "vllm": SpecMetrics(
-        "vllm", "vLLM 0.26.0: vllm/v1/spec_decode/metrics.py (SpecDecodingProm), vllm/v1/metrics/loggers.py",
-        "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
-        "vllm:spec_decode_num_accepted_tokens_per_pos", "position", "vllm:request_success", "vllm:generation_tokens",
-        "vllm serve <target> --speculative-config '{\"method\": \"eagle3\", \"model\": <draft>, "
-        "\"num_speculative_tokens\": 5}' (and without --disable-log-stats)",
-    ),
-    "sglang": SpecMetrics(
-        "sglang", "SGLang 0.5.17: srt/managers/tokenizer_manager.py (_calculate_spec_decoding_metrics), "
-        "srt/entrypoints/openai/serving_chat.py (return_meta_info)",
-        "spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts", "spec_correct_drafts_histogram", "",
-        "", "completion_tokens",
-        "python -m sglang.launch_server --model-path <target> --speculative-algorithm EAGLE3 "
-        "--speculative-draft-model-path <draft> --speculative-num-steps 5 --speculative-eagle-topk 1 "
-        "--speculative-num-draft-tokens 6", per_reply=True, ids_route="/generate",
-    ),
-}
 
 # What vLLM 0.26.0 calls these figures (vllm/v1/spec_decode/metrics.py), written into the report.
 DEFINITIONS = {
@@ -140,7 +87,7 @@ class ServedAcceptanceConfig:
     server: str = MISSING  # the engine's base URL (http://host:port), serving the target with a draft
     prompts: str = MISSING  # JSONL (messages / MT-bench turns / HumanEval prompt / GSM8K question) or a saved dataset
     out: str = MISSING  # where report.json and outputs.jsonl go
-    engine: str = "vllm"  # whose metric names are read (METRICS)
+    engine: str = "vllm"  # whose figures are read: an engine whose metric names were read from its source (vllm | sglang)
     template: str = "server"  # server: the engine applies its chat template to the messages; client: `tokenizer` renders them here and token ids are sent (the prompts eagle3-eval decodes, token for token)
     tokenizer: str | None = None  # with template=client: the target's directory (or hub id) whose chat template renders the prompts
     cache_dir: str | None = None  # with template=client and a GGUF tokenizer: where it is converted once
@@ -157,9 +104,7 @@ class ServedAcceptanceConfig:
     settle_s: float = 0.5  # /metrics is read again every settle_s until two reads agree (the engine counts just after answering)
 
     def __post_init__(self) -> None:
-        if self.engine not in METRICS:
-            raise ConfigError(f"engine must be one of {sorted(METRICS)} (whose metric names were read from its "
-                              f"source), got {self.engine!r}")
+        registry.engine(self.engine, "acceptance", "engine")
         if not self.server.startswith(("http://", "https://")):
             raise ConfigError(f"server must be a base URL such as http://127.0.0.1:8000, got {self.server!r}")
         if self.template not in ("server", "client"):
@@ -456,7 +401,9 @@ class ServedAcceptance(EngineClient):
     """Sends the prompt file to the engine, category by category, reading ``/metrics`` around each."""
 
     def __init__(self, cfg: ServedAcceptanceConfig):
-        super().__init__(cfg.server, METRICS[cfg.engine], cfg.settle_s, cfg.model)
+        metrics = registry.engine(cfg.engine, "acceptance", "engine").metrics
+        assert metrics is not None, "an engine of the acceptance role has its metric names"
+        super().__init__(cfg.server, metrics, cfg.settle_s, cfg.model)
         self.cfg = cfg
         self.out = Path(cfg.out).expanduser()
         self.tokenizer = None

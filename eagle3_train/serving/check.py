@@ -25,7 +25,9 @@ from safetensors import safe_open
 
 from eagle3_train.core.cli import entry_point
 from eagle3_train.core.errors import BadInputError, ConfigError
-from eagle3_train.engines.rules import ENGINES, TOP_KEY, VLLM_EAGLE3, fc_skipped, resolve, rules_for, unloadable_weights
+from eagle3_train.engines import registry
+from eagle3_train.engines.base import lookup
+from eagle3_train.engines.rules import fc_skipped, foreign_weights_text, resolve, rules_for, unloadable_weights
 from eagle3_train.targets import text_config
 
 
@@ -36,13 +38,14 @@ class CheckConfig:
     draft: str = MISSING  # an EAGLE-3 draft directory (config.json + *.safetensors)
     target: str = MISSING  # the target: a config.json, an HF directory, a hub id, embedded or tiny
     trained: list[int] | None = None  # HF indices the draft was trained on (null: its eagle3_train block)
-    engines: list[str] = field(default_factory=lambda: ["sglang", "vllm"])  # engines to check
+    engines: list[str] = field(default_factory=lambda: registry.names("export"))  # engines to check (any with layer-id rules: sglang, vllm, trtllm)
     cache_dir: str | None = None  # where GGUF targets are converted once
 
     def __post_init__(self) -> None:
-        unknown = [e for e in self.engines if e not in ENGINES]
+        known = registry.names("rules")
+        unknown = [e for e in self.engines if e not in known]
         if unknown:
-            raise ConfigError(f"unknown engines {unknown}; known: {list(ENGINES)}")
+            raise ConfigError(f"unknown engines {unknown}; known: {known}")
 
 
 ConfigStore.instance().store(name="check_schema", node=CheckConfig)
@@ -105,11 +108,10 @@ def check(config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any, train
     findings: list[Finding] = []
     for engine in engines:
         if not rules_for(engine, mt):
-            if engine == "vllm":
-                findings.append(Finding("error", f"vllm: model_type {mt!r} has no EAGLE-3 interface in vLLM 0.33.0 "
-                                                 f"(only {sorted(VLLM_EAGLE3)}): it refuses the target at load"))
-            else:
-                findings.append(Finding("warning", f"{engine}: no rule known for model_type {mt!r}; its capture is unknown"))
+            e = registry.ENGINES[engine]
+            # an engine that refuses the target at load fails for sure; one whose code was not read may not
+            refused = e.serves is not None and mt not in e.serves
+            findings.append(Finding("error" if refused else "warning", e.unserved(mt)))
             continue
         for r in resolve(config, engine, mt, n):  # the engine's default runner first
             where = f"{r.source}={r.ids}" if r.ids is not None else "no ids where it reads -> engine default"
@@ -135,14 +137,15 @@ def check(config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any, train
                 findings.append(Finding("error", f"{engine} {r.rule.versions}: HF indices {r.hf_indices} are outside 0..{n}"))
         fc = tensors.get("fc.weight")  # [H_draft, width of the captured states]
         if fc is not None and fc_skipped(engine, 1, fc.shape[1], fc.shape[0]):
-            findings.append(Finding("error", f"{engine}: fc input width {fc.shape[1]} equals the draft hidden size, so SGLang skips fc"))
+            findings.append(Finding("error", f"{engine}: fc input width {fc.shape[1]} equals the draft hidden size, so "
+                                             f"{registry.ENGINES[engine].title} skips fc"))
     findings += _check_target(config, tensors, target_cfg, trained)
     findings += _check_vocab(config, tensors, v)
     # embed_tokens is loaded too (SGLang then swaps in the target's): only other names are foreign
     foreign = unloadable_weights((weight_names or set()) - {"embed_tokens.weight"})
     if foreign:
         findings.append(Finding("error", f"weights {foreign} are not part of the EAGLE-3 draft the engines build: "
-                                         f"SGLang drops them without a word, vLLM fails to load the draft"))
+                                         f"{foreign_weights_text(registry.names('export'))} them"))
     return lines, findings
 
 
@@ -180,7 +183,8 @@ def _check_target(config: dict, tensors: dict[str, torch.Tensor], target_cfg: An
 
 
 def _get_any(config: dict) -> bool:
-    return TOP_KEY in config or bool(config.get("eagle_config")) or "eagle3_layers_to_capture" in config
+    """Whether the config holds ids where some engine reads them."""
+    return any(lookup(config, path) is not None for e in registry.ENGINES.values() for r in e.rules for path in r.keys)
 
 
 def _check_vocab(config: dict, tensors: dict[str, torch.Tensor], v: int) -> list[Finding]:

@@ -6,7 +6,11 @@ hidden states the draft was trained on -- or a refusal that says why.
 Writes ``config.json`` (``LlamaForCausalLMEagle3``, the draft's shapes, the engine keys computed by
 :mod:`eagle3_train.engines.rules`, and an ``eagle3_train`` block with the capture spec, target identity,
 vocab map hash and training summary), ``model.safetensors`` (``fc``, ``midlayer.*``, ``norm``,
-``lm_head``, ``d2t``, ``t2d``; no embeddings: SGLang uses the target's) and ``manifest.json`` last.
+``lm_head``, ``d2t``, ``t2d``; no embeddings: SGLang uses the target's; metadata ``format: pt``), the
+model card ``README.md`` (:mod:`eagle3_train.serving.card`: the hub's front matter, target, capture,
+each engine's serve command, and the τ of any eval report of these files beside the directory) and
+``manifest.json`` last. No file names a local path: the target by its hub id or directory name, the
+checkpoint by its name and its run by a hash.
 A head holding any other weight (``model.aux_norm``) is refused: neither engine would run it as trained.
 From a run directory it exports the best checkpoint when the run kept one (``train.keep_best``),
 else the last.
@@ -36,12 +40,29 @@ from eagle3_train.core.contract import (
 )
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.core.faults import fault_point
-from eagle3_train.core.fileio import atomic_write_json
+from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json, sha256_file, sha256_text
 from eagle3_train.core.stagedir import hold_lock
-from eagle3_train.engines.rules import RULES_VERSION, TOP_KEY, Unexpressible, fc_skipped, ids_for, unloadable_weights
+from eagle3_train.engines import registry
+from eagle3_train.engines.rules import (
+    TOP_KEY,
+    Unexpressible,
+    fc_skipped,
+    foreign_weights_text,
+    ids_for,
+    rules_version,
+    unloadable_weights,
+)
 from eagle3_train.model import DraftConfig
+from eagle3_train.serving.card import CARD_NAME, eval_reports, model_card, public_name
 
-EXPORT_ENGINES = ("sglang", "vllm")
+
+@dataclass
+class CardConfig:
+    """What the model card (``README.md``) says where the checkpoint cannot know it."""
+
+    base_model: str | None = None  # the target's hub id, for base_model and the serve commands (null: the target as training named it, a local directory by its name)
+    repo_id: str | None = None  # the hub id the draft will be published as, for the serve commands (null: the export directory's name)
+    license: str = "other"  # the card's license field (a draft trained on a model's outputs normally follows that model's license)
 
 
 @dataclass
@@ -50,14 +71,15 @@ class ExportConfig:
 
     run: str = MISSING  # a training run directory (its best checkpoint under train.keep_best, else its last) or one checkpoint directory
     out: str = MISSING  # the serving directory to write
-    engines: list[str] = field(default_factory=lambda: list(EXPORT_ENGINES))  # engines the config must serve
+    engines: list[str] = field(default_factory=lambda: registry.names("export"))  # engines the config must serve (those that read config.json: sglang, vllm)
     dtype: str = "bfloat16"  # dtype of the exported weights
     overwrite: bool = False  # replace an out= that holds an export of another run (or anything that is not an export)
+    card: CardConfig = field(default_factory=CardConfig)
 
     def __post_init__(self) -> None:
-        unknown = [e for e in self.engines if e not in EXPORT_ENGINES]
-        if unknown or not self.engines:
-            raise ConfigError(f"engines must be a non-empty subset of {list(EXPORT_ENGINES)}, got {self.engines}")
+        known = registry.names("export")
+        if not self.engines or any(e not in known for e in self.engines):
+            raise ConfigError(f"engines must be a non-empty subset of {known}, got {self.engines}")
         check_dtype(self.dtype)
 
 
@@ -93,25 +115,31 @@ def refuse_foreign_out(out: Path, ckpt: Path, overwrite: bool) -> None:
     if record is None or record.get("stage") != "export":
         raise ContractError(f"{out} exists and is not an export (no export {MANIFEST_NAME}): pass overwrite=true to "
                             f"replace it, or choose another out=")
-    before = Path(str(record.get("checkpoint", "")))
-    run_of = lambda c: c.parent.parent if c.parent.name == "checkpoints" else c  # noqa: E731
-    if run_of(before) != run_of(ckpt.resolve()):
-        raise ContractError(f"{out} holds the export of {before}, another run than {ckpt}: pass overwrite=true to "
-                            f"replace it, or choose another out=")
+    # exports written before run_sha256 existed named the checkpoint by its path
+    before = record.get("run_sha256") or run_sha256(Path(str(record.get("checkpoint", ""))))
+    if before != run_sha256(ckpt):
+        raise ContractError(f"{out} holds the export of another run (checkpoint {record.get('checkpoint')}) than "
+                            f"{ckpt}: pass overwrite=true to replace it, or choose another out=")
+
+
+def run_sha256(ckpt: Path) -> str:
+    """Which run a checkpoint belongs to, without naming where it is: a hash of its run's path."""
+    ckpt = ckpt.resolve()
+    return sha256_text(str(ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt))
 
 
 def refuse_unloadable(names: set[str], draft_config: DraftConfig) -> None:
-    """Refuse weights that SGLang and vLLM would not load (see ``engines.DRAFT_WEIGHTS``): SGLang
+    """Refuse weights that the engines would not load (see ``engines.rules.DRAFT_WEIGHTS``): SGLang
     drops an unknown name silently and runs a different head; vLLM fails on it."""
     extra = unloadable_weights(names)
     if not extra:
         return
-    why = ("the head was trained with model.aux_norm (an RMSNorm before fc), which no llama_eagle3 in SGLang or "
-           "vLLM has, and it cannot be folded into fc (it divides by each position's RMS): train with "
-           "model.aux_norm=false to serve, or compare heads by the run's eval simulated tau"
-           if draft_config.aux_norm else "they are not part of the EAGLE-3 draft the engines build")
-    raise ContractError(f"export refused: SGLang 0.5.23 would silently drop and vLLM 0.33.0 would fail on the weights "
-                        f"{extra}; {why}")
+    engines = registry.names("export")
+    why = (f"the head was trained with model.aux_norm (an RMSNorm before fc), which no llama_eagle3 in "
+           f"{' or '.join(registry.ENGINES[e].title for e in engines)} has, and it cannot be folded into fc (it divides "
+           f"by each position's RMS): train with model.aux_norm=false to serve, or compare heads by the run's eval "
+           f"simulated tau" if draft_config.aux_norm else "they are not part of the EAGLE-3 draft the engines build")
+    raise ContractError(f"export refused: {foreign_weights_text(engines)} the weights {extra}; {why}")
 
 
 def engine_keys(spec: CaptureSpec, engines: list[str]) -> dict[str, Any]:
@@ -127,7 +155,8 @@ def engine_keys(spec: CaptureSpec, engines: list[str]) -> dict[str, Any]:
         if fc_skipped(engine, len(ks), spec.hidden_size, spec.hidden_size):
             problems.append(
                 f"{engine}: the capture {ks} is {len(ks)} layer(s) of width {spec.hidden_size}, the draft's own hidden "
-                f"size, so SGLang would skip fc and feed the raw state: train with two or more aux layers"
+                f"size, so {registry.ENGINES[engine].title} would skip fc and feed the raw state: train with two or more "
+                f"aux layers"
             )
             continue
         try:
@@ -219,19 +248,23 @@ class Exporter:
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items() if not k.startswith("embed_tokens")}
         refuse_unloadable(set(weights), self.draft_config)
         config = draft_config_json(self.draft_config) | keys | {"torch_dtype": self.cfg.dtype}
+        target = self.spec.target.to_dict() | {"path": public_name(self.spec.target.path)}  # no local path
         config["eagle3_train"] = {
-            "capture": self.spec.to_dict(),
-            "target": self.spec.target.to_dict(),
+            "capture": self.spec.to_dict() | {"target": target},
+            "target": target,
             "vocab_map_sha256": self.state["vocab_sha256"],
             "engines": list(self.cfg.engines),
-            "rules_version": RULES_VERSION,
+            "rules_version": rules_version(),
             "training": self._summary(),
         }
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_file(weights, str(tmp / "model.safetensors"))
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", config)
-        write_manifest(tmp, "export", {"checkpoint": str(self.ckpt.resolve()), "config": config_dict(self.cfg)})
+        atomic_write_bytes(tmp / CARD_NAME, self.card(config, tmp).encode())
+        options = {k: v for k, v in config_dict(self.cfg).items() if k not in ("run", "out")}  # paths stay out
+        write_manifest(tmp, "export", {"checkpoint": self.ckpt.name, "run_sha256": run_sha256(self.ckpt),
+                                       "config": options})
         # renames only, so that a kill anywhere leaves out= whole (old or new) or absent, never
         # half deleted (which a rerun would refuse as "not an export")
         if self.out.exists():
@@ -242,6 +275,17 @@ class Exporter:
         shown = {k: v for k, v in keys.items()}
         print(f"eagle3-export: {self.ckpt} -> {self.out}; trained HF indices {list(self.spec.aux_indices)} as {shown}")
         return config
+
+    def card(self, config: dict[str, Any], written: Path) -> str:
+        """The model card of the files in ``written`` (its τ table from eval reports of exactly
+        these files beside ``out``)."""
+        files = {name: sha256_file(written / name) for name in ("config.json", "model.safetensors")}
+        base = self.cfg.card.base_model or config["eagle3_train"]["target"]["path"]
+        if self.cfg.card.base_model is None and base != self.spec.target.path:
+            print(f"eagle3-export: the card names the target {base!r}, the name of its local directory: set "
+                  f"card.base_model=<its hub id> to link the target on the hub")
+        return model_card(config, list(self.cfg.engines), base, self.cfg.card.repo_id or self.out.name,
+                          self.cfg.card.license, eval_reports(self.out, files))
 
     def _summary(self) -> dict[str, Any]:
         """What the checkpoint is: its step, the TTT steps it was trained for (eval warns when a

@@ -1,0 +1,158 @@
+"""The model card ``eagle3-export`` writes beside the weights (``README.md``): what the draft is for
+and how to serve it, ready to publish on the Hugging Face hub.
+
+The card opens with the hub's YAML front matter (``base_model``, ``library_name``, ``license``,
+``tags``), then says which target the draft was trained for (name, ``model_type``, the identity
+hashes), which capture (HF indices, docs/concepts/hf-index.md, and the ids each engine reads from
+``config.json``), the exact serve command of each engine (built by the engine's module, the one
+source of its command line), and, when an ``eagle3-eval`` report of these very files lies beside
+the export (eval's default ``<export>-eval-<engine>``), its τ table.
+
+Nothing on the card names a local path: the target by its hub id or directory name, the draft by
+its hub id or directory name, prompt files by file name.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from eagle3_train.engines import registry
+from eagle3_train.engines.rules import resolve
+
+CARD_NAME = "README.md"
+LIBRARY_NAME = "eagle3_train"
+DEFAULT_K = 5  # draft tokens per step when the checkpoint does not record its TTT steps (eval's default k)
+
+
+def eval_dir(draft: Path, engine: str) -> Path:
+    """Where ``eagle3-eval`` writes its report by default: beside the draft, never inside it."""
+    return draft.with_name(f"{draft.name}-eval-{engine}")
+
+
+def public_name(name: str) -> str:
+    """How a target or draft is named outside this machine: a hub id (``org/model``) or a name
+    (``embedded``, ``tiny:llama``) as it is, a local path by its last component."""
+    path = Path(name).expanduser()
+    local = name.startswith(("/", "~", ".")) or path.exists() or name.count("/") > 1
+    return path.name if local else name
+
+
+def eval_reports(export: Path, files: dict[str, str]) -> list[dict[str, Any]]:
+    """The finished ``eagle3-eval`` reports beside ``export`` (eval's default directories) whose
+    draft was exactly ``files`` ({file name: sha256}, as eval records them), by engine."""
+    found = []
+    for path in sorted(export.parent.glob(f"{export.name}-eval-*/report.json")):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # an unreadable report describes nothing
+        if report.get("stage") == "eval" and (report.get("request") or {}).get("draft") == files:
+            found.append(report)
+    return found
+
+
+def front_matter(base_model: str, license: str, engines: list[str]) -> dict[str, Any]:
+    """The hub's YAML metadata of the card."""
+    return {"base_model": base_model, "library_name": LIBRARY_NAME, "license": license,
+            "tags": ["eagle3", "speculative-decoding", "draft-model", *engines]}
+
+
+def yaml_block(meta: dict[str, Any]) -> str:
+    """``meta`` (strings, and lists of strings) as a YAML block; each string JSON-quoted, which YAML
+    reads as the same string."""
+    lines = []
+    for key, value in meta.items():
+        items = value if isinstance(value, list) else None
+        lines += [f"{key}:", *(f"- {json.dumps(v)}" for v in items)] if items is not None else [f"{key}: {json.dumps(value)}"]
+    return "\n".join(lines) + "\n"
+
+
+def serve_commands(engines: list[str], base_model: str, draft: str, k: int) -> dict[str, str]:
+    """{engine: the shell command that serves ``base_model`` with ``draft``, ``k`` tokens a step},
+    each built by its engine module."""
+    return {e: shlex.join(registry.ENGINES[e].serve_command(base_model, draft, k)) for e in engines
+            if registry.ENGINES[e].serve is not None}
+
+
+def model_card(config: dict[str, Any], engines: list[str], base_model: str, draft: str, license: str,
+               reports: list[dict[str, Any]]) -> str:
+    """The card's text for an export whose ``config.json`` is ``config``, made for ``engines``.
+
+    Args:
+        config: the exported config.json (its ``eagle3_train`` block says target, capture, training).
+        engines: the engines the config was written for.
+        base_model: the target's hub id (or name).
+        draft: how the serve commands name the draft (its hub id, or the export directory's name).
+        license: the card's license field.
+        reports: eval reports of these files (:func:`eval_reports`).
+    """
+    meta = config["eagle3_train"]
+    capture, target, training = meta["capture"], meta["target"], meta.get("training") or {}
+    n, aux = capture["num_hidden_layers"], capture["aux_indices"]
+    k = int(training.get("ttt_length") or DEFAULT_K)
+    head = "---\n" + yaml_block(front_matter(base_model, license, engines)) + "---\n\n"
+    lines = [
+        f"# EAGLE-3 draft for {base_model}", "",
+        f"A one-layer EAGLE-3 draft head (`LlamaForCausalLMEagle3`: hidden size {config['hidden_size']}, draft vocab "
+        f"{config['draft_vocab_size']} of {config['vocab_size']}) that proposes tokens for `{base_model}` to verify, "
+        f"trained with {LIBRARY_NAME} (checkpoint `{training.get('checkpoint')}`, step {training.get('step')}"
+        f"{', the best by eval tau' if training.get('is_best') else ''}; {training.get('ttt_length')} training-time "
+        f"test steps).", "",
+        "## Target", "",
+        "| name | model_type | layers N | hidden size | vocab | config sha256 | tokenizer sha256 | chat template sha256 |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| `{public_name(target['path'])}` | `{target['model_type']}` | {n} | {capture['hidden_size']} | "
+        f"{capture['vocab_size']} | `{target['config_hash']}` | `{target['tokenizer_hash']}` | "
+        f"`{target['chat_template_hash']}` |", "",
+        "The draft only fits this target: another model (or a target whose config hash differs, beyond a quantized or "
+        "re-saved copy of it) feeds it states it never saw. `eagle3-check draft=<this directory> target=<target>` "
+        "compares them.", "",
+        "## Capture", "",
+        f"Trained on the target's hidden states at HF indices `{aux}` (transformers' `hidden_states[k]`: 0 is the "
+        f"embeddings, k the output of decoder layer k), {capture['dtype']}. What each engine reads from `config.json` "
+        f"and captures from it:", "",
+        "| engine | reads | ids | captures |", "|---|---|---|---|",
+    ]
+    for e in engines:
+        engine = registry.ENGINES[e]
+        for r in resolve(config, e, target["model_type"], n)[:1]:  # the engine's default runner
+            lines.append(f"| {engine.title} {r.rule.versions} | `{r.source}` | `{r.ids}` | {r.describe()} |")
+    lines += ["", "## Serve", "",
+              f"Drafting {k} tokens per step (the steps it was trained for); run from the directory that holds "
+              f"`{draft}`, or name the draft by its hub id once published.", ""]
+    for e, command in serve_commands(engines, base_model, draft, k).items():
+        lines += [f"{registry.ENGINES[e].title}:", "", "```bash", command, "```", ""]
+    lines += ["## Evaluation", ""]
+    lines += _tau_table(reports) if reports else [
+        "No `eagle3-eval` report of these files lay beside this directory when it was exported. `eagle3-eval "
+        "draft=<this directory> target=<target> engine=<engine> prompts=<file>` writes one beside it; exporting again "
+        "adds its table here.", ""]
+    own = training.get("eval") or {}
+    lines += ["## Training", "", f"Engine rules version `{meta.get('rules_version')}`; vocab map sha256 "
+              f"`{meta.get('vocab_map_sha256')}`."]
+    if own.get("eval_acc") is not None:
+        lines[-1] += (" The checkpoint's own evaluation on the run's held-out split: teacher-forced accuracy per draft "
+                      f"position {[round(a, 3) for a in own['eval_acc']]}, simulated τ {own.get('eval_tau', 0):.2f}.")
+    return head + "\n".join(lines) + "\n"
+
+
+def _tau_table(reports: list[dict[str, Any]]) -> list[str]:
+    """τ (tokens per verify step) and acceptance per draft position of each eval report, with
+    each category's τ when a prompt file has several."""
+    rows = ["`eagle3-eval` (greedy chain speculative decoding with the target in transformers, fed the layers the "
+            "engine's rule reads; τ counts the target's own token of each step):", "",
+            "| engine | prompts | turns | k | τ | acceptance per position | lossless | dtype |", "|---|---|---|---|---|---|---|---|"]
+    for r in reports:
+        prompts = public_name(str((r.get("config") or {}).get("prompts", "")))
+        accept = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        rows.append(f"| {r['engine']} | `{prompts}` | {r['prompts']} | {r['k']} | {r['tau']:.2f} | {accept} | "
+                    f"{r['lossless']} | {r.get('dtype')} |")
+        if len(r.get("categories") or {}) > 1:
+            for cat, v in r["categories"].items():
+                accept = ", ".join(f"{a:.2f}" for a in v["acceptance_per_position"])
+                rows.append(f"| {r['engine']} | `{prompts}`: {cat} | {v['prompts']} | {r['k']} | {v['tau']:.2f} | "
+                            f"{accept} | | |")
+    return rows + [""]
