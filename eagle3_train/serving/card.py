@@ -77,15 +77,16 @@ def serve_commands(engines: list[str], base_model: str, draft: str, k: int) -> d
             if registry.ENGINES[e].serve is not None}
 
 
-def model_card(config: dict[str, Any], engines: list[str], base_model: str, draft: str, license: str,
-               reports: list[dict[str, Any]]) -> str:
+def model_card(config: dict[str, Any], engines: list[str], base_model: str, repo_id: str | None, directory: str,
+               license: str, reports: list[dict[str, Any]]) -> str:
     """The card's text for an export whose ``config.json`` is ``config``, made for ``engines``.
 
     Args:
         config: the exported config.json (its ``eagle3_train`` block says target, capture, training).
         engines: the engines the config was written for.
         base_model: the target's hub id (or name).
-        draft: how the serve commands name the draft (its hub id, or the export directory's name).
+        repo_id: the draft's hub id, by which the serve commands name it (None: by ``directory``).
+        directory: the export directory's name.
         license: the card's license field.
         reports: eval reports of these files (:func:`eval_reports`).
     """
@@ -120,9 +121,11 @@ def model_card(config: dict[str, Any], engines: list[str], base_model: str, draf
         engine = registry.ENGINES[e]
         for r in resolve(config, e, target["model_type"], n)[:1]:  # the engine's default runner
             lines.append(f"| {engine.title} {r.rule.versions} | `{r.source}` | `{r.ids}` | {r.describe()} |")
-    lines += ["", "## Serve", "",
-              f"Drafting {k} tokens per step (the steps it was trained for); run from the directory that holds "
-              f"`{draft}`, or name the draft by its hub id once published.", ""]
+    draft = repo_id or directory
+    where = (f"the draft from the hub as `{repo_id}`" if repo_id else
+             f"the draft from the directory `{directory}` (run them beside it, or name the draft by its hub id once "
+             f"published)")
+    lines += ["", "## Serve", "", f"Drafting {k} tokens per step (the steps it was trained for), {where}:", ""]
     for e, command in serve_commands(engines, base_model, draft, k).items():
         lines += [f"{registry.ENGINES[e].title}:", "", "```bash", command, "```", ""]
     lines += ["## Evaluation", ""]

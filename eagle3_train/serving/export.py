@@ -284,7 +284,7 @@ class Exporter:
         if self.cfg.card.base_model is None and base != self.spec.target.path:
             print(f"eagle3-export: the card names the target {base!r}, the name of its local directory: set "
                   f"card.base_model=<its hub id> to link the target on the hub")
-        return model_card(config, list(self.cfg.engines), base, self.cfg.card.repo_id or self.out.name,
+        return model_card(config, list(self.cfg.engines), base, self.cfg.card.repo_id, self.out.name,
                           self.cfg.card.license, eval_reports(self.out, files))
 
     def _summary(self) -> dict[str, Any]:
