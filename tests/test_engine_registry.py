@@ -1,6 +1,6 @@
 """One module + one registry line is an engine: a stand-in engine, registered here and nowhere
-else, is taken by every consumer -- served regeneration, the served dump, export, check, eval and
-served acceptance -- with the same results as the engines it borrows its APIs from.
+else, is taken by every consumer -- served regeneration, the served dump, export, check, eval,
+served acceptance and eagle3-bench -- with the same results as the engines it borrows its APIs from.
 
 The stand-in reads its ids from a key of its own, ``standin_layer_ids``, by the rule "id v captures
 HF index v+1", so what export writes for it, and what check and eval read back, is its rule's and
@@ -23,6 +23,7 @@ from data_prep.standardize import StandardizeConfig, Standardizer
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.engines import registry, vllm
 from eagle3_train.engines.base import Command, Engine, Rule, plus_one
+from eagle3_train.evaluation.bench import Bench, BenchConfig
 from eagle3_train.evaluation.eval import EvalConfig, Evaluator
 from eagle3_train.evaluation.served_acceptance import ServedAcceptance, ServedAcceptanceConfig
 from eagle3_train.serving.check import CheckConfig, run_check
@@ -39,12 +40,13 @@ COMMAND = Command(("standin-serve",), ("model",), {"--draft": "value", "--draft-
 
 
 def serve(target, draft, k, flags):
-    return COMMAND.line(target, draft=draft, draft_tokens=k, **flags)
+    return COMMAND.line(target, **flags) if draft is None else COMMAND.line(target, **flags, draft=draft, draft_tokens=k)
 
 
 STANDIN = Engine(
     name="standin", title="Stand-in", version="0.1", exports=True, foreign_weights="would drop",
     rules=(Rule("0.1", "*", ((KEY,),), plus_one, "reads its own key"),), command=COMMAND, serve=serve,
+    version_route=("/version", "version"),
     capture=vllm.ENGINE.capture, generation=vllm.ENGINE.generation,
     metrics=dataclasses.replace(vllm.ENGINE.metrics, engine="standin", read_from="the stand-in's counters"),
 )
@@ -58,7 +60,8 @@ def test_an_engine_not_in_the_registry_is_refused_by_every_consumer():
                      lambda: EvalConfig(draft="d", prompts="p", engine="standin"),
                      lambda: DumpConfig(backend="standin", out="o", data="d"),
                      lambda: RegenConfig(backend="standin"),
-                     lambda: ServedAcceptanceConfig(server="http://x:1", prompts="p", out="o", engine="standin")):
+                     lambda: ServedAcceptanceConfig(server="http://x:1", prompts="p", out="o", engine="standin"),
+                     lambda: BenchConfig(out="o", engine="standin", target="t", draft="d")):
             with pytest.raises(ConfigError, match="standin"):
                 make()
 
@@ -161,3 +164,11 @@ def test_served_acceptance_reads_its_metrics(root):
                                                          max_new_tokens=6, settle_s=0.01)).run()
     assert report["engine"] == "standin" and report["metrics_read_from"] == "the stand-in's counters"
     assert (report["drafts"], report["accepted_tokens"]) == (6, 14)  # two requests of drafts accepting 5, 2, 0
+
+
+def test_the_bench_starts_it_by_its_own_command(root, tmp_path):
+    bench = Bench(BenchConfig(out=str(tmp_path), engine="standin", target="org/target", draft="org/draft", port=8123,
+                              num_speculative_tokens=4, engine_args="--x 1", plot=False))
+    assert bench.argv("baseline") == ["standin-serve", "org/target", "--port", "8123", "--x", "1"]
+    assert bench.argv("spec") == ["standin-serve", "org/target", "--port", "8123", "--draft", "org/draft",
+                                  "--draft-tokens", "4", "--x", "1"]
