@@ -184,10 +184,8 @@ class Preparer:
         return opts
 
     def run(self) -> dict[str, Any] | None:
-        if self.dist.is_main:  # one launch at a time: a second is refused, naming the first
-            self.out.mkdir(parents=True, exist_ok=True)
-            hold_lock(self.out, "prepared dataset")
-            remove_temporaries(self.out)  # a killed run's unrenamed manifest
+        if self.out.is_dir():  # (a new out= is locked at its first write: a refused input leaves nothing)
+            self._hold()
         # rank 0 decides (and may remove a manifest under overwrite) before the others look
         done = self._finished_output() if self.dist.is_main else None
         barrier()
@@ -255,6 +253,7 @@ class Preparer:
             "regen": {k: v for k, v in self._output_options()["regen"].items() if k != "chunk_size"},
         }
         assert c.synthesize is not None  # how this method is reached: synthesize=N
+        self._hold()
         synthesizer = Synthesizer(
             n=c.synthesize, synth=c.synth, regen=c.regen, seed=c.seed, work_dir=self.out / "synth",
             request=request, overwrite=c.overwrite, load_model=self._load_generator, tokenizer=tok, special=special_ids(tok),
@@ -272,6 +271,14 @@ class Preparer:
         if self.target.model is None and registry.ENGINES[self.cfg.regen.backend].in_process:
             self.target = self._load(load_model=True)
         return self.target.model, sorted(eos_ids(self.target.model, self.target.tokenizer, self.target.local_dir))
+
+    def _hold(self) -> None:
+        """Take out='s lock before writing in it (one prepare at a time: a second is refused, naming
+        the first) and remove a killed run's unrenamed temporary files."""
+        if self.dist.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            hold_lock(self.out, "prepared dataset")
+            remove_temporaries(self.out)
 
     def _finished_output(self) -> dict[str, Any] | None:
         """A finished output of these options, input and target; another is refused, or removed
@@ -298,6 +305,7 @@ class Preparer:
         """Regenerate in chunks of ``regen.chunk_size``; finished chunks are kept on disk."""
         import torch
 
+        self._hold()
         regen_dir = self.out / "regen"
         # chunks of other options or input: never mixed, always replaced
         StageDir(regen_dir, "regen", self.request).claim(replace=True, clear=lambda: remove_files(regen_dir, "chunk-*.json"))
@@ -405,6 +413,7 @@ class Preparer:
                 "source": pa.array([c.source for c, _ in rows]),
             }
         )
+        self._hold()
         dataset_dir = self.out / "dataset"
         if dataset_dir.exists():
             shutil.rmtree(dataset_dir)

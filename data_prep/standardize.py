@@ -287,6 +287,7 @@ class Standardizer:
             print(f"eagle3-standardize: {self.out} is already complete; nothing to do")
             return done
         out.claim()
+        remove_temporaries(self.out)  # a killed run's unrenamed vocab map or manifest (this process holds out=)
         for sub in ("train", "eval"):
             (self.out / sub).mkdir(parents=True, exist_ok=True)
             remove_temporaries(self.out / sub)

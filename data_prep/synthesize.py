@@ -50,7 +50,7 @@ from data_prep.regenerate import RegenConfig, generate_sorted
 from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
 from eagle3_train.core.extras import optional_import
 from eagle3_train.core.faults import fault_point
-from eagle3_train.core.fileio import atomic_write_json, remove_files, sha256_text
+from eagle3_train.core.fileio import atomic_write_json, remove_files, remove_temporaries, sha256_text
 from eagle3_train.core.stagedir import StageDir
 
 USER_FILTERS = ("empty", "too_short", "too_long", "no_end_of_turn", "special_tokens", "repetition")
@@ -340,6 +340,7 @@ class Synthesizer:
             StageDir(self.dir, "synth", self.request, what="set of synthesized conversations",
                      hint="pass overwrite=true to discard them, or choose another out=", exclusive=True).claim(
                 replace=self.overwrite, clear=lambda: remove_files(self.dir, "chunk-*.json"))
+            remove_temporaries(self.dir)  # a chunk killed before its rename (the other ranks wait below)
         self.barrier()
 
     def steering(self, g: int) -> tuple[str | None, str]:

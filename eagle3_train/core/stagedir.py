@@ -21,7 +21,7 @@ from typing import Any
 
 from eagle3_train.core.contract import MANIFEST_NAME, differences, read_manifest, write_manifest
 from eagle3_train.core.errors import BadInputError, ContractError
-from eagle3_train.core.fileio import atomic_write_json, json_ready, remove_temporaries
+from eagle3_train.core.fileio import atomic_write_json, json_ready
 
 REQUEST_NAME = "request.json"
 
@@ -81,7 +81,6 @@ class StageDir:
         self.path.mkdir(parents=True, exist_ok=True)
         if self.exclusive and int(os.environ.get("RANK", "0")) == 0:
             hold_lock(self.path, self.what)
-            remove_temporaries(self.path)  # a killed run's unrenamed writes: this process is the only writer
         file = self.path / REQUEST_NAME
         replaced = False
         if file.is_file():

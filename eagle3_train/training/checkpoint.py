@@ -17,8 +17,8 @@ from torch import nn
 from eagle3_train.core.contract import BEST_FILE, MANIFEST_NAME, run_checkpoints
 from eagle3_train.core.dist import barrier, print0
 from eagle3_train.core.errors import ContractError, Eagle3Error
-from eagle3_train.core.fileio import atomic_write_json
-from eagle3_train.core.stagedir import StageDir
+from eagle3_train.core.fileio import atomic_write_json, remove_temporaries
+from eagle3_train.core.stagedir import StageDir, hold_lock
 
 
 def consolidated_state_dict(model: nn.Module, zero_stage: int) -> dict[str, torch.Tensor]:
@@ -118,6 +118,8 @@ def open_run(out: Path, run_dir: StageDir, resume: str, keep_best: bool, metrics
     None for a fresh start, which clears an earlier run's metrics and writes ``config.json``."""
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
+        hold_lock(out, run_dir.what)  # (the claim below takes it too) before a killed run's leftovers go:
+        remove_temporaries(out)  # unrenamed writes, while the other ranks wait at the barrier
     barrier()
     ckpts = run_checkpoints(out)
     if ckpts and resume == "never":

@@ -44,6 +44,7 @@ from eagle3_train.core.dist import DistInfo, barrier, print0
 from eagle3_train.core.errors import ConfigError, ContractError, check_numbers
 from eagle3_train.core.prepared import PreparedData, prepared_vocab
 from eagle3_train.core.split import EVAL_FRACTION, SPLIT_SEED, check_fraction, split_eval
+from eagle3_train.core.stagedir import hold_lock
 from eagle3_train.core.vocab import DRAFT_VOCAB_SIZE, VocabMap, load_vocab_map
 from eagle3_train.engines.rules import serving_warning
 from eagle3_train.targets import Target, load_target
@@ -174,6 +175,7 @@ class OnlineSource(Source):
         path = out / VOCAB_FILE
         if dist.is_main:
             out.mkdir(parents=True, exist_ok=True)
+            hold_lock(out, "training run")  # the run's own lock (its claim takes it later): a second run is refused here
             prepared_vocab(self.prepared, cfg.eval_fraction, cfg.split_seed, cfg.draft_vocab_size, v)[0].save(path)
         barrier()
         return load_vocab_map(path, v)

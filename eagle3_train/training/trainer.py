@@ -32,7 +32,7 @@ from eagle3_train.core.dist import DistInfo, all_gather_objects, close, init_dis
 from eagle3_train.core.errors import BadInputError, ConfigError, Eagle3Error
 from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fingerprint import continued_options, request_options
-from eagle3_train.core.stagedir import StageDir, hold_lock
+from eagle3_train.core.stagedir import StageDir
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.targets import Target
 from eagle3_train.training.checkpoint import (
@@ -78,9 +78,6 @@ class Trainer:
         self.cfg = cfg
         self.out = Path(cfg.out).expanduser()
         self.dist: DistInfo = init_distributed(cfg.device, always=True)
-        if self.dist.is_main:  # before anything is written (an online run's vocab map): a second run is refused first
-            self.out.mkdir(parents=True, exist_ok=True)
-            hold_lock(self.out, "training run")
         bf16 = cfg.deepspeed.bf16 == "true" or (cfg.deepspeed.bf16 == "auto" and self.dist.device.type == "cuda")
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         self.source = self._source(target)
