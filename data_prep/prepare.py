@@ -16,6 +16,7 @@ it refuses unless ``overwrite=true``. With ``regenerate=true`` the finished chun
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -28,7 +29,6 @@ from typing import Any
 import numpy as np
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
-from tqdm.auto import tqdm
 
 from data_prep.chat import Rendered, render_with_mask, special_ids
 from data_prep.conversations import BadRow, Conversation, input_fingerprint, iter_raw_rows, normalize
@@ -46,9 +46,12 @@ from eagle3_train.core.fileio import (
     remove_temporaries,
     sha256_json,
 )
+from eagle3_train.core.log import LogConfig, progress_bar
 from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.engines import registry
 from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target, text_config
+
+logger = logging.getLogger(__name__)
 
 STAGE = "prepare"
 BAD_ROW_POLICIES = ("error", "skip")
@@ -83,7 +86,8 @@ class PrepareConfig:
     seed: int = 0  # sampling seed (regen.do_sample=true)
     overwrite: bool = False  # replace an existing output made with other options
     trust_remote_code: bool = False  # let transformers run the target repository's own code
-    progress: bool = True  # progress bars
+    progress: bool | None = None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
+    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, auto=True)
@@ -173,7 +177,7 @@ class Preparer:
         """The options that decide the output (not where it goes or how fast it is made), of this
         run or of a ``config`` recorded in a manifest."""
         opts = dict(config if config is not None else config_dict(self.cfg))
-        for key in ("out", "overwrite", "cache_dir", "device", "progress", "save_conversations", "tokenize_workers"):
+        for key in ("out", "overwrite", "cache_dir", "device", "progress", "logging", "save_conversations", "tokenize_workers"):
             opts.pop(key, None)
         if not (opts.get("regenerate") or opts.get("synthesize")):
             opts.pop("regen", None)
@@ -198,7 +202,7 @@ class Preparer:
                     f"preparing: choose another out= (copy {self.out}/synth or {self.out}/regen there to reuse "
                     f"what was generated)"
                 )
-            print(f"eagle3-prepare: {self.out} is already prepared with these options; reusing it")
+            logger.info(f"eagle3-prepare: {self.out} is already prepared with these options; reusing it")
             return done
         # Synthesis: the tokenising processes start now and get ready while the target writes (on
         # the GPU machine, started after it they took ~55 s to begin, recipe_starter_h200x2.json;
@@ -258,7 +262,7 @@ class Preparer:
             n=c.synthesize, synth=c.synth, regen=c.regen, seed=c.seed, work_dir=self.out / "synth",
             request=request, overwrite=c.overwrite, load_model=self._load_generator, tokenizer=tok, special=special_ids(tok),
             template_name=template_name(c.target, chat_template_of(tok) or ""), rank=self.dist.rank,
-            world=self.dist.world_size, barrier=barrier, progress=c.progress and self.dist.is_main,
+            world=self.dist.world_size, barrier=barrier, progress=c.progress if self.dist.is_main else False,
         )
         conversations, stats = synthesizer.run()
         if self.dist.world_size > 1:  # torchrun's ranks are done together; rank 0 writes the dataset alone
@@ -323,7 +327,7 @@ class Preparer:
                 chunk = [Conversation(d["messages"], d["source"], d["meta"]) for d in data["conversations"]]
             else:
                 torch.manual_seed(self.cfg.seed + c)
-                print(f"regenerating chunk {c + 1}/{n_chunks}", flush=True)
+                logger.info(f"regenerating chunk {c + 1}/{n_chunks}")
                 try:
                     chunk, n_cut = regenerate(
                         model, tok, conversations[c * size : (c + 1) * size], self.cfg.regen,
@@ -355,7 +359,7 @@ class Preparer:
         tok = self.target.tokenizer
         opts: dict[str, Any] = dict(regenerate=self.cfg.regenerate, max_length=self.cfg.max_length, truncate=self.cfg.truncate,
                     end_ids=special_ids(tok, eos_ids(self.target.model, tok)))
-        bar = tqdm(total=len(conversations), desc="tokenize", unit="conv", disable=not self.cfg.progress)
+        bar = progress_bar(total=len(conversations), desc="tokenize", unit="conv", show=self.cfg.progress)
         began = time.time()
         own = pool is None
         if own:
@@ -437,12 +441,12 @@ class Preparer:
             "tokenize": stats.get("tokenize"),  # wall seconds, and when the processes began (not a count)
         }
         manifest = self.dir.write_manifest(body)
-        print(
+        logger.info(
             f"eagle3-prepare: {len(rows)} conversations, {counts['tokens']} tokens "
             f"({counts['loss_tokens']} assistant), {counts['truncated']} truncated -> {dataset_dir}"
         )
         if self.bad.counts:
-            print(self.bad.summary())
+            logger.info(self.bad.summary())
         return manifest
 
 
@@ -454,7 +458,7 @@ def save_conversations(conversations: list[Conversation], path: Path) -> None:
     lines = "".join(json.dumps({"messages": c.messages, **c.meta}, ensure_ascii=False) + "\n" for c in conversations)
     data = lines.encode()
     atomic_write_bytes(path, gzip.compress(data, mtime=0) if path.name.endswith(".gz") else data)
-    print(f"eagle3-prepare: {len(conversations)} conversations -> {path}")
+    logger.info(f"eagle3-prepare: {len(conversations)} conversations -> {path}")
 
 
 def render_one(tok: Any, conv: Conversation, *, regenerate: bool, max_length: int, truncate: bool,

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from data_prep.chat import render_text
 from data_prep.conversations import Conversation
 from data_prep.served_regen import ServedRegenConfig, served_generate_batch
 from eagle3_train.core.errors import ConfigError, check_numbers
+from eagle3_train.core.log import progress_bar
 from eagle3_train.engines import registry
 
 BATCHING = ("padded", "static", "continuous", "graph")
@@ -70,7 +70,7 @@ def regenerate(
     *,
     eos_ids: list[int],
     pad_id: int,
-    progress: bool = True,
+    progress: bool | None = True,
     seed: int | None = None,
 ) -> tuple[list[Conversation], int]:
     """Return the conversations with every assistant slot written by ``model``.
@@ -82,7 +82,7 @@ def regenerate(
     work = [assistant_slots(c.messages) for c in conversations]
     unfinished = 0
     n_turns = sum(len(slots) for _, slots in work)
-    bar = tqdm(total=n_turns, desc="regenerate", unit="turn", disable=not progress)
+    bar = progress_bar(total=n_turns, desc="regenerate", unit="turn", show=progress)
     for s in range(max((len(slots) for _, slots in work), default=0)):
         todo = [ci for ci, (_, slots) in enumerate(work) if len(slots) > s]
         prompts = []

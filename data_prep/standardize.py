@@ -18,9 +18,9 @@ interrupted run, started again, does only the rest.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,7 +30,6 @@ import numpy as np
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
-from tqdm.auto import tqdm
 
 from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.contract import CaptureSpec, check_storage, differences, read_manifest, validate_aux_indices
@@ -44,6 +43,7 @@ from eagle3_train.core.formats import (
     read_keys,
     write_shard,
 )
+from eagle3_train.core.log import LogConfig, progress_bar
 from eagle3_train.core.prepared import PreparedData, prepared_vocab
 from eagle3_train.core.split import EVAL_FRACTION, SPLIT_SEED, check_fraction, split_eval
 from eagle3_train.core.stagedir import StageDir
@@ -57,6 +57,8 @@ from eagle3_train.core.vocab import (
     load_vocab_map,
 )
 from eagle3_train.targets import load_target, resolve_dtype
+
+logger = logging.getLogger(__name__)
 
 STAGE = "standardize"
 VOCAB_STAGE = "vocab"  # only_vocab=true data=<prepared>: a directory with just the map
@@ -82,7 +84,8 @@ class StandardizeConfig:
     cache_dir: str | None = None  # where GGUF targets are converted once (target=embedded)
     workers: int = 0  # threads processing shards in parallel (0: one per core)
     verify_inputs: bool = True  # check each dump shard's sha256 against its record before use
-    progress: bool = True  # progress bar
+    progress: bool | None = None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
+    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         check_numbers(self, positive=("draft_vocab_size", "max_samples"), non_negative=("workers",))
@@ -139,8 +142,8 @@ class Standardizer:
         body = {k: v for k, v in manifest.items() if k not in ("stage", "format_version", "eagle3_train_version",
                                                                "created_at", "request")}
         manifest = out.write_manifest(body)
-        print(f"eagle3-standardize: new vocab map of {vocab.draft_vocab_size} tokens "
-              f"({vocab.coverage():.2%} of training tokens) -> {self.out / VOCAB_FILE}")
+        logger.info(f"eagle3-standardize: new vocab map of {vocab.draft_vocab_size} tokens "
+                    f"({vocab.coverage():.2%} of training tokens) -> {self.out / VOCAB_FILE}")
         return manifest
 
     def vocab_of_prepared(self) -> dict[str, Any]:
@@ -166,8 +169,8 @@ class Standardizer:
             "counts": {"train_samples": len(prepared.sample_ids) - len(eval_ids), "eval_samples": len(eval_ids)},
             "config": config_dict(cfg),
         })
-        print(f"eagle3-standardize: vocab map of {vocab.draft_vocab_size} tokens ({vocab.coverage():.2%} of the "
-              f"training split's tokens) from {prepared.path} -> {self.out / VOCAB_FILE}")
+        logger.info(f"eagle3-standardize: vocab map of {vocab.draft_vocab_size} tokens ({vocab.coverage():.2%} of the "
+                    f"training split's tokens) from {prepared.path} -> {self.out / VOCAB_FILE}")
         return manifest
 
     def make_vocab(self, target_vocab: int) -> tuple[VocabMap, str]:
@@ -213,8 +216,8 @@ class Standardizer:
         all_ids = np.concatenate([s.sample_ids for s in sources]) if sources else np.zeros(0, dtype=np.int64)
         if self.cfg.max_samples is not None:  # the lowest ids: prepare numbers samples in input order
             if self.cfg.max_samples > len(all_ids):
-                warnings.warn(f"max_samples={self.cfg.max_samples} but the dumps hold {len(all_ids)} samples; using all",
-                              stacklevel=2)
+                logger.warning(f"warning: max_samples={self.cfg.max_samples} but the dumps hold {len(all_ids)} samples; "
+                               f"using all")
             all_ids = np.sort(all_ids)[: self.cfg.max_samples]
             sources = [replace(s, keep=np.isin(s.sample_ids, all_ids)) for s in sources]
         eval_ids = split_eval(all_ids, self.cfg.eval_fraction, self.cfg.seed)
@@ -284,7 +287,7 @@ class Standardizer:
         """Reuse a finished output made the same way; refuse one made otherwise."""
         out = self.stage_dir(request)
         if (done := out.finished()) is not None:
-            print(f"eagle3-standardize: {self.out} is already complete; nothing to do")
+            logger.info(f"eagle3-standardize: {self.out} is already complete; nothing to do")
             return done
         out.claim()
         remove_temporaries(self.out)  # a killed run's unrenamed vocab map or manifest (this process holds out=)
@@ -307,7 +310,7 @@ class Standardizer:
         """Write the train/eval shards of every input shard not done yet, in parallel."""
         todo = [s for s in sources if not self._done(s, eval_ids)]
         total = sum(s.record.bytes for s in todo)
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="standardize", disable=not self.cfg.progress)
+        bar = progress_bar(total=total, unit="B", unit_scale=True, desc="standardize", show=self.cfg.progress)
         with ThreadPoolExecutor(self.workers) as pool:
             for src in pool.map(lambda s: self._convert_one(s, spec, eval_ids), todo):
                 bar.update(src.record.bytes)
@@ -369,7 +372,7 @@ class Standardizer:
             "run": stats,
         }
         manifest = self.stage_dir(request).write_manifest(body)
-        print(
+        logger.info(
             f"eagle3-standardize: {counts['train_samples']} train / {counts['eval_samples']} eval samples, "
             f"aux {list(spec.aux_indices)} -> aux_hidden width {len(spec.aux_indices) * spec.hidden_size}; "
             f"draft vocab {vocab.draft_vocab_size} covers {vocab.coverage():.2%} of training tokens -> {self.out}"

@@ -31,6 +31,7 @@ folding) and ``near_duplicate`` (MinHash LSH over word 3-grams, estimated Jaccar
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import re
@@ -42,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from data_prep.chat import render_text
 from data_prep.conversations import BadRow, Conversation
@@ -51,7 +51,10 @@ from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
 from eagle3_train.core.extras import optional_import
 from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fileio import atomic_write_json, remove_files, remove_temporaries, sha256_text
+from eagle3_train.core.log import progress_bar
 from eagle3_train.core.stagedir import StageDir
+
+logger = logging.getLogger(__name__)
 
 USER_FILTERS = ("empty", "too_short", "too_long", "no_end_of_turn", "special_tokens", "repetition")
 SET_FILTERS = ("exact_duplicate", "near_duplicate")
@@ -303,11 +306,12 @@ class Synthesizer:
             a chunk is missing).
         tokenizer, special: the target's tokenizer and special ids; template_name names its template.
         rank, world: this process's place among the data-parallel ranks; barrier: waits for all.
+        progress: the command's ``progress`` option (:func:`eagle3_train.core.log.progress_bar`).
     """
 
     def __init__(self, *, n: int, synth: SynthConfig, regen: RegenConfig, seed: int, work_dir: Path,
                  request: dict[str, Any], overwrite: bool, load_model: Any, tokenizer: Any, special: set[int],
-                 template_name: str, rank: int = 0, world: int = 1, barrier: Any = None, progress: bool = True):
+                 template_name: str, rank: int = 0, world: int = 1, barrier: Any = None, progress: bool | None = True):
         if n <= 0:
             raise ConfigError(f"synthesize must be a positive number of conversations, got {n}")
         self.n, self.synth, self.regen, self.seed = n, synth, regen, seed
@@ -392,8 +396,8 @@ class Synthesizer:
             n_chunks += min(3 * n_chunks, max(1, -(-int((self.n - len(kept)) / rate * 1.1) // size)))
         seconds = time.perf_counter() - start
         if len(kept) < self.n:
-            print(f"eagle3-prepare: only {len(kept)} of {self.n} synthesized conversations passed the filters "
-                  f"after {n_chunks} chunks; see counts.synthesis in the manifest", flush=True)
+            logger.warning(f"eagle3-prepare: only {len(kept)} of {self.n} synthesized conversations passed the filters "
+                           f"after {n_chunks} chunks; see counts.synthesis in the manifest")
         stats = {
             "conversations_asked": self.n,
             "conversations_kept": min(len(kept), self.n),
@@ -439,8 +443,8 @@ class Synthesizer:
                  for g, (system, starter) in zip(ids, map(self.steering, ids))]
         dropped: Counter = Counter()
         new_tokens = 0
-        bar = tqdm(total=len(convs) * self.synth.turns * 2, desc=f"synthesize chunk {chunk}", unit="turn",
-                   disable=not self.progress)
+        bar = progress_bar(total=len(convs) * self.synth.turns * 2, desc=f"synthesize chunk {chunk}", unit="turn",
+                           show=self.progress)
         for turn in range(self.synth.turns):
             alive = [c for c in convs if c["alive"]]
             if not alive:

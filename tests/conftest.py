@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,21 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+@pytest.fixture
+def said(caplog):
+    """``said()``: the text the code under test logged (this package's loggers, INFO and above)
+    since the last call, one record a line."""
+    for name in ("eagle3_train", "data_prep"):
+        caplog.set_level(logging.INFO, logger=name)
+
+    def read() -> str:
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        caplog.clear()
+        return text
+
+    return read
 
 # Three template families the loss mask must be right for. Literal special tokens are those of the
 # tiny tokenizer (eagle3_train.targets.TINY_SPECIAL_TOKENS).

@@ -59,7 +59,8 @@ def test_every_group_option_composes():
             obj = to_config(compose_config("train.yaml", overrides + [f"{group.name}={option.stem}"]), schema)
             assert isinstance(obj, schema)
     assert to_config(compose_config("train.yaml", overrides + ["deepspeed=zero3"]), schema).deepspeed.zero_stage == 3
-    assert to_config(compose_config("train.yaml", overrides + ["logging=wandb"]), schema).logging.wandb
+    assert to_config(compose_config("train.yaml", overrides + ["logging=wandb"]), schema).logging.tracker == "wandb"
+    assert to_config(compose_config("train.yaml", overrides + ["logging=tensorboard"]), schema).logging.tracker == "tensorboard"
 
 
 def test_config_checks_run_on_final_values():

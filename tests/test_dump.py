@@ -262,12 +262,12 @@ def test_tensor_parallel_dump_equals_single_process(prepared, tmp_path):
             torch.testing.assert_close(b[sid][k], a[sid][k], atol=1e-5, rtol=0)
 
 
-def test_a_capture_no_engine_serves_is_warned_before_dumping(prepared, tmp_path, capsys):
+def test_a_capture_no_engine_serves_is_warned_before_dumping(prepared, tmp_path, caplog):
     """HF index 0 (the embeddings) reaches no served draft (SGLang cannot name it, vLLM's id 0
     arrives overwritten): the dump says so when it starts; an ordinary capture says nothing."""
     dump(prepared, tmp_path / "ok")
-    assert "no serving engine" not in capsys.readouterr().out
+    assert "no serving engine" not in caplog.text
     dump(prepared, tmp_path / "embed", capture=CaptureConfig(aux_indices=[0, 2, 3]))
-    out = capsys.readouterr().out
+    (out,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "warning: no serving engine can feed a draft the capture [0, 2, 3]" in out
     assert "vLLM's id 0 arrives overwritten" in out and "its id would be -1" in out

@@ -129,18 +129,18 @@ def test_export_writes_its_keys_and_its_serve_command(root):
     assert f"| Stand-in 0.1 | `{KEY}` | `[0, 1, 2]` | HF [1, 2, 3] |" in card
 
 
-def test_check_and_eval_resolve_by_its_rule(root, capsys):
+def test_check_and_eval_resolve_by_its_rule(root, said):
     """Check and eval read the stand-in's key by its rule (it is registered while the module's fixture lives)."""
     engines = ["sglang", "vllm", "standin"]
-    capsys.readouterr()
+    said()
     assert run_check(CheckConfig(draft=str(root / "export"), target="tiny", engines=engines)) == 0
-    assert f"standin 0.1: {KEY}=[0, 1, 2] -> captures HF [1, 2, 3]  OK" in capsys.readouterr().out
+    assert f"standin 0.1: {KEY}=[0, 1, 2] -> captures HF [1, 2, 3]  OK" in said()
     shifted = root / "shifted"  # only the stand-in's key moved: only the stand-in's capture moves
     shutil.copytree(root / "export", shifted)
     config = json.loads((shifted / "config.json").read_text())
     (shifted / "config.json").write_text(json.dumps(config | {KEY: [1, 2, 3]}))
     assert run_check(CheckConfig(draft=str(shifted), target="tiny", engines=engines)) == 1
-    out = capsys.readouterr().out
+    out = said()
     assert f"standin 0.1: {KEY}=[1, 2, 3] -> captures HF [2, 3] + the pre-norm final state (no HF index)  MISMATCH" in out
     assert "sglang 0.5.17, 0.5.23: eagle_config.eagle_aux_hidden_state_layer_ids=[0, 1, 2] -> captures HF [1, 2, 3]  OK" in out
 

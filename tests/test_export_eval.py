@@ -121,42 +121,42 @@ def test_right_config_beats_off_by_one_and_both_are_lossless(pipeline):
     assert again["target_seconds"] == right["target_seconds"]
 
 
-def test_check_flags_what_engines_would_get_wrong(pipeline, capsys):
+def test_check_flags_what_engines_would_get_wrong(pipeline, said):
     run = lambda d, **kw: run_check(CheckConfig(draft=str(d), target=str(pipeline / "target"), **kw))  # noqa: E731
     assert run(pipeline / "export") == 0
     top_only = off_by_one(pipeline, "top_only", lambda c: c.pop("eagle_config"))
     assert run(top_only) == 1
-    out = capsys.readouterr().out
+    out = said()
     assert "sglang 0.5.17, 0.5.23: no ids where it reads -> engine default" in out and "silently uses the default" in out
     shifted = off_by_one(pipeline, "shifted", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]))
     assert run(shifted) == 1
     # SGLang's id 3 + 1 lands on N = 4: the pre-norm final state, which no HF index names
-    assert "captures HF [2, 3] + the pre-norm final state (no HF index), the draft was trained on [1, 2, 3]" in capsys.readouterr().out
+    assert "captures HF [2, 3] + the pre-norm final state (no HF index), the draft was trained on [1, 2, 3]" in said()
     zeros = off_by_one(pipeline, "zeros", lambda c: None)
     w = load_file(str(zeros / "model.safetensors"))
     w["d2t"] = torch.zeros(200, dtype=torch.int64)  # a 200-token draft vocab mapped to ids 0..199
     save_file(w, str(zeros / "model.safetensors"))
     assert run(zeros) == 1
-    assert "d2t is all zeros" in capsys.readouterr().out
+    assert "d2t is all zeros" in said()
     # a third-party draft without our block: the user says what it was trained on
     foreign = off_by_one(pipeline, "foreign", lambda c: c.pop("eagle3_train"))
     assert run(foreign, trained=[1, 2, 3]) == 0 and run(foreign, trained=[2, 3]) == 1
-    capsys.readouterr()
+    said()
     extra = off_by_one(pipeline, "extra", lambda c: None)  # a weight no engine's draft has (and embeddings, which they load)
     w = load_file(str(extra / "model.safetensors"))
     w["aux_norm.weight"], w["embed_tokens.weight"] = torch.ones(3), torch.zeros(2, 2)
     save_file(w, str(extra / "model.safetensors"))
     assert run(extra) == 1
-    assert "weights ['aux_norm.weight'] are not part of the EAGLE-3 draft the engines build" in capsys.readouterr().out
+    assert "weights ['aux_norm.weight'] are not part of the EAGLE-3 draft the engines build" in said()
     # against another target: the layers resolved OK there too, but the shapes say it is not the one
     assert run_check(CheckConfig(draft=str(pipeline / "export"), target="tiny:llama")) == 1
-    out = capsys.readouterr().out
+    out = said()
     assert "fc takes states of width 192, but 3 layers of this target (hidden 256) are 768 wide" in out
     assert "hidden_size 64 (trained) != 256 (this target)" in out and "vocab_size" not in out  # both have 320
     assert "the draft was trained against another target" in out and "num_hidden_layers 4 (trained) != 8" in out
     # the same shapes, another config (a quantized or re-saved copy looks like this): a warning only
     assert run_check(CheckConfig(draft=str(pipeline / "export"), target="tiny")) == 0
-    assert "WARNING: the target's config differs from the one the draft was trained against" in capsys.readouterr().out
+    assert "WARNING: the target's config differs from the one the draft was trained against" in said()
 
 
 def test_bad_drafts(pipeline, tmp_path):

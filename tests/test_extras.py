@@ -13,7 +13,8 @@ from data_prep.synthesize import DuplicateFilter
 from eagle3_train.core.extras import EXTRAS, MissingExtraError
 from eagle3_train.engines.http import wait_ready
 from eagle3_train.evaluation.eval import plot_acceptance
-from eagle3_train.training.metrics import wandb_tracker
+from eagle3_train.training.config import LoggingConfig
+from eagle3_train.training.tracking import open_tracker
 from test_imports import ROOT, project_modules
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
@@ -31,8 +32,9 @@ def test_every_module_imports_without_the_extras():
 
 
 CALLS = {
-    "wandb": lambda tmp: wandb_tracker(SimpleNamespace(wandb=True, wandb_project="p", wandb_mode="offline",
-                                                       run_name=None), tmp, {}, True),
+    "wandb": lambda tmp: open_tracker(SimpleNamespace(tracker="wandb", wandb_project="p", wandb_entity=None,
+                                                      wandb_mode="offline", run_name=None), tmp, {}, 0, True),
+    "tensorboard": lambda tmp: LoggingConfig(tracker="tensorboard"),  # refused as the config is read
     "aiohttp": lambda tmp: asyncio.run(wait_ready(None, ["http://127.0.0.1:9"], 0.1)),
     "matplotlib": lambda tmp: plot_acceptance({}, tmp / "acceptance.png"),
     "datasketch": lambda tmp: DuplicateFilter(0.8),

@@ -98,7 +98,7 @@ def test_export_resolves_to_the_trained_capture_in_every_engine(fam):
     assert rules_for("vllm", mt) and rules_for("sglang", mt), f"{mt}: every tiny family is one both engines serve"
 
 
-def test_check_accepts_the_export_and_refuses_broken_copies(fam, tmp_path, capsys):
+def test_check_accepts_the_export_and_refuses_broken_copies(fam, tmp_path, said):
     target = fam["target"]
     assert run_check(CheckConfig(draft=str(fam["root"] / "export"), target=target)) == 0
     config = json.loads((fam["root"] / "export" / "config.json").read_text())
@@ -115,9 +115,9 @@ def test_check_accepts_the_export_and_refuses_broken_copies(fam, tmp_path, capsy
         c["eagle_aux_hidden_state_layer_ids"] = [v + 1 for v in c["eagle_aux_hidden_state_layer_ids"]]
         c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [v + 1 for v in c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
 
-    capsys.readouterr()
+    said()
     assert run_check(CheckConfig(draft=broken("shifted", shift), target=target)) == 1
-    assert "MISMATCH" in capsys.readouterr().out
+    assert "MISMATCH" in said()
     # only where vLLM reads them: SGLang silently falls back to its default (here the trained one,
     # which the check reports as a warning only), vLLM reads them
     assert run_check(CheckConfig(draft=broken("nested_only", lambda c: c.pop("eagle_aux_hidden_state_layer_ids")),

@@ -138,13 +138,14 @@ def test_served_figures_are_the_servers_counts_over_the_run(prompts, tmp_path):
          {"role": "assistant", "content": reply[("3", 1)]}, {"role": "user", "content": "again"}]]
 
 
-def test_other_clients_requests_are_flagged(prompts, tmp_path, capsys):
+def test_other_clients_requests_are_flagged(prompts, tmp_path, caplog):
     with standin() as server:
         server.other_traffic = True  # every request is counted twice, as if another client sent its twin
         report = measure(server.url, prompts, tmp_path / "out")
     assert report["server_counted"]["requests"] == 10 and report["drafts"] == 22
     assert "the server counted 10 finished requests" in report["warnings"][0]
-    assert "other requests (another client, a retry) are in the figures" in capsys.readouterr().err
+    assert [r for r in caplog.records if r.levelname == "WARNING" and "other requests (another client, a retry) are "
+            "in the figures" in r.getMessage()]
 
 
 def test_clear_errors(prompts, tmp_path):

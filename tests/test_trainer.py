@@ -15,7 +15,15 @@ from data_prep.standardize import StandardizeConfig, Standardizer
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, Eagle3Error
 from eagle3_train.serving.export import ExportConfig, Exporter, run_sha256
 from eagle3_train.training.checkpoint import BestTracker
-from eagle3_train.training.config import DeepSpeedConfig, ModelOptions, OptimConfig, TrainConfig, lr_factor
+from eagle3_train.training.config import (
+    DeepSpeedConfig,
+    LoggingConfig,
+    ModelOptions,
+    OptimConfig,
+    TrainConfig,
+    lr_factor,
+)
+from eagle3_train.training.tracking import TRACKER_FILE
 from eagle3_train.training.trainer import Trainer
 from test_standardize import make_dump
 
@@ -214,7 +222,7 @@ def test_resume_refuses_another_vocab_map(std, tmp_path):
         train(data, tmp_path / "r", max_steps=4)
 
 
-def test_a_rerun_with_a_changed_option_is_refused_by_name(std, tmp_path, capsys):
+def test_a_rerun_with_a_changed_option_is_refused_by_name(std, tmp_path, said):
     """Every option that changes the weights is in the run's request (core.fingerprint): a rerun
     that changes one is refused naming it; an option listed as outside the request (how often it
     logs) is taken; raising max_steps extends the run, says so, and with a constant lr gives the
@@ -228,11 +236,11 @@ def test_a_rerun_with_a_changed_option_is_refused_by_name(std, tmp_path, capsys)
         with pytest.raises(ContractError, match=rf"(?s)holds a finished training run made otherwise.*\n  {field}\n"
                                                 r".*only with the options it was started with"):
             train(std, run, **({"max_steps": 2, "schedule": "constant"} | change))
-    capsys.readouterr()
+    said()
     train(std, run, max_steps=2, schedule="constant", log_every=5)  # outside the request: nothing to do
-    assert "already trained at step 2; nothing to do" in capsys.readouterr().out
+    assert "already trained at step 2; nothing to do" in said()
     train(std, run, max_steps=4, schedule="constant")
-    assert "train.max_steps: 2 -> 4: the run continues from step 2 to 4 (was 2)" in capsys.readouterr().out
+    assert "train.max_steps: 2 -> 4: the run continues from step 2 to 4 (was 2)" in said()
     train(std, tmp_path / "straight", max_steps=4, schedule="constant")
     last = lambda d: load_file(str(d / "checkpoints" / "step4" / "draft.safetensors"))  # noqa: E731
     a, b = last(run), last(tmp_path / "straight")
@@ -567,3 +575,48 @@ def test_wider_mlp_is_exported_and_loaded_back(std, tmp_path):
     exported = load_file(str(tmp_path / "x" / "model.safetensors"))
     assert head.midlayer.mlp.down_proj.weight.shape == (64, 96)
     assert torch.equal(head.midlayer.mlp.down_proj.weight, exported["midlayer.mlp.down_proj.weight"])
+
+
+def _tracked(std, out, logging_cfg, **opt):
+    """A short run (every step logged and saved) with the tracker ``logging_cfg`` names."""
+    o = OptimConfig(**({"ttt_length": 2, "lr": 3e-3, "max_tokens_per_batch": 600, "log_every": 1, "max_steps": 2,
+                        "save_every": 1} | opt))
+    t = Trainer(TrainConfig(data=str(std), target="tiny", out=str(out), train=o, progress=False, logging=logging_cfg))
+    try:
+        return t.run()
+    finally:
+        t.close()
+
+
+def test_resume_continues_the_same_offline_wandb_run(std, tmp_path, monkeypatch):
+    """A run continued by resume=auto logs into the wandb run it started (offline: wandb names its
+    directory by the id), whose id the run directory keeps."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    _tracked(std, out, LoggingConfig(tracker="wandb"), max_steps=2)
+    _tracked(std, out, LoggingConfig(tracker="wandb"), max_steps=3)  # continues from step 2
+    run_id = json.loads((out / TRACKER_FILE).read_text())["wandb_run_id"]
+    runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs)
+
+
+def test_tensorboard_holds_the_logged_scalars(std, tmp_path):
+    """logging=tensorboard: the events under <out>/tensorboard hold every scalar of metrics.jsonl,
+    at its step, once; a continued run adds its steps to them (none lost, none repeated)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    _tracked(std, out, LoggingConfig(tracker="tensorboard"), max_steps=2, eval_every=1)
+    _tracked(std, out, LoggingConfig(tracker="tensorboard"), max_steps=3, eval_every=1)
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    records = metrics(out)
+    for name in ("loss", "lr", "tau", "eval_loss", "eval_tau", "acc/0", "eval_acc/1"):
+        key, _, j = name.partition("/")
+        want = [(r["step"], r[key][int(j)] if j else r[key]) for r in records if key in r]
+        got = [(e.step, e.value) for e in events.Scalars(name)]
+        assert [s for s, _ in got] == [s for s, _ in want], name
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), name

@@ -3,10 +3,14 @@ dump, or print an engine's launch command)."""
 
 from __future__ import annotations
 
+import logging
+
 from data_prep.dump.backend import make_backend
 from data_prep.dump.config import DumpConfig
 from data_prep.dump.stage import Dumper, verify
 from eagle3_train.core.cli import entry_point
+
+logger = logging.getLogger(__name__)
 
 
 def launch_text(cfg: DumpConfig) -> str:
@@ -19,13 +23,13 @@ def _run(cfg: DumpConfig) -> int:
     otherwise this process dumps its share."""
     if cfg.verify:
         assert cfg.out is not None  # DumpConfig requires out= but for print_launch
-        problems = verify(cfg.out)
+        problems = verify(cfg.out, cfg.progress)
         for p in problems:
-            print(f"eagle3-dump verify: {p}")
-        print(f"eagle3-dump verify: {'OK' if not problems else f'{len(problems)} problems'} ({cfg.out})")
+            logger.error(f"eagle3-dump verify: {p}")
+        logger.info(f"eagle3-dump verify: {'OK' if not problems else f'{len(problems)} problems'} ({cfg.out})")
         return 1 if problems else 0
     if cfg.print_launch:
-        print(launch_text(cfg))
+        print(launch_text(cfg))  # the command's output, to copy or pipe: not a log message
         return 0
     backend = make_backend(cfg)
     try:

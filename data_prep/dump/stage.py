@@ -9,6 +9,7 @@ the shard writer, coverage (every sample stored exactly once) and the manifest, 
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import time
@@ -16,22 +17,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from data_prep.dump.backend import Backend, make_backend
 from data_prep.dump.config import DumpConfig, stored_indices
 from data_prep.dump.writer import ShardWriter
 from eagle3_train.core.cli import config_dict
 from eagle3_train.core.contract import MANIFEST_NAME, CaptureSpec, read_manifest
-from eagle3_train.core.dist import all_gather_objects, barrier, print0
+from eagle3_train.core.dist import all_gather_objects, barrier
 from eagle3_train.core.errors import Eagle3Error, IncompleteError
 from eagle3_train.core.fileio import remove_temporaries
 from eagle3_train.core.formats import ShardRecord, finished_records, read_keys, remove_unfinished, verify_shard
+from eagle3_train.core.log import EVERY_RANK, progress_bar
 from eagle3_train.core.prepared import PreparedData
 from eagle3_train.core.stagedir import LOCK_NAME, StageDir, hold_lock
 from eagle3_train.core.storage import bytes_per_token, layout
 from eagle3_train.engines.rules import serving_warning
 from eagle3_train.targets import load_target, resolve_dtype
+
+logger = logging.getLogger(__name__)
 
 STAGE = "dump"
 
@@ -71,14 +74,15 @@ class Dumper:
         self.backend.check(self)
         warning = serving_warning(list(aux), self.identity.model_type, self.target.num_hidden_layers)
         if warning:
-            self.say(f"warning: {warning}")
+            self.say(f"warning: {warning}", logging.WARNING)
 
-    def say(self, text: str) -> None:
-        """A progress line: once for a process group, from every independent client (named)."""
+    def say(self, text: str, level: int = logging.INFO) -> None:
+        """A message: once for a process group (rank 0), from every independent client (named)."""
         if self.team.group:
-            print0(text)
+            if self.dist.is_main:
+                logger.log(level, text)
         else:
-            print(f"eagle3-dump [client {self.dist.rank}/{self.dist.world_size}]: {text}", flush=True)
+            logger.log(level, f"eagle3-dump [client {self.dist.rank}/{self.dist.world_size}]: {text}", extra=EVERY_RANK)
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -96,7 +100,7 @@ class Dumper:
         """The manifest of a finished dump of this very request (another request is refused)."""
         manifest = self.dir.finished()
         if manifest is not None:
-            print0(f"eagle3-dump: {self.out} is already complete with this capture; nothing to do")
+            logger.info(f"eagle3-dump: {self.out} is already complete with this capture; nothing to do")
         return manifest
 
     def _claim(self) -> None:
@@ -220,7 +224,7 @@ class Dumper:
         }
         manifest = self.dir.write_manifest(body)
         rate = totals[1] / max(elapsed, 1e-9)
-        print0(
+        logger.info(
             f"eagle3-dump: {len(ids)} samples, {tokens} tokens, {total_bytes / 2**30:.2f} GiB in "
             f"{len(records)} shards -> {self.out}\n"
             f"  this run: {totals[1]} tokens in {elapsed:.1f} s ({rate:.0f} tok/s); "
@@ -231,17 +235,18 @@ class Dumper:
     def progress(self, rows: Any, desc: str) -> Any:
         """A progress bar over the tokens of ``rows`` (shown on rank 0 of a group, by every client)."""
         total = int(self.dataset["num_tokens"][:][np.asarray(rows, dtype=np.int64)].sum()) if len(rows) else 0
-        show = self.cfg.progress and (self.dist.is_main or not self.team.group)
-        return tqdm(total=total, unit="tok", unit_scale=True, desc=desc, disable=not show)
+        show = self.cfg.progress if self.dist.is_main or not self.team.group else False
+        return progress_bar(total=total, unit="tok", unit_scale=True, desc=desc, show=show, every_rank=not self.team.group)
 
 
-def verify(out: str | os.PathLike) -> list[str]:
-    """Re-read every shard of a finished dump; return the problems found, by shard name."""
+def verify(out: str | os.PathLike, progress: bool | None = None) -> list[str]:
+    """Re-read every shard of a finished dump; return the problems found, by shard name.
+    ``progress``: the command's option (:func:`eagle3_train.core.log.progress_bar`)."""
     out = Path(out).expanduser()
     manifest = read_manifest(out, STAGE)
     problems: list[str] = []
     records = [ShardRecord.from_dict(r) for r in manifest["shards"]]
-    for rec in tqdm(records, desc="verify", unit="shard"):
+    for rec in progress_bar(records, desc="verify", unit="shard", show=progress):
         problems += verify_shard(out / "shards", rec)
     listed = {f"{r.name}.safetensors" for r in records}
     for extra in sorted(p.name for p in (out / "shards").glob("*.safetensors")):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,8 +13,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from eagle3_train.core.errors import Eagle3Error
+from eagle3_train.core.log import setup_logging
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def conf_dir() -> str:
@@ -31,11 +34,11 @@ CONF_DIR = conf_dir()
 
 @contextlib.contextmanager
 def user_errors(command: str) -> Iterator[None]:
-    """Print an :class:`Eagle3Error` (or an OmegaConf error) as one message and exit with status 2."""
+    """Log an :class:`Eagle3Error` (or an OmegaConf error) as one message and exit with status 2."""
     try:
         yield
     except (Eagle3Error, OmegaConfBaseException) as e:
-        print(f"{command}: error: {e}", file=sys.stderr, flush=True)
+        logger.error(f"{command}: error: {e}")
         sys.exit(2)
 
 
@@ -124,7 +127,7 @@ def sweep_job(command: str, run: Callable[..., Any], cfg: DictConfig) -> int | N
     if module == "__main__":
         spec = getattr(sys.modules["__main__"], "__spec__", None)
         module = spec.name if spec is not None else module
-    print(f"{command}: sweep job {hc.job.num}: {' '.join(task)}", flush=True)
+    logger.info(f"{command}: sweep job {hc.job.num}: {' '.join(task)}")
     # a group of one formed earlier in this process (its port may still be bound) is not the job's
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     return subprocess.run([sys.executable, "-m", module, *task], env={**env, SWEEP_CHILD_ENV: "1"}).returncode
@@ -132,18 +135,22 @@ def sweep_job(command: str, run: Callable[..., Any], cfg: DictConfig) -> int | N
 
 def entry_point(config_name: str, schema: type[T], run: Callable[[T], Any]) -> Callable[[], None]:
     """The console entry point ``eagle3-<config_name>`` (``_`` written ``-``): compose
-    ``conf/<config_name>.yaml`` with the command-line overrides, check it as ``schema``, call
-    ``run``; user errors print one line and exit 2, and an int that ``run`` returns is the exit status."""
+    ``conf/<config_name>.yaml`` with the command-line overrides, check it as ``schema``, set up the
+    console as its ``logging.*`` says (:func:`eagle3_train.core.log.setup_logging`), call ``run``;
+    user errors print one line and exit 2, and an int that ``run`` returns is the exit status."""
     import hydra
 
     command = f"eagle3-{config_name.replace('_', '-')}"
 
     @hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")
     def _main(cfg: DictConfig) -> None:
+        setup_logging()  # the defaults until the config is read (its errors are shown too)
         with user_errors(command):
             code = sweep_job(command, run, cfg)
             if code is None:
-                code = run(to_config(cfg, schema))
+                config = to_config(cfg, schema)
+                setup_logging(config.logging)  # type: ignore[attr-defined]  # every command's schema has one
+                code = run(config)
         if isinstance(code, int) and not isinstance(code, bool) and code:
             sys.exit(code)
 

@@ -96,12 +96,6 @@ def all_gather_objects(obj: object) -> list:
     return out
 
 
-def print0(*args: object, **kwargs: object) -> None:
-    """``print`` on global rank 0 only."""
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(*args, **kwargs, flush=True)  # type: ignore[call-overload]
-
-
 def close() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -22,7 +22,7 @@ OUTSIDE_REQUEST: dict[str, dict[str, str]] = {
         "resume": "whether a used run directory may be continued",
         "device": "where the run computes",
         "progress": "the progress bar",
-        "logging": "where metrics go besides metrics.jsonl",
+        "logging": "the console and where metrics go besides metrics.jsonl",
         "train.eval_every": "when the held-out split is measured (the weights do not depend on it)",
         "train.save_every": "when checkpoints are written",
         "train.keep_last": "how many checkpoints are kept",

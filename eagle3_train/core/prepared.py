@@ -9,6 +9,7 @@ identity of the target it was tokenised for.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,11 @@ import numpy as np
 import torch
 
 from eagle3_train.core.contract import TargetIdentity, read_manifest
-from eagle3_train.core.dist import print0
 from eagle3_train.core.errors import BadInputError, ContractError, IncompleteError
 from eagle3_train.core.split import split_eval
 from eagle3_train.core.vocab import VocabMap, build_vocab_map, capped_draft_size, count_tokens
+
+logger = logging.getLogger(__name__)
 
 COUNT_CHUNK = 4096  # rows whose tokens are counted at a time (bounds the memory of a count)
 
@@ -67,7 +69,7 @@ class PreparedData:
                 f"differently ({mine.tokenizer_hash[:12]}): prepare the data with this target"
             )
         if have.config_hash != mine.config_hash:
-            print0(f"note: data prepared with {have.path}, running {mine.path} (same tokenizer, other model)")
+            logger.info(f"note: data prepared with {have.path}, running {mine.path} (same tokenizer, other model)")
         return TargetIdentity(mine.path, mine.model_type, mine.config_hash, mine.tokenizer_hash, have.chat_template_hash)
 
     def tokens(self, row: int) -> tuple[np.ndarray, np.ndarray]:

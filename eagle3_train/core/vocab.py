@@ -9,7 +9,7 @@ the V_draft most frequent loss-masked target tokens (ties: lower id first), sort
 from __future__ import annotations
 
 import hashlib
-import warnings
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +18,8 @@ from safetensors.torch import load_file, save
 
 from eagle3_train.core.errors import BadInputError, ConfigError
 from eagle3_train.core.fileio import atomic_write_bytes
+
+logger = logging.getLogger(__name__)
 
 DRAFT_VOCAB_SIZE = 32000  # the default size of the draft vocab (eagle3-standardize, online training)
 
@@ -66,8 +68,7 @@ class VocabMap:
 def capped_draft_size(draft_vocab_size: int, target_vocab_size: int) -> int:
     """The draft vocab size asked for, capped at the target's vocab (with a warning)."""
     if draft_vocab_size > target_vocab_size:
-        warnings.warn(f"draft_vocab_size {draft_vocab_size} capped at the target vocab size {target_vocab_size}",
-                      stacklevel=3)
+        logger.warning(f"warning: draft_vocab_size {draft_vocab_size} capped at the target vocab size {target_vocab_size}")
     return min(draft_vocab_size, target_vocab_size)
 
 
@@ -87,11 +88,8 @@ def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int) -> VocabM
     chosen = order[:draft_vocab_size]
     seen = int((counts > 0).sum())
     if seen < draft_vocab_size:
-        warnings.warn(
-            f"only {seen} distinct tokens occur in the training data; the draft vocab of "
-            f"{draft_vocab_size} is filled with the {draft_vocab_size - seen} lowest unseen ids",
-            stacklevel=2,
-        )
+        logger.warning(f"warning: only {seen} distinct tokens occur in the training data; the draft vocab of "
+                       f"{draft_vocab_size} is filled with the {draft_vocab_size - seen} lowest unseen ids")
     return VocabMap(torch.sort(chosen).values, counts)
 
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from eagle3_train.core.errors import Eagle3Error
 from eagle3_train.core.extras import optional_import
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -71,7 +74,7 @@ async def wait_ready(session: Any, base_urls: list[str], wait_s: float, command:
                 raise Eagle3Error(f"{base} did not become ready within {wait_s:.0f} s ({problem}); is the engine running? "
                                   f"{hint}")
             if not said:
-                print(f"{command}: waiting for {base} ({problem})", flush=True)
+                logger.info(f"{command}: waiting for {base} ({problem})")
                 said = True
             await asyncio.sleep(2.0)
 

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import datetime
 import json
+import logging
 import os
 import platform
 import shlex
@@ -51,6 +52,7 @@ from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.errors import ConfigError, check_numbers
 from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
+from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import Conversation, read_conversations, shipped_prompts
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import Engine, SpecMetrics
@@ -63,6 +65,8 @@ from eagle3_train.evaluation.served_acceptance import (
     figures,
     parse_prometheus,
 )
+
+logger = logging.getLogger(__name__)
 
 COMMAND = "eagle3-bench"
 RESULTS_NAME = "results.json"
@@ -101,6 +105,7 @@ class BenchConfig:
     backoff_s: float = 1.0  # the first retry's delay, doubled on every further one
     settle_s: float = 0.5  # /metrics is read again every settle_s until two reads agree (the engine counts just after answering)
     plot: bool = True  # draw speedup.png (needs the plots extra, matplotlib)
+    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         registry.engine(self.engine, "bench", "engine")
@@ -263,7 +268,7 @@ class Bench:
             return
         url = f"http://127.0.0.1:{self.cfg.port}"
         argv = self.argv(side)
-        print(f"{COMMAND}: starting the {side} engine: {shlex.join(argv)}", flush=True)
+        logger.info(f"{COMMAND}: starting the {side} engine: {shlex.join(argv)}")
         engine = StartedEngine(argv, self.out / f"engine-{side}.log", url)
         try:
             engine.wait_ready(self.cfg.startup_timeout_s)
@@ -364,8 +369,8 @@ class Bench:
                     counts = None if before is None else (await client.settled(session)).minus(before, f"{url}/metrics")
                     levels.append({"temperature": temperature, "concurrency": concurrency, "requests": requests,
                                    "seconds": seconds, "counts": counts})
-                    print(f"{COMMAND}: {side}: temperature {temperature}, concurrency {concurrency}: "
-                          f"{sum(r.completion_tokens for r in requests) / seconds:.1f} tokens/s", flush=True)
+                    logger.info(f"{COMMAND}: {side}: temperature {temperature}, concurrency {concurrency}: "
+                                f"{sum(r.completion_tokens for r in requests) / seconds:.1f} tokens/s")
             if checks_metrics and (drafted := await self.drafts_counted(session, client) - drafts_before):
                 raise EngineError(f"{url}/metrics counted {drafted:.0f} drafts during the baseline's run: the baseline "
                                   f"engine serves the target with a draft; it must serve it alone")
@@ -431,10 +436,10 @@ class Bench:
         if c.plot:
             plot_speedup(report, self.out / "speedup.png")
         for warning in self.warnings:
-            print(f"{COMMAND}: warning: {warning}", file=sys.stderr, flush=True)
+            logger.warning(f"{COMMAND}: warning: {warning}")
         summary = ", ".join(f"c={r['concurrency']}" + (f" T={r['temperature']}" if len(c.temperatures) > 1 else "")
                             + f": {r['speedup']:.2f}x (tau {r['spec']['mean_acceptance_length']:.2f})" for r in rows)
-        print(f"{COMMAND} ({c.engine}): speed-up {summary} -> {self.out / RESULTS_NAME}", flush=True)
+        logger.info(f"{COMMAND} ({c.engine}): speed-up {summary} -> {self.out / RESULTS_NAME}")
         return report
 
 

@@ -21,9 +21,9 @@ status 1). Writes ``report.json``, ``outputs.jsonl`` and ``acceptance.png`` to `
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, 
 from eagle3_train.core.extras import optional_import
 from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fileio import remove_temporaries, sha256_file
+from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import Conversation, read_conversations
 from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.engines import registry
@@ -49,6 +50,8 @@ from eagle3_train.model import Eagle3Draft
 from eagle3_train.serving.card import eval_dir
 from eagle3_train.serving.export import draft_config_from_json
 from eagle3_train.targets import Target, eos_ids, load_target, text_config
+
+logger = logging.getLogger(__name__)
 
 REPORT_NAME = "report.json"  # the eval directory's record, written last (eagle3_train.core.stagedir)
 
@@ -81,8 +84,9 @@ class EvalConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     cache_dir: str | None = None  # where GGUF targets are converted once
     chat_template: str | None = None  # replaces the tokenizer's template (as in prepare)
-    progress: bool = True  # progress bar on the console
+    progress: bool | None = None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
     plot: bool = True  # draw acceptance.png (needs the plots extra, matplotlib)
+    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, auto=True)
@@ -238,7 +242,7 @@ class Evaluator:
         self.draft_dir = Path(cfg.draft).expanduser()
         self.draft, self.config = load_draft(self.draft_dir, self.target)
         if (warning := short_training_warning(self.config, cfg.depth, cfg.tree is not None)) is not None:
-            print(f"eagle3-eval: warning: {warning}", file=sys.stderr, flush=True)
+            logger.warning(f"eagle3-eval: warning: {warning}")
         self.dtype = next(self.target.model.parameters()).dtype
         self.draft.to(device, self.dtype)
         tc = text_config(self.target.config)
@@ -256,7 +260,7 @@ class Evaluator:
             self.warnings.append(f"{cfg.engine} feeds the last layer's output before the final norm ({how}); no HF "
                                  f"index names it and no draft trained here saw it; eval feeds it as the engine would")
         for warning in self.warnings:
-            print(f"eagle3-eval: warning: {warning}", file=sys.stderr, flush=True)
+            logger.warning(f"eagle3-eval: warning: {warning}")
         if any(k < 0 or k > tc.num_hidden_layers for k in self.layers):
             raise ContractError(f"{cfg.engine} would capture HF indices {self.layers}, outside 0..{tc.num_hidden_layers}")
         if len(self.layers) * tc.hidden_size != self.draft.fc.in_features:
@@ -310,14 +314,14 @@ class Evaluator:
                 results.append(TurnResult(conversations[i], turn, len(prompt), s.tokens, s.accepted,
                                           lossless_check(s.tokens, r, self.threshold), replies[i][-1]))
             fault_point("eval.turn")
-            if self.cfg.progress:
-                print(f"eagle3-eval: turn {turn + 1}: {len(idx)} prompts, speculative {seconds['speculative']:.1f} s, "
-                      f"greedy {seconds['greedy']:.1f} s so far", flush=True)
+            if self.cfg.progress is not False:
+                logger.info(f"eagle3-eval: turn {turn + 1}: {len(idx)} prompts, speculative {seconds['speculative']:.1f} s, "
+                            f"greedy {seconds['greedy']:.1f} s so far")
         return results, seconds
 
     def request(self) -> dict[str, Any]:
         """What decides the report: options (not where it goes), the draft files, the target."""
-        opts = {k: v for k, v in config_dict(self.cfg).items() if k not in ("out", "progress", "plot")}
+        opts = {k: v for k, v in config_dict(self.cfg).items() if k not in ("out", "progress", "plot", "logging")}
         files = {p.name: sha256_file(p) for p in (self.draft_dir / "config.json", self.draft_dir / "model.safetensors")}
         return {"options": opts, "draft": files, "target": self.target.identity.to_dict()}
 
@@ -329,7 +333,7 @@ class Evaluator:
         out = StageDir(self.out, "eval", self.request(), record=REPORT_NAME)
         old = out.finished(replace=True)  # a report of other options or another draft is redone
         if old is not None:
-            print(f"eagle3-eval: {self.out / REPORT_NAME} is up to date (tau {old['tau']:.2f}); nothing to do")
+            logger.info(f"eagle3-eval: {self.out / REPORT_NAME} is up to date (tau {old['tau']:.2f}); nothing to do")
             return old
         conversations = self.conversations()
         results, seconds = self.decode(conversations)
@@ -382,18 +386,17 @@ class Evaluator:
         drafts = (f"tree topk={self.cfg.topk} num_steps={k} num_draft_tokens={self.cfg.num_draft_tokens}"
                   if self.cfg.tree else f"chain k={k}")
         by_position = {f"{b['from']}-{b['to']}": round(b["tau"], 2) for b in report["by_reply_position"]}
-        print(f"eagle3-eval ({self.cfg.engine}: {self.resolution.describe()} from {self.resolution.source}; {drafts}): "
-              f"tau {report['tau']:.2f} over {report['verify_steps']} verify steps, acceptance per "
-              f"{'depth' if self.cfg.tree else 'position'} {[round(p, 3) for p in report['acceptance_per_position']]}; "
-              f"tau by reply position {by_position}; "
-              f"per category "
-              f"{ {cat: round(v['tau'], 2) for cat, v in report['categories'].items()} }; lossless {report['lossless']} "
-              f"{counts}; {report['speculative_tokens_per_s']:.0f} tokens/s speculative, {report['speedup']:.2f}x the "
-              f"speed of plain greedy (batch {self.cfg.batch_size}) -> {self.out}")
+        logger.info(f"eagle3-eval ({self.cfg.engine}: {self.resolution.describe()} from {self.resolution.source}; "
+                    f"{drafts}): tau {report['tau']:.2f} over {report['verify_steps']} verify steps, acceptance per "
+                    f"{'depth' if self.cfg.tree else 'position'} {[round(p, 3) for p in report['acceptance_per_position']]}; "
+                    f"tau by reply position {by_position}; "
+                    f"per category "
+                    f"{ {cat: round(v['tau'], 2) for cat, v in report['categories'].items()} }; lossless "
+                    f"{report['lossless']} {counts}; {report['speculative_tokens_per_s']:.0f} tokens/s speculative, "
+                    f"{report['speedup']:.2f}x the speed of plain greedy (batch {self.cfg.batch_size}) -> {self.out}")
         for case in cases:
-            print(f"eagle3-eval: {case['status']}: {case['source']} turn {case['turn']} differs at token "
-                  f"{case['position']} (reference margin {case['margin']}, threshold {case['threshold']})",
-                  file=sys.stderr)
+            logger.warning(f"eagle3-eval: {case['status']}: {case['source']} turn {case['turn']} differs at token "
+                           f"{case['position']} (reference margin {case['margin']}, threshold {case['threshold']})")
         return report
 
 

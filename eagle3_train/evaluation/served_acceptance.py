@@ -42,10 +42,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
-import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +56,13 @@ from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.errors import ConfigError, check_numbers
 from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
+from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import Conversation, read_conversations
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import SpecMetrics
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
+
+logger = logging.getLogger(__name__)
 
 COMMAND = "eagle3-served-acceptance"
 REPORT_NAME = "report.json"
@@ -102,6 +105,7 @@ class ServedAcceptanceConfig:
     backoff_s: float = 1.0  # the first retry's delay, doubled on every further one
     wait_for_server_s: float = 0.0  # how long to wait for the server's /health at start (0: it must answer now)
     settle_s: float = 0.5  # /metrics is read again every settle_s until two reads agree (the engine counts just after answering)
+    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         registry.engine(self.engine, "acceptance", "engine")
@@ -534,15 +538,15 @@ class ServedAcceptance(EngineClient):
         atomic_write_bytes(self.out / "outputs.jsonl", "".join(lines).encode())
         atomic_write_json(self.out / REPORT_NAME, report)
         for warning in self.warnings:
-            print(f"{COMMAND}: warning: {warning}", file=sys.stderr, flush=True)
+            logger.warning(f"{COMMAND}: warning: {warning}")
         cats = {cat: round(v["mean_acceptance_length"], 2) for cat, v in report["categories"].items()
                 if "mean_acceptance_length" in v}
-        print(f"{COMMAND} ({self.cfg.engine} at {self.url}, model {self.model}): mean acceptance length "
-              f"{report['mean_acceptance_length']:.2f} over {report['drafts']} drafts of {report['mean_draft_length']:.2f} "
-              f"tokens, acceptance per position {[round(p, 3) for p in report['acceptance_per_position']]} (conditional "
-              f"{[round(p, 3) for p in report['conditional_acceptance_per_position']]}); per category {cats}; "
-              f"{report['requests']} requests, {report['completion_tokens']} tokens in {seconds:.1f} s -> {self.out}",
-              flush=True)
+        logger.info(f"{COMMAND} ({self.cfg.engine} at {self.url}, model {self.model}): mean acceptance length "
+                    f"{report['mean_acceptance_length']:.2f} over {report['drafts']} drafts of "
+                    f"{report['mean_draft_length']:.2f} tokens, acceptance per position "
+                    f"{[round(p, 3) for p in report['acceptance_per_position']]} (conditional "
+                    f"{[round(p, 3) for p in report['conditional_acceptance_per_position']]}); per category {cats}; "
+                    f"{report['requests']} requests, {report['completion_tokens']} tokens in {seconds:.1f} s -> {self.out}")
         return report
 
 

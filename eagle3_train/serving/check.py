@@ -14,6 +14,7 @@ mismatch or problem, 0 otherwise.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,13 @@ from safetensors import safe_open
 
 from eagle3_train.core.cli import entry_point
 from eagle3_train.core.errors import BadInputError, ConfigError
+from eagle3_train.core.log import LogConfig
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import lookup
 from eagle3_train.engines.rules import fc_skipped, foreign_weights_text, resolve, rules_for, unloadable_weights
 from eagle3_train.targets import text_config
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,6 +44,7 @@ class CheckConfig:
     trained: list[int] | None = None  # HF indices the draft was trained on (null: its eagle3_train block)
     engines: list[str] = field(default_factory=lambda: registry.names("export"))  # engines to check (any with layer-id rules: sglang, vllm, trtllm)
     cache_dir: str | None = None  # where GGUF targets are converted once
+    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         known = registry.names("rules")
@@ -213,11 +218,11 @@ def run_check(cfg: CheckConfig) -> int:
     trained = list(cfg.trained) if cfg.trained is not None else (config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"))
     lines, findings = check(config, tensors, target_config(cfg.target, cfg.cache_dir), trained, list(cfg.engines), names)
     for line in lines:
-        print(line)
-    for f in findings:
-        print(f"{f.level.upper()}: {f.text}")
+        logger.info(line)
+    for f in findings:  # a finding's level is its record's: errors and warnings go to stderr
+        logger.log(logging.ERROR if f.level == "error" else logging.WARNING, f"{f.level.upper()}: {f.text}")
     errors = sum(f.level == "error" for f in findings)
-    print(f"eagle3-check: {draft}: {'OK' if not errors else f'{errors} problem(s)'}")
+    logger.info(f"eagle3-check: {draft}: {'OK' if not errors else f'{errors} problem(s)'}")
     return 1 if errors else 0
 
 

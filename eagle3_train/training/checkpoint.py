@@ -6,6 +6,7 @@ track across a resume."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,10 +16,13 @@ import torch
 from torch import nn
 
 from eagle3_train.core.contract import BEST_FILE, MANIFEST_NAME, run_checkpoints
-from eagle3_train.core.dist import barrier, print0
+from eagle3_train.core.dist import barrier
 from eagle3_train.core.errors import ContractError, Eagle3Error
 from eagle3_train.core.fileio import atomic_write_json, remove_temporaries
 from eagle3_train.core.stagedir import StageDir, hold_lock
+from eagle3_train.training.tracking import TRACKER_FILE
+
+logger = logging.getLogger(__name__)
 
 
 def consolidated_state_dict(model: nn.Module, zero_stage: int) -> dict[str, torch.Tensor]:
@@ -115,7 +119,8 @@ def run_directory(out: Path, capture: dict[str, Any], vocab_sha: str, draft_conf
 def open_run(out: Path, run_dir: StageDir, resume: str, keep_best: bool, metrics: Path, config: dict[str, Any],
              is_main: bool) -> Path | None:
     """Claim the run directory for this request (collective); the checkpoint to continue from, or
-    None for a fresh start, which clears an earlier run's metrics and writes ``config.json``."""
+    None for a fresh start, which clears an earlier run's metrics (and its tracker's run id) and
+    writes ``config.json``."""
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         hold_lock(out, run_dir.what)  # (the claim below takes it too) before a killed run's leftovers go:
@@ -126,14 +131,15 @@ def open_run(out: Path, run_dir: StageDir, resume: str, keep_best: bool, metrics
         raise ContractError(f"{out} already holds checkpoints; resume=auto continues it, or use another out=")
     run_dir.claim(replace=not ckpts)  # checkpoints are continued only by the same request
     if is_main and (partial := remove_unfinished_checkpoints(out)):
-        print0(f"eagle3-train: removed the unfinished checkpoints {partial} of an interrupted run")
+        logger.info(f"eagle3-train: removed the unfinished checkpoints {partial} of an interrupted run")
     if is_main and (not ckpts or not keep_best):
         # a record left by an earlier run, or one keep_last may now delete, would mislead export
         (out / BEST_FILE).unlink(missing_ok=True)
     if ckpts:
         return ckpts[-1]
-    if is_main:
+    if is_main:  # a new run: new metrics, a new wandb run
         metrics.unlink(missing_ok=True)
+        (out / TRACKER_FILE).unlink(missing_ok=True)
         atomic_write_json(out / "config.json", config)
     return None
 

@@ -10,7 +10,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from eagle3_train.core.errors import ConfigError
+from eagle3_train.core.log import LogConfig
 from eagle3_train.training.online import OnlineConfig
+from eagle3_train.training.tracking import TRACKERS, check_tracker
 
 USUAL_CHAIN = 5  # draft tokens per verify step that eagle3-eval and the engines' recipes use
 
@@ -104,13 +106,24 @@ class DeepSpeedConfig:
 
 
 @dataclass
-class LoggingConfig:
-    """Where metrics go besides the console and metrics.jsonl (``logging=none|wandb``)."""
+class LoggingConfig(LogConfig):
+    """The console (:class:`~eagle3_train.core.log.LogConfig`) and where metrics go besides
+    metrics.jsonl (``logging=none|wandb|tensorboard``). A wandb setting left null is read from its
+    ``WANDB_*`` variable; one set here wins over the variable."""
 
-    wandb: bool = False  # log to Weights & Biases
-    wandb_project: str = "eagle3_train"  # its project
-    wandb_mode: str = "offline"  # online | offline
-    run_name: str | None = None  # its run name (null: the run directory's name)
+    tracker: str = "none"  # none | wandb (logging=wandb) | tensorboard (logging=tensorboard: <out>/tensorboard, needs the tensorboard package)
+    wandb_project: str | None = None  # the wandb project (null: $WANDB_PROJECT, else eagle3_train)
+    wandb_entity: str | None = None  # the wandb entity (null: $WANDB_ENTITY, else wandb's default)
+    wandb_mode: str | None = None  # online | offline | disabled (null: $WANDB_MODE, else offline; disabled writes nothing)
+    run_name: str | None = None  # the wandb run's name (null: $WANDB_NAME, else the run directory's name)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tracker not in TRACKERS:
+            raise ConfigError(f"logging.tracker must be one of {', '.join(TRACKERS)}, got {self.tracker!r}")
+        if self.wandb_mode not in (None, "online", "offline", "disabled"):
+            raise ConfigError(f"logging.wandb_mode must be online, offline or disabled, got {self.wandb_mode!r}")
+        check_tracker(self.tracker)
 
 
 @dataclass
@@ -128,8 +141,8 @@ class TrainConfig:
     train: OptimConfig = field(default_factory=OptimConfig)
     model: ModelOptions = field(default_factory=ModelOptions)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    progress: bool = True  # progress bar on rank 0
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # the console and the metrics tracker (logging=none|wandb|tensorboard)
+    progress: bool | None = None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
 
     def __post_init__(self) -> None:
         if self.resume not in ("auto", "never"):

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from eagle3_train.core.dist import all_gather_objects
-from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import atomic_write_bytes
 from eagle3_train.training.data import Batch
 from eagle3_train.training.objective import acceptance_length, accuracies, decode_walk
+from eagle3_train.training.tracking import Tracker
 
 
 class MetricsLog:
@@ -24,10 +24,10 @@ class MetricsLog:
     Args:
         path: the metrics file.
         is_main: whether this rank writes.
-        tracker: a wandb run (or anything with ``log(dict, step=)`` and ``finish()``), or None.
+        tracker: a :class:`~eagle3_train.training.tracking.Tracker` (a wandb run, TensorBoard), or None.
     """
 
-    def __init__(self, path: Path, is_main: bool, tracker: Any = None):
+    def __init__(self, path: Path, is_main: bool, tracker: Tracker | None = None):
         self.path, self.is_main, self.tracker = path, is_main, tracker
 
     def log(self, record: dict[str, Any]) -> None:
@@ -66,16 +66,6 @@ def truncate_metrics(path: Path, step: int) -> None:
     atomic_write_bytes(path, "".join(kept).encode())
 
 
-def wandb_tracker(logging: Any, out: Path, config: dict[str, Any], is_main: bool) -> Any:
-    """A wandb run when ``logging.wandb`` on the main rank, else None."""
-    if not (logging.wandb and is_main):
-        return None
-    wandb = optional_import("wandb")
-
-    return wandb.init(project=logging.wandb_project, mode=logging.wandb_mode, name=logging.run_name or out.name,
-                      dir=str(out), config=config, resume="allow")
-
-
 def train_record(step: int, counts: np.ndarray, loss: float, tokens: int, seconds: float, lr: float,
                  sp_size: int) -> dict[str, Any]:
     """Metrics of the steps since the last record, over all ranks (the loss is the mean of the
@@ -104,10 +94,3 @@ def eval_line(r: dict[str, Any]) -> str:
             f"{r['eval_tau']:.2f} (walked as decoding visits positions: {r['eval_tau_decoded']:.2f}; over in-vocab "
             f"positions: {r['eval_tau_in_vocab']:.2f}; the draft vocab covers {r['eval_vocab_coverage']:.1%} of the "
             f"target's argmaxes)")
-
-
-def console(bar: Any, line: str) -> None:
-    """A console line that does not break the progress bar; silent where the bar is off (other
-    ranks, progress=false)."""
-    if not bar.disable:
-        bar.write(line)

@@ -23,7 +23,7 @@ through an event. Tensor parallelism of the target is left out: a rank holds the
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +40,7 @@ from eagle3_train.core.contract import (
     default_aux_indices,
     validate_aux_indices,
 )
-from eagle3_train.core.dist import DistInfo, barrier, print0
+from eagle3_train.core.dist import DistInfo, barrier
 from eagle3_train.core.errors import ConfigError, ContractError, check_numbers
 from eagle3_train.core.prepared import PreparedData, prepared_vocab
 from eagle3_train.core.split import EVAL_FRACTION, SPLIT_SEED, check_fraction, split_eval
@@ -49,6 +49,8 @@ from eagle3_train.core.vocab import DRAFT_VOCAB_SIZE, VocabMap, load_vocab_map
 from eagle3_train.engines.rules import serving_warning
 from eagle3_train.targets import Target, load_target
 from eagle3_train.training.data import Batch, Source, pad_tokens
+
+logger = logging.getLogger(__name__)
 
 VOCAB_FILE = "vocab_map.safetensors"  # in the run directory, when built at start
 
@@ -143,7 +145,7 @@ class OnlineSource(Source):
         aux = default_aux_indices(n) if cfg.aux_indices is None else validate_aux_indices(list(cfg.aux_indices), n)
         warning = serving_warning(list(aux), about.identity.model_type, n)
         if warning and dist.rank == 0:
-            print(f"eagle3-train: warning: {warning}", file=sys.stderr, flush=True)
+            logger.warning(f"eagle3-train: warning: {warning}")
         identity = self.prepared.identity_for(about, target)
         self.target = loaded or self._load(target, cache_dir)
         self.model = self.target.model.requires_grad_(False).eval()
@@ -161,7 +163,7 @@ class OnlineSource(Source):
 
     def _load(self, target: str, cache_dir: str | None) -> Target:
         kwargs = {"attn_implementation": self.cfg.attn_implementation} if self.cfg.attn_implementation else {}
-        print0(f"loading target {target} ({self.cfg.dtype}) on {self.device}")
+        logger.info(f"loading target {target} ({self.cfg.dtype}) on {self.device}")
         return load_target(target, cache_dir=cache_dir, dtype=self.cfg.dtype, device=str(self.device),
                            trust_remote_code=self.cfg.trust_remote_code, model_kwargs=kwargs)
 

@@ -16,6 +16,7 @@ run also holds ``vocab_map.safetensors``, the map it counted at start (unless ``
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -24,14 +25,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.contract import run_checkpoints
-from eagle3_train.core.dist import DistInfo, all_gather_objects, close, init_distributed, print0
+from eagle3_train.core.dist import DistInfo, all_gather_objects, close, init_distributed
 from eagle3_train.core.errors import BadInputError, ConfigError, Eagle3Error
 from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fingerprint import continued_options, request_options
+from eagle3_train.core.log import progress_bar
 from eagle3_train.core.stagedir import StageDir
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.targets import Target
@@ -55,19 +56,14 @@ from eagle3_train.training.data import (
     plan_epoch,
     steps_in_epoch,
 )
-from eagle3_train.training.metrics import (
-    MetricsLog,
-    console,
-    eval_line,
-    train_record,
-    truncate_metrics,
-    walk_counts,
-    wandb_tracker,
-)
+from eagle3_train.training.metrics import MetricsLog, eval_line, train_record, truncate_metrics, walk_counts
 from eagle3_train.training.objective import acceptance_length, accuracies
 from eagle3_train.training.online import OnlineSource
 from eagle3_train.training.parallel import build_engine, sequence_parallel
+from eagle3_train.training.tracking import open_tracker
 from eagle3_train.training.ttt import TargetCache, ttt_losses
+
+logger = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -99,7 +95,7 @@ class Trainer:
         self._init_head(head, tensors.get("norm"))
         o = cfg.train
         if o.ttt_length < USUAL_CHAIN:
-            print0(f"warning: train.ttt_length={o.ttt_length} < {USUAL_CHAIN}, the chain length eagle3-eval and the "
+            logger.warning(f"warning: train.ttt_length={o.ttt_length} < {USUAL_CHAIN}, the chain length eagle3-eval and the "
                    f"engines usually draft: draft positions past {o.ttt_length} were never trained and accept less; "
                    f"train at least as many steps as the draft will propose")
         self.train_split, self.eval_split = self.source.train_split, self.source.eval_split
@@ -133,7 +129,7 @@ class Trainer:
         self.metrics_path = self.out / "metrics.jsonl"
         self._resume()
         self.metrics = MetricsLog(self.metrics_path, self.dist.is_main,
-                                  wandb_tracker(cfg.logging, self.out, config_dict(cfg), self.dist.is_main))
+                                  open_tracker(cfg.logging, self.out, config_dict(cfg), self.step, self.dist.is_main))
 
     # -- building --------------------------------------------------------------------------------
 
@@ -192,8 +188,8 @@ class Trainer:
         self.best.restore(state, self.out, self.dist.is_main)
         now = continued_options("train", config_dict(self.cfg))
         if note := continue_run(state, now, self.step, self.total_steps, self.best, self.out, self.dist.is_main):
-            print0(f"eagle3-train: {note}")
-        print0(f"resumed from {last} at step {self.step}")
+            logger.info(f"eagle3-train: {note}")
+        logger.info(f"resumed from {last} at step {self.step}")
 
     def save(self) -> Path:
         """A DeepSpeed checkpoint plus the consolidated head (:mod:`eagle3_train.training.checkpoint`)."""
@@ -324,11 +320,11 @@ class Trainer:
         o = self.cfg.train
         if (self.step >= self.total_steps or self.best.early_stopped) and self._checkpoints():
             how = "stopped early" if self.best.early_stopped else "already trained"
-            print0(f"eagle3-train: {self.out} is {how} at step {self.step}; nothing to do")
+            logger.info(f"eagle3-train: {self.out} is {how} at step {self.step}; nothing to do")
             evals = self.metrics.evals()
             return (evals[-1] if evals else {}) | checkpoint_paths(self.out, self._checkpoints()[-1], self.best.kept())
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
-                   disable=not (self.cfg.progress and self.dist.is_main))
+        bar = progress_bar(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                           show=self.cfg.progress if self.dist.is_main else False)
         window_start = time.time()
         batches = self.source.device_batches(Prefetcher(self.train_batches(), depth=2 * o.grad_accum))
         final: dict[str, Any] | None = None
@@ -348,20 +344,20 @@ class Trainer:
                 self.metrics.log(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.2f}", tau=f"{record['tau']:.2f}",
                                 lr=f"{record['lr']:.1e}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-                console(bar, f"step {self.step}/{self.total_steps} loss {record['loss']:.4f} acc "
-                                 f"{' '.join(f'{a:.3f}' for a in record['acc'])} tau {record['tau']:.2f} (in-vocab "
-                                 f"{record['tau_in_vocab']:.2f}) lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
+                logger.info(f"step {self.step}/{self.total_steps} loss {record['loss']:.4f} acc "
+                            f"{' '.join(f'{a:.3f}' for a in record['acc'])} tau {record['tau']:.2f} (in-vocab "
+                            f"{record['tau_in_vocab']:.2f}) lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
                 window_start = time.time()
             improved = False
             if o.eval_every and self.step % o.eval_every == 0 and self.step < self.total_steps:
                 self.check_finite()
                 final = self.evaluate()
                 stop = self.after_eval(final)
-                console(bar, eval_line(final))
+                logger.info(eval_line(final))
                 if stop:  # never on an improvement: the step's checkpoint is the final one below
                     self.best.early_stopped = True
-                    console(bar, f"early stop: eval simulated tau has not improved on {self.best.record['eval_tau']:.3f} "
-                                     f"(step {self.best.record['step']}) for {self.best.evals_since_best} evaluations")
+                    logger.info(f"early stop: eval simulated tau has not improved on {self.best.record['eval_tau']:.3f} "
+                                f"(step {self.best.record['step']}) for {self.best.evals_since_best} evaluations")
                     break
                 improved = o.keep_best and self.best.record["step"] == self.step
             if improved or (o.save_every and self.step % o.save_every == 0 and self.step < self.total_steps):
@@ -373,10 +369,10 @@ class Trainer:
             final = self.evaluate()
             self.after_eval(final)
         path = self.save()
-        print0(f"eagle3-train: {self.step} steps; {eval_line(final)} -> {path}")
+        logger.info(f"eagle3-train: {self.step} steps; {eval_line(final)} -> {path}")
         paths = checkpoint_paths(self.out, path, self.best.kept())
         if "best_checkpoint" in paths:
-            print0(f"best: eval simulated tau {self.best.record['eval_tau']:.3f} at step {self.best.record['step']} -> {paths['best_checkpoint']}")
+            logger.info(f"best: eval simulated tau {self.best.record['eval_tau']:.3f} at step {self.best.record['step']} -> {paths['best_checkpoint']}")
         if self.dist.is_main:
             self.run_dir.write_manifest({"step": self.step, "early_stopped": self.best.early_stopped, "eval": final,
                                          "best": self.best.record, "config": config_dict(self.cfg)} | paths)

@@ -4,11 +4,11 @@ each step's soft cross-entropy against the target's distribution (the pure piece
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
-from eagle3_train.core.dist import print0
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.model import Eagle3Draft
 from eagle3_train.training.data import Batch
@@ -22,6 +22,8 @@ from eagle3_train.training.objective import (
 from eagle3_train.training.parallel import (
     SequenceParallel,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: torch.Tensor, ttt_length: int,
@@ -135,7 +137,7 @@ class TargetCache:
         if need > limit_gb:
             raise ConfigError(f"train.cache_target_gb={limit_gb} is too small: the target distribution of {tokens} tokens "
                               f"over {draft_vocab_size} draft tokens needs {need:.2f} GiB (set 0 to recompute instead)")
-        print0(f"caching the target distribution per sample (up to {need:.2f} GiB)")
+        logger.info(f"caching the target distribution per sample (up to {need:.2f} GiB)")
         return cls(lm_head, t2d, draft_vocab_size)
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
