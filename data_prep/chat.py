@@ -47,9 +47,7 @@ def special_ids(tokenizer: Any, eos_ids: set[int] | None = None) -> set[int]:
 def render_text(tokenizer: Any, messages: list[dict], source: str, add_generation_prompt: bool = False) -> str:
     """The template's text for ``messages``; template exceptions become a :class:`BadRow`."""
     try:
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja's raise_exception(), undefined fields, ...
         raise BadRow(source, "template_error", f"the chat template refused this conversation: {e}") from None
 
@@ -72,7 +70,8 @@ def assistant_spans(tokenizer: Any, messages: list[dict], source: str) -> tuple[
         at = with_sentinels.find(sentinel, cursor)
         if at < 0 or with_sentinels.count(sentinel) != 1:
             raise BadRow(
-                source, "template_alters_content",
+                source,
+                "template_alters_content",
                 "the chat template does not place this assistant turn's content verbatim, once",
             )
         pieces.append(with_sentinels[cursor:at])
@@ -85,7 +84,8 @@ def assistant_spans(tokenizer: Any, messages: list[dict], source: str) -> tuple[
     text = "".join(pieces)
     if text != render_text(tokenizer, messages, source):
         raise BadRow(
-            source, "template_alters_content",
+            source,
+            "template_alters_content",
             "the chat template rewrites assistant content (e.g. drops earlier reasoning); "
             "assistant spans cannot be derived for this conversation",
         )
@@ -131,7 +131,8 @@ def render_with_mask(
         ids, mask = ids[:max_length], mask[:max_length]
     if not mask.any():
         raise BadRow(
-            source, "no_assistant_tokens",
+            source,
+            "no_assistant_tokens",
             f"no assistant token within the first max_length={max_length} tokens "
             f"(the conversation has {len(enc['input_ids'])})",
         )

@@ -56,8 +56,10 @@ def iter_raw_rows(input: str, split: str = "train") -> Iterator[tuple[str, Any]]
             return
         files = sorted(p for p in path.iterdir() if _kind(p) is not None and p.is_file())
         if not files:
-            raise BadInputError(f"input directory {path} holds no {', '.join(KINDS_TEXT)} files, and is no dataset "
-                                f"saved with save_to_disk")
+            raise BadInputError(
+                f"input directory {path} holds no {', '.join(KINDS_TEXT)} files, and is no dataset "
+                f"saved with save_to_disk"
+            )
         for f in files:
             yield from _iter_file(f)
     elif input.startswith((".", "/", "~")) or input.endswith((".json", ".jsonl", ".jsonl.gz")):
@@ -140,8 +142,9 @@ def _load_from_disk(path: Path, split: str) -> Any:
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise BadInputError(f"{path} is a DatasetDict without a split {split!r}; its splits: {list(ds)} "
-                                f"(choose one with split=)")
+            raise BadInputError(
+                f"{path} is a DatasetDict without a split {split!r}; its splits: {list(ds)} (choose one with split=)"
+            )
         return ds[split]
     return ds
 
@@ -191,8 +194,10 @@ def normalize(row: Any, source: str, *, need_assistant: bool = True) -> Conversa
         role = ROLE_ALIASES.get(str(raw_role).lower()) if isinstance(raw_role, str) else None
         if role is None:
             raise BadRow(
-                source, "unknown_role",
-                f"unknown role {raw_role!r}; known: {sorted(ROLE_ALIASES)}", f"{where}.{role_key}",
+                source,
+                "unknown_role",
+                f"unknown role {raw_role!r}; known: {sorted(ROLE_ALIASES)}",
+                f"{where}.{role_key}",
             )
         content = _text(turn.get(text_key), source, f"{where}.{text_key}")
         if role == "system" and i != 0:
@@ -232,8 +237,13 @@ def input_fingerprint(input: str) -> dict[str, Any]:
         if (path / "state.json").is_file():
             return {"dataset_state": json.loads((path / "state.json").read_text())}
         if _is_dict(path):
-            return {"dataset_dict": {p.name: json.loads((p / "state.json").read_text())
-                                     for p in sorted(path.iterdir()) if (p / "state.json").is_file()}}
+            return {
+                "dataset_dict": {
+                    p.name: json.loads((p / "state.json").read_text())
+                    for p in sorted(path.iterdir())
+                    if (p / "state.json").is_file()
+                }
+            }
         files = sorted(p for p in path.iterdir() if _kind(p) is not None and p.is_file())
         return {"files": {p.name: sha256_file(p) for p in files}}
     return {"hub_dataset": input}

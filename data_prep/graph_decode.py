@@ -52,7 +52,9 @@ from eagle3_train.model.draft import rotate_half
 
 PREFILL_KV_BYTES = 8 << 30  # the transformers cache one prefill slice builds before it is copied (sets its rows)
 CHECK_EVERY = 16  # decode steps between the host's looks at "have all rows ended?"
-CACHE_SHARE = 0.6  # of the GPU's memory less the model's weights, per process on the GPU: the most one batch's buffers may take
+CACHE_SHARE = (
+    0.6  # of the GPU's memory less the model's weights, per process on the GPU: the most one batch's buffers may take
+)
 WIDTH_STEP = 64  # prompt widths are rounded up to this: the cache's shape repeats across batches
 TOP_P_MISS = 1e-6  # the most probability a row may have of no round of top_p_by_rejection accepting
 TOP_P_MAX_ROUNDS = 4  # top_p_by_rejection when it needs at most this many rounds, else top_p_by_sorting
@@ -81,16 +83,21 @@ def check_supported(model: Any, length: int) -> Arch:
     cfg = model.config
     arch = ARCHS.get(cfg.model_type)
     if arch is None:
-        raise ConfigError(f"regen.batching=graph runs dense {sorted(ARCHS)} targets, not model_type "
-                          f"{cfg.model_type!r}: use regen.batching=padded or a served engine (regen.backend=vllm)")
+        raise ConfigError(
+            f"regen.batching=graph runs dense {sorted(ARCHS)} targets, not model_type "
+            f"{cfg.model_type!r}: use regen.batching=padded or a served engine (regen.backend=vllm)"
+        )
     rope = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "rope_type", "default")
     if "dynamic" in rope or rope == "longrope":  # their tables change with the sequence: one table cannot serve
-        raise ConfigError(f"regen.batching=graph: rope_type {rope!r} rescales with the sequence length; "
-                          f"use regen.batching=padded")
+        raise ConfigError(
+            f"regen.batching=graph: rope_type {rope!r} rescales with the sequence length; use regen.batching=padded"
+        )
     window = getattr(cfg, "sliding_window", None)
     if window and getattr(cfg, "use_sliding_window", True) and length > window:
-        raise ConfigError(f"regen.batching=graph: {cfg.model_type} attends within a sliding window of {window} "
-                          f"tokens, and prompts + replies reach {length}: use regen.batching=padded")
+        raise ConfigError(
+            f"regen.batching=graph: {cfg.model_type} attends within a sliding window of {window} "
+            f"tokens, and prompts + replies reach {length}: use regen.batching=padded"
+        )
     return arch
 
 
@@ -105,8 +112,17 @@ class GraphDecoder:
         do_sample, temperature, top_p: sampling; greedy when ``do_sample`` is false.
     """
 
-    def __init__(self, model: Any, max_new_tokens: int, eos_ids: list[int], pad_id: int, *,
-                 do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0) -> None:
+    def __init__(
+        self,
+        model: Any,
+        max_new_tokens: int,
+        eos_ids: list[int],
+        pad_id: int,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+    ) -> None:
         self.arch = check_supported(model, 0)
         self.model, self.T, self.pad = model, max_new_tokens, pad_id
         self.sample = (temperature, top_p) if do_sample else None
@@ -156,7 +172,7 @@ class GraphDecoder:
         check_supported(self.model, W + self.T)
         ids = torch.full((B, W), self.pad, dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, W - len(p):] = torch.tensor(p)
+            ids[i, W - len(p) :] = torch.tensor(p)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # [B]
         ids = ids.to(self.device)
         s = self._state(B, W)
@@ -199,12 +215,19 @@ class GraphDecoder:
         # rotary tables for every position a row can reach: [L, d] each
         probe = torch.zeros(1, dtype=self.dtype, device=dev)
         cos, sin = self.inner.rotary_emb(probe, torch.arange(L, device=dev)[None])
-        return dict(cache=cache, cos=cos[0], sin=sin[0], W=torch.tensor(W, device=dev),
-                    col=torch.full((), W, dtype=torch.long, device=dev),  # the cache column of the next step
-                    cols=torch.arange(L, device=dev),
-                    tok=torch.zeros(B, dtype=torch.long, device=dev), pos=torch.zeros(B, dtype=torch.long, device=dev),
-                    start=torch.zeros(B, dtype=torch.long, device=dev), done=torch.zeros(B, dtype=torch.bool, device=dev),
-                    out=torch.zeros(B, self.T, dtype=torch.long, device=dev))
+        return dict(
+            cache=cache,
+            cos=cos[0],
+            sin=sin[0],
+            W=torch.tensor(W, device=dev),
+            col=torch.full((), W, dtype=torch.long, device=dev),  # the cache column of the next step
+            cols=torch.arange(L, device=dev),
+            tok=torch.zeros(B, dtype=torch.long, device=dev),
+            pos=torch.zeros(B, dtype=torch.long, device=dev),
+            start=torch.zeros(B, dtype=torch.long, device=dev),
+            done=torch.zeros(B, dtype=torch.bool, device=dev),
+            out=torch.zeros(B, self.T, dtype=torch.long, device=dev),
+        )
 
     def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor, s: dict[str, torch.Tensor]) -> torch.Tensor:
         """Run the prompts through the model in row slices; fill the static cache; return the first
@@ -213,16 +236,15 @@ class GraphDecoder:
         rows = max(1, PREFILL_KV_BYTES // (self.kv_bytes_per_token() * W))
         first = []
         for r in range(0, B, rows):
-            x = ids[r: r + rows]
-            mask = (torch.arange(W, device=ids.device)[None] >= (W - lengths[r: r + rows])[:, None]).long()
+            x = ids[r : r + rows]
+            mask = (torch.arange(W, device=ids.device)[None] >= (W - lengths[r : r + rows])[:, None]).long()
             position = (mask.cumsum(-1) - 1).clamp(min=0)
-            out = self.model(input_ids=x, attention_mask=mask, position_ids=position, use_cache=True,
-                             logits_to_keep=1)
+            out = self.model(input_ids=x, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1)
             # not out.get("cache", out.past_key_values): that reads the attribute even when "cache" is there
             cache = out["cache"] if "cache" in out else out.past_key_values  # noqa: SIM401
             for li, (k, v) in enumerate(cache_layers(cache)):
-                s["cache"][li, 0, r: r + rows, :, :W] = k
-                s["cache"][li, 1, r: r + rows, :, :W] = v
+                s["cache"][li, 0, r : r + rows, :, :W] = k
+                s["cache"][li, 1, r : r + rows, :, :W] = v
             first.append(self._pick(out.logits[:, -1].float()))
             del out, k, v  # the slice's transformers cache goes before the next slice builds its own
         return torch.cat(first)
@@ -340,13 +362,21 @@ def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache))
 
 
-def generate_graph(model: Any, prompts: list[list[int]], cfg: Any, eos_ids: list[int], pad_id: int,
-                   bar: Any = None) -> list[list[int]]:
+def generate_graph(
+    model: Any, prompts: list[list[int]], cfg: Any, eos_ids: list[int], pad_id: int, bar: Any = None
+) -> list[list[int]]:
     """Every prompt's ``cfg.max_new_tokens`` new tokens through ``GraphDecoder``, in length-sorted
     batches of up to ``cfg.batch_size`` rows (fewer where the static cache would not fit); in the
     order of ``prompts``."""
-    dec = GraphDecoder(model, cfg.max_new_tokens, eos_ids, pad_id, do_sample=cfg.do_sample,
-                       temperature=cfg.temperature, top_p=cfg.top_p)
+    dec = GraphDecoder(
+        model,
+        cfg.max_new_tokens,
+        eos_ids,
+        pad_id,
+        do_sample=cfg.do_sample,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+    )
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     rows: list[list[int]] = [[] for _ in prompts]
     b = 0
@@ -358,7 +388,7 @@ def generate_graph(model: Any, prompts: list[list[int]], cfg: Any, eos_ids: list
             if fit >= n:
                 break
             n = fit
-        batch = order[b: b + n]
+        batch = order[b : b + n]
         for i, r in zip(batch, dec.generate([prompts[i] for i in batch])):
             rows[i] = r
         if bar is not None:

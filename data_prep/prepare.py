@@ -69,7 +69,9 @@ class PrepareConfig:
     out: str = MISSING  # output directory (dataset/ + manifest.json)
     synthesize: int | None = None  # instead of input: N conversations written by the target itself (see synth.*)
     synth: SynthConfig = field(default_factory=SynthConfig)
-    save_conversations: str | None = None  # also write the final conversations (after regeneration) as .jsonl or .jsonl.gz
+    save_conversations: str | None = (
+        None  # also write the final conversations (after regeneration) as .jsonl or .jsonl.gz
+    )
     split: str = "train"  # split to read when input is a hub dataset id
     cache_dir: str | None = None  # where GGUF targets are converted once (never the working dir)
     chat_template: str | None = None  # replaces the tokenizer's template: a .jinja file or the text
@@ -86,16 +88,24 @@ class PrepareConfig:
     seed: int = 0  # sampling seed (regen.do_sample=true)
     overwrite: bool = False  # replace an existing output made with other options
     trust_remote_code: bool = False  # let transformers run the target repository's own code
-    progress: bool | None = None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
-    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    progress: bool | None = (
+        None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
+    )
+    logging: LogConfig = field(
+        default_factory=LogConfig
+    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, auto=True)
         if self.on_bad_row not in BAD_ROW_POLICIES:
             raise ConfigError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.on_bad_row!r}")
-        check_numbers(self, positive=("max_length", "limit", "synthesize"), non_negative=("sample_id_offset", "tokenize_workers"))
+        check_numbers(
+            self, positive=("max_length", "limit", "synthesize"), non_negative=("sample_id_offset", "tokenize_workers")
+        )
         if self.save_conversations is not None and not self.save_conversations.endswith((".jsonl", ".jsonl.gz")):
-            raise ConfigError(f"save_conversations must name a .jsonl or .jsonl.gz file, got {self.save_conversations!r}")
+            raise ConfigError(
+                f"save_conversations must name a .jsonl or .jsonl.gz file, got {self.save_conversations!r}"
+            )
         if (self.input is None) == (self.synthesize is None):
             raise ConfigError("give input=<conversations> or synthesize=<number of conversations>, exactly one")
 
@@ -133,7 +143,11 @@ class Preparer:
         self.bad = BadRows(cfg.on_bad_row)
         # synthesis runs data-parallel under torchrun; everything else is one process
         # synthesis ranks only meet at barriers: several may share a GPU (generation is bound by per-step overhead)
-        self.dist = init_distributed(cfg.device, share_gpus=True) if cfg.synthesize else DistInfo(0, 1, 0, resolve_device(cfg.device))
+        self.dist = (
+            init_distributed(cfg.device, share_gpus=True)
+            if cfg.synthesize
+            else DistInfo(0, 1, 0, resolve_device(cfg.device))
+        )
         self.target: Target = self._load(load_model=False)  # the weights only to generate
         if chat_template_of(self.target.tokenizer) is None:
             raise Eagle3Error(
@@ -147,8 +161,13 @@ class Preparer:
             "input": input_fingerprint(cfg.input) if cfg.input is not None else "synthesized",
         }
         self.fingerprint = sha256_json(self.request)  # names this output in the dump's request
-        self.dir = StageDir(self.out, STAGE, self.request, what="prepared dataset",
-                            hint="pass overwrite=true to replace it, or choose another out=")
+        self.dir = StageDir(
+            self.out,
+            STAGE,
+            self.request,
+            what="prepared dataset",
+            hint="pass overwrite=true to replace it, or choose another out=",
+        )
 
     def _check_lengths(self) -> None:
         """Generated lengths against the target's context and max_length, before any work: a reply
@@ -162,22 +181,42 @@ class Preparer:
             limits.append(("synth.max_new_tokens", c.synth.max_new_tokens))
         for name, value in limits:
             if context is not None and value >= context:
-                raise ConfigError(f"{name}={value} does not fit the target's context of {context} tokens (with the "
-                                  f"prompt before it): lower it")
+                raise ConfigError(
+                    f"{name}={value} does not fit the target's context of {context} tokens (with the "
+                    f"prompt before it): lower it"
+                )
             if value > c.max_length:
-                raise ConfigError(f"{name}={value} is longer than max_length={c.max_length}, where every conversation "
-                                  f"is cut: lower {name} or raise max_length")
+                raise ConfigError(
+                    f"{name}={value} is longer than max_length={c.max_length}, where every conversation "
+                    f"is cut: lower {name} or raise max_length"
+                )
 
     def _load(self, load_model: bool) -> Target:
         c = self.cfg
-        return load_target(c.target, cache_dir=c.cache_dir, load_model=load_model, dtype=c.dtype,
-                           device=str(self.dist.device), chat_template=c.chat_template, trust_remote_code=c.trust_remote_code)
+        return load_target(
+            c.target,
+            cache_dir=c.cache_dir,
+            load_model=load_model,
+            dtype=c.dtype,
+            device=str(self.dist.device),
+            chat_template=c.chat_template,
+            trust_remote_code=c.trust_remote_code,
+        )
 
     def _output_options(self, config: dict[str, Any] | None = None) -> dict[str, Any]:
         """The options that decide the output (not where it goes or how fast it is made), of this
         run or of a ``config`` recorded in a manifest."""
         opts = dict(config if config is not None else config_dict(self.cfg))
-        for key in ("out", "overwrite", "cache_dir", "device", "progress", "logging", "save_conversations", "tokenize_workers"):
+        for key in (
+            "out",
+            "overwrite",
+            "cache_dir",
+            "device",
+            "progress",
+            "logging",
+            "save_conversations",
+            "tokenize_workers",
+        ):
             opts.pop(key, None)
         if not (opts.get("regenerate") or opts.get("synthesize")):
             opts.pop("regen", None)
@@ -237,8 +276,12 @@ class Preparer:
         workers = min(self.cfg.tokenize_workers or min(cpus, MAX_TOKENIZE_WORKERS, n // TOKENIZE_PER_WORKER), n)
         if workers <= 1:
             return None
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_tokenizing_process, initargs=(self.target.tokenizer,))
+        pool = ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_tokenizing_process,
+            initargs=(self.target.tokenizer,),
+        )
         for _ in range(workers):  # a submission starts a process while none is idle
             pool.submit(os.getpid)
         return pool, workers
@@ -252,17 +295,33 @@ class Preparer:
             "seed": c.seed,
             "dtype": c.dtype,
             # the steering prompts themselves, not the file they came from
-            "synth": config_dict(c.synth) | {"system_prompts": c.synth.systems(), "system_prompts_file": None,
-                                             "example_prompts": c.synth.examples(), "example_prompts_file": None},
+            "synth": config_dict(c.synth)
+            | {
+                "system_prompts": c.synth.systems(),
+                "system_prompts_file": None,
+                "example_prompts": c.synth.examples(),
+                "example_prompts_file": None,
+            },
             "regen": {k: v for k, v in self._output_options()["regen"].items() if k != "chunk_size"},
         }
         assert c.synthesize is not None  # how this method is reached: synthesize=N
         self._hold()
         synthesizer = Synthesizer(
-            n=c.synthesize, synth=c.synth, regen=c.regen, seed=c.seed, work_dir=self.out / "synth",
-            request=request, overwrite=c.overwrite, load_model=self._load_generator, tokenizer=tok, special=special_ids(tok),
-            template_name=template_name(c.target, chat_template_of(tok) or ""), rank=self.dist.rank,
-            world=self.dist.world_size, barrier=barrier, progress=c.progress if self.dist.is_main else False,
+            n=c.synthesize,
+            synth=c.synth,
+            regen=c.regen,
+            seed=c.seed,
+            work_dir=self.out / "synth",
+            request=request,
+            overwrite=c.overwrite,
+            load_model=self._load_generator,
+            tokenizer=tok,
+            special=special_ids(tok),
+            template_name=template_name(c.target, chat_template_of(tok) or ""),
+            rank=self.dist.rank,
+            world=self.dist.world_size,
+            barrier=barrier,
+            progress=c.progress if self.dist.is_main else False,
         )
         conversations, stats = synthesizer.run()
         if self.dist.world_size > 1:  # torchrun's ranks are done together; rank 0 writes the dataset alone
@@ -312,7 +371,9 @@ class Preparer:
         self._hold()
         regen_dir = self.out / "regen"
         # chunks of other options or input: never mixed, always replaced
-        StageDir(regen_dir, "regen", self.request).claim(replace=True, clear=lambda: remove_files(regen_dir, "chunk-*.json"))
+        StageDir(regen_dir, "regen", self.request).claim(
+            replace=True, clear=lambda: remove_files(regen_dir, "chunk-*.json")
+        )
         remove_temporaries(regen_dir)  # a chunk killed before its rename (this process holds out=)
         model, eos = self._load_generator()
         tok = self.target.tokenizer
@@ -330,8 +391,14 @@ class Preparer:
                 logger.info(f"regenerating chunk {c + 1}/{n_chunks}")
                 try:
                     chunk, n_cut = regenerate(
-                        model, tok, conversations[c * size : (c + 1) * size], self.cfg.regen,
-                        eos_ids=eos, pad_id=pad, progress=self.cfg.progress, seed=self.cfg.seed + c,
+                        model,
+                        tok,
+                        conversations[c * size : (c + 1) * size],
+                        self.cfg.regen,
+                        eos_ids=eos,
+                        pad_id=pad,
+                        progress=self.cfg.progress,
+                        seed=self.cfg.seed + c,
                     )
                 except Eagle3Error as e:
                     if registry.ENGINES[self.cfg.regen.backend].in_process:  # no engine to name
@@ -348,17 +415,24 @@ class Preparer:
         """A served engine's failure, naming the engine, its URL and the chunks kept."""
         r = self.cfg.regen
         kept = len(list(regen_dir.glob("chunk-*.json")))
-        return Eagle3Error(f"regeneration through {r.backend} at regen.server.url={r.server.url} stopped in chunk "
-                           f"{chunk + 1} of {n_chunks}: {error}\n  the {kept} finished chunks are kept under "
-                           f"{regen_dir}; once the engine answers again, run the same command to resume")
+        return Eagle3Error(
+            f"regeneration through {r.backend} at regen.server.url={r.server.url} stopped in chunk "
+            f"{chunk + 1} of {n_chunks}: {error}\n  the {kept} finished chunks are kept under "
+            f"{regen_dir}; once the engine answers again, run the same command to resume"
+        )
 
-    def render(self, conversations: list[Conversation], pool: tuple[ProcessPoolExecutor, int] | None = None
-               ) -> tuple[list[tuple[Conversation, Rendered]], dict]:
+    def render(
+        self, conversations: list[Conversation], pool: tuple[ProcessPoolExecutor, int] | None = None
+    ) -> tuple[list[tuple[Conversation, Rendered]], dict]:
         """Tokenise every conversation with its loss mask, in ``pool`` (started earlier) or in the
         ``tokenize_workers`` processes :meth:`_tokenizing_pool` starts now."""
         tok = self.target.tokenizer
-        opts: dict[str, Any] = dict(regenerate=self.cfg.regenerate, max_length=self.cfg.max_length, truncate=self.cfg.truncate,
-                    end_ids=special_ids(tok, eos_ids(self.target.model, tok)))
+        opts: dict[str, Any] = dict(
+            regenerate=self.cfg.regenerate,
+            max_length=self.cfg.max_length,
+            truncate=self.cfg.truncate,
+            end_ids=special_ids(tok, eos_ids(self.target.model, tok)),
+        )
         bar = progress_bar(total=len(conversations), desc="tokenize", unit="conv", show=self.cfg.progress)
         began = time.time()
         own = pool is None
@@ -372,7 +446,7 @@ class Preparer:
             executor, workers = pool
             rendered, starts = [], []
             size = -(-len(conversations) // (workers * 4))  # a few slices per worker: the bar moves
-            slices = [conversations[i: i + size] for i in range(0, len(conversations), size)]
+            slices = [conversations[i : i + size] for i in range(0, len(conversations), size)]
             try:
                 for started, part in executor.map(_render_slice, slices, [opts] * len(slices)):
                     rendered.extend(part)
@@ -382,7 +456,10 @@ class Preparer:
                 if own:
                     executor.shutdown(cancel_futures=True)
             # how long the processes took to start (import, tokenizer) against the tokenising itself
-            timing |= {"first_slice_began_s": round(min(starts) - began, 2), "last_slice_began_s": round(max(starts) - began, 2)}
+            timing |= {
+                "first_slice_began_s": round(min(starts) - began, 2),
+                "last_slice_began_s": round(max(starts) - began, 2),
+            }
         bar.close()
         timing["seconds"] = round(time.time() - began, 2)
         rows, truncated = [], 0
@@ -461,14 +538,16 @@ def save_conversations(conversations: list[Conversation], path: Path) -> None:
     logger.info(f"eagle3-prepare: {len(conversations)} conversations -> {path}")
 
 
-def render_one(tok: Any, conv: Conversation, *, regenerate: bool, max_length: int, truncate: bool,
-               end_ids: set[int]) -> Rendered | BadRow:
+def render_one(
+    tok: Any, conv: Conversation, *, regenerate: bool, max_length: int, truncate: bool, end_ids: set[int]
+) -> Rendered | BadRow:
     """One conversation's ids and loss mask, or the BadRow that says why it cannot be used."""
     try:
         if regenerate:
             _check_regenerated(conv)
-        return render_with_mask(tok, conv.messages, conv.source, max_length=max_length, truncate=truncate,
-                                end_ids=end_ids)
+        return render_with_mask(
+            tok, conv.messages, conv.source, max_length=max_length, truncate=truncate, end_ids=end_ids
+        )
     except BadRow as e:
         return e.with_traceback(None)  # kept until all are rendered: not the frames of its tokenisation
 

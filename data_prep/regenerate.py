@@ -36,7 +36,9 @@ class RegenConfig:
     top_p: float = 0.95  # nucleus sampling mass (do_sample=true only)
     batch_size: int = 32  # prompts generated together
     chunk_size: int = 1024  # conversations per resumable chunk written under <out>/regen/
-    backend: str = "hf"  # hf: transformers in this process; an engine (vllm | sglang): the engine serving the target at server.url
+    backend: str = (
+        "hf"  # hf: transformers in this process; an engine (vllm | sglang): the engine serving the target at server.url
+    )
     batching: str = "padded"  # hf only. padded: model.generate on left-padded, length-sorted batches of batch_size; static: the same with a static KV cache (generate compiles it on GPUs); continuous: transformers' continuous batching (model.generate_batch: paged cache, finished replies make room for new ones); graph: our own decode loop on a static cache, one CUDA graph per batch (dense llama/mistral/qwen2/qwen3; data_prep.graph_decode)
     server: ServedRegenConfig = field(default_factory=ServedRegenConfig)  # backend=vllm|sglang only
 
@@ -90,8 +92,9 @@ def regenerate(
             messages, slots = work[ci]
             text = render_text(tokenizer, messages[: slots[s]], conversations[ci].source, add_generation_prompt=True)
             prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-        replies, hit_limit = generate_sorted(model, prompts, cfg, eos_ids, pad_id, bar=bar,
-                                             seed=None if seed is None else seed * 1009 + s)
+        replies, hit_limit = generate_sorted(
+            model, prompts, cfg, eos_ids, pad_id, bar=bar, seed=None if seed is None else seed * 1009 + s
+        )
         unfinished += hit_limit
         for ci, ids in zip(todo, replies):
             messages, slots = work[ci]
@@ -118,8 +121,13 @@ def generate_sorted(
     prompt is one request to the engine (it batches them itself), sampled with a per-prompt seed
     derived from ``seed``."""
     if not registry.ENGINES[cfg.backend].in_process:
-        sampling = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, temperature=cfg.temperature,
-                        top_p=cfg.top_p, seed=seed)
+        sampling = dict(
+            max_new_tokens=cfg.max_new_tokens,
+            do_sample=cfg.do_sample,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            seed=seed,
+        )
         return served_generate_batch(prompts, cfg.server, sampling, eos_ids, cfg.backend, bar=bar)
     if cfg.batching == "continuous":
         continuous = generate_continuous(model, prompts, cfg, eos_ids, pad_id, seed)
@@ -213,14 +221,20 @@ def generate_continuous(
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p) if cfg.do_sample else {}
-    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, eos_token_id=eos_ids,
-                           pad_token_id=pad_id, **sampling)
+    gen = GenerationConfig(
+        max_new_tokens=cfg.max_new_tokens,
+        do_sample=cfg.do_sample,
+        eos_token_id=eos_ids,
+        pad_token_id=pad_id,
+        **sampling,
+    )
     sizing = {}
     if next(model.parameters()).device.type == "cpu":  # transformers would size the cache from all host memory
         page = 256
         per_reply = -(-(max(map(len, prompts)) + cfg.max_new_tokens) // page)
-        sizing = dict(page_size=page, num_blocks=per_reply * min(cfg.batch_size, len(prompts)) + 1,
-                      max_batch_tokens=4096)
+        sizing = dict(
+            page_size=page, num_blocks=per_reply * min(cfg.batch_size, len(prompts)) + 1, max_batch_tokens=4096
+        )
     cb = ContinuousBatchingConfig(max_requests_per_batch=cfg.batch_size, seed=seed, **sizing)
     results = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, progress_bar=False)
     order = sorted(results, key=lambda rid: int(rid.rsplit("_", 1)[1]))  # request ids req_<i> follow the inputs

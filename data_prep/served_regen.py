@@ -50,8 +50,12 @@ class ServedRegenConfig:
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"regen.server.url must be an http(s):// URL, got {self.url!r}")
-        check_numbers(self, "regen.server.", positive=("concurrency", "request_timeout_s"),
-                      non_negative=("retries", "backoff_s", "wait_for_server_s"))
+        check_numbers(
+            self,
+            "regen.server.",
+            positive=("concurrency", "request_timeout_s"),
+            non_negative=("retries", "backoff_s", "wait_for_server_s"),
+        )
 
 
 # -- what the client adds to each engine's request and takes from its reply ------------------------------
@@ -69,8 +73,9 @@ def prompt_seed(seed: int, index: int, prompt: list[int]) -> int:
     return int.from_bytes(h.digest(), "big") >> 1  # 63 bits: both engines take an int64
 
 
-def cut_reply(ids: list[int], finish: str | None, matched: Any, eos_ids: list[int], max_new_tokens: int,
-              where: str) -> tuple[list[int], bool]:
+def cut_reply(
+    ids: list[int], finish: str | None, matched: Any, eos_ids: list[int], max_new_tokens: int, where: str
+) -> tuple[list[int], bool]:
     """The reply up to its first end-of-turn id, and whether it hit ``max_new_tokens`` instead;
     what transformers' generate would not have produced is refused."""
     if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
@@ -85,14 +90,18 @@ def cut_reply(ids: list[int], finish: str | None, matched: Any, eos_ids: list[in
         return ids, False
     if finish == "length":
         if len(ids) < max_new_tokens:
-            raise EngineError(f"{where}: the engine stopped for length after {len(ids)} of {max_new_tokens} tokens: its "
-                              f"context is full; launch it with a longer context (vLLM --max-model-len, SGLang "
-                              f"--context-length) or lower regen.max_new_tokens")
+            raise EngineError(
+                f"{where}: the engine stopped for length after {len(ids)} of {max_new_tokens} tokens: its "
+                f"context is full; launch it with a longer context (vLLM --max-model-len, SGLang "
+                f"--context-length) or lower regen.max_new_tokens"
+            )
         return ids, True
     if finish == "stop":
-        raise EngineError(f"{where}: the engine stopped on {matched!r}, which is not an end-of-turn id of this target "
-                          f"{sorted(eos)}: it serves another model, or stops on ids of its own (SGLang: the model's "
-                          f"eos ids); transformers would have gone on")
+        raise EngineError(
+            f"{where}: the engine stopped on {matched!r}, which is not an end-of-turn id of this target "
+            f"{sorted(eos)}: it serves another model, or stops on ids of its own (SGLang: the model's "
+            f"eos ids); transformers would have gone on"
+        )
     raise EngineError(f"{where}: finish_reason {finish!r} (expected stop or length)")
 
 
@@ -133,8 +142,9 @@ def served_generate_batch(
     return [ids for ids, _ in cut], sum(hit for _, hit in cut)
 
 
-async def _generate_all(prompts: list[list[int]], cfg: ServedRegenConfig, engine: Generation, sampling: dict,
-                        eos_ids: list[int], bar: Any) -> list[tuple[list[int], bool]]:
+async def _generate_all(
+    prompts: list[list[int]], cfg: ServedRegenConfig, engine: Generation, sampling: dict, eos_ids: list[int], bar: Any
+) -> list[tuple[list[int], bool]]:
     """Keep ``cfg.concurrency`` requests in flight; the first failure that retries cannot fix
     cancels the rest and is raised."""
     aiohttp = optional_import("aiohttp")
@@ -148,7 +158,9 @@ async def _generate_all(prompts: list[list[int]], cfg: ServedRegenConfig, engine
 
     async def one(session: Any, model: str | None, i: int) -> tuple[list[int], bool]:
         where = f"{endpoint} (prompt {i})"
-        body = engine.request(prompts[i], model, sampling, eos_ids, None if seed is None else prompt_seed(seed, i, prompts[i]))
+        body = engine.request(
+            prompts[i], model, sampling, eos_ids, None if seed is None else prompt_seed(seed, i, prompts[i])
+        )
 
         async def attempt(_: int) -> dict:
             try:
@@ -167,8 +179,13 @@ async def _generate_all(prompts: list[list[int]], cfg: ServedRegenConfig, engine
 
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=cfg.concurrency)) as session:
-        await wait_ready(session, [url], cfg.wait_for_server_s, command="eagle3-prepare",
-                          hint="README 'Regeneration through a served engine' shows how to start it")
+        await wait_ready(
+            session,
+            [url],
+            cfg.wait_for_server_s,
+            command="eagle3-prepare",
+            hint="README 'Regeneration through a served engine' shows how to start it",
+        )
         model = (cfg.model or await served_model(session, url, "regen.server.model")) if engine.names_model else None
         workers = [asyncio.create_task(worker(session, model)) for _ in range(min(cfg.concurrency, len(prompts)))]
         try:

@@ -74,18 +74,28 @@ class StandardizeConfig:
     aux_indices: list[int] | None = None  # HF indices to concatenate (null: the dumps' aux indices)
     draft_vocab_size: int = DRAFT_VOCAB_SIZE  # size of the draft lm_head's vocab (capped at the target's)
     eval_fraction: float = EVAL_FRACTION  # share of samples held out for evaluation
-    max_samples: int | None = None  # only the samples with the N lowest ids (a data-scaling point from one dump); null: all
+    max_samples: int | None = (
+        None  # only the samples with the N lowest ids (a data-scaling point from one dump); null: all
+    )
     seed: int = SPLIT_SEED  # decides which samples are held out
     vocab_map: str | None = None  # reuse this vocab_map.safetensors instead of counting a new one
-    storage: str | None = None  # how the shards store the states: null: as the dumps do; dtype: fp8 dumps read back in their dtype; fp8: quantize (README: Compact storage)
+    storage: str | None = (
+        None  # how the shards store the states: null: as the dumps do; dtype: fp8 dumps read back in their dtype; fp8: quantize (README: Compact storage)
+    )
     only_vocab: bool = False  # rebuild only the vocab map of the standardized directory `out` (or, with data=, write one for online training)
-    data: str | None = None  # with only_vocab=true: a prepared directory whose training split's loss-masked tokens are counted into out/vocab_map.safetensors (the map a dump of it would get; for eagle3-train source=online)
+    data: str | None = (
+        None  # with only_vocab=true: a prepared directory whose training split's loss-masked tokens are counted into out/vocab_map.safetensors (the map a dump of it would get; for eagle3-train source=online)
+    )
     target: str | None = None  # with data=: the target the map is for (null: the one the data was prepared with)
     cache_dir: str | None = None  # where GGUF targets are converted once (target=embedded)
     workers: int = 0  # threads processing shards in parallel (0: one per core)
     verify_inputs: bool = True  # check each dump shard's sha256 against its record before use
-    progress: bool | None = None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
-    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    progress: bool | None = (
+        None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
+    )
+    logging: LogConfig = field(
+        default_factory=LogConfig
+    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         check_numbers(self, positive=("draft_vocab_size", "max_samples"), non_negative=("workers",))
@@ -95,7 +105,9 @@ class StandardizeConfig:
         if not self.only_vocab and not self.dumps:
             raise ConfigError("dumps=[<dump dir>, ...] is required (or only_vocab=true with out=<standardized dir>)")
         if self.data is not None and (not self.only_vocab or self.dumps or self.vocab_map):
-            raise ConfigError("data=<prepared dir> counts a new vocab map: use it with only_vocab=true, without dumps= and vocab_map=")
+            raise ConfigError(
+                "data=<prepared dir> counts a new vocab map: use it with only_vocab=true, without dumps= and vocab_map="
+            )
 
 
 ConfigStore.instance().store(name="standardize_schema", node=StandardizeConfig)
@@ -139,11 +151,16 @@ class Standardizer:
         manifest["config"] = config_dict(self.cfg)
         out = self.stage_dir(manifest["request"] | {"vocab": self.vocab_request(spec.vocab_size)})
         out.claim(replace=True)  # the same data with another vocab: the shards stay
-        body = {k: v for k, v in manifest.items() if k not in ("stage", "format_version", "eagle3_train_version",
-                                                               "created_at", "request")}
+        body = {
+            k: v
+            for k, v in manifest.items()
+            if k not in ("stage", "format_version", "eagle3_train_version", "created_at", "request")
+        }
         manifest = out.write_manifest(body)
-        logger.info(f"eagle3-standardize: new vocab map of {vocab.draft_vocab_size} tokens "
-                    f"({vocab.coverage():.2%} of training tokens) -> {self.out / VOCAB_FILE}")
+        logger.info(
+            f"eagle3-standardize: new vocab map of {vocab.draft_vocab_size} tokens "
+            f"({vocab.coverage():.2%} of training tokens) -> {self.out / VOCAB_FILE}"
+        )
         return manifest
 
     def vocab_of_prepared(self) -> dict[str, Any]:
@@ -158,19 +175,33 @@ class Standardizer:
         identity = prepared.identity_for(target, name)
         vocab, eval_ids = prepared_vocab(prepared, cfg.eval_fraction, cfg.seed, cfg.draft_vocab_size, target.vocab_size)
         split = {"seed": cfg.seed, "eval_fraction": cfg.eval_fraction}
-        out = StageDir(self.out, VOCAB_STAGE, {"prepared_fingerprint": prepared.fingerprint, "target": identity.to_dict(),
-                                               "split": split, "vocab": self.vocab_request(target.vocab_size)},
-                       what="vocab map")
+        out = StageDir(
+            self.out,
+            VOCAB_STAGE,
+            {
+                "prepared_fingerprint": prepared.fingerprint,
+                "target": identity.to_dict(),
+                "split": split,
+                "vocab": self.vocab_request(target.vocab_size),
+            },
+            what="vocab map",
+        )
         out.claim(replace=True)  # a map alone: nothing else to keep
         sha = vocab.save(self.out / VOCAB_FILE)
-        manifest = out.write_manifest({
-            "vocab": self.vocab_summary(vocab, sha), "split": split, "target": identity.to_dict(),
-            "prepared": {"path": str(prepared.path.resolve()), "fingerprint": prepared.fingerprint},
-            "counts": {"train_samples": len(prepared.sample_ids) - len(eval_ids), "eval_samples": len(eval_ids)},
-            "config": config_dict(cfg),
-        })
-        logger.info(f"eagle3-standardize: vocab map of {vocab.draft_vocab_size} tokens ({vocab.coverage():.2%} of the "
-                    f"training split's tokens) from {prepared.path} -> {self.out / VOCAB_FILE}")
+        manifest = out.write_manifest(
+            {
+                "vocab": self.vocab_summary(vocab, sha),
+                "split": split,
+                "target": identity.to_dict(),
+                "prepared": {"path": str(prepared.path.resolve()), "fingerprint": prepared.fingerprint},
+                "counts": {"train_samples": len(prepared.sample_ids) - len(eval_ids), "eval_samples": len(eval_ids)},
+                "config": config_dict(cfg),
+            }
+        )
+        logger.info(
+            f"eagle3-standardize: vocab map of {vocab.draft_vocab_size} tokens ({vocab.coverage():.2%} of the "
+            f"training split's tokens) from {prepared.path} -> {self.out / VOCAB_FILE}"
+        )
         return manifest
 
     def make_vocab(self, target_vocab: int) -> tuple[VocabMap, str]:
@@ -216,15 +247,22 @@ class Standardizer:
         all_ids = np.concatenate([s.sample_ids for s in sources]) if sources else np.zeros(0, dtype=np.int64)
         if self.cfg.max_samples is not None:  # the lowest ids: prepare numbers samples in input order
             if self.cfg.max_samples > len(all_ids):
-                logger.warning(f"warning: max_samples={self.cfg.max_samples} but the dumps hold {len(all_ids)} samples; "
-                               f"using all")
+                logger.warning(
+                    f"warning: max_samples={self.cfg.max_samples} but the dumps hold {len(all_ids)} samples; using all"
+                )
             all_ids = np.sort(all_ids)[: self.cfg.max_samples]
             sources = [replace(s, keep=np.isin(s.sample_ids, all_ids)) for s in sources]
         eval_ids = split_eval(all_ids, self.cfg.eval_fraction, self.cfg.seed)
         request = {
             "capture": spec.to_dict(),
-            "dumps": [{"path": str(Path(d).expanduser().resolve()), "created_at": m["created_at"],
-                       "shards": [r["sha256"] for r in m["shards"]]} for d, m in zip(self.cfg.dumps, dumps)],
+            "dumps": [
+                {
+                    "path": str(Path(d).expanduser().resolve()),
+                    "created_at": m["created_at"],
+                    "shards": [r["sha256"] for r in m["shards"]],
+                }
+                for d, m in zip(self.cfg.dumps, dumps)
+            ],
             "eval_fraction": self.cfg.eval_fraction,
             "seed": self.cfg.seed,
             "max_samples": self.cfg.max_samples,
@@ -244,12 +282,17 @@ class Standardizer:
             diffs = differences(spec, specs[0])
             if diffs:
                 raise ContractError(
-                    f"dumps {self.cfg.dumps[0]} and {path} cannot be merged; they differ in:\n  " + "\n  ".join(diffs)
+                    f"dumps {self.cfg.dumps[0]} and {path} cannot be merged; they differ in:\n  "
+                    + "\n  ".join(diffs)
                     + f"\n{self.cfg.dumps[0]}: {json.dumps(specs[0].to_dict(), sort_keys=True)}"
                     + f"\n{path}: {json.dumps(spec.to_dict(), sort_keys=True)}"
                 )
         first = specs[0]
-        aux = first.aux_indices if self.cfg.aux_indices is None else validate_aux_indices(list(self.cfg.aux_indices), first.num_hidden_layers)
+        aux = (
+            first.aux_indices
+            if self.cfg.aux_indices is None
+            else validate_aux_indices(list(self.cfg.aux_indices), first.num_hidden_layers)
+        )
         for path, m in zip(self.cfg.dumps, dumps):
             missing = [k for k in aux if k not in m["stored_indices"]]
             if missing:
@@ -258,8 +301,15 @@ class Standardizer:
                     f"(hidden.<k>); choose aux_indices among them, or dump again with capture.extra_indices"
                 )
         self.source_storage = first.storage  # the same in every dump (a difference is refused above)
-        return CaptureSpec(aux, first.num_hidden_layers, first.hidden_size, first.vocab_size, first.dtype, first.target,
-                           self.cfg.storage or first.storage)
+        return CaptureSpec(
+            aux,
+            first.num_hidden_layers,
+            first.hidden_size,
+            first.vocab_size,
+            first.dtype,
+            first.target,
+            self.cfg.storage or first.storage,
+        )
 
     def sources(self, dumps: list[dict]) -> list[Source]:
         """Every input shard with its sample ids; duplicate ids anywhere are refused."""
@@ -299,6 +349,7 @@ class Standardizer:
     def stage_dir(self, request: dict) -> StageDir:
         """The output directory for ``request``; when only the vocab differs, the refusal says
         that only_vocab=true rebuilds just the map."""
+
         def hint(diffs: list[str]) -> str:
             if all(d.startswith("vocab.") for d in diffs):
                 return "(only the vocab differs: only_vocab=true rebuilds just the map)"
@@ -350,20 +401,32 @@ class Standardizer:
             write_shard(self.out / split, src.out_name, out)
         return src
 
-    def finalize(self, spec: CaptureSpec, request: dict, dumps: list[dict], stats: dict, vocab: VocabMap,
-                 sha: str, n_eval: int, n_all: int) -> dict[str, Any]:
+    def finalize(
+        self,
+        spec: CaptureSpec,
+        request: dict,
+        dumps: list[dict],
+        stats: dict,
+        vocab: VocabMap,
+        sha: str,
+        n_eval: int,
+        n_all: int,
+    ) -> dict[str, Any]:
         shards = {split: finished_records(self.out / split) for split in ("train", "eval")}
         counts = {
             f"{split}_{what}": sum(getattr(r, f"num_{what}") for r in recs)
-            for split, recs in shards.items() for what in ("samples", "tokens")
+            for split, recs in shards.items()
+            for what in ("samples", "tokens")
         }
         if counts["train_samples"] + counts["eval_samples"] != n_all or counts["eval_samples"] != n_eval:
             raise Eagle3Error(f"{self.out}: output holds {counts} but the dumps hold {n_all} samples ({n_eval} eval)")
         body = {
             "capture": spec.to_dict(),
             "target": spec.target.to_dict(),
-            "sources": [{"path": d["path"], "capture": m["capture"], "stored_indices": m["stored_indices"]}
-                        for d, m in zip(request["dumps"], dumps)],
+            "sources": [
+                {"path": d["path"], "capture": m["capture"], "stored_indices": m["stored_indices"]}
+                for d, m in zip(request["dumps"], dumps)
+            ],
             "config": config_dict(self.cfg),
             "vocab": self.vocab_summary(vocab, sha),
             "split": {"seed": self.cfg.seed, "eval_fraction": self.cfg.eval_fraction},

@@ -70,8 +70,12 @@ class SynthConfig:
     turns: int = 1  # user turns per conversation (each answered by the target)
     system_prompts: list[str] | None = None  # steer topics: conversation g uses prompt g % len; null: none
     system_prompts_file: str | None = None  # the same, one prompt per line of a text file
-    keep_system_prompt: bool = True  # false: the system prompt steers the question only; the reply and the stored conversation go without it
-    example_prompts_file: str | None = None  # a prompt file (eagle3-eval's formats: your own users' prompts); each steering system prompt then lists examples_per_prompt of their first user turns (use with keep_system_prompt=false)
+    keep_system_prompt: bool = (
+        True  # false: the system prompt steers the question only; the reply and the stored conversation go without it
+    )
+    example_prompts_file: str | None = (
+        None  # a prompt file (eagle3-eval's formats: your own users' prompts); each steering system prompt then lists examples_per_prompt of their first user turns (use with keep_system_prompt=false)
+    )
     examples_per_prompt: int = 3  # examples shown per conversation, drawn by (seed, conversation)
     starter_words: int = 0  # >0: the first user turn begins with the first this many words of the first example its system prompt lists, which the target continues ("Write", "What", "Explain" ...: the openings of your users' requests rather than the target's own); needs example_prompts_file
     temperature: float = 1.0  # sampling temperature of user turns
@@ -80,15 +84,21 @@ class SynthConfig:
     min_tokens: int = 3  # shorter user turns are dropped (too_short)
     max_tokens: int = 100  # longer user turns are dropped (too_long)
     max_repeated_ngrams: float = 0.5  # drop a turn whose share of repeated word 4-grams exceeds this (repetition)
-    near_duplicate_threshold: float = 0.8  # estimated Jaccard of word 3-grams at which a first user turn is a near duplicate
-    chunk_size: int = 512  # conversations per resumable chunk under <out>/synth/ (fewer for a small synthesize=N: see chunk_size_for)
+    near_duplicate_threshold: float = (
+        0.8  # estimated Jaccard of word 3-grams at which a first user turn is a near duplicate
+    )
+    chunk_size: int = (
+        512  # conversations per resumable chunk under <out>/synth/ (fewer for a small synthesize=N: see chunk_size_for)
+    )
 
     def __post_init__(self) -> None:
         check_numbers(self, "synth.", positive=("turns", "max_new_tokens", "chunk_size", "examples_per_prompt"))
         if not (self.temperature > 0 and 0 < self.top_p <= 1):
             raise ConfigError("synth.temperature must be > 0 and synth.top_p in (0, 1]")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ConfigError(f"synth.min_tokens ({self.min_tokens}) must be in 0..synth.max_tokens ({self.max_tokens})")
+            raise ConfigError(
+                f"synth.min_tokens ({self.min_tokens}) must be in 0..synth.max_tokens ({self.max_tokens})"
+            )
         if not 0 < self.max_repeated_ngrams <= 1:
             raise ConfigError(f"synth.max_repeated_ngrams must be in (0, 1], got {self.max_repeated_ngrams}")
         if not 0 < self.near_duplicate_threshold <= 1:
@@ -98,7 +108,9 @@ class SynthConfig:
         if self.starter_words < 0:
             raise ConfigError(f"synth.starter_words must be >= 0, got {self.starter_words}")
         if self.starter_words and self.example_prompts_file is None:
-            raise ConfigError("synth.starter_words takes the openings of synth.example_prompts_file's prompts: give the file")
+            raise ConfigError(
+                "synth.starter_words takes the openings of synth.example_prompts_file's prompts: give the file"
+            )
 
     def systems(self) -> list[str | None]:
         """The steering system prompts (``[None]``: no system message)."""
@@ -173,13 +185,16 @@ def user_turn_prefix(tokenizer: Any, history: list[dict], end_ids: set[int], tem
         except BadRow as e:
             raise Eagle3Error(f"{template_name} refuses a conversation ending in a user turn: {e}") from None
         if parts is None:
-            raise Eagle3Error(f"{template_name} does not place a user message verbatim once; "
-                              f"its user-turn prefix cannot be derived")
+            raise Eagle3Error(
+                f"{template_name} does not place a user message verbatim once; its user-turn prefix cannot be derived"
+            )
         renders.append(parts)
     (prefix, after), (prefix2, after2) = renders
     if prefix != prefix2 or after != after2:
-        raise Eagle3Error(f"{template_name} renders the text around a user message differently for different "
-                          f"messages; its user-turn prefix cannot be derived")
+        raise Eagle3Error(
+            f"{template_name} renders the text around a user message differently for different "
+            f"messages; its user-turn prefix cannot be derived"
+        )
     enc = tokenizer(after, add_special_tokens=False, return_offsets_mapping=True)
     for tid, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]):
         if tid in end_ids:
@@ -247,7 +262,9 @@ class DuplicateFilter:
         self.threshold = threshold
         # LSH only proposes candidates (a lower threshold proposes more; datasketch needs >= 2 bands)
         self.lsh = datasketch.MinHashLSH(threshold=min(threshold, 0.9), num_perm=num_perm)
-        self.blank = datasketch.MinHash(num_perm=num_perm, seed=seed)  # copies share its permutations (drawing them is slow)
+        self.blank = datasketch.MinHash(
+            num_perm=num_perm, seed=seed
+        )  # copies share its permutations (drawing them is slow)
         self.signatures: dict[int, Any] = {}
         self.seen: set[str] = set()
         self.count = 0
@@ -309,9 +326,25 @@ class Synthesizer:
         progress: the command's ``progress`` option (:func:`eagle3_train.core.log.progress_bar`).
     """
 
-    def __init__(self, *, n: int, synth: SynthConfig, regen: RegenConfig, seed: int, work_dir: Path,
-                 request: dict[str, Any], overwrite: bool, load_model: Any, tokenizer: Any, special: set[int],
-                 template_name: str, rank: int = 0, world: int = 1, barrier: Any = None, progress: bool | None = True):
+    def __init__(
+        self,
+        *,
+        n: int,
+        synth: SynthConfig,
+        regen: RegenConfig,
+        seed: int,
+        work_dir: Path,
+        request: dict[str, Any],
+        overwrite: bool,
+        load_model: Any,
+        tokenizer: Any,
+        special: set[int],
+        template_name: str,
+        rank: int = 0,
+        world: int = 1,
+        barrier: Any = None,
+        progress: bool | None = True,
+    ):
         if n <= 0:
             raise ConfigError(f"synthesize must be a positive number of conversations, got {n}")
         self.n, self.synth, self.regen, self.seed = n, synth, regen, seed
@@ -329,21 +362,37 @@ class Synthesizer:
         self.systems = synth.systems()
         self.examples = synth.examples()
         # a user turn is dropped once it passes max_tokens, so sampling stops one token after that
-        self.user_cfg = replace(regen, max_new_tokens=min(synth.max_new_tokens, synth.max_tokens + 1), do_sample=True,
-                                temperature=synth.temperature, top_p=synth.top_p)  # sampled, generated as the answers are
+        self.user_cfg = replace(
+            regen,
+            max_new_tokens=min(synth.max_new_tokens, synth.max_tokens + 1),
+            do_sample=True,
+            temperature=synth.temperature,
+            top_p=synth.top_p,
+        )  # sampled, generated as the answers are
         self.generated: Counter[str] = Counter()  # new tokens and chunks this rank generated in this run
-        self.totals: Counter[str] = Counter()  # new tokens and seconds of the chunks read so far, whichever run made them
+        self.totals: Counter[str] = (
+            Counter()
+        )  # new tokens and seconds of the chunks read so far, whichever run made them
         self.endings: dict[str, int] = {}  # what the template renders after a user message -> its end token (_prefix)
         # what _select has read and filtered so far (the chunks 0..chunks-1)
-        self.selection: dict[str, Any] = {"chunks": 0, "kept": [], "counts": Counter(),
-                          "filter": DuplicateFilter(synth.near_duplicate_threshold)}
+        self.selection: dict[str, Any] = {
+            "chunks": 0,
+            "kept": [],
+            "counts": Counter(),
+            "filter": DuplicateFilter(synth.near_duplicate_threshold),
+        }
 
     # ---- chunks on disk
     def _claim_dir(self) -> None:
         if self.rank == 0:
-            StageDir(self.dir, "synth", self.request, what="set of synthesized conversations",
-                     hint="pass overwrite=true to discard them, or choose another out=", exclusive=True).claim(
-                replace=self.overwrite, clear=lambda: remove_files(self.dir, "chunk-*.json"))
+            StageDir(
+                self.dir,
+                "synth",
+                self.request,
+                what="set of synthesized conversations",
+                hint="pass overwrite=true to discard them, or choose another out=",
+                exclusive=True,
+            ).claim(replace=self.overwrite, clear=lambda: remove_files(self.dir, "chunk-*.json"))
             remove_temporaries(self.dir)  # a chunk killed before its rename (the other ranks wait below)
         self.barrier()
 
@@ -356,8 +405,9 @@ class Synthesizer:
         system = self.systems[g % len(self.systems)]
         if not self.examples:
             return system, ""
-        picked = random.Random(f"{self.seed}:{g}").sample(self.examples, min(self.synth.examples_per_prompt,
-                                                                             len(self.examples)))
+        picked = random.Random(f"{self.seed}:{g}").sample(
+            self.examples, min(self.synth.examples_per_prompt, len(self.examples))
+        )
         listed = EXAMPLES_HEADER + "\n" + "\n".join(f"- {e}" for e in picked)
         starter = " ".join(picked[0].split()[: self.synth.starter_words])
         return listed if system is None else f"{system}\n\n{listed}", starter
@@ -396,8 +446,10 @@ class Synthesizer:
             n_chunks += min(3 * n_chunks, max(1, -(-int((self.n - len(kept)) / rate * 1.1) // size)))
         seconds = time.perf_counter() - start
         if len(kept) < self.n:
-            logger.warning(f"eagle3-prepare: only {len(kept)} of {self.n} synthesized conversations passed the filters "
-                           f"after {n_chunks} chunks; see counts.synthesis in the manifest")
+            logger.warning(
+                f"eagle3-prepare: only {len(kept)} of {self.n} synthesized conversations passed the filters "
+                f"after {n_chunks} chunks; see counts.synthesis in the manifest"
+            )
         stats = {
             "conversations_asked": self.n,
             "conversations_kept": min(len(kept), self.n),
@@ -421,8 +473,9 @@ class Synthesizer:
             self.totals.update(new_tokens=data["new_tokens"], seconds=data["seconds"])
             convs = [Conversation(d["messages"], d["source"], d["meta"]) for d in data["conversations"]]
             start = sel["filter"].count
-            dropped = sel["filter"].add([next(m["content"] for m in conv.messages if m["role"] == "user")
-                                         for conv in convs])
+            dropped = sel["filter"].add(
+                [next(m["content"] for m in conv.messages if m["role"] == "user") for conv in convs]
+            )
             sel["counts"].update(Counter(dropped.values()))
             sel["kept"].extend(conv for i, conv in enumerate(convs, start=start) if i not in dropped)
         sel["chunks"] = max(sel["chunks"], n_chunks)
@@ -439,12 +492,15 @@ class Synthesizer:
         size = self.size
         ids = range(chunk * size, (chunk + 1) * size)
         # per conversation: the messages kept, the system prompt that steers its user turns
-        convs: list[dict[str, Any]] = [{"id": g, "system": system, "starter": starter, "messages": [], "alive": True}
-                 for g, (system, starter) in zip(ids, map(self.steering, ids))]
+        convs: list[dict[str, Any]] = [
+            {"id": g, "system": system, "starter": starter, "messages": [], "alive": True}
+            for g, (system, starter) in zip(ids, map(self.steering, ids))
+        ]
         dropped: Counter = Counter()
         new_tokens = 0
-        bar = progress_bar(total=len(convs) * self.synth.turns * 2, desc=f"synthesize chunk {chunk}", unit="turn",
-                           show=self.progress)
+        bar = progress_bar(
+            total=len(convs) * self.synth.turns * 2, desc=f"synthesize chunk {chunk}", unit="turn", show=self.progress
+        )
         for turn in range(self.synth.turns):
             alive = [c for c in convs if c["alive"]]
             if not alive:
@@ -455,8 +511,15 @@ class Synthesizer:
             starts = [c["starter"] if turn == 0 else "" for c in alive]
             prompts = self.tok([p.text + s for p, s in zip(prefixes, starts)], add_special_tokens=False)["input_ids"]
             stops = sorted(set(self.eos) | {p.end_id for p in prefixes})
-            outs, _ = generate_sorted(self.model, prompts, self.user_cfg, stops, self.pad, bar=bar,
-                                      seed=chunk_seed(self.seed, chunk) + 2 * turn)
+            outs, _ = generate_sorted(
+                self.model,
+                prompts,
+                self.user_cfg,
+                stops,
+                self.pad,
+                bar=bar,
+                seed=chunk_seed(self.seed, chunk) + 2 * turn,
+            )
             for c, reply, start in zip(alive, outs, starts):
                 ended = len(reply) < self.user_cfg.max_new_tokens  # the stop token is never part of a reply
                 new_tokens += len(reply) + ended
@@ -471,26 +534,43 @@ class Synthesizer:
                 c["messages"].append({"role": "user", "content": text})
             # 2. the target's answer, as regeneration writes it
             alive = [c for c in convs if c["alive"]]
-            texts = [render_text(self.tok, self._stored(c), f"synth[{c['id']}]", add_generation_prompt=True) for c in alive]
+            texts = [
+                render_text(self.tok, self._stored(c), f"synth[{c['id']}]", add_generation_prompt=True) for c in alive
+            ]
             prompts = self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
-            outs, _ = generate_sorted(self.model, prompts, self.regen, self.eos, self.pad, bar=bar,
-                                      seed=chunk_seed(self.seed, chunk) + 2 * turn + 1)
+            outs, _ = generate_sorted(
+                self.model,
+                prompts,
+                self.regen,
+                self.eos,
+                self.pad,
+                bar=bar,
+                seed=chunk_seed(self.seed, chunk) + 2 * turn + 1,
+            )
             for c, reply in zip(alive, outs):
                 new_tokens += len(reply) + (len(reply) < self.regen.max_new_tokens)
-                c["messages"].append({"role": "assistant", "content": self.tok.decode(reply, skip_special_tokens=False).strip()})
+                c["messages"].append(
+                    {"role": "assistant", "content": self.tok.decode(reply, skip_special_tokens=False).strip()}
+                )
                 if not c["messages"][-1]["content"]:
                     dropped["empty_reply"] += 1
                     c["messages"] = c["messages"][:-2]
                     c["alive"] = False
         bar.close()
         kept = [
-            {"messages": self._stored(c), "source": f"synthesized[{c['id']}]",
-             "meta": {"id": c["id"], **({"system_prompt": c["system"]} if c["system"] is not None else {})}}
-            for c in convs if c["messages"]
+            {
+                "messages": self._stored(c),
+                "source": f"synthesized[{c['id']}]",
+                "meta": {"id": c["id"], **({"system_prompt": c["system"]} if c["system"] is not None else {})},
+            }
+            for c in convs
+            if c["messages"]
         ]
         seconds = time.perf_counter() - t0
-        atomic_write_json(self._path(chunk), {"conversations": kept, "dropped": dict(dropped),
-                                              "new_tokens": new_tokens, "seconds": round(seconds, 3)})
+        atomic_write_json(
+            self._path(chunk),
+            {"conversations": kept, "dropped": dict(dropped), "new_tokens": new_tokens, "seconds": round(seconds, 3)},
+        )
         self.generated.update(tokens=new_tokens, chunks=1)
         fault_point("synth.chunk")  # tests: a kill at the worst moment, other ranks mid-chunk
 

@@ -137,8 +137,11 @@ def _source_docs(cls: type) -> dict[str, str]:
         if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
             docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
             continue
-        trailing = [comments[n] for n in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1)
-                    if n in comments and n not in alone]
+        trailing = [
+            comments[n]
+            for n in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1)
+            if n in comments and n not in alone
+        ]
         if trailing:
             docs[stmt.target.id] = " ".join(trailing)
             continue
@@ -177,8 +180,11 @@ def _nested(cls: type, f: dataclasses.Field) -> type | None:
     hint = _hints(cls).get(f.name)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return hint
-    if f.default_factory is not dataclasses.MISSING and isinstance(f.default_factory, type) \
-            and dataclasses.is_dataclass(f.default_factory):
+    if (
+        f.default_factory is not dataclasses.MISSING
+        and isinstance(f.default_factory, type)
+        and dataclasses.is_dataclass(f.default_factory)
+    ):
         return f.default_factory
     return None
 
@@ -262,8 +268,9 @@ def _default_text(v: Any) -> str:
     return code(value_text(v))
 
 
-def reference_page(command: str, cls: type, yaml_name: str | None = None, composed: dict | None = None,
-                   header: str = "") -> str:
+def reference_page(
+    command: str, cls: type, yaml_name: str | None = None, composed: dict | None = None, header: str = ""
+) -> str:
     """The reference page of one command: a table per config section."""
     rows = reference_rows(cls, composed=composed)
     out = [GENERATED_NOTE, f"# `{command}`\n\n"]
@@ -271,8 +278,10 @@ def reference_page(command: str, cls: type, yaml_name: str | None = None, compos
         out.append(_first_line(cls.__doc__) + "\n\n")
     source = f"`{cls.__module__}.{cls.__qualname__}`"
     if yaml_name:
-        out.append(f"Fields of {source}; defaults as `conf/{yaml_name}` composes them. Any field is set on the "
-                   f"command line as `name=value` (dotted for sections: `section.name=value`).\n\n")
+        out.append(
+            f"Fields of {source}; defaults as `conf/{yaml_name}` composes them. Any field is set on the "
+            f"command line as `name=value` (dotted for sections: `section.name=value`).\n\n"
+        )
     else:
         out.append(f"Fields of {source}.\n\n")
     if header:
@@ -310,15 +319,22 @@ def rerun_section(command: str) -> str:
     stage = command.removeprefix("eagle3-")
     if stage not in OUTSIDE_REQUEST and stage not in CONTINUATIONS:
         return ""
-    out = ["## Reruns on the same `out=`\n\n",
-           "Every option above is recorded in `out/request.json` and compared on a rerun: one that differs is "
-           "refused, naming it. Only these are left out (`eagle3_train/core/fingerprint.py`):\n\n",
-           table(["option", "why it cannot change the output"],
-                 [[f"`{k}`", cell(v)] for k, v in OUTSIDE_REQUEST.get(stage, {}).items()]) + "\n"]
+    out = [
+        "## Reruns on the same `out=`\n\n",
+        "Every option above is recorded in `out/request.json` and compared on a rerun: one that differs is "
+        "refused, naming it. Only these are left out (`eagle3_train/core/fingerprint.py`):\n\n",
+        table(
+            ["option", "why it cannot change the output"],
+            [[f"`{k}`", cell(v)] for k, v in OUTSIDE_REQUEST.get(stage, {}).items()],
+        )
+        + "\n",
+    ]
     if CONTINUATIONS.get(stage):
-        out += ["A rerun may change these to continue the same output:\n\n",
-                table(["option", "what the change does"],
-                      [[f"`{k}`", cell(v)] for k, v in CONTINUATIONS[stage].items()]) + "\n"]
+        out += [
+            "A rerun may change these to continue the same output:\n\n",
+            table(["option", "what the change does"], [[f"`{k}`", cell(v)] for k, v in CONTINUATIONS[stage].items()])
+            + "\n",
+        ]
     return "".join(out)
 
 
@@ -332,6 +348,7 @@ def _scripts() -> dict[str, str]:
     text = (ROOT / "pyproject.toml").read_text()
     try:
         import tomllib
+
         return dict(tomllib.loads(text)["project"]["scripts"])
     except ModuleNotFoundError:  # Python 3.10
         block = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
@@ -385,10 +402,13 @@ def commands() -> list[tuple[str, Path]]:
 
 def reference_pages() -> dict[str, str]:
     pages = {}
-    index = [GENERATED_NOTE, "# Command reference\n\n",
-             "Every option of every command, generated from the config dataclasses (their field docs) and "
-             "the yaml files under `conf/`. Each command is a Hydra app: `eagle3-<command> key=value ...`; "
-             "add `--cfg job` to print the composed config without running anything.\n\n"]
+    index = [
+        GENERATED_NOTE,
+        "# Command reference\n\n",
+        "Every option of every command, generated from the config dataclasses (their field docs) and "
+        "the yaml files under `conf/`. Each command is a Hydra app: `eagle3-<command> key=value ...`; "
+        "add `--cfg job` to print the composed config without running anything.\n\n",
+    ]
     rows = []
     for script, yaml in commands():
         cls = schema_of(yaml)
@@ -422,8 +442,10 @@ def _mapping(rule: Any, n: int) -> str:
         return "id v captures HF v+1"
     if seen and all(hf == list(v) for v, hf in seen):
         return "id v captures HF v" + (" (v=N: the pre-norm final state)" if any(v[-1] == n for v, _ in seen) else "")
+
     def hf_text(hf: list[int]) -> str:
         return f"HF `{[k for k in hf if k != n]}`" + (" + the pre-norm final state" if n in hf else "")
+
     return "; ".join(f"`{v}` captures {hf_text(hf)}" for v, hf in seen) + f" (N={n})"
 
 
@@ -443,13 +465,17 @@ def engine_rules_page() -> str:
     registry = importlib.import_module("eagle3_train.engines.registry")
     n = 32
     ks = sorted({2, n // 2, n - 3})
-    out = [GENERATED_NOTE, "# Engine rules\n\n",
-           "What each serving engine does with a draft's layer ids, per target `model_type`, generated from "
-           "the engine modules of `eagle3_train.engines` (one per engine, listed in `eagle3_train.engines.registry`: "
-           "the rules as data, used by `eagle3-export`, `eagle3-check`, `eagle3-eval` and the served dump). Every "
-           "pair not listed as verified by a run was read from the engine's source only. See [Engines](engines.md) "
-           "for what follows from them.\n\n",
-           f"Rules version: `{rules.rules_version()}`.\n\n", engines_overview(registry)]
+    out = [
+        GENERATED_NOTE,
+        "# Engine rules\n\n",
+        "What each serving engine does with a draft's layer ids, per target `model_type`, generated from "
+        "the engine modules of `eagle3_train.engines` (one per engine, listed in `eagle3_train.engines.registry`: "
+        "the rules as data, used by `eagle3-export`, `eagle3-check`, `eagle3-eval` and the served dump). Every "
+        "pair not listed as verified by a run was read from the engine's source only. See [Engines](engines.md) "
+        "for what follows from them.\n\n",
+        f"Rules version: `{rules.rules_version()}`.\n\n",
+        engines_overview(registry),
+    ]
     for name in registry.names("rules"):
         engine = registry.ENGINES[name]
         out.append(f"## {name}\n\n")
@@ -464,23 +490,56 @@ def engine_rules_page() -> str:
                 note = cell(r.note)
                 if r.id0:
                     note += "; id 0: " + cell(r.id0)
-                body.append([f"`{model_type}`", _keys_text(r.keys), _mapping(r, n), note, cell(r.versions),
-                             _ids_example(r, n, ks), verified])
-        out.append(table(["target model_type", "reads the ids from (first present wins)", "id → HF index",
-                          "note", "read from", f"ids for HF {ks} (N={n})", "verification"], body) + "\n")
+                body.append(
+                    [
+                        f"`{model_type}`",
+                        _keys_text(r.keys),
+                        _mapping(r, n),
+                        note,
+                        cell(r.versions),
+                        _ids_example(r, n, ks),
+                        verified,
+                    ]
+                )
+        out.append(
+            table(
+                [
+                    "target model_type",
+                    "reads the ids from (first present wins)",
+                    "id → HF index",
+                    "note",
+                    "read from",
+                    f"ids for HF {ks} (N={n})",
+                    "verification",
+                ],
+                body,
+            )
+            + "\n"
+        )
         if engine.serves is not None:
-            out.append(f"{engine.title} {engine.serves_note}: " + ", ".join(f"`{m}`" for m in sorted(engine.serves))
-                       + "; it refuses any other target at load.\n\n")
+            out.append(
+                f"{engine.title} {engine.serves_note}: "
+                + ", ".join(f"`{m}`" for m in sorted(engine.serves))
+                + "; it refuses any other target at load.\n\n"
+            )
     out.append(families_measured())
     out.append("## Target families\n\n")
-    out.append(table(["model_type", "family (whose engine code serves it)"],
-                     [[f"`{m}`", f"`{f}`"] for m, f in sorted(rules.FAMILIES.items())]) + "\n")
-    out.append(f"With no ids where it reads them, every engine captures the default `[2, N//2, N-3]` "
-               f"(N={n}: `{rules.engine_default(n)}`).\n\n")
-    out.append("## Weights the engines load\n\n"
-               "A one-layer `LlamaForCausalLMEagle3` draft holds these tensors only (any other name is dropped "
-               "silently by SGLang and fails in vLLM): "
-               + ", ".join(f"`{w}`" for w in sorted(rules.DRAFT_WEIGHTS)) + ".\n")
+    out.append(
+        table(
+            ["model_type", "family (whose engine code serves it)"],
+            [[f"`{m}`", f"`{f}`"] for m, f in sorted(rules.FAMILIES.items())],
+        )
+        + "\n"
+    )
+    out.append(
+        f"With no ids where it reads them, every engine captures the default `[2, N//2, N-3]` "
+        f"(N={n}: `{rules.engine_default(n)}`).\n\n"
+    )
+    out.append(
+        "## Weights the engines load\n\n"
+        "A one-layer `LlamaForCausalLMEagle3` draft holds these tensors only (any other name is dropped "
+        "silently by SGLang and fails in vLLM): " + ", ".join(f"`{w}`" for w in sorted(rules.DRAFT_WEIGHTS)) + ".\n"
+    )
     return "".join(out)
 
 
@@ -489,14 +548,37 @@ def engines_overview(registry: Any) -> str:
     was read from."""
     rows = []
     for name, e in registry.ENGINES.items():
-        rows.append([f"`{name}`", e.title, ", ".join(sorted(e.roles)) or "—", cell(e.version) or "—",
-                     cell(e.command.read_from) if e.command else "—",
-                     cell(e.capture.read_from) if e.capture else ("in process" if e.in_process else "—"),
-                     cell(e.generation.read_from) if e.generation else ("in process" if e.in_process else "—"),
-                     cell(e.metrics.read_from) if e.metrics else "—", str(len(e.verified))])
-    return ("## Engines\n\n" + table(["name", "engine", "used for", "rules read from", "command line",
-                                       "served dump API", "generation API", "speculative-decoding figures",
-                                       "model_types verified by a run"], rows) + "\n")
+        rows.append(
+            [
+                f"`{name}`",
+                e.title,
+                ", ".join(sorted(e.roles)) or "—",
+                cell(e.version) or "—",
+                cell(e.command.read_from) if e.command else "—",
+                cell(e.capture.read_from) if e.capture else ("in process" if e.in_process else "—"),
+                cell(e.generation.read_from) if e.generation else ("in process" if e.in_process else "—"),
+                cell(e.metrics.read_from) if e.metrics else "—",
+                str(len(e.verified)),
+            ]
+        )
+    return (
+        "## Engines\n\n"
+        + table(
+            [
+                "name",
+                "engine",
+                "used for",
+                "rules read from",
+                "command line",
+                "served dump API",
+                "generation API",
+                "speculative-decoding figures",
+                "model_types verified by a run",
+            ],
+            rows,
+        )
+        + "\n"
+    )
 
 
 def _pct(x: Any) -> str:
@@ -519,23 +601,52 @@ def families_measured() -> str:
             served = r.get(f"{engine}_mean_acceptance_length")
             l2 = r.get(f"{engine}_dump_vs_hf_rel_l2")
             worst = max(l2.values()) if isinstance(l2, dict) and l2 else None
-            why = r.get(f"{engine}_failure") or r.get("served_with") or ("" if served is not None else "not served in this run")
-            rows.append([f"`{fam}`", engine, _num(r.get("eval_tau_bf16")), _num(served),
-                         _pct(r.get(f"{engine}_vs_eval_bf16_relative")), _num(r.get(f"{engine}_shifted_mean_acceptance_length")),
-                         f"{worst:.2%}" if worst is not None else "—", cell(why), f"`{path.name}`"])
+            why = (
+                r.get(f"{engine}_failure")
+                or r.get("served_with")
+                or ("" if served is not None else "not served in this run")
+            )
+            rows.append(
+                [
+                    f"`{fam}`",
+                    engine,
+                    _num(r.get("eval_tau_bf16")),
+                    _num(served),
+                    _pct(r.get(f"{engine}_vs_eval_bf16_relative")),
+                    _num(r.get(f"{engine}_shifted_mean_acceptance_length")),
+                    f"{worst:.2%}" if worst is not None else "—",
+                    cell(why),
+                    f"`{path.name}`",
+                ]
+            )
         for fam, why in (data.get("not_run") or {}).items():
             rows.append([cell(fam), engine, "—", "—", "—", "—", "—", cell(f"not run: {why}"), f"`{path.name}`"])
     if not rows:
         return ""
-    return ("## Families × engines, as measured\n\n"
-            "Tiny targets of each family, and the embedded SmolLM2 (`smollm2`, trained weights), through "
-            "the pipeline and a real engine (single runs on one H200; the tiny targets are random-init, so "
-            "τ is low, greedy paths turn on near-tied logits, and adjacent layers differ little: a shifted "
-            "config barely moves τ except on SmolLM2 and deepseek_v3). τ is `eagle3-eval`'s (bf16), the engine's figure its own mean acceptance length "
-            "(`eagle3-served-acceptance`); the dump column the worst per-layer relative L2 of the engine's "
-            "served dump against the transformers one.\n\n"
-            + table(["family", "engine", "eval τ", "engine τ", "engine vs eval", "shifted ids: engine τ",
-                     "served dump rel L2", "note", "results"], rows) + "\n")
+    return (
+        "## Families × engines, as measured\n\n"
+        "Tiny targets of each family, and the embedded SmolLM2 (`smollm2`, trained weights), through "
+        "the pipeline and a real engine (single runs on one H200; the tiny targets are random-init, so "
+        "τ is low, greedy paths turn on near-tied logits, and adjacent layers differ little: a shifted "
+        "config barely moves τ except on SmolLM2 and deepseek_v3). τ is `eagle3-eval`'s (bf16), the engine's figure its own mean acceptance length "
+        "(`eagle3-served-acceptance`); the dump column the worst per-layer relative L2 of the engine's "
+        "served dump against the transformers one.\n\n"
+        + table(
+            [
+                "family",
+                "engine",
+                "eval τ",
+                "engine τ",
+                "engine vs eval",
+                "shifted ids: engine τ",
+                "served dump rel L2",
+                "note",
+                "results",
+            ],
+            rows,
+        )
+        + "\n"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -545,8 +656,22 @@ def families_measured() -> str:
 RESULT_PAGES = {
     "recipe": ("Recipe and data scaling", ("recipe_", "scaling_", "aux_", "vocab_", "synth_question")),
     "demo": ("The CPU demo", ("demo_",)),
-    "speed": ("Speed", ("dump_", "train_", "online_", "generate_", "eval_", "standardize_", "tokenize_",
-                        "synth_cpu", "compile_", "projection_", "bench_")),
+    "speed": (
+        "Speed",
+        (
+            "dump_",
+            "train_",
+            "online_",
+            "generate_",
+            "eval_",
+            "standardize_",
+            "tokenize_",
+            "synth_cpu",
+            "compile_",
+            "projection_",
+            "bench_",
+        ),
+    ),
     "storage": ("Storage (fp8, bf16, int8)", ("storage_",)),
     "engines": ("Served by real engines", ("vllm_", "sglang_", "families_")),
 }
@@ -563,8 +688,11 @@ def _flat(d: dict, prefix: str = "", depth: int = 2) -> list[tuple[str, Any]]:
             if depth > 1:
                 out += _flat(v, key + ".", depth - 1)
         elif isinstance(v, list):
-            if len(v) <= 8 and all(isinstance(x, (int, float, str, bool)) or x is None for x in v) \
-                    and sum(len(str(x)) for x in v) < 200:
+            if (
+                len(v) <= 8
+                and all(isinstance(x, (int, float, str, bool)) or x is None for x in v)
+                and sum(len(str(x)) for x in v) < 200
+            ):
                 out.append((key, v))
         else:
             out.append((key, v))
@@ -575,7 +703,10 @@ def result_section(name: str, data: Any) -> str:
     out = [f"## {name.removesuffix('.json')}\n\n", f"`tests/benchmarks/results/{name}`\n\n"]
     if not isinstance(data, dict):
         kind = type(data).__name__
-        return "".join(out) + f"A {kind} of {len(data) if hasattr(data, '__len__') else 1} entries (no scalars at its top).\n\n"
+        return (
+            "".join(out)
+            + f"A {kind} of {len(data) if hasattr(data, '__len__') else 1} entries (no scalars at its top).\n\n"
+        )
     rows = []
     for key in HEAD_KEYS:
         v = data.get(key)
@@ -608,6 +739,7 @@ def plot_curve(path: Path, title: str, pts: list) -> bytes | None:
     """A PNG of tau against conversations, or None without matplotlib."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -641,11 +773,14 @@ def results_pages() -> tuple[dict[str, str], dict[str, bytes]]:
     titles = {**{p: t for p, (t, _) in RESULT_PAGES.items()}, "other": "Other results"}
     pages: dict[str, str] = {}
     images: dict[str, bytes] = {}
-    index = [GENERATED_NOTE, "# Results\n\n",
-             "Every measurement this project recorded, generated from `tests/benchmarks/results/*.json` (one "
-             "table per file: what was measured, on which machine, with which command, and its figures). The "
-             "files hold more than these tables; the [benchmarks](../guide/benchmarks.md) page says how each "
-             "was run. Single runs unless a file says otherwise.\n\n"]
+    index = [
+        GENERATED_NOTE,
+        "# Results\n\n",
+        "Every measurement this project recorded, generated from `tests/benchmarks/results/*.json` (one "
+        "table per file: what was measured, on which machine, with which command, and its figures). The "
+        "files hold more than these tables; the [benchmarks](../guide/benchmarks.md) page says how each "
+        "was run. Single runs unless a file says otherwise.\n\n",
+    ]
     rows = []
     for page, members in by_page.items():
         out = [GENERATED_NOTE, f"# {titles[page]}\n\n"]

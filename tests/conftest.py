@@ -27,6 +27,7 @@ def said(caplog):
 
     return read
 
+
 # Three template families the loss mask must be right for. Literal special tokens are those of the
 # tiny tokenizer (eagle3_train.targets.TINY_SPECIAL_TOKENS).
 LLAMA3_TEMPLATE = (
@@ -82,8 +83,9 @@ def prepare(tmp_path: Path):
     from data_prep.prepare import PrepareConfig, Preparer
 
     def run(input: Path | str, out: str = "prepared", **options: Any):
-        cfg = PrepareConfig(target=options.pop("target", "tiny"), input=str(input), out=str(tmp_path / out),
-                            progress=False, **options)
+        cfg = PrepareConfig(
+            target=options.pop("target", "tiny"), input=str(input), out=str(tmp_path / out), progress=False, **options
+        )
         manifest = Preparer(cfg).run()
         return manifest, load_from_disk(str(tmp_path / out / "dataset"))
 

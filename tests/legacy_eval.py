@@ -36,7 +36,8 @@ class LegacySpecDecoder:
         self._prenorm: list[torch.Tensor] = []
         if self.n in layers:  # engines capture the last layer before the final norm
             self.target.base_model.layers[-1].register_forward_hook(
-                lambda m, i, o: self._prenorm.append(o[0] if isinstance(o, tuple) else o))
+                lambda m, i, o: self._prenorm.append(o[0] if isinstance(o, tuple) else o)
+            )
         self.target_seconds = self.draft_seconds = 0.0
 
     def _target(self, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,8 +72,13 @@ class LegacySpecDecoder:
             if i + 1 == self.k:
                 break
             # chain step i+1 at position T-1+i+1: sees the context and its own earlier steps
-            out = d.step(out, torch.tensor([[token]], device=out.device), torch.tensor([[t + i]], device=out.device),
-                         cache, i + 1)
+            out = d.step(
+                out,
+                torch.tensor([[token]], device=out.device),
+                torch.tensor([[t + i]], device=out.device),
+                cache,
+                i + 1,
+            )
         self._sync()
         self.draft_seconds += time.perf_counter() - start
         return drafts
@@ -109,7 +115,11 @@ class LegacySpecDecoder:
     @torch.no_grad()
     def greedy(self, prompt: list[int], max_new: int) -> list[int]:
         """Plain greedy decoding of the target, the reference for losslessness."""
-        out = self.target.generate(torch.tensor([prompt], device=self.device), max_new_tokens=max_new, do_sample=False,
-                                   eos_token_id=sorted(self.eos), pad_token_id=sorted(self.eos)[0])
+        out = self.target.generate(
+            torch.tensor([prompt], device=self.device),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=sorted(self.eos),
+            pad_token_id=sorted(self.eos)[0],
+        )
         return out[0, len(prompt) :].tolist()
-

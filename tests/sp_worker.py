@@ -13,8 +13,12 @@ from test_memory_parallel import DECAY, TTT, loss_and_grads, tiny_problem
 def main() -> None:
     dist.init_process_group("gloo")
     sp = sequence_parallel(2)
-    for t, head_chunk, checkpointing, rigged in ((13, 0, False, False), (16, 5, False, False), (9, 3, True, False),
-                                                 (15, 4, False, True)):
+    for t, head_chunk, checkpointing, rigged in (
+        (13, 0, False, False),
+        (16, 5, False, False),
+        (9, 3, True, False),
+        (15, 4, False, True),
+    ):
         model, head, t2d, batch = tiny_problem(seed=t, t=t)
         if rigged:  # a random head hits nothing: make the draft always say draft token 0 (target id 1) and
             # the target say it at about half the positions, so the hits have a pattern to compare
@@ -31,8 +35,9 @@ def main() -> None:
         if checkpointing:
             apply_activation_checkpointing(model)
         shard_hits = torch.zeros_like(hits)
-        shard_loss, shard_stats = ttt_losses(model, batch, head, t2d, TTT, DECAY, head_chunk=head_chunk, sp=sp,
-                                             hits=shard_hits)
+        shard_loss, shard_stats = ttt_losses(
+            model, batch, head, t2d, TTT, DECAY, head_chunk=head_chunk, sp=sp, hits=shard_hits
+        )
         got_loss, got_grads = loss_and_grads(model, shard_loss)
         for x in (got_loss, shard_stats, shard_hits, *got_grads):
             dist.all_reduce(x)

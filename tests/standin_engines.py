@@ -140,8 +140,16 @@ class _Standin:
         return tuple(h[0] for h in out.hidden_states), captured["pre"][0], int(out.logits[0, -1].argmax())
 
     @torch.no_grad()
-    def generate(self, prompt: list[int], max_new: int, stop: set[int], temperature: float, top_p: float,
-                 seed: int | None, length_first: bool) -> tuple[list[int], str, int | None]:
+    def generate(
+        self,
+        prompt: list[int],
+        max_new: int,
+        stop: set[int],
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        length_first: bool,
+    ) -> tuple[list[int], str, int | None]:
         """Decode as an engine does: one token a step from the KV cache; temperature 0 takes the
         argmax, else a draw from softmax(logits / T) cut to the top-p mass, by a generator of
         the request's own seed. Returns (generated ids, stop token included; "stop" / "length";
@@ -183,8 +191,17 @@ class _Standin:
 
 # vLLM 0.33.0's target classes with its EAGLE-3 interface (by model_type); it refuses others at load,
 # and its DeepSeek code (DeepSeek-V2/V3, Kimi-K2) fails on layer id 0.
-VLLM_EAGLE3_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
-                           "kimi_k2"}
+VLLM_EAGLE3_MODEL_TYPES = {
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
+    "kimi_k2",
+}
 VLLM_NO_ID_0 = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
 
 
@@ -231,14 +248,29 @@ class StandinVllm(_Standin):
     temperature; ``steps`` makes each reply arrive as late as that simulated engine would answer it;
     ``generated`` counts every token replied to a chat or completion of generated text."""
 
-    def __init__(self, model: Any, layer_ids: list[int] | None = None, storage: Path | None = None,
-                 dtype: torch.dtype = torch.float32, allow_custom_save_path: bool = True, write_delay_s: float = 0.02,
-                 port: int = 0, tokenizer: Any = None, speculative: dict | None = None,
-                 accepted_plan: list[int] | Callable[[list[dict]], list[int]] | None = None, engines: int = 1,
-                 reply_meta: bool = False, accept_each: int | None = None,
-                 scripted: Callable[[list[int], int], list[int]] | None = None, steps: SimulatedSteps | None = None):
-        if speculative is not None and speculative.get("method") == "eagle3" \
-                and model.config.model_type not in VLLM_EAGLE3_MODEL_TYPES:
+    def __init__(
+        self,
+        model: Any,
+        layer_ids: list[int] | None = None,
+        storage: Path | None = None,
+        dtype: torch.dtype = torch.float32,
+        allow_custom_save_path: bool = True,
+        write_delay_s: float = 0.02,
+        port: int = 0,
+        tokenizer: Any = None,
+        speculative: dict | None = None,
+        accepted_plan: list[int] | Callable[[list[dict]], list[int]] | None = None,
+        engines: int = 1,
+        reply_meta: bool = False,
+        accept_each: int | None = None,
+        scripted: Callable[[list[int], int], list[int]] | None = None,
+        steps: SimulatedSteps | None = None,
+    ):
+        if (
+            speculative is not None
+            and speculative.get("method") == "eagle3"
+            and model.config.model_type not in VLLM_EAGLE3_MODEL_TYPES
+        ):
             raise EngineRefused(f"Model does not support EAGLE3 interface ({model.config.model_type})")
         if layer_ids is not None:
             model_type = model.config.model_type
@@ -266,8 +298,17 @@ class StandinVllm(_Standin):
             self.decoder = self._draft_decoder(speculative["model"], "sglang" if reply_meta else "vllm")
         # the counters, per engine label: drafts, draft tokens, accepted, accepted per position,
         # finished requests per reason, generated tokens
-        self.counts = [{"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * self.k,
-                        "finished": {"stop": 0, "length": 0, "abort": 0}, "generation_tokens": 0} for _ in range(engines)]
+        self.counts = [
+            {
+                "drafts": 0,
+                "draft_tokens": 0,
+                "accepted": 0,
+                "per_pos": [0] * self.k,
+                "finished": {"stop": 0, "length": 0, "abort": 0},
+                "generation_tokens": 0,
+            }
+            for _ in range(engines)
+        ]
         self.chats = 0
 
     def _draft_decoder(self, draft_dir: str, engine: str) -> Any:
@@ -279,7 +320,9 @@ class StandinVllm(_Standin):
         from eagle3_train.targets import Target, eos_ids, target_identity
 
         identity = target_identity("standin", self.model.config, self.tokenizer)
-        draft, config = load_draft(Path(draft_dir), Target(self.model, self.tokenizer, self.model.config, identity, None))
+        draft, config = load_draft(
+            Path(draft_dir), Target(self.model, self.tokenizer, self.model.config, identity, None)
+        )
         rule = resolve(config, engine, self.model.config.model_type, self.n)[0]
         layers = rule.fed  # in vLLM's order, N for the last layer's pre-norm output (an id N, or id 0)
         return SpecDecoder(self.model, draft.to(self.dtype), layers, self.k, eos_ids(self.model, self.tokenizer))
@@ -314,23 +357,43 @@ class StandinVllm(_Standin):
 
         with self.forward_lock:
             engines = [{"engine": str(i), "model_name": "standin-model"} for i in range(len(self.counts))]
-            lines += ["# HELP vllm:num_requests_running Number of requests in model execution batches.",
-                      "# TYPE vllm:num_requests_running gauge"]
-            lines += [f'vllm:num_requests_running{{engine="{e["engine"]}",model_name="standin-model"}} 0.0'
-                      for e in engines]
+            lines += [
+                "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+                "# TYPE vllm:num_requests_running gauge",
+            ]
+            lines += [
+                f'vllm:num_requests_running{{engine="{e["engine"]}",model_name="standin-model"}} 0.0' for e in engines
+            ]
             if self.speculative and not self.reply_meta:
-                for key, name, doc in (("drafts", "num_drafts", "Number of spec decoding drafts."),
-                                       ("draft_tokens", "num_draft_tokens", "Number of draft tokens."),
-                                       ("accepted", "num_accepted_tokens", "Number of accepted tokens.")):
+                for key, name, doc in (
+                    ("drafts", "num_drafts", "Number of spec decoding drafts."),
+                    ("draft_tokens", "num_draft_tokens", "Number of draft tokens."),
+                    ("accepted", "num_accepted_tokens", "Number of accepted tokens."),
+                ):
                     counter(f"vllm:spec_decode_{name}", doc, [(e, c[key]) for e, c in zip(engines, self.counts)])
-                counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
-                        [(e | {"position": str(i)}, c["per_pos"][i]) for e, c in zip(engines, self.counts)
-                         for i in range(self.k)])
-            counter("vllm:request_success", "Count of successfully processed requests.",
-                    [(e | {"finished_reason": r}, n) for e, c in zip(engines, self.counts)
-                     for r, n in c["finished"].items()])
-            counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                    [(e, c["generation_tokens"]) for e, c in zip(engines, self.counts)])
+                counter(
+                    "vllm:spec_decode_num_accepted_tokens_per_pos",
+                    "Accepted tokens per draft position.",
+                    [
+                        (e | {"position": str(i)}, c["per_pos"][i])
+                        for e, c in zip(engines, self.counts)
+                        for i in range(self.k)
+                    ],
+                )
+            counter(
+                "vllm:request_success",
+                "Count of successfully processed requests.",
+                [
+                    (e | {"finished_reason": r}, n)
+                    for e, c in zip(engines, self.counts)
+                    for r, n in c["finished"].items()
+                ],
+            )
+            counter(
+                "vllm:generation_tokens",
+                "Number of generation tokens processed.",
+                [(e, c["generation_tokens"]) for e, c in zip(engines, self.counts)],
+            )
         return "\n".join(lines) + "\n"
 
     def chat(self, body: dict) -> tuple[int, Any]:
@@ -343,27 +406,45 @@ class StandinVllm(_Standin):
         temperature = body.get("temperature", 1.0)
         if temperature != 0 and self.scripted is None:
             return 400, {"error": {"message": "the stand-in decodes greedily only (temperature 0)", "code": 400}}
-        prompt = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True,
-                                                    return_dict=True)["input_ids"]
+        prompt = self.tokenizer.apply_chat_template(
+            body["messages"], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         max_new = body.get("max_tokens", 16)
         if self.too_long(prompt, max_new):
-            return 400, {"error": {"message": f"This model's maximum context length is {self.max_model_len} tokens.",
-                                   "code": 400}}
+            return 400, {
+                "error": {
+                    "message": f"This model's maximum context length is {self.max_model_len} tokens.",
+                    "code": 400,
+                }
+            }
         ids, accepted, reason = self.speculate(prompt, max_new, body["messages"])
         if self.steps is not None:  # answer when the simulated engine would have
             reply_s = self.steps.reply_s(len(ids), len(accepted), self.k)
             time.sleep(max(0.0, self.request.arrived + reply_s - time.monotonic()))
         text = self.tokenizer.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                  "stop_reason": None}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": reason,
+            "stop_reason": None,
+        }
         if self.reply_meta and body.get("return_meta_info"):
             choice["meta_info"] = self.spec_meta(ids, accepted)
-        return 200, {"id": f"chatcmpl-{self.chats}", "object": "chat.completion", "model": body["model"],
-                     "choices": [choice],
-                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                               "total_tokens": len(prompt) + len(ids)}}
+        return 200, {
+            "id": f"chatcmpl-{self.chats}",
+            "object": "chat.completion",
+            "model": body["model"],
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(ids),
+                "total_tokens": len(prompt) + len(ids),
+            },
+        }
 
-    def speculate(self, prompt: list[int], max_new: int, messages: list[dict] | None) -> tuple[list[int], list[int], str]:
+    def speculate(
+        self, prompt: list[int], max_new: int, messages: list[dict] | None
+    ) -> tuple[list[int], list[int], str]:
         """One greedy reply with the draft chain (or plain greedy decoding with a plan), counted:
         its tokens, each draft's accepted count, its finish reason."""
         if self.decoder is not None:
@@ -395,9 +476,13 @@ class StandinVllm(_Standin):
         """SGLang 0.5.17's meta_info of one reply (srt/managers/tokenizer_manager.py)."""
         meta = {"id": f"chatcmpl-{self.chats}", "completion_tokens": len(ids)}
         if accepted and not self.hide_spec:  # SGLang adds these only for a request that verified drafts
-            meta |= {"spec_verify_ct": len(accepted), "spec_num_correct_drafts": sum(accepted),
-                     "spec_num_proposed_drafts": self.k * len(accepted), "spec_accept_length": len(ids) / len(accepted),
-                     "spec_correct_drafts_histogram": [accepted.count(n) for n in range(self.k + 1)]}
+            meta |= {
+                "spec_verify_ct": len(accepted),
+                "spec_num_correct_drafts": sum(accepted),
+                "spec_num_proposed_drafts": self.k * len(accepted),
+                "spec_accept_length": len(ids) / len(accepted),
+                "spec_correct_drafts_histogram": [accepted.count(n) for n in range(self.k + 1)],
+            }
         return meta
 
     def generate_route(self, body: dict) -> tuple[int, Any]:
@@ -433,7 +518,9 @@ class StandinVllm(_Standin):
             self.requests += 1
             number = self.requests
         custom = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
-        filename = custom if custom and self.allow_custom_save_path else str(self.storage / f"cmpl-{number}.safetensors")
+        filename = (
+            custom if custom and self.allow_custom_save_path else str(self.storage / f"cmpl-{number}.safetensors")
+        )
         os.makedirs(os.path.dirname(filename), exist_ok=True)
         lock = os.open(filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
         fcntl.flock(lock, fcntl.LOCK_EX)  # taken before the response, released once written
@@ -450,9 +537,18 @@ class StandinVllm(_Standin):
 
         threading.Thread(target=write_later, daemon=True).start()
         return 200, {
-            "id": f"cmpl-{number}", "object": "text_completion", "model": body.get("model"),
-            "choices": [{"index": 0, "text": "?", "token_ids": [next_token], "prompt_token_ids": prompt,
-                         "finish_reason": "length"}],
+            "id": f"cmpl-{number}",
+            "object": "text_completion",
+            "model": body.get("model"),
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "?",
+                    "token_ids": [next_token],
+                    "prompt_token_ids": prompt,
+                    "finish_reason": "length",
+                }
+            ],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1},
             "kv_transfer_params": {"hidden_states_path": filename},
         }
@@ -464,30 +560,58 @@ class StandinVllm(_Standin):
             return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist.", "code": 404}}
         max_new = body.get("max_tokens", 16)
         if self.too_long(prompt, max_new):
-            return 400, {"error": {"message": f"This model's maximum context length is {self.max_model_len} tokens. "
-                                              f"However, you requested {len(prompt) + max_new} tokens.", "code": 400}}
-        if self.speculative and self.speculative.get("method") == "eagle3" and not self.reply_meta:  # with the draft: speculates as chat does
+            return 400, {
+                "error": {
+                    "message": f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {len(prompt) + max_new} tokens.",
+                    "code": 400,
+                }
+            }
+        if (
+            self.speculative and self.speculative.get("method") == "eagle3" and not self.reply_meta
+        ):  # with the draft: speculates as chat does
             if body.get("temperature", 1.0) != 0:
                 return 400, {"error": {"message": "the stand-in decodes greedily only (temperature 0)", "code": 400}}
             ids, _, reason = self.speculate(prompt, max_new, None)
             text = self.tokenizer.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
-            return 200, {"id": f"cmpl-{self.chats}", "object": "text_completion", "model": body["model"],
-                         "choices": [{"index": 0, "text": text, "finish_reason": reason, "stop_reason": None}],
-                         "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                                   "total_tokens": len(prompt) + len(ids)}}
+            return 200, {
+                "id": f"cmpl-{self.chats}",
+                "object": "text_completion",
+                "model": body["model"],
+                "choices": [{"index": 0, "text": text, "finish_reason": reason, "stop_reason": None}],
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": len(ids),
+                    "total_tokens": len(prompt) + len(ids),
+                },
+            }
         stop = set(body.get("stop_token_ids") or []) | (set() if body.get("ignore_eos") else self.engine_eos)
         temperature = body.get("temperature", 1.0)
-        ids, finish, matched = self.generate(prompt, max_new, stop, temperature, body.get("top_p", 1.0),
-                                             body.get("seed"), length_first=False)
+        ids, finish, matched = self.generate(
+            prompt, max_new, stop, temperature, body.get("top_p", 1.0), body.get("seed"), length_first=False
+        )
         with self.forward_lock:
             self.requests += 1
             number = self.requests
-        choice = {"index": 0, "text": "?", "finish_reason": finish, "stop_reason": matched,
-                  "token_ids": ids if body.get("return_token_ids") else None,
-                  "prompt_token_ids": prompt if body.get("return_token_ids") else None}
-        return 200, {"id": f"cmpl-{number}", "object": "text_completion", "model": body["model"], "choices": [choice],
-                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                               "total_tokens": len(prompt) + len(ids)}}
+        choice = {
+            "index": 0,
+            "text": "?",
+            "finish_reason": finish,
+            "stop_reason": matched,
+            "token_ids": ids if body.get("return_token_ids") else None,
+            "prompt_token_ids": prompt if body.get("return_token_ids") else None,
+        }
+        return 200, {
+            "id": f"cmpl-{number}",
+            "object": "text_completion",
+            "model": body["model"],
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(ids),
+                "total_tokens": len(prompt) + len(ids),
+            },
+        }
 
 
 class StandinSglang(_Standin):
@@ -496,8 +620,14 @@ class StandinSglang(_Standin):
     Aux-state return with more than one pipeline stage is refused (:class:`EngineRefused`), as
     SGLang's server-argument check does."""
 
-    def __init__(self, model: Any, layer_ids: list[int] | None = None, dtype: torch.dtype = torch.float32, port: int = 0,
-                 pp_size: int = 1):
+    def __init__(
+        self,
+        model: Any,
+        layer_ids: list[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+        port: int = 0,
+        pp_size: int = 1,
+    ):
         if layer_ids is not None and pp_size != 1:
             raise EngineRefused("enable_return_aux_hidden_states requires pp_size == 1")
         super().__init__(model, dtype, port)
@@ -519,8 +649,13 @@ class StandinSglang(_Standin):
         rows = rows.to(self.dtype)[self.cached_tokens :]
         if self.chunk:
             rows = rows[-self.chunk :]
-        meta = {"id": "req", "prompt_tokens": len(prompt), "completion_tokens": 1, "cached_tokens": self.cached_tokens,
-                "finish_reason": {"type": "length", "length": 1}}
+        meta = {
+            "id": "req",
+            "prompt_tokens": len(prompt),
+            "completion_tokens": 1,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": {"type": "length", "length": 1},
+        }
         if body.get("return_hidden_states"):
             meta["hidden_states"] = [rows.float().tolist()]
         return 200, {"text": "?", "output_ids": [next_token], "meta_info": meta}
@@ -531,15 +666,26 @@ class StandinSglang(_Standin):
         hold the matched stop token."""
         max_new = params.get("max_new_tokens", 128)
         if self.too_long(prompt, max_new):
-            return 400, {"error": {"message": f"Requested token count exceeds the model's maximum context length of "
-                                              f"{self.max_model_len} tokens.", "code": 400}}
+            return 400, {
+                "error": {
+                    "message": f"Requested token count exceeds the model's maximum context length of "
+                    f"{self.max_model_len} tokens.",
+                    "code": 400,
+                }
+            }
         stop = set() if params.get("ignore_eos") else set(params.get("stop_token_ids") or []) | self.engine_eos
         temperature = params.get("temperature", 1.0)
-        ids, finish, matched = self.generate(prompt, max_new, stop, temperature, params.get("top_p", 1.0),
-                                             params.get("sampling_seed"), length_first=True)
+        ids, finish, matched = self.generate(
+            prompt, max_new, stop, temperature, params.get("top_p", 1.0), params.get("sampling_seed"), length_first=True
+        )
         reason = {"type": "stop", "matched": matched} if finish == "stop" else {"type": "length", "length": max_new}
-        meta = {"id": "req", "prompt_tokens": len(prompt), "completion_tokens": len(ids), "cached_tokens": 0,
-                "finish_reason": reason}
+        meta = {
+            "id": "req",
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "finish_reason": reason,
+        }
         return 200, {"text": "?", "output_ids": ids, "meta_info": meta}
 
 
@@ -596,20 +742,34 @@ def main(argv: list[str]) -> None:
     if engine == "vllm" and (args.speculative_config is None or args.speculative_config["method"] == "eagle3"):
         from transformers import AutoTokenizer
 
-        server: _Standin = StandinVllm(model, dtype=dtype, port=args.port, speculative=args.speculative_config,
-                                       tokenizer=AutoTokenizer.from_pretrained(args.model),
-                                       accept_each=args.standin_accept_each, steps=args.standin_steps)
+        server: _Standin = StandinVllm(
+            model,
+            dtype=dtype,
+            port=args.port,
+            speculative=args.speculative_config,
+            tokenizer=AutoTokenizer.from_pretrained(args.model),
+            accept_each=args.standin_accept_each,
+            steps=args.standin_steps,
+        )
         server.max_model_len = args.max_model_len
     elif engine == "vllm":
         assert args.speculative_config["method"] == "extract_hidden_states"
         assert args.no_enable_prefix_caching and args.kv_transfer_config, "the dump needs both"
         ids = args.speculative_config["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
         extra = args.kv_transfer_config["kv_connector_extra_config"]
-        server = StandinVllm(model, ids, Path(extra["shared_storage_path"]), dtype,
-                             allow_custom_save_path=extra.get("allow_custom_save_path", False), port=args.port)
+        server = StandinVllm(
+            model,
+            ids,
+            Path(extra["shared_storage_path"]),
+            dtype,
+            allow_custom_save_path=extra.get("allow_custom_save_path", False),
+            port=args.port,
+        )
     elif args.enable_return_aux_hidden_states:
         assert args.speculative_algorithm == "EAGLE3" and args.return_aux_hidden_state_layer_ids
-        server = StandinSglang(model, args.return_aux_hidden_state_layer_ids, dtype, port=args.port, pp_size=args.pp_size)
+        server = StandinSglang(
+            model, args.return_aux_hidden_state_layer_ids, dtype, port=args.port, pp_size=args.pp_size
+        )
     else:
         assert args.enable_return_hidden_states
         server = StandinSglang(model, None, dtype, port=args.port)

@@ -53,17 +53,31 @@ def servers(tiny, **kw):
 
 
 def bench(baseline, spec, prompts, out, **kw):
-    cfg = BenchConfig(baseline_url=baseline.url, spec_url=spec.url, prompts=str(prompts), out=str(out),
-                      **{"concurrency": [1, 3], "min_requests": 4, "requests_per_slot": 2, "max_new_tokens": 12,
-                         "warmup_requests": 2, "settle_s": 0.01} | kw)
+    cfg = BenchConfig(
+        baseline_url=baseline.url,
+        spec_url=spec.url,
+        prompts=str(prompts),
+        out=str(out),
+        **{
+            "concurrency": [1, 3],
+            "min_requests": 4,
+            "requests_per_slot": 2,
+            "max_new_tokens": 12,
+            "warmup_requests": 2,
+            "settle_s": 0.01,
+        }
+        | kw,
+    )
     return Bench(cfg).run()
 
 
 def expected_replies(tokenizer, n):
     """The scripted reply lengths of the first ``n`` conversations sent (the file repeated)."""
     firsts = [r["messages"] if "messages" in r else [{"role": "user", "content": r["turns"][0]}] for r in ROWS]
-    ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-           for m in firsts]
+    ids = [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        for m in firsts
+    ]
     return [len(script(ids[i % len(ids)], 12)) for i in range(n)]
 
 
@@ -77,7 +91,10 @@ def test_report_levels_tokens_concurrency_and_speedup(tiny, prompts, tmp_path):
     assert {"what", "machine", "command", "date", "engine", "settings", "rows", "warnings", "config"} <= set(report)
     assert report["engine"]["name"] == "vllm" and report["engine"]["spec"]["version"] == "0.0.0+standin"
     assert report["engine"]["baseline"]["model"] == "standin-model" and report["engine"]["spec"]["started_here"] is None
-    assert report["settings"]["conversations"] == 3 and report["settings"]["conversations_per_level"] == {"1": 4, "3": 6}
+    assert report["settings"]["conversations"] == 3 and report["settings"]["conversations_per_level"] == {
+        "1": 4,
+        "3": 6,
+    }
     assert [r["concurrency"] for r in report["rows"]] == [1, 3] and report["warnings"] == []
     # requests and tokens per level: the script's replies, counted as the stand-ins generated them
     warm = report["engine"]["baseline"]["warmup"]
@@ -90,13 +107,18 @@ def test_report_levels_tokens_concurrency_and_speedup(tiny, prompts, tmp_path):
             assert figs["output_tokens_per_s"] == pytest.approx(figs["completion_tokens"] / figs["seconds"])
             # per request: its latency over its tokens; the slowest per token is the shortest reply
             assert figs["time_per_output_token_s"]["p90"] <= figs["latency_s"]["p90"] / min(lengths)
-        assert row["speedup"] == pytest.approx(row["spec"]["output_tokens_per_s"] / row["baseline"]["output_tokens_per_s"])
+        assert row["speedup"] == pytest.approx(
+            row["spec"]["output_tokens_per_s"] / row["baseline"]["output_tokens_per_s"]
+        )
         # each reply: its first token from the prefill, then drafts of ACCEPT + 1 tokens, the last cut
         drafts = sum(-(-(t - 1) // (ACCEPT + 1)) for t in lengths)
         assert row["spec"]["drafts"] == drafts and row["spec"]["accepted_tokens"] == sum(lengths) - n - drafts
         assert row["spec"]["mean_acceptance_length"] == pytest.approx((sum(lengths) - n) / drafts)
     for server, side in ((baseline, "baseline"), (spec, "spec")):
-        counted = sum(r[side]["completion_tokens"] for r in report["rows"]) + report["engine"][side]["warmup"]["completion_tokens"]
+        counted = (
+            sum(r[side]["completion_tokens"] for r in report["rows"])
+            + report["engine"][side]["warmup"]["completion_tokens"]
+        )
         assert server.generated == counted  # every token the stand-in generated, counted once
         # the concurrency each level kept: the warm-up's 2, then 4 one at a time, then 6 with 3 in flight
         assert server.arrivals[2:6] == [1, 1, 1, 1] and max(server.arrivals[6:]) == 3 and len(server.arrivals) == 12
@@ -120,11 +142,23 @@ def test_the_projection_reproduces_a_simulated_engines_speedup(tiny, prompts, tm
     model, tokenizer = tiny
     spec_cfg = {"method": "eagle3", "model": "unused", "num_speculative_tokens": 4}
     fixed = lambda prompt, n: [100 + i % 20 for i in range(13)]  # noqa: E731
-    with StandinVllm(model, tokenizer=tokenizer, scripted=fixed, steps=steps) as baseline, \
-            StandinVllm(model, tokenizer=tokenizer, scripted=fixed, steps=steps, speculative=spec_cfg,
-                        accept_each=3) as spec:
-        report = bench(baseline, spec, prompts, tmp_path / "out", concurrency=[1, 4], requests_per_slot=1,
-                       max_new_tokens=16, warmup_requests=1, plot=False)
+    with (
+        StandinVllm(model, tokenizer=tokenizer, scripted=fixed, steps=steps) as baseline,
+        StandinVllm(
+            model, tokenizer=tokenizer, scripted=fixed, steps=steps, speculative=spec_cfg, accept_each=3
+        ) as spec,
+    ):
+        report = bench(
+            baseline,
+            spec,
+            prompts,
+            tmp_path / "out",
+            concurrency=[1, 4],
+            requests_per_slot=1,
+            max_new_tokens=16,
+            warmup_requests=1,
+            plot=False,
+        )
     for row in report["rows"]:
         tau = row["spec"]["mean_acceptance_length"]
         assert tau == 4.0
@@ -140,8 +174,16 @@ def test_sglang_counts_per_reply_and_temperatures(tiny, prompts, tmp_path):
     every temperature is measured at every concurrency and sent as asked."""
     baseline, spec = servers(tiny, reply_meta=True)
     with baseline, spec:
-        report = bench(baseline, spec, prompts, tmp_path / "out", engine="sglang", temperatures=[0.0, 0.7],
-                       warmup_requests=0, plot=False)
+        report = bench(
+            baseline,
+            spec,
+            prompts,
+            tmp_path / "out",
+            engine="sglang",
+            temperatures=[0.0, 0.7],
+            warmup_requests=0,
+            plot=False,
+        )
     assert [(r["temperature"], r["concurrency"]) for r in report["rows"]] == [(0.0, 1), (0.0, 3), (0.7, 1), (0.7, 3)]
     for row in report["rows"]:
         lengths = expected_replies(tiny[1], row["spec"]["requests"])
@@ -155,8 +197,11 @@ def test_sglang_counts_per_reply_and_temperatures(tiny, prompts, tmp_path):
 def test_clear_errors(tiny, prompts, tmp_path):
     baseline, spec = servers(tiny)
     with baseline, spec:
-        with pytest.raises(EngineError, match=rf"{spec.url}/metrics counted \d+ drafts during the baseline's run: the "
-                                              r"baseline engine serves the target with a draft"):
+        with pytest.raises(
+            EngineError,
+            match=rf"{spec.url}/metrics counted \d+ drafts during the baseline's run: the "
+            r"baseline engine serves the target with a draft",
+        ):
             bench(spec, spec, prompts, tmp_path / "a", plot=False)
         with pytest.raises(EngineError, match=rf"{baseline.url}/metrics exposes no speculative-decoding counters"):
             bench(baseline, baseline, prompts, tmp_path / "b", plot=False)
@@ -165,12 +210,13 @@ def test_clear_errors(tiny, prompts, tmp_path):
         bench(spec, spec, prompts, tmp_path / "c", engine="sglang", plot=False)
     assert not (tmp_path / "a").exists()  # nothing written when a measurement fails
     for kw, message in (
-            ({"draft": "d"}, r"baseline_url and spec_url not given: the engine is started here on target="),
-            ({"target": "t"}, r"spec_url not given: the speculating engine is started here with draft="),
-            ({"target": "t", "draft": "d", "concurrency": [4, 4]}, r"concurrency must list distinct levels"),
-            ({"target": "t", "draft": "d", "temperatures": [-1.0]}, r"temperatures must list values >= 0"),
-            ({"baseline_url": "localhost:8000", "spec_url": "http://x:1"}, r"baseline_url must be a base URL"),
-            ({"target": "t", "draft": "d", "engine": "trtllm"}, r"engine must be one of \['sglang', 'vllm'\]")):
+        ({"draft": "d"}, r"baseline_url and spec_url not given: the engine is started here on target="),
+        ({"target": "t"}, r"spec_url not given: the speculating engine is started here with draft="),
+        ({"target": "t", "draft": "d", "concurrency": [4, 4]}, r"concurrency must list distinct levels"),
+        ({"target": "t", "draft": "d", "temperatures": [-1.0]}, r"temperatures must list values >= 0"),
+        ({"baseline_url": "localhost:8000", "spec_url": "http://x:1"}, r"baseline_url must be a base URL"),
+        ({"target": "t", "draft": "d", "engine": "trtllm"}, r"engine must be one of \['sglang', 'vllm'\]"),
+    ):
         with pytest.raises(ConfigError, match=message):
             BenchConfig(out="o", **kw)
 
@@ -230,8 +276,10 @@ def test_started_engines(tiny, prompts, tmp_path, monkeypatch):
     """Without URLs the bench starts ``vllm serve`` twice, without and with --speculative-config,
     one after the other on ``port``, waits for each to answer, measures it and stops it; an engine
     that exits at start is reported with its log's tail."""
-    for name, body in (("bin", f'exec "{sys.executable}" "{tmp_path / "fake_vllm.py"}" "$@"'),
-                       ("broken", 'echo "vllm: error: no GPU here"; exit 3')):
+    for name, body in (
+        ("bin", f'exec "{sys.executable}" "{tmp_path / "fake_vllm.py"}" "$@"'),
+        ("broken", 'echo "vllm: error: no GPU here"; exit 3'),
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "vllm").write_text(f"#!/bin/sh\n{body}\n")
         (tmp_path / name / "vllm").chmod(0o755)
@@ -239,17 +287,39 @@ def test_started_engines(tiny, prompts, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_VLLM_ARGV", str(tmp_path / "argv.jsonl"))
     port = free_port()
-    cfg = dict(target="some/target", draft=str(tmp_path / "export"), out=str(tmp_path / "out"), prompts=str(prompts),
-               port=port, concurrency=[1, 2], min_requests=2, requests_per_slot=1, max_new_tokens=8, warmup_requests=1,
-               settle_s=0.01, plot=False, num_speculative_tokens=K, engine_args="--enforce-eager --max-model-len 512")
+    cfg = dict(
+        target="some/target",
+        draft=str(tmp_path / "export"),
+        out=str(tmp_path / "out"),
+        prompts=str(prompts),
+        port=port,
+        concurrency=[1, 2],
+        min_requests=2,
+        requests_per_slot=1,
+        max_new_tokens=8,
+        warmup_requests=1,
+        settle_s=0.01,
+        plot=False,
+        num_speculative_tokens=K,
+        engine_args="--enforce-eager --max-model-len 512",
+    )
     baseline, spec = servers(tiny)
     with baseline, spec:
         monkeypatch.setenv("BASE_URL", baseline.url)
         monkeypatch.setenv("SPEC_URL", spec.url)
         report = Bench(BenchConfig(**cfg)).run()
     base_argv = ["vllm", "serve", "some/target", "--port", str(port), "--enforce-eager", "--max-model-len", "512"]
-    spec_argv = base_argv[:5] + ["--speculative-config", json.dumps({"method": "eagle3", "model": str(tmp_path / "export"),
-                                                                     "num_speculative_tokens": K}, separators=(",", ":"))] + base_argv[5:]
+    spec_argv = (
+        base_argv[:5]
+        + [
+            "--speculative-config",
+            json.dumps(
+                {"method": "eagle3", "model": str(tmp_path / "export"), "num_speculative_tokens": K},
+                separators=(",", ":"),
+            ),
+        ]
+        + base_argv[5:]
+    )
     assert [report["engine"][s]["started_here"] for s in ("baseline", "spec")] == [base_argv, spec_argv]
     started = [json.loads(x) for x in (tmp_path / "argv.jsonl").read_text().splitlines()]
     assert started == [base_argv[1:], spec_argv[1:]]  # what ran, in this order
@@ -259,6 +329,9 @@ def test_started_engines(tiny, prompts, tmp_path, monkeypatch):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
     monkeypatch.setenv("PATH", f"{tmp_path / 'broken'}:{os.environ['PATH']}")
-    with pytest.raises(EngineError, match=r"(?s)the engine exited with status 3 before answering /health \(vllm serve "
-                                          r".*engine-baseline.log ends:\nvllm: error: no GPU here"):
+    with pytest.raises(
+        EngineError,
+        match=r"(?s)the engine exited with status 3 before answering /health \(vllm serve "
+        r".*engine-baseline.log ends:\nvllm: error: no GPU here",
+    ):
         Bench(BenchConfig(**cfg | {"out": str(tmp_path / "bad")})).run()

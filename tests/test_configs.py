@@ -30,8 +30,10 @@ PRIMARY = {
     "export.yaml": (eagle3_train.serving.export.ExportConfig, ["run=/tmp/r", "out=/tmp/o"]),
     "check.yaml": (eagle3_train.serving.check.CheckConfig, ["draft=/tmp/d", "target=tiny"]),
     "eval.yaml": (eagle3_train.evaluation.eval.EvalConfig, ["draft=/tmp/d", "prompts=/tmp/p.jsonl"]),
-    "served_acceptance.yaml": (eagle3_train.evaluation.served_acceptance.ServedAcceptanceConfig,
-                               ["server=http://127.0.0.1:8000", "prompts=/tmp/p.jsonl", "out=/tmp/o"]),
+    "served_acceptance.yaml": (
+        eagle3_train.evaluation.served_acceptance.ServedAcceptanceConfig,
+        ["server=http://127.0.0.1:8000", "prompts=/tmp/p.jsonl", "out=/tmp/o"],
+    ),
     "bench.yaml": (eagle3_train.evaluation.bench.BenchConfig, ["target=/tmp/t", "draft=/tmp/d", "out=/tmp/o"]),
 }
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +62,10 @@ def test_every_group_option_composes():
             assert isinstance(obj, schema)
     assert to_config(compose_config("train.yaml", overrides + ["deepspeed=zero3"]), schema).deepspeed.zero_stage == 3
     assert to_config(compose_config("train.yaml", overrides + ["logging=wandb"]), schema).logging.tracker == "wandb"
-    assert to_config(compose_config("train.yaml", overrides + ["logging=tensorboard"]), schema).logging.tracker == "tensorboard"
+    assert (
+        to_config(compose_config("train.yaml", overrides + ["logging=tensorboard"]), schema).logging.tracker
+        == "tensorboard"
+    )
 
 
 def test_config_checks_run_on_final_values():
@@ -81,10 +86,12 @@ def test_keys_the_schema_lacks_are_refused_naming_the_nearest():
     from eagle3_train.core.errors import ConfigError
 
     schema, overrides = PRIMARY["train.yaml"]
-    cases = (("+train.learning_rate=1e-3", r"unknown option train.learning_rate \(did you mean train.lr\?\)"),
-             ("+online.dtypo=x", r"unknown option online.dtypo \(did you mean online.dtype\?\)"),
-             ("+deepspeed.zero=3", r"unknown option deepspeed.zero \(did you mean deepspeed.zero_stage\?\)"),
-             ("+unrelated_thing=1", r"unknown option unrelated_thing: not a field of TrainConfig"))
+    cases = (
+        ("+train.learning_rate=1e-3", r"unknown option train.learning_rate \(did you mean train.lr\?\)"),
+        ("+online.dtypo=x", r"unknown option online.dtypo \(did you mean online.dtype\?\)"),
+        ("+deepspeed.zero=3", r"unknown option deepspeed.zero \(did you mean deepspeed.zero_stage\?\)"),
+        ("+unrelated_thing=1", r"unknown option unrelated_thing: not a field of TrainConfig"),
+    )
     for override, message in cases:
         with pytest.raises(ConfigError, match=message):
             to_config(compose_config("train.yaml", overrides + [override]), schema)
@@ -110,12 +117,29 @@ def test_shipped_prompts():
 
 def test_wheel_ships_conf_and_prompts(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
     )
     (wheel,) = tmp_path.glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"eagle3_train/conf/prepare.yaml", "eagle3_train/conf/dump.yaml", "eagle3_train/conf/standardize.yaml", "eagle3_train/conf/common.yaml"} <= names
+    assert {
+        "eagle3_train/conf/prepare.yaml",
+        "eagle3_train/conf/dump.yaml",
+        "eagle3_train/conf/standardize.yaml",
+        "eagle3_train/conf/common.yaml",
+    } <= names
     assert {"data_prep/prompts/train.jsonl", "data_prep/prompts/heldout.jsonl"} <= names
     sources = {str(p.relative_to(ROOT)) for pkg in ("eagle3_train", "data_prep") for p in (ROOT / pkg).rglob("*.py")}
     assert sources <= names, f"modules missing from the wheel: {sorted(sources - names)}"
@@ -127,9 +151,20 @@ def test_wheel_ships_conf_and_prompts(tmp_path):
 def test_installed_wheel_finds_conf_without_the_checkout(tmp_path):
     """Installed non-editable, the CLIs compose their configs from the copy inside the wheel."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
-         str(tmp_path / "site"), str(ROOT)],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(tmp_path / "site"),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
     )
     code = (
         "import eagle3_train.core.cli as c, data_prep.dump as d, hydra;"
@@ -147,13 +182,29 @@ def test_installed_wheel_finds_conf_without_the_checkout(tmp_path):
 
 def test_train_recipe_options_compose_from_the_command_line():
     schema, overrides = PRIMARY["train.yaml"]
-    cfg = to_config(compose_config("train.yaml", overrides + [
-        "model.lm_head_init=target", "model.freeze_lm_head=true", "model.aux_norm=true",
-        "train.keep_best=true", "train.eval_every=50", "train.early_stop_patience=3"]), schema)
+    cfg = to_config(
+        compose_config(
+            "train.yaml",
+            overrides
+            + [
+                "model.lm_head_init=target",
+                "model.freeze_lm_head=true",
+                "model.aux_norm=true",
+                "train.keep_best=true",
+                "train.eval_every=50",
+                "train.early_stop_patience=3",
+            ],
+        ),
+        schema,
+    )
     assert (cfg.model.lm_head_init, cfg.model.freeze_lm_head, cfg.model.aux_norm) == ("target", True, True)
     assert (cfg.train.keep_best, cfg.train.early_stop_patience) == (True, 3)
     default = to_config(compose_config("train.yaml", overrides), schema)
-    assert (default.model.lm_head_init, default.model.freeze_lm_head, default.model.aux_norm) == ("random", False, False)
+    assert (default.model.lm_head_init, default.model.freeze_lm_head, default.model.aux_norm) == (
+        "random",
+        False,
+        False,
+    )
     assert (default.train.keep_best, default.train.early_stop_patience) == (False, 0)
 
 
@@ -190,26 +241,35 @@ def test_each_default_is_written_once():
             repeated[f"{group}/{option.name}"] = _repeated_defaults(raw, train if glob else train[group])
     assert {k: v for k, v in repeated.items() if v} == {}
     # the check itself sees a repeat
-    assert _repeated_defaults(OmegaConf.create({"dtype": "auto", "out": "x"}), OmegaConf.structured(PRIMARY["dump.yaml"][0])) == ["dtype"]
+    assert _repeated_defaults(
+        OmegaConf.create({"dtype": "auto", "out": "x"}), OmegaConf.structured(PRIMARY["dump.yaml"][0])
+    ) == ["dtype"]
 
 
-@pytest.mark.parametrize("name, override, message", [
-    ("dump.yaml", "shard_size_mb=nan", r"^shard_size_mb must be positive, got nan$"),
-    ("dump.yaml", "dist_timeout_minutes=0", r"^dist_timeout_minutes must be positive, got 0"),
-    ("dump.yaml", "client.rank=-1", r"^client\.rank must be >= 0, got -1$"),
-    ("dump.yaml", "client.world_size=0", r"^client\.world_size must be positive, got 0$"),
-    ("dump.yaml", "dtype=fp8", r"^dtype must be one of auto, float32, bfloat16, float16, got 'fp8'$"),
-    ("prepare.yaml", "regen.server.request_timeout_s=nan", r"^regen\.server\.request_timeout_s must be positive, got nan$"),
-    ("prepare.yaml", "dtype=fp8", r"^dtype must be one of auto, float32, bfloat16, float16, got 'fp8'$"),
-    ("prepare.yaml", "synth.turns=0", r"^synth\.turns must be positive, got 0$"),
-    ("standardize.yaml", "workers=-1", r"^workers must be >= 0, got -1$"),
-    ("eval.yaml", "limit=0", r"^limit must be positive, got 0$"),
-    ("eval.yaml", "tie_threshold=nan", r"^tie_threshold must be >= 0, got nan$"),
-    ("export.yaml", "dtype=int8", r"^dtype must be one of float32, bfloat16, float16, got 'int8'$"),
-    ("served_acceptance.yaml", "concurrency=0", r"^concurrency must be positive, got 0$"),
-    ("bench.yaml", "max_new_tokens=0", r"^max_new_tokens must be positive, got 0$"),
-    ("bench.yaml", "concurrency=[1,0]", r"^concurrency levels must be >= 1, got \[1, 0\]$"),
-])
+@pytest.mark.parametrize(
+    "name, override, message",
+    [
+        ("dump.yaml", "shard_size_mb=nan", r"^shard_size_mb must be positive, got nan$"),
+        ("dump.yaml", "dist_timeout_minutes=0", r"^dist_timeout_minutes must be positive, got 0"),
+        ("dump.yaml", "client.rank=-1", r"^client\.rank must be >= 0, got -1$"),
+        ("dump.yaml", "client.world_size=0", r"^client\.world_size must be positive, got 0$"),
+        ("dump.yaml", "dtype=fp8", r"^dtype must be one of auto, float32, bfloat16, float16, got 'fp8'$"),
+        (
+            "prepare.yaml",
+            "regen.server.request_timeout_s=nan",
+            r"^regen\.server\.request_timeout_s must be positive, got nan$",
+        ),
+        ("prepare.yaml", "dtype=fp8", r"^dtype must be one of auto, float32, bfloat16, float16, got 'fp8'$"),
+        ("prepare.yaml", "synth.turns=0", r"^synth\.turns must be positive, got 0$"),
+        ("standardize.yaml", "workers=-1", r"^workers must be >= 0, got -1$"),
+        ("eval.yaml", "limit=0", r"^limit must be positive, got 0$"),
+        ("eval.yaml", "tie_threshold=nan", r"^tie_threshold must be >= 0, got nan$"),
+        ("export.yaml", "dtype=int8", r"^dtype must be one of float32, bfloat16, float16, got 'int8'$"),
+        ("served_acceptance.yaml", "concurrency=0", r"^concurrency must be positive, got 0$"),
+        ("bench.yaml", "max_new_tokens=0", r"^max_new_tokens must be positive, got 0$"),
+        ("bench.yaml", "concurrency=[1,0]", r"^concurrency levels must be >= 1, got \[1, 0\]$"),
+    ],
+)
 def test_numeric_and_dtype_options_are_checked_in_one_line(name, override, message):
     from eagle3_train.core.errors import ConfigError
 

@@ -18,8 +18,14 @@ IDENT = TargetIdentity("meta-llama/Llama-3.1-8B", "llama", "c" * 64, "t" * 64, "
 
 
 def spec(**kw):
-    base = dict(aux_indices=(2, 16, 29), num_hidden_layers=32, hidden_size=4096, vocab_size=128256,
-                dtype="bfloat16", target=IDENT)
+    base = dict(
+        aux_indices=(2, 16, 29),
+        num_hidden_layers=32,
+        hidden_size=4096,
+        vocab_size=128256,
+        dtype="bfloat16",
+        target=IDENT,
+    )
     return CaptureSpec(**(base | kw))
 
 

@@ -90,9 +90,18 @@ def test_a_field_without_a_doc_fails_the_reference_generation():
 
 
 def test_the_results_pages_take_any_shape_of_results_file(tmp_path):
-    section = gen_pages.result_section("odd.json", {"what": "w", "machine": "m", "date": "2026-12-01",
-                                                    "commands": {"a": "eagle3-train x=1"}, "tau": 2.5,
-                                                    "nested": {"x": 1, "deeper": {"y": 2}}, "curve": [{"a": 1}]})
+    section = gen_pages.result_section(
+        "odd.json",
+        {
+            "what": "w",
+            "machine": "m",
+            "date": "2026-12-01",
+            "commands": {"a": "eagle3-train x=1"},
+            "tau": 2.5,
+            "nested": {"x": 1, "deeper": {"y": 2}},
+            "curve": [{"a": 1}],
+        },
+    )
     assert "| what | w |" in section and "| commands.a | eagle3-train x=1 |" in section
     assert "| `tau` | 2.5 |" in section and "| `nested.x` | 1 |" in section
     assert "deeper" not in section
@@ -107,8 +116,14 @@ def test_the_site_builds_strict(tmp_path):
     pytest.importorskip("mkdocs")
     pytest.importorskip("material")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     site = tmp_path / "site"
     for page in ("concepts/engine-rules", "reference/eagle3-train", "results", "results/recipe", "changelog"):
@@ -179,7 +194,7 @@ def _invocations(command: str, scripts: dict[str, str]) -> list[tuple[str, list[
             elif "-m" in part and part.index("-m") + 1 < len(part) and head in ("torchrun", "python", "python3"):
                 k = part.index("-m")
                 if part[k + 1] in modules:
-                    found.append((modules[part[k + 1]], part[k + 2:]))
+                    found.append((modules[part[k + 1]], part[k + 2 :]))
         part = []
     return found
 
@@ -224,10 +239,19 @@ def test_every_shown_command_is_parsed_by_its_hydra_app(tmp_path):
     assert set(_scripts()) <= shown, f"commands never shown in the README or docs: {sorted(set(_scripts()) - shown)}"
     assert len(jobs) >= 40
     env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
-    done = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps([jobs, _scripts()]), cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", RUNNER],
+        input=json.dumps([jobs, _scripts()]),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    bad = [f"{where}: {script} (exit {code}): {out.strip()[-600:]}" for where, script, code, out in results if code != 0]
+    bad = [
+        f"{where}: {script} (exit {code}): {out.strip()[-600:]}" for where, script, code, out in results if code != 0
+    ]
     assert not bad, "commands their Hydra app does not parse:\n" + "\n".join(bad)
     assert all(out.strip() for *_, out in results)  # --cfg job printed the composed config

@@ -34,9 +34,18 @@ def prepare_tiny(root: Path, rows: list[dict]) -> Path:
 def mixed_conversations(n: int, seed: int, max_user: int, max_words: int) -> list[dict]:
     """``n`` one-turn conversations of random lengths (a user line, a reply of short words)."""
     rng = random.Random(seed)
-    return [{"messages": [{"role": "user", "content": "q" * rng.randint(1, max_user)},
-                          {"role": "assistant", "content": " ".join("ab"[rng.randint(0, 1)] * 3 for _ in range(rng.randint(1, max_words)))}]}
-            for _ in range(n)]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": "q" * rng.randint(1, max_user)},
+                {
+                    "role": "assistant",
+                    "content": " ".join("ab"[rng.randint(0, 1)] * 3 for _ in range(rng.randint(1, max_words))),
+                },
+            ]
+        }
+        for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +58,16 @@ def prepared(tmp_path_factory):
 
 def dump(prepared, out, **kw):
     kw.setdefault("capture", CaptureConfig(aux_indices=AUX, extra_indices=EXTRA))
-    cfg = DumpConfig(target="tiny", data=str(prepared), out=str(out), dtype="float32", progress=False,
-                     max_tokens_per_batch=kw.pop("max_tokens_per_batch", 600), shard_size_mb=kw.pop("shard_size_mb", 1), **kw)
+    cfg = DumpConfig(
+        target="tiny",
+        data=str(prepared),
+        out=str(out),
+        dtype="float32",
+        progress=False,
+        max_tokens_per_batch=kw.pop("max_tokens_per_batch", 600),
+        shard_size_mb=kw.pop("shard_size_mb", 1),
+        **kw,
+    )
     return Dumper(cfg)
 
 
@@ -79,7 +96,10 @@ def test_states_equal_plain_forward_of_each_sample_alone(prepared, tmp_path):
 
     manifest = dump(prepared, tmp_path / "d").run()
     assert manifest["capture"]["aux_indices"] == AUX and manifest["stored_indices"] == [0, 1, 2, 3]
-    assert max(len(s["sample_ids"]) for s in [read_shard(p) for p in (tmp_path / "d" / "shards").glob("*.safetensors")]) > 1
+    assert (
+        max(len(s["sample_ids"]) for s in [read_shard(p) for p in (tmp_path / "d" / "shards").glob("*.safetensors")])
+        > 1
+    )
     ds = load_from_disk(str(prepared / "dataset"))
     samples = stored_samples(tmp_path / "d")
     assert sorted(samples) == list(range(len(ds)))
@@ -158,7 +178,9 @@ def test_out_of_disk_leaves_nothing_partial_and_resumes(prepared, tmp_path, monk
         dump(prepared, tmp_path / "d", writer_threads=1).run()
     shards = sorted(p.name for p in (tmp_path / "d" / "shards").iterdir())
     assert all(Path(s).suffix in (".json", ".safetensors") for s in shards)
-    assert len([s for s in shards if s.endswith(".json")]) == len([s for s in shards if s.endswith(".safetensors")]) == 1
+    assert (
+        len([s for s in shards if s.endswith(".json")]) == len([s for s in shards if s.endswith(".safetensors")]) == 1
+    )
     monkeypatch.setattr(formats, "_serialize", real)
     manifest = dump(prepared, tmp_path / "d").run()
     assert manifest["counts"]["samples"] == 40
@@ -188,10 +210,25 @@ def test_bad_input(prepared, tmp_path):
 
 def _torchrun(prepared, out, nproc, env_extra=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "data_prep.dump",
-           "target=tiny", f"data={prepared}", f"out={out}", "dtype=float32", "progress=false",
-           f"capture.aux_indices={AUX}".replace(" ", ""), f"capture.extra_indices={EXTRA}",
-           "max_tokens_per_batch=300", "shard_size_mb=0.1", "max_batch_size=4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "-m",
+        "data_prep.dump",
+        "target=tiny",
+        f"data={prepared}",
+        f"out={out}",
+        "dtype=float32",
+        "progress=false",
+        f"capture.aux_indices={AUX}".replace(" ", ""),
+        f"capture.extra_indices={EXTRA}",
+        "max_tokens_per_batch=300",
+        "shard_size_mb=0.1",
+        "max_batch_size=4",
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -248,9 +285,23 @@ def test_tensor_parallel_dump_equals_single_process(prepared, tmp_path):
     build_tiny_tokenizer().save_pretrained(model_dir)
     dump(prepared, tmp_path / "one").run()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "data_prep.dump",
-           f"target={model_dir}", f"data={prepared}", f"out={tmp_path / 'tp'}", "dtype=float32", "progress=false",
-           f"capture.aux_indices={AUX}".replace(" ", ""), f"capture.extra_indices={EXTRA}", "tp_size=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "data_prep.dump",
+        f"target={model_dir}",
+        f"data={prepared}",
+        f"out={tmp_path / 'tp'}",
+        "dtype=float32",
+        "progress=false",
+        f"capture.aux_indices={AUX}".replace(" ", ""),
+        f"capture.extra_indices={EXTRA}",
+        "tp_size=2",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = json.loads((tmp_path / "tp" / "manifest.json").read_text())

@@ -35,19 +35,29 @@ from test_trainer import train
 
 KEY = "standin_layer_ids"
 AUX, N = [1, 2, 3], 4  # the capture, and the tiny target's depth
-COMMAND = Command(("standin-serve",), ("model",), {"--draft": "value", "--draft-tokens": "int", "--port": "int"},
-                  "the stand-in's own")
+COMMAND = Command(
+    ("standin-serve",), ("model",), {"--draft": "value", "--draft-tokens": "int", "--port": "int"}, "the stand-in's own"
+)
 
 
 def serve(target, draft, k, flags):
-    return COMMAND.line(target, **flags) if draft is None else COMMAND.line(target, **flags, draft=draft, draft_tokens=k)
+    return (
+        COMMAND.line(target, **flags) if draft is None else COMMAND.line(target, **flags, draft=draft, draft_tokens=k)
+    )
 
 
 STANDIN = Engine(
-    name="standin", title="Stand-in", version="0.1", exports=True, foreign_weights="would drop",
-    rules=(Rule("0.1", "*", ((KEY,),), plus_one, "reads its own key"),), command=COMMAND, serve=serve,
+    name="standin",
+    title="Stand-in",
+    version="0.1",
+    exports=True,
+    foreign_weights="would drop",
+    rules=(Rule("0.1", "*", ((KEY,),), plus_one, "reads its own key"),),
+    command=COMMAND,
+    serve=serve,
     version_route=("/version", "version"),
-    capture=vllm.ENGINE.capture, generation=vllm.ENGINE.generation,
+    capture=vllm.ENGINE.capture,
+    generation=vllm.ENGINE.generation,
     metrics=dataclasses.replace(vllm.ENGINE.metrics, engine="standin", read_from="the stand-in's counters"),
 )
 
@@ -55,13 +65,15 @@ STANDIN = Engine(
 def test_an_engine_not_in_the_registry_is_refused_by_every_consumer():
     with pytest.MonkeyPatch.context() as mp:
         mp.delitem(registry.ENGINES, "standin", raising=False)
-        for make in (lambda: ExportConfig(run="r", out="o", engines=["standin"]),
-                     lambda: CheckConfig(draft="d", target="t", engines=["standin"]),
-                     lambda: EvalConfig(draft="d", prompts="p", engine="standin"),
-                     lambda: DumpConfig(backend="standin", out="o", data="d"),
-                     lambda: RegenConfig(backend="standin"),
-                     lambda: ServedAcceptanceConfig(server="http://x:1", prompts="p", out="o", engine="standin"),
-                     lambda: BenchConfig(out="o", engine="standin", target="t", draft="d")):
+        for make in (
+            lambda: ExportConfig(run="r", out="o", engines=["standin"]),
+            lambda: CheckConfig(draft="d", target="t", engines=["standin"]),
+            lambda: EvalConfig(draft="d", prompts="p", engine="standin"),
+            lambda: DumpConfig(backend="standin", out="o", data="d"),
+            lambda: RegenConfig(backend="standin"),
+            lambda: ServedAcceptanceConfig(server="http://x:1", prompts="p", out="o", engine="standin"),
+            lambda: BenchConfig(out="o", engine="standin", target="t", draft="d"),
+        ):
             with pytest.raises(ConfigError, match="standin"):
                 make()
 
@@ -76,33 +88,70 @@ def root(tmp_path_factory):
         root = tmp_path_factory.mktemp("standin")
         rng = random.Random(0)
         words = ["apple", "river", "stone", "cloud", "seven", "tiger", "music", "paper"]
-        rows = [{"messages": [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(rng.randint(2, 6)))}]}
-                for _ in range(12)]
+        rows = [
+            {"messages": [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(rng.randint(2, 6)))}]}
+            for _ in range(12)
+        ]
         (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
         def prepare(out, regen):
-            Preparer(PrepareConfig(target="tiny", input=str(root / "prompts.jsonl"), out=str(root / out),
-                                   regenerate=True, regen=regen, progress=False)).run()
+            Preparer(
+                PrepareConfig(
+                    target="tiny",
+                    input=str(root / "prompts.jsonl"),
+                    out=str(root / out),
+                    regenerate=True,
+                    regen=regen,
+                    progress=False,
+                )
+            ).run()
 
         with StandinVllm(build_tiny_model()) as server:
-            prepare("prep", RegenConfig(max_new_tokens=12, backend="standin",
-                                        server=ServedRegenConfig(url=server.url, wait_for_server_s=5.0)))
+            prepare(
+                "prep",
+                RegenConfig(
+                    max_new_tokens=12,
+                    backend="standin",
+                    server=ServedRegenConfig(url=server.url, wait_for_server_s=5.0),
+                ),
+            )
             (root / "regen_requests").write_text(str(len(server.bodies)))
         prepare("prep_hf", RegenConfig(max_new_tokens=12))
 
         def dump(out, **kw):
-            return Dumper(DumpConfig(target="tiny", data=str(root / "prep"), out=str(root / out), dtype="float32",
-                                     capture=CaptureConfig(aux_indices=AUX), progress=False, **kw)).run()
+            return Dumper(
+                DumpConfig(
+                    target="tiny",
+                    data=str(root / "prep"),
+                    out=str(root / out),
+                    dtype="float32",
+                    capture=CaptureConfig(aux_indices=AUX),
+                    progress=False,
+                    **kw,
+                )
+            ).run()
 
         dump("dump_hf")
         with StandinVllm(build_tiny_model(), [*AUX, N], root / "engine") as server:
-            dump("dump", backend="standin", server=ServerConfig(url=server.url),
-                 client=ClientConfig(concurrency=4, wait_for_server_s=5.0))
-        Standardizer(StandardizeConfig(dumps=[str(root / "dump")], out=str(root / "std"), draft_vocab_size=320,
-                                       eval_fraction=0.2, progress=False)).run()
+            dump(
+                "dump",
+                backend="standin",
+                server=ServerConfig(url=server.url),
+                client=ClientConfig(concurrency=4, wait_for_server_s=5.0),
+            )
+        Standardizer(
+            StandardizeConfig(
+                dumps=[str(root / "dump")],
+                out=str(root / "std"),
+                draft_vocab_size=320,
+                eval_fraction=0.2,
+                progress=False,
+            )
+        ).run()
         train(root / "std", root / "train", max_steps=4)
-        Exporter(ExportConfig(run=str(root / "train"), out=str(root / "export"),
-                              engines=["sglang", "vllm", "standin"])).run()
+        Exporter(
+            ExportConfig(run=str(root / "train"), out=str(root / "export"), engines=["sglang", "vllm", "standin"])
+        ).run()
         yield root
 
 
@@ -141,34 +190,81 @@ def test_check_and_eval_resolve_by_its_rule(root, said):
     (shifted / "config.json").write_text(json.dumps(config | {KEY: [1, 2, 3]}))
     assert run_check(CheckConfig(draft=str(shifted), target="tiny", engines=engines)) == 1
     out = said()
-    assert f"standin 0.1: {KEY}=[1, 2, 3] -> captures HF [2, 3] + the pre-norm final state (no HF index)  MISMATCH" in out
-    assert "sglang 0.5.17, 0.5.23: eagle_config.eagle_aux_hidden_state_layer_ids=[0, 1, 2] -> captures HF [1, 2, 3]  OK" in out
+    assert (
+        f"standin 0.1: {KEY}=[1, 2, 3] -> captures HF [2, 3] + the pre-norm final state (no HF index)  MISMATCH" in out
+    )
+    assert (
+        "sglang 0.5.17, 0.5.23: eagle_config.eagle_aux_hidden_state_layer_ids=[0, 1, 2] -> captures HF [1, 2, 3]  OK"
+        in out
+    )
 
     def evaluate(draft, engine):
-        return Evaluator(EvalConfig(draft=str(draft), target="tiny", engine=engine, prompts=str(root / "prompts.jsonl"),
-                                    limit=3, max_new_tokens=8, progress=False, out=str(root / f"eval_{draft.name}_{engine}")))
+        return Evaluator(
+            EvalConfig(
+                draft=str(draft),
+                target="tiny",
+                engine=engine,
+                prompts=str(root / "prompts.jsonl"),
+                limit=3,
+                max_new_tokens=8,
+                progress=False,
+                out=str(root / f"eval_{draft.name}_{engine}"),
+            )
+        )
 
     assert evaluate(shifted, "standin").layers == [2, 3, N] and evaluate(shifted, "sglang").layers == AUX
     ours, sglang = evaluate(root / "export", "standin"), evaluate(root / "export", "sglang")
     assert ours.resolution.source == KEY and ours.layers == sglang.layers == AUX
     a, b = ours.run(), sglang.run()
-    assert a["engine"] == "standin" and (a["tau"], a["acceptance_per_position"]) == (b["tau"], b["acceptance_per_position"])
+    assert a["engine"] == "standin" and (a["tau"], a["acceptance_per_position"]) == (
+        b["tau"],
+        b["acceptance_per_position"],
+    )
 
 
 def test_served_acceptance_reads_its_metrics(root):
     spec = {"method": "eagle3", "model": "unused-with-a-plan", "num_speculative_tokens": 5}
-    with StandinVllm(build_tiny_model(), tokenizer=build_tiny_tokenizer(), speculative=spec,
-                     accepted_plan=lambda messages: [5, 2, 0]) as server:
-        report = ServedAcceptance(ServedAcceptanceConfig(server=server.url, prompts=str(root / "prompts.jsonl"),
-                                                         out=str(root / "served"), engine="standin", limit=2,
-                                                         max_new_tokens=6, settle_s=0.01)).run()
+    with StandinVllm(
+        build_tiny_model(), tokenizer=build_tiny_tokenizer(), speculative=spec, accepted_plan=lambda messages: [5, 2, 0]
+    ) as server:
+        report = ServedAcceptance(
+            ServedAcceptanceConfig(
+                server=server.url,
+                prompts=str(root / "prompts.jsonl"),
+                out=str(root / "served"),
+                engine="standin",
+                limit=2,
+                max_new_tokens=6,
+                settle_s=0.01,
+            )
+        ).run()
     assert report["engine"] == "standin" and report["metrics_read_from"] == "the stand-in's counters"
     assert (report["drafts"], report["accepted_tokens"]) == (6, 14)  # two requests of drafts accepting 5, 2, 0
 
 
 def test_the_bench_starts_it_by_its_own_command(root, tmp_path):
-    bench = Bench(BenchConfig(out=str(tmp_path), engine="standin", target="org/target", draft="org/draft", port=8123,
-                              num_speculative_tokens=4, engine_args="--x 1", plot=False))
+    bench = Bench(
+        BenchConfig(
+            out=str(tmp_path),
+            engine="standin",
+            target="org/target",
+            draft="org/draft",
+            port=8123,
+            num_speculative_tokens=4,
+            engine_args="--x 1",
+            plot=False,
+        )
+    )
     assert bench.argv("baseline") == ["standin-serve", "org/target", "--port", "8123", "--x", "1"]
-    assert bench.argv("spec") == ["standin-serve", "org/target", "--port", "8123", "--draft", "org/draft",
-                                  "--draft-tokens", "4", "--x", "1"]
+    assert bench.argv("spec") == [
+        "standin-serve",
+        "org/target",
+        "--port",
+        "8123",
+        "--draft",
+        "org/draft",
+        "--draft-tokens",
+        "4",
+        "--x",
+        "1",
+    ]

@@ -14,15 +14,24 @@ def spec(model_type, aux, n=32, h=4096):
 
 
 CASES = [
-    ("llama", [2, 16, 29]), ("llama", [1, 5, 9, 31]), ("qwen3", [2, 18, 33]), ("qwen3_moe", [3, 24, 45]),
-    ("qwen2", [1, 2]), ("deepseek_v2", [2, 30, 58]), ("deepseek_v3", [3, 31, 57]), ("kimi_k2", [2, 31, 58]),
-    ("gpt_oss", [2, 12, 21]), ("gpt_oss", [1, 12, 23]),
+    ("llama", [2, 16, 29]),
+    ("llama", [1, 5, 9, 31]),
+    ("qwen3", [2, 18, 33]),
+    ("qwen3_moe", [3, 24, 45]),
+    ("qwen2", [1, 2]),
+    ("deepseek_v2", [2, 30, 58]),
+    ("deepseek_v3", [3, 31, 57]),
+    ("kimi_k2", [2, 31, 58]),
+    ("gpt_oss", [2, 12, 21]),
+    ("gpt_oss", [1, 12, 23]),
 ]
 
 
 @pytest.mark.parametrize("model_type, aux", CASES)
 def test_exported_keys_resolve_to_the_trained_indices(model_type, aux):
-    n = {"qwen3": 36, "qwen3_moe": 48, "deepseek_v2": 61, "deepseek_v3": 61, "kimi_k2": 61, "gpt_oss": 24}.get(model_type, 32)
+    n = {"qwen3": 36, "qwen3_moe": 48, "deepseek_v2": 61, "deepseek_v3": 61, "kimi_k2": 61, "gpt_oss": 24}.get(
+        model_type, 32
+    )
     config = engine_keys(spec(model_type, aux, n), ["sglang", "vllm"])
     for engine in ("sglang", "vllm"):
         for r in resolve(config, engine, model_type, n):
@@ -58,8 +67,11 @@ def test_vllm_serves_only_targets_with_its_eagle3_interface():
     qwen3_moe, deepseek_v2/v3 (Kimi-K2) and gpt_oss only; any other target fails at load."""
     for model_type in ("mixtral", "qwen2_moe", "gemma2", "gemma3_text", "glm4_moe", "glm4_moe_lite"):
         assert resolve({"eagle_aux_hidden_state_layer_ids": [2, 16, 29]}, "vllm", model_type, 32) == []
-        with pytest.raises(ContractError, match=f"runs EAGLE-3 drafts only for targets whose class implements its "
-                                                f"EAGLE-3 interface .*it refuses model_type '{model_type}' at load"):
+        with pytest.raises(
+            ContractError,
+            match=f"runs EAGLE-3 drafts only for targets whose class implements its "
+            f"EAGLE-3 interface .*it refuses model_type '{model_type}' at load",
+        ):
             engine_keys(spec(model_type, [2, 16, 29]), ["vllm"])
     assert [r.hf_indices for r in resolve({}, "vllm", "mistral", 32)] == [[2, 16, 29]] * 2
 
@@ -87,12 +99,15 @@ def test_an_id_landing_on_n_is_the_pre_norm_final_state_not_hf_index_n():
     assert resolve({"eagle_aux_hidden_state_layer_ids": [2, 16, 29]}, "vllm", "llama", 32)[0].pre_norm_final is False
 
 
-@pytest.mark.parametrize("model_type, aux, engines, message", [
-    ("llama", [0, 16, 29], ["sglang"], "HF index 0 \\(the embeddings\\) cannot be captured"),
-    ("deepseek_v2", [1, 16, 29], ["sglang", "vllm"], "a first HF index of 1 cannot be written"),
-    ("llama", [16], ["sglang"], "SGLang would skip fc"),
-    ("mixtral", [2, 16, 29], ["sglang"], "no rule covers target model_type 'mixtral'"),
-])
+@pytest.mark.parametrize(
+    "model_type, aux, engines, message",
+    [
+        ("llama", [0, 16, 29], ["sglang"], "HF index 0 \\(the embeddings\\) cannot be captured"),
+        ("deepseek_v2", [1, 16, 29], ["sglang", "vllm"], "a first HF index of 1 cannot be written"),
+        ("llama", [16], ["sglang"], "SGLang would skip fc"),
+        ("mixtral", [2, 16, 29], ["sglang"], "no rule covers target model_type 'mixtral'"),
+    ],
+)
 def test_unrepresentable_captures_are_refused(model_type, aux, engines, message):
     with pytest.raises(ContractError, match=message):
         engine_keys(spec(model_type, aux), engines)
@@ -103,16 +118,24 @@ def test_defaults_and_rule_quirks():
     assert [r.hf_indices for r in resolve({}, "sglang", "llama", 32)] == [[2, 16, 29]]
     assert {r.source for r in resolve({}, "vllm", "llama", 32)} == {"default"}
     # the DeepSeek guess: ids starting at 1 are shifted, others are not
-    assert resolve({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}, "sglang", "deepseek_v2", 61)[0].hf_indices == [2, 30, 58]
-    assert resolve({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 29, 57]}}, "sglang", "deepseek_v2", 61)[0].hf_indices == [2, 29, 57]
+    assert resolve({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}, "sglang", "deepseek_v2", 61)[
+        0
+    ].hf_indices == [2, 30, 58]
+    assert resolve({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 29, 57]}}, "sglang", "deepseek_v2", 61)[
+        0
+    ].hf_indices == [2, 29, 57]
     # gpt_oss: no shift when the largest id is N
-    assert resolve({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 12, 24]}}, "sglang", "gpt_oss", 24)[0].hf_indices == [1, 12]
+    assert resolve({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 12, 24]}}, "sglang", "gpt_oss", 24)[
+        0
+    ].hf_indices == [1, 12]
     shifted = resolve({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 12, 23]}}, "sglang", "gpt_oss", 24)[0]
     assert (shifted.hf_indices, shifted.pre_norm_final) == ([2, 13], True)  # 23 + 1 lands on N: pre-norm
     # vLLM's default runner, V2, first: it falls back to eagle_config.layer_ids, V1 to the nested key
     nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28], "layer_ids": [3, 4, 5]}}
     assert [(r.rule.versions, r.hf_indices) for r in resolve(nested, "vllm", "llama", 32)] == [
-        ("0.33.0 (V2 runner, the default)", [3, 4, 5]), ("0.33.0 (V1 runner)", [1, 15, 28])]
+        ("0.33.0 (V2 runner, the default)", [3, 4, 5]),
+        ("0.33.0 (V1 runner)", [1, 15, 28]),
+    ]
     assert ids_for([2, 16, 29], "trtllm", "llama", 32) == {("eagle3_layers_to_capture",): [1, 15, 28]}
 
 
@@ -126,7 +149,10 @@ def test_check_warns_about_unknown_families_and_vllm_refusals():
     lines, findings = check(config, {}, target, [2, 16, 29], ["sglang", "vllm"])
     assert [f.level for f in findings] == ["warning", "error"]
     assert "sglang: no rule covers target model_type 'mixtral'" in findings[0].text
-    assert "vllm 0.33.0 runs EAGLE-3 drafts only for targets whose class implements its EAGLE-3 interface" in findings[1].text
+    assert (
+        "vllm 0.33.0 runs EAGLE-3 drafts only for targets whose class implements its EAGLE-3 interface"
+        in findings[1].text
+    )
     assert "it refuses model_type 'mixtral' at load" in findings[1].text
     assert not any(line.startswith("vllm") for line in lines)
 
@@ -147,8 +173,10 @@ def test_check_reports_vllm_v2_first_and_what_each_runner_reads():
     assert lines[2].startswith("vllm 0.33.0 (V1 runner): eagle_config.eagle_aux_hidden_state_layer_ids=[2, 16, 29]")
     assert lines[2].endswith("OK")
     assert [f.level for f in findings] == ["warning"]  # the default happens to be the trained capture
-    assert "V2 runner, the default): the ids are not where it reads (eagle_aux_hidden_state_layer_ids or " \
-           "eagle_config.layer_ids)" in findings[0].text
+    assert (
+        "V2 runner, the default): the ids are not where it reads (eagle_aux_hidden_state_layer_ids or "
+        "eagle_config.layer_ids)" in findings[0].text
+    )
 
 
 def test_check_flags_pre_norm_final_and_deepseek_id_0():
@@ -157,7 +185,9 @@ def test_check_flags_pre_norm_final_and_deepseek_id_0():
     assert any(f.level == "error" and "the draft was trained on [2, 16, 29]" in f.text for f in findings)
     assert any("one id lands on N=32, the last layer's output before the final norm" in f.text for f in findings)
     _, findings = _check("deepseek_v3", {"eagle_aux_hidden_state_layer_ids": [0, 30, 58]}, [0, 30, 58], 61)
-    assert [f.level for f in findings] == ["error", "error"] and all("cannot use id 0" in f.text and "crashes on id 0" in f.text for f in findings)
+    assert [f.level for f in findings] == ["error", "error"] and all(
+        "cannot use id 0" in f.text and "crashes on id 0" in f.text for f in findings
+    )
 
 
 def test_every_verified_rule_names_its_results_file_and_family():
@@ -193,8 +223,11 @@ def test_engine_command_lines_take_only_their_flags():
 
     vllm, sglang = ENGINES["vllm"], ENGINES["sglang"]
     argv = vllm.serve_command("org/target", "org/draft", 4, port=8001)
-    assert vllm.command.parse(argv) == {"model": "org/target", "--port": 8001, "--speculative-config": {
-        "method": "eagle3", "model": "org/draft", "num_speculative_tokens": 4}}
+    assert vllm.command.parse(argv) == {
+        "model": "org/target",
+        "--port": 8001,
+        "--speculative-config": {"method": "eagle3", "model": "org/draft", "num_speculative_tokens": 4},
+    }
     argv = sglang.serve_command("org/target", "org/draft", 4)
     assert sglang.command.parse(argv)["--speculative-num-draft-tokens"] == 5
     with pytest.raises(ValueError, match="--max-num-seqs is not a flag of vllm serve"):

@@ -45,17 +45,45 @@ def pipeline(tmp_path_factory):
     build_tiny_tokenizer().save_pretrained(root / "target")
     target = str(root / "target")
     rng = random.Random(0)
-    rows = [{"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))}]}
-            for _ in range(80)]
+    rows = [
+        {"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))}]}
+        for _ in range(80)
+    ]
     (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    Preparer(PrepareConfig(target=target, input=str(root / "prompts.jsonl"), out=str(root / "prep"), regenerate=True,
-                           regen=RegenConfig(max_new_tokens=48), progress=False)).run()
-    Dumper(DumpConfig(target=target, data=str(root / "prep"), out=str(root / "dump"), dtype="float32", progress=False,
-                      capture=CaptureConfig(aux_indices=[1, 2, 3]))).run()
-    Standardizer(StandardizeConfig(dumps=[str(root / "dump")], out=str(root / "std"), draft_vocab_size=320,
-                                   eval_fraction=0.1, progress=False)).run()
-    trainer = Trainer(TrainConfig(data=str(root / "std"), target=target, out=str(root / "train"), progress=False,
-                                  train=OptimConfig(ttt_length=3, epochs=20, lr=3e-3, max_tokens_per_batch=800)))
+    Preparer(
+        PrepareConfig(
+            target=target,
+            input=str(root / "prompts.jsonl"),
+            out=str(root / "prep"),
+            regenerate=True,
+            regen=RegenConfig(max_new_tokens=48),
+            progress=False,
+        )
+    ).run()
+    Dumper(
+        DumpConfig(
+            target=target,
+            data=str(root / "prep"),
+            out=str(root / "dump"),
+            dtype="float32",
+            progress=False,
+            capture=CaptureConfig(aux_indices=[1, 2, 3]),
+        )
+    ).run()
+    Standardizer(
+        StandardizeConfig(
+            dumps=[str(root / "dump")], out=str(root / "std"), draft_vocab_size=320, eval_fraction=0.1, progress=False
+        )
+    ).run()
+    trainer = Trainer(
+        TrainConfig(
+            data=str(root / "std"),
+            target=target,
+            out=str(root / "train"),
+            progress=False,
+            train=OptimConfig(ttt_length=3, epochs=20, lr=3e-3, max_tokens_per_batch=800),
+        )
+    )
     trainer.run()
     trainer.close()
     Exporter(ExportConfig(run=str(root / "train"), out=str(root / "export"))).run()
@@ -63,9 +91,18 @@ def pipeline(tmp_path_factory):
 
 
 def evaluate(root, draft, engine="vllm"):
-    return Evaluator(EvalConfig(draft=str(draft), target=str(root / "target"), engine=engine,
-                                prompts=str(root / "prompts.jsonl"), limit=10, max_new_tokens=48, progress=False,
-                                out=str(draft.parent / f"eval-{draft.name}-{engine}"))).run()
+    return Evaluator(
+        EvalConfig(
+            draft=str(draft),
+            target=str(root / "target"),
+            engine=engine,
+            prompts=str(root / "prompts.jsonl"),
+            limit=10,
+            max_new_tokens=48,
+            progress=False,
+            out=str(draft.parent / f"eval-{draft.name}-{engine}"),
+        )
+    ).run()
 
 
 def off_by_one(root, name, edit):
@@ -94,7 +131,9 @@ def test_eval_warns_when_the_chain_is_longer_than_training(pipeline):
 
     config = json.loads((pipeline / "export" / "config.json").read_text())
     assert config["eagle3_train"]["training"]["ttt_length"] == 3
-    assert "trained with ttt_length=3 but drafts chains of k=5: draft positions 4..5" in short_training_warning(config, 5)
+    assert "trained with ttt_length=3 but drafts chains of k=5: draft positions 4..5" in short_training_warning(
+        config, 5
+    )
     assert short_training_warning(config, 3) is None
     assert "drafts trees of num_steps=4: draft positions 4..4" in short_training_warning(config, 4, tree=True)
     assert short_training_warning({"eagle3_train": {}}, 5) is None  # a config that does not say: no guess
@@ -104,7 +143,9 @@ def test_right_config_beats_off_by_one_and_both_are_lossless(pipeline):
     right = evaluate(pipeline, pipeline / "export")
     # vLLM's id 0 is the last layer's pre-norm output (the embedding tensor it keeps is updated in
     # place): eval feeds that, in id 0's slot, and says so
-    wrong = evaluate(pipeline, off_by_one(pipeline, "wrong", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2])))
+    wrong = evaluate(
+        pipeline, off_by_one(pipeline, "wrong", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2]))
+    )
     assert right["captured_hf_indices"] == right["fed"] == [1, 2, 3] and right["warnings"] == []
     assert (wrong["captured_hf_indices"], wrong["fed"], wrong["pre_norm_final"]) == ([1, 2], [4, 1, 2], True)
     assert "vLLM's id 0 arrives overwritten" in wrong["warnings"][0]
@@ -127,8 +168,12 @@ def test_check_flags_what_engines_would_get_wrong(pipeline, said):
     top_only = off_by_one(pipeline, "top_only", lambda c: c.pop("eagle_config"))
     assert run(top_only) == 1
     out = said()
-    assert "sglang 0.5.17, 0.5.23: no ids where it reads -> engine default" in out and "silently uses the default" in out
-    shifted = off_by_one(pipeline, "shifted", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]))
+    assert (
+        "sglang 0.5.17, 0.5.23: no ids where it reads -> engine default" in out and "silently uses the default" in out
+    )
+    shifted = off_by_one(
+        pipeline, "shifted", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3])
+    )
     assert run(shifted) == 1
     # SGLang's id 3 + 1 lands on N = 4: the pre-norm final state, which no HF index names
     assert "captures HF [2, 3] + the pre-norm final state (no HF index), the draft was trained on [1, 2, 3]" in said()
@@ -142,7 +187,9 @@ def test_check_flags_what_engines_would_get_wrong(pipeline, said):
     foreign = off_by_one(pipeline, "foreign", lambda c: c.pop("eagle3_train"))
     assert run(foreign, trained=[1, 2, 3]) == 0 and run(foreign, trained=[2, 3]) == 1
     said()
-    extra = off_by_one(pipeline, "extra", lambda c: None)  # a weight no engine's draft has (and embeddings, which they load)
+    extra = off_by_one(
+        pipeline, "extra", lambda c: None
+    )  # a weight no engine's draft has (and embeddings, which they load)
     w = load_file(str(extra / "model.safetensors"))
     w["aux_norm.weight"], w["embed_tokens.weight"] = torch.ones(3), torch.zeros(2, 2)
     save_file(w, str(extra / "model.safetensors"))
@@ -174,11 +221,18 @@ def test_bad_drafts(pipeline, tmp_path):
     two = off_by_one(pipeline, "two_layers", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2]))
     with pytest.raises(ContractError, match="fc takes 192: the engine would fail"):
         evaluate(pipeline, two)
-    pre_norm = evaluate(pipeline, off_by_one(pipeline, "pre_norm", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 4])))
-    assert (pre_norm["captured_hf_indices"], pre_norm["fed"]) == ([1, 2], [1, 2, 4])  # vLLM's id N=4: not HF 4 (post-norm)
+    pre_norm = evaluate(
+        pipeline, off_by_one(pipeline, "pre_norm", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 4]))
+    )
+    assert (pre_norm["captured_hf_indices"], pre_norm["fed"]) == (
+        [1, 2],
+        [1, 2, 4],
+    )  # vLLM's id N=4: not HF 4 (post-norm)
     assert "feeds the last layer's output before the final norm (an id lands on N=4)" in pre_norm["warnings"][0]
     with pytest.raises(ContractError, match="HF index 0 \\(the embeddings\\)"):
-        state = json.loads((pipeline / "train" / "checkpoints").glob("step*").__next__().joinpath("state.json").read_text())
+        state = json.loads(
+            (pipeline / "train" / "checkpoints").glob("step*").__next__().joinpath("state.json").read_text()
+        )
         state["capture"]["aux_indices"] = [0, 1, 2]
         ck = tmp_path / "ck"
         shutil.copytree(next((pipeline / "train" / "checkpoints").glob("step*")), ck)
@@ -191,8 +245,18 @@ def test_bad_drafts(pipeline, tmp_path):
 
 
 def evaluator(root, **options):
-    cfg = dict(draft=str(root / "export"), target=str(root / "target"), engine="vllm", limit=10,
-               prompts=str(root / "prompts.jsonl"), max_new_tokens=48, progress=False) | options
+    cfg = (
+        dict(
+            draft=str(root / "export"),
+            target=str(root / "target"),
+            engine="vllm",
+            limit=10,
+            prompts=str(root / "prompts.jsonl"),
+            max_new_tokens=48,
+            progress=False,
+        )
+        | options
+    )
     return Evaluator(EvalConfig(**cfg))
 
 
@@ -245,9 +309,16 @@ def test_draft_cost_per_step_is_flat_in_the_context(pipeline):
 def test_multi_turn_follows_the_targets_own_replies(pipeline, tmp_path):
     """MT-bench shape: turn 2 is asked after the target's greedy reply to turn 1 (rebuilt here with
     transformers' generate), and the report groups tau by category."""
-    rows = [{"question_id": i, "category": cat, "turns": [u1, u2]} for i, (cat, u1, u2) in enumerate([
-        ("writing", "apple river stone", "seven tiger"), ("math", "cloud seven", "paper green window"),
-        ("writing", "quick silver music", "apple")])]
+    rows = [
+        {"question_id": i, "category": cat, "turns": [u1, u2]}
+        for i, (cat, u1, u2) in enumerate(
+            [
+                ("writing", "apple river stone", "seven tiger"),
+                ("math", "cloud seven", "paper green window"),
+                ("writing", "quick silver music", "apple"),
+            ]
+        )
+    ]
     path = tmp_path / "question.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ev = evaluator(pipeline, prompts=str(path), out=str(tmp_path / "mt"), batch_size=2)
@@ -263,8 +334,9 @@ def test_multi_turn_follows_the_targets_own_replies(pipeline, tmp_path):
         u1 = {"role": "user", "content": r["turns"][0]}
         first = legacy.greedy(template([u1]), 48)
         reply = tok.decode(first[:-1] if first[-1] in ev.eos else first)
-        second = legacy.greedy(template([u1, {"role": "assistant", "content": reply},
-                                         {"role": "user", "content": r["turns"][1]}]), 48)
+        second = legacy.greedy(
+            template([u1, {"role": "assistant", "content": reply}, {"role": "user", "content": r["turns"][1]}]), 48
+        )
         got = {o["turn"]: o for o in outputs if o["source"] == f"{path}:{i + 1}"}
         assert got[1]["tokens"] == first and got[2]["tokens"] == second and got[1]["reply"] == reply
     assert report["conversations"] == 3 and report["prompts"] == 6 and set(report["turns"]) == {"1", "2"}
@@ -305,13 +377,17 @@ def test_tree_drafts_are_lossless_batch_invariant_and_accept_more(pipeline, tmp_
         report = evaluator(pipeline, limit=6, position_bucket=8, out=str(tmp_path / str(len(options))), **options).run()
         assert report["lossless"] == "identical" and report["k"] == 4
         assert report["tree"] == (None if len(options) == 1 else {"topk": 4, "num_steps": 4, "num_draft_tokens": 24})
-        steps = [json.loads(x)["accepted"] for x in (tmp_path / str(len(options)) / "outputs.jsonl").read_text().splitlines()]
+        steps = [
+            json.loads(x)["accepted"] for x in (tmp_path / str(len(options)) / "outputs.jsonl").read_text().splitlines()
+        ]
         assert report["tau"] == pytest.approx(tau([Decoded([], s) for s in steps]))
         buckets = report["by_reply_position"]
         assert [(b["from"], b["to"]) for b in buckets] == [(0, 8), (8, 16), (16, 32), (32, 64)]
         assert sum(b["verify_steps"] for b in buckets) == report["verify_steps"]
         assert sum(b["tokens"] for b in buckets) == sum(a + 1 for s in steps for a in s)
-        assert sum(b["tau"] * b["verify_steps"] for b in buckets) == pytest.approx(report["tau"] * report["verify_steps"])
+        assert sum(b["tau"] * b["verify_steps"] for b in buckets) == pytest.approx(
+            report["tau"] * report["verify_steps"]
+        )
 
 
 def test_lossless_check_classifies_the_first_difference():
@@ -319,7 +395,12 @@ def test_lossless_check_classifies_the_first_difference():
     assert lossless_check([5, 6, 7, 8], ref, 1e-3) == {"status": "identical"}
     tie = lossless_check([5, 9, 7, 8], ref, 1e-3)
     assert (tie["status"], tie["position"], tie["margin"], tie["speculative_token"], tie["reference_token"]) == (
-        "numerical", 1, 1e-5, 9, 6)
+        "numerical",
+        1,
+        1e-5,
+        9,
+        6,
+    )
     assert lossless_check([5, 6, 1], ref, 1e-3)["status"] == "diverged"
     assert lossless_check([5, 6, 7, 8], Reference([5, 6, 7, 8, 2], [1.0] * 5), 1e-3)["position"] == 4
 
@@ -352,20 +433,39 @@ def test_near_tie_is_numerical_and_a_corrupted_decoder_diverges(pipeline, tmp_pa
     assert report["lossless_counts"]["diverged"] == 0
 
     monkeypatch.undo()  # now a real bug: b pushed far ahead on the speculative path
-    perturbed(monkeypatch, lambda logits, speculative: logits + 50.0 * speculative * (torch.arange(logits.shape[-1]) == b))
-    cfg = EvalConfig(draft=str(pipeline / "export"), target=str(pipeline / "target"), engine="vllm", limit=6,
-                     prompts=str(pipeline / "prompts.jsonl"), max_new_tokens=48, progress=False, out=str(tmp_path / "bad"))
+    perturbed(
+        monkeypatch, lambda logits, speculative: logits + 50.0 * speculative * (torch.arange(logits.shape[-1]) == b)
+    )
+    cfg = EvalConfig(
+        draft=str(pipeline / "export"),
+        target=str(pipeline / "target"),
+        engine="vllm",
+        limit=6,
+        prompts=str(pipeline / "prompts.jsonl"),
+        max_new_tokens=48,
+        progress=False,
+        out=str(tmp_path / "bad"),
+    )
     assert run_eval(cfg) == 1
     report = json.loads((tmp_path / "bad" / "report.json").read_text())
     assert report["lossless"] == "diverged" and report["lossless_counts"]["diverged"] == 6
-    assert all(c["position"] == 0 and c["speculative_token"] == b and c["margin"] > 1e-3 for c in report["lossless_cases"])
+    assert all(
+        c["position"] == 0 and c["speculative_token"] == b and c["margin"] > 1e-3 for c in report["lossless_cases"]
+    )
 
 
 def test_eval_writes_beside_the_export_by_default(pipeline):
     """Without out=, the report goes next to the draft, not into the directory engines load and
     users upload."""
-    ev = Evaluator(EvalConfig(draft=str(pipeline / "export"), target=str(pipeline / "target"), engine="sglang",
-                              prompts=str(pipeline / "prompts.jsonl"), progress=False))
+    ev = Evaluator(
+        EvalConfig(
+            draft=str(pipeline / "export"),
+            target=str(pipeline / "target"),
+            engine="sglang",
+            prompts=str(pipeline / "prompts.jsonl"),
+            progress=False,
+        )
+    )
     assert ev.out == pipeline / "export-eval-sglang"
 
 
@@ -374,8 +474,11 @@ def test_bad_eval_input(pipeline, tmp_path):
         EvalConfig(draft="x", prompts="y", batch_size=0)
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"prompt": "apple " * 700}) + "\n")
-    with pytest.raises(BadInputError, match=r"long.jsonl:1: turn 1 is \d+ tokens; with max_new_tokens=48 and k=5 it "
-                                            r"does not fit the target's context of 4096"):
+    with pytest.raises(
+        BadInputError,
+        match=r"long.jsonl:1: turn 1 is \d+ tokens; with max_new_tokens=48 and k=5 it "
+        r"does not fit the target's context of 4096",
+    ):
         evaluator(pipeline, prompts=str(path), out=str(tmp_path / "o")).run()
 
 
@@ -385,17 +488,34 @@ def test_config_json_maps_back_to_the_draft_config():
 
     from eagle3_train.targets.tiny import tiny_config
 
-    llama31 = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                           "original_max_position_embeddings": 8192})
+    llama31 = LlamaConfig(
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     for dc in (DraftConfig.from_target(tiny_config(), 3, 200), DraftConfig.from_target(llama31, 3, 32000)):
         assert draft_config_from_json(draft_config_json(dc), 3 * dc.target_hidden_size) == dc
     # a third-party config without rope_parameters, head_dim or draft_vocab_size
-    old = {k: v for k, v in draft_config_json(DraftConfig.from_target(tiny_config(), 3, 320)).items()
-           if k not in ("rope_parameters", "head_dim", "draft_vocab_size")}
+    old = {
+        k: v
+        for k, v in draft_config_json(DraftConfig.from_target(tiny_config(), 3, 320)).items()
+        if k not in ("rope_parameters", "head_dim", "draft_vocab_size")
+    }
     got = draft_config_from_json(old, 3 * 64)
-    assert (got.head_dim, got.draft_vocab_size, got.rope_parameters) == (16, 320, {"rope_theta": 10000.0, "rope_type": "default"})
+    assert (got.head_dim, got.draft_vocab_size, got.rope_parameters) == (
+        16,
+        320,
+        {"rope_theta": 10000.0, "rope_type": "default"},
+    )
 
 
 def card_commands(text):
@@ -412,7 +532,7 @@ def parse_command(argv):
     from eagle3_train.engines.registry import ENGINES
 
     for name, engine in ENGINES.items():
-        if engine.command is not None and tuple(argv[:len(engine.command.program)]) == engine.command.program:
+        if engine.command is not None and tuple(argv[: len(engine.command.program)]) == engine.command.program:
             return name, engine.command.parse(argv)
     raise ValueError(f"no engine starts with {argv[:3]}")
 
@@ -428,8 +548,10 @@ def test_the_export_is_ready_to_publish(pipeline, tmp_path):
     from eagle3_train.serving.export import CardConfig
 
     out = tmp_path / "published"
-    export = lambda **card: Exporter(ExportConfig(run=str(pipeline / "train"), out=str(out),  # noqa: E731
-                                                  card=CardConfig(**card))).run()
+
+    def export(**card):
+        return Exporter(ExportConfig(run=str(pipeline / "train"), out=str(out), card=CardConfig(**card))).run()
+
     config = export(base_model="org/tiny-target")
     local = str(pipeline.parent)  # pytest's base directory: the run, the target and this export are under it
     for f in out.rglob("*"):
@@ -448,21 +570,45 @@ def test_the_export_is_ready_to_publish(pipeline, tmp_path):
     assert "| `eagle_aux_hidden_state_layer_ids` | `[1, 2, 3]` | HF [1, 2, 3] |" in text  # vLLM's
     commands = dict(parse_command(argv) for argv in card_commands(text))
     assert commands == {  # the trained 3 TTT steps drafted per step; the draft by its directory's name
-        "vllm": {"model": "org/tiny-target",
-                 "--speculative-config": {"method": "eagle3", "model": "published", "num_speculative_tokens": 3}},
-        "sglang": {"--model-path": "org/tiny-target", "--speculative-algorithm": "EAGLE3",
-                   "--speculative-draft-model-path": "published", "--speculative-num-steps": 3,
-                   "--speculative-eagle-topk": 1, "--speculative-num-draft-tokens": 4}}
+        "vllm": {
+            "model": "org/tiny-target",
+            "--speculative-config": {"method": "eagle3", "model": "published", "num_speculative_tokens": 3},
+        },
+        "sglang": {
+            "--model-path": "org/tiny-target",
+            "--speculative-algorithm": "EAGLE3",
+            "--speculative-draft-model-path": "published",
+            "--speculative-num-steps": 3,
+            "--speculative-eagle-topk": 1,
+            "--speculative-num-draft-tokens": 4,
+        },
+    }
     with pytest.raises(ValueError, match="'--speculative-topk' is not a flag of python -m sglang.launch_server"):
         parse_command(card_commands(text)[0] + ["--speculative-topk", "1"])
     assert "No `eagle3-eval` report of these files" in text
     # eval beside the export (its default out), then the same export again: the card shows its tau
-    report = Evaluator(EvalConfig(draft=str(out), target=str(pipeline / "target"), engine="sglang", limit=4,
-                                  prompts=str(pipeline / "prompts.jsonl"), max_new_tokens=16, progress=False)).run()
+    report = Evaluator(
+        EvalConfig(
+            draft=str(out),
+            target=str(pipeline / "target"),
+            engine="sglang",
+            limit=4,
+            prompts=str(pipeline / "prompts.jsonl"),
+            max_new_tokens=16,
+            progress=False,
+        )
+    ).run()
     stale = tmp_path / "published-eval-vllm"  # a report of other files is not this draft's
     shutil.copytree(tmp_path / "published-eval-sglang", stale)
-    (stale / "report.json").write_text(json.dumps(report | {"engine": "vllm", "request": report["request"] | {
-        "draft": {"config.json": "0" * 64, "model.safetensors": "0" * 64}}}))
+    (stale / "report.json").write_text(
+        json.dumps(
+            report
+            | {
+                "engine": "vllm",
+                "request": report["request"] | {"draft": {"config.json": "0" * 64, "model.safetensors": "0" * 64}},
+            }
+        )
+    )
     weights = (out / "model.safetensors").read_bytes()
     export(repo_id="org/tiny-draft", license="llama3.1")
     assert (out / "model.safetensors").read_bytes() == weights  # the same files eval measured

@@ -32,8 +32,13 @@ def test_every_module_imports_without_the_extras():
 
 
 CALLS = {
-    "wandb": lambda tmp: open_tracker(SimpleNamespace(tracker="wandb", wandb_project="p", wandb_entity=None,
-                                                      wandb_mode="offline", run_name=None), tmp, {}, 0, True),
+    "wandb": lambda tmp: open_tracker(
+        SimpleNamespace(tracker="wandb", wandb_project="p", wandb_entity=None, wandb_mode="offline", run_name=None),
+        tmp,
+        {},
+        0,
+        True,
+    ),
     "tensorboard": lambda tmp: LoggingConfig(tracker="tensorboard"),  # refused as the config is read
     "aiohttp": lambda tmp: asyncio.run(wait_ready(None, ["http://127.0.0.1:9"], 0.1)),
     "matplotlib": lambda tmp: plot_acceptance({}, tmp / "acceptance.png"),
@@ -45,7 +50,9 @@ CALLS = {
 def test_a_missing_extra_is_named_by_what_needs_it(module, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, module, None)
     extra, needed_by = EXTRAS[module]
-    with pytest.raises(MissingExtraError, match=rf"needs {module}, .*the '{extra}' extra \(pip install -e '\.\[{extra}\]'"):
+    with pytest.raises(
+        MissingExtraError, match=rf"needs {module}, .*the '{extra}' extra \(pip install -e '\.\[{extra}\]'"
+    ):
         CALLS[module](tmp_path)
 
 

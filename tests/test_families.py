@@ -49,14 +49,32 @@ def fam(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(family)
     target = str(save_tiny(f"tiny:{family}", root / "target", dtype="float32"))
     rng = random.Random(0)
-    rows = [{"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 9)))}]}
-            for _ in range(20)]
+    rows = [
+        {"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 9)))}]}
+        for _ in range(20)
+    ]
     (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    Preparer(PrepareConfig(target=target, input=str(root / "prompts.jsonl"), out=str(root / "prep"), regenerate=True,
-                           regen=RegenConfig(max_new_tokens=24), on_bad_row="skip", progress=False)).run()
+    Preparer(
+        PrepareConfig(
+            target=target,
+            input=str(root / "prompts.jsonl"),
+            out=str(root / "prep"),
+            regenerate=True,
+            regen=RegenConfig(max_new_tokens=24),
+            on_bad_row="skip",
+            progress=False,
+        )
+    ).run()
     Dumper(DumpConfig(target=target, data=str(root / "prep"), out=str(root / "dump"), progress=False)).run()
-    Standardizer(StandardizeConfig(dumps=[str(root / "dump")], out=str(root / "std"), draft_vocab_size=VOCAB,
-                                   eval_fraction=EVAL, progress=False)).run()
+    Standardizer(
+        StandardizeConfig(
+            dumps=[str(root / "dump")],
+            out=str(root / "std"),
+            draft_vocab_size=VOCAB,
+            eval_fraction=EVAL,
+            progress=False,
+        )
+    ).run()
     train(root / "std", root / "train", target=target)
     Exporter(ExportConfig(run=str(root / "train"), out=str(root / "export"))).run()
     return {"family": family, "root": root, "target": target}
@@ -113,15 +131,25 @@ def test_check_accepts_the_export_and_refuses_broken_copies(fam, tmp_path, said)
 
     def shift(c):
         c["eagle_aux_hidden_state_layer_ids"] = [v + 1 for v in c["eagle_aux_hidden_state_layer_ids"]]
-        c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [v + 1 for v in c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+        c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [
+            v + 1 for v in c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        ]
 
     said()
     assert run_check(CheckConfig(draft=broken("shifted", shift), target=target)) == 1
     assert "MISMATCH" in said()
     # only where vLLM reads them: SGLang silently falls back to its default (here the trained one,
     # which the check reports as a warning only), vLLM reads them
-    assert run_check(CheckConfig(draft=broken("nested_only", lambda c: c.pop("eagle_aux_hidden_state_layer_ids")),
-                                 target=target, engines=["sglang"])) == 0
+    assert (
+        run_check(
+            CheckConfig(
+                draft=broken("nested_only", lambda c: c.pop("eagle_aux_hidden_state_layer_ids")),
+                target=target,
+                engines=["sglang"],
+            )
+        )
+        == 0
+    )
 
 
 def test_batched_eval_is_lossless_and_feeds_the_trained_capture(fam):
@@ -129,9 +157,20 @@ def test_batched_eval_is_lossless_and_feeds_the_trained_capture(fam):
     exactly the tokens of one-prompt greedy decoding, for every family, at fp32."""
     reports = {}
     for engine in ("vllm", "sglang"):
-        reports[engine] = Evaluator(EvalConfig(
-            draft=str(fam["root"] / "export"), target=fam["target"], engine=engine, prompts=str(fam["root"] / "prompts.jsonl"),
-            limit=6, max_new_tokens=24, batch_size=6, k=3, progress=False, out=str(fam["root"] / f"eval-{engine}"))).run()
+        reports[engine] = Evaluator(
+            EvalConfig(
+                draft=str(fam["root"] / "export"),
+                target=fam["target"],
+                engine=engine,
+                prompts=str(fam["root"] / "prompts.jsonl"),
+                limit=6,
+                max_new_tokens=24,
+                batch_size=6,
+                k=3,
+                progress=False,
+                out=str(fam["root"] / f"eval-{engine}"),
+            )
+        ).run()
     for r in reports.values():
         assert r["lossless"] == "identical", r
         assert r["captured_hf_indices"] == r["fed"] == DEFAULT_AUX and r["warnings"] == []
@@ -141,6 +180,11 @@ def test_batched_eval_is_lossless_and_feeds_the_trained_capture(fam):
 def test_online_training_equals_offline_training(fam, tmp_path):
     """The target of the family in the training loop trains exactly as offline on its dump."""
     root = fam["root"]
-    train(root / "prep", tmp_path / "on", target=fam["target"], source="online",
-          online=OnlineConfig(draft_vocab_size=VOCAB, eval_fraction=EVAL))
+    train(
+        root / "prep",
+        tmp_path / "on",
+        target=fam["target"],
+        source="online",
+        online=OnlineConfig(draft_vocab_size=VOCAB, eval_fraction=EVAL),
+    )
     assert_same_training(root / "train", tmp_path / "on", rel=1e-4, atol=1e-4)

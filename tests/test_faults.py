@@ -165,8 +165,11 @@ def listing(root: Path) -> list[str]:
 
 def files(root: Path, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
     """Every file under ``root`` by relative path (less the lock files and ``skip``), with its bytes."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.name.endswith(".lock") and p.name not in skip}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.name.endswith(".lock") and p.name not in skip
+    }
 
 
 def record(path: Path, *drop: str) -> dict[str, Any]:
@@ -180,10 +183,17 @@ def record(path: Path, *drop: str) -> dict[str, Any]:
 def synthesize(out: Path) -> dict[str, Any]:
     """6 conversations written by the tiny target (ending its turns soon: :func:`ends_soon`; its
     replies sampled too, since greedy ones would all be the end-of-turn token), in chunks of 2."""
-    return Preparer(PrepareConfig(
-        target="tiny", out=str(out), synthesize=6, progress=False, device="cpu",
-        synth=SynthConfig(chunk_size=2, max_new_tokens=32, min_tokens=1, max_tokens=32, max_repeated_ngrams=1),
-        regen=RegenConfig(max_new_tokens=8, batch_size=2, do_sample=True, temperature=1.0))).run()
+    return Preparer(
+        PrepareConfig(
+            target="tiny",
+            out=str(out),
+            synthesize=6,
+            progress=False,
+            device="cpu",
+            synth=SynthConfig(chunk_size=2, max_new_tokens=32, min_tokens=1, max_tokens=32, max_repeated_ngrams=1),
+            regen=RegenConfig(max_new_tokens=8, batch_size=2, do_sample=True, temperature=1.0),
+        )
+    ).run()
 
 
 @pytest.fixture(scope="module")
@@ -231,13 +241,17 @@ def synthesized(ends_soon, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("point, n, lock", [
-    ("synth.chunk", 1, True),  # the first chunk saved; a second prepare on the directory is refused meanwhile
-    ("write", 3, False),  # the second chunk complete in its temporary file, not renamed
-    ("synth.chunk", 3, False),  # every chunk saved, the dataset not yet written
-])
-def test_synthesis_killed_anywhere_resumes_to_the_uninterrupted_output(ends_soon, synthesized, tmp_path, point, n,
-                                                                        lock):
+@pytest.mark.parametrize(
+    "point, n, lock",
+    [
+        ("synth.chunk", 1, True),  # the first chunk saved; a second prepare on the directory is refused meanwhile
+        ("write", 3, False),  # the second chunk complete in its temporary file, not renamed
+        ("synth.chunk", 3, False),  # every chunk saved, the dataset not yet written
+    ],
+)
+def test_synthesis_killed_anywhere_resumes_to_the_uninterrupted_output(
+    ends_soon, synthesized, tmp_path, point, n, lock
+):
     out = tmp_path / "p"
     interrupt(point, n, lambda: synthesize(out), lock)
     assert not (out / "manifest.json").exists()
@@ -245,14 +259,24 @@ def test_synthesis_killed_anywhere_resumes_to_the_uninterrupted_output(ends_soon
     assert_same_prepared(synthesized, out, "synth")
 
 
-REGEN_ROWS = [{"messages": [{"role": "user", "content": text}]} for text in
-              ("Hi", "Tell me a story.", "q" * 30, "What is 2+2?", "abc def ghi", "The quick brown fox")]
+REGEN_ROWS = [
+    {"messages": [{"role": "user", "content": text}]}
+    for text in ("Hi", "Tell me a story.", "q" * 30, "What is 2+2?", "abc def ghi", "The quick brown fox")
+]
 
 
 def regenerate(data: Path, out: Path, **regen: Any) -> dict[str, Any]:
     """Six one-turn prompts answered by the tiny target, in chunks of 2."""
-    return Preparer(PrepareConfig(target="tiny", input=str(data), out=str(out), regenerate=True, progress=False,
-                                  regen=RegenConfig(max_new_tokens=10, chunk_size=2, **regen))).run()
+    return Preparer(
+        PrepareConfig(
+            target="tiny",
+            input=str(data),
+            out=str(out),
+            regenerate=True,
+            progress=False,
+            regen=RegenConfig(max_new_tokens=10, chunk_size=2, **regen),
+        )
+    ).run()
 
 
 @pytest.fixture(scope="module")
@@ -263,11 +287,14 @@ def regenerated(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("point, n, lock", [
-    ("regen.chunk", 1, True),  # the first chunk saved; a second prepare on the directory is refused meanwhile
-    ("write", 3, False),  # the second chunk complete in its temporary file, not renamed
-    ("regen.chunk", 3, False),  # every chunk saved, the dataset not yet written
-])
+@pytest.mark.parametrize(
+    "point, n, lock",
+    [
+        ("regen.chunk", 1, True),  # the first chunk saved; a second prepare on the directory is refused meanwhile
+        ("write", 3, False),  # the second chunk complete in its temporary file, not renamed
+        ("regen.chunk", 3, False),  # every chunk saved, the dataset not yet written
+    ],
+)
 def test_regeneration_killed_anywhere_resumes_to_the_uninterrupted_output(regenerated, tmp_path, point, n, lock):
     out = tmp_path / "p"
     interrupt(point, n, lambda: regenerate(regenerated / "in.jsonl", out), lock)
@@ -285,11 +312,15 @@ def test_an_engine_that_dies_mid_regeneration_is_named_and_the_rerun_continues(r
     with StandinVllm(build_tiny_model()) as engine:
         engine.die_at = 4  # chunk 1 (prompts 1-2) answered, chunk 2's second prompt finds the engine gone
         url = engine.url
-        with pytest.raises(Eagle3Error, match=rf"regeneration through vllm at regen.server.url={url} stopped in "
-                                              rf"chunk 2 of 3: .*{url}/v1/completions.*attempts failed.*\n  the 1 "
-                                              rf"finished chunks are kept under {out}/regen; once the engine answers"):
-            regenerate(regenerated / "in.jsonl", out, **served,
-                       server=ServedRegenConfig(url=url, backoff_s=0.01, retries=2))
+        with pytest.raises(
+            Eagle3Error,
+            match=rf"regeneration through vllm at regen.server.url={url} stopped in "
+            rf"chunk 2 of 3: .*{url}/v1/completions.*attempts failed.*\n  the 1 "
+            rf"finished chunks are kept under {out}/regen; once the engine answers",
+        ):
+            regenerate(
+                regenerated / "in.jsonl", out, **served, server=ServedRegenConfig(url=url, backoff_s=0.01, retries=2)
+            )
     assert sorted(p.name for p in (out / "regen").glob("chunk-*.json")) == ["chunk-00000.json"]
     with StandinVllm(build_tiny_model()) as restarted:
         regenerate(regenerated / "in.jsonl", out, **served, server=ServedRegenConfig(url=restarted.url, backoff_s=0.01))
@@ -303,10 +334,20 @@ def test_an_engine_that_dies_mid_regeneration_is_named_and_the_rerun_continues(r
 def dump_config(prepared: Path, out: Path, backend: str = "hf", url: str | None = None, retries: int = 2) -> DumpConfig:
     """Small shards (several per run), one writer thread and, served, one request at a time: the
     n-th shard and the n-th request are the same on every run."""
-    return DumpConfig(target="tiny", data=str(prepared), out=str(out), backend=backend, dtype="float32", progress=False,
-                      capture=CaptureConfig(aux_indices=[1, 2, 3]), max_tokens_per_batch=200, shard_size_mb=0.05,
-                      writer_threads=1, server=ServerConfig(url=url) if url else ServerConfig(),
-                      client=ClientConfig(concurrency=1, retries=retries, backoff_s=0.01, wait_for_server_s=5.0))
+    return DumpConfig(
+        target="tiny",
+        data=str(prepared),
+        out=str(out),
+        backend=backend,
+        dtype="float32",
+        progress=False,
+        capture=CaptureConfig(aux_indices=[1, 2, 3]),
+        max_tokens_per_batch=200,
+        shard_size_mb=0.05,
+        writer_threads=1,
+        server=ServerConfig(url=url) if url else ServerConfig(),
+        client=ClientConfig(concurrency=1, retries=retries, backoff_s=0.01, wait_for_server_s=5.0),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -336,11 +377,18 @@ def assert_same_dump(a: Path, b: Path) -> None:
     assert ma == mb
 
 
-@pytest.mark.parametrize("point, n, lock", [
-    ("shard", 1, False),  # the first shard renamed into place, its record not yet written
-    ("write", 3, True),  # the second shard's record complete in its temporary file; a second dump is refused meanwhile
-    ("shard", 4, False),  # three shards finished, the fourth without its record
-])
+@pytest.mark.parametrize(
+    "point, n, lock",
+    [
+        ("shard", 1, False),  # the first shard renamed into place, its record not yet written
+        (
+            "write",
+            3,
+            True,
+        ),  # the second shard's record complete in its temporary file; a second dump is refused meanwhile
+        ("shard", 4, False),  # three shards finished, the fourth without its record
+    ],
+)
 def test_dump_killed_anywhere_resumes_to_the_uninterrupted_dump(dumped, tmp_path, point, n, lock):
     out = tmp_path / "dump"
     interrupt(point, n, lambda: Dumper(dump_config(dumped["prepared"], out)).run(), lock)
@@ -367,9 +415,12 @@ def test_an_engine_that_dies_mid_dump_is_named_and_the_rerun_continues(dumped, t
     cfg = lambda url: dump_config(dumped["prepared"], out, "vllm", url)  # noqa: E731
     with StandinVllm(build_tiny_model(), [1, 2, 3, 4], tmp_path / "engine") as engine:
         engine.die_at = 7
-        with pytest.raises(Eagle3Error, match=rf"vllm \(server.url={engine.url}\) stopped client 0/1 of the dump: "
-                                              rf".*3 attempts failed.*\n  6 samples received before the stop are "
-                                              rf"stored \(\d+ shards written by this run, under {out}/shards\)"):
+        with pytest.raises(
+            Eagle3Error,
+            match=rf"vllm \(server.url={engine.url}\) stopped client 0/1 of the dump: "
+            rf".*3 attempts failed.*\n  6 samples received before the stop are "
+            rf"stored \(\d+ shards written by this run, under {out}/shards\)",
+        ):
             Dumper(cfg(engine.url)).run()
     assert len(stored_samples(out)) == 6 and not (out / "manifest.json").exists()
     with StandinVllm(build_tiny_model(), [1, 2, 3, 4], tmp_path / "engine") as restarted:
@@ -379,8 +430,9 @@ def test_an_engine_that_dies_mid_dump_is_named_and_the_rerun_continues(dumped, t
 
 
 def standardize(dump: Path, out: Path) -> dict[str, Any]:
-    return Standardizer(StandardizeConfig(dumps=[str(dump)], out=str(out), draft_vocab_size=40, eval_fraction=0.2,
-                                          progress=False)).run()
+    return Standardizer(
+        StandardizeConfig(dumps=[str(dump)], out=str(out), draft_vocab_size=40, eval_fraction=0.2, progress=False)
+    ).run()
 
 
 @pytest.fixture(scope="module")
@@ -390,19 +442,24 @@ def standardized_whole(std, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("point, n, lock", [
-    ("shard", 2, True),  # a shard without its record; a second standardize is refused meanwhile
-    ("write", 5, False),  # a shard's record complete in its temporary file
-    ("write", 17, False),  # every shard finished, the vocab map not yet renamed
-])
-def test_standardize_killed_anywhere_resumes_to_the_uninterrupted_output(std, standardized_whole, tmp_path, point, n,
-                                                                         lock):
+@pytest.mark.parametrize(
+    "point, n, lock",
+    [
+        ("shard", 2, True),  # a shard without its record; a second standardize is refused meanwhile
+        ("write", 5, False),  # a shard's record complete in its temporary file
+        ("write", 17, False),  # every shard finished, the vocab map not yet renamed
+    ],
+)
+def test_standardize_killed_anywhere_resumes_to_the_uninterrupted_output(
+    std, standardized_whole, tmp_path, point, n, lock
+):
     out = tmp_path / "s"
     interrupt(point, n, lambda: standardize(std.parent / "d", out), lock)
     standardize(std.parent / "d", out)
     assert files(standardized_whole, ("manifest.json",)) == files(out, ("manifest.json",))
-    assert record(standardized_whole / "manifest.json", "config", "run") == record(out / "manifest.json", "config",
-                                                                                   "run")
+    assert record(standardized_whole / "manifest.json", "config", "run") == record(
+        out / "manifest.json", "config", "run"
+    )
 
 
 # -- offline and online training --------------------------------------------------------------------
@@ -440,11 +497,14 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert record(a / "manifest.json")["eval"] == record(b / "manifest.json")["eval"]
 
 
-@pytest.mark.parametrize("point, n", [
-    ("train.step", 4),  # step 4 computed, step 3 logged: the resumed run (from step 2) logs step 3 again
-    ("write", 4),  # the step-4 checkpoint's state.json written but not renamed: the checkpoint is unfinished
-    ("train.step", 9),  # later: step 9 computed, steps up to 8 logged and saved
-])
+@pytest.mark.parametrize(
+    "point, n",
+    [
+        ("train.step", 4),  # step 4 computed, step 3 logged: the resumed run (from step 2) logs step 3 again
+        ("write", 4),  # the step-4 checkpoint's state.json written but not renamed: the checkpoint is unfinished
+        ("train.step", 9),  # later: step 9 computed, steps up to 8 logged and saved
+    ],
+)
 def test_training_killed_anywhere_resumes_to_the_uninterrupted_run(std, trained, tmp_path, point, n):
     out = tmp_path / "run"
     kill_at(point, n, lambda: train(std, out, **TRAIN))
@@ -470,6 +530,7 @@ def _full_disk(monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
                 Path(str(args[path_arg])).write_bytes(b"\0" * 100)  # what fitted before the disk was full
                 raise error
             return real(*args, **kwargs)
+
         return write
 
     # torch.save on a full disk raises this RuntimeError (measured on a 512 KiB tmpfs)
@@ -495,13 +556,17 @@ def _full_disk(monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
 
 
 @pytest.mark.parametrize("failing", ["optimizer states", "draft.safetensors", "state.json"])
-def test_a_full_disk_during_a_checkpoint_save_keeps_the_previous_one_and_resume_takes_it(std, trained, tmp_path,
-                                                                                        monkeypatch, failing):
+def test_a_full_disk_during_a_checkpoint_save_keeps_the_previous_one_and_resume_takes_it(
+    std, trained, tmp_path, monkeypatch, failing
+):
     out = tmp_path / "run"
     _full_disk(monkeypatch, failing)
-    with pytest.raises(Eagle3Error, match=rf"saving checkpoint step4 of {out} failed \(.*\); its partial files are "
-                                          rf"removed, and the last complete checkpoint, {out}/checkpoints/step2, is "
-                                          rf"intact and resume=auto continues from it"):
+    with pytest.raises(
+        Eagle3Error,
+        match=rf"saving checkpoint step4 of {out} failed \(.*\); its partial files are "
+        rf"removed, and the last complete checkpoint, {out}/checkpoints/step2, is "
+        rf"intact and resume=auto continues from it",
+    ):
         train(std, out, **TRAIN)
     monkeypatch.undo()
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["step2"]
@@ -513,8 +578,10 @@ def test_a_full_disk_during_a_checkpoint_save_keeps_the_previous_one_and_resume_
 
 def online(**kw: Any) -> dict[str, Any]:
     """``source=online`` options: the tiny target in the loop over the prepared data of ``std``."""
-    return {"source": "online", "online": OnlineConfig(**{"aux_indices": [1, 2, 3], "draft_vocab_size": 12,
-                                                          "eval_fraction": 0.15, **kw})}
+    return {
+        "source": "online",
+        "online": OnlineConfig(**{"aux_indices": [1, 2, 3], "draft_vocab_size": 12, "eval_fraction": 0.15, **kw}),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -552,12 +619,20 @@ def exported(trained, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("point, n, lock", [
-    ("write", 1, False),  # the new config.json in its temporary file: out= still holds the earlier export, whole
-    ("export.swap", 1, True),  # the earlier export moved aside, the new one not in place; a second export is refused
-])
-def test_a_killed_re_export_leaves_an_export_or_none_and_the_rerun_writes_the_same(trained, exported, tmp_path, point,
-                                                                                  n, lock):
+@pytest.mark.parametrize(
+    "point, n, lock",
+    [
+        ("write", 1, False),  # the new config.json in its temporary file: out= still holds the earlier export, whole
+        (
+            "export.swap",
+            1,
+            True,
+        ),  # the earlier export moved aside, the new one not in place; a second export is refused
+    ],
+)
+def test_a_killed_re_export_leaves_an_export_or_none_and_the_rerun_writes_the_same(
+    trained, exported, tmp_path, point, n, lock
+):
     out = tmp_path / "export"
     in_child(lambda: export(trained, out))  # the export that the killed one replaces
     interrupt(point, n, lambda: export(trained, out), lock)
@@ -572,18 +647,42 @@ def test_a_killed_re_export_leaves_an_export_or_none_and_the_rerun_writes_the_sa
 
 
 EVAL_PROMPTS = [
-    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"},
-                  {"role": "user", "content": "And then?"}]},
+    {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "And then?"},
+        ]
+    },
     {"messages": [{"role": "user", "content": "Tell me a story."}]},
     {"messages": [{"role": "user", "content": "abc def"}, {"role": "user", "content": "ghi"}]},
 ]
-EVAL_TIMING = ("speculative_seconds", "greedy_seconds", "speculative_tokens_per_s", "greedy_tokens_per_s", "speedup",
-               "target_seconds", "draft_seconds", "config")
+EVAL_TIMING = (
+    "speculative_seconds",
+    "greedy_seconds",
+    "speculative_tokens_per_s",
+    "greedy_tokens_per_s",
+    "speedup",
+    "target_seconds",
+    "draft_seconds",
+    "config",
+)
 
 
 def evaluate(draft: Path, prompts: Path, out: Path) -> dict[str, Any]:
-    return Evaluator(EvalConfig(draft=str(draft), target="tiny", engine="vllm", prompts=str(prompts), out=str(out), k=3,
-                                max_new_tokens=8, batch_size=2, progress=False)).run()
+    return Evaluator(
+        EvalConfig(
+            draft=str(draft),
+            target="tiny",
+            engine="vllm",
+            prompts=str(prompts),
+            out=str(out),
+            k=3,
+            max_new_tokens=8,
+            batch_size=2,
+            progress=False,
+        )
+    ).run()
 
 
 @pytest.fixture(scope="module")
@@ -594,10 +693,13 @@ def evaluated(exported, tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("point, n, lock", [
-    ("eval.turn", 1, True),  # the first turns decoded; a second eval to the same out= is refused meanwhile
-    ("write", 1, False),  # outputs.jsonl and the plot written, report.json in its temporary file
-])
+@pytest.mark.parametrize(
+    "point, n, lock",
+    [
+        ("eval.turn", 1, True),  # the first turns decoded; a second eval to the same out= is refused meanwhile
+        ("write", 1, False),  # outputs.jsonl and the plot written, report.json in its temporary file
+    ],
+)
 def test_eval_killed_anywhere_reruns_to_the_same_report(exported, evaluated, tmp_path, point, n, lock):
     out = tmp_path / "eval"
     interrupt(point, n, lambda: evaluate(exported, evaluated / "prompts.jsonl", out), lock)

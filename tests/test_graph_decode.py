@@ -36,8 +36,18 @@ def family(model_type):
     import transformers
 
     base = tiny_config().to_dict()
-    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "pad_token_id")
+    keep = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "pad_token_id",
+    )
     kw = {k: base[k] for k in keep}
     if model_type == "qwen3":
         kw["head_dim"] = 24  # not hidden/heads: the decoder must take the config's head_dim
@@ -55,7 +65,7 @@ def test_greedy_replies_equal_padded_generate(model_type):
     ps = prompts((5, 19, 9, 70, 13, 7, 3))
     if model_type != "llama":  # qwen weights end replies elsewhere: take the tokens it emits early as ends
         out = model.generate(torch.tensor([ps[0]]), max_new_tokens=6, do_sample=False, pad_token_id=0)
-        eos = out[0, len(ps[0]):].tolist()[3:5]
+        eos = out[0, len(ps[0]) :].tolist()[3:5]
     else:
         eos = EOS
     padded = generate_sorted(model, ps, RegenConfig(max_new_tokens=24, batch_size=3), eos, 0)
@@ -132,8 +142,10 @@ def test_unsupported_models_are_refused_by_name():
     with pytest.raises(ConfigError, match="sliding window of 64"):
         check_supported(windowed, 100)
     assert check_supported(windowed, 64).qk_norm is False
-    dynamic = SimpleNamespace(config=SimpleNamespace(model_type="llama"),
-                              model=SimpleNamespace(rotary_emb=SimpleNamespace(rope_type="dynamic")))
+    dynamic = SimpleNamespace(
+        config=SimpleNamespace(model_type="llama"),
+        model=SimpleNamespace(rotary_emb=SimpleNamespace(rope_type="dynamic")),
+    )
     with pytest.raises(ConfigError, match="rope_type 'dynamic' rescales"):
         check_supported(dynamic, 10)
 

@@ -64,7 +64,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := dfs(nxt)):
                 return cycle
         path.pop()
@@ -92,5 +92,9 @@ def test_no_import_cycle():
 
 def test_eagle3_train_never_imports_data_prep():
     graph = import_graph()
-    bad = {m: sorted(d for d in deps if d.startswith("data_prep")) for m, deps in graph.items() if m.startswith("eagle3_train")}
+    bad = {
+        m: sorted(d for d in deps if d.startswith("data_prep"))
+        for m, deps in graph.items()
+        if m.startswith("eagle3_train")
+    }
     assert {m: d for m, d in bad.items() if d} == {}

@@ -29,8 +29,9 @@ def console():
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_command_shows_info_on_rank_0_and_warnings_and_errors_on_every_rank(rank, console, monkeypatch, capsys,
-                                                                             tmp_path):
+def test_a_command_shows_info_on_rank_0_and_warnings_and_errors_on_every_rank(
+    rank, console, monkeypatch, capsys, tmp_path
+):
     """The entry point of a real command sets the console up from its config and $RANK: a module's
     INFO line shows on rank 0 only (stdout), a warning and the command's error on every rank (stderr)."""
     from eagle3_train.serving.export import main
@@ -53,8 +54,17 @@ def test_level_and_all_ranks_come_from_the_config(console, monkeypatch, capsys, 
     from eagle3_train.serving.export import main
 
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(sys, "argv", ["eagle3-export", f"run={tmp_path / 'missing'}", f"out={tmp_path / 'x'}",
-                                      "logging.level=DEBUG", "logging.all_ranks=true"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "eagle3-export",
+            f"run={tmp_path / 'missing'}",
+            f"out={tmp_path / 'x'}",
+            "logging.level=DEBUG",
+            "logging.all_ranks=true",
+        ],
+    )
     with pytest.raises(SystemExit):
         main()
     assert capsys.readouterr().err.startswith("[rank 1] eagle3-export: error: ")
@@ -87,7 +97,9 @@ def test_no_bar_frames_without_a_terminal_but_log_lines(console, capsys):
     out, err = capsys.readouterr()
     assert err == ""
     lines = out.splitlines()
-    assert len(lines) == 2 and lines[0].startswith("work: 0/5 step (0%)") and lines[1].startswith("work: 5/5 step (100%)")
+    assert (
+        len(lines) == 2 and lines[0].startswith("work: 0/5 step (0%)") and lines[1].startswith("work: 5/5 step (100%)")
+    )
     setup_logging(LogConfig(progress_every_s=0.01), rank=0)
     for _ in progress_bar(range(4), show=None, desc="slow"):
         time.sleep(0.02)
@@ -121,12 +133,27 @@ def test_the_bar_shows_on_a_terminal_or_when_forced(console, monkeypatch, capsys
 def test_wandb_settings_the_config_sets_win_over_the_environment(tmp_path):
     env = {"WANDB_PROJECT": "theirs", "WANDB_ENTITY": "team", "WANDB_MODE": "online", "WANDB_NAME": "n"}
     assert wandb_settings(LoggingConfig(), tmp_path / "run", env) == {
-        "mode": "online", "project": "theirs", "entity": "team", "name": "n", "dir": str(tmp_path / "run")}
+        "mode": "online",
+        "project": "theirs",
+        "entity": "team",
+        "name": "n",
+        "dir": str(tmp_path / "run"),
+    }
     mine = LoggingConfig(wandb_project="mine", wandb_mode="offline", run_name="r")
     assert wandb_settings(mine, tmp_path / "run", env) | {"entity": None} == {
-        "mode": "offline", "project": "mine", "entity": None, "name": "r", "dir": str(tmp_path / "run")}
+        "mode": "offline",
+        "project": "mine",
+        "entity": None,
+        "name": "r",
+        "dir": str(tmp_path / "run"),
+    }
     assert wandb_settings(LoggingConfig(), tmp_path / "run", {}) == {
-        "mode": "offline", "project": "eagle3_train", "entity": None, "name": "run", "dir": str(tmp_path / "run")}
+        "mode": "offline",
+        "project": "eagle3_train",
+        "entity": None,
+        "name": "run",
+        "dir": str(tmp_path / "run"),
+    }
     assert wandb_settings(LoggingConfig(), tmp_path, {"WANDB_DISABLED": "true"})["mode"] == "disabled"
 
 

@@ -49,9 +49,14 @@ def tiny_problem(seed=0, t=13, b=2):
             getattr(model.midlayer, name).weight.add_(1.0)
         model.norm.weight.add_(1.0)
     head = torch.randn(v, h, generator=g)
-    batch = Batch(aux_hidden=torch.randn(b, t, 3 * h, generator=g), last_hidden=torch.randn(b, t, h, generator=g),
-                  input_ids=torch.randint(0, v, (b, t), generator=g), loss_mask=torch.rand(b, t, generator=g) < 0.8,
-                  lengths=torch.tensor([t - 4 * (i % 2) for i in range(b)]), sample_ids=torch.arange(b))
+    batch = Batch(
+        aux_hidden=torch.randn(b, t, 3 * h, generator=g),
+        last_hidden=torch.randn(b, t, h, generator=g),
+        input_ids=torch.randint(0, v, (b, t), generator=g),
+        loss_mask=torch.rand(b, t, generator=g) < 0.8,
+        lengths=torch.tensor([t - 4 * (i % 2) for i in range(b)]),
+        sample_ids=torch.arange(b),
+    )
     return model, head, t2d, batch
 
 
@@ -65,11 +70,13 @@ def dense_reference_loss(model, batch, head, t2d):
     top = (batch.last_hidden @ head.T).argmax(-1)
     hidden, keys, values, total = model.fc(batch.aux_hidden), [], [], 0.0
     for j in range(TTT):
-        ids = F.pad(batch.input_ids[:, 1 + j:], (0, 1 + j))[:, :t]
+        ids = F.pad(batch.input_ids[:, 1 + j :], (0, 1 + j))[:, :t]
         cos, sin = model.rotary_emb(hidden, torch.arange(t).expand(b, t) + j)
         x = torch.cat([layer.input_layernorm(model.embed_tokens(ids)), layer.hidden_norm(hidden)], -1)
         q = apply_rope(attn.q_proj(x).view(b, t, nh, d).transpose(1, 2), cos, sin)
-        keys.append(apply_rope(attn.k_proj(x).view(b, t, nkv, d).transpose(1, 2), cos, sin).repeat_interleave(nh // nkv, 1))
+        keys.append(
+            apply_rope(attn.k_proj(x).view(b, t, nkv, d).transpose(1, 2), cos, sin).repeat_interleave(nh // nkv, 1)
+        )
         values.append(attn.v_proj(x).view(b, t, nkv, d).transpose(1, 2).repeat_interleave(nh // nkv, 1))
         mask = torch.cat([torch.ones(t, t).tril()] + [torch.eye(t)] * j, dim=1).bool()  # [T, T*(j+1)]
         scores = (q @ torch.cat(keys, 2).transpose(-1, -2) / math.sqrt(d)).masked_fill(~mask, float("-inf"))
@@ -78,11 +85,12 @@ def dense_reference_loss(model, batch, head, t2d):
         hidden = h1 + layer.mlp(layer.post_attention_layernorm(h1))
         n = t - 2 - j
         pos = torch.arange(n)
-        counted = (pos[None] + 2 + j < batch.lengths[:, None]) & batch.loss_mask[:, 2 + j:]
-        loss_mask = counted & t2d[top[:, 1 + j: 1 + j + n]]
+        counted = (pos[None] + 2 + j < batch.lengths[:, None]) & batch.loss_mask[:, 2 + j :]
+        loss_mask = counted & t2d[top[:, 1 + j : 1 + j + n]]
         logits = model.lm_head(model.norm(hidden[:, :n]))
-        total = total + DECAY**j * soft_cross_entropy(logits.reshape(b * n, -1), target[:, 1 + j:1 + j + n].reshape(b * n, -1),
-                                                      loss_mask.reshape(-1))
+        total = total + DECAY**j * soft_cross_entropy(
+            logits.reshape(b * n, -1), target[:, 1 + j : 1 + j + n].reshape(b * n, -1), loss_mask.reshape(-1)
+        )
     return total
 
 
@@ -97,8 +105,10 @@ def assert_same(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("head_chunk, checkpointing, compiled_head",
-                         [(0, False, False), (5, False, False), (7, True, False), (1000, True, False), (6, False, True)])
+@pytest.mark.parametrize(
+    "head_chunk, checkpointing, compiled_head",
+    [(0, False, False), (5, False, False), (7, True, False), (1000, True, False), (6, False, True)],
+)
 def test_ttt_loss_and_gradients_equal_the_dense_reference(head_chunk, checkpointing, compiled_head):
     model, head, t2d, batch = tiny_problem()
     want = loss_and_grads(model, dense_reference_loss(model, batch, head, t2d))
@@ -127,8 +137,9 @@ def test_head_loss_is_the_unfused_loss():
             torch.testing.assert_close(a, 3 * b)
     frozen = w.detach()
     got, _ = head_loss(x, frozen, p, mask, chunk=4)
-    torch.testing.assert_close(torch.autograd.grad(got, x)[0],
-                               torch.autograd.grad(soft_cross_entropy(x @ frozen.T, p, mask), x)[0])
+    torch.testing.assert_close(
+        torch.autograd.grad(got, x)[0], torch.autograd.grad(soft_cross_entropy(x @ frozen.T, p, mask), x)[0]
+    )
     with torch.no_grad():
         assert not head_loss(x, w, p, mask, chunk=4)[0].requires_grad
 
@@ -177,7 +188,9 @@ def test_compiled_layer_has_two_graphs_per_grad_mode_for_every_step_and_shape():
                 torch.testing.assert_close(loss, want)
                 if grad:
                     trained = [[p for p in m.parameters() if p.requires_grad] for m in (model, eager)]
-                    for a, r in zip(torch.autograd.grad(loss, trained[0]), torch.autograd.grad(want, trained[1]), strict=True):
+                    for a, r in zip(
+                        torch.autograd.grad(loss, trained[0]), torch.autograd.grad(want, trained[1]), strict=True
+                    ):
                         torch.testing.assert_close(a, r)
         assert graphs.frame_count == 2 * (1 if grad else 2)
 
@@ -210,7 +223,11 @@ def test_saved_activations_grow_linearly_and_options_shrink_them():
     half what it grows from 64 to 128: no [T, T] tensor, on the CPU too); the fused head keeps no
     step's [T, V_draft] logits; checkpointing the layer keeps a fraction of the rest."""
     slope = {}
-    for name, options in (("plain", {}), ("fused", {"head_chunk": 16}), ("ckpt", {"head_chunk": 16, "checkpointing": True})):
+    for name, options in (
+        ("plain", {}),
+        ("fused", {"head_chunk": 16}),
+        ("ckpt", {"head_chunk": 16, "checkpointing": True}),
+    ):
         (a, _), (b, _), (c, logits) = (saved_activations(t, **options) for t in (32, 64, 128))
         assert c - b == pytest.approx(2 * (b - a), rel=0.01), name
         assert logits == (name == "plain")
@@ -227,7 +244,9 @@ def test_memory_options_are_checked():
     cfg = to_config(compose_config("train.yaml", ["data=d", "out=o", "deepspeed=zero3"]), TrainConfig)
     assert (cfg.deepspeed.zero_stage, cfg.train.head_chunk) == (3, 0)
     with pytest.raises(ConfigError, match="ZeRO-3 does not gather"):
-        to_config(compose_config("train.yaml", ["data=d", "out=o", "deepspeed=zero3", "train.head_chunk=512"]), TrainConfig)
+        to_config(
+            compose_config("train.yaml", ["data=d", "out=o", "deepspeed=zero3", "train.head_chunk=512"]), TrainConfig
+        )
     with pytest.raises(ConfigError, match="ZeRO-3 does not gather"):
         TrainConfig(data="d", out="o", deepspeed=DeepSpeedConfig(zero_stage=3))
     with pytest.raises(ConfigError, match=r"sequence_parallel=4 must divide the draft's key/value heads \(2\)"):

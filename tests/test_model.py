@@ -23,10 +23,20 @@ def test_config_from_target():
     c = draft_cfg()
     assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (64, 4, 2, 16)
     assert c.intermediate_size == 128 and c.vocab_size == 320 and c.num_aux == 3
-    llama31 = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                           "original_max_position_embeddings": 8192})
+    llama31 = LlamaConfig(
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     c8 = DraftConfig.from_target(llama31, 3, 32000)
     assert c8.rope_parameters["rope_type"] == "llama3" and c8.head_dim == 128
 
@@ -47,8 +57,14 @@ def test_step0_attention_matches_llama_attention():
     cfg = draft_cfg()
     model = Eagle3Draft(cfg)
     attn = model.midlayer.self_attn
-    lc = LlamaConfig(hidden_size=2 * cfg.hidden_size, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                     rope_parameters=dict(cfg.rope_parameters), attn_implementation="eager")
+    lc = LlamaConfig(
+        hidden_size=2 * cfg.hidden_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_parameters=dict(cfg.rope_parameters),
+        attn_implementation="eager",
+    )
     ref = hf.LlamaAttention(lc, layer_idx=0)
     for name in ("q_proj", "k_proj", "v_proj"):
         getattr(ref, name).weight.data.copy_(getattr(attn, name).weight.data)
@@ -84,8 +100,10 @@ def dense_ttt_reference(q, cache, groups):
 def test_ttt_attention_equals_dense_mask(steps):
     b, nh, nkv, t, d = 2, 4, 2, 11, 16
     q = (torch.randn(b, nh, t, d) * 3).requires_grad_()
-    cache = [(torch.randn(b, nkv, t, d, requires_grad=True), torch.randn(b, nkv, t, d, requires_grad=True))
-             for _ in range(steps)]
+    cache = [
+        (torch.randn(b, nkv, t, d, requires_grad=True), torch.randn(b, nkv, t, d, requires_grad=True))
+        for _ in range(steps)
+    ]
     got, want = ttt_attention(q, cache, nh // nkv), dense_ttt_reference(q, cache, nh // nkv)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     g = torch.randn_like(got)
@@ -125,9 +143,20 @@ def test_unroll_steps_see_shifted_embeddings_and_feed_back():
 def test_weight_names_are_what_engines_load():
     names = set(Eagle3Draft(draft_cfg()).state_dict())
     expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight"} | {
-        f"midlayer.{n}.weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "hidden_norm",
-                                         "input_layernorm", "post_attention_layernorm")}
+        f"midlayer.{n}.weight"
+        for n in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+            "hidden_norm",
+            "input_layernorm",
+            "post_attention_layernorm",
+        )
+    }
     assert names == expected
 
 

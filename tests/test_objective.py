@@ -20,9 +20,13 @@ from eagle3_train.training.objective import (
 def test_target_distribution_restricts_and_renormalises():
     # target vocab 5, draft vocab = {1, 3, 4}; lm_head = identity so logits = last_hidden
     t2d = torch.tensor([False, True, False, True, True])
-    hidden = torch.tensor([[0.0, 2.0, 1.0, 0.0, 0.0],    # argmax 1 -> draft 0
-                           [5.0, 1.0, 0.0, 1.0, 0.0],    # argmax 0 -> outside
-                           [0.0, 0.0, 0.0, 0.0, 3.0]])   # argmax 4 -> draft 2
+    hidden = torch.tensor(
+        [
+            [0.0, 2.0, 1.0, 0.0, 0.0],  # argmax 1 -> draft 0
+            [5.0, 1.0, 0.0, 1.0, 0.0],  # argmax 0 -> outside
+            [0.0, 0.0, 0.0, 0.0, 3.0],
+        ]
+    )  # argmax 4 -> draft 2
     probs, argmax, ok = target_distribution(hidden, torch.eye(5), t2d, chunk=2)
     e = math.e
     torch.testing.assert_close(probs[0], torch.tensor([e**2, 1.0, 1.0]) / (e**2 + 2))
@@ -42,7 +46,9 @@ def test_soft_cross_entropy_by_hand():
 
 def test_accuracy_weights_and_acceptance():
     logits = torch.tensor([[0.0, 1.0], [2.0, 0.0], [0.0, 3.0], [1.0, 0.0]])
-    hit, in_vocab, n = correct_predictions(logits.argmax(-1), torch.tensor([1, 1, 1, -1]), torch.tensor([True, True, True, False])).tolist()
+    hit, in_vocab, n = correct_predictions(
+        logits.argmax(-1), torch.tensor([1, 1, 1, -1]), torch.tensor([True, True, True, False])
+    ).tolist()
     assert (hit, in_vocab, n) == (2, 3, 3)
     assert step_weights(3, 0.8) == pytest.approx([1.0, 0.8, 0.64])
     assert acceptance_length([0.8, 0.5, 0.5]) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
@@ -53,11 +59,15 @@ def test_out_of_vocab_argmax_counts_as_a_miss():
     """A loss-masked position whose target argmax lies outside the draft vocab is in the honest
     denominator as a miss (the draft can never propose that token); acc_in_vocab leaves it out."""
     t2d = torch.tensor([False, True, False, True, True])  # draft vocab = target ids {1, 3, 4}
-    hidden = torch.tensor([[0.0, 2.0, 0.0, 0.0, 0.0],    # target argmax 1 -> draft 0
-                           [3.0, 0.0, 0.0, 1.0, 0.0],    # target argmax 0 -> outside
-                           [0.0, 0.0, 0.0, 0.0, 3.0],    # target argmax 4 -> draft 2
-                           [0.0, 0.0, 4.0, 0.0, 1.0],    # target argmax 2 -> outside
-                           [0.0, 0.0, 0.0, 5.0, 0.0]])   # target argmax 3 -> draft 1, not loss-masked
+    hidden = torch.tensor(
+        [
+            [0.0, 2.0, 0.0, 0.0, 0.0],  # target argmax 1 -> draft 0
+            [3.0, 0.0, 0.0, 1.0, 0.0],  # target argmax 0 -> outside
+            [0.0, 0.0, 0.0, 0.0, 3.0],  # target argmax 4 -> draft 2
+            [0.0, 0.0, 4.0, 0.0, 1.0],  # target argmax 2 -> outside
+            [0.0, 0.0, 0.0, 5.0, 0.0],
+        ]
+    )  # target argmax 3 -> draft 1, not loss-masked
     _, argmax, _ = target_distribution(hidden, torch.eye(5), t2d)
     # the draft's picks: draft 0 (hit), draft 0 (its best in-vocab guess at an out-of-vocab
     # position: a miss), draft 1 (miss), draft 2 (out of vocab: miss), draft 1 (not counted)

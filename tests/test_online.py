@@ -19,7 +19,12 @@ from test_trainer import _torchrun, metrics, standardized, train
 VOCAB = 12  # fewer than the data's distinct tokens: the map is a real choice, some targets fall outside it
 EVAL = 0.15  # what test_trainer.standardized holds out
 ONLINE = OnlineConfig(aux_indices=[1, 2, 3], draft_vocab_size=VOCAB, eval_fraction=EVAL)
-ONLINE_ARGS = ["source=online", "online.aux_indices=[1,2,3]", f"online.draft_vocab_size={VOCAB}", f"online.eval_fraction={EVAL}"]
+ONLINE_ARGS = [
+    "source=online",
+    "online.aux_indices=[1,2,3]",
+    f"online.draft_vocab_size={VOCAB}",
+    f"online.eval_fraction={EVAL}",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,17 +72,29 @@ def test_online_training_equals_offline_training_from_a_dump(data, tmp_path):
     train(data["prep"], tmp_path / "on", source="online", online=ONLINE)
     assert_same_training(tmp_path / "off", tmp_path / "on", rel=1e-5, atol=1e-5)
     # the same vocab map (byte for byte), capture spec and vocab hash in the checkpoint
-    assert (tmp_path / "on" / "vocab_map.safetensors").read_bytes() == (data["std"] / "vocab_map.safetensors").read_bytes()
+    assert (tmp_path / "on" / "vocab_map.safetensors").read_bytes() == (
+        data["std"] / "vocab_map.safetensors"
+    ).read_bytes()
     (_, _, off), (_, _, on) = last_weights(tmp_path / "off"), last_weights(tmp_path / "on")
     assert on["capture"] == off["capture"] and on["vocab_sha256"] == off["vocab_sha256"]
     # export reads an online run as an offline one
     configs = [Exporter(ExportConfig(run=str(tmp_path / r), out=str(tmp_path / f"x-{r}"))).run() for r in ("off", "on")]
     assert configs[0]["eagle3_train"]["capture"] == configs[1]["eagle3_train"]["capture"]
     # the map alone, from the prepared data: eagle3-standardize only_vocab=true data=<prepared>
-    manifest = Standardizer(StandardizeConfig(out=str(tmp_path / "vocab"), only_vocab=True, data=str(data["prep"]),
-                                              draft_vocab_size=VOCAB, eval_fraction=EVAL, progress=False)).run()
+    manifest = Standardizer(
+        StandardizeConfig(
+            out=str(tmp_path / "vocab"),
+            only_vocab=True,
+            data=str(data["prep"]),
+            draft_vocab_size=VOCAB,
+            eval_fraction=EVAL,
+            progress=False,
+        )
+    ).run()
     assert manifest["stage"] == "vocab" and manifest["split"] == {"seed": 0, "eval_fraction": EVAL}
-    assert (tmp_path / "vocab" / "vocab_map.safetensors").read_bytes() == (tmp_path / "on" / "vocab_map.safetensors").read_bytes()
+    assert (tmp_path / "vocab" / "vocab_map.safetensors").read_bytes() == (
+        tmp_path / "on" / "vocab_map.safetensors"
+    ).read_bytes()
 
 
 def test_two_ranks_and_a_killed_run_train_as_one_uninterrupted_rank(data, tmp_path):
@@ -87,18 +104,26 @@ def test_two_ranks_and_a_killed_run_train_as_one_uninterrupted_rank(data, tmp_pa
     two = _torchrun(data["prep"], tmp_path / "two", 2, [*ONLINE_ARGS, "train.grad_accum=1", "train.save_every=2"])
     assert two.returncode == 0, two.stderr[-3000:]
     assert_same_training(tmp_path / "one", tmp_path / "two", rel=1e-4, atol=1e-4)
-    killed = _torchrun(data["prep"], tmp_path / "cut", 1, [*ONLINE_ARGS, "train.grad_accum=2", "train.save_every=2"],
-                       {FAULT_ENV: "train.step:5"})
+    killed = _torchrun(
+        data["prep"],
+        tmp_path / "cut",
+        1,
+        [*ONLINE_ARGS, "train.grad_accum=2", "train.save_every=2"],
+        {FAULT_ENV: "train.step:5"},
+    )
     assert killed.returncode != 0 and last_weights(tmp_path / "cut")[0] == "step4", killed.stderr[-3000:]
     train(data["prep"], tmp_path / "cut", source="online", online=ONLINE, grad_accum=2, save_every=2)
     assert_same_training(tmp_path / "one", tmp_path / "cut", rel=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("aux, message", [
-    ([1, 4], r"aux index 4 = N is the post-norm final state \(N=4 layers\)"),
-    ([0, 9], r"aux index 9 is out of range for a target with N=4 layers"),
-    ([3, 1], r"not ascending"),
-])
+@pytest.mark.parametrize(
+    "aux, message",
+    [
+        ([1, 4], r"aux index 4 = N is the post-norm final state \(N=4 layers\)"),
+        ([0, 9], r"aux index 9 is out of range for a target with N=4 layers"),
+        ([3, 1], r"not ascending"),
+    ],
+)
 def test_a_capture_the_target_cannot_provide_is_refused_before_training(data, tmp_path, aux, message):
     with pytest.raises(ContractError, match=message):
         train(data["prep"], tmp_path / "r", source="online", online=OnlineConfig(aux_indices=aux))
@@ -106,8 +131,11 @@ def test_a_capture_the_target_cannot_provide_is_refused_before_training(data, tm
 
 
 def test_each_source_refuses_the_other_sources_data_and_options(data, tmp_path):
-    with pytest.raises(ContractError, match=r"holds the output of stage 'prepare', not of eagle3-standardize \(a prepared "
-                                            r"dataset trains with source=online\)"):
+    with pytest.raises(
+        ContractError,
+        match=r"holds the output of stage 'prepare', not of eagle3-standardize \(a prepared "
+        r"dataset trains with source=online\)",
+    ):
         train(data["prep"], tmp_path / "a")
     with pytest.raises(ContractError, match=r"expected the output of stage 'prepare', found stage 'standardize'"):
         train(data["std"], tmp_path / "b", source="online", online=ONLINE)
@@ -117,6 +145,9 @@ def test_each_source_refuses_the_other_sources_data_and_options(data, tmp_path):
 
 def test_a_vocab_map_counted_over_another_split_is_refused(data, tmp_path):
     other = OnlineConfig(aux_indices=[1, 2, 3], vocab_map=str(data["std"] / "vocab_map.safetensors"), eval_fraction=0.3)
-    with pytest.raises(ContractError, match=r'counted over the split \{"eval_fraction": 0.15, "seed": 0\}.*holds out '
-                                            r'\{"eval_fraction": 0.3, "seed": 0\}'):
+    with pytest.raises(
+        ContractError,
+        match=r'counted over the split \{"eval_fraction": 0.15, "seed": 0\}.*holds out '
+        r'\{"eval_fraction": 0.3, "seed": 0\}',
+    ):
         train(data["prep"], tmp_path / "r", source="online", online=other)

@@ -23,36 +23,64 @@ NO_SYSTEM = CONV[1:]
 
 # (template, conversation, pieces): each piece is (text, is_assistant).
 CASES = {
-    "llama3": (LLAMA3_TEMPLATE, CONV, [
-        ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
-         "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
-         "<|start_header_id|>assistant<|end_header_id|>\n\n", 0),
-        ("Hello! How can I help?<|eot_id|>", 1),
-        ("<|start_header_id|>user<|end_header_id|>\n\nSay 'Hello!' twice.<|eot_id|>"
-         "<|start_header_id|>assistant<|end_header_id|>\n\n", 0),
-        ("Hello! Hello!<|eot_id|>", 1),
-    ]),
-    "chatml-default-system": (SMOLLM2_TEMPLATE, NO_SYSTEM, [
-        ("<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n"
-         "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n", 0),
-        ("Hello! How can I help?<|im_end|>", 1),
-        ("\n<|im_start|>user\nSay 'Hello!' twice.<|im_end|>\n<|im_start|>assistant\n", 0),
-        ("Hello! Hello!<|im_end|>", 1),
-        ("\n", 0),
-    ]),
-    "chatml-system": (SMOLLM2_TEMPLATE, CONV, [
-        ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n", 0),
-        ("Hello! How can I help?<|im_end|>", 1),
-        ("\n<|im_start|>user\nSay 'Hello!' twice.<|im_end|>\n<|im_start|>assistant\n", 0),
-        ("Hello! Hello!<|im_end|>", 1),
-        ("\n", 0),
-    ]),
-    "llama2-system-in-user": (LLAMA2_TEMPLATE, CONV, [
-        ("<|begin_of_text|>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi there [/INST] ", 0),
-        ("Hello! How can I help? <|end_of_text|>", 1),
-        ("<|begin_of_text|>[INST] Say 'Hello!' twice. [/INST] ", 0),
-        ("Hello! Hello! <|end_of_text|>", 1),
-    ]),
+    "llama3": (
+        LLAMA3_TEMPLATE,
+        CONV,
+        [
+            (
+                "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+                "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+                "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                0,
+            ),
+            ("Hello! How can I help?<|eot_id|>", 1),
+            (
+                "<|start_header_id|>user<|end_header_id|>\n\nSay 'Hello!' twice.<|eot_id|>"
+                "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                0,
+            ),
+            ("Hello! Hello!<|eot_id|>", 1),
+        ],
+    ),
+    "chatml-default-system": (
+        SMOLLM2_TEMPLATE,
+        NO_SYSTEM,
+        [
+            (
+                "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n"
+                "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+                0,
+            ),
+            ("Hello! How can I help?<|im_end|>", 1),
+            ("\n<|im_start|>user\nSay 'Hello!' twice.<|im_end|>\n<|im_start|>assistant\n", 0),
+            ("Hello! Hello!<|im_end|>", 1),
+            ("\n", 0),
+        ],
+    ),
+    "chatml-system": (
+        SMOLLM2_TEMPLATE,
+        CONV,
+        [
+            (
+                "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+                0,
+            ),
+            ("Hello! How can I help?<|im_end|>", 1),
+            ("\n<|im_start|>user\nSay 'Hello!' twice.<|im_end|>\n<|im_start|>assistant\n", 0),
+            ("Hello! Hello!<|im_end|>", 1),
+            ("\n", 0),
+        ],
+    ),
+    "llama2-system-in-user": (
+        LLAMA2_TEMPLATE,
+        CONV,
+        [
+            ("<|begin_of_text|>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi there [/INST] ", 0),
+            ("Hello! How can I help? <|end_of_text|>", 1),
+            ("<|begin_of_text|>[INST] Say 'Hello!' twice. [/INST] ", 0),
+            ("Hello! Hello! <|end_of_text|>", 1),
+        ],
+    ),
 }
 
 

@@ -10,9 +10,15 @@ from conftest import LLAMA3_TEMPLATE
 from eagle3_train.core.errors import ContractError, Eagle3Error
 
 OPENAI = [
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                  {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"},
-                  {"role": "assistant", "content": "4"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"},
+        ]
+    },
     {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]},
 ]
 ROLE_TO_FROM = {"system": "system", "user": "human", "assistant": "gpt"}
@@ -78,18 +84,25 @@ def test_parquet_arrow_and_dataset_dict_inputs(tmp_path, write_jsonl, prepare):
     _, train = prepare(tmp_path / "dd", out="dd_train")
     _, test = prepare(tmp_path / "dd", out="dd_test", split="test")
     assert train["input_ids"] == reference["input_ids"] and test["input_ids"] == reference["input_ids"][:1]
-    with pytest.raises(BadInputError, match=r"dd is a DatasetDict without a split 'validation'; its splits: "
-                                            r"\['train', 'test'\]"):
+    with pytest.raises(
+        BadInputError,
+        match=r"dd is a DatasetDict without a split 'validation'; its splits: "
+        r"\['train', 'test'\]",
+    ):
         prepare(tmp_path / "dd", out="dd_x", split="validation")
 
 
 def test_tool_messages_stay_in_the_context_and_out_of_the_loss(write_jsonl, prepare):
     """A tool's result (role tool) is rendered where it stands and never trained on: the loss covers
     the assistant turns only, exactly as without the tool message's tokens being masked."""
-    row = {"messages": [{"role": "user", "content": "Weather in Paris?"},
-                        {"role": "assistant", "content": "Let me look."},
-                        {"role": "tool", "content": "sunny, 21C"},
-                        {"role": "assistant", "content": "It is sunny."}]}
+    row = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "Let me look."},
+            {"role": "tool", "content": "sunny, 21C"},
+            {"role": "assistant", "content": "It is sunny."},
+        ]
+    }
     _, ds = prepare(write_jsonl([row], "tool.jsonl"), chat_template=LLAMA3_TEMPLATE)
     from eagle3_train.targets.tiny import build_tiny_tokenizer
 
@@ -125,17 +138,34 @@ def test_rerun_reuses_and_other_options_are_refused(write_jsonl, prepare):
 
 BAD_CASES = [
     ('{"messages": [', "data.jsonl:2: malformed JSON", "malformed_json"),
-    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "robot", "value": "x"}]},
-     "data.jsonl:2: field 'conversations[1].from': unknown role 'robot'", "unknown_role"),
+    (
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "robot", "value": "x"}]},
+        "data.jsonl:2: field 'conversations[1].from': unknown role 'robot'",
+        "unknown_role",
+    ),
     ({"messages": []}, "data.jsonl:2: field 'messages': conversation has no messages", "empty_conversation"),
-    ({"messages": [{"role": "user", "content": "hi"}]},
-     "data.jsonl:2: field 'messages': conversation has no assistant turn", "no_assistant_turn"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}]},
+        "data.jsonl:2: field 'messages': conversation has no assistant turn",
+        "no_assistant_turn",
+    ),
     ({"text": "hello"}, "data.jsonl:2: row has neither 'messages' (OpenAI) nor 'conversations'", "missing_field"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 5}]},
-     "data.jsonl:2: field 'messages[1].content': content must be text", "bad_content"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"},
-                   {"role": "assistant", "content": "y"}]},
-     "data.jsonl:2: field 'messages[1]': a system message may only be the first", "misplaced_system"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 5}]},
+        "data.jsonl:2: field 'messages[1].content': content must be text",
+        "bad_content",
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "system", "content": "x"},
+                {"role": "assistant", "content": "y"},
+            ]
+        },
+        "data.jsonl:2: field 'messages[1]': a system message may only be the first",
+        "misplaced_system",
+    ),
 ]
 
 
@@ -155,14 +185,18 @@ def test_bad_row_error_names_file_line_field(write_jsonl, prepare, bad, message,
 def test_non_utf8_line_is_a_bad_row(tmp_path, prepare, name):
     import gzip
 
-    latin1 = json.dumps({"messages": [{"role": "user", "content": "caf\u00e9"}, {"role": "assistant", "content": "x"}]},
-                        ensure_ascii=False).encode("latin-1")
+    latin1 = json.dumps(
+        {"messages": [{"role": "user", "content": "caf\u00e9"}, {"role": "assistant", "content": "x"}]},
+        ensure_ascii=False,
+    ).encode("latin-1")
     raw = b"\n".join([json.dumps(OPENAI[0]).encode(), latin1, json.dumps(OPENAI[1]).encode()]) + b"\n"
     path = tmp_path / name
     path.write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
     with pytest.raises(Eagle3Error) as e:
         prepare(path)
-    assert f"{path}:2: not valid UTF-8 (byte 0xe9 at column 47): re-encode the file as UTF-8 [bad_encoding]" in str(e.value)
+    assert f"{path}:2: not valid UTF-8 (byte 0xe9 at column 47): re-encode the file as UTF-8 [bad_encoding]" in str(
+        e.value
+    )
     manifest, ds = prepare(path, on_bad_row="skip", out="skipped")
     assert manifest["counts"]["skipped"] == {"bad_encoding": 1}
     assert manifest["counts"]["rows_read"] == 3 and len(ds) == 2
@@ -191,8 +225,13 @@ def test_too_long_conversation(write_jsonl, prepare):
 def test_template_error_is_a_bad_row(write_jsonl, prepare):
     from conftest import LLAMA2_TEMPLATE
 
-    two_users = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
-                              {"role": "assistant", "content": "c"}]}
+    two_users = {
+        "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "user", "content": "b"},
+            {"role": "assistant", "content": "c"},
+        ]
+    }
     with pytest.raises(Eagle3Error, match="data.jsonl:1: the chat template refused .*roles must alternate"):
         prepare(write_jsonl([two_users]), chat_template=LLAMA2_TEMPLATE)
 
@@ -220,7 +259,9 @@ def test_cli_prints_error_without_traceback(tmp_path, write_jsonl):
     path = write_jsonl([OPENAI[0], '{"messages": ['])
     proc = subprocess.run(
         [sys.executable, "-m", "data_prep.prepare", "target=tiny", f"input={path}", f"out={tmp_path / 'o'}"],
-        capture_output=True, text=True, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert proc.returncode == 2
     assert f"eagle3-prepare: error: {path}:2: malformed JSON" in proc.stderr
@@ -229,7 +270,9 @@ def test_cli_prints_error_without_traceback(tmp_path, write_jsonl):
     path.write_bytes(b"\xff\xfe{}\n")  # UTF-16 text, say
     proc = subprocess.run(
         [sys.executable, "-m", "data_prep.prepare", "target=tiny", f"input={path}", f"out={tmp_path / 'o'}"],
-        capture_output=True, text=True, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"eagle3-prepare: error: {path}:1: not valid UTF-8 (byte 0xff at column 1)" in proc.stderr
@@ -239,8 +282,15 @@ def test_tokenizing_processes_write_what_one_process_writes(write_jsonl, prepare
     """tokenize_workers=2 (spawned processes, slices in order) gives the same rows, masks, skipped
     rows and error as tokenising in this process; a row too long under truncate=false is a bad row
     from either."""
-    rows = [{"messages": [{"role": "user", "content": f"q{i} " * (1 + i % 7)},
-                          {"role": "assistant", "content": f"answer {i} " * (1 + i % 40)}]} for i in range(24)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"q{i} " * (1 + i % 7)},
+                {"role": "assistant", "content": f"answer {i} " * (1 + i % 40)},
+            ]
+        }
+        for i in range(24)
+    ]
     path = write_jsonl(rows)
     opts = dict(max_length=160, truncate=False, on_bad_row="skip")
     one, ds1 = prepare(path, out="one", **opts)

@@ -37,18 +37,23 @@ def test_project_rows_per_batch():
     assert one["baseline_tokens_per_s"] == pytest.approx(100) and one["spec_tokens_per_s"] == pytest.approx(3 / 0.015)
     assert one["speedup"] == pytest.approx(2.0) and one["break_even_tau"] == pytest.approx(1.5)
     # at batch 64 the verify of 5 tokens a sequence is 3x a step: the draft loses
-    assert many["baseline_tokens_per_s"] == pytest.approx(3200) and many["spec_tokens_per_s"] == pytest.approx(64 * 3 / 0.076)
+    assert many["baseline_tokens_per_s"] == pytest.approx(3200) and many["spec_tokens_per_s"] == pytest.approx(
+        64 * 3 / 0.076
+    )
     assert many["speedup"] == pytest.approx(3 * 0.020 / 0.076) and many["speedup"] < 1
     assert many["break_even_tau"] == pytest.approx(3.8)
 
 
-@pytest.mark.parametrize("args, message", [
-    ((0.5, 5, 0.01, 0.01, 0.001), r"tau \(tokens per cycle\) must lie in \[1, k \+ 1\] = \[1, 6\], got 0.5"),
-    ((7.0, 5, 0.01, 0.01, 0.001), r"must lie in \[1, k \+ 1\] = \[1, 6\], got 7.0"),
-    ((2.0, 0, 0.01, 0.01, 0.001), r"k \(draft tokens per cycle\) must be >= 1, got 0"),
-    ((2.0, 5, 0.0, 0.01, 0.001), r"step times must be positive .*'target_step_s': 0.0"),
-    ((2.0, 5, 0.01, float("nan"), 0.001), r"step times must be positive .*'verify_s': nan"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((0.5, 5, 0.01, 0.01, 0.001), r"tau \(tokens per cycle\) must lie in \[1, k \+ 1\] = \[1, 6\], got 0.5"),
+        ((7.0, 5, 0.01, 0.01, 0.001), r"must lie in \[1, k \+ 1\] = \[1, 6\], got 7.0"),
+        ((2.0, 0, 0.01, 0.01, 0.001), r"k \(draft tokens per cycle\) must be >= 1, got 0"),
+        ((2.0, 5, 0.0, 0.01, 0.001), r"step times must be positive .*'target_step_s': 0.0"),
+        ((2.0, 5, 0.01, float("nan"), 0.001), r"step times must be positive .*'verify_s': nan"),
+    ],
+)
 def test_impossible_inputs_are_refused(args, message):
     with pytest.raises(ConfigError, match=message):
         speedup(*args)
@@ -118,9 +123,13 @@ def test_bench_projection_smoke_mode(tmp_path):
     for shape in results["shapes"].values():
         assert "error" not in shape, shape
         times = shape["times"]
-        assert [t["batch"] for t in times] == [1, 4] and all(t[k] > 0 for t in times for k in ("target_step_s", "verify_s"))
-        rows = [StepTimes(t["batch"], t["target_step_s"], t["verify_s"], t["draft_step_s"], t["cycle_overhead_s"])
-                for t in times]
+        assert [t["batch"] for t in times] == [1, 4] and all(
+            t[k] > 0 for t in times for k in ("target_step_s", "verify_s")
+        )
+        rows = [
+            StepTimes(t["batch"], t["target_step_s"], t["verify_s"], t["draft_step_s"], t["cycle_overhead_s"])
+            for t in times
+        ]
         assert shape["projection"] == {str(tau): project(rows, tau, 5) for tau in (1.78, 2.5, 3.5)}
     dense = results["shapes"]["tiny_dense"]
     assert dense["scaled"] and dense["layers_built"] == 2 and not results["shapes"]["tiny_moe"]["scaled"]

@@ -9,8 +9,14 @@ from eagle3_train.core.errors import ConfigError
 from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
 
 ROWS = [
-    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "old reply"},
-                  {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "old"}]},
+    {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "old reply"},
+            {"role": "user", "content": "And then?"},
+            {"role": "assistant", "content": "old"},
+        ]
+    },
     {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Tell me a story."}]},
     {"messages": [{"role": "user", "content": "one"}, {"role": "user", "content": "two, longer prompt"}]},
 ]
@@ -22,7 +28,7 @@ def direct_generate(model, tok, messages):
     """Plain batch-of-one greedy generate, decoded the way any user would."""
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=EOS, pad_token_id=263)
-    reply = out[0, ids["input_ids"].shape[1]:].tolist()
+    reply = out[0, ids["input_ids"].shape[1] :].tolist()
     reply = reply[: next((i for i, t in enumerate(reply) if t in EOS), len(reply))]  # up to the end of turn
     return tok.decode(reply, skip_special_tokens=False).strip()
 
@@ -35,8 +41,12 @@ def test_assistant_slots():
 
 
 def test_regeneration_matches_direct_generate(write_jsonl, prepare):
-    manifest, ds = prepare(write_jsonl(ROWS), chat_template=LLAMA3_TEMPLATE, regenerate=True,
-                           regen=RegenConfig(max_new_tokens=MAX_NEW, batch_size=2))
+    manifest, ds = prepare(
+        write_jsonl(ROWS),
+        chat_template=LLAMA3_TEMPLATE,
+        regenerate=True,
+        regen=RegenConfig(max_new_tokens=MAX_NEW, batch_size=2),
+    )
     assert manifest["regeneration"]["turns_hit_max_new_tokens"] >= 0
     tok = build_tiny_tokenizer(LLAMA3_TEMPLATE)
     model = build_tiny_model()
@@ -60,7 +70,7 @@ def test_regeneration_chunks_resume(tmp_path, write_jsonl, prepare):
     # a crash after the chunks but before the manifest: the rerun takes the chunks from disk
     (tmp_path / "prepared" / "manifest.json").unlink()
     (tmp_path / "prepared" / "regen" / "chunk-00000.json").write_text(
-        (tmp_path / "prepared" / "regen" / "chunk-00000.json").read_text().replace("\"Hi\"", "\"Hi!\"")
+        (tmp_path / "prepared" / "regen" / "chunk-00000.json").read_text().replace('"Hi"', '"Hi!"')
     )
     _, second = prepare(path, **opts)
     assert second["input_ids"][1:] == first["input_ids"][1:]
@@ -79,7 +89,9 @@ def test_continuous_and_static_batching_equal_padded_batches():
     prompts = [torch.randint(0, 250, (n,), generator=gen).tolist() for n in (5, 19, 9, 13, 7, 3)]
     eos = [101, 277]  # tokens the tiny model emits early in some replies
     padded = generate_sorted(model, prompts, RegenConfig(max_new_tokens=10, batch_size=4), eos, 0)
-    continuous = generate_sorted(model, prompts, RegenConfig(max_new_tokens=10, batch_size=4, batching="continuous"), eos, 0)
+    continuous = generate_sorted(
+        model, prompts, RegenConfig(max_new_tokens=10, batch_size=4, batching="continuous"), eos, 0
+    )
     assert continuous == padded
     static = generate_sorted(model, prompts, RegenConfig(max_new_tokens=10, batch_size=4, batching="static"), eos, 0)
     assert static == padded  # a filled-up last batch and wider left padding change nothing

@@ -30,8 +30,15 @@ SPEC = {"method": "eagle3", "model": "unused-with-a-plan", "num_speculative_toke
 ROWS = [
     {"category": "math", "messages": [{"role": "user", "content": "two plus two"}]},
     {"category": "math", "turns": ["seven", "eight"]},  # MT-bench shape, two turns
-    {"category": "chat", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
-                                      {"role": "assistant", "content": "dropped"}, {"role": "user", "content": "again"}]},
+    {
+        "category": "chat",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "dropped"},
+            {"role": "user", "content": "again"},
+        ],
+    },
 ]
 
 
@@ -56,8 +63,12 @@ def standin(**kw):
 
 
 def measure(server_url, prompts, out, **kw):
-    cfg = ServedAcceptanceConfig(server=server_url, prompts=str(prompts), out=str(out),
-                                 **{"max_new_tokens": 6, "settle_s": 0.01, "concurrency": 3} | kw)
+    cfg = ServedAcceptanceConfig(
+        server=server_url,
+        prompts=str(prompts),
+        out=str(out),
+        **{"max_new_tokens": 6, "settle_s": 0.01, "concurrency": 3} | kw,
+    )
     return ServedAcceptance(cfg).run()
 
 
@@ -68,28 +79,31 @@ def free_port():
 
 
 def test_prometheus_text_as_prometheus_client_writes_it():
-    text = "\n".join([
-        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
-        "# TYPE vllm:spec_decode_num_drafts_total counter",
-        'vllm:spec_decode_num_drafts_total{engine="0",model_name="a \\"b\\", c"} 7.0',
-        'vllm:spec_decode_num_drafts_created{engine="0",model_name="a \\"b\\", c"} 1.76e+09',
-        'vllm:spec_decode_num_drafts_total{engine="1",model_name="x"} 5.0 1700000000000',
-        'vllm:spec_decode_num_draft_tokens_total{engine="0"} 60',
-        "vllm:spec_decode_num_accepted_tokens 9",  # a counter written without _total
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="1",engine="0"} 3.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0",engine="0"} 6.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0",engine="1"} 1.0',
-        'vllm:request_success_total{finished_reason="stop"} 2.0',
-        'vllm:request_success_total{finished_reason="length"} 1.0',
-        "vllm:kv_cache_usage_perc NaN",
-        'vllm:request_prompt_tokens_bucket{le="+Inf"} 3.0',
-    ])
+    text = "\n".join(
+        [
+            "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+            "# TYPE vllm:spec_decode_num_drafts_total counter",
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="a \\"b\\", c"} 7.0',
+            'vllm:spec_decode_num_drafts_created{engine="0",model_name="a \\"b\\", c"} 1.76e+09',
+            'vllm:spec_decode_num_drafts_total{engine="1",model_name="x"} 5.0 1700000000000',
+            'vllm:spec_decode_num_draft_tokens_total{engine="0"} 60',
+            "vllm:spec_decode_num_accepted_tokens 9",  # a counter written without _total
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="1",engine="0"} 3.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0",engine="0"} 6.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0",engine="1"} 1.0',
+            'vllm:request_success_total{finished_reason="stop"} 2.0',
+            'vllm:request_success_total{finished_reason="length"} 1.0',
+            "vllm:kv_cache_usage_perc NaN",
+            'vllm:request_prompt_tokens_bucket{le="+Inf"} 3.0',
+        ]
+    )
     samples = parse_prometheus(text)
     assert samples["vllm:spec_decode_num_drafts_total"][0] == ({"engine": "0", "model_name": 'a "b", c'}, 7.0)
     assert samples["vllm:request_prompt_tokens_bucket"] == [({"le": "+Inf"}, 3.0)]
     counts = read_counts(text, ENGINES["vllm"].metrics, "here")
-    assert counts == SpecCounts(drafts=12, draft_tokens=60, accepted=9, accepted_per_position=(7, 3), requests=3,
-                                generation_tokens=0)
+    assert counts == SpecCounts(
+        drafts=12, draft_tokens=60, accepted=9, accepted_per_position=(7, 3), requests=3, generation_tokens=0
+    )
 
 
 def test_figures_are_the_difference_of_the_counters():
@@ -131,11 +145,20 @@ def test_served_figures_are_the_servers_counts_over_the_run(prompts, tmp_path):
     reply = {(o["source"].rsplit(":", 1)[1], o["turn"]): o["reply"] for o in outputs}
     assert len(outputs) == 5 and sum(o["completion_tokens"] for o in outputs) == report["completion_tokens"]
     assert [m for b in bodies for m in [b["messages"]] if len(m) == 3] == [
-        [{"role": "user", "content": "seven"}, {"role": "assistant", "content": reply[("2", 1)]},
-         {"role": "user", "content": "eight"}]]
+        [
+            {"role": "user", "content": "seven"},
+            {"role": "assistant", "content": reply[("2", 1)]},
+            {"role": "user", "content": "eight"},
+        ]
+    ]
     assert [m for b in bodies for m in [b["messages"]] if m[0]["role"] == "system" and len(m) == 4] == [
-        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
-         {"role": "assistant", "content": reply[("3", 1)]}, {"role": "user", "content": "again"}]]
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": reply[("3", 1)]},
+            {"role": "user", "content": "again"},
+        ]
+    ]
 
 
 def test_other_clients_requests_are_flagged(prompts, tmp_path, caplog):
@@ -144,28 +167,46 @@ def test_other_clients_requests_are_flagged(prompts, tmp_path, caplog):
         report = measure(server.url, prompts, tmp_path / "out")
     assert report["server_counted"]["requests"] == 10 and report["drafts"] == 22
     assert "the server counted 10 finished requests" in report["warnings"][0]
-    assert [r for r in caplog.records if r.levelname == "WARNING" and "other requests (another client, a retry) are "
-            "in the figures" in r.getMessage()]
+    assert [
+        r
+        for r in caplog.records
+        if r.levelname == "WARNING" and "other requests (another client, a retry) are in the figures" in r.getMessage()
+    ]
 
 
 def test_clear_errors(prompts, tmp_path):
     port = free_port()  # nothing listens there
-    with pytest.raises(Eagle3Error, match=rf"(?s)http://127.0.0.1:{port} did not become ready within 0 s.*"
-                                          r"start it with speculative decoding first: vllm serve"):
+    with pytest.raises(
+        Eagle3Error,
+        match=rf"(?s)http://127.0.0.1:{port} did not become ready within 0 s.*"
+        r"start it with speculative decoding first: vllm serve",
+    ):
         measure(f"http://127.0.0.1:{port}", prompts, tmp_path / "a")
-    with standin(speculative=None) as server, \
-            pytest.raises(EngineError, match=rf"{server.url}/metrics exposes no speculative-decoding counters "
-                                             r"\(vllm:spec_decode_num_drafts, .*the engine does not speculate"):
+    with (
+        standin(speculative=None) as server,
+        pytest.raises(
+            EngineError,
+            match=rf"{server.url}/metrics exposes no speculative-decoding counters "
+            r"\(vllm:spec_decode_num_drafts, .*the engine does not speculate",
+        ),
+    ):
         measure(server.url, prompts, tmp_path / "b")
-    with standin(accepted_plan=[]) as server, \
-            pytest.raises(EngineError, match=rf"{server.url}/metrics counted no speculative drafts over 5 requests"):
+    with (
+        standin(accepted_plan=[]) as server,
+        pytest.raises(EngineError, match=rf"{server.url}/metrics counted no speculative drafts over 5 requests"),
+    ):
         measure(server.url, prompts, tmp_path / "c")
     with standin() as server:
         server.fail_posts = {2}
-        with pytest.raises(EngineError, match=rf"{server.url}/v1/chat/completions \(.*\): 1 attempts failed; the last: "
-                                              r".*HTTP 503"):
+        with pytest.raises(
+            EngineError,
+            match=rf"{server.url}/v1/chat/completions \(.*\): 1 attempts failed; the last: "
+            r".*HTTP 503",
+        ):
             measure(server.url, prompts, tmp_path / "d")
-        with pytest.raises(ConfigError, match=r"model=other is not served by .* \(/v1/models lists \['standin-model'\]\)"):
+        with pytest.raises(
+            ConfigError, match=r"model=other is not served by .* \(/v1/models lists \['standin-model'\]\)"
+        ):
             measure(server.url, prompts, tmp_path / "e", model="other")
     with standin() as server:  # a fresh one: the requests of the stopped run above may still be counted there
         server.fail_posts = {2}  # one transient failure, retried
@@ -185,15 +226,40 @@ def test_clear_errors(prompts, tmp_path):
 
 def test_command_line(prompts, tmp_path):
     with standin() as server:
-        run = subprocess.run([sys.executable, "-m", "eagle3_train.evaluation.served_acceptance", f"server={server.url}",
-                              f"prompts={prompts}", f"out={tmp_path / 'out'}", "max_new_tokens=4", "settle_s=0.01"],
-                             capture_output=True, text=True, timeout=120)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "eagle3_train.evaluation.served_acceptance",
+                f"server={server.url}",
+                f"prompts={prompts}",
+                f"out={tmp_path / 'out'}",
+                "max_new_tokens=4",
+                "settle_s=0.01",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert run.returncode == 0, run.stderr
-    assert f"eagle3-served-acceptance (vllm at {server.url}, model standin-model): mean acceptance length 3.09 over " \
-           f"11 drafts of 5.00 tokens" in run.stdout
+    assert (
+        f"eagle3-served-acceptance (vllm at {server.url}, model standin-model): mean acceptance length 3.09 over "
+        f"11 drafts of 5.00 tokens" in run.stdout
+    )
     port = free_port()
-    run = subprocess.run([sys.executable, "-m", "eagle3_train.evaluation.served_acceptance", f"server=http://127.0.0.1:{port}",
-                          f"prompts={prompts}", f"out={tmp_path / 'x'}"], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eagle3_train.evaluation.served_acceptance",
+            f"server=http://127.0.0.1:{port}",
+            f"prompts={prompts}",
+            f"out={tmp_path / 'x'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2 and run.stderr.startswith(f"eagle3-served-acceptance: error: http://127.0.0.1:{port} ")
 
 
@@ -210,12 +276,29 @@ def test_a_drafting_standin_gives_eagle3_evals_figures(pipeline, tmp_path):  # n
         with StandinVllm(model, tokenizer=tokenizer, speculative=spec) as server:
             served = measure(server.url, pipeline / "prompts.jsonl", tmp_path / name, limit=10, max_new_tokens=48)
             if name == "right":  # the prompts rendered here and sent as token ids to /v1/completions: the same
-                ids = measure(server.url, pipeline / "prompts.jsonl", tmp_path / "ids", limit=10, max_new_tokens=48,
-                              template="client", tokenizer=str(pipeline / "target"))
+                ids = measure(
+                    server.url,
+                    pipeline / "prompts.jsonl",
+                    tmp_path / "ids",
+                    limit=10,
+                    max_new_tokens=48,
+                    template="client",
+                    tokenizer=str(pipeline / "target"),
+                )
                 assert {k: ids[k] for k in FIGURES} == {k: served[k] for k in FIGURES}
-        ev = Evaluator(EvalConfig(draft=str(draft), target=str(pipeline / "target"), engine="vllm", k=3, limit=10,
-                                  prompts=str(pipeline / "prompts.jsonl"), max_new_tokens=48, progress=False,
-                                  out=str(tmp_path / f"eval-{name}"))).run()
+        ev = Evaluator(
+            EvalConfig(
+                draft=str(draft),
+                target=str(pipeline / "target"),
+                engine="vllm",
+                k=3,
+                limit=10,
+                prompts=str(pipeline / "prompts.jsonl"),
+                max_new_tokens=48,
+                progress=False,
+                out=str(tmp_path / f"eval-{name}"),
+            )
+        ).run()
         assert served["mean_acceptance_length"] == pytest.approx(ev["tau"], abs=1e-9)
         assert served["conditional_acceptance_per_position"] == pytest.approx(ev["acceptance_per_position"], abs=1e-9)
         assert served["drafts"] == ev["verify_steps"] and served["completion_tokens"] == ev["tokens"]
@@ -230,19 +313,43 @@ def test_sglang_figures_are_summed_from_each_replys_meta_info(pipeline, tmp_path
     model = AutoModelForCausalLM.from_pretrained(pipeline / "target")
     spec = {"method": "eagle3", "model": str(pipeline / "export"), "num_speculative_tokens": 3}
     with StandinVllm(model, tokenizer=build_tiny_tokenizer(), speculative=spec, reply_meta=True) as server:
-        served = measure(server.url, pipeline / "prompts.jsonl", tmp_path / "sg", limit=10, max_new_tokens=48,
-                         engine="sglang")
+        served = measure(
+            server.url, pipeline / "prompts.jsonl", tmp_path / "sg", limit=10, max_new_tokens=48, engine="sglang"
+        )
         # token ids rendered here, to SGLang's native /generate: the same replies and figures
-        ids = measure(server.url, pipeline / "prompts.jsonl", tmp_path / "sg-ids", limit=10, max_new_tokens=48,
-                      engine="sglang", template="client", tokenizer=str(pipeline / "target"))
+        ids = measure(
+            server.url,
+            pipeline / "prompts.jsonl",
+            tmp_path / "sg-ids",
+            limit=10,
+            max_new_tokens=48,
+            engine="sglang",
+            template="client",
+            tokenizer=str(pipeline / "target"),
+        )
         assert {k: ids[k] for k in FIGURES} == {k: served[k] for k in FIGURES}
         with pytest.raises(EngineError, match="carries no spec_verify_ct in its meta_info"):
             server.hide_spec = True  # replies without the figures: a server that does not speculate
-            measure(server.url, pipeline / "prompts.jsonl", tmp_path / "sg2", limit=2, max_new_tokens=48, engine="sglang")
-    ev = Evaluator(EvalConfig(draft=str(pipeline / "export"), target=str(pipeline / "target"), engine="sglang", k=3,
-                              limit=10, prompts=str(pipeline / "prompts.jsonl"), max_new_tokens=48, progress=False,
-                              out=str(tmp_path / "eval-sg"))).run()
-    assert served["mean_acceptance_length"] == pytest.approx(ev["tau"], abs=1e-9) and served["drafts"] == ev["verify_steps"]
+            measure(
+                server.url, pipeline / "prompts.jsonl", tmp_path / "sg2", limit=2, max_new_tokens=48, engine="sglang"
+            )
+    ev = Evaluator(
+        EvalConfig(
+            draft=str(pipeline / "export"),
+            target=str(pipeline / "target"),
+            engine="sglang",
+            k=3,
+            limit=10,
+            prompts=str(pipeline / "prompts.jsonl"),
+            max_new_tokens=48,
+            progress=False,
+            out=str(tmp_path / "eval-sg"),
+        )
+    ).run()
+    assert (
+        served["mean_acceptance_length"] == pytest.approx(ev["tau"], abs=1e-9)
+        and served["drafts"] == ev["verify_steps"]
+    )
     assert served["conditional_acceptance_per_position"] == pytest.approx(ev["acceptance_per_position"], abs=1e-9)
     assert served["metrics_read_from"].startswith("SGLang 0.5.17") and served["warnings"] == []
 
@@ -254,12 +361,25 @@ def test_sglang_meta_info_as_sglang_0_5_17_returned_it():
     from eagle3_train.evaluation.served_acceptance import reply_counts
 
     names = ENGINES["sglang"].metrics
-    seen = {"finish_reason": {"type": "length", "length": 16}, "prompt_tokens": 27, "completion_tokens": 16,
-            "spec_accept_rate": 0.0, "spec_accept_length": 1.0666666666666667, "spec_num_correct_drafts": 0,
-            "spec_num_proposed_drafts": 60, "spec_verify_ct": 15, "spec_correct_drafts_histogram": [15]}
+    seen = {
+        "finish_reason": {"type": "length", "length": 16},
+        "prompt_tokens": 27,
+        "completion_tokens": 16,
+        "spec_accept_rate": 0.0,
+        "spec_accept_length": 1.0666666666666667,
+        "spec_num_correct_drafts": 0,
+        "spec_num_proposed_drafts": 60,
+        "spec_verify_ct": 15,
+        "spec_correct_drafts_histogram": [15],
+    }
     c = reply_counts(seen, names, 16, "x")
     assert c.accepted_per_position == (0, 0, 0, 0) and figures(c)["acceptance_per_position"] == [0, 0, 0, 0]
-    partial = {**seen, "spec_num_correct_drafts": 5, "spec_num_proposed_drafts": 24, "spec_verify_ct": 6,
-               "spec_correct_drafts_histogram": [3, 1, 2]}  # 3 steps accepted 0, one 1, two 2
+    partial = {
+        **seen,
+        "spec_num_correct_drafts": 5,
+        "spec_num_proposed_drafts": 24,
+        "spec_verify_ct": 6,
+        "spec_correct_drafts_histogram": [3, 1, 2],
+    }  # 3 steps accepted 0, one 1, two 2
     c = reply_counts(partial, names, 16, "x")
     assert c.accepted_per_position == (3, 2, 0, 0) and sum(c.accepted_per_position) == c.accepted

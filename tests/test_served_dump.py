@@ -34,10 +34,20 @@ def prepared(tmp_path_factory):
 
 def config(prepared, out, backend="hf", aux=AUX, extra=(), **kw):
     client = ClientConfig(**{"concurrency": 4, "backoff_s": 0.01, "wait_for_server_s": 5.0, **kw.pop("client", {})})
-    return DumpConfig(target="tiny", data=str(prepared), out=str(out), backend=backend, dtype=kw.pop("dtype", "float32"),
-                      capture=CaptureConfig(aux_indices=list(aux), extra_indices=list(extra)), progress=False,
-                      max_tokens_per_batch=600, shard_size_mb=kw.pop("shard_size_mb", 0.05),
-                      server=kw.pop("server", ServerConfig()), client=client, **kw)
+    return DumpConfig(
+        target="tiny",
+        data=str(prepared),
+        out=str(out),
+        backend=backend,
+        dtype=kw.pop("dtype", "float32"),
+        capture=CaptureConfig(aux_indices=list(aux), extra_indices=list(extra)),
+        progress=False,
+        max_tokens_per_batch=600,
+        shard_size_mb=kw.pop("shard_size_mb", 0.05),
+        server=kw.pop("server", ServerConfig()),
+        client=client,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +62,9 @@ def vllm(out, **kw):
 
 
 def sglang_pair(dtype=torch.float32):
-    return StandinSglang(build_tiny_model(), [k - 1 for k in AUX], dtype), StandinSglang(build_tiny_model(), None, dtype)
+    return StandinSglang(build_tiny_model(), [k - 1 for k in AUX], dtype), StandinSglang(
+        build_tiny_model(), None, dtype
+    )
 
 
 def assert_same_samples(a, b, atol=1e-5):
@@ -108,8 +120,11 @@ def test_bfloat16_states_arrive_exactly(prepared, tmp_path):
         Dumper(config(prepared, a, "vllm", dtype="bfloat16", server=ServerConfig(url=server.url))).run()
     aux, final = sglang_pair(torch.bfloat16)
     with aux, final:
-        Dumper(config(prepared, b, "sglang", dtype="bfloat16", extra=(),
-                            server=ServerConfig(url=aux.url, final_url=final.url))).run()
+        Dumper(
+            config(
+                prepared, b, "sglang", dtype="bfloat16", extra=(), server=ServerConfig(url=aux.url, final_url=final.url)
+            )
+        ).run()
     sa, sb = stored_samples(a), stored_samples(b)
     for sid in sa:
         for key in ("hidden.1", "hidden.2", "hidden.3", "last_hidden"):
@@ -132,10 +147,14 @@ def test_final_norm_matches_transformers_in_every_dtype():
 def test_two_clients_share_the_work_and_the_last_writes_the_manifest(prepared, hf_dump, tmp_path):
     out = tmp_path / "dump"
     with vllm(out) as server:
-        first = Dumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url), client={"rank": 1, "world_size": 2}))
+        first = Dumper(
+            config(prepared, out, "vllm", server=ServerConfig(url=server.url), client={"rank": 1, "world_size": 2})
+        )
         assert first.run() is None and not (out / "manifest.json").exists()
         assert len(stored_samples(out)) == 12
-        second = Dumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url), client={"rank": 0, "world_size": 2}))
+        second = Dumper(
+            config(prepared, out, "vllm", server=ServerConfig(url=server.url), client={"rank": 0, "world_size": 2})
+        )
         manifest = second.run()
     assert manifest["counts"]["samples"] == 24
     assert manifest["run"]["next_token_check"] == {"checked": 24, "agreed": 24}  # both clients' counts
@@ -149,8 +168,15 @@ def test_transient_failures_are_retried(prepared, hf_dump, tmp_path):
         server.fail_posts = {1, 2, 3}
         server.slow_posts = {5: 3.0}
         server.unwritten_posts = {2, 7}
-        Dumper(config(prepared, out, "vllm", server=ServerConfig(url=server.url),
-                            client={"request_timeout_s": 1.0, "file_timeout_s": 2.0})).run()
+        Dumper(
+            config(
+                prepared,
+                out,
+                "vllm",
+                server=ServerConfig(url=server.url),
+                client={"request_timeout_s": 1.0, "file_timeout_s": 2.0},
+            )
+        ).run()
     assert_same_samples(out, hf_dump)
 
 
@@ -161,7 +187,10 @@ def test_repeated_failures_stop_keeping_what_arrived_then_resume(prepared, hf_du
     with aux, final:
         cfg.server = ServerConfig(url=aux.url, final_url=final.url)
         aux.fail_from = 6  # five samples succeed, then the aux server is down for good
-        with pytest.raises(Eagle3Error, match=r"3 attempts failed; the last: .*HTTP 503.*\n  5 samples received before the stop are stored"):
+        with pytest.raises(
+            Eagle3Error,
+            match=r"3 attempts failed; the last: .*HTTP 503.*\n  5 samples received before the stop are stored",
+        ):
             Dumper(cfg).run()
         assert len(stored_samples(out)) == 5 and not (out / "manifest.json").exists()
         assert not [p for p in (out / "shards").iterdir() if p.name.startswith(".")]  # nothing half-written
@@ -177,15 +206,23 @@ def test_engine_answers_that_retrying_cannot_fix_stop_at_once(prepared, tmp_path
         with pytest.raises(Eagle3Error, match="token_ids differ from the prompt \\(position 0"):
             Dumper(config(prepared, tmp_path / "a", "vllm", server=ServerConfig(url=server.url))).run()
     # the engine launched for another capture (layer 1 left out)
-    with (StandinVllm(build_tiny_model(), [2, 3, N], tmp_path / "e") as server,
-          pytest.raises(Eagle3Error, match=r"shape \[\d+, 3, 64\], expected \[\d+, 4, 64\].*launched for another capture")):
+    with (
+        StandinVllm(build_tiny_model(), [2, 3, N], tmp_path / "e") as server,
+        pytest.raises(
+            Eagle3Error, match=r"shape \[\d+, 3, 64\], expected \[\d+, 4, 64\].*launched for another capture"
+        ),
+    ):
         Dumper(config(prepared, tmp_path / "b", "vllm", server=ServerConfig(url=server.url))).run()
-    with (vllm(tmp_path / "c", dtype=torch.bfloat16) as server,
-          pytest.raises(Eagle3Error, match="states are torch.bfloat16, this dump stores torch.float32")):
+    with (
+        vllm(tmp_path / "c", dtype=torch.bfloat16) as server,
+        pytest.raises(Eagle3Error, match="states are torch.bfloat16, this dump stores torch.float32"),
+    ):
         Dumper(config(prepared, tmp_path / "c", "vllm", server=ServerConfig(url=server.url))).run()
     # the engine ignores the path the client asks for (allow_custom_save_path off) and writes elsewhere
-    with (vllm(tmp_path / "d", allow_custom_save_path=False) as server,
-          pytest.raises(Eagle3Error, match="outside .*allow_custom_save_path")):
+    with (
+        vllm(tmp_path / "d", allow_custom_save_path=False) as server,
+        pytest.raises(Eagle3Error, match="outside .*allow_custom_save_path"),
+    ):
         Dumper(config(prepared, tmp_path / "d", "vllm", server=ServerConfig(url=server.url))).run()
     aux, final = sglang_pair()
     with aux, final:
@@ -221,8 +258,9 @@ def test_refusals_and_launch_commands(prepared, tmp_path):
         sock.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
     with pytest.raises(Eagle3Error, match="did not become ready within 1 s .*is the engine running"):
-        Dumper(config(prepared, tmp_path / "c", "vllm", server=ServerConfig(url=closed),
-                            client={"wait_for_server_s": 1.0})).run()
+        Dumper(
+            config(prepared, tmp_path / "c", "vllm", server=ServerConfig(url=closed), client={"wait_for_server_s": 1.0})
+        ).run()
     # a partial dump from one backend is not finished by another
     out = tmp_path / "mixed"
     (out).mkdir()
@@ -235,8 +273,14 @@ def test_refusals_and_launch_commands(prepared, tmp_path):
     from eagle3_train.targets.tiny import build_tiny_tokenizer
 
     build_tiny_tokenizer().save_pretrained(target)
-    cfg = DumpConfig(target=str(target), backend="vllm", print_launch=True, dtype="bfloat16",
-                     capture=CaptureConfig(aux_indices=[1, 2, 3]), server=ServerConfig(server_files_dir="/shared/hs"))
+    cfg = DumpConfig(
+        target=str(target),
+        backend="vllm",
+        print_launch=True,
+        dtype="bfloat16",
+        capture=CaptureConfig(aux_indices=[1, 2, 3]),
+        server=ServerConfig(server_files_dir="/shared/hs"),
+    )
     text = launch_text(cfg)
     assert f"vllm serve {target} --port 8000 --dtype bfloat16 --no-enable-prefix-caching" in text
     assert '"eagle_aux_hidden_state_layer_ids":[1,2,3,4]' in text
@@ -254,12 +298,34 @@ def test_print_launch_from_the_command_line(tmp_path):
     from eagle3_train.targets.tiny import build_tiny_tokenizer
 
     build_tiny_tokenizer().save_pretrained(target)
-    run = subprocess.run([sys.executable, "-m", "data_prep.dump", "backend=vllm", f"target={target}", "print_launch=true",
-                          "capture.aux_indices=[1,2]"], capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_prep.dump",
+            "backend=vllm",
+            f"target={target}",
+            "print_launch=true",
+            "capture.aux_indices=[1,2]",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     assert '"eagle_aux_hidden_state_layer_ids":[1,2,4]' in run.stdout and "<out>/engine_files" in run.stdout
-    run = subprocess.run([sys.executable, "-m", "data_prep.dump", "backend=sglang", f"target={target}", "print_launch=true",
-                          "capture.aux_indices=[0,2]"], capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_prep.dump",
+            "backend=sglang",
+            f"target={target}",
+            "print_launch=true",
+            "capture.aux_indices=[0,2]",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 2 and "HF index 0 (the embeddings) cannot be captured" in run.stderr
 
 
@@ -267,10 +333,29 @@ def test_client_processes_from_the_command_line_equal_hf(prepared, hf_dump, tmp_
     """Two concurrent ``eagle3-dump backend=vllm`` processes (client.rank 0 and 1) share one engine."""
     out = tmp_path / "dump"
     with vllm(out) as server:
-        procs = [subprocess.Popen([sys.executable, "-m", "data_prep.dump", "backend=vllm", "target=tiny", f"data={prepared}",
-                                   f"out={out}", "dtype=float32", "capture.aux_indices=[1,2,3]",
-                                   f"server.url={server.url}", f"client.rank={r}", "client.world_size=2", "progress=false"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "data_prep.dump",
+                    "backend=vllm",
+                    "target=tiny",
+                    f"data={prepared}",
+                    f"out={out}",
+                    "dtype=float32",
+                    "capture.aux_indices=[1,2,3]",
+                    f"server.url={server.url}",
+                    f"client.rank={r}",
+                    "client.world_size=2",
+                    "progress=false",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in (0, 1)
+        ]
         logs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs
     assert "[client 0/2]" in logs[0] and "[client 1/2]" in logs[1]
@@ -299,8 +384,10 @@ def test_launch_script_starts_the_printed_engines_and_clients(backend, prepared,
     (bin_dir / "vllm").write_text(f'#!/bin/sh\nexec "{sys.executable}" "{standin}" vllm "$@"\n')
     (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     (pkg / "__init__.py").write_text("")
-    (pkg / "launch_server.py").write_text(f"import sys\nsys.path.insert(0, {str(standin.parent)!r})\n"
-                                         "import standin_engines\nstandin_engines.main(['sglang', *sys.argv[1:]])\n")
+    (pkg / "launch_server.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(standin.parent)!r})\n"
+        "import standin_engines\nstandin_engines.main(['sglang', *sys.argv[1:]])\n"
+    )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     ports = []
@@ -310,12 +397,33 @@ def test_launch_script_starts_the_printed_engines_and_clients(backend, prepared,
             ports.append(s.getsockname()[1])
     urls = [f"server.url=http://127.0.0.1:{ports[0]}", f"server.final_url=http://127.0.0.1:{ports[1]}"]
     out = tmp_path / "dump"
-    env = dict(os.environ, BACKEND=backend, CLIENTS="2", LOGDIR=str(tmp_path), PATH=f"{bin_dir}:{os.environ['PATH']}",
-               PYTHONPATH=f"{tmp_path / 'py'}:{repo}", EAGLE3_DUMP=f"{sys.executable} -m data_prep.dump",
-               ENGINE_DEVICES="0;1")  # one device list per engine (the stand-ins ignore it)
-    run = subprocess.run(["bash", str(repo / "launch" / "dump_served.sh"), f"target={target}", f"data={prepared}",
-                          f"out={out}", "dtype=float32", "capture.aux_indices=[1,2,3]",
-                          "progress=false", *urls], env=env, capture_output=True, text=True, timeout=240)
+    env = dict(
+        os.environ,
+        BACKEND=backend,
+        CLIENTS="2",
+        LOGDIR=str(tmp_path),
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        PYTHONPATH=f"{tmp_path / 'py'}:{repo}",
+        EAGLE3_DUMP=f"{sys.executable} -m data_prep.dump",
+        ENGINE_DEVICES="0;1",
+    )  # one device list per engine (the stand-ins ignore it)
+    run = subprocess.run(
+        [
+            "bash",
+            str(repo / "launch" / "dump_served.sh"),
+            f"target={target}",
+            f"data={prepared}",
+            f"out={out}",
+            "dtype=float32",
+            "capture.aux_indices=[1,2,3]",
+            "progress=false",
+            *urls,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     logs = "".join((tmp_path / f).read_text() for f in ("engine0.log", "engine1.log") if (tmp_path / f).exists())
     assert run.returncode == 0, run.stdout + run.stderr + logs
     got, hf = stored_samples(out), stored_samples(hf_dump)
@@ -338,8 +446,16 @@ def typed_target(root, model_type):
 
 
 def launch(target, backend, aux, **server):
-    return launch_text(DumpConfig(target=str(target), backend=backend, print_launch=True, dtype="bfloat16",
-                                  capture=CaptureConfig(aux_indices=aux), server=ServerConfig(**server)))
+    return launch_text(
+        DumpConfig(
+            target=str(target),
+            backend=backend,
+            print_launch=True,
+            dtype="bfloat16",
+            capture=CaptureConfig(aux_indices=aux),
+            server=ServerConfig(**server),
+        )
+    )
 
 
 def pretend(model_type):
@@ -352,7 +468,9 @@ def test_vllm_backend_refuses_targets_without_its_eagle3_interface(tmp_path):
     """vLLM fails to load extract_hidden_states for a target class without its EAGLE-3 interface
     (the stand-in does too); the dump refuses it before anything is launched."""
     for model_type in ("mixtral", "gemma2"):
-        with pytest.raises(Unexpressible, match=f"backend=vllm cannot dump this capture: .*refuses model_type '{model_type}'"):
+        with pytest.raises(
+            Unexpressible, match=f"backend=vllm cannot dump this capture: .*refuses model_type '{model_type}'"
+        ):
             launch(typed_target(tmp_path, model_type), "vllm", [1, 2, 3])
         with pytest.raises(EngineRefused, match="does not support EAGLE3 interface"):
             StandinVllm(pretend(model_type), [1, 2, 3, N], tmp_path / "engine")
@@ -384,7 +502,9 @@ def test_sglang_pipeline_stages_are_refused_before_launch(prepared, tmp_path):
     before any engine starts. Other flags go into both engine commands."""
     target = typed_target(tmp_path, "llama")
     for flags in ("--pp-size 2", "--tp-size 2 --pipeline-parallel-size=4"):
-        with pytest.raises(ConfigError, match="pipeline stages, but SGLang returns aux hidden states only with pp_size == 1"):
+        with pytest.raises(
+            ConfigError, match="pipeline stages, but SGLang returns aux hidden states only with pp_size == 1"
+        ):
             launch(target, "sglang", [1, 2, 3], engine_args=flags)
     with pytest.raises(EngineRefused, match="requires pp_size == 1"):
         StandinSglang(build_tiny_model(), [0, 1, 2], pp_size=2)
@@ -394,11 +514,27 @@ def test_sglang_pipeline_stages_are_refused_before_launch(prepared, tmp_path):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, BACKEND="sglang", ENGINE_ARGS="--pp-size 2", LOGDIR=str(tmp_path),
-               EAGLE3_DUMP=f"{sys.executable} -m data_prep.dump")
-    run = subprocess.run(["bash", str(repo / "launch" / "dump_served.sh"), f"target={target}", f"data={prepared}",
-                          f"out={tmp_path / 'dump'}", "capture.aux_indices=[1,2,3]"], env=env, capture_output=True,
-                         text=True, timeout=120)
+    env = dict(
+        os.environ,
+        BACKEND="sglang",
+        ENGINE_ARGS="--pp-size 2",
+        LOGDIR=str(tmp_path),
+        EAGLE3_DUMP=f"{sys.executable} -m data_prep.dump",
+    )
+    run = subprocess.run(
+        [
+            "bash",
+            str(repo / "launch" / "dump_served.sh"),
+            f"target={target}",
+            f"data={prepared}",
+            f"out={tmp_path / 'dump'}",
+            "capture.aux_indices=[1,2,3]",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode != 0 and "only with pp_size == 1" in run.stderr
     assert not list(tmp_path.glob("engine*.log"))  # no engine was started
 
@@ -419,7 +555,12 @@ def test_every_printed_engine_command_parses_by_its_engines_flags(tmp_path):
         if backend == "vllm":
             (p,) = parsed
             assert p["model"] == str(target) and p["--no-enable-prefix-caching"] is True
-            assert p["--speculative-config"]["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3, N]
+            assert p["--speculative-config"]["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [
+                1,
+                2,
+                3,
+                N,
+            ]
         else:
             aux, final = parsed
             assert aux["--return-aux-hidden-state-layer-ids"] == [0, 1, 2] and aux["--chunked-prefill-size"] == -1

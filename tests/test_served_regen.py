@@ -22,16 +22,26 @@ BACKENDS = {"vllm": StandinVllm, "sglang": StandinSglang}
 def prompts() -> list[list[int]]:
     """Rendered one-turn prompts of different lengths (the last repeats the first)."""
     tok = build_tiny_tokenizer()
-    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
-                                    return_dict=True)["input_ids"] for t in USER_TURNS]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for t in USER_TURNS
+    ]
 
 
 def hf_replies(prompts: list[list[int]], eos: list[int], max_new: int = MAX_NEW) -> tuple[list[list[int]], int]:
     """What ``regen.backend=hf`` writes: one left-padded greedy batch in fp32."""
     model = build_tiny_model()
     with torch.no_grad():
-        return generate_batch(model, prompts, RegenConfig(max_new_tokens=max_new, batch_size=len(prompts)), eos,
-                              model.config.pad_token_id, torch.device("cpu"))
+        return generate_batch(
+            model,
+            prompts,
+            RegenConfig(max_new_tokens=max_new, batch_size=len(prompts)),
+            eos,
+            model.config.pad_token_id,
+            torch.device("cpu"),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +73,9 @@ def test_served_regeneration_equals_transformers(backend, prompts, stops):
     assert got == want and hit == want_hit
     assert sorted(sent_prompts(server)) == sorted(prompts)  # token ids went over the wire, as rendered
     params = [b if backend == "vllm" else b["sampling_params"] for b in server.bodies]
-    assert all(p["temperature"] == 0 and p["stop_token_ids"] == stops and p["skip_special_tokens"] is False for p in params)
+    assert all(
+        p["temperature"] == 0 and p["stop_token_ids"] == stops and p["skip_special_tokens"] is False for p in params
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -124,8 +136,11 @@ def test_refusal_stops_with_url_and_prompt_index(backend, prompts, stops):
 def test_retries_that_keep_failing_stop_with_url_and_prompt(prompts, stops):
     with StandinVllm(build_tiny_model()) as server:
         server.fail_from = 1
-        with pytest.raises(EngineError, match=rf"{server.url}/v1/completions \(prompt 0\): 3 attempts failed; the last: "
-                                              rf".*HTTP 503"):
+        with pytest.raises(
+            EngineError,
+            match=rf"{server.url}/v1/completions \(prompt 0\): 3 attempts failed; the last: "
+            rf".*HTTP 503",
+        ):
             served_generate_batch(prompts[:1], server_cfg(server.url, retries=2), greedy(), stops, "vllm")
 
 
@@ -146,7 +161,9 @@ def test_engine_stop_ids_outside_eos_ids(prompts, stops):
     assert own not in stops
     with StandinVllm(build_tiny_model()) as server:
         server.engine_eos.add(own)
-        assert served_generate_batch(prompts, server_cfg(server.url), greedy(), stops, "vllm") == hf_replies(prompts, stops)
+        assert served_generate_batch(prompts, server_cfg(server.url), greedy(), stops, "vllm") == hf_replies(
+            prompts, stops
+        )
     with StandinSglang(build_tiny_model()) as server:
         server.engine_eos.add(own)
         with pytest.raises(EngineError, match=rf"the engine stopped on {own}, which is not an end-of-turn id"):
@@ -174,8 +191,12 @@ def test_cut_reply():
 
 def test_prompt_seed():
     assert prompt_seed(7, 0, [1, 2]) == prompt_seed(7, 0, [1, 2])
-    assert len({prompt_seed(7, 0, [1, 2]), prompt_seed(8, 0, [1, 2]), prompt_seed(7, 1, [1, 2]),
-                prompt_seed(7, 0, [1, 3])}) == 4
+    assert (
+        len(
+            {prompt_seed(7, 0, [1, 2]), prompt_seed(8, 0, [1, 2]), prompt_seed(7, 1, [1, 2]), prompt_seed(7, 0, [1, 3])}
+        )
+        == 4
+    )
     assert all(0 <= prompt_seed(s, i, [i]) < 2**63 for s in (0, 2**40) for i in range(50))
 
 
@@ -194,14 +215,25 @@ def test_bad_options():
 def test_prepare_through_a_served_engine_equals_transformers(backend, tmp_path, write_jsonl, prepare):
     """eagle3-prepare regenerate=true regen.backend=<engine>: the same dataset as regen.backend=hf."""
     rows = [{"messages": [{"role": "user", "content": t}]} for t in USER_TURNS[:5]]
-    rows.append({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "old"},
-                              {"role": "user", "content": "And now?"}]})  # two slots: the second sees the first
+    rows.append(
+        {
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "old"},
+                {"role": "user", "content": "And now?"},
+            ]
+        }
+    )  # two slots: the second sees the first
     data = write_jsonl(rows)
     regen = dict(max_new_tokens=MAX_NEW, batch_size=4)
     _, want = prepare(data, out="hf", regenerate=True, regen=RegenConfig(**regen))
     with BACKENDS[backend](build_tiny_model()) as server:
-        _, got = prepare(data, out=backend, regenerate=True,
-                         regen=RegenConfig(**regen, backend=backend, server=server_cfg(server.url)))
+        _, got = prepare(
+            data,
+            out=backend,
+            regenerate=True,
+            regen=RegenConfig(**regen, backend=backend, server=server_cfg(server.url)),
+        )
     assert got["input_ids"] == want["input_ids"] and got["loss_mask"] == want["loss_mask"]
 
 
@@ -212,7 +244,8 @@ def test_engine_address_is_not_an_output_option(tmp_path, write_jsonl, prepare):
     with StandinVllm(build_tiny_model()) as server:
         first, _ = prepare(data, out="p", regenerate=True, regen=RegenConfig(**regen, server=server_cfg(server.url)))
     with StandinVllm(build_tiny_model()) as other:  # another port, another concurrency: nothing to redo
-        again, _ = prepare(data, out="p", regenerate=True,
-                           regen=RegenConfig(**regen, server=server_cfg(other.url, concurrency=7)))
+        again, _ = prepare(
+            data, out="p", regenerate=True, regen=RegenConfig(**regen, server=server_cfg(other.url, concurrency=7))
+        )
         assert other.bodies == []
     assert again["fingerprint"] == first["fingerprint"]

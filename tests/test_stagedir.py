@@ -14,7 +14,10 @@ def test_claim_then_manifest_then_finished(tmp_path):
     d = StageDir(tmp_path / "out", "dump", REQUEST)
     assert d.finished() is None
     assert d.claim() is False
-    assert json.loads((tmp_path / "out" / REQUEST_NAME).read_text()) == {"capture": {"aux_indices": [1, 2], "dtype": "float32"}, "seed": 0}
+    assert json.loads((tmp_path / "out" / REQUEST_NAME).read_text()) == {
+        "capture": {"aux_indices": [1, 2], "dtype": "float32"},
+        "seed": 0,
+    }
     assert d.finished() is None  # claimed, not finished
     written = d.write_manifest({"counts": 3})
     assert written["stage"] == "dump" and written["counts"] == 3 and written["request"]["seed"] == 0
@@ -25,13 +28,20 @@ def test_claim_then_manifest_then_finished(tmp_path):
 def test_another_request_is_refused_naming_every_field(tmp_path):
     StageDir(tmp_path, "dump", REQUEST).claim()
     other = {"capture": {"aux_indices": [1, 3], "dtype": "float32"}, "seed": 1}
-    with pytest.raises(ContractError, match=r"(?s)holds an unfinished dump made otherwise \(left: the directory, right: "
-                                            r"this run\):\n  capture\.aux_indices: \[1, 2\] != \[1, 3\]\n  seed: 0 != 1\n"
-                                            r"use another out="):
+    with pytest.raises(
+        ContractError,
+        match=r"(?s)holds an unfinished dump made otherwise \(left: the directory, right: "
+        r"this run\):\n  capture\.aux_indices: \[1, 2\] != \[1, 3\]\n  seed: 0 != 1\n"
+        r"use another out=",
+    ):
         StageDir(tmp_path, "dump", other).claim()
     StageDir(tmp_path, "dump", REQUEST).write_manifest({})
-    with pytest.raises(ContractError, match=r"(?s)holds a finished training run made otherwise.*\n  seed: 0 != 1\nonly seed"):
-        StageDir(tmp_path, "dump", other, what="training run", hint=lambda diffs: f"only {diffs[-1].split(':')[0]}").finished()
+    with pytest.raises(
+        ContractError, match=r"(?s)holds a finished training run made otherwise.*\n  seed: 0 != 1\nonly seed"
+    ):
+        StageDir(
+            tmp_path, "dump", other, what="training run", hint=lambda diffs: f"only {diffs[-1].split(':')[0]}"
+        ).finished()
 
 
 def test_replace_clears_before_recording(tmp_path):
@@ -89,13 +99,18 @@ def test_a_second_process_on_one_directory_is_refused_naming_the_first(tmp_path)
     from eagle3_train.core.errors import ContractError
     from eagle3_train.core.stagedir import StageDir
 
-    code = ("import sys, time; from eagle3_train.core.stagedir import StageDir; "
-            "StageDir(sys.argv[1], 'train', {'a': 1}, exclusive=True).claim(); print('held', flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from eagle3_train.core.stagedir import StageDir; "
+        "StageDir(sys.argv[1], 'train', {'a': 1}, exclusive=True).claim(); print('held', flush=True); time.sleep(60)"
+    )
     first = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
     try:
         assert first.stdout.readline().strip() == "held"
-        with pytest.raises(ContractError, match=rf"run is in use: another process is writing this training run "
-                                                rf"\(pid {first.pid} on {socket.gethostname()}, since "):
+        with pytest.raises(
+            ContractError,
+            match=rf"run is in use: another process is writing this training run "
+            rf"\(pid {first.pid} on {socket.gethostname()}, since ",
+        ):
             StageDir(tmp_path / "run", "train", {"a": 1}, what="training run", exclusive=True).claim()
     finally:
         first.send_signal(signal.SIGKILL)

@@ -22,15 +22,37 @@ def make_dump(root, name, n=40, offset=0, seed=0, aux=(1, 2, 3), extra=(0,)):
 
     rng = random.Random(seed)
     words = ["cat", "dog", "the", "a", "sun", "x", "yy", "zzz"]
-    rows = [{"messages": [{"role": "user", "content": "q" * rng.randint(1, 30)},
-                          {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(rng.randint(1, 25)))}]}
-            for _ in range(n)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "q" * rng.randint(1, 30)},
+                {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(rng.randint(1, 25)))},
+            ]
+        }
+        for _ in range(n)
+    ]
     (root / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    Preparer(PrepareConfig(target="tiny", input=str(root / f"{name}.jsonl"), out=str(root / f"{name}-prep"),
-                           sample_id_offset=offset, progress=False)).run()
-    Dumper(DumpConfig(target="tiny", data=str(root / f"{name}-prep"), out=str(root / name), dtype="float32",
-                      progress=False, max_tokens_per_batch=500, shard_size_mb=0.3,
-                      capture=CaptureConfig(aux_indices=list(aux), extra_indices=list(extra)))).run()
+    Preparer(
+        PrepareConfig(
+            target="tiny",
+            input=str(root / f"{name}.jsonl"),
+            out=str(root / f"{name}-prep"),
+            sample_id_offset=offset,
+            progress=False,
+        )
+    ).run()
+    Dumper(
+        DumpConfig(
+            target="tiny",
+            data=str(root / f"{name}-prep"),
+            out=str(root / name),
+            dtype="float32",
+            progress=False,
+            max_tokens_per_batch=500,
+            shard_size_mb=0.3,
+            capture=CaptureConfig(aux_indices=list(aux), extra_indices=list(extra)),
+        )
+    ).run()
     return root / name
 
 
@@ -65,7 +87,9 @@ def test_aux_hidden_is_chosen_layers_ascending_and_split_is_whole_samples(dumps,
     assert len(held) == 4 == manifest["counts"]["eval_samples"]  # round(0.1 * 40)
     for sid, got in {**train, **held}.items():
         src = dumped[sid]
-        torch.testing.assert_close(got["aux_hidden"], torch.cat([src["hidden.0"], src["hidden.2"]], dim=1), rtol=0, atol=0)
+        torch.testing.assert_close(
+            got["aux_hidden"], torch.cat([src["hidden.0"], src["hidden.2"]], dim=1), rtol=0, atol=0
+        )
         assert torch.equal(got["last_hidden"], src["last_hidden"])
         assert torch.equal(got["input_ids"], src["input_ids"]) and torch.equal(got["loss_mask"], src["loss_mask"])
 
@@ -112,7 +136,9 @@ def test_split_is_deterministic_and_per_sample():
 
 def test_merge_two_dumps_and_reuse_vocab_map(dumps, tmp_path):
     first = standardize([dumps["a"]], tmp_path / "one")
-    merged = standardize([dumps["a"], dumps["b"]], tmp_path / "two", vocab_map=str(tmp_path / "one" / "vocab_map.safetensors"))
+    merged = standardize(
+        [dumps["a"], dumps["b"]], tmp_path / "two", vocab_map=str(tmp_path / "one" / "vocab_map.safetensors")
+    )
     assert merged["counts"]["train_samples"] + merged["counts"]["eval_samples"] == 65
     assert merged["vocab"]["sha256"] == first["vocab"]["sha256"]
     assert len(merged["sources"]) == 2
@@ -123,8 +149,13 @@ def test_rerun_resume_and_only_vocab(dumps, tmp_path):
     assert standardize([dumps["a"]], tmp_path / "s")["created_at"] == first["created_at"]
     with pytest.raises(ContractError, match="only_vocab=true"):
         standardize([dumps["a"]], tmp_path / "s", draft_vocab_size=8)
-    rebuilt = Standardizer(StandardizeConfig(out=str(tmp_path / "s"), only_vocab=True, draft_vocab_size=8, progress=False)).run()
-    assert rebuilt["vocab"]["draft_vocab_size"] == 8 and load_vocab_map(tmp_path / "s" / "vocab_map.safetensors")[0].draft_vocab_size == 8
+    rebuilt = Standardizer(
+        StandardizeConfig(out=str(tmp_path / "s"), only_vocab=True, draft_vocab_size=8, progress=False)
+    ).run()
+    assert (
+        rebuilt["vocab"]["draft_vocab_size"] == 8
+        and load_vocab_map(tmp_path / "s" / "vocab_map.safetensors")[0].draft_vocab_size == 8
+    )
     # an interrupted run: no manifest, one output shard lost its record
     (tmp_path / "s" / "manifest.json").unlink()
     next((tmp_path / "s" / "train").glob("*.json")).unlink()
@@ -140,7 +171,9 @@ def test_bad_input(dumps, tmp_path):
         other = make_dump(tmp_path, "c", n=5, offset=5000, aux=(1, 2), extra=(0,))
         standardize([other], tmp_path / "x", aux_indices=[1, 3])
     assert "capture.extra_indices" in str(e.value)
-    with pytest.raises(ContractError, match="cannot be merged; they differ in:\n  aux_indices: \\[1, 2\\] != \\[1, 2, 3\\]"):
+    with pytest.raises(
+        ContractError, match="cannot be merged; they differ in:\n  aux_indices: \\[1, 2\\] != \\[1, 2, 3\\]"
+    ):
         standardize([dumps["a"], other], tmp_path / "x")
     with pytest.raises(ContractError, match=r"sample id \d+ is in .*dumps to merge must hold disjoint samples"):
         standardize([dumps["a"], dumps["a"]], tmp_path / "x")

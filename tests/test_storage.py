@@ -98,8 +98,10 @@ def test_fp8_dump_stores_each_state_within_the_bound_resumes_and_verifies(dumps,
     resumed = stored_samples(out)
     for sid, got in fp8.items():
         for key, value in got.items():
-            assert torch.equal(resumed[sid][key].view(torch.uint8) if value.dtype == FP8 else resumed[sid][key],
-                               value.view(torch.uint8) if value.dtype == FP8 else value)
+            assert torch.equal(
+                resumed[sid][key].view(torch.uint8) if value.dtype == FP8 else resumed[sid][key],
+                value.view(torch.uint8) if value.dtype == FP8 else value,
+            )
     assert verify(out) == []
     shard = sorted((out / "shards").glob("*.safetensors"))[0]
     data = bytearray(shard.read_bytes())
@@ -110,8 +112,11 @@ def test_fp8_dump_stores_each_state_within_the_bound_resumes_and_verifies(dumps,
 
 
 def standardize(dumps_, out, **kw):
-    return Standardizer(StandardizeConfig(dumps=[str(d) for d in dumps_], out=str(out), draft_vocab_size=320,
-                                          eval_fraction=0.15, progress=False, **kw)).run()
+    return Standardizer(
+        StandardizeConfig(
+            dumps=[str(d) for d in dumps_], out=str(out), draft_vocab_size=320, eval_fraction=0.15, progress=False, **kw
+        )
+    ).run()
 
 
 def test_merge_of_plain_and_fp8_dumps_is_refused_naming_both(dumps, tmp_path):
@@ -151,8 +156,9 @@ def test_standardize_keeps_or_converts_and_fp8_data_trains_as_its_dequantized_co
 
     a = train(tmp_path / "kept", tmp_path / "run_fp8", epochs=1)
     b = train(tmp_path / "read_back", tmp_path / "run_read_back", epochs=1)
-    assert [m["loss"] for m in metrics(tmp_path / "run_fp8") if "loss" in m] == \
-           [m["loss"] for m in metrics(tmp_path / "run_read_back") if "loss" in m]
+    assert [m["loss"] for m in metrics(tmp_path / "run_fp8") if "loss" in m] == [
+        m["loss"] for m in metrics(tmp_path / "run_read_back") if "loss" in m
+    ]
     assert a["eval_acc"] == b["eval_acc"] and a["step"] > 2
     config = Exporter(ExportConfig(run=str(tmp_path / "run_fp8"), out=str(tmp_path / "export"), dtype="float32")).run()
     assert config["eagle3_train"]["capture"]["storage"] == "fp8"  # what the draft learned from, for the record

@@ -50,11 +50,19 @@ class Recording(torch.nn.Module):
         for row, mask in zip(input_ids, attention_mask):
             self.prompts.append(row[mask.bool()].tolist())
         if self.model is not None:
-            return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                       eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kw)
+            return self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id,
+                **kw,
+            )
         rows = []
         for row in input_ids:
-            is_user = self.tok.decode(row.tolist()).split("<|im_start|>")[-1].startswith("user")  # a turn opened by starter words too
+            is_user = (
+                self.tok.decode(row.tolist()).split("<|im_start|>")[-1].startswith("user")
+            )  # a turn opened by starter words too
             text, ends = self.script.pop(0) if is_user else ("Sure, here it is.", True)
             ids = self.tok(text, add_special_tokens=False)["input_ids"][: max_new_tokens - ends]
             if ends:
@@ -71,7 +79,9 @@ def _prepare(tmp_path, monkeypatch, model, out="synth", **options):
     preparer = Preparer(cfg)
     if model is not None:
         tok = preparer.target.tokenizer
-        monkeypatch.setattr(preparer, "_load_generator", lambda: (model, sorted({_ids(tok, "<|im_end|>"), tok.eos_token_id})))
+        monkeypatch.setattr(
+            preparer, "_load_generator", lambda: (model, sorted({_ids(tok, "<|im_end|>"), tok.eos_token_id}))
+        )
     return preparer.run()
 
 
@@ -103,14 +113,30 @@ def test_a_known_ending_derives_the_prefix_from_one_rendering(tmp_path, monkeypa
 
     tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
     end = {_ids(tok, "<|im_end|>")}
-    s = synthesize.Synthesizer(n=1, synth=SynthConfig(), regen=RegenConfig(), seed=0, work_dir=tmp_path, request={},
-                               overwrite=False, load_model=None, tokenizer=tok, special=end, template_name="t")
+    s = synthesize.Synthesizer(
+        n=1,
+        synth=SynthConfig(),
+        regen=RegenConfig(),
+        seed=0,
+        work_dir=tmp_path,
+        request={},
+        overwrite=False,
+        load_model=None,
+        tokenizer=tok,
+        special=end,
+        template_name="t",
+    )
     renders = []
     real = synthesize.render_text
     monkeypatch.setattr(synthesize, "render_text", lambda *a, **k: renders.append(1) or real(*a, **k))
-    convs = [{"system": None, "messages": []}, {"system": "Ask about code.", "messages": []},
-             {"system": "Ask about math.", "messages": [{"role": "user", "content": "Hi"},
-                                                       {"role": "assistant", "content": "Hello!"}]}]
+    convs = [
+        {"system": None, "messages": []},
+        {"system": "Ask about code.", "messages": []},
+        {
+            "system": "Ask about math.",
+            "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+        },
+    ]
     for i, c in enumerate(convs):
         history = ([{"role": "system", "content": c["system"]}] if c["system"] else []) + c["messages"]
         want = user_turn_prefix(tok, history, end, "t")
@@ -126,8 +152,11 @@ def test_synthesized_turns_are_generated_from_exactly_the_prefix(tmp_path, monke
     tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
     model = Recording(tok, [("How do I sort a list?", True), ("What is a closure?", True)])
     manifest = _prepare(
-        tmp_path, monkeypatch, model, synthesize=2, synth=SynthConfig(chunk_size=2, system_prompts=["Ask about code."],
-                                                                      keep_system_prompt=keep_system),
+        tmp_path,
+        monkeypatch,
+        model,
+        synthesize=2,
+        synth=SynthConfig(chunk_size=2, system_prompts=["Ask about code."], keep_system_prompt=keep_system),
         save_conversations=str(tmp_path / "corpus.jsonl.gz"),
     )
     steer = "<|im_start|>system\nAsk about code.<|im_end|>\n<|im_start|>user\n"
@@ -158,18 +187,32 @@ def test_example_prompts_steer_the_questions_only(tmp_path, monkeypatch):
     from data_prep.synthesize import EXAMPLES_HEADER
 
     examples = [f"Example request number {i}, about topic {i}." for i in range(6)]
-    (tmp_path / "mine.jsonl").write_text("".join(
-        json.dumps({"messages": [{"role": "user", "content": e}, {"role": "assistant", "content": "ok"}]}) + "\n"
-        for e in examples))
+    (tmp_path / "mine.jsonl").write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": e}, {"role": "assistant", "content": "ok"}]}) + "\n"
+            for e in examples
+        )
+    )
     tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
     asked = [(f"Question {i}?", True) for i in range(4)]
     steerings = []
     for chunk, out in ((4, "a"), (1, "b")):
         model = Recording(tok, list(asked))
-        _prepare(tmp_path, monkeypatch, model, out=out, synthesize=4, synth=SynthConfig(
-            chunk_size=chunk, system_prompts=["Ask about code."], keep_system_prompt=False,
-            example_prompts_file=str(tmp_path / "mine.jsonl"), examples_per_prompt=2),
-            save_conversations=str(tmp_path / f"{out}.jsonl.gz"))
+        _prepare(
+            tmp_path,
+            monkeypatch,
+            model,
+            out=out,
+            synthesize=4,
+            synth=SynthConfig(
+                chunk_size=chunk,
+                system_prompts=["Ask about code."],
+                keep_system_prompt=False,
+                example_prompts_file=str(tmp_path / "mine.jsonl"),
+                examples_per_prompt=2,
+            ),
+            save_conversations=str(tmp_path / f"{out}.jsonl.gz"),
+        )
         questions = [tok.decode(p) for p in model.prompts if tok.decode(p).endswith("user\n")]
         replies = [tok.decode(p) for p in model.prompts if not tok.decode(p).endswith("user\n")]
         steerings.append(sorted(questions))
@@ -203,17 +246,32 @@ def test_starter_words_open_the_first_question(tmp_path, monkeypatch):
     from data_prep.synthesize import EXAMPLES_HEADER
 
     examples = ["Write a haiku about rain.", "What is a closure?", "Explain   recursion simply."]
-    (tmp_path / "mine.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": e}]}) + "\n"
-                                                 for e in examples))
+    (tmp_path / "mine.jsonl").write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": e}]}) + "\n" for e in examples)
+    )
     openings = {"Write a", "What is", "Explain recursion"}
     tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
     firsts = []
     for chunk, out in ((6, "a"), (3, "b")):
         model = Recording(tok, [(f" thing number {i}?", True) for i in range(12)])
-        _prepare(tmp_path, monkeypatch, model, out=out, synthesize=6, synth=SynthConfig(
-            chunk_size=chunk, turns=2, keep_system_prompt=False, starter_words=2,
-            example_prompts_file=str(tmp_path / "mine.jsonl")), save_conversations=str(tmp_path / f"{out}.jsonl.gz"))
-        asked = [tok.decode(p) for p in model.prompts if not tok.decode(p).split("<|im_start|>")[-1].startswith("assistant")]
+        _prepare(
+            tmp_path,
+            monkeypatch,
+            model,
+            out=out,
+            synthesize=6,
+            synth=SynthConfig(
+                chunk_size=chunk,
+                turns=2,
+                keep_system_prompt=False,
+                starter_words=2,
+                example_prompts_file=str(tmp_path / "mine.jsonl"),
+            ),
+            save_conversations=str(tmp_path / f"{out}.jsonl.gz"),
+        )
+        asked = [
+            tok.decode(p) for p in model.prompts if not tok.decode(p).split("<|im_start|>")[-1].startswith("assistant")
+        ]
         first = [a for a in asked if a.count("<|im_start|>user") == 1]
         openings_asked = [a.split("<|im_start|>user\n")[-1] for a in first]
         for a, opening in zip(first, openings_asked):
@@ -242,8 +300,15 @@ def test_tokenizing_processes_started_before_synthesis_write_what_one_process_wr
     got = {}
     for workers in (0, 2):
         model = Recording(tok, [(f"Question {i} about {'x ' * i}?", True) for i in range(5)])
-        m = _prepare(tmp_path, monkeypatch, model, out=f"w{workers}", synthesize=5, tokenize_workers=workers,
-                     synth=SynthConfig(chunk_size=5))
+        m = _prepare(
+            tmp_path,
+            monkeypatch,
+            model,
+            out=f"w{workers}",
+            synthesize=5,
+            tokenize_workers=workers,
+            synth=SynthConfig(chunk_size=5),
+        )
         assert m["tokenize"]["processes"] == max(workers, 1) and m["tokenize"]["started_before"] == (workers == 2)
         got[workers] = load_from_disk(str(tmp_path / f"w{workers}" / "dataset")).to_dict()
     assert len(got[0]["input_ids"]) == 5 and got[2] == got[0]
@@ -251,14 +316,19 @@ def test_tokenizing_processes_started_before_synthesis_write_what_one_process_wr
 
 def test_every_filter_drops_and_counts(tmp_path, monkeypatch):
     tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
-    photosynthesis = ("Could you explain in simple terms how photosynthesis turns sunlight water and carbon dioxide "
-                      "into sugar for the plants")
+    photosynthesis = (
+        "Could you explain in simple terms how photosynthesis turns sunlight water and carbon dioxide "
+        "into sugar for the plants"
+    )
     script = [
         ("How do I bake bread at home?", True),  # kept
         ("", True),  # empty
         ("hi", True),  # too_short (2 byte tokens < 3)
         ("a very long question " * 8, False),  # too_long: sampling stops at 141 tokens, past max_tokens=140
-        ("it goes on and on ", False),  # too_long as well: never ends (no_end_of_turn needs max_new_tokens <= max_tokens)
+        (
+            "it goes on and on ",
+            False,
+        ),  # too_long as well: never ends (no_end_of_turn needs max_new_tokens <= max_tokens)
         ("What does <|im_start|> mean?", True),  # special_tokens
         ("the cat sat on the mat " * 3, True),  # repetition (9 of 15 word 4-grams repeat)
         ("how do I BAKE  bread at home?", True),  # exact_duplicate of the first
@@ -284,9 +354,14 @@ def test_a_later_round_is_filtered_against_the_earlier_ones(tmp_path, monkeypatc
     only the new chunks but continue the first round's state, so a repeat across rounds is
     dropped and no count is taken twice."""
     tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
-    script = [("How do I bake bread at home?", True), ("", True),  # chunk 0: kept, empty
-              ("What is a closure?", True), ("hi", True),  # chunk 1: kept, too_short
-              ("how do i bake bread at HOME?", True), ("Write a poem about the sea.", True)]  # round 2: repeat, kept
+    script = [
+        ("How do I bake bread at home?", True),
+        ("", True),  # chunk 0: kept, empty
+        ("What is a closure?", True),
+        ("hi", True),  # chunk 1: kept, too_short
+        ("how do i bake bread at HOME?", True),
+        ("Write a poem about the sea.", True),
+    ]  # round 2: repeat, kept
     model = Recording(tok, script)
     manifest = _prepare(tmp_path, monkeypatch, model, synthesize=3, synth=SynthConfig(chunk_size=2, min_tokens=3))
     stats = manifest["regeneration"]["synthesis"]
@@ -301,12 +376,21 @@ def test_duplicates_exact_and_near():
     base = "Please list five practical tips for staying focused while studying for long exams at home"
     # 13 word 3-grams; "today" adds one (Jaccard 13/14), "school" for "home" swaps one (12/14), "ten" for
     # "five" swaps three (10/16): below 0.8, kept
-    texts = [base, base.upper(), base + " today", "Tell me a joke about cats.", base.replace("home", "school"),
-             base.replace("five", "ten"), "Tell me a joke about dogs."]
+    texts = [
+        base,
+        base.upper(),
+        base + " today",
+        "Tell me a joke about cats.",
+        base.replace("home", "school"),
+        base.replace("five", "ten"),
+        "Tell me a joke about dogs.",
+    ]
     assert DuplicateFilter(0.8).add(texts) == {1: "exact_duplicate", 2: "near_duplicate", 4: "near_duplicate"}
     assert DuplicateFilter(1.0).add(texts) == {1: "exact_duplicate"}
     pieces = DuplicateFilter(0.8)  # synthesis rounds: the same texts in pieces, duplicates across them
-    assert pieces.add(texts[:2]) | pieces.add(texts[2:5]) | pieces.add([]) | pieces.add(texts[5:]) == DuplicateFilter(0.8).add(texts)
+    assert pieces.add(texts[:2]) | pieces.add(texts[2:5]) | pieces.add([]) | pieces.add(texts[5:]) == DuplicateFilter(
+        0.8
+    ).add(texts)
     assert repeated_ngram_share("one two three four " * 4) == pytest.approx(1 - 4 / 13)
     assert repeated_ngram_share("a b c") == 0.0
 
@@ -317,33 +401,65 @@ def test_bad_input(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="exactly one"):
         PrepareConfig(target="tiny", out=str(tmp_path / "x"))
     with pytest.raises(Eagle3Error, match="puts no special end-of-turn token"):
-        _prepare(tmp_path, monkeypatch, None, synthesize=2, chat_template=LLAMA2_TEMPLATE,
-                 synth=SynthConfig(chunk_size=2))
+        _prepare(
+            tmp_path, monkeypatch, None, synthesize=2, chat_template=LLAMA2_TEMPLATE, synth=SynthConfig(chunk_size=2)
+        )
     tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
-    _prepare(tmp_path, monkeypatch, Recording(tok, [("Why is the sky blue?", True)]), synthesize=1,
-             synth=SynthConfig(chunk_size=1))
+    _prepare(
+        tmp_path,
+        monkeypatch,
+        Recording(tok, [("Why is the sky blue?", True)]),
+        synthesize=1,
+        synth=SynthConfig(chunk_size=1),
+    )
     with pytest.raises(ContractError, match=r"synth\.temperature: 1\.0 != 0\.5"):  # a finished output
         _prepare(tmp_path, monkeypatch, None, synthesize=1, synth=SynthConfig(chunk_size=1, temperature=0.5))
     (tmp_path / "synth" / "manifest.json").unlink()  # as if killed before the end: only chunks remain
-    with pytest.raises(ContractError, match=r"holds an unfinished set of synthesized conversations made otherwise .*:\n  synth\.temperature: 1\.0 != 0\.5"):
+    with pytest.raises(
+        ContractError,
+        match=r"holds an unfinished set of synthesized conversations made otherwise .*:\n  synth\.temperature: 1\.0 != 0\.5",
+    ):
         _prepare(tmp_path, monkeypatch, None, synthesize=1, synth=SynthConfig(chunk_size=1, temperature=0.5))
 
 
 def _torchrun(out: Path, nproc: int, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "data_prep.prepare",
-           "target=tiny", f"out={out}", "synthesize=10", "progress=false", "device=cpu", "synth.chunk_size=4",
-           "synth.max_new_tokens=48", "synth.min_tokens=1", "synth.max_tokens=48", "synth.max_repeated_ngrams=1",
-           "regen.max_new_tokens=8", "regen.batch_size=4", "synth.turns=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "-m",
+        "data_prep.prepare",
+        "target=tiny",
+        f"out={out}",
+        "synthesize=10",
+        "progress=false",
+        "device=cpu",
+        "synth.chunk_size=4",
+        "synth.max_new_tokens=48",
+        "synth.min_tokens=1",
+        "synth.max_tokens=48",
+        "synth.max_repeated_ngrams=1",
+        "regen.max_new_tokens=8",
+        "regen.batch_size=4",
+        "synth.turns=2",
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
 
 
 def test_two_ranks_killed_and_resumed_equal_one_rank(tmp_path, monkeypatch):
     one = tmp_path / "one"
-    cfg = PrepareConfig(target="tiny", out=str(one), synthesize=10, progress=False, device="cpu",
-                        synth=SynthConfig(chunk_size=4, max_new_tokens=48, min_tokens=1, max_tokens=48,
-                                          max_repeated_ngrams=1, turns=2),
-                        regen=RegenConfig(max_new_tokens=8, batch_size=4))
+    cfg = PrepareConfig(
+        target="tiny",
+        out=str(one),
+        synthesize=10,
+        progress=False,
+        device="cpu",
+        synth=SynthConfig(chunk_size=4, max_new_tokens=48, min_tokens=1, max_tokens=48, max_repeated_ngrams=1, turns=2),
+        regen=RegenConfig(max_new_tokens=8, batch_size=4),
+    )
     Preparer(cfg).run()
     crashed = _torchrun(tmp_path / "two", 2, {"EAGLE3_FAULT_AT": "synth.chunk:1"})
     assert crashed.returncode != 0
@@ -365,13 +481,33 @@ def test_two_ranks_killed_and_resumed_equal_one_rank(tmp_path, monkeypatch):
 def test_nothing_kept_stops_with_the_counts_and_reuse_refuses_a_late_save(tmp_path, monkeypatch):
     tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
     never_ends = Recording(tok, [("and so on ", False)] * 4)  # a target that never ends its question
-    with pytest.raises(Eagle3Error, match=r"every synthesized conversation of 1 chunk\(s\) was dropped \(\{'no_end_of_turn': 2\}\)"):
-        _prepare(tmp_path, monkeypatch, never_ends, out="none", synthesize=2, synth=SynthConfig(chunk_size=2, max_new_tokens=8))
-    _prepare(tmp_path, monkeypatch, Recording(tok, [("Why is the sky blue?", True)]), synthesize=1,
-             synth=SynthConfig(chunk_size=1))
+    with pytest.raises(
+        Eagle3Error, match=r"every synthesized conversation of 1 chunk\(s\) was dropped \(\{'no_end_of_turn': 2\}\)"
+    ):
+        _prepare(
+            tmp_path,
+            monkeypatch,
+            never_ends,
+            out="none",
+            synthesize=2,
+            synth=SynthConfig(chunk_size=2, max_new_tokens=8),
+        )
+    _prepare(
+        tmp_path,
+        monkeypatch,
+        Recording(tok, [("Why is the sky blue?", True)]),
+        synthesize=1,
+        synth=SynthConfig(chunk_size=1),
+    )
     with pytest.raises(ConfigError, match="save_conversations= writes only while preparing"):
-        _prepare(tmp_path, monkeypatch, None, synthesize=1, synth=SynthConfig(chunk_size=1),
-                 save_conversations=str(tmp_path / "late.jsonl"))
+        _prepare(
+            tmp_path,
+            monkeypatch,
+            None,
+            synthesize=1,
+            synth=SynthConfig(chunk_size=1),
+            save_conversations=str(tmp_path / "late.jsonl"),
+        )
     with pytest.raises(ConfigError, match="must name a .jsonl or .jsonl.gz file"):
         PrepareConfig(target="tiny", out=str(tmp_path / "x"), synthesize=1, save_conversations="c.json")
 

@@ -58,12 +58,18 @@ def test_bad_targets(tmp_path, monkeypatch):
     # tried as a hub id; a hub id the hub does not give (offline) is one message, no traceback
     (tmp_path / "models" / "mymodel").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(BadInputError, match=r"target models/mymodl does not exist, and models/ is a local "
-                                            r"directory: a typo\? \(did you mean models/mymodel\?\)"):
+    with pytest.raises(
+        BadInputError,
+        match=r"target models/mymodl does not exist, and models/ is a local "
+        r"directory: a typo\? \(did you mean models/mymodel\?\)",
+    ):
         load_target("models/mymodl", cache_dir=None)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(BadInputError, match=r"target nobody-here/no-such-model is no local directory, and the hub "
-                                            r"did not give it"):
+    with pytest.raises(
+        BadInputError,
+        match=r"target nobody-here/no-such-model is no local directory, and the hub "
+        r"did not give it",
+    ):
         load_target("nobody-here/no-such-model", cache_dir=None)
     with pytest.raises(Eagle3Error, match="float32"):
         load_target("tiny", cache_dir=None, dtype="fp8")

@@ -29,8 +29,11 @@ from test_standardize import make_dump
 
 
 def standardized(dump, out, draft_vocab_size):
-    Standardizer(StandardizeConfig(dumps=[str(dump)], out=str(out), draft_vocab_size=draft_vocab_size,
-                                   eval_fraction=0.15, progress=False)).run()
+    Standardizer(
+        StandardizeConfig(
+            dumps=[str(dump)], out=str(out), draft_vocab_size=draft_vocab_size, eval_fraction=0.15, progress=False
+        )
+    ).run()
     return out
 
 
@@ -46,8 +49,18 @@ def train(std, out, **opt):
     model, target = opt.pop("model", ModelOptions()), opt.pop("target", "tiny")
     source = {k: opt.pop(k) for k in ("source", "online") if k in opt}
     o = OptimConfig(**({"ttt_length": 3, "lr": 3e-3, "max_tokens_per_batch": 600, "log_every": 1, "epochs": 2} | opt))
-    t = Trainer(TrainConfig(data=str(std), target=target, out=str(out), train=o, model=model, progress=False,
-                            deepspeed=DeepSpeedConfig(zero_stage=zero), **source))
+    t = Trainer(
+        TrainConfig(
+            data=str(std),
+            target=target,
+            out=str(out),
+            train=o,
+            model=model,
+            progress=False,
+            deepspeed=DeepSpeedConfig(zero_stage=zero),
+            **source,
+        )
+    )
     try:
         return t.run()
     finally:
@@ -87,14 +100,35 @@ def test_recipe_options_are_checked():
         OptimConfig(early_stop_patience=2)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("lr", -1.0), ("lr", 0.0), ("lr", float("nan")), ("weight_decay", -0.1), ("betas", [0.9, 1.0]),
-    ("betas", [-0.1, 0.95]), ("betas", [0.9]), ("grad_clip", -1.0), ("warmup_steps", -1), ("epochs", 0),
-    ("max_steps", 0), ("min_lr_ratio", 1.5), ("min_lr_ratio", -0.1), ("max_tokens_per_batch", 0),
-    ("grad_accum", 0), ("ttt_length", 0), ("loss_decay", 0.0), ("loss_decay", 1.1), ("eval_every", -1),
-    ("save_every", -1), ("keep_last", 0), ("log_every", 0), ("cache_target_gb", -1.0),
-    ("early_stop_patience", -1),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("lr", -1.0),
+        ("lr", 0.0),
+        ("lr", float("nan")),
+        ("weight_decay", -0.1),
+        ("betas", [0.9, 1.0]),
+        ("betas", [-0.1, 0.95]),
+        ("betas", [0.9]),
+        ("grad_clip", -1.0),
+        ("warmup_steps", -1),
+        ("epochs", 0),
+        ("max_steps", 0),
+        ("min_lr_ratio", 1.5),
+        ("min_lr_ratio", -0.1),
+        ("max_tokens_per_batch", 0),
+        ("grad_accum", 0),
+        ("ttt_length", 0),
+        ("loss_decay", 0.0),
+        ("loss_decay", 1.1),
+        ("eval_every", -1),
+        ("save_every", -1),
+        ("keep_last", 0),
+        ("log_every", 0),
+        ("cache_target_gb", -1.0),
+        ("early_stop_patience", -1),
+    ],
+)
 def test_numeric_recipe_options_are_range_checked(field, value):
     with pytest.raises(ConfigError, match=rf"^train\.{field} must be") as e:
         OptimConfig(**{field: value})
@@ -102,8 +136,17 @@ def test_numeric_recipe_options_are_range_checked(field, value):
 
 
 def test_numeric_recipe_options_accept_their_bounds():
-    o = OptimConfig(lr=1e-9, weight_decay=0.0, betas=[0.0, 0.999], grad_clip=0.0, warmup_steps=0, max_steps=1,
-                    min_lr_ratio=1.0, loss_decay=1.0, cache_target_gb=0.0)
+    o = OptimConfig(
+        lr=1e-9,
+        weight_decay=0.0,
+        betas=[0.0, 0.999],
+        grad_clip=0.0,
+        warmup_steps=0,
+        max_steps=1,
+        min_lr_ratio=1.0,
+        loss_decay=1.0,
+        cache_target_gb=0.0,
+    )
     assert o.grad_clip == 0.0 and o.min_lr_ratio == 1.0
     with pytest.raises(ConfigError, match=r"^deepspeed\.zero_stage must be 0, 1, 2 or 3, got 4$"):
         DeepSpeedConfig(zero_stage=4)
@@ -124,9 +167,14 @@ def test_ttt_statistics_count_out_of_vocab_positions_as_misses():
     draft_ids = t2d.nonzero().squeeze(1)
     d2t = draft_ids - torch.arange(len(draft_ids))
     head = torch.randn(v, h, generator=g)
-    batch = Batch(aux_hidden=torch.randn(b, t, 3 * h, generator=g), last_hidden=torch.randn(b, t, h, generator=g),
-                  input_ids=torch.randint(0, v, (b, t), generator=g), loss_mask=torch.rand(b, t, generator=g) < 0.8,
-                  lengths=torch.tensor([t, t - 3]), sample_ids=torch.tensor([0, 1]))
+    batch = Batch(
+        aux_hidden=torch.randn(b, t, 3 * h, generator=g),
+        last_hidden=torch.randn(b, t, h, generator=g),
+        input_ids=torch.randint(0, v, (b, t), generator=g),
+        loss_mask=torch.rand(b, t, generator=g) < 0.8,
+        lengths=torch.tensor([t, t - 3]),
+        sample_ids=torch.tensor([0, 1]),
+    )
     model = Eagle3Draft(DraftConfig.from_target(tiny_config(), num_aux=3, draft_vocab_size=len(draft_ids)))
     model.d2t.copy_(d2t)
     model.t2d.copy_(t2d)
@@ -137,7 +185,9 @@ def test_ttt_statistics_count_out_of_vocab_positions_as_misses():
 
     def scripted_logits(out):
         j, n = len(picks), out.shape[1]
-        logits = target_logits[:, 1 + j : 1 + j + n][..., draft_ids] + 2.0 * torch.randn(b, n, len(draft_ids), generator=g)
+        logits = target_logits[:, 1 + j : 1 + j + n][..., draft_ids] + 2.0 * torch.randn(
+            b, n, len(draft_ids), generator=g
+        )
         picks.append(logits.argmax(-1))
         return logits
 
@@ -160,9 +210,25 @@ def test_ttt_statistics_count_out_of_vocab_positions_as_misses():
 
 def _torchrun(std, out, nproc, extra=(), env_extra=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "eagle3_train.training.trainer",
-           f"data={std}", "target=tiny", f"out={out}", "progress=false", "train.ttt_length=3", "train.lr=3e-3",
-           "train.max_tokens_per_batch=600", "train.log_every=1", "train.epochs=2", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "-m",
+        "eagle3_train.training.trainer",
+        f"data={std}",
+        "target=tiny",
+        f"out={out}",
+        "progress=false",
+        "train.ttt_length=3",
+        "train.lr=3e-3",
+        "train.max_tokens_per_batch=600",
+        "train.log_every=1",
+        "train.epochs=2",
+        *extra,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -188,7 +254,9 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(std, tmp_path):
     evals = [[m for m in metrics(tmp_path / run) if "eval_loss" in m] for run in ("one", "sp")]
     assert evals[0][-1]["eval_loss"] == pytest.approx(evals[1][-1]["eval_loss"], rel=1e-4)
     assert evals[0][-1]["eval_acc"] == pytest.approx(evals[1][-1]["eval_acc"], abs=1e-6)
-    walked = [[m["eval_tau_decoded"] for m in metrics(tmp_path / run) if "eval_loss" in m] for run in ("one", "two", "sp")]
+    walked = [
+        [m["eval_tau_decoded"] for m in metrics(tmp_path / run) if "eval_loss" in m] for run in ("one", "two", "sp")
+    ]
     assert walked[0] == walked[1] == walked[2] and walked[0][-1] >= 1
 
 
@@ -201,7 +269,10 @@ def test_kill_and_resume_gives_the_same_weights(std, tmp_path):
     assert "resumed from" in resumed.stdout + resumed.stderr
     last = lambda d: sorted((d / "checkpoints").glob("step*"), key=lambda p: int(p.name[4:]))[-1]  # noqa: E731
     assert last(tmp_path / "whole").name == last(tmp_path / "cut").name
-    wa, wb = load_file(str(last(tmp_path / "whole") / "draft.safetensors")), load_file(str(last(tmp_path / "cut") / "draft.safetensors"))
+    wa, wb = (
+        load_file(str(last(tmp_path / "whole") / "draft.safetensors")),
+        load_file(str(last(tmp_path / "cut") / "draft.safetensors")),
+    )
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=1e-6)
 
@@ -214,11 +285,17 @@ def test_resume_refuses_another_vocab_map(std, tmp_path):
     train(data, tmp_path / "r", max_steps=2)
     manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
     assert manifest["stage"] == "train" and manifest["step"] == 2 and manifest["request"]["micro_batches_per_step"] == 1
-    with pytest.raises(ContractError, match=r"(?s)\n  micro_batches_per_step: 1 != 2\n"
-                                                r"  options.train.grad_accum: 1 != 2\nkeep ranks x train.grad_accum"):
+    with pytest.raises(
+        ContractError,
+        match=r"(?s)\n  micro_batches_per_step: 1 != 2\n"
+        r"  options.train.grad_accum: 1 != 2\nkeep ranks x train.grad_accum",
+    ):
         train(data, tmp_path / "r", max_steps=4, grad_accum=2)
     Standardizer(StandardizeConfig(out=str(data), only_vocab=True, draft_vocab_size=200, progress=False)).run()
-    with pytest.raises(ContractError, match=r"(?s)holds a finished training run made otherwise.*\n  vocab_sha256: .*vocab_map=<the old map>"):
+    with pytest.raises(
+        ContractError,
+        match=r"(?s)holds a finished training run made otherwise.*\n  vocab_sha256: .*vocab_map=<the old map>",
+    ):
         train(data, tmp_path / "r", max_steps=4)
 
 
@@ -229,12 +306,17 @@ def test_a_rerun_with_a_changed_option_is_refused_by_name(std, tmp_path, said):
     weights of a run trained straight to the new total."""
     run = tmp_path / "r"
     train(std, run, max_steps=2, schedule="constant")
-    for change, field in (({"lr": 1e-3}, r"options.train.lr: 0.003 != 0.001"),
-                          ({"ttt_length": 2}, r"options.train.ttt_length: 3 != 2"),
-                          ({"seed": 1}, r"options.train.seed: 0 != 1"),
-                          ({"schedule": "cosine"}, r"options.train.schedule: 'constant' != 'cosine'")):
-        with pytest.raises(ContractError, match=rf"(?s)holds a finished training run made otherwise.*\n  {field}\n"
-                                                r".*only with the options it was started with"):
+    for change, field in (
+        ({"lr": 1e-3}, r"options.train.lr: 0.003 != 0.001"),
+        ({"ttt_length": 2}, r"options.train.ttt_length: 3 != 2"),
+        ({"seed": 1}, r"options.train.seed: 0 != 1"),
+        ({"schedule": "cosine"}, r"options.train.schedule: 'constant' != 'cosine'"),
+    ):
+        with pytest.raises(
+            ContractError,
+            match=rf"(?s)holds a finished training run made otherwise.*\n  {field}\n"
+            r".*only with the options it was started with",
+        ):
             train(std, run, **({"max_steps": 2, "schedule": "constant"} | change))
     said()
     train(std, run, max_steps=2, schedule="constant", log_every=5)  # outside the request: nothing to do
@@ -254,10 +336,27 @@ def test_a_sweep_runs_each_job_in_its_own_process_and_directory(std, tmp_path):
     first, and both wrote one out=. Now each job runs in its own process, in <out>/<swept options>,
     with the weights of a plain run at its lr."""
     sweep = tmp_path / "sweep"
-    run = subprocess.run([sys.executable, "-m", "eagle3_train.training.trainer", "-m", f"data={std}", "target=tiny",
-                          f"out={sweep}", "train.ttt_length=3", "train.max_tokens_per_batch=600", "train.epochs=2",
-                          "train.max_steps=1", "train.lr=1e-3,3e-3", "progress=false"],
-                         capture_output=True, text=True, timeout=600, env={**os.environ, "WANDB_MODE": "disabled"})
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eagle3_train.training.trainer",
+            "-m",
+            f"data={std}",
+            "target=tiny",
+            f"out={sweep}",
+            "train.ttt_length=3",
+            "train.max_tokens_per_batch=600",
+            "train.epochs=2",
+            "train.max_steps=1",
+            "train.lr=1e-3,3e-3",
+            "progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml", "train.lr=0.001", "train.lr=0.003"]
     for lr in (1e-3, 3e-3):
@@ -281,14 +380,19 @@ def test_export_refuses_an_unfinished_run_and_another_runs_export(std, tmp_path)
     shutil.copytree(tmp_path / "a", tmp_path / "running")
     (tmp_path / "running" / "manifest.json").unlink()  # what a run still training looks like
     export = lambda run, out, **kw: Exporter(ExportConfig(run=str(run), out=str(out), **kw)).run()  # noqa: E731
-    with pytest.raises(ContractError, match=r"running is still training, or stopped before its end .*last checkpoint is "
-                                            r"step2\): to export that checkpoint anyway, name it: run=.*running/checkpoints/step2"):
+    with pytest.raises(
+        ContractError,
+        match=r"running is still training, or stopped before its end .*last checkpoint is "
+        r"step2\): to export that checkpoint anyway, name it: run=.*running/checkpoints/step2",
+    ):
         export(tmp_path / "running", tmp_path / "x")
     assert not (tmp_path / "x").exists()
     export(tmp_path / "running" / "checkpoints" / "step2", tmp_path / "x")
     export(tmp_path / "a", tmp_path / "ea")
     export(tmp_path / "a" / "checkpoints" / "step1", tmp_path / "ea")  # the same run: replaced
-    with pytest.raises(ContractError, match=r"ea holds the export of another run \(checkpoint step1\) than .*/b/checkpoints/"):
+    with pytest.raises(
+        ContractError, match=r"ea holds the export of another run \(checkpoint step1\) than .*/b/checkpoints/"
+    ):
         export(tmp_path / "b", tmp_path / "ea")
     export(tmp_path / "b", tmp_path / "ea", overwrite=True)
     manifest = json.loads((tmp_path / "ea" / "manifest.json").read_text())  # the run by a hash, not its path
@@ -368,8 +472,11 @@ def test_a_non_finite_loss_stops_training_before_a_checkpoint_holds_it(std, tmp_
         return (loss * float("nan") if len(calls) == 3 else loss), stats
 
     monkeypatch.setattr(Trainer, "losses", losses)
-    with pytest.raises(Eagle3Error, match=r"non-finite loss at step 3 \(epoch 0, micro-batch of samples (\[[^]]*\]).*"
-                                          r"last good checkpoint: \S*step2$") as err:
+    with pytest.raises(
+        Eagle3Error,
+        match=r"non-finite loss at step 3 \(epoch 0, micro-batch of samples (\[[^]]*\]).*"
+        r"last good checkpoint: \S*step2$",
+    ) as err:
         train(std, tmp_path / "r", save_every=1, log_every=100, max_steps=5)
     assert err.match(re.escape(str(calls[2][:8])))
     assert [p.name for p in sorted((tmp_path / "r" / "checkpoints").glob("step*"))] == ["step1", "step2"]
@@ -388,11 +495,15 @@ def test_corrupt_shard_is_refused_by_name(std, tmp_path):
     assert any(raw[mid : mid + 64])  # the zeros really change the file
     raw[mid : mid + 64] = bytes(64)
     shard.write_bytes(bytes(raw))
-    with pytest.raises(BadInputError, match=rf"^shard {shard} is corrupt: its sha256 differs from {shard.stem}.json") as e:
+    with pytest.raises(
+        BadInputError, match=rf"^shard {shard} is corrupt: its sha256 differs from {shard.stem}.json"
+    ) as e:
         train(data, tmp_path / "r", epochs=1)
     assert "\n" not in str(e.value)
     shard.write_bytes(bytes(raw[:-8]))  # truncated: the size already differs
-    with pytest.raises(BadInputError, match=rf"^shard {shard} is corrupt: its size \({len(raw) - 8} bytes, recorded {len(raw)}\)"):
+    with pytest.raises(
+        BadInputError, match=rf"^shard {shard} is corrupt: its size \({len(raw) - 8} bytes, recorded {len(raw)}\)"
+    ):
         train(data, tmp_path / "t", epochs=1)
 
 
@@ -480,13 +591,18 @@ def test_early_stop_on_a_plateau(std, tmp_path, monkeypatch):
     assert max(m["step"] for m in metrics(out)) == 8
 
 
-
 def test_best_tracker_counts_evaluations_without_a_better_one():
     """Ties do not improve; patience 2 stops at the second evaluation in a row without a better tau;
     the record survives state.json, and keep_best=false keeps no best checkpoint."""
     best = BestTracker(keep_best=True, patience=2)
-    assert [best.update(step, tau) for step, tau in [(2, 1.5), (4, 2.5), (6, 2.5), (8, 3.0), (10, 2.9), (12, 2.0)]] \
-        == [False, False, False, False, False, True]
+    assert [best.update(step, tau) for step, tau in [(2, 1.5), (4, 2.5), (6, 2.5), (8, 3.0), (10, 2.9), (12, 2.0)]] == [
+        False,
+        False,
+        False,
+        False,
+        False,
+        True,
+    ]
     assert best.kept() == {"step": 8, "eval_tau": 3.0} and best.evals_since_best == 2
     again = BestTracker(keep_best=False, patience=2)
     again.restore(json.loads(json.dumps(best.state())), Path("/nonexistent"), is_main=False)
@@ -495,10 +611,20 @@ def test_best_tracker_counts_evaluations_without_a_better_one():
 
 # What SGLang 0.5.23 and vLLM 0.33.0 load into a one-layer LlamaForCausalLMEagle3 (docs/concepts/storage.md)
 ENGINE_WEIGHT_NAMES = {
-    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
-    "midlayer.mlp.down_proj.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+    "fc.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.input_layernorm.weight",
     "midlayer.post_attention_layernorm.weight",
 }
 
@@ -523,8 +649,16 @@ def test_lm_head_from_the_target_frozen_and_exported(std_part, tmp_path):
     head = target.lm_head.weight.detach()
     options = ModelOptions(lm_head_init="target", freeze_lm_head=True)
     o = OptimConfig(ttt_length=3, lr=3e-3, max_tokens_per_batch=600, max_steps=4)
-    trainer = Trainer(TrainConfig(data=str(std_part), target=str(tmp_path / "target"), out=str(tmp_path / "r"),
-                                  train=o, model=options, progress=False))
+    trainer = Trainer(
+        TrainConfig(
+            data=str(std_part),
+            target=str(tmp_path / "target"),
+            out=str(tmp_path / "r"),
+            train=o,
+            model=options,
+            progress=False,
+        )
+    )
     d2t = trainer.model.d2t.cpu()
     rows = head[torch.arange(len(d2t)) + d2t]  # [V_draft, H] by the map the engines use
     assert len(d2t) == 200 and not torch.equal(d2t, torch.zeros_like(d2t))
@@ -540,8 +674,12 @@ def test_lm_head_from_the_target_frozen_and_exported(std_part, tmp_path):
     assert torch.equal(weights["lm_head.weight"], rows)  # frozen through 4 steps
     assert not torch.equal(weights["norm.weight"], target.model.norm.weight.detach())  # trained
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 200
-    assert config["eagle3_train"]["training"]["model"] == {"lm_head_init": "target", "freeze_lm_head": True,
-                                                         "aux_norm": False, "intermediate_size": 0}
+    assert config["eagle3_train"]["training"]["model"] == {
+        "lm_head_init": "target",
+        "freeze_lm_head": True,
+        "aux_norm": False,
+        "intermediate_size": 0,
+    }
 
 
 def test_aux_norm_trains_but_export_refuses(std, tmp_path):
@@ -553,7 +691,10 @@ def test_aux_norm_trains_but_export_refuses(std, tmp_path):
     final = train(std, tmp_path / "r", max_steps=4, model=ModelOptions(aux_norm=True))
     weights = load_file(str(tmp_path / "r" / "checkpoints" / f"step{final['step']}" / "draft.safetensors"))
     assert weights["aux_norm.weight"].shape == (192,) and not torch.equal(weights["aux_norm.weight"], torch.ones(192))
-    with pytest.raises(ContractError, match=r"(?s)silently drop and vLLM 0.33.0 would fail on .*'aux_norm.weight'.*model.aux_norm=false"):
+    with pytest.raises(
+        ContractError,
+        match=r"(?s)silently drop and vLLM 0.33.0 would fail on .*'aux_norm.weight'.*model.aux_norm=false",
+    ):
         Exporter(ExportConfig(run=str(tmp_path / "r"), out=str(tmp_path / "x"))).run()
     assert not (tmp_path / "x").exists()
 
@@ -579,8 +720,12 @@ def test_wider_mlp_is_exported_and_loaded_back(std, tmp_path):
 
 def _tracked(std, out, logging_cfg, **opt):
     """A short run (every step logged and saved) with the tracker ``logging_cfg`` names."""
-    o = OptimConfig(**({"ttt_length": 2, "lr": 3e-3, "max_tokens_per_batch": 600, "log_every": 1, "max_steps": 2,
-                        "save_every": 1} | opt))
+    o = OptimConfig(
+        **(
+            {"ttt_length": 2, "lr": 3e-3, "max_tokens_per_batch": 600, "log_every": 1, "max_steps": 2, "save_every": 1}
+            | opt
+        )
+    )
     t = Trainer(TrainConfig(data=str(std), target="tiny", out=str(out), train=o, progress=False, logging=logging_cfg))
     try:
         return t.run()

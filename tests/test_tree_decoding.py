@@ -70,7 +70,7 @@ def test_expansion_equals_the_draft_run_along_each_path_alone(draft, topk, steps
     aux = torch.zeros(2, width, 3 * 64)
     nxt = torch.zeros(2, width, dtype=torch.long)
     for i, (a, ids) in enumerate(rows):
-        aux[i, width - len(a):], nxt[i, width - len(a):] = a, ids[1:]
+        aux[i, width - len(a) :], nxt[i, width - len(a) :] = a, ids[1:]
     valid = left_pad([[1] * len(a) for a, _ in rows], torch.device("cpu"))[1]
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)
     cache = []
@@ -116,20 +116,31 @@ def test_tree_mask_and_positions_equal_a_dense_reference(window):
     parents = [[-1, 0, 0, 1, 1, 2, 3, 6], [-1, 0, 1, 2, 3, 0, 5, 0]]  # a bushy tree and a chain with side shoots
     valid = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)  # padding, a hole
     length = valid.sum(1)
-    tree = DraftTree(torch.zeros(2, 8, dtype=torch.long), torch.tensor(parents), torch.zeros(2, 8, dtype=torch.long),
-                     torch.zeros(2, 8))
+    tree = DraftTree(
+        torch.zeros(2, 8, dtype=torch.long),
+        torch.tensor(parents),
+        torch.zeros(2, 8, dtype=torch.long),
+        torch.zeros(2, 8),
+    )
     want, depth = brute_mask(valid, parents, length.tolist(), window)
     positions = length[:, None] + depth
     assert positions[0].tolist() == [5, 6, 6, 7, 7, 7, 8, 9]  # siblings share a position
     anc = tree.ancestors()
-    assert torch.equal(anc, brute_mask(valid, parents, length.tolist(), None)[0][:, :, valid.shape[1]:])
-    got = position_masks(torch.cat([valid, torch.ones(2, 8, dtype=torch.bool)], 1), positions, window, None,
-                         torch.float32, anc)
+    assert torch.equal(anc, brute_mask(valid, parents, length.tolist(), None)[0][:, :, valid.shape[1] :])
+    got = position_masks(
+        torch.cat([valid, torch.ones(2, 8, dtype=torch.bool)], 1), positions, window, None, torch.float32, anc
+    )
     assert got.shape == (2, 1, 8, 16)
     assert torch.equal(got[:, 0] == 0, want)
     if window:  # mixed layer types: one mask per type, the full one without the window
-        both = position_masks(torch.cat([valid, torch.ones(2, 8, dtype=torch.bool)], 1), positions, window,
-                              ["full_attention", "sliding_attention"], torch.float32, anc)
+        both = position_masks(
+            torch.cat([valid, torch.ones(2, 8, dtype=torch.bool)], 1),
+            positions,
+            window,
+            ["full_attention", "sliding_attention"],
+            torch.float32,
+            anc,
+        )
         assert torch.equal(both["sliding_attention"], got)
         assert torch.equal(both["full_attention"][:, 0] == 0, brute_mask(valid, parents, length.tolist(), None)[0])
 
@@ -164,8 +175,14 @@ def test_target_tree_forward_equals_plain_forwards_of_each_path(name, lengths):
     depths = torch.tensor([[len(path_of(p, list(range(7)), i)) for i in range(7)] for p in parents.tolist()])
     with torch.no_grad():
         dec._target(ids, (valid.long().cumsum(1) - 1).clamp(min=0), valid, cache, aux=False)
-        logits, states = dec._target(tokens, length[:, None] + depths, torch.cat([valid, torch.ones(2, 7, dtype=torch.bool)], 1),
-                                     cache, aux=True, tree=ancestor_matrix(parents))
+        logits, states = dec._target(
+            tokens,
+            length[:, None] + depths,
+            torch.cat([valid, torch.ones(2, 7, dtype=torch.bool)], 1),
+            cache,
+            aux=True,
+            tree=ancestor_matrix(parents),
+        )
         for b in range(2):
             for i in range(7):
                 seq = prompts[b] + [int(tokens[b, 0])] + list(path_of(parents[b].tolist(), tokens[b].tolist(), i))
@@ -180,11 +197,13 @@ def test_accepted_path_follows_the_targets_choices():
     parents = torch.tensor([[-1, 0, 0, 1, 1, 3, 2]] * 3)
     tokens = torch.tensor([[1, 5, 6, 7, 8, 9, 4]] * 3)
     tree = DraftTree(tokens, parents, torch.tensor([[0, 1, 1, 2, 2, 3, 2]] * 3), torch.zeros(3, 7))
-    greedy = torch.tensor([
-        [5, 8, 0, 0, 2, 0, 0],  # root wants 5 (node 1), node 1 wants 8 (node 4), node 4 wants 2: none -> a=2
-        [6, 0, 4, 0, 0, 0, 3],  # the other branch: 2 then 6 -> a=2
-        [5, 7, 0, 9, 0, 0, 0],  # down to the deepest node 5 -> a=3
-    ])
+    greedy = torch.tensor(
+        [
+            [5, 8, 0, 0, 2, 0, 0],  # root wants 5 (node 1), node 1 wants 8 (node 4), node 4 wants 2: none -> a=2
+            [6, 0, 4, 0, 0, 0, 3],  # the other branch: 2 then 6 -> a=2
+            [5, 7, 0, 9, 0, 0, 0],  # down to the deepest node 5 -> a=3
+        ]
+    )
     refused = torch.zeros(3, 7, dtype=torch.bool)
     a, path = accept_path(tree, greedy, refused, 3)
     assert a.tolist() == [2, 2, 3]
@@ -197,8 +216,11 @@ def test_accepted_path_follows_the_targets_choices():
 def test_tau_by_reply_position_regroups_the_steps():
     """Bucket 4: steps start at positions 1, 4, 5, 9, 11 (the first token is the prefill's)."""
     got = acceptance_by_position([[2, 0, 3, 1, 4], [5]], 5, 4)
-    assert [(b["from"], b["to"], b["verify_steps"], b["tokens"]) for b in got] == [(0, 4, 2, 9), (4, 8, 2, 5),
-                                                                                   (8, 16, 2, 7)]
+    assert [(b["from"], b["to"], b["verify_steps"], b["tokens"]) for b in got] == [
+        (0, 4, 2, 9),
+        (4, 8, 2, 5),
+        (8, 16, 2, 7),
+    ]
     assert [b["tau"] for b in got] == [4.5, 2.5, 3.5]
 
 
@@ -208,8 +230,11 @@ def test_tree_options_are_checked():
     assert EvalConfig(**base, topk=4, num_steps=3, num_draft_tokens=16).tree == TreeShape(4, 16)
     with pytest.raises(ConfigError, match="topk=4 drafts a tree: give num_draft_tokens"):
         EvalConfig(**base, topk=4)
-    with pytest.raises(ConfigError, match=r"num_draft_tokens=38 must be 2..37: the root plus at most topk \+ "
-                                          r"\(num_steps-1\)\*topk\^2 = 36 candidates"):
+    with pytest.raises(
+        ConfigError,
+        match=r"num_draft_tokens=38 must be 2..37: the root plus at most topk \+ "
+        r"\(num_steps-1\)\*topk\^2 = 36 candidates",
+    ):
         EvalConfig(**base, topk=4, num_steps=3, num_draft_tokens=38)
     with pytest.raises(ConfigError, match="with topk=1 the draft is the chain of num_steps=5 tokens"):
         EvalConfig(**base, num_draft_tokens=8)

@@ -48,8 +48,12 @@ class DumpConfig:
     cache_dir: str | None = None  # where GGUF targets are converted once
     trust_remote_code: bool = False  # let transformers run the target repository's own code
     dist_timeout_minutes: float = 120.0  # how long ranks wait for each other at the final barrier
-    progress: bool | None = None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
-    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    progress: bool | None = (
+        None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
+    )
+    logging: LogConfig = field(
+        default_factory=LogConfig
+    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         engine = registry.engine(self.backend, "dump", "backend")
@@ -57,20 +61,35 @@ class DumpConfig:
         if self.print_launch:
             if engine.in_process:
                 served = [n for n in registry.names("dump") if not registry.ENGINES[n].in_process]
-                raise ConfigError(f"print_launch=true prints an engine's launch command: add "
-                                  f"{' or '.join(f'backend={n}' for n in served)}")
+                raise ConfigError(
+                    f"print_launch=true prints an engine's launch command: add "
+                    f"{' or '.join(f'backend={n}' for n in served)}"
+                )
         elif not self.out:
             raise ConfigError("out=<dump directory> is required")
         elif not self.verify and not self.data:
             raise ConfigError("data=<prepared directory> is required (or verify=true to check a dump)")
-        check_numbers(self, positive=("max_tokens_per_batch", "max_batch_size", "shard_size_mb", "tp_size",
-                                      "writer_threads", "dist_timeout_minutes"))
+        check_numbers(
+            self,
+            positive=(
+                "max_tokens_per_batch",
+                "max_batch_size",
+                "shard_size_mb",
+                "tp_size",
+                "writer_threads",
+                "dist_timeout_minutes",
+            ),
+        )
         check_dtype(self.dtype, auto=True)
         check_storage(self.storage)
         if self.compile and not engine.in_process:
-            raise ConfigError(f"compile=true compiles the target run here ({here}); the {self.backend} engine runs its own")
+            raise ConfigError(
+                f"compile=true compiles the target run here ({here}); the {self.backend} engine runs its own"
+            )
         if not engine.in_process and self.tp_size != 1:
-            raise ConfigError(f"tp_size={self.tp_size} applies to {here}; the {self.backend} engine has its own parallelism")
+            raise ConfigError(
+                f"tp_size={self.tp_size} applies to {here}; the {self.backend} engine has its own parallelism"
+            )
 
 
 ConfigStore.instance().store(name="dump_schema", node=DumpConfig)

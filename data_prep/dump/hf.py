@@ -47,8 +47,9 @@ def plan_batches(rows: np.ndarray, lengths: np.ndarray, max_tokens: int, max_bat
     for i in order:
         row, n = int(rows[i]), int(lengths[i])
         # sorted descending: the first sample of a batch is its longest
-        if current.rows and ((len(current.lengths) + 1) * current.lengths[0] > max_tokens
-                                   or len(current.lengths) >= max_batch):
+        if current.rows and (
+            (len(current.lengths) + 1) * current.lengths[0] > max_tokens or len(current.lengths) >= max_batch
+        ):
             batches.append(current)
             current = Batch([], [])
         current.rows.append(row)
@@ -58,7 +59,6 @@ def plan_batches(rows: np.ndarray, lengths: np.ndarray, max_tokens: int, max_bat
     return batches
 
 
-
 def compile_layers(model: Any) -> None:
     """``compile=true``: torch.compile each decoder layer in place, with dynamic batch and length
     (one compilation serves every layer and every batch shape). What runs between the layers (the
@@ -66,8 +66,10 @@ def compile_layers(model: Any) -> None:
     capture is the same code; the fused kernels only reorder float operations within a layer."""
     layers = getattr(model.base_model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise ConfigError(f"compile=true: {type(model.base_model).__name__} keeps no decoder layers in "
-                          f"base_model.layers to compile; run without compile")
+        raise ConfigError(
+            f"compile=true: {type(model.base_model).__name__} keeps no decoder layers in "
+            f"base_model.layers to compile; run without compile"
+        )
     for layer in layers:
         if getattr(layer, "_compiled_call_impl", None) is None:  # (a model already compiled stays as it is)
             layer.compile(dynamic=True)
@@ -98,8 +100,14 @@ class Backend(backend.Backend):
         """The target with its weights, loaded on first use (a finished dump never loads them)."""
         if self.target is None:
             cfg = self.cfg
-            self.target = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=cfg.dtype, device=str(self.dist.device),
-                                      trust_remote_code=cfg.trust_remote_code, model_kwargs=self._model_kwargs())
+            self.target = load_target(
+                cfg.target,
+                cache_dir=cfg.cache_dir,
+                dtype=cfg.dtype,
+                device=str(self.dist.device),
+                trust_remote_code=cfg.trust_remote_code,
+                model_kwargs=self._model_kwargs(),
+            )
             if cfg.compile:
                 compile_layers(self.target.model)
         return self.target.model
@@ -111,7 +119,9 @@ class Backend(backend.Backend):
         if self.cfg.tp_size > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh(self.dist.device.type, (self.dp_size, self.cfg.tp_size), mesh_dim_names=("dp", "tp"))
+            mesh = init_device_mesh(
+                self.dist.device.type, (self.dp_size, self.cfg.tp_size), mesh_dim_names=("dp", "tp")
+            )
             kwargs |= tensor_parallel_kwargs(mesh["tp"])
         return kwargs
 
@@ -192,4 +202,8 @@ def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
 
 
 def _cat(arrays: list[np.ndarray], dtype: Any) -> torch.Tensor:
-    return torch.from_numpy(np.concatenate(arrays).astype(dtype)) if arrays else torch.zeros(0, dtype=getattr(torch, np.dtype(dtype).name))
+    return (
+        torch.from_numpy(np.concatenate(arrays).astype(dtype))
+        if arrays
+        else torch.zeros(0, dtype=getattr(torch, np.dtype(dtype).name))
+    )

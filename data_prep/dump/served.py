@@ -79,8 +79,18 @@ class Backend(backend.Backend):
         """What this client process asks the engine for."""
         spec, cfg = stage.spec, self.cfg
         eps = float(getattr(text_config(stage.target.config), "rms_norm_eps", 1e-6))
-        return CaptureJob(list(stage.stored), stage.identity.model_type, spec.num_hidden_layers, spec.hidden_size, eps,
-                          resolve_dtype(cfg.dtype, "cuda"), stage.dist.rank, stage.out, cfg.server, cfg.client)
+        return CaptureJob(
+            list(stage.stored),
+            stage.identity.model_type,
+            spec.num_hidden_layers,
+            spec.hidden_size,
+            eps,
+            resolve_dtype(cfg.dtype, "cuda"),
+            stage.dist.rank,
+            stage.out,
+            cfg.server,
+            cfg.client,
+        )
 
     def launch_text(self) -> str:
         """The engine command(s) that serve exactly the capture ``cfg`` asks for, and the client
@@ -88,21 +98,35 @@ class Backend(backend.Backend):
         cfg = self.cfg
         self.resolve_dtype(None)  # the engine's GPUs: what the dump records
         if is_tiny(cfg.target):
-            raise ConfigError(f"target={cfg.target} exists only inside this process; no engine can serve it (save it "
-                              "as a directory first: eagle3_train.targets.tiny.save_tiny)")
-        target = load_target(cfg.target, cache_dir=cfg.cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code)
+            raise ConfigError(
+                f"target={cfg.target} exists only inside this process; no engine can serve it (save it "
+                "as a directory first: eagle3_train.targets.tiny.save_tiny)"
+            )
+        target = load_target(
+            cfg.target, cache_dir=cfg.cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code
+        )
         n = target.num_hidden_layers
         _, stored = stored_indices(cfg.capture, n)
-        lines = [f"# eagle3-dump backend={cfg.backend}: {target.identity.model_type}, N={n}, HF indices stored {stored} "
-                 f"+ last_hidden", f"# (engine API as read from {cfg.backend} {self.capture.read_from})"]
-        lines += self.capture.launch_lines(str(target.local_dir or cfg.target), target.identity.model_type, n, stored,
-                                           cfg.dtype, cfg.server, cfg.out)
-        capture = "".join(f" capture.{name}=[{','.join(map(str, v))}]"
-                          for name, v in (("aux_indices", cfg.capture.aux_indices), ("extra_indices", cfg.capture.extra_indices)) if v)
-        lines += ["# then, once the server is up:",
-                  f"eagle3-dump backend={cfg.backend} target={shlex.quote(cfg.target)} data={cfg.data or '<prepared>'} "
-                  f"out={cfg.out or '<dump>'} " + " ".join(f"{k}={v}" for k, v in self.capture.servers(cfg.server).items())
-                  + capture]
+        lines = [
+            f"# eagle3-dump backend={cfg.backend}: {target.identity.model_type}, N={n}, HF indices stored {stored} "
+            f"+ last_hidden",
+            f"# (engine API as read from {cfg.backend} {self.capture.read_from})",
+        ]
+        lines += self.capture.launch_lines(
+            str(target.local_dir or cfg.target), target.identity.model_type, n, stored, cfg.dtype, cfg.server, cfg.out
+        )
+        capture = "".join(
+            f" capture.{name}=[{','.join(map(str, v))}]"
+            for name, v in (("aux_indices", cfg.capture.aux_indices), ("extra_indices", cfg.capture.extra_indices))
+            if v
+        )
+        lines += [
+            "# then, once the server is up:",
+            f"eagle3-dump backend={cfg.backend} target={shlex.quote(cfg.target)} data={cfg.data or '<prepared>'} "
+            f"out={cfg.out or '<dump>'} "
+            + " ".join(f"{k}={v}" for k, v in self.capture.servers(cfg.server).items())
+            + capture,
+        ]
         return "\n".join(lines)
 
     def dump(self, stage: Dumper, rows: np.ndarray) -> tuple[int, int]:
@@ -114,7 +138,9 @@ class Backend(backend.Backend):
         names = self.capture.tensors + (("head",) if self.cfg.client.check_next_token else ())
         if names:
             cfg = self.cfg
-            _, tensors = load_target_tensors(cfg.target, names, cache_dir=cfg.cache_dir, trust_remote_code=cfg.trust_remote_code)
+            _, tensors = load_target_tensors(
+                cfg.target, names, cache_dir=cfg.cache_dir, trust_remote_code=cfg.trust_remote_code
+            )
         self.head = tensors.get("head")
         written, tokens = asyncio.run(self._fetch_all(stage, self.capture.client(self.job(stage), tensors), mine))
         self._record_agreement(stage)
@@ -123,9 +149,13 @@ class Backend(backend.Backend):
     def run_info(self, stage: Dumper) -> dict[str, Any]:
         counts = [json.loads(p.read_text()) for p in sorted((stage.out / CHECKS_DIR).glob("*.json"))]
         total = {k: sum(c[k] for c in counts) for k in ("checked", "agreed")}
-        return {"backend": self.cfg.backend, "engine_api": f"{self.cfg.backend} {self.capture.read_from}",
-                "servers": list(self.capture.servers(self.cfg.server).values()), "client_world_size": stage.dist.world_size,
-                "next_token_check": total}
+        return {
+            "backend": self.cfg.backend,
+            "engine_api": f"{self.cfg.backend} {self.capture.read_from}",
+            "servers": list(self.capture.servers(self.cfg.server).values()),
+            "client_world_size": stage.dist.world_size,
+            "next_token_check": total,
+        }
 
     def _record_agreement(self, stage: Dumper) -> None:
         """Add this run's next-token counts to this client's file (summed into the manifest)."""
@@ -147,7 +177,9 @@ class Backend(backend.Backend):
         failure: BaseException | None = None
         timeout = aiohttp.ClientTimeout(total=c.request_timeout_s)
         try:
-            async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=2 * c.concurrency)) as session:
+            async with aiohttp.ClientSession(
+                timeout=timeout, connector=aiohttp.TCPConnector(limit=2 * c.concurrency)
+            ) as session:
                 await client.start(session)
                 while failure is None:
                     while len(pending) < c.concurrency and (row := next(queue, None)) is not None:
@@ -174,26 +206,35 @@ class Backend(backend.Backend):
         if failure is not None:
             if isinstance(failure, Eagle3Error):
                 servers = ", ".join(f"{k}={v}" for k, v in self.capture.servers(self.cfg.server).items())
-                raise Eagle3Error(f"{self.cfg.backend} ({servers}) stopped client {stage.dist.rank}/{stage.dist.world_size} "
-                                  f"of the dump: {failure}\n  {samples} samples received before the stop are stored "
-                                  f"({writer.count} shards written by this run, under {stage.shard_dir}); fix the "
-                                  f"cause (is the engine still running?) and run the same command again to resume"
-                                  ) from None
+                raise Eagle3Error(
+                    f"{self.cfg.backend} ({servers}) stopped client {stage.dist.rank}/{stage.dist.world_size} "
+                    f"of the dump: {failure}\n  {samples} samples received before the stop are stored "
+                    f"({writer.count} shards written by this run, under {stage.shard_dir}); fix the "
+                    f"cause (is the engine still running?) and run the same command again to resume"
+                ) from None
             raise failure
         stage.say(f"{samples} samples, {tokens} tokens received; next-token check: {self.agreement}")
         return writer.bytes_written, tokens
 
-    async def _sample(self, stage: Dumper, client: EngineClient, session: Any, row: int) -> tuple[dict[str, torch.Tensor], int]:
+    async def _sample(
+        self, stage: Dumper, client: EngineClient, session: Any, row: int
+    ) -> tuple[dict[str, torch.Tensor], int]:
         """One sample's states and index tensors, retried with exponential backoff."""
         c = self.cfg.client
         record = stage.dataset[row]
         sample_id = int(stage.sample_ids[row])
         prompt = record["input_ids"].astype(np.int64).tolist()
-        states, next_token = await retrying(lambda attempt: client.fetch(session, sample_id, prompt, attempt),
-                                            c.retries, c.backoff_s, f"sample {sample_id}")
+        states, next_token = await retrying(
+            lambda attempt: client.fetch(session, sample_id, prompt, attempt),
+            c.retries,
+            c.backoff_s,
+            f"sample {sample_id}",
+        )
         finite = all(bool(torch.isfinite(t).all()) for t in states.values())
         if finite and next_token is not None and self.head is not None:
-            await asyncio.to_thread(self._check_next_token, self.head, states["last_hidden"][-1], int(next_token), sample_id)
+            await asyncio.to_thread(
+                self._check_next_token, self.head, states["last_hidden"][-1], int(next_token), sample_id
+            )
         piece = dict(states)
         piece["finite"] = torch.tensor([finite])
         piece["input_ids"] = torch.from_numpy(record["input_ids"].astype(np.int32))

@@ -57,13 +57,27 @@ class Dumper:
         self.dist = self.team.dist
         self.backend.resolve_dtype(self.dist)
         data = PreparedData(cfg.data)
-        self.prepared_dir, self.prepared, self.dataset, self.sample_ids = data.path, data.manifest, data.dataset, data.sample_ids
+        self.prepared_dir, self.prepared, self.dataset, self.sample_ids = (
+            data.path,
+            data.manifest,
+            data.dataset,
+            data.sample_ids,
+        )
         # config and tokenizer only: a backend that runs the target loads its weights once there is work
-        self.target = load_target(cfg.target, cache_dir=cfg.cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code)
+        self.target = load_target(
+            cfg.target, cache_dir=cfg.cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code
+        )
         self.identity = data.identity_for(self.target, cfg.target)
         aux, self.stored = stored_indices(cfg.capture, self.target.num_hidden_layers)
-        self.spec = CaptureSpec(aux, self.target.num_hidden_layers, self.target.hidden_size, self.target.vocab_size,
-                                cfg.dtype, self.identity, cfg.storage)
+        self.spec = CaptureSpec(
+            aux,
+            self.target.num_hidden_layers,
+            self.target.hidden_size,
+            self.target.vocab_size,
+            cfg.dtype,
+            self.identity,
+            cfg.storage,
+        )
         self.request = {
             "capture": self.spec.to_dict(),
             "stored_indices": self.stored,
@@ -147,18 +161,25 @@ class Dumper:
     def shapes(self) -> dict[str, tuple[Any, tuple[int, ...]]]:
         """Every per-token tensor of a shard: key -> (dtype, one token's shape); fp8 storage adds
         each state's ``.scale``."""
-        return layout(self.state_keys(), self.spec.hidden_size, resolve_dtype(self.cfg.dtype, "cuda"), self.spec.storage)
+        return layout(
+            self.state_keys(), self.spec.hidden_size, resolve_dtype(self.cfg.dtype, "cuda"), self.spec.storage
+        )
 
     def writer(self) -> ShardWriter:
         """A shard writer for this process; its shards are named ``<rank>-<random>-<count>``."""
         per_token = bytes_per_token(self.shapes())
         longest = int(self.dataset["num_tokens"][:].max())
         return ShardWriter(
-            self.shard_dir, f"{self.shard_prefix()}{secrets.token_hex(4)}", self.state_keys(), self.spec.hidden_size,
-            resolve_dtype(self.cfg.dtype, "cuda"), self.spec.storage,
+            self.shard_dir,
+            f"{self.shard_prefix()}{secrets.token_hex(4)}",
+            self.state_keys(),
+            self.spec.hidden_size,
+            resolve_dtype(self.cfg.dtype, "cuda"),
+            self.spec.storage,
             shard_tokens=max(1, int(self.cfg.shard_size_mb * 2**20) // per_token),
             max_batch_tokens=max(self.cfg.max_tokens_per_batch, longest),
-            threads=self.cfg.writer_threads, device=self.dist.device,
+            threads=self.cfg.writer_threads,
+            device=self.dist.device,
         )
 
     def _finish(self, elapsed: float, written: int, tokens: int) -> dict[str, Any] | None:
@@ -172,8 +193,10 @@ class Dumper:
             return manifest
         missing = self._coverage()[3]
         if len(missing):
-            self.say(f"my share is done; {len(missing)} samples of other clients are still missing. The last client to "
-                     f"finish writes {MANIFEST_NAME} (or run this command again once all are done)")
+            self.say(
+                f"my share is done; {len(missing)} samples of other clients are still missing. The last client to "
+                f"finish writes {MANIFEST_NAME} (or run this command again once all are done)"
+            )
             return None
         remove_unfinished(self.shard_dir)  # every sample is stored: nobody is writing any more
         return self._finalize(elapsed, [written, tokens])
@@ -219,8 +242,8 @@ class Dumper:
                 "nonfinite_samples": len(nonfinite),
             },
             "nonfinite_sample_ids": sorted(nonfinite),
-            "run": self.backend.run_info(self) | {"seconds": round(elapsed, 3), "tokens_this_run": totals[1],
-                                                  "bytes_this_run": totals[0]},
+            "run": self.backend.run_info(self)
+            | {"seconds": round(elapsed, 3), "tokens_this_run": totals[1], "bytes_this_run": totals[0]},
         }
         manifest = self.dir.write_manifest(body)
         rate = totals[1] / max(elapsed, 1e-9)
@@ -236,7 +259,9 @@ class Dumper:
         """A progress bar over the tokens of ``rows`` (shown on rank 0 of a group, by every client)."""
         total = int(self.dataset["num_tokens"][:][np.asarray(rows, dtype=np.int64)].sum()) if len(rows) else 0
         show = self.cfg.progress if self.dist.is_main or not self.team.group else False
-        return progress_bar(total=total, unit="tok", unit_scale=True, desc=desc, show=show, every_rank=not self.team.group)
+        return progress_bar(
+            total=total, unit="tok", unit_scale=True, desc=desc, show=show, every_rank=not self.team.group
+        )
 
 
 def verify(out: str | os.PathLike, progress: bool | None = None) -> list[str]:

@@ -20,7 +20,9 @@ class HostShard:
     GPU copies into it asynchronously and the writer streams it to disk without another copy)."""
 
     def __init__(self, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]], capacity: int, pin: bool):
-        self.states = {k: torch.empty((capacity, *shape), dtype=dtype, pin_memory=pin) for k, (dtype, shape) in shapes.items()}
+        self.states = {
+            k: torch.empty((capacity, *shape), dtype=dtype, pin_memory=pin) for k, (dtype, shape) in shapes.items()
+        }
         self.capacity = capacity
         self.reset()
 
@@ -35,7 +37,9 @@ class HostShard:
         A dropped sample costs one compaction copy of this shard; the common case is a view."""
         lengths = torch.tensor(self.lengths, dtype=torch.int64)
         finite = torch.cat([p["finite"] for p in self.small]) if self.small else torch.ones(0, dtype=torch.bool)
-        sample_ids = torch.cat([p["sample_ids"] for p in self.small]) if self.small else torch.zeros(0, dtype=torch.int64)
+        sample_ids = (
+            torch.cat([p["sample_ids"] for p in self.small]) if self.small else torch.zeros(0, dtype=torch.int64)
+        )
         out = {k: v[: self.tokens] for k, v in self.states.items()}
         for key, dtype in (("input_ids", torch.int32), ("loss_mask", torch.uint8)):
             out[key] = torch.cat([p[key] for p in self.small]) if self.small else torch.zeros(0, dtype=dtype)
@@ -62,8 +66,19 @@ class ShardWriter:
     the bytes cross to the host) into the tensors :func:`eagle3_train.core.storage.layout` names.
     """
 
-    def __init__(self, directory: Path, prefix: str, state_keys: list[str], hidden: int, dtype: torch.dtype,
-                 storage: str, shard_tokens: int, max_batch_tokens: int, threads: int, device: torch.device):
+    def __init__(
+        self,
+        directory: Path,
+        prefix: str,
+        state_keys: list[str],
+        hidden: int,
+        dtype: torch.dtype,
+        storage: str,
+        shard_tokens: int,
+        max_batch_tokens: int,
+        threads: int,
+        device: torch.device,
+    ):
         self.directory, self.prefix, self.shard_tokens = directory, prefix, shard_tokens
         self.state_keys, self.storage = state_keys, storage
         self.cuda = device.type == "cuda"

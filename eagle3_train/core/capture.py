@@ -39,8 +39,7 @@ class States:
         return torch.cat([self.layers[k] for k in sorted(indices)], dim=-1)
 
 
-def capture(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-            indices: Sequence[int]) -> States:
+def capture(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, indices: Sequence[int]) -> States:
     """Run the target's decoder (not its lm_head) once over ``input_ids`` [B, T] and keep the
     hidden states of the HF ``indices`` (each ``0 <= k < N``) and the post-norm final state.
 
@@ -55,12 +54,15 @@ def capture(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
         attention_mask: [B, T] 1 for real tokens, or None (see above).
         indices: HF indices to keep; N (the post-norm state) is always returned as ``last_hidden``.
     """
-    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                           use_cache=False)
+    out = model.base_model(
+        input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+    )
     hidden = out.hidden_states  # N+1 tensors [B, T, H]; [N] is post-norm
     n = len(hidden) - 1
     bad = [k for k in indices if not 0 <= k < n]
     if bad:
-        raise ContractError(f"HF indices {bad} are out of range 0..{n - 1} for a target with N={n} layers "
-                            f"(N, the post-norm state, is last_hidden)")
+        raise ContractError(
+            f"HF indices {bad} are out of range 0..{n - 1} for a target with N={n} layers "
+            f"(N, the post-norm state, is last_hidden)"
+        )
     return States({int(k): hidden[k] for k in indices}, hidden[n])

@@ -43,8 +43,15 @@ def user_errors(command: str) -> Iterator[None]:
 
 
 # names other trainers give our options (a misspelt key is matched by spelling otherwise)
-SYNONYMS = {"learning_rate": "lr", "num_epochs": "epochs", "num_train_epochs": "epochs", "warmup": "warmup_steps",
-            "gradient_accumulation_steps": "grad_accum", "max_grad_norm": "grad_clip", "output_dir": "out"}
+SYNONYMS = {
+    "learning_rate": "lr",
+    "num_epochs": "epochs",
+    "num_train_epochs": "epochs",
+    "warmup": "warmup_steps",
+    "gradient_accumulation_steps": "grad_accum",
+    "max_grad_norm": "grad_clip",
+    "output_dir": "out",
+}
 
 
 def unknown_keys(cfg: DictConfig, schema: type) -> list[str]:
@@ -79,8 +86,10 @@ def to_config(cfg: DictConfig, schema: type[T]) -> T:
             alias = ".".join(filter(None, (prefix, SYNONYMS.get(leaf))))
             near = [alias] if alias in known else difflib.get_close_matches(key, known, n=1, cutoff=0.5)
             said.append(f"{key}" + (f" (did you mean {near[0]}?)" if near else ""))
-        raise ConfigError(f"unknown option{'s' if len(said) > 1 else ''} {', '.join(said)}: not a field of "
-                          f"{schema.__name__}; the reference page of this command lists them all")
+        raise ConfigError(
+            f"unknown option{'s' if len(said) > 1 else ''} {', '.join(said)}: not a field of "
+            f"{schema.__name__}; the reference page of this command lists them all"
+        )
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, schema):
         raise TypeError(f"config composed into {type(obj).__name__}, expected {schema.__name__}")
@@ -90,7 +99,6 @@ def to_config(cfg: DictConfig, schema: type[T]) -> T:
 def config_dict(obj: Any) -> dict:
     """A dataclass config as plain, JSON-ready data (for manifests)."""
     return OmegaConf.to_container(OmegaConf.structured(obj), resolve=True)  # type: ignore[return-value]
-
 
 
 SWEEP_CHILD_ENV = "EAGLE3_SWEEP_JOB"  # set in a sweep job's own process
@@ -114,8 +122,10 @@ def sweep_job(command: str, run: Callable[..., Any], cfg: DictConfig) -> int | N
     if hc.mode != RunMode.MULTIRUN or os.environ.get(SWEEP_CHILD_ENV):
         return None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError(f"{command} -m under torchrun: start the sweep without torchrun (each job runs in its own "
-                          "process), or run one torchrun per setting")
+        raise ConfigError(
+            f"{command} -m under torchrun: start the sweep without torchrun (each job runs in its own "
+            "process), or run one torchrun per setting"
+        )
     given = [a for a in sys.argv[1:] if not a.startswith("-")]
     swept = {o.key_or_group for o in OverridesParser.create().parse_overrides(given) if o.is_sweep_override()}
     task = list(hc.overrides.task)
@@ -129,7 +139,11 @@ def sweep_job(command: str, run: Callable[..., Any], cfg: DictConfig) -> int | N
         module = spec.name if spec is not None else module
     logger.info(f"{command}: sweep job {hc.job.num}: {' '.join(task)}")
     # a group of one formed earlier in this process (its port may still be bound) is not the job's
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     return subprocess.run([sys.executable, "-m", module, *task], env={**env, SWEEP_CHILD_ENV: "1"}).returncode
 
 

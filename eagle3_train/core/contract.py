@@ -147,9 +147,7 @@ class CaptureSpec:
     storage: str = "dtype"
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "aux_indices", validate_aux_indices(self.aux_indices, self.num_hidden_layers)
-        )
+        object.__setattr__(self, "aux_indices", validate_aux_indices(self.aux_indices, self.num_hidden_layers))
         if self.dtype not in DTYPES:
             raise ContractError(f"capture dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.storage not in STORAGES:
@@ -266,9 +264,7 @@ def read_manifest(directory: str | os.PathLike, stage: str | None = None, name: 
     if not isinstance(manifest, dict) or "stage" not in manifest:
         raise BadInputError(f"{path}: not an eagle3_train manifest (no 'stage' field)")
     if stage is not None and manifest["stage"] != stage:
-        raise ContractError(
-            f"{path}: expected the output of stage '{stage}', found stage '{manifest['stage']}'"
-        )
+        raise ContractError(f"{path}: expected the output of stage '{stage}', found stage '{manifest['stage']}'")
     version = manifest.get("format_version", 0)
     if version > FORMAT_VERSION:
         raise ContractError(

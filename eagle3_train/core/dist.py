@@ -29,8 +29,9 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device: str = "auto", timeout_minutes: float = 120.0, always: bool = False,
-                     share_gpus: bool = False) -> DistInfo:
+def init_distributed(
+    device: str = "auto", timeout_minutes: float = 120.0, always: bool = False, share_gpus: bool = False
+) -> DistInfo:
     """Join the process group that ``torchrun`` describes in the environment (if any).
 
     ``device=auto`` picks ``cuda:<local_rank>`` when CUDA is present, else the CPU; the backend
@@ -41,12 +42,16 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 120.0, alway
     on one GPU.
     """
     if always and "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
     dev = resolve_device(device, local, share_gpus)
-    shared = share_gpus and dev.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
+    shared = (
+        share_gpus and dev.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
+    )
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if (world > 1 or always) and not dist.is_initialized():
@@ -68,8 +73,10 @@ def resolve_device(device: str, local_rank: int = 0, share_gpus: bool = False) -
             return torch.device("cpu")
         gpus = torch.cuda.device_count()
         if local_rank >= gpus and not share_gpus:
-            raise ConfigError(f"local rank {local_rank} has no GPU of its own ({gpus} on this node): start at most "
-                              f"{gpus} processes per node (torchrun --nproc_per_node {gpus})")
+            raise ConfigError(
+                f"local rank {local_rank} has no GPU of its own ({gpus} on this node): start at most "
+                f"{gpus} processes per node (torchrun --nproc_per_node {gpus})"
+            )
         return torch.device(f"cuda:{local_rank % gpus}")
     return torch.device(device)
 

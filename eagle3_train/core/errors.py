@@ -26,8 +26,9 @@ class ConfigError(Eagle3Error):
     """An option value that cannot work (raised by config dataclasses' ``__post_init__``)."""
 
 
-def check_numbers(section: object, prefix: str = "", *, positive: tuple[str, ...] = (),
-                  non_negative: tuple[str, ...] = ()) -> None:
+def check_numbers(
+    section: object, prefix: str = "", *, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()
+) -> None:
     """Range checks of a config dataclass's numeric fields, each failing with a one-line
     :class:`ConfigError` that names the option as it is written (``prefix`` + field): ``positive``
     fields must be > 0, ``non_negative`` ones >= 0. NaN fails both; None (an unset optional

@@ -11,7 +11,10 @@ from eagle3_train.core.errors import Eagle3Error
 # top-level module -> (the extra in pyproject.toml that installs it, what needs it)
 EXTRAS: dict[str, tuple[str, str]] = {
     "wandb": ("wandb", "logging=wandb"),
-    "aiohttp": ("served", "a served engine (the served dump, served regeneration, eagle3-served-acceptance, eagle3-bench)"),
+    "aiohttp": (
+        "served",
+        "a served engine (the served dump, served regeneration, eagle3-served-acceptance, eagle3-bench)",
+    ),
     "matplotlib": ("plots", "eagle3-eval's acceptance.png and eagle3-bench's speedup.png (plot=false skips them)"),
     "datasketch": ("synthesis", "synthesis's near-duplicate filter"),
     "tensorboard": ("tensorboard", "logging=tensorboard"),
@@ -32,5 +35,7 @@ def optional_import(name: str) -> ModuleType:
     except ModuleNotFoundError as e:
         if e.name is None or e.name.partition(".")[0] != top:  # the package is there; something it imports is not
             raise
-        raise MissingExtraError(f"{needed_by} needs {top}, which is not installed: install the {extra!r} extra "
-                                f"(pip install -e '.[{extra}]' in a clone) or {top} itself") from None
+        raise MissingExtraError(
+            f"{needed_by} needs {top}, which is not installed: install the {extra!r} extra "
+            f"(pip install -e '.[{extra}]' in a clone) or {top} itself"
+        ) from None

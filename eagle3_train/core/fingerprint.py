@@ -41,8 +41,8 @@ OUTSIDE_REQUEST: dict[str, dict[str, str]] = {
 CONTINUATIONS: dict[str, dict[str, str]] = {
     "train": {
         "train.epochs": "raised: the run continues to the new total; the lr schedule is recomputed over the new total, "
-                        "so from the current step the lr follows the longer curve (it rises where the old one had "
-                        "decayed); lowered to a total already reached: nothing is trained",
+        "so from the current step the lr follows the longer curve (it rises where the old one had "
+        "decayed); lowered to a total already reached: nothing is trained",
         "train.max_steps": "as train.epochs: the total becomes min(epochs' steps, max_steps)",
         "train.early_stop_patience": "raised after an early stop: training continues from the last checkpoint",
     },
@@ -69,8 +69,11 @@ def request_options(stage: str, options: dict[str, Any]) -> dict[str, Any]:
     """A stage's config (plain data, as ``config_dict`` gives it) as the flat options its request
     holds: every one but the listed (:data:`OUTSIDE_REQUEST`, :data:`CONTINUATIONS`)."""
     outside, continued = OUTSIDE_REQUEST.get(stage, {}), CONTINUATIONS.get(stage, {})
-    return {name: value for name, value in sorted(flatten(options).items())
-            if not _listed(name, outside) and not _listed(name, continued)}
+    return {
+        name: value
+        for name, value in sorted(flatten(options).items())
+        if not _listed(name, outside) and not _listed(name, continued)
+    }
 
 
 def continued_options(stage: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -59,8 +59,14 @@ class ShardRecord:
 
 # safetensors dtype names (the format's header spelling)
 _ST_DTYPES = {
-    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-    torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
 }
 
 
@@ -154,7 +160,9 @@ def check_shard(path: Path) -> None:
     try:
         record = ShardRecord.from_dict(json.loads(record_path.read_text()))
     except FileNotFoundError:
-        raise BadInputError(f"shard {path} has no record {record_path.name} (its checksum): re-run the stage that wrote it") from None
+        raise BadInputError(
+            f"shard {path} has no record {record_path.name} (its checksum): re-run the stage that wrote it"
+        ) from None
     except (json.JSONDecodeError, TypeError) as e:
         raise BadInputError(f"shard record {record_path} is corrupt: {e}") from None
     size = path.stat().st_size

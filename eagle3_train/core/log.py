@@ -55,8 +55,12 @@ class ConsoleHandler(logging.Handler):
         self.setFormatter(logging.Formatter(f"[rank {rank}] %(message)s" if all_ranks else "%(message)s"))
 
     def filter(self, record: logging.LogRecord) -> bool:
-        shown = (record.levelno >= logging.WARNING or self.rank == 0 or self.all_ranks
-                 or getattr(record, "every_rank", False))
+        shown = (
+            record.levelno >= logging.WARNING
+            or self.rank == 0
+            or self.all_ranks
+            or getattr(record, "every_rank", False)
+        )
         return shown and bool(super().filter(record))
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -89,8 +93,14 @@ def setup_logging(config: LogConfig | None = None, rank: int | None = None) -> N
     warnings.showwarning = _show_warning
 
 
-def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                  file: Any = None, line: str | None = None) -> None:
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
     """:func:`warnings.showwarning` as a log record: ``Category: message`` (where it was raised only
     at DEBUG, for whoever reports it upstream)."""
     log = logging.getLogger("py.warnings")
@@ -98,17 +108,35 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
     log.warning("%s: %s%s", category.__name__, message, where)
 
 
-def progress_bar(iterable: Iterable | None = None, *, show: bool | None, total: float | None = None,
-                 desc: str = "", unit: str = "it", every_rank: bool = False, **kwargs: Any) -> tqdm:
+def progress_bar(
+    iterable: Iterable | None = None,
+    *,
+    show: bool | None,
+    total: float | None = None,
+    desc: str = "",
+    unit: str = "it",
+    every_rank: bool = False,
+    **kwargs: Any,
+) -> tqdm:
     """A tqdm over ``iterable`` (or advanced by ``update``). ``show`` is a command's ``progress``
     option: True, a redrawn bar on stderr; None, the bar on a terminal and otherwise one INFO log
     line every ``logging.progress_every_s`` seconds (and one at the end); False, nothing.
     ``every_rank``: its log lines are shown on every rank (an independent client's bar)."""
     if show is None and not sys.stderr.isatty():
         known = total is not None or hasattr(iterable, "__len__")
-        return tqdm(iterable, total=total, desc=desc, unit=unit, file=_LogLines(every_rank), ascii=True,
-                    miniters=1, mininterval=_progress_every_s, maxinterval=_progress_every_s,
-                    bar_format=_LINE if known else _LINE_NO_TOTAL, **kwargs)
+        return tqdm(
+            iterable,
+            total=total,
+            desc=desc,
+            unit=unit,
+            file=_LogLines(every_rank),
+            ascii=True,
+            miniters=1,
+            mininterval=_progress_every_s,
+            maxinterval=_progress_every_s,
+            bar_format=_LINE if known else _LINE_NO_TOTAL,
+            **kwargs,
+        )
     return tqdm(iterable, total=total, desc=desc, unit=unit, disable=show is False, **kwargs)
 
 

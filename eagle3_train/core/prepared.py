@@ -70,7 +70,9 @@ class PreparedData:
             )
         if have.config_hash != mine.config_hash:
             logger.info(f"note: data prepared with {have.path}, running {mine.path} (same tokenizer, other model)")
-        return TargetIdentity(mine.path, mine.model_type, mine.config_hash, mine.tokenizer_hash, have.chat_template_hash)
+        return TargetIdentity(
+            mine.path, mine.model_type, mine.config_hash, mine.tokenizer_hash, have.chat_template_hash
+        )
 
     def tokens(self, row: int) -> tuple[np.ndarray, np.ndarray]:
         """``input_ids`` and ``loss_mask`` of one row."""
@@ -88,14 +90,16 @@ class PreparedData:
             table = arrow[start : start + COUNT_CHUNK]
             ids, mask = (table.column(k).combine_chunks() for k in ("input_ids", "loss_mask"))
             token_keep = np.repeat(keep[start : start + len(table)], pc.list_value_length(ids).to_numpy())
-            flat_ids, flat_mask = (np.asarray(pc.list_flatten(a).to_numpy(zero_copy_only=False))[token_keep]
-                                   for a in (ids, mask))
+            flat_ids, flat_mask = (
+                np.asarray(pc.list_flatten(a).to_numpy(zero_copy_only=False))[token_keep] for a in (ids, mask)
+            )
             counts += count_tokens(torch.from_numpy(flat_ids.astype(np.int64)), torch.from_numpy(flat_mask), vocab_size)
         return counts
 
 
-def prepared_vocab(prepared: PreparedData, eval_fraction: float, seed: int, draft_vocab_size: int,
-                   target_vocab_size: int) -> tuple[VocabMap, np.ndarray]:
+def prepared_vocab(
+    prepared: PreparedData, eval_fraction: float, seed: int, draft_vocab_size: int, target_vocab_size: int
+) -> tuple[VocabMap, np.ndarray]:
     """The draft vocab map of a prepared dataset and its held-out sample ids: the loss-masked tokens
     of the samples :func:`~eagle3_train.core.split.split_eval` keeps for training, counted whole -- the
     map eagle3-standardize counts from a dump of the same data with the same fraction and seed."""

@@ -52,8 +52,10 @@ def shipped_prompts(name: str) -> Path:
     eagle3_train imports nothing of data_prep."""
     path = Path(__file__).resolve().parents[2] / "data_prep" / "prompts" / name
     if not path.is_file():
-        raise BadInputError(f"the shipped prompt file {path} is missing (this installation lacks data_prep/prompts); "
-                            f"give prompts=<a prompt file>")
+        raise BadInputError(
+            f"the shipped prompt file {path} is missing (this installation lacks data_prep/prompts); "
+            f"give prompts=<a prompt file>"
+        )
     return path
 
 
@@ -93,7 +95,9 @@ def read_conversations(path: str | Path, column: str | None = None, limit: int |
         rows = _jsonl_rows(path)
     else:
         raise BadInputError(f"prompts {path} does not exist")
-    default_category = path.name.removesuffix(".gz").removesuffix(".jsonl").removesuffix(".parquet").removesuffix(".arrow")
+    default_category = (
+        path.name.removesuffix(".gz").removesuffix(".jsonl").removesuffix(".parquet").removesuffix(".arrow")
+    )
     out = []
     for source, row in rows:
         out.append(conversation(row, source, column, default_category))
@@ -118,8 +122,10 @@ def conversation(row: Any, source: str, column: str | None, default_category: st
     else:
         shape = next((f for f in SHAPES if f in row), None)
         if shape is None:
-            raise BadInputError(f"{source}: unknown prompt shape (fields {sorted(row)}): expected one of "
-                                f"{list(SHAPES)}, or name the field with column=<field>")
+            raise BadInputError(
+                f"{source}: unknown prompt shape (fields {sorted(row)}): expected one of "
+                f"{list(SHAPES)}, or name the field with column=<field>"
+            )
         field, value = shape, row[shape]
     if isinstance(value, str):
         return Conversation(source, category, [_text(value, source, field)])
@@ -127,8 +133,10 @@ def conversation(row: Any, source: str, column: str | None, default_category: st
         return Conversation(source, category, [_text(v, source, field) for v in value])
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         return _from_messages(value, source, field, category)
-    raise BadInputError(f"{source}: field {field!r} must be a string, a non-empty list of strings or a list of "
-                        f"messages, got {_show(value)}")
+    raise BadInputError(
+        f"{source}: field {field!r} must be a string, a non-empty list of strings or a list of "
+        f"messages, got {_show(value)}"
+    )
 
 
 def _from_messages(messages: list[dict], source: str, field: str, category: str) -> Conversation:
@@ -145,11 +153,15 @@ def _from_messages(messages: list[dict], source: str, field: str, category: str)
         elif role == "user":
             turns.append(content)
         elif role == "tool":
-            raise BadInputError(f"{source}: field '{field}[{i}]' is a tool message: eval replays the user turns "
-                                f"and lets the target answer, so a tool's result has no place (drop the row)")
+            raise BadInputError(
+                f"{source}: field '{field}[{i}]' is a tool message: eval replays the user turns "
+                f"and lets the target answer, so a tool's result has no place (drop the row)"
+            )
         elif role != "assistant":  # the target answers for itself
-            raise BadInputError(f"{source}: field '{field}[{i}].{role_key}' is {raw!r}: expected user or assistant "
-                                f"(or system, first; known names: {sorted(ROLE_ALIASES)})")
+            raise BadInputError(
+                f"{source}: field '{field}[{i}].{role_key}' is {raw!r}: expected user or assistant "
+                f"(or system, first; known names: {sorted(ROLE_ALIASES)})"
+            )
     if not turns:
         raise BadInputError(f"{source}: field {field!r}: no user turn")
     return Conversation(source, category, turns, system)
@@ -188,6 +200,7 @@ def _dataset_rows(path: Path) -> list[tuple[str, Any]]:
     except FileNotFoundError as e:
         raise BadInputError(f"prompts {path} is a directory but not a saved datasets dataset ({e})") from None
     if isinstance(ds, DatasetDict):
-        raise BadInputError(f"prompts {path} holds the splits {sorted(ds)}: point prompts at one of them "
-                            f"(e.g. {path / sorted(ds)[0]})")
+        raise BadInputError(
+            f"prompts {path} holds the splits {sorted(ds)}: point prompts at one of them (e.g. {path / sorted(ds)[0]})"
+        )
     return [(f"{path}[{i}]", row) for i, row in enumerate(ds)]

@@ -40,9 +40,17 @@ class StageDir:
             directory's lock (:func:`hold_lock`), and a second process is refused, naming the first.
     """
 
-    def __init__(self, path: str | os.PathLike, stage: str, request: dict[str, Any], *, record: str = MANIFEST_NAME,
-                 what: str | None = None, hint: str | Callable[[list[str]], str] = "use another out=, or delete it",
-                 exclusive: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        stage: str,
+        request: dict[str, Any],
+        *,
+        record: str = MANIFEST_NAME,
+        what: str | None = None,
+        hint: str | Callable[[list[str]], str] = "use another out=, or delete it",
+        exclusive: bool = False,
+    ):
         self.path, self.stage, self.request = Path(path), stage, json_ready(request)
         self.record, self.what, self.hint = record, what or stage, hint
         self.exclusive = exclusive
@@ -56,7 +64,8 @@ class StageDir:
         state = "a finished" if finished else "an unfinished"
         return ContractError(
             f"{self.path} holds {state} {self.what} made otherwise (left: the directory, right: this run):\n  "
-            + "\n  ".join(diffs) + f"\n{hint}"
+            + "\n  ".join(diffs)
+            + f"\n{hint}"
         )
 
     def finished(self, replace: bool = False) -> dict[str, Any] | None:
@@ -130,10 +139,17 @@ def hold_lock(path: Path, what: str, name: str = LOCK_NAME) -> None:
         except (ValueError, OSError):
             holder = {}
         os.close(fd)
-        raise ContractError(f"{file.parent} is in use: another process is writing this {what} (pid "
-                            f"{holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('since', '?')}); "
-                            f"wait for it to finish, or choose another out=") from None
+        raise ContractError(
+            f"{file.parent} is in use: another process is writing this {what} (pid "
+            f"{holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('since', '?')}); "
+            f"wait for it to finish, or choose another out="
+        ) from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                              "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode(), 0)
+    os.pwrite(
+        fd,
+        json.dumps(
+            {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        ).encode(),
+        0,
+    )
     _HELD[file] = fd

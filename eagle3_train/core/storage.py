@@ -72,11 +72,16 @@ def encode(states: dict[str, torch.Tensor], storage: str) -> dict[str, torch.Ten
 def decode(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """A shard's (or a sample's) tensors with every fp8 state read back in ``dtype`` and the
     scales left out; other tensors as they are."""
-    return {k: dequantize(v, tensors[scale_key(k)], dtype) if scale_key(k) in tensors else v
-            for k, v in tensors.items() if not k.endswith(SCALE_SUFFIX)}
+    return {
+        k: dequantize(v, tensors[scale_key(k)], dtype) if scale_key(k) in tensors else v
+        for k, v in tensors.items()
+        if not k.endswith(SCALE_SUFFIX)
+    }
 
 
-def layout(keys: list[str], hidden: int, dtype: torch.dtype, storage: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def layout(
+    keys: list[str], hidden: int, dtype: torch.dtype, storage: str
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Every tensor a shard holds for the states ``keys`` (each [T, hidden]): key -> (dtype,
     shape of one token's row)."""
     if storage == DTYPE:
@@ -89,8 +94,9 @@ def bytes_per_token(shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> i
     return sum(math.prod(shape) * dtype.itemsize for dtype, shape in shapes.values())
 
 
-def convert(tensors: dict[str, torch.Tensor], keys: list[str], source: str, dest: str,
-            dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def convert(
+    tensors: dict[str, torch.Tensor], keys: list[str], source: str, dest: str, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """The states ``keys`` of a shard stored as ``source``, stored as ``dest`` instead (fp8 read
     back in ``dtype``, or ``dtype`` states quantized; the same storage is passed through)."""
     mine = {name: t for name, t in tensors.items() if name.removesuffix(SCALE_SUFFIX) in keys}

@@ -68,7 +68,9 @@ class VocabMap:
 def capped_draft_size(draft_vocab_size: int, target_vocab_size: int) -> int:
     """The draft vocab size asked for, capped at the target's vocab (with a warning)."""
     if draft_vocab_size > target_vocab_size:
-        logger.warning(f"warning: draft_vocab_size {draft_vocab_size} capped at the target vocab size {target_vocab_size}")
+        logger.warning(
+            f"warning: draft_vocab_size {draft_vocab_size} capped at the target vocab size {target_vocab_size}"
+        )
     return min(draft_vocab_size, target_vocab_size)
 
 
@@ -88,8 +90,10 @@ def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int) -> VocabM
     chosen = order[:draft_vocab_size]
     seen = int((counts > 0).sum())
     if seen < draft_vocab_size:
-        logger.warning(f"warning: only {seen} distinct tokens occur in the training data; the draft vocab of "
-                       f"{draft_vocab_size} is filled with the {draft_vocab_size - seen} lowest unseen ids")
+        logger.warning(
+            f"warning: only {seen} distinct tokens occur in the training data; the draft vocab of "
+            f"{draft_vocab_size} is filled with the {draft_vocab_size - seen} lowest unseen ids"
+        )
     return VocabMap(torch.sort(chosen).values, counts)
 
 

@@ -44,9 +44,16 @@ NESTED_V2 = ("eagle_config", "layer_ids")
 # Target model_type -> the family whose engine code serves it (a rule names a family, or ``*``).
 FAMILIES = {
     # SGLang's MistralForCausalLM is its LlamaForCausalLM (models/mistral.py, 0.5.17)
-    "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "qwen3_moe": "llama",
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "qwen3_moe": "llama",
     # SGLang's DeepSeek-V3 / Kimi-K2 classes live in its deepseek_v2 code and share its rule
-    "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "kimi_k2": "deepseek", "glm4_moe_lite": "deepseek",
+    "deepseek_v2": "deepseek",
+    "deepseek_v3": "deepseek",
+    "kimi_k2": "deepseek",
+    "glm4_moe_lite": "deepseek",
     "gpt_oss": "gpt_oss",
 }
 
@@ -112,8 +119,9 @@ class Rule:
 
     def applies(self, model_type: str) -> bool:
         """Whether the rule covers a target of ``model_type``."""
-        return (self.family in ("*", family_of(model_type))
-                and (self.model_types is None or model_type in self.model_types))
+        return self.family in ("*", family_of(model_type)) and (
+            self.model_types is None or model_type in self.model_types
+        )
 
 
 @dataclass
@@ -203,10 +211,10 @@ class Command:
         n = len(self.program)
         if tuple(argv[:n]) != self.program:
             raise ValueError(f"{shlex.join(argv[:n])!r} does not start {' '.join(self.program)}")
-        out: dict[str, Any] = dict(zip(self.positional, argv[n:n + len(self.positional)]))
+        out: dict[str, Any] = dict(zip(self.positional, argv[n : n + len(self.positional)]))
         if len(out) < len(self.positional):
             raise ValueError(f"{' '.join(self.program)} needs {list(self.positional)}")
-        rest = argv[n + len(self.positional):]
+        rest = argv[n + len(self.positional) :]
         i = 0
         while i < len(rest):
             flag, _, inline = rest[i].partition("=")
@@ -223,13 +231,20 @@ class Command:
                     words.append(rest[i])
                     i += 1
             else:
-                words = [inline] if inline else rest[i:i + 1]
+                words = [inline] if inline else rest[i : i + 1]
                 i += 0 if inline else 1
             if not words:
                 raise ValueError(f"{flag} takes a value")
             try:
-                out[flag] = (json.loads(words[0]) if kind == "json" else [int(w) for w in words] if kind == "ints"
-                             else int(words[0]) if kind == "int" else words[0])
+                out[flag] = (
+                    json.loads(words[0])
+                    if kind == "json"
+                    else [int(w) for w in words]
+                    if kind == "ints"
+                    else int(words[0])
+                    if kind == "int"
+                    else words[0]
+                )
             except ValueError:
                 raise ValueError(f"{flag} takes {kind}, got {words}") from None
         return out
@@ -268,9 +283,15 @@ def sampling_fields(sampling: dict) -> dict[str, Any]:
     """Sampling fields the engines name alike. All are sent: a field left out takes the server's
     default, which may come from the target's generation_config (top_k, repetition penalty)."""
     greedy = not sampling["do_sample"]
-    return {"temperature": 0.0 if greedy else float(sampling["temperature"]),
-            "top_p": 1.0 if greedy else float(sampling["top_p"]),
-            "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+    return {
+        "temperature": 0.0 if greedy else float(sampling["temperature"]),
+        "top_p": 1.0 if greedy else float(sampling["top_p"]),
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+    }
 
 
 @dataclass(frozen=True)
@@ -366,9 +387,14 @@ class Engine:
         """What the project uses it for: ``rules`` (check), ``export`` (export, eval), ``dump``
         (``backend=``), ``regenerate`` (``regen.backend=``), ``acceptance`` (served acceptance),
         ``bench`` (eagle3-bench: started with and without a draft, its figures read)."""
-        has = {"rules": bool(self.rules), "export": self.exports, "dump": self.in_process or self.capture is not None,
-               "regenerate": self.in_process or self.generation is not None, "acceptance": self.metrics is not None,
-               "bench": self.metrics is not None and self.serve is not None and self.version_route is not None}
+        has = {
+            "rules": bool(self.rules),
+            "export": self.exports,
+            "dump": self.in_process or self.capture is not None,
+            "regenerate": self.in_process or self.generation is not None,
+            "acceptance": self.metrics is not None,
+            "bench": self.metrics is not None and self.serve is not None and self.version_route is not None,
+        }
         return frozenset(role for role, yes in has.items() if yes)
 
     # -- the layer-id rules: pure queries ------------------------------------------------------
@@ -383,8 +409,10 @@ class Engine:
         if self.serves is not None and model_type not in self.serves:
             return f"{self.name} {self.version} {self.serves_note} ({sorted(self.serves)}); it refuses model_type {model_type!r} at load"
         known = sorted(m for m in set(FAMILIES) | (self.serves or set()) if self.rules_for(m))
-        return (f"{self.name}: no rule covers target model_type {model_type!r} (known for {self.name}: {known}); its "
-                f"behaviour is unknown, so no config can be promised to work")
+        return (
+            f"{self.name}: no rule covers target model_type {model_type!r} (known for {self.name}: {known}); its "
+            f"behaviour is unknown, so no config can be promised to work"
+        )
 
     def verification(self, model_type: str) -> str:
         """How this project knows the rule for ``model_type``: a real run (which), the engine's
@@ -421,7 +449,9 @@ class Engine:
             out.append(Resolution(rule, ids, source, sorted(k for k in fed if k != n), n in fed, problem, fed, note))
         return out
 
-    def ids_for(self, hf_indices: list[int], model_type: str, num_hidden_layers: int) -> dict[tuple[str, ...], list[int]]:
+    def ids_for(
+        self, hf_indices: list[int], model_type: str, num_hidden_layers: int
+    ) -> dict[tuple[str, ...], list[int]]:
         """The config entries that make this engine capture ``hf_indices``: {key path: ids}.
 
         Raises :class:`Unexpressible` naming the engine, the family and what would work instead.
@@ -448,8 +478,10 @@ class Engine:
         else:
             hint = rule.unwritable or "choose other aux layers, or another engine"
         family = family_of(model_type) or model_type
-        return (f"{self.name} ({rule.versions}, {family} family, {rule.note}) cannot capture HF indices {ks} (N={n}): "
-                f"{hint}")
+        return (
+            f"{self.name} ({rule.versions}, {family} family, {rule.note}) cannot capture HF indices {ks} (N={n}): "
+            f"{hint}"
+        )
 
     # -- the command line ----------------------------------------------------------------------
 

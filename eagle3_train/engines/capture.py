@@ -29,7 +29,9 @@ class ServerConfig:
     url: str = "http://127.0.0.1:8000"  # the vLLM server, or SGLang's aux-state server
     final_url: str = "http://127.0.0.1:30001"  # SGLang only: the server that returns the post-norm final state
     model: str | None = None  # vLLM's served model name; null: the first one /v1/models lists
-    files_dir: str | None = None  # vLLM: the shared directory the engine writes states to, as this client sees it (null: <out>/engine_files)
+    files_dir: str | None = (
+        None  # vLLM: the shared directory the engine writes states to, as this client sees it (null: <out>/engine_files)
+    )
     server_files_dir: str | None = None  # vLLM: the same directory as the engine sees it (null: files_dir)
     engine_args: str = ""  # extra engine flags (parallelism: --tp-size 4) for the printed launch commands; checked against what the dump needs
 
@@ -50,8 +52,12 @@ class ClientConfig:
     keep_files: bool = False  # vLLM: keep the engine's per-request files after reading them
 
     def __post_init__(self) -> None:
-        check_numbers(self, "client.", positive=("world_size", "concurrency", "request_timeout_s", "file_timeout_s",
-                                                  "wait_for_server_s"), non_negative=("rank", "retries", "backoff_s"))
+        check_numbers(
+            self,
+            "client.",
+            positive=("world_size", "concurrency", "request_timeout_s", "file_timeout_s", "wait_for_server_s"),
+            non_negative=("rank", "retries", "backoff_s"),
+        )
 
 
 @dataclass(frozen=True)
@@ -115,8 +121,16 @@ class StateCapture(ABC):
         cannot capture or serve, before anything is launched."""
 
     @abstractmethod
-    def launch_lines(self, model_path: str, model_type: str, num_hidden_layers: int, stored: list[int], dtype: str,
-                     server: ServerConfig, out: str | None) -> list[str]:
+    def launch_lines(
+        self,
+        model_path: str,
+        model_type: str,
+        num_hidden_layers: int,
+        stored: list[int],
+        dtype: str,
+        server: ServerConfig,
+        out: str | None,
+    ) -> list[str]:
         """The command(s) that start the engine for ``stored``, with comments."""
 
     @abstractmethod

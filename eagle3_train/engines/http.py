@@ -41,7 +41,9 @@ async def post_json(session: Any, url: str, body: dict, parse_gate: asyncio.Sema
             if resp.status in (408, 429) or resp.status >= 500:
                 raise Transient(f"{url}: HTTP {resp.status}: {text[:300].decode(errors='replace')}")
             if resp.status != 200:
-                raise EngineError(f"{url} refused the request: HTTP {resp.status}: {text[:500].decode(errors='replace')}")
+                raise EngineError(
+                    f"{url} refused the request: HTTP {resp.status}: {text[:500].decode(errors='replace')}"
+                )
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise Transient(f"{url}: {type(e).__name__}: {e}") from None
     try:
@@ -53,8 +55,13 @@ async def post_json(session: Any, url: str, body: dict, parse_gate: asyncio.Sema
         raise Transient(f"{url}: the response is not JSON: {text[:200]!r}") from None
 
 
-async def wait_ready(session: Any, base_urls: list[str], wait_s: float, command: str = "eagle3-dump",
-                     hint: str = "print_launch=true shows how to start it") -> None:
+async def wait_ready(
+    session: Any,
+    base_urls: list[str],
+    wait_s: float,
+    command: str = "eagle3-dump",
+    hint: str = "print_launch=true shows how to start it",
+) -> None:
     """Wait until every server answers ``/health`` (engines take minutes to load a large target);
     ``command`` and ``hint`` name the caller in its messages (the dump, or regeneration)."""
     aiohttp = optional_import("aiohttp")
@@ -71,8 +78,9 @@ async def wait_ready(session: Any, base_urls: list[str], wait_s: float, command:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 problem = f"{type(e).__name__}: {e}"
             if time.monotonic() > deadline:
-                raise Eagle3Error(f"{base} did not become ready within {wait_s:.0f} s ({problem}); is the engine running? "
-                                  f"{hint}")
+                raise Eagle3Error(
+                    f"{base} did not become ready within {wait_s:.0f} s ({problem}); is the engine running? {hint}"
+                )
             if not said:
                 logger.info(f"{command}: waiting for {base} ({problem})")
                 said = True

@@ -66,7 +66,9 @@ def resolve(config: dict, engine: str, model_type: str, num_hidden_layers: int) 
     return _engine(engine).resolve(config, model_type, num_hidden_layers)
 
 
-def ids_for(hf_indices: list[int], engine: str, model_type: str, num_hidden_layers: int) -> dict[tuple[str, ...], list[int]]:
+def ids_for(
+    hf_indices: list[int], engine: str, model_type: str, num_hidden_layers: int
+) -> dict[tuple[str, ...], list[int]]:
     """The config entries that make ``engine`` capture ``hf_indices``: {key path: ids}.
 
     Raises :class:`Unexpressible` naming the engine, the family and what would work instead.
@@ -74,8 +76,9 @@ def ids_for(hf_indices: list[int], engine: str, model_type: str, num_hidden_laye
     return _engine(engine).ids_for(hf_indices, model_type, num_hidden_layers)
 
 
-def unservable(hf_indices: list[int], model_type: str, num_hidden_layers: int,
-               engines: list[str] | None = None) -> dict[str, str]:
+def unservable(
+    hf_indices: list[int], model_type: str, num_hidden_layers: int, engines: list[str] | None = None
+) -> dict[str, str]:
     """{engine: why no config makes it capture ``hf_indices``} for each of ``engines`` (None: every
     engine with rules) that cannot (empty: all can)."""
     out = {}
@@ -94,8 +97,10 @@ def serving_warning(hf_indices: list[int], model_type: str, num_hidden_layers: i
     bad = unservable(hf_indices, model_type, num_hidden_layers, exporting)
     if len(bad) < len(exporting):
         return None
-    return (f"no serving engine can feed a draft the capture {list(hf_indices)}; eagle3-export will refuse it:\n  "
-            + "\n  ".join(bad[e] for e in exporting))
+    return (
+        f"no serving engine can feed a draft the capture {list(hf_indices)}; eagle3-export will refuse it:\n  "
+        + "\n  ".join(bad[e] for e in exporting)
+    )
 
 
 def fc_skipped(engine: str, num_aux: int, target_hidden: int, draft_hidden: int) -> bool:

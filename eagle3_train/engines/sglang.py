@@ -73,29 +73,55 @@ def _gpt_oss(ids: list[int], n: int) -> list[int]:
 
 RULES = (
     Rule(_READ, "llama", (NESTED,), plus_one, "reads only eagle_config; a top-level key is ignored"),
-    Rule(_READ, "deepseek", (NESTED,), _deepseek, "adds 1 only when the first id is 1",
-         unwritable="a first HF index of 1 cannot be written: ids starting at 1 are shifted by one, ids starting "
-                    "at 0 are not; choose a first layer other than 1, or serve with vLLM"),
+    Rule(
+        _READ,
+        "deepseek",
+        (NESTED,),
+        _deepseek,
+        "adds 1 only when the first id is 1",
+        unwritable="a first HF index of 1 cannot be written: ids starting at 1 are shifted by one, ids starting "
+        "at 0 are not; choose a first layer other than 1, or serve with vLLM",
+    ),
     Rule(_READ, "gpt_oss", (NESTED,), _gpt_oss, "adds 1 unless the largest id is N"),
 )
 
 # target model_type -> the real SGLang run that confirmed its rule. SGLang's acceptance length was
 # within 1.7 % of eval's tau for each (SGLang 0.5.17 has no aux-state dump).
 _RUN = "H200, 2026-12-02, tiny targets and SmolLM2 (tests/benchmarks/results/families_sglang_h200.json)"
-VERIFIED = {mt: f"SGLang 0.5.17: served draft, {_RUN}"
-            for mt in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss")}
+VERIFIED = {
+    mt: f"SGLang 0.5.17: served draft, {_RUN}"
+    for mt in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss")
+}
 
 # ``python -m sglang.launch_server``'s flags that this project writes or documents
 # (python/sglang/srt/server_args.py of 0.5.23)
-COMMAND = Command(("python", "-m", "sglang.launch_server"), (), {
-    "--model-path": "value", "--port": "int", "--host": "value", "--dtype": "value",
-    "--speculative-algorithm": "value", "--speculative-draft-model-path": "value", "--speculative-num-steps": "int",
-    "--speculative-eagle-topk": "int", "--speculative-num-draft-tokens": "int",
-    "--disable-radix-cache": "switch", "--chunked-prefill-size": "int", "--enable-return-hidden-states": "switch",
-    "--enable-return-aux-hidden-states": "switch", "--return-aux-hidden-state-layer-ids": "ints",
-    "--tp-size": "int", "--pp-size": "int", "--context-length": "int", "--mem-fraction-static": "value",
-    "--enable-deterministic-inference": "switch", "--trust-remote-code": "switch",
-}, f"SGLang {VERSION}: python/sglang/srt/server_args.py")
+COMMAND = Command(
+    ("python", "-m", "sglang.launch_server"),
+    (),
+    {
+        "--model-path": "value",
+        "--port": "int",
+        "--host": "value",
+        "--dtype": "value",
+        "--speculative-algorithm": "value",
+        "--speculative-draft-model-path": "value",
+        "--speculative-num-steps": "int",
+        "--speculative-eagle-topk": "int",
+        "--speculative-num-draft-tokens": "int",
+        "--disable-radix-cache": "switch",
+        "--chunked-prefill-size": "int",
+        "--enable-return-hidden-states": "switch",
+        "--enable-return-aux-hidden-states": "switch",
+        "--return-aux-hidden-state-layer-ids": "ints",
+        "--tp-size": "int",
+        "--pp-size": "int",
+        "--context-length": "int",
+        "--mem-fraction-static": "value",
+        "--enable-deterministic-inference": "switch",
+        "--trust-remote-code": "switch",
+    },
+    f"SGLang {VERSION}: python/sglang/srt/server_args.py",
+)
 
 
 def serve(target: str, draft: str | None, num_speculative_tokens: int, flags: dict[str, Any]) -> list[str]:
@@ -105,8 +131,15 @@ def serve(target: str, draft: str | None, num_speculative_tokens: int, flags: di
     if draft is None:
         return COMMAND.line(model_path=target, **flags)
     k = num_speculative_tokens
-    return COMMAND.line(model_path=target, **flags, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
-                        speculative_num_steps=k, speculative_eagle_topk=1, speculative_num_draft_tokens=k + 1)
+    return COMMAND.line(
+        model_path=target,
+        **flags,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=draft,
+        speculative_num_steps=k,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=k + 1,
+    )
 
 
 # ---- the served dump ------------------------------------------------------------------------------
@@ -146,17 +179,25 @@ def pipeline_stages(engine_args: str) -> int:
 def check_engine_args(engine_args: str) -> None:
     """SGLang returns aux hidden states only with ``pp_size == 1``: refuse other flags before launch."""
     if (pp := pipeline_stages(engine_args)) != 1:
-        raise ConfigError(f"server.engine_args asks SGLang for {pp} pipeline stages, but SGLang returns aux hidden states "
-                          f"only with pp_size == 1: use tensor parallelism (--tp-size) instead")
+        raise ConfigError(
+            f"server.engine_args asks SGLang for {pp} pipeline stages, but SGLang returns aux hidden states "
+            f"only with pp_size == 1: use tensor parallelism (--tp-size) instead"
+        )
 
 
 def launch(model_path: str, ids: list[int] | None, dtype: str, port: int, extra: str = "") -> str:
     """The server that returns the states of engine ``ids`` (None: the post-norm final state)."""
     common = dict(model_path=model_path, port=port, dtype=dtype, disable_radix_cache=True, chunked_prefill_size=-1)
     if ids is None:
-        return shell(COMMAND.line(**common, enable_return_hidden_states=True), ("--enable-return-hidden-states",), extra)
-    argv = COMMAND.line(**common, enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
-                        return_aux_hidden_state_layer_ids=ids)
+        return shell(
+            COMMAND.line(**common, enable_return_hidden_states=True), ("--enable-return-hidden-states",), extra
+        )
+    argv = COMMAND.line(
+        **common,
+        enable_return_aux_hidden_states=True,
+        speculative_algorithm="EAGLE3",
+        return_aux_hidden_state_layer_ids=ids,
+    )
     return shell(argv, ("--enable-return-aux-hidden-states",), extra)
 
 
@@ -191,8 +232,10 @@ class SglangStates:
             raise EngineError(f"{where}: the response has no meta_info")
         cached = meta.get("cached_tokens", 0)
         if cached:
-            raise EngineError(f"{where}: cached_tokens={cached}: the radix cache served part of the prompt and its rows "
-                              f"are missing; launch the server with --disable-radix-cache")
+            raise EngineError(
+                f"{where}: cached_tokens={cached}: the radix cache served part of the prompt and its rows "
+                f"are missing; launch the server with --disable-radix-cache"
+            )
         if meta.get("prompt_tokens", len(prompt)) != len(prompt):
             raise EngineError(f"{where}: prompt_tokens={meta['prompt_tokens']} for a prompt of {len(prompt)} tokens")
         hs = meta.get("hidden_states")
@@ -200,8 +243,10 @@ class SglangStates:
             raise EngineError(f"{where}: no hidden_states in meta_info: launch the server as print_launch=true shows")
         rows = hs[0]  # the prefill's rows; later entries belong to generated tokens
         if len(rows) != len(prompt):
-            raise EngineError(f"{where}: {len(rows)} rows for {len(prompt)} prompt tokens: a chunked prefill returns only "
-                              f"its last chunk; launch the server with --chunked-prefill-size -1")
+            raise EngineError(
+                f"{where}: {len(rows)} rows for {len(prompt)} prompt tokens: a chunked prefill returns only "
+                f"its last chunk; launch the server with --chunked-prefill-size -1"
+            )
         return exact_rows(rows, width, self.dtype, where)
 
     def __call__(self, aux: dict, final: dict, prompt: list[int], where: tuple[str, str]) -> dict[str, torch.Tensor]:
@@ -232,10 +277,15 @@ class SglangClient:
 
     async def fetch(self, session: Any, sample_id: int, prompt: list[int], attempt: int) -> tuple[dict, int | None]:
         assert self.parse_gate is not None, "start() first"
-        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-                "return_hidden_states": True}
-        aux, final = await asyncio.gather(post_json(session, f"{self.url}/generate", body, self.parse_gate),
-                                          post_json(session, f"{self.final_url}/generate", body, self.parse_gate))
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_hidden_states": True,
+        }
+        aux, final = await asyncio.gather(
+            post_json(session, f"{self.url}/generate", body, self.parse_gate),
+            post_json(session, f"{self.final_url}/generate", body, self.parse_gate),
+        )
         where = (f"{self.url} (sample {sample_id})", f"{self.final_url} (sample {sample_id})")
         async with self.parse_gate:
             states = await asyncio.to_thread(self.states, aux, final, prompt, where)
@@ -255,14 +305,24 @@ class SglangCapture(StateCapture):
         check_engine_args(server.engine_args)
         return dump_layer_ids(stored, model_type, num_hidden_layers)
 
-    def launch_lines(self, model_path: str, model_type: str, num_hidden_layers: int, stored: list[int], dtype: str,
-                     server: ServerConfig, out: str | None) -> list[str]:
+    def launch_lines(
+        self,
+        model_path: str,
+        model_type: str,
+        num_hidden_layers: int,
+        stored: list[int],
+        dtype: str,
+        server: ServerConfig,
+        out: str | None,
+    ) -> list[str]:
         ids = self.layer_ids(stored, model_type, num_hidden_layers, server)
         extra = server.engine_args
-        return [f"# aux-state server: ids {ids} capture HF indices {stored}",
-                launch(model_path, ids, dtype, port_of(server.url, 30000), extra),
-                "# final-state server (post-norm last_hidden):",
-                launch(model_path, None, dtype, port_of(server.final_url, 30001), extra)]
+        return [
+            f"# aux-state server: ids {ids} capture HF indices {stored}",
+            launch(model_path, ids, dtype, port_of(server.url, 30000), extra),
+            "# final-state server (post-norm last_hidden):",
+            launch(model_path, None, dtype, port_of(server.final_url, 30001), extra),
+        ]
 
     def client(self, job: CaptureJob, tensors: dict[str, torch.Tensor]) -> SglangClient:
         return SglangClient(job, SglangStates(job.stored, job.hidden_size, job.dtype))
@@ -271,10 +331,16 @@ class SglangCapture(StateCapture):
 # ---- served regeneration and served acceptance -----------------------------------------------------
 
 
-def generation_request(prompt: list[int], model: str | None, sampling: dict, eos_ids: list[int], seed: int | None) -> dict:
+def generation_request(
+    prompt: list[int], model: str | None, sampling: dict, eos_ids: list[int], seed: int | None
+) -> dict:
     """A ``/generate`` body: the prompt as ids, every sampling field, stop at ``eos_ids``."""
-    params = {"max_new_tokens": int(sampling["max_new_tokens"]), **sampling_fields(sampling),
-              "stop_token_ids": eos_ids, "skip_special_tokens": False}
+    params = {
+        "max_new_tokens": int(sampling["max_new_tokens"]),
+        **sampling_fields(sampling),
+        "stop_token_ids": eos_ids,
+        "skip_special_tokens": False,
+    }
     if seed is not None:
         params["sampling_seed"] = seed
     return {"input_ids": prompt, "sampling_params": params}
@@ -292,15 +358,38 @@ def generation_reply(resp: dict, where: str) -> tuple[list[int], str | None, Any
 
 
 ENGINE = Engine(
-    name="sglang", title="SGLang", version=VERSION, rules=RULES, verified=VERIFIED, exports=True, skips_fc=True,
-    foreign_weights="would silently drop", command=COMMAND, serve=serve, capture=SglangCapture(),
+    name="sglang",
+    title="SGLang",
+    version=VERSION,
+    rules=RULES,
+    verified=VERIFIED,
+    exports=True,
+    skips_fc=True,
+    foreign_weights="would silently drop",
+    command=COMMAND,
+    serve=serve,
+    capture=SglangCapture(),
     version_route=("/get_server_info", "version"),  # SGLang 0.5.17: srt/entrypoints/http_server.py
-    generation=Generation("/generate", False, generation_request, generation_reply,
-                          "SGLang: python/sglang/srt/managers/io_struct.py @001067f"),
+    generation=Generation(
+        "/generate",
+        False,
+        generation_request,
+        generation_reply,
+        "SGLang: python/sglang/srt/managers/io_struct.py @001067f",
+    ),
     metrics=SpecMetrics(
-        "sglang", "SGLang 0.5.17: srt/managers/tokenizer_manager.py (_calculate_spec_decoding_metrics), "
+        "sglang",
+        "SGLang 0.5.17: srt/managers/tokenizer_manager.py (_calculate_spec_decoding_metrics), "
         "srt/entrypoints/openai/serving_chat.py (return_meta_info)",
-        "spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts", "spec_correct_drafts_histogram", "",
-        "", "completion_tokens", shell(serve("<target>", "<draft>", 5, {})), per_reply=True, ids_route="/generate",
+        "spec_verify_ct",
+        "spec_num_proposed_drafts",
+        "spec_num_correct_drafts",
+        "spec_correct_drafts_histogram",
+        "",
+        "",
+        "completion_tokens",
+        shell(serve("<target>", "<draft>", 5, {})),
+        per_reply=True,
+        ids_route="/generate",
     ),
 )

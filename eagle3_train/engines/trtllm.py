@@ -14,8 +14,13 @@ from eagle3_train.engines.base import Engine, Rule, plus_one
 VERSION = "main-2026-08"
 
 RULES = (
-    Rule("main 2026-08", "*", (("eagle3_layers_to_capture",),), plus_one,
-         "reads eagle3_layers_to_capture from its own decoding config, not config.json"),
+    Rule(
+        "main 2026-08",
+        "*",
+        (("eagle3_layers_to_capture",),),
+        plus_one,
+        "reads eagle3_layers_to_capture from its own decoding config, not config.json",
+    ),
 )
 
 ENGINE = Engine(name="trtllm", title="TensorRT-LLM", version=VERSION, rules=RULES)

@@ -79,17 +79,35 @@ VERSION = "0.33.0"
 DEEPSEEK = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2"})
 EAGLE3_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"}) | DEEPSEEK
 
-_ID0 = ("vLLM's id 0 arrives overwritten: its capture keeps the embedding tensor, which the first layer makes "
-        "its residual and fused_add_rms_norm updates in place (measured, vLLM 0.26.0)")
+_ID0 = (
+    "vLLM's id 0 arrives overwritten: its capture keeps the embedding tensor, which the first layer makes "
+    "its residual and fused_add_rms_norm updates in place (measured, vLLM 0.26.0)"
+)
 _DEEPSEEK_ID0 = "vLLM's DeepSeek code crashes on id 0 (its residual is still None there)"
 _V2, _V1 = f"{VERSION} (V2 runner, the default)", f"{VERSION} (V1 runner)"
 # V2, vLLM 0.33's default runner, never reads eagle_config.eagle_aux_hidden_state_layer_ids
 RULES = (
-    Rule(_V2, "*", ((TOP_KEY,), NESTED_V2), identity, "top-level key first", EAGLE3_MODEL_TYPES - DEEPSEEK,
-         id0=_ID0, id0_is_final=True),
+    Rule(
+        _V2,
+        "*",
+        ((TOP_KEY,), NESTED_V2),
+        identity,
+        "top-level key first",
+        EAGLE3_MODEL_TYPES - DEEPSEEK,
+        id0=_ID0,
+        id0_is_final=True,
+    ),
     Rule(_V2, "*", ((TOP_KEY,), NESTED_V2), identity, "top-level key first", DEEPSEEK, id0=_DEEPSEEK_ID0),
-    Rule(_V1, "*", ((TOP_KEY,), NESTED), identity, "top-level key first", EAGLE3_MODEL_TYPES - DEEPSEEK,
-         id0=_ID0, id0_is_final=True),
+    Rule(
+        _V1,
+        "*",
+        ((TOP_KEY,), NESTED),
+        identity,
+        "top-level key first",
+        EAGLE3_MODEL_TYPES - DEEPSEEK,
+        id0=_ID0,
+        id0_is_final=True,
+    ),
     Rule(_V1, "*", ((TOP_KEY,), NESTED), identity, "top-level key first", DEEPSEEK, id0=_DEEPSEEK_ID0),
 )
 
@@ -100,20 +118,37 @@ RULES = (
 _FAMILIES_RUN = "H200, 2026-12-02, tiny targets and SmolLM2 (tests/benchmarks/results/families_vllm_h200.json)"
 VERIFIED = {
     "llama": f"vLLM 0.26.0, H200, 2026-11-30 (tests/benchmarks/results/vllm_h200.json); served dump and served draft, "
-             f"{_FAMILIES_RUN}",
-    **{mt: f"vLLM 0.26.0: served dump and served draft, {_FAMILIES_RUN}"
-       for mt in ("mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss")},
+    f"{_FAMILIES_RUN}",
+    **{
+        mt: f"vLLM 0.26.0: served dump and served draft, {_FAMILIES_RUN}"
+        for mt in ("mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss")
+    },
 }
 
 # ``vllm serve``'s flags that this project writes or documents (vllm/engine/arg_utils.py and
 # vllm/entrypoints/openai/cli_args.py of 0.33.0)
-COMMAND = Command(("vllm", "serve"), ("model",), {
-    "--port": "int", "--host": "value", "--dtype": "value", "--speculative-config": "json",
-    "--kv-transfer-config": "json", "--no-enable-prefix-caching": "switch", "--enforce-eager": "switch",
-    "--gpu-memory-utilization": "value", "--kv-cache-memory-bytes": "int", "--max-model-len": "int",
-    "--tensor-parallel-size": "int", "--served-model-name": "value", "--disable-log-stats": "switch",
-    "--generation-config": "value", "--trust-remote-code": "switch",
-}, f"vLLM {VERSION}: vllm/engine/arg_utils.py, vllm/entrypoints/openai/cli_args.py")
+COMMAND = Command(
+    ("vllm", "serve"),
+    ("model",),
+    {
+        "--port": "int",
+        "--host": "value",
+        "--dtype": "value",
+        "--speculative-config": "json",
+        "--kv-transfer-config": "json",
+        "--no-enable-prefix-caching": "switch",
+        "--enforce-eager": "switch",
+        "--gpu-memory-utilization": "value",
+        "--kv-cache-memory-bytes": "int",
+        "--max-model-len": "int",
+        "--tensor-parallel-size": "int",
+        "--served-model-name": "value",
+        "--disable-log-stats": "switch",
+        "--generation-config": "value",
+        "--trust-remote-code": "switch",
+    },
+    f"vLLM {VERSION}: vllm/engine/arg_utils.py, vllm/entrypoints/openai/cli_args.py",
+)
 
 
 def serve(target: str, draft: str | None, num_speculative_tokens: int, flags: dict[str, Any]) -> list[str]:
@@ -157,20 +192,40 @@ def dump_layer_ids(stored: list[int], model_type: str, num_hidden_layers: int) -
 
 def launch(model_path: str, ids: list[int], dtype: str, port: int, storage: str, extra: str = "") -> str:
     """The ``vllm serve`` command that writes the states of engine ``ids`` to ``storage``."""
-    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {TOP_KEY: ids}}}
-    kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"shared_storage_path": storage, "allow_custom_save_path": True}}
-    argv = COMMAND.line(model_path, port=port, dtype=dtype, no_enable_prefix_caching=True, speculative_config=spec,
-                        kv_transfer_config=kv)
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {TOP_KEY: ids}},
+    }
+    kv = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": storage, "allow_custom_save_path": True},
+    }
+    argv = COMMAND.line(
+        model_path,
+        port=port,
+        dtype=dtype,
+        no_enable_prefix_caching=True,
+        speculative_config=spec,
+        kv_transfer_config=kv,
+    )
     return shell(argv, ("--speculative-config", "--kv-transfer-config"), extra)
 
 
 class VllmStates:
     """Turns one vLLM state file into the shard's states (HF indices + post-norm ``last_hidden``)."""
 
-    def __init__(self, stored: list[int], ids: list[int], hidden: int, dtype: torch.dtype,
-                 norm_weight: torch.Tensor, eps: float, style: str):
+    def __init__(
+        self,
+        stored: list[int],
+        ids: list[int],
+        hidden: int,
+        dtype: torch.dtype,
+        norm_weight: torch.Tensor,
+        eps: float,
+        style: str,
+    ):
         self.stored, self.ids = stored, ids
         self.hidden, self.dtype = hidden, dtype
         self.norm_weight, self.eps, self.style = norm_weight, eps, style
@@ -192,8 +247,10 @@ class VllmStates:
                 f"hidden size): the engine was launched for another capture; see print_launch=true"
             )
         if hs.dtype != self.dtype:
-            raise EngineError(f"{where}: the engine's states are {hs.dtype}, this dump stores {self.dtype}: set dtype= "
-                              f"to the engine's --dtype")
+            raise EngineError(
+                f"{where}: the engine's states are {hs.dtype}, this dump stores {self.dtype}: set dtype= "
+                f"to the engine's --dtype"
+            )
         states = {f"hidden.{k}": hs[:, i] for i, k in enumerate(self.stored)}
         states["last_hidden"] = final_norm(hs[:, -1], self.norm_weight, self.eps, self.style)
         return states
@@ -265,13 +322,21 @@ class VllmClient:
 
     async def fetch(self, session: Any, sample_id: int, prompt: list[int], attempt: int) -> tuple[dict, int | None]:
         name = f"{sample_id}.{attempt}.safetensors"  # a late file of a timed-out attempt cannot be mistaken
-        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True,
-                "kv_transfer_params": {"hidden_states_path": str(self.server_dir / name)}}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "return_token_ids": True,
+            "kv_transfer_params": {"hidden_states_path": str(self.server_dir / name)},
+        }
         resp = await post_json(session, f"{self.url}/v1/completions", body)
         engine_path = (resp.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not engine_path:
-            raise EngineError(f"{self.url}: the response names no kv_transfer_params.hidden_states_path: launch vLLM with "
-                              f"the hidden-states connector (print_launch=true)")
+            raise EngineError(
+                f"{self.url}: the response names no kv_transfer_params.hidden_states_path: launch vLLM with "
+                f"the hidden-states connector (print_launch=true)"
+            )
         path = self._local(engine_path)
         client = self.job.client
         try:
@@ -297,29 +362,59 @@ class VllmCapture(StateCapture):
     def layer_ids(self, stored: list[int], model_type: str, num_hidden_layers: int, server: ServerConfig) -> list[int]:
         return dump_layer_ids(stored, model_type, num_hidden_layers)
 
-    def launch_lines(self, model_path: str, model_type: str, num_hidden_layers: int, stored: list[int], dtype: str,
-                     server: ServerConfig, out: str | None) -> list[str]:
+    def launch_lines(
+        self,
+        model_path: str,
+        model_type: str,
+        num_hidden_layers: int,
+        stored: list[int],
+        dtype: str,
+        server: ServerConfig,
+        out: str | None,
+    ) -> list[str]:
         n = num_hidden_layers
         ids = dump_layer_ids(stored, model_type, n)
-        storage = server.server_files_dir or server.files_dir or (
-            str(Path(out).expanduser().resolve() / "engine_files") if out else "<out>/engine_files")
-        return [f"# ids {ids}: HF indices {stored}, and {n} = the pre-norm final state (last_hidden = final norm of it)",
-                launch(model_path, ids, dtype, port_of(server.url, 8000), storage, server.engine_args)]
+        storage = (
+            server.server_files_dir
+            or server.files_dir
+            or (str(Path(out).expanduser().resolve() / "engine_files") if out else "<out>/engine_files")
+        )
+        return [
+            f"# ids {ids}: HF indices {stored}, and {n} = the pre-norm final state (last_hidden = final norm of it)",
+            launch(model_path, ids, dtype, port_of(server.url, 8000), storage, server.engine_args),
+        ]
 
     def client(self, job: CaptureJob, tensors: dict[str, torch.Tensor]) -> VllmClient:
         ids = dump_layer_ids(job.stored, job.model_type, job.num_hidden_layers)
-        states = VllmStates(job.stored, ids, job.hidden_size, job.dtype, tensors["norm"], job.rms_norm_eps,
-                            FINAL_NORM_OF[job.model_type])
+        states = VllmStates(
+            job.stored,
+            ids,
+            job.hidden_size,
+            job.dtype,
+            tensors["norm"],
+            job.rms_norm_eps,
+            FINAL_NORM_OF[job.model_type],
+        )
         return VllmClient(job, states)
 
 
 # ---- served regeneration ---------------------------------------------------------------------------
 
 
-def generation_request(prompt: list[int], model: str | None, sampling: dict, eos_ids: list[int], seed: int | None) -> dict:
+def generation_request(
+    prompt: list[int], model: str | None, sampling: dict, eos_ids: list[int], seed: int | None
+) -> dict:
     """A ``/v1/completions`` body: the prompt as ids, every sampling field, stop at ``eos_ids`` only."""
-    body = {"model": model, "prompt": prompt, "max_tokens": int(sampling["max_new_tokens"]), **sampling_fields(sampling),
-            "stop_token_ids": eos_ids, "ignore_eos": True, "skip_special_tokens": False, "return_token_ids": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": int(sampling["max_new_tokens"]),
+        **sampling_fields(sampling),
+        "stop_token_ids": eos_ids,
+        "ignore_eos": True,
+        "skip_special_tokens": False,
+        "return_token_ids": True,
+    }
     if seed is not None:
         body["seed"] = seed
     return body
@@ -332,23 +427,44 @@ def generation_reply(resp: dict, where: str) -> tuple[list[int], str | None, Any
         raise EngineError(f"{where}: expected one completion choice, got {str(choices)[:200]}")
     ids = choices[0].get("token_ids")
     if ids is None:
-        raise EngineError(f"{where}: the response has no choices[0].token_ids: this vLLM ignores return_token_ids "
-                          f"(a vLLM with return_token_ids is needed)")
+        raise EngineError(
+            f"{where}: the response has no choices[0].token_ids: this vLLM ignores return_token_ids "
+            f"(a vLLM with return_token_ids is needed)"
+        )
     return ids, choices[0].get("finish_reason"), choices[0].get("stop_reason")
 
 
 ENGINE = Engine(
-    name="vllm", title="vLLM", version=VERSION, rules=RULES, verified=VERIFIED,
+    name="vllm",
+    title="vLLM",
+    version=VERSION,
+    rules=RULES,
+    verified=VERIFIED,
     serves=EAGLE3_MODEL_TYPES,
     serves_note="runs EAGLE-3 drafts only for targets whose class implements its EAGLE-3 interface",
-    exports=True, foreign_weights="would fail on", command=COMMAND, serve=serve, capture=VllmCapture(),
+    exports=True,
+    foreign_weights="would fail on",
+    command=COMMAND,
+    serve=serve,
+    capture=VllmCapture(),
     version_route=("/version", "version"),  # vLLM 0.26.0: vllm/entrypoints/openai/api_server.py
-    generation=Generation("/v1/completions", True, generation_request, generation_reply,
-                          "vLLM: vllm/entrypoints/openai/completion/protocol.py @002032e"),
+    generation=Generation(
+        "/v1/completions",
+        True,
+        generation_request,
+        generation_reply,
+        "vLLM: vllm/entrypoints/openai/completion/protocol.py @002032e",
+    ),
     metrics=SpecMetrics(
-        "vllm", "vLLM 0.26.0: vllm/v1/spec_decode/metrics.py (SpecDecodingProm), vllm/v1/metrics/loggers.py",
-        "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
-        "vllm:spec_decode_num_accepted_tokens_per_pos", "position", "vllm:request_success", "vllm:generation_tokens",
+        "vllm",
+        "vLLM 0.26.0: vllm/v1/spec_decode/metrics.py (SpecDecodingProm), vllm/v1/metrics/loggers.py",
+        "vllm:spec_decode_num_drafts",
+        "vllm:spec_decode_num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "position",
+        "vllm:request_success",
+        "vllm:generation_tokens",
         shell(serve("<target>", "<draft>", 5, {})) + " (and without --disable-log-stats)",
     ),
 )

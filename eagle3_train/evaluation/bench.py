@@ -75,6 +75,7 @@ SIDES = ("baseline", "spec")  # the target served alone, and with the draft
 
 # ---- the config ---------------------------------------------------------------------------------
 
+
 @dataclass
 class BenchConfig:
     """Options of ``eagle3-bench`` (``conf/bench.yaml``)."""
@@ -90,11 +91,15 @@ class BenchConfig:
     engine_args: str = ""  # more flags for the started engines, as shell words ("--enforce-eager --max-model-len 4096")
     startup_timeout_s: float = 1800.0  # how long an engine started here may take to answer /health
     wait_for_server_s: float = 0.0  # how long to wait for a given server's /health (0: it must answer now)
-    prompts: str | None = None  # JSONL (messages / MT-bench turns / HumanEval prompt / ...) or a saved dataset (null: the shipped held-out prompts)
+    prompts: str | None = (
+        None  # JSONL (messages / MT-bench turns / HumanEval prompt / ...) or a saved dataset (null: the shipped held-out prompts)
+    )
     column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
     max_turns: int = 1  # user turns sent per conversation (a later turn follows the engine's own reply)
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64])  # requests in flight, one level each
-    temperatures: list[float] = field(default_factory=lambda: [0.0])  # sampling temperatures, each at every concurrency (0: greedy)
+    temperatures: list[float] = field(
+        default_factory=lambda: [0.0]
+    )  # sampling temperatures, each at every concurrency (0: greedy)
     requests_per_slot: int = 4  # a level sends max(min_requests, requests_per_slot x concurrency) conversations
     min_requests: int = 16  # the fewest conversations a level sends
     max_new_tokens: int = 256  # generated tokens per request at most (max_tokens)
@@ -103,9 +108,13 @@ class BenchConfig:
     request_timeout_s: float = 600.0  # one request's time limit
     retries: int = 0  # further attempts after a transient failure (a retried request counts in the level's time)
     backoff_s: float = 1.0  # the first retry's delay, doubled on every further one
-    settle_s: float = 0.5  # /metrics is read again every settle_s until two reads agree (the engine counts just after answering)
+    settle_s: float = (
+        0.5  # /metrics is read again every settle_s until two reads agree (the engine counts just after answering)
+    )
     plot: bool = True  # draw speedup.png (needs the plots extra, matplotlib)
-    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    logging: LogConfig = field(
+        default_factory=LogConfig
+    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         registry.engine(self.engine, "bench", "engine")
@@ -115,27 +124,42 @@ class BenchConfig:
                 raise ConfigError(f"{name} must be a base URL such as http://127.0.0.1:8000, got {url!r}")
         started = [name for name in ("baseline_url", "spec_url") if getattr(self, name) is None]
         if started and self.target is None:
-            raise ConfigError(f"{' and '.join(started)} not given: the engine is started here on target=<the target "
-                              f"directory or hub id>; give target= or the running servers' URLs")
+            raise ConfigError(
+                f"{' and '.join(started)} not given: the engine is started here on target=<the target "
+                f"directory or hub id>; give target= or the running servers' URLs"
+            )
         if self.spec_url is None and self.draft is None:
-            raise ConfigError("spec_url not given: the speculating engine is started here with draft=<the exported draft "
-                              "directory>; give draft= or spec_url=")
+            raise ConfigError(
+                "spec_url not given: the speculating engine is started here with draft=<the exported draft "
+                "directory>; give draft= or spec_url="
+            )
         if not self.concurrency or len(set(self.concurrency)) != len(self.concurrency):
             raise ConfigError(f"concurrency must list distinct levels, got {list(self.concurrency)}")
         if any(c < 1 for c in self.concurrency):
             raise ConfigError(f"concurrency levels must be >= 1, got {list(self.concurrency)}")
         if not self.temperatures or any(not t >= 0 for t in self.temperatures):
             raise ConfigError(f"temperatures must list values >= 0 (0: greedy), got {list(self.temperatures)}")
-        check_numbers(self, positive=("num_speculative_tokens", "port", "max_turns", "requests_per_slot",
-                                      "min_requests", "max_new_tokens", "request_timeout_s", "settle_s"),
-                      non_negative=("startup_timeout_s", "wait_for_server_s", "warmup_requests", "retries",
-                                    "backoff_s"))
+        check_numbers(
+            self,
+            positive=(
+                "num_speculative_tokens",
+                "port",
+                "max_turns",
+                "requests_per_slot",
+                "min_requests",
+                "max_new_tokens",
+                "request_timeout_s",
+                "settle_s",
+            ),
+            non_negative=("startup_timeout_s", "wait_for_server_s", "warmup_requests", "retries", "backoff_s"),
+        )
 
 
 ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
 
 
 # ---- figures: pure functions --------------------------------------------------------------------
+
 
 def percentile(values: list[float], q: float) -> float:
     """The ``q``-th percentile (0-100) of ``values``, linear between the closest ranks."""
@@ -169,10 +193,14 @@ def level_figures(requests: list[Request], seconds: float) -> dict[str, Any]:
     spread of the time per output token (a request's latency over its tokens) and of latency."""
     tokens = sum(r.completion_tokens for r in requests)
     per_token = [r.latency_s / r.completion_tokens for r in requests if r.completion_tokens]
-    return {"requests": len(requests), "completion_tokens": tokens, "seconds": seconds,
-            "output_tokens_per_s": tokens / seconds,
-            "time_per_output_token_s": spread(per_token) if per_token else None,
-            "latency_s": spread([r.latency_s for r in requests])}
+    return {
+        "requests": len(requests),
+        "completion_tokens": tokens,
+        "seconds": seconds,
+        "output_tokens_per_s": tokens / seconds,
+        "time_per_output_token_s": spread(per_token) if per_token else None,
+        "latency_s": spread([r.latency_s for r in requests]),
+    }
 
 
 def level_requests(c: int, cfg: BenchConfig) -> int:
@@ -187,6 +215,7 @@ def cycled(conversations: list[Conversation], n: int) -> list[Conversation]:
 
 # ---- the engines: started here, or given ---------------------------------------------------------
 
+
 class StartedEngine:
     """An engine process started here: its output goes to ``log``; ``stop`` ends its whole process
     group (the engines start workers of their own)."""
@@ -196,8 +225,10 @@ class StartedEngine:
         if argv[0] == "python":  # the engine's module runs in this interpreter's environment
             argv = [sys.executable, *argv[1:]]
         if shutil.which(argv[0]) is None:
-            raise ConfigError(f"{argv[0]} is not on PATH: install the engine, or give the running servers' URLs "
-                              f"(baseline_url=, spec_url=)")
+            raise ConfigError(
+                f"{argv[0]} is not on PATH: install the engine, or give the running servers' URLs "
+                f"(baseline_url=, spec_url=)"
+            )
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = log.open("w")
         self.proc = subprocess.Popen(argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True)
@@ -208,15 +239,21 @@ class StartedEngine:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise EngineError(f"the engine exited with status {self.proc.returncode} before answering /health "
-                                  f"({shlex.join(self.argv)}); its log {self.log} ends:\n{self.tail()}")
-            with contextlib.suppress(urllib.error.URLError, OSError), \
-                    urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                raise EngineError(
+                    f"the engine exited with status {self.proc.returncode} before answering /health "
+                    f"({shlex.join(self.argv)}); its log {self.log} ends:\n{self.tail()}"
+                )
+            with (
+                contextlib.suppress(urllib.error.URLError, OSError),
+                urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp,
+            ):
                 if resp.status == 200:
                     return
             if time.monotonic() > deadline:
-                raise EngineError(f"the engine did not answer {self.url}/health within {timeout_s:.0f} s "
-                                  f"({shlex.join(self.argv)}); its log {self.log} ends:\n{self.tail()}")
+                raise EngineError(
+                    f"the engine did not answer {self.url}/health within {timeout_s:.0f} s "
+                    f"({shlex.join(self.argv)}); its log {self.log} ends:\n{self.tail()}"
+                )
             time.sleep(1.0)
 
     def tail(self, lines: int = 20) -> str:
@@ -236,6 +273,7 @@ class StartedEngine:
 
 
 # ---- the measurement ----------------------------------------------------------------------------
+
 
 class Bench:
     """Measures each engine in turn (the baseline, then the speculating one) at every level."""
@@ -257,7 +295,9 @@ class Bench:
         c = self.cfg
         assert c.target is not None  # checked by the config
         draft = None if side == "baseline" else str(c.draft)
-        return self.engine.serve_command(c.target, draft, c.num_speculative_tokens, port=c.port) + shlex.split(c.engine_args)
+        return self.engine.serve_command(c.target, draft, c.num_speculative_tokens, port=c.port) + shlex.split(
+            c.engine_args
+        )
 
     @contextlib.contextmanager
     def server(self, side: str) -> Iterator[tuple[str, list[str] | None]]:
@@ -276,8 +316,15 @@ class Bench:
         finally:
             engine.stop()
 
-    async def ask(self, session: Any, client: EngineClient, messages: list[dict[str, str]], temperature: float,
-                  speculating: bool, what: str) -> tuple[dict, float]:
+    async def ask(
+        self,
+        session: Any,
+        client: EngineClient,
+        messages: list[dict[str, str]],
+        temperature: float,
+        speculating: bool,
+        what: str,
+    ) -> tuple[dict, float]:
         """One chat completion; its reply (text, finish reason, token counts) and latency. A
         speculating engine that counts per reply adds the reply's figures to ``client.tally``."""
         c = self.cfg
@@ -296,12 +343,21 @@ class Bench:
             if speculating:
                 client.count_reply(meta, out["completion_tokens"], f"{url} ({what})", CHAT_ROUTE.meta_at)
             elif isinstance(meta, dict) and self.names.drafts in meta:
-                raise EngineError(f"{url} ({what}): the baseline engine's reply carries {self.names.drafts}: it "
-                                  f"serves the target with a draft; the baseline must serve it alone")
+                raise EngineError(
+                    f"{url} ({what}): the baseline engine's reply carries {self.names.drafts}: it "
+                    f"serves the target with a draft; the baseline must serve it alone"
+                )
         return out, latency
 
-    async def level(self, session: Any, client: EngineClient, conversations: list[Conversation], concurrency: int,
-                    temperature: float, speculating: bool) -> list[Request]:
+    async def level(
+        self,
+        session: Any,
+        client: EngineClient,
+        conversations: list[Conversation],
+        concurrency: int,
+        temperature: float,
+        speculating: bool,
+    ) -> list[Request]:
         """Send ``conversations`` with ``concurrency`` of them in flight (a new one as one ends);
         a conversation's turns one after the other."""
         pending = iter(conversations)
@@ -311,8 +367,14 @@ class Bench:
             for conv in pending:  # the workers share the iterator: each takes the next conversation
                 replies: list[str] = []
                 for turn in range(min(len(conv.turns), self.cfg.max_turns)):
-                    out, latency = await self.ask(session, client, conv.messages(turn, replies), temperature,
-                                                  speculating, f"{conv.source} turn {turn + 1}")
+                    out, latency = await self.ask(
+                        session,
+                        client,
+                        conv.messages(turn, replies),
+                        temperature,
+                        speculating,
+                        f"{conv.source} turn {turn + 1}",
+                    )
                     done.append(Request(conv.source, turn + 1, out["completion_tokens"], latency, out["finish_reason"]))
                     replies.append(out["text"])
 
@@ -356,8 +418,18 @@ class Bench:
             version = await self.version(session, client)
             checks_metrics = not speculating and not self.names.per_reply
             drafts_before = await self.drafts_counted(session, client) if checks_metrics else 0.0
-            warmup = await self.level(session, client, cycled(self.conversations, c.warmup_requests),
-                                      max(c.warmup_requests, 1), c.temperatures[0], speculating) if c.warmup_requests else []
+            warmup = (
+                await self.level(
+                    session,
+                    client,
+                    cycled(self.conversations, c.warmup_requests),
+                    max(c.warmup_requests, 1),
+                    c.temperatures[0],
+                    speculating,
+                )
+                if c.warmup_requests
+                else []
+            )
             levels = []
             for temperature in c.temperatures:
                 for concurrency in c.concurrency:
@@ -367,30 +439,57 @@ class Bench:
                     requests = await self.level(session, client, convs, concurrency, temperature, speculating)
                     seconds = time.perf_counter() - start
                     counts = None if before is None else (await client.settled(session)).minus(before, f"{url}/metrics")
-                    levels.append({"temperature": temperature, "concurrency": concurrency, "requests": requests,
-                                   "seconds": seconds, "counts": counts})
-                    logger.info(f"{COMMAND}: {side}: temperature {temperature}, concurrency {concurrency}: "
-                                f"{sum(r.completion_tokens for r in requests) / seconds:.1f} tokens/s")
+                    levels.append(
+                        {
+                            "temperature": temperature,
+                            "concurrency": concurrency,
+                            "requests": requests,
+                            "seconds": seconds,
+                            "counts": counts,
+                        }
+                    )
+                    logger.info(
+                        f"{COMMAND}: {side}: temperature {temperature}, concurrency {concurrency}: "
+                        f"{sum(r.completion_tokens for r in requests) / seconds:.1f} tokens/s"
+                    )
             if checks_metrics and (drafted := await self.drafts_counted(session, client) - drafts_before):
-                raise EngineError(f"{url}/metrics counted {drafted:.0f} drafts during the baseline's run: the baseline "
-                                  f"engine serves the target with a draft; it must serve it alone")
+                raise EngineError(
+                    f"{url}/metrics counted {drafted:.0f} drafts during the baseline's run: the baseline "
+                    f"engine serves the target with a draft; it must serve it alone"
+                )
         self.warnings += client.warnings
-        return {"url": url, "models": models, "model": client.model, "version": version, "levels": levels,
-                "warmup": {"requests": len(warmup), "completion_tokens": sum(r.completion_tokens for r in warmup)}}
+        return {
+            "url": url,
+            "models": models,
+            "model": client.model,
+            "version": version,
+            "levels": levels,
+            "warmup": {"requests": len(warmup), "completion_tokens": sum(r.completion_tokens for r in warmup)},
+        }
 
     def spec_figures(self, counts: SpecCounts, requests: list[Request], where: str) -> dict[str, Any]:
         """The engine's acceptance figures over one level; no drafts at all is an error."""
         tokens = sum(r.completion_tokens for r in requests)
         found = figures(counts)
         if found is None:
-            raise EngineError(f"{where} counted no speculative drafts over {len(requests)} requests ({tokens} tokens): "
-                              f"the engine does not speculate; start it as {self.names.enable}")
+            raise EngineError(
+                f"{where} counted no speculative drafts over {len(requests)} requests ({tokens} tokens): "
+                f"the engine does not speculate; start it as {self.names.enable}"
+            )
         if not self.names.per_reply and (counts.requests != len(requests) or counts.generation_tokens != tokens):
-            self.warnings.append(f"{where}: the server counted {counts.requests:.0f} requests and "
-                                 f"{counts.generation_tokens:.0f} tokens during a level, this client {len(requests)} "
-                                 f"and {tokens}: other requests are in the figures")
-        keep = ("mean_acceptance_length", "drafts", "accepted_tokens", "draft_acceptance_rate", "mean_draft_length",
-                "acceptance_per_position")
+            self.warnings.append(
+                f"{where}: the server counted {counts.requests:.0f} requests and "
+                f"{counts.generation_tokens:.0f} tokens during a level, this client {len(requests)} "
+                f"and {tokens}: other requests are in the figures"
+            )
+        keep = (
+            "mean_acceptance_length",
+            "drafts",
+            "accepted_tokens",
+            "draft_acceptance_rate",
+            "mean_draft_length",
+            "acceptance_per_position",
+        )
         return {k: found[k] for k in keep}
 
     def rows(self, measured: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -400,8 +499,9 @@ class Bench:
             row: dict[str, Any] = {"temperature": base["temperature"], "concurrency": base["concurrency"]}
             for side, level in (("baseline", base), ("spec", spec)):
                 row[side] = level_figures(level["requests"], level["seconds"])
-            row["spec"] |= self.spec_figures(spec["counts"], spec["requests"],
-                                             f"{measured['spec']['url']} (concurrency {spec['concurrency']})")
+            row["spec"] |= self.spec_figures(
+                spec["counts"], spec["requests"], f"{measured['spec']['url']} (concurrency {spec['concurrency']})"
+            )
             row["speedup"] = row["spec"]["output_tokens_per_s"] / row["baseline"]["output_tokens_per_s"]
             rows.append(row)
         return rows
@@ -416,29 +516,56 @@ class Bench:
         rows = self.rows(measured)
         report = {
             "what": f"eagle3-bench: output tokens/s of {c.engine} serving the target alone and with the draft, "
-                    f"speed-up per concurrency",
-            "machine": machine(), "command": shlex.join([COMMAND, *sys.argv[1:]]), "date": started,
+            f"speed-up per concurrency",
+            "machine": machine(),
+            "command": shlex.join([COMMAND, *sys.argv[1:]]),
+            "date": started,
             "engine": {"name": c.engine, "metrics_read_from": self.names.read_from}
-                      | {side: {k: v for k, v in measured[side].items() if k != "levels"} for side in SIDES},
-            "settings": {"prompts": self.prompts, "conversations": len(self.conversations), "max_turns": c.max_turns,
-                         "max_new_tokens": c.max_new_tokens, "num_speculative_tokens": c.num_speculative_tokens
-                         if c.spec_url is None else None, "concurrency": list(c.concurrency),
-                         "temperatures": list(c.temperatures),
-                         "conversations_per_level": {str(n): level_requests(n, c) for n in c.concurrency}},
-            "rows": rows, "warnings": self.warnings, "config": config_dict(c),
+            | {side: {k: v for k, v in measured[side].items() if k != "levels"} for side in SIDES},
+            "settings": {
+                "prompts": self.prompts,
+                "conversations": len(self.conversations),
+                "max_turns": c.max_turns,
+                "max_new_tokens": c.max_new_tokens,
+                "num_speculative_tokens": c.num_speculative_tokens if c.spec_url is None else None,
+                "concurrency": list(c.concurrency),
+                "temperatures": list(c.temperatures),
+                "conversations_per_level": {str(n): level_requests(n, c) for n in c.concurrency},
+            },
+            "rows": rows,
+            "warnings": self.warnings,
+            "config": config_dict(c),
         }
-        lines = [json.dumps({"engine": side, "temperature": lv["temperature"], "concurrency": lv["concurrency"],
-                             "source": r.source, "turn": r.turn, "completion_tokens": r.completion_tokens,
-                             "latency_s": r.latency_s, "finish_reason": r.finish_reason}) + "\n"
-                 for side in SIDES for lv in measured[side]["levels"] for r in lv["requests"]]
+        lines = [
+            json.dumps(
+                {
+                    "engine": side,
+                    "temperature": lv["temperature"],
+                    "concurrency": lv["concurrency"],
+                    "source": r.source,
+                    "turn": r.turn,
+                    "completion_tokens": r.completion_tokens,
+                    "latency_s": r.latency_s,
+                    "finish_reason": r.finish_reason,
+                }
+            )
+            + "\n"
+            for side in SIDES
+            for lv in measured[side]["levels"]
+            for r in lv["requests"]
+        ]
         atomic_write_bytes(self.out / "requests.jsonl", "".join(lines).encode())
         atomic_write_json(self.out / RESULTS_NAME, report)
         if c.plot:
             plot_speedup(report, self.out / "speedup.png")
         for warning in self.warnings:
             logger.warning(f"{COMMAND}: warning: {warning}")
-        summary = ", ".join(f"c={r['concurrency']}" + (f" T={r['temperature']}" if len(c.temperatures) > 1 else "")
-                            + f": {r['speedup']:.2f}x (tau {r['spec']['mean_acceptance_length']:.2f})" for r in rows)
+        summary = ", ".join(
+            f"c={r['concurrency']}"
+            + (f" T={r['temperature']}" if len(c.temperatures) > 1 else "")
+            + f": {r['speedup']:.2f}x (tau {r['spec']['mean_acceptance_length']:.2f})"
+            for r in rows
+        )
         logger.info(f"{COMMAND} ({c.engine}): speed-up {summary} -> {self.out / RESULTS_NAME}")
         return report
 
@@ -448,8 +575,12 @@ def machine() -> dict[str, Any]:
     gpus = None
     if shutil.which("nvidia-smi"):
         with contextlib.suppress(subprocess.SubprocessError, OSError):
-            out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=30)
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             gpus = [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else None
     return {"host": platform.node(), "os": platform.platform(), "python": platform.python_version(), "gpus": gpus}
 

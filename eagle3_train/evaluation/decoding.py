@@ -110,8 +110,14 @@ def sliding_window_of(config: Any) -> int | None:
     return int(window)
 
 
-def position_masks(valid: torch.Tensor, positions: torch.Tensor, window: int | None, layer_types: list[str] | None,
-                   dtype: torch.dtype, tree: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+def position_masks(
+    valid: torch.Tensor,
+    positions: torch.Tensor,
+    window: int | None,
+    layer_types: list[str] | None,
+    dtype: torch.dtype,
+    tree: torch.Tensor | None = None,
+) -> torch.Tensor | dict[str, torch.Tensor]:
     """Additive attention masks [B, 1, T, L] for queries at ``positions`` [B, T] over the columns
     ``valid`` [B, L] (the last T of them the queries' own), measured in each row's token positions.
 
@@ -186,8 +192,9 @@ class SpecDecoder:
             in one target forward under a tree attention mask; None: a chain of ``k``.
     """
 
-    def __init__(self, model: Any, draft: Eagle3Draft, layers: list[int], k: int, eos: set[int],
-                 tree: TreeShape | None = None):
+    def __init__(
+        self, model: Any, draft: Eagle3Draft, layers: list[int], k: int, eos: set[int], tree: TreeShape | None = None
+    ):
         self.model, self.draft, self.layers, self.k, self.eos = model, draft, layers, k, eos
         if tree is not None:
             tree.check(k)
@@ -212,9 +219,16 @@ class SpecDecoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _target(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None, cache: Any,
-                aux: bool, last_only: bool = False, tree: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _target(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor | None,
+        cache: Any,
+        aux: bool,
+        last_only: bool = False,
+        tree: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target forward over ``ids`` [B, T] at ``positions`` [B, T] with the cache; ``valid``
         [B, L+T] the 2-D attention mask (None: no padding anywhere, plain decoding); ``tree``
         [B, T, T] the ancestor pattern when the queries are a draft tree's nodes (``valid`` then
@@ -224,9 +238,15 @@ class SpecDecoder:
         mask: Any = None if valid is None else valid.long()
         if valid is not None and (self.window or tree is not None):  # windows counted in tokens, not columns
             mask = position_masks(valid, positions, self.window, self.layer_types, self.model.dtype, tree)
-        out = self.model(input_ids=ids, attention_mask=mask,
-                         position_ids=None if valid is None else positions, use_cache=True,
-                         output_hidden_states=aux, logits_to_keep=1 if last_only else 0, **{self._cache_kw: cache})
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=None if valid is None else positions,
+            use_cache=True,
+            output_hidden_states=aux,
+            logits_to_keep=1 if last_only else 0,
+            **{self._cache_kw: cache},
+        )
         states = None
         if aux:
             prenorm = cast(torch.Tensor, self._prenorm)  # kept by the hook during this forward when N is fed
@@ -295,8 +315,9 @@ class SpecDecoder:
             else:  # one forward over the N nodes [B, N], each at its depth's position, seeing its ancestors
                 n = tree.tokens.shape[1]
                 valid_in = torch.cat([valid, valid.new_ones(b, n)], dim=1)
-                logits, aux = self._target(tree.tokens, length[:, None] + tree.depths, valid_in, cache, aux=True,
-                                           tree=tree.ancestors())
+                logits, aux = self._target(
+                    tree.tokens, length[:, None] + tree.depths, valid_in, cache, aux=True, tree=tree.ancestors()
+                )
                 assert aux is not None  # aux=True
                 greedy = logits.argmax(-1)  # [B, N]: the target's token after each node's path
                 a, path = accept_path(tree, greedy, self._is_eos(tree.tokens), k)  # path [B, k+1]
@@ -309,8 +330,12 @@ class SpecDecoder:
             if self.tree is None:
                 self._edit(cache, lambda x, cut=k + 1 - m: x[:, :, : x.shape[2] - cut])
             else:  # only the accepted path's entries survive, moved to the first m new columns in path order
-                self._edit(cache, lambda x, old=valid.shape[1], keep=path[:, :m]:
-                           torch.cat([x[:, :, :old], gather_columns(x[:, :, old:], keep)], dim=2))
+                self._edit(
+                    cache,
+                    lambda x, old=valid.shape[1], keep=path[:, :m]: torch.cat(
+                        [x[:, :, :old], gather_columns(x[:, :, old:], keep)], dim=2
+                    ),
+                )
             new_valid = slot[:, :m] <= a[:, None]  # [B, m]
             padded = padded or any(r[0] + 1 < m for r in host)
             # step 0 over the new columns: column i of a row predicts after its token i, i.e. draft
@@ -348,8 +373,16 @@ class SpecDecoder:
             d.tokens = d.tokens[: min(cut, max_new)]
         return out
 
-    def _select(self, cache: Any, dcache: list, valid: torch.Tensor, last: torch.Tensor, hidden: torch.Tensor,
-                keep: torch.Tensor, b: int) -> tuple:
+    def _select(
+        self,
+        cache: Any,
+        dcache: list,
+        valid: torch.Tensor,
+        last: torch.Tensor,
+        hidden: torch.Tensor,
+        keep: torch.Tensor,
+        b: int,
+    ) -> tuple:
         """Keep only the rows ``keep`` (indices into the current batch of ``b`` rows)."""
         if keep.numel() == b:
             return cache, dcache, valid, last, hidden
@@ -362,8 +395,10 @@ class SpecDecoder:
         """Apply ``fn`` to every layer's keys and values [B, heads, L, d] of a transformers cache."""
         for layer in cache.layers:
             if getattr(layer, "is_sliding", False):
-                raise ContractError("eagle3-eval's batched cache edits need full-attention layers; this target's "
-                                    "cache has a sliding-window layer")
+                raise ContractError(
+                    "eagle3-eval's batched cache edits need full-attention layers; this target's "
+                    "cache has a sliding-window layer"
+                )
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys, layer.values = fn(layer.keys), fn(layer.values)
 

@@ -66,14 +66,22 @@ class EvalConfig:
 
     draft: str = MISSING  # an exported draft directory (config.json + model.safetensors)
     target: str = "embedded"  # the target (any form load_target takes)
-    engine: str = "sglang"  # whose rule turns the config's ids into captured layers: an engine export writes for (sglang | vllm)
+    engine: str = (
+        "sglang"  # whose rule turns the config's ids into captured layers: an engine export writes for (sglang | vllm)
+    )
     prompts: str = MISSING  # JSONL (messages / MT-bench turns / HumanEval prompt / GSM8K question) or a saved dataset
     column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
-    out: str | None = None  # where report.json, outputs.jsonl and acceptance.png go (null: <draft>-eval-<engine> beside the draft, never inside the directory an engine loads; eagle3-export puts its tau on the model card)
+    out: str | None = (
+        None  # where report.json, outputs.jsonl and acceptance.png go (null: <draft>-eval-<engine> beside the draft, never inside the directory an engine loads; eagle3-export puts its tau on the model card)
+    )
     k: int = 5  # draft tokens per verify step (chain); a tree's depth unless num_steps says otherwise
     topk: int = 1  # tree drafts: children expanded per frontier node and the frontier's width, SGLang's --speculative-eagle-topk (1: the chain of k)
-    num_steps: int | None = None  # draft steps per verify step = the tree's depth, SGLang's --speculative-num-steps (null: k)
-    num_draft_tokens: int | None = None  # tree nodes verified per step, the last accepted token included, SGLang's --speculative-num-draft-tokens (null: num_steps+1, the chain; required with topk>1)
+    num_steps: int | None = (
+        None  # draft steps per verify step = the tree's depth, SGLang's --speculative-num-steps (null: k)
+    )
+    num_draft_tokens: int | None = (
+        None  # tree nodes verified per step, the last accepted token included, SGLang's --speculative-num-draft-tokens (null: num_steps+1, the chain; required with topk>1)
+    )
     position_bucket: int = 128  # tau by position in the reply: the first bucket's width in tokens; later buckets double (0-128, 128-256, 256-512, ...)
     max_new_tokens: int = 128  # generated tokens per turn
     batch_size: int = 32  # prompts decoded together (1: one at a time)
@@ -84,22 +92,40 @@ class EvalConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     cache_dir: str | None = None  # where GGUF targets are converted once
     chat_template: str | None = None  # replaces the tokenizer's template (as in prepare)
-    progress: bool | None = None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
+    progress: bool | None = (
+        None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
+    )
     plot: bool = True  # draw acceptance.png (needs the plots extra, matplotlib)
-    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    logging: LogConfig = field(
+        default_factory=LogConfig
+    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, auto=True)
         registry.engine(self.engine, "export", "engine")
-        check_numbers(self, positive=("k", "topk", "num_steps", "num_draft_tokens", "position_bucket", "max_new_tokens",
-                                      "batch_size", "max_turns", "limit"),
-                      non_negative=("tie_threshold",))
+        check_numbers(
+            self,
+            positive=(
+                "k",
+                "topk",
+                "num_steps",
+                "num_draft_tokens",
+                "position_bucket",
+                "max_new_tokens",
+                "batch_size",
+                "max_turns",
+                "limit",
+            ),
+            non_negative=("tie_threshold",),
+        )
         if self.tree is not None:
             self.tree.check(self.depth)
         elif self.num_draft_tokens not in (None, self.depth + 1):
-            raise ConfigError(f"with topk=1 the draft is the chain of num_steps={self.depth} tokens, verified as "
-                              f"{self.depth + 1} (num_draft_tokens null or {self.depth + 1}); got num_draft_tokens="
-                              f"{self.num_draft_tokens} (SGLang aligns it the same way)")
+            raise ConfigError(
+                f"with topk=1 the draft is the chain of num_steps={self.depth} tokens, verified as "
+                f"{self.depth + 1} (num_draft_tokens null or {self.depth + 1}); got num_draft_tokens="
+                f"{self.num_draft_tokens} (SGLang aligns it the same way)"
+            )
 
     @property
     def depth(self) -> int:
@@ -112,8 +138,10 @@ class EvalConfig:
         if self.topk == 1:
             return None
         if self.num_draft_tokens is None:
-            raise ConfigError(f"topk={self.topk} drafts a tree: give num_draft_tokens (SGLang's "
-                              f"--speculative-num-draft-tokens, the nodes verified per step, the last accepted token included)")
+            raise ConfigError(
+                f"topk={self.topk} drafts a tree: give num_draft_tokens (SGLang's "
+                f"--speculative-num-draft-tokens, the nodes verified per step, the last accepted token included)"
+            )
         return TreeShape(self.topk, self.num_draft_tokens)
 
 
@@ -158,10 +186,10 @@ def short_training_warning(config: dict, k: int, tree: bool = False) -> str | No
     if ttt is None or ttt >= k:
         return None
     drafts, option = (f"trees of num_steps={k}", "num_steps") if tree else (f"chains of k={k}", "k")
-    return (f"the draft was trained with ttt_length={ttt} but drafts {drafts}: draft positions "
-            f"{ttt + 1}..{k} were never trained; train with train.ttt_length>={k} or evaluate with {option}={ttt}")
-
-
+    return (
+        f"the draft was trained with ttt_length={ttt} but drafts {drafts}: draft positions "
+        f"{ttt + 1}..{k} were never trained; train with train.ttt_length>={k} or evaluate with {option}={ttt}"
+    )
 
 
 def lossless_check(tokens: list[int], reference: Reference, threshold: float) -> dict[str, Any]:
@@ -175,8 +203,11 @@ def lossless_check(tokens: list[int], reference: Reference, threshold: float) ->
     margin = reference.margins[i] if i < len(reference.margins) else None
     return {
         "status": "numerical" if margin is not None and margin < threshold else "diverged",
-        "position": i, "margin": margin, "threshold": threshold,
-        "speculative_token": tokens[i] if i < len(tokens) else None, "reference_token": ref[i] if i < len(ref) else None,
+        "position": i,
+        "margin": margin,
+        "threshold": threshold,
+        "speculative_token": tokens[i] if i < len(tokens) else None,
+        "reference_token": ref[i] if i < len(ref) else None,
     }
 
 
@@ -202,8 +233,11 @@ def acceptance(steps: list[list[int]], k: int) -> dict[str, Any]:
             reached[i] += 1
         for i in range(a):
             hits[i] += 1
-    return {"tau": (sum(flat) + len(flat)) / max(len(flat), 1), "verify_steps": len(flat),
-            "acceptance_per_position": [h / r if r else 0.0 for h, r in zip(hits, reached)]}
+    return {
+        "tau": (sum(flat) + len(flat)) / max(len(flat), 1),
+        "verify_steps": len(flat),
+        "acceptance_per_position": [h / r if r else 0.0 for h, r in zip(hits, reached)],
+    }
 
 
 def bucket_edges(position: int, bucket: int) -> tuple[int, int]:
@@ -225,8 +259,10 @@ def acceptance_by_position(steps: list[list[int]], k: int, bucket: int) -> list[
         for a in accepted:
             groups.setdefault(bucket_edges(position, bucket), []).append(a)
             position += a + 1
-    return [{"from": start, "to": end, "tokens": sum(a + 1 for a in flat)} | acceptance([flat], k)
-            for (start, end), flat in sorted(groups.items())]
+    return [
+        {"from": start, "to": end, "tokens": sum(a + 1 for a in flat)} | acceptance([flat], k)
+        for (start, end), flat in sorted(groups.items())
+    ]
 
 
 class Evaluator:
@@ -237,8 +273,9 @@ class Evaluator:
         if cfg.plot:  # before the target loads, not after the decoding
             optional_import("matplotlib")
         device = resolve_device(cfg.device)
-        self.target = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=cfg.dtype, device=str(device),
-                                  chat_template=cfg.chat_template)
+        self.target = load_target(
+            cfg.target, cache_dir=cfg.cache_dir, dtype=cfg.dtype, device=str(device), chat_template=cfg.chat_template
+        )
         self.draft_dir = Path(cfg.draft).expanduser()
         self.draft, self.config = load_draft(self.draft_dir, self.target)
         if (warning := short_training_warning(self.config, cfg.depth, cfg.tree is not None)) is not None:
@@ -249,7 +286,9 @@ class Evaluator:
         self.context = tc.max_position_embeddings
         resolutions = resolve(self.config, cfg.engine, tc.model_type, tc.num_hidden_layers)
         if not resolutions:
-            raise ContractError(f"{cfg.engine} serves no EAGLE-3 draft for a {tc.model_type} target (eagle3_train.engines.rules)")
+            raise ContractError(
+                f"{cfg.engine} serves no EAGLE-3 draft for a {tc.model_type} target (eagle3_train.engines.rules)"
+            )
         self.resolution = resolutions[0]  # the engine's default runner
         self.layers = self.resolution.fed  # in the engine's order; N: the last layer's pre-norm output
         if self.resolution.problem is not None:
@@ -257,12 +296,16 @@ class Evaluator:
         self.warnings = []
         if self.resolution.pre_norm_final:  # fed as the engine would: tau then shows what serving gets
             how = self.resolution.note or f"an id lands on N={tc.num_hidden_layers}"
-            self.warnings.append(f"{cfg.engine} feeds the last layer's output before the final norm ({how}); no HF "
-                                 f"index names it and no draft trained here saw it; eval feeds it as the engine would")
+            self.warnings.append(
+                f"{cfg.engine} feeds the last layer's output before the final norm ({how}); no HF "
+                f"index names it and no draft trained here saw it; eval feeds it as the engine would"
+            )
         for warning in self.warnings:
             logger.warning(f"eagle3-eval: warning: {warning}")
         if any(k < 0 or k > tc.num_hidden_layers for k in self.layers):
-            raise ContractError(f"{cfg.engine} would capture HF indices {self.layers}, outside 0..{tc.num_hidden_layers}")
+            raise ContractError(
+                f"{cfg.engine} would capture HF indices {self.layers}, outside 0..{tc.num_hidden_layers}"
+            )
         if len(self.layers) * tc.hidden_size != self.draft.fc.in_features:
             raise ContractError(
                 f"{cfg.engine} would capture {len(self.layers)} layers ({self.layers}; read from "
@@ -279,12 +322,14 @@ class Evaluator:
 
     def tokenize(self, conversation: Conversation, turn: int, replies: list[str]) -> list[int]:
         """The chat-templated prompt of one turn; refuses one that cannot fit the target's context."""
-        ids = self.target.tokenizer.apply_chat_template(conversation.messages(turn, replies), add_generation_prompt=True,
-                                                        tokenize=True, return_dict=True)["input_ids"]
+        ids = self.target.tokenizer.apply_chat_template(
+            conversation.messages(turn, replies), add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         if len(ids) + self.cfg.max_new_tokens + self.cfg.depth + 1 > self.context:
             raise BadInputError(
                 f"{conversation.source}: turn {turn + 1} is {len(ids)} tokens; with max_new_tokens="
-                f"{self.cfg.max_new_tokens} and k={self.cfg.depth} it does not fit the target's context of {self.context}")
+                f"{self.cfg.max_new_tokens} and k={self.cfg.depth} it does not fit the target's context of {self.context}"
+            )
         return ids
 
     def reply(self, tokens: list[int]) -> str:
@@ -311,12 +356,23 @@ class Evaluator:
             seconds["greedy"] += time.perf_counter() - start
             for i, prompt, s, r in zip(idx, prompts, spec, refs):
                 replies[i].append(self.reply(r.tokens))
-                results.append(TurnResult(conversations[i], turn, len(prompt), s.tokens, s.accepted,
-                                          lossless_check(s.tokens, r, self.threshold), replies[i][-1]))
+                results.append(
+                    TurnResult(
+                        conversations[i],
+                        turn,
+                        len(prompt),
+                        s.tokens,
+                        s.accepted,
+                        lossless_check(s.tokens, r, self.threshold),
+                        replies[i][-1],
+                    )
+                )
             fault_point("eval.turn")
             if self.cfg.progress is not False:
-                logger.info(f"eagle3-eval: turn {turn + 1}: {len(idx)} prompts, speculative {seconds['speculative']:.1f} s, "
-                            f"greedy {seconds['greedy']:.1f} s so far")
+                logger.info(
+                    f"eagle3-eval: turn {turn + 1}: {len(idx)} prompts, speculative {seconds['speculative']:.1f} s, "
+                    f"greedy {seconds['greedy']:.1f} s so far"
+                )
         return results, seconds
 
     def request(self) -> dict[str, Any]:
@@ -341,62 +397,104 @@ class Evaluator:
         by_category = {c: [r for r in results if r.conversation.category == c] for c in categories}
         overall = acceptance([r.accepted for r in results], k)
         tokens = sum(len(r.tokens) for r in results)
-        cases = [{"source": r.conversation.source, "turn": r.turn + 1} | r.check for r in results
-                 if r.check["status"] != "identical"]
+        cases = [
+            {"source": r.conversation.source, "turn": r.turn + 1} | r.check
+            for r in results
+            if r.check["status"] != "identical"
+        ]
         counts = {s: sum(r.check["status"] == s for r in results) for s in ("identical", "numerical", "diverged")}
         c = self.decoder.counters
         report = {
-            "engine": self.cfg.engine, "rule": self.resolution.rule.versions, "ids_read_from": self.resolution.source,
-            "ids": self.resolution.ids, "captured_hf_indices": self.resolution.hf_indices,
-            "fed": self.layers, "pre_norm_final": self.resolution.pre_norm_final, "warnings": self.warnings,
+            "engine": self.cfg.engine,
+            "rule": self.resolution.rule.versions,
+            "ids_read_from": self.resolution.source,
+            "ids": self.resolution.ids,
+            "captured_hf_indices": self.resolution.hf_indices,
+            "fed": self.layers,
+            "pre_norm_final": self.resolution.pre_norm_final,
+            "warnings": self.warnings,
             "trained_hf_indices": self.config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"),
             "trained_ttt_length": self.config.get("eagle3_train", {}).get("training", {}).get("ttt_length"),
-            "conversations": len(conversations), "prompts": len(results), "k": k, "tokens": tokens,
-            "tree": None if self.cfg.tree is None else {"topk": self.cfg.topk, "num_steps": k,
-                                                        "num_draft_tokens": self.cfg.num_draft_tokens},
-            "verify_steps": overall["verify_steps"], "tau": overall["tau"],
+            "conversations": len(conversations),
+            "prompts": len(results),
+            "k": k,
+            "tokens": tokens,
+            "tree": None
+            if self.cfg.tree is None
+            else {"topk": self.cfg.topk, "num_steps": k, "num_draft_tokens": self.cfg.num_draft_tokens},
+            "verify_steps": overall["verify_steps"],
+            "tau": overall["tau"],
             "acceptance_per_position": overall["acceptance_per_position"],
             "by_reply_position": acceptance_by_position([r.accepted for r in results], k, self.cfg.position_bucket),
-            "categories": {cat: {"prompts": len(rs), "tokens": sum(len(r.tokens) for r in rs)}
-                           | acceptance([r.accepted for r in rs], k) for cat, rs in by_category.items()},
-            "turns": {str(t + 1): acceptance([r.accepted for r in results if r.turn == t], k)["tau"]
-                      for t in sorted({r.turn for r in results})},
+            "categories": {
+                cat: {"prompts": len(rs), "tokens": sum(len(r.tokens) for r in rs)}
+                | acceptance([r.accepted for r in rs], k)
+                for cat, rs in by_category.items()
+            },
+            "turns": {
+                str(t + 1): acceptance([r.accepted for r in results if r.turn == t], k)["tau"]
+                for t in sorted({r.turn for r in results})
+            },
             "lossless": "diverged" if counts["diverged"] else "numerical" if counts["numerical"] else "identical",
-            "lossless_counts": counts, "lossless_cases": cases, "tie_threshold": self.threshold,
-            "batch_size": self.cfg.batch_size, "dtype": str(self.dtype).removeprefix("torch."),
+            "lossless_counts": counts,
+            "lossless_cases": cases,
+            "tie_threshold": self.threshold,
+            "batch_size": self.cfg.batch_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.decoder.device),
             "timing": f"transformers eager execution, {self.cfg.batch_size} prompts at a time, both decoders",
-            "speculative_seconds": seconds["speculative"], "greedy_seconds": seconds["greedy"],
+            "speculative_seconds": seconds["speculative"],
+            "greedy_seconds": seconds["greedy"],
             "speculative_tokens_per_s": tokens / max(seconds["speculative"], 1e-9),
             "greedy_tokens_per_s": tokens / max(seconds["greedy"], 1e-9),
             "speedup": seconds["greedy"] / max(seconds["speculative"], 1e-9),
-            "target_seconds": c.target_seconds, "draft_seconds": c.draft_seconds,
+            "target_seconds": c.target_seconds,
+            "draft_seconds": c.draft_seconds,
             "draft_positions_per_verify_step": c.draft_positions / max(c.row_rounds, 1),
             "config": config_dict(self.cfg),
         }
         self.out.mkdir(parents=True, exist_ok=True)
         with (self.out / "outputs.jsonl").open("w") as f:
             for r in results:
-                f.write(json.dumps({"source": r.conversation.source, "category": r.conversation.category,
-                                    "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens,
-                                    "accepted": r.accepted, "lossless": r.check["status"], "reply": r.reply}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "source": r.conversation.source,
+                            "category": r.conversation.category,
+                            "turn": r.turn + 1,
+                            "prompt_tokens": r.prompt_tokens,
+                            "tokens": r.tokens,
+                            "accepted": r.accepted,
+                            "lossless": r.check["status"],
+                            "reply": r.reply,
+                        }
+                    )
+                    + "\n"
+                )
         if self.cfg.plot:
             plot_acceptance(report, self.out / "acceptance.png")
         report = out.write_manifest(report)
-        drafts = (f"tree topk={self.cfg.topk} num_steps={k} num_draft_tokens={self.cfg.num_draft_tokens}"
-                  if self.cfg.tree else f"chain k={k}")
+        drafts = (
+            f"tree topk={self.cfg.topk} num_steps={k} num_draft_tokens={self.cfg.num_draft_tokens}"
+            if self.cfg.tree
+            else f"chain k={k}"
+        )
         by_position = {f"{b['from']}-{b['to']}": round(b["tau"], 2) for b in report["by_reply_position"]}
-        logger.info(f"eagle3-eval ({self.cfg.engine}: {self.resolution.describe()} from {self.resolution.source}; "
-                    f"{drafts}): tau {report['tau']:.2f} over {report['verify_steps']} verify steps, acceptance per "
-                    f"{'depth' if self.cfg.tree else 'position'} {[round(p, 3) for p in report['acceptance_per_position']]}; "
-                    f"tau by reply position {by_position}; "
-                    f"per category "
-                    f"{ {cat: round(v['tau'], 2) for cat, v in report['categories'].items()} }; lossless "
-                    f"{report['lossless']} {counts}; {report['speculative_tokens_per_s']:.0f} tokens/s speculative, "
-                    f"{report['speedup']:.2f}x the speed of plain greedy (batch {self.cfg.batch_size}) -> {self.out}")
+        logger.info(
+            f"eagle3-eval ({self.cfg.engine}: {self.resolution.describe()} from {self.resolution.source}; "
+            f"{drafts}): tau {report['tau']:.2f} over {report['verify_steps']} verify steps, acceptance per "
+            f"{'depth' if self.cfg.tree else 'position'} {[round(p, 3) for p in report['acceptance_per_position']]}; "
+            f"tau by reply position {by_position}; "
+            f"per category "
+            f"{ {cat: round(v['tau'], 2) for cat, v in report['categories'].items()} }; lossless "
+            f"{report['lossless']} {counts}; {report['speculative_tokens_per_s']:.0f} tokens/s speculative, "
+            f"{report['speedup']:.2f}x the speed of plain greedy (batch {self.cfg.batch_size}) -> {self.out}"
+        )
         for case in cases:
-            logger.warning(f"eagle3-eval: {case['status']}: {case['source']} turn {case['turn']} differs at token "
-                           f"{case['position']} (reference margin {case['margin']}, threshold {case['threshold']})")
+            logger.warning(
+                f"eagle3-eval: {case['status']}: {case['source']} turn {case['turn']} differs at token "
+                f"{case['position']} (reference margin {case['margin']}, threshold {case['threshold']})"
+            )
         return report
 
 
@@ -413,8 +511,13 @@ def plot_acceptance(report: dict[str, Any], path: Path) -> None:
     colors = plt.get_cmap("viridis")
     for i in range(k):
         xs = [g + (i - (k - 1) / 2) * width for g in range(len(groups))]
-        ax.bar(xs, [v["acceptance_per_position"][i] for v in groups.values()], width, color=colors(i / max(k - 1, 1)),
-               label=f"position {i + 1}")
+        ax.bar(
+            xs,
+            [v["acceptance_per_position"][i] for v in groups.values()],
+            width,
+            color=colors(i / max(k - 1, 1)),
+            label=f"position {i + 1}",
+        )
     ax.set_xticks(range(len(groups)), [f"{name}\ntau {v['tau']:.2f}" for name, v in groups.items()], fontsize=8)
     ax.set(ylabel="acceptance rate", ylim=(0, 1), title=f"tau = {report['tau']:.2f}")
     ax.legend(fontsize=7, ncols=min(k, 8), loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)

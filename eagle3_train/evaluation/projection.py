@@ -46,8 +46,15 @@ class StepTimes:
     cycle_overhead_s: float = 0.0
 
 
-def speedup(tau: float, k: int, target_step_s: float, verify_s: float, draft_step_s: float,
-            cycle_overhead_s: float = 0.0, reply_tokens: int | None = None) -> float:
+def speedup(
+    tau: float,
+    k: int,
+    target_step_s: float,
+    verify_s: float,
+    draft_step_s: float,
+    cycle_overhead_s: float = 0.0,
+    reply_tokens: int | None = None,
+) -> float:
     """``tau * t_T / (t_V + k * t_D + t_O)``: the tokens/s with a chain draft of ``k`` tokens that
     accepts ``tau`` tokens per cycle (the target's own included), over the tokens/s without one.
     With ``reply_tokens`` = n, for replies of n tokens whose first comes from the prefill:
@@ -57,8 +64,9 @@ def speedup(tau: float, k: int, target_step_s: float, verify_s: float, draft_ste
     if not 1.0 <= tau <= k + 1:
         raise ConfigError(f"tau (tokens per cycle) must lie in [1, k + 1] = [1, {k + 1}], got {tau}")
     times = {"target_step_s": target_step_s, "verify_s": verify_s, "draft_step_s": draft_step_s}
-    bad = {name: t for name, t in times.items() if not t > 0} | ({"cycle_overhead_s": cycle_overhead_s}
-                                                                  if not cycle_overhead_s >= 0 else {})
+    bad = {name: t for name, t in times.items() if not t > 0} | (
+        {"cycle_overhead_s": cycle_overhead_s} if not cycle_overhead_s >= 0 else {}
+    )
     if bad:
         raise ConfigError(f"step times must be positive (the overhead >= 0), got {bad}")
     cycle = cycle_s(k, verify_s, draft_step_s, cycle_overhead_s)
@@ -75,8 +83,14 @@ def cycle_s(k: int, verify_s: float, draft_step_s: float, cycle_overhead_s: floa
     return verify_s + k * draft_step_s + cycle_overhead_s
 
 
-def break_even_tau(k: int, target_step_s: float, verify_s: float, draft_step_s: float,
-                   cycle_overhead_s: float = 0.0, wanted: float = 1.0) -> float:
+def break_even_tau(
+    k: int,
+    target_step_s: float,
+    verify_s: float,
+    draft_step_s: float,
+    cycle_overhead_s: float = 0.0,
+    wanted: float = 1.0,
+) -> float:
     """The tokens per cycle at which the draft buys ``wanted`` x (1: where it starts to pay);
     above ``k + 1`` no draft of ``k`` tokens can reach it."""
     return wanted * cycle_s(k, verify_s, draft_step_s, cycle_overhead_s) / target_step_s
@@ -88,11 +102,15 @@ def project(times: list[StepTimes], tau: float, k: int) -> list[dict[str, Any]]:
     rows = []
     for t in times:
         cycle = cycle_s(k, t.verify_s, t.draft_step_s, t.cycle_overhead_s)
-        rows.append({
-            "batch": t.batch, "tau": tau, "k": k,
-            "baseline_tokens_per_s": t.batch / t.target_step_s,
-            "spec_tokens_per_s": t.batch * tau / cycle,
-            "speedup": speedup(tau, k, t.target_step_s, t.verify_s, t.draft_step_s, t.cycle_overhead_s),
-            "break_even_tau": break_even_tau(k, t.target_step_s, t.verify_s, t.draft_step_s, t.cycle_overhead_s),
-        })
+        rows.append(
+            {
+                "batch": t.batch,
+                "tau": tau,
+                "k": k,
+                "baseline_tokens_per_s": t.batch / t.target_step_s,
+                "spec_tokens_per_s": t.batch * tau / cycle,
+                "speedup": speedup(tau, k, t.target_step_s, t.verify_s, t.draft_step_s, t.cycle_overhead_s),
+                "break_even_tau": break_even_tau(k, t.target_step_s, t.verify_s, t.draft_step_s, t.cycle_overhead_s),
+            }
+        )
     return rows

@@ -73,12 +73,12 @@ SETTLE_READS = 10  # at most this many further reads of /metrics until two agree
 DEFINITIONS = {
     "drafts": "verify steps of one request that carried draft tokens (the prefill is none)",
     "mean_acceptance_length": "1 + accepted_tokens / drafts (vLLM's 'Mean acceptance length': the bonus token counted; "
-                              "eagle3-eval's tau)",
+    "eagle3-eval's tau)",
     "acceptance_per_position": "drafts whose first i+1 tokens were all accepted / drafts (vLLM's 'Per-position "
-                               "acceptance rate')",
+    "acceptance rate')",
     "conditional_acceptance_per_position": "accepted at position i / accepted at position i-1 (drafts for i=0): the "
-                                           "rate among steps that reached position i, as eagle3-eval's "
-                                           "acceptance_per_position",
+    "rate among steps that reached position i, as eagle3-eval's "
+    "acceptance_per_position",
     "draft_acceptance_rate": "accepted_tokens / draft_tokens (vLLM's 'Avg Draft acceptance rate')",
 }
 
@@ -90,9 +90,13 @@ class ServedAcceptanceConfig:
     server: str = MISSING  # the engine's base URL (http://host:port), serving the target with a draft
     prompts: str = MISSING  # JSONL (messages / MT-bench turns / HumanEval prompt / GSM8K question) or a saved dataset
     out: str = MISSING  # where report.json and outputs.jsonl go
-    engine: str = "vllm"  # whose figures are read: an engine whose metric names were read from its source (vllm | sglang)
+    engine: str = (
+        "vllm"  # whose figures are read: an engine whose metric names were read from its source (vllm | sglang)
+    )
     template: str = "server"  # server: the engine applies its chat template to the messages; client: `tokenizer` renders them here and token ids are sent (the prompts eagle3-eval decodes, token for token)
-    tokenizer: str | None = None  # with template=client: the target's directory (or hub id) whose chat template renders the prompts
+    tokenizer: str | None = (
+        None  # with template=client: the target's directory (or hub id) whose chat template renders the prompts
+    )
     cache_dir: str | None = None  # with template=client and a GGUF tokenizer: where it is converted once
     model: str | None = None  # the served model name to ask for (null: the first one /v1/models lists)
     column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
@@ -101,24 +105,36 @@ class ServedAcceptanceConfig:
     limit: int | None = None  # only the first N conversations
     concurrency: int = 8  # requests in flight (the engine batches them)
     request_timeout_s: float = 600.0  # one request's time limit
-    retries: int = 0  # further attempts after a transient failure (a retried request the engine had served counts twice)
+    retries: int = (
+        0  # further attempts after a transient failure (a retried request the engine had served counts twice)
+    )
     backoff_s: float = 1.0  # the first retry's delay, doubled on every further one
     wait_for_server_s: float = 0.0  # how long to wait for the server's /health at start (0: it must answer now)
-    settle_s: float = 0.5  # /metrics is read again every settle_s until two reads agree (the engine counts just after answering)
-    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    settle_s: float = (
+        0.5  # /metrics is read again every settle_s until two reads agree (the engine counts just after answering)
+    )
+    logging: LogConfig = field(
+        default_factory=LogConfig
+    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         registry.engine(self.engine, "acceptance", "engine")
         if not self.server.startswith(("http://", "https://")):
             raise ConfigError(f"server must be a base URL such as http://127.0.0.1:8000, got {self.server!r}")
         if self.template not in ("server", "client"):
-            raise ConfigError(f"template must be server (the engine's chat template) or client (rendered here with "
-                              f"tokenizer=), got {self.template!r}")
+            raise ConfigError(
+                f"template must be server (the engine's chat template) or client (rendered here with "
+                f"tokenizer=), got {self.template!r}"
+            )
         if (self.template == "client") != (self.tokenizer is not None):
-            raise ConfigError("template=client renders the prompts with tokenizer=<the target's directory>; pass both "
-                              "or neither")
-        check_numbers(self, positive=("max_new_tokens", "max_turns", "limit", "concurrency", "request_timeout_s"),
-                      non_negative=("retries", "backoff_s", "wait_for_server_s", "settle_s"))
+            raise ConfigError(
+                "template=client renders the prompts with tokenizer=<the target's directory>; pass both or neither"
+            )
+        check_numbers(
+            self,
+            positive=("max_new_tokens", "max_turns", "limit", "concurrency", "request_timeout_s"),
+            non_negative=("retries", "backoff_s", "wait_for_server_s", "settle_s"),
+        )
 
 
 ConfigStore.instance().store(name="served_acceptance_schema", node=ServedAcceptanceConfig)
@@ -168,15 +184,25 @@ class SpecCounts:
         """The counts between two reads; counters never go down unless the engine restarted."""
         # a position first counted between the reads has no earlier count
         now, then = _aligned(self.accepted_per_position, before.accepted_per_position)
-        down = [f.name for f in fields(self)
-                if f.name != "accepted_per_position" and getattr(self, f.name) < getattr(before, f.name)]
+        down = [
+            f.name
+            for f in fields(self)
+            if f.name != "accepted_per_position" and getattr(self, f.name) < getattr(before, f.name)
+        ]
         down += [f"accepted_per_position[{i}]" for i in range(len(now)) if now[i] < then[i]]
         if down:
-            raise EngineError(f"{where}: the counters {down} went down between two reads: the engine restarted during "
-                              f"the run; run again")
-        return SpecCounts(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
-                          self.accepted - before.accepted, tuple(a - b for a, b in zip(now, then)),
-                          self.requests - before.requests, self.generation_tokens - before.generation_tokens)
+            raise EngineError(
+                f"{where}: the counters {down} went down between two reads: the engine restarted during "
+                f"the run; run again"
+            )
+        return SpecCounts(
+            self.drafts - before.drafts,
+            self.draft_tokens - before.draft_tokens,
+            self.accepted - before.accepted,
+            tuple(a - b for a, b in zip(now, then)),
+            self.requests - before.requests,
+            self.generation_tokens - before.generation_tokens,
+        )
 
 
 def read_counts(text: str, names: SpecMetrics, where: str) -> SpecCounts:
@@ -185,9 +211,11 @@ def read_counts(text: str, names: SpecMetrics, where: str) -> SpecCounts:
     samples = parse_prometheus(text)
     found = {key: counter(samples, getattr(names, key)) for key in ("drafts", "draft_tokens", "accepted")}
     if not any(found.values()):
-        raise EngineError(f"{where} exposes no speculative-decoding counters ({names.drafts}, ... as read from "
-                          f"{names.read_from}): the engine does not speculate, or is not {names.engine}; start it as "
-                          f"{names.enable}")
+        raise EngineError(
+            f"{where} exposes no speculative-decoding counters ({names.drafts}, ... as read from "
+            f"{names.read_from}): the engine does not speculate, or is not {names.engine}; start it as "
+            f"{names.enable}"
+        )
     missing = [getattr(names, key) for key, v in found.items() if not v]
     if missing:
         raise EngineError(f"{where} exposes {names.drafts} but not {missing}: not the {names.read_from} metrics")
@@ -196,13 +224,20 @@ def read_counts(text: str, names: SpecMetrics, where: str) -> SpecCounts:
         try:
             position = int(labels[names.position_label])
         except (KeyError, ValueError):
-            raise EngineError(f"{where}: a sample of {names.accepted_per_position} has no integer label "
-                              f"{names.position_label!r}: {labels}") from None
+            raise EngineError(
+                f"{where}: a sample of {names.accepted_per_position} has no integer label "
+                f"{names.position_label!r}: {labels}"
+            ) from None
         per[position] = per.get(position, 0.0) + value
     total = lambda rows: sum(v for _, v in rows)  # noqa: E731
-    return SpecCounts(total(found["drafts"]), total(found["draft_tokens"]), total(found["accepted"]),
-                      tuple(per.get(i, 0.0) for i in range(max(per) + 1)) if per else (),
-                      total(counter(samples, names.requests)), total(counter(samples, names.generation_tokens)))
+    return SpecCounts(
+        total(found["drafts"]),
+        total(found["draft_tokens"]),
+        total(found["accepted"]),
+        tuple(per.get(i, 0.0) for i in range(max(per) + 1)) if per else (),
+        total(counter(samples, names.requests)),
+        total(counter(samples, names.generation_tokens)),
+    )
 
 
 def reply_counts(meta: dict[str, Any], names: SpecMetrics, completion_tokens: int, where: str) -> SpecCounts:
@@ -210,16 +245,18 @@ def reply_counts(meta: dict[str, Any], names: SpecMetrics, completion_tokens: in
     token verifies nothing and carries none of the keys."""
     if names.drafts not in meta:
         if completion_tokens > 1:
-            raise EngineError(f"{where}: a reply of {completion_tokens} tokens carries no {names.drafts} in its meta_info "
-                              f"(as read from {names.read_from}): the engine does not speculate; start it as "
-                              f"{names.enable}")
+            raise EngineError(
+                f"{where}: a reply of {completion_tokens} tokens carries no {names.drafts} in its meta_info "
+                f"(as read from {names.read_from}): the engine does not speculate; start it as "
+                f"{names.enable}"
+            )
         return SpecCounts(0, 0, 0, (), 1, completion_tokens)
     hist = [float(x) for x in meta.get(names.accepted_per_position) or []]  # steps that accepted exactly n drafts
     drafts, proposed = float(meta[names.drafts]), float(meta.get(names.draft_tokens, 0))
     # SGLang cuts the histogram after the largest count seen ([15]: every step accepted none); the
     # positions past it, up to the draft length, accepted nothing
     k = max(len(hist) - 1, round(proposed / drafts) if drafts else 0)
-    per = tuple(sum(hist[i + 1:]) for i in range(k))
+    per = tuple(sum(hist[i + 1 :]) for i in range(k))
     return SpecCounts(drafts, proposed, float(meta[names.accepted]), per, 1, completion_tokens)
 
 
@@ -232,9 +269,14 @@ def _aligned(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[tuple[float, .
 def add(a: SpecCounts, b: SpecCounts) -> SpecCounts:
     """The counts of two disjoint sets of replies together."""
     pa, pb = _aligned(a.accepted_per_position, b.accepted_per_position)
-    return SpecCounts(a.drafts + b.drafts, a.draft_tokens + b.draft_tokens, a.accepted + b.accepted,
-                      tuple(x + y for x, y in zip(pa, pb)), a.requests + b.requests,
-                      a.generation_tokens + b.generation_tokens)
+    return SpecCounts(
+        a.drafts + b.drafts,
+        a.draft_tokens + b.draft_tokens,
+        a.accepted + b.accepted,
+        tuple(x + y for x, y in zip(pa, pb)),
+        a.requests + b.requests,
+        a.generation_tokens + b.generation_tokens,
+    )
 
 
 def _count(x: float) -> int | float:
@@ -248,7 +290,9 @@ def figures(d: SpecCounts) -> dict[str, Any] | None:
     per = list(d.accepted_per_position)
     reached = [d.drafts, *per[:-1]]  # position i is reached by the drafts accepted up to i-1
     return {
-        "drafts": _count(d.drafts), "draft_tokens": _count(d.draft_tokens), "accepted_tokens": _count(d.accepted),
+        "drafts": _count(d.drafts),
+        "draft_tokens": _count(d.draft_tokens),
+        "accepted_tokens": _count(d.accepted),
         "mean_acceptance_length": 1 + d.accepted / d.drafts,
         "mean_draft_length": d.draft_tokens / d.drafts,
         "draft_acceptance_rate": d.accepted / d.draft_tokens if d.draft_tokens else 0.0,
@@ -261,7 +305,13 @@ def figures(d: SpecCounts) -> dict[str, Any] | None:
 
 # every field that changes greedy tokens is sent: the server's defaults come from the target's
 # generation_config.json (vLLM's --generation-config auto), which may set a repetition penalty
-GREEDY = {"temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+GREEDY = {
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+}
 
 
 @dataclass(frozen=True)
@@ -283,9 +333,15 @@ class Route:
 
 def _openai_parse(resp: dict, text_of: Any) -> tuple[dict, Any]:
     choice, usage = resp["choices"][0], resp["usage"]
-    return ({"text": text_of(choice) or "", "finish_reason": choice.get("finish_reason"),
-             "prompt_tokens": int(usage["prompt_tokens"]), "completion_tokens": int(usage["completion_tokens"])},
-            choice.get("meta_info"))
+    return (
+        {
+            "text": text_of(choice) or "",
+            "finish_reason": choice.get("finish_reason"),
+            "prompt_tokens": int(usage["prompt_tokens"]),
+            "completion_tokens": int(usage["completion_tokens"]),
+        },
+        choice.get("meta_info"),
+    )
 
 
 def _generate_parse(resp: dict) -> tuple[dict, Any]:
@@ -293,23 +349,41 @@ def _generate_parse(resp: dict) -> tuple[dict, Any]:
     ``meta_info`` with the token counts and ``finish_reason`` ``{"type": "stop" | "length", ...}``."""
     meta = resp["meta_info"]
     reason = meta.get("finish_reason")
-    return ({"text": resp["text"], "finish_reason": reason.get("type") if isinstance(reason, dict) else reason,
-             "prompt_tokens": int(meta["prompt_tokens"]), "completion_tokens": int(meta["completion_tokens"])}, meta)
+    return (
+        {
+            "text": resp["text"],
+            "finish_reason": reason.get("type") if isinstance(reason, dict) else reason,
+            "prompt_tokens": int(meta["prompt_tokens"]),
+            "completion_tokens": int(meta["completion_tokens"]),
+        },
+        meta,
+    )
 
 
-CHAT_ROUTE = Route(lambda model, messages, n: {"model": model, "messages": messages, "max_tokens": n, **GREEDY},
-                   lambda resp: _openai_parse(resp, lambda ch: ch["message"]["content"]),
-                   "choices[0].message.content and usage", "choices[0].meta_info")
+CHAT_ROUTE = Route(
+    lambda model, messages, n: {"model": model, "messages": messages, "max_tokens": n, **GREEDY},
+    lambda resp: _openai_parse(resp, lambda ch: ch["message"]["content"]),
+    "choices[0].message.content and usage",
+    "choices[0].meta_info",
+)
 ID_ROUTES = {
-    "/v1/completions": Route(lambda model, ids, n: {"model": model, "prompt": ids, "max_tokens": n, **GREEDY},
-                             lambda resp: _openai_parse(resp, lambda ch: ch["text"]),
-                             "choices[0].text and usage", "choices[0].meta_info"),
-    "/generate": Route(lambda model, ids, n: {"input_ids": ids, "sampling_params": {"max_new_tokens": n, **GREEDY}},
-                       _generate_parse, "text and meta_info (prompt_tokens, completion_tokens)", "meta_info"),
+    "/v1/completions": Route(
+        lambda model, ids, n: {"model": model, "prompt": ids, "max_tokens": n, **GREEDY},
+        lambda resp: _openai_parse(resp, lambda ch: ch["text"]),
+        "choices[0].text and usage",
+        "choices[0].meta_info",
+    ),
+    "/generate": Route(
+        lambda model, ids, n: {"input_ids": ids, "sampling_params": {"max_new_tokens": n, **GREEDY}},
+        _generate_parse,
+        "text and meta_info (prompt_tokens, completion_tokens)",
+        "meta_info",
+    ),
 }
 
 
 # ---- the client ------------------------------------------------------------------------------
+
 
 @dataclass
 class Reply:
@@ -388,16 +462,20 @@ class EngineClient:
             if now == last:
                 return now
             last = now
-        self.warnings.append(f"{self.url}/metrics kept changing after the last reply ({SETTLE_READS} reads "
-                             f"{self.settle_s} s apart): another client is using the server")
+        self.warnings.append(
+            f"{self.url}/metrics kept changing after the last reply ({SETTLE_READS} reads "
+            f"{self.settle_s} s apart): another client is using the server"
+        )
         return last
 
     def count_reply(self, meta: Any, completion_tokens: int, where: str, meta_at: str) -> None:
         """Add one reply's figures (its ``meta_info``, found at ``meta_at``) to the tally of an
         engine that counts per reply."""
         if not isinstance(meta, dict):
-            raise EngineError(f"{where} answered without {meta_at} although asked with return_meta_info (as "
-                              f"{self.names.read_from} does): not {self.names.engine}?")
+            raise EngineError(
+                f"{where} answered without {meta_at} although asked with return_meta_info (as "
+                f"{self.names.read_from} does): not {self.names.engine}?"
+            )
         self.tally = add(self.tally, reply_counts(meta, self.names, completion_tokens, where))
 
 
@@ -422,8 +500,9 @@ class ServedAcceptance(EngineClient):
         text, finish reason and token counts."""
         c = self.cfg
         if self.tokenizer is not None:  # template=client
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)["input_ids"]
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
             route = ID_ROUTES[self.names.ids_route]
             path, body = self.names.ids_route, route.body(self.model, list(ids), c.max_new_tokens)
         else:
@@ -433,7 +512,9 @@ class ServedAcceptance(EngineClient):
             body["return_meta_info"] = True
         url = f"{self.url}{path}"
         async with gate:
-            resp = await retrying(lambda attempt: post_json(session, url, body), c.retries, c.backoff_s, f"{url} ({what})")
+            resp = await retrying(
+                lambda attempt: post_json(session, url, body), c.retries, c.backoff_s, f"{url} ({what})"
+            )
         try:
             out, meta = route.parse(resp)
         except (KeyError, IndexError, TypeError, ValueError):
@@ -444,16 +525,21 @@ class ServedAcceptance(EngineClient):
 
     async def converse(self, session: Any, gate: asyncio.Semaphore, conversation: Conversation) -> list[Reply]:
         """Every user turn in order, each after the engine's own replies to the earlier ones."""
-        turns = len(conversation.turns) if self.cfg.max_turns is None else min(len(conversation.turns), self.cfg.max_turns)
+        turns = (
+            len(conversation.turns) if self.cfg.max_turns is None else min(len(conversation.turns), self.cfg.max_turns)
+        )
         replies: list[Reply] = []
         for turn in range(turns):
             messages = conversation.messages(turn, [r.text for r in replies])
             r = await self.chat(session, gate, messages, f"{conversation.source} turn {turn + 1}")
-            replies.append(Reply(conversation, turn, r["prompt_tokens"], r["completion_tokens"], r["finish_reason"],
-                                 r["text"]))
+            replies.append(
+                Reply(conversation, turn, r["prompt_tokens"], r["completion_tokens"], r["finish_reason"], r["text"])
+            )
         return replies
 
-    async def measure(self) -> tuple[list[str], SpecCounts, SpecCounts, dict[str, tuple[list[Reply], SpecCounts]], float]:
+    async def measure(
+        self,
+    ) -> tuple[list[str], SpecCounts, SpecCounts, dict[str, tuple[list[Reply], SpecCounts]], float]:
         """Send every category's conversations (concurrently within one), reading the counters
         before the first and after each. Returns the served models, the first and the last read,
         per category its replies and the counts between its reads, and the seconds spent."""
@@ -467,8 +553,13 @@ class ServedAcceptance(EngineClient):
         timeout = aiohttp.ClientTimeout(total=c.request_timeout_s)
         connector = aiohttp.TCPConnector(limit=2 * c.concurrency)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-            await wait_ready(session, [self.url], c.wait_for_server_s, command=COMMAND,
-                             hint=f"start it with speculative decoding first: {self.names.enable}")
+            await wait_ready(
+                session,
+                [self.url],
+                c.wait_for_server_s,
+                command=COMMAND,
+                hint=f"start it with speculative decoding first: {self.names.enable}",
+            )
             models = await self.models(session)
             first = before = await self.counts(session)
             gate = asyncio.Semaphore(c.concurrency)
@@ -489,64 +580,110 @@ class ServedAcceptance(EngineClient):
             seconds = time.perf_counter() - start
         return models, first, before, per, seconds
 
-    def report(self, models: list[str], first: SpecCounts, last: SpecCounts,
-               per: dict[str, tuple[list[Reply], SpecCounts]], seconds: float) -> dict[str, Any]:
+    def report(
+        self,
+        models: list[str],
+        first: SpecCounts,
+        last: SpecCounts,
+        per: dict[str, tuple[list[Reply], SpecCounts]],
+        seconds: float,
+    ) -> dict[str, Any]:
         replies = [r for rs, _ in per.values() for r in rs]
         delta = last.minus(first, f"{self.url}/metrics")
         tokens = sum(r.completion_tokens for r in replies)
         overall = figures(delta)
         if overall is None:
-            raise EngineError(f"{self.url}/metrics counted no speculative drafts over {len(replies)} requests ({tokens} "
-                              f"tokens generated): the engine did not speculate (stats off with --disable-log-stats, or "
-                              f"replies of one token); start it as {self.names.enable}")
+            raise EngineError(
+                f"{self.url}/metrics counted no speculative drafts over {len(replies)} requests ({tokens} "
+                f"tokens generated): the engine did not speculate (stats off with --disable-log-stats, or "
+                f"replies of one token); start it as {self.names.enable}"
+            )
         if delta.requests != len(replies) or delta.generation_tokens != tokens:
             self.warnings.append(
                 f"the server counted {_count(delta.requests)} finished requests and {_count(delta.generation_tokens)} "
                 f"generated tokens during the run, this client {len(replies)} and {tokens}: other requests (another "
-                f"client, a retry) are in the figures")
+                f"client, a retry) are in the figures"
+            )
         if delta.accepted_per_position and abs(sum(delta.accepted_per_position) - delta.accepted) > 0.5:
-            self.warnings.append(f"the per-position counts sum to {_count(sum(delta.accepted_per_position))}, not the "
-                                 f"{_count(delta.accepted)} accepted tokens: the position counters mean something else")
+            self.warnings.append(
+                f"the per-position counts sum to {_count(sum(delta.accepted_per_position))}, not the "
+                f"{_count(delta.accepted)} accepted tokens: the position counters mean something else"
+            )
         finish: dict[str, int] = {}
         for r in replies:
             finish[str(r.finish_reason)] = finish.get(str(r.finish_reason), 0) + 1
         return {
-            "server": self.url, "engine": self.cfg.engine, "metrics_read_from": self.names.read_from,
-            "models": models, "model": self.model, "prompts": self.cfg.prompts,
-            "conversations": len({id(r.conversation) for r in replies}), "requests": len(replies),
-            "prompt_tokens": sum(r.prompt_tokens for r in replies), "completion_tokens": tokens,
-            "finish_reasons": finish, "max_new_tokens": self.cfg.max_new_tokens,
+            "server": self.url,
+            "engine": self.cfg.engine,
+            "metrics_read_from": self.names.read_from,
+            "models": models,
+            "model": self.model,
+            "prompts": self.cfg.prompts,
+            "conversations": len({id(r.conversation) for r in replies}),
+            "requests": len(replies),
+            "prompt_tokens": sum(r.prompt_tokens for r in replies),
+            "completion_tokens": tokens,
+            "finish_reasons": finish,
+            "max_new_tokens": self.cfg.max_new_tokens,
             "num_speculative_tokens": len(delta.accepted_per_position) or None,
             **overall,
-            "categories": {cat: {"requests": len(rs), "completion_tokens": sum(r.completion_tokens for r in rs)}
-                           | (figures(d) or {"drafts": 0}) for cat, (rs, d) in per.items()},
-            "server_counted": {"requests": _count(delta.requests), "generation_tokens": _count(delta.generation_tokens)},
-            "counters_before": {"drafts": _count(first.drafts), "draft_tokens": _count(first.draft_tokens),
-                                "accepted_tokens": _count(first.accepted)},
-            "definitions": DEFINITIONS, "warnings": self.warnings,
-            "seconds": seconds, "completion_tokens_per_s": tokens / max(seconds, 1e-9),
+            "categories": {
+                cat: {"requests": len(rs), "completion_tokens": sum(r.completion_tokens for r in rs)}
+                | (figures(d) or {"drafts": 0})
+                for cat, (rs, d) in per.items()
+            },
+            "server_counted": {
+                "requests": _count(delta.requests),
+                "generation_tokens": _count(delta.generation_tokens),
+            },
+            "counters_before": {
+                "drafts": _count(first.drafts),
+                "draft_tokens": _count(first.draft_tokens),
+                "accepted_tokens": _count(first.accepted),
+            },
+            "definitions": DEFINITIONS,
+            "warnings": self.warnings,
+            "seconds": seconds,
+            "completion_tokens_per_s": tokens / max(seconds, 1e-9),
             "config": config_dict(self.cfg),
         }
 
     def run(self) -> dict[str, Any]:
         models, first, last, per, seconds = asyncio.run(self.measure())
         report = self.report(models, first, last, per, seconds)
-        lines = [json.dumps({"source": r.conversation.source, "category": r.conversation.category, "turn": r.turn + 1,
-                             "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-                             "finish_reason": r.finish_reason, "reply": r.text}) + "\n"
-                 for rs, _ in per.values() for r in rs]
+        lines = [
+            json.dumps(
+                {
+                    "source": r.conversation.source,
+                    "category": r.conversation.category,
+                    "turn": r.turn + 1,
+                    "prompt_tokens": r.prompt_tokens,
+                    "completion_tokens": r.completion_tokens,
+                    "finish_reason": r.finish_reason,
+                    "reply": r.text,
+                }
+            )
+            + "\n"
+            for rs, _ in per.values()
+            for r in rs
+        ]
         atomic_write_bytes(self.out / "outputs.jsonl", "".join(lines).encode())
         atomic_write_json(self.out / REPORT_NAME, report)
         for warning in self.warnings:
             logger.warning(f"{COMMAND}: warning: {warning}")
-        cats = {cat: round(v["mean_acceptance_length"], 2) for cat, v in report["categories"].items()
-                if "mean_acceptance_length" in v}
-        logger.info(f"{COMMAND} ({self.cfg.engine} at {self.url}, model {self.model}): mean acceptance length "
-                    f"{report['mean_acceptance_length']:.2f} over {report['drafts']} drafts of "
-                    f"{report['mean_draft_length']:.2f} tokens, acceptance per position "
-                    f"{[round(p, 3) for p in report['acceptance_per_position']]} (conditional "
-                    f"{[round(p, 3) for p in report['conditional_acceptance_per_position']]}); per category {cats}; "
-                    f"{report['requests']} requests, {report['completion_tokens']} tokens in {seconds:.1f} s -> {self.out}")
+        cats = {
+            cat: round(v["mean_acceptance_length"], 2)
+            for cat, v in report["categories"].items()
+            if "mean_acceptance_length" in v
+        }
+        logger.info(
+            f"{COMMAND} ({self.cfg.engine} at {self.url}, model {self.model}): mean acceptance length "
+            f"{report['mean_acceptance_length']:.2f} over {report['drafts']} drafts of "
+            f"{report['mean_draft_length']:.2f} tokens, acceptance per position "
+            f"{[round(p, 3) for p in report['acceptance_per_position']]} (conditional "
+            f"{[round(p, 3) for p in report['conditional_acceptance_per_position']]}); per category {cats}; "
+            f"{report['requests']} requests, {report['completion_tokens']} tokens in {seconds:.1f} s -> {self.out}"
+        )
         return report
 
 

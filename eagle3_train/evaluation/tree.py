@@ -62,7 +62,8 @@ class TreeShape:
         if not 2 <= self.num_draft_tokens <= most:
             raise ConfigError(
                 f"num_draft_tokens={self.num_draft_tokens} must be 2..{most}: the root plus at most topk + "
-                f"(num_steps-1)*topk^2 = {most - 1} candidates (topk={self.topk}, num_steps={num_steps})")
+                f"(num_steps-1)*topk^2 = {most - 1} candidates (topk={self.topk}, num_steps={num_steps})"
+            )
 
 
 @dataclass
@@ -108,9 +109,16 @@ def _children(draft: Eagle3Draft, hidden: torch.Tensor, topk: int) -> tuple[torc
     return values.clamp(max=0.0), draft.to_target(ids)
 
 
-def propose_tree(draft: Eagle3Draft, hidden: torch.Tensor, root: torch.Tensor, positions: torch.Tensor,
-                 cache: list[tuple[torch.Tensor, torch.Tensor]], shape: TreeShape, num_steps: int,
-                 mask: torch.Tensor | None = None) -> DraftTree:
+def propose_tree(
+    draft: Eagle3Draft,
+    hidden: torch.Tensor,
+    root: torch.Tensor,
+    positions: torch.Tensor,
+    cache: list[tuple[torch.Tensor, torch.Tensor]],
+    shape: TreeShape,
+    num_steps: int,
+    mask: torch.Tensor | None = None,
+) -> DraftTree:
     """Draft one tree per row (see the module docstring).
 
     Args:
@@ -170,8 +178,9 @@ def propose_tree(draft: Eagle3Draft, hidden: torch.Tensor, root: torch.Tensor, p
     )
 
 
-def accept_path(tree: DraftTree, greedy: torch.Tensor, refused: torch.Tensor, num_steps: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_path(
+    tree: DraftTree, greedy: torch.Tensor, refused: torch.Tensor, num_steps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The longest root path whose every node is the target's greedy choice after its parent.
 
     ``greedy`` [B, N] the target's token after each node (its verify logits' argmax), ``refused``

@@ -181,8 +181,15 @@ class TTTCore(nn.Module):
     :func:`ttt_attention`. A module of its own so that parallelism can wrap it from outside (the
     sequence-parallel wrapper trades the sequence for the heads around it)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                step: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+        step: int,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """q [B, nh, T, d], k/v [B, nkv, T, d] of step ``step``; ``cache[i]`` the (k, v) of step i < step
         (read only; for step 0 a non-empty ``cache[0]`` holds earlier positions, which this step's
         keys extend). Returns the attention [B, nh, T, d] and this step's entry ``cache[step]``."""
@@ -192,8 +199,9 @@ class TTTCore(nn.Module):
         return ttt_attention(q, keys, q.shape[1] // k.shape[1], mask), (k, v)
 
 
-def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]], groups: int,
-                  mask: torch.Tensor | None = None) -> torch.Tensor:
+def ttt_attention(
+    q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]], groups: int, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """q [B, nh, T, d]; cache[0] = step 0's (k, v) [B, nkv, T_k, d] (T_k >= T: the last T
     positions are the queries'), cache[1:] = later steps' (k, v) [B, nkv, T, d]. Returns [B, nh, T, d].
 
@@ -207,10 +215,13 @@ def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]
     scale = d**-0.5
     if len(cache) == 1:
         if mask is not None:
-            return F.scaled_dot_product_attention(q, k0, v0, attn_mask=mask[:, None], scale=scale, enable_gqa=groups > 1)
+            return F.scaled_dot_product_attention(
+                q, k0, v0, attn_mask=mask[:, None], scale=scale, enable_gqa=groups > 1
+            )
         if t < k0.shape[2]:  # queries after cached keys (inference); SDPA's is_causal is top-left aligned
-            return F.scaled_dot_product_attention(q, k0, v0, attn_mask=causal_lower_right(t, k0.shape[2]), scale=scale,
-                                                  enable_gqa=groups > 1)
+            return F.scaled_dot_product_attention(
+                q, k0, v0, attn_mask=causal_lower_right(t, k0.shape[2]), scale=scale, enable_gqa=groups > 1
+            )
         return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale, enable_gqa=groups > 1)
     # diagonal scores of steps 1..j, fp32: j x [B, nh, T]. Query heads grouped over their kv head
     # ([B, nkv, g, T, d]) so the keys broadcast instead of being copied g times.
@@ -240,13 +251,19 @@ def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]
     q_aug[:, :, square:, :d] = q
     q_aug[:, :, square:, d] = c_q
     if square:
-        out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, is_causal=True, scale=scale, enable_gqa=groups > 1)[:, :, 1:]
+        out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, is_causal=True, scale=scale, enable_gqa=groups > 1)[
+            :, :, 1:
+        ]
     else:
         attn_mask = causal_lower_right(t, t_k + 1) if mask is None else F.pad(mask, (1, 0), value=True)[:, None]
-        out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1)
+        out = F.scaled_dot_product_attention(
+            q_aug, k_aug, v_aug, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1
+        )
     a, p = out[..., :d].float(), out[..., d].float()  # Z0*o0/(e^c+Z0) [B,nh,T,d], e^c/(e^c+Z0) [B,nh,T]
-    diag = sum((wi.reshape(b, nkv, groups, t, 1) * v.float()[:, :, None]).reshape(b, nh, t, d)
-               for wi, (_, v) in zip(w, cache[1:]))  # sum_i w_i v_i [B, nh, T, d]
+    diag = sum(
+        (wi.reshape(b, nkv, groups, t, 1) * v.float()[:, :, None]).reshape(b, nh, t, d)
+        for wi, (_, v) in zip(w, cache[1:])
+    )  # sum_i w_i v_i [B, nh, T, d]
     num = a + p.unsqueeze(-1) * diag
     den = (1 - p) + p * sum(w)
     return (num / den.unsqueeze(-1)).to(q.dtype)
@@ -263,9 +280,16 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: list[tuple[torch.Tensor, torch.Tensor]], step: int, mask: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def forward(
+        self,
+        emb: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+        step: int,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """TTT step ``step``: [B, T, H] -> ([B, T, H], this step's (k, v), the entry ``cache[step]``
         becomes). ``cache`` is only read (see :class:`TTTCore`), so the call is a pure function of
         its arguments and can be recomputed in backward (activation checkpointing).
@@ -278,8 +302,9 @@ class DraftLayer(nn.Module):
 
     # The two parts around the attention core are the same function at every TTT step (the core's
     # keys grow with the step): ``train.compile`` compiles these, one graph each per grad mode.
-    def qkv(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-            ) -> tuple[torch.Tensor, ...]:
+    def qkv(
+        self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """emb, hidden [B, T, H] -> q [B, nh, T, d], k/v [B, nkv, T, d] (normed, joined, projected, RoPE)."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
         return self.self_attn.project(x, cos, sin)
@@ -318,8 +343,9 @@ class Eagle3Draft(nn.Module):
 
         self.rotary_emb = LlamaRotaryEmbedding(cfg.llama_config())
 
-    def unroll(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, ttt_length: int,
-               start: int = 0) -> Iterator[torch.Tensor]:
+    def unroll(
+        self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, ttt_length: int, start: int = 0
+    ) -> Iterator[torch.Tensor]:
         """Yield the pre-norm output [B, T, H] of TTT steps 0..ttt_length-1.
 
         Step j at position t sees the embedding of token t+1+j and (for j >= 1) step j-1's output
@@ -339,8 +365,15 @@ class Eagle3Draft(nn.Module):
             hidden = self.step(hidden, nxt, positions + j, cache, j)
             yield hidden
 
-    def step(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-             cache: list[tuple[torch.Tensor, torch.Tensor]], step: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+        step: int,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One draft step, shared by training's unroll and inference's chain: the pre-norm output
         [B, T, H] from ``hidden`` [B, T, H] (``fuse(aux)`` for step 0, else step-1's output), the
         ids [B, T] of the token each position predicts after, at RoPE ``positions`` [B, T].
@@ -354,13 +387,21 @@ class Eagle3Draft(nn.Module):
         cos, sin = self.rotary_emb(hidden, positions)
         # the layer gets a copy of what it reads (step 0: the earlier positions' keys, if any), so
         # that the list it saw is unchanged if it runs again in backward (activation checkpointing)
-        out, kv = self.midlayer(emb, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache[: max(step, 1)], step, mask)
+        out, kv = self.midlayer(
+            emb, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache[: max(step, 1)], step, mask
+        )
         del cache[step:]
         cache.append(kv)
         return out
 
-    def propose(self, hidden: torch.Tensor, positions: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                k: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def propose(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+        k: int,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """A greedy chain of ``k`` draft tokens, as target ids [B, k].
 
         ``hidden`` [B, H] is step 0's output at each row's last context position ``positions`` [B],
@@ -375,8 +416,9 @@ class Eagle3Draft(nn.Module):
         for j in range(k):
             tokens.append(self.to_target(self.logits(hidden).argmax(-1)))  # [B]
             if j + 1 < k:
-                hidden = self.step(hidden[:, None], tokens[-1][:, None], (positions + j + 1)[:, None], cache, j + 1,
-                                   chain_mask)[:, 0]
+                hidden = self.step(
+                    hidden[:, None], tokens[-1][:, None], (positions + j + 1)[:, None], cache, j + 1, chain_mask
+                )[:, 0]
         return torch.stack(tokens, dim=1)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

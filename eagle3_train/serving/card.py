@@ -56,8 +56,12 @@ def eval_reports(export: Path, files: dict[str, str]) -> list[dict[str, Any]]:
 
 def front_matter(base_model: str, license: str, engines: list[str]) -> dict[str, Any]:
     """The hub's YAML metadata of the card."""
-    return {"base_model": base_model, "library_name": LIBRARY_NAME, "license": license,
-            "tags": ["eagle3", "speculative-decoding", "draft-model", *engines]}
+    return {
+        "base_model": base_model,
+        "library_name": LIBRARY_NAME,
+        "license": license,
+        "tags": ["eagle3", "speculative-decoding", "draft-model", *engines],
+    }
 
 
 def yaml_block(meta: dict[str, Any]) -> str:
@@ -66,19 +70,33 @@ def yaml_block(meta: dict[str, Any]) -> str:
     lines = []
     for key, value in meta.items():
         items = value if isinstance(value, list) else None
-        lines += [f"{key}:", *(f"- {json.dumps(v)}" for v in items)] if items is not None else [f"{key}: {json.dumps(value)}"]
+        lines += (
+            [f"{key}:", *(f"- {json.dumps(v)}" for v in items)]
+            if items is not None
+            else [f"{key}: {json.dumps(value)}"]
+        )
     return "\n".join(lines) + "\n"
 
 
 def serve_commands(engines: list[str], base_model: str, draft: str, k: int) -> dict[str, str]:
     """{engine: the shell command that serves ``base_model`` with ``draft``, ``k`` tokens a step},
     each built by its engine module."""
-    return {e: shlex.join(registry.ENGINES[e].serve_command(base_model, draft, k)) for e in engines
-            if registry.ENGINES[e].serve is not None}
+    return {
+        e: shlex.join(registry.ENGINES[e].serve_command(base_model, draft, k))
+        for e in engines
+        if registry.ENGINES[e].serve is not None
+    }
 
 
-def model_card(config: dict[str, Any], engines: list[str], base_model: str, repo_id: str | None, directory: str,
-               license: str, reports: list[dict[str, Any]]) -> str:
+def model_card(
+    config: dict[str, Any],
+    engines: list[str],
+    base_model: str,
+    repo_id: str | None,
+    directory: str,
+    license: str,
+    reports: list[dict[str, Any]],
+) -> str:
     """The card's text for an export whose ``config.json`` is ``config``, made for ``engines``.
 
     Args:
@@ -96,66 +114,96 @@ def model_card(config: dict[str, Any], engines: list[str], base_model: str, repo
     k = int(training.get("ttt_length") or DEFAULT_K)
     head = "---\n" + yaml_block(front_matter(base_model, license, engines)) + "---\n\n"
     lines = [
-        f"# EAGLE-3 draft for {base_model}", "",
+        f"# EAGLE-3 draft for {base_model}",
+        "",
         f"A one-layer EAGLE-3 draft head (`LlamaForCausalLMEagle3`: hidden size {config['hidden_size']}, draft vocab "
         f"{config['draft_vocab_size']} of {config['vocab_size']}) that proposes tokens for `{base_model}` to verify, "
         f"trained with {LIBRARY_NAME} (checkpoint `{training.get('checkpoint')}`, step {training.get('step')}"
         f"{', the best by eval tau' if training.get('is_best') else ''}; {training.get('ttt_length')} training-time "
-        f"test steps).", "",
-        "## Target", "",
+        f"test steps).",
+        "",
+        "## Target",
+        "",
         "| name | model_type | layers N | hidden size | vocab | config sha256 | tokenizer sha256 | chat template sha256 |",
         "|---|---|---|---|---|---|---|---|",
         f"| `{public_name(target['path'])}` | `{target['model_type']}` | {n} | {capture['hidden_size']} | "
         f"{capture['vocab_size']} | `{target['config_hash']}` | `{target['tokenizer_hash']}` | "
-        f"`{target['chat_template_hash']}` |", "",
+        f"`{target['chat_template_hash']}` |",
+        "",
         "The draft only fits this target: another model (or a target whose config hash differs, beyond a quantized or "
         "re-saved copy of it) feeds it states it never saw. `eagle3-check draft=<this directory> target=<target>` "
-        "compares them.", "",
-        "## Capture", "",
+        "compares them.",
+        "",
+        "## Capture",
+        "",
         f"Trained on the target's hidden states at HF indices `{aux}` (transformers' `hidden_states[k]`: 0 is the "
         f"embeddings, k the output of decoder layer k), {capture['dtype']}. What each engine reads from `config.json` "
-        f"and captures from it:", "",
-        "| engine | reads | ids | captures |", "|---|---|---|---|",
+        f"and captures from it:",
+        "",
+        "| engine | reads | ids | captures |",
+        "|---|---|---|---|",
     ]
     for e in engines:
         engine = registry.ENGINES[e]
         for r in resolve(config, e, target["model_type"], n)[:1]:  # the engine's default runner
             lines.append(f"| {engine.title} {r.rule.versions} | `{r.source}` | `{r.ids}` | {r.describe()} |")
     draft = repo_id or directory
-    where = (f"the draft from the hub as `{repo_id}`" if repo_id else
-             f"the draft from the directory `{directory}` (run them beside it, or name the draft by its hub id once "
-             f"published)")
+    where = (
+        f"the draft from the hub as `{repo_id}`"
+        if repo_id
+        else f"the draft from the directory `{directory}` (run them beside it, or name the draft by its hub id once "
+        f"published)"
+    )
     lines += ["", "## Serve", "", f"Drafting {k} tokens per step (the steps it was trained for), {where}:", ""]
     for e, command in serve_commands(engines, base_model, draft, k).items():
         lines += [f"{registry.ENGINES[e].title}:", "", "```bash", command, "```", ""]
     lines += ["## Evaluation", ""]
-    lines += _tau_table(reports) if reports else [
-        "No `eagle3-eval` report of these files lay beside this directory when it was exported. `eagle3-eval "
-        "draft=<this directory> target=<target> engine=<engine> prompts=<file>` writes one beside it; exporting again "
-        "adds its table here.", ""]
+    lines += (
+        _tau_table(reports)
+        if reports
+        else [
+            "No `eagle3-eval` report of these files lay beside this directory when it was exported. `eagle3-eval "
+            "draft=<this directory> target=<target> engine=<engine> prompts=<file>` writes one beside it; exporting again "
+            "adds its table here.",
+            "",
+        ]
+    )
     own = training.get("eval") or {}
-    lines += ["## Training", "", f"Engine rules version `{meta.get('rules_version')}`; vocab map sha256 "
-              f"`{meta.get('vocab_map_sha256')}`."]
+    lines += [
+        "## Training",
+        "",
+        f"Engine rules version `{meta.get('rules_version')}`; vocab map sha256 `{meta.get('vocab_map_sha256')}`.",
+    ]
     if own.get("eval_acc") is not None:
-        lines[-1] += (" The checkpoint's own evaluation on the run's held-out split: teacher-forced accuracy per draft "
-                      f"position {[round(a, 3) for a in own['eval_acc']]}, simulated τ {own.get('eval_tau', 0):.2f}.")
+        lines[-1] += (
+            " The checkpoint's own evaluation on the run's held-out split: teacher-forced accuracy per draft "
+            f"position {[round(a, 3) for a in own['eval_acc']]}, simulated τ {own.get('eval_tau', 0):.2f}."
+        )
     return head + "\n".join(lines) + "\n"
 
 
 def _tau_table(reports: list[dict[str, Any]]) -> list[str]:
     """τ (tokens per verify step) and acceptance per draft position of each eval report, with
     each category's τ when a prompt file has several."""
-    rows = ["`eagle3-eval` (greedy chain speculative decoding with the target in transformers, fed the layers the "
-            "engine's rule reads; τ counts the target's own token of each step):", "",
-            "| engine | prompts | turns | k | τ | acceptance per position | lossless | dtype |", "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "`eagle3-eval` (greedy chain speculative decoding with the target in transformers, fed the layers the "
+        "engine's rule reads; τ counts the target's own token of each step):",
+        "",
+        "| engine | prompts | turns | k | τ | acceptance per position | lossless | dtype |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in reports:
         prompts = public_name(str((r.get("config") or {}).get("prompts", "")))
         accept = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-        rows.append(f"| {r['engine']} | `{prompts}` | {r['prompts']} | {r['k']} | {r['tau']:.2f} | {accept} | "
-                    f"{r['lossless']} | {r.get('dtype')} |")
+        rows.append(
+            f"| {r['engine']} | `{prompts}` | {r['prompts']} | {r['k']} | {r['tau']:.2f} | {accept} | "
+            f"{r['lossless']} | {r.get('dtype')} |"
+        )
         if len(r.get("categories") or {}) > 1:
             for cat, v in r["categories"].items():
                 accept = ", ".join(f"{a:.2f}" for a in v["acceptance_per_position"])
-                rows.append(f"| {r['engine']} | `{prompts}`: {cat} | {v['prompts']} | {r['k']} | {v['tau']:.2f} | "
-                            f"{accept} | | |")
+                rows.append(
+                    f"| {r['engine']} | `{prompts}`: {cat} | {v['prompts']} | {r['k']} | {v['tau']:.2f} | "
+                    f"{accept} | | |"
+                )
     return rows + [""]

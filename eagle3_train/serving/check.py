@@ -42,9 +42,13 @@ class CheckConfig:
     draft: str = MISSING  # an EAGLE-3 draft directory (config.json + *.safetensors)
     target: str = MISSING  # the target: a config.json, an HF directory, a hub id, embedded or tiny
     trained: list[int] | None = None  # HF indices the draft was trained on (null: its eagle3_train block)
-    engines: list[str] = field(default_factory=lambda: registry.names("export"))  # engines to check (any with layer-id rules: sglang, vllm, trtllm)
+    engines: list[str] = field(
+        default_factory=lambda: registry.names("export")
+    )  # engines to check (any with layer-id rules: sglang, vllm, trtllm)
     cache_dir: str | None = None  # where GGUF targets are converted once
-    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    logging: LogConfig = field(
+        default_factory=LogConfig
+    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         known = registry.names("rules")
@@ -103,8 +107,14 @@ def read_draft(draft: Path) -> tuple[dict, dict[str, torch.Tensor], set[str]]:
     return config, tensors, names
 
 
-def check(config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any, trained: list[int] | None,
-          engines: list[str], weight_names: set[str] | None = None) -> tuple[list[str], list[Finding]]:
+def check(
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    target_cfg: Any,
+    trained: list[int] | None,
+    engines: list[str],
+    weight_names: set[str] | None = None,
+) -> tuple[list[str], list[Finding]]:
     """Report lines and findings for one draft (pure: no I/O); ``weight_names`` (all the draft's
     tensors) are checked against what the engines load, when given."""
     tc = text_config(target_cfg)
@@ -121,41 +131,75 @@ def check(config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any, train
         for r in resolve(config, engine, mt, n):  # the engine's default runner first
             where = f"{r.source}={r.ids}" if r.ids is not None else "no ids where it reads -> engine default"
             ok = trained is None or (r.hf_indices == sorted(trained) and not r.pre_norm_final)
-            lines.append(f"{engine} {r.rule.versions}: {where} -> captures {r.describe()}"
-                         + ("" if trained is None else ("  OK" if ok else f"  MISMATCH (trained {sorted(trained)})")))
+            lines.append(
+                f"{engine} {r.rule.versions}: {where} -> captures {r.describe()}"
+                + ("" if trained is None else ("  OK" if ok else f"  MISMATCH (trained {sorted(trained)})"))
+            )
             if r.problem is not None:
                 findings.append(Finding("error", r.problem))
             if r.pre_norm_final and r.note:
-                findings.append(Finding("error", f"{r.note}: it feeds the last layer's output before the final norm "
-                                                 f"there, which no draft trained here saw"))
+                findings.append(
+                    Finding(
+                        "error",
+                        f"{r.note}: it feeds the last layer's output before the final norm "
+                        f"there, which no draft trained here saw",
+                    )
+                )
             elif r.pre_norm_final:
-                findings.append(Finding("warning", f"{engine} {r.rule.versions}: one id lands on N={n}, the last layer's "
-                                                   f"output before the final norm; no HF index names it (HF {n} is "
-                                                   f"after the norm), so no draft trained here saw it"))
+                findings.append(
+                    Finding(
+                        "warning",
+                        f"{engine} {r.rule.versions}: one id lands on N={n}, the last layer's "
+                        f"output before the final norm; no HF index names it (HF {n} is "
+                        f"after the norm), so no draft trained here saw it",
+                    )
+                )
             if r.ids is None and _get_any(config):
-                findings.append(Finding("error" if not ok or trained is None else "warning",
-                                        f"{engine} {r.rule.versions}: the ids are not where it reads "
-                                        f"({' or '.join('.'.join(p) for p in r.rule.keys)}): it silently uses the default {r.hf_indices}"))
+                findings.append(
+                    Finding(
+                        "error" if not ok or trained is None else "warning",
+                        f"{engine} {r.rule.versions}: the ids are not where it reads "
+                        f"({' or '.join('.'.join(p) for p in r.rule.keys)}): it silently uses the default {r.hf_indices}",
+                    )
+                )
             if not ok and trained is not None:  # (not ok: trained is known)
-                findings.append(Finding("error", f"{engine} {r.rule.versions}: captures {r.describe()}, the draft was trained on {sorted(trained)}"))
+                findings.append(
+                    Finding(
+                        "error",
+                        f"{engine} {r.rule.versions}: captures {r.describe()}, the draft was trained on {sorted(trained)}",
+                    )
+                )
             if any(k < 0 or k > n for k in r.hf_indices):
-                findings.append(Finding("error", f"{engine} {r.rule.versions}: HF indices {r.hf_indices} are outside 0..{n}"))
+                findings.append(
+                    Finding("error", f"{engine} {r.rule.versions}: HF indices {r.hf_indices} are outside 0..{n}")
+                )
         fc = tensors.get("fc.weight")  # [H_draft, width of the captured states]
         if fc is not None and fc_skipped(engine, 1, fc.shape[1], fc.shape[0]):
-            findings.append(Finding("error", f"{engine}: fc input width {fc.shape[1]} equals the draft hidden size, so "
-                                             f"{registry.ENGINES[engine].title} skips fc"))
+            findings.append(
+                Finding(
+                    "error",
+                    f"{engine}: fc input width {fc.shape[1]} equals the draft hidden size, so "
+                    f"{registry.ENGINES[engine].title} skips fc",
+                )
+            )
     findings += _check_target(config, tensors, target_cfg, trained)
     findings += _check_vocab(config, tensors, v)
     # embed_tokens is loaded too (SGLang then swaps in the target's): only other names are foreign
     foreign = unloadable_weights((weight_names or set()) - {"embed_tokens.weight"})
     if foreign:
-        findings.append(Finding("error", f"weights {foreign} are not part of the EAGLE-3 draft the engines build: "
-                                         f"{foreign_weights_text(registry.names('export'))} them"))
+        findings.append(
+            Finding(
+                "error",
+                f"weights {foreign} are not part of the EAGLE-3 draft the engines build: "
+                f"{foreign_weights_text(registry.names('export'))} them",
+            )
+        )
     return lines, findings
 
 
-def _check_target(config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any,
-                  trained: list[int] | None) -> list[Finding]:
+def _check_target(
+    config: dict, tensors: dict[str, torch.Tensor], target_cfg: Any, trained: list[int] | None
+) -> list[Finding]:
     """Is this the target the draft was trained against? Its shapes (fc's input is the captured
     states' width; the capture records the target's hidden size, vocab, depth and model_type) and,
     as a warning, its config hash (a quantized or re-saved copy of the same model differs there)."""
@@ -165,25 +209,53 @@ def _check_target(config: dict, tensors: dict[str, torch.Tensor], target_cfg: An
     out: list[Finding] = []
     fc = tensors.get("fc.weight")
     if fc is not None and trained and fc.shape[1] != len(trained) * tc.hidden_size:
-        out.append(Finding("error", f"fc takes states of width {fc.shape[1]}, but {len(trained)} layers of this target "
-                                    f"(hidden {tc.hidden_size}) are {len(trained) * tc.hidden_size} wide: not the target "
-                                    f"the draft was trained on"))
+        out.append(
+            Finding(
+                "error",
+                f"fc takes states of width {fc.shape[1]}, but {len(trained)} layers of this target "
+                f"(hidden {tc.hidden_size}) are {len(trained) * tc.hidden_size} wide: not the target "
+                f"the draft was trained on",
+            )
+        )
     capture = (config.get("eagle3_train") or {}).get("capture") or {}
-    recorded = {"hidden_size": capture.get("hidden_size"), "vocab_size": capture.get("vocab_size"),
-                "num_hidden_layers": capture.get("num_hidden_layers"),
-                "model_type": (capture.get("target") or {}).get("model_type")}
-    here = {"hidden_size": tc.hidden_size, "vocab_size": tc.vocab_size, "num_hidden_layers": tc.num_hidden_layers,
-            "model_type": tc.model_type}
-    differ = [f"{k} {recorded[k]} (trained) != {here[k]} (this target)" for k in here
-              if recorded[k] is not None and recorded[k] != here[k]]
+    recorded = {
+        "hidden_size": capture.get("hidden_size"),
+        "vocab_size": capture.get("vocab_size"),
+        "num_hidden_layers": capture.get("num_hidden_layers"),
+        "model_type": (capture.get("target") or {}).get("model_type"),
+    }
+    here = {
+        "hidden_size": tc.hidden_size,
+        "vocab_size": tc.vocab_size,
+        "num_hidden_layers": tc.num_hidden_layers,
+        "model_type": tc.model_type,
+    }
+    differ = [
+        f"{k} {recorded[k]} (trained) != {here[k]} (this target)"
+        for k in here
+        if recorded[k] is not None and recorded[k] != here[k]
+    ]
     if differ:
-        out.append(Finding("error", f"the draft was trained against another target ({(capture.get('target') or {}).get('path')}): "
-                                    + "; ".join(differ)))
-    elif (recorded_hash := (capture.get("target") or {}).get("config_hash")) is not None \
-            and hasattr(target_cfg, "to_dict") and recorded_hash != config_hash(target_cfg):
-        out.append(Finding("warning", f"the target's config differs from the one the draft was trained against "
-                                      f"({capture['target'].get('path')}; same shapes): fine for a quantized or re-saved "
-                                      f"copy of that model, not for another model"))
+        out.append(
+            Finding(
+                "error",
+                f"the draft was trained against another target ({(capture.get('target') or {}).get('path')}): "
+                + "; ".join(differ),
+            )
+        )
+    elif (
+        (recorded_hash := (capture.get("target") or {}).get("config_hash")) is not None
+        and hasattr(target_cfg, "to_dict")
+        and recorded_hash != config_hash(target_cfg)
+    ):
+        out.append(
+            Finding(
+                "warning",
+                f"the target's config differs from the one the draft was trained against "
+                f"({capture['target'].get('path')}; same shapes): fine for a quantized or re-saved "
+                f"copy of that model, not for another model",
+            )
+        )
     return out
 
 
@@ -197,17 +269,38 @@ def _check_vocab(config: dict, tensors: dict[str, torch.Tensor], v: int) -> list
     d2t = tensors.get("d2t")
     if d2t is None:
         if config.get("draft_vocab_size", v) != v:
-            out.append(Finding("error", "no d2t tensor, but draft_vocab_size differs from the target vocab: engines cannot map draft ids"))
+            out.append(
+                Finding(
+                    "error",
+                    "no d2t tensor, but draft_vocab_size differs from the target vocab: engines cannot map draft ids",
+                )
+            )
         return out
     ids = d2t.to(torch.int64) + torch.arange(len(d2t))
     if len(d2t) < v and bool((d2t == 0).all()):
-        out.append(Finding("error", f"d2t is all zeros: the draft vocab would be target ids 0..{len(d2t) - 1}, almost surely not the trained map"))
+        out.append(
+            Finding(
+                "error",
+                f"d2t is all zeros: the draft vocab would be target ids 0..{len(d2t) - 1}, almost surely not the trained map",
+            )
+        )
     if len(ids) and (ids.min() < 0 or ids.max() >= v):
-        out.append(Finding("error", f"d2t maps draft ids outside the target vocab of {v} (range {int(ids.min())}..{int(ids.max())})"))
+        out.append(
+            Finding(
+                "error",
+                f"d2t maps draft ids outside the target vocab of {v} (range {int(ids.min())}..{int(ids.max())})",
+            )
+        )
     elif len(torch.unique(ids)) != len(ids):
-        out.append(Finding("error", "d2t maps two draft ids to the same target id: not a permutation into the target vocab"))
+        out.append(
+            Finding("error", "d2t maps two draft ids to the same target id: not a permutation into the target vocab")
+        )
     t2d = tensors.get("t2d")
-    if t2d is not None and t2d.numel() == v and not torch.equal(t2d.bool().nonzero().squeeze(1), torch.sort(ids).values):
+    if (
+        t2d is not None
+        and t2d.numel() == v
+        and not torch.equal(t2d.bool().nonzero().squeeze(1), torch.sort(ids).values)
+    ):
         out.append(Finding("error", "t2d does not mark exactly the target ids d2t maps to"))
     return out
 
@@ -215,8 +308,14 @@ def _check_vocab(config: dict, tensors: dict[str, torch.Tensor], v: int) -> list
 def run_check(cfg: CheckConfig) -> int:
     draft = Path(cfg.draft).expanduser()
     config, tensors, names = read_draft(draft)
-    trained = list(cfg.trained) if cfg.trained is not None else (config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"))
-    lines, findings = check(config, tensors, target_config(cfg.target, cfg.cache_dir), trained, list(cfg.engines), names)
+    trained = (
+        list(cfg.trained)
+        if cfg.trained is not None
+        else (config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"))
+    )
+    lines, findings = check(
+        config, tensors, target_config(cfg.target, cfg.cache_dir), trained, list(cfg.engines), names
+    )
     for line in lines:
         logger.info(line)
     for f in findings:  # a finding's level is its record's: errors and warnings go to stderr

@@ -59,13 +59,20 @@ from eagle3_train.serving.card import CARD_NAME, eval_reports, model_card, publi
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class CardConfig:
     """What the model card (``README.md``) says where the checkpoint cannot know it."""
 
-    base_model: str | None = None  # the target's hub id, for base_model and the serve commands (null: the target as training named it, a local directory by its name)
-    repo_id: str | None = None  # the hub id the draft will be published as, for the serve commands (null: the export directory's name)
-    license: str = "other"  # the card's license field (a draft trained on a model's outputs normally follows that model's license)
+    base_model: str | None = (
+        None  # the target's hub id, for base_model and the serve commands (null: the target as training named it, a local directory by its name)
+    )
+    repo_id: str | None = (
+        None  # the hub id the draft will be published as, for the serve commands (null: the export directory's name)
+    )
+    license: str = (
+        "other"  # the card's license field (a draft trained on a model's outputs normally follows that model's license)
+    )
 
 
 @dataclass
@@ -74,11 +81,15 @@ class ExportConfig:
 
     run: str = MISSING  # a training run directory (its best checkpoint under train.keep_best, else its last) or one checkpoint directory
     out: str = MISSING  # the serving directory to write
-    engines: list[str] = field(default_factory=lambda: registry.names("export"))  # engines the config must serve (those that read config.json: sglang, vllm)
+    engines: list[str] = field(
+        default_factory=lambda: registry.names("export")
+    )  # engines the config must serve (those that read config.json: sglang, vllm)
     dtype: str = "bfloat16"  # dtype of the exported weights
     overwrite: bool = False  # replace an out= that holds an export of another run (or anything that is not an export)
     card: CardConfig = field(default_factory=CardConfig)
-    logging: LogConfig = field(default_factory=LogConfig)  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    logging: LogConfig = field(
+        default_factory=LogConfig
+    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
 
     def __post_init__(self) -> None:
         known = registry.names("export")
@@ -100,8 +111,10 @@ def find_checkpoint(run: Path) -> Path:
     if not ckpts:
         raise BadInputError(f"{run} is neither a checkpoint (state.json) nor a run directory with finished checkpoints")
     if not (run / MANIFEST_NAME).is_file():
-        raise ContractError(f"{run} is still training, or stopped before its end (no {MANIFEST_NAME}; its last checkpoint "
-                            f"is {ckpts[-1].name}): to export that checkpoint anyway, name it: run={ckpts[-1]}")
+        raise ContractError(
+            f"{run} is still training, or stopped before its end (no {MANIFEST_NAME}; its last checkpoint "
+            f"is {ckpts[-1].name}): to export that checkpoint anyway, name it: run={ckpts[-1]}"
+        )
     best = best_checkpoint(run)
     return best if best is not None else ckpts[-1]
 
@@ -117,13 +130,17 @@ def refuse_foreign_out(out: Path, ckpt: Path, overwrite: bool) -> None:
     except json.JSONDecodeError:
         record = None
     if record is None or record.get("stage") != "export":
-        raise ContractError(f"{out} exists and is not an export (no export {MANIFEST_NAME}): pass overwrite=true to "
-                            f"replace it, or choose another out=")
+        raise ContractError(
+            f"{out} exists and is not an export (no export {MANIFEST_NAME}): pass overwrite=true to "
+            f"replace it, or choose another out="
+        )
     # exports written before run_sha256 existed named the checkpoint by its path
     before = record.get("run_sha256") or run_sha256(Path(str(record.get("checkpoint", ""))))
     if before != run_sha256(ckpt):
-        raise ContractError(f"{out} holds the export of another run (checkpoint {record.get('checkpoint')}) than "
-                            f"{ckpt}: pass overwrite=true to replace it, or choose another out=")
+        raise ContractError(
+            f"{out} holds the export of another run (checkpoint {record.get('checkpoint')}) than "
+            f"{ckpt}: pass overwrite=true to replace it, or choose another out="
+        )
 
 
 def run_sha256(ckpt: Path) -> str:
@@ -139,10 +156,14 @@ def refuse_unloadable(names: set[str], draft_config: DraftConfig) -> None:
     if not extra:
         return
     engines = registry.names("export")
-    why = (f"the head was trained with model.aux_norm (an RMSNorm before fc), which no llama_eagle3 in "
-           f"{' or '.join(registry.ENGINES[e].title for e in engines)} has, and it cannot be folded into fc (it divides "
-           f"by each position's RMS): train with model.aux_norm=false to serve, or compare heads by the run's eval "
-           f"simulated tau" if draft_config.aux_norm else "they are not part of the EAGLE-3 draft the engines build")
+    why = (
+        f"the head was trained with model.aux_norm (an RMSNorm before fc), which no llama_eagle3 in "
+        f"{' or '.join(registry.ENGINES[e].title for e in engines)} has, and it cannot be folded into fc (it divides "
+        f"by each position's RMS): train with model.aux_norm=false to serve, or compare heads by the run's eval "
+        f"simulated tau"
+        if draft_config.aux_norm
+        else "they are not part of the EAGLE-3 draft the engines build"
+    )
     raise ContractError(f"export refused: {foreign_weights_text(engines)} the weights {extra}; {why}")
 
 
@@ -171,8 +192,9 @@ def engine_keys(spec: CaptureSpec, engines: list[str]) -> dict[str, Any]:
         except Unexpressible as e:
             problems.append(str(e))
     if problems:
-        raise ContractError("export refused; the config cannot mean the trained capture to every engine:\n  "
-                            + "\n  ".join(problems))
+        raise ContractError(
+            "export refused; the config cannot mean the trained capture to every engine:\n  " + "\n  ".join(problems)
+        )
     out: dict[str, Any] = {}
     for path, ids in entries.items():
         node: dict[str, Any] = out
@@ -215,13 +237,22 @@ def draft_config_from_json(c: dict[str, Any], fc_width: int) -> DraftConfig:
     party's: optional fields take the Llama defaults); ``fc_width`` is fc's input width
     (n_aux * H_t), which fixes the number of aux layers."""
     th = c.get("target_hidden_size") or c["hidden_size"]
-    rope = c.get("rope_parameters") or ({"rope_theta": c.get("rope_theta", 10000.0)} | (c.get("rope_scaling") or {"rope_type": "default"}))
+    rope = c.get("rope_parameters") or (
+        {"rope_theta": c.get("rope_theta", 10000.0)} | (c.get("rope_scaling") or {"rope_type": "default"})
+    )
     return DraftConfig(
-        hidden_size=c["hidden_size"], target_hidden_size=th, num_aux=fc_width // th,
-        num_attention_heads=c["num_attention_heads"], num_key_value_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"], intermediate_size=c["intermediate_size"],
-        rms_norm_eps=c["rms_norm_eps"], vocab_size=c["vocab_size"], draft_vocab_size=c.get("draft_vocab_size") or c["vocab_size"],
-        max_position_embeddings=c["max_position_embeddings"], rope_parameters=dict(rope),
+        hidden_size=c["hidden_size"],
+        target_hidden_size=th,
+        num_aux=fc_width // th,
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+        intermediate_size=c["intermediate_size"],
+        rms_norm_eps=c["rms_norm_eps"],
+        vocab_size=c["vocab_size"],
+        draft_vocab_size=c.get("draft_vocab_size") or c["vocab_size"],
+        max_position_embeddings=c["max_position_embeddings"],
+        rope_parameters=dict(rope),
     )
 
 
@@ -249,7 +280,11 @@ class Exporter:
         refuse_foreign_out(self.out, self.ckpt, self.cfg.overwrite)
         weights = load_file(str(self.ckpt / "draft.safetensors"))
         dtype = getattr(torch, self.cfg.dtype)
-        weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items() if not k.startswith("embed_tokens")}
+        weights = {
+            k: v.to(dtype) if v.is_floating_point() else v
+            for k, v in weights.items()
+            if not k.startswith("embed_tokens")
+        }
         refuse_unloadable(set(weights), self.draft_config)
         config = draft_config_json(self.draft_config) | keys | {"torch_dtype": self.cfg.dtype}
         target = self.spec.target.to_dict() | {"path": public_name(self.spec.target.path)}  # no local path
@@ -267,8 +302,9 @@ class Exporter:
         atomic_write_json(tmp / "config.json", config)
         atomic_write_bytes(tmp / CARD_NAME, self.card(config, tmp).encode())
         options = {k: v for k, v in config_dict(self.cfg).items() if k not in ("run", "out")}  # paths stay out
-        write_manifest(tmp, "export", {"checkpoint": self.ckpt.name, "run_sha256": run_sha256(self.ckpt),
-                                       "config": options})
+        write_manifest(
+            tmp, "export", {"checkpoint": self.ckpt.name, "run_sha256": run_sha256(self.ckpt), "config": options}
+        )
         # renames only, so that a kill anywhere leaves out= whole (old or new) or absent, never
         # half deleted (which a rerun would refuse as "not an export")
         if self.out.exists():
@@ -277,7 +313,9 @@ class Exporter:
         tmp.rename(self.out)
         shutil.rmtree(old, ignore_errors=True)
         shown = {k: v for k, v in keys.items()}
-        logger.info(f"eagle3-export: {self.ckpt} -> {self.out}; trained HF indices {list(self.spec.aux_indices)} as {shown}")
+        logger.info(
+            f"eagle3-export: {self.ckpt} -> {self.out}; trained HF indices {list(self.spec.aux_indices)} as {shown}"
+        )
         return config
 
     def card(self, config: dict[str, Any], written: Path) -> str:
@@ -286,21 +324,38 @@ class Exporter:
         files = {name: sha256_file(written / name) for name in ("config.json", "model.safetensors")}
         base = self.cfg.card.base_model or config["eagle3_train"]["target"]["path"]
         if self.cfg.card.base_model is None and base != self.spec.target.path:
-            logger.warning(f"eagle3-export: the card names the target {base!r}, the name of its local directory: set "
-                  f"card.base_model=<its hub id> to link the target on the hub")
-        return model_card(config, list(self.cfg.engines), base, self.cfg.card.repo_id, self.out.name,
-                          self.cfg.card.license, eval_reports(self.out, files))
+            logger.warning(
+                f"eagle3-export: the card names the target {base!r}, the name of its local directory: set "
+                f"card.base_model=<its hub id> to link the target on the hub"
+            )
+        return model_card(
+            config,
+            list(self.cfg.engines),
+            base,
+            self.cfg.card.repo_id,
+            self.out.name,
+            self.cfg.card.license,
+            eval_reports(self.out, files),
+        )
 
     def _summary(self) -> dict[str, Any]:
         """What the checkpoint is: its step, the TTT steps it was trained for (eval warns when a
         chain drafts more), its recipe options, its own evaluation and the run's last one."""
         metrics = self.ckpt.parent.parent / "metrics.jsonl"
-        evals = [json.loads(x) for x in metrics.read_text().splitlines() if "eval_acc" in x] if metrics.is_file() else []
+        evals = (
+            [json.loads(x) for x in metrics.read_text().splitlines() if "eval_acc" in x] if metrics.is_file() else []
+        )
         own = [e for e in evals if e["step"] == self.state["step"]]
         best = self.state.get("best") or {}
-        return {"checkpoint": self.ckpt.name, "step": self.state["step"], "ttt_length": self.state.get("ttt_length"),
-                "model": self.state.get("model"), "is_best": best.get("step") == self.state["step"],
-                "eval": own[-1] if own else None, "last_eval": evals[-1] if evals else None}
+        return {
+            "checkpoint": self.ckpt.name,
+            "step": self.state["step"],
+            "ttt_length": self.state.get("ttt_length"),
+            "model": self.state.get("model"),
+            "is_best": best.get("step") == self.state["step"],
+            "eval": own[-1] if own else None,
+            "last_eval": evals[-1] if evals else None,
+        }
 
 
 main = entry_point("export", ExportConfig, lambda cfg: Exporter(cfg).run())

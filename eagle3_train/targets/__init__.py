@@ -58,6 +58,7 @@ _VOLATILE_CONFIG_KEYS = frozenset(
     }
 )
 
+
 @dataclass
 class Target:
     """A resolved target.
@@ -144,8 +145,10 @@ def load_target(
             if local_dir is not None:
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise BadInputError(f"target {target} is no local directory, and the hub did not give it ({first}); "
-                                f"a local model is a directory with config.json, a .gguf file, or embedded") from None
+            raise BadInputError(
+                f"target {target} is no local directory, and the hub did not give it ({first}); "
+                f"a local model is a directory with config.json, a .gguf file, or embedded"
+            ) from None
         tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code)
         model = None
         if load_model:
@@ -196,7 +199,11 @@ def tensor_parallel_kwargs(tp_mesh: Any) -> dict[str, Any]:
     if dc is not None and "tp_plan" in inspect.signature(dc).parameters:
         prepare = getattr(transformers.PreTrainedModel, "prepare_distribute_model", None)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        if prepare is not None and "device_mesh" not in inspect.signature(prepare).parameters and tp_mesh.size() != world:
+        if (
+            prepare is not None
+            and "device_mesh" not in inspect.signature(prepare).parameters
+            and tp_mesh.size() != world
+        ):
             raise ConfigError(
                 f"tp_size={tp_mesh.size()} with {world} ranks: transformers {transformers.__version__} lays its "
                 f"tensor-parallel mesh over all {world} ranks itself (its from_pretrained takes no device mesh), so "
@@ -276,9 +283,11 @@ def _local_dir(target: str, cache_dir: str | os.PathLike | None) -> Path | None:
     if target.startswith((".", "/", "~")) or os.sep in target and target.count("/") > 1:
         raise BadInputError(f"target {target} does not exist{_near(path)}")
     if path.parent != Path(".") and path.parent.is_dir():  # models/mymodl beside models/mymodel: a typo
-        raise BadInputError(f"target {target} does not exist, and {path.parent}/ is a local directory: a typo?"
-                            f"{_near(path)} (a hub id whose organisation has the name of a local directory: "
-                            f"run from another directory)")
+        raise BadInputError(
+            f"target {target} does not exist, and {path.parent}/ is a local directory: a typo?"
+            f"{_near(path)} (a hub id whose organisation has the name of a local directory: "
+            f"run from another directory)"
+        )
     return None  # a hub id such as meta-llama/Llama-3.1-8B-Instruct
 
 
@@ -382,8 +391,11 @@ def load_target_tensors(
     RMSNorm weight), read from its safetensors files: only those bytes, never the whole model."""
     if is_tiny(target):
         model = build_tiny_model(tiny_config(target))
-        every = {"embed": model.get_input_embeddings().weight, "head": model.get_output_embeddings().weight,
-                 "norm": model.model.norm.weight}
+        every = {
+            "embed": model.get_input_embeddings().weight,
+            "head": model.get_output_embeddings().weight,
+            "norm": model.model.norm.weight,
+        }
         return model.config, {n: every[n].detach() for n in names}
     local = _local_dir(target, cache_dir)
     hub = local is None

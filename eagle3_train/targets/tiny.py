@@ -65,27 +65,57 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True},
     "qwen3": {"model_type": "qwen3", "head_dim": 64, "tie_word_embeddings": True},
     # transformers 5.17 names the expert count num_experts, later releases num_local_experts
-    "qwen3_moe": {"model_type": "qwen3_moe", **_MOE, "num_experts": 4, "num_local_experts": 4,
-                  "decoder_sparse_step": 1, "mlp_only_layers": [], "head_dim": 64, "tie_word_embeddings": False},
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        **_MOE,
+        "num_experts": 4,
+        "num_local_experts": 4,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "head_dim": 64,
+        "tie_word_embeddings": False,
+    },
     # MLA with DeepSeek-V3's per-head dimensions (the MLA kernels of the engines assume them); MLA
     # needs as many key/value heads as query heads
-    "deepseek_v3": {"model_type": "deepseek_v3", **_MOE, "num_key_value_heads": 4, "q_lora_rank": 128,
-                    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-                    "head_dim": 64, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
-                    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 0,
-                    # what DeepSeek-V3's own config.json says and transformers always computes (sigmoid
-                    # scores, bias-corrected top-k); vLLM 0.26 reads them and, without topk_method, builds
-                    # no e_score_correction_bias and fails at load on the checkpoint's (seen on an H200)
-                    "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-                    # DeepSeek-V3's config.json has it and SGLang 0.5.17's deepseek_v2.py reads it
-                    # (AttributeError at load without; seen on an H200); transformers ignores it
-                    "moe_layer_freq": 1,
-                    "tie_word_embeddings": False},
+    "deepseek_v3": {
+        "model_type": "deepseek_v3",
+        **_MOE,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 128,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "head_dim": 64,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "num_nextn_predict_layers": 0,
+        # what DeepSeek-V3's own config.json says and transformers always computes (sigmoid
+        # scores, bias-corrected top-k); vLLM 0.26 reads them and, without topk_method, builds
+        # no e_score_correction_bias and fails at load on the checkpoint's (seen on an H200)
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        # DeepSeek-V3's config.json has it and SGLang 0.5.17's deepseek_v2.py reads it
+        # (AttributeError at load without; seen on an H200); transformers ignores it
+        "moe_layer_freq": 1,
+        "tie_word_embeddings": False,
+    },
     # attention sinks as transformers builds them; sliding window 32 alternating with full attention,
     # shorter than a byte-tokenized prompt, so the windowed layers really cut
-    "gpt_oss": {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 256,
-                "head_dim": 64, "sliding_window": 32,
-                "layer_types": ["sliding_attention", "full_attention"] * 4, "tie_word_embeddings": False},
+    "gpt_oss": {
+        "model_type": "gpt_oss",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 256,
+        "head_dim": 64,
+        "sliding_window": 32,
+        "layer_types": ["sliding_attention", "full_attention"] * 4,
+        "tie_word_embeddings": False,
+    },
 }
 
 
@@ -98,10 +128,12 @@ def tiny_family(target: str) -> str | None:
     """The family of ``tiny:<family>`` (None for the plain ``tiny``), refusing an unknown one."""
     if target == TINY:
         return None
-    family = target[len(PREFIX):]
+    family = target[len(PREFIX) :]
     if family not in FAMILIES:
-        raise ConfigError(f"target={target}: no tiny target of family {family!r}; choose one of "
-                          f"{', '.join(PREFIX + f for f in FAMILIES)} (or plain {TINY})")
+        raise ConfigError(
+            f"target={target}: no tiny target of family {family!r}; choose one of "
+            f"{', '.join(PREFIX + f for f in FAMILIES)} (or plain {TINY})"
+        )
     return family
 
 
@@ -112,8 +144,10 @@ def tiny_config(target: str = TINY) -> Any:
 
     family = tiny_family(target)
     if family is None:
-        return LlamaConfig(**{**_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4},
-                           tie_word_embeddings=False)
+        return LlamaConfig(
+            **{**_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4},
+            tie_word_embeddings=False,
+        )
     row = dict(FAMILIES[family])
     return AutoConfig.for_model(row.pop("model_type"), **{**_COMMON, **row})
 
@@ -145,7 +179,7 @@ def _speak_text(model: Any) -> None:
     (with tied embeddings they are also the input rows, which prompts use)."""
     head = model.get_output_embeddings().weight
     with torch.no_grad():
-        head[256 + len(TINY_SPECIAL_TOKENS):] = 0
+        head[256 + len(TINY_SPECIAL_TOKENS) :] = 0
         quiet = [i for i in range(256, 256 + len(TINY_SPECIAL_TOKENS)) if i != _TOKEN_IDS["<|im_end|>"]]
         head[quiet] *= 0.01
 

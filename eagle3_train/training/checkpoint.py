@@ -37,12 +37,23 @@ def consolidated_state_dict(model: nn.Module, zero_stage: int) -> dict[str, torc
 
 
 def _cpu_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
-            for k, v in model.state_dict().items() if not k.startswith("embed_tokens")}
+    return {
+        k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
+        for k, v in model.state_dict().items()
+        if not k.startswith("embed_tokens")
+    }
 
 
-def save_checkpoint(engine: Any, out: Path, tag: str, state: dict[str, Any], weights: dict[str, torch.Tensor],
-                    is_main: bool, keep_last: int, best: dict[str, Any] | None) -> Path:
+def save_checkpoint(
+    engine: Any,
+    out: Path,
+    tag: str,
+    state: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    is_main: bool,
+    keep_last: int,
+    best: dict[str, Any] | None,
+) -> Path:
     """Write checkpoint ``tag`` (collective: every rank calls it); ``best`` (step and eval_tau, or
     None) is the checkpoint keep_last never deletes, recorded in ``best.json`` when it is this one."""
     root = out / "checkpoints"
@@ -80,10 +91,15 @@ def failed_save(out: Path, tag: str, error: Exception) -> Eagle3Error:
     the checkpoint that resume continues from instead."""
     shutil.rmtree(out / "checkpoints" / tag, ignore_errors=True)
     done = run_checkpoints(out)
-    kept = (f"the last complete checkpoint, {done[-1]}, is intact and resume=auto continues from it" if done else
-            "no earlier checkpoint exists: the run starts over")
-    return Eagle3Error(f"saving checkpoint {tag} of {out} failed ({type(error).__name__}: {error}); its partial files "
-                       f"are removed, and {kept}. Free disk space if it is full, then run the same command again")
+    kept = (
+        f"the last complete checkpoint, {done[-1]}, is intact and resume=auto continues from it"
+        if done
+        else "no earlier checkpoint exists: the run starts over"
+    )
+    return Eagle3Error(
+        f"saving checkpoint {tag} of {out} failed ({type(error).__name__}: {error}); its partial files "
+        f"are removed, and {kept}. Free disk space if it is full, then run the same command again"
+    )
 
 
 def checkpoint_paths(out: Path, last: Path, best: dict[str, Any] | None) -> dict[str, str]:
@@ -94,30 +110,45 @@ def checkpoint_paths(out: Path, last: Path, best: dict[str, Any] | None) -> dict
     return paths
 
 
-def run_directory(out: Path, capture: dict[str, Any], vocab_sha: str, draft_config: dict[str, Any],
-                  micro_batches_per_step: int, options: dict[str, Any], data_fingerprint: str) -> StageDir:
+def run_directory(
+    out: Path,
+    capture: dict[str, Any],
+    vocab_sha: str,
+    draft_config: dict[str, Any],
+    micro_batches_per_step: int,
+    options: dict[str, Any],
+    data_fingerprint: str,
+) -> StageDir:
     """The run directory; what its checkpoints must agree with to be continued: the capture they
     learned from, the vocab map their lm_head rows mean, the draft's shape, how many micro-batches
     make one step (the data position), every option that changes the weights (``options``: the
     config less what :mod:`eagle3_train.core.fingerprint` lists) and the data's content."""
-    request = {"capture": capture, "vocab_sha256": vocab_sha, "draft_config": draft_config,
-               "micro_batches_per_step": micro_batches_per_step, "options": options,
-               "data_fingerprint": data_fingerprint}
+    request = {
+        "capture": capture,
+        "vocab_sha256": vocab_sha,
+        "draft_config": draft_config,
+        "micro_batches_per_step": micro_batches_per_step,
+        "options": options,
+        "data_fingerprint": data_fingerprint,
+    }
 
     def hint(diffs: list[str]) -> str:
-        why = {"vocab_sha256": "the lm_head rows would mean other tokens: standardize with vocab_map=<the old map>",
-               "micro_batches_per_step": "keep ranks x train.grad_accum the same to resume at the same data position",
-               "options": "a run continues only with the options it was started with (train.epochs and "
-                          "train.max_steps may be raised to extend it)",
-               "data_fingerprint": "the run was trained on other data"}
+        why = {
+            "vocab_sha256": "the lm_head rows would mean other tokens: standardize with vocab_map=<the old map>",
+            "micro_batches_per_step": "keep ranks x train.grad_accum the same to resume at the same data position",
+            "options": "a run continues only with the options it was started with (train.epochs and "
+            "train.max_steps may be raised to extend it)",
+            "data_fingerprint": "the run was trained on other data",
+        }
         said = [text for key, text in why.items() if any(d.startswith(key) for d in diffs)]
         return "; ".join(said + ["or start a new run with another out="])
 
     return StageDir(out, "train", request, what="training run", hint=hint, exclusive=True)
 
 
-def open_run(out: Path, run_dir: StageDir, resume: str, keep_best: bool, metrics: Path, config: dict[str, Any],
-             is_main: bool) -> Path | None:
+def open_run(
+    out: Path, run_dir: StageDir, resume: str, keep_best: bool, metrics: Path, config: dict[str, Any], is_main: bool
+) -> Path | None:
     """Claim the run directory for this request (collective); the checkpoint to continue from, or
     None for a fresh start, which clears an earlier run's metrics (and its tracker's run id) and
     writes ``config.json``."""
@@ -185,8 +216,9 @@ class BestTracker:
                 atomic_write_json(out / BEST_FILE, {"checkpoint": best.name} | self.record)
 
 
-def continue_run(state: dict[str, Any], now: dict[str, Any], step: int, total_steps: int, best: BestTracker,
-                 out: Path, is_main: bool) -> str | None:
+def continue_run(
+    state: dict[str, Any], now: dict[str, Any], step: int, total_steps: int, best: BestTracker, out: Path, is_main: bool
+) -> str | None:
     """What a rerun that changed continuation options (core.fingerprint.CONTINUATIONS; ``now``,
     against the checkpoint's ``state``) does, in one line, or None when none changed. A run that
     trains again loses its final manifest; a raised patience lifts an early stop."""
@@ -197,8 +229,10 @@ def continue_run(state: dict[str, Any], now: dict[str, Any], step: int, total_st
     if step >= total_steps:
         what = f"the run is already at step {step} of {total_steps}: nothing more is trained"
     else:
-        what = (f"the run continues from step {step} to {total_steps} (was {state.get('total_steps')}); the lr "
-                f"schedule is recomputed over {total_steps} steps, so the lr now follows the longer curve")
+        what = (
+            f"the run continues from step {step} to {total_steps} (was {state.get('total_steps')}); the lr "
+            f"schedule is recomputed over {total_steps} steps, so the lr now follows the longer curve"
+        )
         if is_main:  # unfinished again until the new total is reached
             (out / MANIFEST_NAME).unlink(missing_ok=True)
     if best.early_stopped and best.patience > best.evals_since_best:

@@ -41,7 +41,9 @@ class OptimConfig:
     log_every: int = 10  # metrics line every N steps
     cache_target_gb: float = 0.0  # keep each sample's target distribution in memory after its first use, up to this size (0: recompute every epoch)
     keep_best: bool = False  # keep the checkpoint with the best eval simulated tau (saved when it improves, never deleted by keep_last, the one eagle3-export takes)
-    early_stop_patience: int = 0  # stop after this many evaluations without a better eval simulated tau (0: off; needs eval_every)
+    early_stop_patience: int = (
+        0  # stop after this many evaluations without a better eval simulated tau (0: off; needs eval_every)
+    )
     head_chunk: int = 4096  # positions per chunk of the fused draft lm_head + soft cross-entropy: no step's [T, V_draft] logits are kept (0: whole logits through autograd; ZeRO-3 needs 0)
     activation_checkpointing: bool = False  # recompute each TTT step's decoder layer in backward instead of keeping its activations (long sequences; ~1/3 more layer FLOPs)
     compile: bool = False  # torch.compile the decoder layer's step-independent parts (2 graphs per grad mode) and the fused head loss's chunk math (GPU; the first steps compile)
@@ -69,7 +71,15 @@ class OptimConfig:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"train.betas must be two numbers in [0, 1), got {list(self.betas)}")
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "save_every", "cache_target_gb", "head_chunk"):
+        for name in (
+            "warmup_steps",
+            "weight_decay",
+            "grad_clip",
+            "eval_every",
+            "save_every",
+            "cache_target_gb",
+            "head_chunk",
+        ):
             if not getattr(self, name) >= 0:  # 0 means off where the field says so; nan is refused
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -114,7 +124,9 @@ class LoggingConfig(LogConfig):
     tracker: str = "none"  # none | wandb (logging=wandb) | tensorboard (logging=tensorboard: <out>/tensorboard, needs the tensorboard package)
     wandb_project: str | None = None  # the wandb project (null: $WANDB_PROJECT, else eagle3_train)
     wandb_entity: str | None = None  # the wandb entity (null: $WANDB_ENTITY, else wandb's default)
-    wandb_mode: str | None = None  # online | offline | disabled (null: $WANDB_MODE, else offline; disabled writes nothing)
+    wandb_mode: str | None = (
+        None  # online | offline | disabled (null: $WANDB_MODE, else offline; disabled writes nothing)
+    )
     run_name: str | None = None  # the wandb run's name (null: $WANDB_NAME, else the run directory's name)
 
     def __post_init__(self) -> None:
@@ -132,7 +144,9 @@ class TrainConfig:
 
     data: str = MISSING  # source=offline: a standardized directory (eagle3-standardize's out); source=online: a prepared one (eagle3-prepare's out)
     target: str = "embedded"  # the target whose embeddings and lm_head are read (offline: from its safetensors only; online: it runs in the loop)
-    source: str = "offline"  # offline: states read from data=; online: the target runs on data= in the training loop (online.*)
+    source: str = (
+        "offline"  # offline: states read from data=; online: the target runs on data= in the training loop (online.*)
+    )
     online: OnlineConfig = field(default_factory=OnlineConfig)
     out: str = MISSING  # run directory
     cache_dir: str | None = None  # where GGUF targets are converted once
@@ -141,8 +155,12 @@ class TrainConfig:
     train: OptimConfig = field(default_factory=OptimConfig)
     model: ModelOptions = field(default_factory=ModelOptions)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)  # the console and the metrics tracker (logging=none|wandb|tensorboard)
-    progress: bool | None = None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
+    logging: LoggingConfig = field(
+        default_factory=LoggingConfig
+    )  # the console and the metrics tracker (logging=none|wandb|tensorboard)
+    progress: bool | None = (
+        None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
+    )
 
     def __post_init__(self) -> None:
         if self.resume not in ("auto", "never"):
@@ -152,8 +170,10 @@ class TrainConfig:
         if self.source == "offline" and self.online != OnlineConfig():
             raise ConfigError("online.* options apply to source=online (the target in the loop); add source=online")
         if self.deepspeed.zero_stage == 3 and self.train.head_chunk:
-            raise ConfigError("train.head_chunk reads lm_head's weight outside its module, which ZeRO-3 does not gather: "
-                              "set train.head_chunk=0 with deepspeed=zero3")
+            raise ConfigError(
+                "train.head_chunk reads lm_head's weight outside its module, which ZeRO-3 does not gather: "
+                "set train.head_chunk=0 with deepspeed=zero3"
+            )
 
 
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)

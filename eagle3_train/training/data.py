@@ -54,8 +54,15 @@ class Batch:
     def pin(self) -> Batch:
         """The same batch in page-locked memory (asynchronous copies to the GPU)."""
         scales = (None if s is None else s.pin_memory() for s in (self.aux_scale, self.last_scale))
-        return Batch(self.aux_hidden.pin_memory(), self.last_hidden.pin_memory(), self.input_ids.pin_memory(),
-                     self.loss_mask.pin_memory(), self.lengths.pin_memory(), self.sample_ids, *scales)
+        return Batch(
+            self.aux_hidden.pin_memory(),
+            self.last_hidden.pin_memory(),
+            self.input_ids.pin_memory(),
+            self.loss_mask.pin_memory(),
+            self.lengths.pin_memory(),
+            self.sample_ids,
+            *scales,
+        )
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
         """On ``device``, states in ``dtype``; fp8-stored states cross as fp8 and are dequantized there."""
@@ -63,7 +70,9 @@ class Batch:
         aux, last = f(self.aux_hidden), f(self.last_hidden)
         if self.aux_scale is not None:
             aux, last = dequantize(aux, f(self.aux_scale), dtype), dequantize(last, f(self.last_scale), dtype)
-        return Batch(aux.to(dtype), last.to(dtype), f(self.input_ids), f(self.loss_mask), f(self.lengths), self.sample_ids)
+        return Batch(
+            aux.to(dtype), last.to(dtype), f(self.input_ids), f(self.loss_mask), f(self.lengths), self.sample_ids
+        )
 
 
 class ShardSplit:
@@ -105,7 +114,9 @@ class ShardSplit:
             sid.append(ids)
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
         order = np.argsort(cat(sid), kind="stable")  # sample-id order (see the module docstring)
-        self.shard, self.start, self.length, self.sample_id = (cat(x).astype(np.int64)[order] for x in (shard, start, length, sid))
+        self.shard, self.start, self.length, self.sample_id = (
+            cat(x).astype(np.int64)[order] for x in (shard, start, length, sid)
+        )
         self._handles: dict[int, object] = {}
 
     def __len__(self) -> int:
@@ -131,8 +142,15 @@ class ShardSplit:
                 v[r, : int(lengths[r])] = row[k]
         ids, mask = pad_tokens([row["input_ids"] for row in rows], [row["loss_mask"] for row in rows], lengths)
         scales = [padded.get(scale_key(k)) for k in ("aux_hidden", "last_hidden")]
-        return Batch(padded["aux_hidden"], padded["last_hidden"], ids, mask, torch.from_numpy(lengths.copy()),
-                     torch.from_numpy(self.sample_id[indices]), *scales)
+        return Batch(
+            padded["aux_hidden"],
+            padded["last_hidden"],
+            ids,
+            mask,
+            torch.from_numpy(lengths.copy()),
+            torch.from_numpy(self.sample_id[indices]),
+            *scales,
+        )
 
 
 def pad_tokens(ids: Sequence[Any], masks: Sequence[Any], lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,19 +240,23 @@ class OfflineSource(Source):
         device, dtype: where and in what dtype batches train.
     """
 
-    def __init__(self, data: str, target: str, cache_dir: str | None, max_length: int, device: torch.device,
-                 dtype: torch.dtype):
+    def __init__(
+        self, data: str, target: str, cache_dir: str | None, max_length: int, device: torch.device, dtype: torch.dtype
+    ):
         self.data_dir = Path(data).expanduser()
         self.where, self.target, self.cache_dir = str(self.data_dir), target, cache_dir
         self.device, self.dtype = device, dtype
         self.manifest = read_manifest(self.data_dir)
         if self.manifest["stage"] != "standardize":
             hint = " (a prepared dataset trains with source=online)" if self.manifest["stage"] == "prepare" else ""
-            raise ContractError(f"{self.data_dir} holds the output of stage '{self.manifest['stage']}', not of "
-                                f"eagle3-standardize{hint}")
+            raise ContractError(
+                f"{self.data_dir} holds the output of stage '{self.manifest['stage']}', not of eagle3-standardize{hint}"
+            )
         self.spec = CaptureSpec.from_dict(self.manifest["capture"])
         self.vocab, self.vocab_sha = self._load_vocab()
-        self.data_fingerprint = sha256_json({split: [r["sha256"] for r in rows] for split, rows in self.manifest["shards"].items()})
+        self.data_fingerprint = sha256_json(
+            {split: [r["sha256"] for r in rows] for split, rows in self.manifest["shards"].items()}
+        )
         records = lambda split: [ShardRecord.from_dict(r) for r in self.manifest["shards"][split]]  # noqa: E731
         self.train_split = ShardSplit(self.data_dir / "train", records("train"), max_length, self.spec.storage)
         self.eval_split = ShardSplit(self.data_dir / "eval", records("eval"), max_length, self.spec.storage)
@@ -245,7 +267,9 @@ class OfflineSource(Source):
             raise BadInputError(f"{self.data_dir} has no vocab map ({path.name}); run eagle3-standardize again")
         vocab, sha = load_vocab_map(path, self.spec.vocab_size)
         if sha != self.manifest["vocab"]["sha256"]:
-            raise ContractError(f"{path} is not the vocab map recorded in {self.data_dir}/manifest.json (sha256 differs)")
+            raise ContractError(
+                f"{path} is not the vocab map recorded in {self.data_dir}/manifest.json (sha256 differs)"
+            )
         return vocab, sha
 
     def target_tensors(self, names: tuple[str, ...]) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -253,8 +277,11 @@ class OfflineSource(Source):
         sizes and config."""
         config, tensors = load_target_tensors(self.target, names, cache_dir=self.cache_dir)
         c = text_config(config)
-        have = {"hidden_size": self.spec.hidden_size, "vocab_size": self.spec.vocab_size,
-                "num_hidden_layers": self.spec.num_hidden_layers}
+        have = {
+            "hidden_size": self.spec.hidden_size,
+            "vocab_size": self.spec.vocab_size,
+            "num_hidden_layers": self.spec.num_hidden_layers,
+        }
         want = {k: getattr(c, k) for k in have}
         diffs = [f"{k}: data {have[k]} != target {want[k]}" for k in have if have[k] != want[k]]
         mine = config_hash(config)

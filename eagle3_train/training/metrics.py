@@ -66,8 +66,9 @@ def truncate_metrics(path: Path, step: int) -> None:
     atomic_write_bytes(path, "".join(kept).encode())
 
 
-def train_record(step: int, counts: np.ndarray, loss: float, tokens: int, seconds: float, lr: float,
-                 sp_size: int) -> dict[str, Any]:
+def train_record(
+    step: int, counts: np.ndarray, loss: float, tokens: int, seconds: float, lr: float, sp_size: int
+) -> dict[str, Any]:
     """Metrics of the steps since the last record, over all ranks (the loss is the mean of the
     ranks' micro-batch means: what the averaged gradient descends); collective."""
     gathered = all_gather_objects((counts, tokens, loss))
@@ -75,22 +76,37 @@ def train_record(step: int, counts: np.ndarray, loss: float, tokens: int, second
     tokens = sum(g[1] for g in gathered) // sp_size  # a sequence-parallel group reads one batch
     loss = sum(g[2] for g in gathered) / len(gathered) * sp_size  # and its shards' losses add up
     acc, acc_in_vocab = accuracies(counts)
-    return {"step": step, "loss": loss, "acc": acc, "tau": acceptance_length(acc),
-            "acc_in_vocab": acc_in_vocab, "tau_in_vocab": acceptance_length(acc_in_vocab),
-            "lr": lr, "tokens_per_s": tokens / max(seconds, 1e-9)}
+    return {
+        "step": step,
+        "loss": loss,
+        "acc": acc,
+        "tau": acceptance_length(acc),
+        "acc_in_vocab": acc_in_vocab,
+        "tau_in_vocab": acceptance_length(acc_in_vocab),
+        "lr": lr,
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+    }
 
 
 def walk_counts(batch: Batch, hits: torch.Tensor) -> np.ndarray:
     """[tokens, verify steps] of :func:`decode_walk` over the batch's rows; hits [k, B, T]."""
     h = hits.bool().cpu().numpy()
-    answer = (batch.loss_mask & (torch.arange(batch.input_ids.shape[1], device=batch.lengths.device)[None]
-                                 < batch.lengths[:, None])).cpu().numpy()  # [B, T]
+    answer = (
+        (
+            batch.loss_mask
+            & (torch.arange(batch.input_ids.shape[1], device=batch.lengths.device)[None] < batch.lengths[:, None])
+        )
+        .cpu()
+        .numpy()
+    )  # [B, T]
     return np.asarray(np.sum([decode_walk(h[:, i], answer[i]) for i in range(len(answer))], axis=0, dtype=np.int64))
 
 
 def eval_line(r: dict[str, Any]) -> str:
     """One evaluation as a console line."""
-    return (f"eval at step {r['step']}: acc per step {[round(a, 3) for a in r['eval_acc']]}, simulated tau "
-            f"{r['eval_tau']:.2f} (walked as decoding visits positions: {r['eval_tau_decoded']:.2f}; over in-vocab "
-            f"positions: {r['eval_tau_in_vocab']:.2f}; the draft vocab covers {r['eval_vocab_coverage']:.1%} of the "
-            f"target's argmaxes)")
+    return (
+        f"eval at step {r['step']}: acc per step {[round(a, 3) for a in r['eval_acc']]}, simulated tau "
+        f"{r['eval_tau']:.2f} (walked as decoding visits positions: {r['eval_tau_decoded']:.2f}; over in-vocab "
+        f"positions: {r['eval_tau_in_vocab']:.2f}; the draft vocab covers {r['eval_vocab_coverage']:.1%} of the "
+        f"target's argmaxes)"
+    )

@@ -51,8 +51,9 @@ def target_distribution(
     return p, a, a >= 0
 
 
-def soft_cross_entropy(draft_logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor,
-                       count: torch.Tensor | None = None) -> torch.Tensor:
+def soft_cross_entropy(
+    draft_logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor, count: torch.Tensor | None = None
+) -> torch.Tensor:
     """``sum`` over the positions of ``mask`` of ``-sum_v p(v) log q(v)``, over ``count`` (default:
     how many positions ``mask`` has, i.e. the mean); 0 when none counts.
 
@@ -67,9 +68,15 @@ def soft_cross_entropy(draft_logits: torch.Tensor, target_probs: torch.Tensor, m
     return (per_position * mask).sum() / n.clamp(min=1)
 
 
-def head_loss(hidden: torch.Tensor, weight: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor,
-              count: torch.Tensor | None = None, chunk: int = 4096, compiled: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_probs: torch.Tensor,
+    mask: torch.Tensor,
+    count: torch.Tensor | None = None,
+    chunk: int = 4096,
+    compiled: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`soft_cross_entropy` of the logits ``hidden @ weight.T`` without keeping them: the
     draft lm_head and the loss fused, ``chunk`` positions at a time.
 
@@ -98,8 +105,9 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, target_probs: torch.Te
     return _HeadLoss.apply(hidden, weight, target_probs, scale, chunk, need, terms)
 
 
-def _chunk_terms(logits: torch.Tensor, p: torch.Tensor, w: torch.Tensor, grad: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _chunk_terms(
+    logits: torch.Tensor, p: torch.Tensor, w: torch.Tensor, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk's loss sum, argmax [n] and, with ``grad``, d loss / d logits [n, V] (logits' dtype),
     from the draft logits [n, V], the target probabilities [n, V] (fp32) and the weights [n].
 
@@ -119,14 +127,22 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, probs, scale, chunk, need, terms):
         grad_hidden = torch.empty_like(hidden) if need and hidden.requires_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need and weight.requires_grad else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            if need and weight.requires_grad
+            else None
+        )
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         pred = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
             x = hidden[s : s + chunk]
             # g: d loss / d logits [n, V]
-            part, pred[s : s + chunk], g = terms(x @ weight.T, probs[s : s + chunk], scale[s : s + chunk],
-                                                 grad_hidden is not None or grad_weight is not None)
+            part, pred[s : s + chunk], g = terms(
+                x @ weight.T,
+                probs[s : s + chunk],
+                scale[s : s + chunk],
+                grad_hidden is not None or grad_weight is not None,
+            )
             loss += part
             if g is None:
                 continue

@@ -59,13 +59,19 @@ VOCAB_FILE = "vocab_map.safetensors"  # in the run directory, when built at star
 class OnlineConfig:
     """The target in the training loop (``online.*``, used with ``source=online``)."""
 
-    aux_indices: list[int] | None = None  # HF indices captured (null: [2, N//2, N-3]); one the target has not is refused before training
+    aux_indices: list[int] | None = (
+        None  # HF indices captured (null: [2, N//2, N-3]); one the target has not is refused before training
+    )
     dtype: str = "auto"  # the target runs in: auto = bfloat16 on GPU, float32 on CPU
     draft_vocab_size: int = DRAFT_VOCAB_SIZE  # counted over the training split's loss-masked tokens (capped at the target's vocab), as eagle3-standardize counts
-    vocab_map: str | None = None  # use this vocab_map.safetensors instead (eagle3-standardize only_vocab=true data=<prepared>, or a standardized dir's)
+    vocab_map: str | None = (
+        None  # use this vocab_map.safetensors instead (eagle3-standardize only_vocab=true data=<prepared>, or a standardized dir's)
+    )
     eval_fraction: float = EVAL_FRACTION  # samples held out, by eagle3-standardize's rule (its eval_fraction=)
     split_seed: int = SPLIT_SEED  # seed of that rule (eagle3-standardize's seed=)
-    overlap: bool = True  # GPU: the next micro-batch's target forward runs on a side CUDA stream during this one's draft step
+    overlap: bool = (
+        True  # GPU: the next micro-batch's target forward runs on a side CUDA stream during this one's draft step
+    )
     attn_implementation: str | None = None  # passed to transformers (sdpa, flash_attention_2, eager)
     trust_remote_code: bool = False  # let transformers run the target repository's own code
 
@@ -86,7 +92,9 @@ class Tokens:
 
     def pin(self) -> Tokens:
         """The same batch in page-locked memory (asynchronous copies to the GPU)."""
-        return Tokens(self.input_ids.pin_memory(), self.loss_mask.pin_memory(), self.lengths.pin_memory(), self.sample_ids)
+        return Tokens(
+            self.input_ids.pin_memory(), self.loss_mask.pin_memory(), self.lengths.pin_memory(), self.sample_ids
+        )
 
 
 class PreparedSplit:
@@ -132,15 +140,27 @@ class OnlineSource(Source):
         loaded: an already loaded target (a benchmark's random weights); None loads ``target``.
     """
 
-    def __init__(self, data: str, target: str, cache_dir: str | None, cfg: OnlineConfig, max_length: int, out: Path,
-                 dist: DistInfo, dtype: torch.dtype, loaded: Target | None = None):
+    def __init__(
+        self,
+        data: str,
+        target: str,
+        cache_dir: str | None,
+        cfg: OnlineConfig,
+        max_length: int,
+        out: Path,
+        dist: DistInfo,
+        dtype: torch.dtype,
+        loaded: Target | None = None,
+    ):
         self.cfg, self.device, self.dtype = cfg, dist.device, dtype
         self.prepared = PreparedData(data)
         self.where = str(self.prepared.path)
         self.data_fingerprint = self.prepared.fingerprint
         # config and tokenizer first: a capture the target cannot provide (a layer it does not have,
         # N itself) and data of another tokenizer are refused before its weights are loaded
-        about = loaded or load_target(target, cache_dir=cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code)
+        about = loaded or load_target(
+            target, cache_dir=cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code
+        )
         n = about.num_hidden_layers
         aux = default_aux_indices(n) if cfg.aux_indices is None else validate_aux_indices(list(cfg.aux_indices), n)
         warning = serving_warning(list(aux), about.identity.model_type, n)
@@ -164,8 +184,14 @@ class OnlineSource(Source):
     def _load(self, target: str, cache_dir: str | None) -> Target:
         kwargs = {"attn_implementation": self.cfg.attn_implementation} if self.cfg.attn_implementation else {}
         logger.info(f"loading target {target} ({self.cfg.dtype}) on {self.device}")
-        return load_target(target, cache_dir=cache_dir, dtype=self.cfg.dtype, device=str(self.device),
-                           trust_remote_code=self.cfg.trust_remote_code, model_kwargs=kwargs)
+        return load_target(
+            target,
+            cache_dir=cache_dir,
+            dtype=self.cfg.dtype,
+            device=str(self.device),
+            trust_remote_code=self.cfg.trust_remote_code,
+            model_kwargs=kwargs,
+        )
 
     def _vocab(self, out: Path, dist: DistInfo) -> tuple[VocabMap, str]:
         """The map of ``online.vocab_map``, or the one counted from the training split, built by
@@ -177,7 +203,9 @@ class OnlineSource(Source):
         path = out / VOCAB_FILE
         if dist.is_main:
             out.mkdir(parents=True, exist_ok=True)
-            hold_lock(out, "training run")  # the run's own lock (its claim takes it later): a second run is refused here
+            hold_lock(
+                out, "training run"
+            )  # the run's own lock (its claim takes it later): a second run is refused here
             prepared_vocab(self.prepared, cfg.eval_fraction, cfg.split_seed, cfg.draft_vocab_size, v)[0].save(path)
         barrier()
         return load_vocab_map(path, v)
@@ -192,13 +220,18 @@ class OnlineSource(Source):
         mine = {"seed": self.cfg.split_seed, "eval_fraction": self.cfg.eval_fraction}
         if split is not None and split != mine:
             show = lambda d: json.dumps(d, sort_keys=True)  # noqa: E731
-            raise ContractError(f"{vocab_map} was counted over the split {show(split)} (its {manifest.name}), this run "
-                                f"holds out {show(mine)}: set online.split_seed / online.eval_fraction to match")
+            raise ContractError(
+                f"{vocab_map} was counted over the split {show(split)} (its {manifest.name}), this run "
+                f"holds out {show(mine)}: set online.split_seed / online.eval_fraction to match"
+            )
 
     def target_tensors(self, names: tuple[str, ...]) -> tuple[Any, dict[str, torch.Tensor]]:
         """The loaded target's own tensors (on its device: the lm_head is not copied again)."""
-        every = {"embed": self.model.get_input_embeddings(), "head": self.model.get_output_embeddings(),
-                 "norm": getattr(self.model.get_decoder(), "norm", None)}
+        every = {
+            "embed": self.model.get_input_embeddings(),
+            "head": self.model.get_output_embeddings(),
+            "norm": getattr(self.model.get_decoder(), "norm", None),
+        }
         missing = [n for n in names if every[n] is None]
         if missing:
             raise ConfigError(f"target {self.spec.target.path} has no {missing} module where transformers keeps it")
@@ -209,7 +242,9 @@ class OnlineSource(Source):
         """The target's forward on one micro-batch: the states a dump would store for it, padded
         as shards are (zeros past each row's end), on the device in the training dtype."""
         dev = self.device
-        ids, mask, lengths = (t.to(dev, non_blocking=True) for t in (tokens.input_ids, tokens.loss_mask, tokens.lengths))
+        ids, mask, lengths = (
+            t.to(dev, non_blocking=True) for t in (tokens.input_ids, tokens.loss_mask, tokens.lengths)
+        )
         # No attention mask: right padding under causal attention never reaches a real token.
         states = capture(self.model, ids, None, self.spec.aux_indices)
         pad = (torch.arange(ids.shape[1], device=dev)[None, :] >= lengths[:, None])[..., None]  # [B, T, 1]

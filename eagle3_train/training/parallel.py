@@ -75,8 +75,9 @@ def apply_activation_checkpointing(model: Eagle3Draft) -> None:
     without changing it, so running it again gives the same result)."""
     layer = model.midlayer
     # the methods are wrapped in place (here and in apply_compile): the same module and weights
-    wrapped = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False,
-                                preserve_rng_state=False)
+    wrapped = functools.partial(
+        torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False, preserve_rng_state=False
+    )
     layer.forward = wrapped  # type: ignore[method-assign]
 
 
@@ -108,8 +109,15 @@ class UlyssesCore(nn.Module):
         self.inner = inner
         self.group = group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                step: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+        step: int,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """q [B, nh, T/sp, d], k/v [B, nkv, T/sp, d] (this rank's positions) -> ([B, nh, T/sp, d],
         this step's cache entry [B, nkv/sp, T, d]); ``cache`` in that layout too."""
         if mask is not None:
@@ -144,8 +152,15 @@ def _exchange(x: torch.Tensor, group: Any, scatter: int, gather: int) -> torch.T
     return torch.cat(recv.unbind(0), gather)
 
 
-def build_engine(model: Eagle3Draft, o: OptimConfig, ds: DeepSpeedConfig, dtype: torch.dtype,
-                 device: torch.device, total_steps: int, sp: SequenceParallel | None = None) -> Any:
+def build_engine(
+    model: Eagle3Draft,
+    o: OptimConfig,
+    ds: DeepSpeedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    total_steps: int,
+    sp: SequenceParallel | None = None,
+) -> Any:
     """The one place that turns the draft into a DeepSpeed engine: sequence parallelism over
     ``sp``'s group, activation checkpointing and torch.compile as ``o`` asks (eagle3_train.training.parallel),
     AdamW (torch) on the trainable parameters, warmup + decay schedule, ZeRO stage over every rank

@@ -85,8 +85,11 @@ class Trainer:
         self.t2d = self.vocab.t2d.to(self.dist.device)
         draft_cfg = DraftConfig.from_target(target_config, len(self.spec.aux_indices), self.vocab.draft_vocab_size)
         torch.manual_seed(cfg.train.seed)
-        draft_cfg = replace(draft_cfg, aux_norm=cfg.model.aux_norm,
-                            intermediate_size=cfg.model.intermediate_size or draft_cfg.intermediate_size)
+        draft_cfg = replace(
+            draft_cfg,
+            aux_norm=cfg.model.aux_norm,
+            intermediate_size=cfg.model.intermediate_size or draft_cfg.intermediate_size,
+        )
         self.model = Eagle3Draft(draft_cfg)
         with torch.no_grad():
             self.model.embed_tokens.weight.copy_(embed)
@@ -95,19 +98,25 @@ class Trainer:
         self._init_head(head, tensors.get("norm"))
         o = cfg.train
         if o.ttt_length < USUAL_CHAIN:
-            logger.warning(f"warning: train.ttt_length={o.ttt_length} < {USUAL_CHAIN}, the chain length eagle3-eval and the "
-                   f"engines usually draft: draft positions past {o.ttt_length} were never trained and accept less; "
-                   f"train at least as many steps as the draft will propose")
+            logger.warning(
+                f"warning: train.ttt_length={o.ttt_length} < {USUAL_CHAIN}, the chain length eagle3-eval and the "
+                f"engines usually draft: draft positions past {o.ttt_length} were never trained and accept less; "
+                f"train at least as many steps as the draft will propose"
+            )
         self.train_split, self.eval_split = self.source.train_split, self.source.eval_split
         if len(self.train_split) == 0:
             raise BadInputError(f"{self.source.where} has no training samples")
         if self.dist.world_size % o.sequence_parallel:
-            raise ConfigError(f"train.sequence_parallel={o.sequence_parallel} must divide the number of ranks ({self.dist.world_size})")
+            raise ConfigError(
+                f"train.sequence_parallel={o.sequence_parallel} must divide the number of ranks ({self.dist.world_size})"
+            )
         self.sp = sequence_parallel(o.sequence_parallel)
         self.world = self.dist.world_size // self.sp.size  # data-parallel ranks; each reads its own micro-batches
         self.data_rank = self.dist.rank // self.sp.size
         # Epochs shuffle differently, so their micro-batch counts can differ by a few.
-        n_batches = [len(plan_epoch(self.train_split.length, o.max_tokens_per_batch, o.seed, e)) for e in range(o.epochs)]
+        n_batches = [
+            len(plan_epoch(self.train_split.length, o.max_tokens_per_batch, o.seed, e)) for e in range(o.epochs)
+        ]
         self.epoch_steps = [steps_in_epoch(n, self.world, o.grad_accum) for n in n_batches]
         if min(self.epoch_steps) == 0:
             raise ConfigError(
@@ -117,19 +126,24 @@ class Trainer:
         self.total_steps = sum(self.epoch_steps)
         if o.max_steps is not None:
             self.total_steps = min(self.total_steps, o.max_steps)
-        self.target_cache = TargetCache.build(o.cache_target_gb, self.train_split, self.eval_split, self.lm_head, self.t2d,
-                                              self.vocab.draft_vocab_size)
+        self.target_cache = TargetCache.build(
+            o.cache_target_gb, self.train_split, self.eval_split, self.lm_head, self.t2d, self.vocab.draft_vocab_size
+        )
         self.model.to(self.dist.device)
-        self.engine = build_engine(self.model, cfg.train, cfg.deepspeed, self.dtype, self.dist.device, self.total_steps,
-                                   self.sp)
+        self.engine = build_engine(
+            self.model, cfg.train, cfg.deepspeed, self.dtype, self.dist.device, self.total_steps, self.sp
+        )
         self.step = 0
         # each micro-batch's loss finiteness, still on the device: (0-based step, flag, sample ids)
         self._unchecked: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self.best = BestTracker(o.keep_best, o.early_stop_patience)
         self.metrics_path = self.out / "metrics.jsonl"
         self._resume()
-        self.metrics = MetricsLog(self.metrics_path, self.dist.is_main,
-                                  open_tracker(cfg.logging, self.out, config_dict(cfg), self.step, self.dist.is_main))
+        self.metrics = MetricsLog(
+            self.metrics_path,
+            self.dist.is_main,
+            open_tracker(cfg.logging, self.out, config_dict(cfg), self.step, self.dist.is_main),
+        )
 
     # -- building --------------------------------------------------------------------------------
 
@@ -137,11 +151,22 @@ class Trainer:
         """Where the states come from (``source=``)."""
         cfg = self.cfg
         if cfg.source == "online":
-            return OnlineSource(cfg.data, cfg.target, cfg.cache_dir, cfg.online, cfg.train.max_tokens_per_batch, self.out,
-                                self.dist, self.dtype, target)
+            return OnlineSource(
+                cfg.data,
+                cfg.target,
+                cfg.cache_dir,
+                cfg.online,
+                cfg.train.max_tokens_per_batch,
+                self.out,
+                self.dist,
+                self.dtype,
+                target,
+            )
         if target is not None:
             raise ConfigError("a loaded target runs in the loop only: set source=online")
-        return OfflineSource(cfg.data, cfg.target, cfg.cache_dir, cfg.train.max_tokens_per_batch, self.dist.device, self.dtype)
+        return OfflineSource(
+            cfg.data, cfg.target, cfg.cache_dir, cfg.train.max_tokens_per_batch, self.dist.device, self.dtype
+        )
 
     def _init_head(self, head: torch.Tensor, norm: torch.Tensor | None) -> None:
         """``model.lm_head_init`` and ``model.freeze_lm_head``; head [V_target, H], norm [H]."""
@@ -166,19 +191,34 @@ class Trainer:
 
     @property
     def run_dir(self) -> StageDir:
-        return run_directory(self.out, self.spec.to_dict(), self.vocab_sha, self.model.config.to_dict(),
-                             self.world * self.cfg.train.grad_accum, request_options("train", config_dict(self.cfg)),
-                             self.source.data_fingerprint)
+        return run_directory(
+            self.out,
+            self.spec.to_dict(),
+            self.vocab_sha,
+            self.model.config.to_dict(),
+            self.world * self.cfg.train.grad_accum,
+            request_options("train", config_dict(self.cfg)),
+            self.source.data_fingerprint,
+        )
 
     def _resume(self) -> None:
         """Claim ``out``; continue its last checkpoint if it has one: weights, optimizer, lr schedule,
         step (the data position) and the best evaluation."""
-        last = open_run(self.out, self.run_dir, self.cfg.resume, self.cfg.train.keep_best, self.metrics_path,
-                        config_dict(self.cfg), self.dist.is_main)
+        last = open_run(
+            self.out,
+            self.run_dir,
+            self.cfg.resume,
+            self.cfg.train.keep_best,
+            self.metrics_path,
+            config_dict(self.cfg),
+            self.dist.is_main,
+        )
         if last is None:
             return
         state = json.loads((last / "state.json").read_text())
-        self.engine.load_checkpoint(str(last.parent), tag=last.name, load_optimizer_states=True, load_lr_scheduler_states=True)
+        self.engine.load_checkpoint(
+            str(last.parent), tag=last.name, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         with torch.no_grad():  # frozen weights are not in every ZeRO checkpoint: always the target's
             self.model.d2t.copy_(self.vocab.d2t)
             self.model.t2d.copy_(self.vocab.t2d)
@@ -194,22 +234,42 @@ class Trainer:
     def save(self) -> Path:
         """A DeepSpeed checkpoint plus the consolidated head (:mod:`eagle3_train.training.checkpoint`)."""
         o = self.cfg.train
-        state = {"step": self.step, "epoch": self.epoch_of(self.step)[0], "world_size": self.world,
-                 "grad_accum": o.grad_accum, "vocab_sha256": self.vocab_sha,
-                 "capture": self.spec.to_dict(), "draft_config": self.model.config.to_dict(),
-                 "ttt_length": o.ttt_length, "model": config_dict(self.cfg.model),
-                 "total_steps": self.total_steps, "continued": continued_options("train", config_dict(self.cfg))}
+        state = {
+            "step": self.step,
+            "epoch": self.epoch_of(self.step)[0],
+            "world_size": self.world,
+            "grad_accum": o.grad_accum,
+            "vocab_sha256": self.vocab_sha,
+            "capture": self.spec.to_dict(),
+            "draft_config": self.model.config.to_dict(),
+            "ttt_length": o.ttt_length,
+            "model": config_dict(self.cfg.model),
+            "total_steps": self.total_steps,
+            "continued": continued_options("train", config_dict(self.cfg)),
+        }
         state |= self.best.state()
         weights = consolidated_state_dict(self.model, self.cfg.deepspeed.zero_stage)
-        return save_checkpoint(self.engine, self.out, f"step{self.step}", state, weights, self.dist.is_main,
-                               o.keep_last, self.best.kept())
+        return save_checkpoint(
+            self.engine, self.out, f"step{self.step}", state, weights, self.dist.is_main, o.keep_last, self.best.kept()
+        )
 
     # -- the loop --------------------------------------------------------------------------------
 
     def losses(self, batch: Batch, hits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         o = self.cfg.train
-        return ttt_losses(self.engine.module, batch, self.lm_head, self.t2d, o.ttt_length, o.loss_decay,
-                          None if self.target_cache is None else self.target_cache(batch), o.head_chunk, self.sp, o.compile and o.head_chunk > 0, hits)
+        return ttt_losses(
+            self.engine.module,
+            batch,
+            self.lm_head,
+            self.t2d,
+            o.ttt_length,
+            o.loss_decay,
+            None if self.target_cache is None else self.target_cache(batch),
+            o.head_chunk,
+            self.sp,
+            o.compile and o.head_chunk > 0,
+            hits,
+        )
 
     def epoch_of(self, step: int) -> tuple[int, int]:
         """(epoch, step within it) of a global optimizer step."""
@@ -291,7 +351,9 @@ class Trainer:
             rounds = -(-len(batches) // self.world)
             host = (self.eval_split.batch(mine[r] if r < len(mine) else batches[0]) for r in range(rounds))
             for r, batch in enumerate(self.source.device_batches(host)):
-                hits = torch.zeros(o.ttt_length, *batch.input_ids.shape, dtype=torch.int32, device=batch.input_ids.device)
+                hits = torch.zeros(
+                    o.ttt_length, *batch.input_ids.shape, dtype=torch.int32, device=batch.input_ids.device
+                )
                 loss, stats = self.losses(batch, hits)
                 hits = self.sp.all_reduce(hits)  # each shard wrote its own positions
                 if r < len(mine):
@@ -305,10 +367,16 @@ class Trainer:
         loss_sum, n = sum(g[1] for g in gathered), sum(g[2] for g in gathered)
         tokens, steps = sum(g[3] for g in gathered)
         acc, acc_in_vocab = accuracies(counts)
-        return {"step": self.step, "eval_loss": loss_sum / max(n, 1), "eval_acc": acc, "eval_tau": acceptance_length(acc),
-                "eval_tau_decoded": float(tokens / steps) if steps else 0.0,
-                "eval_acc_in_vocab": acc_in_vocab, "eval_tau_in_vocab": acceptance_length(acc_in_vocab),
-                "eval_vocab_coverage": float(counts[0, 1] / counts[0, 2]) if counts[0, 2] else 0.0}
+        return {
+            "step": self.step,
+            "eval_loss": loss_sum / max(n, 1),
+            "eval_acc": acc,
+            "eval_tau": acceptance_length(acc),
+            "eval_tau_decoded": float(tokens / steps) if steps else 0.0,
+            "eval_acc_in_vocab": acc_in_vocab,
+            "eval_tau_in_vocab": acceptance_length(acc_in_vocab),
+            "eval_vocab_coverage": float(counts[0, 1] / counts[0, 2]) if counts[0, 2] else 0.0,
+        }
 
     def after_eval(self, result: dict[str, Any]) -> bool:
         """Log an evaluation and track the best eval simulated tau; True when early stopping is due
@@ -323,8 +391,13 @@ class Trainer:
             logger.info(f"eagle3-train: {self.out} is {how} at step {self.step}; nothing to do")
             evals = self.metrics.evals()
             return (evals[-1] if evals else {}) | checkpoint_paths(self.out, self._checkpoints()[-1], self.best.kept())
-        bar = progress_bar(total=self.total_steps, initial=self.step, desc="train", unit="step",
-                           show=self.cfg.progress if self.dist.is_main else False)
+        bar = progress_bar(
+            total=self.total_steps,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            show=self.cfg.progress if self.dist.is_main else False,
+        )
         window_start = time.time()
         batches = self.source.device_batches(Prefetcher(self.train_batches(), depth=2 * o.grad_accum))
         final: dict[str, Any] | None = None
@@ -339,14 +412,23 @@ class Trainer:
                 loss = float(torch.stack([r["loss"] for r in pending]).double().mean())
                 tokens = int(torch.stack([r["tokens"] for r in pending]).sum())
                 pending.clear()
-                record = train_record(self.step, counts, loss, tokens, time.time() - window_start, self.engine.get_lr()[0],
-                                      self.sp.size)
+                record = train_record(
+                    self.step, counts, loss, tokens, time.time() - window_start, self.engine.get_lr()[0], self.sp.size
+                )
                 self.metrics.log(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.2f}", tau=f"{record['tau']:.2f}",
-                                lr=f"{record['lr']:.1e}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-                logger.info(f"step {self.step}/{self.total_steps} loss {record['loss']:.4f} acc "
-                            f"{' '.join(f'{a:.3f}' for a in record['acc'])} tau {record['tau']:.2f} (in-vocab "
-                            f"{record['tau_in_vocab']:.2f}) lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}",
+                    acc0=f"{record['acc'][0]:.2f}",
+                    tau=f"{record['tau']:.2f}",
+                    lr=f"{record['lr']:.1e}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                    refresh=False,
+                )
+                logger.info(
+                    f"step {self.step}/{self.total_steps} loss {record['loss']:.4f} acc "
+                    f"{' '.join(f'{a:.3f}' for a in record['acc'])} tau {record['tau']:.2f} (in-vocab "
+                    f"{record['tau_in_vocab']:.2f}) lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s"
+                )
                 window_start = time.time()
             improved = False
             if o.eval_every and self.step % o.eval_every == 0 and self.step < self.total_steps:
@@ -356,8 +438,10 @@ class Trainer:
                 logger.info(eval_line(final))
                 if stop:  # never on an improvement: the step's checkpoint is the final one below
                     self.best.early_stopped = True
-                    logger.info(f"early stop: eval simulated tau has not improved on {self.best.record['eval_tau']:.3f} "
-                                f"(step {self.best.record['step']}) for {self.best.evals_since_best} evaluations")
+                    logger.info(
+                        f"early stop: eval simulated tau has not improved on {self.best.record['eval_tau']:.3f} "
+                        f"(step {self.best.record['step']}) for {self.best.evals_since_best} evaluations"
+                    )
                     break
                 improved = o.keep_best and self.best.record["step"] == self.step
             if improved or (o.save_every and self.step % o.save_every == 0 and self.step < self.total_steps):
@@ -372,10 +456,20 @@ class Trainer:
         logger.info(f"eagle3-train: {self.step} steps; {eval_line(final)} -> {path}")
         paths = checkpoint_paths(self.out, path, self.best.kept())
         if "best_checkpoint" in paths:
-            logger.info(f"best: eval simulated tau {self.best.record['eval_tau']:.3f} at step {self.best.record['step']} -> {paths['best_checkpoint']}")
+            logger.info(
+                f"best: eval simulated tau {self.best.record['eval_tau']:.3f} at step {self.best.record['step']} -> {paths['best_checkpoint']}"
+            )
         if self.dist.is_main:
-            self.run_dir.write_manifest({"step": self.step, "early_stopped": self.best.early_stopped, "eval": final,
-                                         "best": self.best.record, "config": config_dict(self.cfg)} | paths)
+            self.run_dir.write_manifest(
+                {
+                    "step": self.step,
+                    "early_stopped": self.best.early_stopped,
+                    "eval": final,
+                    "best": self.best.record,
+                    "config": config_dict(self.cfg),
+                }
+                | paths
+            )
         return final | paths
 
     def close(self) -> None:

@@ -26,10 +26,19 @@ from eagle3_train.training.parallel import (
 logger = logging.getLogger(__name__)
 
 
-def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: torch.Tensor, ttt_length: int,
-               decay: float, target: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-               head_chunk: int = 0, sp: SequenceParallel | None = None, compiled_head: bool = False,
-               hits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ttt_losses(
+    model: Eagle3Draft,
+    batch: Batch,
+    lm_head: torch.Tensor,
+    t2d: torch.Tensor,
+    ttt_length: int,
+    decay: float,
+    target: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    head_chunk: int = 0,
+    sp: SequenceParallel | None = None,
+    compiled_head: bool = False,
+    hits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted TTT loss of one micro-batch, and per-step statistics [ttt_length, 4] (hits,
     in-vocab, counted, loss; see :func:`correct_predictions`) left on the device, so the step never
     waits for the GPU.
@@ -81,8 +90,15 @@ def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: tor
         n, q, counted, mask = steps[j]
         target_probs = probs[:, q].reshape(b * n, probs.shape[-1])  # [B*n, V_draft]
         if head_chunk:
-            loss, pred = head_loss(model.norm(out[:, :n]).reshape(b * n, h), model.lm_head.weight, target_probs,
-                                   mask, counts[j], head_chunk, compiled_head)
+            loss, pred = head_loss(
+                model.norm(out[:, :n]).reshape(b * n, h),
+                model.lm_head.weight,
+                target_probs,
+                mask,
+                counts[j],
+                head_chunk,
+                compiled_head,
+            )
         else:
             logits = model.logits(out[:, :n]).reshape(b * n, probs.shape[-1])  # [B*n, V_draft]
             loss, pred = soft_cross_entropy(logits, target_probs, mask, counts[j]), logits.argmax(-1)
@@ -91,21 +107,28 @@ def ttt_losses(model: Eagle3Draft, batch: Batch, lm_head: torch.Tensor, t2d: tor
         if hits is not None:
             right = (pred == argmax[:, q].reshape(-1)) & (argmax[:, q].reshape(-1) >= 0) & counted  # [B*n]
             m = max(0, min(n, hits.shape[2] - start))  # padded positions are never hits
-            hits[j, :, start: start + m] = right.view(b, n)[:, :m]
+            hits[j, :, start : start + m] = right.view(b, n)[:, :m]
         stats[j, 3] = loss.detach()
     return total, stats
 
 
-def _pad_positions(batch: Batch, target: tuple[torch.Tensor, ...] | None, multiple: int
-                   ) -> tuple[Batch, tuple[torch.Tensor, ...] | None]:
+def _pad_positions(
+    batch: Batch, target: tuple[torch.Tensor, ...] | None, multiple: int
+) -> tuple[Batch, tuple[torch.Tensor, ...] | None]:
     """Rows right-padded to a multiple of ``multiple`` positions (``lengths`` unchanged: the
     padding never counts), the target distribution with them."""
     extra = -batch.input_ids.shape[1] % multiple
     if not extra:
         return batch, target
     pad = lambda x: torch.cat([x, x.new_zeros(x.shape[0], extra, *x.shape[2:])], dim=1)  # noqa: E731
-    batch = Batch(pad(batch.aux_hidden), pad(batch.last_hidden), pad(batch.input_ids), pad(batch.loss_mask),
-                  batch.lengths, batch.sample_ids)
+    batch = Batch(
+        pad(batch.aux_hidden),
+        pad(batch.last_hidden),
+        pad(batch.input_ids),
+        pad(batch.loss_mask),
+        batch.lengths,
+        batch.sample_ids,
+    )
     return batch, None if target is None else tuple(pad(x) for x in target)
 
 
@@ -126,8 +149,15 @@ class TargetCache:
         self.samples: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
-    def build(cls, limit_gb: float, train_split: Any, eval_split: Any, lm_head: torch.Tensor, t2d: torch.Tensor,
-              draft_vocab_size: int) -> TargetCache | None:
+    def build(
+        cls,
+        limit_gb: float,
+        train_split: Any,
+        eval_split: Any,
+        lm_head: torch.Tensor,
+        t2d: torch.Tensor,
+        draft_vocab_size: int,
+    ) -> TargetCache | None:
         """A cache when ``limit_gb`` > 0 holds every sample of both splits, None when it is 0; a
         limit too small is refused rather than silently recomputing."""
         if limit_gb <= 0:
@@ -135,8 +165,10 @@ class TargetCache:
         tokens = int(train_split.length.sum() + eval_split.length.sum())
         need = tokens * draft_vocab_size * 4 / 2**30  # fp32 probabilities
         if need > limit_gb:
-            raise ConfigError(f"train.cache_target_gb={limit_gb} is too small: the target distribution of {tokens} tokens "
-                              f"over {draft_vocab_size} draft tokens needs {need:.2f} GiB (set 0 to recompute instead)")
+            raise ConfigError(
+                f"train.cache_target_gb={limit_gb} is too small: the target distribution of {tokens} tokens "
+                f"over {draft_vocab_size} draft tokens needs {need:.2f} GiB (set 0 to recompute instead)"
+            )
         logger.info(f"caching the target distribution per sample (up to {need:.2f} GiB)")
         return cls(lm_head, t2d, draft_vocab_size)
 

@@ -35,9 +35,20 @@ VARIANTS = ("eager", "layer", "parts")
 def draft_config():
     from eagle3_train.model import DraftConfig
 
-    return DraftConfig(hidden_size=576, target_hidden_size=576, num_aux=3, num_attention_heads=9, num_key_value_heads=3,
-                       head_dim=64, intermediate_size=6144, rms_norm_eps=1e-5, vocab_size=49152, draft_vocab_size=16384,
-                       max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    return DraftConfig(
+        hidden_size=576,
+        target_hidden_size=576,
+        num_aux=3,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=6144,
+        rms_norm_eps=1e-5,
+        vocab_size=49152,
+        draft_vocab_size=16384,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    )
 
 
 def batches(n: int, tokens: int, seed: int):
@@ -67,17 +78,25 @@ def case(a: argparse.Namespace) -> None:
     compiled = a.variant != "eager"
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     g = torch.Generator(device=dev).manual_seed(1)
-    result = {"variant": a.variant, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-              "dtype": str(dtype), "tokens_per_batch": a.tokens, "steps": []}
+    result = {
+        "variant": a.variant,
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "dtype": str(dtype),
+        "tokens_per_batch": a.tokens,
+        "steps": [],
+    }
     plan = [(True, s) for s in batches(a.steps, a.tokens, 0)] + [(False, s) for s in batches(a.eval_steps, a.tokens, 1)]
     for train, (b, t) in plan:
         lengths = torch.randint(t // 2, t + 1, (b,), generator=g, device=dev)
         lengths[0] = t
-        batch = Batch(aux_hidden=torch.randn(b, t, 3 * cfg.hidden_size, device=dev, dtype=dtype, generator=g),
-                      last_hidden=torch.randn(b, t, cfg.hidden_size, device=dev, dtype=dtype, generator=g),
-                      input_ids=torch.randint(0, cfg.vocab_size, (b, t), device=dev, generator=g),
-                      loss_mask=torch.arange(t, device=dev)[None] < lengths[:, None], lengths=lengths,
-                      sample_ids=torch.arange(b))
+        batch = Batch(
+            aux_hidden=torch.randn(b, t, 3 * cfg.hidden_size, device=dev, dtype=dtype, generator=g),
+            last_hidden=torch.randn(b, t, cfg.hidden_size, device=dev, dtype=dtype, generator=g),
+            input_ids=torch.randint(0, cfg.vocab_size, (b, t), device=dev, generator=g),
+            loss_mask=torch.arange(t, device=dev)[None] < lengths[:, None],
+            lengths=lengths,
+            sample_ids=torch.arange(b),
+        )
         sync(dev)
         start = time.perf_counter()
         with torch.set_grad_enabled(train):
@@ -97,14 +116,20 @@ def case(a: argparse.Namespace) -> None:
 def summary(r: dict) -> dict:
     """compile_s, steady tokens/s, eval's first-batch seconds from one variant's step list."""
     steps = [s for s in r["steps"] if s["train"]]
-    rate = [s["rows"] * s["length"] / s["s"] for s in steps[len(steps) // 2:]]
+    rate = [s["rows"] * s["length"] / s["s"] for s in steps[len(steps) // 2 :]]
     steady = float(np.median(rate))
     total = sum(s["s"] for s in steps)
     ideal = sum(s["rows"] * s["length"] for s in steps) / steady
     evals = [s for s in r["steps"] if not s["train"]]
-    return {"compile_s": round(total - ideal, 1), "first_step_s": steps[0]["s"], "steady_tokens_per_s": round(steady),
-            "train_s": round(total, 1), "eval_first_s": evals[0]["s"] if evals else None,
-            "eval_rest_s": round(sum(s["s"] for s in evals[1:]), 2), "graphs": r.get("graphs")}
+    return {
+        "compile_s": round(total - ideal, 1),
+        "first_step_s": steps[0]["s"],
+        "steady_tokens_per_s": round(steady),
+        "train_s": round(total, 1),
+        "eval_first_s": evals[0]["s"] if evals else None,
+        "eval_rest_s": round(sum(s["s"] for s in evals[1:]), 2),
+        "graphs": r.get("graphs"),
+    }
 
 
 def main() -> None:
@@ -121,12 +146,29 @@ def main() -> None:
     if a.variant:
         return case(a)
     out = Path(a.out)
-    results = {"what": "train.compile's cost and gain for the recipe's draft (tests/benchmarks/bench_compile.py)",
-               "command": " ".join(sys.argv), "variants": {}}
+    results = {
+        "what": "train.compile's cost and gain for the recipe's draft (tests/benchmarks/bench_compile.py)",
+        "command": " ".join(sys.argv),
+        "variants": {},
+    }
     for v in a.variants.split(","):
         part = out.with_suffix(f".{v}.part")
-        cmd = [sys.executable, __file__, "--variant", v, "--part", str(part), "--tokens", str(a.tokens),
-               "--steps", str(a.steps), "--eval-steps", str(a.eval_steps), "--out", a.out]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--variant",
+            v,
+            "--part",
+            str(part),
+            "--tokens",
+            str(a.tokens),
+            "--steps",
+            str(a.steps),
+            "--eval-steps",
+            str(a.eval_steps),
+            "--out",
+            a.out,
+        ]
         r = run_isolated(cmd, part, a.seconds)
         if "steps" in r:
             r["summary"] = summary(r)

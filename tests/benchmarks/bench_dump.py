@@ -65,14 +65,16 @@ def make_prepared(path: Path, target, samples: int, seq: int) -> None:
     rng = np.random.default_rng(0)
     ids = rng.integers(0, target.config.vocab_size, size=(samples, seq), dtype=np.int32)
     offsets = np.arange(samples + 1, dtype=np.int32) * seq
-    table = pa.table({
-        "sample_id": pa.array(np.arange(samples, dtype=np.int64)),
-        "input_ids": pa.ListArray.from_arrays(offsets, ids.reshape(-1)),
-        "loss_mask": pa.ListArray.from_arrays(offsets, np.ones(samples * seq, dtype=np.uint8)),
-        "num_tokens": pa.array(np.full(samples, seq, dtype=np.int32)),
-        "num_loss_tokens": pa.array(np.full(samples, seq, dtype=np.int32)),
-        "source": pa.array([f"random[{i}]" for i in range(samples)]),
-    })
+    table = pa.table(
+        {
+            "sample_id": pa.array(np.arange(samples, dtype=np.int64)),
+            "input_ids": pa.ListArray.from_arrays(offsets, ids.reshape(-1)),
+            "loss_mask": pa.ListArray.from_arrays(offsets, np.ones(samples * seq, dtype=np.uint8)),
+            "num_tokens": pa.array(np.full(samples, seq, dtype=np.int32)),
+            "num_loss_tokens": pa.array(np.full(samples, seq, dtype=np.int32)),
+            "source": pa.array([f"random[{i}]" for i in range(samples)]),
+        }
+    )
     Dataset(table).save_to_disk(str(path / "dataset"))
     write_manifest(path, "prepare", {"fingerprint": "bench", "target": target.identity.to_dict(), "dataset": "dataset"})
 
@@ -99,10 +101,19 @@ def make_dumper(a: argparse.Namespace, target, prepared: Path, out: Path, storag
 
     stage.load_target = hf.load_target = lambda *args, **kw: target  # the random model built here
     n = target.config.num_hidden_layers
-    cfg = dump.DumpConfig(target="bench", data=str(prepared), out=str(out), dtype=a.dtype, progress=False,
-                          storage=storage, compile=compile, max_tokens_per_batch=a.tokens_per_batch,
-                          shard_size_mb=a.shard_mb, writer_threads=a.writer_threads,
-                          capture=dump.CaptureConfig(aux_indices=[2, n // 2, n - 3]))
+    cfg = dump.DumpConfig(
+        target="bench",
+        data=str(prepared),
+        out=str(out),
+        dtype=a.dtype,
+        progress=False,
+        storage=storage,
+        compile=compile,
+        max_tokens_per_batch=a.tokens_per_batch,
+        shard_size_mb=a.shard_mb,
+        writer_threads=a.writer_threads,
+        capture=dump.CaptureConfig(aux_indices=[2, n // 2, n - 3]),
+    )
     dumper = dump.Dumper(cfg)
     return dumper, warm_up(dumper, a.seq)
 
@@ -128,8 +139,9 @@ def compute_only(dumper) -> dict[str, Any]:
     from eagle3_train.core.dist import barrier
 
     cfg, backend = dumper.cfg, dumper.backend
-    batches = hf.plan_batches(np.arange(len(dumper.dataset)), dumper.dataset["num_tokens"][:], cfg.max_tokens_per_batch,
-                              cfg.max_batch_size)
+    batches = hf.plan_batches(
+        np.arange(len(dumper.dataset)), dumper.dataset["num_tokens"][:], cfg.max_tokens_per_batch, cfg.max_batch_size
+    )
     barrier()
     start = time.perf_counter()
     for b in batches[backend.dp_rank :: backend.dp_size]:
@@ -152,9 +164,14 @@ def timed_run(dumper) -> dict[str, Any]:
     if manifest is None:  # a rank other than 0
         return {}
     tokens = manifest["counts"]["tokens"]
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "bytes_per_token": manifest["counts"]["bytes_per_token"], "shards": len(manifest["shards"]),
-            "world_size": manifest["run"]["world_size"]}
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "bytes_per_token": manifest["counts"]["bytes_per_token"],
+        "shards": len(manifest["shards"]),
+        "world_size": manifest["run"]["world_size"],
+    }
 
 
 def disk_write_rate(path: Path, gib: float) -> float:
@@ -257,27 +274,66 @@ def suite(a: argparse.Namespace) -> None:
     gpus = torch.cuda.device_count() if not a.small else 2
     results: dict[str, Any] = {
         "machine": f"{gpus} x {torch.cuda.get_device_name() if gpus and not a.small else 'cpu'}",
-        "torch": torch.__version__, "shape": "tiny" if a.small else "llama-3.1-8b", "seq": a.seq, "samples": a.samples,
-        "tokens_per_batch": a.tokens_per_batch, "shard_mb": a.shard_mb, "writer_threads": a.writer_threads,
-        "budget_s": a.budget, "goals": GOALS, "cases": {},
+        "torch": torch.__version__,
+        "shape": "tiny" if a.small else "llama-3.1-8b",
+        "seq": a.seq,
+        "samples": a.samples,
+        "tokens_per_batch": a.tokens_per_batch,
+        "shard_mb": a.shard_mb,
+        "writer_threads": a.writer_threads,
+        "budget_s": a.budget,
+        "goals": GOALS,
+        "cases": {},
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(a.dir, ignore_errors=True)
     Path(a.dir).mkdir(parents=True)
     ranks = {name: r for name, r, _ in SUITE}
-    run_suite(SUITE, results, out, a.budget, gpus, a.cases, lambda name, seconds: case_process(name, ranks[name], seconds, a),
-              summary, least=30)
+    run_suite(
+        SUITE,
+        results,
+        out,
+        a.budget,
+        gpus,
+        a.cases,
+        lambda name, seconds: case_process(name, ranks[name], seconds, a),
+        summary,
+        least=30,
+    )
     shutil.rmtree(a.dir, ignore_errors=True)
 
 
 def case_process(name: str, ranks: int, seconds: float, a: argparse.Namespace) -> dict[str, Any]:
     part = Path(a.dir) / f"{name}.part.json"
-    options = ["--samples", str(a.samples), "--naive-samples", str(a.naive_samples), "--seq", str(a.seq),
-               "--tokens-per-batch", str(a.tokens_per_batch), "--shard-mb", str(a.shard_mb),
-               "--writer-threads", str(a.writer_threads), "--shm", a.shm, "--dir", a.dir]
-    cmd = [*launcher(ranks), str(Path(__file__).resolve()), "--case", name, "--out", str(part), *options,
-           *(["--small"] if a.small else [])]
+    options = [
+        "--samples",
+        str(a.samples),
+        "--naive-samples",
+        str(a.naive_samples),
+        "--seq",
+        str(a.seq),
+        "--tokens-per-batch",
+        str(a.tokens_per_batch),
+        "--shard-mb",
+        str(a.shard_mb),
+        "--writer-threads",
+        str(a.writer_threads),
+        "--shm",
+        a.shm,
+        "--dir",
+        a.dir,
+    ]
+    cmd = [
+        *launcher(ranks),
+        str(Path(__file__).resolve()),
+        "--case",
+        name,
+        "--out",
+        str(part),
+        *options,
+        *(["--small"] if a.small else []),
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(Path(a.dir) / "inductor"))
     if ranks == 1 and not a.small:
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
@@ -294,10 +350,18 @@ def summary(cases: dict[str, Any]) -> dict[str, Any]:
         s["bytes_per_token_kib"] = fast["bytes_per_token"] / 1024
     if floor:
         s["floor_tokens_per_s"] = floor
-        for case, part in (("eager", "compute_only"), ("eager", "to_disk"), ("fast", "compute_only"),
-                           ("fast", "to_disk"), ("fast", "to_ram"), ("naive", "naive")):
+        for case, part in (
+            ("eager", "compute_only"),
+            ("eager", "to_disk"),
+            ("fast", "compute_only"),
+            ("fast", "to_disk"),
+            ("fast", "to_ram"),
+            ("naive", "naive"),
+        ):
             if "tokens_per_s" in cases.get(case, {}).get(part, {}):
-                s[f"{case}_{part}_ratio_to_floor".replace("naive_naive", "naive")] = cases[case][part]["tokens_per_s"] / floor
+                s[f"{case}_{part}_ratio_to_floor".replace("naive_naive", "naive")] = (
+                    cases[case][part]["tokens_per_s"] / floor
+                )
         if "tokens_per_s" in fast:
             s["ratio_to_floor"] = fast["tokens_per_s"] / floor
     if "tokens_per_s" in fast and "tokens_per_s" in naive:
@@ -306,8 +370,9 @@ def summary(cases: dict[str, Any]) -> dict[str, Any]:
         one, two = cases.get("fast", {}).get(part, {}), cases.get("dp2", {}).get(part, {})
         if "tokens_per_s" in one and "tokens_per_s" in two:
             s[key] = two["tokens_per_s"] / one["tokens_per_s"]
-    s["goals_met"] = {k: (s[k] <= goal if k == "bytes_per_token_kib" else s[k] >= goal)
-                      for k, goal in GOALS.items() if k in s}
+    s["goals_met"] = {
+        k: (s[k] <= goal if k == "bytes_per_token_kib" else s[k] >= goal) for k, goal in GOALS.items() if k in s
+    }
     return s
 
 

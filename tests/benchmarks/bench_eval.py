@@ -54,8 +54,13 @@ def timed(device: torch.device, fn):
 
 def phase(decoded: list[Decoded], seconds: float, **extra) -> dict:
     tokens = sum(len(d.tokens) for d in decoded)
-    return {"prompts": len(decoded), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "tau": tau([d.accepted for d in decoded])} | extra
+    return {
+        "prompts": len(decoded),
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tau": tau([d.accepted for d in decoded]),
+    } | extra
 
 
 def agree(a: list[Decoded], b: list[Decoded]) -> int:
@@ -79,9 +84,20 @@ def main() -> None:
     p.add_argument("--cache-dir", default=os.environ.get("EAGLE3_CACHE", str(Path.home() / ".cache/eagle3_train")))
     a = p.parse_args()
 
-    ev = Evaluator(EvalConfig(draft=a.draft, target=a.target, engine=a.engine, prompts=a.prompts[0], k=a.k,
-                              max_new_tokens=a.max_new, batch_size=a.batch_size, dtype=a.dtype, cache_dir=a.cache_dir,
-                              progress=False))
+    ev = Evaluator(
+        EvalConfig(
+            draft=a.draft,
+            target=a.target,
+            engine=a.engine,
+            prompts=a.prompts[0],
+            k=a.k,
+            max_new_tokens=a.max_new,
+            batch_size=a.batch_size,
+            dtype=a.dtype,
+            cache_dir=a.cache_dir,
+            progress=False,
+        )
+    )
     conversations = [c for path in a.prompts for c in read_conversations(path)][: a.n]
     prompts = [ev.tokenize(c, 0, []) for c in conversations]
     dec, dev = ev.decoder, ev.decoder.device
@@ -91,8 +107,15 @@ def main() -> None:
     results = {
         "command": " ".join(["python3 -m tests.benchmarks.bench_eval"] + sys.argv[1:]),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "torch": torch.__version__, "target": a.target, "dtype": a.dtype, "draft": a.draft, "engine": a.engine,
-        "captured_hf_indices": ev.layers, "prompts": len(prompts), "max_new_tokens": a.max_new, "k": a.k,
+        "torch": torch.__version__,
+        "target": a.target,
+        "dtype": a.dtype,
+        "draft": a.draft,
+        "engine": a.engine,
+        "captured_hf_indices": ev.layers,
+        "prompts": len(prompts),
+        "max_new_tokens": a.max_new,
+        "k": a.k,
         "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
         "timing": "transformers eager execution; wall seconds of decoding incl. prefill, after a warm-up",
     }
@@ -105,13 +128,28 @@ def main() -> None:
 
     batched, seconds = timed(dev, lambda: dec.speculative(prompts, a.max_new, a.batch_size))
     c = dec.counters
-    report("batched", phase(batched, seconds, batch_size=a.batch_size, compactions=c.compactions,
-                            draft_positions_per_verify_step=c.draft_positions / max(c.row_rounds, 1)))
+    report(
+        "batched",
+        phase(
+            batched,
+            seconds,
+            batch_size=a.batch_size,
+            compactions=c.compactions,
+            draft_positions_per_verify_step=c.draft_positions / max(c.row_rounds, 1),
+        ),
+    )
     refs, seconds = timed(dev, lambda: dec.greedy(prompts, a.max_new, a.batch_size))
     greedy_tokens = sum(len(r.tokens) for r in refs)
-    report("greedy", {"batch_size": a.batch_size, "tokens": greedy_tokens, "seconds": seconds,
-                      "tokens_per_s": greedy_tokens / seconds,
-                      "identical_to_batched": sum(r.tokens == b.tokens for r, b in zip(refs, batched))})
+    report(
+        "greedy",
+        {
+            "batch_size": a.batch_size,
+            "tokens": greedy_tokens,
+            "seconds": seconds,
+            "tokens_per_s": greedy_tokens / seconds,
+            "identical_to_batched": sum(r.tokens == b.tokens for r, b in zip(refs, batched)),
+        },
+    )
     results["speculative_over_greedy"] = results["batched"]["tokens_per_s"] / results["greedy"]["tokens_per_s"]
 
     n = min(a.legacy_n, len(prompts))
@@ -121,19 +159,32 @@ def main() -> None:
         tokens, accepted = legacy.generate(prompt, a.max_new)
         old.append(Decoded(tokens, accepted))
         print(f"legacy: {i + 1}/{n} prompts, {time.perf_counter() - start:.0f} s", flush=True)
-    report("legacy", phase(old, time.perf_counter() - start, batch_size=1,
-                           same_tokens_as_batched=agree(old, batched[:n])))
+    report(
+        "legacy", phase(old, time.perf_counter() - start, batch_size=1, same_tokens_as_batched=agree(old, batched[:n]))
+    )
     results["batched_over_legacy"] = results["batched"]["tokens_per_s"] / results["legacy"]["tokens_per_s"]
     results["tau_batched_on_legacy_prompts"] = tau([d.accepted for d in batched[:n]])
 
     m = min(a.batch1_n, len(prompts))
     one, seconds = timed(dev, lambda: dec.speculative(prompts[:m], a.max_new, 1))
-    report("batch1", phase(one, seconds, same_tokens_as_batched=agree(one, batched[:m]),
-                           same_tokens_as_legacy=agree(one[:n], old)))
+    report(
+        "batch1",
+        phase(one, seconds, same_tokens_as_batched=agree(one, batched[:m]), same_tokens_as_legacy=agree(one[:n], old)),
+    )
     results["tau_batched_on_batch1_prompts"] = tau([d.accepted for d in batched[:m]])
     results["same_tau_batch1_and_batched"] = results["batch1"]["tau"] == results["tau_batched_on_batch1_prompts"]
-    report("summary", {k: results[k] for k in ("batched_over_legacy", "speculative_over_greedy",
-                                                "same_tau_batch1_and_batched", "tau_batched_on_legacy_prompts")})
+    report(
+        "summary",
+        {
+            k: results[k]
+            for k in (
+                "batched_over_legacy",
+                "speculative_over_greedy",
+                "same_tau_batch1_and_batched",
+                "tau_batched_on_legacy_prompts",
+            )
+        },
+    )
 
 
 if __name__ == "__main__":

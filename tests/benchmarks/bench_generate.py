@@ -35,8 +35,17 @@ sys.path.insert(0, str(REPO))
 
 from tests.benchmarks.common import run_isolated, run_suite  # noqa: E402
 
-CASES = ("graph_2048", "graph_4096", "padded_1024", "padded_4096", "padded_1024_x3", "static_1024", "continuous_1024", "padded_1024_sampled",
-         "padded_1024_sampled_x3")
+CASES = (
+    "graph_2048",
+    "graph_4096",
+    "padded_1024",
+    "padded_4096",
+    "padded_1024_x3",
+    "static_1024",
+    "continuous_1024",
+    "padded_1024_sampled",
+    "padded_1024_sampled_x3",
+)
 
 
 def prompts_for(a: argparse.Namespace, tokenizer) -> list[list[int]]:
@@ -50,8 +59,12 @@ def prompts_for(a: argparse.Namespace, tokenizer) -> list[list[int]]:
         path = Path(shipped.__file__).parent / "train.jsonl"
         firsts = [json.loads(line)["messages"][0]["content"] for line in path.read_text().splitlines() if line.strip()]
     texts = [firsts[i % len(firsts)] for i in range(a.n)]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True,
-                                          return_dict=True)["input_ids"] for t in texts]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for t in texts
+    ]
 
 
 def one(a: argparse.Namespace) -> None:
@@ -61,19 +74,31 @@ def one(a: argparse.Namespace) -> None:
     from data_prep.regenerate import RegenConfig, generate_sorted
     from eagle3_train.targets import eos_ids, load_target
 
-    target = load_target("tiny" if a.small else "embedded", cache_dir=a.cache_dir, dtype="float32" if a.small else "bfloat16",
-                         device="cpu" if a.small else "cuda")
+    target = load_target(
+        "tiny" if a.small else "embedded",
+        cache_dir=a.cache_dir,
+        dtype="float32" if a.small else "bfloat16",
+        device="cpu" if a.small else "cuda",
+    )
     model, tokenizer = target.model.eval(), target.tokenizer
     eos = sorted(eos_ids(model, tokenizer, target.local_dir))
     prompts = prompts_for(a, tokenizer)
     parts = a.case.split("_")
     procs = int(parts[-1][1:]) if parts[-1].startswith("x") else 1
-    cfg = RegenConfig(max_new_tokens=a.max_new_tokens, batching=parts[0], batch_size=int(parts[1]),
-                      do_sample="sampled" in parts, temperature=1.0, top_p=0.99)
+    cfg = RegenConfig(
+        max_new_tokens=a.max_new_tokens,
+        batching=parts[0],
+        batch_size=int(parts[1]),
+        do_sample="sampled" in parts,
+        temperature=1.0,
+        top_p=0.99,
+    )
     children = []
     if procs > 1 and a.shard is None:
         for i in range(procs):
-            Path(f"{a.part}.ready{i}").unlink(missing_ok=True)  # this process is shard 0; the others run beside it on the same GPU
+            Path(f"{a.part}.ready{i}").unlink(
+                missing_ok=True
+            )  # this process is shard 0; the others run beside it on the same GPU
         for i in range(1, procs):
             children.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--shard", str(i)]))
     shard = a.shard or 0
@@ -97,8 +122,14 @@ def one(a: argparse.Namespace) -> None:
         torch.cuda.synchronize()
     end = time.time()
     new_tokens = sum(len(r) + (len(r) < cfg.max_new_tokens) for r in replies)  # the end-of-turn token counts
-    out = {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "new_tokens": new_tokens,
-           "hit_max_new_tokens": hit_limit, "start": start, "end": end}
+    out = {
+        "prompts": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)),
+        "new_tokens": new_tokens,
+        "hit_max_new_tokens": hit_limit,
+        "start": start,
+        "end": end,
+    }
     if torch.cuda.is_available():
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     part = Path(a.part if a.shard is None else f"{a.part}.{a.shard}")
@@ -109,7 +140,9 @@ def one(a: argparse.Namespace) -> None:
         child.wait()
     for i in range(procs):
         Path(f"{a.part}.ready{i}").unlink(missing_ok=True)
-    shards = [out] + [json.loads(Path(f"{a.part}.{i}").read_text()) for i in range(1, procs) if Path(f"{a.part}.{i}").is_file()]
+    shards = [out] + [
+        json.loads(Path(f"{a.part}.{i}").read_text()) for i in range(1, procs) if Path(f"{a.part}.{i}").is_file()
+    ]
     if len(shards) < procs:
         raise RuntimeError(f"{procs - len(shards)} of {procs} processes wrote no result")
     seconds = max(x["end"] for x in shards) - min(x["start"] for x in shards)
@@ -126,9 +159,15 @@ def suite(a: argparse.Namespace) -> None:
     import torch
     import transformers
 
-    results = {"what": "new tokens/s of data_prep.regenerate.generate_sorted, embedded target (SmolLM2-135M-Instruct), bf16",
-               "n": a.n, "max_new_tokens": a.max_new_tokens, "warm_all": a.warm_all, "torch": torch.__version__,
-               "transformers": transformers.__version__, "cases": {}}
+    results = {
+        "what": "new tokens/s of data_prep.regenerate.generate_sorted, embedded target (SmolLM2-135M-Instruct), bf16",
+        "n": a.n,
+        "max_new_tokens": a.max_new_tokens,
+        "warm_all": a.warm_all,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cases": {},
+    }
     if torch.cuda.is_available():
         results["device"] = torch.cuda.get_device_name(0)
     reference: list | None = None
@@ -136,8 +175,20 @@ def suite(a: argparse.Namespace) -> None:
     def run(name: str, seconds: float) -> dict:
         nonlocal reference
         part = Path(a.out).with_suffix(f".{name}.part")
-        cmd = [sys.executable, __file__, "--case", name, "--part", str(part), "--n", str(a.n),
-               "--max-new-tokens", str(a.max_new_tokens), "--cache-dir", a.cache_dir]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--case",
+            name,
+            "--part",
+            str(part),
+            "--n",
+            str(a.n),
+            "--max-new-tokens",
+            str(a.max_new_tokens),
+            "--cache-dir",
+            a.cache_dir,
+        ]
         cmd += ["--conversations", a.conversations] if a.conversations else []
         cmd += ["--small"] if a.small else []
         cmd += ["--warm-all"] if a.warm_all else []
@@ -154,25 +205,39 @@ def suite(a: argparse.Namespace) -> None:
         return r
 
     def fastest(cases: dict) -> dict:  # of the greedy cases: the answers, most of what synthesis generates
-        rated = [(c["new_tokens_per_s"], name) for name, c in cases.items() if "new_tokens_per_s" in c and "sampled" not in name]
+        rated = [
+            (c["new_tokens_per_s"], name)
+            for name, c in cases.items()
+            if "new_tokens_per_s" in c and "sampled" not in name
+        ]
         return {"fastest_greedy": max(rated)[1], "new_tokens_per_s": max(rated)[0]} if rated else {}
 
     names = a.cases.split(",") if a.cases else list(CASES)
-    run_suite([(name, 1, a.case_budget) for name in names], results, Path(a.out), a.budget, 1, "", run, fastest, least=20)
+    run_suite(
+        [(name, 1, a.case_budget) for name in names], results, Path(a.out), a.budget, 1, "", run, fastest, least=20
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="generate.json")
-    p.add_argument("--cases", default="", help=f"comma-separated, of {CASES} (or any <padded|static|continuous|graph>_<B>[_sampled][_x<P>])")
+    p.add_argument(
+        "--cases",
+        default="",
+        help=f"comma-separated, of {CASES} (or any <padded|static|continuous|graph>_<B>[_sampled][_x<P>])",
+    )
     p.add_argument("--n", type=int, default=4096, help="prompts per case")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--conversations", default="", help="a .jsonl.gz of conversations: their first user turns")
     p.add_argument("--cache-dir", default="/tmp/e3cache")
     p.add_argument("--budget", type=float, default=420, help="seconds for all cases together")
     p.add_argument("--case-budget", type=float, default=150, help="seconds for one case at most")
-    p.add_argument("--warm-all", action="store_true", help="warm up on every prompt (each case then runs twice): "
-                   "the steady state, with every shape compiled before the timed pass")
+    p.add_argument(
+        "--warm-all",
+        action="store_true",
+        help="warm up on every prompt (each case then runs twice): "
+        "the steady state, with every shape compiled before the timed pass",
+    )
     p.add_argument("--small", action="store_true", help="the tiny target on the CPU (a check that it runs)")
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--part", help=argparse.SUPPRESS)

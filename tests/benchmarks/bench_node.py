@@ -69,9 +69,17 @@ Record = Callable[[str, Any], None]  # a case's figure by name, written out at o
 def suite_cases(world: int) -> list[tuple[str, int, float]]:
     """(name, ranks, seconds at most) in order; W-rank layouts need at least 2 ranks, TP2 x DP 4."""
     dp, tp = max(world, 2), max(world - world % 2, 4)
-    return [("target", 1, 300), ("dump_1gpu", 1, 240), ("dump_dp8", dp, 300), ("dump_tp2dp4", tp, 300),
-            ("dump_equal", 1, 120), ("train_1gpu", 1, 180), ("train_zero2_8", dp, 180), ("train_zero3_8", dp, 240),
-            ("resume_8", dp, 360)]
+    return [
+        ("target", 1, 300),
+        ("dump_1gpu", 1, 240),
+        ("dump_dp8", dp, 300),
+        ("dump_tp2dp4", tp, 300),
+        ("dump_equal", 1, 120),
+        ("train_1gpu", 1, 180),
+        ("train_zero2_8", dp, 180),
+        ("train_zero3_8", dp, 240),
+        ("resume_8", dp, 360),
+    ]
 
 
 DUMP_TP = {"dump_1gpu": 1, "dump_dp8": 1, "dump_tp2dp4": 2}
@@ -107,8 +115,15 @@ def make_target(a: argparse.Namespace, record: Record) -> None:
     path = Path(a.dir) / "target"
     target.model.save_pretrained(path)
     target.tokenizer.save_pretrained(path)
-    record("target", {"path": str(path), "parameters": sum(p.numel() for p in target.model.parameters()),
-                      "dtype": str(target.model.dtype), "save_s": time.perf_counter() - start})
+    record(
+        "target",
+        {
+            "path": str(path),
+            "parameters": sum(p.numel() for p in target.model.parameters()),
+            "dtype": str(target.model.dtype),
+            "save_s": time.perf_counter() - start,
+        },
+    )
     for name, samples in (("prepared-1", a.samples), ("prepared-all", a.samples * a.world)):
         make_prepared(Path(a.dir) / name, target, samples, a.seq)
     record("prepared", {"samples_1gpu": a.samples, "samples_all": a.samples * a.world, "seq": a.seq})
@@ -132,16 +147,34 @@ def dump_case(a: argparse.Namespace, tp: int, record: Record) -> None:
     prepared = Path(a.dir) / ("prepared-1" if world == 1 else "prepared-all")
     out = Path(a.dump_dir) / a.case
     n = 8 if a.small else 32
-    cfg = dump.DumpConfig(target=str(Path(a.dir) / "target"), data=str(prepared), out=str(out), dtype=a.dtype,
-                          progress=False, storage="fp8", compile=True, tp_size=tp, max_tokens_per_batch=a.tokens_per_batch,
-                          shard_size_mb=a.shard_mb, writer_threads=a.writer_threads,
-                          capture=dump.CaptureConfig(aux_indices=[2, n // 2, n - 3]))
+    cfg = dump.DumpConfig(
+        target=str(Path(a.dir) / "target"),
+        data=str(prepared),
+        out=str(out),
+        dtype=a.dtype,
+        progress=False,
+        storage="fp8",
+        compile=True,
+        tp_size=tp,
+        max_tokens_per_batch=a.tokens_per_batch,
+        shard_size_mb=a.shard_mb,
+        writer_threads=a.writer_threads,
+        capture=dump.CaptureConfig(aux_indices=[2, n // 2, n - 3]),
+    )
     start = time.perf_counter()
     dumper = dump.Dumper(cfg)
     dumper.backend.model()  # the weights, loaded (and sharded) here
     layout = f"tp{tp} x dp{world // tp}" if tp > 1 else f"dp{world}"
-    record("layout", {"world_size": world, "tp_size": tp, "data_parallel": world // tp, "desc": layout,
-                      "load_s": time.perf_counter() - start})
+    record(
+        "layout",
+        {
+            "world_size": world,
+            "tp_size": tp,
+            "data_parallel": world // tp,
+            "desc": layout,
+            "load_s": time.perf_counter() - start,
+        },
+    )
     warm = warm_up(dumper, a.seq)
     record("compute_only", compute_only(dumper) | {"warmup_s": warm})
     record("dump", timed_run(dumper) | {"where": str(out)})
@@ -176,9 +209,12 @@ def dump_equal(a: argparse.Namespace, record: Record) -> None:
             continue
         report = compare(base, kept, set(ids))
         states = {k: v for k, v in report.items() if "rel_l2" in v}
-        report["equal"] = (report["samples"]["common"] == len(ids) and bool(states)
-                           and all(report[k]["identical_samples"] == 1.0 for k in ("input_ids", "loss_mask"))
-                           and all(v["rel_l2"] <= EQUAL_REL_L2 for v in states.values()))
+        report["equal"] = (
+            report["samples"]["common"] == len(ids)
+            and bool(states)
+            and all(report[k]["identical_samples"] == 1.0 for k in ("input_ids", "loss_mask"))
+            and all(v["rel_l2"] <= EQUAL_REL_L2 for v in states.values())
+        )
         record(other, report)
 
 
@@ -196,9 +232,19 @@ def resume_case(a: argparse.Namespace, record: Record) -> None:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     std = standardized(make_dump(root, "d", n=a.resume_samples), root / "std", 320)
-    overrides = [f"data={std}", "target=tiny", "progress=false", "deepspeed=zero3", "train.ttt_length=3", "train.lr=3e-3",
-                 f"train.max_tokens_per_batch={a.resume_tokens}", "train.log_every=1", "train.epochs=1",
-                 f"train.max_steps={RESUME_STEPS}", f"train.save_every={RESUME_SAVE_EVERY}"]
+    overrides = [
+        f"data={std}",
+        "target=tiny",
+        "progress=false",
+        "deepspeed=zero3",
+        "train.ttt_length=3",
+        "train.lr=3e-3",
+        f"train.max_tokens_per_batch={a.resume_tokens}",
+        "train.log_every=1",
+        "train.epochs=1",
+        f"train.max_steps={RESUME_STEPS}",
+        f"train.save_every={RESUME_SAVE_EVERY}",
+    ]
 
     def train(out: Path, kill_after: int = 0) -> dict[str, Any]:
         cmd = [*launcher(a.world), "-m", "eagle3_train.training.trainer", *overrides, f"out={out}"]
@@ -206,9 +252,12 @@ def resume_case(a: argparse.Namespace, record: Record) -> None:
         env = dict(os.environ, **({FAULT_ENV: f"train.step:{kill_after + 1}"} if kill_after else {}))
         start = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.resume_timeout)
-        return {"exit": proc.returncode, "seconds": time.perf_counter() - start,
-                "output_tail": (proc.stdout + proc.stderr)[-1500:] if bool(proc.returncode) != bool(kill_after) else None,
-                "resumed": "resumed from" in proc.stdout + proc.stderr}
+        return {
+            "exit": proc.returncode,
+            "seconds": time.perf_counter() - start,
+            "output_tail": (proc.stdout + proc.stderr)[-1500:] if bool(proc.returncode) != bool(kill_after) else None,
+            "resumed": "resumed from" in proc.stdout + proc.stderr,
+        }
 
     runs = {"whole": train(root / "whole")}
     record("whole", runs["whole"])
@@ -231,13 +280,29 @@ def resume_case(a: argparse.Namespace, record: Record) -> None:
     la, lb = losses(root / "whole"), losses(root / "cut")
     wa, wb = last_weights(root / "whole"), last_weights(root / "cut")
     loss_diff = max((abs(la[s] - lb[s]) / abs(la[s]) for s in la if s in lb), default=float("inf"))
-    weight_diff = {k: ((wa[k].double() - wb[k].double()).norm() / wa[k].double().norm().clamp_min(1e-30)).item()
-                   for k in wa if wa[k].is_floating_point()}
-    record("comparison", {"steps": sorted(la), "steps_resumed_run": sorted(lb), "loss_max_rel_diff": loss_diff,
-                          "losses_bitwise_equal": la == lb, "weights_max_rel_l2": max(weight_diff.values()),
-                          "weights_bitwise_equal": all(torch.equal(wa[k], wb[k]) for k in wa)})
-    record("equal", sorted(la) == sorted(lb) == list(range(1, RESUME_STEPS + 1)) and runs["resumed"]["resumed"]
-           and loss_diff <= RESUME_RTOL and max(weight_diff.values()) <= RESUME_RTOL)
+    weight_diff = {
+        k: ((wa[k].double() - wb[k].double()).norm() / wa[k].double().norm().clamp_min(1e-30)).item()
+        for k in wa
+        if wa[k].is_floating_point()
+    }
+    record(
+        "comparison",
+        {
+            "steps": sorted(la),
+            "steps_resumed_run": sorted(lb),
+            "loss_max_rel_diff": loss_diff,
+            "losses_bitwise_equal": la == lb,
+            "weights_max_rel_l2": max(weight_diff.values()),
+            "weights_bitwise_equal": all(torch.equal(wa[k], wb[k]) for k in wa),
+        },
+    )
+    record(
+        "equal",
+        sorted(la) == sorted(lb) == list(range(1, RESUME_STEPS + 1))
+        and runs["resumed"]["resumed"]
+        and loss_diff <= RESUME_RTOL
+        and max(weight_diff.values()) <= RESUME_RTOL,
+    )
 
 
 # -- the suite ----------------------------------------------------------------------------------
@@ -252,17 +317,36 @@ def suite(a: argparse.Namespace) -> None:
         Path(d).mkdir(parents=True)
     results: dict[str, Any] = {
         "machine": f"{gpus} x {torch.cuda.get_device_name() if gpus and not a.small else 'cpu'}",
-        "torch": torch.__version__, "shape": "tiny" if a.small else "llama-3.1-8b", "world_size": a.world,
-        "seq": a.seq, "samples_per_gpu": a.samples, "tokens_per_batch": a.tokens_per_batch, "shard_mb": a.shard_mb,
-        "writer_threads": a.writer_threads, "dump_dir": a.dump_dir,
-        "dump_dir_free_gib": shutil.disk_usage(a.dump_dir).free / 2**30, "budget_s": a.budget,
-        "goal_efficiency": GOAL, "equal_rel_l2": EQUAL_REL_L2, "resume_rtol": RESUME_RTOL, "cases": {},
+        "torch": torch.__version__,
+        "shape": "tiny" if a.small else "llama-3.1-8b",
+        "world_size": a.world,
+        "seq": a.seq,
+        "samples_per_gpu": a.samples,
+        "tokens_per_batch": a.tokens_per_batch,
+        "shard_mb": a.shard_mb,
+        "writer_threads": a.writer_threads,
+        "dump_dir": a.dump_dir,
+        "dump_dir_free_gib": shutil.disk_usage(a.dump_dir).free / 2**30,
+        "budget_s": a.budget,
+        "goal_efficiency": GOAL,
+        "equal_rel_l2": EQUAL_REL_L2,
+        "resume_rtol": RESUME_RTOL,
+        "cases": {},
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     ranks = {name: r for name, r, _ in cases}
-    run_suite(cases, results, out, a.budget, gpus, a.cases, lambda name, seconds: case_process(name, ranks[name], seconds, a),
-              summary, least=30)
+    run_suite(
+        cases,
+        results,
+        out,
+        a.budget,
+        gpus,
+        a.cases,
+        lambda name, seconds: case_process(name, ranks[name], seconds, a),
+        summary,
+        least=30,
+    )
     for d in (a.dir, a.dump_dir):
         shutil.rmtree(d, ignore_errors=True)
 
@@ -276,24 +360,60 @@ def case_process(name: str, ranks: int, seconds: float, a: argparse.Namespace) -
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     if name in TRAIN:
         zero = TRAIN[name]
-        options = ["--seqs", "256" if a.small else str(a.seq), "--grad-accum", str(a.world if ranks == 1 else 1),
-                   "--zero", str(zero), *(["--head-chunk", "0"] if zero == 3 else []),
-                   *(["--small", "--steps", "2"] if a.small else [])]
+        options = [
+            "--seqs",
+            "256" if a.small else str(a.seq),
+            "--grad-accum",
+            str(a.world if ranks == 1 else 1),
+            "--zero",
+            str(zero),
+            *(["--head-chunk", "0"] if zero == 3 else []),
+            *(["--small", "--steps", "2"] if a.small else []),
+        ]
         return run_isolated([*launcher(ranks), str(BENCH_TRAIN), *options, "--out", str(part)], part, seconds, env)
     if name in DUMP_TP:
         need = dump_bytes(a, 1 if ranks == 1 else a.world)
         free = shutil.disk_usage(a.dump_dir).free
         if free < 1.1 * need:
-            return {"error": f"{a.dump_dir} has {free / 2**30:.1f} GiB free, the dump needs {need / 2**30:.1f} GiB: "
-                             f"give --dump-dir a place with room (RAM, so the disk does not limit W writers)"}
-    options = ["--world", str(a.world), "--samples", str(a.samples), "--seq", str(a.seq),
-               "--tokens-per-batch", str(a.tokens_per_batch), "--shard-mb", str(a.shard_mb),
-               "--writer-threads", str(a.writer_threads), "--dir", a.dir, "--dump-dir", a.dump_dir,
-               "--resume-samples", str(a.resume_samples), "--resume-tokens", str(a.resume_tokens),
-               "--resume-timeout", str(max(60, int(seconds / 3)))]
+            return {
+                "error": f"{a.dump_dir} has {free / 2**30:.1f} GiB free, the dump needs {need / 2**30:.1f} GiB: "
+                f"give --dump-dir a place with room (RAM, so the disk does not limit W writers)"
+            }
+    options = [
+        "--world",
+        str(a.world),
+        "--samples",
+        str(a.samples),
+        "--seq",
+        str(a.seq),
+        "--tokens-per-batch",
+        str(a.tokens_per_batch),
+        "--shard-mb",
+        str(a.shard_mb),
+        "--writer-threads",
+        str(a.writer_threads),
+        "--dir",
+        a.dir,
+        "--dump-dir",
+        a.dump_dir,
+        "--resume-samples",
+        str(a.resume_samples),
+        "--resume-tokens",
+        str(a.resume_tokens),
+        "--resume-timeout",
+        str(max(60, int(seconds / 3))),
+    ]
     launch = launcher(1 if name == "resume_8" else ranks)  # resume_8 starts its own W-rank runs
-    cmd = [*launch, str(Path(__file__).resolve()), "--case", name, "--out", str(part), *options,
-           *(["--small"] if a.small else [])]
+    cmd = [
+        *launch,
+        str(Path(__file__).resolve()),
+        "--case",
+        name,
+        "--out",
+        str(part),
+        *options,
+        *(["--small"] if a.small else []),
+    ]
     return run_isolated(cmd, part, seconds, env)
 
 
@@ -318,8 +438,9 @@ def summary(cases: dict[str, Any]) -> dict[str, Any]:
     if "tokens_per_s" in one.get("dump", {}):
         s["dump_1gpu_tokens_per_s"] = one["dump"]["tokens_per_s"]
     if "dump_equal" in cases:
-        s["dump_states_equal"] = {k: cases["dump_equal"][k].get("equal") for k in ("dump_dp8", "dump_tp2dp4")
-                                  if k in cases["dump_equal"]}
+        s["dump_states_equal"] = {
+            k: cases["dump_equal"][k].get("equal") for k in ("dump_dp8", "dump_tp2dp4") if k in cases["dump_equal"]
+        }
 
     def fitted(name: str) -> dict[str, Any]:
         runs = [r for r in cases.get(name, {}).get("runs", []) if r.get("fits")]

@@ -45,14 +45,115 @@ from common import random_llama, run_isolated, sync
 GOAL = 0.85
 # name, seconds at most
 CASES = [("embedded", 150), ("llama8b", 240)]
-WORDS = ["the", "of", "and", "to", "in", "is", "was", "that", "for", "it", "with", "as", "his", "on", "be", "at", "by", "had", "are", "but", "from", "or", "have", "an", "they", "which", "one", "you", "were", "all", "we", "her", "she", "there", "would", "their", "will", "when", "who", "him", "been", "has", "more", "if", "no", "out", "do", "so", "can", "what", "up", "said", "about", "other", "into", "than", "its", "time", "only", "could", "new", "them", "man", "some", "these", "then", "two", "first", "may", "any", "like", "now", "my", "such", "make", "over", "our", "even", "most", "me", "state", "after", "also", "made", "many", "did", "must", "before", "back", "see", "through", "way", "where"]
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "that",
+    "for",
+    "it",
+    "with",
+    "as",
+    "his",
+    "on",
+    "be",
+    "at",
+    "by",
+    "had",
+    "are",
+    "but",
+    "from",
+    "or",
+    "have",
+    "an",
+    "they",
+    "which",
+    "one",
+    "you",
+    "were",
+    "all",
+    "we",
+    "her",
+    "she",
+    "there",
+    "would",
+    "their",
+    "will",
+    "when",
+    "who",
+    "him",
+    "been",
+    "has",
+    "more",
+    "if",
+    "no",
+    "out",
+    "do",
+    "so",
+    "can",
+    "what",
+    "up",
+    "said",
+    "about",
+    "other",
+    "into",
+    "than",
+    "its",
+    "time",
+    "only",
+    "could",
+    "new",
+    "them",
+    "man",
+    "some",
+    "these",
+    "then",
+    "two",
+    "first",
+    "may",
+    "any",
+    "like",
+    "now",
+    "my",
+    "such",
+    "make",
+    "over",
+    "our",
+    "even",
+    "most",
+    "me",
+    "state",
+    "after",
+    "also",
+    "made",
+    "many",
+    "did",
+    "must",
+    "before",
+    "back",
+    "see",
+    "through",
+    "way",
+    "where",
+]
 
 
 def conversations(path: Path, n: int, words: int, seed: int = 0) -> Path:
     """``n`` one-turn conversations whose replies run to about ``words`` words (cut at --seq by prepare)."""
     rng = random.Random(seed)
-    rows = [{"messages": [{"role": "user", "content": " ".join(rng.choices(WORDS, k=20))},
-                          {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=words))}]} for _ in range(n)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": " ".join(rng.choices(WORDS, k=20))},
+                {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=words))},
+            ]
+        }
+        for _ in range(n)
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
 
@@ -67,8 +168,14 @@ def measure(a: argparse.Namespace) -> None:
     device = torch.device("cpu" if a.small else "cuda")
     work = Path(tempfile.mkdtemp(prefix=f"bench_online_{a.case}_"))
     cache = os.environ.get("EAGLE3_CACHE", str(work / "cache"))
-    report: dict[str, Any] = {"case": a.case, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                              "torch": torch.__version__, "seq": a.seq, "tokens_per_micro_batch": a.tokens, "goal": GOAL}
+    report: dict[str, Any] = {
+        "case": a.case,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "seq": a.seq,
+        "tokens_per_micro_batch": a.tokens,
+        "goal": GOAL,
+    }
     out = Path(a.out)
 
     def save(**figures: Any) -> None:
@@ -81,21 +188,47 @@ def measure(a: argparse.Namespace) -> None:
     name = "embedded" if a.case == "embedded" and not a.small else "tiny"
     n = (a.warmup + a.steps) * max(1, a.tokens // a.seq) + 2
     start = time.perf_counter()
-    Preparer(PrepareConfig(target=name, input=str(conversations(work / "c.jsonl", n, a.seq)), out=str(work / "prep"),
-                           cache_dir=cache, max_length=a.seq, progress=False)).run()
+    Preparer(
+        PrepareConfig(
+            target=name,
+            input=str(conversations(work / "c.jsonl", n, a.seq)),
+            out=str(work / "prep"),
+            cache_dir=cache,
+            max_length=a.seq,
+            progress=False,
+        )
+    ).run()
     small_vocab = 256 if a.small else 32000
-    cfg = TrainConfig(data=str(work / "prep"), target=name, out=str(work / "run"), cache_dir=cache, source="online",
-                      online=OnlineConfig(draft_vocab_size=small_vocab, eval_fraction=0.0,
-                                          aux_indices=[1, 2, 3] if name == "tiny" and loaded is None else None),
-                      train=OptimConfig(ttt_length=a.ttt, max_tokens_per_batch=a.tokens, schedule="constant"),
-                      deepspeed=DeepSpeedConfig(zero_stage=2), progress=False)
+    cfg = TrainConfig(
+        data=str(work / "prep"),
+        target=name,
+        out=str(work / "run"),
+        cache_dir=cache,
+        source="online",
+        online=OnlineConfig(
+            draft_vocab_size=small_vocab,
+            eval_fraction=0.0,
+            aux_indices=[1, 2, 3] if name == "tiny" and loaded is None else None,
+        ),
+        train=OptimConfig(ttt_length=a.ttt, max_tokens_per_batch=a.tokens, schedule="constant"),
+        deepspeed=DeepSpeedConfig(zero_stage=2),
+        progress=False,
+    )
     trainer = Trainer(cfg, target=loaded)
     source = trainer.source
     head = trainer.model.config
-    save(setup_s=time.perf_counter() - start, target=name if loaded is None else "llama-3.1-8b shape, random weights",
-         head={"hidden_size": head.hidden_size, "num_aux": head.num_aux, "draft_vocab_size": head.draft_vocab_size,
-               "intermediate_size": head.intermediate_size, "ttt": a.ttt},
-         capture=list(trainer.spec.aux_indices))
+    save(
+        setup_s=time.perf_counter() - start,
+        target=name if loaded is None else "llama-3.1-8b shape, random weights",
+        head={
+            "hidden_size": head.hidden_size,
+            "num_aux": head.num_aux,
+            "draft_vocab_size": head.draft_vocab_size,
+            "intermediate_size": head.intermediate_size,
+            "ttt": a.ttt,
+        },
+        capture=list(trainer.spec.aux_indices),
+    )
     host = list(itertools.islice(trainer.train_batches(), a.warmup + a.steps))
     warm, timed = host[: a.warmup], host[a.warmup :]
     tokens = sum(int(t.lengths.sum()) for t in timed)
@@ -117,7 +250,9 @@ def measure(a: argparse.Namespace) -> None:
     parts = {
         "warmup": lambda: online(warm),
         "forward": lambda: rate(lambda bs: [source.states(b) for b in bs], timed),
-        "train": lambda: rate(lambda bs: [trainer.train_step(iter([b])) for b in bs], [source.states(b) for b in timed]),
+        "train": lambda: rate(
+            lambda bs: [trainer.train_step(iter([b])) for b in bs], [source.states(b) for b in timed]
+        ),
         "online": lambda: rate(online, timed),
         "online_no_overlap": lambda: _without_overlap(source, lambda: rate(online, timed)),
     }
@@ -133,8 +268,11 @@ def measure(a: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
     if "forward" in figures and "train" in figures:
         serial = 1 / figures["forward"] + 1 / figures["train"]
-        summary: dict[str, Any] = {"floor_tokens_per_s": 1 / serial, "forward_share": 1 / figures["forward"] / serial,
-                                   "train_share": 1 / figures["train"] / serial}
+        summary: dict[str, Any] = {
+            "floor_tokens_per_s": 1 / serial,
+            "forward_share": 1 / figures["forward"] / serial,
+            "train_share": 1 / figures["train"] / serial,
+        }
         for part in ("online", "online_no_overlap"):
             if part in figures:
                 summary[f"ratio{part.removeprefix('online')}"] = figures[part] * serial
@@ -168,8 +306,24 @@ def suite(a: argparse.Namespace) -> None:
             results["cases"][name] = {"skipped": f"out of time ({left:.0f} s of the budget left)"}
         else:
             part = out.with_name(f".{out.stem}.{name}.json")
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--case", name, "--out", str(part), "--seq", str(a.seq),
-                   "--tokens", str(a.tokens), "--ttt", str(a.ttt), "--warmup", str(a.warmup), "--steps", str(a.steps)]
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--case",
+                name,
+                "--out",
+                str(part),
+                "--seq",
+                str(a.seq),
+                "--tokens",
+                str(a.tokens),
+                "--ttt",
+                str(a.ttt),
+                "--warmup",
+                str(a.warmup),
+                "--steps",
+                str(a.steps),
+            ]
             cmd += ["--small"] if a.small else []
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             if not a.small:
@@ -186,9 +340,13 @@ def main() -> None:
     p.add_argument("--cases", default="", help="only these cases (comma-separated names)")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case in this process (the suite's child)
     p.add_argument("--seq", type=int, default=None, help="tokens per sample (default 2048; 128 on --small)")
-    p.add_argument("--tokens", type=int, default=None, help="token budget of a micro-batch (default 8192; 512 on --small)")
+    p.add_argument(
+        "--tokens", type=int, default=None, help="token budget of a micro-batch (default 8192; 512 on --small)"
+    )
     p.add_argument("--ttt", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=None, help="micro-batches trained before timing (default 3; 1 on --small)")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="micro-batches trained before timing (default 3; 1 on --small)"
+    )
     p.add_argument("--steps", type=int, default=None, help="timed micro-batches (default 10; 2 on --small)")
     p.add_argument("--small", action="store_true", help="tiny shapes on the CPU")
     a = p.parse_args()

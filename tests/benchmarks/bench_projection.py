@@ -102,12 +102,22 @@ class Layer:
     with a KV cache of ``context`` earlier positions: qkv (of an input ``in_mult`` x H wide), GQA
     attention, o_proj, then a SwiGLU MLP or ``experts`` routed ones."""
 
-    def __init__(self, s: Shape, device: torch.device, dtype: torch.dtype, in_mult: int = 1,
-                 intermediate: int | None = None, dense: bool = False):
+    def __init__(
+        self,
+        s: Shape,
+        device: torch.device,
+        dtype: torch.dtype,
+        in_mult: int = 1,
+        intermediate: int | None = None,
+        dense: bool = False,
+    ):
         H, d = s.hidden, s.head_dim
         r = lambda *shape: torch.randn(*shape, device=device, dtype=dtype) * 0.02  # noqa: E731
         self.s, self.g = s, s.heads // s.kv_heads
-        self.ln1, self.ln2 = torch.ones(in_mult * H, device=device, dtype=dtype), torch.ones(H, device=device, dtype=dtype)
+        self.ln1, self.ln2 = (
+            torch.ones(in_mult * H, device=device, dtype=dtype),
+            torch.ones(H, device=device, dtype=dtype),
+        )
         self.qkv = r(in_mult * H, (s.heads + 2 * s.kv_heads) * d)
         self.o = r(s.heads * d, H)
         self.moe = s.experts > 0 and not dense
@@ -132,14 +142,23 @@ class Layer:
         order = expert.argsort(stable=True)  # the (token, slot)s grouped by expert
         token = order // k
         counts = torch.zeros(E, dtype=torch.int32, device=h.device).scatter_add_(
-            0, expert, torch.ones_like(expert, dtype=torch.int32))  # no bincount: it syncs with the host
+            0, expert, torch.ones_like(expert, dtype=torch.int32)
+        )  # no bincount: it syncs with the host
         offs = counts.cumsum(0, dtype=torch.int32)  # each expert's rows end here
         g, u = torch._grouped_mm(flat[token], self.gate_up, offs=offs).chunk(2, -1)
         y = torch._grouped_mm(F.silu(g) * u, self.down, offs=offs) * weight[order, None]  # [N*k, H]
         return torch.zeros_like(flat).index_add_(0, token, y).reshape(B, T, H)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor, cache: torch.Tensor, context: int,
-                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        cache: torch.Tensor,
+        context: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         """x [B, T, in_mult*H] (the layer's input), residual [B, T, H]; cache [2, B, kv, context+T, d]
         holds the context's keys and values and gets the new ones. Returns the new residual [B, T, H]."""
         s, g = self.s, self.g
@@ -148,8 +167,8 @@ class Layer:
         q, k, v = (rms(x, self.ln1) @ self.qkv).split([s.heads * d, kv * d, kv * d], -1)
         q = rope(q.view(B, T, s.heads, d).transpose(1, 2), cos, sin)  # [B, heads, T, d]
         k = rope(k.view(B, T, kv, d).transpose(1, 2), cos, sin)  # [B, kv, T, d]
-        cache[0, :, :, context:context + T] = k
-        cache[1, :, :, context:context + T] = v.view(B, T, kv, d).transpose(1, 2)
+        cache[0, :, :, context : context + T] = k
+        cache[1, :, :, context : context + T] = v.view(B, T, kv, d).transpose(1, 2)
         # the query heads that share a key head as one head of g*T rows: no repeated keys
         q = q.reshape(B, kv, g * T, d)
         a = F.scaled_dot_product_attention(q, cache[0], cache[1], attn_mask=mask)  # [B, kv, g*T, d]
@@ -165,8 +184,10 @@ class Model:
         r = lambda *shape: torch.randn(*shape, device=device, dtype=dtype) * 0.02  # noqa: E731
         self.s, self.draft, self.device, self.dtype = s, draft, device, dtype
         self.embed = r(s.vocab, s.hidden)
-        self.layers = [Layer(s, device, dtype, in_mult=2 if draft else 1, intermediate=s.draft_intermediate, dense=draft)
-                       for _ in range(layers)]
+        self.layers = [
+            Layer(s, device, dtype, in_mult=2 if draft else 1, intermediate=s.draft_intermediate, dense=draft)
+            for _ in range(layers)
+        ]
         self.norm = torch.ones(s.hidden, device=device, dtype=dtype)
         self.lm_head = r(s.hidden, s.draft_vocab if draft else s.vocab)
         self.fc = r(3 * s.hidden, s.hidden) if draft else None
@@ -177,8 +198,10 @@ class Model:
         s, dev = self.s, self.device
         ids = torch.randint(0, s.vocab, (batch, new), device=dev)
         hidden = torch.randn(batch, new, s.hidden, device=dev, dtype=self.dtype)  # the draft's input state
-        caches = [torch.randn(2, batch, s.kv_heads, context + new, s.head_dim, device=dev, dtype=self.dtype)
-                  for _ in self.layers]
+        caches = [
+            torch.randn(2, batch, s.kv_heads, context + new, s.head_dim, device=dev, dtype=self.dtype)
+            for _ in self.layers
+        ]
         pos = torch.arange(context, context + new, device=dev, dtype=torch.float32)
         freq = 1e4 ** (-torch.arange(0, s.head_dim // 2, device=dev, dtype=torch.float32) * 2 / s.head_dim)
         angle = torch.cat([pos[:, None] * freq] * 2, -1)  # [T, d]
@@ -256,8 +279,10 @@ def measure(s: Shape, a: argparse.Namespace, device: torch.device, dtype: torch.
         for name, new in (("target_step_s", 1), ("verify_s", a.k + 1)):
             t[name] = timed(target.step(b, new, a.context), device, a.replays, a.repeats)
             if head is not None:  # t_head + L * per layer
-                t[name + "_built"], t[name + "_head"] = t[name], timed(head.step(b, new, a.context), device, a.replays,
-                                                                     a.repeats)
+                t[name + "_built"], t[name + "_head"] = (
+                    t[name],
+                    timed(head.step(b, new, a.context), device, a.replays, a.repeats),
+                )
                 t[name] = t[name + "_head"] + s.layers * (t[name + "_built"] - t[name + "_head"]) / built
         t["draft_step_s"] = timed(draft.step(b, 1, a.context), device, a.replays, a.repeats)
         t["cycle_overhead_s"] = timed(draft.fuse(b), device, a.replays, a.repeats)
@@ -266,8 +291,13 @@ def measure(s: Shape, a: argparse.Namespace, device: torch.device, dtype: torch.
         if device.type == "cuda":
             torch.cuda.empty_cache()
         print(f"{json.dumps(t)}", flush=True)
-    return {"shape": asdict(s), "layers_built": built, "scaled": head is not None, "times": raw,
-            "projection": {str(tau): project(rows, tau, a.k) for tau in a.taus}}
+    return {
+        "shape": asdict(s),
+        "layers_built": built,
+        "scaled": head is not None,
+        "times": raw,
+        "projection": {str(tau): project(rows, tau, a.k) for tau in a.taus},
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -304,12 +334,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     results: dict[str, Any] = {
         "what": "issue #34: step times of random-weight targets and EAGLE-3 drafts (our graph-captured forward), "
-                "and the speed-up they project (eagle3_train.evaluation.projection)",
+        "and the speed-up they project (eagle3_train.evaluation.projection)",
         "machine": f"{gpu or platform.processor() or 'CPU'}, torch {torch.__version__}, Python {platform.python_version()}",
         "command": " ".join(["python3", "tests/benchmarks/bench_projection.py", *argv]),
         "date": datetime.date.today().isoformat(),
-        "settings": {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "context": a.context, "k": a.k,
-                     "batches": a.batches, "taus": a.taus, "replays": a.replays, "repeats": a.repeats},
+        "settings": {
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "context": a.context,
+            "k": a.k,
+            "batches": a.batches,
+            "taus": a.taus,
+            "replays": a.replays,
+            "repeats": a.repeats,
+        },
         "shapes": {},
     }
     out = Path(a.out)

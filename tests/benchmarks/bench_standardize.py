@@ -89,14 +89,23 @@ def main() -> None:
     copy = copy_rate(root / "dump", root / "copy", total)
     shutil.rmtree(root / "copy")
     drop_caches()
-    cfg = StandardizeConfig(dumps=[str(root / "dump")], out=str(root / "std"), eval_fraction=0.05,
-                            draft_vocab_size=32000, workers=args.workers, verify_inputs=not args.no_verify,
-                            progress=False)
+    cfg = StandardizeConfig(
+        dumps=[str(root / "dump")],
+        out=str(root / "std"),
+        eval_fraction=0.05,
+        draft_vocab_size=32000,
+        workers=args.workers,
+        verify_inputs=not args.no_verify,
+        progress=False,
+    )
     start = time.perf_counter()
     manifest = Standardizer(cfg).run()
     seconds = time.perf_counter() - start
     report = {
-        "cpus": os.cpu_count(), "dump_bytes": total, "shards": args.shards, "page_cache_dropped": cold,
+        "cpus": os.cpu_count(),
+        "dump_bytes": total,
+        "shards": args.shards,
+        "page_cache_dropped": cold,
         "copy_gb_per_s": copy / 1e9,
         "standardize_gb_per_s": total / seconds / 1e9,
         "standardize_seconds": seconds,

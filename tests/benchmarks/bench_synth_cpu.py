@@ -34,19 +34,32 @@ def main() -> None:
     cache = os.environ.get("EAGLE3_CACHE")
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = PrepareConfig(target="embedded", cache_dir=cache, out=f"{tmp}/synth", synthesize=a.n, progress=False,
-                            device="cpu", tokenize_workers=1,
-                            synth=SynthConfig(chunk_size=a.n, system_prompts_file=str(prompts / "synth_systems.txt"),
-                                              keep_system_prompt=False, example_prompts_file=str(prompts / "train.jsonl")),
-                            regen=RegenConfig(max_new_tokens=128, batch_size=a.n))
+        cfg = PrepareConfig(
+            target="embedded",
+            cache_dir=cache,
+            out=f"{tmp}/synth",
+            synthesize=a.n,
+            progress=False,
+            device="cpu",
+            tokenize_workers=1,
+            synth=SynthConfig(
+                chunk_size=a.n,
+                system_prompts_file=str(prompts / "synth_systems.txt"),
+                keep_system_prompt=False,
+                example_prompts_file=str(prompts / "train.jsonl"),
+            ),
+            regen=RegenConfig(max_new_tokens=128, batch_size=a.n),
+        )
         preparer = Preparer(cfg)
         tok = preparer.target.tokenizer
         answer = tok("Learning Python is easy. " * 25, add_special_tokens=False)["input_ids"][:120]
 
         def stand_in(model, prompts, cfg, stops, pad, bar=None, seed=0):
             if cfg.do_sample:  # the questions
-                return [tok(" ".join(rng.choices(FILLER_WORDS, k=25)) + "?", add_special_tokens=False)["input_ids"]
-                        for _ in prompts], {}
+                return [
+                    tok(" ".join(rng.choices(FILLER_WORDS, k=25)) + "?", add_special_tokens=False)["input_ids"]
+                    for _ in prompts
+                ], {}
             return [list(answer) for _ in prompts], {}
 
         synthesize.generate_sorted = stand_in
@@ -61,8 +74,11 @@ def main() -> None:
         synthesize.Synthesizer._generate_chunk = timed
         preparer._load_generator = lambda: (None, [tok.eos_token_id])
         preparer.run()
-    result = {"what": "CPU seconds of one synthesis chunk with a stand-in generator (tests/benchmarks/bench_synth_cpu.py)",
-              "conversations": a.n, "chunk_seconds": {str(k): round(v, 3) for k, v in chunk.items()}}
+    result = {
+        "what": "CPU seconds of one synthesis chunk with a stand-in generator (tests/benchmarks/bench_synth_cpu.py)",
+        "conversations": a.n,
+        "chunk_seconds": {str(k): round(v, 3) for k, v in chunk.items()},
+    }
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
 

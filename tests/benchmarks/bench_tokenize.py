@@ -33,8 +33,10 @@ def conversations(n: int) -> list:
 
     rng = random.Random(0)
     text = lambda k: " ".join(rng.choices(FILLER_WORDS, k=k))  # noqa: E731
-    return [Conversation([{"role": "user", "content": text(25)}, {"role": "assistant", "content": text(90)}], f"bench[{i}]")
-            for i in range(n)]
+    return [
+        Conversation([{"role": "user", "content": text(25)}, {"role": "assistant", "content": text(90)}], f"bench[{i}]")
+        for i in range(n)
+    ]
 
 
 def main() -> None:
@@ -52,8 +54,12 @@ def main() -> None:
     out["import_s"] = round(time.perf_counter() - t, 2)
     for method in ("spawn", "forkserver"):
         t = time.perf_counter()
-        with ProcessPoolExecutor(a.workers, mp_context=multiprocessing.get_context(method),
-                                 initializer=__import__, initargs=("data_prep.prepare",)) as pool:
+        with ProcessPoolExecutor(
+            a.workers,
+            mp_context=multiprocessing.get_context(method),
+            initializer=__import__,
+            initargs=("data_prep.prepare",),
+        ) as pool:
             list(pool.map(_nothing, range(a.workers)))
         out[f"pool_start_{method}_s"] = round(time.perf_counter() - t, 2)
 
@@ -62,8 +68,17 @@ def main() -> None:
     convs = conversations(a.n)
     with tempfile.TemporaryDirectory() as tmp:
         for workers in (1, a.workers):
-            prep = Preparer(PrepareConfig(target=a.target, cache_dir=os.environ.get("EAGLE3_CACHE"), input="unused",
-                                          out=f"{tmp}/p{workers}", tokenize_workers=workers, progress=False, device="cpu"))
+            prep = Preparer(
+                PrepareConfig(
+                    target=a.target,
+                    cache_dir=os.environ.get("EAGLE3_CACHE"),
+                    input="unused",
+                    out=f"{tmp}/p{workers}",
+                    tokenize_workers=workers,
+                    progress=False,
+                    device="cpu",
+                )
+            )
             share = convs if workers > 1 else convs[: a.n // a.workers]
             t = time.perf_counter()
             rows, _ = prep.render(share)

@@ -48,20 +48,59 @@ from eagle3_train.training.data import Batch
 from eagle3_train.training.parallel import build_engine, sequence_parallel
 from eagle3_train.training.ttt import ttt_losses
 
-SMALL = DraftConfig(hidden_size=256, target_hidden_size=256, num_aux=3, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=64, intermediate_size=768, rms_norm_eps=1e-5, vocab_size=4096, draft_vocab_size=1024,
-                    max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-LLAMA8B = DraftConfig(hidden_size=4096, target_hidden_size=4096, num_aux=3, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=128, intermediate_size=14336, rms_norm_eps=1e-5, vocab_size=128256, draft_vocab_size=32000,
-                      max_position_embeddings=131072,
-                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+SMALL = DraftConfig(
+    hidden_size=256,
+    target_hidden_size=256,
+    num_aux=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=768,
+    rms_norm_eps=1e-5,
+    vocab_size=4096,
+    draft_vocab_size=1024,
+    max_position_embeddings=131072,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+LLAMA8B = DraftConfig(
+    hidden_size=4096,
+    target_hidden_size=4096,
+    num_aux=3,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    rms_norm_eps=1e-5,
+    vocab_size=128256,
+    draft_vocab_size=32000,
+    max_position_embeddings=131072,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
 
 # name, ranks, case options, seconds at most, sequences on --small
 SUITE = [
     ("mfu", 1, ["--seqs", "2048", "--grad-accum", "2", "--profile-top", "30", "--check-attention"], 150, "256"),
-    ("longest_1gpu", 1, ["--seqs", "32768,65536,131072", "--checkpointing", "--warmup", "1", "--steps", "1"], 200, "512,1024"),
-    ("sp2", 2, ["--seqs", "65536,131072", "--sp", "2", "--checkpointing", "--warmup", "1", "--steps", "1"], 200, "512,1024"),
+    (
+        "longest_1gpu",
+        1,
+        ["--seqs", "32768,65536,131072", "--checkpointing", "--warmup", "1", "--steps", "1"],
+        200,
+        "512,1024",
+    ),
+    (
+        "sp2",
+        2,
+        ["--seqs", "65536,131072", "--sp", "2", "--checkpointing", "--warmup", "1", "--steps", "1"],
+        200,
+        "512,1024",
+    ),
     ("dp2", 2, ["--seqs", "2048", "--grad-accum", "1"], 120, "256"),
     ("fit_32k_no_checkpointing", 1, ["--seqs", "32768", "--warmup", "1", "--steps", "1"], 90, "512"),
     ("mfu_compile", 1, ["--seqs", "2048", "--grad-accum", "2", "--compile", "--warmup", "3"], 240, "256"),
@@ -109,23 +148,42 @@ def measure(a: argparse.Namespace) -> None:
     with torch.no_grad():
         model.t2d.copy_(t2d)
     lm_head = (torch.randn(c.vocab_size, c.hidden_size, device=device) * 0.02).to(dtype)
-    o = OptimConfig(ttt_length=a.ttt, lr=1e-4, grad_accum=a.grad_accum, head_chunk=a.head_chunk,
-                    activation_checkpointing=a.checkpointing, compile=a.compile, sequence_parallel=a.sp)
+    o = OptimConfig(
+        ttt_length=a.ttt,
+        lr=1e-4,
+        grad_accum=a.grad_accum,
+        head_chunk=a.head_chunk,
+        activation_checkpointing=a.checkpointing,
+        compile=a.compile,
+        sequence_parallel=a.sp,
+    )
     engine = build_engine(model, o, DeepSpeedConfig(zero_stage=a.zero), dtype, device, 1000, sp)
     if a.check_attention:
         check = guarded(attention_check, device, dtype)
     report: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "gpus": dist.world_size,
-        "torch": torch.__version__, "shape": "small" if a.small else "llama-3.1-8b head", "ttt": a.ttt, "zero": a.zero,
-        "sequence_parallel": sp.size, "data_parallel": dp, "grad_accum": a.grad_accum, "head_chunk": a.head_chunk,
-        "activation_checkpointing": a.checkpointing, "compile": a.compile, "matmul_tflops": rate / 1e12, "runs": [],
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "gpus": dist.world_size,
+        "torch": torch.__version__,
+        "shape": "small" if a.small else "llama-3.1-8b head",
+        "ttt": a.ttt,
+        "zero": a.zero,
+        "sequence_parallel": sp.size,
+        "data_parallel": dp,
+        "grad_accum": a.grad_accum,
+        "head_chunk": a.head_chunk,
+        "activation_checkpointing": a.checkpointing,
+        "compile": a.compile,
+        "matmul_tflops": rate / 1e12,
+        "runs": [],
     }
     if a.check_attention:
         report["attention_check"] = check
 
     def step(batch: Batch) -> None:
         for _ in range(a.grad_accum):
-            loss, _ = ttt_losses(engine.module, batch, lm_head, t2d, a.ttt, o.loss_decay, head_chunk=a.head_chunk, sp=sp)
+            loss, _ = ttt_losses(
+                engine.module, batch, lm_head, t2d, a.ttt, o.loss_decay, head_chunk=a.head_chunk, sp=sp
+            )
             engine.backward(loss * sp.size)
             engine.step()
 
@@ -148,10 +206,15 @@ def measure(a: argparse.Namespace) -> None:
             seconds = time.perf_counter() - start
             tokens_per_s = a.steps * a.grad_accum * dp * seq / seconds  # every data-parallel rank trains `seq` tokens
             flops = flops_per_token(c, seq, a.ttt)
-            run.update(fits=True, step_s=seconds / a.steps, tokens_per_s=tokens_per_s,
-                       tokens_per_s_per_gpu=tokens_per_s / dist.world_size, model_gflop_per_token=flops / 1e9,
-                       mfu=tokens_per_s / dist.world_size * flops / rate,
-                       peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
+            run.update(
+                fits=True,
+                step_s=seconds / a.steps,
+                tokens_per_s=tokens_per_s,
+                tokens_per_s_per_gpu=tokens_per_s / dist.world_size,
+                model_gflop_per_token=flops / 1e9,
+                mfu=tokens_per_s / dist.world_size * flops / rate,
+                peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            )
         except torch.OutOfMemoryError:
             run.update(fits=False)
         finally:
@@ -162,7 +225,9 @@ def measure(a: argparse.Namespace) -> None:
         if not run["fits"]:  # longer ones will not fit either
             break
         if a.profile_top:
-            report["profile_top"] = guarded(profile, step, synthetic_batch(c, seq, device, dtype), device, a.profile_top)
+            report["profile_top"] = guarded(
+                profile, step, synthetic_batch(c, seq, device, dtype), device, a.profile_top
+            )
             if dist.is_main:
                 Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
                 print(json.dumps(report["profile_top"], indent=1), flush=True)
@@ -198,7 +263,9 @@ def attention_check(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
             want = dense_ttt_reference(ref[0], list(zip(ref[1:n:2], ref[2:n:2])), nh // nkv)
             worst["out"] = max(worst["out"], (got.float().cpu() - want).abs().max().item())
             grad = torch.randn(want.shape, generator=g)
-            for x, y in zip(torch.autograd.grad(got, here[:n], grad.to(device, dt)), torch.autograd.grad(want, ref[:n], grad)):
+            for x, y in zip(
+                torch.autograd.grad(got, here[:n], grad.to(device, dt)), torch.autograd.grad(want, ref[:n], grad)
+            ):
                 worst["grad"] = max(worst["grad"], (x.float().cpu() - y).abs().max().item())
         result[str(dt).removeprefix("torch.")] = worst
     return result
@@ -221,19 +288,31 @@ def profile(step: Any, batch: Batch, device: torch.device, top: int) -> list[dic
 def suite(a: argparse.Namespace) -> None:
     """Every case of SUITE in its own process, within ``--budget`` seconds; results to ``--out``."""
     gpus = torch.cuda.device_count() if not a.small else 2
-    results: dict[str, Any] = {"machine": f"{gpus} x {torch.cuda.get_device_name() if gpus and not a.small else 'cpu'}",
-                               "torch": torch.__version__, "budget_s": a.budget, "cases": {}}
+    results: dict[str, Any] = {
+        "machine": f"{gpus} x {torch.cuda.get_device_name() if gpus and not a.small else 'cpu'}",
+        "torch": torch.__version__,
+        "budget_s": a.budget,
+        "cases": {},
+    }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     script = str(Path(__file__).resolve())
     case = {c[0]: c for c in SUITE}
-    run_suite([(name, ranks, cap) for name, ranks, _, cap, _ in SUITE], results, out, a.budget, gpus, a.cases,
-              lambda name, seconds: run_case(script, name, case[name][1], case[name][2], seconds, case[name][4], a),
-              summary)
+    run_suite(
+        [(name, ranks, cap) for name, ranks, _, cap, _ in SUITE],
+        results,
+        out,
+        a.budget,
+        gpus,
+        a.cases,
+        lambda name, seconds: run_case(script, name, case[name][1], case[name][2], seconds, case[name][4], a),
+        summary,
+    )
 
 
-def run_case(script: str, name: str, ranks: int, options: list[str], seconds: float, small_seqs: str,
-             a: argparse.Namespace) -> dict[str, Any]:
+def run_case(
+    script: str, name: str, ranks: int, options: list[str], seconds: float, small_seqs: str, a: argparse.Namespace
+) -> dict[str, Any]:
     part = Path(a.out).with_name(f".{Path(a.out).stem}.{name}.json")
     if a.small:
         options = [*options, "--small", "--seqs", small_seqs, "--steps", "2"]
@@ -247,6 +326,7 @@ def run_case(script: str, name: str, ranks: int, options: list[str], seconds: fl
 def summary(cases: dict[str, Any]) -> dict[str, Any]:
     """The issue's figures from the cases there are: MFU at 2048, longest fitting sequences,
     data-parallel speed-up at the same global batch."""
+
     def fitting(name: str) -> list[dict[str, Any]]:
         return [r for r in cases.get(name, {}).get("runs", []) if r.get("fits")]
 

@@ -14,7 +14,24 @@ from typing import Any
 
 import torch
 
-FILLER_WORDS = ["alpha", "beta", "gamma", "delta", "river", "mountain", "python", "code", "list", "tree", "graph", "sort", "bread", "poem", "sea", "light"]
+FILLER_WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "river",
+    "mountain",
+    "python",
+    "code",
+    "list",
+    "tree",
+    "graph",
+    "sort",
+    "bread",
+    "poem",
+    "sea",
+    "light",
+]
 
 
 def sync(device: torch.device) -> None:
@@ -65,7 +82,9 @@ def run_isolated(cmd: list[str], part: Path, seconds: float, env: dict[str, str]
     came after), with the wall time, and the error and the output's tail if it failed."""
     part.unlink(missing_ok=True)
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=seconds)
         error = None if proc.returncode == 0 else f"exit status {proc.returncode}"
@@ -81,9 +100,17 @@ def run_isolated(cmd: list[str], part: Path, seconds: float, env: dict[str, str]
     return result
 
 
-def run_suite(cases: list[tuple[str, int, float]], results: dict[str, Any], out: Path, budget: float, gpus: int,
-              only: str, run: Callable[[str, float], dict[str, Any]],
-              summary: Callable[[dict[str, Any]], dict[str, Any]], least: float = 60) -> None:
+def run_suite(
+    cases: list[tuple[str, int, float]],
+    results: dict[str, Any],
+    out: Path,
+    budget: float,
+    gpus: int,
+    only: str,
+    run: Callable[[str, float], dict[str, Any]],
+    summary: Callable[[dict[str, Any]], dict[str, Any]],
+    least: float = 60,
+) -> None:
     """Run each case ``(name, ranks, seconds at most)`` in order (``only``: comma-separated names,
     empty: all) as ``run(name, seconds)``, within ``budget`` seconds in all; a case needing more
     GPUs than ``gpus``, or left less than ``min(its seconds, least)``, is skipped with the reason.
@@ -114,12 +141,28 @@ def random_llama(small: bool, device: torch.device) -> Any:
     from eagle3_train.targets.tiny import build_tiny_tokenizer
 
     if small:
-        cfg = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096)
+        cfg = LlamaConfig(
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=4096,
+            max_position_embeddings=4096,
+        )
     else:  # Llama-3.1-8B
-        cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-                          rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+        cfg = LlamaConfig(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        )
     cfg._attn_implementation = "sdpa"
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     default = torch.get_default_dtype()

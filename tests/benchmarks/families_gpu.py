@@ -73,20 +73,47 @@ PROMPTS = REPO / "data_prep" / "prompts"
 HELDOUT = PROMPTS / "heldout.jsonl"
 VARIANTS = ("export", "shifted", "nod2t")  # checked and evaluated; the first SERVED are also served
 SERVED = ("export", "shifted")
-VLLM_ARGS = ["--enforce-eager", "--gpu-memory-utilization", "0.04", "--kv-cache-memory-bytes", str(1 << 30),
-             "--max-model-len", "4096"]
+VLLM_ARGS = [
+    "--enforce-eager",
+    "--gpu-memory-utilization",
+    "0.04",
+    "--kv-cache-memory-bytes",
+    str(1 << 30),
+    "--max-model-len",
+    "4096",
+]
 # SGLang refuses a fraction below what other processes already hold (its weights check), so its
 # servers start one family at a time (SGLANG_FAMILIES run one after the other: launch per family)
-SGLANG_ARGS = ["--disable-cuda-graph", "--mem-fraction-static", os.environ.get("SGLANG_MEM", "0.1"), "--attention-backend", "triton",
-               "--sampling-backend", "pytorch", "--context-length", "4096", "--skip-server-warmup"]
-SITE, VSITE, SGSITE = (os.environ.get(k, d) for k, d in (("SITE", "/tmp/site"), ("VSITE", "/tmp/vsite"), ("SGSITE", "/tmp/sgsite")))
+SGLANG_ARGS = [
+    "--disable-cuda-graph",
+    "--mem-fraction-static",
+    os.environ.get("SGLANG_MEM", "0.1"),
+    "--attention-backend",
+    "triton",
+    "--sampling-backend",
+    "pytorch",
+    "--context-length",
+    "4096",
+    "--skip-server-warmup",
+]
+SITE, VSITE, SGSITE = (
+    os.environ.get(k, d) for k, d in (("SITE", "/tmp/site"), ("VSITE", "/tmp/vsite"), ("SGSITE", "/tmp/sgsite"))
+)
 # each engine's packages first on the path; the project's own wheels and the repository after them
 ENGINE_ENV = {
-    "vllm": {"PYTHONPATH": f"{VSITE}:{SITE}:{REPO}", "PATH": f"{VSITE}/bin:{os.environ.get('PATH', '')}",
-             "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
-    "sglang": {"PYTHONPATH": f"{SGSITE}:{SGSITE}/nvidia_cutlass_dsl/dsl_packages:{SITE}:{REPO}",
-               "PATH": f"{SGSITE}/bin:{os.environ.get('PATH', '')}", "TVM_FFI_CACHE_DIR": "/tmp/sgcache/tvm-ffi",
-               "FLASHINFER_WORKSPACE_BASE": "/tmp/sgcache"},
+    "vllm": {
+        "PYTHONPATH": f"{VSITE}:{SITE}:{REPO}",
+        "PATH": f"{VSITE}/bin:{os.environ.get('PATH', '')}",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    },
+    "sglang": {
+        "PYTHONPATH": f"{SGSITE}:{SGSITE}/nvidia_cutlass_dsl/dsl_packages:{SITE}:{REPO}",
+        "PATH": f"{SGSITE}/bin:{os.environ.get('PATH', '')}",
+        "TVM_FFI_CACHE_DIR": "/tmp/sgcache/tvm-ffi",
+        "FLASHINFER_WORKSPACE_BASE": "/tmp/sgcache",
+    },
 }
 
 _lock = threading.Lock()
@@ -115,8 +142,12 @@ def save() -> None:
 def bundle_logs() -> None:
     with tarfile.open(W / "bundle" / ".logs.tgz", "w:gz") as tar:
         for p in sorted(W.rglob("*")):
-            if p.is_file() and (p.suffix == ".log" or p.name in ("report.json", "compare.json", "config.json")) \
-                    and "bundle" not in p.parts and p.stat().st_size < 4 << 20:
+            if (
+                p.is_file()
+                and (p.suffix == ".log" or p.name in ("report.json", "compare.json", "config.json"))
+                and "bundle" not in p.parts
+                and p.stat().st_size < 4 << 20
+            ):
                 tar.add(p, arcname=str(p.relative_to(W)))
     os.replace(W / "bundle" / ".logs.tgz", W / "bundle" / "logs.tgz")
 
@@ -129,8 +160,15 @@ def step(key: str, limit: int, cmd: list[str], result: Path | None = None, env: 
     log(f"{key}: {' '.join(cmd)[:300]}")
     t0 = time.time()
     with open(logf, "w") as out:
-        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
-                             env={**os.environ, **(env or {})}, start_new_session=True)
+        p = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         try:
             rc = p.wait(limit)
         except subprocess.TimeoutExpired:
@@ -187,21 +225,68 @@ def train_family(fam: str) -> None:
     t = str(target)
     # smollm2: the embedded SmolLM2-135M-Instruct (trained weights: real margins, distinct layers) as
     # the HF directory its GGUF converts to; every other name is a tiny random-init family
-    save = ("import shutil, sys, os; from eagle3_train.targets import _local_dir; "
-            "shutil.copytree(_local_dir('embedded', os.environ['EAGLE3_CACHE']), sys.argv[2])") if fam == "smollm2" else \
-        "import sys; from eagle3_train.targets.tiny import save_tiny; save_tiny(sys.argv[1], sys.argv[2])"
+    save = (
+        (
+            "import shutil, sys, os; from eagle3_train.targets import _local_dir; "
+            "shutil.copytree(_local_dir('embedded', os.environ['EAGLE3_CACHE']), sys.argv[2])"
+        )
+        if fam == "smollm2"
+        else "import sys; from eagle3_train.targets.tiny import save_tiny; save_tiny(sys.argv[1], sys.argv[2])"
+    )
     if step(f"{fam}/save_target", 300, [PY, "-c", save, f"tiny:{fam}", t]):
         return
-    step(f"{fam}/prepare", 900, m("data_prep.prepare", f"target={t}", f"input={PROMPTS / 'synth_smollm2.jsonl.gz'}",
-                                  f"out={d / 'prep'}", f"limit={TRAIN_N * (4 if fam == 'smollm2' else 1)}", "regenerate=true",
-                                  f"regen.max_new_tokens={NEW}", "regen.batch_size=128", "on_bad_row=skip", "progress=false"))
-    step(f"{fam}/dump_hf", 600, m("data_prep.dump", f"target={t}", f"data={d / 'prep'}", f"out={d / 'dump'}", "progress=false"))
-    step(f"{fam}/standardize", 300, m("data_prep.standardize", f"dumps=[{d / 'dump'}]", f"out={d / 'std'}",
-                                      f"draft_vocab_size={8192 if fam == 'smollm2' else 256}", "eval_fraction=0.05", "progress=false"))
-    step(f"{fam}/train", TRAIN_S, m("eagle3_train.training.trainer", f"data={d / 'std'}", f"target={t}",
-                                    f"out={d / 'train'}", f"train.ttt_length={K}", f"train.epochs={EPOCHS}",
-                                    "train.lr=2e-3", "train.warmup_steps=20", "train.max_tokens_per_batch=16384",
-                                    "train.eval_every=50", "train.save_every=50", "train.log_every=20", "progress=false"))
+    step(
+        f"{fam}/prepare",
+        900,
+        m(
+            "data_prep.prepare",
+            f"target={t}",
+            f"input={PROMPTS / 'synth_smollm2.jsonl.gz'}",
+            f"out={d / 'prep'}",
+            f"limit={TRAIN_N * (4 if fam == 'smollm2' else 1)}",
+            "regenerate=true",
+            f"regen.max_new_tokens={NEW}",
+            "regen.batch_size=128",
+            "on_bad_row=skip",
+            "progress=false",
+        ),
+    )
+    step(
+        f"{fam}/dump_hf",
+        600,
+        m("data_prep.dump", f"target={t}", f"data={d / 'prep'}", f"out={d / 'dump'}", "progress=false"),
+    )
+    step(
+        f"{fam}/standardize",
+        300,
+        m(
+            "data_prep.standardize",
+            f"dumps=[{d / 'dump'}]",
+            f"out={d / 'std'}",
+            f"draft_vocab_size={8192 if fam == 'smollm2' else 256}",
+            "eval_fraction=0.05",
+            "progress=false",
+        ),
+    )
+    step(
+        f"{fam}/train",
+        TRAIN_S,
+        m(
+            "eagle3_train.training.trainer",
+            f"data={d / 'std'}",
+            f"target={t}",
+            f"out={d / 'train'}",
+            f"train.ttt_length={K}",
+            f"train.epochs={EPOCHS}",
+            "train.lr=2e-3",
+            "train.warmup_steps=20",
+            "train.max_tokens_per_batch=16384",
+            "train.eval_every=50",
+            "train.save_every=50",
+            "train.log_every=20",
+            "progress=false",
+        ),
+    )
     if step(f"{fam}/export", 300, m("eagle3_train.serving.export", f"run={d / 'train'}", f"out={d / 'export'}")):
         return
     for variant in VARIANTS[1:]:
@@ -210,15 +295,42 @@ def train_family(fam: str) -> None:
         step(f"{fam}/check_{variant}", 300, m("eagle3_train.serving.check", f"draft={d / variant}", f"target={t}"))
     for variant, dtype in (("export", "float32"), ("export", "bfloat16"), ("shifted", "float32")):
         out = d / f"eval_{variant}_{dtype}"
-        step(f"{fam}/eval_{variant}_{dtype}", 600,
-             m("eagle3_train.evaluation.eval", f"draft={d / variant}", f"target={t}", "engine=vllm",
-               f"prompts={HELDOUT}", f"k={K}", f"max_new_tokens={NEW}", f"dtype={dtype}", "batch_size=43",
-               f"out={out}", "progress=false"), result=out / "report.json")
+        step(
+            f"{fam}/eval_{variant}_{dtype}",
+            600,
+            m(
+                "eagle3_train.evaluation.eval",
+                f"draft={d / variant}",
+                f"target={t}",
+                "engine=vllm",
+                f"prompts={HELDOUT}",
+                f"k={K}",
+                f"max_new_tokens={NEW}",
+                f"dtype={dtype}",
+                "batch_size=43",
+                f"out={out}",
+                "progress=false",
+            ),
+            result=out / "report.json",
+        )
     # the prepared data both dumps of phase 3 read
-    step(f"{fam}/prepare_cmp", 300, m("data_prep.prepare", f"target={t}", f"input={PROMPTS / 'synth_smollm2.jsonl.gz'}",
-                                      f"out={d / 'prep_cmp'}", f"limit={CMP_N}", "progress=false"))
-    step(f"{fam}/dump_hf_cmp", 300, m("data_prep.dump", f"target={t}", f"data={d / 'prep_cmp'}", f"out={d / 'dump_cmp_hf'}",
-                                      "progress=false"))
+    step(
+        f"{fam}/prepare_cmp",
+        300,
+        m(
+            "data_prep.prepare",
+            f"target={t}",
+            f"input={PROMPTS / 'synth_smollm2.jsonl.gz'}",
+            f"out={d / 'prep_cmp'}",
+            f"limit={CMP_N}",
+            "progress=false",
+        ),
+    )
+    step(
+        f"{fam}/dump_hf_cmp",
+        300,
+        m("data_prep.dump", f"target={t}", f"data={d / 'prep_cmp'}", f"out={d / 'dump_cmp_hf'}", "progress=false"),
+    )
 
 
 class Server:
@@ -232,18 +344,53 @@ class Server:
         draft = str((d / variant).resolve())
         if engine == "vllm":
             spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": K})
-            cmd = ["vllm", "serve", str(d / "target"), "--port", str(port), "--dtype", "bfloat16",
-                   "--speculative-config", spec, *VLLM_ARGS]
+            cmd = [
+                "vllm",
+                "serve",
+                str(d / "target"),
+                "--port",
+                str(port),
+                "--dtype",
+                "bfloat16",
+                "--speculative-config",
+                spec,
+                *VLLM_ARGS,
+            ]
         else:
-            cmd = [PY, "-m", "sglang.launch_server", "--model-path", str(d / "target"), "--port", str(port),
-                   "--dtype", "bfloat16", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
-                   "--speculative-num-steps", str(K), "--speculative-eagle-topk", "1",
-                   "--speculative-num-draft-tokens", str(K + 1), *SGLANG_ARGS]
+            cmd = [
+                PY,
+                "-m",
+                "sglang.launch_server",
+                "--model-path",
+                str(d / "target"),
+                "--port",
+                str(port),
+                "--dtype",
+                "bfloat16",
+                "--speculative-algorithm",
+                "EAGLE3",
+                "--speculative-draft-model-path",
+                draft,
+                "--speculative-num-steps",
+                str(K),
+                "--speculative-eagle-topk",
+                "1",
+                "--speculative-num-draft-tokens",
+                str(K + 1),
+                *SGLANG_ARGS,
+            ]
         log(f"{self.key}: {' '.join(cmd)}")
         self.t0 = time.time()
         self.logf = open(W / f"{self.key}.log", "w")  # noqa: SIM115 (the server's log while it runs; closed in stop)
-        self.proc = subprocess.Popen(cmd, stdout=self.logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=REPO, start_new_session=True, env={**os.environ, **ENGINE_ENV[engine]})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            start_new_session=True,
+            env={**os.environ, **ENGINE_ENV[engine]},
+        )
 
     def ready(self, limit: int) -> bool:
         deadline = time.time() + limit
@@ -286,9 +433,21 @@ def serve_wave(engine: str, fams: list[str], variant: str, port0: int) -> None:
         def measure(s: Server) -> None:
             out = W / s.fam / f"served_{engine}_{s.variant}"
             client = ["template=client", f"tokenizer={W / s.fam / 'target'}"] if s.fam in CLIENT_TEMPLATE else []
-            step(f"{s.key}_served", 600, m("eagle3_train.evaluation.served_acceptance", f"server={s.url}",
-                                          f"engine={engine}", f"prompts={HELDOUT}", f"max_new_tokens={NEW}",
-                                          f"out={out}", "wait_for_server_s=60", *client), result=out / "report.json")
+            step(
+                f"{s.key}_served",
+                600,
+                m(
+                    "eagle3_train.evaluation.served_acceptance",
+                    f"server={s.url}",
+                    f"engine={engine}",
+                    f"prompts={HELDOUT}",
+                    f"max_new_tokens={NEW}",
+                    f"out={out}",
+                    "wait_for_server_s=60",
+                    *client,
+                ),
+                result=out / "report.json",
+            )
 
         with ThreadPoolExecutor(len(servers) or 1) as pool:
             list(pool.map(measure, [s for s, ok in zip(servers, up) if ok]))
@@ -301,19 +460,48 @@ def dump_served(engine: str, fam: str, port: int) -> None:
     """Phase 3 for one family: the engine's dump of the comparison data against the hf one."""
     d = W / fam
     args = VLLM_ARGS if engine == "vllm" else SGLANG_ARGS
-    urls = [f"server.url=http://127.0.0.1:{port}"] + ([f"server.final_url=http://127.0.0.1:{port + 1}"] if engine == "sglang" else [])
+    urls = [f"server.url=http://127.0.0.1:{port}"] + (
+        [f"server.final_url=http://127.0.0.1:{port + 1}"] if engine == "sglang" else []
+    )
     (d / f"dump_{engine}_engine").mkdir(exist_ok=True)
-    rc = step(f"{fam}/dump_{engine}", 900, ["bash", "launch/dump_served.sh", f"target={d / 'target'}",
-                                            f"data={d / 'prep_cmp'}", f"out={d / f'dump_cmp_{engine}'}", *urls,
-                                            "client.wait_for_server_s=600", "progress=false"],
-              env={**ENGINE_ENV[engine], "BACKEND": engine, "CLIENTS": "1", "LOGDIR": str(d / f"dump_{engine}_engine"),
-                   "EAGLE3_DUMP": f"{PY} -m data_prep.dump", "ENGINE_ARGS": " ".join(args)})
+    rc = step(
+        f"{fam}/dump_{engine}",
+        900,
+        [
+            "bash",
+            "launch/dump_served.sh",
+            f"target={d / 'target'}",
+            f"data={d / 'prep_cmp'}",
+            f"out={d / f'dump_cmp_{engine}'}",
+            *urls,
+            "client.wait_for_server_s=600",
+            "progress=false",
+        ],
+        env={
+            **ENGINE_ENV[engine],
+            "BACKEND": engine,
+            "CLIENTS": "1",
+            "LOGDIR": str(d / f"dump_{engine}_engine"),
+            "EAGLE3_DUMP": f"{PY} -m data_prep.dump",
+            "ENGINE_ARGS": " ".join(args),
+        },
+    )
     if rc == 0:
-        step(f"{fam}/compare_{engine}", 300, [PY, "-c", "import json, sys; from pathlib import Path; "
-                                               "from tests.benchmarks.compare_dumps import compare; "
-                                               "Path(sys.argv[3]).write_text(json.dumps(compare(Path(sys.argv[1]), Path(sys.argv[2])), indent=2))",
-                                               str(d / "dump_cmp_hf"), str(d / f"dump_cmp_{engine}"), str(d / f"compare_{engine}.json")],
-             result=d / f"compare_{engine}.json")
+        step(
+            f"{fam}/compare_{engine}",
+            300,
+            [
+                PY,
+                "-c",
+                "import json, sys; from pathlib import Path; "
+                "from tests.benchmarks.compare_dumps import compare; "
+                "Path(sys.argv[3]).write_text(json.dumps(compare(Path(sys.argv[1]), Path(sys.argv[2])), indent=2))",
+                str(d / "dump_cmp_hf"),
+                str(d / f"dump_cmp_{engine}"),
+                str(d / f"compare_{engine}.json"),
+            ],
+            result=d / f"compare_{engine}.json",
+        )
 
 
 def summary() -> dict:
@@ -329,16 +517,25 @@ def summary() -> dict:
         row: dict = {"check_rc": {v: (s.get(f"{fam}/check_{v}") or {}).get("rc") for v in VARIANTS}}
         for variant, dtype in (("export", "float32"), ("export", "bfloat16"), ("shifted", "float32")):
             r = res(f"{fam}/eval_{variant}_{dtype}")
-            row[f"eval_{variant}_{dtype}"] = {k: r.get(k) for k in ("tau", "acceptance_per_position", "lossless",
-                                                                      "captured_hf_indices")}
+            row[f"eval_{variant}_{dtype}"] = {
+                k: r.get(k) for k in ("tau", "acceptance_per_position", "lossless", "captured_hf_indices")
+            }
         for engine in ENGINES:
             for variant in SERVED:
                 r = res(f"{fam}/{engine}_{variant}_served")
-                row[f"{engine}_{variant}"] = {k: r.get(k) for k in ("mean_acceptance_length", "acceptance_per_position",
-                                                                     "conditional_acceptance_per_position", "warnings")}
+                row[f"{engine}_{variant}"] = {
+                    k: r.get(k)
+                    for k in (
+                        "mean_acceptance_length",
+                        "acceptance_per_position",
+                        "conditional_acceptance_per_position",
+                        "warnings",
+                    )
+                }
             c = res(f"{fam}/compare_{engine}")
-            row[f"{engine}_dump_vs_hf"] = {k: v.get("rel_l2") if isinstance(v, dict) and "rel_l2" in v else v
-                                           for k, v in c.items()}
+            row[f"{engine}_dump_vs_hf"] = {
+                k: v.get("rel_l2") if isinstance(v, dict) and "rel_l2" in v else v for k, v in c.items()
+            }
         out[fam] = row
     return out
 
@@ -355,11 +552,19 @@ def main() -> None:
         except Exception:
             versions[name] = None
     RESULTS["versions"] = versions
-    RESULTS["variables"] = {"FAMILIES": FAMS, "ENGINES": ENGINES, "TRAIN_N": TRAIN_N, "CMP_N": CMP_N, "K": K,
-                            "NEW_TOKENS": NEW, "EPOCHS": EPOCHS}
+    RESULTS["variables"] = {
+        "FAMILIES": FAMS,
+        "ENGINES": ENGINES,
+        "TRAIN_N": TRAIN_N,
+        "CMP_N": CMP_N,
+        "K": K,
+        "NEW_TOKENS": NEW,
+        "EPOCHS": EPOCHS,
+    }
     try:
-        RESULTS["machine"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                                            capture_output=True, text=True).stdout.strip()
+        RESULTS["machine"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         RESULTS["machine"] = "no GPU"
     if "train" not in PHASES and (W / "results.json").is_file():  # phase 1's steps kept beside this run's
@@ -374,13 +579,17 @@ def main() -> None:
     for engine in ENGINES if "serve" in PHASES else []:
         fams = [f for f in FAMS if f in SERVE_FAMILIES[engine]]
         t1 = time.time()
-        for group in ([[f] for f in fams] if engine == "sglang" else [fams]):  # SGLang: one server at a time
+        for group in [[f] for f in fams] if engine == "sglang" else [fams]:  # SGLang: one server at a time
             serve_all(engine, group, port)
         port += 100
         if engine in DUMP_ENGINES:
             with ThreadPoolExecutor(len(fams) or 1) as pool:
-                list(pool.map(lambda ip, engine=engine, port=port: dump_served(engine, ip[1], port + 2 * ip[0]),
-                              enumerate(fams)))
+                list(
+                    pool.map(
+                        lambda ip, engine=engine, port=port: dump_served(engine, ip[1], port + 2 * ip[0]),
+                        enumerate(fams),
+                    )
+                )
         port += 100
         RESULTS["phase_seconds"][engine] = round(time.time() - t1, 1)
     RESULTS["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")

@@ -33,18 +33,24 @@ def family_row(steps: dict, fam: str, engine: str) -> dict | None:
     cmp = _res(steps, f"{fam}/compare_{engine}")
     tau16, served_tau = e16.get("tau"), served.get("mean_acceptance_length")
     row = {
-        "eval_tau_fp32": e32.get("tau"), "eval_lossless_fp32": e32.get("lossless"),
-        "eval_tau_bf16": tau16, "eval_acceptance_per_position_bf16": e16.get("acceptance_per_position"),
-        "eval_captured_hf_indices": e32.get("captured_hf_indices"), "eval_tau_shifted_fp32": sh.get("tau"),
+        "eval_tau_fp32": e32.get("tau"),
+        "eval_lossless_fp32": e32.get("lossless"),
+        "eval_tau_bf16": tau16,
+        "eval_acceptance_per_position_bf16": e16.get("acceptance_per_position"),
+        "eval_captured_hf_indices": e32.get("captured_hf_indices"),
+        "eval_tau_shifted_fp32": sh.get("tau"),
         f"{engine}_mean_acceptance_length": served_tau,
         f"{engine}_conditional_acceptance_per_position": served.get("conditional_acceptance_per_position"),
-        f"{engine}_drafts": served.get("drafts"), f"{engine}_requests": served.get("requests"),
+        f"{engine}_drafts": served.get("drafts"),
+        f"{engine}_requests": served.get("requests"),
         f"{engine}_vs_eval_bf16_relative": (served_tau / tau16 - 1) if served_tau and tau16 else None,
         f"{engine}_shifted_mean_acceptance_length": shifted.get("mean_acceptance_length"),
         "check_exit": {v: (steps.get(f"{fam}/check_{v}") or {}).get("rc") for v in ("export", "shifted", "nod2t")},
     }
     if cmp:
-        row[f"{engine}_dump_vs_hf_rel_l2"] = {k: v["rel_l2"] for k, v in cmp.items() if isinstance(v, dict) and "rel_l2" in v}
+        row[f"{engine}_dump_vs_hf_rel_l2"] = {
+            k: v["rel_l2"] for k, v in cmp.items() if isinstance(v, dict) and "rel_l2" in v
+        }
         row[f"{engine}_dump_token_ids_identical"] = (cmp.get("input_ids") or {}).get("identical_samples")
     if served.get("warnings"):
         row[f"{engine}_warnings"] = served["warnings"]

@@ -26,10 +26,13 @@ FIRST_PERSON = ("i'm", "i am", "i have", "i want", "i need", "i'd", "i ", "my ")
 def style(questions: list[str], tok) -> dict:
     lengths = sorted(len(tok(q, add_special_tokens=False)["input_ids"]) for q in questions)
     first = Counter(q.split()[0].lower().strip(",.'!?") for q in questions if q.split())
-    return {"questions": len(questions), "median_tokens": statistics.median(lengths),
-            "p90_tokens": lengths[int(0.9 * (len(lengths) - 1))],
-            "first_person": round(sum(q.lower().startswith(FIRST_PERSON) for q in questions) / len(questions), 3),
-            "first_words": first.most_common(6)}
+    return {
+        "questions": len(questions),
+        "median_tokens": statistics.median(lengths),
+        "p90_tokens": lengths[int(0.9 * (len(lengths) - 1))],
+        "first_person": round(sum(q.lower().startswith(FIRST_PERSON) for q in questions) / len(questions), 3),
+        "first_words": first.most_common(6),
+    }
 
 
 def drops(out_dir: Path) -> dict:
@@ -50,8 +53,11 @@ def main() -> None:
 
     tok = load_target("embedded", cache_dir=os.environ.get("EAGLE3_CACHE"), load_model=False).tokenizer
     base = Path(shipped.__file__).parent
-    human = [json.loads(line)["messages"][0]["content"] for f in ("heldout.jsonl", "train.jsonl")
-             for line in (base / f).read_text().splitlines()]
+    human = [
+        json.loads(line)["messages"][0]["content"]
+        for f in ("heldout.jsonl", "train.jsonl")
+        for line in (base / f).read_text().splitlines()
+    ]
     result = {"human (heldout + train prompts)": style(human, tok)}
     for run in a.runs:
         name, _, spec = run.partition("=")

@@ -25,8 +25,14 @@ def gpu_use(path: Path) -> dict[str, Any]:
                 continue  # the header, or a cut line
             util, mem = (float(x.strip().split()[0]) for x in r[2:4])
             rows.setdefault(r[1].strip(), []).append((util, mem))
-    return {gpu: {"samples": len(v), "mean_util_pct": round(sum(u for u, _ in v) / len(v), 1),
-                  "peak_mem_mib": max(m for _, m in v)} for gpu, v in rows.items()}
+    return {
+        gpu: {
+            "samples": len(v),
+            "mean_util_pct": round(sum(u for u, _ in v) / len(v), 1),
+            "peak_mem_mib": max(m for _, m in v),
+        }
+        for gpu, v in rows.items()
+    }
 
 
 def recipe(run: Path) -> dict[str, Any]:
@@ -35,8 +41,10 @@ def recipe(run: Path) -> dict[str, Any]:
     prepared = run / "prepared" / "manifest.json"
     if prepared.is_file():
         m = json.loads(prepared.read_text())
-        out["prepared"] = m["counts"] | {"synthesis": m.get("regeneration", {}).get("synthesis", m["counts"].get("synthesis")),
-                                         "tokenize": m.get("tokenize")}
+        out["prepared"] = m["counts"] | {
+            "synthesis": m.get("regeneration", {}).get("synthesis", m["counts"].get("synthesis")),
+            "tokenize": m.get("tokenize"),
+        }
     out |= collect(run, run / "std")
     train = run / "train" / "manifest.json"
     if train.is_file():

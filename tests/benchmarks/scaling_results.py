@@ -28,10 +28,14 @@ def collect(d: Path, std: Path) -> dict[str, Any]:
     evals = [m for m in metrics if "eval_tau" in m]
     if evals:
         best = max(evals, key=lambda m: m["eval_tau"])
-        out["train"] = {"steps": max(m.get("step", 0) for m in metrics), "last_eval_tau": round(evals[-1]["eval_tau"], 4),
-                        "best_eval_tau": round(best["eval_tau"], 4), "best_step": best["step"],
-                        "eval_acc_at_best": [round(a, 4) for a in best["eval_acc"]],
-                        "eval_curve": [[m["step"], round(m["eval_tau"], 3)] for m in evals]}
+        out["train"] = {
+            "steps": max(m.get("step", 0) for m in metrics),
+            "last_eval_tau": round(evals[-1]["eval_tau"], 4),
+            "best_eval_tau": round(best["eval_tau"], 4),
+            "best_step": best["step"],
+            "eval_acc_at_best": [round(a, 4) for a in best["eval_acc"]],
+            "eval_curve": [[m["step"], round(m["eval_tau"], 3)] for m in evals],
+        }
         if "eval_tau_decoded" in best:  # the decode walk (runs since 2026-11-30)
             out["train"]["best_eval_tau_decoded"] = round(best["eval_tau_decoded"], 4)
         rates = sorted(m["tokens_per_s"] for m in metrics if "tokens_per_s" in m)
@@ -44,8 +48,12 @@ def collect(d: Path, std: Path) -> dict[str, Any]:
     report = d / "eval" / "report.json"
     if report.is_file():
         r = json.loads(report.read_text())
-        out["eval"] = {"tau": round(r["tau"], 4), "acceptance_per_position": [round(a, 4) for a in r["acceptance_per_position"]],
-                       "lossless": r.get("lossless"), "verify_steps": r.get("verify_steps")}
+        out["eval"] = {
+            "tau": round(r["tau"], 4),
+            "acceptance_per_position": [round(a, 4) for a in r["acceptance_per_position"]],
+            "lossless": r.get("lossless"),
+            "verify_steps": r.get("verify_steps"),
+        }
     elif (d / "export.log").is_file() and "error" in (d / "export.log").read_text():
         out["eval"] = {"export_refused": (d / "export.log").read_text().strip().splitlines()[-1][:300]}
     return out
@@ -72,8 +80,13 @@ def main() -> None:
         n = json.loads((run / "prepared" / "manifest.json").read_text())["counts"]["rows_written"]
         curve.append({"conversations": n, "recipe_run": True} | collect(run, run / "std"))
     curve.sort(key=lambda p: p["conversations"])
-    result = {"what": args.what, "machine": args.machine, "curve": curve, "variants": variants,
-              "timings": read_jsonl(run / "timings.jsonl")}
+    result = {
+        "what": args.what,
+        "machine": args.machine,
+        "curve": curve,
+        "variants": variants,
+        "timings": read_jsonl(run / "timings.jsonl"),
+    }
     Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     plot(curve, Path(args.png_out))
     for p in curve:

@@ -83,8 +83,14 @@ def relative(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def measure(states: dict[str, torch.Tensor], samples: list[torch.Tensor], head: torch.Tensor, fc: torch.Tensor,
-            draft: Any, chunk: int = 1024) -> dict[str, Any]:
+def measure(
+    states: dict[str, torch.Tensor],
+    samples: list[torch.Tensor],
+    head: torch.Tensor,
+    fc: torch.Tensor,
+    draft: Any,
+    chunk: int = 1024,
+) -> dict[str, Any]:
     aux_keys = [k for k in states if k != "last_hidden"]
     exact_aux = torch.cat([states[k] for k in aux_keys], dim=1)
     head = head.float()
@@ -97,8 +103,9 @@ def measure(states: dict[str, torch.Tensor], samples: list[torch.Tensor], head: 
             target.add(states["last_hidden"][i : i + chunk] @ head.T, back["last_hidden"][i : i + chunk] @ head.T)
         r: dict[str, Any] = {
             "relative_l2": {k: relative(states[k], back[k]) for k in states},
-            "share_off_by_10pct": {k: float(((states[k] - back[k]).abs() > 0.1 * states[k].abs()).float().mean())
-                                   for k in states},
+            "share_off_by_10pct": {
+                k: float(((states[k] - back[k]).abs() > 0.1 * states[k].abs()).float().mean()) for k in states
+            },
             "fc_relative_l2": relative(exact_aux @ fc.T, aux @ fc.T),
             "target_next_token": target.result(),
         }
@@ -106,7 +113,10 @@ def measure(states: dict[str, torch.Tensor], samples: list[torch.Tensor], head: 
             step0, start = Agreement(), 0
             for ids in samples:  # each sample run on its own
                 n = len(ids)
-                step0.add(draft_logits(draft, exact_aux[start : start + n], ids), draft_logits(draft, aux[start : start + n], ids))
+                step0.add(
+                    draft_logits(draft, exact_aux[start : start + n], ids),
+                    draft_logits(draft, aux[start : start + n], ids),
+                )
                 start += n
             r["draft_step0"] = step0.result()
         report[name] = r
@@ -123,12 +133,27 @@ def small_dump(root: Path) -> Path:
     from data_prep.dump import CaptureConfig, DumpConfig, Dumper
     from data_prep.prepare import PrepareConfig, Preparer
 
-    rows = [{"messages": [{"role": "user", "content": f"question {i} " * (3 + i % 5)},
-                          {"role": "assistant", "content": "an answer " * (5 + i % 7)}]} for i in range(24)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i} " * (3 + i % 5)},
+                {"role": "assistant", "content": "an answer " * (5 + i % 7)},
+            ]
+        }
+        for i in range(24)
+    ]
     (root / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     Preparer(PrepareConfig(target="tiny", input=str(root / "in.jsonl"), out=str(root / "p"), progress=False)).run()
-    Dumper(DumpConfig(target="tiny", data=str(root / "p"), out=str(root / "d"), dtype="float32", progress=False,
-                      capture=CaptureConfig(aux_indices=[1, 2, 3]))).run()
+    Dumper(
+        DumpConfig(
+            target="tiny",
+            data=str(root / "p"),
+            out=str(root / "d"),
+            dtype="float32",
+            progress=False,
+            capture=CaptureConfig(aux_indices=[1, 2, 3]),
+        )
+    ).run()
     return root / "d"
 
 
@@ -159,9 +184,14 @@ def main() -> None:
     else:
         width = sum(1 for k in states if k != "last_hidden") * states["last_hidden"].shape[1]
         fc = torch.nn.Linear(width, states["last_hidden"].shape[1], bias=False).weight.detach()
-    report = {"dump": str(dump), "target": target, "tokens": int(states["last_hidden"].shape[0]),
-              "capture": manifest["capture"]["aux_indices"], "fc": "exported draft" if draft else "random",
-              "storages": measure(states, samples, tensors["head"], fc, draft)}
+    report = {
+        "dump": str(dump),
+        "target": target,
+        "tokens": int(states["last_hidden"].shape[0]),
+        "capture": manifest["capture"]["aux_indices"],
+        "fc": "exported draft" if draft else "random",
+        "storages": measure(states, samples, tensors["head"], fc, draft),
+    }
     text = json.dumps(report, indent=1)
     print(text)
     if a.out:
