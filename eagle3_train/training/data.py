@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3_train.core.contract import CaptureSpec, read_manifest
-from eagle3_train.core.errors import BadInputError, ContractError
+from eagle3_train.core.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.core.fileio import sha256_json
 from eagle3_train.core.formats import SHARD_SUFFIX, ShardRecord, check_shard
 from eagle3_train.core.storage import DTYPE, FP8_STORAGE, dequantize, scale_key
@@ -187,6 +187,20 @@ def plan_epoch(lengths: np.ndarray, max_tokens: int, seed: int, epoch: int) -> l
 def steps_in_epoch(n_batches: int, world: int, grad_accum: int) -> int:
     """Optimizer steps an epoch holds; the last incomplete step's micro-batches are dropped."""
     return n_batches // (world * grad_accum)
+
+
+def epoch_step_counts(lengths: np.ndarray, o: Any, world: int) -> list[int]:
+    """Optimizer steps in each of ``o.epochs`` epochs over samples of ``lengths`` (``o``: the
+    ``train.*`` options; epochs shuffle differently, so their micro-batch counts can differ by a
+    few); refuses a split too small for one step."""
+    n_batches = [len(plan_epoch(lengths, o.max_tokens_per_batch, o.seed, e)) for e in range(o.epochs)]
+    steps = [steps_in_epoch(n, world, o.grad_accum) for n in n_batches]
+    if min(steps) == 0:
+        raise ConfigError(
+            f"one optimizer step needs {world * o.grad_accum} micro-batches, the training split "
+            f"gives {min(n_batches)}: lower train.grad_accum or train.max_tokens_per_batch"
+        )
+    return steps
 
 
 def micro_batches_for(plan: list[np.ndarray], step: int, rank: int, world: int, grad_accum: int) -> list[np.ndarray]:

@@ -110,3 +110,22 @@ def eval_line(r: dict[str, Any]) -> str:
         f"positions: {r['eval_tau_in_vocab']:.2f}; the draft vocab covers {r['eval_vocab_coverage']:.1%} of the "
         f"target's argmaxes)"
     )
+
+
+def train_line(r: dict[str, Any], total_steps: int) -> str:
+    """One training record as a console line."""
+    return (
+        f"step {r['step']}/{total_steps} loss {r['loss']:.4f} acc {' '.join(f'{a:.3f}' for a in r['acc'])} "
+        f"tau {r['tau']:.2f} (in-vocab {r['tau_in_vocab']:.2f}) lr {r['lr']:.2e} {r['tokens_per_s']:.0f} tok/s"
+    )
+
+
+def bar_postfix(r: dict[str, Any]) -> dict[str, str]:
+    """A training record's figures beside the progress bar."""
+    return {
+        "loss": f"{r['loss']:.3f}",
+        "acc0": f"{r['acc'][0]:.2f}",
+        "tau": f"{r['tau']:.2f}",
+        "lr": f"{r['lr']:.1e}",
+        "tok_s": f"{r['tokens_per_s']:.0f}",
+    }

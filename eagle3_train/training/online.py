@@ -48,7 +48,7 @@ from eagle3_train.core.stagedir import hold_lock
 from eagle3_train.core.vocab import DRAFT_VOCAB_SIZE, VocabMap, load_vocab_map
 from eagle3_train.engines.rules import serving_warning
 from eagle3_train.targets import Target, load_target
-from eagle3_train.training.data import Batch, Source, pad_tokens
+from eagle3_train.training.data import Batch, OfflineSource, Source, pad_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -287,3 +287,16 @@ class OnlineSource(Source):
             for t in (batch.aux_hidden, batch.last_hidden, batch.input_ids, batch.loss_mask, batch.lengths):
                 t.record_stream(main)
         return batch
+
+
+def open_source(cfg: Any, out: Path, dist: DistInfo, dtype: torch.dtype, target: Target | None = None) -> Source:
+    """Where a training run's states come from (``cfg``: its ``TrainConfig``): the target in the
+    loop (``source=online``; ``target``: an already loaded one, a benchmark's random weights) or
+    the standardized dump (``source=offline``)."""
+    if cfg.source == "online":
+        return OnlineSource(
+            cfg.data, cfg.target, cfg.cache_dir, cfg.online, cfg.train.max_tokens_per_batch, out, dist, dtype, target
+        )
+    if target is not None:
+        raise ConfigError("a loaded target runs in the loop only: set source=online")
+    return OfflineSource(cfg.data, cfg.target, cfg.cache_dir, cfg.train.max_tokens_per_batch, dist.device, dtype)

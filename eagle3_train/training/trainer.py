@@ -19,22 +19,19 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.contract import run_checkpoints
-from eagle3_train.core.dist import DistInfo, all_gather_objects, close, init_distributed
+from eagle3_train.core.dist import DistInfo, close, init_distributed
 from eagle3_train.core.errors import BadInputError, ConfigError, Eagle3Error
 from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fingerprint import continued_options, request_options
 from eagle3_train.core.log import progress_bar
 from eagle3_train.core.stagedir import StageDir
-from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.targets import Target
 from eagle3_train.training.checkpoint import (
     BestTracker,
@@ -48,17 +45,23 @@ from eagle3_train.training.checkpoint import (
 from eagle3_train.training.config import USUAL_CHAIN, TrainConfig
 from eagle3_train.training.data import (
     Batch,
-    OfflineSource,
     Prefetcher,
-    Source,
     epoch_of,
+    epoch_step_counts,
     micro_batches_for,
     plan_epoch,
-    steps_in_epoch,
 )
-from eagle3_train.training.metrics import MetricsLog, eval_line, train_record, truncate_metrics, walk_counts
-from eagle3_train.training.objective import acceptance_length, accuracies
-from eagle3_train.training.online import OnlineSource
+from eagle3_train.training.draft_init import build_draft
+from eagle3_train.training.evaluate import evaluate_split
+from eagle3_train.training.metrics import (
+    MetricsLog,
+    bar_postfix,
+    eval_line,
+    train_line,
+    train_record,
+    truncate_metrics,
+)
+from eagle3_train.training.online import open_source
 from eagle3_train.training.parallel import build_engine, sequence_parallel
 from eagle3_train.training.tracking import open_tracker
 from eagle3_train.training.ttt import TargetCache, ttt_losses
@@ -76,26 +79,11 @@ class Trainer:
         self.dist: DistInfo = init_distributed(cfg.device, always=True)
         bf16 = cfg.deepspeed.bf16 == "true" or (cfg.deepspeed.bf16 == "auto" and self.dist.device.type == "cuda")
         self.dtype = torch.bfloat16 if bf16 else torch.float32
-        self.source = self._source(target)
+        self.source = open_source(cfg, self.out, self.dist, self.dtype, target)
         self.spec, self.vocab, self.vocab_sha = self.source.spec, self.source.vocab, self.source.vocab_sha
-        from_target = ("embed", "head", "norm") if cfg.model.lm_head_init == "target" else ("embed", "head")
-        target_config, tensors = self.source.target_tensors(from_target)
-        embed, head = tensors["embed"], tensors["head"]
-        self.lm_head = head.to(self.dist.device, self.dtype)  # frozen target lm_head [V, H]
+        self.lm_head, self.model = build_draft(cfg.model, self.source, self.spec, self.vocab, cfg.train.seed)
+        self.lm_head = self.lm_head.to(self.dist.device, self.dtype)  # frozen target lm_head [V, H]
         self.t2d = self.vocab.t2d.to(self.dist.device)
-        draft_cfg = DraftConfig.from_target(target_config, len(self.spec.aux_indices), self.vocab.draft_vocab_size)
-        torch.manual_seed(cfg.train.seed)
-        draft_cfg = replace(
-            draft_cfg,
-            aux_norm=cfg.model.aux_norm,
-            intermediate_size=cfg.model.intermediate_size or draft_cfg.intermediate_size,
-        )
-        self.model = Eagle3Draft(draft_cfg)
-        with torch.no_grad():
-            self.model.embed_tokens.weight.copy_(embed)
-            self.model.d2t.copy_(self.vocab.d2t)
-            self.model.t2d.copy_(self.vocab.t2d)
-        self._init_head(head, tensors.get("norm"))
         o = cfg.train
         if o.ttt_length < USUAL_CHAIN:
             logger.warning(
@@ -114,15 +102,7 @@ class Trainer:
         self.world = self.dist.world_size // self.sp.size  # data-parallel ranks; each reads its own micro-batches
         self.data_rank = self.dist.rank // self.sp.size
         # Epochs shuffle differently, so their micro-batch counts can differ by a few.
-        n_batches = [
-            len(plan_epoch(self.train_split.length, o.max_tokens_per_batch, o.seed, e)) for e in range(o.epochs)
-        ]
-        self.epoch_steps = [steps_in_epoch(n, self.world, o.grad_accum) for n in n_batches]
-        if min(self.epoch_steps) == 0:
-            raise ConfigError(
-                f"one optimizer step needs {self.world * o.grad_accum} micro-batches, the training split "
-                f"gives {min(n_batches)}: lower train.grad_accum or train.max_tokens_per_batch"
-            )
+        self.epoch_steps = epoch_step_counts(self.train_split.length, o, self.world)
         self.total_steps = sum(self.epoch_steps)
         if o.max_steps is not None:
             self.total_steps = min(self.total_steps, o.max_steps)
@@ -146,43 +126,6 @@ class Trainer:
         )
 
     # -- building --------------------------------------------------------------------------------
-
-    def _source(self, target: Target | None) -> Source:
-        """Where the states come from (``source=``)."""
-        cfg = self.cfg
-        if cfg.source == "online":
-            return OnlineSource(
-                cfg.data,
-                cfg.target,
-                cfg.cache_dir,
-                cfg.online,
-                cfg.train.max_tokens_per_batch,
-                self.out,
-                self.dist,
-                self.dtype,
-                target,
-            )
-        if target is not None:
-            raise ConfigError("a loaded target runs in the loop only: set source=online")
-        return OfflineSource(
-            cfg.data, cfg.target, cfg.cache_dir, cfg.train.max_tokens_per_batch, self.dist.device, self.dtype
-        )
-
-    def _init_head(self, head: torch.Tensor, norm: torch.Tensor | None) -> None:
-        """``model.lm_head_init`` and ``model.freeze_lm_head``; head [V_target, H], norm [H]."""
-        m = self.cfg.model
-        if m.lm_head_init == "target":
-            with torch.no_grad():
-                # draft token i is target id t2d.nonzero()[i] (= i + d2t[i]): the draft vocab is
-                # sorted by target id, so these rows are in draft order. [V_draft, H]
-                self.model.lm_head.weight.copy_(head[self.vocab.t2d.nonzero().squeeze(1)])
-                # The target's rows were fitted to read the output of its final norm. With that
-                # norm's weight, the draft's logits are the target's own on whatever pre-norm state
-                # the layer produces, so the layer starts by approximating the target's last
-                # pre-norm hidden state; a unit weight would feed the rows differently scaled features.
-                assert norm is not None  # fetched with the head when lm_head_init=target
-                self.model.norm.weight.copy_(norm)
-        self.model.lm_head.weight.requires_grad_(not m.freeze_lm_head)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -333,50 +276,21 @@ class Trainer:
                 f"{samples.tolist()[:8]} on some rank); last good checkpoint: {last[-1] if last else 'none'}"
             )
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
-        """Per-step accuracy, loss and simulated acceptance length on the eval split (all ranks),
-        honest and over in-vocab positions only, and the share of counted positions whose target
-        argmax is in the draft vocab (``eval_vocab_coverage``, step 0: the ceiling of eval_acc[0])."""
-        o = self.cfg.train
+        """The eval split's figures (:func:`eagle3_train.training.evaluate.evaluate_split`; all ranks)."""
         self.engine.eval()
-        counts = np.zeros((o.ttt_length, 3), dtype=np.int64)
-        loss_sum, n = 0.0, 0
-        walk = np.zeros(2, dtype=np.int64)  # decode walk: tokens, verify steps
-        if len(self.eval_split):
-            batches = plan_epoch(self.eval_split.length, o.max_tokens_per_batch, 0, 0)
-            mine = batches[self.data_rank :: self.world]
-            # every rank runs as many forwards (ZeRO-3 gathers parameters collectively); a rank
-            # short of batches repeats its first one without counting it
-            rounds = -(-len(batches) // self.world)
-            host = (self.eval_split.batch(mine[r] if r < len(mine) else batches[0]) for r in range(rounds))
-            for r, batch in enumerate(self.source.device_batches(host)):
-                hits = torch.zeros(
-                    o.ttt_length, *batch.input_ids.shape, dtype=torch.int32, device=batch.input_ids.device
-                )
-                loss, stats = self.losses(batch, hits)
-                hits = self.sp.all_reduce(hits)  # each shard wrote its own positions
-                if r < len(mine):
-                    counts += stats[:, :3].cpu().numpy().astype(np.int64)
-                    loss_sum += float(loss)
-                    n += self.sp.rank == 0  # a sequence-parallel group's shards add up to one batch
-                    if self.sp.rank == 0:
-                        walk += walk_counts(batch, hits)
-        gathered = all_gather_objects((counts, loss_sum, n, walk))
-        counts = sum(g[0] for g in gathered)
-        loss_sum, n = sum(g[1] for g in gathered), sum(g[2] for g in gathered)
-        tokens, steps = sum(g[3] for g in gathered)
-        acc, acc_in_vocab = accuracies(counts)
-        return {
-            "step": self.step,
-            "eval_loss": loss_sum / max(n, 1),
-            "eval_acc": acc,
-            "eval_tau": acceptance_length(acc),
-            "eval_tau_decoded": float(tokens / steps) if steps else 0.0,
-            "eval_acc_in_vocab": acc_in_vocab,
-            "eval_tau_in_vocab": acceptance_length(acc_in_vocab),
-            "eval_vocab_coverage": float(counts[0, 1] / counts[0, 2]) if counts[0, 2] else 0.0,
-        }
+        o = self.cfg.train
+        return evaluate_split(
+            self.eval_split,
+            self.source,
+            self.losses,
+            self.step,
+            o.ttt_length,
+            o.max_tokens_per_batch,
+            self.data_rank,
+            self.world,
+            self.sp,
+        )
 
     def after_eval(self, result: dict[str, Any]) -> bool:
         """Log an evaluation and track the best eval simulated tau; True when early stopping is due
@@ -416,19 +330,8 @@ class Trainer:
                     self.step, counts, loss, tokens, time.time() - window_start, self.engine.get_lr()[0], self.sp.size
                 )
                 self.metrics.log(record)
-                bar.set_postfix(
-                    loss=f"{record['loss']:.3f}",
-                    acc0=f"{record['acc'][0]:.2f}",
-                    tau=f"{record['tau']:.2f}",
-                    lr=f"{record['lr']:.1e}",
-                    tok_s=f"{record['tokens_per_s']:.0f}",
-                    refresh=False,
-                )
-                logger.info(
-                    f"step {self.step}/{self.total_steps} loss {record['loss']:.4f} acc "
-                    f"{' '.join(f'{a:.3f}' for a in record['acc'])} tau {record['tau']:.2f} (in-vocab "
-                    f"{record['tau_in_vocab']:.2f}) lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s"
-                )
+                bar.set_postfix(bar_postfix(record), refresh=False)
+                logger.info(train_line(record, self.total_steps))
                 window_start = time.time()
             improved = False
             if o.eval_every and self.step % o.eval_every == 0 and self.step < self.total_steps:
@@ -460,16 +363,8 @@ class Trainer:
                 f"best: eval simulated tau {self.best.record['eval_tau']:.3f} at step {self.best.record['step']} -> {paths['best_checkpoint']}"
             )
         if self.dist.is_main:
-            self.run_dir.write_manifest(
-                {
-                    "step": self.step,
-                    "early_stopped": self.best.early_stopped,
-                    "eval": final,
-                    "best": self.best.record,
-                    "config": config_dict(self.cfg),
-                }
-                | paths
-            )
+            done = {"step": self.step, "early_stopped": self.best.early_stopped, "eval": final}
+            self.run_dir.write_manifest(done | {"best": self.best.record, "config": config_dict(self.cfg)} | paths)
         return final | paths
 
     def close(self) -> None:
