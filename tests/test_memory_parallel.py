@@ -19,7 +19,7 @@ from eagle3_train.model.draft import apply_rope
 from eagle3_train.targets.tiny import tiny_config
 from eagle3_train.training.config import DeepSpeedConfig, OptimConfig, TrainConfig
 from eagle3_train.training.data import Batch
-from eagle3_train.training.objective import head_loss, soft_cross_entropy
+from eagle3_train.training.objective import Objective, head_loss, soft_cross_entropy
 from eagle3_train.training.parallel import (
     SequenceParallel,
     apply_activation_checkpointing,
@@ -60,9 +60,21 @@ def tiny_problem(seed=0, t=13, b=2):
     return model, head, t2d, batch
 
 
-def dense_reference_loss(model, batch, head, t2d):
+def reference_step_loss(logits, target, mask, objective):
+    """One step's loss written out from its definition: the target smoothed, the unsure positions
+    left out, (1 - w) soft cross-entropy + w (-log sum min(p, q)), the mean over what is left."""
+    target = (1 - objective.label_smoothing) * target + objective.label_smoothing / target.shape[-1]
+    mask = mask & (target.max(-1).values >= objective.min_target_prob) if objective.min_target_prob else mask
+    q = logits.softmax(-1)
+    per = -(1 - objective.lk_weight) * (target * q.log()).sum(-1)
+    per = per - objective.lk_weight * torch.minimum(q, target).sum(-1).log()
+    return (per * mask).sum() / mask.sum().clamp(min=1)
+
+
+def dense_reference_loss(model, batch, head, t2d, objective=None):
     """The TTT loss as the issue's reference has it: every step's keys side by side under the dense
-    mask (step 0 causal, steps 1..j on the diagonal), whole logits, soft cross-entropy per step."""
+    mask (step 0 causal, steps 1..j on the diagonal), whole logits, soft cross-entropy per step
+    (or the step loss ``objective`` defines, :func:`reference_step_loss`)."""
     b, t = batch.input_ids.shape
     layer, attn = model.midlayer, model.midlayer.self_attn
     nh, nkv, d = attn.num_heads, attn.num_kv, attn.head_dim
@@ -88,9 +100,11 @@ def dense_reference_loss(model, batch, head, t2d):
         counted = (pos[None] + 2 + j < batch.lengths[:, None]) & batch.loss_mask[:, 2 + j :]
         loss_mask = counted & t2d[top[:, 1 + j : 1 + j + n]]
         logits = model.lm_head(model.norm(hidden[:, :n]))
-        total = total + DECAY**j * soft_cross_entropy(
-            logits.reshape(b * n, -1), target[:, 1 + j : 1 + j + n].reshape(b * n, -1), loss_mask.reshape(-1)
-        )
+        args = logits.reshape(b * n, -1), target[:, 1 + j : 1 + j + n].reshape(b * n, -1), loss_mask.reshape(-1)
+        if objective is None:
+            total = total + DECAY**j * soft_cross_entropy(*args)
+        else:
+            total = total + DECAY**j * reference_step_loss(*args, objective)
     return total
 
 
@@ -117,6 +131,28 @@ def test_ttt_loss_and_gradients_equal_the_dense_reference(head_chunk, checkpoint
     loss, stats = ttt_losses(model, batch, head, t2d, TTT, DECAY, head_chunk=head_chunk, compiled_head=compiled_head)
     assert_same(loss_and_grads(model, loss), want)
     assert stats[:, 2].sum() > 0 and stats[-1, 2] < stats[0, 2]
+
+
+@pytest.mark.parametrize("head_chunk, compiled_head", [(0, False), (5, False), (6, True)])
+@pytest.mark.parametrize(
+    "objective",
+    [Objective(lk_weight=1.0), Objective(lk_weight=0.4, label_smoothing=0.1), Objective(min_target_prob=0.6)],
+    ids=["lk", "mixed_smoothed", "sure_only"],
+)
+def test_ttt_loss_of_each_objective_equals_its_definition(objective, head_chunk, compiled_head):
+    """train.lk_weight, train.label_smoothing and train.min_target_prob: the TTT loss and its
+    gradients (whole logits, the fused head, the compiled fused head) equal the dense reference
+    with the step loss written out from its definition; accuracy still counts every position."""
+    model, head, t2d, batch = tiny_problem()
+    want = loss_and_grads(model, dense_reference_loss(model, batch, head, t2d, objective))
+    kw = {"head_chunk": head_chunk, "compiled_head": compiled_head}
+    loss, stats = ttt_losses(model, batch, head, t2d, TTT, DECAY, objective=objective, **kw)
+    assert_same(loss_and_grads(model, loss), want)
+    _, plain = ttt_losses(model, batch, head, t2d, TTT, DECAY, **kw)
+    assert torch.equal(stats[:, :3], plain[:, :3])
+    if objective.min_target_prob:  # the threshold leaves some positions out, not all
+        everything = loss_and_grads(model, dense_reference_loss(model, batch, head, t2d))[0]
+        assert loss.item() > 0 and not torch.isclose(loss.detach(), everything)
 
 
 def test_head_loss_is_the_unfused_loss():

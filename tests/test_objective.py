@@ -6,11 +6,15 @@ import numpy as np
 import pytest
 import torch
 
+from eagle3_train.core.errors import ConfigError
 from eagle3_train.training.objective import (
+    Objective,
     acceptance_length,
     accuracies,
     correct_predictions,
     decode_walk,
+    lk_loss,
+    mixed_loss,
     soft_cross_entropy,
     step_weights,
     target_distribution,
@@ -42,6 +46,31 @@ def test_soft_cross_entropy_by_hand():
     want = (-(0.5 * math.log(0.25) + 0.5 * math.log(0.75)) + math.log(2.0)) / 2
     assert soft_cross_entropy(logits, p, mask).item() == pytest.approx(want, rel=1e-6)
     assert soft_cross_entropy(logits, p, torch.zeros(3, dtype=torch.bool)).item() == 0.0
+
+
+def test_lk_loss_by_hand():
+    logits = torch.tensor([[0.0, math.log(3.0)], [1.0, 1.0], [9.0, -9.0]])
+    p = torch.tensor([[0.5, 0.5], [1.0, 0.0], [0.0, 1.0]])
+    mask = torch.tensor([True, True, False])
+    # row 0: q = [1/4, 3/4] -> min sums to 1/4 + 1/2 = 3/4; row 1: q = [1/2, 1/2] -> 1/2
+    want = (-math.log(0.75) - math.log(0.5)) / 2
+    assert lk_loss(logits, p, mask).item() == pytest.approx(want, rel=1e-6)
+    both = mixed_loss(logits, p, mask, lk_weight=0.25)
+    assert both.item() == pytest.approx(0.75 * soft_cross_entropy(logits, p, mask).item() + 0.25 * want, rel=1e-6)
+    assert mixed_loss(logits, p, mask).item() == soft_cross_entropy(logits, p, mask).item()
+    # q = p: every draft token is accepted, nothing to learn
+    assert lk_loss(p.clamp(min=1e-9).log()[:2], p[:2], mask[:2]).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_objective_smooths_and_leaves_out_unsure_positions():
+    p = torch.tensor([[0.9, 0.1, 0.0, 0.0], [0.4, 0.3, 0.2, 0.1]])
+    o = Objective(label_smoothing=0.2, min_target_prob=0.5)
+    torch.testing.assert_close(o.smooth(p)[0], torch.tensor([0.77, 0.13, 0.05, 0.05]))
+    torch.testing.assert_close(o.smooth(p).sum(-1), torch.ones(2))
+    assert o.loss_mask(p.max(-1).values, torch.tensor([True, True])).tolist() == [True, False]
+    assert Objective().smooth(p) is p and Objective().loss_mask(None, torch.tensor([False])).tolist() == [False]
+    with pytest.raises(ConfigError, match=r"train.lk_weight must lie in \[0, 1\]"):
+        Objective(lk_weight=1.5)
 
 
 def test_accuracy_weights_and_acceptance():

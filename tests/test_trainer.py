@@ -89,6 +89,11 @@ def test_lr_schedule():
     o = OptimConfig(warmup_steps=2, schedule="cosine", min_lr_ratio=0.1)
     assert [round(lr_factor(s, 10, o), 3) for s in (0, 1, 2, 10)] == [0.5, 1.0, 1.0, 0.1]
     assert lr_factor(6, 10, OptimConfig(schedule="linear")) == pytest.approx(0.4)
+    # warmup-stable-decay: warmup 2, the peak through step 7 of 12 (half of the 10 after warmup), then linear to 0.1
+    wsd = OptimConfig(warmup_steps=2, schedule="wsd", decay_fraction=0.5, min_lr_ratio=0.1)
+    assert [round(lr_factor(s, 12, wsd), 3) for s in (0, 1, 2, 7, 8, 9, 12)] == [0.5, 1.0, 1.0, 1.0, 0.82, 0.64, 0.1]
+    with pytest.raises(ConfigError, match="train.decay_fraction must lie in"):
+        OptimConfig(schedule="wsd", decay_fraction=0.0)
 
 
 def test_recipe_options_are_checked():

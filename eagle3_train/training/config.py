@@ -11,9 +11,11 @@ from omegaconf import MISSING
 
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.core.log import LogConfig
+from eagle3_train.training.objective import Objective
 from eagle3_train.training.online import OnlineConfig
 from eagle3_train.training.tracking import TRACKERS, check_tracker
 
+SCHEDULES = ("cosine", "linear", "constant", "wsd")  # train.schedule's values
 USUAL_CHAIN = 5  # draft tokens per verify step that eagle3-eval and the engines' recipes use
 
 
@@ -28,7 +30,13 @@ class OptimConfig:
     lr: float = 1e-4  # peak learning rate (AdamW)
     min_lr_ratio: float = 0.0  # final lr as a fraction of the peak
     warmup_steps: int = 0  # linear warmup from 0
-    schedule: str = "cosine"  # decay after warmup: cosine | linear | constant
+    schedule: str = "cosine"  # decay after warmup: cosine | linear | constant | wsd (warmup-stable-decay: the peak lr until the last train.decay_fraction of the steps, then a linear decay)
+    decay_fraction: float = 0.2  # schedule=wsd: the share of the steps after warmup that decay to min_lr_ratio
+    lk_weight: float = 0.0  # w in the step loss (1 - w) * soft cross-entropy + w * -log sum_v min(p_v, q_v), the LK term that targets speculative sampling's acceptance rate (0: the plain soft cross-entropy)
+    label_smoothing: float = (
+        0.0  # e: the loss compares the draft with (1 - e) * the target distribution + e / draft vocab size
+    )
+    min_target_prob: float = 0.0  # a position enters the loss only where the target's top probability over the draft vocab reaches this (accuracy still counts every position)
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     grad_clip: float = 0.5  # max global gradient norm (0: off)
@@ -56,8 +64,11 @@ class OptimConfig:
             raise ConfigError(f"train.early_stop_patience must be >= 0, got {self.early_stop_patience}")
         if self.early_stop_patience and not self.eval_every:
             raise ConfigError("train.early_stop_patience counts evaluations: set train.eval_every too")
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise ConfigError(f"train.schedule must be cosine, linear or constant, got {self.schedule!r}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"train.decay_fraction must lie in (0, 1], got {self.decay_fraction}")
+        objective(self)  # its checks
         for name in ("epochs", "max_tokens_per_batch", "grad_accum", "keep_last", "log_every", "sequence_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
@@ -82,6 +93,11 @@ class OptimConfig:
         ):
             if not getattr(self, name) >= 0:  # 0 means off where the field says so; nan is refused
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+
+
+def objective(o: OptimConfig) -> Objective:
+    """The step loss ``train.*`` defines (:class:`eagle3_train.training.objective.Objective`)."""
+    return Objective(o.lk_weight, o.label_smoothing, o.min_target_prob)
 
 
 @dataclass
@@ -186,5 +202,7 @@ def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
     if cfg.schedule == "constant" or total <= cfg.warmup_steps:
         return 1.0
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    if cfg.schedule == "wsd":  # stable, then a linear decay over the last decay_fraction
+        progress = max(0.0, (progress - (1 - cfg.decay_fraction)) / cfg.decay_fraction)
     shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape

@@ -3,7 +3,10 @@
 The target distribution at a position is the softmax of the target's logits (its frozen lm_head
 on ``last_hidden``) restricted to the draft vocab and renormalised. A position enters the loss only
 when its token is loss-masked and the target's argmax (over the full vocab) lies in the draft vocab.
-The loss of TTT step j is the soft cross-entropy, weighted ``decay**j``.
+The loss of TTT step j is the soft cross-entropy, weighted ``decay**j``; :class:`Objective` can mix
+in the LK term ``-log sum_v min(p_v, q_v)`` (minus the log of the acceptance rate of speculative
+sampling, which the draft's distribution q earns against the target's p), smooth the target
+distribution, and leave out positions where the target itself is unsure.
 
 Accuracy counts every loss-masked position: one whose target argmax lies outside the draft vocab
 is a miss, since the draft can never propose that token (the reference EAGLE-3 divides by the loss
@@ -15,11 +18,48 @@ how well the head learns what it can express from how much the draft vocab cover
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from eagle3_train.core.errors import ConfigError
+
+ALPHA_FLOOR = 1e-6  # -log of an acceptance rate is taken at no less than this (a draft far off the target)
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What the TTT loss of one step is (``train.lk_weight``, ``train.label_smoothing``,
+    ``train.min_target_prob``); the default is the plain soft cross-entropy."""
+
+    lk_weight: float = 0.0  # w: the loss is (1 - w) * soft cross-entropy + w * -log sum_v min(p_v, q_v)
+    label_smoothing: float = 0.0  # e: the target distribution is (1 - e) p + e / V_draft
+    min_target_prob: float = (
+        0.0  # a position enters the loss only where the target's top probability (over the draft vocab) reaches this
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("lk_weight", "label_smoothing", "min_target_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"train.{name} must lie in [0, 1], got {getattr(self, name)}")
+
+    def loss_mask(self, top: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+        """The positions of ``mask`` [...] that enter the loss: without those whose top target
+        probability (``top`` [...], the max of the target distribution over the draft vocab; only
+        read when ``min_target_prob`` > 0) is below ``min_target_prob``."""
+        if self.min_target_prob == 0:
+            return mask
+        assert top is not None
+        return mask & (top >= self.min_target_prob)
+
+    def smooth(self, probs: torch.Tensor) -> torch.Tensor:
+        """The target probabilities [..., V] the loss compares the draft with."""
+        if self.label_smoothing == 0:
+            return probs
+        return probs * (1 - self.label_smoothing) + self.label_smoothing / probs.shape[-1]
 
 
 def target_distribution(
@@ -68,6 +108,39 @@ def soft_cross_entropy(
     return (per_position * mask).sum() / n.clamp(min=1)
 
 
+def lk_loss(
+    draft_logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor, count: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``sum`` over the positions of ``mask`` of ``-log sum_v min(p_v, q_v)`` (q: the draft's
+    softmax; the sum is the chance that speculative sampling accepts the draft's token), over
+    ``count`` as in :func:`soft_cross_entropy`; 0 when none counts.
+
+    Args:
+        draft_logits: [N, V_draft]; target_probs: [N, V_draft]; mask: bool [N].
+    """
+    q = torch.softmax(draft_logits.float(), dim=-1)
+    per_position = -torch.log(torch.minimum(q, target_probs).sum(-1).clamp(min=ALPHA_FLOOR))
+    n = mask.sum() if count is None else count
+    return (per_position * mask).sum() / n.clamp(min=1)
+
+
+def mixed_loss(
+    draft_logits: torch.Tensor,
+    target_probs: torch.Tensor,
+    mask: torch.Tensor,
+    count: torch.Tensor | None = None,
+    lk_weight: float = 0.0,
+) -> torch.Tensor:
+    """``(1 - lk_weight) *`` :func:`soft_cross_entropy` ``+ lk_weight *`` :func:`lk_loss` (each
+    term computed only when its weight is not 0)."""
+    loss = torch.zeros((), device=draft_logits.device)
+    if lk_weight < 1:
+        loss = loss + (1 - lk_weight) * soft_cross_entropy(draft_logits, target_probs, mask, count)
+    if lk_weight > 0:
+        loss = loss + lk_weight * lk_loss(draft_logits, target_probs, mask, count)
+    return loss
+
+
 def head_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -76,6 +149,7 @@ def head_loss(
     count: torch.Tensor | None = None,
     chunk: int = 4096,
     compiled: bool = False,
+    lk_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`soft_cross_entropy` of the logits ``hidden @ weight.T`` without keeping them: the
     draft lm_head and the loss fused, ``chunk`` positions at a time.
@@ -94,6 +168,7 @@ def head_loss(
         compiled: run each chunk's elementwise and reduction work (:func:`_chunk_terms`) through
             torch.compile. Unfused, it passes over [chunk, V] fp32 tensors about twenty times (the
             head's cost grows with the draft vocab); fused, a few times. The matmuls are the same.
+        lk_weight: the share of the LK term, as in :func:`mixed_loss` (its gradient is fused too).
 
     Returns:
         the loss (a scalar with gradient to ``hidden`` and ``weight``), and the draft's argmax [N].
@@ -102,20 +177,38 @@ def head_loss(
     scale = mask / n.clamp(min=1)  # [N] each position's weight in the loss
     need = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     terms = _compiled_chunk_terms() if compiled else _chunk_terms
-    return _HeadLoss.apply(hidden, weight, target_probs, scale, chunk, need, terms)
+    return _HeadLoss.apply(hidden, weight, target_probs, scale, chunk, need, functools.partial(terms, lk=lk_weight))
 
 
 def _chunk_terms(
-    logits: torch.Tensor, p: torch.Tensor, w: torch.Tensor, grad: bool
+    logits: torch.Tensor, p: torch.Tensor, w: torch.Tensor, grad: bool, lk: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk's loss sum, argmax [n] and, with ``grad``, d loss / d logits [n, V] (logits' dtype),
-    from the draft logits [n, V], the target probabilities [n, V] (fp32) and the weights [n].
+    from the draft logits [n, V], the target probabilities [n, V] (fp32), the weights [n] and the
+    LK share ``lk``.
 
-    d/dz of -sum_v p_v log softmax(z)_v is softmax(z) * sum_v p_v - p."""
+    With q = softmax(z): d/dz of -sum_v p_v log q_v is q * sum_v p_v - p; with m_v = [q_v < p_v],
+    alpha = sum_v min(p_v, q_v) and s = sum_v m_v q_v, d/dz of -log alpha is -(m q - q s) / alpha."""
     logq = torch.log_softmax(logits.float(), dim=-1)
-    loss = (w * -(p * logq).sum(-1)).sum()
-    g = ((logq.exp_() * p.sum(-1, keepdim=True) - p) * w[:, None]).to(logits.dtype) if grad else None
-    return loss, logits.argmax(-1), g
+    if lk == 0:  # the plain soft cross-entropy, in place: the fewest passes over [n, V]
+        loss = (w * -(p * logq).sum(-1)).sum()
+        g0 = ((logq.exp_() * p.sum(-1, keepdim=True) - p) * w[:, None]).to(logits.dtype) if grad else None
+        return loss, logits.argmax(-1), g0
+    q = logq.exp()
+    per_row = torch.zeros_like(w)
+    g = torch.zeros_like(q) if grad else None
+    if lk < 1:
+        per_row = per_row + (1 - lk) * -(p * logq).sum(-1)
+        if g is not None:
+            g = g + (1 - lk) * (q * p.sum(-1, keepdim=True) - p)
+    if lk > 0:
+        alpha = torch.minimum(q, p).sum(-1).clamp(min=ALPHA_FLOOR)
+        per_row = per_row + lk * -torch.log(alpha)
+        if g is not None:
+            mq = q * (q < p)
+            g = g - lk * (mq - q * mq.sum(-1, keepdim=True)) / alpha[:, None]
+    loss = (w * per_row).sum()
+    return loss, logits.argmax(-1), None if g is None else (g * w[:, None]).to(logits.dtype)
 
 
 @functools.cache

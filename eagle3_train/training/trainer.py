@@ -42,7 +42,7 @@ from eagle3_train.training.checkpoint import (
     run_directory,
     save_checkpoint,
 )
-from eagle3_train.training.config import USUAL_CHAIN, TrainConfig
+from eagle3_train.training.config import USUAL_CHAIN, TrainConfig, objective
 from eagle3_train.training.data import (
     Batch,
     Prefetcher,
@@ -212,6 +212,7 @@ class Trainer:
             self.sp,
             o.compile and o.head_chunk > 0,
             hits,
+            objective(o),
         )
 
     def epoch_of(self, step: int) -> tuple[int, int]:

@@ -13,9 +13,10 @@ from eagle3_train.core.errors import ConfigError
 from eagle3_train.model import Eagle3Draft
 from eagle3_train.training.data import Batch
 from eagle3_train.training.objective import (
+    Objective,
     correct_predictions,
     head_loss,
-    soft_cross_entropy,
+    mixed_loss,
     step_weights,
     target_distribution,
 )
@@ -38,6 +39,7 @@ def ttt_losses(
     sp: SequenceParallel | None = None,
     compiled_head: bool = False,
     hits: torch.Tensor | None = None,
+    objective: Objective | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted TTT loss of one micro-batch, and per-step statistics [ttt_length, 4] (hits,
     in-vocab, counted, loss; see :func:`correct_predictions`) left on the device, so the step never
@@ -59,8 +61,13 @@ def ttt_losses(
     group): the target distribution only where the shard's steps read it, each step's loss over the
     whole rows' count of loss positions, so the group's losses add up to the one-rank loss; the
     statistics are the shard's (they add up over the group as well).
+
+    ``objective`` (default: the plain soft cross-entropy) shapes each step's loss: the LK share,
+    the target's smoothing, and the positions it leaves out where the target is unsure (those
+    still count in the statistics, which always measure the draft against the target's argmax).
     """
     sp = sp or SequenceParallel(None, 0, 1)
+    objective = objective or Objective()
     batch, padded = _pad_positions(batch, target, sp.size)
     b, t = batch.input_ids.shape
     h = batch.last_hidden.shape[-1]
@@ -72,6 +79,7 @@ def ttt_losses(
         probs, argmax, in_draft = probs.view(b, hi - lo, -1), argmax.view(b, hi - lo), in_draft.view(b, hi - lo)
     else:
         probs, argmax, in_draft = (x[:, lo:hi] for x in padded)
+    top = probs.max(-1).values if objective.min_target_prob > 0 else None  # [B, hi - lo]
     positions = torch.arange(t, device=dev)
     # step j: the shard's first n positions (start..start+n-1) have a token 2+j further on
     steps = []
@@ -79,7 +87,8 @@ def ttt_losses(
         n = max(0, min(stop, t - 2 - j) - start)
         q, p = slice(start + 1 + j - lo, start + 1 + j - lo + n), slice(start + 2 + j, start + 2 + j + n)
         counted = ((positions[None, p] < batch.lengths[:, None]) & batch.loss_mask[:, p]).reshape(-1)
-        steps.append((n, q, counted, counted & in_draft[:, q].reshape(-1)))
+        mask = objective.loss_mask(None if top is None else top[:, q], counted.view(b, n) & in_draft[:, q]).reshape(-1)
+        steps.append((n, q, counted, mask))
     counts = sp.all_reduce(torch.stack([mask.sum() for *_, mask in steps]))  # loss positions of step j, whole rows
     total = torch.zeros((), device=dev)
     stats = torch.zeros(ttt_length, 4, device=dev)
@@ -88,7 +97,7 @@ def ttt_losses(
     # backward runs the same collectives on every rank
     for j, out in enumerate(model.unroll(batch.aux_hidden[:, start:stop], batch.input_ids, ttt_length, start)):
         n, q, counted, mask = steps[j]
-        target_probs = probs[:, q].reshape(b * n, probs.shape[-1])  # [B*n, V_draft]
+        target_probs = objective.smooth(probs[:, q].reshape(b * n, probs.shape[-1]))  # [B*n, V_draft]
         if head_chunk:
             loss, pred = head_loss(
                 model.norm(out[:, :n]).reshape(b * n, h),
@@ -98,10 +107,12 @@ def ttt_losses(
                 counts[j],
                 head_chunk,
                 compiled_head,
+                objective.lk_weight,
             )
         else:
             logits = model.logits(out[:, :n]).reshape(b * n, probs.shape[-1])  # [B*n, V_draft]
-            loss, pred = soft_cross_entropy(logits, target_probs, mask, counts[j]), logits.argmax(-1)
+            loss = mixed_loss(logits, target_probs, mask, counts[j], objective.lk_weight)
+            pred = logits.argmax(-1)
         total = total + weights[j] * loss
         stats[j, :3] = correct_predictions(pred, argmax[:, q].reshape(-1), counted)
         if hits is not None:
