@@ -64,16 +64,18 @@ def one_thread():
 
 def _child(spec: str, work: Callable[[], Any]) -> None:
     # no torch.set_num_threads here: the child inherits the one thread the module fixture set, and
-    # touching OpenMP's settings in a forked child can crash it (a segfault seen on CI)
+    # touching OpenMP's settings in a forked child can crash it
     os.environ[FAULT_ENV] = spec
-    _own_process_group()
+    _new_port()  # not the parent's: it may train while this child holds its group's port
     work()
 
 
-def _own_process_group() -> None:
-    """Drop the test process's group of one (if a test trained in process): its gloo threads are
-    not copied by the fork, so the child's collectives would wait forever. DeepSpeed's groups cut
-    from it go too; training in the child forms its own group on a free port."""
+def _drop_process_group() -> None:
+    """Before a fork, drop the test process's group of one (if a test trained in process): its
+    gloo threads would not be copied by the fork, so a child's collectives would wait forever, and
+    destroying the group in the child crashes it (segfaults in the full suite on CI). DeepSpeed's
+    groups cut from it go too; training in the child, or here later, forms a new group on a free
+    port."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -86,12 +88,18 @@ def _own_process_group() -> None:
             setattr(groups, name, None)
         elif name.isupper() and isinstance(value, dict):  # e.g. _EXPERT_PARALLEL_GROUP: name -> group
             value.clear()
+    _new_port()
+
+
+def _new_port() -> None:
+    """A free port for the next process group this process forms."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
 
 
 def _fork(spec: str, work: Callable[[], Any]) -> multiprocessing.Process:
+    _drop_process_group()
     child = multiprocessing.get_context("fork").Process(target=_child, args=(spec, work), daemon=True)
     child.start()
     return child
