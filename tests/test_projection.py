@@ -47,8 +47,8 @@ def test_project_rows_per_batch():
 @pytest.mark.parametrize(
     "args, message",
     [
-        ((0.5, 5, 0.01, 0.01, 0.001), r"tau \(tokens per cycle\) must lie in \[1, k \+ 1\] = \[1, 6\], got 0.5"),
-        ((7.0, 5, 0.01, 0.01, 0.001), r"must lie in \[1, k \+ 1\] = \[1, 6\], got 7.0"),
+        ((0.5, 5, 0.01, 0.01, 0.001), r"tau \(tokens per cycle\) must be in \[1, k \+ 1\] = \[1, 6\], got 0.5"),
+        ((7.0, 5, 0.01, 0.01, 0.001), r"must be in \[1, k \+ 1\] = \[1, 6\], got 7.0"),
         ((2.0, 0, 0.01, 0.01, 0.001), r"k \(draft tokens per cycle\) must be >= 1, got 0"),
         ((2.0, 5, 0.0, 0.01, 0.001), r"step times must be positive .*'target_step_s': 0.0"),
         ((2.0, 5, 0.01, float("nan"), 0.001), r"step times must be positive .*'verify_s': nan"),

@@ -23,6 +23,7 @@ from eagle3_train.training.config import (
     TrainConfig,
     lr_factor,
 )
+from eagle3_train.training.ema import WeightAverage
 from eagle3_train.training.tracking import TRACKER_FILE
 from eagle3_train.training.trainer import Trainer
 from test_standardize import make_dump
@@ -92,7 +93,7 @@ def test_lr_schedule():
     # warmup-stable-decay: warmup 2, the peak through step 7 of 12 (half of the 10 after warmup), then linear to 0.1
     wsd = OptimConfig(warmup_steps=2, schedule="wsd", decay_fraction=0.5, min_lr_ratio=0.1)
     assert [round(lr_factor(s, 12, wsd), 3) for s in (0, 1, 2, 7, 8, 9, 12)] == [0.5, 1.0, 1.0, 1.0, 0.82, 0.64, 0.1]
-    with pytest.raises(ConfigError, match="train.decay_fraction must lie in"):
+    with pytest.raises(ConfigError, match="train.decay_fraction must be in"):
         OptimConfig(schedule="wsd", decay_fraction=0.0)
 
 
@@ -103,6 +104,10 @@ def test_recipe_options_are_checked():
         ModelOptions(lm_head_init="tied")
     with pytest.raises(ConfigError, match="early_stop_patience counts evaluations: set train.eval_every"):
         OptimConfig(early_stop_patience=2)
+    with pytest.raises(ConfigError, match="train.ema_decay averages whole weights, which ZeRO-3 partitions"):
+        TrainConfig(
+            data="d", out="o", train=OptimConfig(ema_decay=0.99, head_chunk=0), deepspeed=DeepSpeedConfig(zero_stage=3)
+        )
 
 
 @pytest.mark.parametrize(
@@ -132,6 +137,11 @@ def test_recipe_options_are_checked():
         ("log_every", 0),
         ("cache_target_gb", -1.0),
         ("early_stop_patience", -1),
+        ("lk_weight", 1.5),
+        ("label_smoothing", -0.1),
+        ("min_target_prob", 2.0),
+        ("ema_decay", 1.0),
+        ("decay_fraction", 0.0),
     ],
 )
 def test_numeric_recipe_options_are_range_checked(field, value):
@@ -151,6 +161,11 @@ def test_numeric_recipe_options_accept_their_bounds():
         min_lr_ratio=1.0,
         loss_decay=1.0,
         cache_target_gb=0.0,
+        lk_weight=1.0,
+        label_smoothing=1.0,
+        min_target_prob=1.0,
+        ema_decay=0.0,
+        decay_fraction=1.0,
     )
     assert o.grad_clip == 0.0 and o.min_lr_ratio == 1.0
     with pytest.raises(ConfigError, match=r"^deepspeed\.zero_stage must be 0, 1, 2 or 3, got 4$"):
@@ -280,6 +295,57 @@ def test_kill_and_resume_gives_the_same_weights(std, tmp_path):
     )
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=1e-6)
+
+
+def test_weight_average_is_what_is_evaluated_exported_and_resumed(std, tmp_path, monkeypatch):
+    """train.ema_decay: training itself is untouched (the same losses as without it); the
+    checkpoints hold the average as draft.safetensors, with the average and its update count beside
+    them; a run stopped after step 5 resumes from step 4 to the same average as the whole run."""
+    last = lambda d: sorted((d / "checkpoints").glob("step*"), key=lambda p: int(p.name[4:]))[-1]  # noqa: E731
+    plain = train(std, tmp_path / "plain", save_every=2)
+    whole = train(std, tmp_path / "whole", save_every=2, ema_decay=0.9)
+    train_lines = lambda d: [r for r in metrics(d) if "loss" in r and "eval_acc" not in r]  # noqa: E731
+    assert [r["loss"] for r in train_lines(tmp_path / "whole")] == [r["loss"] for r in train_lines(tmp_path / "plain")]
+    assert whole["eval_tau"] != plain["eval_tau"]
+    ema = load_file(str(last(tmp_path / "whole") / "ema.safetensors"))
+    assert int(ema.pop("__updates__")) == whole["step"]
+    draft = load_file(str(last(tmp_path / "whole") / "draft.safetensors"))
+    raw = load_file(str(last(tmp_path / "plain") / "draft.safetensors"))
+    assert set(ema) <= set(draft) and "fc.weight" in ema
+    for k in ema:
+        assert torch.equal(draft[k], ema[k].to(draft[k].dtype))
+    assert not torch.equal(draft["fc.weight"], raw["fc.weight"])
+    assert torch.equal(draft["d2t"], raw["d2t"])  # what is not trained is not averaged
+
+    steps = iter(range(1, 100))
+
+    def killed_after_step_5(point):
+        if point == "train.step" and next(steps) == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("eagle3_train.training.trainer.fault_point", killed_after_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(std, tmp_path / "cut", save_every=2, ema_decay=0.9)
+    monkeypatch.undo()
+    assert last(tmp_path / "cut").name == "step4"
+    train(std, tmp_path / "cut", save_every=2, ema_decay=0.9)
+    again = load_file(str(last(tmp_path / "cut") / "draft.safetensors"))
+    for k in draft:
+        torch.testing.assert_close(again[k], draft[k], atol=1e-6, rtol=1e-6)
+
+
+def test_weight_average_update_by_hand():
+    layer = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    avg = WeightAverage(layer, decay=0.5)
+    with torch.no_grad():
+        layer.weight.fill_(3.0)
+    avg.update()  # d_1 = min(0.5, 2/11) = 2/11: 1 + (1 - 2/11) * (3 - 1)
+    assert avg.average["weight"].item() == pytest.approx(1 + 18 / 11)
+    with avg.applied():
+        assert layer.weight.item() == pytest.approx(1 + 18 / 11)
+    assert layer.weight.item() == 3.0
 
 
 def test_resume_refuses_another_vocab_map(std, tmp_path):

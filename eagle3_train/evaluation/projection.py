@@ -62,7 +62,7 @@ def speedup(
     if k < 1:
         raise ConfigError(f"k (draft tokens per cycle) must be >= 1, got {k}")
     if not 1.0 <= tau <= k + 1:
-        raise ConfigError(f"tau (tokens per cycle) must lie in [1, k + 1] = [1, {k + 1}], got {tau}")
+        raise ConfigError(f"tau (tokens per cycle) must be in [1, k + 1] = [1, {k + 1}], got {tau}")
     times = {"target_step_s": target_step_s, "verify_s": verify_s, "draft_step_s": draft_step_s}
     bad = {name: t for name, t in times.items() if not t > 0} | (
         {"cycle_overhead_s": cycle_overhead_s} if not cycle_overhead_s >= 0 else {}

@@ -53,9 +53,11 @@ def save_checkpoint(
     is_main: bool,
     keep_last: int,
     best: dict[str, Any] | None,
+    extra: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write checkpoint ``tag`` (collective: every rank calls it); ``best`` (step and eval_tau, or
-    None) is the checkpoint keep_last never deletes, recorded in ``best.json`` when it is this one."""
+    None) is the checkpoint keep_last never deletes, recorded in ``best.json`` when it is this one;
+    ``extra``: more safetensors files of the checkpoint, by name (the weight average's)."""
     root = out / "checkpoints"
     try:
         engine.save_checkpoint(str(root), tag=tag, client_state={"eagle3": state})
@@ -63,6 +65,8 @@ def save_checkpoint(
             from safetensors.torch import save_file
 
             save_file(weights, str(root / tag / "draft.safetensors"), metadata={"format": "pt"})
+            for name, tensors in (extra or {}).items():
+                save_file(tensors, str(root / tag / name), metadata={"format": "pt"})
             atomic_write_json(root / tag / "state.json", state)  # last: marks the checkpoint complete
     except Exception as e:  # a full disk reaches us as OSError, torch.save's RuntimeError or a SafetensorError
         raise failed_save(out, tag, e) from e

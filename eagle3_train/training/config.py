@@ -36,6 +36,7 @@ class OptimConfig:
     label_smoothing: float = (
         0.0  # e: the loss compares the draft with (1 - e) * the target distribution + e / draft vocab size
     )
+    ema_decay: float = 0.0  # evaluate and export an exponential moving average of the weights with this decay per optimizer step (0: off; e.g. 0.999; ZeRO 0-2)
     min_target_prob: float = 0.0  # a position enters the loss only where the target's top probability over the draft vocab reaches this (accuracy still counts every position)
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
@@ -67,8 +68,10 @@ class OptimConfig:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if not 0 < self.decay_fraction <= 1:
-            raise ConfigError(f"train.decay_fraction must lie in (0, 1], got {self.decay_fraction}")
+            raise ConfigError(f"train.decay_fraction must be in (0, 1], got {self.decay_fraction}")
         objective(self)  # its checks
+        if not 0 <= self.ema_decay < 1:
+            raise ConfigError(f"train.ema_decay must be in [0, 1), got {self.ema_decay}")
         for name in ("epochs", "max_tokens_per_batch", "grad_accum", "keep_last", "log_every", "sequence_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
@@ -190,6 +193,8 @@ class TrainConfig:
                 "train.head_chunk reads lm_head's weight outside its module, which ZeRO-3 does not gather: "
                 "set train.head_chunk=0 with deepspeed=zero3"
             )
+        if self.deepspeed.zero_stage == 3 and self.train.ema_decay:
+            raise ConfigError("train.ema_decay averages whole weights, which ZeRO-3 partitions: use ZeRO 0-2")
 
 
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)

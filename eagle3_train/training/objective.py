@@ -44,7 +44,7 @@ class Objective:
     def __post_init__(self) -> None:
         for name in ("lk_weight", "label_smoothing", "min_target_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"train.{name} must lie in [0, 1], got {getattr(self, name)}")
+                raise ConfigError(f"train.{name} must be in [0, 1], got {getattr(self, name)}")
 
     def loss_mask(self, top: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
         """The positions of ``mask`` [...] that enter the loss: without those whose top target

@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from eagle3_train.training.data import (
     plan_epoch,
 )
 from eagle3_train.training.draft_init import build_draft
+from eagle3_train.training.ema import EMA_FILE, WeightAverage
 from eagle3_train.training.evaluate import evaluate_split
 from eagle3_train.training.metrics import (
     MetricsLog,
@@ -114,6 +116,7 @@ class Trainer:
             self.model, cfg.train, cfg.deepspeed, self.dtype, self.dist.device, self.total_steps, self.sp
         )
         self.step = 0
+        self.ema = WeightAverage(self.model, o.ema_decay) if o.ema_decay else None
         # each micro-batch's loss finiteness, still on the device: (0-based step, flag, sample ids)
         self._unchecked: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self.best = BestTracker(o.keep_best, o.early_stop_patience)
@@ -165,6 +168,8 @@ class Trainer:
         with torch.no_grad():  # frozen weights are not in every ZeRO checkpoint: always the target's
             self.model.d2t.copy_(self.vocab.d2t)
             self.model.t2d.copy_(self.vocab.t2d)
+        if self.ema:
+            self.ema.load(last)
         self.step = state["step"]
         if self.dist.is_main:  # what a killed run logged after this checkpoint is logged again
             truncate_metrics(self.metrics_path, self.step)
@@ -191,10 +196,15 @@ class Trainer:
             "continued": continued_options("train", config_dict(self.cfg)),
         }
         state |= self.best.state()
-        weights = consolidated_state_dict(self.model, self.cfg.deepspeed.zero_stage)
-        return save_checkpoint(
-            self.engine, self.out, f"step{self.step}", state, weights, self.dist.is_main, o.keep_last, self.best.kept()
-        )
+        with self.averaged():  # the weights evaluation measured are the ones exported
+            weights = consolidated_state_dict(self.model, self.cfg.deepspeed.zero_stage)
+        extra = {EMA_FILE: self.ema.state()} if self.ema else None
+        tag, kept = f"step{self.step}", self.best.kept()
+        return save_checkpoint(self.engine, self.out, tag, state, weights, self.dist.is_main, o.keep_last, kept, extra)
+
+    def averaged(self) -> AbstractContextManager[None]:
+        """The model holds the weight average (``train.ema_decay``) inside the block, if there is one."""
+        return self.ema.applied() if self.ema else nullcontext()
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -256,6 +266,8 @@ class Trainer:
             self.engine.backward(loss * self.sp.size)
             self.engine.step()
             parts.append((stats[:, :3].to(torch.int64), loss.detach().float(), batch.lengths.sum()))
+        if self.ema:
+            self.ema.update()
         self.step += 1
         counts, loss_sum, tokens = parts[0]
         for c, ls, n in parts[1:]:
@@ -281,17 +293,10 @@ class Trainer:
         """The eval split's figures (:func:`eagle3_train.training.evaluate.evaluate_split`; all ranks)."""
         self.engine.eval()
         o = self.cfg.train
-        return evaluate_split(
-            self.eval_split,
-            self.source,
-            self.losses,
-            self.step,
-            o.ttt_length,
-            o.max_tokens_per_batch,
-            self.data_rank,
-            self.world,
-            self.sp,
-        )
+        with self.averaged():
+            return evaluate_split(
+                self.eval_split, self.source, self.losses, self.step, o, self.data_rank, self.world, self.sp
+            )
 
     def after_eval(self, result: dict[str, Any]) -> bool:
         """Log an evaluation and track the best eval simulated tau; True when early stopping is due
