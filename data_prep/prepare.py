@@ -69,9 +69,8 @@ class PrepareConfig:
     out: str = MISSING  # output directory (dataset/ + manifest.json)
     synthesize: int | None = None  # instead of input: N conversations written by the target itself (see synth.*)
     synth: SynthConfig = field(default_factory=SynthConfig)
-    save_conversations: str | None = (
-        None  # also write the final conversations (after regeneration) as .jsonl or .jsonl.gz
-    )
+    save_conversations: str | None = None
+    """also write the final conversations (after regeneration) as .jsonl or .jsonl.gz"""
     split: str = "train"  # split to read when input is a hub dataset id
     cache_dir: str | None = None  # where GGUF targets are converted once (never the working dir)
     chat_template: str | None = None  # replaces the tokenizer's template: a .jinja file or the text
@@ -88,12 +87,10 @@ class PrepareConfig:
     seed: int = 0  # sampling seed (regen.do_sample=true)
     overwrite: bool = False  # replace an existing output made with other options
     trust_remote_code: bool = False  # let transformers run the target repository's own code
-    progress: bool | None = (
-        None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
-    )
-    logging: LogConfig = field(
-        default_factory=LogConfig
-    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    progress: bool | None = None
+    """null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither"""
+    logging: LogConfig = field(default_factory=LogConfig)
+    """the console (logging.level, logging.all_ranks, logging.progress_every_s)"""
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, auto=True)

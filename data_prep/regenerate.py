@@ -36,9 +36,8 @@ class RegenConfig:
     top_p: float = 0.95  # nucleus sampling mass (do_sample=true only)
     batch_size: int = 32  # prompts generated together
     chunk_size: int = 1024  # conversations per resumable chunk written under <out>/regen/
-    backend: str = (
-        "hf"  # hf: transformers in this process; an engine (vllm | sglang): the engine serving the target at server.url
-    )
+    backend: str = "hf"
+    """hf: transformers in this process; an engine (vllm | sglang): the engine serving the target at server.url"""
     batching: str = "padded"  # hf only. padded: model.generate on left-padded, length-sorted batches of batch_size; static: the same with a static KV cache (generate compiles it on GPUs); continuous: transformers' continuous batching (model.generate_batch: paged cache, finished replies make room for new ones); graph: our own decode loop on a static cache, one CUDA graph per batch (dense llama/mistral/qwen2/qwen3; data_prep.graph_decode)
     server: ServedRegenConfig = field(default_factory=ServedRegenConfig)  # backend=vllm|sglang only
 

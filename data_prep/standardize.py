@@ -74,28 +74,23 @@ class StandardizeConfig:
     aux_indices: list[int] | None = None  # HF indices to concatenate (null: the dumps' aux indices)
     draft_vocab_size: int = DRAFT_VOCAB_SIZE  # size of the draft lm_head's vocab (capped at the target's)
     eval_fraction: float = EVAL_FRACTION  # share of samples held out for evaluation
-    max_samples: int | None = (
-        None  # only the samples with the N lowest ids (a data-scaling point from one dump); null: all
-    )
+    max_samples: int | None = None
+    """only the samples with the N lowest ids (a data-scaling point from one dump); null: all"""
     seed: int = SPLIT_SEED  # decides which samples are held out
     vocab_map: str | None = None  # reuse this vocab_map.safetensors instead of counting a new one
-    storage: str | None = (
-        None  # how the shards store the states: null: as the dumps do; dtype: fp8 dumps read back in their dtype; fp8: quantize (README: Compact storage)
-    )
+    storage: str | None = None
+    """how the shards store the states: null: as the dumps do; dtype: fp8 dumps read back in their dtype; fp8: quantize (README: Compact storage)"""
     only_vocab: bool = False  # rebuild only the vocab map of the standardized directory `out` (or, with data=, write one for online training)
-    data: str | None = (
-        None  # with only_vocab=true: a prepared directory whose training split's loss-masked tokens are counted into out/vocab_map.safetensors (the map a dump of it would get; for eagle3-train source=online)
-    )
+    data: str | None = None
+    """with only_vocab=true: a prepared directory whose training split's loss-masked tokens are counted into out/vocab_map.safetensors (the map a dump of it would get; for eagle3-train source=online)"""
     target: str | None = None  # with data=: the target the map is for (null: the one the data was prepared with)
     cache_dir: str | None = None  # where GGUF targets are converted once (target=embedded)
     workers: int = 0  # threads processing shards in parallel (0: one per core)
     verify_inputs: bool = True  # check each dump shard's sha256 against its record before use
-    progress: bool | None = (
-        None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
-    )
-    logging: LogConfig = field(
-        default_factory=LogConfig
-    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    progress: bool | None = None
+    """null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither"""
+    logging: LogConfig = field(default_factory=LogConfig)
+    """the console (logging.level, logging.all_ranks, logging.progress_every_s)"""
 
     def __post_init__(self) -> None:
         check_numbers(self, positive=("draft_vocab_size", "max_samples"), non_negative=("workers",))

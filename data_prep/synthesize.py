@@ -70,12 +70,10 @@ class SynthConfig:
     turns: int = 1  # user turns per conversation (each answered by the target)
     system_prompts: list[str] | None = None  # steer topics: conversation g uses prompt g % len; null: none
     system_prompts_file: str | None = None  # the same, one prompt per line of a text file
-    keep_system_prompt: bool = (
-        True  # false: the system prompt steers the question only; the reply and the stored conversation go without it
-    )
-    example_prompts_file: str | None = (
-        None  # a prompt file (eagle3-eval's formats: your own users' prompts); each steering system prompt then lists examples_per_prompt of their first user turns (use with keep_system_prompt=false)
-    )
+    keep_system_prompt: bool = True
+    """false: the system prompt steers the question only; the reply and the stored conversation go without it"""
+    example_prompts_file: str | None = None
+    """a prompt file (eagle3-eval's formats: your own users' prompts); each steering system prompt then lists examples_per_prompt of their first user turns (use with keep_system_prompt=false)"""
     examples_per_prompt: int = 3  # examples shown per conversation, drawn by (seed, conversation)
     starter_words: int = 0  # >0: the first user turn begins with the first this many words of the first example its system prompt lists, which the target continues ("Write", "What", "Explain" ...: the openings of your users' requests rather than the target's own); needs example_prompts_file
     temperature: float = 1.0  # sampling temperature of user turns
@@ -84,12 +82,10 @@ class SynthConfig:
     min_tokens: int = 3  # shorter user turns are dropped (too_short)
     max_tokens: int = 100  # longer user turns are dropped (too_long)
     max_repeated_ngrams: float = 0.5  # drop a turn whose share of repeated word 4-grams exceeds this (repetition)
-    near_duplicate_threshold: float = (
-        0.8  # estimated Jaccard of word 3-grams at which a first user turn is a near duplicate
-    )
-    chunk_size: int = (
-        512  # conversations per resumable chunk under <out>/synth/ (fewer for a small synthesize=N: see chunk_size_for)
-    )
+    near_duplicate_threshold: float = 0.8
+    """estimated Jaccard of word 3-grams at which a first user turn is a near duplicate"""
+    chunk_size: int = 512
+    """conversations per resumable chunk under <out>/synth/ (fewer for a small synthesize=N: see chunk_size_for)"""
 
     def __post_init__(self) -> None:
         check_numbers(self, "synth.", positive=("turns", "max_new_tokens", "chunk_size", "examples_per_prompt"))

@@ -48,12 +48,10 @@ class DumpConfig:
     cache_dir: str | None = None  # where GGUF targets are converted once
     trust_remote_code: bool = False  # let transformers run the target repository's own code
     dist_timeout_minutes: float = 120.0  # how long ranks wait for each other at the final barrier
-    progress: bool | None = (
-        None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
-    )
-    logging: LogConfig = field(
-        default_factory=LogConfig
-    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    progress: bool | None = None
+    """null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither"""
+    logging: LogConfig = field(default_factory=LogConfig)
+    """the console (logging.level, logging.all_ranks, logging.progress_every_s)"""
 
     def __post_init__(self) -> None:
         engine = registry.engine(self.backend, "dump", "backend")

@@ -29,9 +29,8 @@ class ServerConfig:
     url: str = "http://127.0.0.1:8000"  # the vLLM server, or SGLang's aux-state server
     final_url: str = "http://127.0.0.1:30001"  # SGLang only: the server that returns the post-norm final state
     model: str | None = None  # vLLM's served model name; null: the first one /v1/models lists
-    files_dir: str | None = (
-        None  # vLLM: the shared directory the engine writes states to, as this client sees it (null: <out>/engine_files)
-    )
+    files_dir: str | None = None
+    """vLLM: the shared directory the engine writes states to, as this client sees it (null: <out>/engine_files)"""
     server_files_dir: str | None = None  # vLLM: the same directory as the engine sees it (null: files_dir)
     engine_args: str = ""  # extra engine flags (parallelism: --tp-size 4) for the printed launch commands; checked against what the dump needs
 

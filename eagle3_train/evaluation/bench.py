@@ -91,15 +91,13 @@ class BenchConfig:
     engine_args: str = ""  # more flags for the started engines, as shell words ("--enforce-eager --max-model-len 4096")
     startup_timeout_s: float = 1800.0  # how long an engine started here may take to answer /health
     wait_for_server_s: float = 0.0  # how long to wait for a given server's /health (0: it must answer now)
-    prompts: str | None = (
-        None  # JSONL (messages / MT-bench turns / HumanEval prompt / ...) or a saved dataset (null: the shipped held-out prompts)
-    )
+    prompts: str | None = None
+    """JSONL (messages / MT-bench turns / HumanEval prompt / ...) or a saved dataset (null: the shipped held-out prompts)"""
     column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
     max_turns: int = 1  # user turns sent per conversation (a later turn follows the engine's own reply)
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64])  # requests in flight, one level each
-    temperatures: list[float] = field(
-        default_factory=lambda: [0.0]
-    )  # sampling temperatures, each at every concurrency (0: greedy)
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    """sampling temperatures, each at every concurrency (0: greedy)"""
     requests_per_slot: int = 4  # a level sends max(min_requests, requests_per_slot x concurrency) conversations
     min_requests: int = 16  # the fewest conversations a level sends
     max_new_tokens: int = 256  # generated tokens per request at most (max_tokens)
@@ -108,13 +106,11 @@ class BenchConfig:
     request_timeout_s: float = 600.0  # one request's time limit
     retries: int = 0  # further attempts after a transient failure (a retried request counts in the level's time)
     backoff_s: float = 1.0  # the first retry's delay, doubled on every further one
-    settle_s: float = (
-        0.5  # /metrics is read again every settle_s until two reads agree (the engine counts just after answering)
-    )
+    settle_s: float = 0.5
+    """/metrics is read again every settle_s until two reads agree (the engine counts just after answering)"""
     plot: bool = True  # draw speedup.png (needs the plots extra, matplotlib)
-    logging: LogConfig = field(
-        default_factory=LogConfig
-    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    logging: LogConfig = field(default_factory=LogConfig)
+    """the console (logging.level, logging.all_ranks, logging.progress_every_s)"""
 
     def __post_init__(self) -> None:
         registry.engine(self.engine, "bench", "engine")

@@ -66,22 +66,18 @@ class EvalConfig:
 
     draft: str = MISSING  # an exported draft directory (config.json + model.safetensors)
     target: str = "embedded"  # the target (any form load_target takes)
-    engine: str = (
-        "sglang"  # whose rule turns the config's ids into captured layers: an engine export writes for (sglang | vllm)
-    )
+    engine: str = "sglang"
+    """whose rule turns the config's ids into captured layers: an engine export writes for (sglang | vllm)"""
     prompts: str = MISSING  # JSONL (messages / MT-bench turns / HumanEval prompt / GSM8K question) or a saved dataset
     column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
-    out: str | None = (
-        None  # where report.json, outputs.jsonl and acceptance.png go (null: <draft>-eval-<engine> beside the draft, never inside the directory an engine loads; eagle3-export puts its tau on the model card)
-    )
+    out: str | None = None
+    """where report.json, outputs.jsonl and acceptance.png go (null: <draft>-eval-<engine> beside the draft, never inside the directory an engine loads; eagle3-export puts its tau on the model card)"""
     k: int = 5  # draft tokens per verify step (chain); a tree's depth unless num_steps says otherwise
     topk: int = 1  # tree drafts: children expanded per frontier node and the frontier's width, SGLang's --speculative-eagle-topk (1: the chain of k)
-    num_steps: int | None = (
-        None  # draft steps per verify step = the tree's depth, SGLang's --speculative-num-steps (null: k)
-    )
-    num_draft_tokens: int | None = (
-        None  # tree nodes verified per step, the last accepted token included, SGLang's --speculative-num-draft-tokens (null: num_steps+1, the chain; required with topk>1)
-    )
+    num_steps: int | None = None
+    """draft steps per verify step = the tree's depth, SGLang's --speculative-num-steps (null: k)"""
+    num_draft_tokens: int | None = None
+    """tree nodes verified per step, the last accepted token included, SGLang's --speculative-num-draft-tokens (null: num_steps+1, the chain; required with topk>1)"""
     position_bucket: int = 128  # tau by position in the reply: the first bucket's width in tokens; later buckets double (0-128, 128-256, 256-512, ...)
     max_new_tokens: int = 128  # generated tokens per turn
     batch_size: int = 32  # prompts decoded together (1: one at a time)
@@ -92,13 +88,11 @@ class EvalConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     cache_dir: str | None = None  # where GGUF targets are converted once
     chat_template: str | None = None  # replaces the tokenizer's template (as in prepare)
-    progress: bool | None = (
-        None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
-    )
+    progress: bool | None = None
+    """null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither"""
     plot: bool = True  # draw acceptance.png (needs the plots extra, matplotlib)
-    logging: LogConfig = field(
-        default_factory=LogConfig
-    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    logging: LogConfig = field(default_factory=LogConfig)
+    """the console (logging.level, logging.all_ranks, logging.progress_every_s)"""
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, auto=True)

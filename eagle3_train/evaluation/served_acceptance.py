@@ -90,13 +90,11 @@ class ServedAcceptanceConfig:
     server: str = MISSING  # the engine's base URL (http://host:port), serving the target with a draft
     prompts: str = MISSING  # JSONL (messages / MT-bench turns / HumanEval prompt / GSM8K question) or a saved dataset
     out: str = MISSING  # where report.json and outputs.jsonl go
-    engine: str = (
-        "vllm"  # whose figures are read: an engine whose metric names were read from its source (vllm | sglang)
-    )
+    engine: str = "vllm"
+    """whose figures are read: an engine whose metric names were read from its source (vllm | sglang)"""
     template: str = "server"  # server: the engine applies its chat template to the messages; client: `tokenizer` renders them here and token ids are sent (the prompts eagle3-eval decodes, token for token)
-    tokenizer: str | None = (
-        None  # with template=client: the target's directory (or hub id) whose chat template renders the prompts
-    )
+    tokenizer: str | None = None
+    """with template=client: the target's directory (or hub id) whose chat template renders the prompts"""
     cache_dir: str | None = None  # with template=client and a GGUF tokenizer: where it is converted once
     model: str | None = None  # the served model name to ask for (null: the first one /v1/models lists)
     column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
@@ -105,17 +103,14 @@ class ServedAcceptanceConfig:
     limit: int | None = None  # only the first N conversations
     concurrency: int = 8  # requests in flight (the engine batches them)
     request_timeout_s: float = 600.0  # one request's time limit
-    retries: int = (
-        0  # further attempts after a transient failure (a retried request the engine had served counts twice)
-    )
+    retries: int = 0
+    """further attempts after a transient failure (a retried request the engine had served counts twice)"""
     backoff_s: float = 1.0  # the first retry's delay, doubled on every further one
     wait_for_server_s: float = 0.0  # how long to wait for the server's /health at start (0: it must answer now)
-    settle_s: float = (
-        0.5  # /metrics is read again every settle_s until two reads agree (the engine counts just after answering)
-    )
-    logging: LogConfig = field(
-        default_factory=LogConfig
-    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    settle_s: float = 0.5
+    """/metrics is read again every settle_s until two reads agree (the engine counts just after answering)"""
+    logging: LogConfig = field(default_factory=LogConfig)
+    """the console (logging.level, logging.all_ranks, logging.progress_every_s)"""
 
     def __post_init__(self) -> None:
         registry.engine(self.engine, "acceptance", "engine")

@@ -42,13 +42,11 @@ class CheckConfig:
     draft: str = MISSING  # an EAGLE-3 draft directory (config.json + *.safetensors)
     target: str = MISSING  # the target: a config.json, an HF directory, a hub id, embedded or tiny
     trained: list[int] | None = None  # HF indices the draft was trained on (null: its eagle3_train block)
-    engines: list[str] = field(
-        default_factory=lambda: registry.names("export")
-    )  # engines to check (any with layer-id rules: sglang, vllm, trtllm)
+    engines: list[str] = field(default_factory=lambda: registry.names("export"))
+    """engines to check (any with layer-id rules: sglang, vllm, trtllm)"""
     cache_dir: str | None = None  # where GGUF targets are converted once
-    logging: LogConfig = field(
-        default_factory=LogConfig
-    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    logging: LogConfig = field(default_factory=LogConfig)
+    """the console (logging.level, logging.all_ranks, logging.progress_every_s)"""
 
     def __post_init__(self) -> None:
         known = registry.names("rules")

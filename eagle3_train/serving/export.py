@@ -64,15 +64,12 @@ logger = logging.getLogger(__name__)
 class CardConfig:
     """What the model card (``README.md``) says where the checkpoint cannot know it."""
 
-    base_model: str | None = (
-        None  # the target's hub id, for base_model and the serve commands (null: the target as training named it, a local directory by its name)
-    )
-    repo_id: str | None = (
-        None  # the hub id the draft will be published as, for the serve commands (null: the export directory's name)
-    )
-    license: str = (
-        "other"  # the card's license field (a draft trained on a model's outputs normally follows that model's license)
-    )
+    base_model: str | None = None
+    """the target's hub id, for base_model and the serve commands (null: the target as training named it, a local directory by its name)"""
+    repo_id: str | None = None
+    """the hub id the draft will be published as, for the serve commands (null: the export directory's name)"""
+    license: str = "other"
+    """the card's license field (a draft trained on a model's outputs normally follows that model's license)"""
 
 
 @dataclass
@@ -81,15 +78,13 @@ class ExportConfig:
 
     run: str = MISSING  # a training run directory (its best checkpoint under train.keep_best, else its last) or one checkpoint directory
     out: str = MISSING  # the serving directory to write
-    engines: list[str] = field(
-        default_factory=lambda: registry.names("export")
-    )  # engines the config must serve (those that read config.json: sglang, vllm)
+    engines: list[str] = field(default_factory=lambda: registry.names("export"))
+    """engines the config must serve (those that read config.json: sglang, vllm)"""
     dtype: str = "bfloat16"  # dtype of the exported weights
     overwrite: bool = False  # replace an out= that holds an export of another run (or anything that is not an export)
     card: CardConfig = field(default_factory=CardConfig)
-    logging: LogConfig = field(
-        default_factory=LogConfig
-    )  # the console (logging.level, logging.all_ranks, logging.progress_every_s)
+    logging: LogConfig = field(default_factory=LogConfig)
+    """the console (logging.level, logging.all_ranks, logging.progress_every_s)"""
 
     def __post_init__(self) -> None:
         known = registry.names("export")

@@ -33,9 +33,8 @@ class OptimConfig:
     schedule: str = "cosine"  # decay after warmup: cosine | linear | constant | wsd (warmup-stable-decay: the peak lr until the last train.decay_fraction of the steps, then a linear decay)
     decay_fraction: float = 0.2  # schedule=wsd: the share of the steps after warmup that decay to min_lr_ratio
     lk_weight: float = 0.0  # w in the step loss (1 - w) * soft cross-entropy + w * -log sum_v min(p_v, q_v), the LK term that targets speculative sampling's acceptance rate (0: the plain soft cross-entropy)
-    label_smoothing: float = (
-        0.0  # e: the loss compares the draft with (1 - e) * the target distribution + e / draft vocab size
-    )
+    label_smoothing: float = 0.0
+    """e: the loss compares the draft with (1 - e) * the target distribution + e / draft vocab size"""
     ema_decay: float = 0.0  # evaluate and export an exponential moving average of the weights with this decay per optimizer step (0: off; e.g. 0.999; ZeRO 0-2)
     min_target_prob: float = 0.0  # a position enters the loss only where the target's top probability over the draft vocab reaches this (accuracy still counts every position)
     weight_decay: float = 0.0  # AdamW weight decay
@@ -50,9 +49,8 @@ class OptimConfig:
     log_every: int = 10  # metrics line every N steps
     cache_target_gb: float = 0.0  # keep each sample's target distribution in memory after its first use, up to this size (0: recompute every epoch)
     keep_best: bool = False  # keep the checkpoint with the best eval simulated tau (saved when it improves, never deleted by keep_last, the one eagle3-export takes)
-    early_stop_patience: int = (
-        0  # stop after this many evaluations without a better eval simulated tau (0: off; needs eval_every)
-    )
+    early_stop_patience: int = 0
+    """stop after this many evaluations without a better eval simulated tau (0: off; needs eval_every)"""
     head_chunk: int = 4096  # positions per chunk of the fused draft lm_head + soft cross-entropy: no step's [T, V_draft] logits are kept (0: whole logits through autograd; ZeRO-3 needs 0)
     activation_checkpointing: bool = False  # recompute each TTT step's decoder layer in backward instead of keeping its activations (long sequences; ~1/3 more layer FLOPs)
     compile: bool = False  # torch.compile the decoder layer's step-independent parts (2 graphs per grad mode) and the fused head loss's chunk math (GPU; the first steps compile)
@@ -143,9 +141,8 @@ class LoggingConfig(LogConfig):
     tracker: str = "none"  # none | wandb (logging=wandb) | tensorboard (logging=tensorboard: <out>/tensorboard, needs the tensorboard package)
     wandb_project: str | None = None  # the wandb project (null: $WANDB_PROJECT, else eagle3_train)
     wandb_entity: str | None = None  # the wandb entity (null: $WANDB_ENTITY, else wandb's default)
-    wandb_mode: str | None = (
-        None  # online | offline | disabled (null: $WANDB_MODE, else offline; disabled writes nothing)
-    )
+    wandb_mode: str | None = None
+    """online | offline | disabled (null: $WANDB_MODE, else offline; disabled writes nothing)"""
     run_name: str | None = None  # the wandb run's name (null: $WANDB_NAME, else the run directory's name)
 
     def __post_init__(self) -> None:
@@ -163,9 +160,8 @@ class TrainConfig:
 
     data: str = MISSING  # source=offline: a standardized directory (eagle3-standardize's out); source=online: a prepared one (eagle3-prepare's out)
     target: str = "embedded"  # the target whose embeddings and lm_head are read (offline: from its safetensors only; online: it runs in the loop)
-    source: str = (
-        "offline"  # offline: states read from data=; online: the target runs on data= in the training loop (online.*)
-    )
+    source: str = "offline"
+    """offline: states read from data=; online: the target runs on data= in the training loop (online.*)"""
     online: OnlineConfig = field(default_factory=OnlineConfig)
     out: str = MISSING  # run directory
     cache_dir: str | None = None  # where GGUF targets are converted once
@@ -174,12 +170,10 @@ class TrainConfig:
     train: OptimConfig = field(default_factory=OptimConfig)
     model: ModelOptions = field(default_factory=ModelOptions)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-    logging: LoggingConfig = field(
-        default_factory=LoggingConfig
-    )  # the console and the metrics tracker (logging=none|wandb|tensorboard)
-    progress: bool | None = (
-        None  # null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither
-    )
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """the console and the metrics tracker (logging=none|wandb|tensorboard)"""
+    progress: bool | None = None
+    """null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither"""
 
     def __post_init__(self) -> None:
         if self.resume not in ("auto", "never"):

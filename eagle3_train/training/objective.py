@@ -37,9 +37,8 @@ class Objective:
 
     lk_weight: float = 0.0  # w: the loss is (1 - w) * soft cross-entropy + w * -log sum_v min(p_v, q_v)
     label_smoothing: float = 0.0  # e: the target distribution is (1 - e) p + e / V_draft
-    min_target_prob: float = (
-        0.0  # a position enters the loss only where the target's top probability (over the draft vocab) reaches this
-    )
+    min_target_prob: float = 0.0
+    """a position enters the loss only where the target's top probability (over the draft vocab) reaches this"""
 
     def __post_init__(self) -> None:
         for name in ("lk_weight", "label_smoothing", "min_target_prob"):

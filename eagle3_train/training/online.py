@@ -59,19 +59,16 @@ VOCAB_FILE = "vocab_map.safetensors"  # in the run directory, when built at star
 class OnlineConfig:
     """The target in the training loop (``online.*``, used with ``source=online``)."""
 
-    aux_indices: list[int] | None = (
-        None  # HF indices captured (null: [2, N//2, N-3]); one the target has not is refused before training
-    )
+    aux_indices: list[int] | None = None
+    """HF indices captured (null: [2, N//2, N-3]); one the target has not is refused before training"""
     dtype: str = "auto"  # the target runs in: auto = bfloat16 on GPU, float32 on CPU
     draft_vocab_size: int = DRAFT_VOCAB_SIZE  # counted over the training split's loss-masked tokens (capped at the target's vocab), as eagle3-standardize counts
-    vocab_map: str | None = (
-        None  # use this vocab_map.safetensors instead (eagle3-standardize only_vocab=true data=<prepared>, or a standardized dir's)
-    )
+    vocab_map: str | None = None
+    """use this vocab_map.safetensors instead (eagle3-standardize only_vocab=true data=<prepared>, or a standardized dir's)"""
     eval_fraction: float = EVAL_FRACTION  # samples held out, by eagle3-standardize's rule (its eval_fraction=)
     split_seed: int = SPLIT_SEED  # seed of that rule (eagle3-standardize's seed=)
-    overlap: bool = (
-        True  # GPU: the next micro-batch's target forward runs on a side CUDA stream during this one's draft step
-    )
+    overlap: bool = True
+    """GPU: the next micro-batch's target forward runs on a side CUDA stream during this one's draft step"""
     attn_implementation: str | None = None  # passed to transformers (sdpa, flash_attention_2, eager)
     trust_remote_code: bool = False  # let transformers run the target repository's own code
 
