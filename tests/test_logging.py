@@ -111,6 +111,25 @@ def test_no_bar_frames_without_a_terminal_but_log_lines(console, capsys):
     assert capsys.readouterr() == ("", "")
 
 
+def test_other_libraries_bars_are_off_without_a_terminal(console, capsys, monkeypatch):
+    """datasets' bars (prepare's save_to_disk, map) would write their frames into a SLURM log."""
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    # an earlier setup_logging in this process set the variables: the libraries read them at import
+    monkeypatch.setattr(sys.modules["datasets.utils.tqdm"], "HF_DATASETS_DISABLE_PROGRESS_BARS", None)
+
+    rows = datasets.Dataset.from_dict({"a": list(range(300))})
+    datasets.enable_progress_bars()
+    transformers_logging.enable_progress_bar()
+    rows.map(lambda r: r)
+    assert "Map" in capsys.readouterr().err  # the control: a frame where bars are on
+    setup_logging(LogConfig(), rank=0)  # stderr is captured here: not a terminal
+    assert not datasets.is_progress_bar_enabled() and not transformers_logging.is_progress_bar_enabled()
+    rows.map(lambda r: r)
+    assert capsys.readouterr().err == ""
+
+
 def test_the_bar_shows_on_a_terminal_or_when_forced(console, monkeypatch, capsys):
     setup_logging(LogConfig(), rank=0)
     for _ in progress_bar(range(3), show=True, desc="forced"):

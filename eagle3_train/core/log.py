@@ -1,6 +1,7 @@
 """The console of every command: one logging setup (rank 0 by default, the level from
 ``logging.level``), warnings routed through it, and progress that is a bar on a terminal and a
-periodic log line elsewhere (a SLURM log, a pipe).
+periodic log line elsewhere (a SLURM log, a pipe); there, other libraries' bars (datasets,
+transformers, the hub) are turned off.
 
 Library modules log through their own ``logging.getLogger(__name__)``; only a command's entry
 point (:func:`eagle3_train.core.cli.entry_point`) calls :func:`setup_logging`. Messages at INFO and
@@ -91,6 +92,26 @@ def setup_logging(config: LogConfig | None = None, rank: int | None = None) -> N
         logging.getLogger(name).setLevel(config.level.upper())
     _progress_every_s = config.progress_every_s
     warnings.showwarning = _show_warning
+    if not sys.stderr.isatty():
+        _quiet_library_bars()
+
+
+# (module, its function that turns its progress bars off) for the libraries whose bars a command shows
+LIBRARY_BARS = (
+    ("datasets", "disable_progress_bars"),  # map, filter, save_to_disk
+    ("transformers.utils.logging", "disable_progress_bar"),  # loading checkpoint shards
+    ("huggingface_hub.utils", "disable_progress_bars"),  # downloads
+)
+
+
+def _quiet_library_bars() -> None:
+    """Other libraries' progress bars off where stderr is not a terminal (their frames would fill a
+    SLURM log): by their variables for those not imported yet, by their switches for the others."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for module, switch in LIBRARY_BARS:
+        if module in sys.modules:
+            getattr(sys.modules[module], switch)()
 
 
 def _show_warning(

@@ -2,8 +2,9 @@
 # The data-scaling curve and the recipe-options table (not part of the suite): from one dump of
 # synthesized conversations (launch/recipes/smollm2_synth.sh, which also trains the largest point),
 # standardize the first n conversations for each n in POINTS, train each with the recipe's options
-# and evaluate it; VARIANTS train the same data (n = VARIANT_N) with one option changed. Runs share
-# the GPUs (a head this small leaves a GPU mostly idle), round-robin.
+# and evaluate it (EVAL_LONG="512 1024": also at those reply lengths, with tau by reply position);
+# VARIANTS train the same data (n = VARIANT_N) with one option changed. Runs share the GPUs (a head
+# this small leaves a GPU mostly idle), round-robin.
 #
 #   POINTS="2048 4096 8192 16384" bash tests/benchmarks/scaling_curve.sh runs/smollm2_synth
 #   POINTS="" VARIANT_N=32768 VARIANTS="a|train.lr=1e-3" TRAIN_TIMEOUT=600 bash tests/benchmarks/scaling_curve.sh RUN
@@ -55,6 +56,11 @@ one() {  # one <name> <n> <gpu> [overrides...]: train, export, eval; a refused e
     CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.evaluation.eval draft="$d/export" target="${TARGET:-embedded}" engine=sglang \
       prompts="$PROMPTS/heldout.jsonl" k=5 max_new_tokens=128 dtype=float32 batch_size=37 out="$d/eval" progress=false \
       > "$d/eval.log" 2>&1 || echo "$name: eval exit $? (see $d/eval.log)"
+    for long in ${EVAL_LONG:-}; do  # longer replies too (issue #35: tau at 512 new tokens), tau by reply position
+      CUDA_VISIBLE_DEVICES=$gpu python3 -m eagle3_train.evaluation.eval draft="$d/export" target="${TARGET:-embedded}" engine=sglang \
+        prompts="$PROMPTS/heldout.jsonl" k=5 max_new_tokens="$long" dtype=float32 batch_size=37 out="$d/eval_$long" progress=false \
+        > "$d/eval_$long.log" 2>&1 || echo "$name: eval ($long new tokens) exit $? (see $d/eval_$long.log)"
+    done
   else
     echo "$name: export refused (see $d/export.log)"
   fi

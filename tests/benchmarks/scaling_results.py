@@ -54,7 +54,14 @@ def collect(d: Path, std: Path) -> dict[str, Any]:
             "lossless": r.get("lossless"),
             "verify_steps": r.get("verify_steps"),
         }
-    elif (d / "export.log").is_file() and "error" in (d / "export.log").read_text():
+    for long in sorted(d.glob("eval_*/report.json"), key=lambda p: int(p.parent.name.split("_")[1])):
+        r = json.loads(long.read_text())  # EVAL_LONG: the same draft on longer replies
+        out.setdefault("eval_long", {})[long.parent.name.split("_")[1]] = {
+            "tau": round(r["tau"], 4),
+            "lossless": r.get("lossless"),
+            "by_reply_position": r.get("by_reply_position"),
+        }
+    if not report.is_file() and (d / "export.log").is_file() and "error" in (d / "export.log").read_text():
         out["eval"] = {"export_refused": (d / "export.log").read_text().strip().splitlines()[-1][:300]}
     return out
 
