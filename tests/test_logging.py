@@ -118,6 +118,7 @@ def test_other_libraries_bars_are_off_without_a_terminal(console, capsys, monkey
 
     # an earlier setup_logging in this process set the variables: the libraries read them at import
     monkeypatch.setattr(sys.modules["datasets.utils.tqdm"], "HF_DATASETS_DISABLE_PROGRESS_BARS", None)
+    monkeypatch.setattr(sys.modules["huggingface_hub.utils.tqdm"], "HF_HUB_DISABLE_PROGRESS_BARS", None)
 
     rows = datasets.Dataset.from_dict({"a": list(range(300))})
     datasets.enable_progress_bars()
