@@ -129,6 +129,13 @@ def test_other_libraries_bars_are_off_without_a_terminal(console, capsys, monkey
     assert not datasets.is_progress_bar_enabled() and not transformers_logging.is_progress_bar_enabled()
     rows.map(lambda r: r)
     assert capsys.readouterr().err == ""
+    # a user who asked for the bars (the library's own variable) keeps them, and no warning
+    monkeypatch.setenv("HF_DATASETS_DISABLE_PROGRESS_BARS", "0")
+    datasets.enable_progress_bars()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        setup_logging(LogConfig(), rank=0)
+    assert datasets.is_progress_bar_enabled()
 
 
 def test_the_bar_shows_on_a_terminal_or_when_forced(console, monkeypatch, capsys):

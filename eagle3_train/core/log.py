@@ -96,20 +96,21 @@ def setup_logging(config: LogConfig | None = None, rank: int | None = None) -> N
         _quiet_library_bars()
 
 
-# (module, its function that turns its progress bars off) for the libraries whose bars a command shows
+# (module, its function that turns its progress bars off, the variable that has priority over it)
 LIBRARY_BARS = (
-    ("datasets", "disable_progress_bars"),  # map, filter, save_to_disk
-    ("transformers.utils.logging", "disable_progress_bar"),  # loading checkpoint shards
-    ("huggingface_hub.utils", "disable_progress_bars"),  # downloads
+    ("datasets", "disable_progress_bars", "HF_DATASETS_DISABLE_PROGRESS_BARS"),  # map, filter, save_to_disk
+    ("transformers.utils.logging", "disable_progress_bar", "HF_HUB_DISABLE_PROGRESS_BARS"),  # checkpoint shards
+    ("huggingface_hub.utils", "disable_progress_bars", "HF_HUB_DISABLE_PROGRESS_BARS"),  # downloads
 )
 
 
 def _quiet_library_bars() -> None:
     """Other libraries' progress bars off where stderr is not a terminal (their frames would fill a
-    SLURM log): by their variables for those not imported yet, by their switches for the others."""
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    for module, switch in LIBRARY_BARS:
+    SLURM log): by their variables for those not imported yet, by their switches for the others. A
+    variable the user set (``...=0``: bars wanted) is left as it is, and wins."""
+    for module, switch, variable in LIBRARY_BARS:
+        if os.environ.setdefault(variable, "1").lower() not in ("1", "true", "yes", "on"):
+            continue
         if module in sys.modules:
             getattr(sys.modules[module], switch)()
 
