@@ -133,11 +133,25 @@ def test_ttt_loss_and_gradients_equal_the_dense_reference(head_chunk, checkpoint
     assert stats[:, 2].sum() > 0 and stats[-1, 2] < stats[0, 2]
 
 
-@pytest.mark.parametrize("head_chunk, compiled_head", [(0, False), (5, False), (6, True)])
+LK, MIXED, SURE = (
+    Objective(lk_weight=1.0),
+    Objective(lk_weight=0.4, label_smoothing=0.1),
+    Objective(min_target_prob=0.6),
+)
+
+
+# the mask option is the same code whatever the head; the loss terms are checked through each head
 @pytest.mark.parametrize(
-    "objective",
-    [Objective(lk_weight=1.0), Objective(lk_weight=0.4, label_smoothing=0.1), Objective(min_target_prob=0.6)],
-    ids=["lk", "mixed_smoothed", "sure_only"],
+    "objective, head_chunk, compiled_head",
+    [(LK, 0, False), (LK, 5, False), (MIXED, 0, False), (MIXED, 5, False), (MIXED, 6, True), (SURE, 5, False)],
+    ids=[
+        "lk-whole",
+        "lk-fused",
+        "mixed_smoothed-whole",
+        "mixed_smoothed-fused",
+        "mixed_smoothed-compiled",
+        "sure_only",
+    ],
 )
 def test_ttt_loss_of_each_objective_equals_its_definition(objective, head_chunk, compiled_head):
     """train.lk_weight, train.label_smoothing and train.min_target_prob: the TTT loss and its
