@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue #34's measurements on one H200, as one background job (run from the repository root on a
+# machine staged with launch/gpu_stage.sh and launch/stage_vllm.sh, PYTHONPATH and EAGLE3_CACHE set):
+#   1. the recipe's draft for the embedded target (launch/recipes/smollm2_synth.sh, NGPU=1, N
+#      conversations; DRAFT=<an export> skips it);
+#   2. eagle3-bench in vLLM, eager and with CUDA graphs: concurrency 1/4/16/64, greedy, 256 new tokens;
+#   3. eagle3-eval of the same draft on 512 and 1024 new tokens (tau by reply position);
+#   4. eagle3-eval tree drafts at SGLang's usual settings (topk / steps / draft tokens) next to chain-5.
+# Each step keeps its results under $W whatever the later ones do (bench_*/results.json,
+# eval_*/report.json); progress: $W/log. STEPS (default "bench long tree") picks the steps after the
+# draft; EVAL_EXTRA adds eagle3-eval overrides (a CPU dry run: STEPS="long tree" DRAFT=runs/demo/export
+# EVAL_EXTRA="limit=2 max_new_tokens=16").
+#
+#   W=/tmp/w N=32768 EPOCHS=6 setsid nohup bash tests/benchmarks/speedup_gpu.sh > /dev/null 2>&1 &
+set -uo pipefail
+W=${W:-/tmp/w}
+mkdir -p "$W"
+PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p.__file__))")
+EVAL="python3 -m eagle3_train.evaluation.eval target=embedded prompts=$PROMPTS/heldout.jsonl dtype=float32 batch_size=37 progress=false plot=false"
+STEPS=" ${STEPS:-bench long tree} "
+{
+  echo "== $(date +%T) target directory"
+  TDIR=$(python3 -c "from eagle3_train.targets import load_target; print(load_target('embedded').local_dir)" | tail -1)
+  echo "$TDIR"
+  if [ -z "${DRAFT:-}" ]; then
+    echo "== $(date +%T) the recipe's draft: N=${N:-32768} EPOCHS=${EPOCHS:-6}"
+    NGPU=1 N="${N:-32768}" EPOCHS="${EPOCHS:-6}" RUN_DIR="$W/recipe" bash launch/recipes/smollm2_synth.sh \
+      > "$W/recipe.log" 2>&1 || echo "the recipe failed (see $W/recipe.log)"
+    DRAFT="$W/recipe/export"
+  fi
+  for mode in eager graphs; do
+    [[ "$STEPS" == *" bench "* ]] || break
+    args="--dtype bfloat16"
+    [ "$mode" = eager ] && args="$args --enforce-eager"
+    echo "== $(date +%T) eagle3-bench, vLLM $mode"
+    timeout "${BENCH_TIMEOUT:-600}" python3 -m eagle3_train.evaluation.bench target="$TDIR" draft="$DRAFT" \
+      out="$W/bench_$mode" max_new_tokens=256 plot=false "engine_args=$args" > "$W/bench_$mode.log" 2>&1 \
+      || echo "bench $mode: exit $? (see $W/bench_$mode.log)"
+  done
+  for long in 512 1024; do
+    [[ "$STEPS" == *" long "* ]] || break
+    echo "== $(date +%T) eagle3-eval, $long new tokens"
+    # shellcheck disable=SC2086
+    $EVAL draft="$DRAFT" k=5 max_new_tokens=$long ${EVAL_EXTRA:-} out="$W/eval_$long" > "$W/eval_$long.log" 2>&1 \
+      || echo "eval $long: exit $? (see $W/eval_$long.log)"
+  done
+  for tree in "1 5 6" "4 3 8" "4 5 16" "8 5 32" "8 7 64"; do  # topk, steps, draft tokens ("1 5 6": chain-5)
+    [[ "$STEPS" == *" tree "* ]] || break
+    # shellcheck disable=SC2086
+    set -- $tree
+    echo "== $(date +%T) eagle3-eval, tree topk=$1 num_steps=$2 num_draft_tokens=$3"
+    # shellcheck disable=SC2086
+    $EVAL draft="$DRAFT" k="$2" topk="$1" num_steps="$2" num_draft_tokens="$3" max_new_tokens=128 ${EVAL_EXTRA:-} \
+      out="$W/eval_tree_$1_$2_$3" > "$W/eval_tree_$1_$2_$3.log" 2>&1 || echo "tree $tree: exit $?"
+  done
+  echo "== $(date +%T) all done"
+} >> "$W/log" 2>&1
