@@ -20,7 +20,7 @@ EVAL="python3 -m eagle3_train.evaluation.eval target=embedded prompts=$PROMPTS/h
 STEPS=" ${STEPS:-bench long tree} "
 {
   echo "== $(date +%T) target directory"
-  TDIR=$(python3 -c "from eagle3_train.targets import load_target; print(load_target('embedded', cache_dir=None).local_dir)" | tail -1)
+  TDIR=$(python3 -c "from eagle3_train.targets import load_target; import os; print(load_target('embedded', cache_dir=os.environ.get('EAGLE3_CACHE', os.path.expanduser('~/.cache/eagle3_train'))).local_dir)" | tail -1)
   echo "$TDIR"
   if [ -z "${DRAFT:-}" ]; then
     echo "== $(date +%T) the recipe's draft: N=${N:-32768} EPOCHS=${EPOCHS:-6}"
