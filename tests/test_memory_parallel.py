@@ -19,7 +19,7 @@ from eagle3_train.model.draft import apply_rope
 from eagle3_train.targets.tiny import tiny_config
 from eagle3_train.training.config import DeepSpeedConfig, OptimConfig, TrainConfig
 from eagle3_train.training.data import Batch
-from eagle3_train.training.objective import Objective, head_loss, soft_cross_entropy
+from eagle3_train.training.objective import ALPHA_FLOOR, Objective, head_loss, lk_loss, soft_cross_entropy
 from eagle3_train.training.parallel import (
     SequenceParallel,
     apply_activation_checkpointing,
@@ -192,6 +192,27 @@ def test_head_loss_is_the_unfused_loss():
     )
     with torch.no_grad():
         assert not head_loss(x, w, p, mask, chunk=4)[0].requires_grad
+
+
+def test_fused_lk_gradient_is_autograds_also_below_the_acceptance_floor():
+    """train.lk_weight=1 where one position's draft gives the target's token almost no mass
+    (sum min(p, q) < ALPHA_FLOOR): the loss is held at -log(floor) there, and the fused head's
+    gradient is autograd's through that clamp (0 from that position)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 8, generator=g)
+    w = torch.randn(10, 8, generator=g)
+    w[0] = -6 * x[0]  # position 0's logit for token 0 is about -6 |x0|^2
+    p = torch.randn(4, 10, generator=g).softmax(-1)
+    p[0] = F.one_hot(torch.tensor(0), 10).float()
+    x.requires_grad_(True), w.requires_grad_(True)
+    mask = torch.ones(4, dtype=torch.bool)
+    assert torch.softmax(x[0] @ w.T, -1)[0] < ALPHA_FLOOR
+    want = lk_loss(x @ w.T, p, mask)
+    got, _ = head_loss(x, w, p, mask, chunk=3, lk_weight=1.0)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got, (x, w)), torch.autograd.grad(want, (x, w)), strict=True):
+        torch.testing.assert_close(a, b)
+    assert torch.autograd.grad(head_loss(x[:1], w, p[:1], mask[:1], chunk=3, lk_weight=1.0)[0], x)[0].abs().max() == 0
 
 
 def test_compiled_head_loss_is_the_unfused_loss():

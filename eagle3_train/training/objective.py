@@ -201,11 +201,12 @@ def _chunk_terms(
         if g is not None:
             g = g + (1 - lk) * (q * p.sum(-1, keepdim=True) - p)
     if lk > 0:
-        alpha = torch.minimum(q, p).sum(-1).clamp(min=ALPHA_FLOOR)
+        raw = torch.minimum(q, p).sum(-1)
+        alpha = raw.clamp(min=ALPHA_FLOOR)
         per_row = per_row + lk * -torch.log(alpha)
-        if g is not None:
+        if g is not None:  # (0 where the floor holds the loss constant, as autograd through the clamp)
             mq = q * (q < p)
-            g = g - lk * (mq - q * mq.sum(-1, keepdim=True)) / alpha[:, None]
+            g = g - (lk * (raw >= ALPHA_FLOOR) / alpha)[:, None] * (mq - q * mq.sum(-1, keepdim=True))
     loss = (w * per_row).sum()
     return loss, logits.argmax(-1), None if g is None else (g * w[:, None]).to(logits.dtype)
 
