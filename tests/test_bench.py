@@ -216,6 +216,7 @@ def test_clear_errors(tiny, prompts, tmp_path):
         ({"target": "t", "draft": "d", "temperatures": [-1.0]}, r"temperatures must list values >= 0"),
         ({"baseline_url": "localhost:8000", "spec_url": "http://x:1"}, r"baseline_url must be a base URL"),
         ({"target": "t", "draft": "d", "engine": "trtllm"}, r"engine must be one of \['sglang', 'vllm'\]"),
+        ({"target": "t", "spec_url": "http://x:1", "spec_args": "--a"}, r"spec_args are flags for the speculating"),
     ):
         with pytest.raises(ConfigError, match=message):
             BenchConfig(out="o", **kw)
@@ -302,6 +303,7 @@ def test_started_engines(tiny, prompts, tmp_path, monkeypatch):
         plot=False,
         num_speculative_tokens=K,
         engine_args="--enforce-eager --max-model-len 512",
+        spec_args="--speculative-disable-by-batch-size 64",
     )
     baseline, spec = servers(tiny)
     with baseline, spec:
@@ -319,6 +321,7 @@ def test_started_engines(tiny, prompts, tmp_path, monkeypatch):
             ),
         ]
         + base_argv[5:]
+        + ["--speculative-disable-by-batch-size", "64"]  # spec_args: the speculating engine's only
     )
     assert [report["engine"][s]["started_here"] for s in ("baseline", "spec")] == [base_argv, spec_argv]
     started = [json.loads(x) for x in (tmp_path / "argv.jsonl").read_text().splitlines()]

@@ -89,6 +89,7 @@ class BenchConfig:
     spec_url: str | None = None  # an engine already serving the target with the draft (null: start one)
     port: int = 8000  # where a started engine listens (one runs at a time)
     engine_args: str = ""  # more flags for the started engines, as shell words ("--enforce-eager --max-model-len 4096")
+    spec_args: str = ""  # more flags for the started speculating engine only, after engine_args (SGLang trees: "--speculative-eagle-topk 4 --speculative-num-draft-tokens 16")
     startup_timeout_s: float = 1800.0  # how long an engine started here may take to answer /health
     wait_for_server_s: float = 0.0  # how long to wait for a given server's /health (0: it must answer now)
     prompts: str | None = None
@@ -129,6 +130,8 @@ class BenchConfig:
                 "spec_url not given: the speculating engine is started here with draft=<the exported draft "
                 "directory>; give draft= or spec_url="
             )
+        if self.spec_args and self.spec_url is not None:
+            raise ConfigError("spec_args are flags for the speculating engine started here: not with spec_url=")
         if not self.concurrency or len(set(self.concurrency)) != len(self.concurrency):
             raise ConfigError(f"concurrency must list distinct levels, got {list(self.concurrency)}")
         if any(c < 1 for c in self.concurrency):
@@ -287,13 +290,13 @@ class Bench:
         self.conversations = read_conversations(self.prompts, cfg.column)
 
     def argv(self, side: str) -> list[str]:
-        """The command that starts the engine of ``side``, the user's ``engine_args`` last."""
+        """The command that starts the engine of ``side``, the user's ``engine_args`` last (and, for
+        the speculating engine, its ``spec_args`` after them)."""
         c = self.cfg
         assert c.target is not None  # checked by the config
         draft = None if side == "baseline" else str(c.draft)
-        return self.engine.serve_command(c.target, draft, c.num_speculative_tokens, port=c.port) + shlex.split(
-            c.engine_args
-        )
+        extra = shlex.split(c.engine_args) + (shlex.split(c.spec_args) if draft is not None else [])
+        return self.engine.serve_command(c.target, draft, c.num_speculative_tokens, port=c.port) + extra
 
     @contextlib.contextmanager
     def server(self, side: str) -> Iterator[tuple[str, list[str] | None]]:

@@ -5,7 +5,9 @@
 #      conversations; DRAFT=<an export> skips it);
 #   2. eagle3-bench in vLLM, eager and with CUDA graphs: concurrency 1/4/16/64, greedy, 256 new tokens;
 #   3. eagle3-eval of the same draft on 512 and 1024 new tokens (tau by reply position);
-#   4. eagle3-eval tree drafts at SGLang's usual settings (topk / steps / draft tokens) next to chain-5.
+#   4. eagle3-eval tree drafts at SGLang's usual settings (topk / steps / draft tokens) next to chain-5;
+#   5. (STEPS=sglang, after launch/stage_sglang.sh) SGLang serving chain-5 and two trees through
+#      eagle3-bench (concurrency 1 and 16): its acceptance length next to eval's tree tau.
 # Each step keeps its results under $W whatever the later ones do (bench_*/results.json,
 # eval_*/report.json); progress: $W/log. STEPS (default "bench long tree") picks the steps after the
 # draft; EVAL_EXTRA adds eagle3-eval overrides (a CPU dry run: STEPS="long tree" DRAFT=runs/demo/export
@@ -52,6 +54,17 @@ STEPS=" ${STEPS:-bench long tree} "
     # shellcheck disable=SC2086
     $EVAL draft="$DRAFT" k="$2" topk="$1" num_steps="$2" num_draft_tokens="$3" max_new_tokens=128 ${EVAL_EXTRA:-} \
       out="$W/eval_tree_$1_$2_$3" > "$W/eval_tree_$1_$2_$3.log" 2>&1 || echo "tree $tree: exit $?"
+  done
+  for tree in "1 5 6" "4 5 16" "8 7 64"; do
+    [[ "$STEPS" == *" sglang "* ]] || break
+    # shellcheck disable=SC2086
+    set -- $tree
+    echo "== $(date +%T) eagle3-bench, SGLang topk=$1 num_steps=$2 num_draft_tokens=$3"
+    timeout "${BENCH_TIMEOUT:-600}" python3 -m eagle3_train.evaluation.bench engine=sglang target="$TDIR" draft="$DRAFT" \
+      out="$W/bench_sglang_$1_$2_$3" max_new_tokens=256 plot=false concurrency=[1,16] num_speculative_tokens="$2" \
+      "engine_args=--mem-fraction-static ${SGLANG_MEM:-0.5}" \
+      "spec_args=--speculative-eagle-topk $1 --speculative-num-draft-tokens $3" \
+      > "$W/bench_sglang_$1_$2_$3.log" 2>&1 || echo "sglang bench $tree: exit $?"
   done
   echo "== $(date +%T) all done"
 } >> "$W/log" 2>&1
