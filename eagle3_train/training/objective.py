@@ -194,21 +194,17 @@ def _chunk_terms(
         g0 = ((logq.exp_() * p.sum(-1, keepdim=True) - p) * w[:, None]).to(logits.dtype) if grad else None
         return loss, logits.argmax(-1), g0
     q = logq.exp()
-    per_row = torch.zeros_like(w)
-    g = torch.zeros_like(q) if grad else None
-    if lk < 1:
-        per_row = per_row + (1 - lk) * -(p * logq).sum(-1)
-        if g is not None:
-            g = g + (1 - lk) * (q * p.sum(-1, keepdim=True) - p)
-    if lk > 0:
-        raw = torch.minimum(q, p).sum(-1)
-        alpha = raw.clamp(min=ALPHA_FLOOR)
-        per_row = per_row + lk * -torch.log(alpha)
-        if g is not None:  # (0 where the floor holds the loss constant, as autograd through the clamp)
-            mq = q * (q < p)
-            g = g - (lk * (raw >= ALPHA_FLOOR) / alpha)[:, None] * (mq - q * mq.sum(-1, keepdim=True))
-    loss = (w * per_row).sum()
-    return loss, logits.argmax(-1), None if g is None else (g * w[:, None]).to(logits.dtype)
+    raw = torch.minimum(q, p).sum(-1)  # alpha, the acceptance rate, before its floor
+    alpha = raw.clamp(min=ALPHA_FLOOR)
+    per_row = (1 - lk) * -(p * logq).sum(-1) - lk * torch.log(alpha)
+    if not grad:
+        return (w * per_row).sum(), logits.argmax(-1), None
+    mq = q * (q < p)
+    # the LK part is 0 where the floor holds the loss constant, as autograd through the clamp gives
+    g = (1 - lk) * (q * p.sum(-1, keepdim=True) - p) - (lk * (raw >= ALPHA_FLOOR) / alpha)[:, None] * (
+        mq - q * mq.sum(-1, keepdim=True)
+    )
+    return (w * per_row).sum(), logits.argmax(-1), (g * w[:, None]).to(logits.dtype)
 
 
 @functools.cache

@@ -117,6 +117,7 @@ class Trainer:
         )
         self.step = 0
         self.ema = WeightAverage(self.model, o.ema_decay) if o.ema_decay else None
+        self.objective = objective(o)  # the step loss
         # each micro-batch's loss finiteness, still on the device: (0-based step, flag, sample ids)
         self._unchecked: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self.best = BestTracker(o.keep_best, o.early_stop_patience)
@@ -222,7 +223,7 @@ class Trainer:
             self.sp,
             o.compile and o.head_chunk > 0,
             hits,
-            objective(o),
+            self.objective,
         )
 
     def epoch_of(self, step: int) -> tuple[int, int]:
