@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from data_prep.standardize import StandardizeConfig, Standardizer
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, Eagle3Error
@@ -23,7 +23,7 @@ from eagle3_train.training.config import (
     TrainConfig,
     lr_factor,
 )
-from eagle3_train.training.ema import WeightAverage
+from eagle3_train.training.ema import EMA_FILE, WeightAverage
 from eagle3_train.training.tracking import TRACKER_FILE
 from eagle3_train.training.trainer import Trainer
 from test_standardize import make_dump
@@ -334,7 +334,7 @@ def test_weight_average_is_what_is_evaluated_exported_and_resumed(std, tmp_path,
         torch.testing.assert_close(again[k], draft[k], atol=1e-6, rtol=1e-6)
 
 
-def test_weight_average_update_by_hand():
+def test_weight_average_update_by_hand(tmp_path):
     layer = torch.nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         layer.weight.fill_(1.0)
@@ -346,6 +346,17 @@ def test_weight_average_update_by_hand():
     with avg.applied():
         assert layer.weight.item() == pytest.approx(1 + 18 / 11)
     assert layer.weight.item() == 3.0
+    with pytest.raises(
+        ContractError, match=r"ema.safetensors: the weight average of train.ema_decay=0.5 cannot be read"
+    ):
+        avg.load(tmp_path)  # a checkpoint without it
+    save_file({"other": torch.zeros(1), "__updates__": torch.tensor(1)}, str(tmp_path / EMA_FILE))
+    with pytest.raises(ContractError, match=r"holds the average of \['other'\].*this draft trains \['weight'\]"):
+        avg.load(tmp_path)
+    save_file(avg.state(), str(tmp_path / EMA_FILE))
+    avg.updates = 0
+    avg.load(tmp_path)
+    assert avg.updates == 1
 
 
 def test_resume_refuses_another_vocab_map(std, tmp_path):

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from eagle3_train.core.errors import ContractError
+
 EMA_FILE = "ema.safetensors"  # in a checkpoint directory: the average and its update count
 
 
@@ -57,7 +59,20 @@ class WeightAverage:
         """The average a checkpoint kept (``EMA_FILE``), on this model's devices."""
         from safetensors.torch import load_file
 
-        state = load_file(str(checkpoint / EMA_FILE))
-        self.updates = int(state.pop("__updates__"))
+        path = checkpoint / EMA_FILE
+        try:
+            state = load_file(str(path))
+        except Exception as e:  # missing (a checkpoint of a run without the average), or unreadable
+            raise ContractError(
+                f"{path}: the weight average of train.ema_decay={self.decay} cannot be read ({type(e).__name__}: {e}); "
+                f"resume from a checkpoint of a run with the same train.ema_decay"
+            ) from e
+        updates = state.pop("__updates__", None)
+        if updates is None or set(state) != set(self.average):
+            raise ContractError(
+                f"{path}: holds the average of {sorted(state)} (update count {'absent' if updates is None else 'present'}), "
+                f"this draft trains {sorted(self.average)}"
+            )
+        self.updates = int(updates)
         for name, t in state.items():
             self.average[name].copy_(t)
