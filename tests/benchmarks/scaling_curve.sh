@@ -9,7 +9,8 @@
 #   POINTS="2048 4096 8192 16384" bash tests/benchmarks/scaling_curve.sh runs/smollm2_synth
 #   POINTS="" VARIANT_N=32768 VARIANTS="a|train.lr=1e-3" TRAIN_TIMEOUT=600 bash tests/benchmarks/scaling_curve.sh RUN
 #
-# TRAIN_TIMEOUT (seconds, 0: none) stops a training that runs past it; under keep_best its best
+# RECIPE_EXTRA adds overrides to every run's recipe (issue #35's study: "model.intermediate_size=6144",
+# the launch recipe's MLP width). TRAIN_TIMEOUT (seconds, 0: none) stops a training that runs past it; under keep_best its best
 # checkpoint so far is still exported and evaluated (the run's train.log says it was stopped).
 #   python3 -m tests.benchmarks.scaling_results runs/smollm2_synth out.json out.png
 set -euo pipefail
@@ -21,7 +22,7 @@ NGPU=${NGPU:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
 PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p.__file__))")
 RECIPE="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-4} train.lr=${LR:-3e-3} train.warmup_steps=30 \
 train.max_tokens_per_batch=${BATCH_TOKENS:-32768} train.eval_every=100 train.keep_best=true train.log_every=20 \
-model.lm_head_init=target"
+model.lm_head_init=target ${RECIPE_EXTRA:-}"
 # name|overrides that replace the recipe's (later overrides win)
 VARIANTS=${VARIANTS:-"lm_head_random|model.lm_head_init=random
 lm_head_frozen|model.freeze_lm_head=true

@@ -10,7 +10,8 @@
 #      eagle3-bench (concurrency 1 and 16): its acceptance length next to eval's tree tau.
 # Each step keeps its results under $W whatever the later ones do (bench_*/results.json,
 # eval_*/report.json); progress: $W/log. STEPS (default "bench long tree") picks the steps after the
-# draft; EVAL_EXTRA adds eagle3-eval overrides (a CPU dry run: STEPS="long tree" DRAFT=runs/demo/export
+# draft; BENCH_EXTRA adds eagle3-bench overrides to the vLLM bench (min_requests=8), SGLANG_CONCURRENCY
+# sets the SGLang bench's levels ([1,16]); EVAL_EXTRA adds eagle3-eval overrides (a CPU dry run: STEPS="long tree" DRAFT=runs/demo/export
 # EVAL_EXTRA="limit=2 max_new_tokens=16").
 #
 #   W=/tmp/w N=32768 EPOCHS=6 setsid nohup bash tests/benchmarks/speedup_gpu.sh > /dev/null 2>&1 &
@@ -35,8 +36,9 @@ STEPS=" ${STEPS:-bench long tree} "
     args="--dtype bfloat16"
     [ "$mode" = eager ] && args="$args --enforce-eager"
     echo "== $(date +%T) eagle3-bench, vLLM $mode"
+    # shellcheck disable=SC2086  # BENCH_EXTRA is a list of overrides
     timeout "${BENCH_TIMEOUT:-600}" python3 -m eagle3_train.evaluation.bench target="$TDIR" draft="$DRAFT" \
-      out="$W/bench_$mode" max_new_tokens=256 plot=false "engine_args=$args" > "$W/bench_$mode.log" 2>&1 \
+      out="$W/bench_$mode" max_new_tokens=256 plot=false "engine_args=$args" ${BENCH_EXTRA:-} > "$W/bench_$mode.log" 2>&1 \
       || echo "bench $mode: exit $? (see $W/bench_$mode.log)"
   done
   for long in 512 1024; do
@@ -61,7 +63,7 @@ STEPS=" ${STEPS:-bench long tree} "
     set -- $tree
     echo "== $(date +%T) eagle3-bench, SGLang topk=$1 num_steps=$2 num_draft_tokens=$3"
     timeout "${BENCH_TIMEOUT:-600}" python3 -m eagle3_train.evaluation.bench engine=sglang target="$TDIR" draft="$DRAFT" \
-      out="$W/bench_sglang_$1_$2_$3" max_new_tokens=256 plot=false concurrency=[1,16] num_speculative_tokens="$2" \
+      out="$W/bench_sglang_$1_$2_$3" max_new_tokens=256 plot=false concurrency="${SGLANG_CONCURRENCY:-[1,16]}" num_speculative_tokens="$2" \
       "engine_args=--mem-fraction-static ${SGLANG_MEM:-0.5}" \
       "spec_args=--speculative-eagle-topk $1 --speculative-num-draft-tokens $3" \
       > "$W/bench_sglang_$1_$2_$3.log" 2>&1 || echo "sglang bench $tree: exit $?"
