@@ -11,7 +11,8 @@ is rewritten only when its text changes (``mkdocs serve`` would otherwise rebuil
   header (``Fields: module.Class``): every field, dotted through nested dataclasses, with its type,
   its default as the yaml composes it, and its doc. A field without a doc stops the generation.
 - ``results/*.md`` from ``tests/benchmarks/results/*.json``: one table per file (what, machine,
-  commands, date, then its scalar figures), plus a plot for files with a data-scaling ``curve``.
+  commands, date, then its scalar figures), the ready-made ``tables`` a file carries (title, header,
+  rows), plus a plot for files with a data-scaling ``curve``.
 - ``changelog.md``: a copy of ``CHANGELOG.md``.
 """
 
@@ -720,7 +721,20 @@ def result_section(name: str, data: Any) -> str:
     if len(figures) > MAX_ROWS:
         rows.append(["…", f"{len(figures) - MAX_ROWS} more figures in the file"])
     out.append(table(["field", "value"], rows) + "\n")
+    out += data_tables(data)
     return "".join(out)
+
+
+def data_tables(data: dict) -> list[str]:
+    """The tables a results file carries ready-made (``tables``: title, header, rows), as they are."""
+    out = []
+    for t in data.get("tables") or []:
+        if not (isinstance(t, dict) and isinstance(t.get("header"), list) and isinstance(t.get("rows"), list)):
+            continue
+        width = len(t["header"])
+        rows = [[cell(x) for x in r] for r in t["rows"] if isinstance(r, list) and len(r) == width]
+        out.append(f"**{cell(t.get('title', ''))}**\n\n" + table([cell(h) for h in t["header"]], rows) + "\n")
+    return out
 
 
 def _curve_points(data: dict) -> list[tuple[float, float | None, float | None]]:

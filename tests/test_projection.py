@@ -3,7 +3,15 @@
 import pytest
 
 from eagle3_train.core.errors import ConfigError
-from eagle3_train.evaluation.projection import StepTimes, break_even_tau, cycle_s, project, speedup
+from eagle3_train.evaluation.projection import (
+    StepTimes,
+    break_even_tau,
+    calibrated,
+    cycle_overhead_from_served,
+    cycle_s,
+    project,
+    speedup,
+)
 
 
 def test_hand_computed_cases():
@@ -57,6 +65,32 @@ def test_project_rows_per_batch():
 def test_impossible_inputs_are_refused(args, message):
     with pytest.raises(ConfigError, match=message):
         speedup(*args)
+
+
+def test_the_engine_overhead_read_off_a_served_speedup():
+    """t_O recovered from a speed-up that a known overhead produced; an engine cheaper than the
+    forwards gives a negative t_O, clamped when projecting; a batch size without its own figure takes
+    the nearest one's."""
+    t = StepTimes(1, 0.010, 0.012, 0.001, cycle_overhead_s=0.0005)
+    measured = speedup(2.5, 5, 0.010, 0.012, 0.001, cycle_overhead_s=0.0005 + 0.004)
+    assert cycle_overhead_from_served(measured, 2.5, 5, t) == pytest.approx(0.004)
+    # by hand: 2 x 10 ms / 1.0 = 20 ms a cycle, less 12 + 5 x 1 + 0.5 ms of forwards
+    assert cycle_overhead_from_served(1.0, 2.0, 5, t) == pytest.approx(0.0025)
+    assert cycle_overhead_from_served(2.0, 3.0, 5, t) == pytest.approx(0.015 - 0.0175)  # < 0
+    rows = [StepTimes(1, 0.01, 0.012, 0.001), StepTimes(8, 0.01, 0.012, 0.001), StepTimes(64, 0.02, 0.05, 0.002)]
+    got = calibrated(rows, {1: 0.002, 16: -0.001})
+    assert [r.cycle_overhead_s for r in got] == pytest.approx([0.002, 0.002, 0.0])  # 8 -> 1 (nearer), 64 -> 16
+    assert [r.target_step_s for r in got] == [r.target_step_s for r in rows]
+    assert calibrated(rows[:1], {1: 0.002, 3: 0.004})[0].cycle_overhead_s == pytest.approx(0.002)
+    assert calibrated([StepTimes(2, 0.01, 0.012, 0.001)], {1: 0.001, 3: 0.003})[0].cycle_overhead_s == pytest.approx(
+        0.003
+    )  # a tie goes to the larger batch
+    with pytest.raises(ConfigError, match="no engine overhead given"):
+        calibrated(rows, {})
+    with pytest.raises(ConfigError, match="measured speed-up must be > 0"):
+        cycle_overhead_from_served(0.0, 2.0, 5, t)
+    with pytest.raises(ConfigError, match=r"tau in \[1, k \+ 1\]"):
+        cycle_overhead_from_served(1.0, 7.0, 5, t)
 
 
 def bench_module():

@@ -14,7 +14,10 @@ measured). Its assumptions: every sequence of the batch steps in lockstep (no pr
 no sequence waiting); ``tau`` is the same at every batch size and the mean over cycles (the ratio of
 total tokens to total cycles, as the engines count it); the host keeps the GPU busy (an engine whose
 step is launch-bound, eager serving of a small target, runs slower than its forwards and gains less).
-It is the long-reply limit: a reply's first token comes from the prefill, not from a cycle. For
+An engine's cycle costs more than its forwards (its sampler, the draft's input preparation, the
+scheduler): ``cycle_overhead_from_served`` reads that ``t_O`` off a served speed-up measured at a known
+``tau`` (``eagle3-bench``), in the units of the step times given, so that another shape can be
+projected with the engine's own per-cycle cost. It is the long-reply limit: a reply's first token comes from the prefill, not from a cycle. For
 replies of n tokens, with the prefill costed as one target step, the baseline takes ``n * t_T`` and
 the draft ``t_T + (n - 1) / tau * cycle`` (``reply_tokens=n``), which tends to the above as n grows.
 """
@@ -94,6 +97,35 @@ def break_even_tau(
     """The tokens per cycle at which the draft buys ``wanted`` x (1: where it starts to pay);
     above ``k + 1`` no draft of ``k`` tokens can reach it."""
     return wanted * cycle_s(k, verify_s, draft_step_s, cycle_overhead_s) / target_step_s
+
+
+def cycle_overhead_from_served(measured_speedup: float, tau: float, k: int, times: StepTimes) -> float:
+    """The per-cycle cost ``t_O`` beyond the forwards that a served speed-up implies: solving
+    ``measured = tau * t_T / (t_V + k * t_D + t_O)`` for ``t_O``, with the forwards' times ``times``
+    (its own ``cycle_overhead_s`` counted as part of the forwards). The engine's step is taken to be
+    ``t_T`` (its tokens/s ratio fixes the cycle relative to its own decode step; an engine whose
+    decode step differs from ``t_T`` scales both alike). Negative where the engine's cycle is
+    cheaper than the forwards measured here; ``calibrated`` clamps it at 0."""
+    if not measured_speedup > 0:
+        raise ConfigError(f"the measured speed-up must be > 0, got {measured_speedup}")
+    if k < 1 or not 1.0 <= tau <= k + 1:
+        raise ConfigError(f"need k >= 1 and tau in [1, k + 1], got k={k}, tau={tau}")
+    cycle = tau * times.target_step_s / measured_speedup
+    return cycle - cycle_s(k, times.verify_s, times.draft_step_s, times.cycle_overhead_s)
+
+
+def calibrated(times: list[StepTimes], overhead_s: dict[int, float]) -> list[StepTimes]:
+    """``times`` with an engine's per-cycle cost added to each batch size's ``cycle_overhead_s``:
+    ``overhead_s[batch]`` (clamped at 0), or for a batch size it lacks, that of the nearest batch size
+    it has (the larger on a tie)."""
+    if not overhead_s:
+        raise ConfigError("no engine overhead given: measure one with eagle3-bench (cycle_overhead_from_served)")
+    out = []
+    for t in times:
+        near = min(overhead_s, key=lambda b: (abs(b - t.batch), -b))
+        extra = max(0.0, overhead_s[near])
+        out.append(StepTimes(t.batch, t.target_step_s, t.verify_s, t.draft_step_s, t.cycle_overhead_s + extra))
+    return out
 
 
 def project(times: list[StepTimes], tau: float, k: int) -> list[dict[str, Any]]:

@@ -29,6 +29,15 @@ target the served runs measure, draft vocabulary 8192); ``--smoke``: tiny shapes
     python3 tests/benchmarks/bench_projection.py --out $OUT/projection_h200.json     # a GPU machine
     python3 tests/benchmarks/bench_projection.py --smoke --out /tmp/projection.json  # a CPU, seconds
 
+``--from`` a results JSON of this script and ``--served`` an ``eagle3-bench`` results.json of the
+``--served-shape`` target (default smollm2) measure nothing: per concurrency of the bench, the
+engine's per-cycle cost beyond the forwards that its speed-up implies at its acceptance length
+(projection.cycle_overhead_from_served), then every shape projected again with that cost added
+(projection.calibrated): what the engine's own spec path costs, carried to the larger targets.
+
+    python3 tests/benchmarks/bench_projection.py --from tests/benchmarks/results/projection_h200.json \
+        --served /tmp/w/speedup/bench_graphs/results.json --out /tmp/projection_served.json
+
 The results JSON holds, per shape, its row of times per batch size and the projection
 (eagle3_train.evaluation.projection.project) at each ``--taus`` value and ``--k``.
 """
@@ -53,7 +62,13 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from eagle3_train.evaluation.projection import StepTimes, project  # noqa: E402
+from eagle3_train.evaluation.projection import (  # noqa: E402
+    StepTimes,
+    calibrated,
+    cycle_overhead_from_served,
+    project,
+    speedup,
+)
 from tests.benchmarks.common import run_isolated  # noqa: E402
 
 
@@ -300,6 +315,101 @@ def measure(s: Shape, a: argparse.Namespace, device: torch.device, dtype: torch.
     }
 
 
+def _times(shape: dict[str, Any]) -> list[StepTimes]:
+    return [
+        StepTimes(t["batch"], t["target_step_s"], t["verify_s"], t["draft_step_s"], t.get("cycle_overhead_s", 0.0))
+        for t in shape["times"]
+    ]
+
+
+def served_projection(proj: dict[str, Any], bench: dict[str, Any], served_shape: str, taus: list[float]) -> dict:
+    """Every measured shape of ``proj`` projected again with the per-cycle cost that ``bench`` (an
+    eagle3-bench results.json of the ``served_shape`` target) implies, per concurrency (= batch)."""
+    k = int(bench["config"]["num_speculative_tokens"])
+    base = {t.batch: t for t in _times(proj["shapes"][served_shape])}
+    calib, overhead = {}, {}
+    for row in bench["rows"]:
+        c, spec = row["concurrency"], row.get("spec") or {}
+        tau, measured = spec.get("mean_acceptance_length"), row.get("speedup")
+        if row.get("temperature", 0.0) != 0.0 or tau is None or measured is None:
+            continue
+        t = base.get(c) or base[min(base, key=lambda b: (abs(b - c), -b))]
+        overhead[c] = cycle_overhead_from_served(measured, tau, k, t)
+        calib[f"c{c}"] = {
+            "tau": round(tau, 4),
+            "measured_speedup": round(measured, 4),
+            "projected_speedup": round(
+                speedup(tau, k, t.target_step_s, t.verify_s, t.draft_step_s, t.cycle_overhead_s), 4
+            ),
+            "engine_overhead_ms": round(overhead[c] * 1e3, 4),
+            "target_step_ms": round(t.target_step_s * 1e3, 4),
+        }
+    if not overhead:
+        raise SystemExit("the bench results hold no greedy row with a speed-up and an acceptance length")
+    shapes, rows = {}, []
+    for name, shape in proj["shapes"].items():
+        if not shape.get("times"):
+            continue
+        plain, engine = _times(shape), calibrated(_times(shape), overhead)
+        shapes[name] = {}
+        for tau in taus:
+            p0, p1 = project(plain, tau, k), project(engine, tau, k)
+            shapes[name][f"tau_{tau}"] = {f"b{a['batch']}": round(b["speedup"], 3) for a, b in zip(p0, p1)}
+            for a, b in zip(p0, p1):
+                rows.append(
+                    [
+                        name,
+                        str(a["batch"]),
+                        str(tau),
+                        f"{a['speedup']:.2f}",
+                        f"{b['speedup']:.2f}",
+                        f"{b['break_even_tau']:.2f}",
+                    ]
+                )
+    return {
+        "k": k,
+        "served_shape": served_shape,
+        "calibration": calib,
+        "projected_with_engine_overhead": shapes,
+        "tables": [
+            {
+                "title": f"The engine's cost per cycle, read off its measured speed-up ({served_shape}, k={k})",
+                "header": [
+                    "concurrency",
+                    "engine τ",
+                    "measured ×",
+                    "projected × (forwards only)",
+                    "engine overhead per cycle (ms)",
+                    "target step (ms)",
+                ],
+                "rows": [
+                    [
+                        c.removeprefix("c"),
+                        f"{v['tau']:.2f}",
+                        f"{v['measured_speedup']:.2f}",
+                        f"{v['projected_speedup']:.2f}",
+                        f"{v['engine_overhead_ms']:.2f}",
+                        f"{v['target_step_ms']:.2f}",
+                    ]
+                    for c, v in calib.items()
+                ],
+            },
+            {
+                "title": "Projected speed-up, forwards only and with the engine's measured per-cycle cost",
+                "header": [
+                    "shape",
+                    "batch",
+                    "τ",
+                    "× forwards only",
+                    "× with engine overhead",
+                    "break-even τ with overhead",
+                ],
+                "rows": rows,
+            },
+        ],
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the results JSON")
@@ -312,10 +422,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--replays", type=int, default=None, help="calls per timed round (default 20; smoke 3)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds; the median is kept")
     p.add_argument("--shape-timeout-s", type=float, default=900, help="a GPU shape's time limit")
+    p.add_argument("--from", dest="from_", help="a results JSON of this script: project again, measure nothing")
+    p.add_argument("--served", help="with --from: an eagle3-bench results.json of --served-shape's target")
+    p.add_argument("--served-shape", default="smollm2", help="the shape the served bench measured")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a GPU shape in its own process: measure it alone ...
     p.add_argument("--part", help=argparse.SUPPRESS)  # ... and write its result here
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
+    if bool(a.from_) != bool(a.served):
+        p.error("--from and --served go together")
+    if a.from_:
+        proj, bench = json.loads(Path(a.from_).read_text()), json.loads(Path(a.served).read_text())
+        if a.served_shape not in proj.get("shapes", {}) or not proj["shapes"][a.served_shape].get("times"):
+            p.error(f"{a.from_} has no measured shape {a.served_shape!r}")
+        res = {
+            "what": "issue #34: the projection checked against the served speed-up, and carried to larger shapes "
+            "with the engine's measured per-cycle cost (tests/benchmarks/bench_projection.py --from/--served)",
+            "machine": f"step times: {proj.get('machine')}; served: {bench.get('machine', {}).get('gpus')}",
+            "command": " ".join(["python3", "tests/benchmarks/bench_projection.py", *argv]),
+            "date": datetime.date.today().isoformat(),
+            "sources": {
+                "projection": proj.get("date"),
+                "served": bench.get("date"),
+                "served_command": bench.get("command"),
+            },
+            **served_projection(proj, bench, a.served_shape, [float(x) for x in a.taus.split(",")]),
+        }
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        return res
     shapes = SMOKE if a.smoke else SHAPES
     names = a.shapes.split(",") if a.shapes else list(shapes)
     unknown = [n for n in names if n not in shapes]

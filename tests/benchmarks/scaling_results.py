@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("png_out")
     ap.add_argument("--what", default="")
     ap.add_argument("--machine", default="")
+    ap.add_argument("--note", default="", help="what the reader must know about the run")
+    ap.add_argument("--not-run", action="append", default=[], help="NAME=why: a variant that did not train")
     args = ap.parse_args()
     run = Path(args.run)
     curve, variants = [], []
@@ -94,12 +96,63 @@ def main() -> None:
         "variants": variants,
         "timings": read_jsonl(run / "timings.jsonl"),
     }
+    if args.note:
+        result["note"] = args.note
+    if variants:
+        result["tables"] = [variants_table(variants, dict(x.split("=", 1) for x in args.not_run))]
     Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     plot(curve, Path(args.png_out))
     for p in curve:
         print(p["conversations"], p.get("eval", {}).get("tau"), p.get("train", {}).get("best_eval_tau"))
     for v in variants:
         print(v["name"], v.get("eval", {}).get("tau"), v.get("train", {}).get("best_eval_tau"))
+
+
+def variants_table(variants: list[dict], not_run: dict[str, str]) -> dict[str, Any]:
+    """One row per variant: what it changes from ``base`` (the variant of no overrides of its own,
+    if any), eagle3-eval's tau at 128 and at the longer reply lengths, the difference from base, and
+    training's figures; a variant that did not train says why."""
+    base = next((v for v in variants if v["name"] == "base"), None)
+    base_words = set((base or {}).get("overrides", "").split())
+    longs = sorted({n for v in variants for n in v.get("eval_long", {})}, key=int)
+    rows = []
+    for v in variants:
+        own = " ".join(w for w in v.get("overrides", "").split() if w not in base_words) or "—"
+        tau = v.get("eval", {}).get("tau")
+        if tau is None:
+            why = not_run.get(v["name"], "did not train or evaluate (see its train.log)")
+            rows.append([v["name"], own, *(["—"] * (len(longs) + 5)), why])
+            continue
+        delta = f"{tau - base['eval']['tau']:+.3f}" if base and base.get("eval", {}).get("tau") else "—"
+        tr = v.get("train", {})
+        rows.append(
+            [
+                v["name"],
+                own,
+                f"{tau:.3f}",
+                *(f"{v['eval_long'][n]['tau']:.3f}" if n in v.get("eval_long", {}) else "—" for n in longs),
+                delta,
+                f"{tr['best_eval_tau']:.3f}" if "best_eval_tau" in tr else "—",
+                str(tr.get("wall_s", "—")),
+                str(tr.get("median_tokens_per_s", "—")),
+                str(v.get("eval", {}).get("lossless")),
+            ]
+        )
+    return {
+        "title": "Options, one at a time on the same data (eagle3-eval chain k=5, greedy, fp32, held-out prompts)",
+        "header": [
+            "variant",
+            "overrides beyond base",
+            "τ (128 new tokens)",
+            *(f"τ ({n} new tokens)" for n in longs),
+            "Δ τ vs base (128)",
+            "simulated τ (eval split)",
+            "training s",
+            "median tokens/s",
+            "lossless",
+        ],
+        "rows": rows,
+    }
 
 
 def _variant_n(run: Path) -> str:

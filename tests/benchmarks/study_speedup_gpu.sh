@@ -23,7 +23,7 @@ if [ "${1:-}" = bundle ]; then
   out=${2:?usage: study_speedup_gpu.sh bundle DIR}
   (cd "$W" && find . \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' -o -name log -o -name '*.txt' \
     -o -name train_s -o -name '*.png' \) -size -8M -not -path '*/prepared/*' -not -path '*/dump/*' \
-    -not -path '*/std*' -print0 | tar czf "$out/results.tgz" --null -T -)
+    \( -not -path '*/std*' -o -name manifest.json \) -print0 | tar czf "$out/results.tgz" --null -T -)
   d=$W/study/run/curve/base/export
   [ -f "$d/config.json" ] && tar czf "$out/draft.tgz" -C "$(dirname "$d")" export
   exit 0
