@@ -9,7 +9,9 @@
 #   POINTS="2048 4096 8192 16384" bash tests/benchmarks/scaling_curve.sh runs/smollm2_synth
 #   POINTS="" VARIANT_N=32768 VARIANTS="a|train.lr=1e-3" TRAIN_TIMEOUT=600 bash tests/benchmarks/scaling_curve.sh RUN
 #
-# RECIPE_EXTRA adds overrides to every run's recipe (issue #35's study: "model.intermediate_size=6144",
+# MAX_JOBS (4 per GPU) trainings run at once, the rest wait for a free slot: seven at once on one
+# H200 ran four out of memory (recipe_study35_h200.json: with the recipe's 6144-wide MLP and 32k-token
+# batches a run holds 20-30 GB, the ttt unroll's activations). RECIPE_EXTRA adds overrides to every run's recipe (issue #35's study: "model.intermediate_size=6144",
 # the launch recipe's MLP width). TRAIN_TIMEOUT (seconds, 0: none) stops a training that runs past it; under keep_best its best
 # checkpoint so far is still exported and evaluated (the run's train.log says it was stopped).
 #   python3 -m tests.benchmarks.scaling_results runs/smollm2_synth out.json out.png
@@ -67,12 +69,16 @@ one() {  # one <name> <n> <gpu> [overrides...]: train, export, eval; a refused e
   fi
   echo "$name done"
 }
+MAX_JOBS=${MAX_JOBS:-$((4 * NGPU))}
+slot() { while [ "$(jobs -rp | wc -l)" -ge "$MAX_JOBS" ]; do wait -n || true; done; }
 i=0
 for n in $POINTS; do
+  slot
   one "n$n" "$n" $((i % NGPU)) & i=$((i + 1))
 done
 while IFS='|' read -r name overrides; do
   [ -n "$name" ] || continue
+  slot
   # shellcheck disable=SC2086
   one "$name" "$VARIANT_N" $((i % NGPU)) $overrides & i=$((i + 1))
 done <<< "$VARIANTS"
