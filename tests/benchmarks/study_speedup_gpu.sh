@@ -12,7 +12,8 @@
 #   4. the MoE shape of the projection (bench_projection.py --shapes qwen3moe), the GPU idle again.
 # Progress: $W/log; $W/done when finished. Every step keeps what it wrote whatever the later ones do;
 # `bash tests/benchmarks/study_speedup_gpu.sh bundle DIR` packs the small files (reports, logs,
-# results) into DIR/results.tgz at any time, and the base draft's export into DIR/draft.tgz.
+# results) into DIR/results.tgz at any time, and the base draft's export (or DRAFT's) into
+# DIR/draft.tgz.part-00, -01, ... (15 MiB each: `cat draft.tgz.part-* | tar xz` puts it back together).
 #
 #   W=/tmp/w setsid nohup bash tests/benchmarks/study_speedup_gpu.sh > /dev/null 2>&1 < /dev/null &
 set -uo pipefail
@@ -24,8 +25,9 @@ if [ "${1:-}" = bundle ]; then
   (cd "$W" && find . \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' -o -name log -o -name '*.txt' \
     -o -name train_s -o -name '*.png' \) -size -8M -not -path '*/prepared/*' -not -path '*/dump/*' \
     \( -not -path '*/std*' -o -name manifest.json \) -print0 | tar czf "$out/results.tgz" --null -T -)
-  d=$W/study/run/curve/base/export
-  [ -f "$d/config.json" ] && tar czf "$out/draft.tgz" -C "$(dirname "$d")" export
+  d=${DRAFT:-$W/study/run/curve/base/export}
+  # the draft in parts of 15 MiB (a file that comes back is at most 16 MiB): cat draft.tgz.part-* | tar xz
+  [ -f "$d/config.json" ] && tar czf - -C "$(dirname "$d")" "$(basename "$d")" | split -b 15M -d - "$out/draft.tgz.part-"
   exit 0
 fi
 mkdir -p "$W"
