@@ -10,9 +10,10 @@
 #      eagle3-bench (concurrency 1 and 16): its acceptance length next to eval's tree tau.
 # Each step keeps its results under $W whatever the later ones do (bench_*/results.json,
 # eval_*/report.json); progress: $W/log. STEPS (default "bench long tree") picks the steps after the
-# draft; BENCH_EXTRA adds eagle3-bench overrides to the vLLM bench (min_requests=8), SGLANG_CONCURRENCY
-# sets the SGLang bench's levels ([1,16]); EVAL_EXTRA adds eagle3-eval overrides (a CPU dry run: STEPS="long tree" DRAFT=runs/demo/export
-# EVAL_EXTRA="limit=2 max_new_tokens=16").
+# draft; MODES ("eager graphs") picks the vLLM modes of the bench; BENCH_EXTRA adds eagle3-bench
+# overrides to the vLLM bench (min_requests=8); SGLANG_CONCURRENCY sets the SGLang bench's levels
+# ([1,16]); EVAL_EXTRA adds eagle3-eval overrides (a CPU dry run: STEPS="long tree"
+# DRAFT=runs/demo/export EVAL_EXTRA="limit=2 max_new_tokens=16").
 #
 #   W=/tmp/w N=32768 EPOCHS=6 setsid nohup bash tests/benchmarks/speedup_gpu.sh > /dev/null 2>&1 &
 set -uo pipefail
@@ -31,7 +32,7 @@ STEPS=" ${STEPS:-bench long tree} "
       > "$W/recipe.log" 2>&1 || echo "the recipe failed (see $W/recipe.log)"
     DRAFT="$W/recipe/export"
   fi
-  for mode in eager graphs; do
+  for mode in ${MODES:-eager graphs}; do
     [[ "$STEPS" == *" bench "* ]] || break
     args="--dtype bfloat16"
     [ "$mode" = eager ] && args="$args --enforce-eager"
