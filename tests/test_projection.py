@@ -170,3 +170,38 @@ def test_bench_projection_smoke_mode(tmp_path):
     for t in dense["times"]:  # 4 layers from 2 built: head + 4 x per layer
         for key in ("target_step_s", "verify_s"):
             assert t[key] == pytest.approx(t[f"{key}_head"] + 4 * (t[f"{key}_built"] - t[f"{key}_head"]) / 2)
+
+
+def test_bench_projection_reads_the_engines_overhead_off_a_served_bench(tmp_path):
+    """--from/--served: a bench whose speed-ups an engine with a known per-cycle cost would give is
+    read back to that cost per concurrency, and every shape is projected again with it added."""
+    import json
+
+    bench = bench_module()
+    proj = bench.main(["--smoke", "--out", str(tmp_path / "p.json"), "--replays", "1", "--repeats", "1"])
+    name = next(iter(proj["shapes"]))
+    extra = {1: 0.004, 4: 0.002}  # seconds per cycle beyond the forwards, per concurrency
+    rows = []
+    for t in proj["shapes"][name]["times"]:
+        tau = 2.5
+        s = speedup(
+            tau, 5, t["target_step_s"], t["verify_s"], t["draft_step_s"], t["cycle_overhead_s"] + extra[t["batch"]]
+        )
+        rows.append(
+            {"concurrency": t["batch"], "temperature": 0.0, "speedup": s, "spec": {"mean_acceptance_length": tau}}
+        )
+    rows.append({"concurrency": 1, "temperature": 0.7, "speedup": 9.0, "spec": {"mean_acceptance_length": 2.0}})
+    served = {"config": {"num_speculative_tokens": 5}, "rows": rows, "date": "d", "command": "eagle3-bench"}
+    (tmp_path / "b.json").write_text(json.dumps(served))
+    out = tmp_path / "s.json"
+    res = bench.main(["--from", str(tmp_path / "p.json"), "--served", str(tmp_path / "b.json"), "--served-shape", name,
+                      "--taus", "2.5", "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == res
+    assert {c: v["engine_overhead_ms"] for c, v in res["calibration"].items()} == pytest.approx(
+        {"c1": 4.0, "c4": 2.0}, abs=1e-3
+    )  # the sampled row is not read
+    assert res["projected_with_engine_overhead"][name]["tau_2.5"] == pytest.approx(
+        {f"b{r['concurrency']}": round(r["speedup"], 3) for r in rows[:2]}, abs=1e-3
+    )  # the served shape, projected with its own overhead, gives back the measured speed-ups
+    with pytest.raises(SystemExit):
+        bench.main(["--from", str(tmp_path / "p.json"), "--out", str(out)])  # --served missing

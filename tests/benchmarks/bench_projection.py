@@ -410,6 +410,12 @@ def served_projection(proj: dict[str, Any], bench: dict[str, Any], served_shape:
     }
 
 
+def _head(what: str, machine: str, argv: list[str]) -> dict[str, str]:
+    """A results file's what, machine, command and date."""
+    command = " ".join(["python3", "tests/benchmarks/bench_projection.py", *argv])
+    return {"what": what, "machine": machine, "command": command, "date": datetime.date.today().isoformat()}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the results JSON")
@@ -436,11 +442,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if a.served_shape not in proj.get("shapes", {}) or not proj["shapes"][a.served_shape].get("times"):
             p.error(f"{a.from_} has no measured shape {a.served_shape!r}")
         res = {
-            "what": "issue #34: the projection checked against the served speed-up, and carried to larger shapes "
-            "with the engine's measured per-cycle cost (tests/benchmarks/bench_projection.py --from/--served)",
-            "machine": f"step times: {proj.get('machine')}; served: {bench.get('machine', {}).get('gpus')}",
-            "command": " ".join(["python3", "tests/benchmarks/bench_projection.py", *argv]),
-            "date": datetime.date.today().isoformat(),
+            **_head(
+                "issue #34: the projection checked against the served speed-up, and carried to larger shapes "
+                "with the engine's measured per-cycle cost (tests/benchmarks/bench_projection.py --from/--served)",
+                f"step times: {proj.get('machine')}; served: {bench.get('machine', {}).get('gpus')}",
+                argv,
+            ),
             "sources": {
                 "projection": proj.get("date"),
                 "served": bench.get("date"),
@@ -468,11 +475,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     results: dict[str, Any] = {
-        "what": "issue #34: step times of random-weight targets and EAGLE-3 drafts (our graph-captured forward), "
-        "and the speed-up they project (eagle3_train.evaluation.projection)",
-        "machine": f"{gpu or platform.processor() or 'CPU'}, torch {torch.__version__}, Python {platform.python_version()}",
-        "command": " ".join(["python3", "tests/benchmarks/bench_projection.py", *argv]),
-        "date": datetime.date.today().isoformat(),
+        **_head(
+            "issue #34: step times of random-weight targets and EAGLE-3 drafts (our graph-captured forward), "
+            "and the speed-up they project (eagle3_train.evaluation.projection)",
+            f"{gpu or platform.processor() or 'CPU'}, torch {torch.__version__}, Python {platform.python_version()}",
+            argv,
+        ),
         "settings": {
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
