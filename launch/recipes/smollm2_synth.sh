@@ -37,7 +37,8 @@
 # '' for none), STARTER_WORDS (1: each question opens with that many words of an example, synth.starter_words;
 # 0 for none), SOURCE (online: the target in the
 # training loop; offline: dump + standardize first), TARGET (embedded), DUMP_EXTRA / TRAIN_EXTRA (more
-# eagle3-dump / eagle3-train overrides), UNTIL (stop after this stage: synthesize, standardize (offline:
+# eagle3-dump / eagle3-train overrides), PREPARE_EXTRA (more eagle3-prepare overrides for the synthesis: "synth.turns=2",
+# "regen.do_sample=true regen.temperature=0.7"), UNTIL (stop after this stage: synthesize, standardize (offline:
 # the training data is ready, e.g. to train several variants of it) or train).
 set -euo pipefail
 case "${UNTIL:-}" in ""|synthesize|standardize|train) ;; *)
@@ -69,10 +70,12 @@ gen_dist() { if [ "$GEN_PROCS" -gt 1 ]; then python3 -m torch.distributed.run --
 EXAMPLES=${EXAMPLES-$PROMPTS/train.jsonl}  # example user prompts shown when the target writes questions ('' for none)
 SYNTH_EXTRA=()
 if [ -n "$EXAMPLES" ]; then SYNTH_EXTRA+=("synth.example_prompts_file=$EXAMPLES" "synth.starter_words=${STARTER_WORDS:-1}"); fi
+# shellcheck disable=SC2086  # PREPARE_EXTRA is a list of overrides
 run synthesize gen_dist -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$N" out="$RUN/prepared" \
   synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size="$GEN_BATCH" \
   "${SYNTH_EXTRA[@]}" \
-  regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="$GEN_BATCH" regen.batching="${GEN_BATCHING:-graph}"
+  regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="$GEN_BATCH" regen.batching="${GEN_BATCHING:-graph}" \
+  ${PREPARE_EXTRA:-}
 [ "${UNTIL:-}" = synthesize ] && exit 0
 RECIPE_TRAIN="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-6} train.lr=${LR:-2e-3} train.warmup_steps=30 \
 train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-$((32768 * NGPU))} / NGPU )) train.head_chunk=32768 train.eval_every=500 train.keep_best=true train.log_every=50 \
