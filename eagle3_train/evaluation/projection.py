@@ -15,15 +15,17 @@ no sequence waiting); ``tau`` is the same at every batch size and the mean over 
 total tokens to total cycles, as the engines count it); the host keeps the GPU busy (an engine whose
 step is launch-bound, eager serving of a small target, runs slower than its forwards and gains less).
 An engine's cycle costs more than its forwards (its sampler, the draft's input preparation, the
-scheduler): ``cycle_overhead_from_served`` reads that ``t_O`` off a served speed-up measured at a known
-``tau`` (``eagle3-bench``), in the units of the step times given, so that another shape can be
-projected with the engine's own per-cycle cost. It is the long-reply limit: a reply's first token comes from the prefill, not from a cycle. For
+scheduler): ``cycle_overhead_from_served`` reads that ``t_O`` off a served speed-up measured at a
+known ``tau`` (``eagle3-bench``), in the units of the step times given, so that another shape can be
+projected with the engine's own per-cycle cost. It is the long-reply limit: a reply's first token
+comes from the prefill, not from a cycle. For
 replies of n tokens, with the prefill costed as one target step, the baseline takes ``n * t_T`` and
 the draft ``t_T + (n - 1) / tau * cycle`` (``reply_tokens=n``), which tends to the above as n grows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +116,11 @@ def cycle_overhead_from_served(measured_speedup: float, tau: float, k: int, time
     return cycle - cycle_s(k, times.verify_s, times.draft_step_s, times.cycle_overhead_s)
 
 
+def nearest_batch(batches: Iterable[int], batch: int) -> int:
+    """The batch size of ``batches`` nearest to ``batch`` (the larger on a tie)."""
+    return min(batches, key=lambda b: (abs(b - batch), -b))
+
+
 def calibrated(times: list[StepTimes], overhead_s: dict[int, float]) -> list[StepTimes]:
     """``times`` with an engine's per-cycle cost added to each batch size's ``cycle_overhead_s``:
     ``overhead_s[batch]`` (clamped at 0), or for a batch size it lacks, that of the nearest batch size
@@ -122,8 +129,7 @@ def calibrated(times: list[StepTimes], overhead_s: dict[int, float]) -> list[Ste
         raise ConfigError("no engine overhead given: measure one with eagle3-bench (cycle_overhead_from_served)")
     out = []
     for t in times:
-        near = min(overhead_s, key=lambda b: (abs(b - t.batch), -b))
-        extra = max(0.0, overhead_s[near])
+        extra = max(0.0, overhead_s[nearest_batch(overhead_s, t.batch)])
         out.append(StepTimes(t.batch, t.target_step_s, t.verify_s, t.draft_step_s, t.cycle_overhead_s + extra))
     return out
 

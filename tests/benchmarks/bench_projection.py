@@ -66,6 +66,7 @@ from eagle3_train.evaluation.projection import (  # noqa: E402
     StepTimes,
     calibrated,
     cycle_overhead_from_served,
+    nearest_batch,
     project,
     speedup,
 )
@@ -333,7 +334,7 @@ def served_projection(proj: dict[str, Any], bench: dict[str, Any], served_shape:
         tau, measured = spec.get("mean_acceptance_length"), row.get("speedup")
         if row.get("temperature", 0.0) != 0.0 or tau is None or measured is None:
             continue
-        t = base.get(c) or base[min(base, key=lambda b: (abs(b - c), -b))]
+        t = base[nearest_batch(base, c)]
         overhead[c] = cycle_overhead_from_served(measured, tau, k, t)
         calib[f"c{c}"] = {
             "tau": round(tau, 4),

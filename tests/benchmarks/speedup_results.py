@@ -104,8 +104,8 @@ def eval_summary(w: Path) -> dict[str, Any]:
             long_rows.append([str(n), f"{b['from']}–{b['to']}", f"{b['tau']:.3f}", str(b["tokens"])])
         long_rows.append([str(n), "all", f"{r['tau']:.3f}", str(r["tokens"])])
     chain = None
-    for p in sorted(w.glob("eval_tree_*/report.json"), key=lambda p: [int(x) for x in p.parent.name.split("_")[2:]]):
-        topk, steps, nodes = (int(x) for x in p.parent.name.split("_")[2:])
+    trees = sorted((tuple(int(x) for x in p.parent.name.split("_")[2:]), p) for p in w.glob("eval_tree_*/report.json"))
+    for (topk, steps, nodes), p in trees:
         r = json.loads(p.read_text())
         if topk == 1:
             chain = r["tau"]
