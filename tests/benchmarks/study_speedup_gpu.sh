@@ -34,10 +34,8 @@ mkdir -p "$W"
 rm -f "$W/done"
 export EAGLE3_CACHE=${EAGLE3_CACHE:-/tmp/e3cache} PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 export PYTHONPATH=$SITE:$REPO
-vllm_env=(env "PYTHONPATH=$VSITE:$SITE:$REPO" "PATH=$VSITE/bin:$PATH" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
-  VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1)
-sglang_env=(env "PYTHONPATH=$SGSITE:$SGSITE/nvidia_cutlass_dsl/dsl_packages:$SITE:$REPO" "PATH=$SGSITE/bin:$PATH"
-  HF_HUB_OFFLINE=1 TVM_FFI_CACHE_DIR=/tmp/sgcache/tvm-ffi FLASHINFER_WORKSPACE_BASE=/tmp/sgcache)
+# shellcheck source=launch/engine_env.sh
+source launch/engine_env.sh
 {
   echo "== $(date +%T) 1. #35 study"
   W=$W/study N=${STUDY_N:-16384} EPOCHS=${EPOCHS:-6} LR=2e-3 DRAFT_VOCAB=16384 RECIPE_EXTRA="model.intermediate_size=6144" \
