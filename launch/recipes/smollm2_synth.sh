@@ -18,7 +18,9 @@
 # STARTER_WORDS=0 N=131072 too
 # (recipe_mlp6144_h200x2.json): tau 2.92 in 17.6 minutes; with INTERMEDIATE=3072 COMPILE=false too
 # (recipe_vocab16k_h200x2.json): tau 2.90 in 22.6 minutes; with DRAFT_VOCAB=8192 too
-# (recipe_graph_h200x2.json): tau 2.78 in 20.9 minutes. One H200 at N=73728 (its default) is not measured.
+# (recipe_graph_h200x2.json): tau 2.78 in 20.9 minutes. One H200 at its defaults
+# (N=73728, recipe_defaults_h200.json): tau 2.93 in 18.1 minutes (synthesis 5.8, training 11.4); served in
+# vLLM 0.26 with CUDA graphs (bench_vllm_recipe_h200.json) it is 1.68x faster at concurrency 1, 1.40x at 16.
 # Earlier measurements (recipe_online_h200x2.json): N=32768 on one H200 with transformers' generate
 # (GEN_BATCHING=padded GEN_RANKS_PER_GPU=2 GEN_BATCH=2048 EPOCHS=8): tau 2.53 in 15.0 minutes; the
 # settings before those, tau 2.40 at the same N (recipe_synth_h200x2.json):
