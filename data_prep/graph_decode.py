@@ -14,7 +14,8 @@ One batch (B prompts, widest W tokens, T = ``max_new_tokens``):
    ``cumsum(mask) - 1`` as ``generate`` makes them), in row slices whose key/value cache stays
    under ``PREFILL_KV_BYTES``, only the last position's logits; its key/value cache is copied into a static cache
    ``[B, kv_heads, W + T, head_dim]`` per layer. The first new token comes from these logits.
-2. **Decode step** t = 1 .. T-1 (the graph), per layer, with ``x`` the new token's state ``[B, H]``::
+2. **Decode step** t = 1 .. T-1 (the graph), per layer (:class:`eagle3_train.targets.static.StaticTarget`,
+   shared with ``eagle3-eval decoder=graph``), with ``x`` the new token's state ``[B, H]``::
 
        q, k, v = q_proj(norm(x)), k_proj(..), v_proj(..)     # [B, heads|kv, d] (+ q_norm/k_norm: Qwen3)
        q, k = rope(q, k, position)                         # position = prompt length + t - 1
@@ -42,13 +43,12 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from eagle3_train.core.errors import ConfigError
-from eagle3_train.model.draft import rotate_half
+from eagle3_train.targets.static import StaticTarget, unsupported
 
 PREFILL_KV_BYTES = 8 << 30  # the transformers cache one prefill slice builds before it is copied (sets its rows)
 CHECK_EVERY = 16  # decode steps between the host's looks at "have all rows ended?"
@@ -60,52 +60,22 @@ TOP_P_MISS = 1e-6  # the most probability a row may have of no round of top_p_by
 TOP_P_MAX_ROUNDS = 4  # top_p_by_rejection when it needs at most this many rounds, else top_p_by_sorting
 
 
-@dataclass(frozen=True)
-class Arch:
-    """What one model family's decoder layer needs beyond Llama's."""
-
-    qk_norm: bool  # an RMSNorm over each head's query and key before the rotary embedding (Qwen3)
-
-
-# model_type -> its quirks. Dense decoders with full attention only: a MoE block routes tokens with
-# data-dependent shapes (no graph), a sliding window would need its own mask.
-ARCHS = {
-    "llama": Arch(qk_norm=False),
-    "mistral": Arch(qk_norm=False),
-    "qwen2": Arch(qk_norm=False),
-    "qwen3": Arch(qk_norm=True),
-}
-
-
-def check_supported(model: Any, length: int) -> Arch:
-    """The model's ``Arch``, or a ConfigError naming why this decoder cannot run it (``length``:
-    the longest prompt plus ``max_new_tokens``)."""
-    cfg = model.config
-    arch = ARCHS.get(cfg.model_type)
-    if arch is None:
+def check_supported(model: Any, length: int) -> None:
+    """A ConfigError naming why this decoder cannot run ``model`` (``length``: the longest prompt plus
+    ``max_new_tokens``), if it cannot."""
+    why = unsupported(model, length)
+    if why is not None:
         raise ConfigError(
-            f"regen.batching=graph runs dense {sorted(ARCHS)} targets, not model_type "
-            f"{cfg.model_type!r}: use regen.batching=padded or a served engine (regen.backend=vllm)"
+            f"regen.batching=graph cannot run this target: {why}; use regen.batching=padded or a served "
+            f"engine (regen.backend=vllm)"
         )
-    rope = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "rope_type", "default")
-    if "dynamic" in rope or rope == "longrope":  # their tables change with the sequence: one table cannot serve
-        raise ConfigError(
-            f"regen.batching=graph: rope_type {rope!r} rescales with the sequence length; use regen.batching=padded"
-        )
-    window = getattr(cfg, "sliding_window", None)
-    if window and getattr(cfg, "use_sliding_window", True) and length > window:
-        raise ConfigError(
-            f"regen.batching=graph: {cfg.model_type} attends within a sliding window of {window} "
-            f"tokens, and prompts + replies reach {length}: use regen.batching=padded"
-        )
-    return arch
 
 
 class GraphDecoder:
     """Greedy or sampled replies of one model to batches of prompts (see the module docstring).
 
     Args:
-        model: a ``*ForCausalLM`` of a family in ``ARCHS``, in eval mode.
+        model: a ``*ForCausalLM`` of a family in ``eagle3_train.targets.static.ARCHS``, in eval mode.
         max_new_tokens: the longest reply.
         eos_ids: the tokens that end a reply.
         pad_id: the token written left of shorter prompts (never attended to).
@@ -123,18 +93,14 @@ class GraphDecoder:
         temperature: float = 1.0,
         top_p: float = 1.0,
     ) -> None:
-        self.arch = check_supported(model, 0)
+        check_supported(model, 0)
         self.model, self.T, self.pad = model, max_new_tokens, pad_id
         self.sample = (temperature, top_p) if do_sample else None
         self.rounds = top_p_rounds(top_p) if do_sample else 0
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.eos = torch.tensor(sorted(set(eos_ids)), device=self.device)
-        self.inner = model.model
-        self.layers = list(self.inner.layers)
-        cfg = model.config
-        self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.static = StaticTarget(model)
         if self.device.type == "cuda":  # what one process may give a batch's buffers (rows_per_batch)
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -142,7 +108,8 @@ class GraphDecoder:
 
     def kv_bytes_per_token(self) -> int:
         """Keys and values of one position, all layers."""
-        return 2 * len(self.layers) * self.kv_heads * self.head_dim * self.dtype.itemsize
+        t = self.static
+        return 2 * len(t.layers) * t.kv_heads * t.head_dim * self.dtype.itemsize
 
     def rows_per_batch(self, width: int, wanted: int) -> int:
         """At most ``wanted`` rows, fewer where one batch's buffers (the static cache of ``width`` + T
@@ -211,17 +178,13 @@ class GraphDecoder:
     def _state(self, B: int, W: int) -> dict[str, torch.Tensor]:
         """The buffers one batch's steps read and write (fixed addresses: the graph's inputs)."""
         dev, L = self.device, W + self.T
-        cache = torch.zeros(len(self.layers), 2, B, self.kv_heads, L, self.head_dim, dtype=self.dtype, device=dev)
-        # rotary tables for every position a row can reach: [L, d] each
-        probe = torch.zeros(1, dtype=self.dtype, device=dev)
-        cos, sin = self.inner.rotary_emb(probe, torch.arange(L, device=dev)[None])
+        cos, sin = self.static.rope_tables(L)  # [L, d] each
         return dict(
-            cache=cache,
-            cos=cos[0],
-            sin=sin[0],
+            cache=self.static.new_cache(B, L),
+            cos=cos,
+            sin=sin,
             W=torch.tensor(W, device=dev),
             col=torch.full((), W, dtype=torch.long, device=dev),  # the cache column of the next step
-            cols=torch.arange(L, device=dev),
             tok=torch.zeros(B, dtype=torch.long, device=dev),
             pos=torch.zeros(B, dtype=torch.long, device=dev),
             start=torch.zeros(B, dtype=torch.long, device=dev),
@@ -242,11 +205,9 @@ class GraphDecoder:
             out = self.model(input_ids=x, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1)
             # not out.get("cache", out.past_key_values): that reads the attribute even when "cache" is there
             cache = out["cache"] if "cache" in out else out.past_key_values  # noqa: SIM401
-            for li, (k, v) in enumerate(cache_layers(cache)):
-                s["cache"][li, 0, r : r + rows, :, :W] = k
-                s["cache"][li, 1, r : r + rows, :, :W] = v
+            self.static.fill(s["cache"], cache, slice(r, r + rows))
             first.append(self._pick(out.logits[:, -1].float()))
-            del out, k, v  # the slice's transformers cache goes before the next slice builds its own
+            del out, cache  # the slice's transformers cache goes before the next slice builds its own
         return torch.cat(first)
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
@@ -268,30 +229,10 @@ class GraphDecoder:
     def _step(self, s: dict[str, torch.Tensor]) -> None:
         """One decode step of the batch: read ``tok`` at ``pos``, write its keys/values at cache column
         ``col``, append the next token to ``out``; advance ``pos``, ``col``. Device-only (graph-safe)."""
-        tok, pos, cache = s["tok"], s["pos"], s["cache"]
-        B, kvh, d = tok.shape[0], self.kv_heads, self.head_dim
-        cos, sin = s["cos"][pos][:, None], s["sin"][pos][:, None]  # [B, 1, d]
-        # the row's prompt columns and the steps so far: [B, 1, 1, L]
-        visible = ((s["cols"][None] >= s["start"][:, None]) & (s["cols"][None] <= s["col"]))[:, None, None]
-        x = self.inner.embed_tokens(tok)  # [B, H]
-        for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(B, -1, d)  # [B, heads, d]
-            k = attn.k_proj(h).view(B, kvh, d)
-            v = attn.v_proj(h).view(B, kvh, d)
-            if self.arch.qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            cache[li, 0].index_copy_(2, s["col"][None], k[:, :, None])  # [B, kv, L, d] at column col
-            cache[li, 1].index_copy_(2, s["col"][None], v[:, :, None])
-            q = q.view(B, kvh, -1, d)  # [B, kv, group, d]: the query heads that share a key head
-            scores = torch.einsum("bkgd,bkld->bkgl", q, cache[li, 0]).float() * attn.scaling
-            a = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1).to(v.dtype)
-            o = torch.einsum("bkgl,bkld->bkgd", a, cache[li, 1]).reshape(B, -1)  # [B, heads*d]
-            x = x + attn.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = self.model.lm_head(self.inner.norm(x)).float()  # [B, V]
+        tok, pos = s["tok"], s["pos"]
+        cols = s["col"].expand(tok.shape[0])[:, None]  # [B, 1]: every row writes the step's column
+        x, _ = self.static.forward(tok[:, None], pos[:, None], cols, s["start"], s["cache"], (s["cos"], s["sin"]))
+        logits = self.static.logits(x[:, 0]).float()  # [B, V]
         nxt = self._pick(logits)
         step = s["col"] - s["W"] + 1  # this token's index in the reply
         s["out"].index_copy_(1, step[None], nxt[:, None])
@@ -353,13 +294,6 @@ def processes_per_gpu() -> int:
     """Processes of this node that share one GPU (torchrun's local world over the GPUs it sees)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, -(-local // max(1, torch.cuda.device_count())))
-
-
-def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) per layer of a transformers cache, each [B, kv_heads, W, head_dim]."""
-    if hasattr(cache, "layers"):  # transformers >= 4.56
-        return [(c.keys, c.values) for c in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache))
 
 
 def generate_graph(

@@ -267,12 +267,12 @@ def first_turns(ev):
 def test_batched_decoding_equals_the_pre_batching_decoder(pipeline, tmp_path):
     """fp32: every batch size gives the old decoder's tokens and accepted counts, prompt by prompt;
     the batched greedy reference gives transformers' generate."""
-    ev = evaluator(pipeline, limit=24)
+    ev = evaluator(pipeline, limit=12)
     prompts = first_turns(ev)
     legacy = LegacySpecDecoder(ev.target, ev.draft, ev.layers, ev.cfg.k, ev.eos)
     want = [legacy.generate(p, 48) for p in prompts]
     assert len({a for _, acc in want for a in acc}) >= 4  # rows accept different counts
-    for batch in (1, 5, 24):
+    for batch in (1, 5, 12):
         ev.decoder.counters = Counters()
         got = ev.decoder.speculative(prompts, 48, batch)
         assert [g.tokens for g in got] == [w[0] for w in want], batch
@@ -280,14 +280,14 @@ def test_batched_decoding_equals_the_pre_batching_decoder(pipeline, tmp_path):
         assert (ev.decoder.counters.compactions > 0) == (batch > 1)  # batch 1 crops; batches compact
     refs = ev.decoder.greedy(prompts, 48, 5)
     assert [r.tokens for r in refs] == [legacy.greedy(p, 48) for p in prompts]
-    # the reports: the same tau at batch 1 and batch 7, both identical to plain greedy
-    one = evaluator(pipeline, limit=24, batch_size=1, out=str(tmp_path / "b1")).run()
-    seven = evaluator(pipeline, limit=24, batch_size=7, out=str(tmp_path / "b7")).run()
+    # the report of a batched run: the old decoder's tau and tokens (its batch 1 is checked above),
+    # identical to plain greedy
+    seven = evaluator(pipeline, limit=12, batch_size=7, out=str(tmp_path / "b7")).run()
     steps = [a for _, acc in want for a in acc]
-    assert one["tau"] == seven["tau"] == (sum(steps) + len(steps)) / len(steps)
-    assert one["lossless"] == seven["lossless"] == "identical"
+    assert seven["tau"] == (sum(steps) + len(steps)) / len(steps)
+    assert seven["lossless"] == "identical"
     read = lambda d: [json.loads(x)["tokens"] for x in (tmp_path / d / "outputs.jsonl").read_text().splitlines()]  # noqa: E731
-    assert read("b1") == read("b7") == [w[0] for w in want]
+    assert read("b7") == [w[0] for w in want]
 
 
 def test_draft_cost_per_step_is_flat_in_the_context(pipeline):

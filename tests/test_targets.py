@@ -64,7 +64,10 @@ def test_bad_targets(tmp_path, monkeypatch):
         r"directory: a typo\? \(did you mean models/mymodel\?\)",
     ):
         load_target("models/mymodl", cache_dir=None)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read when the hub library is imported: set it there too
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(
         BadInputError,
         match=r"target nobody-here/no-such-model is no local directory, and the hub "
@@ -76,15 +79,20 @@ def test_bad_targets(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_embedded_target_converts_once_and_matches_gguf(tmp_path):
-    """The embedded SmolLM2 is converted into the cache once; the cached copy computes the same."""
-    import importlib.util
-    from pathlib import Path
-
+def test_embedded_target_converts_once_and_matches_gguf(tmp_path, monkeypatch):
+    """The embedded SmolLM2 is converted into the cache once; the cached copy, read back from disk,
+    computes what the model transformers loaded from the GGUF computes."""
     from transformers import AutoModelForCausalLM
 
-    from eagle3_train.targets import EMBEDDED_GGUF, EMBEDDED_PACKAGE
+    loaded = []
+    from_pretrained = AutoModelForCausalLM.from_pretrained
 
+    def keep(*args, **kwargs):  # the GGUF-loaded model the conversion starts from, kept as the reference
+        model = from_pretrained(*args, **kwargs)
+        loaded.append((kwargs.get("gguf_file"), model))
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", keep)
     t = load_target("embedded", cache_dir=tmp_path)
     assert t.local_dir.parent == tmp_path and t.num_hidden_layers == 30 and t.hidden_size == 576
     assert t.vocab_size == 49152 and "quantization_config" not in t.config.to_dict()
@@ -92,11 +100,11 @@ def test_embedded_target_converts_once_and_matches_gguf(tmp_path):
     again = load_target("embedded", cache_dir=tmp_path)
     assert time.perf_counter() - start < 10 and again.local_dir == t.local_dir
     assert again.identity == t.identity
-    folder = Path(importlib.util.find_spec(EMBEDDED_PACKAGE).submodule_search_locations[0])
-    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    gguf = [m for name, m in loaded if name is not None]
+    assert len(gguf) == 1  # converted once: the second load read the cached directory
     ids = torch.tensor([[1, 504, 3458, 282, 4077, 30]])
     with torch.no_grad():
-        torch.testing.assert_close(again.model(ids).logits, gguf(ids).logits)
+        torch.testing.assert_close(again.model(ids).logits, gguf[0](ids).logits)
 
 
 def test_target_tensors_read_only_the_shards_that_hold_them(tmp_path, monkeypatch):
