@@ -407,13 +407,13 @@ def test_lossless_check_classifies_the_first_difference():
 
 def perturbed(monkeypatch, edit):
     """Let ``edit(logits, speculative)`` change the target's logits as the decoders see them."""
-    real = SpecDecoder._target
+    real = SpecDecoder.target_forward
 
     def target(self, ids, positions, valid, cache, aux, last_only=False):
         logits, states = real(self, ids, positions, valid, cache, aux, last_only)
         return edit(logits.clone(), aux), states  # aux: the speculative path (greedy never asks)
 
-    monkeypatch.setattr(SpecDecoder, "_target", target)
+    monkeypatch.setattr(SpecDecoder, "target_forward", target)
 
 
 def test_near_tie_is_numerical_and_a_corrupted_decoder_diverges(pipeline, tmp_path, monkeypatch):
@@ -622,3 +622,40 @@ def test_the_export_is_ready_to_publish(pipeline, tmp_path):
     assert commands["vllm"]["--speculative-config"]["model"] == "org/tiny-draft"
     for f in out.rglob("*"):
         assert local.encode() not in f.read_bytes(), f"{f.name} names a local path"
+
+
+def test_graph_decoder_equals_the_eager_decoder(pipeline, tmp_path):
+    """decoder=graph (static caches; on the CPU its rounds run eagerly): the eager decoder's tokens and
+    accepted counts at every batch size, fp32; its plain greedy gives the model's own greedy."""
+    from eagle3_train.evaluation.graph_spec import GraphSpecDecoder
+
+    ev = evaluator(pipeline, limit=12)
+    prompts = first_turns(ev)
+    want = ev.decoder.speculative(prompts, 48, 12)
+    assert len({a for w in want for a in w.accepted}) >= 4  # rows accept different counts
+    fast = GraphSpecDecoder(ev.target.model, ev.draft, ev.layers, ev.cfg.k, ev.eos)
+    for batch in (1, 5, 12):
+        got = fast.speculative(prompts, 48, batch)
+        assert [g.tokens for g in got] == [w.tokens for w in want], batch
+        assert [g.accepted for g in got] == [w.accepted for w in want], batch
+    assert [g.tokens for g in fast.greedy(prompts, 48, 5)] == [r.tokens for r in ev.decoder.greedy(prompts, 48, 12)]
+    report = evaluator(pipeline, limit=12, batch_size=5, decoder="graph", out=str(tmp_path / "g")).run()
+    steps = [a for w in want for a in w.accepted]
+    assert report["decoder"] == "graph" and report["lossless"] == "identical"
+    assert report["tau"] == (sum(steps) + len(steps)) / len(steps)
+
+
+def test_graph_decoder_refusals():
+    """decoder=graph decodes chains of dense targets; anything else is refused up front, naming the way out."""
+    from types import SimpleNamespace
+
+    from eagle3_train.evaluation.eval import EvalConfig
+    from eagle3_train.evaluation.graph_spec import GraphSpecDecoder
+
+    with pytest.raises(ConfigError, match="decoder must be eager or graph"):
+        EvalConfig(draft="d", prompts="p", decoder="fast")
+    with pytest.raises(ConfigError, match="tree drafts run with decoder=eager"):
+        EvalConfig(draft="d", prompts="p", decoder="graph", topk=4, num_draft_tokens=16)
+    moe = SimpleNamespace(config=SimpleNamespace(model_type="qwen3_moe"))
+    with pytest.raises(ConfigError, match="not model_type 'qwen3_moe'; use decoder=eager"):
+        GraphSpecDecoder(moe, None, [1], 5, {0})  # type: ignore[arg-type]

@@ -174,8 +174,8 @@ def test_target_tree_forward_equals_plain_forwards_of_each_path(name, lengths):
     cache = DynamicCache()
     depths = torch.tensor([[len(path_of(p, list(range(7)), i)) for i in range(7)] for p in parents.tolist()])
     with torch.no_grad():
-        dec._target(ids, (valid.long().cumsum(1) - 1).clamp(min=0), valid, cache, aux=False)
-        logits, states = dec._target(
+        dec.target_forward(ids, (valid.long().cumsum(1) - 1).clamp(min=0), valid, cache, aux=False)
+        logits, states = dec.target_forward(
             tokens,
             length[:, None] + depths,
             torch.cat([valid, torch.ones(2, 7, dtype=torch.bool)], 1),

@@ -219,7 +219,7 @@ class SpecDecoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _target(
+    def target_forward(
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
@@ -276,7 +276,7 @@ class SpecDecoder:
         padded = len(set(lengths)) > 1
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # [B, L]
         cache = DynamicCache()
-        logits, aux = self._target(ids, positions, valid if padded else None, cache, aux=True, last_only=True)
+        logits, aux = self.target_forward(ids, positions, valid if padded else None, cache, aux=True, last_only=True)
         assert aux is not None  # aux=True
         last = logits[:, -1].argmax(-1)  # [B] the first new token
         start = time.perf_counter()
@@ -307,7 +307,9 @@ class SpecDecoder:
             self.counters.draft_seconds += time.perf_counter() - start
             if self.tree is None:
                 valid_in = torch.cat([valid, valid.new_ones(b, k + 1)], dim=1) if padded else None
-                logits, aux = self._target(torch.cat([last[:, None], drafts], dim=1), pos, valid_in, cache, aux=True)
+                logits, aux = self.target_forward(
+                    torch.cat([last[:, None], drafts], dim=1), pos, valid_in, cache, aux=True
+                )
                 assert aux is not None  # aux=True
                 greedy = logits.argmax(-1)  # [B, k+1]: the target's token after each prefix
                 match = (drafts == greedy[:, :k]) & ~self._is_eos(drafts)
@@ -315,7 +317,7 @@ class SpecDecoder:
             else:  # one forward over the N nodes [B, N], each at its depth's position, seeing its ancestors
                 n = tree.tokens.shape[1]
                 valid_in = torch.cat([valid, valid.new_ones(b, n)], dim=1)
-                logits, aux = self._target(
+                logits, aux = self.target_forward(
                     tree.tokens, length[:, None] + tree.depths, valid_in, cache, aux=True, tree=tree.ancestors()
                 )
                 assert aux is not None  # aux=True
@@ -419,7 +421,7 @@ class SpecDecoder:
         length = valid.sum(1)  # [B]
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache()
-        logits, _ = self._target(ids, positions, valid if padded else None, cache, aux=False, last_only=True)
+        logits, _ = self.target_forward(ids, positions, valid if padded else None, cache, aux=False, last_only=True)
         out = [Reference([]) for _ in prompts]
         rows = list(range(len(prompts)))
         while True:
@@ -439,5 +441,5 @@ class SpecDecoder:
                 self._edit(cache, lambda x, keep=keep: x[keep])
                 valid, length, tok, rows = valid[keep], length[keep], tok[keep], [rows[j] for j in still]
             valid = torch.cat([valid, valid.new_ones(len(rows), 1)], dim=1)
-            logits, _ = self._target(tok[:, None], length[:, None], valid if padded else None, cache, aux=False)
+            logits, _ = self.target_forward(tok[:, None], length[:, None], valid if padded else None, cache, aux=False)
             length = length + 1

@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -45,6 +45,7 @@ from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.engines import registry
 from eagle3_train.engines.rules import resolve
 from eagle3_train.evaluation.decoding import Reference, SpecDecoder
+from eagle3_train.evaluation.graph_spec import GraphSpecDecoder
 from eagle3_train.evaluation.tree import TreeShape
 from eagle3_train.model import Eagle3Draft
 from eagle3_train.serving.card import eval_dir
@@ -81,6 +82,8 @@ class EvalConfig:
     position_bucket: int = 128  # tau by position in the reply: the first bucket's width in tokens; later buckets double (0-128, 128-256, 256-512, ...)
     max_new_tokens: int = 128  # generated tokens per turn
     batch_size: int = 32  # prompts decoded together (1: one at a time)
+    decoder: str = "eager"
+    """eager: transformers' forward at every step (any family; chains and trees); graph: static caches and one CUDA graph per verify step, speculative and plain greedy alike, so the timed speed-up is not the launch-bound one (dense llama/mistral/qwen2/qwen3 targets, chains). The lossless reference is the model's own forward either way"""
     max_turns: int | None = None  # only the first N user turns of each conversation (null: all)
     limit: int | None = None  # only the first N conversations
     tie_threshold: float | None = None  # lossless check's near-tie margin (null: by dtype, TIE_THRESHOLDS)
@@ -112,6 +115,10 @@ class EvalConfig:
             ),
             non_negative=("tie_threshold",),
         )
+        if self.decoder not in ("eager", "graph"):
+            raise ConfigError(f"decoder must be eager or graph, got {self.decoder!r}")
+        if self.decoder == "graph" and self.topk > 1:
+            raise ConfigError("decoder=graph decodes chains (topk=1); tree drafts run with decoder=eager")
         if self.tree is not None:
             self.tree.check(self.depth)
         elif self.num_draft_tokens not in (None, self.depth + 1):
@@ -308,6 +315,11 @@ class Evaluator:
             )
         self.eos = eos_ids(self.target.model, self.target.tokenizer)
         self.decoder = SpecDecoder(self.target.model, self.draft, self.layers, cfg.depth, self.eos, cfg.tree)
+        self.fast = (  # the timed decoders with decoder=graph; self.decoder's greedy stays the reference
+            GraphSpecDecoder(self.target.model, self.draft, self.layers, cfg.depth, self.eos, self.decoder)
+            if cfg.decoder == "graph"
+            else None
+        )
         self.threshold = cfg.tie_threshold if cfg.tie_threshold is not None else TIE_THRESHOLDS.get(self.dtype, 0.0)
         self.out = Path(cfg.out).expanduser() if cfg.out else eval_dir(self.draft_dir, cfg.engine)
 
@@ -342,12 +354,18 @@ class Evaluator:
         for turn in range(min(turns, self.cfg.max_turns or turns)):
             idx = [i for i, c in enumerate(conversations) if len(c.turns) > turn]
             prompts = [self.tokenize(conversations[i], turn, replies[i]) for i in idx]
+            timed = self.fast or self.decoder
             start = time.perf_counter()
-            spec = self.decoder.speculative(prompts, self.cfg.max_new_tokens, self.cfg.batch_size)
+            spec = timed.speculative(prompts, self.cfg.max_new_tokens, self.cfg.batch_size)
             seconds["speculative"] += time.perf_counter() - start
             start = time.perf_counter()
-            refs = self.decoder.greedy(prompts, self.cfg.max_new_tokens, self.cfg.batch_size)
+            plain = timed.greedy(prompts, self.cfg.max_new_tokens, self.cfg.batch_size)
             seconds["greedy"] += time.perf_counter() - start
+            refs = (
+                self.decoder.greedy(prompts, self.cfg.max_new_tokens, self.cfg.batch_size)
+                if self.fast is not None
+                else cast(list[Reference], plain)
+            )
             for i, prompt, s, r in zip(idx, prompts, spec, refs):
                 replies[i].append(self.reply(r.tokens))
                 results.append(
@@ -397,7 +415,7 @@ class Evaluator:
             if r.check["status"] != "identical"
         ]
         counts = {s: sum(r.check["status"] == s for r in results) for s in ("identical", "numerical", "diverged")}
-        c = self.decoder.counters
+        c = (self.fast or self.decoder).counters
         report = {
             "engine": self.cfg.engine,
             "rule": self.resolution.rule.versions,
@@ -436,7 +454,13 @@ class Evaluator:
             "batch_size": self.cfg.batch_size,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.decoder.device),
-            "timing": f"transformers eager execution, {self.cfg.batch_size} prompts at a time, both decoders",
+            "decoder": self.cfg.decoder,
+            "timing": (
+                f"transformers eager execution, {self.cfg.batch_size} prompts at a time, both decoders"
+                if self.fast is None
+                else f"static caches, a CUDA graph per verify step on a GPU, {self.cfg.batch_size} prompts at a "
+                f"time, both decoders (graph capture included)"
+            ),
             "speculative_seconds": seconds["speculative"],
             "greedy_seconds": seconds["greedy"],
             "speculative_tokens_per_s": tokens / max(seconds["speculative"], 1e-9),

@@ -38,7 +38,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass
@@ -197,6 +196,15 @@ class TTTCore(nn.Module):
             k, v = torch.cat([cache[0][0], k], dim=2), torch.cat([cache[0][1], v], dim=2)
         keys = [(k, v)] if step == 0 else [*cache[:step], (k, v)]
         return ttt_attention(q, keys, q.shape[1] // k.shape[1], mask), (k, v)
+
+
+def causal_lower_right(queries: int, keys: int) -> Any:
+    """SDPA's lower-right causal pattern: query i sees keys up to ``keys - queries + i``. Imported
+    when first needed: its module loads torch's compiler (3 s a process), which training without
+    ``train.compile`` and most commands never use."""
+    from torch.nn.attention.bias import causal_lower_right as bias
+
+    return bias(queries, keys)
 
 
 def ttt_attention(

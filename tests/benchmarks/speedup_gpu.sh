@@ -6,7 +6,10 @@
 #   2. eagle3-bench in vLLM, eager and with CUDA graphs: concurrency 1/4/16/64, greedy, 256 new tokens;
 #   3. eagle3-eval of the same draft on 512 and 1024 new tokens (tau by reply position);
 #   4. eagle3-eval tree drafts at SGLang's usual settings (topk / steps / draft tokens) next to chain-5;
-#   5. (STEPS=sglang, after launch/stage_sglang.sh) SGLang serving chain-5 and two trees through
+#   5. (STEPS=geval) eagle3-eval decoder=graph at batch 1 and 37, 256 new tokens, bf16 (GEVAL_DTYPE): eval's
+#      speculative decoding against its plain greedy, both graph-captured;
+#   6. (STEPS=moe) the MoE shape of the projection (bench_projection.py --shapes qwen3moe), the GPU idle;
+#   7. (STEPS=sglang, after launch/stage_sglang.sh) SGLang serving chain-5 and two trees through
 #      eagle3-bench (concurrency 1 and 16): its acceptance length next to eval's tree tau.
 # Each step keeps its results under $W whatever the later ones do (bench_*/results.json,
 # eval_*/report.json); progress: $W/log. STEPS (default "bench long tree") picks the steps after the
@@ -58,6 +61,13 @@ STEPS=" ${STEPS:-bench long tree} "
     $EVAL draft="$DRAFT" k="$2" topk="$1" num_steps="$2" num_draft_tokens="$3" max_new_tokens=128 ${EVAL_EXTRA:-} \
       out="$W/eval_tree_$1_$2_$3" > "$W/eval_tree_$1_$2_$3.log" 2>&1 || echo "tree $tree: exit $?"
   done
+  for bs in 1 37; do  # eval's own decoder, graph-captured: the speed-up over graph-captured greedy
+    [[ "$STEPS" == *" geval "* ]] || break
+    echo "== $(date +%T) eagle3-eval decoder=graph, batch $bs, ${GEVAL_DTYPE:-bfloat16}"
+    python3 -m eagle3_train.evaluation.eval target=embedded prompts="$PROMPTS/heldout.jsonl" draft="$DRAFT" k=5 \
+      decoder=graph batch_size=$bs dtype="${GEVAL_DTYPE:-bfloat16}" max_new_tokens=256 progress=false plot=false \
+      out="$W/eval_graph_b$bs" > "$W/eval_graph_b$bs.log" 2>&1 || echo "graph eval batch $bs: exit $?"
+  done
   for tree in "1 5 6" "4 5 16" "8 7 64"; do
     [[ "$STEPS" == *" sglang "* ]] || break
     # shellcheck disable=SC2086
@@ -69,5 +79,10 @@ STEPS=" ${STEPS:-bench long tree} "
       "spec_args=--speculative-eagle-topk $1 --speculative-num-draft-tokens $3" \
       > "$W/bench_sglang_$1_$2_$3.log" 2>&1 || echo "sglang bench $tree: exit $?"
   done
+  if [[ "$STEPS" == *" moe "* ]]; then
+    echo "== $(date +%T) the projection's MoE shape"
+    timeout 300 python3 tests/benchmarks/bench_projection.py --out "$W/projection_moe.json" --shapes qwen3moe --repeats 3 \
+      > "$W/projection_moe.log" 2>&1 || echo "projection: exit $?"
+  fi
   echo "== $(date +%T) all done"
 } >> "$W/log" 2>&1

@@ -52,8 +52,7 @@ source launch/engine_env.sh
   fi
   wait
   echo "== $(date +%T) 4. the projection's MoE shape"
-  timeout 300 python3 tests/benchmarks/bench_projection.py --out "$W/projection_moe.json" --shapes qwen3moe --repeats 3 \
-    > "$W/projection_moe.log" 2>&1 || echo "projection: exit $?"
+  W="$W" STEPS=moe DRAFT="$DRAFT" bash tests/benchmarks/speedup_gpu.sh
   echo "== $(date +%T) all done"
   touch "$W/done"
 } >> "$W/log" 2>&1

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# What issue #34 still lacks, on a draft brought along (DRAFT, e.g. the recipe's export that
+# recipe_speedup_gpu.sh bundled), one lease of one H200, as one background job from the repository
+# root after launch/gpu_stage.sh (launch/stage_sglang.sh may finish while step 1 runs):
+#   1. eagle3-eval decoder=graph at batch 1 and 37 (speedup_gpu.sh STEPS=geval): eval's speed-up with
+#      both decoders graph-captured;
+#   2. SGLang serving chain-5 and the trees 4/5/16 and 8/7/64 at concurrency 1 (STEPS=sglang): its
+#      acceptance length next to eagle3-eval's tree tau on the same draft (STEPS=tree, run beside it);
+#   3. the MoE shape of the projection (bench_projection.py --shapes qwen3moe), the GPU idle.
+# Progress: $W/log; $W/done when finished; `bash tests/benchmarks/study_speedup_gpu.sh bundle DIR` with
+# W and DRAFT=/nonexistent packs the results.
+#
+#   W=/tmp/w DRAFT=/tmp/draft/export setsid nohup bash tests/benchmarks/finish34_gpu.sh > /dev/null 2>&1 < /dev/null &
+set -uo pipefail
+W=${W:-/tmp/w}
+DRAFT=${DRAFT:?DRAFT=<an exported draft directory>}
+mkdir -p "$W"
+rm -f "$W/done"
+export EAGLE3_CACHE=${EAGLE3_CACHE:-/tmp/e3cache} PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+export PYTHONPATH=${SITE:-/tmp/site}:$(pwd)
+# shellcheck source=launch/engine_env.sh
+source launch/engine_env.sh
+{
+  echo "== $(date +%T) 1. eagle3-eval decoder=graph ($DRAFT)"
+  W="$W" DRAFT="$DRAFT" STEPS=geval bash tests/benchmarks/speedup_gpu.sh
+  echo "== $(date +%T) 2. SGLang chain-5 and trees | eval's trees"
+  W="$W" DRAFT="$DRAFT" STEPS=tree bash tests/benchmarks/speedup_gpu.sh &
+  for _ in $(seq 1 40); do compgen -G "$SGSITE/.stage_sglang-*" > /dev/null && break; sleep 15; done
+  if compgen -G "$SGSITE/.stage_sglang-*" > /dev/null; then
+    "${sglang_env[@]}" W="$W/sglang" DRAFT="$DRAFT" STEPS=sglang SGLANG_MEM=0.4 SGLANG_CONCURRENCY="[1]" \
+      bash tests/benchmarks/speedup_gpu.sh
+  else
+    echo "SGLang is not staged: skipped"
+  fi
+  wait
+  echo "== $(date +%T) 3. the projection's MoE shape"
+  W="$W" STEPS=moe DRAFT="$DRAFT" bash tests/benchmarks/speedup_gpu.sh
+  echo "== $(date +%T) all done"
+  touch "$W/done"
+} >> "$W/log" 2>&1
