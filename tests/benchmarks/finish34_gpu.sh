@@ -6,7 +6,9 @@
 #      both decoders graph-captured;
 #   2. SGLang serving chain-5 and the trees 4/5/16 and 8/7/64 at concurrency 1 (STEPS=sglang): its
 #      acceptance length next to eagle3-eval's tree tau on the same draft (STEPS=tree, run beside it);
-#   3. the MoE shape of the projection (bench_projection.py --shapes qwen3moe), the GPU idle.
+#   3. the MoE shape of the projection (bench_projection.py --shapes qwen3moe), the GPU idle;
+#   4. where launch/stage_vllm.sh has installed vLLM: its bench with CUDA graphs at k=BENCH_K (7) drafts a
+#      step, concurrency 1/4/16 (a draft whose later positions accept well may pay for a longer chain).
 # Progress: $W/log; $W/done when finished; `bash tests/benchmarks/study_speedup_gpu.sh bundle DIR` with
 # W and DRAFT=/nonexistent packs the results.
 #
@@ -35,6 +37,12 @@ source launch/engine_env.sh
   wait
   echo "== $(date +%T) 3. the projection's MoE shape"
   W="$W" STEPS=moe DRAFT="$DRAFT" bash tests/benchmarks/speedup_gpu.sh
+  if compgen -G "$VSITE/.stage_vllm-*" > /dev/null; then
+    echo "== $(date +%T) 4. vLLM with CUDA graphs at k=${BENCH_K:-7}"
+    mkdir -p "$W/k${BENCH_K:-7}"
+    "${vllm_env[@]}" W="$W/k${BENCH_K:-7}" DRAFT="$DRAFT" MODES=graphs STEPS=bench \
+      BENCH_EXTRA="num_speculative_tokens=${BENCH_K:-7} concurrency=[1,4,16]" bash tests/benchmarks/speedup_gpu.sh
+  fi
   echo "== $(date +%T) all done"
   touch "$W/done"
 } >> "$W/log" 2>&1
