@@ -514,11 +514,13 @@ def assert_same_run(a: Path, b: Path) -> None:
         ("train.step", 9),  # later: step 9 computed, steps up to 8 logged and saved
     ],
 )
-def test_training_killed_anywhere_resumes_to_the_uninterrupted_run(std, trained, tmp_path, point, n):
+def test_training_killed_anywhere_resumes_to_the_uninterrupted_run(std, trained, tmp_path, point, n, said):
     out = tmp_path / "run"
     kill_at(point, n, lambda: train(std, out, **TRAIN))
     assert not (out / "manifest.json").exists()
+    said()
     train(std, out, **TRAIN)
+    assert "resumed from" in said()  # the user is told where it went on from
     assert_same_run(trained, out)
 
 
