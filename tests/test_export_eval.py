@@ -659,3 +659,24 @@ def test_graph_decoder_refusals():
     moe = SimpleNamespace(config=SimpleNamespace(model_type="qwen3_moe"))
     with pytest.raises(ConfigError, match="not model_type 'qwen3_moe'; use decoder=eager"):
         GraphSpecDecoder(moe, None, [1], 5, {0})  # type: ignore[arg-type]
+
+
+def test_graph_round_never_reads_a_value_on_the_host():
+    """What a CUDA graph captures must not wait for a value on the host (a sync breaks capture). On
+    meta tensors every op runs but any read of a value fails: one speculative round and one greedy
+    round run there."""
+    from eagle3_train.evaluation.graph_spec import GraphSpecDecoder
+    from eagle3_train.model import Eagle3Draft
+    from eagle3_train.targets.tiny import build_tiny_model, tiny_config
+
+    model = build_tiny_model().eval()
+    draft = Eagle3Draft(DraftConfig.from_target(tiny_config(), num_aux=3, draft_vocab_size=48)).eval()
+    dec = GraphSpecDecoder(model, draft, [1, 2, 4], 3, {5})
+    states = {k: dec._state(2, 128, 64, k, 16, torch.tensor([10, 20])) for k in (3, 0)}
+    model.to("meta"), draft.to("meta")
+    dec.eos_ids = dec.eos_ids.to("meta")
+    for k, state in states.items():
+        s = {name: t.to("meta") for name, t in state.items()}
+        dec._round(s, k, 16)
+        with pytest.raises(RuntimeError, match="meta"):  # the check bites: a host read fails here
+            bool(s["done"].all())
