@@ -135,7 +135,9 @@ class GraphSpecDecoder:
     def _decode(self, prompts: list[list[int]], max_new: int, k: int) -> list[Decoded]:
         B, dev = len(prompts), self.device
         W = -(-max(map(len, prompts)) // WIDTH_STEP) * WIDTH_STEP
-        L = W + max_new + 2 * k + 2  # the last round may pass max_new by k, and writes k+1 columns
+        # the last round may pass max_new by k and writes k+1 columns; a multiple of 64 keeps the
+        # attention's key length aligned for the fused kernels
+        L = -(-(W + max_new + 2 * k + 2) // WIDTH_STEP) * WIDTH_STEP
         why = unsupported(self.model, L)
         if why is not None:
             raise ConfigError(f"eagle3-eval decoder=graph cannot run this target: {why}; use decoder=eager")
