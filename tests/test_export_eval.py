@@ -639,9 +639,17 @@ def test_graph_decoder_equals_the_eager_decoder(pipeline, tmp_path):
         assert [g.tokens for g in got] == [w.tokens for w in want], batch
         assert [g.accepted for g in got] == [w.accepted for w in want], batch
     assert [g.tokens for g in fast.greedy(prompts, 48, 5)] == [r.tokens for r in ev.decoder.greedy(prompts, 48, 12)]
+    for m in (1, 2):  # replies shorter than a round
+        assert fast.speculative(prompts, m, 5) == ev.decoder.speculative(prompts, m, 5), m
+    # an end token as some rows' first token, and as a token others reach mid-reply
+    eos = ev.eos | {want[0].tokens[0], want[1].tokens[5]}
+    ends = SpecDecoder(ev.target.model, ev.draft, ev.layers, ev.cfg.k, eos).speculative(prompts, 48, 12)
+    assert GraphSpecDecoder(ev.target.model, ev.draft, ev.layers, ev.cfg.k, eos).speculative(prompts, 48, 5) == ends
+    assert len(ends[0].tokens) == 1 and len(ends[1].tokens) <= 6
     report = evaluator(pipeline, limit=12, batch_size=5, decoder="graph", out=str(tmp_path / "g")).run()
     steps = [a for w in want for a in w.accepted]
     assert report["decoder"] == "graph" and report["lossless"] == "identical"
+    assert report["timed_greedy_equals_reference"] == 12 and report["draft_seconds"] is None
     assert report["tau"] == (sum(steps) + len(steps)) / len(steps)
 
 

@@ -27,7 +27,7 @@ speed-up. Here, per batch of B rows (left-padded to W columns, row b's prompt st
   positions too, where the next round's step 0 writes over them: what chain step j sees is the
   context's step-0 keys and the chain's own, as in :meth:`Eagle3Draft.propose`.
 - rows that end (an end token, or ``max_new`` tokens) stop writing their output and stop moving;
-  the host looks at "have all rows ended?" every ``CHECK_EVERY`` rounds only.
+  the host looks at "have all rows ended?" before every round.
 
 Plain greedy decoding is the same round with k = 0 and no draft. On a CPU there is no graph: the same
 round runs eagerly (the tests compare it with the eager decoder token for token in fp32).
@@ -45,7 +45,8 @@ from eagle3_train.evaluation.decoding import Counters, Decoded, SpecDecoder, in_
 from eagle3_train.model import Eagle3Draft
 from eagle3_train.targets.static import StaticTarget, unsupported
 
-CHECK_EVERY = 8  # rounds between the host's looks at "have all rows ended?"
+CHECK_EVERY = 1  # rounds between the host's looks at "have all rows ended?": a look costs a graph launch, a
+# round run for nothing costs a round (eval's batches are small)
 WIDTH_STEP = 64  # prompt widths are rounded up to this: the caches' shapes repeat across batches
 
 
@@ -70,14 +71,15 @@ def draft_step(
     columns = torch.arange(cache.shape[3], device=cols.device)
     visible = (columns >= start[:, None, None]) & (columns <= cols[:, :, None])  # [B, T, L]
     visible |= columns == cols[:, :, None]  # a padding query (left of start) sees itself: no row of -inf
+    # The query heads that share a key head as one longer query row each ([B, kv, g*T, d]), the mask
+    # repeated for them: SDPA's fused kernels take a mask but not grouped heads with it, and its
+    # fallback would copy the whole cache for every query head.
+    b, nh, t, d = q.shape
+    g = nh // k.shape[1]
+    mask = visible[:, None, None].expand(b, 1, g, t, visible.shape[-1]).reshape(b, 1, g * t, -1)
     attn = F.scaled_dot_product_attention(
-        q,
-        cache[0],
-        cache[1],
-        attn_mask=visible[:, None],
-        scale=q.shape[-1] ** -0.5,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
+        q.reshape(b, -1, g * t, d), cache[0], cache[1], attn_mask=mask, scale=d**-0.5
+    ).view(b, nh, t, d)
     return draft.midlayer.finish(attn.contiguous(), hidden)
 
 
@@ -107,6 +109,11 @@ class GraphSpecDecoder:
         why = unsupported(model, 0)
         if why is not None:
             raise ConfigError(f"eagle3-eval decoder=graph cannot run this target: {why}; use decoder=eager")
+        rope = getattr(getattr(draft, "rotary_emb", None), "rope_type", "default")
+        if "dynamic" in rope or rope == "longrope":  # its tables would be rebuilt on the host inside the graph
+            raise ConfigError(
+                f"eagle3-eval decoder=graph: the draft's rope_type {rope!r} rescales with the sequence; use decoder=eager"
+            )
         self.model, self.draft, self.layers, self.k, self.eos = model, draft, layers, k, eos
         self.static = StaticTarget(model)
         self.device = self.static.device
@@ -194,7 +201,6 @@ class GraphSpecDecoder:
             result.append(d)
         if k:
             self.counters.row_rounds += sum(r)
-            self.counters.draft_positions += sum(r) * (2 * k)  # k+1 columns of step 0, k-1 chain steps
         return result
 
     def _state(self, B: int, L: int, W: int, k: int, max_new: int, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
