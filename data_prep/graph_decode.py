@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from eagle3_train.core.errors import ConfigError
-from eagle3_train.targets.static import StaticTarget, unsupported
+from eagle3_train.targets.static import Replayer, StaticTarget, unsupported
 
 PREFILL_KV_BYTES = 8 << 30  # the transformers cache one prefill slice builds before it is copied (sets its rows)
 CHECK_EVERY = 16  # decode steps between the host's looks at "have all rows ended?"
@@ -150,25 +150,11 @@ class GraphDecoder:
         s["pos"].copy_(lengths)
         s["start"].copy_(W - lengths)
         steps, t = self.T - 1, 0
-        graph = None
+        step = Replayer(lambda: self._step(s), self.device)
         while t < steps:
             if t % CHECK_EVERY == 0 and bool(s["done"].all()):
                 break
-            if graph is None and self.device.type == "cuda" and t >= 2:  # two eager steps warm the kernels up
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self._step(s)
-                # capturing recorded the step without running it
-            if graph is not None:
-                graph.replay()
-            elif self.device.type == "cuda":  # eager steps on a side stream, as graph capture wants
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    self._step(s)
-                torch.cuda.current_stream(self.device).wait_stream(side)
-            else:
-                self._step(s)
+            step()
             t += 1
         out = s["out"][:, : t + 1]
         if t + 1 < self.T:  # every row ended early: pad as generate would

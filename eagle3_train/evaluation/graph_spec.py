@@ -43,10 +43,8 @@ import torch.nn.functional as F
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.evaluation.decoding import Counters, Decoded, SpecDecoder, in_batches, left_pad
 from eagle3_train.model import Eagle3Draft
-from eagle3_train.targets.static import StaticTarget, unsupported
+from eagle3_train.targets.static import Replayer, StaticTarget, unsupported
 
-CHECK_EVERY = 1  # rounds between the host's looks at "have all rows ended?": a look costs a graph launch, a
-# round run for nothing costs a round (eval's batches are small)
 WIDTH_STEP = 64  # prompt widths are rounded up to this: the caches' shapes repeat across batches
 
 
@@ -172,25 +170,11 @@ class GraphSpecDecoder:
         s["out"][:, 0] = s["last"]
         s["n"].fill_(1)
         s["done"].copy_(self._is_eos(s["last"]) | (max_new <= 1))
-        graph, rounds = None, 0
-        while rounds < max_new:
-            if rounds % CHECK_EVERY == 0 and bool(s["done"].all()):
+        round_ = Replayer(lambda: self._round(s, k, max_new), dev)
+        for _ in range(max_new):  # at most max_new rounds: each adds a token at least
+            if bool(s["done"].all()):  # a look before every round: eval's batches are small
                 break
-            if graph is None and dev.type == "cuda" and rounds >= 2:  # two eager rounds warm the kernels up
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self._round(s, k, max_new)
-            if graph is not None:
-                graph.replay()
-            elif dev.type == "cuda":  # eager rounds on a side stream, as graph capture wants
-                side = torch.cuda.Stream(dev)
-                side.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(side):
-                    self._round(s, k, max_new)
-                torch.cuda.current_stream(dev).wait_stream(side)
-            else:
-                self._round(s, k, max_new)
-            rounds += 1
+            round_()
         n, r = s["n"].tolist(), s["rounds"].tolist()
         tokens, accepted = s["out"].tolist(), s["accepted"].tolist()
         result = []

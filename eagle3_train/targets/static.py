@@ -23,6 +23,7 @@ grouping the query heads over their key head, no repeated keys).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,3 +162,39 @@ class StaticTarget:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The model's logits of a last-layer output (final norm, lm_head): [..., H] -> [..., V]."""
         return self.model.lm_head(self.inner.norm(x))
+
+
+class Replayer:
+    """Runs a device-only ``step`` (one that reads and writes only buffers of fixed address) again and
+    again: on a CPU eagerly; on a GPU the first ``warmup`` calls eagerly on a side stream (as graph
+    capture wants; they warm the kernels up), then the step is captured once as a CUDA graph (capture
+    records it without running it) and replayed on every call from then on.
+
+    Args:
+        step: the step, a function of nothing.
+        device: where its buffers live.
+        warmup: eager calls before the capture.
+    """
+
+    def __init__(self, step: Callable[[], None], device: torch.device, warmup: int = 2):
+        self.step, self.device, self.warmup = step, device, warmup
+        self.calls = 0
+        self.graph: Any = None
+
+    def __call__(self) -> None:
+        if self.device.type != "cuda":
+            self.step()
+        elif self.graph is None and self.calls >= self.warmup:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.step()
+            self.graph.replay()
+        elif self.graph is not None:
+            self.graph.replay()
+        else:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+        self.calls += 1
