@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # Issues #35 and #34 in one lease of one H200, as one background job (run from the repository root
-# after launch/gpu_stage.sh, launch/stage_vllm.sh and, for the SGLang step, launch/stage_sglang.sh):
+# after launch/gpu_stage.sh; launch/stage_vllm.sh and launch/stage_sglang.sh may finish while step 1 runs):
 #   1. #35's study: tests/benchmarks/recipe_sweep_gpu.sh on STUDY_N synthesized conversations with the
 #      recipe's head (draft vocab 16384, MLP 6144, lr 2e-3, EPOCHS), every line of
-#      tests/benchmarks/study35_variants.txt (or VARIANTS) trained at once on the one GPU, each
-#      evaluated at 128 and 512 new tokens;
+#      tests/benchmarks/study35_variants.txt (or VARIANTS) trained on the one GPU (MAX_JOBS at once),
+#      each evaluated at 128 and 512 new tokens;
 #   2. #34 on the study's `base` draft (DRAFT= another export), the GPU otherwise idle: eagle3-bench
-#      in vLLM, eager and with CUDA graphs (tests/benchmarks/speedup_gpu.sh STEPS=bench);
-#   3. then side by side: eval at 512/1024 new tokens and the trees (STEPS="long tree") | SGLang
-#      serving chain-5 and two trees (STEPS=sglang, where /tmp/sgsite is staged);
-#   4. the MoE shape of the projection (bench_projection.py --shapes qwen3moe), the GPU idle again.
+#      in vLLM, eager and with CUDA graphs (speedup_gpu.sh STEPS=bench), where vLLM is staged;
+#   3. then side by side: eagle3-eval's STEPS3 (default "long tree": 512/1024 new tokens, the trees) |
+#      SGLang serving chain-5 and two trees (STEPS=sglang; waits up to 10 minutes for its staging);
+#   4. IDLE (default "moe") on the otherwise idle GPU, one at a time: geval (eagle3-eval decoder=graph at
+#      batch 1 and 37, a timing) and moe (the MoE shape of the projection).
 # Progress: $W/log; $W/done when finished. Every step keeps what it wrote whatever the later ones do;
 # `bash tests/benchmarks/study_speedup_gpu.sh bundle DIR` packs the small files (reports, logs,
 # results) into DIR/results.tgz at any time, and the base draft's export (or DRAFT's) into
 # DIR/draft.tgz.part-00, -01, ... (15 MiB each: `cat draft.tgz.part-* | tar xz` puts it back together).
 #
 #   W=/tmp/w setsid nohup bash tests/benchmarks/study_speedup_gpu.sh > /dev/null 2>&1 < /dev/null &
+#   (session 18: VARIANTS="$(grep -E '^(base|ema|sure|wsd)' tests/benchmarks/study35_variants.txt)"
+#    STEPS3=tree IDLE="geval moe")
 set -uo pipefail
 W=${W:-/tmp/w}
 REPO=$(pwd)
@@ -42,17 +45,26 @@ source launch/engine_env.sh
     TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-480} EVAL_LONG=512 VARIANTS="${VARIANTS:-$(cat tests/benchmarks/study35_variants.txt)}" \
     bash tests/benchmarks/recipe_sweep_gpu.sh || echo "the study failed: exit $?"
   DRAFT=${DRAFT:-$W/study/run/curve/base/export}
-  echo "== $(date +%T) 2. #34 bench in vLLM ($DRAFT)"
-  "${vllm_env[@]}" W="$W/speedup" DRAFT="$DRAFT" STEPS=bench BENCH_EXTRA="${BENCH_EXTRA:-}" bash tests/benchmarks/speedup_gpu.sh
-  echo "== $(date +%T) 3. long replies and trees | SGLang"
-  W="$W/speedup" DRAFT="$DRAFT" STEPS="long tree" bash tests/benchmarks/speedup_gpu.sh &
-  if [ -d "$SGSITE" ]; then
+  if compgen -G "$VSITE/.stage_vllm-*" > /dev/null; then
+    echo "== $(date +%T) 2. #34 bench in vLLM ($DRAFT)"
+    "${vllm_env[@]}" W="$W/speedup" DRAFT="$DRAFT" STEPS=bench BENCH_EXTRA="${BENCH_EXTRA:-}" bash tests/benchmarks/speedup_gpu.sh
+  else
+    echo "== $(date +%T) 2. vLLM is not staged: no bench"
+  fi
+  echo "== $(date +%T) 3. ${STEPS3:-long tree} | SGLang"
+  W="$W/speedup" DRAFT="$DRAFT" STEPS="${STEPS3:-long tree}" bash tests/benchmarks/speedup_gpu.sh &
+  for _ in $(seq 1 40); do compgen -G "$SGSITE/.stage_sglang-*" > /dev/null && break; sleep 15; done
+  if compgen -G "$SGSITE/.stage_sglang-*" > /dev/null; then
     "${sglang_env[@]}" W="$W/speedup_sglang" DRAFT="$DRAFT" STEPS=sglang SGLANG_MEM=0.3 \
-      SGLANG_CONCURRENCY="${SGLANG_CONCURRENCY:-[1]}" bash tests/benchmarks/speedup_gpu.sh &
+      SGLANG_CONCURRENCY="${SGLANG_CONCURRENCY:-[1]}" bash tests/benchmarks/speedup_gpu.sh
+  else
+    echo "SGLang is not staged: skipped"
   fi
   wait
-  echo "== $(date +%T) 4. the projection's MoE shape"
-  W="$W" STEPS=moe DRAFT="$DRAFT" bash tests/benchmarks/speedup_gpu.sh
+  for step in ${IDLE:-moe}; do
+    echo "== $(date +%T) 4. $step, the GPU otherwise idle"
+    W="$W/speedup" STEPS="$step" DRAFT="$DRAFT" bash tests/benchmarks/speedup_gpu.sh
+  done
   echo "== $(date +%T) all done"
   touch "$W/done"
 } >> "$W/log" 2>&1
