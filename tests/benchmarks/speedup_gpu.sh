@@ -9,8 +9,12 @@
 #   5. (STEPS=geval) eagle3-eval decoder=graph at batch 1 and 37, 256 new tokens, bf16 (GEVAL_DTYPE): eval's
 #      speculative decoding against its plain greedy, both graph-captured;
 #   6. (STEPS=moe) the MoE shape of the projection (bench_projection.py --shapes qwen3moe), the GPU idle;
-#   7. (STEPS=sglang, after launch/stage_sglang.sh) SGLang serving chain-5 and two trees through
-#      eagle3-bench (concurrency 1 and 16): its acceptance length next to eval's tree tau.
+#   7. (STEPS=sglang, after launch/stage_sglang.sh) SGLang serving chain-5 and two trees (SGLANG_TREES,
+#      "topk steps tokens,...") through eagle3-bench (concurrency SGLANG_CONCURRENCY): its acceptance
+#      length next to eval's tree tau. SGLANG_ARGS (default "--attention-backend triton --sampling-backend
+#      pytorch") are added to both engines: the staged bundle leaves out sgl_kernel's FlashAttention-3
+#      build, and SGLang 0.5.17 picks fa3 on an H200 when no backend is named (its server then exits with
+#      "Can not import FA3 in sgl_kernel"; measured in session 18).
 # Each step keeps its results under $W whatever the later ones do (bench_*/results.json,
 # eval_*/report.json); progress: $W/log. STEPS (default "bench long tree") picks the steps after the
 # draft; MODES ("eager graphs") picks the vLLM modes of the bench; BENCH_EXTRA adds eagle3-bench
@@ -68,14 +72,15 @@ STEPS=" ${STEPS:-bench long tree} "
       decoder=graph batch_size=$bs dtype="${GEVAL_DTYPE:-bfloat16}" max_new_tokens=256 progress=false plot=false \
       out="$W/eval_graph_b$bs" > "$W/eval_graph_b$bs.log" 2>&1 || echo "graph eval batch $bs: exit $?"
   done
-  for tree in "1 5 6" "4 5 16" "8 7 64"; do
+  IFS=, read -ra sg_trees <<< "${SGLANG_TREES:-1 5 6,4 5 16,8 7 64}"  # "topk steps tokens,..."
+  for tree in "${sg_trees[@]}"; do
     [[ "$STEPS" == *" sglang "* ]] || break
     # shellcheck disable=SC2086
     set -- $tree
     echo "== $(date +%T) eagle3-bench, SGLang topk=$1 num_steps=$2 num_draft_tokens=$3"
     timeout "${BENCH_TIMEOUT:-600}" python3 -m eagle3_train.evaluation.bench engine=sglang target="$TDIR" draft="$DRAFT" \
       out="$W/bench_sglang_$1_$2_$3" max_new_tokens=256 plot=false concurrency="${SGLANG_CONCURRENCY:-[1,16]}" num_speculative_tokens="$2" \
-      "engine_args=--mem-fraction-static ${SGLANG_MEM:-0.5}" \
+      "engine_args=--mem-fraction-static ${SGLANG_MEM:-0.5} ${SGLANG_ARGS---attention-backend triton --sampling-backend pytorch}" \
       "spec_args=--speculative-eagle-topk $1 --speculative-num-draft-tokens $3" \
       > "$W/bench_sglang_$1_$2_$3.log" 2>&1 || echo "sglang bench $tree: exit $?"
   done

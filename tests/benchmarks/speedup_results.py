@@ -1,9 +1,11 @@
 """Condense tests/benchmarks/speedup_gpu.sh's output directory into the results JSONs the docs
 show (issue #34): the served speed-up per engine mode and concurrency (eagle3-bench), and eval's
-tau on long replies (by reply position) and with tree drafts next to chain-5.
+tau on long replies (by reply position) and with tree drafts next to chain-5, SGLang's acceptance
+length for the same trees next to eval's tau (--sglang, speedup_gpu.sh STEPS=sglang's W), and eval's
+graph-captured decoder against its graph-captured greedy (eval_graph_b*, STEPS=geval).
 
     python3 -m tests.benchmarks.speedup_results W --bench-out results/bench_vllm_h200.json \
-        --eval-out results/eval_trees_long_h200.json --note "..."
+        --eval-out results/eval_trees_long_h200.json --sglang W_SGLANG --note "..."
 
 Each output carries ``tables`` (title, header, rows) that docs/gen_pages.py renders as they are.
 """
@@ -136,11 +138,87 @@ def eval_summary(w: Path) -> dict[str, Any]:
     }
 
 
+def sglang_trees(w_eval: Path, w_sglang: Path) -> dict[str, Any]:
+    """SGLang's acceptance length (its bench at concurrency 1) beside eagle3-eval's tau, tree by tree."""
+    out, rows = {}, []
+    for p in sorted(w_sglang.glob("bench_sglang_*/results.json")):
+        topk, steps, nodes = (int(x) for x in p.parent.name.split("_")[2:])
+        r = json.loads(p.read_text())
+        ev = _load(w_eval / f"eval_tree_{topk}_{steps}_{nodes}" / "report.json")
+        for row in r["rows"]:
+            s, b = row.get("spec") or {}, row["baseline"]
+            key = f"topk{topk}_steps{steps}_tokens{nodes}_c{row['concurrency']}"
+            v = out[key] = {
+                "engine_tau": round(s.get("mean_acceptance_length", float("nan")), 3),
+                "eval_tau": round(ev["tau"], 3) if ev else None,
+                "speedup": round(row["speedup"], 3),
+                "baseline_tokens_per_s": round(b["output_tokens_per_s"], 1),
+                "spec_tokens_per_s": round(s.get("output_tokens_per_s", float("nan")), 1),
+            }
+            gap = f"{v['engine_tau'] / v['eval_tau']:.2f}" if v["eval_tau"] else "—"
+            rows.append(
+                [str(topk), str(steps), str(nodes), str(row["concurrency"]), f"{v['engine_tau']:.3f}",
+                 f"{v['eval_tau']:.3f}" if v["eval_tau"] else "—", gap, f"{v['speedup']:.2f}×"]
+            )
+    chain = next((v["engine_tau"] for k, v in out.items() if k.startswith("topk1_")), None)
+    if not rows:
+        return {"sglang": out, "tables": []}
+    return {
+        "sglang": out,
+        "tables": [
+            {
+                "title": "SGLang's acceptance length against eagle3-eval's τ, same draft and tree settings",
+                "header": ["topk", "steps", "draft tokens", "concurrency", "SGLang τ", "eval τ", "SGLang / eval",
+                           "SGLang speed-up"],
+                "rows": rows,
+            }
+        ]
+        + (
+            [{"title": "SGLang trees against its chain-5", "header": ["topk", "steps", "draft tokens", "× chain-5 τ"],
+              "rows": [[k.split("_")[0][4:], k.split("_")[1][5:], k.split("_")[2][6:], f"{v['engine_tau'] / chain:.2f}"]
+                       for k, v in out.items()]}]
+            if chain else []
+        ),
+    }
+
+
+def graph_eval(w: Path) -> dict[str, Any]:
+    """eagle3-eval decoder=graph: speculative against plain greedy, both graph-captured, per batch size."""
+    out, rows = {}, []
+    for p in sorted(w.glob("eval_graph_b*/report.json"), key=lambda p: int(p.parent.name[len("eval_graph_b"):])):
+        r = json.loads(p.read_text())
+        bs = int(p.parent.name[len("eval_graph_b"):])
+        v = out[f"b{bs}"] = {
+            "tau": round(r["tau"], 4),
+            "speedup": round(r["speedup"], 3),
+            "speculative_tokens_per_s": round(r["speculative_tokens_per_s"], 1),
+            "greedy_tokens_per_s": round(r["greedy_tokens_per_s"], 1),
+            "lossless": r.get("lossless"),
+            "timed_greedy_equals_reference": r.get("timed_greedy_equals_reference"),
+            "dtype": r.get("config", {}).get("dtype"),
+        }
+        rows.append([str(bs), f"{v['tau']:.3f}", f"{v['greedy_tokens_per_s']:.0f}", f"{v['speculative_tokens_per_s']:.0f}",
+                     f"{v['speedup']:.2f}×", str(v["lossless"])])
+    return {
+        "graph_eval": out,
+        "tables": [
+            {
+                "title": "eagle3-eval decoder=graph: speculative (chain k=5) against plain greedy, both graph-captured",
+                "header": ["batch", "τ", "greedy tokens/s", "speculative tokens/s", "speed-up", "lossless"],
+                "rows": rows,
+            }
+        ]
+        if rows
+        else [],
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("w", help="speedup_gpu.sh's W")
     p.add_argument("--bench-out")
     p.add_argument("--eval-out")
+    p.add_argument("--sglang", help="the W of speedup_gpu.sh STEPS=sglang (its trees beside W's eval trees)")
     p.add_argument("--machine", default=None, help="the eval side's machine, as words")
     p.add_argument("--command", default=None, help="the command that produced W")
     p.add_argument("--note", default=None, help="what the reader must know about the run (shared GPU, ...)")
@@ -152,6 +230,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.eval_out:
         ev = eval_summary(w)
         ev = {"what": ev.pop("what"), "machine": a.machine, **extra, **ev}
+        for part in ([sglang_trees(w, Path(a.sglang))] if a.sglang else []) + [graph_eval(w)]:
+            ev["tables"] += part.pop("tables")
+            ev.update(part)
+        ev["tables"] = [t for t in ev["tables"] if t["rows"]]
         Path(a.eval_out).write_text(json.dumps(ev, indent=1) + "\n")
 
 
