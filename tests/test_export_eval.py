@@ -638,6 +638,12 @@ def test_graph_decoder_equals_the_eager_decoder(pipeline, tmp_path):
         got = fast.speculative(prompts[:n], 48, batch)
         assert [g.tokens for g in got] == [w.tokens for w in want[:n]], batch
         assert [g.accepted for g in got] == [w.accepted for w in want[:n]], batch
+    # a later batch of a kept shape reuses its buffers (and on a GPU its captured round), reset in place
+    made = fast.states_made
+    assert made < 4 + 3 + 1 and len(fast.rounds) == made  # 8 batches so far, fewer shapes
+    assert fast.speculative(prompts, 48, 5) == want and fast.states_made == made
+    lean = GraphSpecDecoder(ev.target.model, ev.draft, ev.layers, ev.cfg.k, ev.eos, graph_bytes=0)
+    assert lean.speculative(prompts, 48, 5) == want and len(lean.rounds) == 1  # only the last shape kept
     assert [g.tokens for g in fast.greedy(prompts, 48, 5)] == [r.tokens for r in ev.decoder.greedy(prompts, 48, 12)]
     for m in (1, 2):  # replies shorter than a round
         assert fast.speculative(prompts, m, 5) == ev.decoder.speculative(prompts, m, 5), m

@@ -28,6 +28,10 @@ speed-up. Here, per batch of B rows (left-padded to W columns, row b's prompt st
   context's step-0 keys and the chain's own, as in :meth:`Eagle3Draft.propose`.
 - rows that end (an end token, or ``max_new`` tokens) stop writing their output and stop moving;
   the host looks at "have all rows ended?" before every round.
+- a batch's buffers and its captured round are kept (at most ``graph_bytes`` of buffers, the least
+  recently used dropped first) and used again by a later batch of the same shape (rows, columns L, k,
+  max_new): its buffers are reset in place and the graph replayed, not captured again (prompt widths
+  round up to ``WIDTH_STEP``, so shapes repeat; at batch 1 a capture per prompt would be timed).
 
 Plain greedy decoding is the same round with k = 0 and no draft. On a CPU there is no graph: the same
 round runs eagerly (the tests compare it with the eager decoder token for token in fp32).
@@ -35,6 +39,7 @@ round runs eagerly (the tests compare it with the eager decoder token for token 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -93,6 +98,8 @@ class GraphSpecDecoder:
         eos: ids that end generation.
         prefill: the eager decoder of the same model and draft, whose target forward runs the prompts
             (None: one is made).
+        graph_bytes: the buffers of earlier batches kept for later batches of the same shape (their
+            captured rounds with them); the current batch's are kept whatever their size.
     """
 
     def __init__(
@@ -103,6 +110,7 @@ class GraphSpecDecoder:
         k: int,
         eos: set[int],
         prefill: SpecDecoder | None = None,
+        graph_bytes: int = 2 << 30,
     ):
         why = unsupported(model, 0)
         if why is not None:
@@ -119,6 +127,9 @@ class GraphSpecDecoder:
         # the prompts' forward: the eager decoder's (it keeps the last layer's pre-norm state)
         self.prefill = prefill or SpecDecoder(model, draft, layers, k, eos)
         self.counters = Counters()
+        self.graph_bytes = graph_bytes
+        self.rounds: OrderedDict[tuple[int, ...], tuple[dict[str, torch.Tensor], Replayer]] = OrderedDict()
+        self.states_made = 0  # buffers allocated (and rounds captured on a GPU): one per shape kept
 
     @torch.no_grad()
     def speculative(self, prompts: list[list[int]], max_new: int, batch_size: int) -> list[Decoded]:
@@ -151,7 +162,7 @@ class GraphSpecDecoder:
         valid = F.pad(valid, (W - valid.shape[1], 0))  # [B, W]
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
         lengths = valid.sum(1)  # [B]
-        s = self._state(B, L, W, k, max_new, lengths)
+        s, round_ = self._kept(B, L, W, k, max_new, lengths)
         # prefill: the model's own forward (its keys/values into the static cache), then draft step 0
         from transformers import DynamicCache
 
@@ -170,7 +181,6 @@ class GraphSpecDecoder:
         s["out"][:, 0] = s["last"]
         s["n"].fill_(1)
         s["done"].copy_(self._is_eos(s["last"]) | (max_new <= 1))
-        round_ = Replayer(lambda: self._round(s, k, max_new), dev)
         for _ in range(max_new):  # at most max_new rounds: each adds a token at least
             if bool(s["done"].all()):  # a look before every round: eval's batches are small
                 break
@@ -186,6 +196,33 @@ class GraphSpecDecoder:
         if k:
             self.counters.row_rounds += sum(r)
         return result
+
+    def _kept(
+        self, B: int, L: int, W: int, k: int, max_new: int, lengths: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], Replayer]:
+        """The buffers and round of a batch of this shape: an earlier batch's, reset, or new ones."""
+        key = (B, L, k, max_new)
+        if key in self.rounds:
+            self.rounds.move_to_end(key)
+            s, round_ = self.rounds[key]
+            self._reset(s, W, lengths)
+            return s, round_
+        s = self._state(B, L, W, k, max_new, lengths)
+        round_ = Replayer(lambda: self._round(s, k, max_new), self.device)
+        self.rounds[key] = (s, round_)
+        self.states_made += 1
+        size = lambda st: sum(t.numel() * t.element_size() for t in st.values())  # noqa: E731
+        while len(self.rounds) > 1 and sum(size(st) for st, _ in self.rounds.values()) > self.graph_bytes:
+            self.rounds.popitem(last=False)  # the least recently used shape, its graph with it
+        return s, round_
+
+    def _reset(self, s: dict[str, torch.Tensor], W: int, lengths: torch.Tensor) -> None:
+        """A kept batch's buffers as :meth:`_state` makes them, in place (the graph reads these addresses)."""
+        for name, t in s.items():
+            if name not in ("cos", "sin"):  # the rope tables depend on the columns alone
+                t.zero_()
+        s["start"].copy_(W - lengths)
+        s["length"].copy_(lengths)
 
     def _state(self, B: int, L: int, W: int, k: int, max_new: int, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
         """The buffers one batch's rounds read and write (fixed addresses: the graph's inputs)."""
