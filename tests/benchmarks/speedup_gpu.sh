@@ -11,7 +11,7 @@
 #   6. (STEPS=moe) the MoE shape of the projection (bench_projection.py --shapes qwen3moe), the GPU idle;
 #   7. (STEPS=sglang, after launch/stage_sglang.sh) SGLang serving chain-5 and two trees (SGLANG_TREES,
 #      "topk steps tokens,...") through eagle3-bench (concurrency SGLANG_CONCURRENCY): its acceptance
-#      length next to eval's tree tau. SGLANG_ARGS (default "--attention-backend triton --sampling-backend
+#      length next to eval's tree tau (both on SGLANG_NEW_TOKENS, default 128, new tokens). SGLANG_ARGS (default "--attention-backend triton --sampling-backend
 #      pytorch") are added to both engines: the staged bundle leaves out sgl_kernel's FlashAttention-3
 #      build, and SGLang 0.5.17 picks fa3 on an H200 when no backend is named (its server then exits with
 #      "Can not import FA3 in sgl_kernel"; measured in session 18).
@@ -79,7 +79,7 @@ STEPS=" ${STEPS:-bench long tree} "
     set -- $tree
     echo "== $(date +%T) eagle3-bench, SGLang topk=$1 num_steps=$2 num_draft_tokens=$3"
     timeout "${BENCH_TIMEOUT:-600}" python3 -m eagle3_train.evaluation.bench engine=sglang target="$TDIR" draft="$DRAFT" \
-      out="$W/bench_sglang_$1_$2_$3" max_new_tokens=256 plot=false concurrency="${SGLANG_CONCURRENCY:-[1,16]}" num_speculative_tokens="$2" \
+      out="$W/bench_sglang_$1_$2_$3" max_new_tokens="${SGLANG_NEW_TOKENS:-128}" plot=false concurrency="${SGLANG_CONCURRENCY:-[1,16]}" num_speculative_tokens="$2" \
       "engine_args=--mem-fraction-static ${SGLANG_MEM:-0.5} ${SGLANG_ARGS---attention-backend triton --sampling-backend pytorch}" \
       "spec_args=--speculative-eagle-topk $1 --speculative-num-draft-tokens $3" \
       > "$W/bench_sglang_$1_$2_$3.log" 2>&1 || echo "sglang bench $tree: exit $?"
