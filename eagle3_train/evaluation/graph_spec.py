@@ -86,6 +86,10 @@ def draft_step(
     return draft.midlayer.finish(attn.contiguous(), hidden)
 
 
+def _nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
 class GraphSpecDecoder:
     """Greedy chain speculative decoding, and plain greedy decoding, over static caches (see the
     module docstring); the interface of :class:`~eagle3_train.evaluation.decoding.SpecDecoder`.
@@ -211,8 +215,7 @@ class GraphSpecDecoder:
         round_ = Replayer(lambda: self._round(s, k, max_new), self.device)
         self.rounds[key] = (s, round_)
         self.states_made += 1
-        size = lambda st: sum(t.numel() * t.element_size() for t in st.values())  # noqa: E731
-        while len(self.rounds) > 1 and sum(size(st) for st, _ in self.rounds.values()) > self.graph_bytes:
+        while len(self.rounds) > 1 and sum(_nbytes(st) for st, _ in self.rounds.values()) > self.graph_bytes:
             self.rounds.popitem(last=False)  # the least recently used shape, its graph with it
         return s, round_
 

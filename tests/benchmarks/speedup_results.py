@@ -157,8 +157,16 @@ def sglang_trees(w_eval: Path, w_sglang: Path) -> dict[str, Any]:
             }
             gap = f"{v['engine_tau'] / v['eval_tau']:.2f}" if v["eval_tau"] else "—"
             rows.append(
-                [str(topk), str(steps), str(nodes), str(row["concurrency"]), f"{v['engine_tau']:.3f}",
-                 f"{v['eval_tau']:.3f}" if v["eval_tau"] else "—", gap, f"{v['speedup']:.2f}×"]
+                [
+                    str(topk),
+                    str(steps),
+                    str(nodes),
+                    str(row["concurrency"]),
+                    f"{v['engine_tau']:.3f}",
+                    f"{v['eval_tau']:.3f}" if v["eval_tau"] else "—",
+                    gap,
+                    f"{v['speedup']:.2f}×",
+                ]
             )
     chain = next((v["engine_tau"] for k, v in out.items() if k.startswith("topk1_")), None)
     if not rows:
@@ -168,16 +176,37 @@ def sglang_trees(w_eval: Path, w_sglang: Path) -> dict[str, Any]:
         "tables": [
             {
                 "title": "SGLang's acceptance length against eagle3-eval's τ, same draft and tree settings",
-                "header": ["topk", "steps", "draft tokens", "concurrency", "SGLang τ", "eval τ", "SGLang / eval",
-                           "SGLang speed-up"],
+                "header": [
+                    "topk",
+                    "steps",
+                    "draft tokens",
+                    "concurrency",
+                    "SGLang τ",
+                    "eval τ",
+                    "SGLang / eval",
+                    "SGLang speed-up",
+                ],
                 "rows": rows,
             }
         ]
         + (
-            [{"title": "SGLang trees against its chain-5", "header": ["topk", "steps", "draft tokens", "× chain-5 τ"],
-              "rows": [[k.split("_")[0][4:], k.split("_")[1][5:], k.split("_")[2][6:], f"{v['engine_tau'] / chain:.2f}"]
-                       for k, v in out.items()]}]
-            if chain else []
+            [
+                {
+                    "title": "SGLang trees against its chain-5",
+                    "header": ["topk", "steps", "draft tokens", "× chain-5 τ"],
+                    "rows": [
+                        [
+                            k.split("_")[0][4:],
+                            k.split("_")[1][5:],
+                            k.split("_")[2][6:],
+                            f"{v['engine_tau'] / chain:.2f}",
+                        ]
+                        for k, v in out.items()
+                    ],
+                }
+            ]
+            if chain
+            else []
         ),
     }
 
@@ -185,9 +214,9 @@ def sglang_trees(w_eval: Path, w_sglang: Path) -> dict[str, Any]:
 def graph_eval(w: Path) -> dict[str, Any]:
     """eagle3-eval decoder=graph: speculative against plain greedy, both graph-captured, per batch size."""
     out, rows = {}, []
-    for p in sorted(w.glob("eval_graph_b*/report.json"), key=lambda p: int(p.parent.name[len("eval_graph_b"):])):
+    for p in sorted(w.glob("eval_graph_b*/report.json"), key=lambda p: int(p.parent.name[len("eval_graph_b") :])):
         r = json.loads(p.read_text())
-        bs = int(p.parent.name[len("eval_graph_b"):])
+        bs = int(p.parent.name[len("eval_graph_b") :])
         v = out[f"b{bs}"] = {
             "tau": round(r["tau"], 4),
             "speedup": round(r["speedup"], 3),
@@ -197,8 +226,16 @@ def graph_eval(w: Path) -> dict[str, Any]:
             "timed_greedy_equals_reference": r.get("timed_greedy_equals_reference"),
             "dtype": r.get("config", {}).get("dtype"),
         }
-        rows.append([str(bs), f"{v['tau']:.3f}", f"{v['greedy_tokens_per_s']:.0f}", f"{v['speculative_tokens_per_s']:.0f}",
-                     f"{v['speedup']:.2f}×", str(v["lossless"])])
+        rows.append(
+            [
+                str(bs),
+                f"{v['tau']:.3f}",
+                f"{v['greedy_tokens_per_s']:.0f}",
+                f"{v['speculative_tokens_per_s']:.0f}",
+                f"{v['speedup']:.2f}×",
+                str(v["lossless"]),
+            ]
+        )
     return {
         "graph_eval": out,
         "tables": [
