@@ -686,7 +686,7 @@ def test_graph_round_never_reads_a_value_on_the_host():
     model = build_tiny_model().eval()
     draft = Eagle3Draft(DraftConfig.from_target(tiny_config(), num_aux=3, draft_vocab_size=48)).eval()
     dec = GraphSpecDecoder(model, draft, [1, 2, 4], 3, {5})
-    states = {k: dec._state(2, 128, 64, k, 16, torch.tensor([10, 20])) for k in (3, 0)}
+    states = {k: dec._kept(2, 128, 64, k, 16, torch.tensor([10, 20]))[0] for k in (3, 0)}
     model.to("meta"), draft.to("meta")
     dec.eos_ids = dec.eos_ids.to("meta")
     for k, state in states.items():

@@ -204,31 +204,28 @@ class GraphSpecDecoder:
     def _kept(
         self, B: int, L: int, W: int, k: int, max_new: int, lengths: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], Replayer]:
-        """The buffers and round of a batch of this shape: an earlier batch's, reset, or new ones."""
+        """The buffers and round of a batch of this shape (an earlier batch's, zeroed in place: the
+        graph reads these addresses; or new ones), its rows placed at their columns."""
         key = (B, L, k, max_new)
         if key in self.rounds:
             self.rounds.move_to_end(key)
             s, round_ = self.rounds[key]
-            self._reset(s, W, lengths)
-            return s, round_
-        s = self._state(B, L, W, k, max_new, lengths)
-        round_ = Replayer(lambda: self._round(s, k, max_new), self.device)
-        self.rounds[key] = (s, round_)
-        self.states_made += 1
-        while len(self.rounds) > 1 and sum(_nbytes(st) for st, _ in self.rounds.values()) > self.graph_bytes:
-            self.rounds.popitem(last=False)  # the least recently used shape, its graph with it
+            for name, t in s.items():
+                if name not in ("cos", "sin"):  # the rope tables depend on the columns alone
+                    t.zero_()
+        else:
+            s = self._state(B, L, k, max_new)
+            round_ = Replayer(lambda: self._round(s, k, max_new), self.device)
+            self.rounds[key] = (s, round_)
+            self.states_made += 1
+            while len(self.rounds) > 1 and sum(_nbytes(st) for st, _ in self.rounds.values()) > self.graph_bytes:
+                self.rounds.popitem(last=False)  # the least recently used shape, its graph with it
+        s["start"].copy_(W - lengths)  # [B] the first column of each row
+        s["length"].copy_(lengths)  # [B] final tokens (positions 0..length-1 are in the caches)
         return s, round_
 
-    def _reset(self, s: dict[str, torch.Tensor], W: int, lengths: torch.Tensor) -> None:
-        """A kept batch's buffers as :meth:`_state` makes them, in place (the graph reads these addresses)."""
-        for name, t in s.items():
-            if name not in ("cos", "sin"):  # the rope tables depend on the columns alone
-                t.zero_()
-        s["start"].copy_(W - lengths)
-        s["length"].copy_(lengths)
-
-    def _state(self, B: int, L: int, W: int, k: int, max_new: int, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The buffers one batch's rounds read and write (fixed addresses: the graph's inputs)."""
+    def _state(self, B: int, L: int, k: int, max_new: int) -> dict[str, torch.Tensor]:
+        """The buffers one batch's rounds read and write (fixed addresses: the graph's inputs), zeroed."""
         dev, draft = self.device, self.draft
         cfg = draft.config
         cos, sin = self.static.rope_tables(L)
@@ -236,8 +233,8 @@ class GraphSpecDecoder:
             cache=self.static.new_cache(B, L),
             cos=cos,
             sin=sin,
-            start=W - lengths,  # [B] the first column of each row
-            length=lengths.clone(),  # [B] final tokens (positions 0..length-1 are in the caches)
+            start=torch.zeros(B, dtype=torch.long, device=dev),  # [B] the first column of each row
+            length=torch.zeros(B, dtype=torch.long, device=dev),  # [B] final tokens
             last=torch.zeros(B, dtype=torch.long, device=dev),  # the target's next token, position length
             done=torch.zeros(B, dtype=torch.bool, device=dev),
             n=torch.zeros(B, dtype=torch.long, device=dev),  # tokens written to out
