@@ -11,8 +11,9 @@
 #   6. (STEPS=moe) the MoE shape of the projection (bench_projection.py --shapes qwen3moe), the GPU idle;
 #   7. (STEPS=sglang, after launch/stage_sglang.sh) SGLang serving chain-5 and two trees (SGLANG_TREES,
 #      "topk steps tokens,...") through eagle3-bench (concurrency SGLANG_CONCURRENCY): its acceptance
-#      length next to eval's tree tau (both on SGLANG_NEW_TOKENS, default 128, new tokens). SGLANG_ARGS (default "--attention-backend triton --sampling-backend
-#      pytorch") are added to both engines: the staged bundle leaves out sgl_kernel's FlashAttention-3
+#      length next to eval's tree tau (both on SGLANG_NEW_TOKENS, default 128, new tokens). SGLANG_ARGS
+#      (default "--attention-backend triton --sampling-backend pytorch") are added to both engines:
+#      the staged bundle leaves out sgl_kernel's FlashAttention-3
 #      build, and SGLang 0.5.17 picks fa3 on an H200 when no backend is named (its server then exits with
 #      "Can not import FA3 in sgl_kernel"; measured in session 18).
 # Each step keeps its results under $W whatever the later ones do (bench_*/results.json,

@@ -139,38 +139,30 @@ def eval_summary(w: Path) -> dict[str, Any]:
 
 
 def sglang_trees(w_eval: Path, w_sglang: Path) -> dict[str, Any]:
-    """SGLang's acceptance length (its bench at concurrency 1) beside eagle3-eval's tau, tree by tree."""
-    out, rows = {}, []
+    """SGLang's acceptance length (its bench per concurrency) beside eagle3-eval's tau, tree by tree,
+    and each tree's against SGLang's chain-5 at the same concurrency."""
+    out, found = {}, []
     for p in sorted(w_sglang.glob("bench_sglang_*/results.json")):
-        topk, steps, nodes = (int(x) for x in p.parent.name.split("_")[2:])
-        r = json.loads(p.read_text())
+        topk, steps, nodes = tree = tuple(int(x) for x in p.parent.name.split("_")[2:])
         ev = _load(w_eval / f"eval_tree_{topk}_{steps}_{nodes}" / "report.json")
-        for row in r["rows"]:
+        for row in json.loads(p.read_text())["rows"]:
             s, b = row.get("spec") or {}, row["baseline"]
-            key = f"topk{topk}_steps{steps}_tokens{nodes}_c{row['concurrency']}"
-            v = out[key] = {
+            v = out[f"topk{topk}_steps{steps}_tokens{nodes}_c{row['concurrency']}"] = {
                 "engine_tau": round(s.get("mean_acceptance_length", float("nan")), 3),
                 "eval_tau": round(ev["tau"], 3) if ev else None,
                 "speedup": round(row["speedup"], 3),
                 "baseline_tokens_per_s": round(b["output_tokens_per_s"], 1),
                 "spec_tokens_per_s": round(s.get("output_tokens_per_s", float("nan")), 1),
             }
-            gap = f"{v['engine_tau'] / v['eval_tau']:.2f}" if v["eval_tau"] else "—"
-            rows.append(
-                [
-                    str(topk),
-                    str(steps),
-                    str(nodes),
-                    str(row["concurrency"]),
-                    f"{v['engine_tau']:.3f}",
-                    f"{v['eval_tau']:.3f}" if v["eval_tau"] else "—",
-                    gap,
-                    f"{v['speedup']:.2f}×",
-                ]
-            )
-    chain = next((v["engine_tau"] for k, v in out.items() if k.startswith("topk1_")), None)
-    if not rows:
-        return {"sglang": out, "tables": []}
+            found.append((tree, row["concurrency"], v))
+    chains = {c: v["engine_tau"] for tree, c, v in found if tree[0] == 1}
+    vs_eval = [
+        [*map(str, tree), str(c), f"{v['engine_tau']:.3f}"]
+        + ([f"{v['eval_tau']:.3f}", f"{v['engine_tau'] / v['eval_tau']:.2f}"] if v["eval_tau"] else ["—", "—"])
+        + [f"{v['speedup']:.2f}×"]
+        for tree, c, v in found
+    ]
+    vs_chain = [[*map(str, tree), str(c), f"{v['engine_tau'] / chains[c]:.2f}"] for tree, c, v in found if c in chains]
     return {
         "sglang": out,
         "tables": [
@@ -186,28 +178,14 @@ def sglang_trees(w_eval: Path, w_sglang: Path) -> dict[str, Any]:
                     "SGLang / eval",
                     "SGLang speed-up",
                 ],
-                "rows": rows,
-            }
-        ]
-        + (
-            [
-                {
-                    "title": "SGLang trees against its chain-5",
-                    "header": ["topk", "steps", "draft tokens", "× chain-5 τ"],
-                    "rows": [
-                        [
-                            k.split("_")[0][4:],
-                            k.split("_")[1][5:],
-                            k.split("_")[2][6:],
-                            f"{v['engine_tau'] / chain:.2f}",
-                        ]
-                        for k, v in out.items()
-                    ],
-                }
-            ]
-            if chain
-            else []
-        ),
+                "rows": vs_eval,
+            },
+            {
+                "title": "SGLang trees against its chain-5",
+                "header": ["topk", "steps", "draft tokens", "concurrency", "× chain-5 τ"],
+                "rows": vs_chain,
+            },
+        ],
     }
 
 
@@ -244,9 +222,7 @@ def graph_eval(w: Path) -> dict[str, Any]:
                 "header": ["batch", "τ", "greedy tokens/s", "speculative tokens/s", "speed-up", "lossless"],
                 "rows": rows,
             }
-        ]
-        if rows
-        else [],
+        ],
     }
 
 
@@ -270,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         for part in ([sglang_trees(w, Path(a.sglang))] if a.sglang else []) + [graph_eval(w)]:
             ev["tables"] += part.pop("tables")
             ev.update(part)
-        ev["tables"] = [t for t in ev["tables"] if t["rows"]]
+        ev["tables"] = [t for t in ev["tables"] if t["rows"]]  # a step that did not run shows no table
         Path(a.eval_out).write_text(json.dumps(ev, indent=1) + "\n")
 
 
