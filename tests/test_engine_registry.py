@@ -268,3 +268,41 @@ def test_the_bench_starts_it_by_its_own_command(root, tmp_path):
         "--x",
         "1",
     ]
+
+
+def test_the_bench_gives_both_engines_the_drafts_dtype_where_the_engine_keeps_the_drafts_own(root, tmp_path):
+    """An engine that runs the draft in its own config's dtype (SGLang 0.5.17 stopped at its first
+    request on a float16 target with a bfloat16 draft) gets --dtype <draft's> on both sides, with a
+    warning; not where the dtypes agree, the engine follows the target, or the user named one."""
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    for path, dtype in ((target, "float16"), (draft, "bfloat16")):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"torch_dtype": dtype}))
+
+    def bench(engine_args="", **engine):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(registry.ENGINES, "standin", dataclasses.replace(STANDIN, **engine))
+            b = Bench(
+                BenchConfig(
+                    out=str(tmp_path / "out"),
+                    engine="standin",
+                    target=str(target),
+                    draft=str(draft),
+                    port=8123,
+                    engine_args=engine_args,
+                    plot=False,
+                )
+            )
+            return b, b.argv("baseline"), b.argv("spec")
+
+    own = {"draft_dtype_own": "it stops"}
+    b, base, spec = bench(**own)
+    assert base[-2:] == ["--dtype", "bfloat16"] and spec[-2:] == ["--dtype", "bfloat16"]
+    assert len(b.warnings) == 1 and "float16" in b.warnings[0] and "it stops" in b.warnings[0]
+    b, base, spec = bench("--dtype=float16", **own)  # the user's choice stands
+    assert base.count("--dtype=float16") == 1 and "bfloat16" not in base + spec and not b.warnings
+    b, base, spec = bench()  # an engine that runs the draft in the target's dtype
+    assert "--dtype" not in base + spec and not b.warnings
+    (draft / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
+    b, base, spec = bench(**own)
+    assert "--dtype" not in base + spec and not b.warnings

@@ -362,6 +362,9 @@ class Engine:
         capture: its hidden-state capture for the served dump (None: it has none).
         generation: its generation endpoint for served regeneration (None: none).
         metrics: where it counts its speculative decoding, for served acceptance (None: unknown).
+        draft_dtype_own: non-empty where, under ``--dtype auto``, it runs the draft in the dtype the
+            draft's own config names rather than the target's, and what a difference then does;
+            eagle3-bench then passes the draft's dtype to both engines it starts.
     """
 
     name: str
@@ -381,6 +384,7 @@ class Engine:
     capture: StateCapture | None = None
     generation: Generation | None = None
     metrics: SpecMetrics | None = None
+    draft_dtype_own: str = ""
 
     @property
     def roles(self) -> frozenset[str]:

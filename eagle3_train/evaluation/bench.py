@@ -76,6 +76,19 @@ SIDES = ("baseline", "spec")  # the target served alone, and with the draft
 # ---- the config ---------------------------------------------------------------------------------
 
 
+def config_dtype(path: str | None) -> str | None:
+    """The dtype a local model directory's ``config.json`` names (``torch_dtype`` or ``dtype``;
+    None: no such directory, a hub name, or no dtype named)."""
+    if path is None or not (Path(path).expanduser() / "config.json").is_file():
+        return None
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("torch_dtype") or config.get("dtype")
+    return value if isinstance(value, str) else None
+
+
 @dataclass
 class BenchConfig:
     """Options of ``eagle3-bench`` (``conf/bench.yaml``)."""
@@ -288,6 +301,26 @@ class Bench:
             optional_import("matplotlib")
         self.prompts = cfg.prompts if cfg.prompts is not None else str(shipped_prompts("heldout.jsonl"))
         self.conversations = read_conversations(self.prompts, cfg.column)
+        self.dtype_flags = self.one_dtype()
+
+    def one_dtype(self) -> list[str]:
+        """``--dtype D`` for both engines where this engine runs the draft in its own config's
+        dtype (``Engine.draft_dtype_own``), the local configs of target and draft name different
+        dtypes and ``engine_args`` names none; both sides get it so that the two engines compare
+        like with like."""
+        c = self.cfg
+        words = shlex.split(c.engine_args) + shlex.split(c.spec_args)
+        if not self.engine.draft_dtype_own or any(w == "--dtype" or w.startswith("--dtype=") for w in words):
+            return []
+        target, draft = (config_dtype(p) for p in (c.target, c.draft))
+        if target is None or draft is None or target == draft:
+            return []
+        self.warnings.append(
+            f"the target's config says {target}, the draft's {draft}, and under --dtype auto "
+            f"{self.engine.draft_dtype_own}: both engines run --dtype {draft} (engine_args='--dtype ...' to choose)"
+        )
+        logger.warning(f"{COMMAND}: {self.warnings[-1]}")
+        return ["--dtype", draft]
 
     def argv(self, side: str) -> list[str]:
         """The command that starts the engine of ``side``, the user's ``engine_args`` last (and, for
@@ -295,7 +328,7 @@ class Bench:
         c = self.cfg
         assert c.target is not None  # checked by the config
         draft = None if side == "baseline" else str(c.draft)
-        extra = shlex.split(c.engine_args) + (shlex.split(c.spec_args) if draft is not None else [])
+        extra = self.dtype_flags + shlex.split(c.engine_args) + (shlex.split(c.spec_args) if draft is not None else [])
         return self.engine.serve_command(c.target, draft, c.num_speculative_tokens, port=c.port) + extra
 
     @contextlib.contextmanager
