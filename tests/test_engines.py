@@ -240,3 +240,27 @@ def test_engine_command_lines_take_only_their_flags():
     for engine in (vllm, sglang):
         hint = engine.metrics.enable.split(" (and ")[0]
         assert engine.command.parse(shlex.split(hint))
+
+
+def test_check_warns_where_sglang_would_run_the_draft_in_another_dtype_than_the_target():
+    """SGLang 0.5.17 runs the draft in its own config's dtype and stopped at the first request on
+    an H200 with a float16 target and a bfloat16 draft; vLLM follows the target."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from eagle3_train.serving.check import check
+
+    config = {"eagle_aux_hidden_state_layer_ids": [2, 16, 29], "draft_vocab_size": 32000, "torch_dtype": "bfloat16"}
+
+    def warnings(dtype):
+        target = SimpleNamespace(
+            model_type="llama", num_hidden_layers=32, hidden_size=4096, vocab_size=32000, dtype=dtype
+        )
+        _, findings = check(config, {}, target, [2, 16, 29], ["sglang", "vllm"])
+        return [f.text for f in findings if "dtype" in f.text]
+
+    (found,) = warnings(torch.float16)
+    assert found.startswith("SGLang: the draft's config names bfloat16, the target's float16")
+    assert "--dtype bfloat16" in found
+    assert warnings(torch.bfloat16) == [] and warnings(None) == []

@@ -182,6 +182,7 @@ def check(
             )
     findings += _check_target(config, tensors, target_cfg, trained)
     findings += _check_vocab(config, tensors, v)
+    findings += _check_dtype(config, target_cfg, engines)
     # embed_tokens is loaded too (SGLang then swaps in the target's): only other names are foreign
     foreign = unloadable_weights((weight_names or set()) - {"embed_tokens.weight"})
     if foreign:
@@ -255,6 +256,25 @@ def _check_target(
             )
         )
     return out
+
+
+def _check_dtype(config: dict, target_cfg: Any, engines: list[str]) -> list[Finding]:
+    """A warning per engine that runs the draft in its own config's dtype (``Engine.draft_dtype_own``)
+    where the draft's and the target's configs name different dtypes."""
+    draft = config.get("torch_dtype") or config.get("dtype")
+    target = getattr(target_cfg, "dtype", None) or getattr(target_cfg, "torch_dtype", None)
+    target = None if target is None else str(target).removeprefix("torch.")
+    if not isinstance(draft, str) or target is None or draft == target:
+        return []
+    return [
+        Finding(
+            "warning",
+            f"{e.title}: the draft's config names {draft}, the target's {target}, and under --dtype auto "
+            f"{e.draft_dtype_own}: serve with --dtype {draft} (or export dtype={target})",
+        )
+        for e in (registry.ENGINES[name] for name in engines)
+        if e.draft_dtype_own
+    ]
 
 
 def _get_any(config: dict) -> bool:
