@@ -13,6 +13,8 @@
 # W and DRAFT=/nonexistent packs the results.
 #
 #   W=/tmp/w DRAFT=/tmp/draft/export setsid nohup bash tests/benchmarks/finish34_gpu.sh > /dev/null 2>&1 < /dev/null &
+# A draft kept here travels in a call of its own (a call carries at most 64 MiB): put its export under the
+# git-ignored .draft/ (session 19 kept .draft/n4096, chain-5 tau 1.36), carry [".draft"] and copy it to /tmp.
 set -uo pipefail
 W=${W:-/tmp/w}
 DRAFT=${DRAFT:?DRAFT=<an exported draft directory>}
