@@ -496,6 +496,22 @@ class Engine:
             raise ContractError(f"{self.name} has no command that serves a draft")
         return self.serve(target, draft, num_speculative_tokens, flags)
 
+    def dtype_clash(self, draft: str | None, target: str | None) -> str | None:
+        """Why a draft of dtype ``draft`` beside a target of dtype ``target`` fails here under
+        ``--dtype auto`` (``draft_dtype_own``); None where it does not, or a dtype is unknown."""
+        if not self.draft_dtype_own or draft is None or target is None or draft == target:
+            return None
+        return f"the draft's config names {draft}, the target's {target}, and under --dtype auto {self.draft_dtype_own}"
+
+
+def named_dtype(config: Any) -> str | None:
+    """The dtype a model config names (``torch_dtype`` or ``dtype``; a dict or a config object),
+    without torch's ``torch.`` prefix; None: none named."""
+    get = config.get if isinstance(config, Mapping) else lambda key: getattr(config, key, None)
+    value = get("torch_dtype") or get("dtype")
+    text = str(value)
+    return text.removeprefix("torch.") if isinstance(value, str) or text.startswith("torch.") else None
+
 
 def lookup(config: dict, path: tuple[str, ...]) -> Any:
     """The value at key ``path`` of a nested dict (None: absent)."""

@@ -55,7 +55,7 @@ from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import Conversation, read_conversations, shipped_prompts
 from eagle3_train.engines import registry
-from eagle3_train.engines.base import Engine, SpecMetrics
+from eagle3_train.engines.base import Engine, SpecMetrics, named_dtype
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
 from eagle3_train.evaluation.served_acceptance import (
     CHAT_ROUTE,
@@ -77,16 +77,15 @@ SIDES = ("baseline", "spec")  # the target served alone, and with the draft
 
 
 def config_dtype(path: str | None) -> str | None:
-    """The dtype a local model directory's ``config.json`` names (``torch_dtype`` or ``dtype``;
-    None: no such directory, a hub name, or no dtype named)."""
-    if path is None or not (Path(path).expanduser() / "config.json").is_file():
+    """The dtype a local model directory's ``config.json`` names (None: no such directory, a hub
+    name, or no dtype named)."""
+    file = None if path is None else Path(path).expanduser() / "config.json"
+    if file is None or not file.is_file():
         return None
     try:
-        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+        return named_dtype(json.loads(file.read_text()))
     except (OSError, ValueError):
         return None
-    value = config.get("torch_dtype") or config.get("dtype")
-    return value if isinstance(value, str) else None
 
 
 @dataclass
@@ -101,7 +100,7 @@ class BenchConfig:
     baseline_url: str | None = None  # an engine already serving the target alone (null: start one)
     spec_url: str | None = None  # an engine already serving the target with the draft (null: start one)
     port: int = 8000  # where a started engine listens (one runs at a time)
-    engine_args: str = ""  # more flags for the started engines, as shell words ("--enforce-eager --max-model-len 4096")
+    engine_args: str = ""  # more flags for the started engines, as shell words ("--enforce-eager --max-model-len 4096"; a --dtype here or in spec_args keeps the bench from naming one)
     spec_args: str = ""  # more flags for the started speculating engine only, after engine_args (SGLang trees: "--speculative-eagle-topk 4 --speculative-num-draft-tokens 16")
     startup_timeout_s: float = 1800.0  # how long an engine started here may take to answer /health
     wait_for_server_s: float = 0.0  # how long to wait for a given server's /health (0: it must answer now)
@@ -310,15 +309,14 @@ class Bench:
         like with like."""
         c = self.cfg
         words = shlex.split(c.engine_args) + shlex.split(c.spec_args)
-        if not self.engine.draft_dtype_own or any(w == "--dtype" or w.startswith("--dtype=") for w in words):
+        if any(w == "--dtype" or w.startswith("--dtype=") for w in words):
             return []
-        target, draft = (config_dtype(p) for p in (c.target, c.draft))
-        if target is None or draft is None or target == draft:
+        draft = config_dtype(c.draft)
+        clash = self.engine.dtype_clash(draft, config_dtype(c.target))
+        if clash is None:
             return []
-        self.warnings.append(
-            f"the target's config says {target}, the draft's {draft}, and under --dtype auto "
-            f"{self.engine.draft_dtype_own}: both engines run --dtype {draft} (engine_args='--dtype ...' to choose)"
-        )
+        assert draft is not None  # a clash names both dtypes
+        self.warnings.append(f"{clash}: both engines run --dtype {draft} (engine_args='--dtype ...' to choose)")
         logger.warning(f"{COMMAND}: {self.warnings[-1]}")
         return ["--dtype", draft]
 

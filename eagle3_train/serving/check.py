@@ -28,7 +28,7 @@ from eagle3_train.core.cli import entry_point
 from eagle3_train.core.errors import BadInputError, ConfigError
 from eagle3_train.core.log import LogConfig
 from eagle3_train.engines import registry
-from eagle3_train.engines.base import lookup
+from eagle3_train.engines.base import lookup, named_dtype
 from eagle3_train.engines.rules import fc_skipped, foreign_weights_text, resolve, rules_for, unloadable_weights
 from eagle3_train.targets import text_config
 
@@ -261,19 +261,11 @@ def _check_target(
 def _check_dtype(config: dict, target_cfg: Any, engines: list[str]) -> list[Finding]:
     """A warning per engine that runs the draft in its own config's dtype (``Engine.draft_dtype_own``)
     where the draft's and the target's configs name different dtypes."""
-    draft = config.get("torch_dtype") or config.get("dtype")
-    target = getattr(target_cfg, "dtype", None) or getattr(target_cfg, "torch_dtype", None)
-    target = None if target is None else str(target).removeprefix("torch.")
-    if not isinstance(draft, str) or target is None or draft == target:
-        return []
+    draft, target = named_dtype(config), named_dtype(target_cfg)
     return [
-        Finding(
-            "warning",
-            f"{e.title}: the draft's config names {draft}, the target's {target}, and under --dtype auto "
-            f"{e.draft_dtype_own}: serve with --dtype {draft} (or export dtype={target})",
-        )
+        Finding("warning", f"{e.title}: {clash}: serve with --dtype {draft} (or export dtype={target})")
         for e in (registry.ENGINES[name] for name in engines)
-        if e.draft_dtype_own
+        if (clash := e.dtype_clash(draft, target)) is not None
     ]
 
 
