@@ -6,7 +6,8 @@
 #   2. eagle3-bench in vLLM, eager and with CUDA graphs: concurrency 1/4/16/64, greedy, 256 new tokens;
 #   3. eagle3-eval of the same draft on 512 and 1024 new tokens (tau by reply position);
 #   4. eagle3-eval tree drafts at SGLang's usual settings (topk / steps / draft tokens) next to chain-5;
-#   5. (STEPS=geval) eagle3-eval decoder=graph at batch 1 and 37, 256 new tokens, bf16 (GEVAL_DTYPE): eval's
+#   5. (STEPS=geval) eagle3-eval decoder=graph at batch 1 and 37, 256 new tokens, bf16 (GEVAL_DTYPE), each
+#      stopped after GEVAL_TIMEOUT (480) s, its per-turn progress in its log: eval's
 #      speculative decoding against its plain greedy, both graph-captured;
 #   6. (STEPS=moe) the MoE shape of the projection (bench_projection.py --shapes qwen3moe), the GPU idle;
 #   7. (STEPS=sglang, after launch/stage_sglang.sh) SGLang serving chain-5 and two trees (SGLANG_TREES,
@@ -69,8 +70,8 @@ STEPS=" ${STEPS:-bench long tree} "
   for bs in 1 37; do  # eval's own decoder, graph-captured: the speed-up over graph-captured greedy
     [[ "$STEPS" == *" geval "* ]] || break
     echo "== $(date +%T) eagle3-eval decoder=graph, batch $bs, ${GEVAL_DTYPE:-bfloat16}"
-    python3 -m eagle3_train.evaluation.eval target=embedded prompts="$PROMPTS/heldout.jsonl" draft="$DRAFT" k=5 \
-      decoder=graph batch_size=$bs dtype="${GEVAL_DTYPE:-bfloat16}" max_new_tokens=256 progress=false plot=false \
+    timeout "${GEVAL_TIMEOUT:-480}" python3 -m eagle3_train.evaluation.eval target=embedded prompts="$PROMPTS/heldout.jsonl" \
+      draft="$DRAFT" k=5 decoder=graph batch_size=$bs dtype="${GEVAL_DTYPE:-bfloat16}" max_new_tokens=256 plot=false \
       out="$W/eval_graph_b$bs" > "$W/eval_graph_b$bs.log" 2>&1 || echo "graph eval batch $bs: exit $?"
   done
   IFS=, read -ra sg_trees <<< "${SGLANG_TREES:-1 5 6,4 5 16,8 7 64}"  # "topk steps tokens,..."
