@@ -2,12 +2,14 @@
 # What issue #34 still lacks, on a draft brought along (DRAFT, e.g. the recipe's export that
 # recipe_speedup_gpu.sh bundled), one lease of one H200, as one background job from the repository
 # root after launch/gpu_stage.sh (launch/stage_sglang.sh may finish while step 1 runs):
-#   1. eagle3-eval decoder=graph at batch 1 and 37 (speedup_gpu.sh STEPS=geval): eval's speed-up with
-#      both decoders graph-captured;
+#   1. eagle3-eval decoder=graph at batch 37 (speedup_gpu.sh STEPS=geval, at most 300 s) while SGLang
+#      stages: eval's speed-up with both decoders graph-captured;
 #   2. SGLang serving chain-5 and the trees 4/5/16 and 8/7/64 at concurrency 1 (STEPS=sglang): its
-#      acceptance length next to eagle3-eval's tree tau on the same draft (STEPS=tree, run beside it);
-#   3. the MoE shape of the projection (bench_projection.py --shapes qwen3moe), the GPU idle;
-#   4. where launch/stage_vllm.sh has installed vLLM: its bench with CUDA graphs at k=BENCH_K (7) drafts a
+#      acceptance length next to eagle3-eval's tree tau on the same draft (TREES=1 runs eval's trees
+#      beside it; session 19 measured them on .draft/n4096, eval_trees_n4096_h200.json);
+#   3. eagle3-eval decoder=graph at batch 1 (at most GEVAL_TIMEOUT, 480 s);
+#   4. the MoE shape of the projection (bench_projection.py --shapes qwen3moe), the GPU idle;
+#   5. where launch/stage_vllm.sh has installed vLLM: its bench with CUDA graphs at k=BENCH_K (7) drafts a
 #      step, concurrency 1/4/16 (a draft whose later positions accept well may pay for a longer chain).
 # Progress: $W/log; $W/done when finished; `bash tests/benchmarks/study_speedup_gpu.sh bundle DIR` with
 # W and DRAFT=/nonexistent packs the results.
@@ -25,10 +27,10 @@ export PYTHONPATH=${SITE:-/tmp/site}:$(pwd)
 # shellcheck source=launch/engine_env.sh
 source launch/engine_env.sh
 {
-  echo "== $(date +%T) 1. eagle3-eval decoder=graph ($DRAFT)"
-  W="$W" DRAFT="$DRAFT" STEPS=geval bash tests/benchmarks/speedup_gpu.sh
-  echo "== $(date +%T) 2. SGLang chain-5 and trees | eval's trees"
-  W="$W" DRAFT="$DRAFT" STEPS=tree bash tests/benchmarks/speedup_gpu.sh &
+  echo "== $(date +%T) 1. eagle3-eval decoder=graph at batch 37 while SGLang stages ($DRAFT)"
+  W="$W" DRAFT="$DRAFT" STEPS=geval GEVAL_BATCHES=37 GEVAL_TIMEOUT=300 bash tests/benchmarks/speedup_gpu.sh
+  echo "== $(date +%T) 2. SGLang chain-5 and trees${TREES:+, eval trees beside}"
+  [[ -n "${TREES:-}" ]] && { W="$W" DRAFT="$DRAFT" STEPS=tree bash tests/benchmarks/speedup_gpu.sh & }
   for _ in $(seq 1 40); do compgen -G "$SGSITE/.stage_sglang-*" > /dev/null && break; sleep 15; done
   if compgen -G "$SGSITE/.stage_sglang-*" > /dev/null; then
     "${sglang_env[@]}" W="$W/sglang" DRAFT="$DRAFT" STEPS=sglang SGLANG_MEM=0.4 SGLANG_CONCURRENCY="[1]" \
@@ -37,10 +39,12 @@ source launch/engine_env.sh
     echo "SGLang is not staged: skipped"
   fi
   wait
-  echo "== $(date +%T) 3. the projection's MoE shape"
+  echo "== $(date +%T) 3. eagle3-eval decoder=graph at batch 1"
+  W="$W" DRAFT="$DRAFT" STEPS=geval GEVAL_BATCHES=1 bash tests/benchmarks/speedup_gpu.sh
+  echo "== $(date +%T) 4. the projection's MoE shape"
   W="$W" STEPS=moe DRAFT="$DRAFT" bash tests/benchmarks/speedup_gpu.sh
   if compgen -G "$VSITE/.stage_vllm-*" > /dev/null; then
-    echo "== $(date +%T) 4. vLLM with CUDA graphs at k=${BENCH_K:-7}"
+    echo "== $(date +%T) 5. vLLM with CUDA graphs at k=${BENCH_K:-7}"
     mkdir -p "$W/k${BENCH_K:-7}"
     "${vllm_env[@]}" W="$W/k${BENCH_K:-7}" DRAFT="$DRAFT" MODES=graphs STEPS=bench \
       BENCH_EXTRA="num_speculative_tokens=${BENCH_K:-7} concurrency=[1,4,16]" bash tests/benchmarks/speedup_gpu.sh

@@ -6,7 +6,7 @@
 #   2. eagle3-bench in vLLM, eager and with CUDA graphs: concurrency 1/4/16/64, greedy, 256 new tokens;
 #   3. eagle3-eval of the same draft on 512 and 1024 new tokens (tau by reply position);
 #   4. eagle3-eval tree drafts at SGLang's usual settings (topk / steps / draft tokens) next to chain-5;
-#   5. (STEPS=geval) eagle3-eval decoder=graph at batch 1 and 37, 256 new tokens, bf16 (GEVAL_DTYPE), each
+#   5. (STEPS=geval) eagle3-eval decoder=graph at batch 1 and 37 (GEVAL_BATCHES), 256 new tokens, bf16 (GEVAL_DTYPE), each
 #      stopped after GEVAL_TIMEOUT (480) s, its per-turn progress in its log: eval's
 #      speculative decoding against its plain greedy, both graph-captured;
 #   6. (STEPS=moe) the MoE shape of the projection (bench_projection.py --shapes qwen3moe), the GPU idle;
@@ -67,7 +67,7 @@ STEPS=" ${STEPS:-bench long tree} "
     $EVAL draft="$DRAFT" k="$2" topk="$1" num_steps="$2" num_draft_tokens="$3" max_new_tokens=128 ${EVAL_EXTRA:-} \
       out="$W/eval_tree_$1_$2_$3" > "$W/eval_tree_$1_$2_$3.log" 2>&1 || echo "tree $tree: exit $?"
   done
-  for bs in 1 37; do  # eval's own decoder, graph-captured: the speed-up over graph-captured greedy
+  for bs in ${GEVAL_BATCHES:-1 37}; do  # eval's own decoder, graph-captured: the speed-up over graph-captured greedy
     [[ "$STEPS" == *" geval "* ]] || break
     echo "== $(date +%T) eagle3-eval decoder=graph, batch $bs, ${GEVAL_DTYPE:-bfloat16}"
     timeout "${GEVAL_TIMEOUT:-480}" python3 -m eagle3_train.evaluation.eval target=embedded prompts="$PROMPTS/heldout.jsonl" \
