@@ -13,7 +13,7 @@ import pytest
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.engines.http import EngineError
 from eagle3_train.evaluation import projection
-from eagle3_train.evaluation.bench import Bench, BenchConfig, percentile
+from eagle3_train.evaluation.bench import Bench, BenchConfig, Request, percentile, stalled
 from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
 from standin_engines import SimulatedSteps, StandinVllm
 
@@ -97,8 +97,12 @@ def test_report_levels_tokens_concurrency_and_speedup(tiny, prompts, tmp_path):
     }
     assert [r["concurrency"] for r in report["rows"]] == [1, 3] and report["warnings"] == []
     # requests and tokens per level: the script's replies, counted as the stand-ins generated them
+    # the warm-up: before each level, max(2, its concurrency) requests at its concurrency
     warm = report["engine"]["baseline"]["warmup"]
-    assert warm == {"requests": 2, "completion_tokens": sum(expected_replies(tokenizer, 2))}
+    assert warm == {
+        "requests": 2 + 3,
+        "completion_tokens": sum(expected_replies(tokenizer, 2)) + sum(expected_replies(tokenizer, 3)),
+    }
     for row, n in zip(report["rows"], (4, 6)):
         lengths = expected_replies(tokenizer, n)
         for side in ("baseline", "spec"):
@@ -120,8 +124,10 @@ def test_report_levels_tokens_concurrency_and_speedup(tiny, prompts, tmp_path):
             + report["engine"][side]["warmup"]["completion_tokens"]
         )
         assert server.generated == counted  # every token the stand-in generated, counted once
-        # the concurrency each level kept: the warm-up's 2, then 4 one at a time, then 6 with 3 in flight
-        assert server.arrivals[2:6] == [1, 1, 1, 1] and max(server.arrivals[6:]) == 3 and len(server.arrivals) == 12
+        # the concurrency each level kept: a warm-up of 2 and the level's 4 one at a time, then a warm-up
+        # of 3 and the level's 6, 3 in flight
+        arrivals = server.arrivals
+        assert arrivals[:6] == [1] * 6 and max(arrivals[6:9]) == 3 and max(arrivals[9:]) == 3 and len(arrivals) == 15
         assert all(b["temperature"] == 0 and b["max_tokens"] == 12 for b in server.bodies)
     # the files
     out = tmp_path / "out"
@@ -338,3 +344,35 @@ def test_started_engines(tiny, prompts, tmp_path, monkeypatch):
         r".*engine-baseline.log ends:\nvllm: error: no GPU here",
     ):
         Bench(BenchConfig(**cfg | {"out": str(tmp_path / "bad")})).run()
+
+
+def test_stalled_requests_against_the_levels_medians():
+    def req(tokens, latency):
+        return Request("p.jsonl:1", 1, tokens, latency, "length")
+
+    level = [req(128, 0.2), req(128, 0.21), req(120, 0.19), req(128, 0.2)]
+    assert stalled(level) == []
+    # a long reply at the level's time per token, and a one-token reply (its prefill), are not stalls
+    assert stalled(level + [req(1024, 1.6), req(1, 0.05)]) == []
+    slow = req(128, 10.5)  # 50x the median latency: a compile inside the engine
+    found = stalled(level + [slow])
+    assert [r for r, _ in found] == [slow] and found[0][1] == pytest.approx(0.2, rel=0.1)
+    assert stalled([req(128, 0.2), slow]) == []  # too few requests to say what is usual
+    assert stalled(level + [req(128, 0.9)]) == []  # 4.5x: under the factor
+
+
+def test_a_stalled_request_is_named_and_the_median_speedup_set_beside(tiny, prompts, tmp_path):
+    steps = SimulatedSteps(0.004, 0.005, 0.001)
+    baseline, spec = servers(tiny, steps=steps)
+    baseline.slow_posts = {3: 1.0}  # the c=1 level's first request (after the 2 warm-up ones) stalls 1 s
+    with baseline, spec:
+        report = bench(baseline, spec, prompts, tmp_path / "out", concurrency=[1])
+    row = report["rows"][0]
+    assert len(report["warnings"]) == 1, report["warnings"]
+    warning = report["warnings"][0]
+    assert warning.startswith("baseline, concurrency 1, temperature 0.0: ") and "prompts.jsonl:1 turn 1 took" in warning
+    # the stall is counted in the throughput's speed-up, not in the medians'
+    tpot = [row[side]["time_per_output_token_s"]["p50"] for side in ("baseline", "spec")]
+    assert row["speedup_by_tpot"] == pytest.approx(tpot[0] / tpot[1])
+    assert row["speedup"] > 2 * row["speedup_by_tpot"]
+    assert f"{row['speedup']:.2f}x by throughput, {row['speedup_by_tpot']:.2f}x by median time per token" in warning

@@ -127,6 +127,12 @@ def test_the_benchs_blocks_compute_what_they_time():
                 g, u = (h[b, t] @ layer.gate_up[e]).chunk(2)
                 ref[b, t] += w * ((F.silu(g) * u) @ layer.down[e])
     torch.testing.assert_close(layer.mlp(h), ref)
+    # the target's layers route to experts of the shape's width; only the draft's dense MLP takes
+    # draft_intermediate (a target built at the draft's width ran a Qwen3-MoE shape out of memory)
+    target = bench.Model(s, 2, torch.device("cpu"), torch.float32)
+    draft = bench.Model(s, 1, torch.device("cpu"), torch.float32, draft=True)
+    assert all(x.moe and x.gate_up.shape == (s.experts, s.hidden, 2 * s.intermediate) for x in target.layers)
+    assert not draft.layers[0].moe and draft.layers[0].gate_up.shape == (s.hidden, 2 * s.draft_intermediate)
 
     dense = bench.Layer(bench.SMOKE["tiny_dense"], torch.device("cpu"), torch.float32)
     B, T, C, d, kv, heads = 2, 3, 5, 16, 2, 4

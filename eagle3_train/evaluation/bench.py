@@ -9,14 +9,19 @@ to ``out``) and stops it after its measurements, or uses servers already running
 ``spec_url=``). Each gets the same prompts (a prompt file read as eagle3-eval reads it, the first
 ``max_turns`` user turns of each conversation; the shipped held-out prompts by default) at each
 concurrency of ``concurrency`` (that many requests in flight, a new one sent as one returns) and
-each temperature of ``temperatures``, after ``warmup_requests`` requests that are not counted. A
-level sends ``max(min_requests, requests_per_slot * concurrency)`` conversations, the prompt file
+each temperature of ``temperatures``, each level after ``max(warmup_requests, concurrency)`` requests
+at its own concurrency that are not counted (an engine compiles or tunes kernels per batch size: a
+warm-up at another concurrency leaves the level's first request to pay for it). A level sends ``max(min_requests, requests_per_slot * concurrency)`` conversations, the prompt file
 repeated as needed. Per level and engine it measures output tokens/s (the replies' tokens, as the
 engine's ``usage`` counts them, over the level's wall time) and each request's time per output
 token (its latency over its tokens: the prefill is included, there being no streaming); of the
 speculating engine, its acceptance length over the level, read as ``eagle3-served-acceptance``
 reads it (vLLM's ``/metrics`` counters before and after, SGLang's per-reply ``meta_info``); and the
-speed-up, the speculating engine's tokens/s over the baseline's.
+speed-up, the speculating engine's tokens/s over the baseline's, and beside it the ratio of the two
+engines' median times per output token (``speedup_by_tpot``), which one slow request cannot move.
+A request slower than ``STALL_FACTOR`` times what its level's median says it should take (a compile,
+a stall or a retry inside the engine) is named in the report's ``warnings`` with both figures: the
+throughput counts the whole stall.
 
 Writes ``results.json`` (machine, command, date, engine version, settings, one row per temperature
 and concurrency), ``requests.jsonl`` (each request: engine, level, tokens, latency) and
@@ -114,7 +119,7 @@ class BenchConfig:
     requests_per_slot: int = 4  # a level sends max(min_requests, requests_per_slot x concurrency) conversations
     min_requests: int = 16  # the fewest conversations a level sends
     max_new_tokens: int = 256  # generated tokens per request at most (max_tokens)
-    warmup_requests: int = 4  # requests sent to each engine before the levels, not counted
+    warmup_requests: int = 4  # before each level, max(this, its concurrency) requests at its concurrency, not counted
     model: str | None = None  # the served model name to ask for (null: the first one /v1/models lists)
     request_timeout_s: float = 600.0  # one request's time limit
     retries: int = 0  # further attempts after a transient failure (a retried request counts in the level's time)
@@ -212,6 +217,23 @@ def level_figures(requests: list[Request], seconds: float) -> dict[str, Any]:
         "time_per_output_token_s": spread(per_token) if per_token else None,
         "latency_s": spread([r.latency_s for r in requests]),
     }
+
+
+STALL_FACTOR = 5.0  # a request this many times slower than its level's median says it should be is a stall
+
+
+def stalled(requests: list[Request], factor: float = STALL_FACTOR) -> list[tuple[Request, float]]:
+    """The requests of a level (of 4 or more) whose latency exceeds ``factor`` times what the level's
+    medians expect of them: the larger of the median latency and the median time per output token
+    times the request's own tokens (a long reply is not a stall, nor a one-token reply's prefill).
+    Each with the latency expected of it."""
+    if len(requests) < 4:
+        return []
+    per_token = [r.latency_s / r.completion_tokens for r in requests if r.completion_tokens]
+    median = percentile([r.latency_s for r in requests], 50)
+    tpot = percentile(per_token, 50) if per_token else 0.0
+    expected = [(r, max(median, tpot * r.completion_tokens)) for r in requests]
+    return [(r, e) for r, e in expected if r.latency_s > factor * e]
 
 
 def level_requests(c: int, cfg: BenchConfig) -> int:
@@ -448,21 +470,19 @@ class Bench:
             version = await self.version(session, client)
             checks_metrics = not speculating and not self.names.per_reply
             drafts_before = await self.drafts_counted(session, client) if checks_metrics else 0.0
-            warmup = (
-                await self.level(
-                    session,
-                    client,
-                    cycled(self.conversations, c.warmup_requests),
-                    max(c.warmup_requests, 1),
-                    c.temperatures[0],
-                    speculating,
-                )
-                if c.warmup_requests
-                else []
-            )
+            warmup: list[Request] = []
             levels = []
             for temperature in c.temperatures:
                 for concurrency in c.concurrency:
+                    if c.warmup_requests:  # this level's batch size warmed up (its kernels compiled) first
+                        warmup += await self.level(
+                            session,
+                            client,
+                            cycled(self.conversations, max(c.warmup_requests, concurrency)),
+                            concurrency,
+                            temperature,
+                            speculating,
+                        )
                     before = await client.settled(session) if speculating else None
                     convs = cycled(self.conversations, level_requests(concurrency, c))
                     start = time.perf_counter()
@@ -533,6 +553,23 @@ class Bench:
                 spec["counts"], spec["requests"], f"{measured['spec']['url']} (concurrency {spec['concurrency']})"
             )
             row["speedup"] = row["spec"]["output_tokens_per_s"] / row["baseline"]["output_tokens_per_s"]
+            tpot = [row[side]["time_per_output_token_s"] for side in SIDES]
+            row["speedup_by_tpot"] = tpot[0]["p50"] / tpot[1]["p50"] if all(tpot) and tpot[1]["p50"] else None
+            for side, level in (("baseline", base), ("spec", spec)):
+                for r, expected in stalled(level["requests"]):
+                    excess = r.latency_s - expected
+                    self.warnings.append(
+                        f"{side}, concurrency {level['concurrency']}, temperature {level['temperature']}: "
+                        f"{r.source} turn {r.turn} took {r.latency_s:.2f} s for {r.completion_tokens} tokens, "
+                        f"{r.latency_s / expected:.0f}x what the level's medians expect ({expected:.2f} s; a "
+                        f"compile, a stall or a retry in the engine), {excess / level['seconds']:.0%} of the "
+                        f"level's {level['seconds']:.1f} s: speed-up {row['speedup']:.2f}x by throughput, "
+                        + (
+                            f"{row['speedup_by_tpot']:.2f}x by median time per token"
+                            if row["speedup_by_tpot"] is not None
+                            else "no time per token to set beside it"
+                        )
+                    )
             rows.append(row)
         return rows
 
@@ -593,7 +630,12 @@ class Bench:
         summary = ", ".join(
             f"c={r['concurrency']}"
             + (f" T={r['temperature']}" if len(c.temperatures) > 1 else "")
-            + f": {r['speedup']:.2f}x (tau {r['spec']['mean_acceptance_length']:.2f})"
+            + f": {r['speedup']:.2f}x (tau {r['spec']['mean_acceptance_length']:.2f}"
+            + (
+                f"; {r['speedup_by_tpot']:.2f}x by median time per token)"
+                if r["speedup_by_tpot"] is not None and not 0.8 < r["speedup_by_tpot"] / r["speedup"] < 1.25
+                else ")"
+            )
             for r in rows
         )
         logger.info(f"{COMMAND} ({c.engine}): speed-up {summary} -> {self.out / RESULTS_NAME}")

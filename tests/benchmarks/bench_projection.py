@@ -99,7 +99,7 @@ SHAPES = {  # measured in this order, the results rewritten after each
 }
 SMOKE = {
     "tiny_dense": Shape(64, 128, 4, 4, 2, 16, 256, draft_vocab=128, max_layers=2),
-    "tiny_moe": Shape(64, 32, 2, 4, 2, 16, 256, experts=8, experts_per_token=2, draft_vocab=128),
+    "tiny_moe": Shape(64, 32, 2, 4, 2, 16, 256, experts=8, experts_per_token=2, draft_vocab=128, draft_intermediate=96),
 }
 
 
@@ -201,7 +201,14 @@ class Model:
         self.s, self.draft, self.device, self.dtype = s, draft, device, dtype
         self.embed = r(s.vocab, s.hidden)
         self.layers = [
-            Layer(s, device, dtype, in_mult=2 if draft else 1, intermediate=s.draft_intermediate, dense=draft)
+            Layer(
+                s,
+                device,
+                dtype,
+                in_mult=2 if draft else 1,
+                intermediate=s.draft_intermediate if draft else 0,
+                dense=draft,
+            )
             for _ in range(layers)
         ]
         self.norm = torch.ones(s.hidden, device=device, dtype=dtype)
