@@ -376,3 +376,28 @@ def test_a_stalled_request_is_named_and_the_median_speedup_set_beside(tiny, prom
     assert row["speedup_by_tpot"] == pytest.approx(tpot[0] / tpot[1])
     assert row["speedup"] > 2 * row["speedup_by_tpot"]
     assert f"{row['speedup']:.2f}x by throughput, {row['speedup_by_tpot']:.2f}x by median time per token" in warning
+
+
+def test_speedup_results_sets_the_engines_tau_beside_evals_on_the_same_turns(tmp_path):
+    """tests/benchmarks/speedup_results.py: eval's tau over exactly the turns the bench sent the
+    speculating engine at a concurrency, from eval's per-turn accepted counts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "speedup_results", os.path.join(os.path.dirname(__file__), "benchmarks", "speedup_results.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    outputs = tmp_path / "outputs.jsonl"
+    rows = [("p:1", 1, [2, 0, 1]), ("p:1", 2, [5, 5]), ("p:2", 1, [0, 0, 0, 3]), ("p:3", 1, [4])]
+    outputs.write_text("".join(json.dumps({"source": s, "turn": t, "accepted": a}) + "\n" for s, t, a in rows))
+    requests = tmp_path / "requests.jsonl"
+    sent = [("baseline", 1, "p:3"), ("spec", 1, "p:1"), ("spec", 1, "p:2"), ("spec", 4, "p:3")]
+    requests.write_text(
+        "".join(json.dumps({"engine": e, "concurrency": c, "source": s, "turn": 1}) + "\n" for e, c, s in sent)
+    )
+    turns = mod.sent_turns(requests, 1)
+    assert turns == {("p:1", 1), ("p:2", 1)}
+    tau, n = mod.eval_tau_on(outputs, turns)
+    assert n == 2 and tau == pytest.approx(1 + (2 + 0 + 1 + 0 + 0 + 0 + 3) / 7)  # p:1's second turn left out
+    assert mod.eval_tau_on(outputs, {("p:9", 1)}) is None and mod.eval_tau_on(tmp_path / "none", turns) is None

@@ -138,6 +138,24 @@ def eval_summary(w: Path) -> dict[str, Any]:
     }
 
 
+def eval_tau_on(outputs: Path, sent: set[tuple[str, int]]) -> tuple[float, int] | None:
+    """eagle3-eval's tau over the (source, turn) pairs an engine was sent, from eval's per-turn
+    ``outputs.jsonl`` (each turn's accepted count per verify step), and the turns it covers; None
+    where eval has none of them."""
+    if not outputs.is_file():
+        return None
+    rows = [json.loads(line) for line in outputs.read_text().splitlines() if line.strip()]
+    steps = [a for r in rows if (r["source"], r["turn"]) in sent for a in r["accepted"]]
+    turns = sum((r["source"], r["turn"]) in sent for r in rows)
+    return (1 + sum(steps) / len(steps), turns) if steps else None
+
+
+def sent_turns(requests: Path, concurrency: int) -> set[tuple[str, int]]:
+    """The (source, turn) pairs eagle3-bench sent the speculating engine at ``concurrency``."""
+    rows = [json.loads(line) for line in requests.read_text().splitlines() if line.strip()]
+    return {(r["source"], r["turn"]) for r in rows if r["engine"] == "spec" and r["concurrency"] == concurrency}
+
+
 def sglang_trees(w_eval: Path, w_sglang: Path) -> dict[str, Any]:
     """SGLang's acceptance length (its bench per concurrency) beside eagle3-eval's tau, tree by tree,
     and each tree's against SGLang's chain-5 at the same concurrency."""
@@ -147,9 +165,20 @@ def sglang_trees(w_eval: Path, w_sglang: Path) -> dict[str, Any]:
         ev = _load(w_eval / f"eval_tree_{topk}_{steps}_{nodes}" / "report.json")
         for row in json.loads(p.read_text())["rows"]:
             s, b = row.get("spec") or {}, row["baseline"]
+            same = (
+                eval_tau_on(
+                    w_eval / f"eval_tree_{topk}_{steps}_{nodes}" / "outputs.jsonl",
+                    sent_turns(p.parent / "requests.jsonl", row["concurrency"]),
+                )
+                if (p.parent / "requests.jsonl").is_file()
+                else None
+            )
             v = out[f"topk{topk}_steps{steps}_tokens{nodes}_c{row['concurrency']}"] = {
                 "engine_tau": round(s.get("mean_acceptance_length", float("nan")), 3),
                 "eval_tau": round(ev["tau"], 3) if ev else None,
+                # eval's tau over the very turns the engine was sent: the like-for-like comparison
+                "eval_tau_same_turns": round(same[0], 3) if same else None,
+                "same_turns": same[1] if same else None,
                 "speedup": round(row["speedup"], 3),
                 "baseline_tokens_per_s": round(b["output_tokens_per_s"], 1),
                 "spec_tokens_per_s": round(s.get("output_tokens_per_s", float("nan")), 1),
@@ -158,6 +187,11 @@ def sglang_trees(w_eval: Path, w_sglang: Path) -> dict[str, Any]:
     chains = {c: v["engine_tau"] for tree, c, v in found if tree[0] == 1}
     vs_eval = [
         [*map(str, tree), str(c), f"{v['engine_tau']:.3f}"]
+        + (
+            [f"{v['eval_tau_same_turns']:.3f} ({v['same_turns']})", f"{v['engine_tau'] / v['eval_tau_same_turns']:.3f}"]
+            if v["eval_tau_same_turns"]
+            else ["—", "—"]
+        )
         + ([f"{v['eval_tau']:.3f}", f"{v['engine_tau'] / v['eval_tau']:.2f}"] if v["eval_tau"] else ["—", "—"])
         + [f"{v['speedup']:.2f}×"]
         for tree, c, v in found
@@ -174,8 +208,10 @@ def sglang_trees(w_eval: Path, w_sglang: Path) -> dict[str, Any]:
                     "draft tokens",
                     "concurrency",
                     "SGLang τ",
-                    "eval τ",
-                    "SGLang / eval",
+                    "eval τ, same turns (turns)",
+                    "SGLang / eval, same turns",
+                    "eval τ, all its turns",
+                    "SGLang / eval, all",
                     "SGLang speed-up",
                 ],
                 "rows": vs_eval,
