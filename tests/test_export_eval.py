@@ -581,6 +581,9 @@ def test_the_export_is_ready_to_publish(pipeline, tmp_path):
             "--speculative-num-steps": 3,
             "--speculative-eagle-topk": 1,
             "--speculative-num-draft-tokens": 4,
+            # SGLang runs a draft in its own config's dtype: the export's, for both models, so a target
+            # whose config names another dtype serves too (vLLM runs the draft in the target's)
+            "--dtype": "bfloat16",
         },
     }
     with pytest.raises(ValueError, match="'--speculative-topk' is not a flag of python -m sglang.launch_server"):

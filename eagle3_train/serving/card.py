@@ -78,11 +78,17 @@ def yaml_block(meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def serve_commands(engines: list[str], base_model: str, draft: str, k: int) -> dict[str, str]:
+def serve_commands(engines: list[str], base_model: str, draft: str, k: int, dtype: str | None = None) -> dict[str, str]:
     """{engine: the shell command that serves ``base_model`` with ``draft``, ``k`` tokens a step},
-    each built by its engine module."""
+    each built by its engine module; an engine that runs a draft in its own config's dtype
+    (``draft_dtype_own``) is told the draft's ``dtype`` for both models, so the command serves a
+    target whose config names another dtype too."""
     return {
-        e: shlex.join(registry.ENGINES[e].serve_command(base_model, draft, k))
+        e: shlex.join(
+            registry.ENGINES[e].serve_command(
+                base_model, draft, k, **({"dtype": dtype} if dtype and registry.ENGINES[e].draft_dtype_own else {})
+            )
+        )
         for e in engines
         if registry.ENGINES[e].serve is not None
     }
@@ -155,7 +161,7 @@ def model_card(
         f"published)"
     )
     lines += ["", "## Serve", "", f"Drafting {k} tokens per step (the steps it was trained for), {where}:", ""]
-    for e, command in serve_commands(engines, base_model, draft, k).items():
+    for e, command in serve_commands(engines, base_model, draft, k, config.get("torch_dtype")).items():
         lines += [f"{registry.ENGINES[e].title}:", "", "```bash", command, "```", ""]
     lines += ["## Evaluation", ""]
     lines += (
