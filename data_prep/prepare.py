@@ -80,6 +80,8 @@ class PrepareConfig:
     tokenize_workers: int = 0  # processes that tokenise the conversations; 0: one per 10,000 conversations, at most the CPUs this process may use and 32 (one, in this process, below 20,000)
     limit: int | None = None  # read only the first N rows of the input
     sample_id_offset: int = 0  # first sample id (give datasets to be merged later disjoint ranges)
+    repeat: int = 1
+    """each conversation written this many times (consecutive sample ids; after regeneration, so the copies share one reply): weights a small set of your own prompts beside a larger dataset it is merged with at eagle3-standardize"""
     regenerate: bool = False  # the target rewrites every assistant turn (see regen.*)
     regen: RegenConfig = field(default_factory=RegenConfig)
     device: str = "auto"  # where the target runs for regeneration (auto: cuda if present)
@@ -97,7 +99,9 @@ class PrepareConfig:
         if self.on_bad_row not in BAD_ROW_POLICIES:
             raise ConfigError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.on_bad_row!r}")
         check_numbers(
-            self, positive=("max_length", "limit", "synthesize"), non_negative=("sample_id_offset", "tokenize_workers")
+            self,
+            positive=("max_length", "limit", "synthesize", "repeat"),
+            non_negative=("sample_id_offset", "tokenize_workers"),
         )
         if self.save_conversations is not None and not self.save_conversations.endswith((".jsonl", ".jsonl.gz")):
             raise ConfigError(
@@ -221,6 +225,8 @@ class Preparer:
             opts["regen"] = {k: v for k, v in opts["regen"].items() if k != "server"}
         if not opts.get("synthesize"):
             opts.pop("synth", None)
+        if opts.get("repeat", 1) == 1:  # outputs made before the option existed stay this run's
+            opts.pop("repeat", None)
         return opts
 
     def run(self) -> dict[str, Any] | None:
@@ -257,6 +263,7 @@ class Preparer:
                 conversations, more = self.regenerate(conversations)
                 regen_stats |= more
             rows, stats = self.render(conversations, pool)
+            rows = rows * self.cfg.repeat  # copy r of row i: sample id offset + r * len(rows) + i
         finally:
             if pool is not None:
                 pool[0].shutdown(cancel_futures=True)

@@ -297,3 +297,25 @@ def test_tokenizing_processes_write_what_one_process_writes(write_jsonl, prepare
     assert t["processes"] == 2 and 0 < t["first_slice_began_s"] <= t["last_slice_began_s"] <= t["seconds"]
     with pytest.raises(Eagle3Error, match=r"data.jsonl:\d+: .*exceed max_length=160 \(truncate=false\) \[too_long\]"):
         prepare(path, out="err", max_length=160, truncate=False, tokenize_workers=2)
+
+
+def test_repeat_writes_copies_with_consecutive_ids_and_old_outputs_stay_valid(tmp_path, write_jsonl, prepare):
+    from data_prep.prepare import PrepareConfig, Preparer
+
+    path = write_jsonl(OPENAI)
+    once, one = prepare(path, out="once", sample_id_offset=100)
+    thrice, three = prepare(path, out="thrice", sample_id_offset=100, repeat=3)
+    assert three["sample_id"] == list(range(100, 106))
+    assert list(three["input_ids"]) == list(one["input_ids"]) * 3
+    assert list(three["loss_mask"]) == list(one["loss_mask"]) * 3
+    assert thrice["counts"]["rows_read"] == 2 and thrice["counts"]["rows_written"] == 6
+    assert thrice["counts"]["tokens"] == 3 * once["counts"]["tokens"]
+    # repeat=1 is not among the options that decide an output: a manifest written before the option
+    # existed (its config without it) names the same output
+    preparer = Preparer(PrepareConfig(target="tiny", input=str(path), out=str(tmp_path / "once"), sample_id_offset=100))
+    old = {k: v for k, v in once["config"].items() if k != "repeat"}
+    assert preparer._output_options(old) == preparer._output_options()
+    with pytest.raises(ContractError, match="overwrite=true"):  # another repeat is another output
+        prepare(path, out="once", sample_id_offset=100, repeat=2)
+    with pytest.raises(Exception, match="repeat"):
+        prepare(path, out="never", repeat=0)

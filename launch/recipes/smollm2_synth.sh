@@ -40,13 +40,19 @@
 # 0 for none), SOURCE (online: the target in the
 # training loop; offline: dump + standardize first), TARGET (embedded), DUMP_EXTRA / TRAIN_EXTRA (more
 # eagle3-dump / eagle3-train overrides), PREPARE_EXTRA (more eagle3-prepare overrides for the synthesis: "synth.turns=2",
-# "regen.do_sample=true regen.temperature=0.7"), UNTIL (stop after this stage: synthesize, standardize (offline:
-# the training data is ready, e.g. to train several variants of it) or train).
+# "regen.do_sample=true regen.temperature=0.7"), OWN_REPEATS (0; SOURCE=offline: EXAMPLES' prompts answered by the
+# target too, each written OWN_REPEATS times (eagle3-prepare repeat=), dumped and merged with the synthesized
+# conversations at standardize: your own prompts weighed beside the synthesized ones), UNTIL (stop after this
+# stage: synthesize, standardize (offline: the training data is ready, e.g. to train several variants of it) or train).
 set -euo pipefail
 case "${UNTIL:-}" in ""|synthesize|standardize|train) ;; *)
   echo "smollm2_synth.sh: UNTIL=${UNTIL} is not a stage to stop after: synthesize, standardize or train" >&2; exit 2;; esac
 if [ "${UNTIL:-}" = standardize ] && [ "${SOURCE:-online}" = online ]; then
   echo "smollm2_synth.sh: UNTIL=standardize needs SOURCE=offline (online training has no dump or standardize)" >&2
+  exit 2
+fi
+if [ "${OWN_REPEATS:-0}" -gt 0 ] && [ "${SOURCE:-online}" = online ]; then
+  echo "smollm2_synth.sh: OWN_REPEATS needs SOURCE=offline (your prompts' dump is merged with the synthesized one at standardize)" >&2
   exit 2
 fi
 NGPU_SEEN=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
@@ -89,7 +95,17 @@ if [ "${SOURCE:-online}" = online ]; then  # the target runs in the training loo
 else
   # shellcheck disable=SC2086  # DUMP_EXTRA is a list of overrides
   run dump dist -m data_prep.dump target="${TARGET:-embedded}" data="$RUN/prepared" out="$RUN/dump" dtype=bfloat16 ${DUMP_EXTRA:-}
-  run standardize python3 -m data_prep.standardize dumps="[$RUN/dump]" out="$RUN/std" \
+  DUMPS="$RUN/dump"
+  if [ "${OWN_REPEATS:-0}" -gt 0 ]; then  # EXAMPLES' prompts answered by the target, weighed OWN_REPEATS times
+    [ -n "$EXAMPLES" ] || { echo "smollm2_synth.sh: OWN_REPEATS needs EXAMPLES (your prompts)" >&2; exit 2; }
+    run prepare_own python3 -m data_prep.prepare target="${TARGET:-embedded}" input="$EXAMPLES" regenerate=true \
+      repeat="$OWN_REPEATS" sample_id_offset=1000000000 out="$RUN/prepared_own" regen.max_new_tokens="${NEW_TOKENS:-128}" \
+      regen.batch_size="$GEN_BATCH" regen.batching="${GEN_BATCHING:-graph}"
+    # shellcheck disable=SC2086  # DUMP_EXTRA is a list of overrides
+    run dump_own dist -m data_prep.dump target="${TARGET:-embedded}" data="$RUN/prepared_own" out="$RUN/dump_own" dtype=bfloat16 ${DUMP_EXTRA:-}
+    DUMPS="$DUMPS,$RUN/dump_own"
+  fi
+  run standardize python3 -m data_prep.standardize dumps="[$DUMPS]" out="$RUN/std" \
     draft_vocab_size="${DRAFT_VOCAB:-16384}" eval_fraction=0.02 ${MAX_SAMPLES:+max_samples=$MAX_SAMPLES}
   [ "${UNTIL:-}" = standardize ] && exit 0
   # shellcheck disable=SC2086  # RECIPE_TRAIN and TRAIN_EXTRA are lists of overrides

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Issue #35's data levers, as one background job on a GPU machine staged with launch/gpu_stage.sh:
+# Issue #35's data levers (longer replies, two turns, sampled replies, the shipped example prompts
+# answered by the target and weighed 8 times beside the synthesized ones), as one background job on a
+# GPU machine staged with launch/gpu_stage.sh:
 # for each DATA_VARIANT (name|VAR=value, the environment of launch/recipes/smollm2_synth.sh that it
 # changes), the recipe's synthesis of N conversations, dump and standardize (UNTIL=standardize,
 # SOURCE=offline: each variant synthesizes its own data), then its draft trained with the study's
@@ -20,7 +22,8 @@ rm -f "$W/done"
 DATA_VARIANTS=${DATA_VARIANTS:-"base|
 replies_256|NEW_TOKENS=256
 turns_2|PREPARE_EXTRA=synth.turns=2
-sampled_0.7|PREPARE_EXTRA=regen.do_sample=true regen.temperature=0.7"}
+sampled_0.7|PREPARE_EXTRA=regen.do_sample=true regen.temperature=0.7
+own_x8|OWN_REPEATS=8"}
 names=()
 {
   while IFS='|' read -r name assign; do
