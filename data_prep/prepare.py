@@ -47,6 +47,7 @@ from eagle3_train.core.fileio import (
     sha256_json,
 )
 from eagle3_train.core.log import LogConfig, progress_bar
+from eagle3_train.core.split import COPY_SHIFT, MAX_COPIES
 from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.engines import registry
 from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target, text_config
@@ -81,7 +82,7 @@ class PrepareConfig:
     limit: int | None = None  # read only the first N rows of the input
     sample_id_offset: int = 0  # first sample id (give datasets to be merged later disjoint ranges)
     repeat: int = 1
-    """each conversation written this many times (consecutive sample ids; after regeneration, so the copies share one reply): weights a small set of your own prompts beside a larger dataset it is merged with at eagle3-standardize"""
+    """each conversation written this many times (after regeneration, so the copies share one reply; copy r's sample id is the original's + r * 2**48, and copies share its train/eval split): weights a small set of your own prompts beside a larger dataset it is merged with at eagle3-standardize"""
     regenerate: bool = False  # the target rewrites every assistant turn (see regen.*)
     regen: RegenConfig = field(default_factory=RegenConfig)
     device: str = "auto"  # where the target runs for regeneration (auto: cuda if present)
@@ -103,6 +104,11 @@ class PrepareConfig:
             positive=("max_length", "limit", "synthesize", "repeat"),
             non_negative=("sample_id_offset", "tokenize_workers"),
         )
+        if self.repeat >= MAX_COPIES or self.sample_id_offset >= 1 << COPY_SHIFT:
+            raise ConfigError(
+                f"repeat must be below {MAX_COPIES} and sample_id_offset below 2**{COPY_SHIFT} (sample ids number "
+                f"copies above that bit), got repeat={self.repeat}, sample_id_offset={self.sample_id_offset}"
+            )
         if self.save_conversations is not None and not self.save_conversations.endswith((".jsonl", ".jsonl.gz")):
             raise ConfigError(
                 f"save_conversations must name a .jsonl or .jsonl.gz file, got {self.save_conversations!r}"
@@ -263,13 +269,13 @@ class Preparer:
                 conversations, more = self.regenerate(conversations)
                 regen_stats |= more
             rows, stats = self.render(conversations, pool)
-            rows = rows * self.cfg.repeat  # copy r of row i: sample id offset + r * len(rows) + i
         finally:
             if pool is not None:
                 pool[0].shutdown(cancel_futures=True)
-        if self.cfg.save_conversations:
+        if self.cfg.save_conversations:  # each conversation once, whatever repeat=
             save_conversations([c for c, _ in rows], Path(self.cfg.save_conversations).expanduser())
-        return self.write(rows, stats | {"rows_read": rows_read}, regen_stats)
+        # copy r of row i: sample id offset + i + r * 2**COPY_SHIFT (sample_ids)
+        return self.write(rows * self.cfg.repeat, stats | {"rows_read": rows_read}, regen_stats)
 
     def _tokenizing_pool(self, n: int) -> tuple[ProcessPoolExecutor, int] | None:
         """``tokenize_workers`` processes (0: one per 10,000 of ``n`` conversations, at most the CPUs
@@ -477,6 +483,19 @@ class Preparer:
             raise Eagle3Error(f"no usable conversation in {self.cfg.input}; {self.bad.summary()}")
         return rows, {"truncated": truncated, "tokenize": timing}
 
+    def sample_ids(self, n: int) -> np.ndarray:
+        """The ids of ``n`` written rows: offset + row, and for ``repeat`` copies the copy's number
+        above :data:`~eagle3_train.core.split.COPY_SHIFT` (copies share their original's train/eval
+        split)."""
+        per_copy = n // self.cfg.repeat
+        if self.cfg.sample_id_offset + per_copy > 1 << COPY_SHIFT:
+            raise ConfigError(
+                f"sample_id_offset={self.cfg.sample_id_offset} + {per_copy} conversations passes 2**{COPY_SHIFT}, "
+                f"where sample ids number copies (repeat=): choose a smaller sample_id_offset"
+            )
+        row = np.arange(n, dtype=np.int64)
+        return self.cfg.sample_id_offset + row % per_copy + ((row // per_copy) << COPY_SHIFT)
+
     def write(self, rows: list[tuple[Conversation, Rendered]], stats: dict, regen_stats: dict) -> dict[str, Any]:
         """Save the dataset, then the manifest (last, atomically)."""
         import pyarrow as pa
@@ -490,7 +509,7 @@ class Preparer:
         loss_tokens = np.array([int(r.loss_mask.sum()) for _, r in rows], dtype=np.int32)
         table = pa.table(
             {
-                "sample_id": pa.array(self.cfg.sample_id_offset + np.arange(len(rows), dtype=np.int64)),
+                "sample_id": pa.array(self.sample_ids(len(rows))),
                 "input_ids": list_type.from_arrays(offsets, ids),
                 "loss_mask": list_type.from_arrays(offsets, mask),
                 "num_tokens": pa.array(lengths.astype(np.int32)),

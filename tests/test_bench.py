@@ -359,12 +359,15 @@ def test_stalled_requests_against_the_levels_medians():
     assert [r for r, _ in found] == [slow] and found[0][1] == pytest.approx(0.2, rel=0.1)
     assert stalled([req(128, 0.2), slow]) == []  # too few requests to say what is usual
     assert stalled(level + [req(128, 0.9)]) == []  # 4.5x: under the factor
+    fast = [req(8, 0.01), req(8, 0.011), req(8, 0.009), req(8, 0.01)]
+    assert stalled(fast + [req(8, 0.2)]) == []  # 20x, but 0.19 s: a hiccup, not a compile
+    assert [r.latency_s for r, _ in stalled(fast + [req(8, 0.2)], min_s=0.1)] == [0.2]
 
 
 def test_a_stalled_request_is_named_and_the_median_speedup_set_beside(tiny, prompts, tmp_path):
     steps = SimulatedSteps(0.004, 0.005, 0.001)
     baseline, spec = servers(tiny, steps=steps)
-    baseline.slow_posts = {3: 1.0}  # the c=1 level's first request (after the 2 warm-up ones) stalls 1 s
+    baseline.slow_posts = {3: 1.5}  # the c=1 level's first request (after the 2 warm-up ones) stalls 1.5 s
     with baseline, spec:
         report = bench(baseline, spec, prompts, tmp_path / "out", concurrency=[1])
     row = report["rows"][0]
@@ -398,6 +401,10 @@ def test_speedup_results_sets_the_engines_tau_beside_evals_on_the_same_turns(tmp
     )
     turns = mod.sent_turns(requests, 1)
     assert turns == {("p:1", 1), ("p:2", 1)}
+    # the same prompt file named by another path in eval's outputs still matches
+    moved = tmp_path / "moved.jsonl"
+    moved.write_text(outputs.read_text().replace('"p:', '"/elsewhere/p:'))
+    assert mod.eval_tau_on(moved, turns) == mod.eval_tau_on(outputs, turns)
     tau, n = mod.eval_tau_on(outputs, turns)
     assert n == 2 and tau == pytest.approx(1 + (2 + 0 + 1 + 0 + 0 + 0 + 3) / 7)  # p:1's second turn left out
     assert mod.eval_tau_on(outputs, {("p:9", 1)}) is None and mod.eval_tau_on(tmp_path / "none", turns) is None

@@ -305,7 +305,8 @@ def test_repeat_writes_copies_with_consecutive_ids_and_old_outputs_stay_valid(tm
     path = write_jsonl(OPENAI)
     once, one = prepare(path, out="once", sample_id_offset=100)
     thrice, three = prepare(path, out="thrice", sample_id_offset=100, repeat=3)
-    assert three["sample_id"] == list(range(100, 106))
+    # copy r of row i: 100 + i + r * 2**48 (copies share their original's train/eval split)
+    assert list(three["sample_id"]) == [100 + i + (r << 48) for r in range(3) for i in range(2)]
     assert list(three["input_ids"]) == list(one["input_ids"]) * 3
     assert list(three["loss_mask"]) == list(one["loss_mask"]) * 3
     assert thrice["counts"]["rows_read"] == 2 and thrice["counts"]["rows_written"] == 6

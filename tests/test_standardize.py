@@ -134,6 +134,24 @@ def test_split_is_deterministic_and_per_sample():
     assert len(split_eval(ids, 0.0, 0)) == 0
 
 
+def test_copies_of_a_conversation_are_held_out_or_kept_together():
+    """eagle3-prepare repeat=: copy r of sample i has id i + r * 2**48; all copies share i's fate, and
+    data without copies splits as before the rule knew copies (a hash of the id alone, the first k)."""
+    from eagle3_train.core.split import _mix64, copy_id
+
+    ids = np.arange(100, 300)
+    seed_key = _mix64(np.array([0], dtype=np.uint64))[0]
+    first_k = np.sort(ids[np.argsort(_mix64(ids.astype(np.uint64) ^ seed_key), kind="stable")[:20]])
+    assert np.array_equal(split_eval(ids, 0.1, seed=0), first_k)  # the rule before copies, for plain ids
+    copies = np.concatenate([copy_id(ids, r) for r in range(4)])  # 4 copies of each of 200 conversations
+    held = split_eval(copies, 0.1, seed=0)
+    assert len(held) % 4 == 0 and len(held) >= 80
+    base = held & ((1 << 48) - 1)
+    for i in np.unique(base):
+        assert set(held[base == i].tolist()) == {int(copy_id(i, r)) for r in range(4)}  # all of its copies
+    assert np.array_equal(np.unique(base), split_eval(ids, 0.1, seed=0))  # the same conversations as once
+
+
 def test_merge_two_dumps_and_reuse_vocab_map(dumps, tmp_path):
     first = standardize([dumps["a"]], tmp_path / "one")
     merged = standardize(

@@ -8,18 +8,35 @@ import numpy as np
 
 EVAL_FRACTION = 0.05  # the default share of samples held out for evaluation
 SPLIT_SEED = 0  # the default seed of the split
+COPY_SHIFT = (
+    48  # sample id bits below this name a conversation; the bits above, which copy of it (eagle3-prepare repeat=)
+)
+MAX_COPIES = 1 << (63 - COPY_SHIFT)  # copies a conversation may have (ids stay positive int64)
+
+
+def copy_id(sample_id: np.ndarray | int, copy: int) -> np.ndarray | int:
+    """The sample id of copy ``copy`` (0: the original) of the conversation ``sample_id``."""
+    return sample_id + (copy << COPY_SHIFT)
 
 
 def split_eval(sample_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
     """The held-out sample ids: the ``round(fraction * n)`` ids that rank first under a hash of
     (seed, id). Deterministic per seed, and a sample's fate depends on its id alone, not on the
-    order or grouping of the data."""
+    order or grouping of the data. Copies of one conversation (ids that differ only above
+    ``COPY_SHIFT``) hash alike and are held out or kept together: a copy held out beside one trained
+    on would measure the training data. Where the cut falls inside such a group the whole group is
+    held out (unless that would hold out everything)."""
     n = len(sample_ids)
     k = int(round(fraction * n))
     if fraction > 0 and n >= 2:
         k = min(max(k, 1), n - 1)
-    keys = _mix64(sample_ids.astype(np.uint64) ^ _mix64(np.array([seed], dtype=np.uint64))[0])
-    return np.sort(sample_ids[np.argsort(keys, kind="stable")[:k]])
+    base = sample_ids.astype(np.uint64) & np.uint64((1 << COPY_SHIFT) - 1)
+    keys = _mix64(base ^ _mix64(np.array([seed], dtype=np.uint64))[0])
+    order = np.argsort(keys, kind="stable")
+    if 0 < k < n and keys[order[k]] == keys[order[k - 1]]:  # the cut splits a group of copies
+        whole = int(np.searchsorted(keys[order], keys[order[k - 1]], side="right"))
+        k = whole if whole < n else int(np.searchsorted(keys[order], keys[order[k - 1]], side="left"))
+    return np.sort(sample_ids[order[:k]])
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:

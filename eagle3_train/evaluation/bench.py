@@ -9,8 +9,8 @@ to ``out``) and stops it after its measurements, or uses servers already running
 ``spec_url=``). Each gets the same prompts (a prompt file read as eagle3-eval reads it, the first
 ``max_turns`` user turns of each conversation; the shipped held-out prompts by default) at each
 concurrency of ``concurrency`` (that many requests in flight, a new one sent as one returns) and
-each temperature of ``temperatures``, each level after ``max(warmup_requests, concurrency)`` requests
-at its own concurrency that are not counted (an engine compiles or tunes kernels per batch size: a
+each temperature of ``temperatures``, each level after ``max(warmup_requests, concurrency)``
+conversations (none with ``warmup_requests=0``) at its own concurrency that are not counted (an engine compiles or tunes kernels per batch size: a
 warm-up at another concurrency leaves the level's first request to pay for it). A level sends ``max(min_requests, requests_per_slot * concurrency)`` conversations, the prompt file
 repeated as needed. Per level and engine it measures output tokens/s (the replies' tokens, as the
 engine's ``usage`` counts them, over the level's wall time) and each request's time per output
@@ -19,9 +19,10 @@ speculating engine, its acceptance length over the level, read as ``eagle3-serve
 reads it (vLLM's ``/metrics`` counters before and after, SGLang's per-reply ``meta_info``); and the
 speed-up, the speculating engine's tokens/s over the baseline's, and beside it the ratio of the two
 engines' median times per output token (``speedup_by_tpot``), which one slow request cannot move.
-A request slower than ``STALL_FACTOR`` times what its level's median says it should take (a compile,
-a stall or a retry inside the engine) is named in the report's ``warnings`` with both figures: the
-throughput counts the whole stall.
+A request slower than ``STALL_FACTOR`` times, and ``STALL_MIN_S`` seconds beyond, what its level's
+medians say it should take (a compile, a stall or a retry inside the engine) is named in the report's
+``warnings``, one warning a level with the worst such request, with both figures: the throughput
+counts the whole stall.
 
 Writes ``results.json`` (machine, command, date, engine version, settings, one row per temperature
 and concurrency), ``requests.jsonl`` (each request: engine, level, tokens, latency) and
@@ -119,7 +120,9 @@ class BenchConfig:
     requests_per_slot: int = 4  # a level sends max(min_requests, requests_per_slot x concurrency) conversations
     min_requests: int = 16  # the fewest conversations a level sends
     max_new_tokens: int = 256  # generated tokens per request at most (max_tokens)
-    warmup_requests: int = 4  # before each level, max(this, its concurrency) requests at its concurrency, not counted
+    warmup_requests: int = (
+        4  # before each level, max(this, its concurrency) conversations at its concurrency, not counted (0: none)
+    )
     model: str | None = None  # the served model name to ask for (null: the first one /v1/models lists)
     request_timeout_s: float = 600.0  # one request's time limit
     retries: int = 0  # further attempts after a transient failure (a retried request counts in the level's time)
@@ -219,21 +222,24 @@ def level_figures(requests: list[Request], seconds: float) -> dict[str, Any]:
     }
 
 
-STALL_FACTOR = 5.0  # a request this many times slower than its level's median says it should be is a stall
+STALL_FACTOR = 5.0  # a request this many times slower than its level's median says it should be is a stall ...
+STALL_MIN_S = 0.5  # ... and this many seconds slower at least (a scheduler's hiccup on a fast reply is none)
 
 
-def stalled(requests: list[Request], factor: float = STALL_FACTOR) -> list[tuple[Request, float]]:
-    """The requests of a level (of 4 or more) whose latency exceeds ``factor`` times what the level's
-    medians expect of them: the larger of the median latency and the median time per output token
-    times the request's own tokens (a long reply is not a stall, nor a one-token reply's prefill).
-    Each with the latency expected of it."""
+def stalled(
+    requests: list[Request], factor: float = STALL_FACTOR, min_s: float = STALL_MIN_S
+) -> list[tuple[Request, float]]:
+    """The requests of a level (of 4 or more) whose latency exceeds ``factor`` times, and by at least
+    ``min_s`` seconds, what the level's medians expect of them: the larger of the median latency and
+    the median time per output token times the request's own tokens (a long reply is not a stall, nor
+    a one-token reply's prefill). Each with the latency expected of it."""
     if len(requests) < 4:
         return []
     per_token = [r.latency_s / r.completion_tokens for r in requests if r.completion_tokens]
     median = percentile([r.latency_s for r in requests], 50)
     tpot = percentile(per_token, 50) if per_token else 0.0
     expected = [(r, max(median, tpot * r.completion_tokens)) for r in requests]
-    return [(r, e) for r, e in expected if r.latency_s > factor * e]
+    return [(r, e) for r, e in expected if r.latency_s > factor * e and r.latency_s - e >= min_s]
 
 
 def level_requests(c: int, cfg: BenchConfig) -> int:
@@ -556,20 +562,23 @@ class Bench:
             tpot = [row[side]["time_per_output_token_s"] for side in SIDES]
             row["speedup_by_tpot"] = tpot[0]["p50"] / tpot[1]["p50"] if all(tpot) and tpot[1]["p50"] else None
             for side, level in (("baseline", base), ("spec", spec)):
-                for r, expected in stalled(level["requests"]):
-                    excess = r.latency_s - expected
-                    self.warnings.append(
-                        f"{side}, concurrency {level['concurrency']}, temperature {level['temperature']}: "
-                        f"{r.source} turn {r.turn} took {r.latency_s:.2f} s for {r.completion_tokens} tokens, "
-                        f"{r.latency_s / expected:.0f}x what the level's medians expect ({expected:.2f} s; a "
-                        f"compile, a stall or a retry in the engine), {excess / level['seconds']:.0%} of the "
-                        f"level's {level['seconds']:.1f} s: speed-up {row['speedup']:.2f}x by throughput, "
-                        + (
-                            f"{row['speedup_by_tpot']:.2f}x by median time per token"
-                            if row["speedup_by_tpot"] is not None
-                            else "no time per token to set beside it"
-                        )
+                found = stalled(level["requests"])
+                if not found:
+                    continue
+                r, expected = max(found, key=lambda f: f[0].latency_s - f[1])  # the worst; one warning a level
+                more = f" (and {len(found) - 1} more request(s) of the level)" if len(found) > 1 else ""
+                self.warnings.append(
+                    f"{side}, concurrency {level['concurrency']}, temperature {level['temperature']}: "
+                    f"{r.source} turn {r.turn} took {r.latency_s:.2f} s for {r.completion_tokens} tokens, "
+                    f"{r.latency_s / expected:.0f}x what the level's medians expect ({expected:.2f} s; a "
+                    f"compile, a stall or a retry in the engine){more}; the level took {level['seconds']:.1f} s: "
+                    f"speed-up {row['speedup']:.2f}x by throughput, "
+                    + (
+                        f"{row['speedup_by_tpot']:.2f}x by median time per token"
+                        if row["speedup_by_tpot"] is not None
+                        else "no time per token to set beside it"
                     )
+                )
             rows.append(row)
         return rows
 

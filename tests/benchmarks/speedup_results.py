@@ -145,15 +145,21 @@ def eval_tau_on(outputs: Path, sent: set[tuple[str, int]]) -> tuple[float, int] 
     if not outputs.is_file():
         return None
     rows = [json.loads(line) for line in outputs.read_text().splitlines() if line.strip()]
-    steps = [a for r in rows if (r["source"], r["turn"]) in sent for a in r["accepted"]]
-    turns = sum((r["source"], r["turn"]) in sent for r in rows)
-    return (1 + sum(steps) / len(steps), turns) if steps else None
+    mine = [r for r in rows if (_where(r["source"]), r["turn"]) in sent]
+    steps = [a for r in mine for a in r["accepted"]]
+    return (1 + sum(steps) / len(steps), len(mine)) if steps else None
+
+
+def _where(source: str) -> str:
+    """A conversation's file name and line, without the directory (eval and the bench may name the
+    same prompt file by different paths)."""
+    return Path(source).name
 
 
 def sent_turns(requests: Path, concurrency: int) -> set[tuple[str, int]]:
     """The (source, turn) pairs eagle3-bench sent the speculating engine at ``concurrency``."""
     rows = [json.loads(line) for line in requests.read_text().splitlines() if line.strip()]
-    return {(r["source"], r["turn"]) for r in rows if r["engine"] == "spec" and r["concurrency"] == concurrency}
+    return {(_where(r["source"]), r["turn"]) for r in rows if r["engine"] == "spec" and r["concurrency"] == concurrency}
 
 
 def sglang_trees(w_eval: Path, w_sglang: Path) -> dict[str, Any]:

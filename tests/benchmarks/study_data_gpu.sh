@@ -33,6 +33,9 @@ names=()
     # shellcheck disable=SC2086  # NEW_TOKENS of the variant, if it sets it, also reaches the eval below
     env ${assign:+"$assign"} RUN_DIR="$W/$name" N="$N" UNTIL=standardize SOURCE=offline DRAFT_VOCAB=16384 \
       bash launch/recipes/smollm2_synth.sh > "$W/$name.data.log" 2>&1 || { echo "$name: data failed (see $W/$name.data.log)"; continue; }
+    # the training data: this variant's whole standardize (its OWN_REPEATS dump included, whose sample ids
+    # a max_samples cut would drop first), where scaling_curve.sh would otherwise cut its own from the dump
+    mkdir -p "$W/$name/curve" && ln -sfn "$W/$name/std" "$W/$name/curve/std_$N"
     echo "== $(date +%T) $name: training (beside the next synthesis)"
     POINTS="" VARIANT_N="$N" VARIANTS="base|${TRAIN_EXTRA_ALL:-}" EPOCHS="${EPOCHS:-6}" LR=2e-3 DRAFT_VOCAB=16384 \
       RECIPE_EXTRA="model.intermediate_size=6144" EVAL_LONG="${EVAL_LONG-512}" TRAIN_TIMEOUT="${TRAIN_TIMEOUT:-900}" \
