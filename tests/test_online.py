@@ -151,3 +151,35 @@ def test_a_vocab_map_counted_over_another_split_is_refused(data, tmp_path):
         r'\{"eval_fraction": 0.3, "seed": 0\}',
     ):
         train(data["prep"], tmp_path / "r", source="online", online=other)
+
+
+def test_extra_prepared_directories_train_as_one_directory_of_them_all(data, tmp_path):
+    """online.extra_data: the 48 conversations prepared as two directories (ids 0-19 and 20-47) train
+    exactly as the one directory that holds them all; overlapping ids are refused, naming both."""
+    from dataclasses import replace
+
+    from data_prep.prepare import PrepareConfig, Preparer
+    from eagle3_train.core.errors import BadInputError
+
+    lines = (data["prep"].parent / "d.jsonl").read_text().splitlines()
+    for name, part, offset in (("a", lines[:20], 0), ("b", lines[20:], 20), ("clash", lines[:3], 19)):
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(part) + "\n")
+        Preparer(
+            PrepareConfig(
+                target="tiny",
+                input=str(tmp_path / f"{name}.jsonl"),
+                out=str(tmp_path / f"{name}-prep"),
+                sample_id_offset=offset,
+                progress=False,
+            )
+        ).run()
+    train(data["prep"], tmp_path / "one", source="online", online=ONLINE)
+    two = replace(ONLINE, extra_data=[str(tmp_path / "b-prep")])
+    train(tmp_path / "a-prep", tmp_path / "two", source="online", online=two)
+    assert_same_training(tmp_path / "one", tmp_path / "two", rel=1e-6, atol=1e-6)
+    assert (tmp_path / "two" / "vocab_map.safetensors").read_bytes() == (
+        tmp_path / "one" / "vocab_map.safetensors"
+    ).read_bytes()
+    clash = replace(ONLINE, extra_data=[str(tmp_path / "clash-prep")])
+    with pytest.raises(BadInputError, match=r"sample id 19 is in both .*a-prep and .*clash-prep"):
+        train(tmp_path / "a-prep", tmp_path / "three", source="online", online=clash)

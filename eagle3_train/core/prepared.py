@@ -97,8 +97,71 @@ class PreparedData:
         return counts
 
 
+class PreparedSet:
+    """Several prepared directories read as one (online training's ``data`` and ``online.extra_data``):
+    rows in the parts' order, their sample ids disjoint, all tokenised by one tokenizer with one
+    chat template. The interface of :class:`PreparedData`.
+
+    Args:
+        parts: the prepared directories (two or more).
+    """
+
+    def __init__(self, parts: list[PreparedData]):
+        from eagle3_train.core.fileio import sha256_json
+
+        self.parts = parts
+        self.path = parts[0].path
+        self.sample_ids = np.concatenate([p.sample_ids for p in parts])
+        self.num_tokens = np.concatenate([p.num_tokens for p in parts])
+        self.starts = np.cumsum([0] + [len(p.sample_ids) for p in parts])  # the first row of each part
+        if len(np.unique(self.sample_ids)) != len(self.sample_ids):
+            seen: dict[int, Path] = {}
+            for p in parts:
+                clash = next((int(i) for i in p.sample_ids if int(i) in seen), None)
+                if clash is not None:
+                    raise BadInputError(
+                        f"sample id {clash} is in both {seen[clash]} and {p.path}: prepare them with disjoint "
+                        f"sample_id_offset= ranges"
+                    )
+                seen.update({int(i): p.path for i in p.sample_ids})
+        first = parts[0].target
+        for p in parts[1:]:
+            if (p.target.tokenizer_hash, p.target.chat_template_hash) != (
+                first.tokenizer_hash,
+                first.chat_template_hash,
+            ):
+                raise ContractError(
+                    f"{p.path} was tokenised with another tokenizer or chat template than {parts[0].path} "
+                    f"(prepared for {p.target.path} and {first.path}): prepare both with the same target and template"
+                )
+        self.fingerprint = sha256_json([p.fingerprint for p in parts])
+
+    @property
+    def target(self) -> TargetIdentity:
+        return self.parts[0].target
+
+    def identity_for(self, target: Any, name: str) -> TargetIdentity:
+        return [p.identity_for(target, name) for p in self.parts][0]  # each part checked
+
+    def tokens(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        part = int(np.searchsorted(self.starts, row, side="right")) - 1
+        return self.parts[part].tokens(int(row - self.starts[part]))
+
+    def token_counts(self, keep: np.ndarray, vocab_size: int) -> torch.Tensor:
+        return sum(
+            (p.token_counts(keep[a:b], vocab_size) for p, a, b in zip(self.parts, self.starts, self.starts[1:])),
+            torch.zeros(vocab_size, dtype=torch.int64),
+        )
+
+
+def prepared_data(directories: list[str | os.PathLike]) -> PreparedData | PreparedSet:
+    """One prepared directory, or several read as one."""
+    parts = [PreparedData(d) for d in directories]
+    return parts[0] if len(parts) == 1 else PreparedSet(parts)
+
+
 def prepared_vocab(
-    prepared: PreparedData, eval_fraction: float, seed: int, draft_vocab_size: int, target_vocab_size: int
+    prepared: PreparedData | PreparedSet, eval_fraction: float, seed: int, draft_vocab_size: int, target_vocab_size: int
 ) -> tuple[VocabMap, np.ndarray]:
     """The draft vocab map of a prepared dataset and its held-out sample ids: the loss-masked tokens
     of the samples :func:`~eagle3_train.core.split.split_eval` keeps for training, counted whole -- the

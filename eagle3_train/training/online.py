@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from eagle3_train.core.contract import (
 )
 from eagle3_train.core.dist import DistInfo, barrier
 from eagle3_train.core.errors import ConfigError, ContractError, check_numbers
-from eagle3_train.core.prepared import PreparedData, prepared_vocab
+from eagle3_train.core.prepared import PreparedData, PreparedSet, prepared_data, prepared_vocab
 from eagle3_train.core.split import EVAL_FRACTION, SPLIT_SEED, check_fraction, split_eval
 from eagle3_train.core.stagedir import hold_lock
 from eagle3_train.core.vocab import DRAFT_VOCAB_SIZE, VocabMap, load_vocab_map
@@ -65,6 +65,8 @@ class OnlineConfig:
     draft_vocab_size: int = DRAFT_VOCAB_SIZE  # counted over the training split's loss-masked tokens (capped at the target's vocab), as eagle3-standardize counts
     vocab_map: str | None = None
     """use this vocab_map.safetensors instead (eagle3-standardize only_vocab=true data=<prepared>, or a standardized dir's)"""
+    extra_data: list[str] = field(default_factory=list)
+    """more prepared directories trained on beside data= (disjoint sample ids, the same tokenizer and template: e.g. your own prompts answered by the target, eagle3-prepare repeat=, beside synthesized ones)"""
     eval_fraction: float = EVAL_FRACTION  # samples held out, by eagle3-standardize's rule (its eval_fraction=)
     split_seed: int = SPLIT_SEED  # seed of that rule (eagle3-standardize's seed=)
     overlap: bool = True
@@ -104,7 +106,7 @@ class PreparedSplit:
         max_length: samples longer than this are cut (their tail is not trained on).
     """
 
-    def __init__(self, prepared: PreparedData, sample_ids: np.ndarray, max_length: int):
+    def __init__(self, prepared: PreparedData | PreparedSet, sample_ids: np.ndarray, max_length: int):
         self.prepared = prepared
         rows = np.flatnonzero(np.isin(prepared.sample_ids, sample_ids))
         self.rows = rows[np.argsort(prepared.sample_ids[rows], kind="stable")]
@@ -150,7 +152,7 @@ class OnlineSource(Source):
         loaded: Target | None = None,
     ):
         self.cfg, self.device, self.dtype = cfg, dist.device, dtype
-        self.prepared = PreparedData(data)
+        self.prepared = prepared_data([data, *cfg.extra_data])
         self.where = str(self.prepared.path)
         self.data_fingerprint = self.prepared.fingerprint
         # config and tokenizer first: a capture the target cannot provide (a layer it does not have,

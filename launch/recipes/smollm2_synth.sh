@@ -40,19 +40,15 @@
 # 0 for none), SOURCE (online: the target in the
 # training loop; offline: dump + standardize first), TARGET (embedded), DUMP_EXTRA / TRAIN_EXTRA (more
 # eagle3-dump / eagle3-train overrides), PREPARE_EXTRA (more eagle3-prepare overrides for the synthesis: "synth.turns=2",
-# "regen.do_sample=true regen.temperature=0.7"), OWN_REPEATS (0; SOURCE=offline: EXAMPLES' prompts answered by the
-# target too, each written OWN_REPEATS times (eagle3-prepare repeat=), dumped and merged with the synthesized
-# conversations at standardize: your own prompts weighed beside the synthesized ones), UNTIL (stop after this
+# "regen.do_sample=true regen.temperature=0.7"), OWN_REPEATS (0: EXAMPLES' prompts answered by the target too,
+# each written OWN_REPEATS times (eagle3-prepare repeat=) and trained on beside the synthesized conversations:
+# online.extra_data, or offline dumped and merged at standardize: your own prompts weighed), UNTIL (stop after this
 # stage: synthesize, standardize (offline: the training data is ready, e.g. to train several variants of it) or train).
 set -euo pipefail
 case "${UNTIL:-}" in ""|synthesize|standardize|train) ;; *)
   echo "smollm2_synth.sh: UNTIL=${UNTIL} is not a stage to stop after: synthesize, standardize or train" >&2; exit 2;; esac
 if [ "${UNTIL:-}" = standardize ] && [ "${SOURCE:-online}" = online ]; then
   echo "smollm2_synth.sh: UNTIL=standardize needs SOURCE=offline (online training has no dump or standardize)" >&2
-  exit 2
-fi
-if [ "${OWN_REPEATS:-0}" -gt 0 ] && [ "${SOURCE:-online}" = online ]; then
-  echo "smollm2_synth.sh: OWN_REPEATS needs SOURCE=offline (your prompts' dump is merged with the synthesized one at standardize)" >&2
   exit 2
 fi
 NGPU_SEEN=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
@@ -85,22 +81,26 @@ run synthesize gen_dist -m data_prep.prepare target="${TARGET:-embedded}" synthe
   regen.max_new_tokens="${NEW_TOKENS:-128}" regen.batch_size="$GEN_BATCH" regen.batching="${GEN_BATCHING:-graph}" \
   ${PREPARE_EXTRA:-}
 [ "${UNTIL:-}" = synthesize ] && exit 0
+OWN=()  # online: your prompts' prepared directory beside the synthesized one
+if [ "${OWN_REPEATS:-0}" -gt 0 ]; then  # EXAMPLES' prompts answered by the target, weighed OWN_REPEATS times
+  [ -n "$EXAMPLES" ] || { echo "smollm2_synth.sh: OWN_REPEATS needs EXAMPLES (your prompts)" >&2; exit 2; }
+  run prepare_own python3 -m data_prep.prepare target="${TARGET:-embedded}" input="$EXAMPLES" regenerate=true \
+    repeat="$OWN_REPEATS" sample_id_offset=1000000000 out="$RUN/prepared_own" regen.max_new_tokens="${NEW_TOKENS:-128}" \
+    regen.batch_size="$GEN_BATCH" regen.batching="${GEN_BATCHING:-graph}"
+  OWN=("online.extra_data=[$RUN/prepared_own]")
+fi
 RECIPE_TRAIN="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-6} train.lr=${LR:-2e-3} train.warmup_steps=30 \
 train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-$((32768 * NGPU))} / NGPU )) train.head_chunk=32768 train.eval_every=500 train.keep_best=true train.log_every=50 \
 train.compile=${COMPILE:-$([ "$NGPU_SEEN" -ge 1 ] && echo true || echo false)} model.lm_head_init=target model.intermediate_size=${INTERMEDIATE:-6144}"
 if [ "${SOURCE:-online}" = online ]; then  # the target runs in the training loop: no dump, no standardize
   # shellcheck disable=SC2086  # RECIPE_TRAIN and TRAIN_EXTRA are lists of overrides
   run train dist -m eagle3_train.training.trainer source=online data="$RUN/prepared" target="${TARGET:-embedded}" out="$RUN/train" \
-    online.draft_vocab_size="${DRAFT_VOCAB:-16384}" online.eval_fraction=0.02 $RECIPE_TRAIN ${TRAIN_EXTRA:-}
+    online.draft_vocab_size="${DRAFT_VOCAB:-16384}" online.eval_fraction=0.02 "${OWN[@]}" $RECIPE_TRAIN ${TRAIN_EXTRA:-}
 else
   # shellcheck disable=SC2086  # DUMP_EXTRA is a list of overrides
   run dump dist -m data_prep.dump target="${TARGET:-embedded}" data="$RUN/prepared" out="$RUN/dump" dtype=bfloat16 ${DUMP_EXTRA:-}
   DUMPS="$RUN/dump"
-  if [ "${OWN_REPEATS:-0}" -gt 0 ]; then  # EXAMPLES' prompts answered by the target, weighed OWN_REPEATS times
-    [ -n "$EXAMPLES" ] || { echo "smollm2_synth.sh: OWN_REPEATS needs EXAMPLES (your prompts)" >&2; exit 2; }
-    run prepare_own python3 -m data_prep.prepare target="${TARGET:-embedded}" input="$EXAMPLES" regenerate=true \
-      repeat="$OWN_REPEATS" sample_id_offset=1000000000 out="$RUN/prepared_own" regen.max_new_tokens="${NEW_TOKENS:-128}" \
-      regen.batch_size="$GEN_BATCH" regen.batching="${GEN_BATCHING:-graph}"
+  if [ "${OWN_REPEATS:-0}" -gt 0 ]; then
     # shellcheck disable=SC2086  # DUMP_EXTRA is a list of overrides
     run dump_own dist -m data_prep.dump target="${TARGET:-embedded}" data="$RUN/prepared_own" out="$RUN/dump_own" dtype=bfloat16 ${DUMP_EXTRA:-}
     DUMPS="$DUMPS,$RUN/dump_own"
