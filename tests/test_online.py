@@ -158,21 +158,13 @@ def test_extra_prepared_directories_train_as_one_directory_of_them_all(data, tmp
     exactly as the one directory that holds them all; overlapping ids are refused, naming both."""
     from dataclasses import replace
 
-    from data_prep.prepare import PrepareConfig, Preparer
     from eagle3_train.core.errors import BadInputError
+    from test_standardize import prepare_tiny
 
     lines = (data["prep"].parent / "d.jsonl").read_text().splitlines()
     for name, part, offset in (("a", lines[:20], 0), ("b", lines[20:], 20), ("clash", lines[:3], 19)):
         (tmp_path / f"{name}.jsonl").write_text("\n".join(part) + "\n")
-        Preparer(
-            PrepareConfig(
-                target="tiny",
-                input=str(tmp_path / f"{name}.jsonl"),
-                out=str(tmp_path / f"{name}-prep"),
-                sample_id_offset=offset,
-                progress=False,
-            )
-        ).run()
+        prepare_tiny(tmp_path / f"{name}.jsonl", tmp_path / f"{name}-prep", offset)
     train(data["prep"], tmp_path / "one", source="online", online=ONLINE)
     two = replace(ONLINE, extra_data=[str(tmp_path / "b-prep")])
     train(tmp_path / "a-prep", tmp_path / "two", source="online", online=two)

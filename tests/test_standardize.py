@@ -17,9 +17,16 @@ from eagle3_train.core.vocab import build_vocab_map, load_vocab_map
 STORED = [0, 1, 2, 3]
 
 
-def make_dump(root, name, n=40, offset=0, seed=0, aux=(1, 2, 3), extra=(0,)):
+def prepare_tiny(jsonl, out, offset=0):
+    """eagle3-prepare of a conversations file for the tiny target, its sample ids from ``offset``."""
     from data_prep.prepare import PrepareConfig, Preparer
 
+    Preparer(
+        PrepareConfig(target="tiny", input=str(jsonl), out=str(out), sample_id_offset=offset, progress=False)
+    ).run()
+
+
+def make_dump(root, name, n=40, offset=0, seed=0, aux=(1, 2, 3), extra=(0,)):
     rng = random.Random(seed)
     words = ["cat", "dog", "the", "a", "sun", "x", "yy", "zzz"]
     rows = [
@@ -32,15 +39,7 @@ def make_dump(root, name, n=40, offset=0, seed=0, aux=(1, 2, 3), extra=(0,)):
         for _ in range(n)
     ]
     (root / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    Preparer(
-        PrepareConfig(
-            target="tiny",
-            input=str(root / f"{name}.jsonl"),
-            out=str(root / f"{name}-prep"),
-            sample_id_offset=offset,
-            progress=False,
-        )
-    ).run()
+    prepare_tiny(root / f"{name}.jsonl", root / f"{name}-prep", offset)
     Dumper(
         DumpConfig(
             target="tiny",
