@@ -8,6 +8,8 @@
 #      at TEMPS (default [0,0.7]), 256 new tokens;
 #   3. SGLang serving chain-5 and trees at concurrency 1 (speedup_gpu.sh STEPS=sglang): its acceptance
 #      length next to eagle3-eval's tree tau, where /tmp/sgsite is staged.
+# An engine not staged within STAGE_WAIT_S (600) seconds of its turn is skipped, said in the log. The
+# recipe's variables pass through (OWN_REPEATS=8, TRAIN_EXTRA="train.ema_decay=0.999", ...).
 # Progress: $W/log; $W/done when finished. `bash tests/benchmarks/study_speedup_gpu.sh bundle DIR` with
 # W and DRAFT=$W/recipe/export packs the results and the draft (in 15 MiB parts) at any time.
 #
@@ -26,11 +28,19 @@ source launch/engine_env.sh
     W="$W" N="${N:-73728}" STEPS=none bash tests/benchmarks/speedup_gpu.sh
     DRAFT=$W/recipe/export
   fi
-  until compgen -G "$VSITE/.stage_vllm-*" > /dev/null; do echo "waiting for launch/stage_vllm.sh install"; sleep 15; done
-  echo "== $(date +%T) 2. vLLM bench with CUDA graphs ($DRAFT)"
-  "${vllm_env[@]}" W="$W" DRAFT="$DRAFT" MODES=graphs STEPS=bench BENCH_EXTRA="temperatures=${TEMPS:-[0,0.7]}" \
-    bash tests/benchmarks/speedup_gpu.sh
-  if compgen -G "$SGSITE/.stage_sglang-*" > /dev/null; then
+  staged() {  # staged <site> <name>: wait up to STAGE_WAIT_S (600) for an engine's staging, say if it never came
+    local t=0
+    until compgen -G "$1/.stage_$2-*" > /dev/null; do
+      [ "$t" -ge "${STAGE_WAIT_S:-600}" ] && { echo "$2 is not staged: skipped"; return 1; }
+      sleep 15; t=$((t + 15))
+    done
+  }
+  if staged "$VSITE" vllm; then
+    echo "== $(date +%T) 2. vLLM bench with CUDA graphs ($DRAFT)"
+    "${vllm_env[@]}" W="$W" DRAFT="$DRAFT" MODES=graphs STEPS=bench BENCH_EXTRA="temperatures=${TEMPS:-[0,0.7]}" \
+      bash tests/benchmarks/speedup_gpu.sh
+  fi
+  if staged "$SGSITE" sglang; then
     echo "== $(date +%T) 3. SGLang chain-5 and trees"
     "${sglang_env[@]}" W="$W/sglang" DRAFT="$DRAFT" STEPS=sglang SGLANG_MEM=0.5 SGLANG_CONCURRENCY="[1]" \
       bash tests/benchmarks/speedup_gpu.sh
