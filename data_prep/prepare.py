@@ -47,7 +47,7 @@ from eagle3_train.core.fileio import (
     sha256_json,
 )
 from eagle3_train.core.log import LogConfig, progress_bar
-from eagle3_train.core.split import COPY_SHIFT, MAX_COPIES
+from eagle3_train.core.split import COPY_SHIFT, MAX_COPIES, copy_id
 from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.engines import registry
 from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target, text_config
@@ -494,7 +494,7 @@ class Preparer:
                 f"where sample ids number copies (repeat=): choose a smaller sample_id_offset"
             )
         row = np.arange(n, dtype=np.int64)
-        return self.cfg.sample_id_offset + row % per_copy + ((row // per_copy) << COPY_SHIFT)
+        return np.asarray(copy_id(self.cfg.sample_id_offset + row % per_copy, row // per_copy))
 
     def write(self, rows: list[tuple[Conversation, Rendered]], stats: dict, regen_stats: dict) -> dict[str, Any]:
         """Save the dataset, then the manifest (last, atomically)."""

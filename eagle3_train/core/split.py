@@ -8,13 +8,12 @@ import numpy as np
 
 EVAL_FRACTION = 0.05  # the default share of samples held out for evaluation
 SPLIT_SEED = 0  # the default seed of the split
-COPY_SHIFT = (
-    48  # sample id bits below this name a conversation; the bits above, which copy of it (eagle3-prepare repeat=)
-)
+# sample id bits below COPY_SHIFT name a conversation; the bits above, which copy of it (eagle3-prepare repeat=)
+COPY_SHIFT = 48
 MAX_COPIES = 1 << (63 - COPY_SHIFT)  # copies a conversation may have (ids stay positive int64)
 
 
-def copy_id(sample_id: np.ndarray | int, copy: int) -> np.ndarray | int:
+def copy_id(sample_id: np.ndarray | int, copy: np.ndarray | int) -> np.ndarray | int:
     """The sample id of copy ``copy`` (0: the original) of the conversation ``sample_id``."""
     return sample_id + (copy << COPY_SHIFT)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_train.engines import registry
+from eagle3_train.engines.base import named_dtype
 from eagle3_train.engines.rules import resolve
 
 CARD_NAME = "README.md"
@@ -161,7 +162,7 @@ def model_card(
         f"published)"
     )
     lines += ["", "## Serve", "", f"Drafting {k} tokens per step (the steps it was trained for), {where}:", ""]
-    for e, command in serve_commands(engines, base_model, draft, k, config.get("torch_dtype")).items():
+    for e, command in serve_commands(engines, base_model, draft, k, named_dtype(config)).items():
         lines += [f"{registry.ENGINES[e].title}:", "", "```bash", command, "```", ""]
     lines += ["## Evaluation", ""]
     lines += (
