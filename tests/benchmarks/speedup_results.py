@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tests.benchmarks.scaling_results import read_jsonl
+
 
 def _load(p: Path) -> dict[str, Any] | None:
     return json.loads(p.read_text()) if p.is_file() else None
@@ -142,10 +144,7 @@ def eval_tau_on(outputs: Path, sent: set[tuple[str, int]]) -> tuple[float, int] 
     """eagle3-eval's tau over the (source, turn) pairs an engine was sent, from eval's per-turn
     ``outputs.jsonl`` (each turn's accepted count per verify step), and the turns it covers; None
     where eval has none of them."""
-    if not outputs.is_file():
-        return None
-    rows = [json.loads(line) for line in outputs.read_text().splitlines() if line.strip()]
-    mine = [r for r in rows if (_where(r["source"]), r["turn"]) in sent]
+    mine = [r for r in read_jsonl(outputs) if (_where(r["source"]), r["turn"]) in sent]
     steps = [a for r in mine for a in r["accepted"]]
     return (1 + sum(steps) / len(steps), len(mine)) if steps else None
 
@@ -158,8 +157,11 @@ def _where(source: str) -> str:
 
 def sent_turns(requests: Path, concurrency: int) -> set[tuple[str, int]]:
     """The (source, turn) pairs eagle3-bench sent the speculating engine at ``concurrency``."""
-    rows = [json.loads(line) for line in requests.read_text().splitlines() if line.strip()]
-    return {(_where(r["source"]), r["turn"]) for r in rows if r["engine"] == "spec" and r["concurrency"] == concurrency}
+    return {
+        (_where(r["source"]), r["turn"])
+        for r in read_jsonl(requests)
+        if r["engine"] == "spec" and r["concurrency"] == concurrency
+    }
 
 
 def sglang_trees(w_eval: Path, w_sglang: Path) -> dict[str, Any]:
@@ -168,17 +170,11 @@ def sglang_trees(w_eval: Path, w_sglang: Path) -> dict[str, Any]:
     out, found = {}, []
     for p in sorted(w_sglang.glob("bench_sglang_*/results.json")):
         topk, steps, nodes = tree = tuple(int(x) for x in p.parent.name.split("_")[2:])
-        ev = _load(w_eval / f"eval_tree_{topk}_{steps}_{nodes}" / "report.json")
+        tree_dir = w_eval / f"eval_tree_{topk}_{steps}_{nodes}"
+        ev = _load(tree_dir / "report.json")
         for row in json.loads(p.read_text())["rows"]:
             s, b = row.get("spec") or {}, row["baseline"]
-            same = (
-                eval_tau_on(
-                    w_eval / f"eval_tree_{topk}_{steps}_{nodes}" / "outputs.jsonl",
-                    sent_turns(p.parent / "requests.jsonl", row["concurrency"]),
-                )
-                if (p.parent / "requests.jsonl").is_file()
-                else None
-            )
+            same = eval_tau_on(tree_dir / "outputs.jsonl", sent_turns(p.parent / "requests.jsonl", row["concurrency"]))
             v = out[f"topk{topk}_steps{steps}_tokens{nodes}_c{row['concurrency']}"] = {
                 "engine_tau": round(s.get("mean_acceptance_length", float("nan")), 3),
                 "eval_tau": round(ev["tau"], 3) if ev else None,
