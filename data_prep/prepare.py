@@ -236,7 +236,10 @@ class Preparer:
         return opts
 
     def run(self) -> dict[str, Any] | None:
-        if self.out.is_dir():  # (a new out= is locked at its first write: a refused input leaves nothing)
+        # A finished output is only read, by any number of runs at once (several trainings reuse one
+        # synthesis); out='s lock is taken before writing: here when the output is unfinished or
+        # overwrite= may remove it, else at the first write (a refused input leaves nothing).
+        if self.out.is_dir() and (self.cfg.overwrite or not (self.out / self.dir.record).is_file()):
             self._hold()
         # rank 0 decides (and may remove a manifest under overwrite) before the others look
         done = self._finished_output() if self.dist.is_main else None

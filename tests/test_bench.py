@@ -408,3 +408,47 @@ def test_speedup_results_sets_the_engines_tau_beside_evals_on_the_same_turns(tmp
     tau, n = mod.eval_tau_on(outputs, turns)
     assert n == 2 and tau == pytest.approx(1 + (2 + 0 + 1 + 0 + 0 + 0 + 3) / 7)  # p:1's second turn left out
     assert mod.eval_tau_on(outputs, {("p:9", 1)}) is None and mod.eval_tau_on(tmp_path / "none", turns) is None
+
+
+def test_study35_results_sets_each_lever_against_base(tmp_path):
+    """tests/benchmarks/study35_results.py: each variant's tau at every reply length beside base's, the
+    change it made, and whose synthesis it trained on; a failed variant says so."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "study35_results", os.path.join(os.path.dirname(__file__), "benchmarks", "study35_results.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def run(name, change, source, taus, synth_s):
+        d = tmp_path / name
+        (d / "train").mkdir(parents=True)
+        (d / "change.txt").write_text(change + "\n")
+        (d / "from.txt").write_text(source + "\n")
+        stages = [("synthesize", synth_s), ("train", 100.0)]
+        (d / "timings.jsonl").write_text("".join(json.dumps({"stage": s, "seconds": t}) + "\n" for s, t in stages))
+        evals = [
+            {"step": 10, "eval_tau": taus[0] + 0.1, "eval_acc": [0.5] * 5},
+            {"step": 5, "eval_tau": 1.0, "eval_acc": [0.1] * 5},
+        ]
+        (d / "train" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in evals))
+        for sub, tau in (("eval", taus[0]), ("eval_512", taus[1])):
+            (d / sub).mkdir()
+            report = {"tau": tau, "acceptance_per_position": [0.5] * 5, "lossless": "identical"}
+            (d / sub / "report.json").write_text(json.dumps(report))
+
+    run("base", "—", "", (2.0, 2.1), 130.0)
+    run("own_x8", "OWN_REPEATS=8", "base", (2.25, 2.05), 0.5)
+    (tmp_path / "wsd").mkdir()
+    (tmp_path / "wsd" / "change.txt").write_text("TRAIN_EXTRA=train.schedule=wsd\n")
+    (tmp_path / "wsd.failed").touch()
+    variants = [mod.variant(tmp_path, n) for n in ("base", "own_x8", "wsd")]
+    t = mod.table(variants)
+    assert t["header"][2:6] == ["τ (128 new tokens)", "τ (512 new tokens)", "Δ τ vs base (128)", "Δ τ vs base (512)"]
+    rows = {r[0]: r for r in t["rows"]}
+    assert rows["base"][2:7] == ["2.000", "2.100", "+0.000", "+0.000", "2.100"]
+    assert rows["base"][7] == "130"
+    assert rows["own_x8"][1] == "OWN_REPEATS=8 (on the synthesis of base)"
+    assert rows["own_x8"][2:6] == ["2.250", "2.050", "+0.250", "-0.050"] and rows["own_x8"][7] == "(shared)"
+    assert rows["wsd"][2:6] == ["—"] * 4 and "failed" in rows["wsd"][-1]

@@ -719,3 +719,52 @@ def test_eval_killed_anywhere_reruns_to_the_same_report(exported, evaluated, tmp
     assert listing(out) == listing(evaluated / "eval")
     assert (out / "outputs.jsonl").read_bytes() == (evaluated / "eval" / "outputs.jsonl").read_bytes()
     assert record(out / "report.json", *EVAL_TIMING) == record(evaluated / "eval" / "report.json", *EVAL_TIMING)
+
+
+def test_a_finished_prepared_dataset_is_reused_while_another_run_holds_its_lock(tmp_path):
+    """Several runs may reuse one finished prepared dataset at once (the study's trainings share a
+    synthesis): a run of the same options reads it while another process holds out='s lock; a run
+    that would write there (overwrite=) is still refused, naming the holder."""
+    import multiprocessing as mp
+
+    from data_prep.prepare import PrepareConfig, Preparer
+
+    (tmp_path / "in.jsonl").write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a b"}]})
+            + "\n"
+            for i in range(4)
+        )
+    )
+    out = tmp_path / "p"
+
+    def prep(**kw):
+        return Preparer(
+            PrepareConfig(target="tiny", input=str(tmp_path / "in.jsonl"), out=str(out), progress=False, **kw)
+        ).run()
+
+    ctx = mp.get_context("fork")
+    writer = ctx.Process(target=prep)  # prepared in another process: this one holds no lock of out=
+    writer.start()
+    writer.join()
+    assert writer.exitcode == 0
+    first = json.loads((out / "manifest.json").read_text())
+    ready, release = ctx.Event(), ctx.Event()
+
+    def holder():
+        from eagle3_train.core.stagedir import hold_lock
+
+        hold_lock(out, "prepared dataset")
+        ready.set()
+        release.wait(60)
+
+    child = ctx.Process(target=holder)
+    child.start()
+    try:
+        assert ready.wait(30)
+        assert prep()["counts"] == first["counts"]  # reused, not refused
+        with pytest.raises(ContractError, match=refused_naming(child.pid)):
+            prep(overwrite=True)
+    finally:
+        release.set()
+        child.join()

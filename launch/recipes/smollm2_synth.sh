@@ -38,8 +38,8 @@
 # train.jsonl: user prompts shown as examples when the target writes its questions, synth.example_prompts_file;
 # '' for none), STARTER_WORDS (1: each question opens with that many words of an example, synth.starter_words;
 # 0 for none), SOURCE (online: the target in the
-# training loop; offline: dump + standardize first), TARGET (embedded), DUMP_EXTRA / TRAIN_EXTRA (more
-# eagle3-dump / eagle3-train overrides), PREPARE_EXTRA (more eagle3-prepare overrides for the synthesis: "synth.turns=2",
+# training loop; offline: dump + standardize first), TARGET (embedded), DUMP_EXTRA / TRAIN_EXTRA / EVAL_EXTRA (more
+# eagle3-dump / eagle3-train / eagle3-eval overrides, e.g. EVAL_EXTRA="limit=2" for a quick CPU run), PREPARE_EXTRA (more eagle3-prepare overrides for the synthesis: "synth.turns=2",
 # "regen.do_sample=true regen.temperature=0.7"), OWN_REPEATS (0: EXAMPLES' prompts answered by the target too,
 # each written OWN_REPEATS times (eagle3-prepare repeat=) and trained on beside the synthesized conversations:
 # online.extra_data, or offline dumped and merged at standardize: your own prompts weighed), UNTIL (stop after this
@@ -114,8 +114,9 @@ fi
 [ "${UNTIL:-}" = train ] && exit 0
 run export python3 -m eagle3_train.serving.export run="$RUN/train" out="$RUN/export" engines=[sglang,vllm]
 run check python3 -m eagle3_train.serving.check draft="$RUN/export" target="${TARGET:-embedded}"
+# shellcheck disable=SC2086  # EVAL_EXTRA is a list of overrides
 run eval python3 -m eagle3_train.evaluation.eval draft="$RUN/export" target="${TARGET:-embedded}" engine=sglang \
-  prompts="$PROMPTS/heldout.jsonl" k=5 max_new_tokens=128 dtype=float32 batch_size=37 out="$RUN/eval"
+  prompts="$PROMPTS/heldout.jsonl" k=5 max_new_tokens=128 dtype=float32 batch_size=37 out="$RUN/eval" ${EVAL_EXTRA:-}
 python3 - "$RUN" <<'PY'
 import json, sys
 from pathlib import Path

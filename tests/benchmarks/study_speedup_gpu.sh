@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issues #35 and #34 in one lease of one H200, as one background job (run from the repository root
 # after launch/gpu_stage.sh; launch/stage_vllm.sh and launch/stage_sglang.sh may finish while step 1 runs):
-#   1. #35's study: tests/benchmarks/recipe_sweep_gpu.sh on STUDY_N synthesized conversations with the
-#      recipe's head (draft vocab 16384, MLP 6144, lr 2e-3, EPOCHS), every line of
-#      tests/benchmarks/study35_variants.txt (or VARIANTS) trained on the one GPU (MAX_JOBS at once),
-#      each evaluated at 128 and 512 new tokens;
+#   1. a draft to serve, and training options beside it: tests/benchmarks/recipe_sweep_gpu.sh on STUDY_N
+#      synthesized conversations with the recipe's head (draft vocab 16384, MLP 6144, lr 2e-3, EPOCHS), the
+#      VARIANTS (name|overrides; default `base` alone) trained offline on the one GPU (MAX_JOBS at once),
+#      each evaluated at 128 and 512 new tokens (#35's study proper: tests/benchmarks/study35_gpu.sh);
 #   2. #34 on the study's `base` draft (DRAFT= another export), the GPU otherwise idle: eagle3-bench
 #      in vLLM, eager and with CUDA graphs (speedup_gpu.sh STEPS=bench), where vLLM is staged;
 #   3. then side by side: eagle3-eval's STEPS3 (default "long tree": 512/1024 new tokens, the trees) |
@@ -17,8 +17,8 @@
 # DIR/draft.tgz.part-00, -01, ... (15 MiB each: `cat draft.tgz.part-* | tar xz` puts it back together).
 #
 #   W=/tmp/w setsid nohup bash tests/benchmarks/study_speedup_gpu.sh > /dev/null 2>&1 < /dev/null &
-#   (session 18: VARIANTS="$(grep -E '^(base|ema|sure|wsd)' tests/benchmarks/study35_variants.txt)"
-#    STEPS3=tree IDLE="geval moe")
+#   (session 18: VARIANTS="base|
+#   ema_0.999|train.ema_decay=0.999" STEPS3=tree IDLE="geval moe")
 set -uo pipefail
 W=${W:-/tmp/w}
 REPO=$(pwd)
@@ -40,9 +40,9 @@ export PYTHONPATH=$SITE:$REPO
 # shellcheck source=launch/engine_env.sh
 source launch/engine_env.sh
 {
-  echo "== $(date +%T) 1. #35 study"
+  echo "== $(date +%T) 1. the draft (and VARIANTS)"
   W=$W/study N=${STUDY_N:-16384} EPOCHS=${EPOCHS:-6} LR=2e-3 DRAFT_VOCAB=16384 RECIPE_EXTRA="model.intermediate_size=6144" \
-    TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-480} EVAL_LONG=512 VARIANTS="${VARIANTS:-$(cat tests/benchmarks/study35_variants.txt)}" \
+    TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-480} EVAL_LONG=512 VARIANTS="${VARIANTS:-base|}" \
     bash tests/benchmarks/recipe_sweep_gpu.sh || echo "the study failed: exit $?"
   DRAFT=${DRAFT:-$W/study/run/curve/base/export}
   if compgen -G "$VSITE/.stage_vllm-*" > /dev/null; then
