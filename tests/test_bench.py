@@ -452,3 +452,23 @@ def test_study35_results_sets_each_lever_against_base(tmp_path):
     assert rows["own_x8"][1] == "OWN_REPEATS=8 (on the synthesis of base)"
     assert rows["own_x8"][2:6] == ["2.250", "2.050", "+0.250", "-0.050"] and rows["own_x8"][7] == "(shared)"
     assert rows["wsd"][2:6] == ["—"] * 4 and "failed" in rows["wsd"][-1]
+
+
+def test_study35_table_is_read_from_the_results_and_up_to_date():
+    """tests/benchmarks/study35_table.py: the committed summary is what the results files give today,
+    each measured row's Δ is the difference of the two runs' own τ, and the acceptance that τ 3.5 needs
+    solves 1 + a + … + a^5 = 3.5."""
+    from tests.benchmarks import study35_table as t
+
+    summary = t.summary()
+    assert json.loads(t.OUT.read_text()) == json.loads(json.dumps(summary, ensure_ascii=False))
+    rows = summary["tables"][0]["rows"]
+    assert len(rows) == len(t.LEVERS)
+    study = json.loads((t.RESULTS / t.STUDY16K).read_text())
+    by_name = {v["name"]: v["eval"]["tau"] for v in study["variants"] if "tau" in v.get("eval", {})}
+    ttt = next(r for r in rows if r[1] == "ttt 7 instead of 5")
+    assert ttt[4] == f"{by_name['ttt_7'] - by_name['base']:+.3f}"
+    assert all(r[3] == "—" and r[-1].startswith("not measured") for r in rows if r[2] == "—")
+    a = t.constant_acceptance_for(3.5, 5)
+    assert sum(a**i for i in range(6)) == pytest.approx(3.5, abs=1e-9) and 0.7 < a < 0.85
+    assert t.constant_acceptance_for(6.0, 5) == pytest.approx(1.0, abs=1e-9)

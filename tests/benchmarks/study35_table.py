@@ -1,0 +1,313 @@
+"""Issue #35's study table: every lever the issue names, what it did to the held-out τ and to the
+minutes, read from the results files that measured it (never typed in), with the lever's verdict;
+a lever not measured says why. Plus where τ stands against 3.5: the data scale and the acceptance
+per position that τ 3.5 would need.
+
+    python3 -m tests.benchmarks.study35_table              # rewrites results/recipe_study35_summary.json
+
+Each row compares two runs of one results file (or two files where only they differ in that lever;
+the row's setting says what else differed). Differences under ``NOISE`` are not evidence: runs of
+equal quality move τ on the 37 held-out prompts by a few hundredths.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OUT = RESULTS / "recipe_study35_summary.json"
+NOISE = 0.05
+
+Ref = tuple[str, str | None]  # (results file, variant or curve point; None: the file's own run)
+STUDY16K = "recipe_study35_h200.json"  # offline, N=16384, 6 epochs, up to 7 trainings sharing one H200
+STUDY4K = "recipe_study35_n4096_h200.json"  # the recipe online, N=4096, 6 epochs, 4 sharing one H200
+SWEEP = "recipe_sweep_h200x2.json"  # offline, N=16384, 8 epochs, lr 3e-3, 4-5 trainings per H200
+
+# (the issue's group, lever, how it was measured, base run, lever run); runs None: not measured, and why
+LEVERS: list[tuple[str, str, str, Ref | None, Ref | str]] = [
+    (
+        "data",
+        "your prompts answered by the target, 8× (OWN_REPEATS=8)",
+        "recipe online, N=4096 (+2240 rows: 50 % more steps)",
+        (STUDY4K, "base"),
+        (STUDY4K, "own_x8"),
+    ),
+    (
+        "data",
+        "replies of 256 new tokens instead of 128",
+        "",
+        None,
+        "not measured: the 16k study's offline dumps filled the machine's disk (now online: study35_gpu.sh `replies_256`)",
+    ),
+    ("data", "two-turn synthesized conversations", "", None, "not measured: as above (`turns_2`)"),
+    (
+        "data",
+        "replies sampled at temperature 0.7 instead of greedy",
+        "",
+        None,
+        "not measured: as above (`sampled_0.7`)",
+    ),
+    ("objective", "ttt 7 instead of 5", "offline, N=16384", (STUDY16K, "base"), (STUDY16K, "ttt_7")),
+    ("objective", "step weights 1 instead of 0.8^j (train.loss_decay=1.0)", "", None, "not measured (`decay_1.0`)"),
+    (
+        "objective",
+        "LK term mixed in (train.lk_weight=1.0)",
+        "offline, N=16384",
+        (STUDY16K, "base"),
+        (STUDY16K, "lk_full"),
+    ),
+    (
+        "objective",
+        "loss only where the target is sure (train.min_target_prob=0.3)",
+        "recipe online, N=4096",
+        (STUDY4K, "base"),
+        (STUDY4K, "sure_0.3"),
+    ),
+    ("objective", "label smoothing 0.1", "offline, N=16384", (STUDY16K, "base"), (STUDY16K, "smooth_0.1")),
+    (
+        "head",
+        "draft vocab 16384 instead of 8192",
+        "recipe, N=131072, 2 H200s (head_chunk 4096 → 32768 too)",
+        ("recipe_graph_h200x2.json", None),
+        ("recipe_vocab16k_h200x2.json", None),
+    ),
+    ("head", "draft vocab 32768 / the full 49152", "", None, "not measured (`vocab_32k`, `vocab_full`)"),
+    (
+        "head",
+        "lm_head from the target's rows instead of random",
+        "offline, N=16384, 8k-token batches",
+        (SWEEP, "r_b8k"),
+        (SWEEP, "t_b8k"),
+    ),
+    (
+        "head",
+        "lm_head from the target's rows instead of random",
+        "offline, N=16384, 32k-token batches",
+        (SWEEP, "r_b32k"),
+        (SWEEP, "n16384"),
+    ),
+    (
+        "head",
+        "lm_head frozen",
+        "",
+        None,
+        "not measured (`lm_head_frozen`: frozen throughout; after a warm-up is not built)",
+    ),
+    (
+        "head",
+        "MLP 3072 instead of the target's 1536",
+        "offline, N=16384, random lm_head, 8k-token batches",
+        (SWEEP, "r_b8k"),
+        (SWEEP, "r_b8k_i3072"),
+    ),
+    (
+        "head",
+        "MLP 6144 instead of 3072",
+        "recipe, N=131072, 2 H200s (with train.compile and faster synthesis)",
+        ("recipe_vocab16k_h200x2.json", None),
+        ("recipe_mlp6144_h200x2.json", None),
+    ),
+    (
+        "schedule",
+        "WSD instead of cosine (decay over the last 20 %)",
+        "recipe online, N=4096",
+        (STUDY4K, "base"),
+        (STUDY4K, "wsd"),
+    ),
+    ("schedule", "EMA of the weights (0.999)", "recipe online, N=4096", (STUDY4K, "base"), (STUDY4K, "ema_0.999")),
+    (
+        "schedule",
+        "lr 1e-3 instead of 3e-3",
+        "offline, N=16384, random lm_head, 8k-token batches",
+        (SWEEP, "r_b8k"),
+        (SWEEP, "r_b8k_lr1e-3"),
+    ),
+    (
+        "schedule",
+        "8k-token batches instead of 32k (4× the steps)",
+        "offline, N=16384, random lm_head",
+        (SWEEP, "r_b32k"),
+        (SWEEP, "r_b8k"),
+    ),
+    (
+        "schedule",
+        "4k-token batches instead of 32k (8× the steps)",
+        "offline, N=16384, random lm_head",
+        (SWEEP, "r_b32k"),
+        (SWEEP, "r_b4k"),
+    ),
+    (
+        "scale",
+        "twice the conversations on two GPUs (147456 instead of 73728)",
+        "recipe online, 1 → 2 H200s",
+        ("recipe_defaults_h200.json", None),
+        ("recipe_parts_h200x2.json", None),
+    ),
+    (
+        "throughput",
+        "train.compile of the layer's step-independent parts instead of the whole layer",
+        "recipe, N=147456, 2 H200s",
+        ("recipe_starter_h200x2.json", None),
+        ("recipe_parts_h200x2.json", None),
+    ),
+]
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((RESULTS / name).read_text())
+
+
+def run_of(ref: Ref) -> dict[str, Any]:
+    """The run a reference names: a file's variant, its curve point ``n<conversations>``, or the file itself."""
+    data = load(ref[0])
+    name = ref[1]
+    if name is None:
+        return data
+    if name.startswith("n") and name[1:].isdigit():
+        return next(p for p in data["curve"] if p["conversations"] == int(name[1:]))
+    return next(v for v in data["variants"] if v["name"] == name)
+
+
+def tau(run: dict[str, Any], length: int = 128) -> float | None:
+    if length == 128:
+        return run.get("eval", {}).get("tau")
+    return run.get("eval_long", {}).get(str(length), {}).get("tau")
+
+
+def train_seconds(run: dict[str, Any]) -> float | None:
+    """Training's wall seconds: a study's ``train.wall_s``, else the recipe's train stage."""
+    if "wall_s" in run.get("train", {}):
+        return float(run["train"]["wall_s"])
+    if "stages_s" in run:
+        return float(run["stages_s"]["train"])
+    return next((float(t["seconds"]) for t in run.get("timings", []) if t["stage"] == "train"), None)
+
+
+def verdict(delta: float, s0: float | None, s1: float | None, group: str) -> str:
+    """Helped / hurt / no difference by τ; a throughput lever by its training time too."""
+    by_tau = "helped" if delta >= NOISE else "hurt" if delta <= -NOISE else f"no difference (within ±{NOISE})"
+    if group == "throughput" and s0 and s1:
+        return f"training {s0 / s1:.2f}× as fast; τ: {by_tau}"
+    return by_tau
+
+
+def lever_rows() -> list[list[str]]:
+    rows = []
+    for group, lever, setting, base_ref, lever_ref in LEVERS:
+        if base_ref is None or isinstance(lever_ref, str):
+            rows.append([group, lever, "—", "—", "—", "—", "—", "—", str(lever_ref)])
+            continue
+        base, run = run_of(base_ref), run_of(lever_ref)
+        t0, t1 = tau(base), tau(run)
+        assert t0 is not None and t1 is not None, (base_ref, lever_ref)
+        long0, long1 = tau(base, 512), tau(run, 512)
+        s0, s1 = train_seconds(base), train_seconds(run)
+        files = base_ref[0] if base_ref[0] == lever_ref[0] else f"{base_ref[0]}, {lever_ref[0]}"
+        rows.append(
+            [
+                group,
+                lever,
+                setting,
+                f"{t0:.3f} → {t1:.3f}",
+                f"{t1 - t0:+.3f}",
+                f"{long1 - long0:+.3f}" if long0 is not None and long1 is not None else "—",
+                f"{s0:.0f} → {s1:.0f}" if s0 is not None and s1 is not None else "—",
+                files,
+                verdict(t1 - t0, s0, s1, group),
+            ]
+        )
+    return rows
+
+
+def constant_acceptance_for(target_tau: float, k: int) -> float:
+    """The acceptance a, the same at every chain position, for which 1 + a + a² + … + a^k = target_tau."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if sum(a**i for i in range(k + 1)) < target_tau else (lo, a)
+    return (lo + hi) / 2
+
+
+def scale_rows() -> list[list[str]]:
+    """τ against the data: the sweep's curve (offline, 8 epochs) and the recipe at its defaults."""
+    sweep = load(SWEEP)
+    rows = [
+        [
+            f"{p['conversations']}",
+            "offline, 8 epochs, 1 of 4-5 sharing an H200",
+            f"{p['eval']['tau']:.3f}",
+            f"{p['train']['wall_s']}",
+            SWEEP,
+        ]
+        for p in sweep["curve"]
+    ]
+    for name, n, how in (
+        ("recipe_defaults_h200.json", 73728, "the recipe online, 6 epochs, 1 H200"),
+        ("recipe_parts_h200x2.json", 147456, "the recipe online, 6 epochs, 2 H200s"),
+    ):
+        d = load(name)
+        total = d["total_s"]
+        rows.append(
+            [str(n), how, f"{d['eval']['tau']:.3f}", f"{train_seconds(d):.0f} (end to end {total / 60:.1f} min)", name]
+        )
+    return rows
+
+
+def gap() -> dict[str, Any]:
+    """Where the recipe's draft stands against τ 3.5: its acceptance per position, held out and on its own
+    eval split, beside the constant acceptance that 3.5 needs at k=5."""
+    d = load("recipe_defaults_h200.json")
+    need = constant_acceptance_for(3.5, 5)
+    return {
+        "held_out_tau": d["eval"]["tau"],
+        "held_out_acceptance_per_position": d["eval"]["acceptance_per_position"],
+        "eval_split_simulated_tau": d["train"]["best_eval_tau"],
+        "eval_split_acceptance_per_position": d["train"]["eval_acc_at_best"],
+        "acceptance_at_every_position_for_tau_3.5": round(need, 4),
+        "from": "recipe_defaults_h200.json",
+    }
+
+
+def summary() -> dict[str, Any]:
+    return {
+        "what": "issue #35's study table, read from the results files named in each row (tests/benchmarks/study35_table.py); "
+        "each lever against its own base in the same results file or between two recipe runs that the setting names; "
+        f"eagle3-eval chain k=5, greedy, fp32 on the 37 held-out prompts; single runs; |Δ τ| under {NOISE} is not evidence",
+        "machine": "as each named results file says (one or two NVIDIA H200s)",
+        "command": "python3 -m tests.benchmarks.study35_table",
+        "gap_to_3.5": gap(),
+        "tables": [
+            {
+                "title": "Issue #35's levers, one at a time (τ at 128 new tokens; training seconds while sharing the GPU where the setting says so)",
+                "header": [
+                    "group",
+                    "lever",
+                    "measured as",
+                    "τ base → with",
+                    "Δ τ (128)",
+                    "Δ τ (512)",
+                    "training s",
+                    "results",
+                    "verdict",
+                ],
+                "rows": lever_rows(),
+            },
+            {
+                "title": "τ against the data (held-out prompts)",
+                "header": ["conversations", "how", "τ", "training s", "results"],
+                "rows": scale_rows(),
+            },
+        ],
+    }
+
+
+def main() -> None:
+    OUT.write_text(json.dumps(summary(), indent=1, ensure_ascii=False) + "\n")
+    for row in summary()["tables"][0]["rows"]:
+        print(" | ".join(row))
+
+
+if __name__ == "__main__":
+    main()
