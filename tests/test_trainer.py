@@ -830,3 +830,26 @@ def test_tensorboard_holds_the_logged_scalars(std, tmp_path):
         got = [(e.step, e.value) for e in events.Scalars(name)]
         assert [s for s, _ in got] == [s for s, _ in want], name
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), name
+
+
+def test_lm_head_trains_only_its_first_steps(std, tmp_path):
+    """train.lm_head_steps=2: lm_head moves in the first two optimizer steps and not after (its lr is 0),
+    while the rest of the draft keeps training; without it, lm_head keeps moving."""
+    ckpt = lambda d, s: load_file(str(d / "checkpoints" / f"step{s}" / "draft.safetensors"))  # noqa: E731
+    for name, opt in (("frozen_after_2", {"lm_head_steps": 2}), ("plain", {})):
+        train(std, tmp_path / name, save_every=1, keep_last=10, max_steps=4, warmup_steps=0, **opt)
+    frozen = [ckpt(tmp_path / "frozen_after_2", s) for s in (1, 2, 3, 4)]
+    plain = [ckpt(tmp_path / "plain", s) for s in (1, 2, 3, 4)]
+    assert not torch.equal(frozen[0]["lm_head.weight"], frozen[1]["lm_head.weight"])  # step 2 still trains it
+    assert torch.equal(frozen[1]["lm_head.weight"], frozen[3]["lm_head.weight"])  # steps 3 and 4 do not
+    assert not torch.equal(frozen[1]["fc.weight"], frozen[3]["fc.weight"])
+    assert not torch.equal(plain[1]["lm_head.weight"], plain[3]["lm_head.weight"])
+    # until the freeze the two runs are one run (to float rounding: the optimizer steps two groups)
+    torch.testing.assert_close(frozen[1]["lm_head.weight"], plain[1]["lm_head.weight"], atol=1e-6, rtol=1e-5)
+    with pytest.raises(ConfigError, match="train.lm_head_steps .* model.freeze_lm_head never: choose one"):
+        TrainConfig(
+            data="d",
+            out="o",
+            train=OptimConfig(lm_head_steps=2),
+            model=ModelOptions(lm_head_init="target", freeze_lm_head=True),
+        )

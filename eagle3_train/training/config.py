@@ -36,6 +36,7 @@ class OptimConfig:
     label_smoothing: float = 0.0
     """e: the loss compares the draft with (1 - e) * the target distribution + e / draft vocab size"""
     ema_decay: float = 0.0  # evaluate and export an exponential moving average of the weights with this decay per optimizer step (0: off; e.g. 0.999; ZeRO 0-2)
+    lm_head_steps: int = 0  # the draft's lm_head trains for the first N optimizer steps only, then its lr is 0: frozen after a warm-up (0: it trains at every step; model.freeze_lm_head: never)
     min_target_prob: float = 0.0  # a position enters the loss only where the target's top probability over the draft vocab reaches this (accuracy still counts every position)
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
@@ -91,6 +92,7 @@ class OptimConfig:
             "save_every",
             "cache_target_gb",
             "head_chunk",
+            "lm_head_steps",
         ):
             if not getattr(self, name) >= 0:  # 0 means off where the field says so; nan is refused
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
@@ -189,6 +191,10 @@ class TrainConfig:
             )
         if self.deepspeed.zero_stage == 3 and self.train.ema_decay:
             raise ConfigError("train.ema_decay averages whole weights, which ZeRO-3 partitions: use ZeRO 0-2")
+        if self.train.lm_head_steps and self.model.freeze_lm_head:
+            raise ConfigError(
+                "train.lm_head_steps trains lm_head for its first steps, model.freeze_lm_head never: choose one"
+            )
 
 
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)

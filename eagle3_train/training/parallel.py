@@ -177,9 +177,18 @@ def build_engine(
 
     if device.type == "cpu":  # skip the shared-memory op's C++ build on CPU
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, o))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": trained}]
+    factors = [lambda s: lr_factor(s, total_steps, o)]
+    if o.lm_head_steps:  # lm_head in a group of its own whose lr drops to 0 after its steps (AdamW's decay with it)
+        head = {id(p) for p in model.lm_head.parameters()}
+        groups = [
+            {"params": [p for p in trained if id(p) not in head]},
+            {"params": [p for p in trained if id(p) in head]},
+        ]
+        factors.append(lambda s: lr_factor(s, total_steps, o) if s < o.lm_head_steps else 0.0)
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
     zero: dict[str, Any] = {"stage": ds.zero_stage}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}

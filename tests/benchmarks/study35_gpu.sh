@@ -6,7 +6,8 @@
 #
 # VARIANTS (default: the lines of tests/benchmarks/study35_variants.txt named by ONLY, a regex; all without it),
 # one per line, name|VAR=value|FROM: the recipe's environment that the lever changes (OWN_REPEATS=8,
-# TRAIN_EXTRA="train.ema_decay=0.999", NEW_TOKENS=256, DRAFT_VOCAB=32768, ...) and, where the lever leaves
+# TRAIN_EXTRA="train.ema_decay=0.999", NEW_TOKENS=256, DRAFT_VOCAB=32768, ...; several levers at once joined
+# by ';': OWN_REPEATS=8;TRAIN_EXTRA=train.schedule=wsd) and, where the lever leaves
 # the synthesis as it is, FROM: the variant whose synthesized conversations it trains on (its prepared
 # directory is linked, so the recipe skips the synthesis). Training is online, as the recipe's: nothing is
 # dumped, so the disk holds only the prepared conversations (a first version dumped each variant offline:
@@ -54,8 +55,9 @@ variant() {  # variant <name> <VAR=value> <from>: the recipe with that change, t
   mkdir -p "$run" && echo "${assign:-—}" > "$run/change.txt" && echo "${from:-}" > "$run/from.txt"
   echo "== $(date +%T) $name: the recipe with ${assign:-nothing changed}${from:+, on the synthesis of $from}"
   # TRAIN_EXTRA_ALL reaches every run; a variant's own TRAIN_EXTRA (its assign, later) replaces it
-  # shellcheck disable=SC2086  # NEW_TOKENS of the variant, if it sets it, also reaches the longer evals
-  in_slot env TRAIN_EXTRA="${TRAIN_EXTRA_ALL:-}" ${assign:+"$assign"} RUN_DIR="$run" N="$N" NGPU=1 SOURCE=online \
+  local vars=()  # the change: VAR=value, or several joined by ';' (levers together)
+  [ -n "$assign" ] && IFS=';' read -ra vars <<< "$assign"
+  in_slot env TRAIN_EXTRA="${TRAIN_EXTRA_ALL:-}" "${vars[@]}" RUN_DIR="$run" N="$N" NGPU=1 SOURCE=online \
     COMPILE="${COMPILE:-false}" GEN_BATCH="${GEN_BATCH:-2048}" EPOCHS="${EPOCHS:-6}" \
     bash launch/recipes/smollm2_synth.sh > "$W/$name.log" 2>&1 || {
     echo "$name: the recipe failed (see $W/$name.log)"; touch "$W/$name.failed"; return; }

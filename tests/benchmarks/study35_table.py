@@ -93,7 +93,7 @@ LEVERS: list[tuple[str, str, str, Ref | None, Ref | str]] = [
         "lm_head frozen",
         "",
         None,
-        "not measured (`lm_head_frozen`: frozen throughout; after a warm-up is not built)",
+        "not measured (`lm_head_frozen`: frozen throughout; `lm_head_100`: frozen after 100 steps, train.lm_head_steps)",
     ),
     (
         "head",
@@ -260,12 +260,21 @@ def gap() -> dict[str, Any]:
     eval split, beside the constant acceptance that 3.5 needs at k=5."""
     d = load("recipe_defaults_h200.json")
     need = constant_acceptance_for(3.5, 5)
+    pairs = [(SWEEP, "n2048", "n4096"), (SWEEP, "n4096", "n8192"), (SWEEP, "n8192", "n16384")]
+    per_doubling = {
+        f"{a[1:]} → {b[1:]} ({f})": round(tau(run_of((f, b))) - tau(run_of((f, a))), 3) for f, a, b in pairs
+    }
+    two = load("recipe_parts_h200x2.json")  # twice the conversations, the same optimizer steps on 2 GPUs
+    last = two["eval"]["tau"] - d["eval"]["tau"]
+    per_doubling["73728 → 147456 (the recipe, 1 → 2 H200s)"] = round(last, 3)
     return {
         "held_out_tau": d["eval"]["tau"],
         "held_out_acceptance_per_position": d["eval"]["acceptance_per_position"],
         "eval_split_simulated_tau": d["train"]["best_eval_tau"],
         "eval_split_acceptance_per_position": d["train"]["eval_acc_at_best"],
         "acceptance_at_every_position_for_tau_3.5": round(need, 4),
+        "tau_gain_per_doubling_of_the_data": per_doubling,
+        "doublings_to_3.5_at_the_last_gain": round((3.5 - two["eval"]["tau"]) / last, 1),
         "from": "recipe_defaults_h200.json",
     }
 
