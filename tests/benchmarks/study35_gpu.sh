@@ -54,14 +54,15 @@ variant() {  # variant <name> <VAR=value> <from>: the recipe with that change, t
   fi
   mkdir -p "$run" && echo "${assign:-—}" > "$run/change.txt" && echo "${from:-}" > "$run/from.txt"
   echo "== $(date +%T) $name: the recipe with ${assign:-nothing changed}${from:+, on the synthesis of $from}"
-  # TRAIN_EXTRA_ALL reaches every run; a variant's own TRAIN_EXTRA (its assign, later) replaces it
+  # the study's settings, then the variant's change (later: it replaces them, e.g. EPOCHS=9 or its own
+  # TRAIN_EXTRA in place of TRAIN_EXTRA_ALL)
   local vars=()  # the change: VAR=value, or several joined by ';' (levers together)
   [ -n "$assign" ] && IFS=';' read -ra vars <<< "$assign"
-  in_slot env TRAIN_EXTRA="${TRAIN_EXTRA_ALL:-}" "${vars[@]}" RUN_DIR="$run" N="$N" NGPU=1 SOURCE=online \
-    COMPILE="${COMPILE:-false}" GEN_BATCH="${GEN_BATCH:-2048}" EPOCHS="${EPOCHS:-6}" \
-    bash launch/recipes/smollm2_synth.sh > "$W/$name.log" 2>&1 || {
+  in_slot env TRAIN_EXTRA="${TRAIN_EXTRA_ALL:-}" RUN_DIR="$run" N="$N" NGPU=1 SOURCE=online COMPILE="${COMPILE:-false}" \
+    GEN_BATCH="${GEN_BATCH:-2048}" EPOCHS="${EPOCHS:-6}" "${vars[@]}" bash launch/recipes/smollm2_synth.sh > "$W/$name.log" 2>&1 || {
     echo "$name: the recipe failed (see $W/$name.log)"; touch "$W/$name.failed"; return; }
   for long in ${EVAL_LONG-512}; do  # the same draft on longer replies, tau by reply position
+    # shellcheck disable=SC2086  # EVAL_EXTRA is a list of overrides
     python3 -m eagle3_train.evaluation.eval draft="$run/export" target="${TARGET:-embedded}" engine=sglang \
       prompts="$PROMPTS/heldout.jsonl" k=5 max_new_tokens="$long" dtype=float32 batch_size=37 out="$run/eval_$long" \
       progress=false ${EVAL_EXTRA:-} > "$W/$name.eval_$long.log" 2>&1 || echo "$name: eval at $long new tokens failed (see $W/$name.eval_$long.log)"
