@@ -239,7 +239,7 @@ class Preparer:
         # A finished output is only read, by any number of runs at once (several trainings reuse one
         # synthesis); out='s lock is taken before writing: here when the output is unfinished or
         # overwrite= may remove it, else at the first write (a refused input leaves nothing).
-        if self.out.is_dir() and (self.cfg.overwrite or not (self.out / self.dir.record).is_file()):
+        if self.out.is_dir() and (self.cfg.overwrite or not self.dir.recorded()):
             self._hold()
         # rank 0 decides (and may remove a manifest under overwrite) before the others look
         done = self._finished_output() if self.dist.is_main else None

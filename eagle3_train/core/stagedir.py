@@ -68,10 +68,15 @@ class StageDir:
             + f"\n{hint}"
         )
 
+    def recorded(self) -> bool:
+        """Whether the record written last is there: the directory holds a finished output (of this
+        request or another: :meth:`finished` tells which). Reading it needs no lock."""
+        return (self.path / self.record).is_file()
+
     def finished(self, replace: bool = False) -> dict[str, Any] | None:
         """The record of a finished output made for this request; None when there is none. One
         made for another request is refused, or with ``replace`` its record is removed (None)."""
-        if not (self.path / self.record).is_file():
+        if not self.recorded():
             return None
         record = read_manifest(self.path, self.stage, name=self.record)
         diffs = self.differences(record.get("request"))
@@ -99,7 +104,7 @@ class StageDir:
                 raise BadInputError(f"{file}: not valid JSON ({e}); delete it to start over") from None
             diffs = self.differences(recorded)
             if diffs and not replace:
-                raise self._refusal(diffs, finished=(self.path / self.record).is_file())
+                raise self._refusal(diffs, finished=self.recorded())
             replaced = bool(diffs)
             if replaced and clear is not None:
                 clear()
