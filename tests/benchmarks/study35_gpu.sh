@@ -70,7 +70,18 @@ variant() {  # variant <name> <VAR=value> <from>: the recipe with that change, t
   echo "== $(date +%T) $name: done"
 }
 
-names=()
+names=() line=0
+while IFS='|' read -r name assign from; do  # every line checked before anything runs
+  line=$((line + 1))
+  [ -n "$name" ] || continue
+  IFS=';' read -ra vars <<< "$assign"
+  for v in "${vars[@]}"; do
+    [[ $v =~ ^[A-Z_][A-Z0-9_]*= ]] || { echo "study35_gpu.sh: variant line $line ($name): change '$v' is not VAR=value" >&2; exit 2; }
+  done
+  if [ -n "$from" ] && ! grep -qE "^$from\|" <<< "$VARIANTS"; then
+    echo "study35_gpu.sh: variant line $line ($name): FROM '$from' names no variant of this study" >&2; exit 2
+  fi
+done <<< "$VARIANTS"
 {
   echo "== $(date +%T) N=$N, SLOTS=$SLOTS; disk: $(df -h "$W" | tail -1)"
   while IFS='|' read -r name assign from; do
