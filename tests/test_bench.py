@@ -6,6 +6,7 @@ concurrency the engine saw, the speed-up from the two measured rates, and the pr
 import json
 import os
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -452,6 +453,42 @@ def test_study35_results_sets_each_lever_against_base(tmp_path):
     assert rows["own_x8"][1] == "OWN_REPEATS=8 (on the synthesis of base)"
     assert rows["own_x8"][2:6] == ["2.250", "2.050", "+0.250", "-0.050"] and rows["own_x8"][7] == "(shared)"
     assert rows["wsd"][2:6] == ["—"] * 4 and "failed" in rows["wsd"][-1]
+
+
+def test_study35_gpu_plan_carries_the_synthesis_a_variant_trains_on(tmp_path):
+    """tests/benchmarks/study35_gpu.sh PLAN=1: a variant trained on another's synthesis gets that synthesis's
+    settings (through a chain of FROMs) ahead of its own change, and nothing of its training levers; bad
+    lines (not VAR=value, a FROM naming no variant, a FROM loop) are refused naming the line, before anything runs."""
+    script = os.path.join(os.path.dirname(__file__), "benchmarks", "study35_gpu.sh")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def plan(variants):
+        env = dict(os.environ, PLAN="1", W=str(tmp_path / "ws"), VARIANTS=variants)
+        return subprocess.run(["bash", script], cwd=root, env=env, capture_output=True, text=True, timeout=60)
+
+    lines = [
+        "base||",
+        "turns_2|PREPARE_EXTRA=synth.turns=2;NEW_TOKENS=256|",
+        "wsd|TRAIN_EXTRA=train.schedule=wsd|turns_2",
+        "stack|OWN_REPEATS=8;TRAIN_EXTRA=train.ema_decay=0.999|wsd",
+        "vocab|DRAFT_VOCAB=32768|base",
+    ]
+    r = plan("\n".join(lines))
+    assert r.returncode == 0, r.stderr
+    got = {line.split("|")[0]: line.split("|")[1] for line in r.stdout.splitlines()}
+    assert got["base"] == "" and got["vocab"] == "DRAFT_VOCAB=32768"
+    assert got["wsd"] == "PREPARE_EXTRA=synth.turns=2;NEW_TOKENS=256;TRAIN_EXTRA=train.schedule=wsd"
+    # two FROMs up: turns_2's synthesis, not wsd's schedule
+    assert got["stack"] == "PREPARE_EXTRA=synth.turns=2;NEW_TOKENS=256;OWN_REPEATS=8;TRAIN_EXTRA=train.ema_decay=0.999"
+    assert not (tmp_path / "ws" / "log").exists()  # nothing ran
+
+    for bad, says in (
+        (["base||", "a|EPOCHS 9|base"], "variant line 2 (a): change 'EPOCHS 9' is not VAR=value"),
+        (["base||", "a|EPOCHS=9|nope"], "variant line 2 (a): FROM 'nope' names no variant"),
+        (["a|EPOCHS=9|b", "b|EPOCHS=8|a"], "variant line 1 (a): FROM loops back through 'a'"),
+    ):
+        r = plan("\n".join(bad))
+        assert r.returncode == 2 and says in r.stderr, r.stderr
 
 
 def test_study35_table_is_read_from_the_results_and_up_to_date():

@@ -9,7 +9,9 @@
 # TRAIN_EXTRA="train.ema_decay=0.999", NEW_TOKENS=256, DRAFT_VOCAB=32768, ...; several levers at once joined
 # by ';': OWN_REPEATS=8;TRAIN_EXTRA=train.schedule=wsd) and, where the lever leaves
 # the synthesis as it is, FROM: the variant whose synthesized conversations it trains on (its prepared
-# directory is linked, so the recipe skips the synthesis). Training is online, as the recipe's: nothing is
+# directory is linked, so the recipe skips the synthesis; the settings that synthesis was made with, FROM's own
+# PREPARE_EXTRA, NEW_TOKENS, ... (SYNTH_VARS), come first in its change, or the recipe would refuse the directory as
+# made otherwise: `stack|OWN_REPEATS=8|turns_2` trains with own prompts on two-turn conversations). Training is online, as the recipe's: nothing is
 # dumped, so the disk holds only the prepared conversations (a first version dumped each variant offline:
 # five 16k-conversation dumps and their standardized copies did not fit the H200 machine's 64 GB).
 #
@@ -22,6 +24,7 @@
 #   W=/tmp/ws N=16384 ONLY='^(base|own_x8|ema|wsd|sure|sampled)' setsid nohup bash tests/benchmarks/study35_gpu.sh > /dev/null 2>&1 < /dev/null &
 # A CPU dry run (minutes): W=/tmp/ws N=6 EPOCHS=1 NEW_TOKENS=8 EVAL_LONG= EVAL_EXTRA="limit=2" ONLY='^(base|own_x8|wsd)' \
 #   TRAIN_EXTRA_ALL="train.max_steps=2" bash tests/benchmarks/study35_gpu.sh
+# PLAN=1: check the variant lines and print each one's whole change (name|change|FROM), run nothing.
 set -uo pipefail
 W=${W:-/tmp/ws}
 N=${N:-16384}
@@ -44,6 +47,21 @@ in_slot() {  # in_slot <command...>: run it holding one of the SLOTS lock files 
 VARIANTS=${VARIANTS:-$(grep -E "${ONLY:-.}" tests/benchmarks/study35_variants.txt)}
 PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p.__file__))")
 
+SYNTH_VARS='PREPARE_EXTRA|NEW_TOKENS|GEN_BATCH|GEN_BATCHING|EXAMPLES|STARTER_WORDS|TARGET'  # what the synthesis reads
+synthesis_of() {  # synthesis_of <name>: the synthesis settings of that variant and of those it trains on, VAR=value;...
+  local assign from v out=()
+  IFS='|' read -r _ assign from <<< "$(grep -E "^$1\|" <<< "$VARIANTS" | head -1)"
+  if [ -n "$from" ]; then v=$(synthesis_of "$from") && [ -n "$v" ] && out+=("$v"); fi
+  IFS=';' read -ra vars <<< "$assign"
+  for v in "${vars[@]}"; do [[ $v =~ ^($SYNTH_VARS)= ]] && out+=("$v"); done
+  (IFS=';'; echo "${out[*]}")
+}
+whole_change() {  # whole_change <assign> <from>: FROM's synthesis settings, then the variant's own change
+  local inherited=""
+  [ -n "$2" ] && inherited=$(synthesis_of "$2")
+  echo "${inherited}${inherited:+${1:+;}}$1"
+}
+
 variant() {  # variant <name> <VAR=value> <from>: the recipe with that change, then the longer evals
   local name=$1 assign=$2 from=$3 run=$W/$1
   [ -f "$run/eval/report.json" ] && { echo "$name: finished earlier"; return; }
@@ -56,8 +74,9 @@ variant() {  # variant <name> <VAR=value> <from>: the recipe with that change, t
   echo "== $(date +%T) $name: the recipe with ${assign:-nothing changed}${from:+, on the synthesis of $from}"
   # the study's settings, then the variant's change (later: it replaces them, e.g. EPOCHS=9 or its own
   # TRAIN_EXTRA in place of TRAIN_EXTRA_ALL)
-  local vars=()  # the change: VAR=value, or several joined by ';' (levers together)
-  [ -n "$assign" ] && IFS=';' read -ra vars <<< "$assign"
+  local vars=() whole  # the change: VAR=value, or several joined by ';' (levers together), after FROM's synthesis
+  whole=$(whole_change "$assign" "$from")
+  [ -n "$whole" ] && IFS=';' read -ra vars <<< "$whole"
   in_slot env TRAIN_EXTRA="${TRAIN_EXTRA_ALL:-}" RUN_DIR="$run" N="$N" NGPU=1 SOURCE=online COMPILE="${COMPILE:-false}" \
     GEN_BATCH="${GEN_BATCH:-2048}" EPOCHS="${EPOCHS:-6}" "${vars[@]}" bash launch/recipes/smollm2_synth.sh > "$W/$name.log" 2>&1 || {
     echo "$name: the recipe failed (see $W/$name.log)"; touch "$W/$name.failed"; return; }
@@ -81,7 +100,16 @@ while IFS='|' read -r name assign from; do  # every line checked before anything
   if [ -n "$from" ] && ! grep -qE "^$from\|" <<< "$VARIANTS"; then
     echo "study35_gpu.sh: variant line $line ($name): FROM '$from' names no variant of this study" >&2; exit 2
   fi
+  seen=" $name " up=$from  # FROM's chain ends at a variant that synthesizes (a loop would wait forever)
+  while [ -n "$up" ]; do
+    [[ $seen == *" $up "* ]] && { echo "study35_gpu.sh: variant line $line ($name): FROM loops back through '$up'" >&2; exit 2; }
+    seen+="$up " && IFS='|' read -r _ _ up <<< "$(grep -E "^$up\|" <<< "$VARIANTS" | head -1)"
+  done
 done <<< "$VARIANTS"
+if [ -n "${PLAN:-}" ]; then
+  while IFS='|' read -r name assign from; do [ -n "$name" ] && echo "$name|$(whole_change "$assign" "$from")|$from"; done <<< "$VARIANTS"
+  exit 0
+fi
 {
   echo "== $(date +%T) N=$N, SLOTS=$SLOTS; disk: $(df -h "$W" | tail -1)"
   while IFS='|' read -r name assign from; do

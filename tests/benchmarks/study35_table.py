@@ -13,6 +13,7 @@ equal quality move τ on the 37 held-out prompts by a few hundredths.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ NOISE = 0.05
 Ref = tuple[str, str | None]  # (results file, variant or curve point; None: the file's own run)
 STUDY16K = "recipe_study35_h200.json"  # offline, N=16384, 6 epochs, up to 7 trainings sharing one H200
 STUDY4K = "recipe_study35_n4096_h200.json"  # the recipe online, N=4096, 6 epochs, 4 sharing one H200
+STUDY8K = "recipe_study35_n8192_h200.json"  # the recipe online, N=8192, 6 epochs, 4 sharing one H200
 SWEEP = "recipe_sweep_h200x2.json"  # offline, N=16384, 8 epochs, lr 3e-3, 4-5 trainings per H200
 
 # (the group, lever, how it was measured, base run, lever run); runs None: not measured, and why
@@ -36,21 +38,40 @@ LEVERS: list[tuple[str, str, str, Ref | None, Ref | str]] = [
     ),
     (
         "data",
-        "replies of 256 new tokens instead of 128",
-        "",
-        None,
-        "not measured: the 16k study's offline dumps filled the machine's disk (now online: study35_gpu.sh `replies_256`)",
+        "your prompts answered by the target, 8× (OWN_REPEATS=8)",
+        "recipe online, N=8192, both with WSD (+2240 rows: 26 % more steps)",
+        (STUDY8K, "wsd"),
+        (STUDY8K, "own_wsd"),
     ),
-    ("data", "two-turn synthesized conversations", "", None, "not measured: as above (`turns_2`)"),
+    (
+        "data",
+        "replies of 256 new tokens instead of 128",
+        "recipe online, N=8192 (1.67× the loss tokens)",
+        (STUDY8K, "base"),
+        (STUDY8K, "replies_256"),
+    ),
+    (
+        "data",
+        "two-turn synthesized conversations",
+        "recipe online, N=8192 (1.85× the loss tokens)",
+        (STUDY8K, "base"),
+        (STUDY8K, "turns_2"),
+    ),
     (
         "data",
         "replies sampled at temperature 0.7 instead of greedy",
-        "",
-        None,
-        "not measured: as above (`sampled_0.7`)",
+        "recipe online, N=8192",
+        (STUDY8K, "base"),
+        (STUDY8K, "sampled_0.7"),
     ),
     ("objective", "ttt 7 instead of 5", "offline, N=16384", (STUDY16K, "base"), (STUDY16K, "ttt_7")),
-    ("objective", "step weights 1 instead of 0.8^j (train.loss_decay=1.0)", "", None, "not measured (`decay_1.0`)"),
+    (
+        "objective",
+        "step weights 1 instead of 0.8^j (train.loss_decay=1.0)",
+        "recipe online, N=8192",
+        (STUDY8K, "base"),
+        (STUDY8K, "decay_1.0"),
+    ),
     (
         "objective",
         "LK term mixed in (train.lk_weight=1.0)",
@@ -73,7 +94,14 @@ LEVERS: list[tuple[str, str, str, Ref | None, Ref | str]] = [
         ("recipe_graph_h200x2.json", None),
         ("recipe_vocab16k_h200x2.json", None),
     ),
-    ("head", "draft vocab 32768 / the full 49152", "", None, "not measured (`vocab_32k`, `vocab_full`)"),
+    ("head", "draft vocab 32768 instead of 16384", "recipe online, N=8192", (STUDY8K, "base"), (STUDY8K, "vocab_32k")),
+    (
+        "head",
+        "draft vocab the full 49152",
+        "",
+        None,
+        "not measured (the lease's time went to the data levers): 16k → 32k did nothing at N=8192 (+0.012)",
+    ),
     (
         "head",
         "lm_head from the target's rows instead of random",
@@ -90,10 +118,17 @@ LEVERS: list[tuple[str, str, str, Ref | None, Ref | str]] = [
     ),
     (
         "head",
-        "lm_head frozen",
+        "lm_head frozen after 100 warm-up steps (train.lm_head_steps=100)",
+        "recipe online, N=8192 (252 steps)",
+        (STUDY8K, "base"),
+        (STUDY8K, "lm_head_100"),
+    ),
+    (
+        "head",
+        "lm_head frozen throughout (model.freeze_lm_head)",
         "",
         None,
-        "not measured (`lm_head_frozen`: frozen throughout; `lm_head_100`: frozen after 100 steps, train.lm_head_steps)",
+        "not measured (the lease's time went to the data levers): frozen after 100 of 252 steps did nothing (+0.002)",
     ),
     (
         "head",
@@ -115,6 +150,13 @@ LEVERS: list[tuple[str, str, str, Ref | None, Ref | str]] = [
         "recipe online, N=4096",
         (STUDY4K, "base"),
         (STUDY4K, "wsd"),
+    ),
+    (
+        "schedule",
+        "WSD instead of cosine (decay over the last 20 %)",
+        "recipe online, N=8192",
+        (STUDY8K, "base"),
+        (STUDY8K, "wsd"),
     ),
     ("schedule", "EMA of the weights (0.999)", "recipe online, N=4096", (STUDY4K, "base"), (STUDY4K, "ema_0.999")),
     (
@@ -144,6 +186,13 @@ LEVERS: list[tuple[str, str, str, Ref | None, Ref | str]] = [
         "recipe online, 1 → 2 H200s",
         ("recipe_defaults_h200.json", None),
         ("recipe_parts_h200x2.json", None),
+    ),
+    (
+        "stack",
+        "two-turn conversations + your prompts 8× + WSD together",
+        "recipe online, N=8192 (trained alone on the GPU)",
+        (STUDY8K, "base"),
+        (STUDY8K, "stack"),
     ),
     (
         "throughput",
@@ -197,13 +246,14 @@ def lever_rows() -> list[list[str]]:
     rows = []
     for group, lever, setting, base_ref, lever_ref in LEVERS:
         if base_ref is None or isinstance(lever_ref, str):
-            rows.append([group, lever, "—", "—", "—", "—", "—", "—", str(lever_ref)])
+            rows.append([group, lever, "—", "—", "—", "—", "—", "—", "—", str(lever_ref)])
             continue
         base, run = run_of(base_ref), run_of(lever_ref)
         t0, t1 = tau(base), tau(run)
         assert t0 is not None and t1 is not None, (base_ref, lever_ref)
         long0, long1 = tau(base, 512), tau(run, 512)
         s0, s1 = train_seconds(base), train_seconds(run)
+        n0, n1 = base.get("train", {}).get("steps"), run.get("train", {}).get("steps")
         files = base_ref[0] if base_ref[0] == lever_ref[0] else f"{base_ref[0]}, {lever_ref[0]}"
         rows.append(
             [
@@ -214,6 +264,7 @@ def lever_rows() -> list[list[str]]:
                 f"{t1 - t0:+.3f}",
                 f"{long1 - long0:+.3f}" if long0 is not None and long1 is not None else "—",
                 f"{s0:.0f} → {s1:.0f}" if s0 is not None and s1 is not None else "—",
+                f"{n0} → {n1}" if n0 and n1 else "—",
                 files,
                 verdict(t1 - t0, s0, s1, group),
             ]
@@ -243,6 +294,17 @@ def scale_rows() -> list[list[str]]:
         ]
         for p in sweep["curve"]
     ]
+    for ref, n in ((STUDY4K, 4096), (STUDY8K, 8192)):
+        base = run_of((ref, "base"))
+        rows.append(
+            [
+                str(n),
+                "the recipe online, 6 epochs, 1 of 4 sharing an H200",
+                f"{tau(base):.3f}",
+                f"{train_seconds(base):.0f}",
+                ref,
+            ]
+        )
     for name, n, how in (
         ("recipe_defaults_h200.json", 73728, "the recipe online, 6 epochs, 1 H200"),
         ("recipe_parts_h200x2.json", 147456, "the recipe online, 6 epochs, 2 H200s"),
@@ -267,6 +329,18 @@ def gap() -> dict[str, Any]:
     two = load("recipe_parts_h200x2.json")  # twice the conversations, the same optimizer steps on 2 GPUs
     last = two["eval"]["tau"] - d["eval"]["tau"]
     per_doubling["73728 → 147456 (the recipe, 1 → 2 H200s)"] = round(last, 3)
+    # a data lever that adds tokens against as many more tokens of one-turn conversations (the sweep's last doubling)
+    doubling = per_doubling[f"8192 → 16384 ({SWEEP})"]
+    base8 = run_of((STUDY8K, "base"))
+    shape = {}
+    for name in ("turns_2", "replies_256"):
+        v = run_of((STUDY8K, name))
+        ratio = v["prepared"]["loss_tokens"] / base8["prepared"]["loss_tokens"]
+        shape[name] = {
+            "loss_tokens_vs_base": round(ratio, 2),
+            "delta_tau": round(tau(v) - tau(base8), 3),
+            "as_many_more_one_turn_conversations_would_give": round(doubling * math.log2(ratio), 3),
+        }
     return {
         "held_out_tau": d["eval"]["tau"],
         "held_out_acceptance_per_position": d["eval"]["acceptance_per_position"],
@@ -275,6 +349,13 @@ def gap() -> dict[str, Any]:
         "acceptance_at_every_position_for_tau_3.5": round(need, 4),
         "tau_gain_per_doubling_of_the_data": per_doubling,
         "doublings_to_3.5_at_the_last_gain": round((3.5 - two["eval"]["tau"]) / last, 1),
+        f"data_levers_against_more_conversations ({STUDY8K})": shape,
+        f"stack_against_its_parts ({STUDY8K})": {
+            "stack": round(tau(run_of((STUDY8K, "stack"))) - tau(base8), 3),
+            "turns_2 + own_wsd, each alone": round(
+                tau(run_of((STUDY8K, "turns_2"))) + tau(run_of((STUDY8K, "own_wsd"))) - 2 * tau(base8), 3
+            ),
+        },
         "from": "recipe_defaults_h200.json",
     }
 
@@ -298,6 +379,7 @@ def summary() -> dict[str, Any]:
                     "Δ τ (128)",
                     "Δ τ (512)",
                     "training s",
+                    "optimizer steps",
                     "results",
                     "verdict",
                 ],
