@@ -28,7 +28,8 @@
 #
 # Every stage reuses finished output, so a rerun continues where a crash stopped. Stage times go to
 # $RUN_DIR/timings.jsonl. Variables (default): N (73728 x NGPU), NGPU (all GPUs), RUN_DIR, EPOCHS (6), LR
-# (2e-3), TTT (5), BATCH_TOKENS (32768 x NGPU, global: divided by NGPU per rank; the online step's time
+# (2e-3), SCHEDULE (cosine: the learning rate's, train.schedule; wsd holds it flat and decays over the last
+# 20 %, +0.08 and +0.13 in issue #35's screens at 4096 and 8192 conversations, not yet measured at N), TTT (5), BATCH_TOKENS (32768 x NGPU, global: divided by NGPU per rank; the online step's time
 # hardly depends on its tokens, so each GPU takes 32k), INTERMEDIATE (6144: the draft
 # MLP width, 4x the target's), COMPILE (true on a GPU: train.compile, the decoder layer and the fused
 # head loss compiled; false on the CPU), DRAFT_VOCAB (16384), NEW_TOKENS (128: reply length), GEN_BATCH (4096: prompts generated
@@ -91,6 +92,7 @@ if [ "${OWN_REPEATS:-0}" -gt 0 ]; then  # EXAMPLES' prompts answered by the targ
 fi
 RECIPE_TRAIN="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-6} train.lr=${LR:-2e-3} train.warmup_steps=30 \
 train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-$((32768 * NGPU))} / NGPU )) train.head_chunk=32768 train.eval_every=500 train.keep_best=true train.log_every=50 \
+train.schedule=${SCHEDULE:-cosine} \
 train.compile=${COMPILE:-$([ "$NGPU_SEEN" -ge 1 ] && echo true || echo false)} model.lm_head_init=target model.intermediate_size=${INTERMEDIATE:-6144}"
 if [ "${SOURCE:-online}" = online ]; then  # the target runs in the training loop: no dump, no standardize
   # shellcheck disable=SC2086  # RECIPE_TRAIN and TRAIN_EXTRA are lists of overrides

@@ -9,11 +9,12 @@
 # TRAIN_EXTRA="train.ema_decay=0.999", NEW_TOKENS=256, DRAFT_VOCAB=32768, ...; several levers at once joined
 # by ';': OWN_REPEATS=8;TRAIN_EXTRA=train.schedule=wsd) and, where the lever leaves
 # the synthesis as it is, FROM: the variant whose synthesized conversations it trains on (its prepared
-# directory is linked, so the recipe skips the synthesis; the settings that synthesis was made with, FROM's own
-# PREPARE_EXTRA, NEW_TOKENS, ... (SYNTH_VARS), come first in its change, or the recipe would refuse the directory as
-# made otherwise: `stack|OWN_REPEATS=8|turns_2` trains with own prompts on two-turn conversations). Training is online, as the recipe's: nothing is
-# dumped, so the disk holds only the prepared conversations (a first version dumped each variant offline:
-# five 16k-conversation dumps and their standardized copies did not fit the H200 machine's 64 GB).
+# directory is linked, so the recipe skips the synthesis; the settings that synthesis was made with,
+# FROM's PREPARE_EXTRA, NEW_TOKENS, ... (SYNTH_VARS), come first in its change, or the recipe would refuse
+# the directory as made otherwise: `stack|OWN_REPEATS=8|turns_2` adds own prompts to the two-turn
+# conversations). Training is online, as the recipe's: nothing is dumped, so the disk holds only the
+# prepared conversations (a first version dumped each variant offline: five 16k-conversation dumps and
+# their standardized copies did not fit the H200 machine's 64 GB).
 #
 # Every variant's whole recipe holds one of SLOTS (default 4) slots (lock files), so at most that many
 # synthesize or train on the GPU at once (an online training of the recipe's head holds ~28.5 GB of an H200:
@@ -22,7 +23,8 @@
 # and the table the docs show: python3 -m tests.benchmarks.study35_results); progress: $W/log; $W/done at the end.
 #
 #   W=/tmp/ws N=16384 ONLY='^(base|own_x8|ema|wsd|sure|sampled)' setsid nohup bash tests/benchmarks/study35_gpu.sh > /dev/null 2>&1 < /dev/null &
-# A CPU dry run (minutes): W=/tmp/ws N=6 EPOCHS=1 NEW_TOKENS=8 EVAL_LONG= EVAL_EXTRA="limit=2" ONLY='^(base|own_x8|wsd)' \
+# A CPU dry run (minutes; a 32k-token batch of the recipe's head takes 24 GB on the CPU, hence BATCH_TOKENS):
+#   W=/tmp/ws N=6 EPOCHS=1 NEW_TOKENS=8 BATCH_TOKENS=2048 EVAL_LONG= EVAL_EXTRA="limit=2" ONLY='^(base|own_x8|wsd)' \
 #   TRAIN_EXTRA_ALL="train.max_steps=2" bash tests/benchmarks/study35_gpu.sh
 # PLAN=1: check the variant lines and print each one's whole change (name|change|FROM), run nothing.
 set -uo pipefail
@@ -49,7 +51,7 @@ PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p
 
 SYNTH_VARS='PREPARE_EXTRA|NEW_TOKENS|GEN_BATCH|GEN_BATCHING|EXAMPLES|STARTER_WORDS|TARGET'  # what the synthesis reads
 synthesis_of() {  # synthesis_of <name>: the synthesis settings of that variant and of those it trains on, VAR=value;...
-  local assign from v out=()
+  local assign from v out=() vars=()
   IFS='|' read -r _ assign from <<< "$(grep -E "^$1\|" <<< "$VARIANTS" | head -1)"
   if [ -n "$from" ]; then v=$(synthesis_of "$from") && [ -n "$v" ] && out+=("$v"); fi
   IFS=';' read -ra vars <<< "$assign"
