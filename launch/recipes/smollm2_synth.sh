@@ -29,7 +29,8 @@
 # Every stage reuses finished output, so a rerun continues where a crash stopped. Stage times go to
 # $RUN_DIR/timings.jsonl. Variables (default): N (73728 x NGPU), NGPU (all GPUs), RUN_DIR, EPOCHS (6), LR
 # (2e-3), SCHEDULE (cosine: the learning rate's, train.schedule; wsd holds it flat and decays over the last
-# 20 %, +0.08 and +0.13 in issue #35's screens at 4096 and 8192 conversations, not yet measured at N), TTT (5), BATCH_TOKENS (32768 x NGPU, global: divided by NGPU per rank; the online step's time
+# 20 %, +0.08 and +0.13 in issue #35's screens at 4096 and 8192 conversations, not yet measured at N),
+# TTT (5), BATCH_TOKENS (32768 x NGPU, global: divided by NGPU per rank; the online step's time
 # hardly depends on its tokens, so each GPU takes 32k), INTERMEDIATE (6144: the draft
 # MLP width, 4x the target's), COMPILE (true on a GPU: train.compile, the decoder layer and the fused
 # head loss compiled; false on the CPU), DRAFT_VOCAB (16384), NEW_TOKENS (128: reply length), GEN_BATCH (4096: prompts generated

@@ -49,10 +49,11 @@ in_slot() {  # in_slot <command...>: run it holding one of the SLOTS lock files 
 VARIANTS=${VARIANTS:-$(grep -E "${ONLY:-.}" tests/benchmarks/study35_variants.txt)}
 PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p.__file__))")
 
+line_of() { grep -E "^$1\|" <<< "$VARIANTS" | head -1; }  # line_of <name>: that variant's line (empty: none)
 SYNTH_VARS='PREPARE_EXTRA|NEW_TOKENS|GEN_BATCH|GEN_BATCHING|EXAMPLES|STARTER_WORDS|TARGET'  # what the synthesis reads
 synthesis_of() {  # synthesis_of <name>: the synthesis settings of that variant and of those it trains on, VAR=value;...
   local assign from v out=() vars=()
-  IFS='|' read -r _ assign from <<< "$(grep -E "^$1\|" <<< "$VARIANTS" | head -1)"
+  IFS='|' read -r _ assign from <<< "$(line_of "$1")"
   if [ -n "$from" ]; then v=$(synthesis_of "$from") && [ -n "$v" ] && out+=("$v"); fi
   IFS=';' read -ra vars <<< "$assign"
   for v in "${vars[@]}"; do [[ $v =~ ^($SYNTH_VARS)= ]] && out+=("$v"); done
@@ -99,13 +100,13 @@ while IFS='|' read -r name assign from; do  # every line checked before anything
   for v in "${vars[@]}"; do
     [[ $v =~ ^[A-Z_][A-Z0-9_]*= ]] || { echo "study35_gpu.sh: variant line $line ($name): change '$v' is not VAR=value" >&2; exit 2; }
   done
-  if [ -n "$from" ] && ! grep -qE "^$from\|" <<< "$VARIANTS"; then
+  if [ -n "$from" ] && [ -z "$(line_of "$from")" ]; then
     echo "study35_gpu.sh: variant line $line ($name): FROM '$from' names no variant of this study" >&2; exit 2
   fi
   seen=" $name " up=$from  # FROM's chain ends at a variant that synthesizes (a loop would wait forever)
   while [ -n "$up" ]; do
     [[ $seen == *" $up "* ]] && { echo "study35_gpu.sh: variant line $line ($name): FROM loops back through '$up'" >&2; exit 2; }
-    seen+="$up " && IFS='|' read -r _ _ up <<< "$(grep -E "^$up\|" <<< "$VARIANTS" | head -1)"
+    seen+="$up " && IFS='|' read -r _ _ up <<< "$(line_of "$up")"
   done
 done <<< "$VARIANTS"
 if [ -n "${PLAN:-}" ]; then
