@@ -506,6 +506,10 @@ def test_study35_table_is_read_from_the_results_and_up_to_date():
     ttt = next(r for r in rows if r[1] == "ttt 7 instead of 5")
     assert ttt[4] == f"{by_name['ttt_7'] - by_name['base']:+.3f}"
     assert all(r[3] == "—" and r[-1].startswith("not measured") for r in rows if r[2] == "—")
+    # where τ stands is the recipe at its defaults (WSD), at 128 and 512 new tokens, from its own file
+    wsd = json.loads((t.RESULTS / t.WSD73K).read_text())["variants"][0]
+    gap = summary["gap_to_3.5"]
+    assert gap["held_out_tau"] == wsd["eval"]["tau"] and gap["held_out_tau_512_new_tokens"] == wsd["eval_long"]["512"]["tau"]
     a = t.constant_acceptance_for(3.5, 5)
     assert sum(a**i for i in range(6)) == pytest.approx(3.5, abs=1e-9) and 0.7 < a < 0.85
     assert t.constant_acceptance_for(6.0, 5) == pytest.approx(1.0, abs=1e-9)

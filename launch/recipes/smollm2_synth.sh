@@ -10,7 +10,12 @@
 #   bash launch/recipes/smollm2_synth.sh                          # all GPUs of this machine
 #   NGPU=1 N=16384 EPOCHS=4 RUN_DIR=runs/s16k bash launch/recipes/smollm2_synth.sh
 #
-# Measured with these defaults on two H200s, N=147456 (tests/benchmarks/results/recipe_parts_h200x2.json):
+# Measured with these defaults on one H200 (N=73728, tests/benchmarks/results/recipe_study35_wsd73k_h200.json):
+# tau 3.03 on the held-out prompts at 128 new tokens, 3.60 at 512, lossless, 19.7 minutes end to end (synthesis
+# 6.6, training 12.1). With SCHEDULE=cosine, the default before issue #35's study, on one H200
+# (recipe_defaults_h200.json): tau 2.93 in 18.1 minutes (synthesis 5.8, training 11.4); served in vLLM 0.26
+# with CUDA graphs (bench_vllm_recipe_h200.json) that draft is 1.68x faster at concurrency 1, 1.40x at 16.
+# With cosine on two H200s, N=147456 (recipe_parts_h200x2.json):
 # tau 3.02 on the held-out prompts (3.16 on the 280 shipped training prompts and on 128 fresh
 # synthesized ones, 3.00 with a bf16 target; simulated on the synthesized eval split 3.30), lossless,
 # 17.6 minutes end to end (synthesis 6.0, online training 10.8, export + check + eval 0.8). With the
@@ -18,9 +23,7 @@
 # STARTER_WORDS=0 N=131072 too
 # (recipe_mlp6144_h200x2.json): tau 2.92 in 17.6 minutes; with INTERMEDIATE=3072 COMPILE=false too
 # (recipe_vocab16k_h200x2.json): tau 2.90 in 22.6 minutes; with DRAFT_VOCAB=8192 too
-# (recipe_graph_h200x2.json): tau 2.78 in 20.9 minutes. One H200 at its defaults
-# (N=73728, recipe_defaults_h200.json): tau 2.93 in 18.1 minutes (synthesis 5.8, training 11.4); served in
-# vLLM 0.26 with CUDA graphs (bench_vllm_recipe_h200.json) it is 1.68x faster at concurrency 1, 1.40x at 16.
+# (recipe_graph_h200x2.json): tau 2.78 in 20.9 minutes.
 # Earlier measurements (recipe_online_h200x2.json): N=32768 on one H200 with transformers' generate
 # (GEN_BATCHING=padded GEN_RANKS_PER_GPU=2 GEN_BATCH=2048 EPOCHS=8): tau 2.53 in 15.0 minutes; the
 # settings before those, tau 2.40 at the same N (recipe_synth_h200x2.json):
@@ -28,8 +31,8 @@
 #
 # Every stage reuses finished output, so a rerun continues where a crash stopped. Stage times go to
 # $RUN_DIR/timings.jsonl. Variables (default): N (73728 x NGPU), NGPU (all GPUs), RUN_DIR, EPOCHS (6), LR
-# (2e-3), SCHEDULE (cosine: the learning rate's, train.schedule; wsd holds it flat and decays over the last
-# 20 %, +0.08 and +0.13 in issue #35's screens at 4096 and 8192 conversations, not yet measured at N),
+# (2e-3), SCHEDULE (wsd: the learning rate's, train.schedule: warmup, flat, then a decay over the last 20 %;
+# +0.08, +0.13 and +0.10 over cosine in issue #35's study at 4096, 8192 and 73728 conversations),
 # TTT (5), BATCH_TOKENS (32768 x NGPU, global: divided by NGPU per rank; the online step's time
 # hardly depends on its tokens, so each GPU takes 32k), INTERMEDIATE (6144: the draft
 # MLP width, 4x the target's), COMPILE (true on a GPU: train.compile, the decoder layer and the fused
@@ -93,7 +96,7 @@ if [ "${OWN_REPEATS:-0}" -gt 0 ]; then  # EXAMPLES' prompts answered by the targ
 fi
 RECIPE_TRAIN="train.ttt_length=${TTT:-5} train.epochs=${EPOCHS:-6} train.lr=${LR:-2e-3} train.warmup_steps=30 \
 train.max_tokens_per_batch=$(( ${BATCH_TOKENS:-$((32768 * NGPU))} / NGPU )) train.head_chunk=32768 train.eval_every=500 train.keep_best=true train.log_every=50 \
-train.schedule=${SCHEDULE:-cosine} \
+train.schedule=${SCHEDULE:-wsd} \
 train.compile=${COMPILE:-$([ "$NGPU_SEEN" -ge 1 ] && echo true || echo false)} model.lm_head_init=target model.intermediate_size=${INTERMEDIATE:-6144}"
 if [ "${SOURCE:-online}" = online ]; then  # the target runs in the training loop: no dump, no standardize
   # shellcheck disable=SC2086  # RECIPE_TRAIN and TRAIN_EXTRA are lists of overrides

@@ -25,6 +25,7 @@ Ref = tuple[str, str | None]  # (results file, variant or curve point; None: the
 STUDY16K = "recipe_study35_h200.json"  # offline, N=16384, 6 epochs, up to 7 trainings sharing one H200
 STUDY4K = "recipe_study35_n4096_h200.json"  # the recipe online, N=4096, 6 epochs, 4 sharing one H200
 STUDY8K = "recipe_study35_n8192_h200.json"  # the recipe online, N=8192, 6 epochs, 4 sharing one H200
+WSD73K = "recipe_study35_wsd73k_h200.json"  # the recipe at its defaults (N=73728) with WSD, alone on one H200
 SWEEP = "recipe_sweep_h200x2.json"  # offline, N=16384, 8 epochs, lr 3e-3, 4-5 trainings per H200
 
 # (the issue's group, lever, how it was measured, base run, lever run); runs None: not measured, and why
@@ -157,6 +158,13 @@ LEVERS: list[tuple[str, str, str, Ref | None, Ref | str]] = [
         "recipe online, N=8192",
         (STUDY8K, "base"),
         (STUDY8K, "wsd"),
+    ),
+    (
+        "schedule",
+        "WSD instead of cosine (decay over the last 20 %)",
+        "the recipe at its defaults, N=73728, alone on one H200 (two runs a day apart)",
+        ("recipe_defaults_h200.json", None),
+        (WSD73K, "wsd_73k"),
     ),
     ("schedule", "EMA of the weights (0.999)", "recipe online, N=4096", (STUDY4K, "base"), (STUDY4K, "ema_0.999")),
     (
@@ -305,29 +313,32 @@ def scale_rows() -> list[list[str]]:
                 ref,
             ]
         )
-    for name, n, how in (
-        ("recipe_defaults_h200.json", 73728, "the recipe online, 6 epochs, 1 H200"),
-        ("recipe_parts_h200x2.json", 147456, "the recipe online, 6 epochs, 2 H200s"),
+    for ref, n, how in (
+        (("recipe_defaults_h200.json", None), 73728, "the recipe online, 6 epochs, cosine, 1 H200"),
+        ((WSD73K, "wsd_73k"), 73728, "the recipe online, 6 epochs, WSD, 1 H200"),
+        (("recipe_parts_h200x2.json", None), 147456, "the recipe online, 6 epochs, cosine, 2 H200s"),
     ):
-        d = load(name)
+        d = run_of(ref)
         total = d["total_s"]
         rows.append(
-            [str(n), how, f"{d['eval']['tau']:.3f}", f"{train_seconds(d):.0f} (end to end {total / 60:.1f} min)", name]
+            [str(n), how, f"{tau(d):.3f}", f"{train_seconds(d):.0f} (end to end {total / 60:.1f} min)", ref[0]]
         )
     return rows
 
 
 def gap() -> dict[str, Any]:
-    """Where the recipe's draft stands against τ 3.5: its acceptance per position, held out and on its own
-    eval split, beside the constant acceptance that 3.5 needs at k=5."""
-    d = load("recipe_defaults_h200.json")
+    """Where the recipe's draft (its defaults: WSD) stands against τ 3.5: its acceptance per position, held
+    out and on its own eval split, beside the constant acceptance that 3.5 needs at k=5; what a doubling of
+    the data bought (the last doubling: the recipe with cosine on one GPU, then on two)."""
+    d = run_of((WSD73K, "wsd_73k"))
+    cosine = load("recipe_defaults_h200.json")
     need = constant_acceptance_for(3.5, 5)
     pairs = [(SWEEP, "n2048", "n4096"), (SWEEP, "n4096", "n8192"), (SWEEP, "n8192", "n16384")]
     per_doubling = {
         f"{a[1:]} → {b[1:]} ({f})": round(tau(run_of((f, b))) - tau(run_of((f, a))), 3) for f, a, b in pairs
     }
     two = load("recipe_parts_h200x2.json")  # twice the conversations, the same optimizer steps on 2 GPUs
-    last = two["eval"]["tau"] - d["eval"]["tau"]
+    last = two["eval"]["tau"] - cosine["eval"]["tau"]
     per_doubling["73728 → 147456 (the recipe, 1 → 2 H200s)"] = round(last, 3)
     # a data lever that adds tokens against as many more tokens of one-turn conversations (the sweep's last doubling)
     doubling = per_doubling[f"8192 → 16384 ({SWEEP})"]
@@ -344,11 +355,17 @@ def gap() -> dict[str, Any]:
     return {
         "held_out_tau": d["eval"]["tau"],
         "held_out_acceptance_per_position": d["eval"]["acceptance_per_position"],
+        "held_out_tau_512_new_tokens": tau(d, 512),
+        "held_out_tau_512_by_reply_position": {
+            f"{b['from']}-{b['to']}": {"tau": round(b["tau"], 3), "tokens": b["tokens"]}
+            for b in d["eval_long"]["512"]["by_reply_position"]
+        },
+        "end_to_end_minutes": round(d["total_s"] / 60, 1),
         "eval_split_simulated_tau": d["train"]["best_eval_tau"],
         "eval_split_acceptance_per_position": d["train"]["eval_acc_at_best"],
         "acceptance_at_every_position_for_tau_3.5": round(need, 4),
         "tau_gain_per_doubling_of_the_data": per_doubling,
-        "doublings_to_3.5_at_the_last_gain": round((3.5 - two["eval"]["tau"]) / last, 1),
+        "doublings_to_3.5_at_the_last_gain": round((3.5 - d["eval"]["tau"]) / last, 1),
         f"data_levers_against_more_conversations ({STUDY8K})": shape,
         f"stack_against_its_parts ({STUDY8K})": {
             "stack": round(tau(run_of((STUDY8K, "stack"))) - tau(base8), 3),
@@ -356,7 +373,7 @@ def gap() -> dict[str, Any]:
                 tau(run_of((STUDY8K, "turns_2"))) + tau(run_of((STUDY8K, "own_wsd"))) - 2 * tau(base8), 3
             ),
         },
-        "from": "recipe_defaults_h200.json",
+        "from": f"{WSD73K} (the recipe at its defaults); the doubling from recipe_defaults_h200.json (cosine)",
     }
 
 
