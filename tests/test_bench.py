@@ -509,7 +509,26 @@ def test_study35_table_is_read_from_the_results_and_up_to_date():
     # where τ stands is the recipe at its defaults (WSD), at 128 and 512 new tokens, from its own file
     wsd = json.loads((t.RESULTS / t.WSD73K).read_text())["variants"][0]
     gap = summary["gap_to_3.5"]
-    assert gap["held_out_tau"] == wsd["eval"]["tau"] and gap["held_out_tau_512_new_tokens"] == wsd["eval_long"]["512"]["tau"]
+    assert (
+        gap["held_out_tau"] == wsd["eval"]["tau"]
+        and gap["held_out_tau_512_new_tokens"] == wsd["eval_long"]["512"]["tau"]
+    )
     a = t.constant_acceptance_for(3.5, 5)
     assert sum(a**i for i in range(6)) == pytest.approx(3.5, abs=1e-9) and 0.7 < a < 0.85
     assert t.constant_acceptance_for(6.0, 5) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_target_repetition_counts_each_reply_position_once():
+    """tests/benchmarks/target_repetition.py: per bucket, the share of reply tokens closing a repeated run
+    of 8 (a reply that runs its first 8 tokens again repeats at its 16th token only), and the replies
+    that ran out of tokens."""
+    from tests.benchmarks.target_repetition import repetition
+
+    loop, fresh = [1, 2, 3, 4, 5, 6, 7, 8] * 2, list(range(20, 30))
+    got = repetition([("a", 1, loop, True), ("b", 1, fresh, False)], 4)
+    assert got["replies"] == 2 and got["reply_tokens"] == 26 and got["replies_cut_at_max_new_tokens"] == 1
+    assert [(b["from"], b["to"], b["tokens"], b["repeated_share"]) for b in got["by_reply_position"]] == [
+        (0, 4, 8, 0.0),
+        (4, 8, 8, 0.0),
+        (8, 16, 10, 0.1),
+    ]

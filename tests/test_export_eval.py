@@ -388,6 +388,19 @@ def test_tree_drafts_are_lossless_batch_invariant_and_accept_more(pipeline, tmp_
         assert sum(b["tau"] * b["verify_steps"] for b in buckets) == pytest.approx(
             report["tau"] * report["verify_steps"]
         )
+        # the share of each stretch's tokens that repeat, from the replies the outputs file holds
+        replies = [
+            json.loads(x)["tokens"] for x in (tmp_path / str(len(options)) / "outputs.jsonl").read_text().splitlines()
+        ]
+        for b in buckets:
+            flags = [
+                i >= 7 and any(t[j : j + 8] == t[i - 7 : i + 1] for j in range(i - 7))
+                for t in replies
+                for i in range(len(t))
+                if b["from"] <= i < b["to"]
+            ]
+            assert b["repeated_share"] == pytest.approx(sum(flags) / len(flags))
+        assert len(report["looping"]) == sum(b["repeated_share"] >= 0.5 for b in buckets)
 
 
 def test_lossless_check_classifies_the_first_difference():

@@ -5,13 +5,14 @@ against plain forwards of every node's path; the accepted path against a hand-wo
 (End to end -- lossless, batch-invariant, topk=1 = the chain -- with a trained draft: test_export_eval.)"""
 
 import copy
+import random
 
 import pytest
 import torch
 
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.evaluation.decoding import SpecDecoder, extend_mask, left_pad, position_masks
-from eagle3_train.evaluation.eval import EvalConfig, acceptance_by_position
+from eagle3_train.evaluation.eval import EvalConfig, acceptance_by_position, looping_warnings, repeated_tokens
 from eagle3_train.evaluation.tree import DraftTree, TreeShape, accept_path, ancestor_matrix, propose_tree
 from eagle3_train.targets.tiny import build_tiny_model, tiny_config
 from test_draft_cache import model  # noqa: F401 (the random draft fixture)
@@ -222,6 +223,47 @@ def test_tau_by_reply_position_regroups_the_steps():
         (8, 16, 2, 7),
     ]
     assert [b["tau"] for b in got] == [4.5, 2.5, 3.5]
+    assert all("repeated_share" not in b for b in got)
+
+
+def _repeats_by_search(tokens, n):
+    """Brute force: token i repeats when tokens[i-n+1 : i+1] occurs as a slice starting before i-n+1."""
+    return [
+        i >= n - 1 and any(tokens[j : j + n] == tokens[i - n + 1 : i + 1] for j in range(i - n + 1))
+        for i in range(len(tokens))
+    ]
+
+
+def test_repeated_tokens_mark_where_a_reply_loops():
+    assert repeated_tokens(list(range(1, 9)) * 2) == [False] * 15 + [True]  # only the second run's last token
+    assert repeated_tokens([7] * 10) == [False] * 8 + [True] * 2  # overlapping runs count
+    rng = random.Random(0)
+    for _ in range(200):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        for n in (1, 3, 8):
+            assert repeated_tokens(tokens, n) == _repeats_by_search(tokens, n)
+
+
+def test_tau_by_reply_position_says_how_much_of_each_stretch_repeats():
+    """Bucket 4, two replies: the first runs its first 8 tokens again (its 16th token closes a repeated
+    run of 8), the second never repeats; the share is per token at its own position, beside the steps'
+    figures (unchanged)."""
+    loop, fresh = [1, 2, 3, 4, 5, 6, 7, 8] * 2, list(range(20, 30))
+    steps = [[2, 0, 3, 1, 4], [5]]
+    got = acceptance_by_position(steps, 5, 4, [loop, fresh])
+    assert [b | {"repeated_share": None} for b in got] == [
+        b | {"repeated_share": None} for b in acceptance_by_position(steps, 5, 4)
+    ]
+    flags = {p: [] for p in ((0, 4), (4, 8), (8, 16))}
+    for reply in (loop, fresh):
+        for i, r in enumerate(_repeats_by_search(reply, 8)):
+            flags[next(e for e in flags if e[0] <= i < e[1])].append(r)
+    assert [b["repeated_share"] for b in got] == [sum(f) / len(f) for f in flags.values()] == [0.0, 0.0, 1 / 10]
+    assert looping_warnings(got) == []
+    assert looping_warnings([{"from": 256, "to": 512, "tau": 4.8, "repeated_share": 0.85}]) == [
+        "replies 256-512: 85% of the tokens repeat a run of 8 from earlier in the same reply (the target loops); "
+        "tau 4.80 there measures the draft copying the loop, not predicting new text"
+    ]
 
 
 def test_tree_options_are_checked():

@@ -249,20 +249,63 @@ def bucket_edges(position: int, bucket: int) -> tuple[int, int]:
     return start, end
 
 
-def acceptance_by_position(steps: list[list[int]], k: int, bucket: int) -> list[dict[str, Any]]:
+REPEAT_NGRAM = 8  # a reply's token repeats when the 8 tokens ending at it already ran earlier in that reply
+LOOPING_SHARE = 0.5  # a reply stretch where at least this share of the tokens repeat is reported as looping
+
+
+def repeated_tokens(tokens: list[int], n: int = REPEAT_NGRAM) -> list[bool]:
+    """Per token of a reply: whether the n tokens ending at it occurred earlier in the same reply, i.e.
+    the reply runs in a loop there (the first n - 1 tokens never repeat)."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for i in range(len(tokens)):
+        gram = tuple(tokens[i - n + 1 : i + 1]) if i >= n - 1 else None
+        out.append(gram in seen)
+        if gram is not None:
+            seen.add(gram)
+    return out
+
+
+def acceptance_by_position(
+    steps: list[list[int]], k: int, bucket: int, replies: list[list[int]] | None = None
+) -> list[dict[str, Any]]:
     """τ and acceptance per draft position (:func:`acceptance`) of the verify steps grouped by where
     in the reply each one starts: a reply's first token comes from the prefill, so its verify step i
     produces the tokens from position ``1 + sum(a_j + 1 for j < i)`` on. The same steps as the
-    overall figure, regrouped; only buckets that hold some."""
+    overall figure, regrouped; only buckets that hold some. With ``replies`` (the tokens of each
+    reply, in the order of ``steps``) each bucket also has ``repeated_share``: the share of the reply
+    tokens at its positions that repeat (:func:`repeated_tokens`): where it is high, the target loops
+    and τ measures how well the draft copies a loop."""
     groups: dict[tuple[int, int], list[int]] = {}
     for accepted in steps:
         position = 1
         for a in accepted:
             groups.setdefault(bucket_edges(position, bucket), []).append(a)
             position += a + 1
+    repeats: dict[tuple[int, int], list[bool]] = {}
+    for tokens in replies or []:
+        for position, repeated in enumerate(repeated_tokens(tokens)):
+            repeats.setdefault(bucket_edges(position, bucket), []).append(repeated)
     return [
-        {"from": start, "to": end, "tokens": sum(a + 1 for a in flat)} | acceptance([flat], k)
+        {"from": start, "to": end, "tokens": sum(a + 1 for a in flat)}
+        | acceptance([flat], k)
+        | (
+            {"repeated_share": sum(r) / len(r) if (r := repeats.get((start, end))) else 0.0}
+            if replies is not None
+            else {}
+        )
         for (start, end), flat in sorted(groups.items())
+    ]
+
+
+def looping_warnings(buckets: list[dict[str, Any]]) -> list[str]:
+    """A warning per reply stretch whose tokens mostly repeat (``repeated_share`` ≥ LOOPING_SHARE)."""
+    return [
+        f"replies {b['from']}-{b['to']}: {b['repeated_share']:.0%} of the tokens repeat a run of {REPEAT_NGRAM} "
+        f"from earlier in the same reply (the target loops); tau {b['tau']:.2f} there measures the draft copying "
+        f"the loop, not predicting new text"
+        for b in buckets
+        if b.get("repeated_share", 0.0) >= LOOPING_SHARE
     ]
 
 
@@ -422,6 +465,9 @@ class Evaluator:
         ]
         counts = {s: sum(r.check["status"] == s for r in results) for s in ("identical", "numerical", "diverged")}
         c = (self.fast or self.decoder).counters
+        by_position = acceptance_by_position(
+            [r.accepted for r in results], k, self.cfg.position_bucket, [r.tokens for r in results]
+        )
         report = {
             "engine": self.cfg.engine,
             "rule": self.resolution.rule.versions,
@@ -431,6 +477,7 @@ class Evaluator:
             "fed": self.layers,
             "pre_norm_final": self.resolution.pre_norm_final,
             "warnings": self.warnings,
+            "looping": looping_warnings(by_position),  # reply stretches where the target repeats itself
             "trained_hf_indices": self.config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"),
             "trained_ttt_length": self.config.get("eagle3_train", {}).get("training", {}).get("ttt_length"),
             "conversations": len(conversations),
@@ -443,7 +490,7 @@ class Evaluator:
             "verify_steps": overall["verify_steps"],
             "tau": overall["tau"],
             "acceptance_per_position": overall["acceptance_per_position"],
-            "by_reply_position": acceptance_by_position([r.accepted for r in results], k, self.cfg.position_bucket),
+            "by_reply_position": by_position,
             "categories": {
                 cat: {"prompts": len(rs), "tokens": sum(len(r.tokens) for r in rs)}
                 | acceptance([r.accepted for r in rs], k)
@@ -507,7 +554,10 @@ class Evaluator:
             if self.cfg.tree
             else f"chain k={k}"
         )
-        by_position = {f"{b['from']}-{b['to']}": round(b["tau"], 2) for b in report["by_reply_position"]}
+        by_position = {
+            f"{b['from']}-{b['to']}": f"{b['tau']:.2f} ({b['repeated_share']:.0%} repeated)"
+            for b in report["by_reply_position"]
+        }
         logger.info(
             f"eagle3-eval ({self.cfg.engine}: {self.resolution.describe()} from {self.resolution.source}; "
             f"{drafts}): tau {report['tau']:.2f} over {report['verify_steps']} verify steps, acceptance per "
@@ -518,6 +568,8 @@ class Evaluator:
             f"{report['lossless']} {counts}; {report['speculative_tokens_per_s']:.0f} tokens/s speculative, "
             f"{report['speedup']:.2f}x the speed of plain greedy (batch {self.cfg.batch_size}) -> {self.out}"
         )
+        for text in report["looping"]:
+            logger.warning(f"eagle3-eval: warning: {text}")
         for case in cases:
             logger.warning(
                 f"eagle3-eval: {case['status']}: {case['source']} turn {case['turn']} differs at token "

@@ -320,9 +320,7 @@ def scale_rows() -> list[list[str]]:
     ):
         d = run_of(ref)
         total = d["total_s"]
-        rows.append(
-            [str(n), how, f"{tau(d):.3f}", f"{train_seconds(d):.0f} (end to end {total / 60:.1f} min)", ref[0]]
-        )
+        rows.append([str(n), how, f"{tau(d):.3f}", f"{train_seconds(d):.0f} (end to end {total / 60:.1f} min)", ref[0]])
     return rows
 
 
