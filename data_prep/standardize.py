@@ -48,6 +48,7 @@ from eagle3_train.core.prepared import PreparedData, prepared_vocab
 from eagle3_train.core.split import EVAL_FRACTION, SPLIT_SEED, check_fraction, split_eval
 from eagle3_train.core.stagedir import StageDir
 from eagle3_train.core.storage import FP8_STORAGE, concat, convert, scale_key
+from eagle3_train.core.threads import settle_torch_threads
 from eagle3_train.core.vocab import (
     DRAFT_VOCAB_SIZE,
     VocabMap,
@@ -357,6 +358,7 @@ class Standardizer:
         todo = [s for s in sources if not self._done(s, eval_ids)]
         total = sum(s.record.bytes for s in todo)
         bar = progress_bar(total=total, unit="B", unit_scale=True, desc="standardize", show=self.cfg.progress)
+        settle_torch_threads()
         with ThreadPoolExecutor(self.workers) as pool:
             for src in pool.map(lambda s: self._convert_one(s, spec, eval_ids), todo):
                 bar.update(src.record.bytes)

@@ -13,6 +13,7 @@ import torch
 from eagle3_train.core.errors import Eagle3Error
 from eagle3_train.core.formats import write_shard
 from eagle3_train.core.storage import DTYPE, encode, layout
+from eagle3_train.core.threads import settle_torch_threads
 
 
 class HostShard:
@@ -95,6 +96,7 @@ class ShardWriter:
         self.bytes_written = 0
         self.lock = threading.Lock()
         self.error: BaseException | None = None
+        settle_torch_threads()
         self.writers = [threading.Thread(target=self._write, daemon=True) for _ in range(threads)]
         for t in self.writers:
             t.start()

@@ -32,6 +32,7 @@ from eagle3_train.core.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.core.fileio import sha256_json
 from eagle3_train.core.formats import SHARD_SUFFIX, ShardRecord, check_shard
 from eagle3_train.core.storage import DTYPE, FP8_STORAGE, dequantize, scale_key
+from eagle3_train.core.threads import settle_torch_threads
 from eagle3_train.core.vocab import VocabMap, load_vocab_map
 from eagle3_train.targets import config_hash, load_target_tensors, text_config
 
@@ -319,6 +320,7 @@ class Prefetcher:
 
     def __init__(self, items: Iterator[Any], depth: int):
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        settle_torch_threads()
         self.thread = threading.Thread(target=self._fill, args=(items,), daemon=True)
         self.thread.start()
 
