@@ -399,7 +399,9 @@ def test_tree_drafts_are_lossless_batch_invariant_and_accept_more(pipeline, tmp_
                 for i in range(len(t))
                 if b["from"] <= i < b["to"]
             ]
-            assert b["repeated_share"] == pytest.approx(sum(flags) / len(flags))
+            assert b["repeated_share"] == pytest.approx(sum(flags) / len(flags)) and b["tokens_at_positions"] == len(
+                flags
+            )
         assert len(report["looping"]) == sum(b["repeated_share"] >= 0.5 for b in buckets)
 
 

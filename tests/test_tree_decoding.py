@@ -251,18 +251,19 @@ def test_tau_by_reply_position_says_how_much_of_each_stretch_repeats():
     loop, fresh = [1, 2, 3, 4, 5, 6, 7, 8] * 2, list(range(20, 30))
     steps = [[2, 0, 3, 1, 4], [5]]
     got = acceptance_by_position(steps, 5, 4, [loop, fresh])
-    assert [b | {"repeated_share": None} for b in got] == [
-        b | {"repeated_share": None} for b in acceptance_by_position(steps, 5, 4)
-    ]
+    added = {"repeated_share", "tokens_at_positions"}
+    assert [{key: v for key, v in b.items() if key not in added} for b in got] == acceptance_by_position(steps, 5, 4)
     flags = {p: [] for p in ((0, 4), (4, 8), (8, 16))}
     for reply in (loop, fresh):
         for i, r in enumerate(_repeats_by_search(reply, 8)):
             flags[next(e for e in flags if e[0] <= i < e[1])].append(r)
     assert [b["repeated_share"] for b in got] == [sum(f) / len(f) for f in flags.values()] == [0.0, 0.0, 1 / 10]
+    assert [b["tokens_at_positions"] for b in got] == [len(f) for f in flags.values()] == [8, 8, 10]
     assert looping_warnings(got) == []
-    assert looping_warnings([{"from": 256, "to": 512, "tau": 4.8, "repeated_share": 0.85}]) == [
-        "replies 256-512: 85% of the tokens repeat a run of 8 from earlier in the same reply (the target loops); "
-        "tau 4.80 there measures the draft copying the loop, not predicting new text"
+    stretch = {"from": 256, "to": 512, "tau": 4.8, "repeated_share": 0.85, "tokens_at_positions": 3593}
+    assert looping_warnings([stretch, stretch | {"repeated_share": 0.49}]) == [
+        "reply positions 256-512: 85% of the 3593 tokens there repeat a run of 8 from earlier in the same reply "
+        "(the target loops); tau 4.80 there measures the draft copying the loop, not predicting new text"
     ]
 
 

@@ -255,7 +255,7 @@ LOOPING_SHARE = 0.5  # a reply stretch where at least this share of the tokens r
 
 def repeated_tokens(tokens: list[int], n: int = REPEAT_NGRAM) -> list[bool]:
     """Per token of a reply: whether the n tokens ending at it occurred earlier in the same reply, i.e.
-    the reply runs in a loop there (the first n - 1 tokens never repeat)."""
+    the reply runs in a loop there (the first n tokens never do: the n-th closes the first run)."""
     seen: set[tuple[int, ...]] = set()
     out = []
     for i in range(len(tokens)):
@@ -274,8 +274,9 @@ def acceptance_by_position(
     produces the tokens from position ``1 + sum(a_j + 1 for j < i)`` on. The same steps as the
     overall figure, regrouped; only buckets that hold some. With ``replies`` (the tokens of each
     reply, in the order of ``steps``) each bucket also has ``repeated_share``: the share of the reply
-    tokens at its positions that repeat (:func:`repeated_tokens`): where it is high, the target loops
-    and τ measures how well the draft copies a loop."""
+    tokens at its own positions that repeat (:func:`repeated_tokens`; counted by each token's position,
+    where ``tokens`` counts the tokens of the steps that start in the bucket): where it is high, the
+    target loops and τ measures how well the draft copies a loop."""
     groups: dict[tuple[int, int], list[int]] = {}
     for accepted in steps:
         position = 1
@@ -290,7 +291,10 @@ def acceptance_by_position(
         {"from": start, "to": end, "tokens": sum(a + 1 for a in flat)}
         | acceptance([flat], k)
         | (
-            {"repeated_share": sum(r) / len(r) if (r := repeats.get((start, end))) else 0.0}
+            {
+                "repeated_share": sum(r) / len(r) if (r := repeats.get((start, end))) else 0.0,
+                "tokens_at_positions": len(repeats.get((start, end), [])),
+            }
             if replies is not None
             else {}
         )
@@ -301,9 +305,9 @@ def acceptance_by_position(
 def looping_warnings(buckets: list[dict[str, Any]]) -> list[str]:
     """A warning per reply stretch whose tokens mostly repeat (``repeated_share`` ≥ LOOPING_SHARE)."""
     return [
-        f"replies {b['from']}-{b['to']}: {b['repeated_share']:.0%} of the tokens repeat a run of {REPEAT_NGRAM} "
-        f"from earlier in the same reply (the target loops); tau {b['tau']:.2f} there measures the draft copying "
-        f"the loop, not predicting new text"
+        f"reply positions {b['from']}-{b['to']}: {b['repeated_share']:.0%} of the {b['tokens_at_positions']} tokens there "
+        f"repeat a run of {REPEAT_NGRAM} from earlier in the same reply (the target loops); tau {b['tau']:.2f} there "
+        f"measures the draft copying the loop, not predicting new text"
         for b in buckets
         if b.get("repeated_share", 0.0) >= LOOPING_SHARE
     ]

@@ -22,9 +22,9 @@
 # variant whose eval exists is not run again (the study resumes). Results: $W/study35.json (a row per variant
 # and the table the docs show: python3 -m tests.benchmarks.study35_results); progress: $W/log; $W/done at the end.
 #
-#   W=/tmp/ws N=16384 ONLY='^(base|own_x8|ema|wsd|sure|sampled)' setsid nohup bash tests/benchmarks/study35_gpu.sh > /dev/null 2>&1 < /dev/null &
+#   W=/tmp/ws N=16384 ONLY='^(base|own_x8|ema|cosine|sure|sampled)' setsid nohup bash tests/benchmarks/study35_gpu.sh > /dev/null 2>&1 < /dev/null &
 # A CPU dry run (minutes; a 32k-token batch of the recipe's head was OOM-killed on a 24 GB machine, hence BATCH_TOKENS):
-#   W=/tmp/ws N=6 EPOCHS=1 NEW_TOKENS=8 BATCH_TOKENS=2048 EVAL_LONG= EVAL_EXTRA="limit=2" ONLY='^(base|own_x8|wsd)' \
+#   W=/tmp/ws N=6 EPOCHS=1 NEW_TOKENS=8 BATCH_TOKENS=2048 EVAL_LONG= EVAL_EXTRA="limit=2" ONLY='^(base|own_x8|cosine)' \
 #   TRAIN_EXTRA_ALL="train.max_steps=2" bash tests/benchmarks/study35_gpu.sh
 # PLAN=1: check the variant lines and print each one's whole change (name|change|FROM), run nothing.
 set -uo pipefail

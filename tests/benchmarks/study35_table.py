@@ -371,7 +371,8 @@ def gap() -> dict[str, Any]:
                 tau(run_of((STUDY8K, "turns_2"))) + tau(run_of((STUDY8K, "own_wsd"))) - 2 * tau(base8), 3
             ),
         },
-        "from": f"{WSD73K} (the recipe at its defaults); the doubling from recipe_defaults_h200.json (cosine)",
+        "from": f"{WSD73K} (the recipe at its defaults); the last doubling's gain from recipe_defaults_h200.json "
+        "and recipe_parts_h200x2.json (both cosine), applied to the WSD run's τ",
     }
 
 
