@@ -558,15 +558,15 @@ class Evaluator:
             if self.cfg.tree
             else f"chain k={k}"
         )
-        stretches = {
-            f"{b['from']}-{b['to']}": f"{b['tau']:.2f} ({b['repeated_share']:.0%} repeated)"
+        stretches = ", ".join(
+            f"{b['from']}-{b['to']}: {b['tau']:.2f} ({b['repeated_share']:.0%} repeated)"
             for b in report["by_reply_position"]
-        }
+        )
         logger.info(
             f"eagle3-eval ({self.cfg.engine}: {self.resolution.describe()} from {self.resolution.source}; "
             f"{drafts}): tau {report['tau']:.2f} over {report['verify_steps']} verify steps, acceptance per "
             f"{'depth' if self.cfg.tree else 'position'} {[round(p, 3) for p in report['acceptance_per_position']]}; "
-            f"tau by reply position {stretches}; "
+            f"tau by reply position [{stretches}]; "
             f"per category "
             f"{ {cat: round(v['tau'], 2) for cat, v in report['categories'].items()} }; lossless "
             f"{report['lossless']} {counts}; {report['speculative_tokens_per_s']:.0f} tokens/s speculative, "
