@@ -525,7 +525,7 @@ def test_target_repetition_counts_each_reply_position_once():
     from tests.benchmarks.target_repetition import repetition
 
     loop, fresh = [1, 2, 3, 4, 5, 6, 7, 8] * 2, list(range(20, 30))
-    got = repetition([("a", 1, loop, True), ("b", 1, fresh, False)], 4)
+    got = repetition([loop, fresh], 1, 4)
     assert got["replies"] == 2 and got["reply_tokens"] == 26 and got["replies_cut_at_max_new_tokens"] == 1
     assert [(b["from"], b["to"], b["tokens"], b["repeated_share"]) for b in got["by_reply_position"]] == [
         (0, 4, 8, 0.0),

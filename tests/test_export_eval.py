@@ -24,6 +24,7 @@ from eagle3_train.serving.export import ExportConfig, Exporter, draft_config_fro
 from eagle3_train.training.config import OptimConfig, TrainConfig
 from eagle3_train.training.trainer import Trainer
 from legacy_eval import LegacySpecDecoder
+from test_tree_decoding import repeats_by_search
 
 WORDS = ["apple", "river", "stone", "cloud", "seven", "tiger", "music", "paper", "green", "window", "quick", "silver"]
 
@@ -393,12 +394,7 @@ def test_tree_drafts_are_lossless_batch_invariant_and_accept_more(pipeline, tmp_
             json.loads(x)["tokens"] for x in (tmp_path / str(len(options)) / "outputs.jsonl").read_text().splitlines()
         ]
         for b in buckets:
-            flags = [
-                i >= 7 and any(t[j : j + 8] == t[i - 7 : i + 1] for j in range(i - 7))
-                for t in replies
-                for i in range(len(t))
-                if b["from"] <= i < b["to"]
-            ]
+            flags = [r for t in replies for i, r in enumerate(repeats_by_search(t, 8)) if b["from"] <= i < b["to"]]
             assert b["repeated_share"] == pytest.approx(sum(flags) / len(flags)) and b["tokens_at_positions"] == len(
                 flags
             )

@@ -226,7 +226,7 @@ def test_tau_by_reply_position_regroups_the_steps():
     assert all("repeated_share" not in b for b in got)
 
 
-def _repeats_by_search(tokens, n):
+def repeats_by_search(tokens, n):
     """Brute force: token i repeats when tokens[i-n+1 : i+1] occurs as a slice starting before i-n+1."""
     return [
         i >= n - 1 and any(tokens[j : j + n] == tokens[i - n + 1 : i + 1] for j in range(i - n + 1))
@@ -241,7 +241,7 @@ def test_repeated_tokens_mark_where_a_reply_loops():
     for _ in range(200):
         tokens = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
         for n in (1, 3, 8):
-            assert repeated_tokens(tokens, n) == _repeats_by_search(tokens, n)
+            assert repeated_tokens(tokens, n) == repeats_by_search(tokens, n)
 
 
 def test_tau_by_reply_position_says_how_much_of_each_stretch_repeats():
@@ -255,7 +255,7 @@ def test_tau_by_reply_position_says_how_much_of_each_stretch_repeats():
     assert [{key: v for key, v in b.items() if key not in added} for b in got] == acceptance_by_position(steps, 5, 4)
     flags = {p: [] for p in ((0, 4), (4, 8), (8, 16))}
     for reply in (loop, fresh):
-        for i, r in enumerate(_repeats_by_search(reply, 8)):
+        for i, r in enumerate(repeats_by_search(reply, 8)):
             flags[next(e for e in flags if e[0] <= i < e[1])].append(r)
     assert [b["repeated_share"] for b in got] == [sum(f) / len(f) for f in flags.values()] == [0.0, 0.0, 1 / 10]
     assert [b["tokens_at_positions"] for b in got] == [len(f) for f in flags.values()] == [8, 8, 10]

@@ -287,19 +287,14 @@ def acceptance_by_position(
     for tokens in replies or []:
         for position, repeated in enumerate(repeated_tokens(tokens)):
             repeats.setdefault(bucket_edges(position, bucket), []).append(repeated)
-    return [
-        {"from": start, "to": end, "tokens": sum(a + 1 for a in flat)}
-        | acceptance([flat], k)
-        | (
-            {
-                "repeated_share": sum(r) / len(r) if (r := repeats.get((start, end))) else 0.0,
-                "tokens_at_positions": len(repeats.get((start, end), [])),
-            }
-            if replies is not None
-            else {}
-        )
-        for (start, end), flat in sorted(groups.items())
-    ]
+    out = []
+    for (start, end), flat in sorted(groups.items()):
+        row = {"from": start, "to": end, "tokens": sum(a + 1 for a in flat)} | acceptance([flat], k)
+        if replies is not None:
+            r = repeats.get((start, end), [])
+            row |= {"repeated_share": sum(r) / len(r) if r else 0.0, "tokens_at_positions": len(r)}
+        out.append(row)
+    return out
 
 
 def looping_warnings(buckets: list[dict[str, Any]]) -> list[str]:

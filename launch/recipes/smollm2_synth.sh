@@ -12,8 +12,8 @@
 #
 # Measured with these defaults on one H200 (N=73728, tests/benchmarks/results/recipe_study35_wsd73k_h200.json):
 # tau 3.03 on the held-out prompts at 128 new tokens, lossless, 19.7 minutes end to end (synthesis 6.6, training
-# 12.1); 3.60 at 512, mostly the target's own loops past 128 tokens (target_repetition_cpu2.json). With SCHEDULE=cosine, the default before issue #35's study, on one H200
-# (recipe_defaults_h200.json): tau 2.93 in 18.1 minutes (synthesis 5.8, training 11.4); served in vLLM 0.26
+# 12.1); 3.60 at 512, mostly the target's own loops past 128 tokens (target_repetition_cpu2.json). With
+# SCHEDULE=cosine, the default before issue #35's study, on one H200 (recipe_defaults_h200.json): tau 2.93 in 18.1 minutes (synthesis 5.8, training 11.4); served in vLLM 0.26
 # with CUDA graphs (bench_vllm_recipe_h200.json) that draft is 1.68x faster at concurrency 1, 1.40x at 16.
 # With cosine on two H200s, N=147456 (recipe_parts_h200x2.json):
 # tau 3.02 on the held-out prompts (3.16 on the 280 shipped training prompts and on 128 fresh

@@ -2,8 +2,8 @@
 the reply tokens that close a run of 8 tokens already seen earlier in the same reply (eagle3-eval's
 ``repeated_share``, the same function and buckets), with the replies' lengths. A draft copies a loop
 easily, so where the share is high τ says little about new text. Every turn of every conversation is
-answered in order (a later turn after the target's own earlier replies, as eagle3-eval sends them);
-plain greedy decoding with transformers' ``generate``, no draft. Not part of the test suite.
+answered in order (a later turn after the target's own earlier replies, as eagle3-eval sends them),
+greedily, generated as eagle3-prepare regenerates (no draft). Not part of the test suite.
 
     python3 -m tests.benchmarks.target_repetition --max-new-tokens 512 --out F.json   # EAGLE3_CACHE set
 """
@@ -21,53 +21,50 @@ from pathlib import Path
 import torch
 
 import data_prep.prompts as shipped
+from data_prep.regenerate import RegenConfig, generate_sorted
 from eagle3_train.core.prompt_files import read_conversations
 from eagle3_train.evaluation.eval import REPEAT_NGRAM, bucket_edges, repeated_tokens
-from eagle3_train.targets import load_target
+from eagle3_train.targets import eos_ids, load_target
 
 
-def greedy_replies(target, conversations, max_new_tokens: int, batch: int) -> list[tuple[str, int, list[int]]]:
-    """(source, turn, reply tokens without the end of turn) for every turn, turn by turn, batched."""
+def greedy_replies(target, conversations, max_new_tokens: int, batch: int) -> tuple[list[list[int]], int]:
+    """The reply tokens (without the end of turn) of every turn, turn by turn as eagle3-eval sends them,
+    generated the way eagle3-prepare regenerates (greedy, left-padded, length-sorted batches); and how
+    many replies ran to ``max_new_tokens``."""
     tok = target.tokenizer
-    tok.padding_side = "left"
-    eos = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int) and t >= 0}
-    replies: dict[str, list[str]] = {c.source: [] for c in conversations}
-    out = []
+    eos = sorted(eos_ids(target.model, tok))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    cfg = RegenConfig(max_new_tokens=max_new_tokens, batch_size=batch)
+    texts: dict[str, list[str]] = {c.source: [] for c in conversations}
+    replies, unfinished = [], 0
     for turn in range(max(len(c.turns) for c in conversations)):
         todo = [c for c in conversations if turn < len(c.turns)]
-        for i in range(0, len(todo), batch):
-            part = todo[i : i + batch]
-            texts = [
-                tok.apply_chat_template(c.messages(turn, replies[c.source]), add_generation_prompt=True, tokenize=False)
-                for c in part
-            ]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            with torch.no_grad():
-                ids = target.model.generate(
-                    **enc,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    pad_token_id=min(eos) if tok.pad_token_id is None else tok.pad_token_id,
-                )
-            for c, row in zip(part, ids[:, enc["input_ids"].shape[1] :].tolist()):
-                end = next((j for j, t in enumerate(row) if t in eos), None)
-                reply = row if end is None else row[:end]
-                replies[c.source].append(tok.decode(reply))
-                out.append((c.source, turn + 1, reply, end is None))
-    return out
+        prompts = [
+            tok.apply_chat_template(
+                c.messages(turn, texts[c.source]), add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+            for c in todo
+        ]
+        with torch.no_grad():
+            out, cut = generate_sorted(target.model, prompts, cfg, eos, pad)
+        unfinished += cut
+        for c, reply in zip(todo, out):
+            texts[c.source].append(tok.decode(reply))
+            replies.append(reply)
+    return replies, unfinished
 
 
-def repetition(replies, bucket: int) -> dict:
+def repetition(replies: list[list[int]], unfinished: int, bucket: int) -> dict:
     shares: dict[tuple[int, int], list[bool]] = {}
-    for _, _, tokens, _ in replies:
+    for tokens in replies:
         for position, repeated in enumerate(repeated_tokens(tokens)):
             shares.setdefault(bucket_edges(position, bucket), []).append(repeated)
-    lengths = sorted(len(t) for _, _, t, _ in replies)
+    lengths = sorted(len(t) for t in replies)
     return {
         "replies": len(replies),
         "reply_tokens": sum(lengths),
         "median_reply_tokens": lengths[len(lengths) // 2],
-        "replies_cut_at_max_new_tokens": sum(cut for *_, cut in replies),
+        "replies_cut_at_max_new_tokens": unfinished,
         "by_reply_position": [
             {"from": a, "to": b, "tokens": len(f), "repeated_share": round(sum(f) / len(f), 4)}
             for (a, b), f in sorted(shares.items())
@@ -87,7 +84,7 @@ def main() -> None:
     start = time.time()
     target = load_target(a.target, cache_dir=os.environ.get("EAGLE3_CACHE"), dtype="float32")
     conversations = read_conversations(a.prompts)
-    replies = greedy_replies(target, conversations, a.max_new_tokens, a.batch)
+    replies, unfinished = greedy_replies(target, conversations, a.max_new_tokens, a.batch)
     result = {
         "what": f"the target's own greedy replies (fp32, transformers generate, no draft) to {os.path.relpath(a.prompts)}, "
         "every turn: "
@@ -101,7 +98,7 @@ def main() -> None:
         "target": a.target,
         "max_new_tokens": a.max_new_tokens,
         "wall_s": round(time.time() - start, 1),
-    } | repetition(replies, a.bucket)
+    } | repetition(replies, unfinished, a.bucket)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["by_reply_position"]))
 
