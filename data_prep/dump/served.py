@@ -41,8 +41,8 @@ from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import atomic_write_json
 from eagle3_train.engines import registry
-from eagle3_train.engines.capture import CaptureJob, EngineClient, StateCapture
-from eagle3_train.engines.http import EngineError, retrying
+from eagle3_train.engines.capture import CaptureJob, EngineClient, NextTokenCheck, StateCapture
+from eagle3_train.engines.http import retrying
 from eagle3_train.targets import load_target, load_target_tensors, resolve_dtype, text_config
 from eagle3_train.targets.tiny import is_tiny
 
@@ -50,8 +50,6 @@ if TYPE_CHECKING:
     from data_prep.dump.stage import Dumper
 
 CHECKS_DIR = "next_token_check"  # <out>/next_token_check/<client rank>.json: each client's counts
-NEXT_TOKEN_TOP_K = 5  # the engine's next token must be among the checkpoint's top-k ...
-NEXT_TOKEN_MIN_AGREEMENT = 0.9  # ... on at least this share of samples (checked from 16 on)
 
 
 class Backend(backend.Backend):
@@ -131,7 +129,7 @@ class Backend(backend.Backend):
 
     def dump(self, stage: Dumper, rows: np.ndarray) -> tuple[int, int]:
         mine = rows[stage.sample_ids[rows] % stage.dist.world_size == stage.dist.rank]  # stable across restarts
-        self.agreement = {"checked": 0, "agreed": 0}
+        self.next_token: NextTokenCheck | None = None
         if not len(mine):
             return 0, 0
         tensors: dict[str, torch.Tensor] = {}
@@ -141,7 +139,10 @@ class Backend(backend.Backend):
             _, tensors = load_target_tensors(
                 cfg.target, names, cache_dir=cfg.cache_dir, trust_remote_code=cfg.trust_remote_code
             )
-        self.head = tensors.get("head")
+        if "head" in tensors:
+            self.next_token = NextTokenCheck(
+                tensors["head"], self.cfg.target, "compare its launch command with print_launch=true"
+            )
         written, tokens = asyncio.run(self._fetch_all(stage, self.capture.client(self.job(stage), tensors), mine))
         self._record_agreement(stage)
         return written, tokens
@@ -161,7 +162,13 @@ class Backend(backend.Backend):
         """Add this run's next-token counts to this client's file (summed into the manifest)."""
         path = stage.out / CHECKS_DIR / f"{stage.dist.rank:05d}.json"
         before = json.loads(path.read_text()) if path.is_file() else {"checked": 0, "agreed": 0}
-        atomic_write_json(path, {k: before[k] + self.agreement[k] for k in before})
+        mine = self.agreement
+        atomic_write_json(path, {k: before[k] + mine[k] for k in before})
+
+    @property
+    def agreement(self) -> dict[str, int]:
+        """This run's next-token counts."""
+        return self.next_token.counts if self.next_token else {"checked": 0, "agreed": 0}
 
     async def _fetch_all(self, stage: Dumper, client: EngineClient, rows: np.ndarray) -> tuple[int, int]:
         """Keep ``client.concurrency`` requests in flight; hand finished samples to the writer.
@@ -231,29 +238,11 @@ class Backend(backend.Backend):
             f"sample {sample_id}",
         )
         finite = all(bool(torch.isfinite(t).all()) for t in states.values())
-        if finite and next_token is not None and self.head is not None:
-            await asyncio.to_thread(
-                self._check_next_token, self.head, states["last_hidden"][-1], int(next_token), sample_id
-            )
+        if finite and next_token is not None and self.next_token is not None:
+            await asyncio.to_thread(self.next_token, states["last_hidden"][-1], int(next_token), sample_id)
         piece = dict(states)
         piece["finite"] = torch.tensor([finite])
         piece["input_ids"] = torch.from_numpy(record["input_ids"].astype(np.int32))
         piece["loss_mask"] = torch.from_numpy(record["loss_mask"].astype(np.uint8))
         piece["sample_ids"] = torch.tensor([sample_id], dtype=torch.int64)
         return piece, len(prompt)
-
-    def _check_next_token(self, head: torch.Tensor, last: torch.Tensor, token: int, sample_id: int) -> None:
-        """The engine's greedy next token should be (near) the top of the checkpoint's
-        ``lm_head(last_hidden)``; a low agreement means another model or other layers."""
-        logits = head @ last.to(head.dtype)  # [V]
-        top = logits.float().topk(NEXT_TOKEN_TOP_K).indices.tolist()
-        a = self.agreement
-        a["checked"] += 1
-        a["agreed"] += token in top
-        if a["checked"] >= 16 and a["agreed"] < NEXT_TOKEN_MIN_AGREEMENT * a["checked"]:
-            raise EngineError(
-                f"the engine's next token is outside the top {NEXT_TOKEN_TOP_K} of lm_head(last_hidden) of target "
-                f"{self.cfg.target} on {a['checked'] - a['agreed']} of {a['checked']} samples (e.g. sample {sample_id}: "
-                f"engine {token}, checkpoint top {top}): the engine serves another model, or its last captured state is "
-                f"not the final layer (compare its launch command with print_launch=true)"
-            )

@@ -34,6 +34,43 @@ OUTSIDE_REQUEST: dict[str, dict[str, str]] = {
         "train.compile": "torch.compile of the same math",
         "online.overlap": "the target's forward on a side stream (same states)",
         "online.trust_remote_code": "whether the target's own code may run",
+        **dict.fromkeys(
+            [
+                f"engine.{name}"
+                for name in (
+                    "urls",
+                    "final_urls",
+                    "launch",
+                    "replicas",
+                    "port",
+                    "devices",
+                    "memory_fraction",
+                    "model",
+                    "files_dir",
+                    "server_files_dir",
+                )
+            ],
+            "where the engine replicas run and how they are reached (the same engine, flags and dtype give the same states)",
+        ),
+        **dict.fromkeys(
+            [
+                f"engine.{name}"
+                for name in (
+                    "prefetch",
+                    "concurrency",
+                    "request_timeout_s",
+                    "file_timeout_s",
+                    "retries",
+                    "backoff_s",
+                    "wait_for_server_s",
+                    "launch_timeout_s",
+                    "check_samples",
+                    "keep_files",
+                    "check_args",
+                )
+            ],
+            "how the states are asked for and checked, not what they are",
+        ),
     },
 }
 

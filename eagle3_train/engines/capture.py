@@ -20,6 +20,10 @@ from urllib.parse import urlparse
 import torch
 
 from eagle3_train.core.errors import check_numbers
+from eagle3_train.engines.http import EngineError
+
+NEXT_TOKEN_TOP_K = 5  # the engine's next token must be among the checkpoint's top-k ...
+NEXT_TOKEN_MIN_AGREEMENT = 0.9  # ... on at least this share of samples (checked from 16 on)
 
 
 @dataclass
@@ -148,3 +152,35 @@ def first_difference(got: list[int], want: list[int]) -> str:
         if a != b:
             return f"position {i}: engine {a}, prompt {b}"
     return f"lengths: engine {len(got)}, prompt {len(want)}"
+
+
+class NextTokenCheck:
+    """Does the engine serve this target, from these layers? Its greedy next token should be (near)
+    the top of the checkpoint's ``lm_head(last_hidden)``; a low agreement means another model, or a
+    last captured state that is not the final layer.
+
+    Args:
+        head: the target's lm_head weight [V, H] (host memory).
+        target: how messages name the target.
+        hint: where the message sends the user (how to see the engine's launch command).
+    """
+
+    def __init__(self, head: torch.Tensor, target: str, hint: str):
+        self.head, self.target, self.hint = head, target, hint
+        self.counts = {"checked": 0, "agreed": 0}
+
+    def __call__(self, last: torch.Tensor, token: int, sample_id: int) -> None:
+        """Count one sample (``last``: its last position's post-norm state [H]); raises
+        :class:`EngineError` once 16 or more are counted and too few agree."""
+        logits = self.head @ last.to(self.head.dtype)  # [V]
+        top = logits.float().topk(NEXT_TOKEN_TOP_K).indices.tolist()
+        a = self.counts
+        a["checked"] += 1
+        a["agreed"] += token in top
+        if a["checked"] >= 16 and a["agreed"] < NEXT_TOKEN_MIN_AGREEMENT * a["checked"]:
+            raise EngineError(
+                f"the engine's next token is outside the top {NEXT_TOKEN_TOP_K} of lm_head(last_hidden) of target "
+                f"{self.target} on {a['checked'] - a['agreed']} of {a['checked']} samples (e.g. sample {sample_id}: "
+                f"engine {token}, checkpoint top {top}): the engine serves another model, or its last captured state "
+                f"is not the final layer ({self.hint})"
+            )

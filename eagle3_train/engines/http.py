@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+HEALTH_PROBE_S = 10.0  # one /health probe's time limit (a host that drops packets fails in seconds)
+
 
 class EngineError(Eagle3Error):
     """The engine answered, but not what was asked for: retrying cannot help."""
@@ -27,6 +29,11 @@ class EngineError(Eagle3Error):
 
 class Transient(Exception):
     """A failure worth retrying: connection, timeout, 5xx, a state file that did not come."""
+
+
+class RetriesExhausted(EngineError):
+    """Every attempt failed on something worth retrying: the server is gone or stuck (another
+    replica may still answer)."""
 
 
 async def post_json(session: Any, url: str, body: dict, parse_gate: asyncio.Semaphore | None = None) -> dict:
@@ -61,17 +68,23 @@ async def wait_ready(
     wait_s: float,
     command: str = "eagle3-dump",
     hint: str = "print_launch=true shows how to start it",
+    alive: Callable[[], None] | None = None,
 ) -> None:
     """Wait until every server answers ``/health`` (engines take minutes to load a large target);
-    ``command`` and ``hint`` name the caller in its messages (the dump, or regeneration)."""
+    ``command`` and ``hint`` name the caller in its messages (the dump, or regeneration). ``wait_s``
+    0: one probe, so an unreachable server fails at once. ``alive``: called between probes, raises
+    when the engine processes this run started have died (no point waiting for them)."""
     aiohttp = optional_import("aiohttp")
 
     deadline = time.monotonic() + wait_s
+    probe = aiohttp.ClientTimeout(total=HEALTH_PROBE_S)
     for base in base_urls:
         said = False
         while True:
+            if alive is not None:
+                alive()
             try:
-                async with session.get(f"{base}/health") as resp:
+                async with session.get(f"{base}/health", timeout=probe) as resp:
                     if resp.status == 200:
                         break
                     problem = f"HTTP {resp.status}"
@@ -95,7 +108,7 @@ async def retrying(call: Callable[[int], Awaitable[T]], retries: int, backoff_s:
             return await call(attempt)
         except Transient as e:
             if attempt == retries:
-                raise EngineError(f"{what}: {attempt + 1} attempts failed; the last: {e}") from None
+                raise RetriesExhausted(f"{what}: {attempt + 1} attempts failed; the last: {e}") from None
             await asyncio.sleep(min(backoff_s * 2**attempt, 60.0))
     raise AssertionError("unreachable: the last attempt returns or raises")
 

@@ -36,6 +36,18 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class ServingConfig:
+    """The serving engine as eagle3-check compares it with the draft's ``states_from`` record
+    (``serving.*``; null: not compared)."""
+
+    engine: str | None = None  # vllm | sglang | trtllm
+    version: str | None = None  # the engine's release
+    dtype: str | None = None  # the dtype the target is served in
+    quantization: str | None = None  # the target's quantization at serving (none: unquantized)
+    tensor_parallel_size: int | None = None  # the target's tensor parallelism at serving
+
+
+@dataclass
 class CheckConfig:
     """Options of ``eagle3-check`` (``conf/check.yaml``)."""
 
@@ -45,6 +57,8 @@ class CheckConfig:
     engines: list[str] = field(default_factory=lambda: registry.names("export"))
     """engines to check (any with layer-id rules: sglang, vllm, trtllm)"""
     cache_dir: str | None = None  # where GGUF targets are converted once
+    serving: ServingConfig = field(default_factory=ServingConfig)
+    """how the draft will be served (serving.engine=vllm serving.quantization=fp8 ...): compared with what computed the states it trained on"""
     logging: LogConfig = field(default_factory=LogConfig)
     """the console (logging.level, logging.all_ranks, logging.progress_every_s)"""
 
@@ -315,6 +329,38 @@ def _check_vocab(config: dict, tensors: dict[str, torch.Tensor], v: int) -> list
     return out
 
 
+# the states_from fields serving.* is compared on, and how a difference reads
+STATES_FIELDS = ("engine", "version", "dtype", "quantization", "tensor_parallel_size")
+
+
+def check_states_from(config: dict, serving: ServingConfig) -> tuple[list[str], list[Finding]]:
+    """What computed the states the draft trained on (its export's ``states_from``), beside the
+    serving engine of ``serving.*``: a warning per field that differs (the draft then sees states
+    of other numerics than it learnt: another engine's kernels, another quantization)."""
+    record = (config.get("eagle3_train") or {}).get("states_from")
+    if not record:
+        return ["states: not recorded (a draft trained elsewhere, or before the record existed)"], []
+    shown = ", ".join(f"{k} {record.get(k)}" for k in STATES_FIELDS if record.get(k) is not None)
+    lines = [f"states: the draft trained on states from {shown}"]
+    asked = {k: getattr(serving, k) for k in STATES_FIELDS if getattr(serving, k) is not None}
+    if "quantization" in asked and str(asked["quantization"]).lower() in ("none", ""):
+        asked["quantization"] = None
+    findings = []
+    for key, want in asked.items():
+        have = record.get(key, 1 if key == "tensor_parallel_size" else None)
+        if key == "engine" and have == "transformers":
+            continue  # transformers is no serving engine; a served dump or served training records one
+        if str(have) != str(want):
+            findings.append(
+                Finding(
+                    "warning",
+                    f"the draft trained on states with {key} {have}, it will be served with {key} {want}: the states "
+                    f"it gets at serving differ from those it learnt (train with source=served against the serving engine)",
+                )
+            )
+    return lines, findings
+
+
 def run_check(cfg: CheckConfig) -> int:
     draft = Path(cfg.draft).expanduser()
     config, tensors, names = read_draft(draft)
@@ -326,6 +372,8 @@ def run_check(cfg: CheckConfig) -> int:
     lines, findings = check(
         config, tensors, target_config(cfg.target, cfg.cache_dir), trained, list(cfg.engines), names
     )
+    more_lines, more = check_states_from(config, cfg.serving)
+    lines, findings = lines + more_lines, findings + more
     for line in lines:
         logger.info(line)
     for f in findings:  # a finding's level is its record's: errors and warnings go to stderr

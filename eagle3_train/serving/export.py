@@ -290,6 +290,9 @@ class Exporter:
             "engines": list(self.cfg.engines),
             "rules_version": rules_version(),
             "training": self._summary(),
+            # what computed the states the draft trained on (engine, version, dtype, quantization,
+            # parallelism): eagle3-check compares it with the engine named at serving
+            "states_from": self.state.get("states_from"),
         }
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

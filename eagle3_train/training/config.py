@@ -13,9 +13,11 @@ from eagle3_train.core.errors import ConfigError
 from eagle3_train.core.log import LogConfig
 from eagle3_train.training.objective import Objective
 from eagle3_train.training.online import OnlineConfig
+from eagle3_train.training.served import EngineConfig
 from eagle3_train.training.tracking import TRACKERS, check_tracker
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")  # train.schedule's values
+SOURCES = ("offline", "online", "served")  # source's values
 USUAL_CHAIN = 5  # draft tokens per verify step that eagle3-eval and the engines' recipes use
 
 
@@ -163,8 +165,10 @@ class TrainConfig:
     data: str = MISSING  # source=offline: a standardized directory (eagle3-standardize's out); source=online: a prepared one (eagle3-prepare's out)
     target: str = "embedded"  # the target whose embeddings and lm_head are read (offline: from its safetensors only; online: it runs in the loop)
     source: str = "offline"
-    """offline: states read from data=; online: the target runs on data= in the training loop (online.*)"""
+    """offline: states read from data=; online: the target runs on data= in the training loop (online.*); served: engine replicas (vLLM, SGLang) return the states of data= (engine.*, and online.*'s data options)"""
     online: OnlineConfig = field(default_factory=OnlineConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """source=served: the engine replicas that return the target's states"""
     out: str = MISSING  # run directory
     cache_dir: str | None = None  # where GGUF targets are converted once
     resume: str = "auto"  # auto: continue from the last checkpoint in out; never: refuse a used out
@@ -180,10 +184,20 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.resume not in ("auto", "never"):
             raise ConfigError(f"resume must be auto or never, got {self.resume!r}")
-        if self.source not in ("offline", "online"):
-            raise ConfigError(f"source must be offline or online, got {self.source!r}")
+        if self.source not in SOURCES:
+            raise ConfigError(f"source must be one of {', '.join(SOURCES)}, got {self.source!r}")
         if self.source == "offline" and self.online != OnlineConfig():
             raise ConfigError("online.* options apply to source=online (the target in the loop); add source=online")
+        if self.source != "served" and self.engine != EngineConfig():
+            raise ConfigError(
+                "engine.* options apply to source=served (states from engine replicas); add source=served"
+            )
+        in_process = {"dtype": "auto", "attn_implementation": None}
+        if self.source == "served" and (set_ := [k for k, v in in_process.items() if getattr(self.online, k) != v]):
+            raise ConfigError(
+                f"online.{set_[0]} sets how the target runs in this process; with source=served the engine runs it "
+                f"(engine.dtype, engine.engine_args)"
+            )
         if self.deepspeed.zero_stage == 3 and self.train.head_chunk:
             raise ConfigError(
                 "train.head_chunk reads lm_head's weight outside its module, which ZeRO-3 does not gather: "

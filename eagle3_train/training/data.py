@@ -243,6 +243,13 @@ class Source(ABC):
         """Host micro-batches (of a split's ``batch``) as :class:`Batch` es on the device, in the
         training dtype, in the same order."""
 
+    states_from: dict[str, Any] | None = None
+    """what computed the states (engine, version, dtype, quantization, parallelism), as the
+    checkpoint and the export record it; None where unknown"""
+
+    def close(self) -> None:
+        """Let go of what the source holds (connections, engines it started)."""
+
 
 class OfflineSource(Source):
     """Standardized shards (``eagle3-standardize``'s out): the states a dump captured.

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import transformers
 
 from eagle3_train.core.capture import capture
 from eagle3_train.core.contract import (
@@ -48,7 +49,7 @@ from eagle3_train.core.stagedir import hold_lock
 from eagle3_train.core.vocab import DRAFT_VOCAB_SIZE, VocabMap, load_vocab_map
 from eagle3_train.engines.rules import serving_warning
 from eagle3_train.targets import Target, load_target
-from eagle3_train.training.data import Batch, OfflineSource, Source, pad_tokens
+from eagle3_train.training.data import Batch, Source, pad_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -124,73 +125,42 @@ class PreparedSplit:
         return Tokens(ids, mask, torch.from_numpy(lengths.copy()), torch.from_numpy(self.sample_id[indices]))
 
 
-class OnlineSource(Source):
-    """The frozen target on this rank, turning each micro-batch of tokens into its states.
+class PreparedSource(Source):
+    """A prepared dataset read for training with the target in the loop: its samples split, its
+    vocab map counted and its micro-batches planned as eagle3-standardize and offline training
+    would (``online.*``). Where the states come from is the subclass's: the target in this process
+    (:class:`OnlineSource`) or a serving engine (eagle3_train/training/served.py).
 
     Args:
         data: the prepared directory (eagle3-prepare's out).
-        target: the target's name (eagle3_train.targets); ``loaded`` when it is already loaded.
-        cache_dir: where GGUF targets are converted once.
+        target: the target's name, for messages and the capture's identity.
         cfg: the ``online.*`` options.
-        max_length: samples are cut at this many tokens (the token budget of a micro-batch).
-        out: the run directory (where a vocab map built at start is saved).
-        dist: this rank; the target runs on its device.
-        dtype: the training dtype the states are handed over in.
-        loaded: an already loaded target (a benchmark's random weights); None loads ``target``.
+        about: the target's config and tokenizer (its weights need not be loaded).
+        dist: this rank.
     """
 
-    def __init__(
-        self,
-        data: str,
-        target: str,
-        cache_dir: str | None,
-        cfg: OnlineConfig,
-        max_length: int,
-        out: Path,
-        dist: DistInfo,
-        dtype: torch.dtype,
-        loaded: Target | None = None,
-    ):
-        self.cfg, self.device, self.dtype = cfg, dist.device, dtype
+    def __init__(self, data: str, target: str, cfg: OnlineConfig, about: Target, dist: DistInfo):
+        self.cfg = cfg
         self.prepared = prepared_data([data, *cfg.extra_data])
         self.where = str(self.prepared.path)
         self.data_fingerprint = self.prepared.fingerprint
-        # config and tokenizer first: a capture the target cannot provide (a layer it does not have,
-        # N itself) and data of another tokenizer are refused before its weights are loaded
-        about = loaded or load_target(
-            target, cache_dir=cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code
-        )
         n = about.num_hidden_layers
-        aux = default_aux_indices(n) if cfg.aux_indices is None else validate_aux_indices(list(cfg.aux_indices), n)
-        warning = serving_warning(list(aux), about.identity.model_type, n)
+        self.aux = default_aux_indices(n) if cfg.aux_indices is None else validate_aux_indices(list(cfg.aux_indices), n)
+        warning = serving_warning(list(self.aux), about.identity.model_type, n)
         if warning and dist.rank == 0:
             logger.warning(f"eagle3-train: warning: {warning}")
-        identity = self.prepared.identity_for(about, target)
-        self.target = loaded or self._load(target, cache_dir)
-        self.model = self.target.model.requires_grad_(False).eval()
-        model_dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        self.spec = CaptureSpec(aux, n, about.hidden_size, about.vocab_size, model_dtype, identity)
+        self.identity = self.prepared.identity_for(about, target)
+        self.about = about
+
+    def _split(self, dtype: str, max_length: int, out: Path, dist: DistInfo) -> None:
+        """The capture spec (the states arrive in ``dtype``), the vocab map and the two splits."""
+        a = self.about
+        self.spec = CaptureSpec(self.aux, a.num_hidden_layers, a.hidden_size, a.vocab_size, dtype, self.identity)
         self.vocab, self.vocab_sha = self._vocab(out, dist)
-        eval_ids = split_eval(self.prepared.sample_ids, cfg.eval_fraction, cfg.split_seed)
+        eval_ids = split_eval(self.prepared.sample_ids, self.cfg.eval_fraction, self.cfg.split_seed)
         train_ids = np.setdiff1d(self.prepared.sample_ids, eval_ids)
         self.train_split = PreparedSplit(self.prepared, train_ids, max_length)
         self.eval_split = PreparedSplit(self.prepared, eval_ids, max_length)
-        self.stream = None
-        if cfg.overlap and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the weights' copies are done before another stream reads them
-            self.stream = torch.cuda.Stream(self.device)
-
-    def _load(self, target: str, cache_dir: str | None) -> Target:
-        kwargs = {"attn_implementation": self.cfg.attn_implementation} if self.cfg.attn_implementation else {}
-        logger.info(f"loading target {target} ({self.cfg.dtype}) on {self.device}")
-        return load_target(
-            target,
-            cache_dir=cache_dir,
-            dtype=self.cfg.dtype,
-            device=str(self.device),
-            trust_remote_code=self.cfg.trust_remote_code,
-            model_kwargs=kwargs,
-        )
 
     def _vocab(self, out: Path, dist: DistInfo) -> tuple[VocabMap, str]:
         """The map of ``online.vocab_map``, or the one counted from the training split, built by
@@ -223,6 +193,63 @@ class OnlineSource(Source):
                 f"{vocab_map} was counted over the split {show(split)} (its {manifest.name}), this run "
                 f"holds out {show(mine)}: set online.split_seed / online.eval_fraction to match"
             )
+
+
+class OnlineSource(PreparedSource):
+    """The frozen target on this rank, turning each micro-batch of tokens into its states.
+
+    Args:
+        data: the prepared directory (eagle3-prepare's out).
+        target: the target's name (eagle3_train.targets); ``loaded`` when it is already loaded.
+        cache_dir: where GGUF targets are converted once.
+        cfg: the ``online.*`` options.
+        max_length: samples are cut at this many tokens (the token budget of a micro-batch).
+        out: the run directory (where a vocab map built at start is saved).
+        dist: this rank; the target runs on its device.
+        dtype: the training dtype the states are handed over in.
+        loaded: an already loaded target (a benchmark's random weights); None loads ``target``.
+    """
+
+    def __init__(
+        self,
+        data: str,
+        target: str,
+        cache_dir: str | None,
+        cfg: OnlineConfig,
+        max_length: int,
+        out: Path,
+        dist: DistInfo,
+        dtype: torch.dtype,
+        loaded: Target | None = None,
+    ):
+        self.device, self.dtype = dist.device, dtype
+        # config and tokenizer first: a capture the target cannot provide (a layer it does not have,
+        # N itself) and data of another tokenizer are refused before its weights are loaded
+        about = loaded or load_target(
+            target, cache_dir=cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code
+        )
+        super().__init__(data, target, cfg, about, dist)
+        self.target = loaded or self._load(target, cache_dir)
+        self.model = self.target.model.requires_grad_(False).eval()
+        model_dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        self._split(model_dtype, max_length, out, dist)
+        self.states_from = {"engine": "transformers", "version": transformers.__version__, "dtype": model_dtype}
+        self.stream = None
+        if cfg.overlap and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the weights' copies are done before another stream reads them
+            self.stream = torch.cuda.Stream(self.device)
+
+    def _load(self, target: str, cache_dir: str | None) -> Target:
+        kwargs = {"attn_implementation": self.cfg.attn_implementation} if self.cfg.attn_implementation else {}
+        logger.info(f"loading target {target} ({self.cfg.dtype}) on {self.device}")
+        return load_target(
+            target,
+            cache_dir=cache_dir,
+            dtype=self.cfg.dtype,
+            device=str(self.device),
+            trust_remote_code=self.cfg.trust_remote_code,
+            model_kwargs=kwargs,
+        )
 
     def target_tensors(self, names: tuple[str, ...]) -> tuple[Any, dict[str, torch.Tensor]]:
         """The loaded target's own tensors (on its device: the lm_head is not copied again)."""
@@ -286,16 +313,3 @@ class OnlineSource(Source):
             for t in (batch.aux_hidden, batch.last_hidden, batch.input_ids, batch.loss_mask, batch.lengths):
                 t.record_stream(main)
         return batch
-
-
-def open_source(cfg: Any, out: Path, dist: DistInfo, dtype: torch.dtype, target: Target | None = None) -> Source:
-    """Where a training run's states come from (``cfg``: its ``TrainConfig``): the target in the
-    loop (``source=online``; ``target``: an already loaded one, a benchmark's random weights) or
-    the standardized dump (``source=offline``)."""
-    if cfg.source == "online":
-        return OnlineSource(
-            cfg.data, cfg.target, cfg.cache_dir, cfg.online, cfg.train.max_tokens_per_batch, out, dist, dtype, target
-        )
-    if target is not None:
-        raise ConfigError("a loaded target runs in the loop only: set source=online")
-    return OfflineSource(cfg.data, cfg.target, cfg.cache_dir, cfg.train.max_tokens_per_batch, dist.device, dtype)

@@ -63,8 +63,8 @@ from eagle3_train.training.metrics import (
     train_record,
     truncate_metrics,
 )
-from eagle3_train.training.online import open_source
 from eagle3_train.training.parallel import build_engine, sequence_parallel
+from eagle3_train.training.sources import open_source
 from eagle3_train.training.tracking import open_tracker
 from eagle3_train.training.ttt import TargetCache, ttt_losses
 
@@ -82,6 +82,15 @@ class Trainer:
         bf16 = cfg.deepspeed.bf16 == "true" or (cfg.deepspeed.bf16 == "auto" and self.dist.device.type == "cuda")
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         self.source = open_source(cfg, self.out, self.dist, self.dtype, target)
+        try:
+            self._build()
+        except BaseException:  # engines the source started stop with the run
+            self.source.close()
+            raise
+
+    def _build(self) -> None:
+        """The draft, its DeepSpeed engine and the data plan, from the open source; then resume."""
+        cfg = self.cfg
         self.spec, self.vocab, self.vocab_sha = self.source.spec, self.source.vocab, self.source.vocab_sha
         self.lm_head, self.model = build_draft(cfg.model, self.source, self.spec, self.vocab, cfg.train.seed)
         self.lm_head = self.lm_head.to(self.dist.device, self.dtype)  # frozen target lm_head [V, H]
@@ -128,8 +137,6 @@ class Trainer:
             self.dist.is_main,
             open_tracker(cfg.logging, self.out, config_dict(cfg), self.step, self.dist.is_main),
         )
-
-    # -- building --------------------------------------------------------------------------------
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -195,6 +202,7 @@ class Trainer:
             "model": config_dict(self.cfg.model),
             "total_steps": self.total_steps,
             "continued": continued_options("train", config_dict(self.cfg)),
+            "states_from": self.source.states_from,
         }
         state |= self.best.state()
         with self.averaged():  # the weights evaluation measured are the ones exported
@@ -376,6 +384,7 @@ class Trainer:
 
     def close(self) -> None:
         self.metrics.close()
+        self.source.close()
 
 
 def _run(cfg: TrainConfig) -> None:

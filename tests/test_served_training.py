@@ -1,0 +1,345 @@
+"""Training fed by a serving engine (``source=served``) against stand-in vLLM servers fed by the
+tiny target: it trains exactly as ``source=online`` on the same data (the reference: the target in
+this process), across a kill, an engine death, a lost replica; it stays within its prefetch bound,
+deletes the engine's files, and refuses what it cannot work with in seconds."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_train.core.errors import ConfigError, Eagle3Error
+from eagle3_train.core.faults import FAULT_ENV
+from eagle3_train.core.prepared import prepared_data
+from eagle3_train.engines.http import EngineError
+from eagle3_train.serving.check import CheckConfig, ServingConfig, run_check
+from eagle3_train.serving.export import ExportConfig, Exporter
+from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
+from eagle3_train.training.config import TrainConfig
+from eagle3_train.training.served import EngineConfig, flag_values
+from standin_engines import StandinVllm
+from test_online import ONLINE, ONLINE_ARGS, assert_same_training, last_weights
+from test_standardize import make_dump
+from test_trainer import _torchrun, train
+
+AUX = [1, 2, 3]
+N = 4  # the tiny target's layers
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread (the torchrun runs have OMP_NUM_THREADS=1): the same arithmetic."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """48 conversations prepared for the tiny target, and the online run on them (the reference)."""
+    root = tmp_path_factory.mktemp("served")
+    make_dump(root, "d", n=48)
+    prep = root / "d-prep"
+    train(prep, root / "online", source="online", online=ONLINE, save_every=2)
+    return {"prep": prep, "online": root / "online"}
+
+
+def standin(tmp_path, ids=(*AUX, N), **kw):
+    return StandinVllm(build_tiny_model(), list(ids), tmp_path / "engine_storage", write_delay_s=0.005, **kw)
+
+
+def engine(urls, tmp_path, **kw):
+    return EngineConfig(
+        urls=list(urls),
+        dtype="float32",
+        files_dir=str(tmp_path / "files"),
+        backoff_s=0.01,
+        retries=kw.pop("retries", 2),
+        request_timeout_s=kw.pop("request_timeout_s", 20.0),
+        file_timeout_s=5.0,
+        concurrency=4,
+        **kw,
+    )
+
+
+def served(prep, out, eng, **opt):
+    return train(prep, out, source="served", online=ONLINE, engine=eng, **opt)
+
+
+def test_served_training_equals_online_training(data, tmp_path):
+    """The same losses, accuracies and weights as the target in this process (float32 both ways:
+    the stand-in's states are the transformers forward's), the same vocab map and capture, the
+    engine's files deleted as read, and the run records what fed it."""
+    with standin(tmp_path) as server:
+        served(data["prep"], tmp_path / "run", engine([server.url], tmp_path), save_every=2)
+        posts = server.posts
+    assert_same_training(data["online"], tmp_path / "run", rel=1e-5, atol=1e-5)
+    assert (tmp_path / "run" / "vocab_map.safetensors").read_bytes() == (
+        data["online"] / "vocab_map.safetensors"
+    ).read_bytes()
+    (_, _, online), (_, _, state) = last_weights(data["online"]), last_weights(tmp_path / "run")
+    assert state["capture"] == online["capture"]
+    record = state["states_from"]
+    assert record["engine"] == "vllm" and record["version"] == "0.0.0+standin" and record["dtype"] == "float32"
+    assert (
+        record["layer_ids"] == [*AUX, N]
+        and record["aux_indices"] == AUX
+        and record["replicas"] == 1
+        and record["quantization"] is None
+    )
+    assert online["states_from"]["engine"] == "transformers"
+    # every sample of 2 epochs and of 2 evaluations was asked for once (48 samples, 15 % held out)
+    assert posts > 48
+    assert not list((tmp_path / "files").rglob("*.safetensors")), "state files left behind"
+    # export carries the record; check compares it with the serving engine named
+    config = Exporter(ExportConfig(run=str(tmp_path / "run"), out=str(tmp_path / "x"))).run()
+    assert config["eagle3_train"]["states_from"] == record
+
+
+def test_check_flags_a_serving_engine_other_than_the_one_that_fed_training(data, tmp_path, said):
+    with standin(tmp_path) as server:
+        served(data["prep"], tmp_path / "run", engine([server.url], tmp_path), max_steps=2)
+    Exporter(ExportConfig(run=str(tmp_path / "run"), out=str(tmp_path / "x"))).run()
+    check = lambda **kw: run_check(  # noqa: E731
+        CheckConfig(draft=str(tmp_path / "x"), target="tiny", serving=ServingConfig(**kw))
+    )
+    said()
+    assert check(engine="vllm", dtype="float32", quantization="none") == 0
+    text = said()
+    assert "states: the draft trained on states from engine vllm, version 0.0.0+standin, dtype float32" in text
+    assert "WARNING" not in text
+    assert check(engine="sglang", quantization="fp8") == 0  # warnings, not errors
+    text = said()
+    assert "trained on states with engine vllm, it will be served with engine sglang" in text
+    assert "with quantization None, it will be served with quantization fp8" in text
+
+
+def test_a_killed_run_resumes_to_the_same_finish(data, tmp_path):
+    """Killed after its step-4 checkpoint, the same command continues at the exact data position
+    and ends where the uninterrupted online run ended."""
+    with standin(tmp_path) as server:
+        args = [
+            *ONLINE_ARGS,
+            "source=served",
+            f"engine.urls=[{server.url}]",
+            "engine.dtype=float32",
+            f"engine.files_dir={tmp_path / 'files'}",
+            "train.save_every=2",
+        ]
+        killed = _torchrun(data["prep"], tmp_path / "cut", 1, args, {FAULT_ENV: "train.step:5"})
+        assert killed.returncode != 0 and last_weights(tmp_path / "cut")[0] == "step4", killed.stderr[-3000:]
+        served(data["prep"], tmp_path / "cut", engine([server.url], tmp_path), save_every=2)
+    assert_same_training(data["online"], tmp_path / "cut", rel=1e-5, atol=1e-5)
+
+
+def test_an_engine_that_dies_stops_the_run_naming_it_and_the_run_resumes(data, tmp_path):
+    """The only replica dies mid-run: the run stops with an error naming the endpoint and the
+    sample; the checkpoints before it are kept; with the engine back, the same command finishes
+    as the uninterrupted run did."""
+    with standin(tmp_path) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        server.die_at = 60  # past the step-2 checkpoint
+        with pytest.raises(EngineError) as err:
+            served(data["prep"], tmp_path / "run", engine([server.url], tmp_path), save_every=2)
+    message = str(err.value)
+    assert "no engine replica is left to answer sample" in message and server.url in message
+    assert "3 attempts failed" in message
+    kept = sorted((tmp_path / "run" / "checkpoints").glob("step*"))
+    assert kept, "the checkpoints before the death are kept"
+    with standin(tmp_path, port=port) as back:
+        served(data["prep"], tmp_path / "run", engine([back.url], tmp_path), save_every=2)
+    assert_same_training(data["online"], tmp_path / "run", rel=1e-5, atol=1e-5)
+
+
+def test_losing_one_of_two_replicas_slows_the_run_instead_of_stopping_it(data, tmp_path, said):
+    with standin(tmp_path) as a, standin(tmp_path) as b:
+        b.die_at = 20
+        served(data["prep"], tmp_path / "run", engine([a.url, b.url], tmp_path), save_every=2)
+        assert a.posts > 20 and b.posts >= 19  # both took requests until b died
+    text = said()
+    assert f"dropped replica {b.url}" in text and "1 left" in text
+    assert_same_training(data["online"], tmp_path / "run", rel=1e-5, atol=1e-5)
+
+
+def test_a_hung_engine_counts_as_failed_after_the_request_timeout(data, tmp_path):
+    with standin(tmp_path) as server:
+        server.slow_posts = {n: 30.0 for n in range(5, 200)}
+        start = time.monotonic()
+        with pytest.raises(EngineError, match=r"TimeoutError"):
+            served(data["prep"], tmp_path / "run", engine([server.url], tmp_path, retries=1, request_timeout_s=1.0))
+        assert time.monotonic() - start < 25
+
+
+def test_a_wrong_answer_stops_the_run_at_once_naming_the_endpoint_and_the_sample(data, tmp_path):
+    """An engine launched for another capture (no id N: three layers where four are asked) is not
+    retried: its first answer stops the run."""
+    with standin(tmp_path, ids=AUX) as server:
+        with pytest.raises(
+            EngineError,
+            match=rf"{server.url} answered sample \d+ wrongly: .*has shape \[\d+, 3, 64\], expected \[\d+, 4, 64\]",
+        ):
+            served(data["prep"], tmp_path / "run", engine([server.url], tmp_path))
+        assert server.posts <= 8  # the first micro-batches' requests, no retries
+    with standin(tmp_path) as server:
+        server.shift_tokens = True
+        with pytest.raises(EngineError, match=r"token_ids differ from the prompt"):
+            served(data["prep"], tmp_path / "run2", engine([server.url], tmp_path))
+
+
+def test_prefetch_stays_within_its_bound(data, tmp_path):
+    """The stream asks for at most prefetch + 1 micro-batches beyond those the trainer took."""
+    from eagle3_train.core.dist import DistInfo
+    from eagle3_train.training.served import ServedSource
+
+    with standin(tmp_path) as server:
+        eng = engine([server.url], tmp_path, prefetch=2)
+        cpu = DistInfo(0, 1, 0, torch.device("cpu"))
+        source = ServedSource(str(data["prep"]), "tiny", None, ONLINE, eng, 600, tmp_path / "run", cpu, torch.float32)
+        try:
+            split = source.train_split
+            pulled = []
+
+            def host():
+                for i in range(0, len(split) - 1, 2):
+                    pulled.append(i)
+                    yield split.batch(torch.arange(i, i + 2).numpy())
+
+            got = source.device_batches(host())
+            for taken in range(1, 6):
+                batch = next(got)
+                time.sleep(0.2)  # the stream could run ahead now, if unbounded
+                assert len(pulled) <= taken + eng.prefetch, (taken, len(pulled))
+                assert server.posts <= 2 * (taken + eng.prefetch)
+                assert batch.aux_hidden.shape[-1] == 3 * 64
+            got.close()
+        finally:
+            source.close()
+
+
+def test_bad_settings_and_unreachable_engines_fail_in_seconds(data, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    start = time.monotonic()
+    with pytest.raises(Eagle3Error, match=rf"{dead} did not become ready within 0 s"):
+        served(data["prep"], tmp_path / "a", engine([dead], tmp_path))
+    assert time.monotonic() - start < 10
+    assert not list((tmp_path / "a").glob("checkpoints/*"))
+    with pytest.raises(ConfigError, match=r"engine.urls=\[...\] .* or engine.launch=true"):
+        served(data["prep"], tmp_path / "b", engine([], tmp_path))
+    with pytest.raises(ConfigError, match=r"^engine\.\* options apply to source=served"):
+        TrainConfig(data="x", out="y", engine=EngineConfig(urls=["http://h:1"]))
+    with pytest.raises(ConfigError, match=r"choose one"):
+        EngineConfig(urls=["http://h:1"], launch=True)
+    with pytest.raises(ConfigError, match=r"final_urls needs one URL per engine.urls entry"):
+        served(data["prep"], tmp_path / "c", engine([dead], tmp_path, name="sglang"))
+    with pytest.raises(ConfigError, match=r"'--tensor-paralel-size' is not a flag of vllm serve"):
+        served(data["prep"], tmp_path / "d", engine([dead], tmp_path, engine_args="--tensor-paralel-size 2"))
+    with pytest.raises(ConfigError, match=r"online.dtype sets how the target runs in this process"):
+        TrainConfig(data="x", out="y", source="served", online=replace(ONLINE, dtype="bfloat16"))
+    with pytest.raises(ConfigError, match=r"runs in this process: use source=online"):
+        served(data["prep"], tmp_path / "e", engine([dead], tmp_path, name="hf"))
+    assert flag_values("--tp 8 --quantization=fp8 --enable-expert-parallel") == {
+        "--tp": "8",
+        "--quantization": "fp8",
+        "--enable-expert-parallel": True,
+    }
+
+
+def test_launch_starts_the_engine_trains_and_stops_it(data, tmp_path):
+    """engine.launch=true starts the printed vLLM command (a stand-in `vllm` on PATH that requires the
+    capture's flags), waits for it, trains as source=online does, and stops it at the end; a run
+    killed mid-way takes its engine with it, and the same command resumes to the same finish."""
+    target = tmp_path / "target"
+    build_tiny_model().save_pretrained(target)
+    build_tiny_tokenizer().save_pretrained(target)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    vllm = bin_dir / "vllm"
+    vllm.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{REPO / "tests" / "standin_engines.py"}" vllm "$@"\n')
+    vllm.chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(REPO))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # this process's own group
+        env.pop(name, None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagle3_train.training.trainer",
+        f"data={data['prep']}",
+        f"target={target}",
+        f"out={tmp_path / 'run'}",
+        "progress=false",
+        "train.ttt_length=3",
+        "train.lr=3e-3",
+        "train.max_tokens_per_batch=600",
+        "train.log_every=1",
+        "train.epochs=2",
+        "train.save_every=2",
+        *ONLINE_ARGS[1:],
+        "source=served",
+        "engine.launch=true",
+        f"engine.port={port}",
+        "engine.dtype=float32",
+        "engine.engine_args=--enforce-eager",
+        "engine.launch_timeout_s=120",
+    ]
+    # killed after its step-4 checkpoint: the engine it started goes with it (no GPU held by an orphan)
+    killed = subprocess.run(cmd, env=env | {FAULT_ENV: "train.step:5"}, capture_output=True, text=True, timeout=300)
+    assert killed.returncode != 0 and last_weights(tmp_path / "run")[0] == "step4", killed.stderr[-3000:]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            time.sleep(0.2)
+        except ConnectionRefusedError:
+            break
+    else:
+        pytest.fail("the engine outlived the killed run")
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    log = tmp_path / "run" / "engine" / "replica0.0.log"
+    assert run.returncode == 0, run.stderr[-3000:] + (log.read_text() if log.exists() else "")
+    command = log.read_text().splitlines()[0]  # the log holds both starts; the first line is the first command
+    longest = min(600, int(prepared_data([str(data["prep"])]).num_tokens.max()))
+    assert "--gpu-memory-utilization 0.45" in command and f"--max-model-len {longest + 1}" in command
+    assert "extract_hidden_states" in command and "--enforce-eager" in command
+    with pytest.raises(ConnectionRefusedError):  # stopped: nothing listens on its port
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    (_, _, state) = last_weights(tmp_path / "run")
+    assert state["states_from"]["launched"] is True and state["states_from"]["engine_args"] == "--enforce-eager"
+    # the same training as the tiny target in this process (the saved directory holds the same weights)
+    assert_same_training(data["online"], tmp_path / "run", rel=1e-5, atol=1e-5)
+
+
+def test_a_launched_engine_that_fails_to_start_is_reported_with_its_log(data, tmp_path):
+    target = tmp_path / "target"
+    build_tiny_model().save_pretrained(target)
+    build_tiny_tokenizer().save_pretrained(target)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "vllm").write_text("#!/bin/sh\necho 'error: CUDA out of memory' >&2\nexit 3\n")
+    (bin_dir / "vllm").chmod(0o755)
+    path = os.environ["PATH"]
+    os.environ["PATH"] = f"{bin_dir}:{path}"
+    try:
+        start = time.monotonic()
+        with pytest.raises(EngineError, match=r"exited with status 3(.|\n)*CUDA out of memory"):
+            served(
+                data["prep"],
+                tmp_path / "run",
+                replace(engine([], tmp_path), launch=True, port=1, launch_timeout_s=60),
+                target=str(target),
+            )
+        assert time.monotonic() - start < 30
+    finally:
+        os.environ["PATH"] = path
