@@ -257,7 +257,7 @@ class ServedSource(PreparedSource):
                 )
                 for i, s in enumerate(self.servers)
             ]
-            self.stream = StateStream(replicas, engine, self._alive, self.check)
+            self.stream = StateStream(replicas, engine, self._alive, self.check, pin=dist.device.type == "cuda")
             self.states_from = self._record()
         except BaseException:
             self.close()
@@ -405,21 +405,19 @@ class ServedSource(PreparedSource):
     def device_batches(self, batches: Iterator[Tokens]) -> Iterator[Batch]:
         """Each micro-batch's states, requested ``engine.prefetch`` micro-batches ahead."""
         pending: deque[concurrent.futures.Future] = deque()
-        pin = self.device.type == "cuda"
         try:
             for tokens in batches:
                 pending.append(self.stream.submit(tokens))
                 if len(pending) > self.engine_cfg.prefetch:
-                    yield self._ready(pending.popleft(), pin)
+                    yield self._ready(pending.popleft())
             while pending:
-                yield self._ready(pending.popleft(), pin)
+                yield self._ready(pending.popleft())
         finally:  # a consumer that stops early (the last step, an evaluation's end) cancels what is left
             for f in pending:
                 f.cancel()
 
-    def _ready(self, future: concurrent.futures.Future, pin: bool) -> Batch:
-        batch = future.result()
-        return (batch.pin() if pin else batch).to(self.device, self.dtype)
+    def _ready(self, future: concurrent.futures.Future) -> Batch:
+        return future.result().to(self.device, self.dtype)  # pinned already on a GPU
 
     def close(self) -> None:
         stream = getattr(self, "stream", None)
@@ -440,10 +438,13 @@ class StateStream:
         cfg: the ``engine.*`` options.
         alive: raises when engine processes started by this run have died (None: none started).
         check: the next-token check of the first ``cfg.check_samples`` samples (None: off).
+        pin: build the micro-batches in page-locked memory (the trainer is on a GPU).
     """
 
-    def __init__(self, replicas: list[Replica], cfg: EngineConfig, alive: Any, check: NextTokenCheck | None):
-        self.replicas, self.cfg, self.alive, self.check = replicas, cfg, alive, check
+    def __init__(
+        self, replicas: list[Replica], cfg: EngineConfig, alive: Any, check: NextTokenCheck | None, pin: bool = False
+    ):
+        self.replicas, self.cfg, self.alive, self.check, self.pin = replicas, cfg, alive, check, pin
         self.version: str | None = None
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="served-states", daemon=True)
@@ -536,20 +537,25 @@ class StateStream:
             raise failed[0]
         return await asyncio.to_thread(self._pad, tokens, results)  # type: ignore[arg-type]  # none failed
 
-    @staticmethod
-    def _pad(tokens: Tokens, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> Batch:
-        """Right-pad the samples' states as shards are padded (zeros past each row's end)."""
+    def _pad(self, tokens: Tokens, rows: list[dict[str, torch.Tensor]]) -> Batch:
+        """Right-pad the samples' states as shards are padded (zeros past each row's end), each
+        layer copied once into place; in page-locked memory when the trainer is on a GPU."""
         b, t = tokens.input_ids.shape
-        aux = rows[0][0].new_zeros(b, t, rows[0][0].shape[-1])  # [B, T, n_aux*H]
-        last = rows[0][1].new_zeros(b, t, rows[0][1].shape[-1])  # [B, T, H]
-        for r, (a, h) in enumerate(rows):
-            aux[r, : len(a)] = a
-            last[r, : len(h)] = h
+        keys = sorted((k for k in rows[0] if k.startswith("hidden.")), key=lambda k: int(k.split(".")[1]))
+        h = rows[0]["last_hidden"].shape[-1]
+        dtype = rows[0]["last_hidden"].dtype
+        aux = torch.zeros(b, t, len(keys) * h, dtype=dtype, pin_memory=self.pin)  # [B, T, n_aux*H], ascending k
+        last = torch.zeros(b, t, h, dtype=dtype, pin_memory=self.pin)  # [B, T, H]
+        for r, states in enumerate(rows):
+            n = len(states["last_hidden"])
+            for i, k in enumerate(keys):
+                aux[r, :n, i * h : (i + 1) * h] = states[k]
+            last[r, :n] = states["last_hidden"]
         return Batch(aux, last, tokens.input_ids, tokens.loss_mask, tokens.lengths, tokens.sample_ids)
 
-    async def _sample(self, sample_id: int, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sample's (aux [T, n_aux*H], last_hidden [T, H]) from the least busy live replica;
-        a replica whose retries run out is dropped and the sample asked of another."""
+    async def _sample(self, sample_id: int, prompt: list[int]) -> dict[str, torch.Tensor]:
+        """One sample's states ({``hidden.<k>``, ``last_hidden``: [T, H]}) from the least busy live
+        replica; a replica whose retries run out is dropped and the sample asked of another."""
         async with self.gate:
             while True:
                 replica = self._pick(sample_id)
@@ -570,15 +576,12 @@ class StateStream:
                 finally:
                     replica.in_flight -= 1
                 break
-        keys = sorted((k for k in states if k.startswith("hidden.")), key=lambda k: int(k.split(".")[1]))
-        aux = torch.cat([states[k] for k in keys], dim=-1)  # [T, n_aux*H], ascending HF index
-        last = states["last_hidden"]  # [T, H]
-        if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
+        if not all(bool(torch.isfinite(v).all()) for v in states.values()):
             raise EngineError(f"{replica.name} returned non-finite states for sample {sample_id}")
         check = self.check
         if check is not None and next_token is not None and check.counts["checked"] < self.cfg.check_samples:
-            await asyncio.to_thread(check, last[-1], int(next_token), sample_id)
-        return aux, last
+            await asyncio.to_thread(check, states["last_hidden"][-1], int(next_token), sample_id)
+        return states
 
     def _pick(self, sample_id: int) -> Replica:
         live = [r for r in self.replicas if r.lost is None]
