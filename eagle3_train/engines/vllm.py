@@ -146,6 +146,16 @@ COMMAND = Command(
         "--disable-log-stats": "switch",
         "--generation-config": "value",
         "--trust-remote-code": "switch",
+        # passed through by eagle3-train source=served (engine.engine_args): parallelism, quantization, loading
+        "--pipeline-parallel-size": "int",
+        "--data-parallel-size": "int",
+        "--enable-expert-parallel": "switch",
+        "--quantization": "value",
+        "--kv-cache-dtype": "value",
+        "--load-format": "value",
+        "--max-num-seqs": "int",
+        "--max-num-batched-tokens": "int",
+        "--seed": "int",
     },
     f"vLLM {VERSION}: vllm/engine/arg_utils.py, vllm/entrypoints/openai/cli_args.py",
 )
