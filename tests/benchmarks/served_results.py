@@ -202,7 +202,7 @@ def tables(out: dict[str, Any]) -> list[dict[str, Any]]:
             ]
         )
     scale_rows = []
-    for shape, row in out["scale"].items():
+    for row in out["scale"].values():
         on, sv, off = row.get("in_process_online"), row.get("served_online"), row.get("offline")
         fmt = lambda x: f"{x:,.0f}" if isinstance(x, (int, float)) else "not measured"  # noqa: E731
         scale_rows.append(
