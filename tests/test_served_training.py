@@ -343,3 +343,76 @@ def test_a_launched_engine_that_fails_to_start_is_reported_with_its_log(data, tm
         assert time.monotonic() - start < 30
     finally:
         os.environ["PATH"] = path
+
+
+def fake_cluster(tmp_path: Path) -> tuple[Path, Path]:
+    """A target directory, and a bin directory with a stand-in ``vllm`` and SLURM's ``srun`` and
+    ``scontrol`` as one host plays them (srun runs its command here; every node list is this host)."""
+    target = tmp_path / "target"
+    build_tiny_model().save_pretrained(target)
+    build_tiny_tokenizer().save_pretrained(target)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "vllm": f'#!/bin/sh\nexec "{sys.executable}" "{REPO / "tests" / "standin_engines.py"}" vllm "$@"\n',
+        "srun": '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
+        "scontrol": "#!/bin/sh\necho 127.0.0.1\n",
+    }
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return target, bin_dir
+
+
+def test_print_launch_prints_the_engine_command_the_run_expects(data, tmp_path):
+    target, _ = fake_cluster(tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-m", "eagle3_train.training.trainer", f"data={data['prep']}", f"target={target}",
+         f"out={tmp_path / 'run'}", *ONLINE_ARGS, "source=served", "engine.print_launch=true", "engine.port=8123",
+         "engine.engine_args=--tensor-parallel-size 8", "engine.memory_fraction=null", "engine.files_dir=/shared/f"],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "HF indices [1, 2, 3] + the last layer (engine ids [1, 2, 3, 4])" in run.stdout
+    assert "--port 8123" in run.stdout and "--tensor-parallel-size 8" in run.stdout
+    assert "shared_storage_path" in run.stdout and "/shared/f" in run.stdout
+    assert "--gpu-memory-utilization" not in run.stdout and "--max-model-len" in run.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_slurm_job_starts_engines_and_trainers_that_find_them(data, tmp_path):
+    """launch/slurm/train_served.sbatch as one host plays both components (srun and scontrol
+    stand-ins): the engine component starts the printed command, the trainer component finds it by
+    the node list and trains as source=online does."""
+    target, bin_dir = fake_cluster(tmp_path)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        PYTHONPATH=str(REPO),
+        EAGLE3_TRAIN=f"{sys.executable} -m eagle3_train.training.trainer",
+        SLURM_JOB_NODELIST_HET_GROUP_0="engine[0]",
+        SLURM_JOB_NODELIST_HET_GROUP_1="trainer[0]",
+        SLURM_GPUS_ON_NODE_HET_GROUP_1="1",
+        SLURM_JOB_ID="7",
+        MASTER_PORT=str(ports[1]),
+        ENGINE_WAIT_S="120",
+    )
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):  # this process's own group
+        env.pop(name, None)
+    run = subprocess.run(
+        ["bash", str(REPO / "launch" / "slurm" / "train_served.sbatch"), f"data={data['prep']}", f"target={target}",
+         f"out={tmp_path / 'run'}", "progress=false", "train.ttt_length=3", "train.lr=3e-3",
+         "train.max_tokens_per_batch=600", "train.log_every=1", "train.epochs=2", "train.save_every=2",
+         *ONLINE_ARGS[1:], f"engine.port={ports[0]}", "engine.dtype=float32", f"engine.files_dir={tmp_path / 'files'}",
+         "engine.memory_fraction=null"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=REPO,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert_same_training(data["online"], tmp_path / "run", rel=1e-5, atol=1e-5)
+    assert last_weights(tmp_path / "run")[2]["states_from"]["launched"] is False

@@ -125,6 +125,12 @@ class PreparedSplit:
         return Tokens(ids, mask, torch.from_numpy(lengths.copy()), torch.from_numpy(self.sample_id[indices]))
 
 
+def capture_indices(aux_indices: list[int] | None, num_hidden_layers: int) -> list[int]:
+    """``online.aux_indices`` checked against the target, or the default [2, N//2, N-3]."""
+    n = num_hidden_layers
+    return list(default_aux_indices(n) if aux_indices is None else validate_aux_indices(list(aux_indices), n))
+
+
 class PreparedSource(Source):
     """A prepared dataset read for training with the target in the loop: its samples split, its
     vocab map counted and its micro-batches planned as eagle3-standardize and offline training
@@ -145,7 +151,7 @@ class PreparedSource(Source):
         self.where = str(self.prepared.path)
         self.data_fingerprint = self.prepared.fingerprint
         n = about.num_hidden_layers
-        self.aux = default_aux_indices(n) if cfg.aux_indices is None else validate_aux_indices(list(cfg.aux_indices), n)
+        self.aux = capture_indices(cfg.aux_indices, n)
         warning = serving_warning(list(self.aux), about.identity.model_type, n)
         if warning and dist.rank == 0:
             logger.warning(f"eagle3-train: warning: {warning}")
@@ -155,7 +161,7 @@ class PreparedSource(Source):
     def _split(self, dtype: str, max_length: int, out: Path, dist: DistInfo) -> None:
         """The capture spec (the states arrive in ``dtype``), the vocab map and the two splits."""
         a = self.about
-        self.spec = CaptureSpec(self.aux, a.num_hidden_layers, a.hidden_size, a.vocab_size, dtype, self.identity)
+        self.spec = CaptureSpec(tuple(self.aux), a.num_hidden_layers, a.hidden_size, a.vocab_size, dtype, self.identity)
         self.vocab, self.vocab_sha = self._vocab(out, dist)
         eval_ids = split_eval(self.prepared.sample_ids, self.cfg.eval_fraction, self.cfg.split_seed)
         train_ids = np.setdiff1d(self.prepared.sample_ids, eval_ids)

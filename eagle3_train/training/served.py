@@ -49,6 +49,7 @@ import torch
 from eagle3_train.core.dist import DistInfo
 from eagle3_train.core.errors import ConfigError, check_numbers
 from eagle3_train.core.extras import optional_import
+from eagle3_train.core.prepared import prepared_data
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import Engine
 from eagle3_train.engines.capture import CaptureJob, ClientConfig, EngineClient, NextTokenCheck, ServerConfig
@@ -57,7 +58,7 @@ from eagle3_train.engines.launcher import EngineCommand, EngineProcesses, comman
 from eagle3_train.targets import Target, load_target, load_target_tensors, resolve_dtype, text_config
 from eagle3_train.targets.tiny import is_tiny
 from eagle3_train.training.data import Batch
-from eagle3_train.training.online import OnlineConfig, PreparedSource, Tokens
+from eagle3_train.training.online import OnlineConfig, PreparedSource, Tokens, capture_indices
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ class EngineConfig:
     launch_timeout_s: float = 1800.0  # launch: how long the started replicas may take to load the target
     check_samples: int = 64  # compare the engine's next token with lm_head(last_hidden) on this many samples (0: off)
     keep_files: bool = False  # vLLM: keep the engine's state files after reading them (debugging)
+    print_launch: bool = False
+    """print the command(s) that start the replicas this run expects (to start them elsewhere: SLURM, another host), and exit"""
     check_args: bool = True
     """refuse engine_args flags the engine's command line (as this project read it) does not take; false passes them unchecked"""
 
@@ -183,6 +186,139 @@ def check_engine_args(engine: Engine, engine_args: str) -> None:
         ) from None
 
 
+class EnginePlan:
+    """The replicas one run talks to: their URLs and files, the engine ids that capture the trained
+    layers (refused here, before anything starts, when the engine cannot capture them), and the
+    command lines that start them.
+
+    Args:
+        cfg: the ``engine.*`` options.
+        engine: the engine (its capture and command line).
+        about: the target's config and tokenizer.
+        target: the target as named (the engine loads its directory).
+        aux: the trained HF indices.
+        longest: the longest sample sent, in tokens.
+        out: the run directory.
+    """
+
+    def __init__(
+        self, cfg: EngineConfig, engine: Engine, about: Target, target: str, aux: list[int], longest: int, out: Path
+    ):
+        assert engine.capture is not None, "ServedSource refuses engines without a capture"
+        self.cfg, self.capture, self.about, self.target, self.aux, self.out = (
+            cfg,
+            engine.capture,
+            about,
+            target,
+            aux,
+            out,
+        )
+        self.dtype = resolve_dtype(cfg.dtype, "cuda")  # the engine's GPUs
+        self.servers = self._servers(longest)
+        n = about.num_hidden_layers
+        self.layer_ids = self.capture.layer_ids(list(aux), about.identity.model_type, n, self.servers[0])
+
+    def _servers(self, longest: int) -> list[ServerConfig]:
+        """One :class:`ServerConfig` per replica: the URLs given, or the ones launched here."""
+        e = self.cfg
+        files = str(Path(e.files_dir).expanduser()) if e.files_dir else str((self.out / FILES_DIR).resolve())
+        base = ServerConfig(
+            model=e.model, files_dir=files, server_files_dir=e.server_files_dir, engine_args=self._engine_args(longest)
+        )
+        if e.urls:
+            finals = e.final_urls or [base.final_url] * len(e.urls)
+            return [
+                replace(base, url=u.rstrip("/"), final_url=f.rstrip("/")) for u, f in zip(e.urls, finals, strict=True)
+            ]
+        step = 2 if e.name == "sglang" else 1  # SGLang: an aux-state and a final-state server each
+        return [
+            replace(
+                base, url=f"http://127.0.0.1:{e.port + step * i}", final_url=f"http://127.0.0.1:{e.port + step * i + 1}"
+            )
+            for i in range(e.replicas)
+        ]
+
+    def _engine_args(self, longest: int) -> str:
+        """``engine.engine_args``, plus, for replicas started by this project (launch or
+        print_launch), the memory share and the longest sequence: the longest sample and the one
+        token the request generates (no longer than the target's own context, little KV cache)."""
+        e = self.cfg
+        if e.urls:
+            return e.engine_args
+        given = flag_values(e.engine_args)
+        extra = []
+        memory = MEMORY_FLAG.get(e.name)
+        if e.memory_fraction is not None and memory:
+            if memory in given:
+                raise ConfigError(
+                    f"engine.engine_args sets {memory} and engine.memory_fraction={e.memory_fraction} sets it too: "
+                    f"set engine.memory_fraction=null to keep yours"
+                )
+            extra.append(f"{memory} {e.memory_fraction}")
+        length = LENGTH_FLAG.get(e.name)
+        if length and length not in given:
+            extra.append(f"{length} {longest + 1}")
+        return " ".join([e.engine_args, *extra]).strip()
+
+    def name(self, server: ServerConfig) -> str:
+        """A replica's URL(s), for messages."""
+        return " + ".join(self.capture.servers(server).values())
+
+    def text(self, i: int) -> str:
+        """Replica ``i``'s launch lines, with the capture's comments."""
+        return "\n".join(
+            self.capture.launch_lines(
+                str(self.about.local_dir or self.target),
+                self.about.identity.model_type,
+                self.about.num_hidden_layers,
+                list(self.aux),
+                str(self.dtype).removeprefix("torch."),
+                self.servers[i],
+                str(self.out),
+            )
+        )
+
+    def commands(self) -> list[EngineCommand]:
+        """Every replica's server command(s), each with its GPUs and its log under ``<out>/engine``."""
+        e = self.cfg
+        out = []
+        for i in range(len(self.servers)):
+            for j, line in enumerate(command_lines(self.text(i))):
+                out.append(
+                    EngineCommand(
+                        line, e.devices[i] if e.devices else None, self.out / ENGINE_DIR / f"replica{i}.{j}.log"
+                    )
+                )
+        return out
+
+
+def launch_text(cfg: Any) -> str:
+    """``engine.print_launch=true``: the command(s) that start the replicas the run ``cfg`` (a
+    ``TrainConfig``) expects, for each engine host (the port, files and flags of ``engine.*``)."""
+    e = cfg.engine
+    about = load_target(cfg.target, cache_dir=cfg.cache_dir, load_model=False)
+    prepared = prepared_data([cfg.data, *cfg.online.extra_data])
+    prepared.identity_for(about, cfg.target)  # data of another tokenizer is refused here too
+    aux = capture_indices(cfg.online.aux_indices, about.num_hidden_layers)
+    longest = int(min(cfg.train.max_tokens_per_batch, prepared.num_tokens.max()))
+    engine = registry.engine(e.name, "dump", "engine.name")
+    if engine.capture is None:
+        raise ConfigError(f"engine.name={e.name} runs in this process: use source=online")
+    if e.check_args:
+        check_engine_args(engine, e.engine_args)
+    plan = EnginePlan(
+        replace(e, urls=[], final_urls=[]), engine, about, cfg.target, aux, longest, Path(cfg.out).expanduser()
+    )
+    lines = [
+        f"# eagle3-train source=served: {engine.title} replica(s) for {about.identity.model_type}, N={about.num_hidden_layers}, "
+        f"HF indices {aux} + the last layer (engine ids {plan.layer_ids}); run on each engine host:"
+    ]
+    for i in range(len(plan.servers)):
+        lines.append(plan.text(i))
+    lines.append("# then the trainer, with engine.urls=[http://<engine host>:<port>,...] and the same engine.files_dir")
+    return "\n".join(lines)
+
+
 class ServedSource(PreparedSource):
     """The states of each micro-batch from the engine replicas of ``engine.*``.
 
@@ -232,12 +368,11 @@ class ServedSource(PreparedSource):
         about = load_target(target, cache_dir=cache_dir, load_model=False)
         super().__init__(data, target, cfg, about, dist)
         self.out = out
-        self.engine_dtype = resolve_dtype(engine.dtype, "cuda")  # the engine's GPUs
-        self.servers = self._servers(max_length)
-        n = about.num_hidden_layers
+        longest = int(min(max_length, self.prepared.num_tokens.max()))
         # what the engine cannot capture or serve is refused here, before anything starts
-        self.layer_ids = self.capture.layer_ids(list(self.aux), about.identity.model_type, n, self.servers[0])
-        self.processes = self._launch(about) if engine.launch and dist.local_rank == 0 else None
+        self.plan = EnginePlan(engine, self.engine, about, target, list(self.aux), longest, out)
+        self.servers, self.layer_ids, self.engine_dtype = self.plan.servers, self.plan.layer_ids, self.plan.dtype
+        self.processes = self._launch() if engine.launch and dist.local_rank == 0 else None
         try:
             self._split(str(self.engine_dtype).removeprefix("torch."), max_length, out, dist)
             names = tuple(dict.fromkeys((*self.capture.tensors, "head")))
@@ -252,7 +387,7 @@ class ServedSource(PreparedSource):
             job = self._job(about, dist.rank)
             replicas = [
                 Replica(
-                    self._name(s),
+                    self.plan.name(s),
                     self.capture.client(replace(job, server=s, rank=dist.rank * len(self.servers) + i), tensors),
                 )
                 for i, s in enumerate(self.servers)
@@ -268,57 +403,12 @@ class ServedSource(PreparedSource):
             f"{list(self.aux)} + the last layer"
         )
 
-    # -- the replicas ----------------------------------------------------------------------------
-
-    def _servers(self, max_length: int) -> list[ServerConfig]:
-        """One :class:`ServerConfig` per replica: the URLs given, or the ones launched here."""
-        e = self.engine_cfg
-        files = str(Path(e.files_dir).expanduser()) if e.files_dir else str((self.out / FILES_DIR).resolve())
-        base = ServerConfig(
-            model=e.model,
-            files_dir=files,
-            server_files_dir=e.server_files_dir,
-            engine_args=self._engine_args(max_length),
-        )
-        if not e.launch:
-            finals = e.final_urls or [base.final_url] * len(e.urls)
-            return [
-                replace(base, url=u.rstrip("/"), final_url=f.rstrip("/")) for u, f in zip(e.urls, finals, strict=True)
-            ]
-        step = 2 if e.name == "sglang" else 1  # SGLang: an aux-state and a final-state server each
-        return [
-            replace(
-                base, url=f"http://127.0.0.1:{e.port + step * i}", final_url=f"http://127.0.0.1:{e.port + step * i + 1}"
-            )
-            for i in range(e.replicas)
-        ]
-
-    def _engine_args(self, max_length: int) -> str:
-        """``engine.engine_args``, plus, for replicas started here, the memory share and the longest
-        sequence (the longest sample, cut at ``max_length`` tokens, and the one token the request
-        generates: no longer than the target's own context, and little KV cache kept for it)."""
-        e = self.engine_cfg
-        if not e.launch:
-            return e.engine_args
-        given = flag_values(e.engine_args)
-        extra = []
-        memory = MEMORY_FLAG.get(e.name)
-        if e.memory_fraction is not None and memory:
-            if memory in given:
-                raise ConfigError(
-                    f"engine.engine_args sets {memory} and engine.memory_fraction={e.memory_fraction} sets it too: "
-                    f"set engine.memory_fraction=null to keep yours"
-                )
-            extra.append(f"{memory} {e.memory_fraction}")
-        length = LENGTH_FLAG.get(e.name)
-        if length and length not in given:  # the longest prompt sent, and the one token generated
-            longest = int(min(max_length, self.prepared.num_tokens.max()))
-            extra.append(f"{length} {longest + 1}")
-        return " ".join([e.engine_args, *extra]).strip()
-
-    def _name(self, server: ServerConfig) -> str:
-        urls = self.capture.servers(server).values()
-        return " + ".join(urls)
+    def _launch(self) -> EngineProcesses:
+        """Start every replica of this node with the command lines the capture prints."""
+        if self.engine_cfg.name == "vllm":  # the engine writes into it from its first request
+            server = self.servers[0]
+            Path(server.server_files_dir or server.files_dir or self.out / FILES_DIR).mkdir(parents=True, exist_ok=True)
+        return EngineProcesses(self.plan.commands())
 
     def _job(self, about: Target, rank: int) -> CaptureJob:
         e = self.engine_cfg
@@ -345,30 +435,6 @@ class ServedSource(PreparedSource):
             self.servers[0],
             client,
         )
-
-    def _launch(self, about: Target) -> EngineProcesses:
-        """Start every replica of this node with the command lines the capture prints."""
-        e = self.engine_cfg
-        model_path = str(about.local_dir or self.target_name)
-        commands = []
-        for i, server in enumerate(self.servers):
-            text = "\n".join(
-                self.capture.launch_lines(
-                    model_path,
-                    about.identity.model_type,
-                    about.num_hidden_layers,
-                    list(self.aux),
-                    str(self.engine_dtype).removeprefix("torch."),
-                    server,
-                    str(self.out),
-                )
-            )
-            for j, line in enumerate(command_lines(text)):
-                log = self.out / ENGINE_DIR / f"replica{i}.{j}.log"
-                commands.append(EngineCommand(line, e.devices[i] if e.devices else None, log))
-        if self.engine_cfg.name == "vllm":
-            Path(self.servers[0].server_files_dir or self.servers[0].files_dir or "").mkdir(parents=True, exist_ok=True)
-        return EngineProcesses(commands)
 
     def _alive(self) -> None:
         if self.processes is not None:

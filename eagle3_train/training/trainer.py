@@ -64,6 +64,7 @@ from eagle3_train.training.metrics import (
     truncate_metrics,
 )
 from eagle3_train.training.parallel import build_engine, sequence_parallel
+from eagle3_train.training.served import launch_text
 from eagle3_train.training.sources import open_source
 from eagle3_train.training.tracking import open_tracker
 from eagle3_train.training.ttt import TargetCache, ttt_losses
@@ -388,6 +389,9 @@ class Trainer:
 
 
 def _run(cfg: TrainConfig) -> None:
+    if cfg.source == "served" and cfg.engine.print_launch:
+        print(launch_text(cfg))  # the command's output, to copy or pipe: not a log message
+        return
     trainer = Trainer(cfg)
     try:
         trainer.run()
