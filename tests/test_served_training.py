@@ -416,3 +416,24 @@ def test_the_slurm_job_starts_engines_and_trainers_that_find_them(data, tmp_path
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert_same_training(data["online"], tmp_path / "run", rel=1e-5, atol=1e-5)
     assert last_weights(tmp_path / "run")[2]["states_from"]["launched"] is False
+
+
+def test_sglang_replicas_train_as_online_and_old_releases_are_refused_by_name(data, tmp_path):
+    """SGLang's two servers per replica (aux states, post-norm final state) feed the same training;
+    a release older than the one its state return was read from is refused, naming it."""
+    from eagle3_train.training.served import release
+    from standin_engines import StandinSglang
+
+    assert release("0.5.23") > release("0.5.17") and release("0.5.23+cu130") == (0, 5, 23)
+    aux_server = StandinSglang(build_tiny_model(), [k - 1 for k in AUX], torch.float32)
+    final_server = StandinSglang(build_tiny_model(), None, torch.float32)
+    with aux_server, final_server:
+        for s in (aux_server, final_server):
+            s.version = "0.5.23"
+        eng = replace(engine([aux_server.url], tmp_path, name="sglang"), final_urls=[final_server.url])
+        served(data["prep"], tmp_path / "run", eng, save_every=2)
+        for s in (aux_server, final_server):
+            s.version = "0.5.17"
+        with pytest.raises(ConfigError, match=r"run sglang 0.5.17; training from sglang needs 0.5.23 or later"):
+            served(data["prep"], tmp_path / "old", eng)
+    assert_same_training(data["online"], tmp_path / "run", rel=1e-5, atol=1e-5)

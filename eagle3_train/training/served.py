@@ -68,6 +68,27 @@ FILES_DIR = "engine_files"  # <out>/engine_files/: vLLM's state files in flight 
 # engine name -> its flag for the GPU memory share it takes, and for the longest sequence it serves
 MEMORY_FLAG = {"vllm": "--gpu-memory-utilization", "sglang": "--mem-fraction-static"}
 LENGTH_FLAG = {"vllm": "--max-model-len", "sglang": "--context-length"}
+# engine -> (the oldest release whose state return this capture was read from, why older ones are refused)
+OLDEST = {
+    "sglang": (
+        "0.5.23",
+        "SGLang 0.5.17 has no --return-aux-hidden-state-layer-ids (its aux states are the model's defaults); "
+        "the capture was read from 0.5.23",
+    ),
+}
+
+
+def release(version: str) -> tuple[int, ...]:
+    """``0.5.23`` -> (0, 5, 23); a suffix (``+cu130``, ``rc1``) is ignored."""
+    parts = []
+    for word in version.split("+")[0].split("."):
+        digits = "".join(c for c in word if c.isdigit()) if word[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
 # what the record of the engine reads from its flags (the vLLM and SGLang spellings)
 PARALLEL_FLAGS = {
     "tensor_parallel_size": ("--tensor-parallel-size", "-tp", "--tp-size", "--tp"),
@@ -549,6 +570,12 @@ class StateStream:
                 f"the replicas run different {c.name} versions ({versions}): the states of one run come from one engine"
             )
         self.version = known.pop() if known else None
+        if self.version is not None and c.name in OLDEST:
+            oldest, why = OLDEST[c.name]
+            if release(self.version) < release(oldest):
+                raise ConfigError(
+                    f"the replicas run {c.name} {self.version}; training from {c.name} needs {oldest} or later: {why}"
+                )
 
     async def _version(self, url: str) -> str | None:
         """The version the replica reports (None: it does not say)."""
