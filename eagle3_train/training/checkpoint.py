@@ -18,7 +18,7 @@ from torch import nn
 from eagle3_train.core.contract import BEST_FILE, MANIFEST_NAME, run_checkpoints
 from eagle3_train.core.dist import barrier
 from eagle3_train.core.errors import ContractError, Eagle3Error
-from eagle3_train.core.fileio import atomic_write_json, remove_temporaries
+from eagle3_train.core.fileio import atomic_write_json, remove_temporaries, save_safetensors
 from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.training.tracking import TRACKER_FILE
 
@@ -62,11 +62,9 @@ def save_checkpoint(
     try:
         engine.save_checkpoint(str(root), tag=tag, client_state={"eagle3": state})
         if is_main:
-            from safetensors.torch import save_file
-
-            save_file(weights, str(root / tag / "draft.safetensors"), metadata={"format": "pt"})
+            save_safetensors(weights, root / tag / "draft.safetensors", metadata={"format": "pt"})
             for name, tensors in (extra or {}).items():
-                save_file(tensors, str(root / tag / name), metadata={"format": "pt"})
+                save_safetensors(tensors, root / tag / name, metadata={"format": "pt"})
             atomic_write_json(root / tag / "state.json", state)  # last: marks the checkpoint complete
     except Exception as e:  # a full disk reaches us as OSError, torch.save's RuntimeError or a SafetensorError
         raise failed_save(out, tag, e) from e
