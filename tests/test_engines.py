@@ -230,8 +230,8 @@ def test_engine_command_lines_take_only_their_flags():
     }
     argv = sglang.serve_command("org/target", "org/draft", 4)
     assert sglang.command.parse(argv)["--speculative-num-draft-tokens"] == 5
-    with pytest.raises(ValueError, match="--max-num-seqs is not a flag of vllm serve"):
-        vllm.serve_command("t", "d", 4, max_num_seqs=8)
+    with pytest.raises(ValueError, match="--swap-space is not a flag of vllm serve"):
+        vllm.serve_command("t", "d", 4, swap_space=8)
     with pytest.raises(ValueError, match="'--tp' is not a flag of python -m sglang.launch_server"):
         sglang.command.parse(argv + ["--tp", "2"])
     with pytest.raises(ValueError, match="--port takes int"):
