@@ -1,5 +1,6 @@
 # make demo   set up .venv and run the whole pipeline on the embedded SmolLM2-135M-Instruct target
 # make test   set up .venv and run the test suite (what .ci/run calls)
+# make test-fast   the tests a contributor runs on every edit: all but those marked slow
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ RUN_DIR ?= runs/demo
 TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup test test-all demo clean
+.PHONY: setup test test-fast demo clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +26,9 @@ $(VENV)/.installed: pyproject.toml
 
 test: setup
 	WANDB_MODE=disabled $(BIN)/python -m pytest -q --durations=25 tests
+
+test-fast: setup
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q -m "not slow" --durations=10 tests
 
 demo: setup
 	WANDB_MODE=disabled RUN_DIR=$(RUN_DIR) PATH=$(CURDIR)/$(BIN):$$PATH bash launch/demo.sh

@@ -138,6 +138,7 @@ def test_report_levels_tokens_concurrency_and_speedup(tiny, prompts, tmp_path):
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_the_projection_reproduces_a_simulated_engines_speedup(tiny, prompts, tmp_path):
     """The stand-ins answer as an engine of known step times would (each request as if alone, so
     in flight they overlap as in an ideal batch); the projection, fed those step times and the tau
@@ -280,6 +281,7 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(argv[argv.index("--port") + 1]
 """
 
 
+@pytest.mark.slow
 def test_started_engines(tiny, prompts, tmp_path, monkeypatch):
     """Without URLs the bench starts ``vllm serve`` twice, without and with --speculative-config,
     one after the other on ``port``, waits for each to answer, measures it and stops it; an engine

@@ -148,6 +148,7 @@ def test_wheel_ships_conf_and_prompts(tmp_path):
         assert f"eagle3-{cmd} =" in entry_points
 
 
+@pytest.mark.slow
 def test_installed_wheel_finds_conf_without_the_checkout(tmp_path):
     """Installed non-editable, the CLIs compose their configs from the copy inside the wheel."""
     subprocess.run(

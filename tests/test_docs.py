@@ -128,6 +128,7 @@ def test_a_results_files_ready_made_tables_are_shown_as_they_are():
 # the site
 
 
+@pytest.mark.slow
 def test_the_site_builds_strict(tmp_path):
     pytest.importorskip("mkdocs")
     pytest.importorskip("material")
@@ -249,6 +250,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.slow
 def test_every_shown_command_is_parsed_by_its_hydra_app(tmp_path):
     jobs = _all_shown_commands()
     shown = {script for _, script, _ in jobs}

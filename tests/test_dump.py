@@ -232,6 +232,7 @@ def _torchrun(prepared, out, nproc, env_extra=None):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_killed_and_resumed_equals_one_process(prepared, tmp_path):
     one = dump(prepared, tmp_path / "one", max_tokens_per_batch=300, max_batch_size=4)
     one.run()
@@ -276,6 +277,7 @@ def test_tensor_parallel_group_below_the_world_needs_a_transformers_that_takes_t
         assert tensor_parallel_kwargs(mesh)["device_mesh"] is mesh
 
 
+@pytest.mark.slow
 def test_tensor_parallel_dump_equals_single_process(prepared, tmp_path):
     """tp_size=2 under torchrun (gloo): transformers' own tensor-parallel plan, same states."""
     from eagle3_train.targets.tiny import build_tiny_tokenizer

@@ -155,6 +155,7 @@ def root(tmp_path_factory):
         yield root
 
 
+@pytest.mark.slow
 def test_regeneration_through_it_equals_transformers(root):
     from datasets import load_from_disk
 

@@ -115,6 +115,7 @@ def off_by_one(root, name, edit):
     return bad
 
 
+@pytest.mark.slow
 def test_export_layout(pipeline):
     config = json.loads((pipeline / "export" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
@@ -265,6 +266,7 @@ def first_turns(ev):
     return [ev.tokenize(c, 0, []) for c in ev.conversations()]
 
 
+@pytest.mark.slow
 def test_batched_decoding_equals_the_pre_batching_decoder(pipeline, tmp_path):
     """fp32: every batch size gives the old decoder's tokens and accepted counts, prompt by prompt;
     the batched greedy reference gives transformers' generate."""
@@ -638,6 +640,7 @@ def test_the_export_is_ready_to_publish(pipeline, tmp_path):
         assert local.encode() not in f.read_bytes(), f"{f.name} names a local path"
 
 
+@pytest.mark.slow
 def test_graph_decoder_equals_the_eager_decoder(pipeline, tmp_path):
     """decoder=graph (static caches; on the CPU its rounds run eagerly): the eager decoder's tokens and
     accepted counts at every batch size, fp32; its plain greedy gives the model's own greedy."""

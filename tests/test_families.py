@@ -80,6 +80,7 @@ def fam(request, tmp_path_factory):
     return {"family": family, "root": root, "target": target}
 
 
+@pytest.mark.slow
 def test_dump_equals_a_plain_forward(fam):
     """The dump's default dtype on the CPU is the stage's ``auto`` (fp32): every stored state is
     the one transformers' own forward computes, the post-norm last state as ``last_hidden``."""
@@ -152,6 +153,7 @@ def test_check_accepts_the_export_and_refuses_broken_copies(fam, tmp_path, said)
     )
 
 
+@pytest.mark.slow
 def test_batched_eval_is_lossless_and_feeds_the_trained_capture(fam):
     """Batched speculative decoding (prompts of mixed lengths, longer than gpt-oss's window) gives
     exactly the tokens of one-prompt greedy decoding, for every family, at fp32."""

@@ -119,6 +119,7 @@ def assert_same(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "head_chunk, checkpointing, compiled_head",
     [(0, False, False), (5, False, False), (7, True, False), (1000, True, False), (6, False, True)],
@@ -141,6 +142,7 @@ LK, MIXED, SURE = (
 
 
 # the mask option is the same code whatever the head; the loss terms are checked through each head
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "objective, head_chunk, compiled_head",
     [(LK, 0, False), (LK, 5, False), (MIXED, 0, False), (MIXED, 5, False), (MIXED, 6, True), (SURE, 5, False)],
@@ -327,6 +329,7 @@ def test_memory_options_are_checked():
             OptimConfig(**{field: value})
 
 
+@pytest.mark.slow
 def test_sequence_parallel_two_ranks_equal_one():
     """2 ranks (gloo, fp32) share each row's positions; summed over the ranks, their losses,
     statistics, gradients and per-position hits are the one-rank reference's, for rows whose length

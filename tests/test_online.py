@@ -97,6 +97,7 @@ def test_online_training_equals_offline_training_from_a_dump(data, tmp_path):
     ).read_bytes()
 
 
+@pytest.mark.slow
 def test_two_ranks_and_a_killed_run_train_as_one_uninterrupted_rank(data, tmp_path):
     """1 rank x grad_accum 2 (the reference) = 2 ranks (gloo) x grad_accum 1 = the same run killed
     after its step-4 checkpoint and resumed."""
@@ -153,6 +154,7 @@ def test_a_vocab_map_counted_over_another_split_is_refused(data, tmp_path):
         train(data["prep"], tmp_path / "r", source="online", online=other)
 
 
+@pytest.mark.slow
 def test_extra_prepared_directories_train_as_one_directory_of_them_all(data, tmp_path):
     """online.extra_data: the 48 conversations prepared as two directories (ids 0-19 and 20-47) train
     exactly as the one directory that holds them all; overlapping ids are refused, naming both."""

@@ -255,6 +255,7 @@ def test_missing_input(tmp_path, prepare):
         prepare(tmp_path / "nope.jsonl")
 
 
+@pytest.mark.slow
 def test_cli_prints_error_without_traceback(tmp_path, write_jsonl):
     path = write_jsonl([OPENAI[0], '{"messages": ['])
     proc = subprocess.run(
@@ -270,6 +271,7 @@ def test_cli_prints_error_without_traceback(tmp_path, write_jsonl):
     # (a file that is not UTF-8 is the same kind of error: test_non_utf8_line_is_a_bad_row, in process)
 
 
+@pytest.mark.slow
 def test_tokenizing_processes_write_what_one_process_writes(write_jsonl, prepare):
     """tokenize_workers=2 (spawned processes, slices in order) gives the same rows, masks, skipped
     rows and error as tokenising in this process; a row too long under truncate=false is a bad row

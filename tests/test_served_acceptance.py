@@ -224,6 +224,7 @@ def test_clear_errors(prompts, tmp_path):
     assert not (tmp_path / "a").exists()  # nothing written when the run fails
 
 
+@pytest.mark.slow
 def test_command_line(prompts, tmp_path):
     with standin() as server:
         run = subprocess.run(
@@ -263,6 +264,7 @@ def test_command_line(prompts, tmp_path):
     assert run.returncode == 2 and run.stderr.startswith(f"eagle3-served-acceptance: error: http://127.0.0.1:{port} ")
 
 
+@pytest.mark.slow
 def test_a_drafting_standin_gives_eagle3_evals_figures(pipeline, tmp_path):  # noqa: F811
     """The stand-in speculates with the exported draft as eagle3-eval does (fp32, same layers by
     vLLM's rule): the served figures must be eval's tau and per-position rates, and the off-by-one
@@ -306,6 +308,7 @@ def test_a_drafting_standin_gives_eagle3_evals_figures(pipeline, tmp_path):  # n
     assert results["right"] > 2.0 and results["right"] > results["wrong"] + 0.2, results
 
 
+@pytest.mark.slow
 def test_sglang_figures_are_summed_from_each_replys_meta_info(pipeline, tmp_path):  # noqa: F811
     """SGLang returns its counts per reply (meta_info, asked with return_meta_info) and none in
     /metrics: the served figures are the sums over this client's replies, equal to eagle3-eval's

@@ -200,6 +200,7 @@ def test_repeated_failures_stop_keeping_what_arrived_then_resume(prepared, hf_du
     assert sorted(got) == sorted(hf)
 
 
+@pytest.mark.slow
 def test_engine_answers_that_retrying_cannot_fix_stop_at_once(prepared, tmp_path):
     with vllm(tmp_path / "a") as server:
         server.shift_tokens = True
@@ -292,6 +293,7 @@ def test_refusals_and_launch_commands(prepared, tmp_path):
     assert text.count("--disable-radix-cache --chunked-prefill-size -1") == 2
 
 
+@pytest.mark.slow
 def test_print_launch_from_the_command_line(tmp_path):
     target = tmp_path / "target"
     build_tiny_model().save_pretrained(target)
@@ -329,6 +331,7 @@ def test_print_launch_from_the_command_line(tmp_path):
     assert run.returncode == 2 and "HF index 0 (the embeddings) cannot be captured" in run.stderr
 
 
+@pytest.mark.slow
 def test_client_processes_from_the_command_line_equal_hf(prepared, hf_dump, tmp_path):
     """Two concurrent ``eagle3-dump backend=vllm`` processes (client.rank 0 and 1) share one engine."""
     out = tmp_path / "dump"
@@ -363,6 +366,7 @@ def test_client_processes_from_the_command_line_equal_hf(prepared, hf_dump, tmp_
     assert_same_samples(out, hf_dump)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
 def test_launch_script_starts_the_printed_engines_and_clients(backend, prepared, hf_dump, tmp_path):
     """launch/dump_served.sh runs the engine command(s) that print_launch prints (here answered by
@@ -496,6 +500,7 @@ def test_sglang_backend_takes_deepseek_and_gpt_oss_targets(tmp_path):
         launch(typed_target(tmp_path, "mixtral"), "sglang", [1, 2, 3])
 
 
+@pytest.mark.slow
 def test_sglang_pipeline_stages_are_refused_before_launch(prepared, tmp_path):
     """SGLang returns aux hidden states only with pp_size == 1 (its stand-in refuses to start
     otherwise); extra engine flags asking for more stages stop print_launch and the launch script

@@ -74,6 +74,7 @@ def served(prep, out, eng, **opt):
     return train(prep, out, source="served", online=ONLINE, engine=eng, **opt)
 
 
+@pytest.mark.slow
 def test_served_training_equals_online_training(data, tmp_path):
     """The same losses, accuracies and weights as the target in this process (float32 both ways:
     the stand-in's states are the transformers forward's), the same vocab map and capture, the
@@ -127,6 +128,7 @@ def test_check_flags_a_serving_engine_other_than_the_one_that_fed_training(data,
     assert "with quantization None, it will be served with quantization fp8" in text
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_to_the_same_finish(data, tmp_path):
     """Killed after its step-4 checkpoint, the same command continues at the exact data position
     and ends where the uninterrupted online run ended."""
@@ -259,6 +261,7 @@ def test_bad_settings_and_unreachable_engines_fail_in_seconds(data, tmp_path):
     }
 
 
+@pytest.mark.slow
 def test_launch_starts_the_engine_trains_and_stops_it(data, tmp_path):
     """engine.launch=true starts the printed vLLM command (a stand-in `vllm` on PATH that requires the
     capture's flags), waits for it, trains as source=online does, and stops it at the end; a run
@@ -369,6 +372,7 @@ def fake_cluster(tmp_path: Path) -> tuple[Path, Path]:
     return target, bin_dir
 
 
+@pytest.mark.slow
 def test_print_launch_prints_the_engine_command_the_run_expects(data, tmp_path):
     target, _ = fake_cluster(tmp_path)
     run = subprocess.run(
@@ -385,6 +389,7 @@ def test_print_launch_prints_the_engine_command_the_run_expects(data, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_the_slurm_job_starts_engines_and_trainers_that_find_them(data, tmp_path):
     """launch/slurm/train_served.sbatch as one host plays both components (srun and scontrol
     stand-ins): the engine component starts the printed command, the trainer component finds it by
@@ -423,6 +428,7 @@ def test_the_slurm_job_starts_engines_and_trainers_that_find_them(data, tmp_path
     assert last_weights(tmp_path / "run")[2]["states_from"]["launched"] is False
 
 
+@pytest.mark.slow
 def test_sglang_replicas_train_as_online_and_old_releases_are_refused_by_name(data, tmp_path):
     """SGLang's two servers per replica (aux states, post-norm final state) feed the same training;
     a release older than the one its state return was read from is refused, naming it."""

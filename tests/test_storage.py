@@ -164,6 +164,7 @@ def test_standardize_keeps_or_converts_and_fp8_data_trains_as_its_dequantized_co
     assert config["eagle3_train"]["capture"]["storage"] == "fp8"  # what the draft learned from, for the record
 
 
+@pytest.mark.slow
 def test_compiled_forward_equals_plain_forward_of_each_sample(dumps, tmp_path):
     from datasets import load_from_disk
 

@@ -449,6 +449,7 @@ def _torchrun(out: Path, nproc: int, env_extra: dict | None = None) -> subproces
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
 
 
+@pytest.mark.slow
 def test_two_ranks_killed_and_resumed_equal_one_rank(tmp_path, monkeypatch):
     one = tmp_path / "one"
     cfg = PrepareConfig(

@@ -4,8 +4,11 @@ workers in a fault test's child). Without settle_torch_threads some such childre
 
 from __future__ import annotations
 
+import pytest
+
 from tests.benchmarks.fork_threads import forked_failures
 
 
+@pytest.mark.slow
 def test_threads_of_a_forked_process_find_torch_thread_pool():
     assert forked_failures(40, settle=True) == 0

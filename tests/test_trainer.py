@@ -72,6 +72,7 @@ def metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_training_learns_the_target(std, tmp_path):
     final = train(std, tmp_path / "r", epochs=12)
     logged = [m for m in metrics(tmp_path / "r") if "loss" in m]
@@ -252,6 +253,7 @@ def _torchrun(std, out, nproc, extra=(), env_extra=None):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_rank_with_the_same_global_batch(std, tmp_path):
     """Data parallel (2 ranks x grad_accum 1) and sequence parallel (2 ranks sharing each row,
     grad_accum 2) train as 1 rank x grad_accum 2: same losses, accuracies, evaluations, weights."""
@@ -396,6 +398,7 @@ def test_a_rerun_with_a_changed_option_is_refused_by_name(std, tmp_path, said):
     assert json.loads((run / "manifest.json").read_text())["step"] == 4
 
 
+@pytest.mark.slow
 def test_a_sweep_runs_each_job_in_its_own_process_and_directory(std, tmp_path):
     """``eagle3-train -m ... train.lr=a,b``: the second job failed on DeepSpeed state left by the
     first, and both wrote one out=. Now each job runs in its own process, in <out>/<swept options>,
