@@ -13,6 +13,20 @@ import pytest
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests, as torchrun runs have (OMP_NUM_THREADS=1): the same
+    arithmetic in and out of process, no spinning pool on shared cores, and none that a fork loses
+    (a forked child using more threads hangs). Modules take it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def said(caplog):
     """``said()``: the text the code under test logged (this package's loggers, INFO and above)

@@ -34,12 +34,7 @@ DEFAULT_AUX = [2, 4, 5]  # [2, N//2, N-3] for the 8-layer tiny targets
 VOCAB, EVAL = 320, 0.2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

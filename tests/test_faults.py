@@ -52,14 +52,7 @@ TIMING = ("tokens_per_s",)  # metrics that measure the machine, not the run
 # -- killing a stage --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the same arithmetic in the test process and its forked children (and
-    OpenMP's thread pool does not survive a fork: a child using more threads hangs)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _child(spec: str, work: Callable[[], Any]) -> None:

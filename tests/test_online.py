@@ -27,14 +27,7 @@ ONLINE_ARGS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread, as the torchrun runs have (OMP_NUM_THREADS=1): the same arithmetic in
-    and out of process, and no spinning thread pool on a machine whose cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

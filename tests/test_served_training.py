@@ -26,20 +26,14 @@ from eagle3_train.training.served import EngineConfig, flag_values
 from standin_engines import StandinVllm
 from test_online import ONLINE, ONLINE_ARGS, assert_same_training, last_weights
 from test_standardize import make_dump
-from test_trainer import _torchrun, train
+from test_trainer import TINY_ARGS, _torchrun, train
 
 AUX = [1, 2, 3]
 N = 4  # the tiny target's layers
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread (the torchrun runs have OMP_NUM_THREADS=1): the same arithmetic."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -287,12 +281,7 @@ def test_launch_starts_the_engine_trains_and_stops_it(data, tmp_path):
         f"data={data['prep']}",
         f"target={target}",
         f"out={tmp_path / 'run'}",
-        "progress=false",
-        "train.ttt_length=3",
-        "train.lr=3e-3",
-        "train.max_tokens_per_batch=600",
-        "train.log_every=1",
-        "train.epochs=2",
+        *TINY_ARGS,
         "train.save_every=2",
         *ONLINE_ARGS[1:],
         "source=served",
@@ -417,8 +406,7 @@ def test_the_slurm_job_starts_engines_and_trainers_that_find_them(data, tmp_path
         env.pop(name, None)
     run = subprocess.run(
         ["bash", str(REPO / "launch" / "slurm" / "train_served.sbatch"), f"data={data['prep']}", f"target={target}",
-         f"out={tmp_path / 'run'}", "progress=false", "train.ttt_length=3", "train.lr=3e-3",
-         "train.max_tokens_per_batch=600", "train.log_every=1", "train.epochs=2", "train.save_every=2",
+         f"out={tmp_path / 'run'}", *TINY_ARGS, "train.save_every=2",
          *ONLINE_ARGS[1:], f"engine.port={ports[0]}", "engine.dtype=float32", f"engine.files_dir={tmp_path / 'files'}",
          "engine.memory_fraction=null"],
         capture_output=True, text=True, timeout=300, env=env, cwd=REPO,

@@ -229,6 +229,17 @@ def test_ttt_statistics_count_out_of_vocab_positions_as_misses():
         assert 0 < hits < in_vocab < counted  # the case is not degenerate
 
 
+# train()'s recipe as command-line overrides
+TINY_ARGS = [
+    "progress=false",
+    "train.ttt_length=3",
+    "train.lr=3e-3",
+    "train.max_tokens_per_batch=600",
+    "train.log_every=1",
+    "train.epochs=2",
+]
+
+
 def _torchrun(std, out, nproc, extra=(), env_extra=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     cmd = [
@@ -242,12 +253,7 @@ def _torchrun(std, out, nproc, extra=(), env_extra=None):
         f"data={std}",
         "target=tiny",
         f"out={out}",
-        "progress=false",
-        "train.ttt_length=3",
-        "train.lr=3e-3",
-        "train.max_tokens_per_batch=600",
-        "train.log_every=1",
-        "train.epochs=2",
+        *TINY_ARGS,
         *extra,
     ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
