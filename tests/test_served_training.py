@@ -436,3 +436,41 @@ def test_sglang_replicas_train_as_online_and_old_releases_are_refused_by_name(da
         with pytest.raises(ConfigError, match=r"run sglang 0.5.17; training from sglang needs 0.5.23 or later"):
             served(data["prep"], tmp_path / "old", eng)
     assert_same_training(data["online"], tmp_path / "run", rel=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_trainer_ranks_fed_by_one_engine_train_as_one_rank(data, tmp_path):
+    """2 ranks (gloo) x grad_accum 1, each with its own requests to the one replica, train as the
+    one-rank online reference with grad_accum 2: the served source assigns micro-batches as online."""
+    train(data["prep"], tmp_path / "one", source="online", online=ONLINE, grad_accum=2)
+    with standin(tmp_path) as server:
+        args = [*ONLINE_ARGS, "source=served", f"engine.urls=[{server.url}]", "engine.dtype=float32",
+                f"engine.files_dir={tmp_path / 'files'}", "train.grad_accum=1"]  # fmt: skip
+        two = _torchrun(data["prep"], tmp_path / "two", 2, args)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert_same_training(tmp_path / "one", tmp_path / "two", rel=1e-4, atol=1e-4)
+
+
+def test_the_target_distribution_from_the_returned_state_is_the_engines_own(data, tmp_path):
+    """The trainer's target distribution, softmax(lm_head(last_hidden)) from the state the engine
+    returns and the checkpoint's lm_head, equals the distribution of the logits the target itself
+    computes for the same tokens (the engine's logits, which are not asked for)."""
+    from eagle3_train.core.dist import DistInfo
+    from eagle3_train.training.served import ServedSource
+
+    model = build_tiny_model().float().eval()
+    with standin(tmp_path) as server:
+        cpu = DistInfo(0, 1, 0, torch.device("cpu"))
+        eng = engine([server.url], tmp_path)
+        source = ServedSource(str(data["prep"]), "tiny", None, ONLINE, eng, 600, tmp_path / "run", cpu, torch.float32)
+        try:
+            _, tensors = source.target_tensors(("head",))
+            split = source.train_split
+            batch = next(source.device_batches(iter([split.batch(torch.arange(0, 3).numpy())])))
+        finally:
+            source.close()
+    for r, n in enumerate(batch.lengths.tolist()):
+        ours = torch.softmax(batch.last_hidden[r, :n] @ tensors["head"].float().T, dim=-1)  # [T, V]
+        with torch.no_grad():
+            logits = model(input_ids=batch.input_ids[r : r + 1, :n]).logits[0]
+        torch.testing.assert_close(ours, torch.softmax(logits.float(), dim=-1), atol=1e-5, rtol=0)
