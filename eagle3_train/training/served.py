@@ -167,10 +167,15 @@ class EngineConfig:
 class Replica:
     """One engine replica as a trainer rank talks to it."""
 
-    name: str  # its URL(s), for messages
+    urls: list[str]  # its server(s): vLLM one, SGLang the aux-state and the final-state server
     client: EngineClient
     in_flight: int = 0
     lost: str | None = None  # why it was dropped
+
+    @property
+    def name(self) -> str:
+        """How messages name it."""
+        return " + ".join(self.urls)
 
 
 def flag_values(engine_args: str) -> dict[str, str | bool]:
@@ -281,9 +286,9 @@ class EnginePlan:
             extra.append(f"{length} {longest + 1}")
         return " ".join([e.engine_args, *extra]).strip()
 
-    def name(self, server: ServerConfig) -> str:
-        """A replica's URL(s), for messages."""
-        return " + ".join(self.capture.servers(server).values())
+    def urls(self, server: ServerConfig) -> list[str]:
+        """A replica's server URL(s)."""
+        return list(self.capture.servers(server).values())
 
     def text(self, i: int) -> str:
         """Replica ``i``'s launch lines, with the capture's comments."""
@@ -408,7 +413,7 @@ class ServedSource(PreparedSource):
             job = self._job(about, dist.rank)
             replicas = [
                 Replica(
-                    self.plan.name(s),
+                    self.plan.urls(s),
                     self.capture.client(replace(job, server=s, rank=dist.rank * len(self.servers) + i), tensors),
                 )
                 for i, s in enumerate(self.servers)
@@ -559,11 +564,10 @@ class StateStream:
         )
         hint = "start it, or let eagle3-train start it with engine.launch=true"
         for r in self.replicas:
-            urls = [u for u in r.name.split(" + ")]
             wait = c.launch_timeout_s if c.launch else c.wait_for_server_s
-            await wait_ready(self.session, urls, wait, "eagle3-train source=served", hint, self.alive)
+            await wait_ready(self.session, r.urls, wait, "eagle3-train source=served", hint, self.alive)
             await r.client.start(self.session)
-        versions = {r.name: await self._version(r.name.split(" + ")[0]) for r in self.replicas}
+        versions = {r.name: await self._version(r.urls[0]) for r in self.replicas}
         known = {v for v in versions.values() if v is not None}
         if len(known) > 1:
             raise ConfigError(
