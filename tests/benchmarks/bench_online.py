@@ -29,7 +29,6 @@ runs tiny shapes on the CPU (the tiny target stands in for the embedded one): nu
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import random
@@ -40,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import random_llama, run_isolated, sync
+from common import first_micro_batches, random_llama, run_isolated, tokens_per_s, train_on
 
 GOAL = 0.85
 # name, seconds at most
@@ -229,22 +228,14 @@ def measure(a: argparse.Namespace) -> None:
         },
         capture=list(trainer.spec.aux_indices),
     )
-    host = list(itertools.islice(trainer.train_batches(), a.warmup + a.steps))
-    warm, timed = host[: a.warmup], host[a.warmup :]
-    tokens = sum(int(t.lengths.sum()) for t in timed)
+    warm, timed, tokens = first_micro_batches(trainer, a.warmup, a.steps)
     save(micro_batches=len(timed), tokens=tokens)
 
     def online(batches: list[Any]) -> None:
-        stream = source.device_batches(iter(batches))
-        for _ in batches:
-            trainer.train_step(stream)
+        train_on(trainer, batches)
 
     def rate(run: Any, batches: list[Any]) -> float:
-        sync(device)
-        begin = time.perf_counter()
-        run(batches)
-        sync(device)
-        return tokens / (time.perf_counter() - begin)
+        return tokens_per_s(tokens, device, lambda: run(batches))
 
     figures: dict[str, float] = {}
     parts = {

@@ -31,7 +31,6 @@ tests/standin_engines.py (a ``vllm`` on PATH that runs it): numbers meaningless.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shutil
@@ -44,7 +43,7 @@ from typing import Any
 
 import torch
 from bench_online import conversations
-from common import run_isolated, sync
+from common import first_micro_batches, run_isolated, tokens_per_s, train_on
 
 CASES = {"llama8b": 420, "qwen3_30b_a3b": 480}  # name -> seconds at most per mode
 MODES = ("online", "served")
@@ -232,22 +231,14 @@ def measure(a: argparse.Namespace) -> None:
     try:
         source = trainer.source
         save(setup_s=time.perf_counter() - start, capture=list(trainer.spec.aux_indices))
-        host = list(itertools.islice(trainer.train_batches(), a.warmup + a.steps))
-        warm, timed = host[: a.warmup], host[a.warmup :]
-        tokens = sum(int(t.lengths.sum()) for t in timed)
+        warm, timed, tokens = first_micro_batches(trainer, a.warmup, a.steps)
         save(micro_batches=len(timed), tokens=tokens)
 
         def train(batches: list[Any]) -> None:
-            stream = source.device_batches(iter(batches))
-            for _ in batches:
-                trainer.train_step(stream)
+            train_on(trainer, batches)
 
         def rate(work_: Any) -> float:
-            sync(device)
-            begin = time.perf_counter()
-            work_()
-            sync(device)
-            return tokens / (time.perf_counter() - begin)
+            return tokens_per_s(tokens, device, work_)
 
         def rate_on(step_all: Any) -> float:
             """The draft step alone: on states computed before the clock starts."""

@@ -3,6 +3,7 @@ random-weight Llama target, running one case in its own process, and filler word
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -37,6 +38,31 @@ FILLER_WORDS = [
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def first_micro_batches(trainer: Any, warmup: int, steps: int) -> tuple[list[Any], list[Any], int]:
+    """A trainer's first ``warmup + steps`` host micro-batches: the warm-up ones, the timed ones,
+    and the timed ones' tokens."""
+    host = list(itertools.islice(trainer.train_batches(), warmup + steps))
+    timed = host[warmup:]
+    return host[:warmup], timed, sum(int(t.lengths.sum()) for t in timed)
+
+
+def train_on(trainer: Any, batches: list[Any]) -> None:
+    """One optimizer step per micro-batch, fed through the trainer's source (its forward, or the
+    engine's states, overlapped as the source does it)."""
+    stream = trainer.source.device_batches(iter(batches))
+    for _ in batches:
+        trainer.train_step(stream)
+
+
+def tokens_per_s(tokens: int, device: torch.device, work: Callable[[], Any]) -> float:
+    """``tokens`` over the seconds ``work()`` takes, the device synchronised on both sides."""
+    sync(device)
+    begin = time.perf_counter()
+    work()
+    sync(device)
+    return tokens / (time.perf_counter() - begin)
 
 
 def matmul_rate(device: torch.device, n: int, dtype: torch.dtype) -> float:
