@@ -103,7 +103,7 @@ class EngineConfig:
     """The engine replicas that serve the target and return its states (``engine.*``, with
     ``source=served``)."""
 
-    name: str = "vllm"  # vllm | sglang: the engine (its hidden-state capture: docs/guide/served-training.md)
+    name: str = "vllm"  # vllm | sglang: the engine (its hidden-state capture: docs/guide/large-targets.md)
     urls: list[str] = field(default_factory=list)
     """replicas already running (several: each request goes to the least busy); with launch=true, leave empty"""
     final_urls: list[str] = field(
@@ -212,6 +212,17 @@ def check_engine_args(engine: Engine, engine_args: str) -> None:
         ) from None
 
 
+def served_engine(cfg: EngineConfig) -> Engine:
+    """The engine ``engine.name`` names, refused unless it has a hidden-state capture (a server to
+    ask), its ``engine.engine_args`` checked against its command line (unless ``check_args``)."""
+    engine = registry.engine(cfg.name, "dump", "engine.name")
+    if engine.capture is None:  # transformers in this process: no server
+        raise ConfigError(f"engine.name={cfg.name} runs in this process: use source=online")
+    if cfg.check_args:
+        check_engine_args(engine, cfg.engine_args)
+    return engine
+
+
 class EnginePlan:
     """The replicas one run talks to: their URLs and files, the engine ids that capture the trained
     layers (refused here, before anything starts, when the engine cannot capture them), and the
@@ -230,15 +241,9 @@ class EnginePlan:
     def __init__(
         self, cfg: EngineConfig, engine: Engine, about: Target, target: str, aux: list[int], longest: int, out: Path
     ):
-        assert engine.capture is not None, "ServedSource refuses engines without a capture"
-        self.cfg, self.capture, self.about, self.target, self.aux, self.out = (
-            cfg,
-            engine.capture,
-            about,
-            target,
-            aux,
-            out,
-        )
+        assert engine.capture is not None, "served_engine refuses engines without a capture"
+        self.cfg, self.capture, self.about = cfg, engine.capture, about
+        self.target, self.aux, self.out = target, aux, out
         self.dtype = resolve_dtype(cfg.dtype, "cuda")  # the engine's GPUs
         self.servers = self._servers(longest)
         n = about.num_hidden_layers
@@ -327,11 +332,7 @@ def launch_text(cfg: Any) -> str:
     prepared.identity_for(about, cfg.target)  # data of another tokenizer is refused here too
     aux = capture_indices(cfg.online.aux_indices, about.num_hidden_layers)
     longest = int(min(cfg.train.max_tokens_per_batch, prepared.num_tokens.max()))
-    engine = registry.engine(e.name, "dump", "engine.name")
-    if engine.capture is None:
-        raise ConfigError(f"engine.name={e.name} runs in this process: use source=online")
-    if e.check_args:
-        check_engine_args(engine, e.engine_args)
+    engine = served_engine(e)
     plan = EnginePlan(
         replace(e, urls=[], final_urls=[]), engine, about, cfg.target, aux, longest, Path(cfg.out).expanduser()
     )
@@ -374,12 +375,9 @@ class ServedSource(PreparedSource):
     ):
         self.engine_cfg, self.device, self.dtype, self.dist = engine, dist.device, dtype, dist
         self.target_name, self.cache_dir = target, cache_dir
-        self.engine = registry.engine(engine.name, "dump", "engine.name")
-        if self.engine.capture is None:  # transformers in this process: no server
-            raise ConfigError(f"engine.name={engine.name} runs in this process: use source=online")
+        self.engine = served_engine(engine)
+        assert self.engine.capture is not None  # served_engine refuses the others
         self.capture = self.engine.capture
-        if engine.check_args:
-            check_engine_args(self.engine, engine.engine_args)
         if not engine.launch and not engine.urls:
             raise ConfigError("source=served needs engine.urls=[...] (replicas already running) or engine.launch=true")
         if engine.final_urls and engine.name != "sglang":
@@ -397,10 +395,9 @@ class ServedSource(PreparedSource):
         longest = int(min(max_length, self.prepared.num_tokens.max()))
         # what the engine cannot capture or serve is refused here, before anything starts
         self.plan = EnginePlan(engine, self.engine, about, target, list(self.aux), longest, out)
-        self.servers, self.layer_ids, self.engine_dtype = self.plan.servers, self.plan.layer_ids, self.plan.dtype
         self.processes = self._launch() if engine.launch and dist.local_rank == 0 else None
         try:
-            self._split(str(self.engine_dtype).removeprefix("torch."), max_length, out, dist)
+            self._split(str(self.plan.dtype).removeprefix("torch."), max_length, out, dist)
             names = tuple(dict.fromkeys((*self.capture.tensors, "head")))
             _, tensors = load_target_tensors(target, names, cache_dir=cache_dir)
             self.check = (
@@ -414,9 +411,9 @@ class ServedSource(PreparedSource):
             replicas = [
                 Replica(
                     self.plan.urls(s),
-                    self.capture.client(replace(job, server=s, rank=dist.rank * len(self.servers) + i), tensors),
+                    self.capture.client(replace(job, server=s, rank=dist.rank * len(self.plan.servers) + i), tensors),
                 )
-                for i, s in enumerate(self.servers)
+                for i, s in enumerate(self.plan.servers)
             ]
             self.stream = StateStream(replicas, engine, self._alive, self.check, pin=dist.device.type == "cuda")
             self.states_from = self._record()
@@ -425,14 +422,14 @@ class ServedSource(PreparedSource):
             raise
         logger.info(
             f"source=served: {len(replicas)} {self.engine.title} replica(s) ({', '.join(r.name for r in replicas)}), "
-            f"{self.states_from.get('version') or 'version unknown'}; engine ids {self.layer_ids} for HF indices "
+            f"{self.states_from.get('version') or 'version unknown'}; engine ids {self.plan.layer_ids} for HF indices "
             f"{list(self.aux)} + the last layer"
         )
 
     def _launch(self) -> EngineProcesses:
         """Start every replica of this node with the command lines the capture prints."""
         if self.engine_cfg.name == "vllm":  # the engine writes into it from its first request
-            server = self.servers[0]
+            server = self.plan.servers[0]
             Path(server.server_files_dir or server.files_dir or self.out / FILES_DIR).mkdir(parents=True, exist_ok=True)
         return EngineProcesses(self.plan.commands())
 
@@ -455,10 +452,10 @@ class ServedSource(PreparedSource):
             about.num_hidden_layers,
             about.hidden_size,
             eps,
-            self.engine_dtype,
+            self.plan.dtype,
             rank,
             self.out,
-            self.servers[0],
+            self.plan.servers[0],
             client,
         )
 
@@ -473,12 +470,12 @@ class ServedSource(PreparedSource):
         record: dict[str, Any] = {
             "engine": e.name,
             "version": self.stream.version,
-            "dtype": str(self.engine_dtype).removeprefix("torch."),
+            "dtype": str(self.plan.dtype).removeprefix("torch."),
             "quantization": flags.get("--quantization") or flags.get("-q"),
             "kv_cache_dtype": flags.get("--kv-cache-dtype"),
-            "layer_ids": list(self.layer_ids),
+            "layer_ids": list(self.plan.layer_ids),
             "aux_indices": list(self.aux),
-            "replicas": len(self.servers),
+            "replicas": len(self.plan.servers),
             "launched": e.launch,
             "engine_args": e.engine_args,
         }
@@ -673,12 +670,17 @@ class StateStream:
                 finally:
                     replica.in_flight -= 1
                 break
+        await asyncio.to_thread(self._checked, states, next_token, sample_id, replica.name)
+        return states
+
+    def _checked(self, states: dict[str, torch.Tensor], next_token: int | None, sample_id: int, where: str) -> None:
+        """(on a worker thread: [T, K, H] passes the event loop must not wait for) Finite states,
+        and the next-token check on the first ``check_samples`` samples."""
         if not all(bool(torch.isfinite(v).all()) for v in states.values()):
-            raise EngineError(f"{replica.name} returned non-finite states for sample {sample_id}")
+            raise EngineError(f"{where} returned non-finite states for sample {sample_id}")
         check = self.check
         if check is not None and next_token is not None and check.counts["checked"] < self.cfg.check_samples:
-            await asyncio.to_thread(check, states["last_hidden"][-1], int(next_token), sample_id)
-        return states
+            check(states["last_hidden"][-1], int(next_token), sample_id)
 
     def _pick(self, sample_id: int) -> Replica:
         live = [r for r in self.replicas if r.lost is None]
