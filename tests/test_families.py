@@ -185,3 +185,28 @@ def test_online_training_equals_offline_training(fam, tmp_path):
         online=OnlineConfig(draft_vocab_size=VOCAB, eval_fraction=EVAL),
     )
     assert_same_training(root / "train", tmp_path / "on", rel=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_served_training_equals_offline_training(fam, tmp_path):
+    """The target of the family served by a stand-in vLLM (the engine ids vLLM's rule gives for
+    the trained capture, the final norm the family's own) trains exactly as offline on its dump."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_train.engines.vllm import dump_layer_ids
+    from eagle3_train.training.served import EngineConfig
+    from standin_engines import StandinVllm
+
+    root = fam["root"]
+    model = AutoModelForCausalLM.from_pretrained(fam["target"], dtype=torch.float32)
+    mt, n = model.config.model_type, model.config.num_hidden_layers
+    with StandinVllm(model, dump_layer_ids(DEFAULT_AUX, mt, n), tmp_path / "storage", write_delay_s=0.005) as server:
+        train(
+            root / "prep",
+            tmp_path / "served",
+            target=fam["target"],
+            source="served",
+            online=OnlineConfig(draft_vocab_size=VOCAB, eval_fraction=EVAL),
+            engine=EngineConfig(urls=[server.url], dtype="float32", files_dir=str(tmp_path / "files"), backoff_s=0.01),
+        )
+    assert_same_training(root / "train", tmp_path / "served", rel=1e-4, atol=1e-4)
