@@ -396,8 +396,10 @@ class ServedSource(PreparedSource):
         # what the engine cannot capture or serve is refused here, before anything starts
         self.plan = EnginePlan(engine, self.engine, about, target, list(self.aux), longest, out)
         self.processes = self._launch() if engine.launch and dist.local_rank == 0 else None
+        split = lambda: self._split(str(self.plan.dtype).removeprefix("torch."), max_length, out, dist)  # noqa: E731
         try:
-            self._split(str(self.plan.dtype).removeprefix("torch."), max_length, out, dist)
+            if engine.launch:  # the vocab is counted while the engines load
+                split()
             names = tuple(dict.fromkeys((*self.capture.tensors, "head")))
             _, tensors = load_target_tensors(target, names, cache_dir=cache_dir)
             self.check = (
@@ -416,6 +418,8 @@ class ServedSource(PreparedSource):
                 for i, s in enumerate(self.plan.servers)
             ]
             self.stream = StateStream(replicas, engine, self._alive, self.check, pin=dist.device.type == "cuda")
+            if not engine.launch:  # replicas given by URL answered first: a wrong URL fails before any counting
+                split()
             self.states_from = self._record()
         except BaseException:
             self.close()
