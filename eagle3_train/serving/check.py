@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -329,8 +329,8 @@ def _check_vocab(config: dict, tensors: dict[str, torch.Tensor], v: int) -> list
     return out
 
 
-# the states_from fields serving.* is compared on, and how a difference reads
-STATES_FIELDS = ("engine", "version", "dtype", "quantization", "tensor_parallel_size")
+# the states_from fields serving.* is compared on: its own fields
+STATES_FIELDS = tuple(f.name for f in fields(ServingConfig))
 
 
 def check_states_from(config: dict, serving: ServingConfig) -> tuple[list[str], list[Finding]]:
