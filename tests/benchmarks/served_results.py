@@ -5,6 +5,7 @@ projection of GPU-hours for 500k conversations x 2k tokens from the measured rat
 
     python3 tests/benchmarks/served_results.py --scale tests/benchmarks/results/raw/served_scale_run*_h200.json \
         --equality tests/benchmarks/results/raw/served_equality_h200.json \
+        --quantized tests/benchmarks/results/raw/served_fp8_h200.json \
         --out tests/benchmarks/results/served_h200.json
 """
 
@@ -101,7 +102,30 @@ def case(runs: list[dict], key: str) -> dict[str, Any]:
     return found
 
 
-def build(scale_files: list[Path], equality: Path) -> dict[str, Any]:
+def quantized(raw: Path) -> dict[str, Any]:
+    """SmolLM2 served by vLLM with fp8 weights (``--quantization fp8``) beside the bf16 in-process
+    runs: the states differ by the quantization (step-1 loss), the draft trains on them, and the run
+    records what fed it."""
+    got = json.loads(raw.read_text())
+    runs = got["smollm2"]["runs"]
+    ref, srv, seed1 = runs["online_seed0"], runs["served_seed0"], runs["online_seed1"]
+    return {
+        "engine_args": srv["states_from"]["engine_args"],
+        "states_from": srv["states_from"],
+        "engine_log": got["note"],
+        "first_step_loss_online_bf16": ref["first_step"]["loss"],
+        "first_step_loss_served_fp8": srv["first_step"]["loss"],
+        "first_step_loss_rel_diff": got["smollm2"]["first_step_loss_rel_diff"],
+        "eval_tau_online_bf16": ref["final_eval"]["eval_tau"],
+        "eval_tau_served_fp8": srv["final_eval"]["eval_tau"],
+        "eval_tau_diff_served_vs_online": got["smollm2"]["eval_tau_diff_served_vs_online"],
+        "eval_tau_diff_seed1_vs_seed0": seed1["final_eval"]["eval_tau"] - ref["final_eval"]["eval_tau"],
+        "tokens_per_s_served_over_online": got["smollm2"]["tokens_per_s_served_over_online"],
+        "eval_on": "each run's own held-out states (the fp8 run's from the fp8 engine: the states it will be served with)",
+    }
+
+
+def build(scale_files: list[Path], equality: Path, quantized_raw: Path | None = None) -> dict[str, Any]:
     runs = [json.loads(p.read_text()) for p in scale_files]
     figures = {
         k: case(runs, k) for k in ("llama8b/online", "llama8b/served", "qwen3_30b_a3b/online", "qwen3_30b_a3b/served")
@@ -164,8 +188,9 @@ def build(scale_files: list[Path], equality: Path) -> dict[str, Any]:
         "SmolLM2 and a tiny qwen3_moe target; tokens/s, memory and disk in flight at the 8B and 30B-A3B shapes; "
         "a projection of GPU-hours",
         "machine": "1 x NVIDIA H200 (device tool), torch 2.11.0+cu130, transformers 5.17.0, vLLM 0.26.0; engine and "
-        "trainer sharing the GPU (vLLM --gpu-memory-utilization 0.45 for 8B, --enforce-eager, states via "
-        "ExampleHiddenStatesConnector into /dev/shm)",
+        "trainer sharing the GPU (vLLM --gpu-memory-utilization 0.45 for 8B and 0.6 for 30B-A3B, --enforce-eager, "
+        "--load-format dummy at both shapes, states via ExampleHiddenStatesConnector into /dev/shm); three leases of "
+        "that machine kind (the 30B-A3B served figure from the third)",
         "date": "2026-12-04",
         "runs": "single run per configuration (per seed for the equality runs)",
         "commands": {
@@ -177,6 +202,11 @@ def build(scale_files: list[Path], equality: Path) -> dict[str, Any]:
         "scale": table,
         "failed": failed,
     }
+    if quantized_raw is not None:
+        out["quantized"] = quantized(quantized_raw)
+        out["commands"]["quantized"] = (
+            "W=/tmp/j/fp8 STEPS=smollm2 VLLM_ARGS='--enforce-eager --quantization fp8' python3 tests/benchmarks/served_gpu.py"
+        )
     out["projection"] = projection(table)
     out["tables"] = tables(out)
     out["raw_runs"] = runs
@@ -218,6 +248,20 @@ def tables(out: dict[str, Any]) -> list[dict[str, Any]]:
                 else "-",
             ]
         )
+    if "quantized" in out:
+        q = out["quantized"]
+        rows.append(
+            [
+                "smollm2, served with fp8 weights",
+                f"{q['first_step_loss_online_bf16']:.4f}",
+                f"{q['first_step_loss_served_fp8']:.4f}",
+                f"{q['first_step_loss_rel_diff']:.1e}",
+                f"{q['eval_tau_online_bf16']:.3f}",
+                f"{q['eval_tau_served_fp8']:.3f}",
+                f"{q['eval_tau_diff_served_vs_online']:+.4f}",
+                f"{q['eval_tau_diff_seed1_vs_seed0']:+.4f}",
+            ]
+        )
     proj = out["projection"]
     proj_rows = [
         [name, f"{t['target_gflop_per_token']:.0f}", f"{t['draft_gflop_per_token']:.0f}", f"{t['gpu_hours_served']:.0f}",
@@ -226,7 +270,8 @@ def tables(out: dict[str, Any]) -> list[dict[str, Any]]:
     ]  # fmt: skip
     return [
         {
-            "title": "source=served against source=online (same data and options, bf16, vLLM 0.26.0)",
+            "title": "source=served against source=online (same data and options, vLLM 0.26.0; bf16 unless the row "
+            "says fp8: then vLLM quantized the weights, the in-process target stayed bf16)",
             "header": ["target", "step-1 loss online", "served", "rel. diff", "eval tau online", "served",
                        "served - online", "seed 1 - seed 0"],
             "rows": rows,
@@ -294,9 +339,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", nargs="+", type=Path, required=True)
     p.add_argument("--equality", type=Path, required=True)
+    p.add_argument("--quantized", type=Path, default=None, help="served_gpu.py's results.json of an fp8-served run")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
-    a.out.write_text(json.dumps(build(a.scale, a.equality), indent=1) + "\n")
+    a.out.write_text(json.dumps(build(a.scale, a.equality, a.quantized), indent=1) + "\n")
 
 
 if __name__ == "__main__":
