@@ -13,6 +13,22 @@ How the mask is found, for any template, without per-model patterns:
 
 The ids equal ``apply_chat_template(..., tokenize=True)``; no per-role tokenisation is spliced,
 so no token boundary differs from what the target sees at serving time.
+
+Conversations rendered as served. An engine answering assistant turn k renders the request
+``messages[:k]`` with the generation prompt and the flags it was given (``chat_template_kwargs``),
+and the model generates the reply after it. A conversation rendered once is only right for training
+when, for every turn, that request followed by the reply is a prefix of the whole render. Templates
+of reasoning models break this: Qwen3's, DeepSeek-R1's and Kimi-K2-Thinking's drop the reasoning
+of earlier assistant turns, gpt-oss's earlier analysis channels, DeepSeek-V3.1's render no reasoning
+at all. :func:`render_conversation` checks it by rendering each turn's request (never by family
+name); where it fails, every assistant turn becomes its own sample: the request's ids, then the
+reply's ids, the loss on the reply alone (its reasoning, its answer, its end-of-turn token).
+
+A turn's reply is what the template renders after the request when the turn is the last message.
+A template that renders the last turn differently from its own generation prompt (DeepSeek-V3.1
+with ``thinking=true``: the prompt opens ``<think>``, the rendered turn closes it empty) has the
+reply taken from the message's content as the model wrote it (reasoning inline, e.g.
+``<think>…</think>answer``), minus what the prompt already holds, plus the template's end of turn.
 """
 
 from __future__ import annotations
@@ -23,7 +39,12 @@ from typing import Any
 
 import numpy as np
 
-from data_prep.conversations import BadRow
+from data_prep.conversations import REASONING_FIELDS, BadRow
+from eagle3_train.core.split import MAX_TURNS
+from eagle3_train.targets import template_kwargs
+
+RENDER_MODES = ("auto", "whole", "per_turn")
+MIN_PROMPT_OVERLAP = 3  # characters of a reply's start that must match the prompt's end to be dropped as already there
 
 
 @dataclass
@@ -47,7 +68,9 @@ def special_ids(tokenizer: Any, eos_ids: set[int] | None = None) -> set[int]:
 def render_text(tokenizer: Any, messages: list[dict], source: str, add_generation_prompt: bool = False) -> str:
     """The template's text for ``messages``; template exceptions become a :class:`BadRow`."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs(tokenizer)
+        )
     except Exception as e:  # jinja's raise_exception(), undefined fields, ...
         raise BadRow(source, "template_error", f"the chat template refused this conversation: {e}") from None
 
@@ -92,6 +115,152 @@ def assistant_spans(tokenizer: Any, messages: list[dict], source: str) -> tuple[
     return text, spans
 
 
+@dataclass
+class ServedTurn:
+    """One assistant turn as an engine serves it: the request's text (generation prompt included)
+    and the reply the model generates after it (end-of-turn token included)."""
+
+    prompt: str
+    reply: str
+
+
+def _cut_after_end(tokenizer: Any, tail: str, end_ids: set[int]) -> str:
+    """``tail`` up to and including its last end-of-turn token (what a template adds after the
+    turn's end, e.g. a newline, is not generated); all of it when it has none."""
+    enc = tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True)
+    ends = [e for t, (_, e) in zip(enc["input_ids"], enc["offset_mapping"]) if t in end_ids]
+    return tail[: ends[-1]] if ends else tail
+
+
+def served_turn(tokenizer: Any, messages: list[dict], i: int, source: str, end_ids: set[int]) -> ServedTurn:
+    """Assistant message ``i`` as served: ``messages[:i]`` rendered with the generation prompt, and
+    the reply (module docstring)."""
+    prompt = render_text(tokenizer, messages[:i], source, add_generation_prompt=True)
+    full = render_text(tokenizer, messages[: i + 1], source)
+    if full.startswith(prompt):
+        return ServedTurn(prompt, _cut_after_end(tokenizer, full[len(prompt) :], end_ids))
+    m = messages[i]
+    content = m["content"]
+    if any(m[f] not in full for f in _fields(m)):
+        raise BadRow(
+            source,
+            "template_drops_reasoning",
+            f"the chat template renders this turn differently from its own generation prompt and leaves out its "
+            f"{'/'.join(f for f in _fields(m) if m.get(f))}: give the reasoning inline in content as the model writes "
+            f"it (e.g. <think>...</think>answer), or pass a chat_template= that renders the last turn's reasoning",
+            f"messages[{i}]",
+        )
+    overlap = next(
+        (k for k in range(min(len(prompt), len(content)), MIN_PROMPT_OVERLAP - 1, -1) if prompt.endswith(content[:k])),
+        0,
+    )
+    nonce = f"XEAGLE3END{secrets.token_hex(6)}X"
+    closed = render_text(tokenizer, [*messages[:i], {"role": "assistant", "content": nonce}], source)
+    after = closed[closed.find(nonce) + len(nonce) :] if closed.count(nonce) == 1 else ""
+    return ServedTurn(prompt, content[overlap:] + _cut_after_end(tokenizer, after, end_ids))
+
+
+def _fields(message: dict) -> list[str]:
+    """The reasoning fields a message carries."""
+    return [f for f in REASONING_FIELDS if isinstance(message.get(f), str) and message[f]]
+
+
+@dataclass
+class TurnSample:
+    """One sample of a conversation: ``turn`` is None for the whole conversation, else the number
+    (from 0) of the assistant turn it holds (per-turn rendering)."""
+
+    turn: int | None
+    rendered: Rendered | BadRow
+
+
+def render_conversation(
+    tokenizer: Any,
+    messages: list[dict],
+    source: str,
+    *,
+    max_length: int,
+    truncate: bool,
+    end_ids: set[int],
+    mode: str = "auto",
+) -> tuple[list[TurnSample], dict[str, int]]:
+    """The samples of one conversation (module docstring): one, the whole conversation, when every
+    turn's served request and reply continue its render; else (``mode=auto``) one per assistant
+    turn, each ``BadRow`` or not on its own. ``mode=whole`` refuses such a conversation,
+    ``mode=per_turn`` always renders per turn. Also returns what the rendering cost: ``tokens``
+    rendered, ``tokens_whole`` (the conversation rendered once) and ``shared_prefix_tokens`` (ids a
+    turn's sample shares with the previous turn's, which a prefix cache could skip)."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    served: list[ServedTurn] | None = None
+    whole_error: BadRow | None = None
+    if mode != "per_turn":
+        try:
+            text, spans = assistant_spans(tokenizer, messages, source)
+        except BadRow as e:
+            if e.reason != "template_alters_content":
+                raise
+            whole_error = _rewrites(source)
+        else:
+            served = [served_turn(tokenizer, messages, i, source, end_ids) for i in turns]
+            if all(text.startswith(t.prompt + t.reply) for t in served):
+                # the reply regions: what the model generates, reasoning included, beside the content spans
+                regions = [(len(t.prompt), len(t.prompt) + len(t.reply)) for t in served]
+                r = _tokenise(tokenizer, text, spans, source, max_length, truncate, end_ids, regions)
+                return [TurnSample(None, r)], {}
+            whole_error = _rewrites(source)
+    if mode == "whole":
+        assert whole_error is not None
+        raise whole_error
+    if len(turns) > MAX_TURNS:
+        raise BadRow(source, "too_many_turns", f"{len(turns)} assistant turns; per-turn rendering takes {MAX_TURNS}")
+    if served is None:
+        served = [served_turn(tokenizer, messages, i, source, end_ids) for i in turns]
+    out, previous, cost = [], None, {"tokens": 0, "tokens_whole": 0, "shared_prefix_tokens": 0}
+    for n, t in enumerate(served):
+        ids_p = tokenizer(t.prompt, add_special_tokens=False)["input_ids"]
+        ids_r = tokenizer(t.reply, add_special_tokens=False)["input_ids"]
+        ids = np.asarray(ids_p + ids_r, dtype=np.int32)
+        mask = np.concatenate([np.zeros(len(ids_p), np.uint8), np.ones(len(ids_r), np.uint8)])
+        where = f"{source} (assistant turn {n + 1})"
+        cost["tokens"] += min(len(ids), max_length) if truncate else len(ids)
+        if previous is not None:
+            k = min(len(previous), len(ids))
+            differ = np.nonzero(previous[:k] != ids[:k])[0]
+            cost["shared_prefix_tokens"] += int(differ[0]) if len(differ) else k
+        previous = ids
+        out.append(TurnSample(n, _cut(ids, mask, where, max_length, truncate)))
+    whole = render_text(tokenizer, messages, source)
+    cost["tokens_whole"] = len(tokenizer(whole, add_special_tokens=False)["input_ids"])
+    return out, cost
+
+
+def _rewrites(source: str) -> BadRow:
+    return BadRow(
+        source,
+        "template_rewrites_history",
+        "rendered once, this conversation is not what the engine renders for each turn (the chat template "
+        "rewrites earlier turns, e.g. drops their reasoning); render=auto trains each turn as served",
+    )
+
+
+def _cut(ids: np.ndarray, mask: np.ndarray, source: str, max_length: int, truncate: bool) -> Rendered | BadRow:
+    """``max_length`` applied; a BadRow when it refuses or leaves nothing to train on."""
+    truncated = len(ids) > max_length
+    if truncated:
+        if not truncate:
+            return BadRow(source, "too_long", f"{len(ids)} tokens exceed max_length={max_length} (truncate=false)")
+        ids, mask = ids[:max_length], mask[:max_length]
+    if not mask.any():
+        return BadRow(
+            source,
+            "no_assistant_tokens",
+            f"no assistant token within the first max_length={max_length} tokens (the sample has {len(mask)})"
+            if truncated
+            else "no assistant token to train on",
+        )
+    return Rendered(ids, mask, truncated)
+
+
 def render_with_mask(
     tokenizer: Any,
     messages: list[dict],
@@ -107,6 +276,21 @@ def render_with_mask(
     off, or when truncation leaves no assistant token to train on.
     """
     text, spans = assistant_spans(tokenizer, messages, source)
+    return _tokenise(tokenizer, text, spans, source, max_length, truncate, end_ids)
+
+
+def _tokenise(
+    tokenizer: Any,
+    text: str,
+    spans: list[tuple[int, int]],
+    source: str,
+    max_length: int,
+    truncate: bool,
+    end_ids: set[int],
+    regions: list[tuple[int, int]] = (),  # type: ignore[assignment]
+) -> Rendered:
+    """``text`` tokenised once, the tokens overlapping ``spans`` masked (and each content span's
+    end-of-turn token), and those overlapping ``regions`` (served replies, their end included)."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int32)
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
@@ -124,6 +308,8 @@ def render_with_mask(
             j += 1
         if j < len(ids) and ids[j] in end_ids and text[b : starts[j]].strip() == "":
             mask[inside[-1] + 1 : j + 1] = 1
+    for a, b in regions:
+        mask[(starts < b) & (ends > a)] = 1
     truncated = len(ids) > max_length
     if truncated:
         if not truncate:

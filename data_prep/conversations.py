@@ -18,6 +18,11 @@ from eagle3_train.core.errors import BadInputError
 from eagle3_train.core.fileio import table_rows
 from eagle3_train.core.prompt_files import ROLE_ALIASES
 
+# Where a message may carry its reasoning apart from its content, by the names templates and engines
+# use: reasoning_content (Qwen3, Kimi-K2, DeepSeek's API, vLLM and SGLang responses), reasoning (vLLM's
+# newer responses), thinking (gpt-oss's template). Kept as given and passed to the template as given.
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
+
 
 class BadRow(BadInputError):
     """A row that cannot be used; ``reason`` is a short code counted under ``on_bad_row=skip``."""
@@ -202,11 +207,22 @@ def normalize(row: Any, source: str, *, need_assistant: bool = True) -> Conversa
         content = _text(turn.get(text_key), source, f"{where}.{text_key}")
         if role == "system" and i != 0:
             raise BadRow(source, "misplaced_system", "a system message may only be the first message", where)
+        message = {"role": role, "content": content}
         if role == "assistant":
-            content = content.strip()
-            if not content:
+            message["content"] = content = content.strip()
+            for name in REASONING_FIELDS:
+                value = turn.get(name)
+                if value is None:
+                    continue
+                if not isinstance(value, str):
+                    raise BadRow(
+                        source, "bad_reasoning", f"must be a string, got {type(value).__name__}", f"{where}.{name}"
+                    )
+                if value.strip():
+                    message[name] = value.strip()
+            if not content and len(message) == 2:
                 raise BadRow(source, "empty_content", "assistant message is empty", f"{where}.{text_key}")
-        messages.append({"role": role, "content": content})
+        messages.append(message)
     if not any(m["role"] != "system" for m in messages):
         raise BadRow(source, "empty_conversation", "conversation holds only a system prompt", key)
     if need_assistant and not any(m["role"] == "assistant" for m in messages):

@@ -30,7 +30,7 @@ import numpy as np
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from data_prep.chat import Rendered, render_with_mask, special_ids
+from data_prep.chat import RENDER_MODES, Rendered, TurnSample, render_conversation, special_ids
 from data_prep.conversations import BadRow, Conversation, input_fingerprint, iter_raw_rows, normalize
 from data_prep.regenerate import RegenConfig, regenerate
 from data_prep.synthesize import SynthConfig, Synthesizer, template_name
@@ -47,6 +47,7 @@ from eagle3_train.core.fileio import (
     sha256_json,
 )
 from eagle3_train.core.log import LogConfig, progress_bar
+from eagle3_train.core.reasoning import check_template_kwargs
 from eagle3_train.core.split import COPY_SHIFT, MAX_COPIES, copy_id
 from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.engines import registry
@@ -75,6 +76,10 @@ class PrepareConfig:
     split: str = "train"  # split to read when input is a hub dataset id
     cache_dir: str | None = None  # where GGUF targets are converted once (never the working dir)
     chat_template: str | None = None  # replaces the tokenizer's template: a .jinja file or the text
+    chat_template_kwargs: Any = None
+    """flags passed to the chat template at every render, as engines take chat_template_kwargs (e.g. chat_template_kwargs.enable_thinking=false for Qwen3, .thinking=true for DeepSeek-V3.1, .reasoning_effort=high for gpt-oss); recorded with the target's identity, carried to the export, and compared by eval, check and served acceptance"""
+    render: str = "auto"
+    """auto: a conversation is one sample when every assistant turn's served request (the template's render of the messages before it, with the generation prompt) and reply continue its render, else one sample per assistant turn, rendered as the engine renders that turn's request (a template that drops earlier reasoning); whole: such conversations are bad rows (template_rewrites_history); per_turn: every conversation per turn"""
     max_length: int = 2048  # longest tokenised conversation kept
     truncate: bool = True  # cut longer conversations to max_length (false: they are bad rows)
     on_bad_row: str = "error"  # error: stop at the first bad row; skip: count it and go on
@@ -97,6 +102,9 @@ class PrepareConfig:
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, auto=True)
+        check_template_kwargs(self.chat_template_kwargs)
+        if self.render not in RENDER_MODES:
+            raise ConfigError(f"render must be one of {RENDER_MODES}, got {self.render!r}")
         if self.on_bad_row not in BAD_ROW_POLICIES:
             raise ConfigError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.on_bad_row!r}")
         check_numbers(
@@ -118,6 +126,22 @@ class PrepareConfig:
 
 
 ConfigStore.instance().store(name="prepare_schema", node=PrepareConfig)
+
+
+@dataclass
+class Row:
+    """One sample to write: its conversation, the assistant turn it holds (None: all of them) and
+    its ids and mask."""
+
+    conversation: Conversation
+    turn: int | None
+    rendered: Rendered
+
+    @property
+    def source(self) -> str:
+        """Where the sample came from: the input row, and its turn when rendered per turn."""
+        where = self.conversation.source
+        return where if self.turn is None else f"{where} turn {self.turn + 1}"
 
 
 class BadRows:
@@ -207,6 +231,7 @@ class Preparer:
             dtype=c.dtype,
             device=str(self.dist.device),
             chat_template=c.chat_template,
+            chat_template_kwargs=c.chat_template_kwargs,
             trust_remote_code=c.trust_remote_code,
         )
 
@@ -231,8 +256,9 @@ class Preparer:
             opts["regen"] = {k: v for k, v in opts["regen"].items() if k != "server"}
         if not opts.get("synthesize"):
             opts.pop("synth", None)
-        if opts.get("repeat", 1) == 1:  # outputs made before the option existed stay this run's
-            opts.pop("repeat", None)
+        for key, defaults in (("repeat", (1,)), ("render", ("auto",)), ("chat_template_kwargs", (None, {}))):
+            if opts.get(key, defaults[0]) in defaults:  # outputs made before the option existed stay this run's
+                opts.pop(key, None)
         return opts
 
     def run(self) -> dict[str, Any] | None:
@@ -276,9 +302,12 @@ class Preparer:
             if pool is not None:
                 pool[0].shutdown(cancel_futures=True)
         if self.cfg.save_conversations:  # each conversation once, whatever repeat=
-            save_conversations([c for c, _ in rows], Path(self.cfg.save_conversations).expanduser())
-        # copy r of row i: sample id offset + i + r * 2**COPY_SHIFT (sample_ids)
-        return self.write(rows * self.cfg.repeat, stats | {"rows_read": rows_read}, regen_stats)
+            save_conversations(
+                list({id(r.conversation): r.conversation for r in rows}.values()),
+                Path(self.cfg.save_conversations).expanduser(),
+            )
+        # copy r of conversation i: sample id offset + i + r * 2**COPY_SHIFT (sample_ids)
+        return self.write(rows, stats | {"rows_read": rows_read}, regen_stats)
 
     def _tokenizing_pool(self, n: int) -> tuple[ProcessPoolExecutor, int] | None:
         """``tokenize_workers`` processes (0: one per 10,000 of ``n`` conversations, at most the CPUs
@@ -422,7 +451,8 @@ class Preparer:
                 fault_point("regen.chunk")
             out.extend(chunk)
             unfinished += data["unfinished"]
-        return out, {"turns_hit_max_new_tokens": unfinished}
+        cut = sum(bool(c.meta.get("cut_in_reasoning")) for c in out)
+        return out, {"turns_hit_max_new_tokens": unfinished, "conversations_cut_in_reasoning": cut}
 
     def _engine_stopped(self, error: Eagle3Error, chunk: int, n_chunks: int, regen_dir: Path) -> Eagle3Error:
         """A served engine's failure, naming the engine, its URL and the chunks kept."""
@@ -436,15 +466,16 @@ class Preparer:
 
     def render(
         self, conversations: list[Conversation], pool: tuple[ProcessPoolExecutor, int] | None = None
-    ) -> tuple[list[tuple[Conversation, Rendered]], dict]:
+    ) -> tuple[list[Row], dict]:
         """Tokenise every conversation with its loss mask, in ``pool`` (started earlier) or in the
         ``tokenize_workers`` processes :meth:`_tokenizing_pool` starts now."""
         tok = self.target.tokenizer
         opts: dict[str, Any] = dict(
-            regenerate=self.cfg.regenerate,
+            regenerate=self.cfg.regenerate and self.cfg.regen.cut_in_reasoning,
             max_length=self.cfg.max_length,
             truncate=self.cfg.truncate,
             end_ids=special_ids(tok, eos_ids(self.target.model, tok)),
+            mode=self.cfg.render,
         )
         bar = progress_bar(total=len(conversations), desc="tokenize", unit="conv", show=self.cfg.progress)
         began = time.time()
@@ -476,48 +507,66 @@ class Preparer:
         bar.close()
         timing["seconds"] = round(time.time() - began, 2)
         rows, truncated = [], 0
-        for conv, r in zip(conversations, rendered):
-            if isinstance(r, BadRow):
-                self.bad.handle(r)
+        per_turn = {"conversations": 0, "samples": 0, "tokens": 0, "tokens_whole": 0, "shared_prefix_tokens": 0}
+        for conv, got in zip(conversations, rendered):
+            if isinstance(got, BadRow):
+                self.bad.handle(got)
                 continue
-            truncated += r.truncated
-            rows.append((conv, r))
+            samples, cost = got
+            kept = []
+            for sample in samples:
+                if isinstance(sample.rendered, BadRow):
+                    self.bad.handle(sample.rendered)
+                    continue
+                truncated += sample.rendered.truncated
+                kept.append(Row(conv, sample.turn, sample.rendered))
+            if cost:
+                per_turn["conversations"] += 1
+                per_turn["samples"] += len(kept)
+                for key in ("tokens", "tokens_whole", "shared_prefix_tokens"):
+                    per_turn[key] += cost[key]
+            rows.extend(kept)
         if not rows:
             raise Eagle3Error(f"no usable conversation in {self.cfg.input}; {self.bad.summary()}")
-        return rows, {"truncated": truncated, "tokenize": timing}
+        return rows, {"truncated": truncated, "tokenize": timing, "per_turn": per_turn}
 
-    def sample_ids(self, n: int) -> np.ndarray:
-        """The ids of ``n`` written rows: offset + row, and for ``repeat`` copies the copy's number
-        above :data:`~eagle3_train.core.split.COPY_SHIFT` (copies share their original's train/eval
-        split)."""
-        per_copy = n // self.cfg.repeat
-        if self.cfg.sample_id_offset + per_copy > 1 << COPY_SHIFT:
+    def sample_ids(self, rows: list[Row]) -> np.ndarray:
+        """The ids of the written rows (``repeat`` copies of ``rows``): offset + the conversation's
+        number, its copy's number above :data:`~eagle3_train.core.split.COPY_SHIFT` and its
+        assistant turn's above :data:`~eagle3_train.core.split.TURN_SHIFT` where it is rendered per
+        turn (copies and turns share their conversation's train/eval split)."""
+        first = np.array([i == 0 or rows[i].conversation is not rows[i - 1].conversation for i in range(len(rows))])
+        conversation = np.cumsum(first) - 1
+        if self.cfg.sample_id_offset + int(conversation[-1]) + 1 > 1 << COPY_SHIFT:
             raise ConfigError(
-                f"sample_id_offset={self.cfg.sample_id_offset} + {per_copy} conversations passes 2**{COPY_SHIFT}, "
-                f"where sample ids number copies (repeat=): choose a smaller sample_id_offset"
+                f"sample_id_offset={self.cfg.sample_id_offset} + {int(conversation[-1]) + 1} conversations passes "
+                f"2**{COPY_SHIFT}, where sample ids number copies (repeat=): choose a smaller sample_id_offset"
             )
-        row = np.arange(n, dtype=np.int64)
-        return np.asarray(copy_id(self.cfg.sample_id_offset + row % per_copy, row // per_copy))
+        turn = np.array([r.turn or 0 for r in rows], dtype=np.int64)
+        base = self.cfg.sample_id_offset + conversation.astype(np.int64)
+        return np.concatenate([np.asarray(copy_id(base, copy, turn)) for copy in range(self.cfg.repeat)])
 
-    def write(self, rows: list[tuple[Conversation, Rendered]], stats: dict, regen_stats: dict) -> dict[str, Any]:
-        """Save the dataset, then the manifest (last, atomically)."""
+    def write(self, rows: list[Row], stats: dict, regen_stats: dict) -> dict[str, Any]:
+        """Save the dataset (``repeat`` copies of ``rows``), then the manifest (last, atomically)."""
         import pyarrow as pa
         from datasets import Dataset
 
-        lengths = np.array([len(r.input_ids) for _, r in rows], dtype=np.int64)
+        sample_ids = self.sample_ids(rows)
+        rows = rows * self.cfg.repeat
+        lengths = np.array([len(r.rendered.input_ids) for r in rows], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32 if lengths.sum() < 2**31 else np.int64)
         list_type = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
-        ids = np.concatenate([r.input_ids for _, r in rows])
-        mask = np.concatenate([r.loss_mask for _, r in rows])
-        loss_tokens = np.array([int(r.loss_mask.sum()) for _, r in rows], dtype=np.int32)
+        ids = np.concatenate([r.rendered.input_ids for r in rows])
+        mask = np.concatenate([r.rendered.loss_mask for r in rows])
+        loss_tokens = np.array([int(r.rendered.loss_mask.sum()) for r in rows], dtype=np.int32)
         table = pa.table(
             {
-                "sample_id": pa.array(self.sample_ids(len(rows))),
+                "sample_id": pa.array(sample_ids),
                 "input_ids": list_type.from_arrays(offsets, ids),
                 "loss_mask": list_type.from_arrays(offsets, mask),
                 "num_tokens": pa.array(lengths.astype(np.int32)),
                 "num_loss_tokens": pa.array(loss_tokens),
-                "source": pa.array([c.source for c, _ in rows]),
+                "source": pa.array([r.source for r in rows]),
             }
         )
         self._hold()
@@ -533,6 +582,9 @@ class Preparer:
             "truncated": stats["truncated"],
             "skipped": dict(self.bad.counts),
         }
+        if stats["per_turn"]["conversations"]:
+            # what rendering as served cost: tokens of the turn samples against the conversations rendered once
+            counts["per_turn"] = stats["per_turn"]
         body = {
             "fingerprint": self.fingerprint,
             "target": self.target.identity.to_dict(),
@@ -565,15 +617,35 @@ def save_conversations(conversations: list[Conversation], path: Path) -> None:
 
 
 def render_one(
-    tok: Any, conv: Conversation, *, regenerate: bool, max_length: int, truncate: bool, end_ids: set[int]
-) -> Rendered | BadRow:
-    """One conversation's ids and loss mask, or the BadRow that says why it cannot be used."""
+    tok: Any,
+    conv: Conversation,
+    *,
+    regenerate: str | bool,
+    max_length: int,
+    truncate: bool,
+    end_ids: set[int],
+    mode: str,
+) -> tuple[list[TurnSample], dict[str, int]] | BadRow:
+    """One conversation's samples (one, or one per assistant turn: data_prep.chat) and what
+    rendering them per turn cost, or the BadRow that says why it cannot be used. ``regenerate``:
+    false, or regen.cut_in_reasoning (drop | keep) for regenerated conversations."""
     try:
         if regenerate:
             _check_regenerated(conv)
-        return render_with_mask(
-            tok, conv.messages, conv.source, max_length=max_length, truncate=truncate, end_ids=end_ids
+            if regenerate == "drop" and conv.meta.get("cut_in_reasoning"):
+                raise BadRow(
+                    conv.source,
+                    "cut_in_reasoning",
+                    "a regenerated reply hit regen.max_new_tokens inside its reasoning (regen.cut_in_reasoning=keep "
+                    "keeps such conversations)",
+                )
+        samples, cost = render_conversation(
+            tok, conv.messages, conv.source, max_length=max_length, truncate=truncate, end_ids=end_ids, mode=mode
         )
+        for s in samples:
+            if isinstance(s.rendered, BadRow):
+                s.rendered = s.rendered.with_traceback(None)
+        return samples, cost
     except BadRow as e:
         return e.with_traceback(None)  # kept until all are rendered: not the frames of its tokenisation
 
@@ -588,7 +660,7 @@ def _tokenizing_process(tok: Any) -> None:
     _WORKER.update(tok=tok)
 
 
-def _render_slice(conversations: list[Conversation], opts: dict[str, Any]) -> tuple[float, list[Rendered | BadRow]]:
+def _render_slice(conversations: list[Conversation], opts: dict[str, Any]) -> tuple[float, list[Any]]:
     """When this process began the slice (wall clock), and the slice rendered."""
     return time.time(), [render_one(_WORKER["tok"], conv, **opts) for conv in conversations]
 

@@ -20,7 +20,9 @@ from data_prep.conversations import Conversation
 from data_prep.served_regen import ServedRegenConfig, served_generate_batch
 from eagle3_train.core.errors import ConfigError, check_numbers
 from eagle3_train.core.log import progress_bar
+from eagle3_train.core.reasoning import PROMPT_TAIL, markers_for, reasoning_tokens
 from eagle3_train.engines import registry
+from eagle3_train.targets import chat_template_of
 
 BATCHING = ("padded", "static", "continuous", "graph")
 STATIC_WIDTH_STEP = 64  # regen.batching=static: prompt widths are rounded up to this (fewer compiled shapes)
@@ -40,9 +42,13 @@ class RegenConfig:
     """hf: transformers in this process; an engine (vllm | sglang): the engine serving the target at server.url"""
     batching: str = "padded"  # hf only. padded: model.generate on left-padded, length-sorted batches of batch_size; static: the same with a static KV cache (generate compiles it on GPUs); continuous: transformers' continuous batching (model.generate_batch: paged cache, finished replies make room for new ones); graph: our own decode loop on a static cache, one CUDA graph per batch (dense llama/mistral/qwen2/qwen3; data_prep.graph_decode)
     server: ServedRegenConfig = field(default_factory=ServedRegenConfig)  # backend=vllm|sglang only
+    cut_in_reasoning: str = "drop"
+    """a reply that hits max_new_tokens inside its reasoning (opened, never closed: core/reasoning.py's markers, found from the chat template): drop its conversation (a bad row, cut_in_reasoning) or keep it; counted in the manifest either way"""
 
     def __post_init__(self) -> None:
         registry.engine(self.backend, "regenerate", "regen.backend")
+        if self.cut_in_reasoning not in ("drop", "keep"):
+            raise ConfigError(f"regen.cut_in_reasoning must be drop or keep, got {self.cut_in_reasoning!r}")
         if self.batching not in BATCHING:
             raise ConfigError(f"regen.batching must be one of {BATCHING}, got {self.batching!r}")
         check_numbers(self, "regen.", positive=("max_new_tokens", "batch_size", "chunk_size"))
@@ -81,6 +87,8 @@ def regenerate(
         ``max_new_tokens`` before an end-of-turn token.
     """
     work = [assistant_slots(c.messages) for c in conversations]
+    markers = markers_for(chat_template_of(tokenizer), None)
+    cut_in_reasoning: set[int] = set()
     unfinished = 0
     n_turns = sum(len(slots) for _, slots in work)
     bar = progress_bar(total=n_turns, desc="regenerate", unit="turn", show=progress)
@@ -95,12 +103,21 @@ def regenerate(
             model, prompts, cfg, eos_ids, pad_id, bar=bar, seed=None if seed is None else seed * 1009 + s
         )
         unfinished += hit_limit
-        for ci, ids in zip(todo, replies):
+        for ci, ids, prompt in zip(todo, replies, prompts):
             messages, slots = work[ci]
+            if (
+                markers
+                and len(ids) >= cfg.max_new_tokens
+                and reasoning_tokens(tokenizer, prompt[-PROMPT_TAIL:], ids, markers) == len(ids)
+            ):
+                cut_in_reasoning.add(ci)
             # special tokens stay (e.g. <think>): the text must re-tokenise to what the target wrote
             messages[slots[s]]["content"] = tokenizer.decode(ids, skip_special_tokens=False).strip()
     bar.close()
-    out = [Conversation(m, c.source, dict(c.meta)) for (m, _), c in zip(work, conversations)]
+    out = [
+        Conversation(m, c.source, dict(c.meta) | ({"cut_in_reasoning": True} if i in cut_in_reasoning else {}))
+        for i, ((m, _), c) in enumerate(zip(work, conversations))
+    ]
     return out, unfinished
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,10 @@ class TargetIdentity:
         config_hash: sha256 of the model config without volatile keys.
         tokenizer_hash: sha256 of the tokenizer's serialised form.
         chat_template_hash: sha256 of the chat template used to render conversations.
+        chat_template_kwargs: the flags the template rendered them with (``enable_thinking``,
+            ``thinking``, ``reasoning_effort``, ...), as engines pass ``chat_template_kwargs``;
+            left out of :meth:`to_dict` when empty, so identities written before it existed and
+            those without flags read and hash alike.
     """
 
     path: str
@@ -112,13 +116,20 @@ class TargetIdentity:
     config_hash: str
     tokenizer_hash: str
     chat_template_hash: str
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, str]:
-        return asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if not d["chat_template_kwargs"]:
+            del d["chat_template_kwargs"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TargetIdentity:
-        return cls(**{f: d[f] for f in cls.__dataclass_fields__})
+        return cls(
+            **{f: d[f] for f in cls.__dataclass_fields__ if f != "chat_template_kwargs"},
+            chat_template_kwargs=dict(d.get("chat_template_kwargs") or {}),
+        )
 
 
 @dataclass(frozen=True)

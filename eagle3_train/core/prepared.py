@@ -71,7 +71,12 @@ class PreparedData:
         if have.config_hash != mine.config_hash:
             logger.info(f"note: data prepared with {have.path}, running {mine.path} (same tokenizer, other model)")
         return TargetIdentity(
-            mine.path, mine.model_type, mine.config_hash, mine.tokenizer_hash, have.chat_template_hash
+            mine.path,
+            mine.model_type,
+            mine.config_hash,
+            mine.tokenizer_hash,
+            have.chat_template_hash,
+            have.chat_template_kwargs,
         )
 
     def tokens(self, row: int) -> tuple[np.ndarray, np.ndarray]:
@@ -126,12 +131,13 @@ class PreparedSet:
                 seen.update({int(i): p.path for i in p.sample_ids})
         first = parts[0].target
         for p in parts[1:]:
-            if (p.target.tokenizer_hash, p.target.chat_template_hash) != (
+            if (p.target.tokenizer_hash, p.target.chat_template_hash, p.target.chat_template_kwargs) != (
                 first.tokenizer_hash,
                 first.chat_template_hash,
+                first.chat_template_kwargs,
             ):
                 raise ContractError(
-                    f"{p.path} was tokenised with another tokenizer or chat template than {parts[0].path} "
+                    f"{p.path} was tokenised with another tokenizer, chat template or chat_template_kwargs than {parts[0].path} "
                     f"(prepared for {p.target.path} and {first.path}): prepare both with the same target and template"
                 )
         self.fingerprint = sha256_json([p.fingerprint for p in parts])

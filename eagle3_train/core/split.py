@@ -8,21 +8,25 @@ import numpy as np
 
 EVAL_FRACTION = 0.05  # the default share of samples held out for evaluation
 SPLIT_SEED = 0  # the default seed of the split
-# sample id bits below COPY_SHIFT name a conversation; the bits above, which copy of it (eagle3-prepare repeat=)
+# sample id bits below COPY_SHIFT name a conversation; bits 48-55, which copy of it (eagle3-prepare
+# repeat=); bits 56-62, which of its assistant turns a sample holds (conversations rendered per turn)
 COPY_SHIFT = 48
-MAX_COPIES = 1 << (63 - COPY_SHIFT)  # copies a conversation may have (ids stay positive int64)
+TURN_SHIFT = 56
+MAX_COPIES = 1 << (TURN_SHIFT - COPY_SHIFT)  # copies a conversation may have
+MAX_TURNS = 1 << (63 - TURN_SHIFT)  # turn samples a conversation may have (ids stay positive int64)
 
 
-def copy_id(sample_id: np.ndarray | int, copy: np.ndarray | int) -> np.ndarray | int:
-    """The sample id of copy ``copy`` (0: the original) of the conversation ``sample_id``."""
-    return sample_id + (copy << COPY_SHIFT)
+def copy_id(sample_id: np.ndarray | int, copy: np.ndarray | int, turn: np.ndarray | int = 0) -> np.ndarray | int:
+    """The sample id of copy ``copy`` (0: the original) of the conversation ``sample_id``, and of
+    its assistant turn ``turn`` where it is rendered per turn (0 otherwise)."""
+    return sample_id + (copy << COPY_SHIFT) + (turn << TURN_SHIFT)
 
 
 def split_eval(sample_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
     """The held-out sample ids: the ``round(fraction * n)`` ids that rank first under a hash of
     (seed, id). Deterministic per seed, and a sample's fate depends on its id alone, not on the
-    order or grouping of the data. Copies of one conversation (ids that differ only above
-    ``COPY_SHIFT``) hash alike and are held out or kept together: a copy held out beside one trained
+    order or grouping of the data. Copies and turn samples of one conversation (ids that differ only
+    above ``COPY_SHIFT``) hash alike and are held out or kept together: a copy held out beside one trained
     on would measure the training data. Where the cut falls inside such a group the whole group is
     held out (unless that would hold out everything)."""
     n = len(sample_ids)

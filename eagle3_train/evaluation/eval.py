@@ -41,6 +41,14 @@ from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fileio import remove_temporaries, sha256_file
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import Conversation, read_conversations
+from eagle3_train.core.reasoning import (
+    PROMPT_TAIL,
+    check_template_kwargs,
+    kwargs_warning,
+    markers_for,
+    reasoning_tokens,
+    trained_kwargs,
+)
 from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.engines import registry
 from eagle3_train.engines.rules import resolve
@@ -50,7 +58,15 @@ from eagle3_train.evaluation.tree import TreeShape
 from eagle3_train.model import Eagle3Draft
 from eagle3_train.serving.card import eval_dir
 from eagle3_train.serving.export import draft_config_from_json
-from eagle3_train.targets import Target, eos_ids, load_target, text_config
+from eagle3_train.targets import (
+    Target,
+    chat_template_of,
+    eos_ids,
+    load_target,
+    set_template_kwargs,
+    template_kwargs,
+    text_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +107,10 @@ class EvalConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     cache_dir: str | None = None  # where GGUF targets are converted once
     chat_template: str | None = None  # replaces the tokenizer's template (as in prepare)
+    chat_template_kwargs: Any = None
+    """flags every prompt is rendered with, as an engine's chat_template_kwargs (null: those the draft's data was prepared with, from its config; other flags are used and warned about)"""
+    reasoning_markers: list[str] | None = None
+    """[start, end] of a reply's reasoning, for tau inside reasoning and inside the answer (null: <think>/</think> or gpt-oss's analysis channel when the chat template names them)"""
     progress: bool | None = None
     """null: a bar on a terminal, else a progress line every logging.progress_every_s seconds; true: a bar always; false: neither"""
     plot: bool = True  # draw acceptance.png (needs the plots extra, matplotlib)
@@ -115,6 +135,7 @@ class EvalConfig:
             ),
             non_negative=("tie_threshold",),
         )
+        check_template_kwargs(self.chat_template_kwargs)
         if self.decoder not in ("eager", "graph"):
             raise ConfigError(f"decoder must be eager or graph, got {self.decoder!r}")
         if self.decoder == "graph" and self.topk > 1:
@@ -223,6 +244,7 @@ class TurnResult:
     accepted: list[int]
     check: dict[str, Any]
     reply: str
+    reasoning: int = 0  # the reply's first tokens that are reasoning (core/reasoning.py)
 
 
 def acceptance(steps: list[list[int]], k: int) -> dict[str, Any]:
@@ -297,6 +319,24 @@ def acceptance_by_position(
     return out
 
 
+def by_region(results: list[TurnResult], k: int, markers: tuple[str, str] | None) -> dict[str, Any] | None:
+    """Tau inside reasoning and inside the answer: each verify step counted where its first token
+    falls (a reply's first ``reasoning`` tokens are reasoning); None without reasoning markers."""
+    if markers is None:
+        return None
+    steps: dict[str, list[int]] = {"reasoning": [], "answer": []}
+    for r in results:
+        at = 0
+        for a in r.accepted:
+            steps["reasoning" if at < r.reasoning else "answer"].append(a)
+            at += a + 1
+    tokens = {"reasoning": sum(min(r.reasoning, len(r.tokens)) for r in results)}
+    tokens["answer"] = sum(len(r.tokens) for r in results) - tokens["reasoning"]
+    return {"markers": list(markers)} | {
+        region: {"tokens": tokens[region]} | acceptance([flat], k) for region, flat in steps.items()
+    }
+
+
 def looping_warnings(buckets: list[dict[str, Any]]) -> list[str]:
     """A warning per reply stretch whose tokens mostly repeat (``repeated_share`` ≥ LOOPING_SHARE)."""
     return [
@@ -321,6 +361,11 @@ class Evaluator:
         )
         self.draft_dir = Path(cfg.draft).expanduser()
         self.draft, self.config = load_draft(self.draft_dir, self.target)
+        trained = trained_kwargs(self.config)
+        used = trained if cfg.chat_template_kwargs is None else cfg.chat_template_kwargs
+        set_template_kwargs(self.target.tokenizer, used)
+        flags_warning = kwargs_warning(trained, template_kwargs(self.target.tokenizer), "eagle3-eval")
+        self.markers = markers_for(chat_template_of(self.target.tokenizer), cfg.reasoning_markers)
         if (warning := short_training_warning(self.config, cfg.depth, cfg.tree is not None)) is not None:
             logger.warning(f"eagle3-eval: warning: {warning}")
         self.dtype = next(self.target.model.parameters()).dtype
@@ -336,7 +381,7 @@ class Evaluator:
         self.layers = self.resolution.fed  # in the engine's order; N: the last layer's pre-norm output
         if self.resolution.problem is not None:
             raise ContractError(f"{self.resolution.problem}: the engine could not run this draft")
-        self.warnings = []
+        self.warnings = [flags_warning] if flags_warning else []
         if self.resolution.pre_norm_final:  # fed as the engine would: tau then shows what serving gets
             how = self.resolution.note or f"an id lands on N={tc.num_hidden_layers}"
             self.warnings.append(
@@ -370,8 +415,13 @@ class Evaluator:
 
     def tokenize(self, conversation: Conversation, turn: int, replies: list[str]) -> list[int]:
         """The chat-templated prompt of one turn; refuses one that cannot fit the target's context."""
-        ids = self.target.tokenizer.apply_chat_template(
-            conversation.messages(turn, replies), add_generation_prompt=True, tokenize=True, return_dict=True
+        tok = self.target.tokenizer
+        ids = tok.apply_chat_template(
+            conversation.messages(turn, replies),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **template_kwargs(tok),
         )["input_ids"]
         if len(ids) + self.cfg.max_new_tokens + self.cfg.depth + 1 > self.context:
             raise BadInputError(
@@ -425,6 +475,9 @@ class Evaluator:
                         s.accepted,
                         lossless_check(s.tokens, r, self.threshold),
                         replies[i][-1],
+                        reasoning_tokens(self.target.tokenizer, prompt[-PROMPT_TAIL:], s.tokens, self.markers)
+                        if self.markers
+                        else 0,
                     )
                 )
             fault_point("eval.turn")
@@ -499,6 +552,8 @@ class Evaluator:
                 str(t + 1): acceptance([r.accepted for r in results if r.turn == t], k)["tau"]
                 for t in sorted({r.turn for r in results})
             },
+            "by_region": by_region(results, k, self.markers),
+            "chat_template_kwargs": template_kwargs(self.target.tokenizer),
             "lossless": "diverged" if counts["diverged"] else "numerical" if counts["numerical"] else "identical",
             "lossless_counts": counts,
             "lossless_cases": cases,
@@ -562,7 +617,13 @@ class Evaluator:
             f"{drafts}): tau {report['tau']:.2f} over {report['verify_steps']} verify steps, acceptance per "
             f"{'depth' if self.cfg.tree else 'position'} {[round(p, 3) for p in report['acceptance_per_position']]}; "
             f"tau by reply position [{stretches}]; "
-            f"per category "
+            + (
+                f"inside reasoning {region['reasoning']['tau']:.2f} ({region['reasoning']['tokens']} tokens), in the answer "
+                f"{region['answer']['tau']:.2f} ({region['answer']['tokens']} tokens); "
+                if (region := report["by_region"])
+                else ""
+            )
+            + f"per category "
             f"{ {cat: round(v['tau'], 2) for cat, v in report['categories'].items()} }; lossless "
             f"{report['lossless']} {counts}; {report['speculative_tokens_per_s']:.0f} tokens/s speculative, "
             f"{report['speedup']:.2f}x the speed of plain greedy (batch {self.cfg.batch_size}) -> {self.out}"

@@ -53,11 +53,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from eagle3_train.core.cli import config_dict, entry_point
-from eagle3_train.core.errors import ConfigError, check_numbers
+from eagle3_train.core.errors import BadInputError, ConfigError, check_numbers
 from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import Conversation, read_conversations
+from eagle3_train.core.reasoning import check_template_kwargs, kwargs_warning, trained_kwargs
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import SpecMetrics
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
@@ -96,6 +97,10 @@ class ServedAcceptanceConfig:
     tokenizer: str | None = None
     """with template=client: the target's directory (or hub id) whose chat template renders the prompts"""
     cache_dir: str | None = None  # with template=client and a GGUF tokenizer: where it is converted once
+    chat_template_kwargs: Any = None
+    """flags every request carries (the chat completion's chat_template_kwargs; with template=client, the render's) (null: the draft's training flags when draft= is given, else none)"""
+    draft: str | None = None
+    """the exported draft the engine serves: its training flags are the default chat_template_kwargs, and other flags are warned about"""
     model: str | None = None  # the served model name to ask for (null: the first one /v1/models lists)
     column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
     max_new_tokens: int = 128  # generated tokens per turn (max_tokens)
@@ -114,6 +119,7 @@ class ServedAcceptanceConfig:
 
     def __post_init__(self) -> None:
         registry.engine(self.engine, "acceptance", "engine")
+        check_template_kwargs(self.chat_template_kwargs)
         if not self.server.startswith(("http://", "https://")):
             raise ConfigError(f"server must be a base URL such as http://127.0.0.1:8000, got {self.server!r}")
         if self.template not in ("server", "client"):
@@ -488,6 +494,15 @@ class ServedAcceptance(EngineClient):
             from eagle3_train.targets import load_target
 
             self.tokenizer = load_target(cfg.tokenizer, cache_dir=cfg.cache_dir, load_model=False).tokenizer
+        trained = None
+        if cfg.draft is not None:
+            config = Path(cfg.draft).expanduser() / "config.json"
+            if not config.is_file():
+                raise BadInputError(f"draft={cfg.draft} has no config.json: not an exported draft")
+            trained = trained_kwargs(json.loads(config.read_text()))
+        self.template_kwargs = dict(cfg.chat_template_kwargs if cfg.chat_template_kwargs is not None else trained or {})
+        if trained is not None and (warning := kwargs_warning(trained, self.template_kwargs, "this run")):
+            self.warnings.append(warning)
 
     async def chat(self, session: Any, gate: asyncio.Semaphore, messages: list[dict[str, str]], what: str) -> dict:
         """One greedy reply to ``messages``: the engine's chat completion (``template=server``) or
@@ -496,13 +511,15 @@ class ServedAcceptance(EngineClient):
         c = self.cfg
         if self.tokenizer is not None:  # template=client
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True, **self.template_kwargs
             )["input_ids"]
             route = ID_ROUTES[self.names.ids_route]
             path, body = self.names.ids_route, route.body(self.model, list(ids), c.max_new_tokens)
         else:
             route = CHAT_ROUTE
             path, body = "/v1/chat/completions", CHAT_ROUTE.body(self.model, messages, c.max_new_tokens)
+            if self.template_kwargs:  # vLLM and SGLang pass them to the template as they are
+                body["chat_template_kwargs"] = self.template_kwargs
         if self.names.per_reply:
             body["return_meta_info"] = True
         url = f"{self.url}{path}"
@@ -638,6 +655,7 @@ class ServedAcceptance(EngineClient):
             },
             "definitions": DEFINITIONS,
             "warnings": self.warnings,
+            "chat_template_kwargs": self.template_kwargs,
             "seconds": seconds,
             "completion_tokens_per_s": tokens / max(seconds, 1e-9),
             "config": config_dict(self.cfg),

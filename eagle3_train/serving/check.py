@@ -27,6 +27,7 @@ from safetensors import safe_open
 from eagle3_train.core.cli import entry_point
 from eagle3_train.core.errors import BadInputError, ConfigError
 from eagle3_train.core.log import LogConfig
+from eagle3_train.core.reasoning import check_template_kwargs, kwargs_warning, trained_kwargs
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import lookup, named_dtype
 from eagle3_train.engines.rules import fc_skipped, foreign_weights_text, resolve, rules_for, unloadable_weights
@@ -45,6 +46,8 @@ class ServingConfig:
     dtype: str | None = None  # the dtype the target is served in
     quantization: str | None = None  # the target's quantization at serving (none: unquantized)
     tensor_parallel_size: int | None = None  # the target's tensor parallelism at serving
+    chat_template_kwargs: Any = None
+    """the flags requests will carry (serving.chat_template_kwargs={enable_thinking:false}): compared with those the training data was rendered with (null: not compared)"""
 
 
 @dataclass
@@ -63,6 +66,7 @@ class CheckConfig:
     """the console (logging.level, logging.all_ranks, logging.progress_every_s)"""
 
     def __post_init__(self) -> None:
+        check_template_kwargs(self.serving.chat_template_kwargs, "serving.chat_template_kwargs")
         known = registry.names("rules")
         unknown = [e for e in self.engines if e not in known]
         if unknown:
@@ -330,7 +334,7 @@ def _check_vocab(config: dict, tensors: dict[str, torch.Tensor], v: int) -> list
 
 
 # the states_from fields serving.* is compared on: its own fields
-STATES_FIELDS = tuple(f.name for f in fields(ServingConfig))
+STATES_FIELDS = tuple(f.name for f in fields(ServingConfig) if f.name != "chat_template_kwargs")
 
 
 def check_states_from(config: dict, serving: ServingConfig) -> tuple[list[str], list[Finding]]:
@@ -374,6 +378,12 @@ def run_check(cfg: CheckConfig) -> int:
     )
     more_lines, more = check_states_from(config, cfg.serving)
     lines, findings = lines + more_lines, findings + more
+    trained_flags = trained_kwargs(config)
+    lines.append(f"chat template: the training data was rendered with chat_template_kwargs {json.dumps(trained_flags)}")
+    if cfg.serving.chat_template_kwargs is not None:
+        warning = kwargs_warning(trained_flags, cfg.serving.chat_template_kwargs, "serving")
+        if warning:
+            findings.append(Finding("warning", warning))
     for line in lines:
         logger.info(line)
     for f in findings:  # a finding's level is its record's: errors and warnings go to stderr

@@ -112,6 +112,7 @@ def load_target(
     dtype: str = "auto",
     device: str = "cpu",
     chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
     model_kwargs: dict[str, Any] | None = None,
 ) -> Target:
@@ -124,6 +125,9 @@ def load_target(
         dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16``.
         device: where the model is placed.
         chat_template: overrides the tokenizer's chat template: a file path or the template text.
+        chat_template_kwargs: flags every render passes to the template (``enable_thinking``, ...),
+            as engines take ``chat_template_kwargs``; kept on the tokenizer
+            (:func:`template_kwargs`) and in the identity.
         trust_remote_code: passed to transformers for targets with custom code.
         model_kwargs: more ``from_pretrained`` arguments (``attn_implementation``, or those of
             :func:`tensor_parallel_kwargs`, with which transformers places the weights itself).
@@ -162,6 +166,7 @@ def load_target(
             model.eval()
     if chat_template is not None:
         tokenizer.chat_template = _read_template(chat_template)
+    set_template_kwargs(tokenizer, chat_template_kwargs)
     identity = target_identity(target, config, tokenizer)
     return Target(model, tokenizer, config, identity, local_dir)
 
@@ -227,7 +232,30 @@ def target_identity(name: str, config: Any, tokenizer: Any) -> TargetIdentity:
         config_hash=config_hash(config),
         tokenizer_hash=tokenizer_hash(tokenizer),
         chat_template_hash=sha256_text(chat_template_of(tokenizer) or ""),
+        chat_template_kwargs=template_kwargs(tokenizer),
     )
+
+
+TEMPLATE_KWARGS_ATTR = "eagle3_chat_template_kwargs"
+
+
+def set_template_kwargs(tokenizer: Any, kwargs: dict[str, Any] | None) -> None:
+    """Every render of ``tokenizer``'s chat template here passes ``kwargs`` (a plain dict of
+    JSON values: it travels with the tokenizer into tokenising processes)."""
+    if kwargs is not None and not isinstance(kwargs, dict) and hasattr(kwargs, "items"):  # an OmegaConf node
+        from omegaconf import OmegaConf
+
+        kwargs = OmegaConf.to_container(kwargs, resolve=True)
+    if kwargs is not None and not isinstance(kwargs, dict):
+        from eagle3_train.core.errors import ConfigError
+
+        raise ConfigError(f"chat_template_kwargs must be a mapping (e.g. {{enable_thinking: false}}), got {kwargs!r}")
+    setattr(tokenizer, TEMPLATE_KWARGS_ATTR, json.loads(json.dumps(dict(kwargs or {}))))
+
+
+def template_kwargs(tokenizer: Any) -> dict[str, Any]:
+    """The flags :func:`set_template_kwargs` gave ``tokenizer`` ({} if none)."""
+    return dict(getattr(tokenizer, TEMPLATE_KWARGS_ATTR, None) or {})
 
 
 def tokenizer_hash(tokenizer: Any) -> str:
