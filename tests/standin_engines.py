@@ -50,6 +50,7 @@ class _Standin:
         self.die_at: int | None = None  # this POST finds the engine dead: dropped unanswered, the port closed
         self.slow_posts: dict[int, float] = {}  # these POSTs answer after a delay (seconds)
         self.bodies: list[dict] = []  # every POST body, in arrival order
+        self.prompts: list[list[int]] = []  # the token ids of every chat request, as its template rendered them
         self.in_flight = 0  # POSTs being answered now
         self.arrivals: list[int] = []  # POSTs in flight as each arrived (itself included), in arrival order
         self.version = "0.0.0+standin"  # what /version (vLLM) and /get_server_info (SGLang) say
@@ -406,9 +407,14 @@ class StandinVllm(_Standin):
         temperature = body.get("temperature", 1.0)
         if temperature != 0 and self.scripted is None:
             return 400, {"error": {"message": "the stand-in decodes greedily only (temperature 0)", "code": 400}}
-        prompt = self.tokenizer.apply_chat_template(
-            body["messages"], add_generation_prompt=True, tokenize=True, return_dict=True
+        prompt = self.tokenizer.apply_chat_template(  # the request's flags reach the template, as vLLM passes them
+            body["messages"],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **(body.get("chat_template_kwargs") or {}),
         )["input_ids"]
+        self.prompts.append(list(prompt))
         max_new = body.get("max_tokens", 16)
         if self.too_long(prompt, max_new):
             return 400, {

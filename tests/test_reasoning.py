@@ -254,3 +254,83 @@ def test_eval_is_lossless_with_the_trained_flags_and_warns_on_others(name, tmp_p
     flipped = evaluate(tmp_path, target, prompts, "eval-flipped", chat_template_kwargs=other)
     assert flipped["lossless"] == "identical" and flipped["chat_template_kwargs"] == other
     assert any("chat_template_kwargs" in w and "trained" in w for w in flipped["warnings"])
+
+
+def test_check_and_served_acceptance_compare_the_flags_with_the_drafts(tmp_path, said):
+    """eagle3-check names flags that differ from training's; served acceptance sends the draft's
+    training flags by default (the engine renders the same request prepare did) and warns on others."""
+    from eagle3_train.evaluation.served_acceptance import ServedAcceptance, ServedAcceptanceConfig
+    from eagle3_train.serving.check import CheckConfig, ServingConfig, run_check
+    from eagle3_train.targets import load_target
+    from eagle3_train.targets.tiny import build_tiny_model
+    from standin_engines import StandinVllm
+
+    f = FIXTURES["qwen3"]
+    trained = {"enable_thinking": False}
+    target, prompts = drafted(tmp_path, f, trained)
+    draft = str(tmp_path / "export")
+    said()
+    assert run_check(CheckConfig(draft=draft, target=target, serving=ServingConfig(chat_template_kwargs=trained))) == 0
+    text = said()
+    assert 'chat_template_kwargs {"enable_thinking": false}' in text and "trained false" not in text
+    assert run_check(CheckConfig(draft=draft, target=target, serving=ServingConfig(chat_template_kwargs={}))) == 0
+    assert "enable_thinking: trained false != null" in said()
+    readme = (tmp_path / "export" / "README.md").read_text()
+    assert '`chat_template_kwargs` `{"enable_thinking": false}`' in readme
+
+    tok = load_target(target, cache_dir=None, load_model=False).tokenizer
+    spec = {"method": "eagle3", "model": "unused-with-a-plan", "num_speculative_tokens": 3}
+    for flags, warned in ((None, False), ({"enable_thinking": True}, True)):
+        with StandinVllm(build_tiny_model(), tokenizer=tok, speculative=spec, accepted_plan=lambda m: [1]) as server:
+            cfg = ServedAcceptanceConfig(
+                server=server.url, prompts=str(prompts), out=str(tmp_path / f"acc-{warned}"), max_new_tokens=4,
+                settle_s=0.01, draft=draft, chat_template_kwargs=flags,
+            )  # fmt: skip
+            report = ServedAcceptance(cfg).run()
+            sent = [b.get("chat_template_kwargs") for b in server.bodies if "messages" in b]
+            first = [
+                p
+                for p, b in zip(server.prompts, [b for b in server.bodies if "messages" in b])
+                if len(b["messages"]) == 1
+            ]
+        want = flags if flags is not None else trained
+        assert sent == [want] * 8 and report["chat_template_kwargs"] == want
+        request = tok.apply_chat_template(
+            [{"role": "user", "content": "What is 2+3?"}], tokenize=False, add_generation_prompt=True, **want
+        )
+        assert first and all(p == ids(tok, request) for p in first)
+        assert request.endswith("<think>\n\n</think>\n\n") == (want == trained)
+        assert any("enable_thinking: trained false != true" in w for w in report["warnings"]) == warned
+
+
+def test_replies_cut_inside_their_reasoning_are_counted_and_dropped_or_kept(tmp_path):
+    """DeepSeek-R1's generation prompt opens <think>; the tiny target never closes it, so every
+    regenerated reply that hits regen.max_new_tokens is cut inside its reasoning: counted, and its
+    conversation dropped (a bad row) unless regen.cut_in_reasoning=keep."""
+    from data_prep.regenerate import RegenConfig
+
+    f = FIXTURES["deepseek_r1"]
+    target = target_dir(tmp_path, f)
+    rows = [{"messages": [{"role": "user", "content": w}]} for w in ("alpha", "beta", "gamma")]
+    kept = prepare(
+        tmp_path, target, rows, regenerate=True, regen=RegenConfig(max_new_tokens=6, cut_in_reasoning="keep")
+    )
+    assert kept["regeneration"]["conversations_cut_in_reasoning"] == 3 and kept["counts"]["rows_written"] == 3
+    with pytest.raises(Eagle3Error, match=r"(?s)no usable conversation.*cut_in_reasoning: 3"):
+        prepare(
+            tmp_path,
+            target,
+            rows,
+            regenerate=True,
+            regen=RegenConfig(max_new_tokens=6),
+            on_bad_row="skip",
+            overwrite=True,
+        )
+    # the same target under a template whose prompt opens no reasoning: nothing is cut inside it
+    g = FIXTURES["qwen3"]
+    other = target_dir(tmp_path, g)
+    clean = prepare(
+        tmp_path, other, rows, regenerate=True, regen=RegenConfig(max_new_tokens=6), overwrite=True,
+        chat_template_kwargs={"enable_thinking": False},
+    )  # fmt: skip
+    assert clean["regeneration"]["conversations_cut_in_reasoning"] == 0 and clean["counts"]["rows_written"] == 3

@@ -141,6 +141,16 @@ def model_card(
         "re-saved copy of it) feeds it states it never saw. `eagle3-check draft=<this directory> target=<target>` "
         "compares them.",
         "",
+        *(
+            [
+                f"The training conversations were rendered with `chat_template_kwargs` "
+                f"`{json.dumps(target['chat_template_kwargs'], sort_keys=True)}`: send requests with the same "
+                f'(`extra_body={{"chat_template_kwargs": ...}}`); other flags change the contexts the draft sees.',
+                "",
+            ]
+            if target.get("chat_template_kwargs")
+            else []
+        ),
         "## Capture",
         "",
         f"Trained on the target's hidden states at HF indices `{aux}` (transformers' `hidden_states[k]`: 0 is the "
