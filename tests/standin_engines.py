@@ -731,6 +731,7 @@ def main(argv: list[str]) -> None:
         p.add_argument("--gpu-memory-utilization", type=float)
         p.add_argument("--max-model-len", type=int)
         p.add_argument("--kv-cache-memory-bytes", type=int)
+        p.add_argument("--chat-template")  # a .jinja file: the template chat requests are rendered with
     else:
         p.add_argument("--dtype", required=True)
         p.add_argument("--model-path", dest="model", required=True)
@@ -748,12 +749,15 @@ def main(argv: list[str]) -> None:
     if engine == "vllm" and (args.speculative_config is None or args.speculative_config["method"] == "eagle3"):
         from transformers import AutoTokenizer
 
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        if args.chat_template:
+            tokenizer.chat_template = Path(args.chat_template).read_text()
         server: _Standin = StandinVllm(
             model,
             dtype=dtype,
             port=args.port,
             speculative=args.speculative_config,
-            tokenizer=AutoTokenizer.from_pretrained(args.model),
+            tokenizer=tokenizer,
             accept_each=args.standin_accept_each,
             steps=args.standin_steps,
         )

@@ -534,3 +534,25 @@ def test_target_repetition_counts_each_reply_position_once():
         (4, 8, 8, 0.0),
         (8, 16, 10, 0.1),
     ]
+
+
+def test_requests_carry_the_drafts_training_flags(tiny, prompts, tmp_path):
+    """With draft= (its config records the flags its data was rendered with) every request carries
+    them as chat_template_kwargs; other flags are sent as given and warned about."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(
+        json.dumps({"eagle3_train": {"target": {"chat_template_kwargs": {"enable_thinking": False}}}})
+    )
+    for flags, warned in ((None, False), ({"enable_thinking": True}, True)):
+        baseline, spec = servers(tiny)
+        with baseline, spec:
+            report = bench(
+                baseline, spec, prompts, tmp_path / f"out-{warned}", draft=str(draft), chat_template_kwargs=flags,
+                concurrency=[2],
+            )  # fmt: skip
+        want = flags if flags is not None else {"enable_thinking": False}
+        assert report["chat_template_kwargs"] == want
+        for server in (baseline, spec):
+            assert server.bodies and all(b["chat_template_kwargs"] == want for b in server.bodies)
+        assert any("enable_thinking: trained false != true" in w for w in report["warnings"]) == warned

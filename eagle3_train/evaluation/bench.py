@@ -60,6 +60,7 @@ from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import Conversation, read_conversations, shipped_prompts
+from eagle3_train.core.reasoning import check_template_kwargs, kwargs_warning, trained_kwargs
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import Engine, SpecMetrics, named_dtype
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
@@ -114,6 +115,8 @@ class BenchConfig:
     """JSONL (messages / MT-bench turns / HumanEval prompt / ...) or a saved dataset (null: the shipped held-out prompts)"""
     column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
     max_turns: int = 1  # user turns sent per conversation (a later turn follows the engine's own reply)
+    chat_template_kwargs: Any = None
+    """flags every request carries to the engine's chat template (null: those the draft's data was prepared with, read from draft=; none without it); others are warned about"""
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64])  # requests in flight, one level each
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     """sampling temperatures, each at every concurrency (0: greedy)"""
@@ -135,6 +138,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         registry.engine(self.engine, "bench", "engine")
+        check_template_kwargs(self.chat_template_kwargs)
         for name in ("baseline_url", "spec_url"):
             url = getattr(self, name)
             if url is not None and not url.startswith(("http://", "https://")):
@@ -324,6 +328,14 @@ class Bench:
         self.names: SpecMetrics = self.engine.metrics
         self.out = Path(cfg.out).expanduser()
         self.warnings: list[str] = []
+        trained = None
+        if cfg.draft is not None and (Path(cfg.draft).expanduser() / "config.json").is_file():
+            trained = trained_kwargs(json.loads((Path(cfg.draft).expanduser() / "config.json").read_text()))
+        flags = cfg.chat_template_kwargs if cfg.chat_template_kwargs is not None else trained
+        self.template_kwargs: dict[str, Any] = dict(flags or {})
+        if trained is not None and (flags_warning := kwargs_warning(trained, self.template_kwargs, COMMAND)):
+            self.warnings.append(flags_warning)
+            logger.warning(f"{COMMAND}: {flags_warning}")
         if cfg.plot:  # fail before the engines start, not after the measurements
             optional_import("matplotlib")
         self.prompts = cfg.prompts if cfg.prompts is not None else str(shipped_prompts("heldout.jsonl"))
@@ -387,6 +399,8 @@ class Bench:
         speculating engine that counts per reply adds the reply's figures to ``client.tally``."""
         c = self.cfg
         body = CHAT_ROUTE.body(client.model, messages, c.max_new_tokens) | {"temperature": temperature}
+        if self.template_kwargs:  # vLLM and SGLang pass them to the chat template as they are
+            body["chat_template_kwargs"] = self.template_kwargs
         if self.names.per_reply:
             body["return_meta_info"] = True
         url = f"{client.url}/v1/chat/completions"
@@ -610,6 +624,7 @@ class Bench:
             },
             "rows": rows,
             "warnings": self.warnings,
+            "chat_template_kwargs": self.template_kwargs,
             "config": config_dict(c),
         }
         lines = [

@@ -333,7 +333,9 @@ def by_region(results: list[TurnResult], k: int, markers: tuple[str, str] | None
     tokens = {"reasoning": sum(min(r.reasoning, len(r.tokens)) for r in results)}
     tokens["answer"] = sum(len(r.tokens) for r in results) - tokens["reasoning"]
     return {"markers": list(markers)} | {
-        region: {"tokens": tokens[region]} | acceptance([flat], k) for region, flat in steps.items()
+        region: {"tokens": tokens[region]}
+        | (acceptance([flat], k) if flat else {"tau": None, "verify_steps": 0, "acceptance_per_position": None})
+        for region, flat in steps.items()
     }
 
 
@@ -618,8 +620,12 @@ class Evaluator:
             f"{'depth' if self.cfg.tree else 'position'} {[round(p, 3) for p in report['acceptance_per_position']]}; "
             f"tau by reply position [{stretches}]; "
             + (
-                f"inside reasoning {region['reasoning']['tau']:.2f} ({region['reasoning']['tokens']} tokens), in the answer "
-                f"{region['answer']['tau']:.2f} ({region['answer']['tokens']} tokens); "
+                "; ".join(
+                    f"{where} {region[key]['tau']:.2f} ({region[key]['tokens']} tokens)"
+                    for key, where in (("reasoning", "inside reasoning"), ("answer", "in the answer"))
+                    if region[key]["tau"] is not None
+                )
+                + "; "
                 if (region := report["by_region"])
                 else ""
             )
