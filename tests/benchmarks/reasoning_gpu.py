@@ -92,7 +92,8 @@ def m(module: str, *args: str) -> list[str]:
 
 def eval_prompts() -> Path:
     """EVAL_N synthesized conversations past the N trained on: their system and user turns."""
-    rows = [json.loads(line) for line in gzip.open(SYNTH, "rt")][N : N + EVAL_N]
+    with gzip.open(SYNTH, "rt") as f:
+        rows = [json.loads(line) for line in f][N : N + EVAL_N]
     out = W / "eval_prompts.jsonl"
     with out.open("w") as f:
         for r in rows:
