@@ -89,7 +89,7 @@ def kwargs_warning(trained: dict[str, Any] | None, used: dict[str, Any] | None, 
     return (
         f"{who} renders requests with chat_template_kwargs {json.dumps(used, sort_keys=True)}, the draft was trained on "
         f"renders with {json.dumps(trained, sort_keys=True)} ({diff}): the contexts it sees differ from those it learnt "
-        f"(reasoning on or off, another effort), and acceptance falls"
+        f"(reasoning on or off, another effort), and acceptance can fall"
     )
 
 
