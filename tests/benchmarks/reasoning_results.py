@@ -86,8 +86,15 @@ def build(raw: Path) -> dict[str, Any]:
             {
                 "title": "Engine acceptance (vLLM 0.26.0) beside eval, SmolLM2 under a thinking template, draft trained "
                 "with enable_thinking=true",
-                "header": ["served flags", "as trained", "eval tau", "engine acceptance length", "engine - eval",
-                           "eval lossless", "mismatch warned"],
+                "header": [
+                    "served flags",
+                    "as trained",
+                    "eval tau",
+                    "engine acceptance length",
+                    "engine - eval",
+                    "eval lossless",
+                    "mismatch warned",
+                ],
                 "rows": rows,
             }
         ],  # fmt: skip
