@@ -417,8 +417,49 @@ def reference_pages() -> dict[str, str]:
         pages[f"reference/{script}.md"] = reference_page(script, cls, yaml.name, composed_config(yaml.stem), header)
         rows.append([f"[`{script}`]({script}.md)", f"`conf/{yaml.name}`", f"`{cls.__module__}.{cls.__qualname__}`"])
     index.append(table(["command", "config", "fields"], rows))
+    index.append("\nThe recipes `eagle3-run` takes, each with its options per stage: [recipes](recipes.md).\n")
     pages["reference/index.md"] = "".join(index)
+    pages["reference/recipes.md"] = recipes_page()
     return pages
+
+
+def recipes_page() -> str:
+    """Every ``conf/recipe/<name>.yaml``: what its header says (measured and derived values) and its
+    options per stage, as ``eagle3-run recipe=<name>`` passes them."""
+    import yaml as pyyaml
+
+    out = [
+        GENERATED_NOTE,
+        "# Recipes\n\n",
+        "`eagle3-run recipe=<name> target=<your model> data=<your conversations> out=<dir>` runs the stages with "
+        "these options ([the guide](../guide/recipes.md)); `dry_run=true` prints the stage commands. Generated from "
+        "`conf/recipe/`.\n\n",
+    ]
+    files = sorted((CONF / "recipe").glob("*.yaml"))
+    out.append(
+        table(
+            ["recipe", "for", "source"],
+            [
+                [
+                    f"[`{f.stem}`](#{f.stem})",
+                    cell(pyyaml.safe_load(f.read_text()).get("about", "")),
+                    code(pyyaml.safe_load(f.read_text()).get("source", "online")),
+                ]
+                for f in files
+            ],
+        )  # fmt: skip
+        + "\n"
+    )
+    for f in files:
+        data = pyyaml.safe_load(f.read_text())
+        header = " ".join(line for line in yaml_header(f).splitlines() if not line.startswith("@package"))
+        out.append(f"## {f.stem}\n\n{_plain(header)}\n\n")
+        rows = []
+        for stage in ("prepare", "dump", "standardize", "train", "export", "check", "eval"):
+            for key, value in _flat(data.get(stage) or {}, depth=4):
+                rows.append([code(f"{stage}.{key}"), code(value_text(value))])
+        out.append(table(["option", "value"], rows) + "\n")
+    return "".join(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -868,6 +909,7 @@ def write(docs_dir: Path = DOCS) -> list[Path]:
 def generated_nav() -> dict[str, list]:
     """The nav sections of the generated pages, so a new command or results page is never left out."""
     reference = ["reference/index.md"] + [{script: f"reference/{script}.md"} for script, _ in commands()]
+    reference.append({"recipes": "reference/recipes.md"})
     titles = {**{p: t for p, (t, _) in RESULT_PAGES.items()}, "other": "Other results"}
     results = ["results/index.md"] + [{titles[p]: f"results/{p}.md"} for p in [*RESULT_PAGES, "other"]]
     return {"reference/index.md": reference, "results/index.md": results}

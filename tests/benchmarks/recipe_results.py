@@ -1,4 +1,4 @@
-"""One recipe run (launch/recipes/smollm2_synth.sh, offline or online) as a results JSON: stage
+"""One recipe run (tests/benchmarks/smollm2_synth.sh, offline or online) as a results JSON: stage
 times, the data, training's evaluations and throughput, eagle3-eval's report, the synthesis figures
 and the GPU use sampled beside it (recipe_big_gpu.sh's gpu.csv).
 

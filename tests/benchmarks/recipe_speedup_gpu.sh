@@ -2,7 +2,7 @@
 # Issue #34 on the recipe's own draft, one lease of one H200, as one background job (run from the
 # repository root after launch/gpu_stage.sh; launch/stage_vllm.sh and launch/stage_sglang.sh may finish
 # while the recipe runs):
-#   1. the recipe at its one-GPU defaults (launch/recipes/smollm2_synth.sh, N=73728; DRAFT=<an export>
+#   1. the recipe at its one-GPU defaults (tests/benchmarks/smollm2_synth.sh, N=73728; DRAFT=<an export>
 #      skips it), its own timings and eval in $W/recipe;
 #   2. eagle3-bench in vLLM with CUDA graphs, the GPU otherwise idle: concurrency 1/4/16/64, greedy and
 #      at TEMPS (default [0,0.7]), 256 new tokens;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Recipe options for the embedded target, measured on one synthesized dataset (issue #13), in one
 # background job on a GPU machine staged with launch/gpu_stage.sh: the recipe's synthesis, dump and
-# standardize (launch/recipes/smollm2_synth.sh UNTIL=standardize), then every VARIANT trained on it
+# standardize (tests/benchmarks/smollm2_synth.sh UNTIL=standardize), then every VARIANT trained on it
 # at once (tests/benchmarks/scaling_curve.sh, round-robin over the GPUs, TRAIN_TIMEOUT each),
 # exported and evaluated (eagle3-eval, chain k=5, greedy, the held-out prompts); beside them the
 # conversations are saved as one .jsonl.gz, so a later sweep can start from them (SYNTH_FILE) instead
@@ -21,7 +21,7 @@ PROMPTS=$(python3 -c "import data_prep.prompts as p, os; print(os.path.dirname(p
     python3 -m torch.distributed.run --nproc_per_node "$NGPU" -m data_prep.dump target="${TARGET:-embedded}" \
       data="$W/run/prepared" out="$W/run/dump" dtype=bfloat16 progress=false
   else
-    RUN_DIR="$W/run" N="$N" UNTIL=standardize SOURCE=offline bash launch/recipes/smollm2_synth.sh
+    RUN_DIR="$W/run" N="$N" UNTIL=standardize SOURCE=offline bash tests/benchmarks/smollm2_synth.sh
     mkdir -p "$W/convs" && cp -r "$W/run/prepared/synth" "$W/convs/"  # the same chunks: nothing is generated again
     python3 -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$N" out="$W/convs" progress=false \
       synth.system_prompts_file="$PROMPTS/synth_systems.txt" synth.keep_system_prompt=false synth.chunk_size="${GEN_BATCH:-2048}" \

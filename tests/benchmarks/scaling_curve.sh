@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The data-scaling curve and the recipe-options table (not part of the suite): from one dump of
-# synthesized conversations (launch/recipes/smollm2_synth.sh, which also trains the largest point),
+# synthesized conversations (tests/benchmarks/smollm2_synth.sh, which also trains the largest point),
 # standardize the first n conversations for each n in POINTS, train each with the recipe's options
 # and evaluate it (EVAL_LONG="512 1024": also at those reply lengths, with tau by reply position);
 # VARIANTS train the same data (n = VARIANT_N) with one option changed. Runs share the GPUs (a head

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #34's measurements on one H200, as one background job (run from the repository root on a
 # machine staged with launch/gpu_stage.sh and launch/stage_vllm.sh, PYTHONPATH and EAGLE3_CACHE set):
-#   1. the recipe's draft for the embedded target (launch/recipes/smollm2_synth.sh, NGPU=1, N
+#   1. the recipe's draft for the embedded target (tests/benchmarks/smollm2_synth.sh, NGPU=1, N
 #      conversations; DRAFT=<an export> skips it);
 #   2. eagle3-bench in vLLM, eager and with CUDA graphs: concurrency 1/4/16/64, greedy, 256 new tokens;
 #   3. eagle3-eval of the same draft on 512 and 1024 new tokens (tau by reply position);
@@ -37,7 +37,7 @@ STEPS=" ${STEPS:-bench long tree} "
   echo "$TDIR"
   if [ -z "${DRAFT:-}" ]; then
     echo "== $(date +%T) the recipe's draft: N=${N:-32768} EPOCHS=${EPOCHS:-6}"
-    NGPU=1 N="${N:-32768}" EPOCHS="${EPOCHS:-6}" RUN_DIR="$W/recipe" bash launch/recipes/smollm2_synth.sh \
+    NGPU=1 N="${N:-32768}" EPOCHS="${EPOCHS:-6}" RUN_DIR="$W/recipe" bash tests/benchmarks/smollm2_synth.sh \
       > "$W/recipe.log" 2>&1 || echo "the recipe failed (see $W/recipe.log)"
     DRAFT="$W/recipe/export"
   fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue #35's study, one background job on a GPU machine staged with launch/gpu_stage.sh: the one-GPU recipe
-# (launch/recipes/smollm2_synth.sh: synthesis, online training, export, check, eval) at N conversations, once
+# (tests/benchmarks/smollm2_synth.sh: synthesis, online training, export, check, eval) at N conversations, once
 # as it is (`base`) and once per lever with one thing changed, each evaluated with eagle3-eval chain k=5,
 # greedy, fp32 on the held-out prompts at 128 new tokens (the recipe's own eval) and at EVAL_LONG.
 #
@@ -81,7 +81,7 @@ variant() {  # variant <name> <VAR=value> <from>: the recipe with that change, t
   whole=$(whole_change "$assign" "$from")
   [ -n "$whole" ] && IFS=';' read -ra vars <<< "$whole"
   in_slot env TRAIN_EXTRA="${TRAIN_EXTRA_ALL:-}" RUN_DIR="$run" N="$N" NGPU=1 SOURCE=online COMPILE="${COMPILE:-false}" \
-    GEN_BATCH="${GEN_BATCH:-2048}" EPOCHS="${EPOCHS:-6}" "${vars[@]}" bash launch/recipes/smollm2_synth.sh > "$W/$name.log" 2>&1 || {
+    GEN_BATCH="${GEN_BATCH:-2048}" EPOCHS="${EPOCHS:-6}" "${vars[@]}" bash tests/benchmarks/smollm2_synth.sh > "$W/$name.log" 2>&1 || {
     echo "$name: the recipe failed (see $W/$name.log)"; touch "$W/$name.failed"; return; }
   for long in ${EVAL_LONG-512}; do  # the same draft on longer replies, tau by reply position
     # shellcheck disable=SC2086  # EVAL_EXTRA is a list of overrides

@@ -22,7 +22,7 @@ regen.max_new_tokens=${NEW_TOKENS:-128} regen.batch_size=$GEN_BATCH"
   # shellcheck disable=SC2086
   CUDA_VISIBLE_DEVICES=0 python3 -m data_prep.prepare target="${TARGET:-embedded}" synthesize="$BENCH_N" out="$W/bench1" $SYN progress=false
   echo "== $(date +%T) recipe on all GPUs: $N conversations"
-  RUN_DIR="$W/run" N="$N" EPOCHS="${EPOCHS:-4}" bash launch/recipes/smollm2_synth.sh &  # the curve's epochs
+  RUN_DIR="$W/run" N="$N" EPOCHS="${EPOCHS:-4}" bash tests/benchmarks/smollm2_synth.sh &  # the curve's epochs
   recipe=$!
   while [ ! -f "$W/run/dump/manifest.json" ] && kill -0 $recipe 2>/dev/null; do sleep 5; done
   echo "== $(date +%T) dump done; demo corpus and scaling curve start beside the recipe's training"
@@ -33,7 +33,7 @@ regen.max_new_tokens=${NEW_TOKENS:-128} regen.batch_size=$GEN_BATCH"
   bash tests/benchmarks/scaling_curve.sh "$W/run" || echo "curve failed"
   wait $recipe || echo "recipe failed"
   python3 -m tests.benchmarks.scaling_results "$W/run" "$W/scaling.json" "$W/scaling.png" \
-    --what "synthesized conversations (launch/recipes/smollm2_synth.sh), first n of one run; eagle3-eval chain k=5 greedy 128 new tokens fp32 on the 37 held-out prompts" \
+    --what "synthesized conversations (tests/benchmarks/smollm2_synth.sh), first n of one run; eagle3-eval chain k=5 greedy 128 new tokens fp32 on the 37 held-out prompts" \
     --machine "$(nvidia-smi -L | wc -l) x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
   echo "== $(date +%T) eval benchmark"
   python3 -m tests.benchmarks.bench_eval --draft "$W/run/export" --out "$W/eval_bench.json" --batch1-n 32 || echo "bench_eval failed"

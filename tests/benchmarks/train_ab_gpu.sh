@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Online training speed of recipe variants (issue #13), on a machine staged with launch/gpu_stage.sh:
-# N conversations synthesized once as launch/recipes/smollm2_synth.sh does (all GPUs), then each
+# N conversations synthesized once as tests/benchmarks/smollm2_synth.sh does (all GPUs), then each
 # variant trained on one GPU for STEPS steps with the recipe's training settings plus its overrides,
 # as many variants at a time as there are GPUs. Results: $W/ab.json (per variant: the median of the
 # logged tokens/s after the first fifth of the steps, the train stage's seconds, the last logged
@@ -19,7 +19,7 @@ NG=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
 [ "$NG" -ge 1 ] || NG=1
 mkdir -p "$W"
 echo "== $(date +%T) synthesis: $N conversations" >> "$W/log"
-RUN_DIR="$W/data" N="$N" UNTIL=synthesize bash launch/recipes/smollm2_synth.sh >> "$W/log" 2>&1 || { echo "synthesis failed" >> "$W/log"; exit 1; }
+RUN_DIR="$W/data" N="$N" UNTIL=synthesize bash tests/benchmarks/smollm2_synth.sh >> "$W/log" 2>&1 || { echo "synthesis failed" >> "$W/log"; exit 1; }
 IFS=';' read -ra specs <<< "$VARIANTS"
 i=0
 for spec in "${specs[@]}"; do
@@ -33,7 +33,7 @@ for spec in "${specs[@]}"; do
   gpu=$((i % NG))
   echo "== $(date +%T) $name on GPU $gpu: $extra ${vocab:+DRAFT_VOCAB=$vocab}" >> "$W/log"
   ( env CUDA_VISIBLE_DEVICES=$gpu NGPU=1 N="$N" RUN_DIR="$W/$name" UNTIL=train ${vocab:+DRAFT_VOCAB=$vocab} \
-      TRAIN_EXTRA="train.max_steps=$STEPS train.log_every=10 $extra" bash launch/recipes/smollm2_synth.sh \
+      TRAIN_EXTRA="train.max_steps=$STEPS train.log_every=10 $extra" bash tests/benchmarks/smollm2_synth.sh \
       > "$W/$name.log" 2>&1; echo $? > "$W/$name.rc" ) &
   i=$((i + 1))
   if [ $((i % NG)) -eq 0 ]; then wait; fi

@@ -7,7 +7,7 @@
 #          dump (hf, bf16), standardize, train ~2 min (the recipe's options, ttt = K), export
 #          engines=[vllm]; eagle3-check of it
 #   b      eagle3-eval of the draft on the held-out prompts (k=K, greedy, fp32 as
-#          launch/recipes/smollm2_synth.sh calls it, and bf16, the served dtype), then the target served
+#          tests/benchmarks/smollm2_synth.sh calls it, and bf16, the served dtype), then the target served
 #          by vLLM with the draft (--speculative-config method eagle3, K tokens) and
 #          eagle3-served-acceptance on the same prompts (NEW_TOKENS per turn): vLLM's own counters.
 #          Nothing else runs on the GPU while vLLM starts: its memory profiling fails when another

@@ -1,0 +1,270 @@
+"""``eagle3-run``: a recipe's stages in order, one command per model.
+
+    eagle3-run recipe=smollm2 out=runs/smol                            # the embedded target, synthesized data
+    eagle3-run recipe=llama3_8b target=/models/Llama-3.1-8B-Instruct data=chats.jsonl out=runs/l8
+    eagle3-run recipe=qwen3_8b target=... data=... out=... until=train gpus=8
+    eagle3-run recipe=smollm2 out=runs/smol dry_run=true               # the stage commands, nothing run
+    eagle3-run recipe=smollm2 out=runs/smol --cfg job                  # the composed job
+    eagle3-run -m recipe=smollm2 out=runs/sweep train.train.lr=1e-3,2e-3
+
+A recipe (``conf/recipe/<name>.yaml``) holds each stage's options under the stage's name
+(``prepare``, ``dump``, ``standardize``, ``train``, ``export``, ``check``, ``eval``), exactly as
+that stage's own command takes them; ``eagle3-run`` adds what joins the stages (``target``, each
+stage's ``out`` under ``out=``, the data each reads) and runs every stage as its own command (a
+process of its own, under torchrun for the stages that take ranks when ``gpus > 1``). Each stage
+reuses its finished output, so a rerun continues where a crash stopped. Stage times go to
+``<out>/run.jsonl``.
+
+``data=`` names conversations to prepare (the recipe's regeneration applies); without it the
+recipe's ``prepare.synthesize`` has the target write them. ``source`` is how training gets the
+target's states: ``online`` (the target in the training loop), ``offline`` (dump + standardize
+first) or ``served`` (vLLM replicas: ``train.engine.*``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+from eagle3_train.core.cli import entry_point
+from eagle3_train.core.errors import ConfigError, Eagle3Error
+from eagle3_train.core.log import LogConfig
+from eagle3_train.core.prompt_files import shipped_prompts
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("online", "offline", "served")
+# stage -> (module, takes ranks under torchrun)
+MODULES = {
+    "prepare": ("data_prep.prepare", True),
+    "dump": ("data_prep.dump", True),
+    "standardize": ("data_prep.standardize", False),
+    "train": ("eagle3_train.training.trainer", True),
+    "export": ("eagle3_train.serving.export", False),
+    "check": ("eagle3_train.serving.check", False),
+    "eval": ("eagle3_train.evaluation.eval", False),
+}
+STAGES = tuple(MODULES)
+
+# ${shipped:heldout.jsonl}: a prompt file shipped in data_prep/prompts (recipes name them so)
+if not OmegaConf.has_resolver("shipped"):
+    OmegaConf.register_new_resolver("shipped", lambda name: str(shipped_prompts(name)))
+
+
+@dataclass
+class RunConfig:
+    """Options of ``eagle3-run`` (``conf/run.yaml`` with ``recipe=<name>``)."""
+
+    out: str = MISSING  # every stage's output goes under it: prepared/, dump/, std/, train/, export/, eval/
+    target: str = "embedded"  # the target every stage uses (any form the stages take)
+    data: str | None = None
+    """conversations to prepare (a .jsonl file, a directory, a dataset); null: the recipe's prepare.synthesize=N conversations written by the target"""
+    source: str = (
+        "online"  # how training gets the target's states: online | offline (dump + standardize first) | served
+    )
+    until: str | None = None  # stop after this stage (prepare | dump | standardize | train | export | check | eval)
+    gpus: int = 1  # processes for the stages that take ranks (synthesis, dump, train), under torchrun when > 1
+    dry_run: bool = False  # print the stage commands and run nothing
+    recipe: str = ""  # the recipe's name (set by conf/recipe/<name>.yaml)
+    about: str = ""  # what the recipe is for, and which of its values were measured and which derived
+    prepare: Any = field(default_factory=dict)  # eagle3-prepare options (target, input and out are set here)
+    dump: Any = field(default_factory=dict)  # eagle3-dump options (source=offline)
+    standardize: Any = field(default_factory=dict)  # eagle3-standardize options (source=offline)
+    train: Any = field(default_factory=dict)  # eagle3-train options (its own train.*, model.*, online.*, engine.*)
+    export: Any = field(default_factory=dict)  # eagle3-export options
+    check: Any = field(default_factory=dict)  # eagle3-check options
+    eval: Any = field(default_factory=dict)  # eagle3-eval options (prompts: the shipped held-out ones unless given)
+    logging: LogConfig = field(default_factory=LogConfig)
+    """the console (logging.level, logging.all_ranks, logging.progress_every_s)"""
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ConfigError(f"source must be one of {SOURCES}, got {self.source!r}")
+        if self.until is not None and self.until not in self.stages():
+            raise ConfigError(
+                f"until={self.until} is not a stage of this run (source={self.source}): one of {list(self.stages())}"
+            )
+        if self.gpus < 1:
+            raise ConfigError(f"gpus must be >= 1, got {self.gpus}")
+        for stage in STAGES:
+            if not isinstance(getattr(self, stage), dict):
+                raise ConfigError(
+                    f"{stage} must hold eagle3-{stage}'s options as a mapping, got {getattr(self, stage)!r}"
+                )
+        if self.data is None and not self.prepare.get("synthesize"):
+            raise ConfigError(
+                f"give data=<conversations> or a recipe that synthesizes them (prepare.synthesize=N); recipe "
+                f"{self.recipe or '(none)'} has neither"
+            )
+
+    def stages(self) -> tuple[str, ...]:
+        """The stages this run goes through, in order (dump and standardize only offline)."""
+        skip = () if self.source == "offline" else ("dump", "standardize")
+        return tuple(s for s in STAGES if s not in skip)
+
+
+ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+def hydra_value(value: Any) -> str:
+    """``value`` written as a Hydra override's value (quoted strings, lists, maps, null)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if PLAIN.fullmatch(text) and not _typed(text):  # a path or a name: as it is
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+PLAIN = re.compile(r"[A-Za-z0-9_./@~-]+")  # strings Hydra reads unquoted as the same string
+
+
+def _typed(text: str) -> bool:
+    """Would Hydra read ``text`` unquoted as a number, a boolean or null?"""
+    if text.lower() in ("true", "false", "null", "nan", "inf", "-inf", "+inf"):
+        return True
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def overrides(options: dict[str, Any], prefix: str = "") -> list[str]:
+    """A stage's options as Hydra overrides, one per leaf: ``++key=value`` (set whether or not the
+    stage's config names the key already; a key its schema lacks is still refused by name)."""
+    out = []
+    for key, value in options.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out += overrides(value, name + ".")
+        else:
+            out.append(f"++{name}={hydra_value(value)}")
+    return out
+
+
+def wiring(cfg: RunConfig, stage: str) -> dict[str, Any]:
+    """What joins the stages: each stage's target, input and output under ``out``."""
+    out = Path(cfg.out).expanduser()
+    prepared = str(out / "prepared")
+    if stage == "prepare":
+        w: dict[str, Any] = {"target": cfg.target, "out": prepared}
+        if cfg.data is not None:
+            w |= {"input": cfg.data, "synthesize": None}
+        else:
+            w["synthesize"] = cfg.prepare["synthesize"]
+        return w
+    if stage == "dump":
+        return {"target": cfg.target, "data": prepared, "out": str(out / "dump")}
+    if stage == "standardize":
+        return {"dumps": [str(out / "dump")], "out": str(out / "std")}
+    if stage == "train":
+        data = str(out / "std") if cfg.source == "offline" else prepared
+        return {"target": cfg.target, "data": data, "source": cfg.source, "out": str(out / "train")}
+    if stage == "export":
+        return {"run": str(out / "train"), "out": str(out / "export")}
+    if stage == "check":
+        return {"draft": str(out / "export"), "target": cfg.target}
+    return {"draft": str(out / "export"), "target": cfg.target, "out": str(out / "eval")}
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in over.items():
+        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
+def stage_options(cfg: RunConfig, stage: str) -> dict[str, Any]:
+    """The stage's options: the recipe's, then the wiring (which the recipe may not set)."""
+    own = dict(getattr(cfg, stage))
+    clash = sorted(set(own) & set(wiring(cfg, stage)) - {"synthesize"})
+    if clash:
+        raise ConfigError(
+            f"{stage}.{clash[0]} is set by eagle3-run itself (from target=, data=, source= and out=): leave it out of "
+            f"the recipe and the overrides"
+        )
+    if stage == "prepare":
+        own.pop("synthesize" if cfg.data is not None else "input", None)
+    if stage == "train":  # a recipe serves every source: what the chosen one does not take is left out
+        for group, used in (("online", ("online", "served")), ("engine", ("served",))):
+            if cfg.source not in used:
+                own.pop(group, None)
+    if stage == "standardize":  # offline, the draft vocab and the held-out share are standardize's
+        online = cfg.train.get("online") or {}
+        for key in ("draft_vocab_size", "eval_fraction"):
+            if key in online and key not in own:
+                own[key] = online[key]
+    if stage == "eval" and "prompts" not in own:
+        own["prompts"] = str(shipped_prompts("heldout.jsonl"))
+    return _merge(wiring(cfg, stage), own)
+
+
+def command(cfg: RunConfig, stage: str) -> list[str]:
+    """The stage's command line: its module with its options, under torchrun where it takes ranks."""
+    module, ranks = MODULES[stage]
+    options = stage_options(cfg, stage)
+    if stage == "prepare" and not options.get("synthesize"):
+        ranks = False  # reading and regenerating run in one process; synthesis runs on every rank
+    launcher = [sys.executable, "-m"]
+    if ranks and cfg.gpus > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.gpus), "-m"]
+    return [*launcher, module, *overrides(options)]
+
+
+def run(cfg: RunConfig) -> int:
+    """Run (or print, with ``dry_run``) the stages up to ``until``; stop at the first that fails."""
+    stages = cfg.stages()
+    if cfg.until is not None:
+        stages = stages[: stages.index(cfg.until) + 1]
+    plan = [(stage, command(cfg, stage)) for stage in stages]
+    if cfg.dry_run:
+        for stage, cmd in plan:
+            print(f"# {stage}\n{shlex.join(cmd)}")
+        return 0
+    out = Path(cfg.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    logger.info(f"eagle3-run: recipe {cfg.recipe or '(none)'}: {' -> '.join(stages)} under {out}")
+    for stage, cmd in plan:
+        logger.info(f"eagle3-run: {stage}: {shlex.join(cmd)}")
+        start = time.time()
+        rc = subprocess.run(cmd).returncode
+        seconds = round(time.time() - start, 1)
+        with (out / "run.jsonl").open("a") as f:
+            f.write(json.dumps({"stage": stage, "seconds": seconds, "rc": rc, "command": cmd}) + "\n")
+        if rc:
+            raise Eagle3Error(
+                f"eagle3-run: {stage} stopped with status {rc} after {seconds} s (its message is above); the stages "
+                f"before it are kept: run the same command again to continue from {stage}"
+            )
+        logger.info(f"eagle3-run: {stage} done in {seconds} s")
+    report = out / "eval" / "report.json"
+    if "eval" in stages and report.is_file():
+        r = json.loads(report.read_text())
+        logger.info(f"eagle3-run: tau {r['tau']:.3f} on {r['prompts']} prompts, lossless {r['lossless']} -> {out}")
+    return 0
+
+
+main = entry_point("run", RunConfig, run)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""eagle3-run: every recipe composes into each stage's own typed config, and a run equals the stage
+commands typed by hand."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from eagle3_train.core.cli import CONF_DIR, to_config
+from eagle3_train.core.errors import ConfigError, Eagle3Error
+from eagle3_train.run import RunConfig, command, hydra_value, run
+from test_configs import PRIMARY, compose_config
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p.stem for p in (Path(CONF_DIR) / "recipe").glob("*.yaml"))
+CONFIG = {"prepare": "prepare.yaml", "dump": "dump.yaml", "standardize": "standardize.yaml", "train": "train.yaml",
+          "export": "export.yaml", "check": "check.yaml", "eval": "eval.yaml"}  # fmt: skip
+WORDS = ["apple", "river", "stone", "cloud", "seven", "tiger", "music", "paper", "green", "window"]
+
+
+def run_config(overrides):
+    return to_config(compose_config("run.yaml", overrides), RunConfig)
+
+
+def test_the_recipes_cover_the_model_classes():
+    assert {"smollm2", "llama3_8b", "qwen3_8b", "qwen3_30b_a3b", "gpt_oss_20b", "deepseek_v3"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("source", ["recipe", "offline"])
+def test_every_recipe_composes_every_stage_into_its_typed_config(recipe, source):
+    """Each stage's command line, as eagle3-run writes it, composes into that stage's schema (a key
+    a stage lacks, a bad value, would be refused here)."""
+    extra = [] if source == "recipe" else ["source=offline"]
+    cfg = run_config([f"recipe={recipe}", "out=/tmp/o", "target=/models/t", "data=/tmp/c.jsonl", *extra])
+    assert cfg.recipe == recipe and cfg.about
+    for stage in cfg.stages():
+        argv = command(cfg, stage)
+        overrides = argv[argv.index("-m", argv.index("-m") + (2 if cfg.gpus > 1 else 0)) + 2 :]
+        schema = PRIMARY[CONFIG[stage]][0]
+        typed = to_config(compose_config(CONFIG[stage], overrides), schema)
+        if stage == "train":
+            assert typed.target == "/models/t" and typed.source == cfg.source and typed.out == "/tmp/o/train"
+            assert typed.data == ("/tmp/o/std" if cfg.source == "offline" else "/tmp/o/prepared")
+        if stage == "prepare":
+            assert typed.input == "/tmp/c.jsonl" and typed.synthesize is None and typed.out == "/tmp/o/prepared"
+
+
+def test_the_run_options_are_checked():
+    with pytest.raises(ConfigError, match="give data=<conversations> or a recipe that synthesizes"):
+        run_config(["recipe=llama3_8b", "out=/tmp/o"])
+    with pytest.raises(ConfigError, match=r"until=dump is not a stage of this run \(source=online\)"):
+        run_config(["recipe=smollm2", "out=/tmp/o", "until=dump"])
+    with pytest.raises(ConfigError, match="train.out is set by eagle3-run itself"):
+        command(run_config(["recipe=smollm2", "out=/tmp/o", "+train.out=/elsewhere"]), "train")
+    cfg = run_config(["recipe=smollm2", "out=/tmp/o", "gpus=2", "prepare.synthesize=1000"])
+    assert command(cfg, "prepare")[2:5] == ["torch.distributed.run", "--nproc_per_node", "2"]
+    assert "++synthesize=1000" in command(cfg, "prepare")
+
+
+@pytest.mark.parametrize(
+    "value,text",
+    [(None, "null"), (True, "true"), (3, "3"), (2e-3, "0.002"), ("wsd", "wsd"), ("/a b/c", "'/a b/c'"),
+     ("1e3", "'1e3'"), ("null", "'null'"), ("it's", "'it\\'s'"), ([1, "x"], "[1,x]"), ({"a": False}, "{a:false}")],
+)  # fmt: skip
+def test_values_are_written_as_hydra_reads_them(value, text):
+    assert hydra_value(value) == text
+
+
+def test_until_stops_after_its_stage(tmp_path, capsys):
+    cfg = run_config(["recipe=smollm2", f"out={tmp_path}", "until=train", "dry_run=true", "source=offline"])
+    assert run(cfg) == 0
+    printed = [line[2:] for line in capsys.readouterr().out.splitlines() if line.startswith("# ")]
+    assert printed == ["prepare", "dump", "standardize", "train"] and not any(tmp_path.iterdir())
+
+
+def test_dry_run_prints_and_cfg_job_composes(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    got = subprocess.run(
+        [sys.executable, "-m", "eagle3_train.run", "recipe=qwen3_8b", f"out={tmp_path}", "data=c.jsonl", "dry_run=true"],
+        capture_output=True, text=True, env=env, check=True,
+    ).stdout  # fmt: skip
+    assert [line for line in got.splitlines() if line.startswith("# ")] == [
+        f"# {s}" for s in ("prepare", "train", "export", "check", "eval")
+    ]
+    assert "++chat_template_kwargs.enable_thinking=true" in got and not (tmp_path / "prepared").exists()
+    job = subprocess.run(
+        [sys.executable, "-m", "eagle3_train.run", "recipe=qwen3_8b", f"out={tmp_path}", "data=c.jsonl", "--cfg", "job"],
+        capture_output=True, text=True, env=env, check=True,
+    ).stdout  # fmt: skip
+    assert "recipe: qwen3_8b" in job and "enable_thinking: true" in job
+
+
+@pytest.mark.slow
+def test_a_run_equals_the_stage_commands_typed_by_hand(tmp_path):
+    """eagle3-run recipe=smollm2 on the tiny target with a conversations file (sizes cut for the CPU)
+    gives the export and the eval report the stage commands give when typed out; a failing stage is
+    named, and what ran before it is kept."""
+    rng = random.Random(0)
+    rows = [
+        {"messages": [{"role": "user", "content": " ".join(rng.choices(WORDS, k=4))},
+                      {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=9))}]}
+        for _ in range(24)
+    ]  # fmt: skip
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    small = ["train.train.epochs=1", "train.train.compile=false", "train.train.max_tokens_per_batch=600",
+             "train.train.eval_every=0", "train.online.draft_vocab_size=64", "train.model.intermediate_size=256",
+             "+train.online.aux_indices=[1,2,3]", "eval.max_new_tokens=8", "+eval.limit=3", "eval.batch_size=3"]  # fmt: skip
+    cfg = run_config(["recipe=smollm2", "target=tiny", f"data={data}", f"out={tmp_path / 'run'}", *small])
+    assert run(cfg) == 0
+    stages = [json.loads(x)["stage"] for x in (tmp_path / "run" / "run.jsonl").read_text().splitlines()]
+    assert stages == ["prepare", "train", "export", "check", "eval"]
+
+    hand = tmp_path / "hand"
+    py = [sys.executable, "-m"]
+    for cmd in (
+        [*py, "data_prep.prepare", "target=tiny", f"input={data}", f"out={hand}/prepared", "regen.max_new_tokens=128"],
+        [*py, "eagle3_train.training.trainer", "source=online", f"data={hand}/prepared", "target=tiny", f"out={hand}/train",
+         "online.draft_vocab_size=64", "online.eval_fraction=0.02", "online.aux_indices=[1,2,3]", "train.ttt_length=5",
+         "train.epochs=1", "train.lr=2e-3", "train.warmup_steps=30", "train.schedule=wsd", "train.max_tokens_per_batch=600",
+         "train.head_chunk=32768", "train.keep_best=true", "train.log_every=50", "model.lm_head_init=target",
+         "model.intermediate_size=256"],
+        [*py, "eagle3_train.serving.export", f"run={hand}/train", f"out={hand}/export", "engines=[sglang,vllm]"],
+        [*py, "eagle3_train.evaluation.eval", f"draft={hand}/export", "target=tiny", "engine=sglang", "k=5",
+         "max_new_tokens=8", "dtype=float32", "batch_size=3", "limit=3", f"out={hand}/eval",
+         f"prompts={REPO}/data_prep/prompts/heldout.jsonl"],
+    ):  # fmt: skip
+        subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True)
+    ours, theirs = (load_file(str(d / "export" / "model.safetensors")) for d in (tmp_path / "run", hand))
+    assert ours.keys() == theirs.keys() and all((ours[k] == theirs[k]).all() for k in ours)
+    report = {d: json.loads((d / "eval" / "report.json").read_text()) for d in (tmp_path / "run", hand)}
+    assert report[tmp_path / "run"]["tau"] == report[hand]["tau"]
+
+    bad = run_config(["recipe=smollm2", "target=tiny", f"data={data}", f"out={tmp_path / 'run'}", *small,
+                      "eval.k=0"])  # fmt: skip
+    with pytest.raises(
+        Eagle3Error, match=r"eval stopped with status 2 .* run the same command again to continue from eval"
+    ):
+        run(bad)
