@@ -25,10 +25,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: setup
-	WANDB_MODE=disabled $(BIN)/python -m pytest -q --durations=25 tests
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q --durations=25 tests benchmarks/tests
 
 test-fast: setup
-	WANDB_MODE=disabled $(BIN)/python -m pytest -q -m "not slow" --durations=10 tests
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q -m "not slow" --durations=10 tests benchmarks/tests
 
 demo: setup
 	WANDB_MODE=disabled RUN_DIR=$(RUN_DIR) PATH=$(CURDIR)/$(BIN):$$PATH bash launch/demo.sh

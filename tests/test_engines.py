@@ -204,7 +204,7 @@ def test_every_verified_rule_names_its_results_file_and_family():
     verified = {(name, mt): text for name, e in ENGINES.items() for mt, text in e.verified.items()}
     assert {e for e, _ in verified} == {"sglang", "vllm"}
     for (engine, model_type), text in verified.items():
-        files = re.findall(r"tests/benchmarks/results/[\w.]+\.json", text)
+        files = re.findall(r"benchmarks/results/[\w.]+\.json", text)
         assert files, (engine, model_type)
         found = [json.loads((root / f).read_text()) for f in files]
         assert any(model_type in json.dumps(r) for r in found), (engine, model_type, files)

@@ -1,12 +1,12 @@
 """eagle3_train.core.threads: threads of a forked process running torch ops at once (standardize's
 workers in a fault test's child). Without settle_torch_threads some such children fail with torch's
-"Invalid thread pool!" (tests/benchmarks/results/fork_threads_cpu2.json)."""
+"Invalid thread pool!" (benchmarks/results/fork_threads_cpu2.json)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.benchmarks.fork_threads import forked_failures
+from fork_threads import forked_failures
 
 
 @pytest.mark.slow

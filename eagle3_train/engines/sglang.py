@@ -87,7 +87,7 @@ RULES = (
 
 # target model_type -> the real SGLang run that confirmed its rule. SGLang's acceptance length was
 # within 1.7 % of eval's tau for each (SGLang 0.5.17 has no aux-state dump).
-_RUN = "H200, 2026-12-02, tiny targets and SmolLM2 (tests/benchmarks/results/families_sglang_h200.json)"
+_RUN = "H200, 2026-12-02, tiny targets and SmolLM2 (benchmarks/results/families_sglang_h200.json)"
 VERIFIED = {
     mt: f"SGLang 0.5.17: served draft, {_RUN}"
     for mt in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss")

@@ -11,7 +11,7 @@ Kimi-K2) crashes on it, and the llama-family code hands over the embedding tenso
 first layer takes as its residual and ``fused_add_rms_norm`` then updates in place, so the draft gets
 the last layer's pre-norm output instead (measured with vLLM 0.26.0 on an H200: a draft whose ids
 start at 0 accepted 1.17 tokens per step; eagle3-eval predicted 1.39 feeding the embeddings and 1.16
-feeding that state; ids without 0 agreed within 0.02; tests/benchmarks/results/vllm_h200.json).
+feeding that state; ids without 0 agreed within 0.02; benchmarks/results/vllm_h200.json).
 
 **Served dump** (API read from vLLM 0.33.0): ``extract_hidden_states`` with
 ``ExampleHiddenStatesConnector``; engine id ``v`` captures HF index ``v``, and the dump asks for id
@@ -115,9 +115,9 @@ RULES = (
 # Its served dump equal to the transformers dump (token ids identical, <= 4.3 % rel L2 per layer in
 # bf16) and its served draft accepting at eval's tau (within 3 % on SmolLM2, the trained target;
 # -11 % .. +5 % on random-init ones, whose greedy paths turn on near-tied logits).
-_FAMILIES_RUN = "H200, 2026-12-02, tiny targets and SmolLM2 (tests/benchmarks/results/families_vllm_h200.json)"
+_FAMILIES_RUN = "H200, 2026-12-02, tiny targets and SmolLM2 (benchmarks/results/families_vllm_h200.json)"
 VERIFIED = {
-    "llama": f"vLLM 0.26.0, H200, 2026-11-30 (tests/benchmarks/results/vllm_h200.json); served dump and served draft, "
+    "llama": f"vLLM 0.26.0, H200, 2026-11-30 (benchmarks/results/vllm_h200.json); served dump and served draft, "
     f"{_FAMILIES_RUN}",
     **{
         mt: f"vLLM 0.26.0: served dump and served draft, {_FAMILIES_RUN}"
