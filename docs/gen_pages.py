@@ -565,12 +565,39 @@ def engine_rules_page() -> str:
                 + "; it refuses any other target at load.\n\n"
             )
     out.append(families_measured())
+    families = importlib.import_module("eagle3_train.core.families")
     out.append("## Target families\n\n")
     out.append(
+        "One row per `model_type`, read by the engine rules, the served dump, the static decoder, the tiny "
+        "test targets and the stand-in engines (`eagle3_train/core/families.py`).\n\n"
+    )
+    yes = lambda b: "yes" if b else "no"  # noqa: E731
+    out.append(
         table(
-            ["model_type", "family (whose engine code serves it)"],
-            [[f"`{m}`", f"`{f}`"] for m, f in sorted(rules.FAMILIES.items())],
-        )
+            [
+                "model_type",
+                "engine code",
+                "vLLM EAGLE-3 class",
+                "vLLM DeepSeek code (no id 0)",
+                "final norm",
+                "SGLang final state post-norm",
+                "static decoder",
+                "tiny target",
+            ],
+            [
+                [
+                    f"`{f.model_type}`",
+                    f"`{f.engine_code}`",
+                    yes(f.vllm_eagle3),
+                    yes(f.vllm_deepseek_code),
+                    f"`{f.final_norm}`",
+                    yes(f.sglang_final_post_norm),
+                    "no" if f.static_qk_norm is None else ("yes (q/k norm)" if f.static_qk_norm else "yes"),
+                    f"`tiny:{f.model_type}`" if f.tiny is not None else "—",
+                ]
+                for f in sorted(families.FAMILIES, key=lambda f: f.model_type)
+            ],
+        )  # fmt: skip
         + "\n"
     )
     out.append(

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from eagle3_train.core import families
+
 
 class _Standin:
     """An HTTP server on a free local port running ``handle_post(path, body)`` per request."""
@@ -190,20 +192,10 @@ class _Standin:
         return None
 
 
-# vLLM 0.33.0's target classes with its EAGLE-3 interface (by model_type); it refuses others at load,
-# and its DeepSeek code (DeepSeek-V2/V3, Kimi-K2) fails on layer id 0.
-VLLM_EAGLE3_MODEL_TYPES = {
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "gpt_oss",
-    "deepseek_v2",
-    "deepseek_v3",
-    "kimi_k2",
-}
-VLLM_NO_ID_0 = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
+# vLLM's target classes with its EAGLE-3 interface (by model_type), from the family table; it refuses
+# others at load, and its DeepSeek code (DeepSeek-V2/V3, Kimi-K2) fails on layer id 0.
+VLLM_EAGLE3_MODEL_TYPES = families.model_types(vllm_eagle3=True)
+VLLM_NO_ID_0 = families.model_types(vllm_eagle3=True, vllm_deepseek_code=True)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from eagle3_train.core import families
 from eagle3_train.core.errors import ContractError
 
 if TYPE_CHECKING:  # its own module: it imports torch
@@ -41,21 +42,9 @@ TOP_KEY = "eagle_aux_hidden_state_layer_ids"
 NESTED = ("eagle_config", "eagle_aux_hidden_state_layer_ids")
 NESTED_V2 = ("eagle_config", "layer_ids")
 
-# Target model_type -> the family whose engine code serves it (a rule names a family, or ``*``).
-FAMILIES = {
-    # SGLang's MistralForCausalLM is its LlamaForCausalLM (models/mistral.py, 0.5.17)
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "llama",
-    "qwen3": "llama",
-    "qwen3_moe": "llama",
-    # SGLang's DeepSeek-V3 / Kimi-K2 classes live in its deepseek_v2 code and share its rule
-    "deepseek_v2": "deepseek",
-    "deepseek_v3": "deepseek",
-    "kimi_k2": "deepseek",
-    "glm4_moe_lite": "deepseek",
-    "gpt_oss": "gpt_oss",
-}
+# Target model_type -> the family whose engine code serves it (a rule names a family, or ``*``): the
+# family table's (eagle3_train/core/families.py) engine_code column.
+FAMILIES = {f.model_type: f.engine_code for f in families.FAMILIES}
 
 
 class Unexpressible(ContractError):

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3_train.core import families
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.engines.base import (
     NESTED,
@@ -50,7 +51,6 @@ from eagle3_train.engines.base import (
     Rule,
     SpecMetrics,
     Unexpressible,
-    family_of,
     plus_one,
     sampling_fields,
     shell,
@@ -146,7 +146,6 @@ def serve(target: str, draft: str | None, num_speculative_tokens: int, flags: di
 
 # Families whose SGLang server returns the *post-norm* final state with --enable-return-hidden-states
 # (their model code passes the normed state to the logits processor).
-POST_NORM_FAMILIES = ("llama", "deepseek", "gpt_oss")
 
 
 def dump_layer_ids(stored: list[int], model_type: str, num_hidden_layers: int) -> list[int]:
@@ -156,7 +155,8 @@ def dump_layer_ids(stored: list[int], model_type: str, num_hidden_layers: int) -
         ids = ENGINE.ids_for(stored, model_type, num_hidden_layers)[NESTED]
     except Unexpressible as e:
         raise Unexpressible(f"backend=sglang cannot dump this capture: {e}") from None
-    if family_of(model_type) not in POST_NORM_FAMILIES:
+    row = families.family(model_type)
+    if row is None or not row.sglang_final_post_norm:
         raise Unexpressible(
             f"backend=sglang: for model_type {model_type!r} SGLang's returned final state is not known to be "
             f"the post-norm state that last_hidden must be; use backend=vllm (the final norm is then applied here)"

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from eagle3_train.core import families
 from eagle3_train.engines.base import (
     NESTED,
     NESTED_V2,
@@ -76,8 +77,9 @@ VERSION = "0.33.0"
 
 # The target model_types whose vLLM 0.33.0 classes implement its EAGLE-3 interface (llama, mistral,
 # qwen2, qwen3, qwen3_moe, deepseek_v2/v3 -- Kimi-K2 runs in the DeepSeek-V3 class -- and gpt_oss).
-DEEPSEEK = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2"})
-EAGLE3_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"}) | DEEPSEEK
+# (the family table's vllm_eagle3 and vllm_deepseek_code columns)
+DEEPSEEK = families.model_types(vllm_eagle3=True, vllm_deepseek_code=True)
+EAGLE3_MODEL_TYPES = families.model_types(vllm_eagle3=True)
 
 _ID0 = (
     "vLLM's id 0 arrives overwritten: its capture keeps the embedding tensor, which the first layer makes "
@@ -174,7 +176,7 @@ def serve(target: str, draft: str | None, num_speculative_tokens: int, flags: di
 
 # How transformers applies the final RMSNorm of each target vLLM serves (x: the pre-norm state,
 # h = x / rms(x) in fp32): llama-style multiplies in the model dtype, gpt_oss in fp32.
-FINAL_NORM_OF = {**dict.fromkeys(EAGLE3_MODEL_TYPES - {"gpt_oss"}, "llama"), "gpt_oss": "fp32"}
+FINAL_NORM_OF = {m: families.BY_TYPE[m].final_norm for m in EAGLE3_MODEL_TYPES}
 
 
 def final_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str) -> torch.Tensor:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from eagle3_train.core import families
 from eagle3_train.model.draft import rotate_half
 
 
@@ -39,14 +40,10 @@ class Arch:
     qk_norm: bool  # an RMSNorm over each head's query and key before the rotary embedding (Qwen3)
 
 
-# model_type -> its quirks. Dense decoders with full attention only: a MoE block routes tokens with
-# data-dependent shapes (no graph), a sliding window would need its own mask.
-ARCHS = {
-    "llama": Arch(qk_norm=False),
-    "mistral": Arch(qk_norm=False),
-    "qwen2": Arch(qk_norm=False),
-    "qwen3": Arch(qk_norm=True),
-}
+# model_type -> its quirks: the family table's static_qk_norm column (eagle3_train/core/families.py).
+# Dense decoders with full attention only: a MoE block routes tokens with data-dependent shapes (no
+# graph), a sliding window would need its own mask.
+ARCHS = {f.model_type: Arch(qk_norm=f.static_qk_norm) for f in families.FAMILIES if f.static_qk_norm is not None}
 
 
 def unsupported(model: Any, length: int) -> str | None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from eagle3_train.core import families
 from eagle3_train.core.errors import ConfigError
 
 # ChatML, as SmolLM2 and Qwen use it: the default template of the tiny targets.
@@ -56,66 +57,11 @@ _COMMON: dict[str, Any] = {
     "eos_token_id": [_TOKEN_IDS["<|im_end|>"], _TOKEN_IDS["<|eot_id|>"], _TOKEN_IDS["<|end_of_text|>"]],
     "pad_token_id": _TOKEN_IDS["<pad>"],
 }
-_MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": True}
 
-# family -> the model_type and what its config says beyond _COMMON (one row per family).
+# family -> the model_type and what its config says beyond _COMMON: the family table's tiny column
+# (eagle3_train/core/families.py).
 FAMILIES: dict[str, dict[str, Any]] = {
-    "llama": {"model_type": "llama", "tie_word_embeddings": False},
-    "mistral": {"model_type": "mistral", "head_dim": 64, "sliding_window": None, "tie_word_embeddings": False},
-    "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True},
-    "qwen3": {"model_type": "qwen3", "head_dim": 64, "tie_word_embeddings": True},
-    # transformers 5.17 names the expert count num_experts, later releases num_local_experts
-    "qwen3_moe": {
-        "model_type": "qwen3_moe",
-        **_MOE,
-        "num_experts": 4,
-        "num_local_experts": 4,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "head_dim": 64,
-        "tie_word_embeddings": False,
-    },
-    # MLA with DeepSeek-V3's per-head dimensions (the MLA kernels of the engines assume them); MLA
-    # needs as many key/value heads as query heads
-    "deepseek_v3": {
-        "model_type": "deepseek_v3",
-        **_MOE,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 128,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "head_dim": 64,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "n_group": 1,
-        "topk_group": 1,
-        "routed_scaling_factor": 1.0,
-        "num_nextn_predict_layers": 0,
-        # what DeepSeek-V3's own config.json says and transformers always computes (sigmoid
-        # scores, bias-corrected top-k); vLLM 0.26 reads them and, without topk_method, builds
-        # no e_score_correction_bias and fails at load on the checkpoint's (seen on an H200)
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        # DeepSeek-V3's config.json has it and SGLang 0.5.17's deepseek_v2.py reads it
-        # (AttributeError at load without; seen on an H200); transformers ignores it
-        "moe_layer_freq": 1,
-        "tie_word_embeddings": False,
-    },
-    # attention sinks as transformers builds them; sliding window 32 alternating with full attention,
-    # shorter than a byte-tokenized prompt, so the windowed layers really cut
-    "gpt_oss": {
-        "model_type": "gpt_oss",
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "intermediate_size": 256,
-        "head_dim": 64,
-        "sliding_window": 32,
-        "layer_types": ["sliding_attention", "full_attention"] * 4,
-        "tie_word_embeddings": False,
-    },
+    f.model_type: {"model_type": f.model_type, **f.tiny} for f in families.FAMILIES if f.tiny is not None
 }
 
 
