@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shlex
 import subprocess
@@ -56,6 +57,7 @@ MODULES = {
     "eval": ("eagle3_train.evaluation.eval", False),
 }
 STAGES = tuple(MODULES)
+DIST_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 # ${shipped:heldout.jsonl}: a prompt file shipped in data_prep/prompts (recipes name them so)
 if not OmegaConf.has_resolver("shipped"):
@@ -244,10 +246,12 @@ def run(cfg: RunConfig) -> int:
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     logger.info(f"eagle3-run: recipe {cfg.recipe or '(none)'}: {' -> '.join(stages)} under {out}")
+    # a stage forms its own process group (torchrun's, or one of one): none this process was given
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARIABLES}
     for stage, cmd in plan:
         logger.info(f"eagle3-run: {stage}: {shlex.join(cmd)}")
         start = time.time()
-        rc = subprocess.run(cmd).returncode
+        rc = subprocess.run(cmd, env=env).returncode
         seconds = round(time.time() - start, 1)
         with (out / "run.jsonl").open("a") as f:
             f.write(json.dumps({"stage": stage, "seconds": seconds, "rc": rc, "command": cmd}) + "\n")

@@ -96,50 +96,75 @@ def test_dry_run_prints_and_cfg_job_composes(tmp_path):
     assert "recipe: qwen3_8b" in job and "enable_thinking: true" in job
 
 
-@pytest.mark.slow
-def test_a_run_equals_the_stage_commands_typed_by_hand(tmp_path):
-    """eagle3-run recipe=smollm2 on the tiny target with a conversations file (sizes cut for the CPU)
-    gives the export and the eval report the stage commands give when typed out; a failing stage is
-    named, and what ran before it is kept."""
+def conversations(path):
     rng = random.Random(0)
     rows = [
         {"messages": [{"role": "user", "content": " ".join(rng.choices(WORDS, k=4))},
                       {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=9))}]}
         for _ in range(24)
     ]  # fmt: skip
-    data = tmp_path / "chats.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    small = ["train.train.epochs=1", "train.train.compile=false", "train.train.max_tokens_per_batch=600",
-             "train.train.eval_every=0", "train.online.draft_vocab_size=64", "train.model.intermediate_size=256",
-             "+train.online.aux_indices=[1,2,3]", "eval.max_new_tokens=8", "+eval.limit=3", "eval.batch_size=3"]  # fmt: skip
-    cfg = run_config(["recipe=smollm2", "target=tiny", f"data={data}", f"out={tmp_path / 'run'}", *small])
-    assert run(cfg) == 0
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+SMALL = ["train.train.epochs=1", "train.train.compile=false", "train.train.max_tokens_per_batch=600",
+         "train.train.eval_every=0", "train.online.draft_vocab_size=64", "train.model.intermediate_size=256",
+         "+train.online.aux_indices=[1,2,3]", "eval.max_new_tokens=8", "+eval.limit=3", "eval.batch_size=3"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_run_equals_the_stages_run_by_hand(tmp_path, monkeypatch):
+    """eagle3-run recipe=smollm2 on the tiny target with a conversations file (sizes cut for the CPU)
+    gives the export and the eval report of the same stages run by hand through their Python API
+    with the recipe's options written out; its stages ignore a process group the caller has."""
+    from data_prep.prepare import PrepareConfig, Preparer
+    from eagle3_train.evaluation.eval import EvalConfig, Evaluator
+    from eagle3_train.serving.export import ExportConfig, Exporter
+    from eagle3_train.training.config import ModelOptions
+    from eagle3_train.training.online import OnlineConfig
+    from test_trainer import train
+
+    data = conversations(tmp_path / "chats.jsonl")
+    monkeypatch.setenv("MASTER_PORT", "1")  # a caller's group: no stage may join it
+    assert run(run_config(["recipe=smollm2", "target=tiny", f"data={data}", f"out={tmp_path / 'run'}", *SMALL])) == 0
     stages = [json.loads(x)["stage"] for x in (tmp_path / "run" / "run.jsonl").read_text().splitlines()]
     assert stages == ["prepare", "train", "export", "check", "eval"]
+    monkeypatch.delenv("MASTER_PORT")
 
     hand = tmp_path / "hand"
-    py = [sys.executable, "-m"]
-    for cmd in (
-        [*py, "data_prep.prepare", "target=tiny", f"input={data}", f"out={hand}/prepared", "regen.max_new_tokens=128"],
-        [*py, "eagle3_train.training.trainer", "source=online", f"data={hand}/prepared", "target=tiny", f"out={hand}/train",
-         "online.draft_vocab_size=64", "online.eval_fraction=0.02", "online.aux_indices=[1,2,3]", "train.ttt_length=5",
-         "train.epochs=1", "train.lr=2e-3", "train.warmup_steps=30", "train.schedule=wsd", "train.max_tokens_per_batch=600",
-         "train.head_chunk=32768", "train.keep_best=true", "train.log_every=50", "model.lm_head_init=target",
-         "model.intermediate_size=256"],
-        [*py, "eagle3_train.serving.export", f"run={hand}/train", f"out={hand}/export", "engines=[sglang,vllm]"],
-        [*py, "eagle3_train.evaluation.eval", f"draft={hand}/export", "target=tiny", "engine=sglang", "k=5",
-         "max_new_tokens=8", "dtype=float32", "batch_size=3", "limit=3", f"out={hand}/eval",
-         f"prompts={REPO}/data_prep/prompts/heldout.jsonl"],
-    ):  # fmt: skip
-        subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True)
+    Preparer(PrepareConfig(target="tiny", input=str(data), out=str(hand / "prepared"), progress=False)).run()
+    online = OnlineConfig(draft_vocab_size=64, eval_fraction=0.02, aux_indices=[1, 2, 3])
+    train(hand / "prepared", hand / "train", target="tiny", source="online", online=online, ttt_length=5,
+          epochs=1, lr=2e-3, warmup_steps=30, schedule="wsd", max_tokens_per_batch=600, head_chunk=32768,
+          keep_best=True, log_every=50, model=ModelOptions(lm_head_init="target", intermediate_size=256))  # fmt: skip
+    Exporter(ExportConfig(run=str(hand / "train"), out=str(hand / "export"), engines=["sglang", "vllm"])).run()
+    ref = Evaluator(
+        EvalConfig(
+            draft=str(hand / "export"),
+            target="tiny",
+            engine="sglang",
+            k=5,
+            max_new_tokens=8,
+            dtype="float32",
+            batch_size=3,
+            limit=3,
+            out=str(hand / "eval"),
+            prompts=str(REPO / "data_prep/prompts/heldout.jsonl"),
+            progress=False,
+        )  # fmt: skip
+    ).run()
     ours, theirs = (load_file(str(d / "export" / "model.safetensors")) for d in (tmp_path / "run", hand))
     assert ours.keys() == theirs.keys() and all((ours[k] == theirs[k]).all() for k in ours)
-    report = {d: json.loads((d / "eval" / "report.json").read_text()) for d in (tmp_path / "run", hand)}
-    assert report[tmp_path / "run"]["tau"] == report[hand]["tau"]
+    assert json.loads((tmp_path / "run" / "eval" / "report.json").read_text())["tau"] == ref["tau"]
 
-    bad = run_config(["recipe=smollm2", "target=tiny", f"data={data}", f"out={tmp_path / 'run'}", *small,
-                      "eval.k=0"])  # fmt: skip
+
+@pytest.mark.slow
+def test_a_failing_stage_is_named_and_the_run_stops_there(tmp_path):
+    data = conversations(tmp_path / "chats.jsonl")
+    cfg = run_config(["recipe=smollm2", "target=tiny", f"data={data}", f"out={tmp_path}", "+prepare.max_length=-1"])
     with pytest.raises(
-        Eagle3Error, match=r"eval stopped with status 2 .* run the same command again to continue from eval"
+        Eagle3Error, match=r"prepare stopped with status 2 .* run the same command again to continue from prepare"
     ):
-        run(bad)
+        run(cfg)
+    (line,) = (tmp_path / "run.jsonl").read_text().splitlines()
+    assert json.loads(line)["stage"] == "prepare" and json.loads(line)["rc"] == 2 and not (tmp_path / "train").exists()

@@ -15,6 +15,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
         "served",
         "a served engine (the served dump, served regeneration, eagle3-served-acceptance, eagle3-bench)",
     ),
+    "prometheus_client": ("served", "reading a served engine's /metrics (eagle3-served-acceptance, eagle3-bench)"),
     "matplotlib": ("plots", "eagle3-eval's acceptance.png and eagle3-bench's speedup.png (plot=false skips them)"),
     "datasketch": ("synthesis", "synthesis's near-duplicate filter"),
     "tensorboard": ("tensorboard", "logging=tensorboard"),

@@ -471,7 +471,11 @@ class Bench:
 
     async def drafts_counted(self, session: Any, client: EngineClient) -> float:
         """The engine's drafts so far by its ``/metrics`` (0 when it has no such counter)."""
-        return sum(v for _, v in counter(parse_prometheus(await client.get(session, "/metrics")), self.names.drafts))
+        text = await client.get(session, "/metrics")
+        try:
+            return sum(v for _, v in counter(parse_prometheus(text), self.names.drafts))
+        except ValueError as e:
+            raise EngineError(f"{client.url}/metrics is not Prometheus text ({e})") from None
 
     async def measure(self, side: str, url: str) -> dict[str, Any]:
         """Every level on the engine at ``url``: its model and version, the warm-up, and per level its

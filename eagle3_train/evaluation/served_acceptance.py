@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -143,24 +142,15 @@ ConfigStore.instance().store(name="served_acceptance_schema", node=ServedAccepta
 
 # ---- Prometheus text and the figures: pure functions -----------------------------------------
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
-
 
 def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Samples of a Prometheus text exposition: {sample name: [(labels, value)]}; comments skipped."""
+    """Samples of a Prometheus text exposition, read by prometheus_client's parser: {sample name
+    (``_total`` kept): [(labels, value)]}. Raises ValueError on text that is not the exposition."""
+    parser = optional_import("prometheus_client.parser")
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue  # not a sample line this reader knows; the counters it needs are plain ones
-        name, labels, value = m.groups()
-        parsed = {k: re.sub(r'\\[\\"n]', lambda e: _ESCAPES[e.group()], v) for k, v in _LABEL.findall(labels or "")}
-        out.setdefault(name, []).append((parsed, float(value)))
+    for family in parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
     return out
 
 
@@ -209,7 +199,10 @@ class SpecCounts:
 def read_counts(text: str, names: SpecMetrics, where: str) -> SpecCounts:
     """The counters ``names`` lists, from one ``/metrics`` text; refuses a server that has none
     (not speculating, or another engine) and a partial set, naming ``where``."""
-    samples = parse_prometheus(text)
+    try:
+        samples = parse_prometheus(text)
+    except ValueError as e:
+        raise EngineError(f"{where} answered something that is not Prometheus text ({e}): {text[:200]!r}") from None
     found = {key: counter(samples, getattr(names, key)) for key in ("drafts", "draft_tokens", "accepted")}
     if not any(found.values()):
         raise EngineError(
