@@ -13,6 +13,7 @@ from data_prep.synthesize import DuplicateFilter
 from eagle3_train.core.extras import EXTRAS, MissingExtraError
 from eagle3_train.engines.http import wait_ready
 from eagle3_train.evaluation.eval import plot_acceptance
+from eagle3_train.evaluation.served_acceptance import parse_prometheus
 from eagle3_train.training.config import LoggingConfig
 from eagle3_train.training.tracking import open_tracker
 from test_imports import ROOT, project_modules
@@ -43,6 +44,7 @@ CALLS = {
     "aiohttp": lambda tmp: asyncio.run(wait_ready(None, ["http://127.0.0.1:9"], 0.1)),
     "matplotlib": lambda tmp: plot_acceptance({}, tmp / "acceptance.png"),
     "datasketch": lambda tmp: DuplicateFilter(0.8),
+    "prometheus_client": lambda tmp: parse_prometheus("vllm:x_total 1\n"),
 }
 
 
@@ -64,4 +66,4 @@ def test_each_extra_installs_its_package_and_dev_installs_them_all():
         assert any(r.startswith(f"{module}>") for r in extras[extra]), (module, extras[extra])
         assert module not in base  # an extra's package is not a plain dependency too
     assert "eagle3_train[all,docs]" in extras["dev"]
-    assert extras["all"] == [f"eagle3_train[{','.join(e for e, _ in EXTRAS.values())}]"]
+    assert extras["all"] == [f"eagle3_train[{','.join(dict.fromkeys(e for e, _ in EXTRAS.values()))}]"]
