@@ -723,7 +723,7 @@ def families_measured() -> str:
 
 # page -> (title, file-name prefixes); a file no prefix claims goes to "other".
 RESULT_PAGES = {
-    "recipe": ("Recipe and data scaling", ("recipe_", "scaling_", "aux_", "vocab_", "synth_question")),
+    "recipe": ("Recipe and data scaling", ("recipe_", "run_", "scaling_", "aux_", "vocab_", "synth_question")),
     "demo": ("The CPU demo", ("demo_",)),
     "speed": (
         "Speed",
