@@ -47,11 +47,11 @@ def test_a_saved_dataset_with_a_column(tmp_path):
     ds.save_to_disk(str(tmp_path / "ds"))
     got = read_conversations(tmp_path / "ds", column="problem")
     assert [(c.source, c.category, c.turns) for c in got] == [
-        (f"{tmp_path / 'ds'}[0]", "x", ["one"]),
-        (f"{tmp_path / 'ds'}[1]", "y", ["two"]),
+        (f"{tmp_path / 'ds'}[row 0]", "x", ["one"]),
+        (f"{tmp_path / 'ds'}[row 1]", "y", ["two"]),
     ]
     with pytest.raises(
-        BadInputError, match=r"ds\[0\]: no field 'prompt' \(column=prompt\); fields: \['category', 'problem'\]"
+        BadInputError, match=r"ds\[row 0\]: no field 'prompt' \(column=prompt\); fields: \['category', 'problem'\]"
     ):
         read_conversations(tmp_path / "ds", column="prompt")
     DatasetDict({"test": ds}).save_to_disk(str(tmp_path / "dd"))
@@ -79,7 +79,7 @@ def test_a_saved_dataset_with_a_column(tmp_path):
         ({"messages": [{"role": "assistant", "content": "x"}]}, r":1: field 'messages': no user turn"),
         ({"messages": [{"role": "critic", "content": "x"}]}, r":1: field 'messages\[0\].role' is 'critic'"),
         ({"messages": [{"role": "user", "content": None}]}, r":1: field 'messages\[0\].content' must be a string"),
-        ('{"prompt": ', r":1: not JSON"),
+        ('{"prompt": ', r":1: malformed JSON"),
         ('["a"]', r":1: expected an object, got list"),
     ],
 )
@@ -95,8 +95,13 @@ def test_empty_and_missing_files(write_jsonl, tmp_path):
     with pytest.raises(BadInputError, match="does not exist"):
         read_conversations(tmp_path / "nope.jsonl")
     (tmp_path / "plain_dir").mkdir()
-    with pytest.raises(BadInputError, match="is a directory but not a saved datasets dataset"):
+    with pytest.raises(BadInputError, match="prompts directory .*plain_dir holds no .jsonl.* and is no dataset saved"):
         read_conversations(tmp_path / "plain_dir")
+    # a directory of prompt files is read as prepare reads one: every file in name order
+    (tmp_path / "files").mkdir()
+    write_jsonl([{"prompt": "a"}], "files/1.jsonl")
+    write_jsonl([{"prompt": "b"}], "files/2.jsonl")
+    assert [c.turns for c in read_conversations(tmp_path / "files")] == [["a"], ["b"]]
 
 
 def test_messages_of_a_later_turn_carry_the_replies():

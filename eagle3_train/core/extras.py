@@ -32,6 +32,7 @@ def optional_import(name: str) -> ModuleType:
     top = name.partition(".")[0]
     extra, needed_by = EXTRAS[top]
     try:
+        importlib.import_module(top)  # the package first: a submodule imported earlier stays in sys.modules
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name is None or e.name.partition(".")[0] != top:  # the package is there; something it imports is not

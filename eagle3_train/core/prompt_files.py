@@ -18,14 +18,12 @@ directory's) name. Anything else stops with the file, line and field.
 
 from __future__ import annotations
 
-import gzip
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eagle3_train.core.errors import BadInputError
-from eagle3_train.core.fileio import table_rows
+from eagle3_train.core.rows import BadRow, iter_raw_rows
 
 # ShareGPT uses many speaker names; these are the ones whose meaning is unambiguous.
 ROLE_ALIASES = {
@@ -85,21 +83,21 @@ class Conversation:
 
 
 def read_conversations(path: str | Path, column: str | None = None, limit: int | None = None) -> list[Conversation]:
-    """Conversations of a prompt file or saved dataset (the first ``limit`` of them)."""
+    """Conversations of a prompt file, a directory of them, or a saved dataset (the first ``limit``
+    of them), read by the one row reader (:func:`eagle3_train.core.rows.iter_raw_rows`)."""
     path = Path(path).expanduser()
-    if path.is_dir():
-        rows = _dataset_rows(path)
-    elif path.is_file() and path.suffix.lower() in (".parquet", ".arrow"):
-        rows = list(table_rows(path, path.suffix.lower()[1:]))
-    elif path.is_file():
-        rows = _jsonl_rows(path)
-    else:
-        raise BadInputError(f"prompts {path} does not exist")
+    if path.is_dir() and (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if p.is_dir())
+        raise BadInputError(
+            f"prompts {path} holds the splits {splits}: point prompts at one of them (e.g. {path / splits[0]})"
+        )
     default_category = (
         path.name.removesuffix(".gz").removesuffix(".jsonl").removesuffix(".parquet").removesuffix(".arrow")
     )
     out = []
-    for source, row in rows:
+    for source, row in iter_raw_rows(str(path), what="prompts"):
+        if isinstance(row, BadRow):
+            raise row
         out.append(conversation(row, source, column, default_category))
         if limit and len(out) >= limit:
             break
@@ -176,31 +174,3 @@ def _text(value: str, source: str, field: str) -> str:
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _jsonl_rows(path: Path) -> list[tuple[str, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append((f"{path}:{lineno}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise BadInputError(f"{path}:{lineno}: not JSON ({e})") from None
-    return rows
-
-
-def _dataset_rows(path: Path) -> list[tuple[str, Any]]:
-    from datasets import DatasetDict, load_from_disk
-
-    try:
-        ds = load_from_disk(str(path))
-    except FileNotFoundError as e:
-        raise BadInputError(f"prompts {path} is a directory but not a saved datasets dataset ({e})") from None
-    if isinstance(ds, DatasetDict):
-        raise BadInputError(
-            f"prompts {path} holds the splits {sorted(ds)}: point prompts at one of them (e.g. {path / sorted(ds)[0]})"
-        )
-    return [(f"{path}[{i}]", row) for i, row in enumerate(ds)]
