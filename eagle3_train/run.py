@@ -42,6 +42,7 @@ from eagle3_train.core.cli import entry_point
 from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import shipped_prompts
+from eagle3_train.evaluation.reports import read_eval_report
 
 logger = logging.getLogger(__name__)
 
@@ -263,8 +264,8 @@ def run(cfg: RunConfig) -> int:
         logger.info(f"eagle3-run: {stage} done in {seconds} s")
     report = out / "eval" / "report.json"
     if "eval" in stages and report.is_file():
-        r = json.loads(report.read_text())
-        logger.info(f"eagle3-run: tau {r['tau']:.3f} on {r['prompts']} prompts, lossless {r['lossless']} -> {out}")
+        r = read_eval_report(report)
+        logger.info(f"eagle3-run: tau {r.tau:.3f} on {r.prompts} prompts, lossless {r.lossless} -> {out}")
     return 0
 
 

@@ -54,6 +54,7 @@ from eagle3_train.engines import registry
 from eagle3_train.engines.rules import resolve
 from eagle3_train.evaluation.decoding import Counters, Reference, SpecDecoder
 from eagle3_train.evaluation.graph_spec import GraphSpecDecoder
+from eagle3_train.evaluation.reports import EvalReport
 from eagle3_train.evaluation.tree import TreeShape
 from eagle3_train.model import Eagle3Draft
 from eagle3_train.serving.card import eval_dir
@@ -522,68 +523,68 @@ class Evaluator:
         by_position = acceptance_by_position(
             [r.accepted for r in results], k, self.cfg.position_bucket, [r.tokens for r in results]
         )
-        report = {
-            "engine": self.cfg.engine,
-            "rule": self.resolution.rule.versions,
-            "ids_read_from": self.resolution.source,
-            "ids": self.resolution.ids,
-            "captured_hf_indices": self.resolution.hf_indices,
-            "fed": self.layers,
-            "pre_norm_final": self.resolution.pre_norm_final,
-            "warnings": self.warnings,
-            "looping": looping_warnings(by_position),  # reply stretches where the target repeats itself
-            "trained_hf_indices": self.config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"),
-            "trained_ttt_length": self.config.get("eagle3_train", {}).get("training", {}).get("ttt_length"),
-            "conversations": len(conversations),
-            "prompts": len(results),
-            "k": k,
-            "tokens": tokens,
-            "tree": None
+        report = EvalReport(
+            engine=self.cfg.engine,
+            rule=self.resolution.rule.versions,
+            ids_read_from=self.resolution.source,
+            ids=self.resolution.ids,
+            captured_hf_indices=self.resolution.hf_indices,
+            fed=self.layers,
+            pre_norm_final=self.resolution.pre_norm_final,
+            warnings=self.warnings,
+            looping=looping_warnings(by_position),  # reply stretches where the target repeats itself
+            trained_hf_indices=self.config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"),
+            trained_ttt_length=self.config.get("eagle3_train", {}).get("training", {}).get("ttt_length"),
+            conversations=len(conversations),
+            prompts=len(results),
+            k=k,
+            tokens=tokens,
+            tree=None
             if self.cfg.tree is None
             else {"topk": self.cfg.topk, "num_steps": k, "num_draft_tokens": self.cfg.num_draft_tokens},
-            "verify_steps": overall["verify_steps"],
-            "tau": overall["tau"],
-            "acceptance_per_position": overall["acceptance_per_position"],
-            "by_reply_position": by_position,
-            "categories": {
+            verify_steps=overall["verify_steps"],
+            tau=overall["tau"],
+            acceptance_per_position=overall["acceptance_per_position"],
+            by_reply_position=by_position,
+            categories={
                 cat: {"prompts": len(rs), "tokens": sum(len(r.tokens) for r in rs)}
                 | acceptance([r.accepted for r in rs], k)
                 for cat, rs in by_category.items()
             },
-            "turns": {
+            turns={
                 str(t + 1): acceptance([r.accepted for r in results if r.turn == t], k)["tau"]
                 for t in sorted({r.turn for r in results})
             },
-            "by_region": by_region(results, k, self.markers),
-            "chat_template_kwargs": template_kwargs(self.target.tokenizer),
-            "lossless": "diverged" if counts["diverged"] else "numerical" if counts["numerical"] else "identical",
-            "lossless_counts": counts,
-            "lossless_cases": cases,
-            "tie_threshold": self.threshold,
-            "batch_size": self.cfg.batch_size,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "device": str(self.decoder.device),
-            "decoder": self.cfg.decoder,
-            "timing": (
+            by_region=by_region(results, k, self.markers),
+            chat_template_kwargs=template_kwargs(self.target.tokenizer),
+            lossless="diverged" if counts["diverged"] else "numerical" if counts["numerical"] else "identical",
+            lossless_counts=counts,
+            lossless_cases=cases,
+            tie_threshold=self.threshold,
+            batch_size=self.cfg.batch_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.decoder.device),
+            decoder=self.cfg.decoder,
+            timing=(
                 f"transformers eager execution, {self.cfg.batch_size} prompts at a time, both decoders"
                 if self.fast is None
                 else f"static caches, a CUDA graph per verify step on a GPU, {self.cfg.batch_size} prompts at a "
                 f"time, both decoders (graph capture included)"
             ),
-            "speculative_seconds": seconds["speculative"],
-            "greedy_seconds": seconds["greedy"],
-            "speculative_tokens_per_s": tokens / max(seconds["speculative"], 1e-9),
-            "greedy_tokens_per_s": seconds["greedy_tokens"] / max(seconds["greedy"], 1e-9),
-            "speedup": seconds["greedy"] / max(seconds["speculative"], 1e-9),
+            speculative_seconds=seconds["speculative"],
+            greedy_seconds=seconds["greedy"],
+            speculative_tokens_per_s=tokens / max(seconds["speculative"], 1e-9),
+            greedy_tokens_per_s=seconds["greedy_tokens"] / max(seconds["greedy"], 1e-9),
+            speedup=seconds["greedy"] / max(seconds["speculative"], 1e-9),
             # the timed greedy decoder's replies equal to the reference's (decoder=graph: its own kernels;
             # in bf16 a near tie may part them, in fp32 none may)
-            "timed_greedy_equals_reference": int(seconds["greedy_as_reference"]),
+            timed_greedy_equals_reference=int(seconds["greedy_as_reference"]),
             # the eager decoder's split of its time and of its draft's work (a graph runs a step as a whole)
-            "target_seconds": c.target_seconds if self.fast is None else None,
-            "draft_seconds": c.draft_seconds if self.fast is None else None,
-            "draft_positions_per_verify_step": c.draft_positions / max(c.row_rounds, 1) if self.fast is None else None,
-            "config": config_dict(self.cfg),
-        }
+            target_seconds=c.target_seconds if self.fast is None else None,
+            draft_seconds=c.draft_seconds if self.fast is None else None,
+            draft_positions_per_verify_step=c.draft_positions / max(c.row_rounds, 1) if self.fast is None else None,
+            config=config_dict(self.cfg),
+        ).to_dict()
         self.out.mkdir(parents=True, exist_ok=True)
         with (self.out / "outputs.jsonl").open("w") as f:
             for r in results:

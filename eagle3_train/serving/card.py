@@ -19,9 +19,11 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from eagle3_train.core.errors import BadInputError
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import named_dtype
 from eagle3_train.engines.rules import resolve
+from eagle3_train.evaluation.reports import EvalReport, read_eval_report
 
 CARD_NAME = "README.md"
 LIBRARY_NAME = "eagle3_train"
@@ -41,16 +43,16 @@ def public_name(name: str) -> str:
     return path.name if local else name
 
 
-def eval_reports(export: Path, files: dict[str, str]) -> list[dict[str, Any]]:
+def eval_reports(export: Path, files: dict[str, str]) -> list[EvalReport]:
     """The finished ``eagle3-eval`` reports beside ``export`` (eval's default directories) whose
     draft was exactly ``files`` ({file name: sha256}, as eval records them), by engine."""
     found = []
     for path in sorted(export.parent.glob(f"{export.name}-eval-*/report.json")):
         try:
-            report = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue  # an unreadable report describes nothing
-        if report.get("stage") == "eval" and (report.get("request") or {}).get("draft") == files:
+            report = read_eval_report(path)
+        except BadInputError:
+            continue  # an unreadable report (or another version's) describes nothing here
+        if report.record.get("stage") == "eval" and (report.record.get("request") or {}).get("draft") == files:
             found.append(report)
     return found
 
@@ -102,7 +104,7 @@ def model_card(
     repo_id: str | None,
     directory: str,
     license: str,
-    reports: list[dict[str, Any]],
+    reports: list[EvalReport],
 ) -> str:
     """The card's text for an export whose ``config.json`` is ``config``, made for ``engines``.
 
@@ -199,7 +201,7 @@ def model_card(
     return head + "\n".join(lines) + "\n"
 
 
-def _tau_table(reports: list[dict[str, Any]]) -> list[str]:
+def _tau_table(reports: list[EvalReport]) -> list[str]:
     """τ (tokens per verify step) and acceptance per draft position of each eval report, with
     each category's τ when a prompt file has several."""
     rows = [
@@ -210,17 +212,15 @@ def _tau_table(reports: list[dict[str, Any]]) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
-        prompts = public_name(str((r.get("config") or {}).get("prompts", "")))
-        accept = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        prompts = public_name(str(r.config.get("prompts", "")))
+        accept = ", ".join(f"{a:.2f}" for a in r.acceptance_per_position)
         rows.append(
-            f"| {r['engine']} | `{prompts}` | {r['prompts']} | {r['k']} | {r['tau']:.2f} | {accept} | "
-            f"{r['lossless']} | {r.get('dtype')} |"
+            f"| {r.engine} | `{prompts}` | {r.prompts} | {r.k} | {r.tau:.2f} | {accept} | {r.lossless} | {r.dtype} |"
         )
-        if len(r.get("categories") or {}) > 1:
-            for cat, v in r["categories"].items():
+        if len(r.categories) > 1:
+            for cat, v in r.categories.items():
                 accept = ", ".join(f"{a:.2f}" for a in v["acceptance_per_position"])
                 rows.append(
-                    f"| {r['engine']} | `{prompts}`: {cat} | {v['prompts']} | {r['k']} | {v['tau']:.2f} | "
-                    f"{accept} | | |"
+                    f"| {r.engine} | `{prompts}`: {cat} | {v['prompts']} | {r.k} | {v['tau']:.2f} | {accept} | | |"
                 )
     return rows + [""]
