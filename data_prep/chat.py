@@ -193,6 +193,7 @@ def render_conversation(
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     served: list[ServedTurn] | None = None
     whole_error: BadRow | None = None
+    text: str | None = None  # the conversation rendered once
     if mode != "per_turn":
         try:
             text, spans = assistant_spans(tokenizer, messages, source)
@@ -229,7 +230,7 @@ def render_conversation(
             cost["shared_prefix_tokens"] += int(differ[0]) if len(differ) else k
         previous = ids
         out.append(TurnSample(n, _cut(ids, mask, where, max_length, truncate)))
-    whole = render_text(tokenizer, messages, source)
+    whole = text if text is not None else render_text(tokenizer, messages, source)
     cost["tokens_whole"] = len(tokenizer(whole, add_special_tokens=False)["input_ids"])
     return out, cost
 
@@ -245,18 +246,17 @@ def _rewrites(source: str) -> BadRow:
 
 def _cut(ids: np.ndarray, mask: np.ndarray, source: str, max_length: int, truncate: bool) -> Rendered | BadRow:
     """``max_length`` applied; a BadRow when it refuses or leaves nothing to train on."""
-    truncated = len(ids) > max_length
+    total = len(ids)
+    truncated = total > max_length
     if truncated:
         if not truncate:
-            return BadRow(source, "too_long", f"{len(ids)} tokens exceed max_length={max_length} (truncate=false)")
+            return BadRow(source, "too_long", f"{total} tokens exceed max_length={max_length} (truncate=false)")
         ids, mask = ids[:max_length], mask[:max_length]
     if not mask.any():
         return BadRow(
             source,
             "no_assistant_tokens",
-            f"no assistant token within the first max_length={max_length} tokens (the sample has {len(mask)})"
-            if truncated
-            else "no assistant token to train on",
+            f"no assistant token within the first max_length={max_length} tokens (the sample has {total})",
         )
     return Rendered(ids, mask, truncated)
 
@@ -310,16 +310,7 @@ def _tokenise(
             mask[inside[-1] + 1 : j + 1] = 1
     for a, b in regions:
         mask[(starts < b) & (ends > a)] = 1
-    truncated = len(ids) > max_length
-    if truncated:
-        if not truncate:
-            raise BadRow(source, "too_long", f"{len(ids)} tokens exceed max_length={max_length} (truncate=false)")
-        ids, mask = ids[:max_length], mask[:max_length]
-    if not mask.any():
-        raise BadRow(
-            source,
-            "no_assistant_tokens",
-            f"no assistant token within the first max_length={max_length} tokens "
-            f"(the conversation has {len(enc['input_ids'])})",
-        )
-    return Rendered(ids, mask, truncated)
+    cut = _cut(ids, mask, source, max_length, truncate)
+    if isinstance(cut, BadRow):
+        raise cut
+    return cut

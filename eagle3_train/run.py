@@ -190,13 +190,6 @@ def wiring(cfg: RunConfig, stage: str) -> dict[str, Any]:
     return {"draft": str(out / "export"), "target": cfg.target, "out": str(out / "eval")}
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for k, v in over.items():
-        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
-    return merged
-
-
 def stage_options(cfg: RunConfig, stage: str) -> dict[str, Any]:
     """The stage's options: the recipe's, then the wiring (which the recipe may not set)."""
     own = dict(getattr(cfg, stage))
@@ -219,7 +212,7 @@ def stage_options(cfg: RunConfig, stage: str) -> dict[str, Any]:
                 own[key] = online[key]
     if stage == "eval" and "prompts" not in own:
         own["prompts"] = str(shipped_prompts("heldout.jsonl"))
-    return _merge(wiring(cfg, stage), own)
+    return {**wiring(cfg, stage), **own}  # disjoint: the recipe may not set what the wiring does
 
 
 def command(cfg: RunConfig, stage: str) -> list[str]:

@@ -93,6 +93,18 @@ def kwargs_warning(trained: dict[str, Any] | None, used: dict[str, Any] | None, 
     )
 
 
+def request_kwargs(draft: str | None, given: dict[str, Any] | None, who: str) -> tuple[dict[str, Any], str | None]:
+    """The flags requests carry: ``given``, else those the exported ``draft`` (a directory; its
+    config.json, where it has one) was trained with, else none; and a warning when they differ
+    from the draft's."""
+    from pathlib import Path
+
+    config = Path(draft).expanduser() / "config.json" if draft is not None else None
+    trained = trained_kwargs(json.loads(config.read_text())) if config is not None and config.is_file() else None
+    flags = dict(given if given is not None else trained or {})
+    return flags, kwargs_warning(trained, flags, who) if trained is not None else None
+
+
 def trained_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     """The flags an exported draft's data was rendered with (its config's target identity)."""
     return dict(((config.get("eagle3_train") or {}).get("target") or {}).get("chat_template_kwargs") or {})

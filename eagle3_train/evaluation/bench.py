@@ -60,7 +60,7 @@ from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import Conversation, read_conversations, shipped_prompts
-from eagle3_train.core.reasoning import check_template_kwargs, kwargs_warning, trained_kwargs
+from eagle3_train.core.reasoning import check_template_kwargs, request_kwargs
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import Engine, SpecMetrics, named_dtype
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
@@ -328,12 +328,8 @@ class Bench:
         self.names: SpecMetrics = self.engine.metrics
         self.out = Path(cfg.out).expanduser()
         self.warnings: list[str] = []
-        trained = None
-        if cfg.draft is not None and (Path(cfg.draft).expanduser() / "config.json").is_file():
-            trained = trained_kwargs(json.loads((Path(cfg.draft).expanduser() / "config.json").read_text()))
-        flags = cfg.chat_template_kwargs if cfg.chat_template_kwargs is not None else trained
-        self.template_kwargs: dict[str, Any] = dict(flags or {})
-        if trained is not None and (flags_warning := kwargs_warning(trained, self.template_kwargs, COMMAND)):
+        self.template_kwargs, flags_warning = request_kwargs(cfg.draft, cfg.chat_template_kwargs, COMMAND)
+        if flags_warning:
             self.warnings.append(flags_warning)
             logger.warning(f"{COMMAND}: {flags_warning}")
         if cfg.plot:  # fail before the engines start, not after the measurements

@@ -57,7 +57,7 @@ from eagle3_train.core.extras import optional_import
 from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import Conversation, read_conversations
-from eagle3_train.core.reasoning import check_template_kwargs, kwargs_warning, trained_kwargs
+from eagle3_train.core.reasoning import check_template_kwargs, request_kwargs
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import SpecMetrics
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
@@ -487,14 +487,10 @@ class ServedAcceptance(EngineClient):
             from eagle3_train.targets import load_target
 
             self.tokenizer = load_target(cfg.tokenizer, cache_dir=cfg.cache_dir, load_model=False).tokenizer
-        trained = None
-        if cfg.draft is not None:
-            config = Path(cfg.draft).expanduser() / "config.json"
-            if not config.is_file():
-                raise BadInputError(f"draft={cfg.draft} has no config.json: not an exported draft")
-            trained = trained_kwargs(json.loads(config.read_text()))
-        self.template_kwargs = dict(cfg.chat_template_kwargs if cfg.chat_template_kwargs is not None else trained or {})
-        if trained is not None and (warning := kwargs_warning(trained, self.template_kwargs, "this run")):
+        if cfg.draft is not None and not (Path(cfg.draft).expanduser() / "config.json").is_file():
+            raise BadInputError(f"draft={cfg.draft} has no config.json: not an exported draft")
+        self.template_kwargs, warning = request_kwargs(cfg.draft, cfg.chat_template_kwargs, "this run")
+        if warning:
             self.warnings.append(warning)
 
     async def chat(self, session: Any, gate: asyncio.Semaphore, messages: list[dict[str, str]], what: str) -> dict:
