@@ -14,6 +14,7 @@ from eagle3_train.core.errors import ConfigError
 from eagle3_train.engines.http import EngineError
 from eagle3_train.evaluation import projection
 from eagle3_train.evaluation.bench import Bench, BenchConfig, Request, percentile, stalled
+from eagle3_train.evaluation.reports import BENCH_SCHEMA_VERSION, read_bench_report
 from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
 from standin_engines import SimulatedSteps, StandinVllm
 
@@ -88,41 +89,38 @@ def test_report_levels_tokens_concurrency_and_speedup(tiny, prompts, tmp_path):
         report = bench(baseline, spec, prompts, tmp_path / "out")
     tokenizer = tiny[1]
     # the fields
-    assert {"what", "machine", "command", "date", "engine", "settings", "rows", "warnings", "config"} <= set(report)
-    assert report["engine"]["name"] == "vllm" and report["engine"]["spec"]["version"] == "0.0.0+standin"
-    assert report["engine"]["baseline"]["model"] == "standin-model" and report["engine"]["spec"]["started_here"] is None
-    assert report["settings"]["conversations"] == 3 and report["settings"]["conversations_per_level"] == {
+    assert report.schema_version == BENCH_SCHEMA_VERSION and report.what.startswith("eagle3-bench: ")
+    assert report.engine["name"] == "vllm" and report.engine["spec"]["version"] == "0.0.0+standin"
+    assert report.engine["baseline"]["model"] == "standin-model" and report.engine["spec"]["started_here"] is None
+    assert report.settings["conversations"] == 3 and report.settings["conversations_per_level"] == {
         "1": 4,
         "3": 6,
     }
-    assert [r["concurrency"] for r in report["rows"]] == [1, 3] and report["warnings"] == []
+    assert [r.concurrency for r in report.rows] == [1, 3] and report.warnings == []
     # requests and tokens per level: the script's replies, counted as the stand-ins generated them
     # the warm-up: before each level, max(2, its concurrency) requests at its concurrency
-    warm = report["engine"]["baseline"]["warmup"]
+    warm = report.engine["baseline"]["warmup"]
     assert warm == {
         "requests": 2 + 3,
         "completion_tokens": sum(expected_replies(tokenizer, 2)) + sum(expected_replies(tokenizer, 3)),
     }
-    for row, n in zip(report["rows"], (4, 6)):
+    for row, n in zip(report.rows, (4, 6)):
         lengths = expected_replies(tokenizer, n)
-        for side in ("baseline", "spec"):
-            figs = row[side]
+        for figs in (row.baseline, row.spec):
             assert figs["requests"] == n and figs["completion_tokens"] == sum(lengths)
             assert figs["output_tokens_per_s"] == pytest.approx(figs["completion_tokens"] / figs["seconds"])
             # per request: its latency over its tokens; the slowest per token is the shortest reply
             assert figs["time_per_output_token_s"]["p90"] <= figs["latency_s"]["p90"] / min(lengths)
-        assert row["speedup"] == pytest.approx(
-            row["spec"]["output_tokens_per_s"] / row["baseline"]["output_tokens_per_s"]
-        )
+        assert row.speedup == pytest.approx(row.spec["output_tokens_per_s"] / row.baseline["output_tokens_per_s"])
         # each reply: its first token from the prefill, then drafts of ACCEPT + 1 tokens, the last cut
         drafts = sum(-(-(t - 1) // (ACCEPT + 1)) for t in lengths)
-        assert row["spec"]["drafts"] == drafts and row["spec"]["accepted_tokens"] == sum(lengths) - n - drafts
-        assert row["spec"]["mean_acceptance_length"] == pytest.approx((sum(lengths) - n) / drafts)
-    for server, side in ((baseline, "baseline"), (spec, "spec")):
-        counted = (
-            sum(r[side]["completion_tokens"] for r in report["rows"])
-            + report["engine"][side]["warmup"]["completion_tokens"]
-        )
+        assert row.spec["drafts"] == drafts and row.spec["accepted_tokens"] == sum(lengths) - n - drafts
+        assert row.spec["mean_acceptance_length"] == pytest.approx((sum(lengths) - n) / drafts)
+    for server, side, levels in (
+        (baseline, "baseline", [r.baseline for r in report.rows]),
+        (spec, "spec", [r.spec for r in report.rows]),
+    ):
+        counted = sum(f["completion_tokens"] for f in levels) + report.engine[side]["warmup"]["completion_tokens"]
         assert server.generated == counted  # every token the stand-in generated, counted once
         # the concurrency each level kept: a warm-up of 2 and the level's 4 one at a time, then a warm-up
         # of 3 and the level's 6, 3 in flight
@@ -131,7 +129,12 @@ def test_report_levels_tokens_concurrency_and_speedup(tiny, prompts, tmp_path):
         assert all(b["temperature"] == 0 and b["max_tokens"] == 12 for b in server.bodies)
     # the files
     out = tmp_path / "out"
-    assert json.loads((out / "results.json").read_text()) == report
+    assert read_bench_report(out / "results.json") == report  # what it wrote reads back as it was
+    written = json.loads((out / "results.json").read_text())  # the keys results files have always had
+    assert set(written) == {"schema_version", "chat_template_kwargs"} | {
+        "what", "machine", "command", "date", "engine", "settings", "rows", "warnings", "config"
+    }  # fmt: skip
+    assert set(written["rows"][0]) == {"temperature", "concurrency", "baseline", "spec", "speedup", "speedup_by_tpot"}
     lines = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
     assert len(lines) == 2 * (4 + 6) and {x["engine"] for x in lines} == {"baseline", "spec"}
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -166,12 +169,12 @@ def test_the_projection_reproduces_a_simulated_engines_speedup(tiny, prompts, tm
             warmup_requests=1,
             plot=False,
         )
-    for row in report["rows"]:
-        tau = row["spec"]["mean_acceptance_length"]
+    for row in report.rows:
+        tau = row.spec["mean_acceptance_length"]
         assert tau == 4.0
         predicted = projection.speedup(tau, 4, steps.target_step_s, steps.verify_s, steps.draft_step_s, reply_tokens=13)
         assert predicted == pytest.approx(13 * 0.03 / (0.03 + 3 * 0.048))  # by hand: 2.241
-        assert row["speedup"] == pytest.approx(predicted, rel=0.08), row
+        assert row.speedup == pytest.approx(predicted, rel=0.08), row
         # the long-reply limit overstates short replies: tau t_T / cycle = 2.5
         assert projection.speedup(tau, 4, 0.03, 0.036, 0.003) == pytest.approx(2.5)
 
@@ -191,12 +194,12 @@ def test_sglang_counts_per_reply_and_temperatures(tiny, prompts, tmp_path):
             warmup_requests=0,
             plot=False,
         )
-    assert [(r["temperature"], r["concurrency"]) for r in report["rows"]] == [(0.0, 1), (0.0, 3), (0.7, 1), (0.7, 3)]
-    for row in report["rows"]:
-        lengths = expected_replies(tiny[1], row["spec"]["requests"])
+    assert [(r.temperature, r.concurrency) for r in report.rows] == [(0.0, 1), (0.0, 3), (0.7, 1), (0.7, 3)]
+    for row in report.rows:
+        lengths = expected_replies(tiny[1], row.spec["requests"])
         drafts = sum(-(-(t - 1) // (ACCEPT + 1)) for t in lengths)
-        assert row["spec"]["drafts"] == drafts
-        assert row["spec"]["mean_acceptance_length"] == pytest.approx((sum(lengths) - len(lengths)) / drafts)
+        assert row.spec["drafts"] == drafts
+        assert row.spec["mean_acceptance_length"] == pytest.approx((sum(lengths) - len(lengths)) / drafts)
     assert all("return_meta_info" in b for b in spec.bodies)
     assert [b["temperature"] for b in spec.bodies] == [0.0] * 10 + [0.7] * 10
 
@@ -331,10 +334,10 @@ def test_started_engines(tiny, prompts, tmp_path, monkeypatch):
         + base_argv[5:]
         + ["--speculative-disable-by-batch-size", "64"]  # spec_args: the speculating engine's only
     )
-    assert [report["engine"][s]["started_here"] for s in ("baseline", "spec")] == [base_argv, spec_argv]
+    assert [report.engine[s]["started_here"] for s in ("baseline", "spec")] == [base_argv, spec_argv]
     started = [json.loads(x) for x in (tmp_path / "argv.jsonl").read_text().splitlines()]
     assert started == [base_argv[1:], spec_argv[1:]]  # what ran, in this order
-    assert [r["spec"]["requests"] for r in report["rows"]] == [2, 2] and report["rows"][0]["spec"]["drafts"] > 0
+    assert [r.spec["requests"] for r in report.rows] == [2, 2] and report.rows[0].spec["drafts"] > 0
     assert (tmp_path / "out" / "engine-baseline.log").exists() and (tmp_path / "out" / "engine-spec.log").exists()
     with socket.socket() as s:  # both engines were stopped: nothing listens on the port any more
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -372,15 +375,15 @@ def test_a_stalled_request_is_named_and_the_median_speedup_set_beside(tiny, prom
     baseline.slow_posts = {3: 1.5}  # the c=1 level's first request (after the 2 warm-up ones) stalls 1.5 s
     with baseline, spec:
         report = bench(baseline, spec, prompts, tmp_path / "out", concurrency=[1])
-    row = report["rows"][0]
-    assert len(report["warnings"]) == 1, report["warnings"]
-    warning = report["warnings"][0]
+    row = report.rows[0]
+    assert len(report.warnings) == 1, report.warnings
+    warning = report.warnings[0]
     assert warning.startswith("baseline, concurrency 1, temperature 0.0: ") and "prompts.jsonl:1 turn 1 took" in warning
     # the stall is counted in the throughput's speed-up, not in the medians'
-    tpot = [row[side]["time_per_output_token_s"]["p50"] for side in ("baseline", "spec")]
-    assert row["speedup_by_tpot"] == pytest.approx(tpot[0] / tpot[1])
-    assert row["speedup"] > 2 * row["speedup_by_tpot"]
-    assert f"{row['speedup']:.2f}x by throughput, {row['speedup_by_tpot']:.2f}x by median time per token" in warning
+    tpot = [figs["time_per_output_token_s"]["p50"] for figs in (row.baseline, row.spec)]
+    assert row.speedup_by_tpot == pytest.approx(tpot[0] / tpot[1])
+    assert row.speedup > 2 * row.speedup_by_tpot
+    assert f"{row.speedup:.2f}x by throughput, {row.speedup_by_tpot:.2f}x by median time per token" in warning
 
 
 def test_requests_carry_the_drafts_training_flags(tiny, prompts, tmp_path):
@@ -399,7 +402,7 @@ def test_requests_carry_the_drafts_training_flags(tiny, prompts, tmp_path):
                 concurrency=[2],
             )  # fmt: skip
         want = flags if flags is not None else {"enable_thinking": False}
-        assert report["chat_template_kwargs"] == want
+        assert report.chat_template_kwargs == want
         for server in (baseline, spec):
             assert server.bodies and all(b["chat_template_kwargs"] == want for b in server.bodies)
-        assert any("enable_thinking: trained false != true" in w for w in report["warnings"]) == warned
+        assert any("enable_thinking: trained false != true" in w for w in report.warnings) == warned

@@ -239,8 +239,8 @@ def test_served_acceptance_reads_its_metrics(root):
                 settle_s=0.01,
             )
         ).run()
-    assert report["engine"] == "standin" and report["metrics_read_from"] == "the stand-in's counters"
-    assert (report["drafts"], report["accepted_tokens"]) == (6, 14)  # two requests of drafts accepting 5, 2, 0
+    assert report.engine == "standin" and report.metrics_read_from == "the stand-in's counters"
+    assert (report.drafts, report.accepted_tokens) == (6, 14)  # two requests of drafts accepting 5, 2, 0
 
 
 def test_the_bench_starts_it_by_its_own_command(root, tmp_path):

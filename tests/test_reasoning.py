@@ -295,13 +295,13 @@ def test_check_and_served_acceptance_compare_the_flags_with_the_drafts(tmp_path,
                 if len(b["messages"]) == 1
             ]
         want = flags if flags is not None else trained
-        assert sent == [want] * 8 and report["chat_template_kwargs"] == want
+        assert sent == [want] * 8 and report.chat_template_kwargs == want
         request = tok.apply_chat_template(
             [{"role": "user", "content": "What is 2+3?"}], tokenize=False, add_generation_prompt=True, **want
         )
         assert first and all(p == ids(tok, request) for p in first)
         assert request.endswith("<think>\n\n</think>\n\n") == (want == trained)
-        assert any("enable_thinking: trained false != true" in w for w in report["warnings"]) == warned
+        assert any("enable_thinking: trained false != true" in w for w in report.warnings) == warned
 
 
 def test_replies_cut_inside_their_reasoning_are_counted_and_dropped_or_kept(tmp_path):

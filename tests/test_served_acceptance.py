@@ -13,6 +13,7 @@ from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.engines.http import EngineError
 from eagle3_train.engines.registry import ENGINES
 from eagle3_train.evaluation.eval import EvalConfig, Evaluator
+from eagle3_train.evaluation.reports import SERVED_SCHEMA_VERSION, read_served_report
 from eagle3_train.evaluation.served_acceptance import (
     ServedAcceptance,
     ServedAcceptanceConfig,
@@ -110,11 +111,11 @@ def test_figures_are_the_difference_of_the_counters():
     before = SpecCounts(100, 500, 120, (60, 40, 20, 0, 0), 10, 900)
     after = SpecCounts(112, 560, 148, (68, 48, 24, 4, 4), 14, 1000)
     f = figures(after.minus(before, "here"))
-    assert (f["drafts"], f["draft_tokens"], f["accepted_tokens"]) == (12, 60, 28)
-    assert f["mean_acceptance_length"] == pytest.approx(1 + 28 / 12)
-    assert f["mean_draft_length"] == 5 and f["draft_acceptance_rate"] == pytest.approx(28 / 60)
-    assert f["acceptance_per_position"] == pytest.approx([8 / 12, 8 / 12, 4 / 12, 4 / 12, 4 / 12])
-    assert f["conditional_acceptance_per_position"] == pytest.approx([8 / 12, 8 / 8, 4 / 8, 4 / 4, 4 / 4])
+    assert (f.drafts, f.draft_tokens, f.accepted_tokens) == (12, 60, 28)
+    assert f.mean_acceptance_length == pytest.approx(1 + 28 / 12)
+    assert f.mean_draft_length == 5 and f.draft_acceptance_rate == pytest.approx(28 / 60)
+    assert f.acceptance_per_position == pytest.approx([8 / 12, 8 / 12, 4 / 12, 4 / 12, 4 / 12])
+    assert f.conditional_acceptance_per_position == pytest.approx([8 / 12, 8 / 8, 4 / 8, 4 / 4, 4 / 4])
     assert figures(before.minus(before, "here")) is None  # nothing drafted
     with pytest.raises(EngineError, match=r"here: the counters \['drafts', 'accepted'\] went down .* restarted"):
         SpecCounts(90, 600, 100, (60, 40, 20, 0, 0), 10, 900).minus(before, "here")
@@ -127,23 +128,32 @@ def test_served_figures_are_the_servers_counts_over_the_run(prompts, tmp_path):
         report = measure(server.url, prompts, tmp_path / "out")
         bodies = [b for b in server.bodies if "messages" in b]
     # math: 3 requests x drafts [5, 2, 0]; chat: 2 requests x [1] (counted on two engine label sets)
-    assert (report["requests"], report["conversations"], report["drafts"], report["accepted_tokens"]) == (5, 3, 11, 23)
-    assert report["draft_tokens"] == 55 and report["num_speculative_tokens"] == K
-    assert report["mean_acceptance_length"] == pytest.approx(1 + 23 / 11)
-    assert report["acceptance_per_position"] == pytest.approx([8 / 11, 6 / 11, 3 / 11, 3 / 11, 3 / 11])
-    assert report["conditional_acceptance_per_position"] == pytest.approx([8 / 11, 6 / 8, 3 / 6, 3 / 3, 3 / 3])
-    assert report["categories"]["math"]["mean_acceptance_length"] == pytest.approx(1 + 21 / 9)
-    assert report["categories"]["chat"]["mean_acceptance_length"] == pytest.approx(2.0)
-    assert report["categories"]["chat"]["acceptance_per_position"] == pytest.approx([1, 0, 0, 0, 0])
-    assert report["counters_before"] == {"drafts": 4, "draft_tokens": 20, "accepted_tokens": 20}
-    assert report["server_counted"] == {"requests": 5, "generation_tokens": report["completion_tokens"]}
-    assert report["warnings"] == [] and report["models"] == ["standin-model"] and report["model"] == "standin-model"
+    assert (report.requests, report.conversations, report.drafts, report.accepted_tokens) == (5, 3, 11, 23)
+    assert report.draft_tokens == 55 and report.num_speculative_tokens == K
+    assert report.mean_acceptance_length == pytest.approx(1 + 23 / 11)
+    assert report.acceptance_per_position == pytest.approx([8 / 11, 6 / 11, 3 / 11, 3 / 11, 3 / 11])
+    assert report.conditional_acceptance_per_position == pytest.approx([8 / 11, 6 / 8, 3 / 6, 3 / 3, 3 / 3])
+    assert report.categories["math"]["mean_acceptance_length"] == pytest.approx(1 + 21 / 9)
+    assert report.categories["chat"]["mean_acceptance_length"] == pytest.approx(2.0)
+    assert report.categories["chat"]["acceptance_per_position"] == pytest.approx([1, 0, 0, 0, 0])
+    assert report.counters_before == {"drafts": 4, "draft_tokens": 20, "accepted_tokens": 20}
+    assert report.server_counted == {"requests": 5, "generation_tokens": report.completion_tokens}
+    assert report.warnings == [] and report.models == ["standin-model"] and report.model == "standin-model"
     assert all(b["temperature"] == 0 and b["max_tokens"] == 6 and b["model"] == "standin-model" for b in bodies)
-    assert json.loads((tmp_path / "out" / "report.json").read_text()) == report
+    assert read_served_report(tmp_path / "out" / "report.json") == report  # what it wrote reads back as it was
+    written = json.loads((tmp_path / "out" / "report.json").read_text())  # the keys its reports have always had
+    assert set(written) == {"chat_template_kwargs", "schema_version"} | {
+        "server", "engine", "metrics_read_from", "models", "model", "prompts", "conversations", "requests",
+        "prompt_tokens", "completion_tokens", "finish_reasons", "max_new_tokens", "num_speculative_tokens", "drafts",
+        "draft_tokens", "accepted_tokens", "mean_acceptance_length", "mean_draft_length", "draft_acceptance_rate",
+        "acceptance_per_position", "conditional_acceptance_per_position", "categories", "server_counted",
+        "counters_before", "definitions", "warnings", "seconds", "completion_tokens_per_s", "config",
+    }  # fmt: skip
+    assert report.schema_version == SERVED_SCHEMA_VERSION
     # multi-turn: each later turn carries the engine's own replies (system prompt kept, given assistant text dropped)
     outputs = [json.loads(x) for x in (tmp_path / "out" / "outputs.jsonl").read_text().splitlines()]
     reply = {(o["source"].rsplit(":", 1)[1], o["turn"]): o["reply"] for o in outputs}
-    assert len(outputs) == 5 and sum(o["completion_tokens"] for o in outputs) == report["completion_tokens"]
+    assert len(outputs) == 5 and sum(o["completion_tokens"] for o in outputs) == report.completion_tokens
     assert [m for b in bodies for m in [b["messages"]] if len(m) == 3] == [
         [
             {"role": "user", "content": "seven"},
@@ -165,8 +175,8 @@ def test_other_clients_requests_are_flagged(prompts, tmp_path, caplog):
     with standin() as server:
         server.other_traffic = True  # every request is counted twice, as if another client sent its twin
         report = measure(server.url, prompts, tmp_path / "out")
-    assert report["server_counted"]["requests"] == 10 and report["drafts"] == 22
-    assert "the server counted 10 finished requests" in report["warnings"][0]
+    assert report.server_counted["requests"] == 10 and report.drafts == 22
+    assert "the server counted 10 finished requests" in report.warnings[0]
     assert [
         r
         for r in caplog.records
@@ -211,8 +221,8 @@ def test_clear_errors(prompts, tmp_path):
     with standin() as server:  # a fresh one: the requests of the stopped run above may still be counted there
         server.fail_posts = {2}  # one transient failure, retried
         report = measure(server.url, prompts, tmp_path / "f", retries=1, backoff_s=0.01)
-        assert report["requests"] == 5 and report["server_counted"]["requests"] == 5  # the 503 was never served
-        assert report["warnings"] == [] and server.posts == 6
+        assert report.requests == 5 and report.server_counted["requests"] == 5  # the 503 was never served
+        assert report.warnings == [] and server.posts == 6
     with pytest.raises(ConfigError, match=r"engine must be one of \['sglang', 'vllm'\]"):
         ServedAcceptanceConfig(server="http://x:1", prompts="p", out="o", engine="trtllm")
     with pytest.raises(ConfigError, match=r"server must be a base URL"):
@@ -287,7 +297,7 @@ def test_a_drafting_standin_gives_eagle3_evals_figures(pipeline, tmp_path):  # n
                     template="client",
                     tokenizer=str(pipeline / "target"),
                 )
-                assert {k: ids[k] for k in FIGURES} == {k: served[k] for k in FIGURES}
+                assert [getattr(ids, k) for k in FIGURES] == [getattr(served, k) for k in FIGURES]
         ev = Evaluator(
             EvalConfig(
                 draft=str(draft),
@@ -301,10 +311,10 @@ def test_a_drafting_standin_gives_eagle3_evals_figures(pipeline, tmp_path):  # n
                 out=str(tmp_path / f"eval-{name}"),
             )
         ).run()
-        assert served["mean_acceptance_length"] == pytest.approx(ev["tau"], abs=1e-9)
-        assert served["conditional_acceptance_per_position"] == pytest.approx(ev["acceptance_per_position"], abs=1e-9)
-        assert served["drafts"] == ev["verify_steps"] and served["completion_tokens"] == ev["tokens"]
-        results[name] = served["mean_acceptance_length"]
+        assert served.mean_acceptance_length == pytest.approx(ev["tau"], abs=1e-9)
+        assert served.conditional_acceptance_per_position == pytest.approx(ev["acceptance_per_position"], abs=1e-9)
+        assert served.drafts == ev["verify_steps"] and served.completion_tokens == ev["tokens"]
+        results[name] = served.mean_acceptance_length
     assert results["right"] > 2.0 and results["right"] > results["wrong"] + 0.2, results
 
 
@@ -330,7 +340,7 @@ def test_sglang_figures_are_summed_from_each_replys_meta_info(pipeline, tmp_path
             template="client",
             tokenizer=str(pipeline / "target"),
         )
-        assert {k: ids[k] for k in FIGURES} == {k: served[k] for k in FIGURES}
+        assert [getattr(ids, k) for k in FIGURES] == [getattr(served, k) for k in FIGURES]
         with pytest.raises(EngineError, match="carries no spec_verify_ct in its meta_info"):
             server.hide_spec = True  # replies without the figures: a server that does not speculate
             measure(
@@ -349,12 +359,9 @@ def test_sglang_figures_are_summed_from_each_replys_meta_info(pipeline, tmp_path
             out=str(tmp_path / "eval-sg"),
         )
     ).run()
-    assert (
-        served["mean_acceptance_length"] == pytest.approx(ev["tau"], abs=1e-9)
-        and served["drafts"] == ev["verify_steps"]
-    )
-    assert served["conditional_acceptance_per_position"] == pytest.approx(ev["acceptance_per_position"], abs=1e-9)
-    assert served["metrics_read_from"].startswith("SGLang 0.5.17") and served["warnings"] == []
+    assert served.mean_acceptance_length == pytest.approx(ev["tau"], abs=1e-9) and served.drafts == ev["verify_steps"]
+    assert served.conditional_acceptance_per_position == pytest.approx(ev["acceptance_per_position"], abs=1e-9)
+    assert served.metrics_read_from.startswith("SGLang 0.5.17") and served.warnings == []
 
 
 def test_sglang_meta_info_as_sglang_0_5_17_returned_it():
@@ -376,7 +383,7 @@ def test_sglang_meta_info_as_sglang_0_5_17_returned_it():
         "spec_correct_drafts_histogram": [15],
     }
     c = reply_counts(seen, names, 16, "x")
-    assert c.accepted_per_position == (0, 0, 0, 0) and figures(c)["acceptance_per_position"] == [0, 0, 0, 0]
+    assert c.accepted_per_position == (0, 0, 0, 0) and figures(c).acceptance_per_position == [0, 0, 0, 0]
     partial = {
         **seen,
         "spec_num_correct_drafts": 5,

@@ -57,13 +57,14 @@ from omegaconf import MISSING
 from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.errors import ConfigError, check_numbers
 from eagle3_train.core.extras import optional_import
-from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
+from eagle3_train.core.fileio import atomic_write_bytes
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import Conversation, read_conversations, shipped_prompts
 from eagle3_train.core.reasoning import check_template_kwargs, request_kwargs
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import Engine, SpecMetrics, named_dtype
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
+from eagle3_train.evaluation.reports import BenchReport, BenchRow, write_report
 from eagle3_train.evaluation.served_acceptance import (
     CHAT_ROUTE,
     EngineClient,
@@ -552,29 +553,34 @@ class Bench:
                 f"{counts.generation_tokens:.0f} tokens during a level, this client {len(requests)} "
                 f"and {tokens}: other requests are in the figures"
             )
-        keep = (
-            "mean_acceptance_length",
-            "drafts",
-            "accepted_tokens",
-            "draft_acceptance_rate",
-            "mean_draft_length",
-            "acceptance_per_position",
-        )
-        return {k: found[k] for k in keep}
+        return {
+            "mean_acceptance_length": found.mean_acceptance_length,
+            "drafts": found.drafts,
+            "accepted_tokens": found.accepted_tokens,
+            "draft_acceptance_rate": found.draft_acceptance_rate,
+            "mean_draft_length": found.mean_draft_length,
+            "acceptance_per_position": found.acceptance_per_position,
+        }
 
-    def rows(self, measured: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    def rows(self, measured: dict[str, dict[str, Any]]) -> list[BenchRow]:
         """One row per temperature and concurrency: each engine's figures and the speed-up."""
         rows = []
         for base, spec in zip(measured["baseline"]["levels"], measured["spec"]["levels"]):
-            row: dict[str, Any] = {"temperature": base["temperature"], "concurrency": base["concurrency"]}
-            for side, level in (("baseline", base), ("spec", spec)):
-                row[side] = level_figures(level["requests"], level["seconds"])
-            row["spec"] |= self.spec_figures(
+            figs = {
+                side: level_figures(level["requests"], level["seconds"]) for side, level in zip(SIDES, (base, spec))
+            }
+            figs["spec"] |= self.spec_figures(
                 spec["counts"], spec["requests"], f"{measured['spec']['url']} (concurrency {spec['concurrency']})"
             )
-            row["speedup"] = row["spec"]["output_tokens_per_s"] / row["baseline"]["output_tokens_per_s"]
-            tpot = [row[side]["time_per_output_token_s"] for side in SIDES]
-            row["speedup_by_tpot"] = tpot[0]["p50"] / tpot[1]["p50"] if all(tpot) and tpot[1]["p50"] else None
+            tpot = [figs[side]["time_per_output_token_s"] for side in SIDES]
+            row = BenchRow(
+                temperature=base["temperature"],
+                concurrency=base["concurrency"],
+                baseline=figs["baseline"],
+                spec=figs["spec"],
+                speedup=figs["spec"]["output_tokens_per_s"] / figs["baseline"]["output_tokens_per_s"],
+                speedup_by_tpot=tpot[0]["p50"] / tpot[1]["p50"] if all(tpot) and tpot[1]["p50"] else None,
+            )
             for side, level in (("baseline", base), ("spec", spec)):
                 found = stalled(level["requests"])
                 if not found:
@@ -586,17 +592,17 @@ class Bench:
                     f"{r.source} turn {r.turn} took {r.latency_s:.2f} s for {r.completion_tokens} tokens, "
                     f"{r.latency_s / expected:.0f}x what the level's medians expect ({expected:.2f} s; a "
                     f"compile, a stall or a retry in the engine){more}; the level took {level['seconds']:.1f} s: "
-                    f"speed-up {row['speedup']:.2f}x by throughput, "
+                    f"speed-up {row.speedup:.2f}x by throughput, "
                     + (
-                        f"{row['speedup_by_tpot']:.2f}x by median time per token"
-                        if row["speedup_by_tpot"] is not None
+                        f"{row.speedup_by_tpot:.2f}x by median time per token"
+                        if row.speedup_by_tpot is not None
                         else "no time per token to set beside it"
                     )
                 )
             rows.append(row)
         return rows
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> BenchReport:
         c = self.cfg
         started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         measured: dict[str, dict[str, Any]] = {}
@@ -604,15 +610,15 @@ class Bench:
             with self.server(side) as (url, argv):
                 measured[side] = asyncio.run(self.measure(side, url)) | {"started_here": argv}
         rows = self.rows(measured)
-        report = {
-            "what": f"eagle3-bench: output tokens/s of {c.engine} serving the target alone and with the draft, "
+        report = BenchReport(
+            what=f"eagle3-bench: output tokens/s of {c.engine} serving the target alone and with the draft, "
             f"speed-up per concurrency",
-            "machine": machine(),
-            "command": shlex.join([COMMAND, *sys.argv[1:]]),
-            "date": started,
-            "engine": {"name": c.engine, "metrics_read_from": self.names.read_from}
+            machine=machine(),
+            command=shlex.join([COMMAND, *sys.argv[1:]]),
+            date=started,
+            engine={"name": c.engine, "metrics_read_from": self.names.read_from}
             | {side: {k: v for k, v in measured[side].items() if k != "levels"} for side in SIDES},
-            "settings": {
+            settings={
                 "prompts": self.prompts,
                 "conversations": len(self.conversations),
                 "max_turns": c.max_turns,
@@ -622,11 +628,11 @@ class Bench:
                 "temperatures": list(c.temperatures),
                 "conversations_per_level": {str(n): level_requests(n, c) for n in c.concurrency},
             },
-            "rows": rows,
-            "warnings": self.warnings,
-            "chat_template_kwargs": self.template_kwargs,
-            "config": config_dict(c),
-        }
+            rows=rows,
+            warnings=self.warnings,
+            chat_template_kwargs=self.template_kwargs,
+            config=config_dict(c),
+        )
         lines = [
             json.dumps(
                 {
@@ -646,18 +652,18 @@ class Bench:
             for r in lv["requests"]
         ]
         atomic_write_bytes(self.out / "requests.jsonl", "".join(lines).encode())
-        atomic_write_json(self.out / RESULTS_NAME, report)
+        write_report(self.out / RESULTS_NAME, report)
         if c.plot:
             plot_speedup(report, self.out / "speedup.png")
         for warning in self.warnings:
             logger.warning(f"{COMMAND}: warning: {warning}")
         summary = ", ".join(
-            f"c={r['concurrency']}"
-            + (f" T={r['temperature']}" if len(c.temperatures) > 1 else "")
-            + f": {r['speedup']:.2f}x (tau {r['spec']['mean_acceptance_length']:.2f}"
+            f"c={r.concurrency}"
+            + (f" T={r.temperature}" if len(c.temperatures) > 1 else "")
+            + f": {r.speedup:.2f}x (tau {r.spec['mean_acceptance_length']:.2f}"
             + (
-                f"; {r['speedup_by_tpot']:.2f}x by median time per token)"
-                if r["speedup_by_tpot"] is not None and not 0.8 < r["speedup_by_tpot"] / r["speedup"] < 1.25
+                f"; {r.speedup_by_tpot:.2f}x by median time per token)"
+                if r.speedup_by_tpot is not None and not 0.8 < r.speedup_by_tpot / r.speedup < 1.25
                 else ")"
             )
             for r in rows
@@ -681,20 +687,23 @@ def machine() -> dict[str, Any]:
     return {"host": platform.node(), "os": platform.platform(), "python": platform.python_version(), "gpus": gpus}
 
 
-def plot_speedup(report: dict[str, Any], path: Path) -> None:
+def plot_speedup(report: BenchReport, path: Path) -> None:
     """Speed-up against concurrency (one line per temperature), and both engines' tokens/s."""
     matplotlib = optional_import("matplotlib")
     matplotlib.use("Agg")  # files only, never a window
     plt = optional_import("matplotlib.pyplot")
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for temperature in report["settings"]["temperatures"]:
-        rows = [r for r in report["rows"] if r["temperature"] == temperature]
-        xs = [r["concurrency"] for r in rows]
+    for temperature in report.settings["temperatures"]:
+        rows = [r for r in report.rows if r.temperature == temperature]
+        xs = [r.concurrency for r in rows]
         label = "greedy" if temperature == 0 else f"temperature {temperature}"
-        left.plot(xs, [r["speedup"] for r in rows], marker="o", label=label)
-        for side, style in (("baseline", "--"), ("spec", "-")):
-            right.plot(xs, [r[side]["output_tokens_per_s"] for r in rows], style, marker="o", label=f"{side}, {label}")
+        left.plot(xs, [r.speedup for r in rows], marker="o", label=label)
+        for side, style, figs in (
+            ("baseline", "--", [r.baseline for r in rows]),
+            ("spec", "-", [r.spec for r in rows]),
+        ):
+            right.plot(xs, [f["output_tokens_per_s"] for f in figs], style, marker="o", label=f"{side}, {label}")
     left.axhline(1.0, color="grey", linewidth=0.8)
     for ax in (left, right):
         ax.set_xscale("log", base=2)
@@ -702,7 +711,7 @@ def plot_speedup(report: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=8)
     left.set_ylabel("speed-up (x)")
     right.set_ylabel("output tokens/s")
-    left.set_title(f"{report['engine']['name']}: with the draft / without")
+    left.set_title(f"{report.engine['name']}: with the draft / without")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -44,7 +44,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -54,13 +54,14 @@ from omegaconf import MISSING
 from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.errors import BadInputError, ConfigError, check_numbers
 from eagle3_train.core.extras import optional_import
-from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json
+from eagle3_train.core.fileio import atomic_write_bytes
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import Conversation, read_conversations
 from eagle3_train.core.reasoning import check_template_kwargs, request_kwargs
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import SpecMetrics
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
+from eagle3_train.evaluation.reports import ServedReport, SpecFigures, write_report
 
 logger = logging.getLogger(__name__)
 
@@ -277,22 +278,22 @@ def _count(x: float) -> int | float:
     return int(x) if float(x).is_integer() else x
 
 
-def figures(d: SpecCounts) -> dict[str, Any] | None:
+def figures(d: SpecCounts) -> SpecFigures | None:
     """The figures of a difference of counts (see :data:`DEFINITIONS`); None when nothing was drafted."""
     if not d.drafts:
         return None
     per = list(d.accepted_per_position)
     reached = [d.drafts, *per[:-1]]  # position i is reached by the drafts accepted up to i-1
-    return {
-        "drafts": _count(d.drafts),
-        "draft_tokens": _count(d.draft_tokens),
-        "accepted_tokens": _count(d.accepted),
-        "mean_acceptance_length": 1 + d.accepted / d.drafts,
-        "mean_draft_length": d.draft_tokens / d.drafts,
-        "draft_acceptance_rate": d.accepted / d.draft_tokens if d.draft_tokens else 0.0,
-        "acceptance_per_position": [a / d.drafts for a in per],
-        "conditional_acceptance_per_position": [a / r if r else 0.0 for a, r in zip(per, reached)],
-    }
+    return SpecFigures(
+        drafts=_count(d.drafts),
+        draft_tokens=_count(d.draft_tokens),
+        accepted_tokens=_count(d.accepted),
+        mean_acceptance_length=1 + d.accepted / d.drafts,
+        mean_draft_length=d.draft_tokens / d.drafts,
+        draft_acceptance_rate=d.accepted / d.draft_tokens if d.draft_tokens else 0.0,
+        acceptance_per_position=[a / d.drafts for a in per],
+        conditional_acceptance_per_position=[a / r if r else 0.0 for a, r in zip(per, reached)],
+    )
 
 
 # ---- the requests: one row per route --------------------------------------------------------
@@ -588,7 +589,7 @@ class ServedAcceptance(EngineClient):
         last: SpecCounts,
         per: dict[str, tuple[list[Reply], SpecCounts]],
         seconds: float,
-    ) -> dict[str, Any]:
+    ) -> ServedReport:
         replies = [r for rs, _ in per.values() for r in rs]
         delta = last.minus(first, f"{self.url}/metrics")
         tokens = sum(r.completion_tokens for r in replies)
@@ -613,44 +614,44 @@ class ServedAcceptance(EngineClient):
         finish: dict[str, int] = {}
         for r in replies:
             finish[str(r.finish_reason)] = finish.get(str(r.finish_reason), 0) + 1
-        return {
-            "server": self.url,
-            "engine": self.cfg.engine,
-            "metrics_read_from": self.names.read_from,
-            "models": models,
-            "model": self.model,
-            "prompts": self.cfg.prompts,
-            "conversations": len({id(r.conversation) for r in replies}),
-            "requests": len(replies),
-            "prompt_tokens": sum(r.prompt_tokens for r in replies),
-            "completion_tokens": tokens,
-            "finish_reasons": finish,
-            "max_new_tokens": self.cfg.max_new_tokens,
-            "num_speculative_tokens": len(delta.accepted_per_position) or None,
-            **overall,
-            "categories": {
+        return ServedReport(
+            **asdict(overall),  # the figures over the whole run, at the report's top
+            server=self.url,
+            engine=self.cfg.engine,
+            metrics_read_from=self.names.read_from,
+            models=models,
+            model=self.model,
+            prompts=self.cfg.prompts,
+            conversations=len({id(r.conversation) for r in replies}),
+            requests=len(replies),
+            prompt_tokens=sum(r.prompt_tokens for r in replies),
+            completion_tokens=tokens,
+            finish_reasons=finish,
+            max_new_tokens=self.cfg.max_new_tokens,
+            num_speculative_tokens=len(delta.accepted_per_position) or None,
+            categories={
                 cat: {"requests": len(rs), "completion_tokens": sum(r.completion_tokens for r in rs)}
-                | (figures(d) or {"drafts": 0})
+                | (asdict(f) if (f := figures(d)) is not None else {"drafts": 0})
                 for cat, (rs, d) in per.items()
             },
-            "server_counted": {
+            server_counted={
                 "requests": _count(delta.requests),
                 "generation_tokens": _count(delta.generation_tokens),
             },
-            "counters_before": {
+            counters_before={
                 "drafts": _count(first.drafts),
                 "draft_tokens": _count(first.draft_tokens),
                 "accepted_tokens": _count(first.accepted),
             },
-            "definitions": DEFINITIONS,
-            "warnings": self.warnings,
-            "chat_template_kwargs": self.template_kwargs,
-            "seconds": seconds,
-            "completion_tokens_per_s": tokens / max(seconds, 1e-9),
-            "config": config_dict(self.cfg),
-        }
+            definitions=DEFINITIONS,
+            warnings=self.warnings,
+            chat_template_kwargs=self.template_kwargs,
+            seconds=seconds,
+            completion_tokens_per_s=tokens / max(seconds, 1e-9),
+            config=config_dict(self.cfg),
+        )
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> ServedReport:
         models, first, last, per, seconds = asyncio.run(self.measure())
         report = self.report(models, first, last, per, seconds)
         lines = [
@@ -670,21 +671,21 @@ class ServedAcceptance(EngineClient):
             for r in rs
         ]
         atomic_write_bytes(self.out / "outputs.jsonl", "".join(lines).encode())
-        atomic_write_json(self.out / REPORT_NAME, report)
+        write_report(self.out / REPORT_NAME, report)
         for warning in self.warnings:
             logger.warning(f"{COMMAND}: warning: {warning}")
         cats = {
             cat: round(v["mean_acceptance_length"], 2)
-            for cat, v in report["categories"].items()
+            for cat, v in report.categories.items()
             if "mean_acceptance_length" in v
         }
         logger.info(
             f"{COMMAND} ({self.cfg.engine} at {self.url}, model {self.model}): mean acceptance length "
-            f"{report['mean_acceptance_length']:.2f} over {report['drafts']} drafts of "
-            f"{report['mean_draft_length']:.2f} tokens, acceptance per position "
-            f"{[round(p, 3) for p in report['acceptance_per_position']]} (conditional "
-            f"{[round(p, 3) for p in report['conditional_acceptance_per_position']]}); per category {cats}; "
-            f"{report['requests']} requests, {report['completion_tokens']} tokens in {seconds:.1f} s -> {self.out}"
+            f"{report.mean_acceptance_length:.2f} over {report.drafts} drafts of "
+            f"{report.mean_draft_length:.2f} tokens, acceptance per position "
+            f"{[round(p, 3) for p in report.acceptance_per_position]} (conditional "
+            f"{[round(p, 3) for p in report.conditional_acceptance_per_position]}); per category {cats}; "
+            f"{report.requests} requests, {report.completion_tokens} tokens in {seconds:.1f} s -> {self.out}"
         )
         return report
 
