@@ -23,14 +23,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
-from safetensors.torch import load_file
 
 from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.contract import check_dtype
@@ -58,6 +57,7 @@ from eagle3_train.evaluation.reports import EvalReport
 from eagle3_train.evaluation.tree import TreeShape
 from eagle3_train.model import Eagle3Draft
 from eagle3_train.serving.card import eval_dir
+from eagle3_train.serving.drafts import DraftDir, read_draft_dir
 from eagle3_train.serving.export import draft_config_from_json
 from eagle3_train.targets import (
     Target,
@@ -171,15 +171,29 @@ class EvalConfig:
 ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
 
 
-def load_draft(directory: Path, target: Target) -> tuple[Eagle3Draft, dict]:
-    """Build the draft from an exported directory; the embeddings are the target's."""
-    if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
+def load_draft(directory: Path, target: Target, engine: str = "sglang") -> tuple[Eagle3Draft, dict]:
+    """Build the draft from a draft directory (ours or another framework's export) as ``engine``
+    computes it; the embeddings are the target's. Returns the draft and its config.json."""
+    draft, dd = load_draft_dir(directory, target, engine)
+    return draft, dd.config
+
+
+def load_draft_dir(directory: Path, target: Target, engine: str = "sglang") -> tuple[Eagle3Draft, DraftDir]:
+    """:func:`load_draft`, with the directory as read (:class:`eagle3_train.serving.drafts.DraftDir`):
+    its producer, what it records, the forward flags ``engine`` honours."""
+    if not (directory / "config.json").is_file() or not list(directory.glob("*.safetensors")):
         raise BadInputError(f"{directory} lacks config.json or model.safetensors: not an exported draft")
-    c = json.loads((directory / "config.json").read_text())
-    weights = load_file(str(directory / "model.safetensors"))
+    dd = read_draft_dir(directory)
+    weights = dd.weights()
     if "fc.weight" not in weights:
-        raise BadInputError(f"{directory}/model.safetensors has no fc.weight")
-    dc = draft_config_from_json(c, weights["fc.weight"].shape[1])
+        raise BadInputError(f"{directory}: its weights have no fc.weight")
+    try:
+        dc = draft_config_from_json(dd.layer, weights["fc.weight"].shape[1])
+    except KeyError as e:
+        raise BadInputError(f"{directory}/config.json ({dd.title}): no {e.args[0]}") from e
+    if (refusal := dd.refusal(engine, weights["fc.weight"].shape[1])) is not None:
+        raise ContractError(f"{directory} ({dd.title}): {refusal}")
+    dc = replace(dc, **vars(dd.flags(engine)))
     if dc.vocab_size != target.vocab_size or dc.hidden_size != target.hidden_size:
         raise ContractError(
             f"{directory}: draft vocab {dc.vocab_size} / hidden {dc.hidden_size} do not fit target "
@@ -189,15 +203,18 @@ def load_draft(directory: Path, target: Target) -> tuple[Eagle3Draft, dict]:
     weights["embed_tokens.weight"] = target.model.get_input_embeddings().weight.detach().float()
     if "d2t" not in weights:
         weights["d2t"] = torch.zeros(dc.draft_vocab_size, dtype=torch.int64)
-    if "t2d" not in weights:
-        weights["t2d"] = torch.zeros(dc.vocab_size, dtype=torch.bool)
+    if "t2d" not in weights:  # ModelOpt writes none: the engines do not read it
+        ids = weights["d2t"] + torch.arange(dc.draft_vocab_size)
+        weights["t2d"] = torch.zeros(dc.vocab_size, dtype=torch.bool).index_fill_(
+            0, ids.clamp(0, dc.vocab_size - 1), True
+        )
     missing, unexpected = model.load_state_dict({k: v for k, v in weights.items()}, strict=False)
     if missing or unexpected:
-        raise BadInputError(f"{directory}/model.safetensors: missing {missing}, unexpected {unexpected}")
+        raise BadInputError(f"{directory} ({dd.title}): weights missing {missing}, unexpected {unexpected}")
     ids = weights["d2t"] + torch.arange(dc.draft_vocab_size)
     if ids.min() < 0 or ids.max() >= dc.vocab_size:
         raise ContractError(f"{directory}: d2t maps draft ids outside the target vocab of {dc.vocab_size}")
-    return model.eval(), c
+    return model.eval(), dd
 
 
 def short_training_warning(config: dict, k: int, tree: bool = False) -> str | None:
@@ -363,7 +380,8 @@ class Evaluator:
             cfg.target, cache_dir=cfg.cache_dir, dtype=cfg.dtype, device=str(device), chat_template=cfg.chat_template
         )
         self.draft_dir = Path(cfg.draft).expanduser()
-        self.draft, self.config = load_draft(self.draft_dir, self.target)
+        self.draft, self.dd = load_draft_dir(self.draft_dir, self.target, cfg.engine)
+        self.config = self.dd.config
         trained = trained_kwargs(self.config)
         used = trained if cfg.chat_template_kwargs is None else cfg.chat_template_kwargs
         set_template_kwargs(self.target.tokenizer, used)
@@ -385,6 +403,9 @@ class Evaluator:
         if self.resolution.problem is not None:
             raise ContractError(f"{self.resolution.problem}: the engine could not run this draft")
         self.warnings = [flags_warning] if flags_warning else []
+        self.capture = self.dd.capture(tc.num_hidden_layers)
+        if self.dd.producer != "eagle3_train":
+            self.warnings += self._foreign_warnings()
         if self.resolution.pre_norm_final:  # fed as the engine would: tau then shows what serving gets
             how = self.resolution.note or f"an id lands on N={tc.num_hidden_layers}"
             self.warnings.append(
@@ -412,6 +433,26 @@ class Evaluator:
         )
         self.threshold = cfg.tie_threshold if cfg.tie_threshold is not None else TIE_THRESHOLDS.get(self.dtype, 0.0)
         self.out = Path(cfg.out).expanduser() if cfg.out else eval_dir(self.draft_dir, cfg.engine)
+
+    def _foreign_warnings(self) -> list[str]:
+        """What eval says of another framework's draft: where it computes otherwise than its producer
+        trained, what it leaves unsaid, a capture that differs from the one it records."""
+        dd, out = self.dd, []
+        out += [f"{dd.title}: {note}; eval computes as {self.cfg.engine} does" for note in dd.train_serve_notes()]
+        if (w := dd.sliding_window()) is not None and self.cfg.engine == "vllm":
+            out.append(
+                f"{dd.title}: vLLM attends within a sliding window of {w} tokens; eval attends to the whole "
+                f"context (equal while contexts stay under {w - self.cfg.depth} tokens)"
+            )
+        ids = self.capture.hf_indices
+        if ids is not None and sorted(ids) != sorted(self.layers):
+            out.append(
+                f"{dd.title}: {self.cfg.engine} captures HF {self.layers}, the draft records {sorted(ids)} "
+                f"({self.capture.source})"
+            )
+        elif not self.capture.recorded:
+            out.append(f"{dd.title}: the layers it was trained on are {self.capture.source}")
+        return out
 
     def conversations(self) -> list[Conversation]:
         return read_conversations(self.cfg.prompts, self.cfg.column, self.cfg.limit)
@@ -533,7 +574,7 @@ class Evaluator:
             pre_norm_final=self.resolution.pre_norm_final,
             warnings=self.warnings,
             looping=looping_warnings(by_position),  # reply stretches where the target repeats itself
-            trained_hf_indices=self.config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"),
+            trained_hf_indices=self.capture.hf_indices if self.capture.recorded else None,
             trained_ttt_length=self.config.get("eagle3_train", {}).get("training", {}).get("ttt_length"),
             conversations=len(conversations),
             prompts=len(results),
@@ -557,6 +598,14 @@ class Evaluator:
             },
             by_region=by_region(results, k, self.markers),
             chat_template_kwargs=template_kwargs(self.target.tokenizer),
+            draft_format={
+                "producer": self.dd.producer,
+                "version": self.dd.version,
+                "trained_hf_indices": self.capture.hf_indices,
+                "trained_from": self.capture.source,
+                "recorded": self.capture.recorded,
+                "flags": self.dd.flags(self.cfg.engine).changed(),
+            },
             lossless="diverged" if counts["diverged"] else "numerical" if counts["numerical"] else "identical",
             lossless_counts=counts,
             lossless_cases=cases,

@@ -263,9 +263,15 @@ class GraphSpecDecoder:
                 tokens.append(draft.to_target(draft.logits(h).argmax(-1)))  # [B]
                 if j + 1 < k:
                     p = (length - 1 + j + 1)[:, None]  # [B, 1]
-                    h = draft_step(draft, h[:, None], tokens[-1][:, None], p, start[:, None] + p, start, s["dcache"])[
-                        :, 0
-                    ]
+                    h = draft_step(
+                        draft,
+                        draft.carry(h, j + 1)[:, None],
+                        tokens[-1][:, None],
+                        p,
+                        start[:, None] + p,
+                        start,
+                        s["dcache"],
+                    )[:, 0]
             drafts = torch.stack(tokens, dim=1)  # [B, k]
         pos = length[:, None] + slot  # [B, k+1]
         ids = torch.cat([s["last"][:, None], drafts], dim=1)

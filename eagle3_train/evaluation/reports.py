@@ -113,6 +113,8 @@ class EvalReport:
     config: dict[str, Any]
     by_region: dict[str, Any] | None = None  # tau inside reasoning and in the answer (version 1)
     chat_template_kwargs: dict[str, Any] | None = None  # the flags the prompts were rendered with (version 1)
+    # who exported the draft (producer, version) and what it records of its capture (absent in older reports)
+    draft_format: dict[str, Any] | None = None
     schema_version: int = EVAL_SCHEMA_VERSION
     record: dict[str, Any] = field(default_factory=dict)  # the stage record's fields (stage, request, ...)
 
@@ -127,7 +129,9 @@ class EvalReport:
         """Read a report (as written, stage record included); refuses a newer schema or a report
         missing a field its version has."""
         version = _schema_version(data, where, EVAL, EVAL_SCHEMA_VERSION)
-        own = _own_fields(cls, data, where, EVAL, {"by_region", "chat_template_kwargs"})  # absent before version 1
+        own = _own_fields(
+            cls, data, where, EVAL, {"by_region", "chat_template_kwargs", "draft_format"}
+        )  # absent before version 1
         own["schema_version"] = version
         return cls(**own, record={k: v for k, v in data.items() if k not in own})
 

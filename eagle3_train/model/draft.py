@@ -54,9 +54,16 @@ class DraftConfig:
         vocab_size: the target vocab (embeddings, t2d).
         draft_vocab_size: the draft lm_head's vocab (d2t).
         max_position_embeddings, rope_parameters: RoPE as the target has it (scaling included).
-        aux_norm: an RMSNorm over the concatenated aux states before ``fc``. SGLang's and vLLM's
-            llama_eagle3 have none, so a head with it is trained and scored on the eval split but
-            eagle3-export refuses it.
+        aux_norm: an RMSNorm over the concatenated aux states before ``fc`` (the engines'
+            ``norm_before_fc``, weight ``input_norm`` in speculators' drafts). eagle3-export refuses
+            a head trained with it.
+        fc_norm: one RMSNorm per aux state (``fc_norm.<i>``) before ``fc``, after ``aux_norm``.
+        norm_before_residual: the layer's residual is the normed hidden (``hidden_norm(h)``), not h.
+        norm_output: chain steps after the first take the previous step's output through ``norm``
+            (the one the logits see) rather than as it is.
+        The last three are what vLLM and SGLang compute for the engines' flags of the same names
+        (speculators' drafts set them); eagle3-eval reads them from third-party drafts, our
+        training does not set them.
     """
 
     hidden_size: int
@@ -72,6 +79,9 @@ class DraftConfig:
     max_position_embeddings: int
     rope_parameters: dict[str, Any]
     aux_norm: bool = False
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
 
     @classmethod
     def from_target(cls, target_config: Any, num_aux: int, draft_vocab_size: int) -> DraftConfig:
@@ -282,6 +292,7 @@ class DraftLayer(nn.Module):
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = TTTAttention(cfg)
@@ -319,7 +330,8 @@ class DraftLayer(nn.Module):
 
     def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """attn [B, nh, T, d] (the core's output), hidden [B, T, H] -> the layer's output [B, T, H]."""
-        h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).flatten(2))
+        residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden
+        h = residual + self.self_attn.o_proj(attn.transpose(1, 2).flatten(2))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -341,6 +353,8 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)  # the target's; SGLang swaps in its own
         if cfg.aux_norm:  # one norm over the whole n_aux*H_t width, as the concatenation reaches fc
             self.aux_norm = RMSNorm(cfg.num_aux * cfg.target_hidden_size, cfg.rms_norm_eps)
+        if cfg.fc_norm:  # one norm per aux state, as the engines' fc_norm
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = DraftLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -391,6 +405,7 @@ class Eagle3Draft(nn.Module):
         positions only, the earlier ones' keys and values being final (step 0 is causal). ``mask``
         as in :func:`ttt_attention`.
         """
+        hidden = self.carry(hidden, step)
         emb = self.embed_tokens(next_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = self.rotary_emb(hidden, positions)
         # the layer gets a copy of what it reads (step 0: the earlier positions' keys, if any), so
@@ -435,8 +450,17 @@ class Eagle3Draft(nn.Module):
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """The draft's first hidden state from the captured ones: [..., n_aux*H_t] -> [..., H]
-        (``fc``, after ``aux_norm`` when the head has one)."""
-        return self.fc(self.aux_norm(aux_hidden) if self.config.aux_norm else aux_hidden)
+        (``fc``, after ``aux_norm`` and ``fc_norm`` when the head has them)."""
+        x = self.aux_norm(aux_hidden) if self.config.aux_norm else aux_hidden
+        if self.config.fc_norm:
+            parts = x.split(self.config.target_hidden_size, dim=-1)
+            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
+        return self.fc(x)
+
+    def carry(self, hidden: torch.Tensor, step: int) -> torch.Tensor:
+        """What step ``step`` takes of ``hidden``: step 0 the fused states as they are; a later step
+        the previous step's pre-norm output, through ``norm`` when the head has ``norm_output``."""
+        return self.norm(hidden) if self.config.norm_output and step > 0 else hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits of a step's pre-norm output: [B, T, H] -> [B, T, V_draft]."""

@@ -25,12 +25,13 @@ from omegaconf import MISSING
 from safetensors import safe_open
 
 from eagle3_train.core.cli import entry_point
-from eagle3_train.core.errors import BadInputError, ConfigError
+from eagle3_train.core.errors import ConfigError
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.reasoning import check_template_kwargs, kwargs_warning, trained_kwargs
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import lookup, named_dtype
 from eagle3_train.engines.rules import fc_skipped, foreign_weights_text, resolve, rules_for, unloadable_weights
+from eagle3_train.serving.drafts import OURS, DraftDir, read_draft_dir
 from eagle3_train.targets import text_config
 
 logger = logging.getLogger(__name__)
@@ -102,25 +103,37 @@ def _config_from(path: Path) -> Any:
 
 
 def read_draft(draft: Path) -> tuple[dict, dict[str, torch.Tensor], set[str]]:
-    """The draft's config.json, its d2t/t2d/fc tensors (absent ones left out) and every weight name."""
-    if not (draft / "config.json").is_file():
-        raise BadInputError(f"{draft} has no config.json: not a draft directory")
-    files = sorted(draft.glob("*.safetensors"))
-    if not files:
-        raise BadInputError(f"{draft} has no .safetensors weights")
-    config = json.loads((draft / "config.json").read_text())
+    """The draft's config.json, its d2t/t2d/fc tensors (absent ones left out) and every weight
+    name, under our names whichever framework wrote it (:mod:`eagle3_train.serving.drafts`)."""
+    dd = read_draft_dir(draft)
+    return dd.config, _vocab_tensors(dd), {dd.our_name(n) for n in dd.names}
+
+
+def _vocab_tensors(dd: DraftDir) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
-    names: set[str] = set()
-    for f in files:
+    for f in dd.files:
         with safe_open(str(f), framework="pt") as st:
-            keys = list(st.keys())
-            names.update(keys)
-            for key in keys:
+            for key in list(st.keys()):
                 if key.split(".")[-1] in ("d2t", "t2d"):
                     tensors[key.split(".")[-1]] = st.get_tensor(key)
-                elif key.endswith("fc.weight"):
+                elif key.endswith("fc.weight") and not key.startswith("fc_norm"):
                     tensors["fc.weight"] = st.get_tensor(key)
-    return config, tensors, names
+    return tensors
+
+
+def foreign_findings(dd: DraftDir, engines: list[str], fc_width: int | None) -> tuple[list[str], list[Finding]]:
+    """What eagle3-check says of a draft another framework exported: who wrote it, what it records
+    and leaves unsaid, the engines that cannot load it, weights they would skip, and where they
+    compute it otherwise than its producer trained it."""
+    lines = [f"format: {dd.title} export"]
+    recorded = dd.recorded()
+    if recorded:
+        lines.append("it records: " + "; ".join(recorded))
+    lines.append("it leaves unsaid: " + "; ".join(dd.unsaid()))
+    findings = [Finding("error", r) for e in engines if (r := dd.refusal(e, fc_width)) is not None]
+    findings += [Finding("error", p) for p in dd.weight_problems()]
+    findings += [Finding("warning", f"{dd.title}: {note}") for note in dd.train_serve_notes()]
+    return lines, findings
 
 
 def check(
@@ -367,15 +380,24 @@ def check_states_from(config: dict, serving: ServingConfig) -> tuple[list[str], 
 
 def run_check(cfg: CheckConfig) -> int:
     draft = Path(cfg.draft).expanduser()
-    config, tensors, names = read_draft(draft)
-    trained = (
-        list(cfg.trained)
-        if cfg.trained is not None
-        else (config.get("eagle3_train", {}).get("capture", {}).get("aux_indices"))
-    )
-    lines, findings = check(
-        config, tensors, target_config(cfg.target, cfg.cache_dir), trained, list(cfg.engines), names
-    )
+    dd = read_draft_dir(draft)
+    config, tensors, names = dd.config, _vocab_tensors(dd), {dd.our_name(n) for n in dd.names}
+    target_cfg = target_config(cfg.target, cfg.cache_dir)
+    head: list[str] = []
+    foreign: list[Finding] = []
+    trained = list(cfg.trained) if cfg.trained is not None else None
+    if dd.producer != OURS:
+        fc = tensors.get("fc.weight")
+        head, foreign = foreign_findings(dd, list(cfg.engines), None if fc is None else fc.shape[1])
+        names -= dd.extra_weights()  # weights its flags account for
+        if trained is None:
+            capture = dd.capture(text_config(target_cfg).num_hidden_layers)
+            head.append(f"trained on: HF {capture.hf_indices}, {capture.source}")
+            trained = capture.hf_indices if capture.recorded else None
+    elif trained is None:
+        trained = config.get("eagle3_train", {}).get("capture", {}).get("aux_indices")
+    lines, findings = check(config, tensors, target_cfg, trained, list(cfg.engines), names)
+    lines, findings = head + lines, foreign + findings
     more_lines, more = check_states_from(config, cfg.serving)
     lines, findings = lines + more_lines, findings + more
     trained_flags = trained_kwargs(config)
