@@ -2,17 +2,12 @@
 served through the right config and through an off-by-one one."""
 
 import json
-import random
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from data_prep.dump import CaptureConfig, DumpConfig, Dumper
-from data_prep.prepare import PrepareConfig, Preparer
-from data_prep.regenerate import RegenConfig
-from data_prep.standardize import StandardizeConfig, Standardizer
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError
 from eagle3_train.core.prompt_files import Conversation
 from eagle3_train.evaluation.decoding import Counters, Decoded, Reference, SpecDecoder
@@ -21,74 +16,10 @@ from eagle3_train.evaluation.tree import TreeShape
 from eagle3_train.model import DraftConfig
 from eagle3_train.serving.check import CheckConfig, run_check
 from eagle3_train.serving.export import ExportConfig, Exporter, draft_config_from_json, draft_config_json
-from eagle3_train.training.config import OptimConfig, TrainConfig
-from eagle3_train.training.trainer import Trainer
 from legacy_eval import LegacySpecDecoder
 from test_tree_decoding import repeats_by_search
 
 WORDS = ["apple", "river", "stone", "cloud", "seven", "tiger", "music", "paper", "green", "window", "quick", "silver"]
-
-
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    """A tiny target whose layers differ (init std 0.1) and which never emits special tokens but
-    its end-of-turn (so regenerated text re-tokenises to the target's own trajectory)."""
-    from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer, tiny_config
-
-    root = tmp_path_factory.mktemp("e2e")
-    cfg = tiny_config()
-    cfg.initializer_range = 0.1
-    model = build_tiny_model(cfg)
-    with torch.no_grad():
-        model.lm_head.weight[256:259] = 0  # specials other than <|im_end|> (259)
-        model.lm_head.weight[260:] = 0
-    model.save_pretrained(root / "target")
-    build_tiny_tokenizer().save_pretrained(root / "target")
-    target = str(root / "target")
-    rng = random.Random(0)
-    rows = [
-        {"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))}]}
-        for _ in range(80)
-    ]
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    Preparer(
-        PrepareConfig(
-            target=target,
-            input=str(root / "prompts.jsonl"),
-            out=str(root / "prep"),
-            regenerate=True,
-            regen=RegenConfig(max_new_tokens=48),
-            progress=False,
-        )
-    ).run()
-    Dumper(
-        DumpConfig(
-            target=target,
-            data=str(root / "prep"),
-            out=str(root / "dump"),
-            dtype="float32",
-            progress=False,
-            capture=CaptureConfig(aux_indices=[1, 2, 3]),
-        )
-    ).run()
-    Standardizer(
-        StandardizeConfig(
-            dumps=[str(root / "dump")], out=str(root / "std"), draft_vocab_size=320, eval_fraction=0.1, progress=False
-        )
-    ).run()
-    trainer = Trainer(
-        TrainConfig(
-            data=str(root / "std"),
-            target=target,
-            out=str(root / "train"),
-            progress=False,
-            train=OptimConfig(ttt_length=3, epochs=20, lr=3e-3, max_tokens_per_batch=800),
-        )
-    )
-    trainer.run()
-    trainer.close()
-    Exporter(ExportConfig(run=str(root / "train"), out=str(root / "export"))).run()
-    return root
 
 
 def evaluate(root, draft, engine="vllm"):

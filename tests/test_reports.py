@@ -23,11 +23,10 @@ from eagle3_train.evaluation.reports import (
     read_served_report,
     write_report,
 )
-from test_export_eval import pipeline  # noqa: F401  (the tiny target with a trained, exported draft)
 
 
 @pytest.fixture(scope="module")
-def written(pipeline, tmp_path_factory):  # noqa: F811
+def written(pipeline, tmp_path_factory):
     out = tmp_path_factory.mktemp("reports") / "eval"
     returned = Evaluator(
         EvalConfig(

@@ -24,7 +24,7 @@ from eagle3_train.evaluation.served_acceptance import (
 )
 from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
 from standin_engines import StandinVllm
-from test_export_eval import off_by_one, pipeline  # noqa: F401  (the tiny target with a trained, exported draft)
+from test_export_eval import off_by_one
 
 K = 5
 SPEC = {"method": "eagle3", "model": "unused-with-a-plan", "num_speculative_tokens": K}
@@ -275,7 +275,7 @@ def test_command_line(prompts, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_drafting_standin_gives_eagle3_evals_figures(pipeline, tmp_path):  # noqa: F811
+def test_a_drafting_standin_gives_eagle3_evals_figures(pipeline, tmp_path):
     """The stand-in speculates with the exported draft as eagle3-eval does (fp32, same layers by
     vLLM's rule): the served figures must be eval's tau and per-position rates, and the off-by-one
     config must collapse in both."""
@@ -319,7 +319,7 @@ def test_a_drafting_standin_gives_eagle3_evals_figures(pipeline, tmp_path):  # n
 
 
 @pytest.mark.slow
-def test_sglang_figures_are_summed_from_each_replys_meta_info(pipeline, tmp_path):  # noqa: F811
+def test_sglang_figures_are_summed_from_each_replys_meta_info(pipeline, tmp_path):
     """SGLang returns its counts per reply (meta_info, asked with return_meta_info) and none in
     /metrics: the served figures are the sums over this client's replies, equal to eagle3-eval's
     with engine=sglang on the same draft and prompts; a server whose replies lack them is refused."""
