@@ -743,6 +743,7 @@ RESULT_PAGES = {
     ),
     "storage": ("Storage (fp8, bf16, int8)", ("storage_",)),
     "engines": ("Served by real engines", ("vllm_", "sglang_", "families_", "served_", "reasoning_")),
+    "peers": ("Against the peers", ("peers_",)),
 }
 HEAD_KEYS = ("what", "machine", "device", "date", "command", "commands", "runs")
 MAX_ROWS = 80

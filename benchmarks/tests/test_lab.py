@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -284,3 +285,37 @@ def test_bench_projection_reads_the_engines_overhead_off_a_served_bench(tmp_path
     )  # the served shape, projected with its own overhead, gives back the measured speed-ups
     with pytest.raises(SystemExit):
         bench.main(["--from", str(tmp_path / "p.json"), "--out", str(out)])  # --served missing
+
+
+def test_peers_results_reads_the_polls_memory_phases_and_trainer_metrics(tmp_path):
+    """benchmarks/peers_results.py: the GPU memory peak inside a phase's start..end (nvidia-smi's
+    timestamps in UTC), HF Trainer's metrics of a named run, the session's sizes."""
+    import peers_results as pr
+
+    (tmp_path / "smi.csv").write_text(
+        "2026/12/05 10:00:00.000, 500 MiB\n2026/12/05 10:00:02.000, 9000 MiB\n2026/12/05 10:00:04.000, 700 MiB\n"
+    )
+    trace = pr.memory_trace(tmp_path)
+    start = datetime(2026, 12, 5, 10, 0, 1, tzinfo=timezone.utc).timestamp()
+    assert pr.peak(trace, start, start + 2) == 9000 and pr.peak(trace, start + 2.5, start + 5) == 700
+    assert pr.peak(trace, start + 10, start + 11) is None
+    log = (
+        "{'train_runtime': '3.3', 'train_samples_per_second': '1.2', 'x': 1}\npeers_gpu: modelopt_probe train done\n"
+        "{'train_runtime': '300.5', 'train_samples_per_second': '14.5'}\npeers_gpu: modelopt train done\n"
+    )
+    assert pr.trainer_rate(log, "modelopt_probe") == {"train_runtime_s": 3.3, "samples_per_s": 1.2}
+    assert pr.trainer_rate(log, "modelopt") == {"train_runtime_s": 300.5, "samples_per_s": 14.5}
+    (tmp_path / "session.txt").write_text(
+        "peers_gpu: ModelOpt ran 12.5 steps/s in its probe: 3750 steps, 3750 conversations\n"
+        "peers_gpu: ModelOpt trained 355.1 s: ours 1349 steps over 73728 conversations\n"
+    )
+    assert pr.session_numbers(tmp_path) == {
+        "modelopt_probe_steps_per_s": 12.5,
+        "modelopt_steps": 3750,
+        "ours_same_minutes_steps": 1349,
+        "all_conversations": 73728,
+    }
+
+
+def test_peers_gpu_script_parses():
+    assert subprocess.run(["bash", "-n", str(LAB / "peers_gpu.sh")]).returncode == 0

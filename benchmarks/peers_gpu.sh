@@ -1,0 +1,195 @@
+#!/usr/bin/env bash
+# Side by side with the peer frameworks on one GPU: the embedded SmolLM2-135M-Instruct, the same
+# synthesized conversations (the smollm2 recipe's, saved by `eagle3-run recipe=smollm2 until=prepare
+# ++prepare.save_conversations=...`), each framework's own EAGLE-3 training with its own defaults,
+# then one yardstick for every draft: eagle3-eval (chain k=5, greedy, fp32, lossless-checked) on the
+# shipped held-out prompts and on MT-bench (both turns). Notes: notes/peer_training.md (commands and
+# traps), notes/peer_forward.md (what the engines compute for each export).
+#
+#   here:  bash benchmarks/peers_gpu.sh pack MODELOPT_EXAMPLES MTBENCH_QUESTIONS
+#            .peers/whl: the peers' wheels (nvidia-modelopt + pulp, speculators + hs-connectors);
+#            .peers/modelopt_ex: ModelOpt's examples/speculative_decoding launcher (GitHub only);
+#            .peers/data: the conversations (already there) and MT-bench's question.jsonl
+#   there: benchmarks/staging/gpu_stage.sh install   (our wheels and the embedded target, as usual)
+#          bash benchmarks/peers_gpu.sh stage         (in the call that carries .peers: it copies it to /tmp)
+#          bash benchmarks/peers_gpu.sh start session_modelopt [BUDGET_S] [OURS_STEPS_PER_S]   detached
+#          bash benchmarks/peers_gpu.sh poll SECONDS DEST          back to back until it prints "ended"
+#
+# session_modelopt: ModelOpt's rate from a short run, then BUDGET_S seconds of its steps (batch 1, one
+# epoch: as many conversations as steps); ours on the same conversations for one epoch; ours for
+# ModelOpt's training seconds over the whole set (none of the frameworks stops on wall-clock time:
+# steps are sized from a measured rate); eval of the three on the held-out prompts, then on MT-bench.
+# /tmp/po holds phases.jsonl (fw, phase, seconds, start, end), smi.csv (GPU memory every 2 s), each
+# framework's export and eval reports. CPU=1 runs it on a CPU machine with a tiny target
+# (TARGET=<hf dir>) to test this script.
+set -euo pipefail
+cmd=${1:?usage: peers_gpu.sh pack|stage|start|poll|job ...}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+peers=${PEERS:-/tmp/peers}
+po=${PO:-/tmp/po}
+data_set=smollm2_synth_73728.jsonl.gz
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+export EAGLE3_CACHE=${EAGLE3_CACHE:-/tmp/e3cache}
+
+phase() {  # phase FW NAME command...: run it, append {fw, phase, seconds, start, end} to $po/phases.jsonl
+  local fw=$1 name=$2; shift 2
+  local t0; t0=$(date +%s.%N)
+  "$@"
+  python3 -c "import json,sys; a,b=float(sys.argv[3]),float(sys.argv[4]); print(json.dumps({'fw': sys.argv[1], 'phase': sys.argv[2], 'seconds': round(b-a,1), 'start': a, 'end': b}))" \
+    "$fw" "$name" "$t0" "$(date +%s.%N)" >> "$po/phases.jsonl"
+  echo "peers_gpu: $fw $name done"
+}
+
+target_dir() {  # the HF directory of the target (the embedded GGUF, converted once)
+  if [ -n "${TARGET:-}" ]; then echo "$TARGET"; return; fi
+  python3 -c "from eagle3_train.targets import _local_dir; print(_local_dir('embedded', '$EAGLE3_CACHE'))"
+}
+
+subset() {  # subset N: the first N conversations of the shared set -> $po/convs_N.jsonl
+  local n=$1 out=$po/convs_$1.jsonl
+  [ -f "$out" ] || zcat "$peers/data/$data_set" | head -n "$n" > "$out"
+  echo "$out"
+}
+
+evaluate() {  # evaluate FW SET ENGINE: eagle3-eval of $po/FW/export on heldout (shipped) or mtbench
+  local fw=$1 set=$2 engine=$3 target=${TARGET:-embedded} size=(++max_new_tokens=128)
+  [ "${CPU:-0}" = 1 ] && size=(++max_new_tokens=16 ++limit=4)
+  local prompts=$repo/data_prep/prompts/heldout.jsonl batch=37
+  [ "$set" = mtbench ] && prompts=$peers/data/mt_bench_question.jsonl batch=80
+  phase "$fw" "eval_$set" python3 -m eagle3_train.evaluation.eval ++draft="$po/$fw/export" ++target="$target" \
+    ++engine="$engine" ++k=5 ++dtype=float32 ++batch_size=$batch ++prompts="$prompts" \
+    ++out="$po/$fw/eval_$set" ++progress=false "${size[@]}"
+}
+
+run_ours() {  # run_ours NAME N STEPS EPOCHS: the smollm2 recipe's training on the first N conversations
+  local name=$1 n=$2 steps=$3 epochs=$4 data; data=$(subset "$n")
+  local extra=(++train.train.max_steps="$steps" ++train.train.epochs="$epochs" ++train.train.eval_every=100000)
+  [ "${CPU:-0}" = 1 ] && extra+=(++train.train.compile=false ++train.train.max_tokens_per_batch=2048 ++train.model.intermediate_size=128)
+  mkdir -p "$po/$name"
+  phase "$name" prepare python3 -m eagle3_train.run recipe=smollm2 out="$po/$name/run" data="$data" until=prepare \
+    target="${TARGET:-embedded}"
+  phase "$name" train python3 -m eagle3_train.run recipe=smollm2 out="$po/$name/run" data="$data" until=train \
+    target="${TARGET:-embedded}" "${extra[@]}"
+  phase "$name" export python3 -m eagle3_train.serving.export ++run="$po/$name/run/train" ++out="$po/$name/export"
+}
+
+run_modelopt() {  # run_modelopt NAME N STEPS [noexport]: ModelOpt's example launcher, its EAGLE-3 recipe and defaults
+  local name=$1 n=$2 steps=$3 data target; data=$(subset "$n"); target=$(target_dir)
+  local site=/tmp/mosite ex=$peers/modelopt_ex args=()
+  mkdir -p "$po/$name"
+  [ -d "$site/modelopt" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+    "$peers"/whl/nvidia_modelopt-*.whl "$peers"/whl/pulp-*.whl
+  # its padding: every sample is padded to training_seq_len (2048 by default); 512 holds the set's replies
+  args=(model.model_name_or_path="$target" data.data_path="$data" training.output_dir="$po/$name/out"
+        training.training_seq_len=512 training.max_steps="$steps" training.logging_steps=50 ${MODELOPT_EXTRA:-})
+  local launch=(python3 -m accelerate.commands.launch --mixed_precision bf16 main.py)
+  if [ "${CPU:-0}" = 1 ]; then
+    args+=(training.use_cpu=true training.bf16=false training.tf32=false eagle.eagle_use_torch_compile=false
+           eagle.eagle_architecture_config.intermediate_size=128 eagle.eagle_architecture_config.num_attention_heads=4
+           eagle.eagle_architecture_config.num_key_value_heads=2 eagle.eagle_architecture_config.head_dim=16)
+    launch=(python3 "$repo/benchmarks/peers_modelopt_cpu.py")
+  fi
+  (cd "$ex" && export PYTHONPATH=$site:$ex:${PYTHONPATH:-} && phase "$name" train "${launch[@]}" \
+    --config "$site/modelopt_recipes/general/speculative_decoding/eagle3.yaml" "${args[@]}")
+  [ "${4:-}" = noexport ] && return 0
+  (cd "$ex" && export PYTHONPATH=$site:$ex:${PYTHONPATH:-} && phase "$name" export python3 scripts/export_hf_checkpoint.py \
+    --model_path "$po/$name/out" --export_path "$po/$name/export")
+}
+
+steps_per_s() {  # steps_per_s LOG: HF Trainer's train_steps_per_second in LOG
+  python3 -c "import re,sys; print(re.findall(r\"'train_steps_per_second': '?([0-9.]+)\", open(sys.argv[1]).read())[-1])" "$1"
+}
+
+train_seconds() {  # train_seconds FW: the seconds of FW's train phase
+  python3 -c "import json,sys; print([r['seconds'] for r in map(json.loads, open(sys.argv[1])) if r['fw']==sys.argv[2] and r['phase']=='train'][-1])" "$po/phases.jsonl" "$1"
+}
+
+run_session_modelopt() {  # BUDGET [OURS_STEPS_PER_S]: ModelOpt vs ours, same data and epochs, and same minutes
+  local budget=${1:-300} ours_rate=${2:-3.8} probe=50 rate steps secs
+  [ "${CPU:-0}" = 1 ] && probe=4
+  # 1. ModelOpt's rate from a short run, then BUDGET seconds of steps over as many conversations (batch 1, one epoch)
+  if ! run_modelopt modelopt_probe "$probe" "$probe" noexport > "$po/modelopt_probe.log" 2>&1; then
+    # its default compiles the draft with torch.compile: without it, once, if that is what failed
+    tail -n 30 "$po/modelopt_probe.log"
+    export MODELOPT_EXTRA=eagle.eagle_use_torch_compile=false
+    echo "peers_gpu: ModelOpt's probe failed; again with $MODELOPT_EXTRA" | tee -a "$po/session.txt"
+    rm -rf "$po/modelopt_probe"
+    run_modelopt modelopt_probe "$probe" "$probe" noexport > "$po/modelopt_probe.log" 2>&1 || { tail -n 40 "$po/modelopt_probe.log"; return 1; }
+  fi
+  rate=$(steps_per_s "$po/modelopt_probe.log")
+  steps=$(python3 -c "print(max(8, int($budget * $rate)))")
+  echo "peers_gpu: ModelOpt ran $rate steps/s in its probe: $steps steps, $steps conversations" | tee -a "$po/session.txt"
+  run_modelopt modelopt "$steps" "$steps"
+  evaluate modelopt heldout sglang
+  # 2. ours on the same conversations, one epoch (the same data and epochs)
+  run_ours ours_same_data "$steps" 1000000 1
+  evaluate ours_same_data heldout sglang
+  # 3. ours for ModelOpt's training seconds over the whole set (the same minutes)
+  secs=$(train_seconds modelopt)
+  local n; n=$(zcat "$peers/data/$data_set" | wc -l)
+  [ "${CPU:-0}" = 1 ] && n=64
+  local ours_steps; ours_steps=$(python3 -c "print(max(4, int($secs * $ours_rate)))")
+  echo "peers_gpu: ModelOpt trained $secs s: ours $ours_steps steps over $n conversations" | tee -a "$po/session.txt"
+  run_ours ours_same_minutes "$n" "$ours_steps" 6
+  evaluate ours_same_minutes heldout sglang
+  for fw in modelopt ours_same_data ours_same_minutes; do evaluate "$fw" mtbench sglang; done
+}
+
+case $cmd in
+pack)
+  ex=${2:?ModelOpt examples/speculative_decoding directory}; mt=${3:?MT-bench question.jsonl}
+  mkdir -p "$repo/.peers/whl" "$repo/.peers/modelopt_ex/scripts" "$repo/.peers/data"
+  python3 -m pip download -q --no-deps -d "$repo/.peers/whl" nvidia-modelopt==0.47.0 pulp==3.3.2 \
+    speculators==0.9.0 hs-connectors==0.9.0
+  cp "$ex"/{main.py,eagle_utils.py,fsdp2_buffer_patch.py} "$repo/.peers/modelopt_ex/"
+  cp "$ex"/scripts/{ar_validate.py,export_hf_checkpoint.py,calibrate_draft_vocab.py} "$repo/.peers/modelopt_ex/scripts/"
+  cp "$mt" "$repo/.peers/data/mt_bench_question.jsonl"
+  [ -f "$repo/.peers/data/$data_set" ] || echo "peers_gpu: .peers/data/$data_set missing: save it from a GPU run" >&2
+  du -sh "$repo/.peers"/*
+  ;;
+stage)
+  rm -rf "$peers" && mkdir -p "$peers" && cp -r "$repo/.peers/." "$peers/"
+  rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r "$repo/." /tmp/repo/ && rm -rf /tmp/repo/.peers
+  echo "peers_gpu: staged $(du -sh "$peers" | cut -f1) in $peers, the repository in /tmp/repo"
+  ;;
+start)
+  what=${2:?session name, e.g. session_modelopt}; shift 2
+  rm -rf "${po:?}" && mkdir -p "$po"
+  cd /tmp/repo 2>/dev/null || cd "$repo"
+  if command -v nvidia-smi >/dev/null; then
+    setsid nohup nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -l 2 > "$po/smi.csv" 2>&1 < /dev/null &
+    echo $! > "$po/smi.pid"
+  fi
+  setsid nohup bash -c "bash benchmarks/peers_gpu.sh job $what $*; echo \$? > $po/rc" > "$po/log" 2>&1 < /dev/null &
+  echo "started: $what $*"
+  ;;
+job)
+  what=${2:?what}; shift 2
+  export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+  "run_$what" "$@"
+  ;;
+poll)
+  secs=${2:?seconds}; dest=${3:?destination}
+  end=$((SECONDS + secs))
+  while [ ! -f "$po/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+  mkdir -p "$dest"
+  for f in log phases.jsonl smi.csv rc session.txt modelopt_probe.log; do [ -f "$po/$f" ] && cp "$po/$f" "$dest/"; done
+  for f in "$po"/*/eval_*/report.json "$po"/*/export/config.json "$po"/*/run/train/metrics.jsonl \
+           "$po"/*/run/prepared/manifest.json "$po"/*/run/train/best.json; do
+    rel=${f#"$po"/}
+    [ -f "$f" ] && cp "$f" "$dest/${rel//\//_}"
+  done
+  for d in "$po"/*/export; do
+    [ -d "$d" ] && echo "$(basename "$(dirname "$d")") $(cat "$d"/*.safetensors | wc -c)"
+  done > "$dest/draft_bytes.txt"
+  grep "peers_gpu:\|tau \|Error\|error" "$po/log" | tail -n 20
+  tail -n 4 "$po/log"
+  if [ -f "$po/rc" ]; then
+    [ -f "$po/smi.pid" ] && kill "$(cat "$po/smi.pid")" 2>/dev/null || true
+    echo "ended: rc=$(cat "$po/rc")"
+  else
+    echo "running"
+  fi
+  ;;
+*) echo "usage: peers_gpu.sh pack|stage|start|poll ..." >&2; exit 2 ;;
+esac

@@ -1,0 +1,200 @@
+"""The side-by-side with the peer frameworks, from what ``benchmarks/peers_gpu.sh poll`` brought back:
+
+    python3 benchmarks/peers_results.py DIR benchmarks/results/peers_modelopt_h200.json \\
+        --machine "1 x NVIDIA H200 (device tool), ..." --date 2026-12-05
+
+Per framework run: the conversations and tokens it trained on, the seconds of each phase (data and
+states, training with its model load and compile, export, eval), its steady training rate, the GPU
+memory peak during training (nvidia-smi every 2 s: the whole device, the target included), the
+draft's size, and eagle3-eval's figures on the held-out prompts and MT-bench (chain k=5, greedy,
+fp32, lossless-checked). The docs page "Against the peers" is generated from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from eagle3_train.evaluation.reports import read_eval_report
+
+TITLES = {
+    "modelopt": "NVIDIA ModelOpt 0.47.0: its EAGLE-3 example and recipe, defaults",
+    "speculators": "speculators 0.9.0: its CLI, defaults",
+    "ours_same_data": "eagle3_train: the smollm2 recipe, the same conversations, one epoch",
+    "ours_same_minutes": "eagle3_train: the smollm2 recipe, the same training minutes, the whole set",
+}
+
+
+def phases(d: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (d / "phases.jsonl").read_text().splitlines() if line.strip()]
+
+
+def memory_trace(d: Path) -> list[tuple[float, int]]:
+    """(epoch seconds, MiB used) from nvidia-smi's csv (its timestamps in the machine's time, UTC)."""
+    out = []
+    path = d / "smi.csv"
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        m = re.match(r"\s*(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\.\d+),\s*(\d+) MiB", line)
+        if m:
+            t = datetime.strptime(m.group(1), "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
+            out.append((t, int(m.group(2))))
+    return out
+
+
+def peak(trace: list[tuple[float, int]], start: float, end: float) -> int | None:
+    inside = [mib for t, mib in trace if start <= t <= end]
+    return max(inside) if inside else None
+
+
+def trainer_rate(log: str, name: str) -> dict[str, float] | None:
+    """HF Trainer's final metrics of run ``name`` (the last ``train_runtime`` line after its marker)."""
+    part = log.split(f"peers_gpu: {name} train done")[0]
+    found = re.findall(r"'train_runtime': '?([0-9.]+)'?, 'train_samples_per_second': '?([0-9.]+)'?", part)
+    if not found:
+        return None
+    runtime, per_s = map(float, found[-1])
+    return {"train_runtime_s": runtime, "samples_per_s": per_s}
+
+
+def session_numbers(d: Path) -> dict[str, float]:
+    text = (d / "session.txt").read_text() if (d / "session.txt").is_file() else ""
+    out: dict[str, float] = {}
+    if m := re.search(r"ran ([0-9.]+) steps/s in its probe: (\d+) steps", text):
+        out["modelopt_probe_steps_per_s"], out["modelopt_steps"] = float(m.group(1)), int(m.group(2))
+    if m := re.search(r"trained ([0-9.]+) s: ours (\d+) steps over (\d+) conversations", text):
+        out["ours_same_minutes_steps"], out["all_conversations"] = int(m.group(2)), int(m.group(3))
+    return out
+
+
+def eval_figures(d: Path, fw: str, prompts: str) -> dict[str, Any] | None:
+    path = d / f"{fw}_eval_{prompts}_report.json"
+    if not path.is_file():
+        return None
+    r = read_eval_report(path)
+    return {
+        "tau": round(r.tau, 3),
+        "prompts": r.prompts,
+        "acceptance_per_position": [round(a, 3) for a in r.acceptance_per_position],
+        "lossless": r.lossless,
+        "captured_hf_indices": r.captured_hf_indices,
+        "warnings": len(r.warnings),
+    }
+
+
+def framework(d: Path, fw: str, ph: list[dict], trace: list, log: str, sizes: dict[str, int]) -> dict[str, Any]:
+    mine = {p["phase"]: p for p in ph if p["fw"] == fw}
+    out: dict[str, Any] = {"what": TITLES.get(fw, fw)}
+    out["seconds"] = {name: p["seconds"] for name, p in mine.items()}
+    if "train" in mine:
+        out["train_peak_gpu_mib"] = peak(trace, mine["train"]["start"], mine["train"]["end"])
+    out["draft_bytes"] = sizes.get(fw)
+    manifest = d / f"{fw}_run_prepared_manifest.json"
+    if manifest.is_file():
+        counts = json.loads(manifest.read_text())["counts"]
+        out["conversations"], out["dataset_tokens"] = counts["rows_written"], counts["tokens"]
+    metrics = d / f"{fw}_run_train_metrics.jsonl"
+    if metrics.is_file():
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+        out["steps"] = max((r["step"] for r in rows), default=None)
+        out["steady_tokens_per_s"] = round(statistics.median(rates)) if rates else None
+    if (rate := trainer_rate(log, fw)) is not None:
+        out.update(rate)
+    out["eval_heldout"] = eval_figures(d, fw, "heldout")
+    out["eval_mtbench"] = eval_figures(d, fw, "mtbench")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--machine", required=True)
+    ap.add_argument("--date", required=True)
+    ap.add_argument("--command", default="bash benchmarks/peers_gpu.sh start session_modelopt 300 3.8")
+    a = ap.parse_args()
+    d = a.dir
+    ph = phases(d)
+    trace = memory_trace(d)
+    log = (d / "log").read_text() if (d / "log").is_file() else ""
+    sizes = {}
+    if (d / "draft_bytes.txt").is_file():
+        for line in (d / "draft_bytes.txt").read_text().splitlines():
+            name, _, n = line.partition(" ")
+            if n.strip().isdigit():
+                sizes[name] = int(n)
+    order = [fw for fw in TITLES if any(p["fw"] == fw for p in ph)]
+    runs = {fw: framework(d, fw, ph, trace, log, sizes) for fw in order}
+    session = session_numbers(d)
+    if "modelopt" in runs and "modelopt_steps" in session:
+        runs["modelopt"]["steps"] = runs["modelopt"]["conversations"] = session["modelopt_steps"]
+        same = runs.get("ours_same_data", {})
+        if same.get("dataset_tokens") and runs["modelopt"].get("train_runtime_s"):
+            # the same conversations, one epoch (batch 1, each padded to 512 tokens; the rate counts real tokens)
+            runs["modelopt"]["dataset_tokens"] = same["dataset_tokens"]
+            runs["modelopt"]["steady_tokens_per_s"] = round(
+                same["dataset_tokens"] / runs["modelopt"]["train_runtime_s"]
+            )
+
+    def tau(r: dict, key: str) -> Any:
+        return (r.get(key) or {}).get("tau")
+
+    rows = [
+        [
+            fw,
+            r.get("conversations"),
+            r.get("steps"),
+            r["seconds"].get("prepare", 0) or "online",
+            r["seconds"].get("train"),
+            r.get("steady_tokens_per_s"),
+            r.get("train_peak_gpu_mib"),
+            round(r["draft_bytes"] / 2**20, 1) if r.get("draft_bytes") else None,
+            tau(r, "eval_heldout"),
+            tau(r, "eval_mtbench"),
+            (r.get("eval_heldout") or {}).get("lossless"),
+        ]
+        for fw, r in runs.items()
+    ]
+    result = {
+        "what": "The same target (SmolLM2-135M-Instruct), the same synthesized conversations and one GPU through "
+        "each framework's own EAGLE-3 training with its defaults, then one yardstick: eagle3-eval (chain k=5, "
+        "greedy, fp32, lossless-checked, engine rule sglang) on the shipped held-out prompts and MT-bench (both turns)",
+        "machine": a.machine,
+        "date": a.date,
+        "runs": "single run each",
+        "command": a.command,
+        "session": session,
+        "frameworks": runs,
+        "tables": [
+            {
+                "title": "Side by side (seconds: wall clock of each phase; training includes model load and compile)",
+                "header": [
+                    "run",
+                    "conversations",
+                    "steps",
+                    "data s",
+                    "train s",
+                    "tokens/s",
+                    "peak GPU MiB",
+                    "draft MiB",
+                    "tau held-out",
+                    "tau MT-bench",
+                    "lossless",
+                ],
+                "rows": rows,
+            }
+        ],
+    }
+    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
