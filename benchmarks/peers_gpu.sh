@@ -51,14 +51,15 @@ subset() {  # subset N: the first N conversations of the shared set -> $po/convs
   echo "$out"
 }
 
-evaluate() {  # evaluate FW SET ENGINE: eagle3-eval of $po/FW/export on heldout (shipped) or mtbench
-  local fw=$1 set=$2 engine=$3 target=${TARGET:-embedded} size=(++max_new_tokens=128)
+evaluate() {  # evaluate FW SET ENGINE [as_trained]: eagle3-eval of $po/FW/export on heldout (shipped) or mtbench
+  local fw=$1 set=$2 engine=$3 target=${TARGET:-embedded} size=(++max_new_tokens=128) tag=$2
+  [ "${4:-}" = as_trained ] && size+=(++as_trained=true) && tag=${set}_as_trained
   [ "${CPU:-0}" = 1 ] && size=(++max_new_tokens=16 ++limit=4)
   local prompts=$repo/data_prep/prompts/heldout.jsonl batch=37
   [ "$set" = mtbench ] && prompts=$peers/data/mt_bench_question.jsonl batch=80
-  phase "$fw" "eval_$set" python3 -m eagle3_train.evaluation.eval ++draft="$po/$fw/export" ++target="$target" \
+  phase "$fw" "eval_$tag" python3 -m eagle3_train.evaluation.eval ++draft="$po/$fw/export" ++target="$target" \
     ++engine="$engine" ++k=5 ++dtype=float32 ++batch_size=$batch ++prompts="$prompts" \
-    ++out="$po/$fw/eval_$set" ++progress=false "${size[@]}"
+    ++out="$po/$fw/eval_$tag" ++progress=false "${size[@]}"
 }
 
 run_ours() {  # run_ours NAME N STEPS EPOCHS: the smollm2 recipe's training on the first N conversations
@@ -132,6 +133,8 @@ run_session_modelopt() {  # BUDGET [OURS_STEPS_PER_S]: ModelOpt vs ours, same da
   echo "peers_gpu: ModelOpt trained $secs s: ours $ours_steps steps over $n conversations" | tee -a "$po/session.txt"
   run_ours ours_same_minutes "$n" "$ours_steps" 6
   evaluate ours_same_minutes heldout sglang
+  # ModelOpt as it trained (its export is served otherwise: notes/peer_forward.md), then MT-bench
+  evaluate modelopt heldout sglang as_trained
   for fw in modelopt ours_same_data ours_same_minutes; do evaluate "$fw" mtbench sglang; done
 }
 

@@ -109,6 +109,8 @@ def framework(d: Path, fw: str, ph: list[dict], trace: list, log: str, sizes: di
         out.update(rate)
     out["eval_heldout"] = eval_figures(d, fw, "heldout")
     out["eval_mtbench"] = eval_figures(d, fw, "mtbench")
+    if (d / f"{fw}_eval_heldout_as_trained_report.json").is_file():
+        out["eval_heldout_as_trained"] = eval_figures(d, fw, "heldout_as_trained")
     return out
 
 
@@ -157,6 +159,7 @@ def main() -> None:
             r.get("train_peak_gpu_mib"),
             round(r["draft_bytes"] / 2**20, 1) if r.get("draft_bytes") else None,
             tau(r, "eval_heldout"),
+            tau(r, "eval_heldout_as_trained") or "",
             tau(r, "eval_mtbench"),
             (r.get("eval_heldout") or {}).get("lossless"),
         ]
@@ -185,6 +188,7 @@ def main() -> None:
                     "peak GPU MiB",
                     "draft MiB",
                     "tau held-out",
+                    "tau held-out as trained",
                     "tau MT-bench",
                     "lossless",
                 ],

@@ -311,4 +311,46 @@ def test_the_eval_report_says_who_wrote_the_draft(target_dir):
         "trained_from": "eagle_aux_hidden_state_layer_ids (HF indices)",
         "recorded": True,
         "flags": ["aux_norm", "norm_before_residual", "norm_output"],
+        "as_trained": False,
     }
+
+
+def test_as_trained_computes_modelopts_own_training_forward(target):
+    """ModelOpt trains its first layer on hidden_norm(input_layernorm(h)) with plain RoPE; its export
+    is served with hidden_norm(h) and the YaRN scaling the export wrote. as_trained gives the first."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    served, _ = load_draft_dir(PEERS / "modelopt", target, "sglang")
+    trained, dd = load_draft_dir(PEERS / "modelopt", target, "sglang", as_trained=True)
+    assert dd.trained_flags().changed() == ["hidden_input_norm"]
+    assert (
+        trained.config.rope_parameters["rope_type"] == "default"
+        and served.config.rope_parameters["rope_type"] == "yarn"
+    )
+    g = torch.Generator().manual_seed(0)
+    t = 7
+    aux = torch.randn(1, t, 192, generator=g)
+    ids = torch.randint(0, 256, (1, t + 1), generator=g)
+    with torch.no_grad():
+        out = trained.float().step(trained.fuse(aux), ids[:, 1:], torch.arange(t)[None], [], 0)
+        # the reference: transformers' own LlamaDecoderLayer (ModelOpt's draft layer) with its attention
+        # input replaced as ModelOpt's hook does, plain RoPE at the config's theta
+        c = json.loads((PEERS / "modelopt" / "config.json").read_text())
+        lc = LlamaConfig(**{k: v for k, v in c.items() if k not in ("rope_scaling", "eagle_config")})
+        lc.rope_parameters = {"rope_type": "default", "rope_theta": c["rope_theta"]}
+        rope = LlamaRotaryEmbedding(lc)
+        m = trained.midlayer
+        h = trained.fuse(aux)
+        emb = target.model.get_input_embeddings()(ids[:, 1:]).float()
+        x = torch.cat([m.input_layernorm(emb), m.hidden_norm(m.input_layernorm(h))], dim=-1)
+        cos, sin = rope(h, torch.arange(t)[None])
+        q, k, v = m.self_attn.project(x, cos, sin)
+        a = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+        )
+        g1 = h + m.self_attn.o_proj(a.transpose(1, 2).flatten(2))
+        want = g1 + m.mlp(m.post_attention_layernorm(g1))
+        served_out = served.float().step(served.fuse(aux), ids[:, 1:], torch.arange(t)[None], [], 0)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(served_out, want, atol=1e-3)

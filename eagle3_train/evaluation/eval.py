@@ -108,6 +108,8 @@ class EvalConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     cache_dir: str | None = None  # where GGUF targets are converted once
     chat_template: str | None = None  # replaces the tokenizer's template (as in prepare)
+    as_trained: bool = False
+    """another framework's draft computed as its producer trained it (ModelOpt: the first layer's hidden half normed twice, plain RoPE; SpecForge 0.2.0: the next step takes the pre-norm output) rather than as the engine serves it"""
     chat_template_kwargs: Any = None
     """flags every prompt is rendered with, as an engine's chat_template_kwargs (null: those the draft's data was prepared with, from its config; other flags are used and warned about)"""
     reasoning_markers: list[str] | None = None
@@ -178,9 +180,12 @@ def load_draft(directory: Path, target: Target, engine: str = "sglang") -> tuple
     return draft, dd.config
 
 
-def load_draft_dir(directory: Path, target: Target, engine: str = "sglang") -> tuple[Eagle3Draft, DraftDir]:
+def load_draft_dir(
+    directory: Path, target: Target, engine: str = "sglang", as_trained: bool = False
+) -> tuple[Eagle3Draft, DraftDir]:
     """:func:`load_draft`, with the directory as read (:class:`eagle3_train.serving.drafts.DraftDir`):
-    its producer, what it records, the forward flags ``engine`` honours."""
+    its producer, what it records, the forward flags ``engine`` honours (``as_trained``: those its
+    producer trained with, where they differ)."""
     if not (directory / "config.json").is_file() or not list(directory.glob("*.safetensors")):
         raise BadInputError(f"{directory} lacks config.json or model.safetensors: not an exported draft")
     dd = read_draft_dir(directory)
@@ -188,12 +193,12 @@ def load_draft_dir(directory: Path, target: Target, engine: str = "sglang") -> t
     if "fc.weight" not in weights:
         raise BadInputError(f"{directory}: its weights have no fc.weight")
     try:
-        dc = draft_config_from_json(dd.layer, weights["fc.weight"].shape[1])
+        dc = draft_config_from_json(dd.trained_layer() if as_trained else dd.layer, weights["fc.weight"].shape[1])
     except KeyError as e:
         raise BadInputError(f"{directory}/config.json ({dd.title}): no {e.args[0]}") from e
     if (refusal := dd.refusal(engine, weights["fc.weight"].shape[1])) is not None:
         raise ContractError(f"{directory} ({dd.title}): {refusal}")
-    dc = replace(dc, **vars(dd.flags(engine)))
+    dc = replace(dc, **vars(dd.trained_flags() if as_trained else dd.flags(engine)))
     if dc.vocab_size != target.vocab_size or dc.hidden_size != target.hidden_size:
         raise ContractError(
             f"{directory}: draft vocab {dc.vocab_size} / hidden {dc.hidden_size} do not fit target "
@@ -380,7 +385,7 @@ class Evaluator:
             cfg.target, cache_dir=cfg.cache_dir, dtype=cfg.dtype, device=str(device), chat_template=cfg.chat_template
         )
         self.draft_dir = Path(cfg.draft).expanduser()
-        self.draft, self.dd = load_draft_dir(self.draft_dir, self.target, cfg.engine)
+        self.draft, self.dd = load_draft_dir(self.draft_dir, self.target, cfg.engine, cfg.as_trained)
         self.config = self.dd.config
         trained = trained_kwargs(self.config)
         used = trained if cfg.chat_template_kwargs is None else cfg.chat_template_kwargs
@@ -438,7 +443,10 @@ class Evaluator:
         """What eval says of another framework's draft: where it computes otherwise than its producer
         trained, what it leaves unsaid, a capture that differs from the one it records."""
         dd, out = self.dd, []
-        out += [f"{dd.title}: {note}; eval computes as {self.cfg.engine} does" for note in dd.train_serve_notes()]
+        how = f"eval computes as {dd.title} trained it (as_trained=true), not as {self.cfg.engine} serves it"
+        if not self.cfg.as_trained:
+            how = f"eval computes as {self.cfg.engine} does (as_trained=true: as it was trained)"
+        out += [f"{dd.title}: {note}; {how}" for note in dd.train_serve_notes()]
         if (w := dd.sliding_window()) is not None and self.cfg.engine == "vllm":
             out.append(
                 f"{dd.title}: vLLM attends within a sliding window of {w} tokens; eval attends to the whole "
@@ -604,7 +612,8 @@ class Evaluator:
                 "trained_hf_indices": self.capture.hf_indices,
                 "trained_from": self.capture.source,
                 "recorded": self.capture.recorded,
-                "flags": self.dd.flags(self.cfg.engine).changed(),
+                "flags": (self.dd.trained_flags() if self.cfg.as_trained else self.dd.flags(self.cfg.engine)).changed(),
+                "as_trained": self.cfg.as_trained,
             },
             lossless="diverged" if counts["diverged"] else "numerical" if counts["numerical"] else "identical",
             lossless_counts=counts,

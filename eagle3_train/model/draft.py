@@ -61,9 +61,11 @@ class DraftConfig:
         norm_before_residual: the layer's residual is the normed hidden (``hidden_norm(h)``), not h.
         norm_output: chain steps after the first take the previous step's output through ``norm``
             (the one the logits see) rather than as it is.
-        The last three are what vLLM and SGLang compute for the engines' flags of the same names
-        (speculators' drafts set them); eagle3-eval reads them from third-party drafts, our
-        training does not set them.
+        hidden_input_norm: the hidden half passes ``input_layernorm`` before ``hidden_norm`` (as
+            NVIDIA ModelOpt's training computes its first layer; no engine does).
+        The last four are what vLLM and SGLang compute for the engines' flags of the same names
+        (speculators' drafts set them), or a peer's training: eagle3-eval reads them from
+        third-party drafts, our training does not set them.
     """
 
     hidden_size: int
@@ -82,6 +84,7 @@ class DraftConfig:
     fc_norm: bool = False
     norm_before_residual: bool = False
     norm_output: bool = False
+    hidden_input_norm: bool = False
 
     @classmethod
     def from_target(cls, target_config: Any, num_aux: int, draft_vocab_size: int) -> DraftConfig:
@@ -293,6 +296,7 @@ class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.norm_before_residual = cfg.norm_before_residual
+        self.hidden_input_norm = cfg.hidden_input_norm
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = TTTAttention(cfg)
@@ -325,7 +329,8 @@ class DraftLayer(nn.Module):
         self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         """emb, hidden [B, T, H] -> q [B, nh, T, d], k/v [B, nkv, T, d] (normed, joined, projected, RoPE)."""
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        h = self.input_layernorm(hidden) if self.hidden_input_norm else hidden
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # [B, T, 2H]
         return self.self_attn.project(x, cos, sin)
 
     def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

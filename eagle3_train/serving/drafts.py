@@ -70,6 +70,7 @@ class Flags:
     fc_norm: bool = False  # one RMSNorm per state before fc
     norm_before_residual: bool = False  # the layer's residual is hidden_norm(h)
     norm_output: bool = False  # chain steps take norm(previous output)
+    hidden_input_norm: bool = False  # the hidden half normed by input_layernorm, then hidden_norm (ModelOpt's training)
 
     def changed(self) -> list[str]:
         return [k for k, v in vars(self).items() if v]
@@ -136,6 +137,24 @@ class DraftDir:
         fcn = c.get("fc_norm", False) or (engine == "sglang" and c.get("use_aux_norm", False))
         nbr = c.get("norm_before_residual", self.producer == SPECULATORS) if engine == "vllm" else False
         return Flags(bool(nbf), bool(fcn), bool(nbr), bool(c.get("norm_output", False)))
+
+    def trained_flags(self) -> Flags:
+        """The forward variant its producer trained (where that differs from the engines': ModelOpt's
+        first layer normalises the hidden half twice; SpecForge 0.2.0's next step always takes the
+        pre-norm output)."""
+        f = self.flags("vllm")
+        if self.producer == MODELOPT:
+            return Flags(f.aux_norm, f.fc_norm, False, False, hidden_input_norm=True)
+        if self.producer == SPECFORGE:
+            return Flags(f.aux_norm, f.fc_norm, False, False)
+        return f
+
+    def trained_layer(self) -> dict[str, Any]:
+        """The layer's fields as its producer trained it: ModelOpt's export adds YaRN rope scaling
+        that training did not have (the draft's plain RoPE at its rope_theta)."""
+        if self.producer == MODELOPT and (self.layer.get("rope_scaling") or {}).get("rope_type") == "yarn":
+            return {**self.layer, "rope_scaling": None, "rope_parameters": None}
+        return self.layer
 
     def sliding_window(self) -> int | None:
         """vLLM's window for the draft layer (``layer_types`` says ``sliding_attention``), else None."""
