@@ -59,7 +59,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import run_isolated  # noqa: E402

@@ -97,6 +97,55 @@ run_modelopt() {  # run_modelopt NAME N STEPS [noexport]: ModelOpt's example lau
     --model_path "$po/$name/out" --export_path "$po/$name/export")
 }
 
+wait_http() {  # wait_http URL SECONDS: until URL answers, or fail
+  local end=$((SECONDS + $2))
+  until python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; do
+    [ $SECONDS -lt $end ] || { echo "peers_gpu: $1 did not answer in $2 s" >&2; return 1; }
+    sleep 2
+  done
+}
+
+run_speculators() {  # run_speculators NAME N STEPS: speculators' CLI, vLLM rendering the chats and writing the states
+  local name=$1 n=$2 steps=$3 data target; data=$(subset "$n"); target=$(target_dir)
+  local site=/tmp/specsite port=8765 hs=$po/$name/hs nl
+  nl=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['num_hidden_layers'])" "$target/config.json")
+  mkdir -p "$po/$name" "$hs"
+  [ -d "$site/speculators" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+    "$peers"/whl/speculators-*.whl "$peers"/whl/hs_connectors-*.whl
+  # its reader takes the turns from `conversations` only (not `messages`)
+  python3 -c "import json,sys; [print(json.dumps({'conversations': json.loads(l)['messages']})) for l in open(sys.argv[1])]" \
+    "$data" > "$po/$name/conversations.jsonl"
+  # vLLM writes the states of HF indices 2, N//2, N-3 and the pre-norm final state N (its own launcher's ids),
+  # the command this project's served dump uses
+  local vllm
+  if [ "${CPU:-0}" = 1 ]; then
+    vllm="python3 $repo/benchmarks/peers_vllm_standin.py $target $port $hs"
+  else
+    vllm=$(python3 -c "import sys; from eagle3_train.engines.vllm import launch; print(launch(sys.argv[1], [2, $nl // 2, $nl - 3, $nl], 'bfloat16', $port, sys.argv[2]))" "$target" "$hs")
+    # shellcheck source=benchmarks/staging/engine_env.sh
+    source "$repo/benchmarks/staging/engine_env.sh"
+    vllm="${vllm_env[*]} $vllm --gpu-memory-utilization 0.5 --max-model-len 4096"
+  fi
+  setsid nohup bash -c "$vllm" > "$po/$name/vllm.log" 2>&1 < /dev/null &
+  local pid=$!
+  wait_http "http://127.0.0.1:$port/v1/models" 600 || { tail -n 40 "$po/$name/vllm.log"; return 1; }
+  local spec=(env "PYTHONPATH=$site:${VSITE:-/tmp/vsite}:${PYTHONPATH:-}" python3 -m speculators)
+  phase "$name" data "${spec[@]}" prepare-data --model "$target" --data "$po/$name/conversations.jsonl" \
+    --render-endpoint "http://127.0.0.1:$port" --output "$po/$name/data" --seq-length 4096 --max-samples "$n" \
+    --no-skip-token-freq
+  phase "$name" states "${spec[@]}" generate-offline-data --preprocessed-data "$po/$name/data" \
+    --endpoint "http://127.0.0.1:$port/v1" --concurrency "$([ "${CPU:-0}" = 1 ] && echo 2 || echo 32)"
+  kill -- -"$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
+  local train=("${spec[@]}" train) extra=()
+  if [ "${CPU:-0}" = 1 ]; then
+    train=(env "PYTHONPATH=$site:${PYTHONPATH:-}" python3 "$repo/benchmarks/peers_speculators_cpu.py")
+    extra=(--draft-attn-impl sdpa --loss-implementation eager --total-seq-len 1024 --num-workers 0)
+  fi
+  phase "$name" train "${train[@]}" --verifier-name-or-path "$target" --data-path "$po/$name/data" \
+    --save-path "$po/$name/ckpt" --on-missing raise --epochs 1 --max-steps "$steps" "${extra[@]}"
+  ln -sfn "$po/$name/ckpt/0" "$po/$name/export"
+}
+
 steps_per_s() {  # steps_per_s LOG: HF Trainer's train_steps_per_second in LOG
   python3 -c "import re,sys; print(re.findall(r\"'train_steps_per_second': '?([0-9.]+)\", open(sys.argv[1]).read())[-1])" "$1"
 }

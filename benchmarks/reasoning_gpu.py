@@ -39,7 +39,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 W = Path(os.environ.get("W", "/tmp/w51"))
 N = int(os.environ.get("N", "1024"))
 EPOCHS = int(os.environ.get("EPOCHS", "5"))
@@ -49,7 +49,7 @@ K = int(os.environ.get("K", "4"))
 REGEN_ARGS = os.environ.get("REGEN_ARGS", "regen.batching=graph regen.batch_size=128").split()
 VLLM_ARGS = os.environ.get("VLLM_ARGS", "--enforce-eager --gpu-memory-utilization 0.3").split()
 PORT = int(os.environ.get("PORT", "8500"))
-TEMPLATE = REPO / "tests" / "benchmarks" / "templates" / "smollm2_thinking.jinja"
+TEMPLATE = REPO / "benchmarks" / "templates" / "smollm2_thinking.jinja"
 SYNTH = REPO / "data_prep" / "prompts" / "synth_smollm2.jsonl.gz"
 ON, OFF = "{enable_thinking: true}", "{enable_thinking: false}"
 PY = sys.executable

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 W = Path(os.environ.get("W", "/tmp/w50"))
 STEPS = os.environ.get("STEPS", "smollm2,qwen3_moe,scale").split(",")
 SMOL_N = int(os.environ.get("SMOL_N", "2048"))

@@ -122,7 +122,7 @@ def main() -> None:
         Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
         print(f"== {key}: {json.dumps(value)[:600]}", flush=True)
 
-    prompts = Path(__file__).resolve().parents[2] / "data_prep" / "prompts" / "synth_smollm2.jsonl.gz"
+    prompts = Path(__file__).resolve().parents[1] / "data_prep" / "prompts" / "synth_smollm2.jsonl.gz"
     Preparer(
         PrepareConfig(
             target=a.target,

@@ -319,3 +319,14 @@ def test_peers_results_reads_the_polls_memory_phases_and_trainer_metrics(tmp_pat
 
 def test_peers_gpu_script_parses():
     assert subprocess.run(["bash", "-n", str(LAB / "peers_gpu.sh")]).returncode == 0
+
+
+def test_every_lab_script_finds_the_repository_root():
+    """A script's ``Path(__file__).resolve().parents[N]`` names the repository (it holds pyproject.toml):
+    the lab moved up a floor once, and scripts counting from the old place read files that are not there."""
+    import re
+
+    for script in sorted(LAB.glob("*.py")):
+        for n in re.findall(r"Path\(__file__\)\.resolve\(\)\.parents\[(\d+)\]", script.read_text()):
+            root = script.resolve().parents[int(n)]
+            assert (root / "pyproject.toml").is_file(), f"{script.name}: parents[{n}] is {root}, not the repository"
