@@ -14,6 +14,7 @@
 #          bash benchmarks/peers_gpu.sh stage         (in the call that carries .peers: it copies it to /tmp)
 #          bash benchmarks/peers_gpu.sh start session_modelopt [BUDGET_S] [OURS_STEPS_PER_S]   detached
 #          bash benchmarks/peers_gpu.sh poll SECONDS DEST          back to back until it prints "ended"
+#            (DEST/poll.tgz: everything so far; here: tar xzf it into a folder for peers_results.py)
 #
 # session_modelopt: ModelOpt's rate from a short run, then BUDGET_S seconds of its steps (batch 1, one
 # epoch: as many conversations as steps); ours on the same conversations for one epoch; ours for
@@ -105,8 +106,8 @@ wait_http() {  # wait_http URL SECONDS: until URL answers, or fail
   done
 }
 
-run_speculators() {  # run_speculators NAME N STEPS: speculators' CLI, vLLM rendering the chats and writing the states
-  local name=$1 n=$2 steps=$3 data target; data=$(subset "$n"); target=$(target_dir)
+spec_data() {  # spec_data NAME N: speculators' data: vLLM renders the first N chats and writes their states
+  local name=$1 n=$2 data target; data=$(subset "$n"); target=$(target_dir)
   local site=/tmp/specsite port=8765 hs=$po/$name/hs nl
   nl=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['num_hidden_layers'])" "$target/config.json")
   mkdir -p "$po/$name" "$hs"
@@ -136,14 +137,78 @@ run_speculators() {  # run_speculators NAME N STEPS: speculators' CLI, vLLM rend
   phase "$name" states "${spec[@]}" generate-offline-data --preprocessed-data "$po/$name/data" \
     --endpoint "http://127.0.0.1:$port/v1" --concurrency "$([ "${CPU:-0}" = 1 ] && echo 2 || echo 32)"
   kill -- -"$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
-  local train=("${spec[@]}" train) extra=()
+}
+
+spec_train() {  # spec_train NAME DATA_NAME STEPS: speculators' trainer, defaults, one epoch at most STEPS steps
+  local name=$1 from=$2 steps=$3 target site=/tmp/specsite; target=$(target_dir)
+  mkdir -p "$po/$name"
+  local train=(env "PYTHONPATH=$site:${VSITE:-/tmp/vsite}:${PYTHONPATH:-}" python3 -m speculators train) extra=()
   if [ "${CPU:-0}" = 1 ]; then
     train=(env "PYTHONPATH=$site:${PYTHONPATH:-}" python3 "$repo/benchmarks/peers_speculators_cpu.py")
     extra=(--draft-attn-impl sdpa --loss-implementation eager --total-seq-len 1024 --num-workers 0)
   fi
-  phase "$name" train "${train[@]}" --verifier-name-or-path "$target" --data-path "$po/$name/data" \
+  # --epochs 1: with more, a run stopped by --max-steps still runs a step, a validation and a save per epoch left
+  phase "$name" train "${train[@]}" --verifier-name-or-path "$target" --data-path "$po/$from/data" \
     --save-path "$po/$name/ckpt" --on-missing raise --epochs 1 --max-steps "$steps" "${extra[@]}"
   ln -sfn "$po/$name/ckpt/0" "$po/$name/export"
+}
+
+run_speculators() {  # run_speculators NAME N STEPS
+  spec_data "$1" "$2"
+  spec_train "$1" "$1" "$3"
+}
+
+spec_rate() {  # spec_rate LOG: steps/s of speculators' first training progress bar in LOG (done / elapsed)
+  python3 -c "
+import re, sys
+m = re.findall(r'Epoch \d+\s+\d+%\s+\S+\s+(\d+)/(\d+)\s+\[\s*(\d+):(\d\d):(\d\d)', open(sys.argv[1]).read())
+done, _, h, mi, s = map(int, m[0])
+print(round(done / max(1, 3600 * h + 60 * mi + s), 3))" "$1"
+}
+
+run_session_speculators() {  # BUDGET [N] [OURS_STEPS_PER_S]: speculators vs ours, as session_modelopt
+  local budget=${1:-300} n=${2:-32768} ours_rate=${3:-3.8} probe=20 rate steps secs
+  [ "${CPU:-0}" = 1 ] && probe=3
+  spec_data speculators "$n"
+  spec_train speculators_probe speculators "$probe" > "$po/speculators_probe.log" 2>&1 || { tail -n 40 "$po/speculators_probe.log"; return 1; }
+  rate=$(spec_rate "$po/speculators_probe.log")
+  steps=$(python3 -c "print(max(4, int($budget * $rate)))")
+  echo "peers_gpu: speculators ran $rate steps/s in its probe: $steps steps (one epoch of $n conversations at most)" | tee -a "$po/session.txt"
+  spec_train speculators speculators "$steps"
+  evaluate speculators heldout vllm
+  served speculators
+  run_ours ours_same_data "$n" 1000000 1
+  evaluate ours_same_data heldout vllm
+  served ours_same_data
+  secs=$(train_seconds speculators)
+  local all ours_steps; all=$(zcat "$peers/data/$data_set" | wc -l)
+  [ "${CPU:-0}" = 1 ] && all=64
+  ours_steps=$(python3 -c "print(max(4, int($secs * $ours_rate)))")
+  echo "peers_gpu: speculators trained $secs s: ours $ours_steps steps over $all conversations" | tee -a "$po/session.txt"
+  run_ours ours_same_minutes "$all" "$ours_steps" 6
+  evaluate ours_same_minutes heldout vllm
+  served ours_same_minutes
+  for fw in speculators ours_same_data ours_same_minutes; do evaluate "$fw" mtbench vllm; done
+}
+
+served() {  # served FW: vLLM serving the target with $po/FW/export; eagle3-served-acceptance on the held-out prompts
+  local fw=$1 target port=8766 spec; target=$(target_dir)
+  [ "${CPU:-0}" = 1 ] && return 0  # no engine on a CPU machine
+  spec=$(python3 -c "import json,sys; print(json.dumps({'method': 'eagle3', 'model': sys.argv[1], 'num_speculative_tokens': 5}))" "$po/$fw/export")
+  # shellcheck source=benchmarks/staging/engine_env.sh
+  source "$repo/benchmarks/staging/engine_env.sh"
+  setsid nohup "${vllm_env[@]}" vllm serve "$target" --port $port --dtype bfloat16 --max-model-len 4096 \
+    --gpu-memory-utilization 0.5 --speculative-config "$spec" > "$po/$fw/vllm_serve.log" 2>&1 < /dev/null &
+  local pid=$!
+  if wait_http "http://127.0.0.1:$port/health" 600; then
+    phase "$fw" served python3 -m eagle3_train.evaluation.served_acceptance ++server="http://127.0.0.1:$port" \
+      ++engine=vllm ++prompts="$repo/data_prep/prompts/heldout.jsonl" ++max_new_tokens=128 ++draft="$po/$fw/export" \
+      ++out="$po/$fw/served" ++wait_for_server_s=30 || true
+  else
+    tail -n 30 "$po/$fw/vllm_serve.log"
+  fi
+  kill -- -"$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
+  sleep 5
 }
 
 steps_per_s() {  # steps_per_s LOG: HF Trainer's train_steps_per_second in LOG
@@ -221,19 +286,23 @@ job)
   "run_$what" "$@"
   ;;
 poll)
+  # what exists so far, packed as one archive: a call brings back at most 8 files
   secs=${2:?seconds}; dest=${3:?destination}
   end=$((SECONDS + secs))
   while [ ! -f "$po/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
-  mkdir -p "$dest"
-  for f in log phases.jsonl smi.csv rc session.txt modelopt_probe.log; do [ -f "$po/$f" ] && cp "$po/$f" "$dest/"; done
-  for f in "$po"/*/eval_*/report.json "$po"/*/export/config.json "$po"/*/run/train/metrics.jsonl \
-           "$po"/*/run/prepared/manifest.json "$po"/*/run/train/best.json; do
+  pack=$(mktemp -d)
+  for f in log phases.jsonl smi.csv rc session.txt modelopt_probe.log speculators_probe.log; do
+    [ -f "$po/$f" ] && cp "$po/$f" "$pack/"
+  done
+  for f in "$po"/*/eval_*/report.json "$po"/*/served/report.json "$po"/*/export/config.json \
+           "$po"/*/run/train/metrics.jsonl "$po"/*/run/prepared/manifest.json "$po"/*/run/train/best.json; do
     rel=${f#"$po"/}
-    [ -f "$f" ] && cp "$f" "$dest/${rel//\//_}"
+    [ -f "$f" ] && cp "$f" "$pack/${rel//\//_}"
   done
   for d in "$po"/*/export; do
     [ -d "$d" ] && echo "$(basename "$(dirname "$d")") $(cat "$d"/*.safetensors | wc -c)"
-  done > "$dest/draft_bytes.txt"
+  done > "$pack/draft_bytes.txt"
+  mkdir -p "$dest" && tar czf "$dest/poll.tgz" -C "$pack" . && rm -rf "$pack"
   grep "peers_gpu:\|tau \|Error\|error" "$po/log" | tail -n 20
   tail -n 4 "$po/log"
   if [ -f "$po/rc" ]; then

@@ -68,6 +68,9 @@ def session_numbers(d: Path) -> dict[str, float]:
     out: dict[str, float] = {}
     if m := re.search(r"ran ([0-9.]+) steps/s in its probe: (\d+) steps", text):
         out["modelopt_probe_steps_per_s"], out["modelopt_steps"] = float(m.group(1)), int(m.group(2))
+    if m := re.search(r"speculators ran ([0-9.]+) steps/s in its probe: (\d+) steps \(one epoch of (\d+)", text):
+        out["speculators_probe_steps_per_s"], out["speculators_steps"] = float(m.group(1)), int(m.group(2))
+        out["speculators_conversations"] = int(m.group(3))
     if m := re.search(r"trained ([0-9.]+) s: ours (\d+) steps over (\d+) conversations", text):
         out["ours_same_minutes_steps"], out["all_conversations"] = int(m.group(2)), int(m.group(3))
     return out
@@ -109,6 +112,12 @@ def framework(d: Path, fw: str, ph: list[dict], trace: list, log: str, sizes: di
         out.update(rate)
     out["eval_heldout"] = eval_figures(d, fw, "heldout")
     out["eval_mtbench"] = eval_figures(d, fw, "mtbench")
+    served = d / f"{fw}_served_report.json"
+    if served.is_file():
+        from eagle3_train.evaluation.reports import read_served_report
+
+        sr = read_served_report(served)
+        out["vllm_acceptance_length"] = sr.mean_acceptance_length
     if (d / f"{fw}_eval_heldout_as_trained_report.json").is_file():
         out["eval_heldout_as_trained"] = eval_figures(d, fw, "heldout_as_trained")
     return out
@@ -135,6 +144,9 @@ def main() -> None:
     order = [fw for fw in TITLES if any(p["fw"] == fw for p in ph)]
     runs = {fw: framework(d, fw, ph, trace, log, sizes) for fw in order}
     session = session_numbers(d)
+    if "speculators" in runs and "speculators_steps" in session:
+        runs["speculators"]["steps"] = session["speculators_steps"]
+        runs["speculators"]["conversations"] = session["speculators_conversations"]
     if "modelopt" in runs and "modelopt_steps" in session:
         runs["modelopt"]["steps"] = runs["modelopt"]["conversations"] = session["modelopt_steps"]
         same = runs.get("ours_same_data", {})
@@ -153,7 +165,7 @@ def main() -> None:
             fw,
             r.get("conversations"),
             r.get("steps"),
-            r["seconds"].get("prepare", 0) or "online",
+            r["seconds"].get("prepare") or (r["seconds"].get("data", 0) + r["seconds"].get("states", 0)) or "online",
             r["seconds"].get("train"),
             r.get("steady_tokens_per_s"),
             r.get("train_peak_gpu_mib"),
@@ -161,6 +173,7 @@ def main() -> None:
             tau(r, "eval_heldout"),
             tau(r, "eval_heldout_as_trained") or "",
             tau(r, "eval_mtbench"),
+            r.get("vllm_acceptance_length") or "",
             (r.get("eval_heldout") or {}).get("lossless"),
         ]
         for fw, r in runs.items()
@@ -190,6 +203,7 @@ def main() -> None:
                     "tau held-out",
                     "tau held-out as trained",
                     "tau MT-bench",
+                    "vLLM acceptance length (held-out)",
                     "lossless",
                 ],
                 "rows": rows,
