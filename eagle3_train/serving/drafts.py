@@ -240,7 +240,10 @@ class DraftDir:
         return out
 
     def refusal(self, engine: str, fc_width: int | None = None) -> str | None:
-        """Why ``engine`` (vllm | sglang) cannot load this draft as written, or None."""
+        """Why ``engine`` (vllm | sglang) cannot load this draft as written, or None (also for an
+        engine whose draft loader was not read: trtllm)."""
+        if engine not in ("vllm", "sglang"):
+            return None
         c = self.config
         if self.producer == SPECULATORS and engine == "sglang":
             return (
