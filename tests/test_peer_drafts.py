@@ -354,3 +354,56 @@ def test_as_trained_computes_modelopts_own_training_forward(target):
         served_out = served.float().step(served.fuse(aux), ids[:, 1:], torch.arange(t)[None], [], 0)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(served_out, want, atol=1e-3)
+
+
+def test_bad_and_unusual_directories(target, tmp_path):
+    from eagle3_train.core.errors import BadInputError
+
+    def copy(name, dest):
+        shutil.copytree(PEERS / name, tmp_path / dest)
+        return tmp_path / dest
+
+    bad = copy("specforge", "list_config")
+    (bad / "config.json").write_text("[1, 2]")
+    with pytest.raises(BadInputError, match="config.json: not a JSON object"):
+        read_draft_dir(bad)
+    ids = copy("modelopt", "string_ids")
+    c = json.loads((ids / "config.json").read_text())
+    c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = "1,3,4"
+    (ids / "config.json").write_text(json.dumps(c))
+    with pytest.raises(BadInputError, match="eagle_config.eagle_aux_hidden_state_layer_ids is not a list of integers"):
+        read_draft_dir(ids)
+    shaped = copy("specforge", "wrong_vocab")
+    c = json.loads((shaped / "config.json").read_text())
+    c["draft_vocab_size"] = 64  # lm_head and d2t hold 32
+    (shaped / "config.json").write_text(json.dumps(c))
+    with pytest.raises(
+        BadInputError,
+        match=r"weights of another shape than its config.json says: \['d2t \(32,\) \(the config makes it \(64,\)\)', 'lm_head.weight",
+    ):
+        load_draft_dir(shaped, target, "sglang")
+    # the weights in two shards, as save_pretrained splits large drafts: the same draft
+    sharded = copy("specforge", "sharded")
+    w = load_file(str(sharded / "model.safetensors"))
+    (sharded / "model.safetensors").unlink()
+    keys = sorted(w)
+    save_file({k: w[k] for k in keys[:5]}, str(sharded / "model-00001-of-00002.safetensors"))
+    save_file({k: w[k] for k in keys[5:]}, str(sharded / "model-00002-of-00002.safetensors"))
+    one, _ = load_draft_dir(PEERS / "specforge", target, "sglang")
+    two, _ = load_draft_dir(sharded, target, "sglang")
+    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), two.state_dict().values()))
+    # input_norm without norm_before_fc: both engines load it and never apply it; eval does the same
+    extra = copy("specforge", "input_norm_unflagged")
+    w = load_file(str(extra / "model.safetensors"))
+    w["input_norm.weight"] = torch.full((192,), 3.0, dtype=torch.bfloat16)
+    save_file(w, str(extra / "model.safetensors"))
+    plain, _ = load_draft_dir(extra, target, "vllm")
+    assert not plain.config.aux_norm and not hasattr(plain, "aux_norm")
+    # SpecForge 0.2.0 with norm_output=false trained un-normed logits: not computed, said so
+    t2 = copy("specforge", "t2")
+    c = json.loads((t2 / "config.json").read_text())
+    c["norm_output"] = False
+    (t2 / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ContractError, match="as_trained=true: SpecForge 0.2.0 trained logits without the final norm"):
+        load_draft_dir(t2, target, "sglang", as_trained=True)
+    load_draft_dir(t2, target, "sglang")  # as served: the engines' meaning

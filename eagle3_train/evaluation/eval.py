@@ -187,7 +187,7 @@ def load_draft_dir(
     its producer, what it records, the forward flags ``engine`` honours (``as_trained``: those its
     producer trained with, where they differ)."""
     if not (directory / "config.json").is_file() or not list(directory.glob("*.safetensors")):
-        raise BadInputError(f"{directory} lacks config.json or model.safetensors: not an exported draft")
+        raise BadInputError(f"{directory} lacks config.json or *.safetensors weights: not an exported draft")
     dd = read_draft_dir(directory)
     weights = dd.weights()
     if "fc.weight" not in weights:
@@ -196,6 +196,15 @@ def load_draft_dir(
         dc = draft_config_from_json(dd.trained_layer() if as_trained else dd.layer, weights["fc.weight"].shape[1])
     except KeyError as e:
         raise BadInputError(f"{directory}/config.json ({dd.title}): no {e.args[0]}") from e
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise BadInputError(
+            f"{directory}/config.json ({dd.title}): a shape field is missing or not a number ({e})"
+        ) from e
+    if as_trained and (why := dd.as_trained_refusal()) is not None:
+        raise ContractError(f"{directory} ({dd.title}): as_trained=true: {why}")
+    for name in dd.skipped_by(engine):  # loaded and never applied by the engine: left out as it leaves them
+        logger.warning(f"eagle3-eval: {directory} ({dd.title}): {engine} does not apply {name}; nor does eval")
+        weights.pop(name)
     if (refusal := dd.refusal(engine, weights["fc.weight"].shape[1])) is not None:
         raise ContractError(f"{directory} ({dd.title}): {refusal}")
     dc = replace(dc, **vars(dd.trained_flags() if as_trained else dd.flags(engine)))
@@ -213,6 +222,14 @@ def load_draft_dir(
         weights["t2d"] = torch.zeros(dc.vocab_size, dtype=torch.bool).index_fill_(
             0, ids.clamp(0, dc.vocab_size - 1), True
         )
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    wrong = [
+        f"{k} {tuple(v.shape)} (the config makes it {shapes[k]})"
+        for k, v in weights.items()
+        if k in shapes and tuple(v.shape) != shapes[k]
+    ]
+    if wrong:
+        raise BadInputError(f"{directory} ({dd.title}): weights of another shape than its config.json says: {wrong}")
     missing, unexpected = model.load_state_dict({k: v for k, v in weights.items()}, strict=False)
     if missing or unexpected:
         raise BadInputError(f"{directory} ({dd.title}): weights missing {missing}, unexpected {unexpected}")
@@ -543,7 +560,7 @@ class Evaluator:
     def request(self) -> dict[str, Any]:
         """What decides the report: options (not where it goes), the draft files, the target."""
         opts = {k: v for k, v in config_dict(self.cfg).items() if k not in ("out", "progress", "plot", "logging")}
-        files = {p.name: sha256_file(p) for p in (self.draft_dir / "config.json", self.draft_dir / "model.safetensors")}
+        files = {p.name: sha256_file(p) for p in (self.draft_dir / "config.json", *self.dd.files)}
         return {"options": opts, "draft": files, "target": self.target.identity.to_dict()}
 
     def run(self) -> dict[str, Any]:

@@ -116,7 +116,7 @@ def _vocab_tensors(dd: DraftDir) -> dict[str, torch.Tensor]:
             for key in list(st.keys()):
                 if key.split(".")[-1] in ("d2t", "t2d"):
                     tensors[key.split(".")[-1]] = st.get_tensor(key)
-                elif key.endswith("fc.weight") and not key.startswith("fc_norm"):
+                elif key.endswith("fc.weight"):
                     tensors["fc.weight"] = st.get_tensor(key)
     return tensors
 

@@ -149,12 +149,37 @@ class DraftDir:
             return Flags(f.aux_norm, f.fc_norm, False, False)
         return f
 
+    def as_trained_refusal(self) -> str | None:
+        """Why its training forward cannot be computed here, or None."""
+        if self.producer == SPECFORGE and self.config.get("norm_output") is False:
+            return (
+                "SpecForge 0.2.0 trained logits without the final norm (norm_output=false), which eval does not compute"
+            )
+        return None
+
     def trained_layer(self) -> dict[str, Any]:
         """The layer's fields as its producer trained it: ModelOpt's export adds YaRN rope scaling
-        that training did not have (the draft's plain RoPE at its rope_theta)."""
-        if self.producer == MODELOPT and (self.layer.get("rope_scaling") or {}).get("rope_type") == "yarn":
+        (factor 32 over 2048 positions) that training did not have: the draft's plain RoPE."""
+        rs = self.layer.get("rope_scaling") or {}
+        injected = (
+            rs.get("rope_type") == "yarn"
+            and rs.get("factor") == 32
+            and rs.get("original_max_position_embeddings") == 2048
+        )
+        if self.producer == MODELOPT and injected:
             return {**self.layer, "rope_scaling": None, "rope_parameters": None}
         return self.layer
+
+    def skipped_by(self, engine: str) -> list[str]:
+        """Weights (our names) that ``engine`` loads and never applies: ``input_norm`` without
+        ``norm_before_fc``, and on SGLang ``fc_norm.*`` without ``fc_norm`` (vLLM fails on those:
+        :meth:`refusal`)."""
+        f = self.flags(engine)
+        ours = {self.our_name(n) for n in self.names}
+        out = ["aux_norm.weight"] if "aux_norm.weight" in ours and not f.aux_norm else []
+        if engine == "sglang" and not f.fc_norm:
+            out += sorted(n for n in ours if n.startswith("fc_norm."))
+        return out
 
     def sliding_window(self) -> int | None:
         """vLLM's window for the draft layer (``layer_types`` says ``sliding_attention``), else None."""
@@ -231,11 +256,15 @@ class DraftDir:
                     f"{c['rope_scaling'].get('factor')}), which the engines apply; ModelOpt trains with the "
                     "draft's plain RoPE unless told otherwise"
                 )
-        if self.producer == SPECFORGE and "norm_output" in c:
+        if self.producer == SPECFORGE and c.get("norm_output") is True:
             out.append(
-                f"norm_output={c['norm_output']}: SpecForge 0.2.0 trains it as 'norm before lm_head' "
-                "(its next step always takes the pre-norm output); the engines read it as 'the next step "
-                "takes norm(output)'"
+                "norm_output=true: SpecForge 0.2.0 trains it as 'norm before lm_head' (its next step takes "
+                "the pre-norm output); the engines read it as 'the next step takes norm(output)'"
+            )
+        if self.producer == SPECFORGE and c.get("norm_output") is False:
+            out.append(
+                "norm_output=false: SpecForge 0.2.0 trains its logits on the un-normed output (lm_head(out)); "
+                "the engines apply the final norm before lm_head"
             )
         return out
 
@@ -250,6 +279,13 @@ class DraftDir:
                 f"{SGLANG_SEEN} cannot load a speculators export (no model_type, architecture "
                 f"{(c.get('architectures') or ['?'])[0]}): serve it with vLLM"
             )
+        ours = {self.our_name(n) for n in self.names}
+        if any(n.startswith("layers.") for n in ours) or (self.layer.get("num_hidden_layers") or 1) > 1:
+            return "a draft of more than one layer: eval builds the one-layer head the engines' llama_eagle3 builds"
+        if self.producer == SPECULATORS and self.layer.get("model_type") not in (None, "llama"):
+            return f"a speculators draft of layer type {self.layer.get('model_type')}: eval reads its llama drafts only"
+        if engine == "vllm" and any(n.startswith("fc_norm.") for n in ours) and not self.flags("vllm").fc_norm:
+            return f"{VLLM_SEEN} fails on fc_norm.* weights when fc_norm is not set"
         th = self.layer.get("target_hidden_size") or self.layer.get("hidden_size")
         ec = c.get("eagle_config") or {}
         states = self.layer.get("num_aux_hidden_states") or len(ec.get("eagle_aux_hidden_state_layer_ids") or []) or 3
@@ -319,10 +355,27 @@ def read_draft_dir(path: Path) -> DraftDir:
         config = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise BadInputError(f"{path}/config.json: not JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise BadInputError(f"{path}/config.json: not a JSON object")
+    for key in ("eagle_config", "transformer_layer_config", "eagle3_train"):
+        if key in config and config[key] is not None and not isinstance(config[key], dict):
+            raise BadInputError(f"{path}/config.json: {key} is not an object")
+    for where, ids in (
+        ("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")),
+        (
+            "eagle_config.eagle_aux_hidden_state_layer_ids",
+            (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
+        ),
+    ):
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(v, int) for v in ids)):
+            raise BadInputError(f"{path}/config.json: {where} is not a list of integers: {ids!r}")
     names: set[str] = set()
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            names.update(st.keys())
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                names.update(st.keys())
+        except Exception as e:  # safetensors raises its own error type for a damaged file
+            raise BadInputError(f"{f}: not a readable safetensors file ({e})") from e
     producer, version = detect(config, names)
     layer = dict(config)
     if producer == SPECULATORS:
