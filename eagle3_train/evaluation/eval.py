@@ -187,7 +187,9 @@ def load_draft_dir(
     its producer, what it records, the forward flags ``engine`` honours (``as_trained``: those its
     producer trained with, where they differ)."""
     if not (directory / "config.json").is_file() or not list(directory.glob("*.safetensors")):
-        raise BadInputError(f"{directory} lacks config.json or *.safetensors weights: not an exported draft")
+        raise BadInputError(
+            f"{directory} lacks config.json or model.safetensors (or other *.safetensors weights): not an exported draft"
+        )
     dd = read_draft_dir(directory)
     weights = dd.weights()
     if "fc.weight" not in weights:
