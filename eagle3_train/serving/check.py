@@ -102,13 +102,6 @@ def _config_from(path: Path) -> Any:
     return AutoConfig.for_model(d.pop("model_type"), **d)
 
 
-def read_draft(draft: Path) -> tuple[dict, dict[str, torch.Tensor], set[str]]:
-    """The draft's config.json, its d2t/t2d/fc tensors (absent ones left out) and every weight
-    name, under our names whichever framework wrote it (:mod:`eagle3_train.serving.drafts`)."""
-    dd = read_draft_dir(draft)
-    return dd.config, _vocab_tensors(dd), {dd.our_name(n) for n in dd.names}
-
-
 def _vocab_tensors(dd: DraftDir) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in dd.files:

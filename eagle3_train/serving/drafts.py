@@ -301,23 +301,16 @@ class DraftDir:
         return None
 
     def weight_problems(self) -> list[str]:
-        """Weights the engines would load without applying, or fail on, given the flags."""
-        ours = {self.our_name(n) for n in self.names}
+        """Weights the engines would load without applying (:meth:`skipped_by`); the one vLLM fails
+        on (``fc_norm.*`` without ``fc_norm``) is a :meth:`refusal`."""
         out = []
-        for engine in ("vllm", "sglang"):
+        for engine, seen in (("vllm", VLLM_SEEN), ("sglang", SGLANG_SEEN)):
             if self.producer == SPECULATORS and engine == "sglang":
                 continue
-            f = self.flags(engine)
-            if "aux_norm.weight" in ours and not f.aux_norm:
-                out.append(
-                    f"{VLLM_SEEN if engine == 'vllm' else SGLANG_SEEN} loads input_norm but skips it: "
-                    "norm_before_fc is not set"
-                )
-            if any(n.startswith("fc_norm.") for n in ours) and not f.fc_norm:
-                out.append(
-                    (f"{VLLM_SEEN} fails on fc_norm.*" if engine == "vllm" else f"{SGLANG_SEEN} drops fc_norm.*")
-                    + ": fc_norm is not set"
-                )
+            for name in self.skipped_by(engine):
+                what = "input_norm" if name == "aux_norm.weight" else name
+                flag = "norm_before_fc" if name == "aux_norm.weight" else "fc_norm"
+                out.append(f"{seen} loads {what} but never applies it: {flag} is not set")
         return out
 
     def extra_weights(self) -> set[str]:
