@@ -8,6 +8,8 @@ RUN_DIR ?= runs/demo
 # the CPU wheel, named explicitly: a bare torch==2.13.0 is a multi-GB CUDA build on most Linux machines
 TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# pytest processes; each takes whole test files (--dist loadfile: a module's fixtures are built once)
+TEST_WORKERS ?= 2
 
 .PHONY: setup test test-fast demo clean
 
@@ -25,10 +27,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: setup
-	WANDB_MODE=disabled $(BIN)/python -m pytest -q --durations=25 tests benchmarks/tests
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests benchmarks/tests
 
 test-fast: setup
-	WANDB_MODE=disabled $(BIN)/python -m pytest -q -m "not slow" --durations=10 tests benchmarks/tests
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=10 tests benchmarks/tests
 
 demo: setup
 	WANDB_MODE=disabled RUN_DIR=$(RUN_DIR) PATH=$(CURDIR)/$(BIN):$$PATH bash launch/demo.sh

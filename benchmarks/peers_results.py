@@ -55,12 +55,43 @@ def peak(trace: list[tuple[float, int]], start: float, end: float) -> int | None
 
 def trainer_rate(log: str, name: str) -> dict[str, float] | None:
     """HF Trainer's final metrics of run ``name`` (the last ``train_runtime`` line after its marker)."""
-    part = log.split(f"peers_gpu: {name} train done")[0]
+    part = log.split(f"peers_gpu: {name} train done")[0].rsplit(" train done", 1)[-1]  # this run's part
     found = re.findall(r"'train_runtime': '?([0-9.]+)'?, 'train_samples_per_second': '?([0-9.]+)'?", part)
     if not found:
         return None
     runtime, per_s = map(float, found[-1])
     return {"train_runtime_s": runtime, "samples_per_s": per_s}
+
+
+def trainer_curve(log: str) -> list[dict[str, float]]:
+    """HF Trainer's logged rows (every ``logging_steps``) with the step and the seconds into training
+    that its progress bar showed last before each: loss, lr and the first three positions' accuracy."""
+    out = []
+    bar = re.compile(r"(\d+)/(\d+) \[(?:(\d+):)?(\d+):(\d\d)")
+    row = re.compile(r"\{'loss': [^}]*\}")
+    last: tuple[int, int] | None = None
+    for m in re.finditer(f"{bar.pattern}|{row.pattern}", log):
+        if m.group(0).startswith("{"):
+            if last is None:
+                continue
+            fields = dict(re.findall(r"'([^']+)': '?([0-9.e+-]+)'?", m.group(0)))
+            out.append(
+                {
+                    "step": last[0],
+                    "seconds": last[1],
+                    "loss": float(fields["loss"]),
+                    "lr": float(fields.get("learning_rate", "nan")),
+                    "acc": [
+                        float(fields[f"train_acc/parallel_0_step_{i}"])
+                        for i in range(3)
+                        if f"train_acc/parallel_0_step_{i}" in fields
+                    ],
+                }
+            )
+        else:
+            h, mi, sec = int(m.group(3) or 0), int(m.group(4)), int(m.group(5))
+            last = (int(m.group(1)), 3600 * h + 60 * mi + sec)
+    return out
 
 
 def session_numbers(d: Path) -> dict[str, float]:
@@ -130,6 +161,14 @@ def main() -> None:
     ap.add_argument("--machine", required=True)
     ap.add_argument("--date", required=True)
     ap.add_argument("--command", default="bash benchmarks/peers_gpu.sh start session_modelopt 300 3.8")
+    ap.add_argument("--note", default="", help="what the figures do and do not show")
+    ap.add_argument(
+        "--curve",
+        action="append",
+        default=[],
+        metavar="NAME=LOG[=WHAT]",
+        help="a further peer run's HF Trainer log (e.g. one stopped before its export): its logged curve",
+    )
     a = ap.parse_args()
     d = a.dir
     ph = phases(d)
@@ -178,6 +217,10 @@ def main() -> None:
         ]
         for fw, r in runs.items()
     ]
+    curves = {}
+    for spec in a.curve:
+        name, path, *what = spec.split("=", 2)
+        curves[name] = {"what": what[0] if what else name, "log_rows": trainer_curve(Path(path).read_text())}
     result = {
         "what": "The same target (SmolLM2-135M-Instruct), the same synthesized conversations and one GPU through "
         "each framework's own EAGLE-3 training with its defaults, then one yardstick: eagle3-eval (chain k=5, "
@@ -187,7 +230,9 @@ def main() -> None:
         "runs": "single run each",
         "command": a.command,
         "session": session,
+        "note": a.note,
         "frameworks": runs,
+        "curves": curves,
         "tables": [
             {
                 "title": "Side by side (seconds: wall clock of each phase; training includes model load and compile)",
@@ -208,6 +253,14 @@ def main() -> None:
                 ],
                 "rows": rows,
             }
+        ]
+        + [
+            {
+                "title": f"{c['what']}: its own training log (seconds into training by its progress bar)",
+                "header": ["step", "seconds", "loss", "lr", "train accuracy, draft positions 1-3"],
+                "rows": [[r["step"], r["seconds"], r["loss"], r["lr"], r["acc"]] for r in c["log_rows"]],
+            }
+            for c in curves.values()
         ],
     }
     a.out.write_text(json.dumps(result, indent=1) + "\n")

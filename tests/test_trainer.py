@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from data_prep.standardize import StandardizeConfig, Standardizer
 from eagle3_train.core.errors import BadInputError, ConfigError, ContractError, Eagle3Error
 from eagle3_train.serving.export import ExportConfig, Exporter, run_sha256
+from eagle3_train.training.budget import WallClockBudget
 from eagle3_train.training.checkpoint import BestTracker
 from eagle3_train.training.config import (
     DeepSpeedConfig,
@@ -862,3 +863,64 @@ def test_lm_head_trains_only_its_first_steps(std, tmp_path):
             train=OptimConfig(lm_head_steps=2),
             model=ModelOptions(lm_head_init="target", freeze_lm_head=True),
         )
+
+
+def test_wall_clock_budget_sizes_the_total_from_the_measured_rate():
+    """The first window's rate (start-up included) sizes a first total; later windows are measured
+    from its end; the total never exceeds what the epochs allow; a spent budget ends the run where
+    it stands; earlier runs' seconds count."""
+    b = WallClockBudget(seconds=100, planned=1000)
+    assert b.total(10, 20.0) == 10 + 40  # 0.5 steps/s over the first window, 80 s left
+    assert b.total(20, 25.0) == 20 + 150  # 2 steps/s since the first window's end, 75 s left
+    assert b.total(30, 30.0) == 30 + 140
+    assert b.total(31, 100.5) == 31  # spent
+    assert WallClockBudget(seconds=100, planned=50).total(20, 25.0) == 50  # 80 would fit
+    resumed = WallClockBudget(seconds=100, planned=1000, spent=90.0)
+    assert resumed.total(10, 5.0) == 10 + 10 and resumed.total(12, 10.0) == 12
+    with pytest.raises(ConfigError, match="train.max_minutes must be > 0"):
+        OptimConfig(max_minutes=0)
+
+
+class _StepClock:
+    """The trainer's clock, advanced one second by each optimizer step (nothing else takes time)."""
+
+    def __init__(self, monkeypatch):
+        import eagle3_train.training.trainer as trainer_module
+
+        self.now = 1000.0
+        monkeypatch.setattr(trainer_module, "time", self)
+        real = Trainer.train_step
+
+        def step(trainer, batches):
+            self.now += 1.0
+            return real(trainer, batches)
+
+        monkeypatch.setattr(Trainer, "train_step", step)
+
+    def time(self):
+        return self.now
+
+
+@pytest.mark.slow
+def test_max_minutes_ends_the_run_and_its_schedule_when_the_budget_does(std, tmp_path, monkeypatch, said):
+    """At one step a second, half a minute is 30 steps of the many the epochs allow: the run stops
+    there with the lr schedule decayed to its end at that step (the same lr as a run sized to 30
+    steps), records its loop seconds, trains nothing more when run again, and continues for the
+    minutes added when the budget is raised."""
+    _StepClock(monkeypatch)
+    out, opts = tmp_path / "r", {"epochs": 40, "schedule": "linear", "min_lr_ratio": 0.1}
+    final = train(std, out, max_minutes=0.5, **opts)
+    assert final["step"] == 30
+    logged = [m for m in metrics(out) if "lr" in m]
+    assert logged[-1]["step"] == 30 and [m["loop_s"] for m in logged[:3]] == [1.0, 2.0, 3.0]
+    o = OptimConfig(**opts)
+    # (a record's lr is the next step's: the schedule at index s; sized at step 1, after its first window)
+    assert [m["lr"] for m in logged[1:]] == pytest.approx([3e-3 * lr_factor(s, 30, o) for s in range(2, 31)])
+    assert logged[-1]["lr"] == pytest.approx(3e-3 * 0.1)
+    assert "train.max_minutes=0.5: about 30 steps fit at the measured rate" in said()
+    state = json.loads((out / "checkpoints" / "step30" / "state.json").read_text())
+    assert state["loop_seconds"] == 30.0 and state["total_steps"] == 30
+    assert train(std, out, max_minutes=0.5, **opts)["step"] == 30
+    assert max(m["step"] for m in metrics(out)) == 30
+    assert train(std, out, max_minutes=0.75, **opts)["step"] == 45
+    assert json.loads((out / "checkpoints" / "step45" / "state.json").read_text())["loop_seconds"] == 45.0

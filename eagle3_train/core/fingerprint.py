@@ -81,6 +81,8 @@ CONTINUATIONS: dict[str, dict[str, str]] = {
         "so from the current step the lr follows the longer curve (it rises where the old one had "
         "decayed); lowered to a total already reached: nothing is trained",
         "train.max_steps": "as train.epochs: the total becomes min(epochs' steps, max_steps)",
+        "train.max_minutes": "raised (or set to null): the run continues for the minutes added, its total sized "
+        "again from the measured rate; a budget already spent trains nothing more",
         "train.early_stop_patience": "raised after an early stop: training continues from the last checkpoint",
     },
 }

@@ -17,6 +17,7 @@ Heads must divide by the group size; a micro-batch's rows are padded to a multip
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,14 +159,15 @@ def build_engine(
     ds: DeepSpeedConfig,
     dtype: torch.dtype,
     device: torch.device,
-    total_steps: int,
+    total_steps: int | Callable[[], int],
     sp: SequenceParallel | None = None,
 ) -> Any:
     """The one place that turns the draft into a DeepSpeed engine: sequence parallelism over
     ``sp``'s group, activation checkpointing and torch.compile as ``o`` asks (eagle3_train.training.parallel),
     AdamW (torch) on the trainable parameters, warmup + decay schedule, ZeRO stage over every rank
     (ZeRO's data parallelism averages the gradients of all ranks, sequence-parallel ones included:
-    see :meth:`Trainer.train_step`), bf16, clipping, gradient accumulation."""
+    see :meth:`Trainer.train_step`), bf16, clipping, gradient accumulation. ``total_steps`` may be a
+    function: the schedule reads the total at each step (a wall-clock budget resizes it while training)."""
     import deepspeed
 
     if sp is not None:
@@ -179,14 +181,15 @@ def build_engine(
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     trained = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": trained}]
-    factors = [lambda s: lr_factor(s, total_steps, o)]
+    total = total_steps if callable(total_steps) else lambda: total_steps
+    factors = [lambda s: lr_factor(s, total(), o)]
     if o.lm_head_steps:  # lm_head in a group of its own whose lr drops to 0 after its steps (AdamW's decay with it)
         head = {id(p) for p in model.lm_head.parameters()}
         groups = [
             {"params": [p for p in trained if id(p) not in head]},
             {"params": [p for p in trained if id(p) in head]},
         ]
-        factors.append(lambda s: lr_factor(s, total_steps, o) if s < o.lm_head_steps else 0.0)
+        factors.append(lambda s: lr_factor(s, total(), o) if s < o.lm_head_steps else 0.0)
     optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
     zero: dict[str, Any] = {"stage": ds.zero_stage}

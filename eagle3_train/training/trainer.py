@@ -27,13 +27,14 @@ import torch
 
 from eagle3_train.core.cli import config_dict, entry_point
 from eagle3_train.core.contract import run_checkpoints
-from eagle3_train.core.dist import DistInfo, close, init_distributed
+from eagle3_train.core.dist import DistInfo, all_gather_objects, close, init_distributed
 from eagle3_train.core.errors import BadInputError, ConfigError, Eagle3Error
 from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fingerprint import continued_options, request_options
 from eagle3_train.core.log import progress_bar
 from eagle3_train.core.stagedir import StageDir
 from eagle3_train.targets import Target
+from eagle3_train.training.budget import WallClockBudget
 from eagle3_train.training.checkpoint import (
     BestTracker,
     checkpoint_paths,
@@ -118,12 +119,15 @@ class Trainer:
         self.total_steps = sum(self.epoch_steps)
         if o.max_steps is not None:
             self.total_steps = min(self.total_steps, o.max_steps)
+        self.planned_steps = self.total_steps  # what the epochs and max_steps allow; max_minutes may size it down
+        self.spent_s = 0.0  # loop seconds of earlier runs of this output (train.max_minutes counts them)
+        self._loop_start: float | None = None  # time.time() when this run's loop began
         self.target_cache = TargetCache.build(
             o.cache_target_gb, self.train_split, self.eval_split, self.lm_head, self.t2d, self.vocab.draft_vocab_size
         )
         self.model.to(self.dist.device)
         self.engine = build_engine(
-            self.model, cfg.train, cfg.deepspeed, self.dtype, self.dist.device, self.total_steps, self.sp
+            self.model, cfg.train, cfg.deepspeed, self.dtype, self.dist.device, lambda: self.total_steps, self.sp
         )
         self.step = 0
         self.ema = WeightAverage(self.model, o.ema_decay) if o.ema_decay else None
@@ -180,6 +184,12 @@ class Trainer:
         if self.ema:
             self.ema.load(last)
         self.step = state["step"]
+        self.spent_s = float(state.get("loop_seconds", 0.0))
+        if self.cfg.train.max_minutes:
+            if self.spent_s >= 60 * self.cfg.train.max_minutes:  # the budget is spent: nothing more to train
+                self.total_steps = min(self.total_steps, self.step)
+            elif state.get("total_steps", 0) > self.step:  # the schedule as last sized, until the loop sizes it again
+                self.total_steps = min(self.total_steps, state["total_steps"])
         if self.dist.is_main:  # what a killed run logged after this checkpoint is logged again
             truncate_metrics(self.metrics_path, self.step)
         self.best.restore(state, self.out, self.dist.is_main)
@@ -202,6 +212,7 @@ class Trainer:
             "ttt_length": o.ttt_length,
             "model": config_dict(self.cfg.model),
             "total_steps": self.total_steps,
+            "loop_seconds": round(self.loop_seconds(), 3),
             "continued": continued_options("train", config_dict(self.cfg)),
             "states_from": self.source.states_from,
         }
@@ -211,6 +222,29 @@ class Trainer:
         extra = {EMA_FILE: self.ema.state()} if self.ema else None
         tag, kept = f"step{self.step}", self.best.kept()
         return save_checkpoint(self.engine, self.out, tag, state, weights, self.dist.is_main, o.keep_last, kept, extra)
+
+    def loop_seconds(self) -> float:
+        """Seconds of training loop this output has had, earlier runs included."""
+        return self.spent_s + (time.time() - self._loop_start if self._loop_start is not None else 0.0)
+
+    def fit_budget(self, budget: WallClockBudget, start: int) -> None:
+        """Size the total steps to what fits in ``train.max_minutes`` (the same total on every rank:
+        the smallest any rank measured)."""
+        assert self._loop_start is not None
+        fits = start + budget.total(self.step - start, time.time() - self._loop_start)
+        total = min(all_gather_objects(fits))
+        if total != self.total_steps:
+            spent = budget.used(time.time() - self._loop_start) >= budget.seconds
+            logger.info(
+                f"eagle3-train: train.max_minutes={self.cfg.train.max_minutes}: "
+                + (
+                    f"the budget is spent at step {self.step}"
+                    if spent
+                    else f"about {total} steps fit at the measured rate; the lr schedule now ends at step {total}"
+                )
+                + f" (the epochs and train.max_steps allow {self.planned_steps})"
+            )
+        self.total_steps = total
 
     def averaged(self) -> AbstractContextManager[None]:
         """The model holds the weight average (``train.ema_decay``) inside the block, if there is one."""
@@ -328,7 +362,11 @@ class Trainer:
             unit="step",
             show=self.cfg.progress if self.dist.is_main else False,
         )
-        window_start = time.time()
+        window_start = self._loop_start = time.time()
+        start = self.step
+        budget = (
+            WallClockBudget(60 * o.max_minutes, self.planned_steps - start, self.spent_s) if o.max_minutes else None
+        )
         batches = self.source.device_batches(Prefetcher(self.train_batches(), depth=2 * o.grad_accum))
         final: dict[str, Any] | None = None
         pending: list[dict[str, torch.Tensor]] = []  # the steps' figures since the last record, on the device
@@ -345,6 +383,10 @@ class Trainer:
                 record = train_record(
                     self.step, counts, loss, tokens, time.time() - window_start, self.engine.get_lr()[0], self.sp.size
                 )
+                record["loop_s"] = round(self.loop_seconds(), 1)
+                if budget is not None:
+                    self.fit_budget(budget, start)
+                    bar.total = self.total_steps
                 self.metrics.log(record)
                 bar.set_postfix(bar_postfix(record), refresh=False)
                 logger.info(train_line(record, self.total_steps))

@@ -1,0 +1,49 @@
+"""``train.max_minutes``: a wall-clock budget for the training loop.
+
+The lr schedule (warmup, then the decay) is a function of the total number of steps, so a budget in
+minutes has to become a number of steps before the decay starts. :class:`WallClockBudget` measures
+the loop's rate at each logged step and sizes the total to what fits in the minutes left, never
+above what the epochs and ``train.max_steps`` allow. The first logged window holds start-up costs
+(compilation, the first batches' allocations), so the rate is measured from the end of that window
+once a second one has passed; evaluations inside the loop count in the rate as they count in the
+minutes. Once the budget is spent the total becomes the current step: the loop ends there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WallClockBudget:
+    """Sizes the run to ``seconds`` of loop time.
+
+    Args:
+        seconds: the budget (``train.max_minutes`` x 60).
+        planned: the steps the epochs and ``train.max_steps`` allow: the total never exceeds it.
+        spent: loop seconds of earlier runs of the same output (a resumed run counts them).
+    """
+
+    seconds: float
+    planned: int
+    spent: float = 0.0
+    _base: tuple[int, float] | None = None  # (step, loop seconds) at the end of the first window seen
+
+    def total(self, step: int, elapsed: float) -> int:
+        """The total steps to train, at ``step`` after ``elapsed`` loop seconds of this run."""
+        used = self.spent + elapsed
+        if used >= self.seconds or step >= self.planned:
+            return min(step, self.planned) if used >= self.seconds else self.planned
+        if self._base is None:  # the first window: its rate includes start-up, a low estimate
+            self._base = (step, elapsed)
+            rate = step / max(elapsed, 1e-9)
+        elif step > self._base[0] and elapsed > self._base[1]:
+            rate = (step - self._base[0]) / (elapsed - self._base[1])
+        else:
+            rate = step / max(elapsed, 1e-9)
+        fits = step + int(rate * (self.seconds - used))
+        return max(step, min(self.planned, fits))
+
+    def used(self, elapsed: float) -> float:
+        """Loop seconds of this output so far (earlier runs included)."""
+        return self.spent + elapsed
