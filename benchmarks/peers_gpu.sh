@@ -12,14 +12,17 @@
 #            .peers/data: the conversations (already there) and MT-bench's question.jsonl
 #   there: benchmarks/staging/gpu_stage.sh install   (our wheels and the embedded target, as usual)
 #          bash benchmarks/peers_gpu.sh stage         (in the call that carries .peers: it copies it to /tmp)
-#          bash benchmarks/peers_gpu.sh start session_modelopt [BUDGET_S] [OURS_STEPS_PER_S]   detached
+#          bash benchmarks/peers_gpu.sh start session_modelopt [BUDGET_S]   detached (session_speculators [BUDGET_S] [N])
 #          bash benchmarks/peers_gpu.sh poll SECONDS DEST          back to back until it prints "ended"
 #            (DEST/poll.tgz: everything so far; here: tar xzf it into a folder for peers_results.py)
 #
-# session_modelopt: ModelOpt's rate from a short run, then BUDGET_S seconds of its steps (batch 1, one
-# epoch: as many conversations as steps); ours on the same conversations for one epoch; ours for
-# ModelOpt's training seconds over the whole set (none of the frameworks stops on wall-clock time:
-# steps are sized from a measured rate); eval of the three on the held-out prompts, then on MT-bench.
+# session_modelopt: ModelOpt's steady rate from a short run (its progress bar after the first tenth,
+# compilation left out), then BUDGET_S seconds of its steps (batch 1, one epoch: as many conversations
+# as steps); ours on the same conversations for one epoch; ours for ModelOpt's training-loop minutes
+# (HF Trainer's train_runtime) over the whole set with train.max_minutes (neither peer stops on
+# wall-clock time: its steps are sized from the measured rate); eval of the three on the held-out
+# prompts, then on MT-bench. session_speculators: the same with speculators (its states from vLLM),
+# and each draft served by vLLM for its acceptance length.
 # /tmp/po holds phases.jsonl (fw, phase, seconds, start, end), smi.csv (GPU memory every 2 s), each
 # framework's export and eval reports. CPU=1 runs it on a CPU machine with a tiny target
 # (TARGET=<hf dir>) to test this script.
@@ -63,10 +66,11 @@ evaluate() {  # evaluate FW SET ENGINE [as_trained]: eagle3-eval of $po/FW/expor
     ++out="$po/$fw/eval_$tag" ++progress=false "${size[@]}"
 }
 
-run_ours() {  # run_ours NAME N STEPS EPOCHS: the smollm2 recipe's training on the first N conversations
+run_ours() {  # run_ours NAME N STEPS EPOCHS [MINUTES]: the smollm2 recipe's training on the first N conversations
   local name=$1 n=$2 steps=$3 epochs=$4 data; data=$(subset "$n")
   local extra=(++train.train.max_steps="$steps" ++train.train.epochs="$epochs" ++train.train.eval_every=100000)
-  [ "${CPU:-0}" = 1 ] && extra+=(++train.train.compile=false ++train.train.max_tokens_per_batch=2048 ++train.model.intermediate_size=128)
+  [ -n "${5:-}" ] && extra+=(++train.train.max_minutes="$5")
+  [ "${CPU:-0}" = 1 ] && extra+=(++train.train.compile=false ++train.train.max_tokens_per_batch=2048 ++train.model.intermediate_size=128 ++train.train.log_every=2)
   mkdir -p "$po/$name"
   phase "$name" prepare python3 -m eagle3_train.run recipe=smollm2 out="$po/$name/run" data="$data" until=prepare \
     target="${TARGET:-embedded}"
@@ -92,7 +96,8 @@ run_modelopt() {  # run_modelopt NAME N STEPS [noexport]: ModelOpt's example lau
     launch=(python3 "$repo/benchmarks/peers_modelopt_cpu.py")
   fi
   (cd "$ex" && export PYTHONPATH=$site:$ex:${PYTHONPATH:-} && phase "$name" train "${launch[@]}" \
-    --config "$site/modelopt_recipes/general/speculative_decoding/eagle3.yaml" "${args[@]}")
+    --config "$site/modelopt_recipes/general/speculative_decoding/eagle3.yaml" "${args[@]}" 2>&1 \
+    | grep -v "^W[0-9]\{4\} " | tee "$po/$name/train.log")  # (less torch.compile's fallback warnings)
   [ "${4:-}" = noexport ] && return 0
   (cd "$ex" && export PYTHONPATH=$site:$ex:${PYTHONPATH:-} && phase "$name" export python3 scripts/export_hf_checkpoint.py \
     --model_path "$po/$name/out" --export_path "$po/$name/export")
@@ -149,7 +154,8 @@ spec_train() {  # spec_train NAME DATA_NAME STEPS: speculators' trainer, default
   fi
   # --epochs 1: with more, a run stopped by --max-steps still runs a step, a validation and a save per epoch left
   phase "$name" train "${train[@]}" --verifier-name-or-path "$target" --data-path "$po/$from/data" \
-    --save-path "$po/$name/ckpt" --on-missing raise --epochs 1 --max-steps "$steps" "${extra[@]}"
+    --save-path "$po/$name/ckpt" --on-missing raise --epochs 1 --max-steps "$steps" "${extra[@]}" 2>&1 \
+    | tee "$po/$name/train.log"
   ln -sfn "$po/$name/ckpt/0" "$po/$name/export"
 }
 
@@ -158,20 +164,45 @@ run_speculators() {  # run_speculators NAME N STEPS
   spec_train "$1" "$1" "$3"
 }
 
-spec_rate() {  # spec_rate LOG: steps/s of speculators' first training progress bar in LOG (done / elapsed)
+steady_rate() {  # steady_rate LOG STEPS|epoch: steps/s of LOG's training bar after its first tenth (start-up and compile left out)
+  # the bar: HF Trainer's counts STEPS; speculators' reads 'Epoch N  x% ━━ done/total [h:mm:ss' (total: the epoch's)
   python3 -c "
 import re, sys
-m = re.findall(r'Epoch \d+\s+\d+%\s+\S+\s+(\d+)/(\d+)\s+\[\s*(\d+):(\d\d):(\d\d)', open(sys.argv[1]).read())
-done, _, h, mi, s = map(int, m[0])
-print(round(done / max(1, 3600 * h + 60 * mi + s), 3))" "$1"
+text, which = open(sys.argv[1]).read(), sys.argv[2]
+lead = r'Epoch \d+\s+\d+%\s+\S+\s+' if which == 'epoch' else ''
+bars = [(int(d), int(n), 3600 * int(h or 0) + 60 * int(m) + int(s))
+        for d, n, h, m, s in re.findall(lead + r'(\d+)/(\d+)\s*\[\s*(?:(\d+):)?(\d+):(\d\d)', text)]
+if which != 'epoch':
+    bars = [b for b in bars if b[1] == int(which)]  # its bar, not the data loading's or the save's
+run = [bars[-1]]  # back from the last while it counts up
+for b in reversed(bars[:-1]):
+    if b[1] != run[-1][1] or b[0] > run[-1][0] or b[2] > run[-1][2]:
+        break
+    run.append(b)
+run.reverse()
+first, last = next(b for b in run if b[0] >= max(1, run[-1][1] // 10)), run[-1]
+if last[2] <= first[2]:  # one reading: the whole bar's
+    first = (0, 0, 0)
+print(round((last[0] - first[0]) / max(1, last[2] - first[2]), 3))" "$1" "$2"
 }
 
-run_session_speculators() {  # BUDGET [N] [OURS_STEPS_PER_S]: speculators vs ours, as session_modelopt
-  local budget=${1:-300} n=${2:-32768} ours_rate=${3:-3.8} probe=20 rate steps secs
+loop_minutes() {  # loop_minutes LOG: minutes of a peer's training loop, as its own log says
+  # (HF Trainer's train_runtime for ModelOpt; speculators' last epoch bar's elapsed time)
+  python3 -c "
+import re, sys
+text = open(sys.argv[1]).read()
+hf = re.findall(r\"'train_runtime': '?([0-9.]+)\", text)
+bars = re.findall(r'Epoch \d+\s+\d+%\s+\S+\s+\d+/\d+\s+\[\s*(\d+):(\d\d):(\d\d)', text)
+secs = float(hf[-1]) if hf else 3600 * int(bars[-1][0]) + 60 * int(bars[-1][1]) + int(bars[-1][2])
+print(round(secs / 60, 3))" "$1"
+}
+
+run_session_speculators() {  # BUDGET [N]: speculators vs ours, as session_modelopt
+  local budget=${1:-300} n=${2:-32768} probe=40 rate steps secs
   [ "${CPU:-0}" = 1 ] && probe=3
   spec_data speculators "$n"
   spec_train speculators_probe speculators "$probe" > "$po/speculators_probe.log" 2>&1 || { tail -n 40 "$po/speculators_probe.log"; return 1; }
-  rate=$(spec_rate "$po/speculators_probe.log")
+  rate=$(steady_rate "$po/speculators_probe.log" epoch)
   steps=$(python3 -c "print(max(4, int($budget * $rate)))")
   echo "peers_gpu: speculators ran $rate steps/s in its probe: $steps steps (one epoch of $n conversations at most)" | tee -a "$po/session.txt"
   spec_train speculators speculators "$steps"
@@ -180,12 +211,12 @@ run_session_speculators() {  # BUDGET [N] [OURS_STEPS_PER_S]: speculators vs our
   run_ours ours_same_data "$n" 1000000 1
   evaluate ours_same_data heldout vllm
   served ours_same_data
+  # 3. ours for speculators' training-loop minutes (train.max_minutes) over the whole set
   secs=$(train_seconds speculators)
-  local all ours_steps; all=$(zcat "$peers/data/$data_set" | wc -l)
+  local all minutes; all=$(zcat "$peers/data/$data_set" | wc -l) minutes=$(loop_minutes "$po/speculators/train.log")
   [ "${CPU:-0}" = 1 ] && all=64
-  ours_steps=$(python3 -c "print(max(4, int($secs * $ours_rate)))")
-  echo "peers_gpu: speculators trained $secs s: ours $ours_steps steps over $all conversations" | tee -a "$po/session.txt"
-  run_ours ours_same_minutes "$all" "$ours_steps" 6
+  echo "peers_gpu: speculators trained $secs s ($minutes minutes of loop): ours for $minutes minutes over $all conversations" | tee -a "$po/session.txt"
+  run_ours ours_same_minutes "$all" 10000000 6 "$minutes"
   evaluate ours_same_minutes heldout vllm
   served ours_same_minutes
   for fw in speculators ours_same_data ours_same_minutes; do evaluate "$fw" mtbench vllm; done
@@ -211,16 +242,12 @@ served() {  # served FW: vLLM serving the target with $po/FW/export; eagle3-serv
   sleep 5
 }
 
-steps_per_s() {  # steps_per_s LOG: HF Trainer's train_steps_per_second in LOG
-  python3 -c "import re,sys; print(re.findall(r\"'train_steps_per_second': '?([0-9.]+)\", open(sys.argv[1]).read())[-1])" "$1"
-}
-
 train_seconds() {  # train_seconds FW: the seconds of FW's train phase
   python3 -c "import json,sys; print([r['seconds'] for r in map(json.loads, open(sys.argv[1])) if r['fw']==sys.argv[2] and r['phase']=='train'][-1])" "$po/phases.jsonl" "$1"
 }
 
-run_session_modelopt() {  # BUDGET [OURS_STEPS_PER_S]: ModelOpt vs ours, same data and epochs, and same minutes
-  local budget=${1:-300} ours_rate=${2:-3.8} probe=50 rate steps secs
+run_session_modelopt() {  # BUDGET: ModelOpt vs ours, same data and epochs, and same minutes
+  local budget=${1:-300} probe=100 rate steps secs
   [ "${CPU:-0}" = 1 ] && probe=4
   # 1. ModelOpt's rate from a short run, then BUDGET seconds of steps over as many conversations (batch 1, one epoch)
   if ! run_modelopt modelopt_probe "$probe" "$probe" noexport > "$po/modelopt_probe.log" 2>&1; then
@@ -231,7 +258,7 @@ run_session_modelopt() {  # BUDGET [OURS_STEPS_PER_S]: ModelOpt vs ours, same da
     rm -rf "$po/modelopt_probe"
     run_modelopt modelopt_probe "$probe" "$probe" noexport > "$po/modelopt_probe.log" 2>&1 || { tail -n 40 "$po/modelopt_probe.log"; return 1; }
   fi
-  rate=$(steps_per_s "$po/modelopt_probe.log")
+  rate=$(steady_rate "$po/modelopt_probe.log" "$probe")
   steps=$(python3 -c "print(max(8, int($budget * $rate)))")
   echo "peers_gpu: ModelOpt ran $rate steps/s in its probe: $steps steps, $steps conversations" | tee -a "$po/session.txt"
   run_modelopt modelopt "$steps" "$steps"
@@ -240,12 +267,12 @@ run_session_modelopt() {  # BUDGET [OURS_STEPS_PER_S]: ModelOpt vs ours, same da
   run_ours ours_same_data "$steps" 1000000 1
   evaluate ours_same_data heldout sglang
   # 3. ours for ModelOpt's training seconds over the whole set (the same minutes)
+  # (its loop minutes, as HF Trainer's train_runtime says, become ours: train.max_minutes)
   secs=$(train_seconds modelopt)
-  local n; n=$(zcat "$peers/data/$data_set" | wc -l)
+  local n minutes; n=$(zcat "$peers/data/$data_set" | wc -l) minutes=$(loop_minutes "$po/modelopt/train.log")
   [ "${CPU:-0}" = 1 ] && n=64
-  local ours_steps; ours_steps=$(python3 -c "print(max(4, int($secs * $ours_rate)))")
-  echo "peers_gpu: ModelOpt trained $secs s: ours $ours_steps steps over $n conversations" | tee -a "$po/session.txt"
-  run_ours ours_same_minutes "$n" "$ours_steps" 6
+  echo "peers_gpu: ModelOpt trained $secs s ($minutes minutes of loop): ours for $minutes minutes over $n conversations" | tee -a "$po/session.txt"
+  run_ours ours_same_minutes "$n" 10000000 6 "$minutes"
   evaluate ours_same_minutes heldout sglang
   # ModelOpt as it trained (its export is served otherwise: notes/peer_forward.md), then MT-bench
   evaluate modelopt heldout sglang as_trained
