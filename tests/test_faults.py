@@ -46,7 +46,7 @@ from test_standardize import make_dump
 from test_trainer import metrics, standardized, train
 
 CHILD_TIMEOUT_S = 120.0
-TIMING = ("tokens_per_s",)  # metrics that measure the machine, not the run
+TIMING = ("tokens_per_s", "loop_s")  # metrics that measure the machine, not the run
 
 
 # -- killing a stage --------------------------------------------------------------------------------
