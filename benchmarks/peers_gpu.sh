@@ -97,7 +97,7 @@ run_modelopt() {  # run_modelopt NAME N STEPS [noexport]: ModelOpt's example lau
   fi
   (cd "$ex" && export PYTHONPATH=$site:$ex:${PYTHONPATH:-} && phase "$name" train "${launch[@]}" \
     --config "$site/modelopt_recipes/general/speculative_decoding/eagle3.yaml" "${args[@]}" 2>&1 \
-    | grep -v "^W[0-9]\{4\} " | tee "$po/$name/train.log")  # (less torch.compile's fallback warnings)
+    | grep --line-buffered -v "^W[0-9]\{4\} " | tee "$po/$name/train.log") || return 1  # (less torch.compile's fallback warnings)
   [ "${4:-}" = noexport ] && return 0
   (cd "$ex" && export PYTHONPATH=$site:$ex:${PYTHONPATH:-} && phase "$name" export python3 scripts/export_hf_checkpoint.py \
     --model_path "$po/$name/out" --export_path "$po/$name/export")
@@ -155,7 +155,7 @@ spec_train() {  # spec_train NAME DATA_NAME STEPS: speculators' trainer, default
   # --epochs 1: with more, a run stopped by --max-steps still runs a step, a validation and a save per epoch left
   phase "$name" train "${train[@]}" --verifier-name-or-path "$target" --data-path "$po/$from/data" \
     --save-path "$po/$name/ckpt" --on-missing raise --epochs 1 --max-steps "$steps" "${extra[@]}" 2>&1 \
-    | tee "$po/$name/train.log"
+    | tee "$po/$name/train.log" || return 1  # (a caller's `if`/`||` turns set -e off in here)
   ln -sfn "$po/$name/ckpt/0" "$po/$name/export"
 }
 
@@ -180,8 +180,10 @@ for b in reversed(bars[:-1]):
         break
     run.append(b)
 run.reverse()
-first, last = next(b for b in run if b[0] >= max(1, run[-1][1] // 10)), run[-1]
-if last[2] <= first[2]:  # one reading: the whole bar's
+last = run[-1]
+first = next(b for b in run if b[0] >= max(1, last[0] // 10))  # (the tenth of the steps run: a bar may stop early)
+if last[2] <= first[2]:  # one reading left: the whole bar's rate, start-up included
+    print('peers_gpu: one reading of the bar: its whole rate', file=sys.stderr)
     first = (0, 0, 0)
 print(round((last[0] - first[0]) / max(1, last[2] - first[2]), 3))" "$1" "$2"
 }
@@ -213,7 +215,9 @@ run_session_speculators() {  # BUDGET [N]: speculators vs ours, as session_model
   served ours_same_data
   # 3. ours for speculators' training-loop minutes (train.max_minutes) over the whole set
   secs=$(train_seconds speculators)
-  local all minutes; all=$(zcat "$peers/data/$data_set" | wc -l) minutes=$(loop_minutes "$po/speculators/train.log")
+  local all minutes
+  all=$(zcat "$peers/data/$data_set" | wc -l)
+  minutes=$(loop_minutes "$po/speculators/train.log")
   [ "${CPU:-0}" = 1 ] && all=64
   echo "peers_gpu: speculators trained $secs s ($minutes minutes of loop): ours for $minutes minutes over $all conversations" | tee -a "$po/session.txt"
   run_ours ours_same_minutes "$all" 10000000 6 "$minutes"
@@ -269,7 +273,9 @@ run_session_modelopt() {  # BUDGET: ModelOpt vs ours, same data and epochs, and 
   # 3. ours for ModelOpt's training seconds over the whole set (the same minutes)
   # (its loop minutes, as HF Trainer's train_runtime says, become ours: train.max_minutes)
   secs=$(train_seconds modelopt)
-  local n minutes; n=$(zcat "$peers/data/$data_set" | wc -l) minutes=$(loop_minutes "$po/modelopt/train.log")
+  local n minutes
+  n=$(zcat "$peers/data/$data_set" | wc -l)
+  minutes=$(loop_minutes "$po/modelopt/train.log")
   [ "${CPU:-0}" = 1 ] && n=64
   echo "peers_gpu: ModelOpt trained $secs s ($minutes minutes of loop): ours for $minutes minutes over $n conversations" | tee -a "$po/session.txt"
   run_ours ours_same_minutes "$n" 10000000 6 "$minutes"

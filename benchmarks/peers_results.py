@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--machine", required=True)
     ap.add_argument("--date", required=True)
-    ap.add_argument("--command", default="bash benchmarks/peers_gpu.sh start session_modelopt 300 3.8")
+    ap.add_argument("--command", default="bash benchmarks/peers_gpu.sh start session_modelopt 300")
     ap.add_argument("--note", default="", help="what the figures do and do not show")
     ap.add_argument(
         "--curve",

@@ -866,36 +866,41 @@ def test_lm_head_trains_only_its_first_steps(std, tmp_path):
 
 
 def test_wall_clock_budget_sizes_the_total_from_the_measured_rate():
-    """The first window's rate (start-up included) sizes a first total; later windows are measured
-    from its end; the total never exceeds what the epochs allow; a spent budget ends the run where
-    it stands; earlier runs' seconds count."""
+    """The first window (start-up included) keeps the total; later windows are measured from its
+    end; the total never exceeds what the epochs allow; a spent budget ends the run where it stands,
+    in the first window too; earlier runs' seconds count."""
     b = WallClockBudget(seconds=100, planned=1000)
-    assert b.total(10, 20.0) == 10 + 40  # 0.5 steps/s over the first window, 80 s left
-    assert b.total(20, 25.0) == 20 + 150  # 2 steps/s since the first window's end, 75 s left
-    assert b.total(30, 30.0) == 30 + 140
-    assert b.total(31, 100.5) == 31  # spent
-    assert WallClockBudget(seconds=100, planned=50).total(20, 25.0) == 50  # 80 would fit
+    assert b.total(10, 20.0, current=1000) == 1000  # compilation in this window: no rate yet
+    assert b.total(20, 25.0, current=1000) == 20 + 150  # 2 steps/s since the first window's end, 75 s left
+    assert b.total(30, 30.0, current=170) == 30 + 140
+    assert b.total(31, 100.5, current=170) == 31  # spent
+    capped = WallClockBudget(seconds=100, planned=50)
+    assert capped.total(10, 20.0, current=50) == 50 and capped.total(20, 25.0, current=50) == 50  # 170 would fit
+    assert WallClockBudget(seconds=10, planned=1000).total(5, 11.0, current=1000) == 5
     resumed = WallClockBudget(seconds=100, planned=1000, spent=90.0)
-    assert resumed.total(10, 5.0) == 10 + 10 and resumed.total(12, 10.0) == 12
+    assert resumed.total(10, 5.0, current=30) == 30 and resumed.total(12, 10.0, current=30) == 12
     with pytest.raises(ConfigError, match="train.max_minutes must be > 0"):
         OptimConfig(max_minutes=0)
 
 
 class _StepClock:
-    """The trainer's clock, advanced one second by each optimizer step (nothing else takes time)."""
+    """The trainer's clock: each optimizer step takes one second, each evaluation and save five
+    (which the budget must not count)."""
 
     def __init__(self, monkeypatch):
         import eagle3_train.training.trainer as trainer_module
 
         self.now = 1000.0
         monkeypatch.setattr(trainer_module, "time", self)
-        real = Trainer.train_step
+        for name, seconds in (("train_step", 1.0), ("evaluate", 5.0), ("save", 5.0)):
+            monkeypatch.setattr(Trainer, name, self.taking(getattr(Trainer, name), seconds))
 
-        def step(trainer, batches):
-            self.now += 1.0
-            return real(trainer, batches)
+    def taking(self, method, seconds):
+        def timed(trainer, *args):
+            self.now += seconds
+            return method(trainer, *args)
 
-        monkeypatch.setattr(Trainer, "train_step", step)
+        return timed
 
     def time(self):
         return self.now
@@ -903,24 +908,28 @@ class _StepClock:
 
 @pytest.mark.slow
 def test_max_minutes_ends_the_run_and_its_schedule_when_the_budget_does(std, tmp_path, monkeypatch, said):
-    """At one step a second, half a minute is 30 steps of the many the epochs allow: the run stops
-    there with the lr schedule decayed to its end at that step (the same lr as a run sized to 30
-    steps), records its loop seconds, trains nothing more when run again, and continues for the
-    minutes added when the budget is raised."""
+    """At one step a second, 30.5 seconds are 30 steps of the 240 the epochs allow: the run stops
+    there with its lr schedule sized to end at that step, records 30 s of loop (not its final
+    evaluation and save), trains nothing more when run again, and continues for the seconds added
+    when the budget is raised, its schedule sized to the new end from its first step."""
     _StepClock(monkeypatch)
     out, opts = tmp_path / "r", {"epochs": 40, "schedule": "linear", "min_lr_ratio": 0.1}
-    final = train(std, out, max_minutes=0.5, **opts)
+    final = train(std, out, max_minutes=30.5 / 60, **opts)
     assert final["step"] == 30
     logged = [m for m in metrics(out) if "lr" in m]
     assert logged[-1]["step"] == 30 and [m["loop_s"] for m in logged[:3]] == [1.0, 2.0, 3.0]
     o = OptimConfig(**opts)
-    # (a record's lr is the next step's: the schedule at index s; sized at step 1, after its first window)
-    assert [m["lr"] for m in logged[1:]] == pytest.approx([3e-3 * lr_factor(s, 30, o) for s in range(2, 31)])
+    # a record's lr is the next step's (the schedule at index s); sized at step 2, after the first window
+    assert [m["lr"] for m in logged[2:]] == pytest.approx([3e-3 * lr_factor(s, 30, o) for s in range(3, 31)])
     assert logged[-1]["lr"] == pytest.approx(3e-3 * 0.1)
-    assert "train.max_minutes=0.5: about 30 steps fit at the measured rate" in said()
+    assert "about 30 steps fit at the measured rate; the lr schedule now ends at step 30" in said()
     state = json.loads((out / "checkpoints" / "step30" / "state.json").read_text())
     assert state["loop_seconds"] == 30.0 and state["total_steps"] == 30
-    assert train(std, out, max_minutes=0.5, **opts)["step"] == 30
+    assert train(std, out, max_minutes=30.5 / 60, **opts)["step"] == 30
     assert max(m["step"] for m in metrics(out)) == 30
-    assert train(std, out, max_minutes=0.75, **opts)["step"] == 45
+    said()
+    assert train(std, out, max_minutes=45.5 / 60, **opts)["step"] == 45
+    assert "continues from step 30 for the minutes train.max_minutes leaves (about 45 steps" in said()
+    resumed = [m for m in metrics(out) if "lr" in m and m["step"] > 30]
+    assert [m["lr"] for m in resumed] == pytest.approx([3e-3 * lr_factor(s, 45, o) for s in range(31, 46)])
     assert json.loads((out / "checkpoints" / "step45" / "state.json").read_text())["loop_seconds"] == 45.0

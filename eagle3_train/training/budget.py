@@ -4,9 +4,9 @@ The lr schedule (warmup, then the decay) is a function of the total number of st
 minutes has to become a number of steps before the decay starts. :class:`WallClockBudget` measures
 the loop's rate at each logged step and sizes the total to what fits in the minutes left, never
 above what the epochs and ``train.max_steps`` allow. The first logged window holds start-up costs
-(compilation, the first batches' allocations), so the rate is measured from the end of that window
-once a second one has passed; evaluations inside the loop count in the rate as they count in the
-minutes. Once the budget is spent the total becomes the current step: the loop ends there.
+(compilation, the first batches' allocations), so the total keeps its size (the planned one, or what
+a resumed run had) until a second window has passed and the rate is measured from the end of the first; evaluations inside the loop
+count in the rate as they count in the minutes. Once the budget is spent the total becomes the current step: the loop ends there.
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ class WallClockBudget:
     spent: float = 0.0
     _base: tuple[int, float] | None = None  # (step, loop seconds) at the end of the first window seen
 
-    def total(self, step: int, elapsed: float) -> int:
-        """The total steps to train, at ``step`` after ``elapsed`` loop seconds of this run."""
+    def total(self, step: int, elapsed: float, current: int) -> int:
+        """The total steps to train, at ``step`` after ``elapsed`` loop seconds of this run, whose
+        total is ``current`` (kept through the first window)."""
         used = self.spent + elapsed
         if used >= self.seconds or step >= self.planned:
             return min(step, self.planned) if used >= self.seconds else self.planned
-        if self._base is None:  # the first window: its rate includes start-up, a low estimate
+        if self._base is None:  # the first window: its rate includes start-up; the total waits for a steady one
             self._base = (step, elapsed)
-            rate = step / max(elapsed, 1e-9)
-        elif step > self._base[0] and elapsed > self._base[1]:
+            return max(step, min(self.planned, current))
+        if step > self._base[0] and elapsed > self._base[1]:
             rate = (step - self._base[0]) / (elapsed - self._base[1])
         else:
             rate = step / max(elapsed, 1e-9)

@@ -225,11 +225,19 @@ def continue_run(
     against the checkpoint's ``state``) does, in one line, or None when none changed. A run that
     trains again loses its final manifest; a raised patience lifts an early stop."""
     before = state.get("continued")
-    if before is None or before == now:
+    if before is None:
         return None
+    # (an option a checkpoint predates reads as its default, null)
     changed = ", ".join(f"{k}: {before.get(k)} -> {v}" for k, v in now.items() if before.get(k) != v)
+    if not changed:
+        return None
     if step >= total_steps:
         what = f"the run is already at step {step} of {total_steps}: nothing more is trained"
+    elif now.get("train.max_minutes"):
+        what = (
+            f"the run continues from step {step} for the minutes train.max_minutes leaves (about {total_steps} "
+            f"steps at the rate so far; sized again as it trains); the lr schedule follows the new total"
+        )
     else:
         what = (
             f"the run continues from step {step} to {total_steps} (was {state.get('total_steps')}); the lr "

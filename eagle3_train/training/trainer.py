@@ -122,6 +122,8 @@ class Trainer:
         self.planned_steps = self.total_steps  # what the epochs and max_steps allow; max_minutes may size it down
         self.spent_s = 0.0  # loop seconds of earlier runs of this output (train.max_minutes counts them)
         self._loop_start: float | None = None  # time.time() when this run's loop began
+        self._loop_end: float | None = None  # and when it ended (the final evaluation and save are not loop time)
+        self.minutes_spent: float | None = None  # the train.max_minutes whose budget ended the run
         self.target_cache = TargetCache.build(
             o.cache_target_gb, self.train_split, self.eval_split, self.lm_head, self.t2d, self.vocab.draft_vocab_size
         )
@@ -185,11 +187,8 @@ class Trainer:
             self.ema.load(last)
         self.step = state["step"]
         self.spent_s = float(state.get("loop_seconds", 0.0))
-        if self.cfg.train.max_minutes:
-            if self.spent_s >= 60 * self.cfg.train.max_minutes:  # the budget is spent: nothing more to train
-                self.total_steps = min(self.total_steps, self.step)
-            elif state.get("total_steps", 0) > self.step:  # the schedule as last sized, until the loop sizes it again
-                self.total_steps = min(self.total_steps, state["total_steps"])
+        if minutes := self.cfg.train.max_minutes:
+            self.total_steps = self.resumed_total(state, minutes)
         if self.dist.is_main:  # what a killed run logged after this checkpoint is logged again
             truncate_metrics(self.metrics_path, self.step)
         self.best.restore(state, self.out, self.dist.is_main)
@@ -213,6 +212,7 @@ class Trainer:
             "model": config_dict(self.cfg.model),
             "total_steps": self.total_steps,
             "loop_seconds": round(self.loop_seconds(), 3),
+            "max_minutes_spent": self.minutes_spent,
             "continued": continued_options("train", config_dict(self.cfg)),
             "states_from": self.source.states_from,
         }
@@ -223,18 +223,33 @@ class Trainer:
         tag, kept = f"step{self.step}", self.best.kept()
         return save_checkpoint(self.engine, self.out, tag, state, weights, self.dist.is_main, o.keep_last, kept, extra)
 
+    def resumed_total(self, state: dict[str, Any], minutes: float) -> int:
+        """The total a resumed run with ``train.max_minutes`` starts from, before its loop measures
+        a rate: the step reached when this budget was spent (or is now); the total the killed run
+        had sized; after a raised budget, the steps the earlier runs' rate fits in the minutes added."""
+        if state.get("max_minutes_spent") == minutes or self.spent_s >= 60 * minutes:
+            return min(self.total_steps, self.step)
+        if state.get("total_steps", 0) > self.step:
+            return min(self.total_steps, state["total_steps"])
+        rate = self.step / max(self.spent_s, 1e-9)
+        return min(self.total_steps, self.step + int(rate * (60 * minutes - self.spent_s)))
+
     def loop_seconds(self) -> float:
         """Seconds of training loop this output has had, earlier runs included."""
-        return self.spent_s + (time.time() - self._loop_start if self._loop_start is not None else 0.0)
+        if self._loop_start is None:
+            return self.spent_s
+        return self.spent_s + ((self._loop_end or time.time()) - self._loop_start)
 
     def fit_budget(self, budget: WallClockBudget, start: int) -> None:
         """Size the total steps to what fits in ``train.max_minutes`` (the same total on every rank:
         the smallest any rank measured)."""
         assert self._loop_start is not None
-        fits = start + budget.total(self.step - start, time.time() - self._loop_start)
+        fits = start + budget.total(self.step - start, time.time() - self._loop_start, self.total_steps - start)
         total = min(all_gather_objects(fits))
+        spent = total == self.step < self.planned_steps  # (less than a step's time left counts as spent)
+        if spent:
+            self.minutes_spent = self.cfg.train.max_minutes
         if total != self.total_steps:
-            spent = budget.used(time.time() - self._loop_start) >= budget.seconds
             logger.info(
                 f"eagle3-train: train.max_minutes={self.cfg.train.max_minutes}: "
                 + (
@@ -408,6 +423,7 @@ class Trainer:
             if improved or (o.save_every and self.step % o.save_every == 0 and self.step < self.total_steps):
                 self.check_finite()
                 self.save()
+        self._loop_end = time.time()
         bar.close()
         self.check_finite()
         if final is None or final["step"] != self.step:
