@@ -237,12 +237,13 @@ def test_torchrun_two_ranks_killed_and_resumed_equals_one_process(prepared, tmp_
     one = dump(prepared, tmp_path / "one", max_tokens_per_batch=300, max_batch_size=4)
     one.run()
     # the first rank to rename its second shard dies before that shard's record; torchrun then kills
-    # the other wherever it is
+    # the other wherever it is. (Its writer threads write shards concurrently, so the first shard's
+    # record may not be there either: what is sure is two renamed shards.)
     crashed = _torchrun(prepared, tmp_path / "two", 2, {"EAGLE3_FAULT_AT": "shard:2"})
     assert crashed.returncode != 0, crashed.stderr[-2000:]
     assert not (tmp_path / "two" / "manifest.json").exists()
-    partial = list((tmp_path / "two" / "shards").glob("*.json"))
-    assert partial, crashed.stderr[-2000:]
+    partial = list((tmp_path / "two" / "shards").glob("*.safetensors"))
+    assert len(partial) >= 2, crashed.stderr[-2000:]
     resumed = _torchrun(prepared, tmp_path / "two", 2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming:" in resumed.stdout
