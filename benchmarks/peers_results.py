@@ -102,8 +102,10 @@ def session_numbers(d: Path) -> dict[str, float]:
     if m := re.search(r"speculators ran ([0-9.]+) steps/s in its probe: (\d+) steps \(one epoch of (\d+)", text):
         out["speculators_probe_steps_per_s"], out["speculators_steps"] = float(m.group(1)), int(m.group(2))
         out["speculators_conversations"] = int(m.group(3))
-    if m := re.search(r"trained ([0-9.]+) s: ours (\d+) steps over (\d+) conversations", text):
+    if m := re.search(r"trained ([0-9.]+) s: ours (\d+) steps over (\d+) conversations", text):  # (before max_minutes)
         out["ours_same_minutes_steps"], out["all_conversations"] = int(m.group(2)), int(m.group(3))
+    if m := re.search(r"trained ([0-9.]+) s \(([0-9.]+) minutes of loop\): ours for [0-9.]+ minutes over (\d+)", text):
+        out["peer_loop_minutes"], out["all_conversations"] = float(m.group(2)), int(m.group(3))
     return out
 
 

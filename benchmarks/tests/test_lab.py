@@ -318,6 +318,58 @@ def test_peers_results_reads_the_polls_memory_phases_and_trainer_metrics(tmp_pat
     }
 
 
+def test_peers_results_reads_each_runs_own_log_and_a_trainer_curve():
+    """HF Trainer's final metrics belong to the run whose 'train done' closes their part of the log
+    (a run without them has none, not the previous run's); a curve row takes the step and seconds
+    of the progress bar before it; the session's loop minutes."""
+    import peers_results as pr
+
+    log = (
+        "{'train_runtime': '133.2', 'train_samples_per_second': '1.8'}\npeers_gpu: modelopt train done\n"
+        "step 2/2 loss 60.5\npeers_gpu: ours_same_data train done\n"
+    )
+    assert pr.trainer_rate(log, "modelopt") == {"train_runtime_s": 133.2, "samples_per_s": 1.8}
+    assert pr.trainer_rate(log, "ours_same_data") is None
+    bars = " 8%|8  | 49/600 [00:47<04:30,  2.04it/s]\r 8%|8  | 50/600 [00:48<04:30,  2.04it/s]\n"
+    row = "{'loss': '41.83', 'learning_rate': '4.9e-06', 'train_acc/parallel_0_step_0': '0.25', 'train_acc/parallel_0_step_1': '0.5'}\n"
+    later = " 17%|#  | 100/600 [01:15<04:37,  1.80it/s]\n" + row.replace("41.83", "29.3")
+    assert pr.trainer_curve(row + bars + row + later) == [  # (a row before any bar has no step: left out)
+        {"step": 50, "seconds": 48, "loss": 41.83, "lr": 4.9e-06, "acc": [0.25, 0.5]},
+        {"step": 100, "seconds": 75, "loss": 29.3, "lr": 4.9e-06, "acc": [0.25, 0.5]},
+    ]
+
+
+def _harness(function: str, *args: str) -> str:
+    """One of peers_gpu.sh's functions, run alone in bash."""
+    script = f"source <(sed -n '/^{function}() {{/,/^}}/p' {LAB / 'peers_gpu.sh'}); {function} \"$@\""
+    run = subprocess.run(["bash", "-c", script, "bash", *args], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+def test_peers_harness_reads_rates_and_loop_minutes_off_the_peers_progress_bars(tmp_path):
+    """The steady rate leaves out the bar's first tenth (compilation) and bars of other totals (the
+    data loading's, the save's); speculators' bar counts the epoch, so its tenth is of the steps run;
+    the loop minutes are HF Trainer's train_runtime, or speculators' last bar's elapsed time."""
+    hf = tmp_path / "hf.log"
+    hf.write_text(
+        "Map: 100%|##| 100/100 [00:00<00:00, 9000 examples/s]\n"
+        + "".join(f" {i}%|#| {i}/100 [00:{10 + i // 2:02d}<00:40, 2it/s]\r" for i in range(0, 101, 5))
+        + "\n{'train_runtime': '61.5', 'train_samples_per_second': '1.6'}\nSaving: 1/1 [00:03<00:00]\n"
+    )
+    assert float(_harness("steady_rate", str(hf), "100")) == 2.0  # 10 -> 100 steps in 15 -> 60 s
+    assert float(_harness("loop_minutes", str(hf))) == round(61.5 / 60, 3)
+    spec = tmp_path / "spec.log"
+    spec.write_text(
+        "Epoch 0   0% ━  0/2048  [ 0:00:00 < -:--:-- , ? it/s ]\r"
+        "Epoch 0   1% ━  4/2048  [ 0:00:09 < 1:00:00 , 1 it/s ]\r"
+        "Epoch 0   2% ━  40/2048  [ 0:00:18 < 1:00:00 , 4 it/s ]\n"
+        "Validation 100% ━ 1/1 [ 0:00:02 < 0:00:00 , ? it/s ]\n"
+    )
+    assert float(_harness("steady_rate", str(spec), "epoch")) == 4.0  # 4 -> 40 steps in 9 -> 18 s
+    assert float(_harness("loop_minutes", str(spec))) == round(18 / 60, 3)
+
+
 def test_peers_gpu_script_parses():
     assert subprocess.run(["bash", "-n", str(LAB / "peers_gpu.sh")]).returncode == 0
 
