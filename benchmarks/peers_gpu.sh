@@ -200,7 +200,7 @@ print(round(secs / 60, 3))" "$1"
 }
 
 run_session_speculators() {  # BUDGET [N]: speculators vs ours, as session_modelopt
-  local budget=${1:-300} n=${2:-32768} probe=40 rate steps secs
+  local budget=${1:-300} n=${2:-32768} probe=40 rate steps
   [ "${CPU:-0}" = 1 ] && probe=3
   spec_data speculators "$n"
   spec_train speculators_probe speculators "$probe" > "$po/speculators_probe.log" 2>&1 || { tail -n 40 "$po/speculators_probe.log"; return 1; }
@@ -213,14 +213,8 @@ run_session_speculators() {  # BUDGET [N]: speculators vs ours, as session_model
   run_ours ours_same_data "$n" 1000000 1
   evaluate ours_same_data heldout vllm
   served ours_same_data
-  # 3. ours for speculators' training-loop minutes (train.max_minutes) over the whole set
-  secs=$(train_seconds speculators)
-  local all minutes
-  all=$(zcat "$peers/data/$data_set" | wc -l)
-  minutes=$(loop_minutes "$po/speculators/train.log")
-  [ "${CPU:-0}" = 1 ] && all=64
-  echo "peers_gpu: speculators trained $secs s ($minutes minutes of loop): ours for $minutes minutes over $all conversations" | tee -a "$po/session.txt"
-  run_ours ours_same_minutes "$all" 10000000 6 "$minutes"
+  # 3. ours for speculators' training-loop minutes over the whole set
+  ours_same_minutes speculators speculators
   evaluate ours_same_minutes heldout vllm
   served ours_same_minutes
   for fw in speculators ours_same_data ours_same_minutes; do evaluate "$fw" mtbench vllm; done
@@ -246,12 +240,23 @@ served() {  # served FW: vLLM serving the target with $po/FW/export; eagle3-serv
   sleep 5
 }
 
+ours_same_minutes() {  # ours_same_minutes FW NAME: ours over the whole set for FW's training-loop minutes
+  # (its own log's: HF Trainer's train_runtime, speculators' bar), as train.max_minutes
+  local fw=$1 secs all minutes
+  secs=$(train_seconds "$fw")
+  all=$(zcat "$peers/data/$data_set" | wc -l)
+  minutes=$(loop_minutes "$po/$fw/train.log")
+  [ "${CPU:-0}" = 1 ] && all=64
+  echo "peers_gpu: $2 trained $secs s ($minutes minutes of loop): ours for $minutes minutes over $all conversations" | tee -a "$po/session.txt"
+  run_ours ours_same_minutes "$all" 10000000 6 "$minutes"
+}
+
 train_seconds() {  # train_seconds FW: the seconds of FW's train phase
   python3 -c "import json,sys; print([r['seconds'] for r in map(json.loads, open(sys.argv[1])) if r['fw']==sys.argv[2] and r['phase']=='train'][-1])" "$po/phases.jsonl" "$1"
 }
 
 run_session_modelopt() {  # BUDGET: ModelOpt vs ours, same data and epochs, and same minutes
-  local budget=${1:-300} probe=100 rate steps secs
+  local budget=${1:-300} probe=100 rate steps
   [ "${CPU:-0}" = 1 ] && probe=4
   # 1. ModelOpt's rate from a short run, then BUDGET seconds of steps over as many conversations (batch 1, one epoch)
   if ! run_modelopt modelopt_probe "$probe" "$probe" noexport > "$po/modelopt_probe.log" 2>&1; then
@@ -270,15 +275,8 @@ run_session_modelopt() {  # BUDGET: ModelOpt vs ours, same data and epochs, and 
   # 2. ours on the same conversations, one epoch (the same data and epochs)
   run_ours ours_same_data "$steps" 1000000 1
   evaluate ours_same_data heldout sglang
-  # 3. ours for ModelOpt's training seconds over the whole set (the same minutes)
-  # (its loop minutes, as HF Trainer's train_runtime says, become ours: train.max_minutes)
-  secs=$(train_seconds modelopt)
-  local n minutes
-  n=$(zcat "$peers/data/$data_set" | wc -l)
-  minutes=$(loop_minutes "$po/modelopt/train.log")
-  [ "${CPU:-0}" = 1 ] && n=64
-  echo "peers_gpu: ModelOpt trained $secs s ($minutes minutes of loop): ours for $minutes minutes over $n conversations" | tee -a "$po/session.txt"
-  run_ours ours_same_minutes "$n" 10000000 6 "$minutes"
+  # 3. ours for ModelOpt's training-loop minutes over the whole set (the same minutes)
+  ours_same_minutes modelopt ModelOpt
   evaluate ours_same_minutes heldout sglang
   # ModelOpt as it trained (its export is served otherwise: notes/peer_forward.md), then MT-bench
   evaluate modelopt heldout sglang as_trained

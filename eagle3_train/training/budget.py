@@ -5,8 +5,9 @@ minutes has to become a number of steps before the decay starts. :class:`WallClo
 the loop's rate at each logged step and sizes the total to what fits in the minutes left, never
 above what the epochs and ``train.max_steps`` allow. The first logged window holds start-up costs
 (compilation, the first batches' allocations), so the total keeps its size (the planned one, or what
-a resumed run had) until a second window has passed and the rate is measured from the end of the first; evaluations inside the loop
-count in the rate as they count in the minutes. Once the budget is spent the total becomes the current step: the loop ends there.
+a resumed run had) until a second window has passed, and the rate is measured from the end of the
+first; evaluations inside the loop count in the rate as they count in the minutes. Once the budget
+is spent the total becomes the current step: the loop ends there.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ class WallClockBudget:
         """The total steps to train, at ``step`` after ``elapsed`` loop seconds of this run, whose
         total is ``current`` (kept through the first window)."""
         used = self.spent + elapsed
-        if used >= self.seconds or step >= self.planned:
-            return min(step, self.planned) if used >= self.seconds else self.planned
+        if used >= self.seconds:
+            return min(step, self.planned)
+        if step >= self.planned:
+            return self.planned
         if self._base is None:  # the first window: its rate includes start-up; the total waits for a steady one
             self._base = (step, elapsed)
             return max(step, min(self.planned, current))
@@ -44,7 +47,3 @@ class WallClockBudget:
             rate = step / max(elapsed, 1e-9)
         fits = step + int(rate * (self.seconds - used))
         return max(step, min(self.planned, fits))
-
-    def used(self, elapsed: float) -> float:
-        """Loop seconds of this output so far (earlier runs included)."""
-        return self.spent + elapsed
