@@ -200,6 +200,8 @@ print(round(secs / 60, 3))" "$1"
 }
 
 run_session_speculators() {  # BUDGET [N]: speculators vs ours, as session_modelopt
+  # in the order that keeps the verdict if the call's time runs out: speculators trained, evaluated and
+  # served; ours at its minutes; MT-bench; ours on the same conversations for one epoch last
   local budget=${1:-300} n=${2:-32768} probe=40 rate steps
   [ "${CPU:-0}" = 1 ] && probe=3
   spec_data speculators "$n"
@@ -210,14 +212,16 @@ run_session_speculators() {  # BUDGET [N]: speculators vs ours, as session_model
   spec_train speculators speculators "$steps"
   evaluate speculators heldout vllm
   served speculators
-  run_ours ours_same_data "$n" 1000000 1
-  evaluate ours_same_data heldout vllm
-  served ours_same_data
-  # 3. ours for speculators' training-loop minutes over the whole set
+  # ours for speculators' training-loop minutes over the whole set
   ours_same_minutes speculators speculators
   evaluate ours_same_minutes heldout vllm
   served ours_same_minutes
-  for fw in speculators ours_same_data ours_same_minutes; do evaluate "$fw" mtbench vllm; done
+  for fw in speculators ours_same_minutes; do evaluate "$fw" mtbench vllm; done
+  # ours on speculators' conversations, one epoch
+  run_ours ours_same_data "$n" 1000000 1
+  evaluate ours_same_data heldout vllm
+  served ours_same_data
+  evaluate ours_same_data mtbench vllm
 }
 
 served() {  # served FW: vLLM serving the target with $po/FW/export; eagle3-served-acceptance on the held-out prompts
@@ -326,9 +330,14 @@ poll)
     [ -f "$po/$f" ] && cp "$po/$f" "$pack/"
   done
   for f in "$po"/*/eval_*/report.json "$po"/*/served/report.json "$po"/*/export/config.json \
-           "$po"/*/run/train/metrics.jsonl "$po"/*/run/prepared/manifest.json "$po"/*/run/train/best.json; do
+           "$po"/*/run/train/metrics.jsonl "$po"/*/run/prepared/manifest.json "$po"/*/run/train/best.json \
+           "$po"/*/train.log; do
     rel=${f#"$po"/}
     [ -f "$f" ] && cp "$f" "$pack/${rel//\//_}"
+  done
+  for f in "$po"/*/vllm*.log; do  # the engines' logs: their ends
+    rel=${f#"$po"/}
+    [ -f "$f" ] && tail -n 150 "$f" > "$pack/${rel//\//_}"
   done
   for d in "$po"/*/export; do
     [ -d "$d" ] && echo "$(basename "$(dirname "$d")") $(cat "$d"/*.safetensors | wc -c)"
