@@ -103,10 +103,11 @@ run_modelopt() {  # run_modelopt NAME N STEPS [noexport]: ModelOpt's example lau
     --model_path "$po/$name/out" --export_path "$po/$name/export")
 }
 
-wait_http() {  # wait_http URL SECONDS: until URL answers, or fail
+wait_http() {  # wait_http URL SECONDS PID: until URL answers, or fail (at once when the server PID has ended)
   local end=$((SECONDS + $2))
   until python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; do
     [ $SECONDS -lt $end ] || { echo "peers_gpu: $1 did not answer in $2 s" >&2; return 1; }
+    kill -0 "$3" 2>/dev/null || { echo "peers_gpu: the server for $1 ended before it answered" >&2; return 1; }
     sleep 2
   done
 }
@@ -134,7 +135,7 @@ spec_data() {  # spec_data NAME N: speculators' data: vLLM renders the first N c
   fi
   setsid nohup bash -c "$vllm" > "$po/$name/vllm.log" 2>&1 < /dev/null &
   local pid=$!
-  wait_http "http://127.0.0.1:$port/v1/models" 600 || { tail -n 40 "$po/$name/vllm.log"; return 1; }
+  wait_http "http://127.0.0.1:$port/v1/models" 600 "$pid" || { tail -n 40 "$po/$name/vllm.log"; return 1; }
   local spec=(env "PYTHONPATH=$site:${VSITE:-/tmp/vsite}:${PYTHONPATH:-}" python3 -m speculators)
   phase "$name" data "${spec[@]}" prepare-data --model "$target" --data "$po/$name/conversations.jsonl" \
     --render-endpoint "http://127.0.0.1:$port" --output "$po/$name/data" --seq-length 4096 --max-samples "$n" \
@@ -144,17 +145,18 @@ spec_data() {  # spec_data NAME N: speculators' data: vLLM renders the first N c
   kill -- -"$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
 }
 
-spec_train() {  # spec_train NAME DATA_NAME STEPS: speculators' trainer, defaults, one epoch at most STEPS steps
+spec_train() {  # spec_train NAME DATA_NAME STEPS|epoch: speculators' trainer, defaults, one epoch at most STEPS steps
   local name=$1 from=$2 steps=$3 target site=/tmp/specsite; target=$(target_dir)
   mkdir -p "$po/$name"
   local train=(env "PYTHONPATH=$site:${VSITE:-/tmp/vsite}:${PYTHONPATH:-}" python3 -m speculators train) extra=()
+  [ "$steps" = epoch ] || extra+=(--max-steps "$steps")  # (its schedule then spans STEPS, else the epoch)
   if [ "${CPU:-0}" = 1 ]; then
     train=(env "PYTHONPATH=$site:${PYTHONPATH:-}" python3 "$repo/benchmarks/peers_speculators_cpu.py")
-    extra=(--draft-attn-impl sdpa --loss-implementation eager --total-seq-len 1024 --num-workers 0)
+    extra+=(--draft-attn-impl sdpa --loss-implementation eager --total-seq-len 1024 --num-workers 0)
   fi
   # --epochs 1: with more, a run stopped by --max-steps still runs a step, a validation and a save per epoch left
   phase "$name" train "${train[@]}" --verifier-name-or-path "$target" --data-path "$po/$from/data" \
-    --save-path "$po/$name/ckpt" --on-missing raise --epochs 1 --max-steps "$steps" "${extra[@]}" 2>&1 \
+    --save-path "$po/$name/ckpt" --on-missing raise --epochs 1 "${extra[@]}" 2>&1 \
     | tee "$po/$name/train.log" || return 1  # (a caller's `if`/`||` turns set -e off in here)
   ln -sfn "$po/$name/ckpt/0" "$po/$name/export"
 }
@@ -199,16 +201,19 @@ secs = float(hf[-1]) if hf else 3600 * int(bars[-1][0]) + 60 * int(bars[-1][1]) 
 print(round(secs / 60, 3))" "$1"
 }
 
-run_session_speculators() {  # BUDGET [N]: speculators vs ours, as session_modelopt
+run_session_speculators() {  # BUDGET|epoch [N]: speculators vs ours, as session_modelopt
   # in the order that keeps the verdict if the call's time runs out: speculators trained, evaluated and
-  # served; ours at its minutes; MT-bench; ours on the same conversations for one epoch last
-  local budget=${1:-300} n=${2:-32768} probe=40 rate steps
+  # served; ours at its minutes; MT-bench; ours on the same conversations for one epoch last.
+  # BUDGET=epoch: no probe, speculators trains one whole epoch of the N conversations
+  local budget=${1:-300} n=${2:-32768} probe=40 rate steps=epoch
   [ "${CPU:-0}" = 1 ] && probe=3
   spec_data speculators "$n"
-  spec_train speculators_probe speculators "$probe" > "$po/speculators_probe.log" 2>&1 || { tail -n 40 "$po/speculators_probe.log"; return 1; }
-  rate=$(steady_rate "$po/speculators_probe.log" epoch)
-  steps=$(python3 -c "print(max(4, int($budget * $rate)))")
-  echo "peers_gpu: speculators ran $rate steps/s in its probe: $steps steps (one epoch of $n conversations at most)" | tee -a "$po/session.txt"
+  if [ "$budget" != epoch ]; then
+    spec_train speculators_probe speculators "$probe" > "$po/speculators_probe.log" 2>&1 || { tail -n 40 "$po/speculators_probe.log"; return 1; }
+    rate=$(steady_rate "$po/speculators_probe.log" epoch)
+    steps=$(python3 -c "print(max(4, int($budget * $rate)))")
+    echo "peers_gpu: speculators ran $rate steps/s in its probe: $steps steps (one epoch of $n conversations at most)" | tee -a "$po/session.txt"
+  fi
   spec_train speculators speculators "$steps"
   evaluate speculators heldout vllm
   served speculators
@@ -233,7 +238,7 @@ served() {  # served FW: vLLM serving the target with $po/FW/export; eagle3-serv
   setsid nohup "${vllm_env[@]}" vllm serve "$target" --port $port --dtype bfloat16 --max-model-len 4096 \
     --gpu-memory-utilization 0.5 --speculative-config "$spec" > "$po/$fw/vllm_serve.log" 2>&1 < /dev/null &
   local pid=$!
-  if wait_http "http://127.0.0.1:$port/health" 600; then
+  if wait_http "http://127.0.0.1:$port/health" 600 "$pid"; then
     phase "$fw" served python3 -m eagle3_train.evaluation.served_acceptance ++server="http://127.0.0.1:$port" \
       ++engine=vllm ++prompts="$repo/data_prep/prompts/heldout.jsonl" ++max_new_tokens=128 ++draft="$po/$fw/export" \
       ++out="$po/$fw/served" ++wait_for_server_s=30 || true

@@ -2,6 +2,7 @@
 # tag, root, pins, pack_rel, pack_dir, site, stage, part_mib, slim_rows, slim, exports, cmd): stage a
 # pinned wheel set on an offline machine where each transfer carries at most ~64 MiB.
 #   pack     download the wheels here, slim them (slim_rows), split one tar of them into parts
+#   repart   split the parts here again at part_mib (after a change of it)
 #   install  there, once per part: collect it; when every part is there, install them all into
 #            $site once and print the unmet requirements and the exports
 say() { echo "stage_$tag: $*"; }
@@ -27,7 +28,7 @@ wheel_drop() {
 # parts named by the tar's hash, so that parts of two packs never mix.
 pack() {
   local platforms=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
-  local n k i row glob members whl
+  local n row glob members whl
   for n in $(seq 17 39); do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
   mkdir -p "$pack_dir/whl"
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -44,8 +45,17 @@ pack() {
     done
   fi
   tar -cf "$pack_dir/bundle.tar" -C "$pack_dir/bundle" .
-  local id
+  split_bundle
+  say "$(ls "$pack_dir"/bundle/*.whl | wc -l) wheels, $(du -sm "$pack_dir/bundle" | cut -f1) MiB -> $(ls -d "$pack_dir"/parts/*/ | wc -l) parts:"
+  du -m "$pack_dir"/parts/*/"$tag"-* | sed "s#$pack_dir/##"
+  say "one device call per part, carry [\"$pack_rel/parts/<k>\"], command: launch/stage_$tag.sh install"
+}
+
+# Split $pack_dir/bundle.tar into parts of $part_mib MiB named by the tar's hash, one folder each.
+split_bundle() {
+  local id n k i
   id=$(sha256sum "$pack_dir/bundle.tar" | cut -c1-12)
+  rm -rf "$pack_dir/parts" && mkdir -p "$pack_dir/parts"
   split -b "${part_mib}M" -d -a 2 "$pack_dir/bundle.tar" "$pack_dir/parts/chunk-"
   local chunks=("$pack_dir"/parts/chunk-*)
   n=${#chunks[@]}
@@ -57,9 +67,16 @@ pack() {
   (cd "$pack_dir/parts" && sha256sum */"$tag-$id"-part-* | sed 's#  [0-9]*/#  #') > "$pack_dir/SHA256SUMS"
   for k in $(seq 1 "$n"); do cp "$pack_dir/SHA256SUMS" "$pack_dir/parts/$k/"; done
   rm "$pack_dir/bundle.tar"
-  say "$(ls "$pack_dir"/bundle/*.whl | wc -l) wheels, $(du -sm "$pack_dir/bundle" | cut -f1) MiB -> $n parts (bundle $id):"
+}
+
+# Split the parts already here again at $part_mib MiB (the tar joined back from them: no download).
+repart() {
+  local n k
+  n=$(ls -d "$pack_dir"/parts/*/ | wc -l)
+  : > "$pack_dir/bundle.tar"
+  for k in $(seq 1 "$n"); do cat "$pack_dir/parts/$k/$tag"-*-part-"$k"-of-* >> "$pack_dir/bundle.tar"; done
+  split_bundle
   du -m "$pack_dir"/parts/*/"$tag"-* | sed "s#$pack_dir/##"
-  say "one device call per part, carry [\"$pack_rel/parts/<k>\"], command: launch/stage_$tag.sh install"
 }
 
 # Copy the parts that came with this call into $stage, checking each against SHA256SUMS.
@@ -140,6 +157,7 @@ install() {
 
 case $cmd in
 pack) pack ;;
+repart) repart ;;
 install) install ;;
 *)
   echo "usage: stage_$tag.sh pack|install" >&2
