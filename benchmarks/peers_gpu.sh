@@ -12,7 +12,8 @@
 #            .peers/data: the conversations (already there) and MT-bench's question.jsonl
 #   there: benchmarks/staging/gpu_stage.sh install   (our wheels and the embedded target, as usual)
 #          bash benchmarks/peers_gpu.sh stage         (in the call that carries .peers: it copies it to /tmp)
-#          bash benchmarks/peers_gpu.sh start session_modelopt [BUDGET_S]   detached (session_speculators [BUDGET_S] [N])
+#          bash benchmarks/peers_gpu.sh start session_modelopt [BUDGET_S]   detached (session_speculators
+#            [BUDGET_S|epoch] [N], session_pair [BUDGET_S|epoch] [N] [MODELOPT_STEPS_PER_S])
 #          bash benchmarks/peers_gpu.sh poll SECONDS DEST          back to back until it prints "ended"
 #            (DEST/poll.tgz: everything so far; here: tar xzf it into a folder for peers_results.py)
 #
@@ -35,13 +36,19 @@ data_set=smollm2_synth_73728.jsonl.gz
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 export EAGLE3_CACHE=${EAGLE3_CACHE:-/tmp/e3cache}
 
-phase() {  # phase FW NAME command...: run it, append {fw, phase, seconds, start, end} to $po/phases.jsonl
-  local fw=$1 name=$2; shift 2
+phase() {  # phase FW NAME command...: run it, append {fw, phase, seconds, start, end, rc} to $po/phases.jsonl
+  # and return its status (set -e does not hold where a caller tests the result, e.g. `phase ... | tee ... || ...`)
+  local fw=$1 name=$2 rc=0; shift 2
   local t0; t0=$(date +%s.%N)
-  "$@"
-  python3 -c "import json,sys; a,b=float(sys.argv[3]),float(sys.argv[4]); print(json.dumps({'fw': sys.argv[1], 'phase': sys.argv[2], 'seconds': round(b-a,1), 'start': a, 'end': b}))" \
-    "$fw" "$name" "$t0" "$(date +%s.%N)" >> "$po/phases.jsonl"
-  echo "peers_gpu: $fw $name done"
+  "$@" || rc=$?
+  python3 -c "import json,sys; a,b=float(sys.argv[3]),float(sys.argv[4]); print(json.dumps({'fw': sys.argv[1], 'phase': sys.argv[2], 'seconds': round(b-a,1), 'start': a, 'end': b, 'rc': int(sys.argv[5])}))" \
+    "$fw" "$name" "$t0" "$(date +%s.%N)" "$rc" >> "$po/phases.jsonl"
+  if [ "$rc" = 0 ]; then echo "peers_gpu: $fw $name done"; else echo "peers_gpu: $fw $name failed (rc $rc)"; fi
+  return "$rc"
+}
+
+go_on() {  # go_on command...: a step whose failure the session notes and goes past (an eval, a serve)
+  "$@" || echo "peers_gpu: '$*' failed (rc $?); the session goes on" | tee -a "$po/session.txt"
 }
 
 target_dir() {  # the HF directory of the target (the embedded GGUF, converted once)
@@ -131,7 +138,8 @@ spec_data() {  # spec_data NAME N: speculators' data: vLLM renders the first N c
     vllm=$(python3 -c "import sys; from eagle3_train.engines.vllm import launch; print(launch(sys.argv[1], [2, $nl // 2, $nl - 3, $nl], 'bfloat16', $port, sys.argv[2]))" "$target" "$hs")
     # shellcheck source=benchmarks/staging/engine_env.sh
     source "$repo/benchmarks/staging/engine_env.sh"
-    vllm="${vllm_env[*]} $vllm --gpu-memory-utilization 0.5 --max-model-len 4096"
+    # --enforce-eager: no compile or CUDA-graph capture at start (2 min 45 s cold on the H200); the states are the same
+    vllm="${vllm_env[*]} $vllm --gpu-memory-utilization 0.5 --max-model-len 4096 --enforce-eager"
   fi
   setsid nohup bash -c "$vllm" > "$po/$name/vllm.log" 2>&1 < /dev/null &
   local pid=$!
@@ -154,10 +162,21 @@ spec_train() {  # spec_train NAME DATA_NAME STEPS|epoch: speculators' trainer, d
     train=(env "PYTHONPATH=$site:${PYTHONPATH:-}" python3 "$repo/benchmarks/peers_speculators_cpu.py")
     extra+=(--draft-attn-impl sdpa --loss-implementation eager --total-seq-len 1024 --num-workers 0)
   fi
+  # SPECULATORS_EXTRA: more of its flags, e.g. --loss-implementation eager
+  # shellcheck disable=SC2206  # flags: a space-separated list
+  extra+=(${SPECULATORS_EXTRA:-})
   # --epochs 1: with more, a run stopped by --max-steps still runs a step, a validation and a save per epoch left
-  phase "$name" train "${train[@]}" --verifier-name-or-path "$target" --data-path "$po/$from/data" \
-    --save-path "$po/$name/ckpt" --on-missing raise --epochs 1 "${extra[@]}" 2>&1 \
-    | tee "$po/$name/train.log" || return 1  # (a caller's `if`/`||` turns set -e off in here)
+  if ! phase "$name" train "${train[@]}" --verifier-name-or-path "$target" --data-path "$po/$from/data" \
+    --save-path "$po/$name/ckpt" --on-missing raise --epochs 1 "${extra[@]}" 2>&1 | tee "$po/$name/train.log"; then
+    # its default loss (fused Triton kernels inside its torch.compile'd forward) does not compile on torch 2.11:
+    # dynamo asserts on the autotuner configs its forward and backward kernels share. Once more with its eager loss.
+    grep -q "losses/fused.py" "$po/$name/train.log" && [[ " ${extra[*]} " != *" eager "* ]] || return 1
+    echo "peers_gpu: speculators' fused loss did not compile; again with --loss-implementation eager" | tee -a "$po/session.txt"
+    mv "$po/$name/train.log" "$po/$name/train_fused_failed.log" && rm -rf "$po/$name/ckpt"
+    phase "$name" train "${train[@]}" --verifier-name-or-path "$target" --data-path "$po/$from/data" \
+      --save-path "$po/$name/ckpt" --on-missing raise --epochs 1 "${extra[@]}" --loss-implementation eager 2>&1 \
+      | tee "$po/$name/train.log" || return 1
+  fi
   ln -sfn "$po/$name/ckpt/0" "$po/$name/export"
 }
 
@@ -215,18 +234,52 @@ run_session_speculators() {  # BUDGET|epoch [N]: speculators vs ours, as session
     echo "peers_gpu: speculators ran $rate steps/s in its probe: $steps steps (one epoch of $n conversations at most)" | tee -a "$po/session.txt"
   fi
   spec_train speculators speculators "$steps"
-  evaluate speculators heldout vllm
-  served speculators
+  go_on evaluate speculators heldout vllm
+  go_on served speculators
   # ours for speculators' training-loop minutes over the whole set
   ours_same_minutes speculators speculators
-  evaluate ours_same_minutes heldout vllm
-  served ours_same_minutes
-  for fw in speculators ours_same_minutes; do evaluate "$fw" mtbench vllm; done
+  go_on evaluate ours_same_minutes heldout vllm
+  go_on served ours_same_minutes
+  for fw in speculators ours_same_minutes; do go_on evaluate "$fw" mtbench vllm; done
   # ours on speculators' conversations, one epoch
   run_ours ours_same_data "$n" 1000000 1
-  evaluate ours_same_data heldout vllm
-  served ours_same_data
-  evaluate ours_same_data mtbench vllm
+  go_on evaluate ours_same_data heldout vllm
+  go_on served ours_same_data
+  go_on evaluate ours_same_data mtbench vllm
+}
+
+run_session_pair() {  # epoch|BUDGET [N] [MODELOPT_STEPS_PER_S]: speculators, ModelOpt and ours at the same minutes
+  # speculators as in session_speculators; ModelOpt then trains for speculators' loop minutes at its steady
+  # rate measured in an earlier session (1.46 steps/s, peers_modelopt_h200: no probe), so that one run of ours
+  # (ours_same_minutes) is the equal-minutes reference for both; every draft evaluated (vLLM's rule) and served
+  local budget=${1:-epoch} n=${2:-8192} mo_rate=${3:-1.46} probe=40 rate steps=epoch secs mo_steps
+  [ "${CPU:-0}" = 1 ] && probe=3
+  spec_data speculators "$n"
+  if [ "$budget" != epoch ]; then
+    spec_train speculators_probe speculators "$probe" > "$po/speculators_probe.log" 2>&1 || { tail -n 40 "$po/speculators_probe.log"; return 1; }
+    rate=$(steady_rate "$po/speculators_probe.log" epoch)
+    steps=$(python3 -c "print(max(4, int($budget * $rate)))")
+    echo "peers_gpu: speculators ran $rate steps/s in its probe: $steps steps (one epoch of $n conversations at most)" | tee -a "$po/session.txt"
+  fi
+  spec_train speculators speculators "$steps"
+  go_on evaluate speculators heldout vllm
+  go_on served speculators
+  secs=$(python3 -c "print(round(60 * $(loop_minutes "$po/speculators/train.log"), 1))")
+  mo_steps=$(python3 -c "print(max(8, int($secs * $mo_rate)))")
+  echo "peers_gpu: ModelOpt for speculators' $secs s of loop at $mo_rate steps/s: $mo_steps steps, $mo_steps conversations" | tee -a "$po/session.txt"
+  if run_modelopt modelopt "$mo_steps" "$mo_steps"; then
+    go_on evaluate modelopt heldout vllm
+    go_on served modelopt
+  fi
+  ours_same_minutes speculators speculators
+  go_on evaluate ours_same_minutes heldout vllm
+  go_on served ours_same_minutes
+  for fw in speculators modelopt ours_same_minutes; do go_on evaluate "$fw" mtbench vllm; done
+  go_on evaluate modelopt heldout vllm as_trained
+  run_ours ours_same_data "$n" 1000000 1
+  go_on evaluate ours_same_data heldout vllm
+  go_on served ours_same_data
+  go_on evaluate ours_same_data mtbench vllm
 }
 
 served() {  # served FW: vLLM serving the target with $po/FW/export; eagle3-served-acceptance on the held-out prompts
@@ -235,8 +288,9 @@ served() {  # served FW: vLLM serving the target with $po/FW/export; eagle3-serv
   spec=$(python3 -c "import json,sys; print(json.dumps({'method': 'eagle3', 'model': sys.argv[1], 'num_speculative_tokens': 5}))" "$po/$fw/export")
   # shellcheck source=benchmarks/staging/engine_env.sh
   source "$repo/benchmarks/staging/engine_env.sh"
+  # --enforce-eager: the start without compile and graph capture (minutes saved per draft); what it accepts is the same
   setsid nohup "${vllm_env[@]}" vllm serve "$target" --port $port --dtype bfloat16 --max-model-len 4096 \
-    --gpu-memory-utilization 0.5 --speculative-config "$spec" > "$po/$fw/vllm_serve.log" 2>&1 < /dev/null &
+    --gpu-memory-utilization 0.5 --enforce-eager --speculative-config "$spec" > "$po/$fw/vllm_serve.log" 2>&1 < /dev/null &
   local pid=$!
   if wait_http "http://127.0.0.1:$port/health" 600 "$pid"; then
     phase "$fw" served python3 -m eagle3_train.evaluation.served_acceptance ++server="http://127.0.0.1:$port" \
@@ -280,16 +334,16 @@ run_session_modelopt() {  # BUDGET: ModelOpt vs ours, same data and epochs, and 
   steps=$(python3 -c "print(max(8, int($budget * $rate)))")
   echo "peers_gpu: ModelOpt ran $rate steps/s in its probe: $steps steps, $steps conversations" | tee -a "$po/session.txt"
   run_modelopt modelopt "$steps" "$steps"
-  evaluate modelopt heldout sglang
+  go_on evaluate modelopt heldout sglang
   # 2. ours on the same conversations, one epoch (the same data and epochs)
   run_ours ours_same_data "$steps" 1000000 1
-  evaluate ours_same_data heldout sglang
+  go_on evaluate ours_same_data heldout sglang
   # 3. ours for ModelOpt's training-loop minutes over the whole set (the same minutes)
   ours_same_minutes modelopt ModelOpt
-  evaluate ours_same_minutes heldout sglang
+  go_on evaluate ours_same_minutes heldout sglang
   # ModelOpt as it trained (its export is served otherwise: notes/peer_forward.md), then MT-bench
-  evaluate modelopt heldout sglang as_trained
-  for fw in modelopt ours_same_data ours_same_minutes; do evaluate "$fw" mtbench sglang; done
+  go_on evaluate modelopt heldout sglang as_trained
+  for fw in modelopt ours_same_data ours_same_minutes; do go_on evaluate "$fw" mtbench sglang; done
 }
 
 case $cmd in

@@ -125,9 +125,12 @@ def eval_figures(d: Path, fw: str, prompts: str) -> dict[str, Any] | None:
 
 
 def framework(d: Path, fw: str, ph: list[dict], trace: list, log: str, sizes: dict[str, int]) -> dict[str, Any]:
-    mine = {p["phase"]: p for p in ph if p["fw"] == fw}
+    mine = {p["phase"]: p for p in ph if p["fw"] == fw and not p.get("rc")}
     out: dict[str, Any] = {"what": TITLES.get(fw, fw)}
     out["seconds"] = {name: p["seconds"] for name, p in mine.items()}
+    failed = [{"phase": p["phase"], "seconds": p["seconds"], "rc": p["rc"]} for p in ph if p["fw"] == fw and p.get("rc")]
+    if failed:  # (a retry's success is in seconds; what failed before it, here)
+        out["failed_phases"] = failed
     if "train" in mine:
         out["train_peak_gpu_mib"] = peak(trace, mine["train"]["start"], mine["train"]["end"])
     out["draft_bytes"] = sizes.get(fw)

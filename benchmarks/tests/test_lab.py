@@ -370,6 +370,26 @@ def test_peers_harness_reads_rates_and_loop_minutes_off_the_peers_progress_bars(
     assert float(_harness("loop_minutes", str(spec))) == round(18 / 60, 3)
 
 
+def test_peers_harness_phase_fails_with_its_command_and_the_results_say_so(tmp_path):
+    """A phase whose command fails returns its status even where the caller tests the pipeline (set -e
+    is off there: the old phase said 'done' and the session went on to evaluate a draft never written);
+    phases.jsonl records rc, and the results keep the retry's seconds and list the failed attempt."""
+    import peers_results as pr
+
+    script = (
+        f"set -euo pipefail; source <(sed -n '/^phase() {{/,/^}}/p' {LAB / 'peers_gpu.sh'}); po={tmp_path}; "
+        "if phase spec train bash -c 'exit 3' | cat; then echo went-on; else echo stopped; fi; phase spec train true"
+    )
+    run = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "spec train failed (rc 3)" in run.stdout and "stopped" in run.stdout and "went-on" not in run.stdout
+    ph = pr.phases(tmp_path)
+    assert [(p["phase"], p["rc"]) for p in ph] == [("train", 3), ("train", 0)]
+    out = pr.framework(tmp_path, "spec", ph, [], "", {})
+    assert out["seconds"] == {"train": ph[1]["seconds"]}
+    assert out["failed_phases"] == [{"phase": "train", "seconds": ph[0]["seconds"], "rc": 3}]
+
+
 def test_peers_gpu_script_parses():
     assert subprocess.run(["bash", "-n", str(LAB / "peers_gpu.sh")]).returncode == 0
 
