@@ -3,6 +3,7 @@ the product's tests under tests/ import nothing from here)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -388,6 +389,51 @@ def test_peers_harness_phase_fails_with_its_command_and_the_results_say_so(tmp_p
     out = pr.framework(tmp_path, "spec", ph, [], "", {})
     assert out["seconds"] == {"train": ph[1]["seconds"]}
     assert out["failed_phases"] == [{"phase": "train", "seconds": ph[0]["seconds"], "rc": 3}]
+
+
+def test_speculators_training_retries_once_with_its_eager_loss_when_the_fused_one_fails(tmp_path):
+    """On torch 2.11 speculators' default fused loss fails inside its compiled forward: spec_train runs it
+    once more with --loss-implementation eager (the failed log kept, the session told), and a failure
+    that is not the fused loss's is not retried."""
+    real = shutil.which("python3")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    fake = bin_dir / "python3"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$1 $2" != "-m speculators" ]; then exec {real} "$@"; fi\n'
+        f'echo "$*" >> {calls}\n'
+        'if [[ " $* " == *" --loss-implementation eager "* ]]; then\n'
+        '  while [ "$1" != --save-path ]; do shift; done; mkdir -p "$2/0"; echo trained; exit 0; fi\n'
+        'echo "  File \"/s/speculators/losses/${FAIL_IN:-fused}.py\", line 343, in backward"; exit 1\n'
+    )
+    fake.chmod(0o755)
+
+    def spec_train(fail_in: str) -> subprocess.CompletedProcess:
+        po = tmp_path / f"po_{fail_in}"
+        (po / "speculators" / "data").mkdir(parents=True)
+        functions = "".join(f"source <(sed -n '/^{f}() {{/,/^}}/p' {LAB / 'peers_gpu.sh'}); " for f in ("phase", "spec_train"))
+        script = (
+            f"set -euo pipefail; {functions} target_dir() {{ echo /target; }}; po={po}; "
+            "spec_train speculators speculators epoch"
+        )
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAIL_IN": fail_in}
+        return subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env)
+
+    run = spec_train("fused")
+    assert run.returncode == 0, run.stdout + run.stderr
+    po = tmp_path / "po_fused"
+    tries = calls.read_text().splitlines()
+    assert len(tries) == 2 and "eager" not in tries[0] and tries[1].endswith("--loss-implementation eager")
+    assert "fused loss did not compile" in (po / "session.txt").read_text()
+    assert "losses/fused.py" in (po / "speculators" / "train_fused_failed.log").read_text()
+    assert (po / "speculators" / "train.log").read_text().splitlines()[0] == "trained"
+    assert (po / "speculators" / "export").resolve() == (po / "speculators" / "ckpt" / "0").resolve()
+    calls.unlink()
+    run = spec_train("other")
+    assert run.returncode != 0 and len(calls.read_text().splitlines()) == 1
+    assert not (tmp_path / "po_other" / "speculators" / "export").exists()
 
 
 def test_peers_gpu_script_parses():
