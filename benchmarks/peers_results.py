@@ -128,7 +128,9 @@ def framework(d: Path, fw: str, ph: list[dict], trace: list, log: str, sizes: di
     mine = {p["phase"]: p for p in ph if p["fw"] == fw and not p.get("rc")}
     out: dict[str, Any] = {"what": TITLES.get(fw, fw)}
     out["seconds"] = {name: p["seconds"] for name, p in mine.items()}
-    failed = [{"phase": p["phase"], "seconds": p["seconds"], "rc": p["rc"]} for p in ph if p["fw"] == fw and p.get("rc")]
+    failed = [
+        {"phase": p["phase"], "seconds": p["seconds"], "rc": p["rc"]} for p in ph if p["fw"] == fw and p.get("rc")
+    ]
     if failed:  # (a retry's success is in seconds; what failed before it, here)
         out["failed_phases"] = failed
     if "train" in mine:
@@ -144,6 +146,9 @@ def framework(d: Path, fw: str, ph: list[dict], trace: list, log: str, sizes: di
         rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
         out["steps"] = max((r["step"] for r in rows), default=None)
         out["steady_tokens_per_s"] = round(statistics.median(rates)) if rates else None
+        for key in ("gpu_peak_alloc_gib", "gpu_peak_reserved_gib"):  # the trainer's own view of its memory
+            if peaks := [r[key] for r in rows if key in r]:
+                out["train_" + key] = max(peaks)
     if (rate := trainer_rate(log, fw)) is not None:
         out.update(rate)
     out["eval_heldout"] = eval_figures(d, fw, "heldout")

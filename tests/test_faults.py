@@ -46,7 +46,12 @@ from test_standardize import make_dump
 from test_trainer import metrics, standardized, train
 
 CHILD_TIMEOUT_S = 120.0
-TIMING = ("tokens_per_s", "loop_s")  # metrics that measure the machine, not the run
+TIMING = (
+    "tokens_per_s",
+    "loop_s",
+    "gpu_peak_alloc_gib",
+    "gpu_peak_reserved_gib",
+)  # metrics that measure the machine, not the run
 
 
 # -- killing a stage --------------------------------------------------------------------------------

@@ -933,3 +933,20 @@ def test_max_minutes_ends_the_run_and_its_schedule_when_the_budget_does(std, tmp
     resumed = [m for m in metrics(out) if "lr" in m and m["step"] > 30]
     assert [m["lr"] for m in resumed] == pytest.approx([3e-3 * lr_factor(s, 45, o) for s in range(31, 46)])
     assert json.loads((out / "checkpoints" / "step45" / "state.json").read_text())["loop_seconds"] == 45.0
+
+
+def test_device_memory_reads_the_allocators_peaks_on_a_gpu_and_nothing_on_a_cpu(monkeypatch):
+    """Each training record's memory fields: the CUDA allocator's peaks of this rank's device in GiB
+    (asked of that device, not the current one), and no fields at all on a CPU."""
+    from eagle3_train.training.metrics import device_memory
+
+    asked = []
+
+    def peak(value):
+        return lambda device: asked.append(device) or value
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", peak(3 * 2**30 + 2**29))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", peak(5 * 2**30))
+    assert device_memory(torch.device("cuda", 1)) == {"gpu_peak_alloc_gib": 3.5, "gpu_peak_reserved_gib": 5.0}
+    assert asked == [torch.device("cuda", 1)] * 2
+    assert device_memory(torch.device("cpu")) == {}

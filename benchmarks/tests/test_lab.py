@@ -406,14 +406,16 @@ def test_speculators_training_retries_once_with_its_eager_loss_when_the_fused_on
         f'echo "$*" >> {calls}\n'
         'if [[ " $* " == *" --loss-implementation eager "* ]]; then\n'
         '  while [ "$1" != --save-path ]; do shift; done; mkdir -p "$2/0"; echo trained; exit 0; fi\n'
-        'echo "  File \"/s/speculators/losses/${FAIL_IN:-fused}.py\", line 343, in backward"; exit 1\n'
+        'echo "  File "/s/speculators/losses/${FAIL_IN:-fused}.py", line 343, in backward"; exit 1\n'
     )
     fake.chmod(0o755)
 
     def spec_train(fail_in: str) -> subprocess.CompletedProcess:
         po = tmp_path / f"po_{fail_in}"
         (po / "speculators" / "data").mkdir(parents=True)
-        functions = "".join(f"source <(sed -n '/^{f}() {{/,/^}}/p' {LAB / 'peers_gpu.sh'}); " for f in ("phase", "spec_train"))
+        functions = "".join(
+            f"source <(sed -n '/^{f}() {{/,/^}}/p' {LAB / 'peers_gpu.sh'}); " for f in ("phase", "spec_train")
+        )
         script = (
             f"set -euo pipefail; {functions} target_dir() {{ echo /target; }}; po={po}; "
             "spec_train speculators speculators epoch"
@@ -434,6 +436,27 @@ def test_speculators_training_retries_once_with_its_eager_loss_when_the_fused_on
     run = spec_train("other")
     assert run.returncode != 0 and len(calls.read_text().splitlines()) == 1
     assert not (tmp_path / "po_other" / "speculators" / "export").exists()
+
+
+def test_peers_results_takes_our_trainers_memory_peaks_from_its_metrics(tmp_path):
+    """Beside nvidia-smi's device total, ours reports what its tensors and its allocator held: the
+    largest of each over the run's records (records without them, e.g. a CPU run's, add nothing)."""
+    import peers_results as pr
+
+    rows = [
+        {"step": 10, "tokens_per_s": 100.0, "gpu_peak_alloc_gib": 9.5, "gpu_peak_reserved_gib": 12.0},
+        {"step": 20, "tokens_per_s": 120.0, "gpu_peak_alloc_gib": 11.25, "gpu_peak_reserved_gib": 12.0},
+        {"step": 20, "eval_acc": [0.5]},
+    ]
+    (tmp_path / "ours_run_train_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = pr.framework(tmp_path, "ours", [], [], "", {})
+    assert (
+        out["steps"] == 20 and out["train_gpu_peak_alloc_gib"] == 11.25 and out["train_gpu_peak_reserved_gib"] == 12.0
+    )
+    (tmp_path / "ours_run_train_metrics.jsonl").write_text(json.dumps(rows[0] | {"gpu_peak_alloc_gib": 0}) + "\n")
+    assert pr.framework(tmp_path, "ours", [], [], "", {})["train_gpu_peak_alloc_gib"] == 0
+    (tmp_path / "ours_run_train_metrics.jsonl").write_text(json.dumps({"step": 5, "tokens_per_s": 1.0}) + "\n")
+    assert "train_gpu_peak_alloc_gib" not in pr.framework(tmp_path, "ours", [], [], "", {})
 
 
 def test_peers_gpu_script_parses():

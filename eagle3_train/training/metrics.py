@@ -66,6 +66,18 @@ def truncate_metrics(path: Path, step: int) -> None:
     atomic_write_bytes(path, "".join(kept).encode())
 
 
+def device_memory(device: torch.device) -> dict[str, float]:
+    """The accelerator's peak memory on this rank since the run began, in GiB: what tensors held at
+    most (``gpu_peak_alloc_gib``) and what PyTorch's caching allocator took from the device
+    (``gpu_peak_reserved_gib``; nvidia-smi shows that plus the CUDA context). Nothing on a CPU."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "gpu_peak_alloc_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
+        "gpu_peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2),
+    }
+
+
 def train_record(
     step: int, counts: np.ndarray, loss: float, tokens: int, seconds: float, lr: float, sp_size: int
 ) -> dict[str, Any]:

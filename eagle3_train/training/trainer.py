@@ -59,6 +59,7 @@ from eagle3_train.training.evaluate import evaluate_split
 from eagle3_train.training.metrics import (
     MetricsLog,
     bar_postfix,
+    device_memory,
     eval_line,
     train_line,
     train_record,
@@ -399,6 +400,7 @@ class Trainer:
                     self.step, counts, loss, tokens, time.time() - window_start, self.engine.get_lr()[0], self.sp.size
                 )
                 record["loop_s"] = round(self.loop_seconds(), 1)
+                record |= device_memory(self.dist.device)
                 if budget is not None:
                     self.fit_budget(budget, start)
                     bar.total = self.total_steps
