@@ -23,7 +23,9 @@
 # (HF Trainer's train_runtime) over the whole set with train.max_minutes (neither peer stops on
 # wall-clock time: its steps are sized from the measured rate); eval of the three on the held-out
 # prompts, then on MT-bench. session_speculators: the same with speculators (its states from vLLM),
-# and each draft served by vLLM for its acceptance length.
+# and each draft served by vLLM for its acceptance length. session_pair: speculators (one epoch of N),
+# ModelOpt for speculators' loop minutes at its rate from an earlier session, ours for those minutes;
+# all three evaluated and served (fits one 30-minute device session at N=8192).
 # /tmp/po holds phases.jsonl (fw, phase, seconds, start, end), smi.csv (GPU memory every 2 s), each
 # framework's export and eval reports. CPU=1 runs it on a CPU machine with a tiny target
 # (TARGET=<hf dir>) to test this script.
@@ -220,11 +222,9 @@ secs = float(hf[-1]) if hf else 3600 * int(bars[-1][0]) + 60 * int(bars[-1][1]) 
 print(round(secs / 60, 3))" "$1"
 }
 
-run_session_speculators() {  # BUDGET|epoch [N]: speculators vs ours, as session_modelopt
-  # in the order that keeps the verdict if the call's time runs out: speculators trained, evaluated and
-  # served; ours at its minutes; MT-bench; ours on the same conversations for one epoch last.
-  # BUDGET=epoch: no probe, speculators trains one whole epoch of the N conversations
-  local budget=${1:-300} n=${2:-32768} probe=40 rate steps=epoch
+speculators_run() {  # speculators_run BUDGET|epoch N: its data and states, its training (BUDGET seconds of
+  # steps at the rate of a probe, or one whole epoch), then evaluated (vLLM's rule) and served
+  local budget=$1 n=$2 probe=40 rate steps=epoch
   [ "${CPU:-0}" = 1 ] && probe=3
   spec_data speculators "$n"
   if [ "$budget" != epoch ]; then
@@ -236,6 +236,14 @@ run_session_speculators() {  # BUDGET|epoch [N]: speculators vs ours, as session
   spec_train speculators speculators "$steps"
   go_on evaluate speculators heldout vllm
   go_on served speculators
+}
+
+run_session_speculators() {  # BUDGET|epoch [N]: speculators vs ours, as session_modelopt
+  # in the order that keeps the verdict if the call's time runs out: speculators trained, evaluated and
+  # served; ours at its minutes; MT-bench; ours on the same conversations for one epoch last.
+  # BUDGET=epoch: no probe, speculators trains one whole epoch of the N conversations
+  local budget=${1:-300} n=${2:-32768}
+  speculators_run "$budget" "$n"
   # ours for speculators' training-loop minutes over the whole set
   ours_same_minutes speculators speculators
   go_on evaluate ours_same_minutes heldout vllm
@@ -252,18 +260,8 @@ run_session_pair() {  # epoch|BUDGET [N] [MODELOPT_STEPS_PER_S]: speculators, Mo
   # speculators as in session_speculators; ModelOpt then trains for speculators' loop minutes at its steady
   # rate measured in an earlier session (1.46 steps/s, peers_modelopt_h200: no probe), so that one run of ours
   # (ours_same_minutes) is the equal-minutes reference for both; every draft evaluated (vLLM's rule) and served
-  local budget=${1:-epoch} n=${2:-8192} mo_rate=${3:-1.46} probe=40 rate steps=epoch secs mo_steps
-  [ "${CPU:-0}" = 1 ] && probe=3
-  spec_data speculators "$n"
-  if [ "$budget" != epoch ]; then
-    spec_train speculators_probe speculators "$probe" > "$po/speculators_probe.log" 2>&1 || { tail -n 40 "$po/speculators_probe.log"; return 1; }
-    rate=$(steady_rate "$po/speculators_probe.log" epoch)
-    steps=$(python3 -c "print(max(4, int($budget * $rate)))")
-    echo "peers_gpu: speculators ran $rate steps/s in its probe: $steps steps (one epoch of $n conversations at most)" | tee -a "$po/session.txt"
-  fi
-  spec_train speculators speculators "$steps"
-  go_on evaluate speculators heldout vllm
-  go_on served speculators
+  local budget=${1:-epoch} n=${2:-8192} mo_rate=${3:-1.46} secs mo_steps
+  speculators_run "$budget" "$n"
   secs=$(python3 -c "print(round(60 * $(loop_minutes "$po/speculators/train.log"), 1))")
   mo_steps=$(python3 -c "print(max(8, int($secs * $mo_rate)))")
   echo "peers_gpu: ModelOpt for speculators' $secs s of loop at $mo_rate steps/s: $mo_steps steps, $mo_steps conversations" | tee -a "$po/session.txt"
@@ -291,16 +289,18 @@ served() {  # served FW: vLLM serving the target with $po/FW/export; eagle3-serv
   # --enforce-eager: the start without compile and graph capture (minutes saved per draft); what it accepts is the same
   setsid nohup "${vllm_env[@]}" vllm serve "$target" --port $port --dtype bfloat16 --max-model-len 4096 \
     --gpu-memory-utilization 0.5 --enforce-eager --speculative-config "$spec" > "$po/$fw/vllm_serve.log" 2>&1 < /dev/null &
-  local pid=$!
+  local pid=$! rc=0
   if wait_http "http://127.0.0.1:$port/health" 600 "$pid"; then
     phase "$fw" served python3 -m eagle3_train.evaluation.served_acceptance ++server="http://127.0.0.1:$port" \
       ++engine=vllm ++prompts="$repo/data_prep/prompts/heldout.jsonl" ++max_new_tokens=128 ++draft="$po/$fw/export" \
-      ++out="$po/$fw/served" ++wait_for_server_s=30 || true
+      ++out="$po/$fw/served" ++wait_for_server_s=30 || rc=$?
   else
     tail -n 30 "$po/$fw/vllm_serve.log"
+    rc=1
   fi
   kill -- -"$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
   sleep 5
+  return "$rc"
 }
 
 ours_same_minutes() {  # ours_same_minutes FW NAME: ours over the whole set for FW's training-loop minutes

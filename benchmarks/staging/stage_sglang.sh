@@ -3,7 +3,7 @@
 # transfer carries at most ~64 MiB. 0.5.17 pins torch==2.11.0 and its kernels (sglang-kernel 0.4.5)
 # are built with CUDA 13 (libcudart.so.13); it serves EAGLE-3 drafts (LlamaForCausalLMEagle3).
 #
-#   here:   benchmarks/staging/stage_sglang.sh pack      # .sglang/ (git-ignored): wheels, then parts of <= 60
+#   here:   benchmarks/staging/stage_sglang.sh pack      # .sglang/ (git-ignored): wheels, then parts of <= 52
 #                                            # MiB, one folder each: .sglang/parts/1, /2, ...
 #   there:  one back-to-back call per part (the machine must stay warm: /tmp survives only then),
 #           each with carry [".sglang/parts/<k>"] and the command
