@@ -459,6 +459,22 @@ def test_peers_results_takes_our_trainers_memory_peaks_from_its_metrics(tmp_path
     assert "train_gpu_peak_alloc_gib" not in pr.framework(tmp_path, "ours", [], [], "", {})
 
 
+def test_a_staging_part_still_fits_in_one_device_call_beside_the_working_tree():
+    """A device call carries at most 64 MiB: the tracked tree plus the carried part. The vLLM parts were
+    60 MiB until the tree passed 4 MiB and three of four calls were refused; a part's size leaves room."""
+    import re
+
+    ls = subprocess.run(["git", "ls-files", "-z"], cwd=LAB.parent, capture_output=True)
+    if ls.returncode != 0:
+        pytest.skip("not a git checkout")
+    tree = sum(
+        (LAB.parent / f).stat().st_size for f in ls.stdout.decode().split("\0") if f and (LAB.parent / f).is_file()
+    )
+    for script in ("stage_vllm.sh", "stage_sglang.sh"):
+        part_mib = int(re.search(r"^part_mib=\$\{PART_MIB:-(\d+)\}", (LAB / "staging" / script).read_text(), re.M)[1])
+        assert tree + part_mib * 2**20 <= 62 * 2**20, (script, tree)  # (2 MiB for the tree's growth between packs)
+
+
 def test_peers_gpu_script_parses():
     assert subprocess.run(["bash", "-n", str(LAB / "peers_gpu.sh")]).returncode == 0
 
