@@ -97,7 +97,7 @@ def trainer_curve(log: str) -> list[dict[str, float]]:
 def session_numbers(d: Path) -> dict[str, float]:
     text = (d / "session.txt").read_text() if (d / "session.txt").is_file() else ""
     out: dict[str, float] = {}
-    if m := re.search(r"ran ([0-9.]+) steps/s in its probe: (\d+) steps", text):
+    if m := re.search(r"ModelOpt ran ([0-9.]+) steps/s in its probe: (\d+) steps", text):
         out["modelopt_probe_steps_per_s"], out["modelopt_steps"] = float(m.group(1)), int(m.group(2))
     if m := re.search(r"speculators ran ([0-9.]+) steps/s in its probe: (\d+) steps \(one epoch of (\d+)", text):
         out["speculators_probe_steps_per_s"], out["speculators_steps"] = float(m.group(1)), int(m.group(2))
@@ -106,6 +106,11 @@ def session_numbers(d: Path) -> dict[str, float]:
         out["ours_same_minutes_steps"], out["all_conversations"] = int(m.group(2)), int(m.group(3))
     if m := re.search(r"trained ([0-9.]+) s \(([0-9.]+) minutes of loop\): ours for [0-9.]+ minutes over (\d+)", text):
         out["peer_loop_minutes"], out["all_conversations"] = float(m.group(2)), int(m.group(3))
+    if m := re.search(r"ModelOpt for speculators' ([0-9.]+) s of loop at ([0-9.]+) steps/s: (\d+) steps", text):
+        out["speculators_loop_s"], out["modelopt_steps_per_s_assumed"] = float(m.group(1)), float(m.group(2))
+        out["modelopt_steps"] = int(m.group(3))
+    if "speculators' fused loss did not compile" in text:
+        out["speculators_retried_with_eager_loss"] = 1
     return out
 
 

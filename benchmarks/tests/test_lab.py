@@ -317,6 +317,23 @@ def test_peers_results_reads_the_polls_memory_phases_and_trainer_metrics(tmp_pat
         "ours_same_minutes_steps": 1349,
         "all_conversations": 73728,
     }
+    (tmp_path / "session.txt").write_text(  # session_pair's lines: speculators' probe is not ModelOpt's
+        "peers_gpu: speculators ran 2.5 steps/s in its probe: 750 steps (one epoch of 8192 conversations at most)\n"
+        "peers_gpu: speculators' fused loss did not compile; again with --loss-implementation eager\n"
+        "peers_gpu: ModelOpt for speculators' 95.5 s of loop at 1.46 steps/s: 139 steps, 139 conversations\n"
+        "peers_gpu: speculators trained 170.2 s (1.592 minutes of loop): ours for 1.592 minutes over 73728 conversations\n"
+    )
+    assert pr.session_numbers(tmp_path) == {
+        "speculators_probe_steps_per_s": 2.5,
+        "speculators_steps": 750,
+        "speculators_conversations": 8192,
+        "speculators_loop_s": 95.5,
+        "modelopt_steps_per_s_assumed": 1.46,
+        "modelopt_steps": 139,
+        "speculators_retried_with_eager_loss": 1,
+        "peer_loop_minutes": 1.592,
+        "all_conversations": 73728,
+    }
 
 
 def test_peers_results_reads_each_runs_own_log_and_a_trainer_curve():
