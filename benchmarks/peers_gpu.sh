@@ -7,13 +7,13 @@
 # traps), notes/peer_forward.md (what the engines compute for each export).
 #
 #   here:  bash benchmarks/peers_gpu.sh pack MODELOPT_EXAMPLES MTBENCH_QUESTIONS
-#            .peers/whl: the peers' wheels (nvidia-modelopt + pulp, speculators + hs-connectors);
+#            .peers/whl: the peers' wheels (nvidia-modelopt + pulp, speculators + hs-connectors, specforge + yunchang);
 #            .peers/modelopt_ex: ModelOpt's examples/speculative_decoding launcher (GitHub only);
 #            .peers/data: the conversations (already there) and MT-bench's question.jsonl
 #   there: benchmarks/staging/gpu_stage.sh install   (our wheels and the embedded target, as usual)
 #          bash benchmarks/peers_gpu.sh stage         (in the call that carries .peers: it copies it to /tmp)
 #          bash benchmarks/peers_gpu.sh start session_modelopt [BUDGET_S]   detached (session_speculators
-#            [BUDGET_S|epoch] [N], session_pair [BUDGET_S|epoch] [N] [MODELOPT_STEPS_PER_S])
+#            [BUDGET_S|epoch] [N], session_pair [BUDGET_S|epoch] [N] [MODELOPT_STEPS_PER_S], session_specforge [N] [STEPS])
 #          bash benchmarks/peers_gpu.sh poll SECONDS DEST          back to back until it prints "ended"
 #            (DEST/poll.tgz: everything so far; here: tar xzf it into a folder for peers_results.py)
 #
@@ -25,7 +25,9 @@
 # prompts, then on MT-bench. session_speculators: the same with speculators (its states from vLLM),
 # and each draft served by vLLM for its acceptance length. session_pair: speculators (one epoch of N),
 # ModelOpt for speculators' loop minutes at its rate from an earlier session, ours for those minutes;
-# all three evaluated and served (fits one 30-minute device session at N=8192).
+# all three evaluated and served (fits one 30-minute device session at N=8192). session_specforge [N]
+# [STEPS]: SpecForge's trainer and export on features from an HF forward (benchmarks/peers_specforge.py;
+# its own capture needs SGLang 0.5.14), then ours for its loop minutes; both evaluated and served.
 # /tmp/po holds phases.jsonl (fw, phase, seconds, start, end), smi.csv (GPU memory every 2 s), each
 # framework's export and eval reports. CPU=1 runs it on a CPU machine with a tiny target
 # (TARGET=<hf dir>) to test this script.
@@ -187,6 +189,57 @@ run_speculators() {  # run_speculators NAME N STEPS
   spec_train "$1" "$1" "$3"
 }
 
+sf_prepare() {  # sf_prepare NAME N: SpecForge's draft config and its features of the first N chats, from an HF forward
+  # (its only capture backend is SGLang 0.5.14, which does not import on the image: "SpecForge training on
+  # HF-captured features", notes/peer_training.md Plan B); its own tokenization and masks, template lfm (ChatML)
+  local name=$1 n=$2 data target site=/tmp/sfsite; data=$(subset "$n"); target=$(target_dir)
+  mkdir -p "$po/$name"
+  [ -d "$site/specforge" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+    "$peers"/whl/specforge-*.whl "$peers"/whl/yunchang-*.whl
+  python3 -c "import json,sys; [print(json.dumps({'conversations': json.loads(l)['messages']})) for l in open(sys.argv[1])]" \
+    "$data" > "$po/$name/conversations.jsonl"
+  local sf=(env "PYTHONPATH=$site:${PYTHONPATH:-}" python3 "$repo/benchmarks/peers_specforge.py")
+  "${sf[@]}" config "$target" "$po/$name/draft.json"
+  "${sf[@]}" tied "$target" "$po/$name/target"  # (its target head reads a weight map; the checkpoint is one file)
+  phase "$name" states "${sf[@]}" features "$po/$name/target" "$po/$name/conversations.jsonl" "$po/$name/feats" lfm 2048
+}
+
+sf_train() {  # sf_train NAME STEPS: SpecForge's trainer, its defaults (batch 1, ttt 7, lr 1e-4 cosine), one epoch at most STEPS, export
+  local name=$1 steps=$2 site=/tmp/sfsite
+  local train=(python3 -m specforge.cli) backend=() env_=(env "PYTHONPATH=$site:${PYTHONPATH:-}")
+  if [ "${CPU:-0}" = 1 ]; then
+    train=(python3 "$repo/benchmarks/peers_specforge_cpu.py")
+    backend=(training.attention_backend=sdpa data.dataloader_num_workers=0 training.log_interval=2)
+    env_+=(TORCHDYNAMO_DISABLE=1)
+  fi
+  cat > "$po/$name/run.yaml" <<YAML
+model:
+  target_model_path: $po/$name/target
+  draft_model_config: $po/$name/draft.json
+  lm_head_key: model.embed_tokens.weight
+data:
+  hidden_states_path: $po/$name/feats
+  chat_template: lfm
+  cache_dir: $po/$name/sf_cache
+training:
+  strategy: eagle3
+  num_epochs: 1
+  max_steps: $steps
+run_id: $name
+output_dir: $po/$name/out
+YAML
+  # shellcheck disable=SC2086
+  phase "$name" train "${env_[@]}" "${train[@]}" train -c "$po/$name/run.yaml" "${backend[@]}" 2>&1 \
+    | tee "$po/$name/train.log" || return 1
+  phase "$name" export "${env_[@]}" "${train[@]}" export --to sglang --checkpoint "$po/$name/out/$name-latest" \
+    --draft-config "$po/$name/draft.json" --output-dir "$po/$name/export"
+}
+
+run_specforge() {  # run_specforge NAME N STEPS
+  sf_prepare "$1" "$2"
+  sf_train "$1" "$3"
+}
+
 steady_rate() {  # steady_rate LOG STEPS|epoch: steps/s of LOG's training bar after its first tenth (start-up and compile left out)
   # the bar: HF Trainer's counts STEPS; speculators' reads 'Epoch N  x% ━━ done/total [h:mm:ss' (total: the epoch's)
   python3 -c "
@@ -212,13 +265,20 @@ print(round((last[0] - first[0]) / max(1, last[2] - first[2]), 3))" "$1" "$2"
 }
 
 loop_minutes() {  # loop_minutes LOG: minutes of a peer's training loop, as its own log says
-  # (HF Trainer's train_runtime for ModelOpt; speculators' last epoch bar's elapsed time)
+  # (HF Trainer's train_runtime for ModelOpt; speculators' last epoch bar's elapsed time; SpecForge's
+  # last logged step times the median of its logged optimizer-step times)
   python3 -c "
-import re, sys
+import re, statistics, sys
 text = open(sys.argv[1]).read()
 hf = re.findall(r\"'train_runtime': '?([0-9.]+)\", text)
 bars = re.findall(r'Epoch \d+\s+\d+%\s+\S+\s+\d+/\d+\s+\[\s*(\d+):(\d\d):(\d\d)', text)
-secs = float(hf[-1]) if hf else 3600 * int(bars[-1][0]) + 60 * int(bars[-1][1]) + int(bars[-1][2])
+sf = re.findall(r\"step (\d+): \{.*'perf/optimizer_step_time_s': ([0-9.e-]+)\", text)
+if hf:
+    secs = float(hf[-1])
+elif bars:
+    secs = 3600 * int(bars[-1][0]) + 60 * int(bars[-1][1]) + int(bars[-1][2])
+else:
+    secs = int(sf[-1][0]) * statistics.median(float(t) for _, t in sf)
 print(round(secs / 60, 3))" "$1"
 }
 
@@ -278,6 +338,17 @@ run_session_pair() {  # epoch|BUDGET [N] [MODELOPT_STEPS_PER_S]: speculators, Mo
   go_on evaluate ours_same_data heldout vllm
   go_on served ours_same_data
   go_on evaluate ours_same_data mtbench vllm
+}
+
+run_session_specforge() {  # [N] [STEPS]: SpecForge (its trainer on HF-captured features) vs ours at its minutes
+  local n=${1:-8192} steps=${2:-2000}
+  run_specforge specforge "$n" "$steps"
+  go_on evaluate specforge heldout vllm
+  go_on served specforge
+  ours_same_minutes specforge SpecForge
+  go_on evaluate ours_same_minutes heldout vllm
+  go_on served ours_same_minutes
+  for fw in specforge ours_same_minutes; do go_on evaluate "$fw" mtbench vllm; done
 }
 
 served() {  # served FW: vLLM serving the target with $po/FW/export; eagle3-served-acceptance on the held-out prompts
@@ -351,7 +422,7 @@ pack)
   ex=${2:?ModelOpt examples/speculative_decoding directory}; mt=${3:?MT-bench question.jsonl}
   mkdir -p "$repo/.peers/whl" "$repo/.peers/modelopt_ex/scripts" "$repo/.peers/data"
   python3 -m pip download -q --no-deps -d "$repo/.peers/whl" nvidia-modelopt==0.47.0 pulp==3.3.2 \
-    speculators==0.9.0 hs-connectors==0.9.0
+    speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0 yunchang==0.6.4
   cp "$ex"/{main.py,eagle_utils.py,fsdp2_buffer_patch.py} "$repo/.peers/modelopt_ex/"
   cp "$ex"/scripts/{ar_validate.py,export_hf_checkpoint.py,calibrate_draft_vocab.py} "$repo/.peers/modelopt_ex/scripts/"
   cp "$mt" "$repo/.peers/data/mt_bench_question.jsonl"

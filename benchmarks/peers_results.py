@@ -25,6 +25,7 @@ from eagle3_train.evaluation.reports import read_eval_report
 TITLES = {
     "modelopt": "NVIDIA ModelOpt 0.47.0: its EAGLE-3 example and recipe, defaults",
     "speculators": "speculators 0.9.0: its CLI, defaults",
+    "specforge": "SpecForge 0.2.0: its trainer and export, defaults, on HF-captured features (its SGLang 0.5.14 capture does not import on the image)",
     "ours_same_data": "eagle3_train: the smollm2 recipe, the same conversations, one epoch",
     "ours_same_minutes": "eagle3_train: the smollm2 recipe, the same training minutes, the whole set",
 }

@@ -386,6 +386,13 @@ def test_peers_harness_reads_rates_and_loop_minutes_off_the_peers_progress_bars(
     )
     assert float(_harness("steady_rate", str(spec), "epoch")) == 4.0  # 4 -> 40 steps in 9 -> 18 s
     assert float(_harness("loop_minutes", str(spec))) == round(18 / 60, 3)
+    sf = tmp_path / "specforge.log"  # SpecForge: no bar; its last logged step times its median step time
+    sf.write_text(
+        "step 50: {'acc_0': 0.1, 'loss': 9.1, 'perf/optimizer_step_time_s': 0.2, 'lr': 1e-05}\n"
+        "step 100: {'acc_0': 0.2, 'loss': 8.0, 'perf/optimizer_step_time_s': 0.3, 'lr': 2e-05}\n"
+        "step 150: {'acc_0': 0.3, 'loss': 7.2, 'perf/optimizer_step_time_s': 9.0, 'lr': 3e-05}\n"
+    )
+    assert float(_harness("loop_minutes", str(sf))) == round(150 * 0.3 / 60, 3)
 
 
 def test_peers_harness_phase_fails_with_its_command_and_the_results_say_so(tmp_path):
@@ -490,6 +497,51 @@ def test_a_staging_part_still_fits_in_one_device_call_beside_the_working_tree():
     for script in ("stage_vllm.sh", "stage_sglang.sh"):
         part_mib = int(re.search(r"^part_mib=\$\{PART_MIB:-(\d+)\}", (LAB / "staging" / script).read_text(), re.M)[1])
         assert tree + part_mib * 2**20 <= 62 * 2**20, (script, tree)  # (2 MiB for the tree's growth between packs)
+
+
+def test_specforge_draft_config_and_weight_map_are_derived_from_the_target(tmp_path):
+    """peers_specforge.py: the draft config carries the target's architecture fields with one layer and
+    the draft vocabulary; the linked target directory gains a weight map naming every tensor of its one
+    checkpoint file (SpecForge's target head reads lm_head / embeddings through it)."""
+    import peers_specforge as sf
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    target = tmp_path / "target"
+    target.mkdir()
+    LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        rope_theta=1e5,
+        tie_word_embeddings=True,
+    ).save_pretrained(target)
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(300, 64), "model.norm.weight": torch.ones(64)},
+        str(target / "model.safetensors"),
+    )
+    cfg = sf.draft_config(str(target), str(tmp_path / "draft.json"), 256)
+    assert json.loads((tmp_path / "draft.json").read_text()) == cfg
+    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (
+        64,
+        128,
+        2,
+        300,
+    )
+    assert cfg["num_hidden_layers"] == 1 and cfg["draft_vocab_size"] == 256 and cfg["rope_theta"] == 1e5
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["tie_word_embeddings"] is False
+    sf.tied(str(target), str(tmp_path / "linked"))
+    index = json.loads((tmp_path / "linked" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {
+        "model.embed_tokens.weight": "model.safetensors",
+        "model.norm.weight": "model.safetensors",
+    }
+    assert (tmp_path / "linked" / "config.json").resolve() == (target / "config.json").resolve()
+    assert not (target / "model.safetensors.index.json").exists()
 
 
 def test_peers_gpu_script_parses():
