@@ -13,7 +13,7 @@
 #   there: benchmarks/staging/gpu_stage.sh install   (our wheels and the embedded target, as usual)
 #          bash benchmarks/peers_gpu.sh stage         (in the call that carries .peers: it copies it to /tmp)
 #          bash benchmarks/peers_gpu.sh start session_modelopt [BUDGET_S]   detached (session_speculators
-#            [BUDGET_S|epoch] [N], session_pair [BUDGET_S|epoch] [N] [MODELOPT_STEPS_PER_S], session_specforge [N] [STEPS])
+#            [BUDGET_S|epoch] [N], session_pair [BUDGET_S|epoch] [N] [MODELOPT_STEPS_PER_S], session_specforge [N])
 #          bash benchmarks/peers_gpu.sh poll SECONDS DEST          back to back until it prints "ended"
 #            (DEST/poll.tgz: everything so far; here: tar xzf it into a folder for peers_results.py)
 #
@@ -25,8 +25,8 @@
 # prompts, then on MT-bench. session_speculators: the same with speculators (its states from vLLM),
 # and each draft served by vLLM for its acceptance length. session_pair: speculators (one epoch of N),
 # ModelOpt for speculators' loop minutes at its rate from an earlier session, ours for those minutes;
-# all three evaluated and served (fits one 30-minute device session at N=8192). session_specforge [N]
-# [STEPS]: SpecForge's trainer and export on features from an HF forward (benchmarks/peers_specforge.py;
+# all three evaluated and served (fits one 30-minute device session at N=8192). session_specforge [N]:
+# SpecForge's trainer and export on features from an HF forward (benchmarks/peers_specforge.py;
 # its own capture needs SGLang 0.5.14), then ours for its loop minutes; both evaluated and served.
 # /tmp/po holds phases.jsonl (fw, phase, seconds, start, end), smi.csv (GPU memory every 2 s), each
 # framework's export and eval reports. CPU=1 runs it on a CPU machine with a tiny target
@@ -340,9 +340,10 @@ run_session_pair() {  # epoch|BUDGET [N] [MODELOPT_STEPS_PER_S]: speculators, Mo
   go_on evaluate ours_same_data mtbench vllm
 }
 
-run_session_specforge() {  # [N] [STEPS]: SpecForge (its trainer on HF-captured features) vs ours at its minutes
-  local n=${1:-8192} steps=${2:-2000}
-  run_specforge specforge "$n" "$steps"
+run_session_specforge() {  # [N]: SpecForge (its trainer on HF-captured features, batch 1: one epoch of N conversations
+  # is N steps) vs ours at its minutes
+  local n=${1:-1500}
+  run_specforge specforge "$n" "$n"
   go_on evaluate specforge heldout vllm
   go_on served specforge
   ours_same_minutes specforge SpecForge
