@@ -55,6 +55,17 @@ go_on() {  # go_on command...: a step whose failure the session notes and goes p
   "$@" || echo "peers_gpu: '$*' failed (rc $?); the session goes on" | tee -a "$po/session.txt"
 }
 
+held_out() {  # held_out FW: FW's draft evaluated (vLLM's rule) and served by vLLM on the held-out prompts
+  go_on evaluate "$1" heldout vllm
+  go_on served "$1"
+}
+
+as_conversations() {  # as_conversations IN OUT: the chats with their turns under `conversations`, the one key
+  # speculators' and SpecForge's readers take (not `messages`)
+  python3 -c "import json,sys; [print(json.dumps({'conversations': json.loads(l)['messages']})) for l in open(sys.argv[1])]" \
+    "$1" > "$2"
+}
+
 target_dir() {  # the HF directory of the target (the embedded GGUF, converted once)
   if [ -n "${TARGET:-}" ]; then echo "$TARGET"; return; fi
   python3 -c "from eagle3_train.targets import _local_dir; print(_local_dir('embedded', '$EAGLE3_CACHE'))"
@@ -130,9 +141,7 @@ spec_data() {  # spec_data NAME N: speculators' data: vLLM renders the first N c
   mkdir -p "$po/$name" "$hs"
   [ -d "$site/speculators" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
     "$peers"/whl/speculators-*.whl "$peers"/whl/hs_connectors-*.whl
-  # its reader takes the turns from `conversations` only (not `messages`)
-  python3 -c "import json,sys; [print(json.dumps({'conversations': json.loads(l)['messages']})) for l in open(sys.argv[1])]" \
-    "$data" > "$po/$name/conversations.jsonl"
+  as_conversations "$data" "$po/$name/conversations.jsonl"
   # vLLM writes the states of HF indices 2, N//2, N-3 and the pre-norm final state N (its own launcher's ids),
   # the command this project's served dump uses
   local vllm
@@ -170,16 +179,15 @@ spec_train() {  # spec_train NAME DATA_NAME STEPS|epoch: speculators' trainer, d
   # shellcheck disable=SC2206  # flags: a space-separated list
   extra+=(${SPECULATORS_EXTRA:-})
   # --epochs 1: with more, a run stopped by --max-steps still runs a step, a validation and a save per epoch left
-  if ! phase "$name" train "${train[@]}" --verifier-name-or-path "$target" --data-path "$po/$from/data" \
-    --save-path "$po/$name/ckpt" --on-missing raise --epochs 1 "${extra[@]}" 2>&1 | tee "$po/$name/train.log"; then
+  train+=(--verifier-name-or-path "$target" --data-path "$po/$from/data" --save-path "$po/$name/ckpt"
+          --on-missing raise --epochs 1 "${extra[@]}")
+  if ! phase "$name" train "${train[@]}" 2>&1 | tee "$po/$name/train.log"; then
     # its default loss (fused Triton kernels inside its torch.compile'd forward) does not compile on torch 2.11:
     # dynamo asserts on the autotuner configs its forward and backward kernels share. Once more with its eager loss.
     grep -q "losses/fused.py" "$po/$name/train.log" && [[ " ${extra[*]} " != *" eager "* ]] || return 1
     echo "peers_gpu: speculators' fused loss did not compile; again with --loss-implementation eager" | tee -a "$po/session.txt"
     mv "$po/$name/train.log" "$po/$name/train_fused_failed.log" && rm -rf "$po/$name/ckpt"
-    phase "$name" train "${train[@]}" --verifier-name-or-path "$target" --data-path "$po/$from/data" \
-      --save-path "$po/$name/ckpt" --on-missing raise --epochs 1 "${extra[@]}" --loss-implementation eager 2>&1 \
-      | tee "$po/$name/train.log" || return 1
+    phase "$name" train "${train[@]}" --loss-implementation eager 2>&1 | tee "$po/$name/train.log" || return 1
   fi
   ln -sfn "$po/$name/ckpt/0" "$po/$name/export"
 }
@@ -196,8 +204,7 @@ sf_prepare() {  # sf_prepare NAME N: SpecForge's draft config and its features o
   mkdir -p "$po/$name"
   [ -d "$site/specforge" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
     "$peers"/whl/specforge-*.whl "$peers"/whl/yunchang-*.whl
-  python3 -c "import json,sys; [print(json.dumps({'conversations': json.loads(l)['messages']})) for l in open(sys.argv[1])]" \
-    "$data" > "$po/$name/conversations.jsonl"
+  as_conversations "$data" "$po/$name/conversations.jsonl"
   local sf=(env "PYTHONPATH=$site:${PYTHONPATH:-}" python3 "$repo/benchmarks/peers_specforge.py")
   "${sf[@]}" config "$target" "$po/$name/draft.json"
   "${sf[@]}" tied "$target" "$po/$name/target"  # (its target head reads a weight map; the checkpoint is one file)
@@ -228,7 +235,6 @@ training:
 run_id: $name
 output_dir: $po/$name/out
 YAML
-  # shellcheck disable=SC2086
   phase "$name" train "${env_[@]}" "${train[@]}" train -c "$po/$name/run.yaml" "${backend[@]}" 2>&1 \
     | tee "$po/$name/train.log" || return 1
   phase "$name" export "${env_[@]}" "${train[@]}" export --to sglang --checkpoint "$po/$name/out/$name-latest" \
@@ -294,8 +300,7 @@ speculators_run() {  # speculators_run BUDGET|epoch N: its data and states, its 
     echo "peers_gpu: speculators ran $rate steps/s in its probe: $steps steps (one epoch of $n conversations at most)" | tee -a "$po/session.txt"
   fi
   spec_train speculators speculators "$steps"
-  go_on evaluate speculators heldout vllm
-  go_on served speculators
+  held_out speculators
 }
 
 run_session_speculators() {  # BUDGET|epoch [N]: speculators vs ours, as session_modelopt
@@ -306,13 +311,11 @@ run_session_speculators() {  # BUDGET|epoch [N]: speculators vs ours, as session
   speculators_run "$budget" "$n"
   # ours for speculators' training-loop minutes over the whole set
   ours_same_minutes speculators speculators
-  go_on evaluate ours_same_minutes heldout vllm
-  go_on served ours_same_minutes
+  held_out ours_same_minutes
   for fw in speculators ours_same_minutes; do go_on evaluate "$fw" mtbench vllm; done
   # ours on speculators' conversations, one epoch
   run_ours ours_same_data "$n" 1000000 1
-  go_on evaluate ours_same_data heldout vllm
-  go_on served ours_same_data
+  held_out ours_same_data
   go_on evaluate ours_same_data mtbench vllm
 }
 
@@ -326,17 +329,14 @@ run_session_pair() {  # epoch|BUDGET [N] [MODELOPT_STEPS_PER_S]: speculators, Mo
   mo_steps=$(python3 -c "print(max(8, int($secs * $mo_rate)))")
   echo "peers_gpu: ModelOpt for speculators' $secs s of loop at $mo_rate steps/s: $mo_steps steps, $mo_steps conversations" | tee -a "$po/session.txt"
   if run_modelopt modelopt "$mo_steps" "$mo_steps"; then
-    go_on evaluate modelopt heldout vllm
-    go_on served modelopt
+    held_out modelopt
   fi
   ours_same_minutes speculators speculators
-  go_on evaluate ours_same_minutes heldout vllm
-  go_on served ours_same_minutes
+  held_out ours_same_minutes
   for fw in speculators modelopt ours_same_minutes; do go_on evaluate "$fw" mtbench vllm; done
   go_on evaluate modelopt heldout vllm as_trained
   run_ours ours_same_data "$n" 1000000 1
-  go_on evaluate ours_same_data heldout vllm
-  go_on served ours_same_data
+  held_out ours_same_data
   go_on evaluate ours_same_data mtbench vllm
 }
 
@@ -344,11 +344,9 @@ run_session_specforge() {  # [N]: SpecForge (its trainer on HF-captured features
   # is N steps) vs ours at its minutes
   local n=${1:-1500}
   run_specforge specforge "$n" "$n"
-  go_on evaluate specforge heldout vllm
-  go_on served specforge
+  held_out specforge
   ours_same_minutes specforge SpecForge
-  go_on evaluate ours_same_minutes heldout vllm
-  go_on served ours_same_minutes
+  held_out ours_same_minutes
   for fw in specforge ours_same_minutes; do go_on evaluate "$fw" mtbench vllm; done
 }
 

@@ -14,7 +14,7 @@ import torch.distributed.fsdp as fsdp
 import torch.nn.attention.flex_attention  # noqa: F401
 import transformers  # noqa: F401  (these three load before the stub: they look for the real Triton)
 
-torch.compile(lambda x: x)  # (torch.compile's own imports, while Triton is still the real one's absence)
+torch.compile(lambda x: x)  # (torch.compile's own imports happen here, before the stub replaces Triton)
 
 
 class _Anything:

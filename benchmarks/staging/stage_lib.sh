@@ -160,7 +160,7 @@ pack) pack ;;
 repart) repart ;;
 install) install ;;
 *)
-  echo "usage: stage_$tag.sh pack|install" >&2
+  echo "usage: stage_$tag.sh pack|repart|install" >&2
   exit 2
   ;;
 esac
