@@ -181,14 +181,24 @@ spec_train() {  # spec_train NAME DATA_NAME STEPS|epoch: speculators' trainer, d
   # --epochs 1: with more, a run stopped by --max-steps still runs a step, a validation and a save per epoch left
   train+=(--verifier-name-or-path "$target" --data-path "$po/$from/data" --save-path "$po/$name/ckpt"
           --on-missing raise --epochs 1 "${extra[@]}")
-  if ! phase "$name" train "${train[@]}" 2>&1 | tee "$po/$name/train.log"; then
-    # its default loss (fused Triton kernels inside its torch.compile'd forward) does not compile on torch 2.11:
-    # dynamo asserts on the autotuner configs its forward and backward kernels share. Once more with its eager loss.
-    grep -q "losses/fused.py" "$po/$name/train.log" && [[ " ${extra[*]} " != *" eager "* ]] || return 1
-    echo "peers_gpu: speculators' fused loss did not compile; again with --loss-implementation eager" | tee -a "$po/session.txt"
-    mv "$po/$name/train.log" "$po/$name/train_fused_failed.log" && rm -rf "$po/$name/ckpt"
-    phase "$name" train "${train[@]}" --loss-implementation eager 2>&1 | tee "$po/$name/train.log" || return 1
-  fi
+  local log="$po/$name/train.log"
+  until phase "$name" train "${train[@]}" 2>&1 | tee "$log"; do
+    if grep -q "losses/fused.py" "$log" && [[ " ${train[*]} " != *" eager "* ]]; then
+      # its default loss (fused Triton kernels inside its torch.compile'd forward) does not compile on torch
+      # 2.11: dynamo asserts on the autotuner configs its forward and backward kernels share. Its eager loss then.
+      echo "peers_gpu: speculators' fused loss did not compile; again with --loss-implementation eager" | tee -a "$po/session.txt"
+      mv "$log" "$po/$name/train_fused_failed.log"
+      train+=(--loss-implementation eager)
+    elif grep -qE "torch/_(dynamo|inductor)/" "$log" && [[ " ${train[*]} " != *" TORCHDYNAMO_DISABLE=1 "* ]]; then
+      # its compiled forward failed in torch's compiler (not in its loss): once more with that forward eager
+      echo "peers_gpu: speculators' compiled forward failed in torch's compiler; again with TORCHDYNAMO_DISABLE=1" | tee -a "$po/session.txt"
+      mv "$log" "$po/$name/train_compile_failed.log"
+      train=(env TORCHDYNAMO_DISABLE=1 "${train[@]}")
+    else
+      return 1
+    fi
+    rm -rf "$po/$name/ckpt"
+  done
   ln -sfn "$po/$name/ckpt/0" "$po/$name/export"
 }
 

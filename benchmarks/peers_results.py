@@ -112,6 +112,8 @@ def session_numbers(d: Path) -> dict[str, float]:
         out["modelopt_steps"] = int(m.group(3))
     if "speculators' fused loss did not compile" in text:
         out["speculators_retried_with_eager_loss"] = 1
+    if "speculators' compiled forward failed in torch's compiler" in text:
+        out["speculators_forward_not_compiled"] = 1  # its forward ran eager (TORCHDYNAMO_DISABLE=1): slower
     return out
 
 

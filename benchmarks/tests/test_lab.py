@@ -325,6 +325,7 @@ def test_peers_results_reads_the_polls_memory_phases_and_trainer_metrics(tmp_pat
     (tmp_path / "session.txt").write_text(  # session_pair's lines: speculators' probe is not ModelOpt's
         "peers_gpu: speculators ran 2.5 steps/s in its probe: 750 steps (one epoch of 8192 conversations at most)\n"
         "peers_gpu: speculators' fused loss did not compile; again with --loss-implementation eager\n"
+        "peers_gpu: speculators' compiled forward failed in torch's compiler; again with TORCHDYNAMO_DISABLE=1\n"
         "peers_gpu: ModelOpt for speculators' 95.5 s of loop at 1.46 steps/s: 139 steps, 139 conversations\n"
         "peers_gpu: speculators trained 170.2 s (1.592 minutes of loop): ours for 1.592 minutes over 73728 conversations\n"
     )
@@ -336,6 +337,7 @@ def test_peers_results_reads_the_polls_memory_phases_and_trainer_metrics(tmp_pat
         "modelopt_steps_per_s_assumed": 1.46,
         "modelopt_steps": 139,
         "speculators_retried_with_eager_loss": 1,
+        "speculators_forward_not_compiled": 1,
         "peer_loop_minutes": 1.592,
         "all_conversations": 73728,
     }
@@ -422,8 +424,9 @@ def test_peers_harness_phase_fails_with_its_command_and_the_results_say_so(tmp_p
 
 def test_speculators_training_retries_once_with_its_eager_loss_when_the_fused_one_fails(tmp_path):
     """On torch 2.11 speculators' default fused loss fails inside its compiled forward: spec_train runs it
-    once more with --loss-implementation eager (the failed log kept, the session told), and a failure
-    that is not the fused loss's is not retried."""
+    once more with --loss-implementation eager (the failed log kept, the session told); should that fail
+    in torch's compiler, once more with its forward uncompiled (TORCHDYNAMO_DISABLE=1); a failure that
+    is neither is not retried."""
     real = shutil.which("python3")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -432,10 +435,12 @@ def test_speculators_training_retries_once_with_its_eager_loss_when_the_fused_on
     fake.write_text(
         "#!/usr/bin/env bash\n"
         f'if [ "$1 $2" != "-m speculators" ]; then exec {real} "$@"; fi\n'
-        f'echo "$*" >> {calls}\n'
+        f'echo "${{TORCHDYNAMO_DISABLE:-compiled}} $*" >> {calls}\n'
         'if [[ " $* " == *" --loss-implementation eager "* ]]; then\n'
+        '  if [ "$FAIL_IN" = compile ] && [ -z "${TORCHDYNAMO_DISABLE:-}" ]; then\n'
+        '    echo "  File "/t/torch/_dynamo/eval_frame.py", line 929, in compile_wrapper"; exit 1; fi\n'
         '  while [ "$1" != --save-path ]; do shift; done; mkdir -p "$2/0"; echo trained; exit 0; fi\n'
-        'echo "  File "/s/speculators/losses/${FAIL_IN:-fused}.py", line 343, in backward"; exit 1\n'
+        'echo "  File "/s/speculators/losses/${FAIL_IN/compile/fused}.py", line 343, in backward"; exit 1\n'
     )
     fake.chmod(0o755)
 
@@ -460,6 +465,17 @@ def test_speculators_training_retries_once_with_its_eager_loss_when_the_fused_on
     assert "fused loss did not compile" in (po / "session.txt").read_text()
     assert "losses/fused.py" in (po / "speculators" / "train_fused_failed.log").read_text()
     assert (po / "speculators" / "train.log").read_text().splitlines()[0] == "trained"
+    assert (po / "speculators" / "export").resolve() == (po / "speculators" / "ckpt" / "0").resolve()
+    assert tries[0].startswith("compiled ") and tries[1].startswith("compiled ")
+    calls.unlink()
+    run = spec_train("compile")  # its eager loss too fails, in dynamo: then its forward uncompiled
+    assert run.returncode == 0, run.stdout + run.stderr
+    po = tmp_path / "po_compile"
+    tries = calls.read_text().splitlines()
+    assert len(tries) == 3 and tries[2].startswith("1 ") and tries[2].endswith("--loss-implementation eager")
+    said = (po / "session.txt").read_text()
+    assert "fused loss did not compile" in said and "failed in torch's compiler" in said
+    assert "torch/_dynamo" in (po / "speculators" / "train_compile_failed.log").read_text()
     assert (po / "speculators" / "export").resolve() == (po / "speculators" / "ckpt" / "0").resolve()
     calls.unlink()
     run = spec_train("other")
