@@ -24,7 +24,7 @@ Variables (default): W (/tmp/w31), FAMILIES (every tiny family), ENGINES (vllm),
 SGLang 0.5.17 has no aux-state return for a dump, --return-aux-hidden-state-layer-ids came later),
 VLLM_FAMILIES / SGLANG_FAMILIES (every tiny family: those each engine serves), PHASES (train,serve; serve
 alone reuses phase 1's outputs in W), CLIENT_TEMPLATE (gpt_oss: served acceptance with template=client), TRAIN_N (512), CMP_N (64), K (4), NEW_TOKENS (64), EPOCHS (10),
-TRAIN_S (400), SGLANG_MEM (0.1: --mem-fraction-static), BASE_PORT (8100), SITE / VSITE / SGSITE (/tmp/site, /tmp/vsite, /tmp/sgsite: where
+TRAIN_S (400), TRAIN_OVERRIDES (more eagle3-train overrides, space-separated), SGLANG_MEM (0.1: --mem-fraction-static), BASE_PORT (8100), SITE / VSITE / SGSITE (/tmp/site, /tmp/vsite, /tmp/sgsite: where
 benchmarks/staging/gpu_stage.sh, stage_vllm.sh and stage_sglang.sh installed; each engine runs with its own).
 
 On the CPU the same script runs against the stand-in engines of tests/standin_engines.py (PATH with a
@@ -67,6 +67,7 @@ K = int(os.environ.get("K", 4))
 NEW = int(os.environ.get("NEW_TOKENS", 64))
 EPOCHS = int(os.environ.get("EPOCHS", 10))
 TRAIN_S = int(os.environ.get("TRAIN_S", 400))
+TRAIN_OVERRIDES = os.environ.get("TRAIN_OVERRIDES", "").split()  # more eagle3-train overrides, e.g. model.aux_norm=true
 BASE_PORT = int(os.environ.get("BASE_PORT", 8100))
 PY = sys.executable
 PROMPTS = REPO / "data_prep" / "prompts"
@@ -285,6 +286,7 @@ def train_family(fam: str) -> None:
             "train.save_every=50",
             "train.log_every=20",
             "progress=false",
+            *TRAIN_OVERRIDES,
         ),
     )
     if step(f"{fam}/export", 300, m("eagle3_train.serving.export", f"run={d / 'train'}", f"out={d / 'export'}")):
@@ -560,6 +562,7 @@ def main() -> None:
         "K": K,
         "NEW_TOKENS": NEW,
         "EPOCHS": EPOCHS,
+        "TRAIN_OVERRIDES": TRAIN_OVERRIDES,
     }
     try:
         RESULTS["machine"] = subprocess.run(

@@ -757,21 +757,56 @@ def test_lm_head_from_the_target_frozen_and_exported(std_part, tmp_path):
     }
 
 
-def test_aux_norm_trains_but_export_refuses(std, tmp_path):
-    """model.aux_norm: the norm is trained (its weight moves) but no engine loads it, so export
-    refuses with the reason and writes nothing."""
+def test_aux_norm_is_exported_as_the_engines_input_norm(std, tmp_path, said):
+    """model.aux_norm: the norm is trained (its weight moves) and exported as the norm both engines
+    build when the config sets norm_before_fc (input_norm, one RMSNorm over the whole fc input): the
+    engines' math on the exported files (the flag read from its config) drafts what the trained head
+    does, eagle3-eval builds that head for either engine, eagle3-check passes it, and without the
+    flag (the engines would leave input_norm out) check refuses the files."""
     from eagle3_train.engines.rules import DRAFT_WEIGHTS
+    from eagle3_train.evaluation.eval import load_draft
+    from eagle3_train.model import DraftConfig, Eagle3Draft
+    from eagle3_train.serving.check import CheckConfig, run_check
+    from eagle3_train.targets import load_target
+    from test_peer_drafts import our_chain, reference_chain
 
     assert DRAFT_WEIGHTS == ENGINE_WEIGHT_NAMES
     final = train(std, tmp_path / "r", max_steps=4, model=ModelOptions(aux_norm=True))
-    weights = load_file(str(tmp_path / "r" / "checkpoints" / f"step{final['step']}" / "draft.safetensors"))
-    assert weights["aux_norm.weight"].shape == (192,) and not torch.equal(weights["aux_norm.weight"], torch.ones(192))
-    with pytest.raises(
-        ContractError,
-        match=r"(?s)silently drop and vLLM 0.33.0 would fail on .*'aux_norm.weight'.*model.aux_norm=false",
-    ):
-        Exporter(ExportConfig(run=str(tmp_path / "r"), out=str(tmp_path / "x"))).run()
-    assert not (tmp_path / "x").exists()
+    ckpt = tmp_path / "r" / "checkpoints" / f"step{final['step']}"
+    trained = load_file(str(ckpt / "draft.safetensors"))
+    assert trained["aux_norm.weight"].shape == (192,) and not torch.equal(trained["aux_norm.weight"], torch.ones(192))
+    config = Exporter(ExportConfig(run=str(tmp_path / "r"), out=str(tmp_path / "x"), dtype="float32")).run()
+    exported = load_file(str(tmp_path / "x" / "model.safetensors"))
+    assert set(exported) == ENGINE_WEIGHT_NAMES | {"input_norm.weight"} and config["norm_before_fc"] is True
+    assert torch.equal(exported["input_norm.weight"], trained["aux_norm.weight"])
+    assert config["eagle3_train"]["training"]["model"]["aux_norm"] is True
+
+    target = load_target("tiny", cache_dir=None, dtype="float32")
+    head = Eagle3Draft(DraftConfig(**json.loads((ckpt / "state.json").read_text())["draft_config"])).float()
+    embed = target.model.get_input_embeddings().weight.detach().float()
+    head.load_state_dict(trained | {"embed_tokens.weight": embed})  # (the checkpoint keeps no embeddings)
+    g = torch.Generator().manual_seed(0)
+    aux = 3 * torch.randn(9, 192, generator=g) + 1  # states far from unit RMS, so the norm matters
+    ids = torch.randint(0, 320, (10,), generator=g)
+    with torch.no_grad():
+        want_tokens, want = reference_chain(tmp_path / "x", embed, aux, ids, 4, {"norm_before_fc": True})
+        got_tokens, got = our_chain(head, aux, ids, 4)
+        _, unnormed = reference_chain(tmp_path / "x", embed, aux, ids, 4, {})
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert got_tokens == want_tokens and not torch.allclose(unnormed, want, atol=1e-2)
+    for engine in ("sglang", "vllm"):
+        loaded, _ = load_draft(tmp_path / "x", target, engine)
+        assert loaded.config.aux_norm and torch.equal(loaded.aux_norm.weight, head.aux_norm.weight)
+        with torch.no_grad():
+            torch.testing.assert_close(our_chain(loaded.float(), aux, ids, 4)[1], want, rtol=1e-4, atol=1e-4)
+
+    assert run_check(CheckConfig(draft=str(tmp_path / "x"), target="tiny")) == 0
+    said()
+    c = json.loads((tmp_path / "x" / "config.json").read_text())
+    del c["norm_before_fc"]
+    (tmp_path / "x" / "config.json").write_text(json.dumps(c))
+    assert run_check(CheckConfig(draft=str(tmp_path / "x"), target="tiny")) == 1
+    assert "'aux_norm.weight'] are not part of the EAGLE-3 draft the engines build" in said()
 
 
 def test_wider_mlp_is_exported_and_loaded_back(std, tmp_path):

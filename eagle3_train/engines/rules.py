@@ -120,9 +120,16 @@ DRAFT_WEIGHTS = frozenset(
 )
 
 
-def unloadable_weights(names: set[str]) -> list[str]:
-    """The weight names neither engine would load (see :data:`DRAFT_WEIGHTS`), sorted."""
-    return sorted(set(names) - DRAFT_WEIGHTS)
+# One RMSNorm over the concatenated aux states before fc (our model.aux_norm): both engines build
+# it, as ``input_norm``, when the config sets ``norm_before_fc`` (``eagle_config`` first, then the
+# top level; vLLM 0.26.0 and SGLang 0.5.17 / 0.5.23 llama_eagle3.py), and leave the weight out otherwise.
+NORM_BEFORE_FC_WEIGHT = "input_norm.weight"
+
+
+def unloadable_weights(names: set[str], norm_before_fc: bool = False) -> list[str]:
+    """The weight names neither engine would load (see :data:`DRAFT_WEIGHTS`; with
+    ``norm_before_fc`` also :data:`NORM_BEFORE_FC_WEIGHT`), sorted."""
+    return sorted(set(names) - DRAFT_WEIGHTS - ({NORM_BEFORE_FC_WEIGHT} if norm_before_fc else set()))
 
 
 def foreign_weights_text(engines: list[str]) -> str:

@@ -382,13 +382,13 @@ def run_check(cfg: CheckConfig) -> int:
     if dd.producer != OURS:
         fc = tensors.get("fc.weight")
         head, foreign = foreign_findings(dd, list(cfg.engines), None if fc is None else fc.shape[1])
-        names -= dd.extra_weights()  # weights its flags account for
         if trained is None:
             capture = dd.capture(text_config(target_cfg).num_hidden_layers)
             head.append(f"trained on: HF {capture.hf_indices}, {capture.source}")
             trained = capture.hf_indices if capture.recorded else None
     elif trained is None:
         trained = config.get("eagle3_train", {}).get("capture", {}).get("aux_indices")
+    names -= dd.extra_weights()  # weights its flags account for (ours: model.aux_norm's, as input_norm)
     lines, findings = check(config, tensors, target_cfg, trained, list(cfg.engines), names)
     lines, findings = head + lines, foreign + findings
     more_lines, more = check_states_from(config, cfg.serving)

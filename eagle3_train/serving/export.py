@@ -6,12 +6,14 @@ hidden states the draft was trained on -- or a refusal that says why.
 Writes ``config.json`` (``LlamaForCausalLMEagle3``, the draft's shapes, the engine keys computed by
 :mod:`eagle3_train.engines.rules`, and an ``eagle3_train`` block with the capture spec, target identity,
 vocab map hash and training summary), ``model.safetensors`` (``fc``, ``midlayer.*``, ``norm``,
-``lm_head``, ``d2t``, ``t2d``; no embeddings: SGLang uses the target's; metadata ``format: pt``), the
+``lm_head``, ``d2t``, ``t2d``, and for a head trained with ``model.aux_norm`` its norm as the
+engines' ``input_norm`` with ``norm_before_fc: true`` in the config; no embeddings: SGLang uses the
+target's; metadata ``format: pt``), the
 model card ``README.md`` (:mod:`eagle3_train.serving.card`: the hub's front matter, target, capture,
 each engine's serve command, and the τ of any eval report of these files beside the directory) and
 ``manifest.json`` last. No file names a local path: the target by its hub id or directory name, the
 checkpoint by its name and its run by a hash.
-A head holding any other weight (``model.aux_norm``) is refused: neither engine would run it as trained.
+A head holding any other weight is refused: neither engine would run it as trained.
 From a run directory it exports the best checkpoint when the run kept one (``train.keep_best``),
 else the last.
 """
@@ -46,6 +48,7 @@ from eagle3_train.core.log import LogConfig
 from eagle3_train.core.stagedir import hold_lock
 from eagle3_train.engines import registry
 from eagle3_train.engines.rules import (
+    NORM_BEFORE_FC_WEIGHT,
     TOP_KEY,
     Unexpressible,
     fc_skipped,
@@ -144,22 +147,25 @@ def run_sha256(ckpt: Path) -> str:
     return sha256_text(str(ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt))
 
 
+def engine_weights(weights: dict[str, torch.Tensor], draft_config: DraftConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the names the engines load: the norm of ``model.aux_norm``
+    (one RMSNorm over the concatenated states before fc) is their ``input_norm``."""
+    if not draft_config.aux_norm or "aux_norm.weight" not in weights:
+        return weights
+    out = {k: v for k, v in weights.items() if k != "aux_norm.weight"}
+    out[NORM_BEFORE_FC_WEIGHT] = weights["aux_norm.weight"]
+    return out
+
+
 def refuse_unloadable(names: set[str], draft_config: DraftConfig) -> None:
     """Refuse weights that the engines would not load (see ``engines.rules.DRAFT_WEIGHTS``): SGLang
     drops an unknown name silently and runs a different head; vLLM fails on it."""
-    extra = unloadable_weights(names)
-    if not extra:
-        return
-    engines = registry.names("export")
-    why = (
-        f"the head was trained with model.aux_norm (an RMSNorm before fc), which no llama_eagle3 in "
-        f"{' or '.join(registry.ENGINES[e].title for e in engines)} has, and it cannot be folded into fc (it divides "
-        f"by each position's RMS): train with model.aux_norm=false to serve, or compare heads by the run's eval "
-        f"simulated tau"
-        if draft_config.aux_norm
-        else "they are not part of the EAGLE-3 draft the engines build"
-    )
-    raise ContractError(f"export refused: {foreign_weights_text(engines)} the weights {extra}; {why}")
+    extra = unloadable_weights(names, norm_before_fc=draft_config.aux_norm)
+    if extra:
+        raise ContractError(
+            f"export refused: {foreign_weights_text(registry.names('export'))} the weights {extra}; "
+            "they are not part of the EAGLE-3 draft the engines build"
+        )
 
 
 def engine_keys(spec: CaptureSpec, engines: list[str]) -> dict[str, Any]:
@@ -224,7 +230,7 @@ def draft_config_json(dc: DraftConfig) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
-    }
+    } | ({"norm_before_fc": True} if dc.aux_norm else {})  # the engines' input_norm (engine_weights)
 
 
 def draft_config_from_json(c: dict[str, Any], fc_width: int) -> DraftConfig:
@@ -280,6 +286,7 @@ class Exporter:
             for k, v in weights.items()
             if not k.startswith("embed_tokens")
         }
+        weights = engine_weights(weights, self.draft_config)
         refuse_unloadable(set(weights), self.draft_config)
         config = draft_config_json(self.draft_config) | keys | {"torch_dtype": self.cfg.dtype}
         target = self.spec.target.to_dict() | {"path": public_name(self.spec.target.path)}  # no local path

@@ -115,7 +115,7 @@ class ModelOptions:
 
     lm_head_init: str = "random"  # random | target: start lm_head from the target lm_head's rows of the draft vocab (and norm from the target's final norm)
     freeze_lm_head: bool = False  # keep lm_head at its initial value (needs lm_head_init=target)
-    aux_norm: bool = False  # RMSNorm over the concatenated aux states before fc; SGLang and vLLM cannot load it, so eagle3-export refuses such a head
+    aux_norm: bool = False  # RMSNorm over the concatenated aux states before fc; exported as the engines' input_norm with norm_before_fc
     intermediate_size: int = 0  # the draft MLP's width; 0: the target's (engines read it from the exported config.json)
 
     def __post_init__(self) -> None:
