@@ -777,7 +777,8 @@ def test_aux_norm_is_exported_as_the_engines_input_norm(std, tmp_path, said):
     assert trained["aux_norm.weight"].shape == (192,) and not torch.equal(trained["aux_norm.weight"], torch.ones(192))
     config = Exporter(ExportConfig(run=str(tmp_path / "r"), out=str(tmp_path / "x"), dtype="float32")).run()
     exported = load_file(str(tmp_path / "x" / "model.safetensors"))
-    assert set(exported) == ENGINE_WEIGHT_NAMES | {"input_norm.weight"} and config["norm_before_fc"] is True
+    assert set(exported) == ENGINE_WEIGHT_NAMES | {"input_norm.weight"}
+    assert config["norm_before_fc"] is True and config["eagle_config"]["norm_before_fc"] is True
     assert torch.equal(exported["input_norm.weight"], trained["aux_norm.weight"])
     assert config["eagle3_train"]["training"]["model"]["aux_norm"] is True
 
@@ -803,7 +804,7 @@ def test_aux_norm_is_exported_as_the_engines_input_norm(std, tmp_path, said):
     assert run_check(CheckConfig(draft=str(tmp_path / "x"), target="tiny")) == 0
     said()
     c = json.loads((tmp_path / "x" / "config.json").read_text())
-    del c["norm_before_fc"]
+    del c["norm_before_fc"], c["eagle_config"]["norm_before_fc"]
     (tmp_path / "x" / "config.json").write_text(json.dumps(c))
     assert run_check(CheckConfig(draft=str(tmp_path / "x"), target="tiny")) == 1
     assert "'aux_norm.weight'] are not part of the EAGLE-3 draft the engines build" in said()
