@@ -30,7 +30,8 @@
 # its own capture needs SGLang 0.5.14), then ours for its loop minutes; both evaluated and served.
 # /tmp/po holds phases.jsonl (fw, phase, seconds, start, end), smi.csv (GPU memory every 2 s), each
 # framework's export and eval reports. CPU=1 runs it on a CPU machine with a tiny target
-# (TARGET=<hf dir>) to test this script.
+# (TARGET=<hf dir>) to test this script: vLLM is then a stand-in (benchmarks/peers_vllm_standin.py for
+# speculators' states, tests/standin_engines.py serving each draft as eval computes it for vLLM).
 set -euo pipefail
 cmd=${1:?usage: peers_gpu.sh pack|stage|start|poll|job ...}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -361,13 +362,15 @@ run_session_specforge() {  # [N]: SpecForge (its trainer on HF-captured features
 }
 
 served() {  # served FW: vLLM serving the target with $po/FW/export; eagle3-served-acceptance on the held-out prompts
-  local fw=$1 target port=8766 spec; target=$(target_dir)
-  [ "${CPU:-0}" = 1 ] && return 0  # no engine on a CPU machine
+  local fw=$1 target port=8766 spec vllm=(vllm); target=$(target_dir)
+  # on a CPU machine the stand-in of tests/standin_engines.py, from the same command line: it runs the draft
+  # as eagle3-eval's decoder computes it for vLLM and counts acceptance as vLLM's /metrics does
+  [ "${CPU:-0}" = 1 ] && vllm=(python3 "$repo/tests/standin_engines.py" vllm)
   spec=$(python3 -c "import json,sys; print(json.dumps({'method': 'eagle3', 'model': sys.argv[1], 'num_speculative_tokens': 5}))" "$po/$fw/export")
   # shellcheck source=benchmarks/staging/engine_env.sh
   source "$repo/benchmarks/staging/engine_env.sh"
   # --enforce-eager: the start without compile and graph capture (minutes saved per draft); what it accepts is the same
-  setsid nohup "${vllm_env[@]}" vllm serve "$target" --port $port --dtype bfloat16 --max-model-len 4096 \
+  setsid nohup "${vllm_env[@]}" "${vllm[@]}" serve "$target" --port $port --dtype bfloat16 --max-model-len 4096 \
     --gpu-memory-utilization 0.5 --enforce-eager --speculative-config "$spec" > "$po/$fw/vllm_serve.log" 2>&1 < /dev/null &
   local pid=$! rc=0
   if wait_http "http://127.0.0.1:$port/health" 600 "$pid"; then

@@ -313,8 +313,8 @@ class StandinVllm(_Standin):
         from eagle3_train.targets import Target, eos_ids, target_identity
 
         identity = target_identity("standin", self.model.config, self.tokenizer)
-        draft, config = load_draft(
-            Path(draft_dir), Target(self.model, self.tokenizer, self.model.config, identity, None)
+        draft, config = load_draft(  # the forward ``engine`` computes for it (its flags, what it leaves out)
+            Path(draft_dir), Target(self.model, self.tokenizer, self.model.config, identity, None), engine
         )
         rule = resolve(config, engine, self.model.config.model_type, self.n)[0]
         layers = rule.fed  # in vLLM's order, N for the last layer's pre-norm output (an id N, or id 0)

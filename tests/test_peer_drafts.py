@@ -302,6 +302,27 @@ def test_eval_runs_each_peer_export_as_its_engine_would(target_dir):
     assert sf["trained_hf_indices"] is None and any("not recorded: SpecForge's default" in w for w in sf["warnings"])
 
 
+def test_the_vllm_standin_serves_a_speculators_export_as_eval_computes_it(target_dir):
+    """The stand-in vLLM (what the lab's CPU runs serve peers' drafts with) runs a speculators export
+    with vLLM's forward (its input_norm, normed residual and normed output; SGLang cannot load the
+    format at all): its served figures are eagle3-eval's with engine=vllm."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from standin_engines import StandinVllm
+    from test_served_acceptance import measure
+
+    ev = evaluate(target_dir, "speculators", "vllm")
+    spec = {"method": "eagle3", "model": str(PEERS / "speculators"), "num_speculative_tokens": 3}
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    with StandinVllm(model, tokenizer=AutoTokenizer.from_pretrained(target_dir), speculative=spec) as server:
+        served = measure(
+            server.url, target_dir.parent / "prompts.jsonl", target_dir.parent / "served", max_new_tokens=24
+        )
+    assert served.mean_acceptance_length == pytest.approx(ev["tau"], abs=1e-9)
+    assert served.conditional_acceptance_per_position == pytest.approx(ev["acceptance_per_position"], abs=1e-9)
+    assert served.drafts == ev["verify_steps"] and served.completion_tokens == ev["tokens"]
+
+
 def test_the_eval_report_says_who_wrote_the_draft(target_dir):
     report = evaluate(target_dir, "speculators", "vllm")
     assert report["draft_format"] == {
