@@ -429,6 +429,28 @@ run_session_modelopt() {  # BUDGET: ModelOpt vs ours, same data and epochs, and 
   for fw in modelopt ours_same_data ours_same_minutes; do go_on evaluate "$fw" mtbench sglang; done
 }
 
+pack_poll() {  # pack_poll DEST: what exists so far, as DEST/poll.tgz (one archive: a call brings back at most 8 files)
+  local pack rel f d
+  pack=$(mktemp -d)
+  for f in log phases.jsonl smi.csv rc session.txt modelopt_probe.log speculators_probe.log; do
+    [ -f "$po/$f" ] && cp "$po/$f" "$pack/"
+  done
+  for f in "$po"/*/eval_*/report.json "$po"/*/served/report.json "$po"/*/export/config.json \
+           "$po"/*/run/train/metrics.jsonl "$po"/*/run/prepared/manifest.json "$po"/*/run/train/best.json \
+           "$po"/*/train.log; do
+    rel=${f#"$po"/}
+    [ -f "$f" ] && cp "$f" "$pack/${rel//\//_}"
+  done
+  for f in "$po"/*/vllm*.log; do  # the engines' logs: their ends
+    rel=${f#"$po"/}
+    [ -f "$f" ] && tail -n 150 "$f" > "$pack/${rel//\//_}"
+  done
+  for d in "$po"/*/export; do
+    [ -d "$d" ] && echo "$(basename "$(dirname "$d")") $(cat "$d"/*.safetensors | wc -c)"
+  done > "$pack/draft_bytes.txt"
+  mkdir -p "$dest" && tar czf "$dest/.poll.tgz" -C "$pack" . && mv "$dest/.poll.tgz" "$dest/poll.tgz" && rm -rf "$pack"
+}
+
 case $cmd in
 pack)
   ex=${2:?ModelOpt examples/speculative_decoding directory}; mt=${3:?MT-bench question.jsonl}
@@ -463,29 +485,16 @@ job)
   "run_$what" "$@"
   ;;
 poll)
-  # what exists so far, packed as one archive: a call brings back at most 8 files
+  # what exists so far, packed as one archive every minute (and at the end): should the call be cut
+  # short by the device's limit, the last minute's archive still comes back
   secs=${2:?seconds}; dest=${3:?destination}
-  end=$((SECONDS + secs))
-  while [ ! -f "$po/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
-  pack=$(mktemp -d)
-  for f in log phases.jsonl smi.csv rc session.txt modelopt_probe.log speculators_probe.log; do
-    [ -f "$po/$f" ] && cp "$po/$f" "$pack/"
+  end=$((SECONDS + secs)) next=$SECONDS
+  while [ ! -f "$po/rc" ] && [ $SECONDS -lt $end ]; do
+    if [ $SECONDS -ge $next ]; then pack_poll "$dest"; next=$((SECONDS + 60)); fi
+    sleep 5
   done
-  for f in "$po"/*/eval_*/report.json "$po"/*/served/report.json "$po"/*/export/config.json \
-           "$po"/*/run/train/metrics.jsonl "$po"/*/run/prepared/manifest.json "$po"/*/run/train/best.json \
-           "$po"/*/train.log; do
-    rel=${f#"$po"/}
-    [ -f "$f" ] && cp "$f" "$pack/${rel//\//_}"
-  done
-  for f in "$po"/*/vllm*.log; do  # the engines' logs: their ends
-    rel=${f#"$po"/}
-    [ -f "$f" ] && tail -n 150 "$f" > "$pack/${rel//\//_}"
-  done
-  for d in "$po"/*/export; do
-    [ -d "$d" ] && echo "$(basename "$(dirname "$d")") $(cat "$d"/*.safetensors | wc -c)"
-  done > "$pack/draft_bytes.txt"
-  mkdir -p "$dest" && tar czf "$dest/poll.tgz" -C "$pack" . && rm -rf "$pack"
-  grep "peers_gpu:\|tau \|Error\|error" "$po/log" | tail -n 20
+  pack_poll "$dest"
+  grep "peers_gpu:\|tau \|Error\|error" "$po/log" | tail -n 20 || true  # (nothing matched yet: not a failure)
   tail -n 4 "$po/log"
   if [ -f "$po/rc" ]; then
     [ -f "$po/smi.pid" ] && kill "$(cat "$po/smi.pid")" 2>/dev/null || true

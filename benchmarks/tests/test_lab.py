@@ -483,6 +483,38 @@ def test_speculators_training_retries_once_with_its_eager_loss_when_the_fused_on
     assert not (tmp_path / "po_other" / "speculators" / "export").exists()
 
 
+def test_the_poll_leaves_an_archive_while_it_waits_and_the_last_one_at_its_end(tmp_path):
+    """A poll call cut short by the device's limit still brings back what the session had so far:
+    the archive is written as the poll starts waiting (then each minute), and again at its end."""
+    import tarfile
+    import time
+
+    po, dest = tmp_path / "po", tmp_path / "out"
+    (po / "speculators" / "served").mkdir(parents=True)
+    (po / "session.txt").write_text("peers_gpu: started\n")
+    (po / "log").write_text("")
+    env = {**os.environ, "PO": str(po), "PEERS": str(tmp_path / "peers")}
+    poll = subprocess.Popen(["bash", str(LAB / "peers_gpu.sh"), "poll", "30", str(dest)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        for _ in range(100):  # the first archive, long before the 30 s are up
+            if (dest / "poll.tgz").is_file():
+                break
+            time.sleep(0.1)
+        assert poll.poll() is None and (dest / "poll.tgz").is_file()
+        with tarfile.open(dest / "poll.tgz") as tar:
+            assert "./session.txt" in tar.getnames() and "./speculators_served_report.json" not in tar.getnames()
+        (po / "speculators" / "served" / "report.json").write_text("{}")
+        (po / "rc").write_text("0\n")  # the session ends: the poll packs once more and returns
+        out, _ = poll.communicate(timeout=30)
+    finally:
+        poll.kill()
+    assert "ended: rc=0" in out
+    with tarfile.open(dest / "poll.tgz") as tar:
+        assert {"./rc", "./speculators_served_report.json"} <= set(tar.getnames())
+    assert sorted(p.name for p in dest.iterdir()) == ["poll.tgz"]  # no half-written archive left
+
+
 def test_peers_results_takes_our_trainers_memory_peaks_from_its_metrics(tmp_path):
     """Beside nvidia-smi's device total, ours reports what its tensors and its allocator held: the
     largest of each over the run's records (records without them, e.g. a CPU run's, add nothing)."""
