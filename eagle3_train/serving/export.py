@@ -290,7 +290,7 @@ class Exporter:
         refuse_unloadable(set(weights), self.draft_config)
         config = draft_config_json(self.draft_config) | keys | {"torch_dtype": self.cfg.dtype}
         if self.draft_config.aux_norm and "eagle_config" in config:  # where both engines look first
-            config["eagle_config"]["norm_before_fc"] = True
+            config["eagle_config"] = config["eagle_config"] | {"norm_before_fc": True}
         target = self.spec.target.to_dict() | {"path": public_name(self.spec.target.path)}  # no local path
         config["eagle3_train"] = {
             "capture": self.spec.to_dict() | {"target": target},
