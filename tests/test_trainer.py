@@ -807,7 +807,11 @@ def test_aux_norm_is_exported_as_the_engines_input_norm(std, tmp_path, said):
     del c["norm_before_fc"], c["eagle_config"]["norm_before_fc"]
     (tmp_path / "x" / "config.json").write_text(json.dumps(c))
     assert run_check(CheckConfig(draft=str(tmp_path / "x"), target="tiny")) == 1
-    assert "'aux_norm.weight'] are not part of the EAGLE-3 draft the engines build" in said()
+    out = said()
+    assert (
+        "trained with model.aux_norm (its norm is input_norm.weight), but the config does not set norm_before_fc" in out
+    )
+    assert "not part of the EAGLE-3 draft" not in out and "1 problem(s)" in out
 
 
 def test_wider_mlp_is_exported_and_loaded_back(std, tmp_path):

@@ -371,6 +371,19 @@ def check_states_from(config: dict, serving: ServingConfig) -> tuple[list[str], 
     return lines, findings
 
 
+def _unflagged_aux_norm(dd: DraftDir) -> Finding | None:
+    """Our export of a head trained with model.aux_norm whose config lost ``norm_before_fc``: both
+    engines would leave its input_norm out and run a head it was not trained as."""
+    trained = ((dd.config.get("eagle3_train") or {}).get("training") or {}).get("model") or {}
+    if not trained.get("aux_norm") or dd.flags("vllm").aux_norm:
+        return None
+    return Finding(
+        "error",
+        "the head was trained with model.aux_norm (its norm is input_norm.weight), but the config does not set "
+        "norm_before_fc: both engines would leave that norm out; export the run again",
+    )
+
+
 def run_check(cfg: CheckConfig) -> int:
     draft = Path(cfg.draft).expanduser()
     dd = read_draft_dir(draft)
@@ -389,6 +402,9 @@ def run_check(cfg: CheckConfig) -> int:
     elif trained is None:
         trained = config.get("eagle3_train", {}).get("capture", {}).get("aux_indices")
     names -= dd.extra_weights()  # weights its flags account for (ours: model.aux_norm's, as input_norm)
+    if dd.producer == OURS and (unflagged := _unflagged_aux_norm(dd)) is not None:
+        foreign.append(unflagged)
+        names.discard("aux_norm.weight")  # said once, by its file's name
     lines, findings = check(config, tensors, target_cfg, trained, list(cfg.engines), names)
     lines, findings = head + lines, foreign + findings
     more_lines, more = check_states_from(config, cfg.serving)
