@@ -183,15 +183,17 @@ spec_train() {  # spec_train NAME DATA_NAME STEPS|epoch: speculators' trainer, d
   train+=(--verifier-name-or-path "$target" --data-path "$po/$from/data" --save-path "$po/$name/ckpt"
           --on-missing raise --epochs 1 "${extra[@]}")
   local log="$po/$name/train.log"
+  local compile_failed='BackendCompilerFailed|InductorError|torch\._(dynamo|inductor)\.exc|TORCHDYNAMO_VERBOSE|^from user code:'
   until phase "$name" train "${train[@]}" 2>&1 | tee "$log"; do
-    if grep -q "losses/fused.py" "$log" && [[ " ${train[*]} " != *" eager "* ]]; then
+    if grep -q "losses/fused.py" "$log" && [[ " ${train[*]} " != *" --loss-implementation eager "* ]]; then
       # its default loss (fused Triton kernels inside its torch.compile'd forward) does not compile on torch
       # 2.11: dynamo asserts on the autotuner configs its forward and backward kernels share. Its eager loss then.
       echo "peers_gpu: speculators' fused loss did not compile; again with --loss-implementation eager" | tee -a "$po/session.txt"
       mv "$log" "$po/$name/train_fused_failed.log"
       train+=(--loss-implementation eager)
-    elif grep -qE "torch/_(dynamo|inductor)/" "$log" && [[ " ${train[*]} " != *" TORCHDYNAMO_DISABLE=1 "* ]]; then
-      # its compiled forward failed in torch's compiler (not in its loss): once more with that forward eager
+    elif grep -qE "$compile_failed" "$log" && [[ " ${train[*]} " != *" TORCHDYNAMO_DISABLE=1 "* ]]; then
+      # its forward failed to compile (not in its loss; an error merely raised through the compiled frame, such
+      # as an OOM, is no compile failure and is not retried): once more with that forward eager
       echo "peers_gpu: speculators' compiled forward failed in torch's compiler; again with TORCHDYNAMO_DISABLE=1" | tee -a "$po/session.txt"
       mv "$log" "$po/$name/train_compile_failed.log"
       train=(env TORCHDYNAMO_DISABLE=1 "${train[@]}")
@@ -365,12 +367,13 @@ served() {  # served FW: vLLM serving the target with $po/FW/export; eagle3-serv
   local fw=$1 target port=8766 spec vllm=(vllm); target=$(target_dir)
   # on a CPU machine the stand-in of tests/standin_engines.py, from the same command line: it runs the draft
   # as eagle3-eval's decoder computes it for vLLM and counts acceptance as vLLM's /metrics does
-  [ "${CPU:-0}" = 1 ] && vllm=(python3 "$repo/tests/standin_engines.py" vllm)
+  local dtype=bfloat16  # (on CPU the stand-in in eval's float32, so that its figures are eval's)
+  [ "${CPU:-0}" = 1 ] && vllm=(python3 "$repo/tests/standin_engines.py" vllm) dtype=float32
   spec=$(python3 -c "import json,sys; print(json.dumps({'method': 'eagle3', 'model': sys.argv[1], 'num_speculative_tokens': 5}))" "$po/$fw/export")
   # shellcheck source=benchmarks/staging/engine_env.sh
   source "$repo/benchmarks/staging/engine_env.sh"
   # --enforce-eager: the start without compile and graph capture (minutes saved per draft); what it accepts is the same
-  setsid nohup "${vllm_env[@]}" "${vllm[@]}" serve "$target" --port $port --dtype bfloat16 --max-model-len 4096 \
+  setsid nohup "${vllm_env[@]}" "${vllm[@]}" serve "$target" --port $port --dtype "$dtype" --max-model-len 4096 \
     --gpu-memory-utilization 0.5 --enforce-eager --speculative-config "$spec" > "$po/$fw/vllm_serve.log" 2>&1 < /dev/null &
   local pid=$! rc=0
   if wait_http "http://127.0.0.1:$port/health" 600 "$pid"; then
@@ -430,23 +433,24 @@ run_session_modelopt() {  # BUDGET: ModelOpt vs ours, same data and epochs, and 
 }
 
 pack_poll() {  # pack_poll DEST: what exists so far, as DEST/poll.tgz (one archive: a call brings back at most 8 files)
-  local pack rel f d
+  # (a file that goes between the test and the copy, e.g. a log a retry renames, is left out, not fatal)
+  local dest=$1 pack rel f d
   pack=$(mktemp -d)
   for f in log phases.jsonl smi.csv rc session.txt modelopt_probe.log speculators_probe.log; do
-    [ -f "$po/$f" ] && cp "$po/$f" "$pack/"
+    [ -f "$po/$f" ] && { cp "$po/$f" "$pack/" || true; }
   done
   for f in "$po"/*/eval_*/report.json "$po"/*/served/report.json "$po"/*/export/config.json \
            "$po"/*/run/train/metrics.jsonl "$po"/*/run/prepared/manifest.json "$po"/*/run/train/best.json \
            "$po"/*/train.log; do
     rel=${f#"$po"/}
-    [ -f "$f" ] && cp "$f" "$pack/${rel//\//_}"
+    [ -f "$f" ] && { cp "$f" "$pack/${rel//\//_}" || true; }
   done
   for f in "$po"/*/vllm*.log; do  # the engines' logs: their ends
     rel=${f#"$po"/}
-    [ -f "$f" ] && tail -n 150 "$f" > "$pack/${rel//\//_}"
+    [ -f "$f" ] && { tail -n 150 "$f" > "$pack/${rel//\//_}" || true; }
   done
   for d in "$po"/*/export; do
-    [ -d "$d" ] && echo "$(basename "$(dirname "$d")") $(cat "$d"/*.safetensors | wc -c)"
+    [ -d "$d" ] && echo "$(basename "$(dirname "$d")") $(stat -L -c %s "$d"/*.safetensors 2>/dev/null | awk '{s += $1} END {print s + 0}')"
   done > "$pack/draft_bytes.txt"
   mkdir -p "$dest" && tar czf "$dest/.poll.tgz" -C "$pack" . && mv "$dest/.poll.tgz" "$dest/poll.tgz" && rm -rf "$pack"
 }

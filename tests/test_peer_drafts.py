@@ -257,7 +257,9 @@ def test_check_finds_what_engines_would_skip(target_dir, tmp_path, said):
     c["norm_before_fc"] = False  # input_norm stays in the file: vLLM loads it and never applies it
     (bad / "config.json").write_text(json.dumps(c))
     assert run_check(CheckConfig(draft=str(bad), target=str(target_dir), engines=["vllm"])) == 1
-    assert "vLLM 0.26.0 loads input_norm but never applies it: norm_before_fc is not set" in said()
+    out = said()
+    assert "vLLM 0.26.0 loads input_norm but never applies it: norm_before_fc is not set" in out
+    assert "1 problem(s)" in out and "not part of the EAGLE-3 draft" not in out  # said once, by its own name
     sf = tmp_path / "sf_norm_output"
     shutil.copytree(PEERS / "specforge", sf)
     c = json.loads((sf / "config.json").read_text())

@@ -761,8 +761,9 @@ def test_aux_norm_is_exported_as_the_engines_input_norm(std, tmp_path, said):
     """model.aux_norm: the norm is trained (its weight moves) and exported as the norm both engines
     build when the config sets norm_before_fc (input_norm, one RMSNorm over the whole fc input): the
     engines' math on the exported files (the flag read from its config) drafts what the trained head
-    does, eagle3-eval builds that head for either engine, eagle3-check passes it, and without the
-    flag (the engines would leave input_norm out) check refuses the files."""
+    does, eagle3-eval builds that head for either engine, eagle3-check passes it, and check refuses
+    the flag without the trained norm (or its weight) and the norm without the flag (the engines
+    would leave input_norm out)."""
     from eagle3_train.engines.rules import DRAFT_WEIGHTS
     from eagle3_train.evaluation.eval import load_draft
     from eagle3_train.model import DraftConfig, Eagle3Draft
@@ -790,7 +791,8 @@ def test_aux_norm_is_exported_as_the_engines_input_norm(std, tmp_path, said):
     aux = 3 * torch.randn(9, 192, generator=g) + 1  # states far from unit RMS, so the norm matters
     ids = torch.randint(0, 320, (10,), generator=g)
     with torch.no_grad():
-        want_tokens, want = reference_chain(tmp_path / "x", embed, aux, ids, 4, {"norm_before_fc": True})
+        flags = {"norm_before_fc": json.loads((tmp_path / "x" / "config.json").read_text())["norm_before_fc"]}
+        want_tokens, want = reference_chain(tmp_path / "x", embed, aux, ids, 4, flags)
         got_tokens, got = our_chain(head, aux, ids, 4)
         _, unnormed = reference_chain(tmp_path / "x", embed, aux, ids, 4, {})
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -800,6 +802,12 @@ def test_aux_norm_is_exported_as_the_engines_input_norm(std, tmp_path, said):
         assert loaded.config.aux_norm and torch.equal(loaded.aux_norm.weight, head.aux_norm.weight)
         with torch.no_grad():
             torch.testing.assert_close(our_chain(loaded.float(), aux, ids, 4)[1], want, rtol=1e-4, atol=1e-4)
+    # exported for vLLM alone (no eagle_config): the top-level flag is the one read
+    only = Exporter(
+        ExportConfig(run=str(tmp_path / "r"), out=str(tmp_path / "v"), dtype="float32", engines=["vllm"])
+    ).run()
+    assert "eagle_config" not in only and only["norm_before_fc"] is True
+    assert load_draft(tmp_path / "v", target, "vllm")[0].config.aux_norm
 
     assert run_check(CheckConfig(draft=str(tmp_path / "x"), target="tiny")) == 0
     said()
@@ -812,6 +820,19 @@ def test_aux_norm_is_exported_as_the_engines_input_norm(std, tmp_path, said):
         "trained with model.aux_norm (its norm is input_norm.weight), but the config does not set norm_before_fc" in out
     )
     assert "not part of the EAGLE-3 draft" not in out and "1 problem(s)" in out
+    # the other way round: the flag without the trained norm, or without its weight
+    c["norm_before_fc"] = True
+    c["eagle3_train"]["training"]["model"]["aux_norm"] = False
+    (tmp_path / "x" / "config.json").write_text(json.dumps(c))
+    assert run_check(CheckConfig(draft=str(tmp_path / "x"), target="tiny")) == 1
+    assert "sets norm_before_fc but the head was not trained with model.aux_norm" in said()
+    c["eagle3_train"]["training"]["model"]["aux_norm"] = True
+    (tmp_path / "x" / "config.json").write_text(json.dumps(c))
+    save_file(
+        {k: v for k, v in exported.items() if k != "input_norm.weight"}, str(tmp_path / "x" / "model.safetensors")
+    )
+    assert run_check(CheckConfig(draft=str(tmp_path / "x"), target="tiny")) == 1
+    assert "sets norm_before_fc but the weights hold no input_norm" in said()
 
 
 def test_wider_mlp_is_exported_and_loaded_back(std, tmp_path):

@@ -426,7 +426,7 @@ def test_speculators_training_retries_once_with_its_eager_loss_when_the_fused_on
     """On torch 2.11 speculators' default fused loss fails inside its compiled forward: spec_train runs it
     once more with --loss-implementation eager (the failed log kept, the session told); should that fail
     in torch's compiler, once more with its forward uncompiled (TORCHDYNAMO_DISABLE=1); a failure that
-    is neither is not retried."""
+    is neither (an OOM raised through the compiled frame, say) is not retried."""
     real = shutil.which("python3")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -438,9 +438,13 @@ def test_speculators_training_retries_once_with_its_eager_loss_when_the_fused_on
         f'echo "${{TORCHDYNAMO_DISABLE:-compiled}} $*" >> {calls}\n'
         'if [[ " $* " == *" --loss-implementation eager "* ]]; then\n'
         '  if [ "$FAIL_IN" = compile ] && [ -z "${TORCHDYNAMO_DISABLE:-}" ]; then\n'
-        '    echo "  File "/t/torch/_dynamo/eval_frame.py", line 929, in compile_wrapper"; exit 1; fi\n'
+        '    echo "  File "/t/torch/_dynamo/eval_frame.py", line 929, in compile_wrapper"\n'
+        '    echo "torch._dynamo.exc.BackendCompilerFailed: backend=inductor raised:"; exit 1; fi\n'
+        '  if [ "$FAIL_IN" = oom ]; then  # raised through the compiled frame, not by the compiler\n'
+        '    echo "  File "/t/torch/_dynamo/eval_frame.py", line 929, in compile_wrapper"\n'
+        '    echo "torch.OutOfMemoryError: CUDA out of memory."; exit 1; fi\n'
         '  while [ "$1" != --save-path ]; do shift; done; mkdir -p "$2/0"; echo trained; exit 0; fi\n'
-        'echo "  File "/s/speculators/losses/${FAIL_IN/compile/fused}.py", line 343, in backward"; exit 1\n'
+        'echo "  File "/s/speculators/losses/$(case $FAIL_IN in compile|oom) echo fused;; *) echo "$FAIL_IN";; esac).py", line 343, in backward"; exit 1\n'
     )
     fake.chmod(0o755)
 
@@ -477,6 +481,10 @@ def test_speculators_training_retries_once_with_its_eager_loss_when_the_fused_on
     assert "fused loss did not compile" in said and "failed in torch's compiler" in said
     assert "torch/_dynamo" in (po / "speculators" / "train_compile_failed.log").read_text()
     assert (po / "speculators" / "export").resolve() == (po / "speculators" / "ckpt" / "0").resolve()
+    calls.unlink()
+    run = spec_train("oom")  # an error merely raised through the compiled forward: no third try
+    assert run.returncode != 0 and len(calls.read_text().splitlines()) == 2
+    assert "failed in torch's compiler" not in (tmp_path / "po_oom" / "session.txt").read_text()
     calls.unlink()
     run = spec_train("other")
     assert run.returncode != 0 and len(calls.read_text().splitlines()) == 1

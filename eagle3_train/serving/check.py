@@ -371,17 +371,26 @@ def check_states_from(config: dict, serving: ServingConfig) -> tuple[list[str], 
     return lines, findings
 
 
-def _unflagged_aux_norm(dd: DraftDir) -> Finding | None:
-    """Our export of a head trained with model.aux_norm whose config lost ``norm_before_fc``: both
-    engines would leave its input_norm out and run a head it was not trained as."""
-    trained = ((dd.config.get("eagle3_train") or {}).get("training") or {}).get("model") or {}
-    if not trained.get("aux_norm") or dd.flags("vllm").aux_norm:
-        return None
-    return Finding(
-        "error",
-        "the head was trained with model.aux_norm (its norm is input_norm.weight), but the config does not set "
-        "norm_before_fc: both engines would leave that norm out; export the run again",
-    )
+def _aux_norm_mismatch(dd: DraftDir) -> Finding | None:
+    """Our export whose config and training disagree on model.aux_norm: trained with it but
+    ``norm_before_fc`` lost (both engines would leave its input_norm out), or the flag set without
+    the norm trained or its weight (both would normalise fc's input by a norm the head never had)."""
+    trained = bool((((dd.config.get("eagle3_train") or {}).get("training") or {}).get("model") or {}).get("aux_norm"))
+    flagged, held = dd.flags("vllm").aux_norm, "aux_norm.weight" in {dd.our_name(n) for n in dd.names}
+    if trained and not flagged:
+        return Finding(
+            "error",
+            "the head was trained with model.aux_norm (its norm is input_norm.weight), but the config does not "
+            "set norm_before_fc: both engines would leave that norm out; export the run again",
+        )
+    if flagged and not (trained and held):
+        why = "the head was not trained with model.aux_norm" if not trained else "the weights hold no input_norm"
+        return Finding(
+            "error",
+            f"the config sets norm_before_fc but {why}: both engines would normalise fc's input by a norm "
+            "the head never had; export the run again",
+        )
+    return None
 
 
 def run_check(cfg: CheckConfig) -> int:
@@ -402,8 +411,10 @@ def run_check(cfg: CheckConfig) -> int:
     elif trained is None:
         trained = config.get("eagle3_train", {}).get("capture", {}).get("aux_indices")
     names -= dd.extra_weights()  # weights its flags account for (ours: model.aux_norm's, as input_norm)
-    if dd.producer == OURS and (unflagged := _unflagged_aux_norm(dd)) is not None:
-        foreign.append(unflagged)
+    if dd.producer != OURS:  # weights an engine loads and never applies: said once, by weight_problems
+        names -= {n for engine in ("vllm", "sglang") for n in dd.skipped_by(engine)}
+    elif (mismatch := _aux_norm_mismatch(dd)) is not None:
+        foreign.append(mismatch)
         names.discard("aux_norm.weight")  # said once, by its file's name
     lines, findings = check(config, tensors, target_cfg, trained, list(cfg.engines), names)
     lines, findings = head + lines, foreign + findings
