@@ -304,6 +304,7 @@ def test_eval_runs_each_peer_export_as_its_engine_would(target_dir):
     assert sf["trained_hf_indices"] is None and any("not recorded: SpecForge's default" in w for w in sf["warnings"])
 
 
+@pytest.mark.slow
 def test_the_vllm_standin_serves_a_speculators_export_as_eval_computes_it(target_dir):
     """The stand-in vLLM (what the lab's CPU runs serve peers' drafts with) runs a speculators export
     with vLLM's forward (its input_norm, normed residual and normed output; SGLang cannot load the
