@@ -810,7 +810,7 @@ def test_aux_norm_is_exported_as_the_engines_input_norm(std, tmp_path, said):
     assert load_draft(tmp_path / "v", target, "vllm")[0].config.aux_norm
 
     assert run_check(CheckConfig(draft=str(tmp_path / "x"), target="tiny")) == 0
-    said()
+    assert "forward: one RMSNorm over fc's input (input_norm, norm_before_fc), as trained with model.aux_norm" in said()
     c = json.loads((tmp_path / "x" / "config.json").read_text())
     del c["norm_before_fc"], c["eagle_config"]["norm_before_fc"]
     (tmp_path / "x" / "config.json").write_text(json.dumps(c))

@@ -416,6 +416,8 @@ def run_check(cfg: CheckConfig) -> int:
     elif (mismatch := _aux_norm_mismatch(dd)) is not None:
         foreign.append(mismatch)
         names.discard("aux_norm.weight")  # said once, by its file's name
+    elif dd.flags("vllm").aux_norm:
+        head.append("forward: one RMSNorm over fc's input (input_norm, norm_before_fc), as trained with model.aux_norm")
     lines, findings = check(config, tensors, target_cfg, trained, list(cfg.engines), names)
     lines, findings = head + lines, foreign + findings
     more_lines, more = check_states_from(config, cfg.serving)
