@@ -817,7 +817,8 @@ def test_aux_norm_is_exported_as_the_engines_input_norm(std, tmp_path, said):
     assert run_check(CheckConfig(draft=str(tmp_path / "x"), target="tiny")) == 1
     out = said()
     assert (
-        "trained with model.aux_norm (its norm is input_norm.weight), but the config does not set norm_before_fc" in out
+        "trained with model.aux_norm (its norm is input_norm.weight), but config.json sets norm_before_fc neither"
+        in out
     )
     assert "not part of the EAGLE-3 draft" not in out and "1 problem(s)" in out
     # the other way round: the flag without the trained norm, or without its weight
@@ -825,14 +826,14 @@ def test_aux_norm_is_exported_as_the_engines_input_norm(std, tmp_path, said):
     c["eagle3_train"]["training"]["model"]["aux_norm"] = False
     (tmp_path / "x" / "config.json").write_text(json.dumps(c))
     assert run_check(CheckConfig(draft=str(tmp_path / "x"), target="tiny")) == 1
-    assert "sets norm_before_fc but the head was not trained with model.aux_norm" in said()
+    assert "config.json sets norm_before_fc but the head was not trained with model.aux_norm" in said()
     c["eagle3_train"]["training"]["model"]["aux_norm"] = True
     (tmp_path / "x" / "config.json").write_text(json.dumps(c))
     save_file(
         {k: v for k, v in exported.items() if k != "input_norm.weight"}, str(tmp_path / "x" / "model.safetensors")
     )
     assert run_check(CheckConfig(draft=str(tmp_path / "x"), target="tiny")) == 1
-    assert "sets norm_before_fc but the weights hold no input_norm" in said()
+    assert "config.json sets norm_before_fc but the weights hold no input_norm" in said()
 
 
 def test_wider_mlp_is_exported_and_loaded_back(std, tmp_path):

@@ -380,14 +380,14 @@ def _aux_norm_mismatch(dd: DraftDir) -> Finding | None:
     if trained and not flagged:
         return Finding(
             "error",
-            "the head was trained with model.aux_norm (its norm is input_norm.weight), but the config does not "
-            "set norm_before_fc: both engines would leave that norm out; export the run again",
+            "the head was trained with model.aux_norm (its norm is input_norm.weight), but config.json sets "
+            "norm_before_fc neither at its top level nor in eagle_config: both engines would leave that norm out; export the run again",
         )
     if flagged and not (trained and held):
         why = "the head was not trained with model.aux_norm" if not trained else "the weights hold no input_norm"
         return Finding(
             "error",
-            f"the config sets norm_before_fc but {why}: both engines would normalise fc's input by a norm "
+            f"config.json sets norm_before_fc but {why}: both engines would normalise fc's input by a norm "
             "the head never had; export the run again",
         )
     return None
