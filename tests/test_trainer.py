@@ -99,6 +99,24 @@ def test_lr_schedule():
         OptimConfig(schedule="wsd", decay_fraction=0.0)
 
 
+def test_warmup_fraction_is_a_share_of_the_runs_steps():
+    """train.warmup_fraction: the warmup of a run of N steps is round(fraction x N) (at least 1), and the
+    schedule after it is the one warmup_steps of that count gives; a shorter run warms up for fewer steps."""
+    frac = OptimConfig(warmup_fraction=0.0134, schedule="wsd", min_lr_ratio=0.1)
+    for total, warmup in ((2246, 30), (42, 1), (10, 1), (300, 4)):
+        steps = OptimConfig(warmup_steps=warmup, schedule="wsd", min_lr_ratio=0.1)
+        assert [lr_factor(s, total, frac) for s in range(total + 1)] == [
+            lr_factor(s, total, steps) for s in range(total + 1)
+        ]
+    assert lr_factor(0, 42, frac) == 1.0  # one warmup step: the peak at once
+    assert lr_factor(0, 2246, frac) == pytest.approx(1 / 30)
+    with pytest.raises(ConfigError, match="train.warmup_steps=5 and train.warmup_fraction=0.1 both set"):
+        OptimConfig(warmup_steps=5, warmup_fraction=0.1)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ConfigError, match="train.warmup_fraction must be in"):
+            OptimConfig(warmup_fraction=bad)
+
+
 def test_recipe_options_are_checked():
     with pytest.raises(ConfigError, match="would freeze a random lm_head"):
         ModelOptions(freeze_lm_head=True)

@@ -48,6 +48,7 @@ SYNONYMS = {
     "num_epochs": "epochs",
     "num_train_epochs": "epochs",
     "warmup": "warmup_steps",
+    "warmup_ratio": "warmup_fraction",
     "gradient_accumulation_steps": "grad_accum",
     "max_grad_norm": "grad_clip",
     "output_dir": "out",

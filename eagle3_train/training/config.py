@@ -34,6 +34,8 @@ class OptimConfig:
     lr: float = 1e-4  # peak learning rate (AdamW)
     min_lr_ratio: float = 0.0  # final lr as a fraction of the peak
     warmup_steps: int = 0  # linear warmup from 0
+    warmup_fraction: float = 0.0
+    """linear warmup over this share of the run's total steps instead of a fixed count (at least one step; the total is the one the schedule decays over, so a run of fewer epochs or a budget in minutes warms up for fewer steps; 0: off, warmup_steps counts)"""
     schedule: str = "cosine"  # decay after warmup: cosine | linear | constant | wsd (warmup-stable-decay: the peak lr until the last train.decay_fraction of the steps, then a linear decay)
     decay_fraction: float = 0.2  # schedule=wsd: the share of the steps after warmup that decay to min_lr_ratio
     lk_weight: float = 0.0  # w in the step loss (1 - w) * soft cross-entropy + w * -log sum_v min(p_v, q_v), the LK term that targets speculative sampling's acceptance rate (0: the plain soft cross-entropy)
@@ -86,6 +88,13 @@ class OptimConfig:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
         if not 0 < self.loss_decay <= 1:
             raise ConfigError(f"train.loss_decay must be in (0, 1], got {self.loss_decay}")
+        if not 0 <= self.warmup_fraction < 1:
+            raise ConfigError(f"train.warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+        if self.warmup_fraction and self.warmup_steps:
+            raise ConfigError(
+                f"train.warmup_steps={self.warmup_steps} and train.warmup_fraction={self.warmup_fraction} both set "
+                "the warmup: keep one (the other 0)"
+            )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -218,13 +227,21 @@ class TrainConfig:
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
+def warmup_of(total: int, cfg: OptimConfig) -> int:
+    """The warmup steps of a run of ``total`` steps: ``warmup_steps``, or ``warmup_fraction`` of the total."""
+    if cfg.warmup_fraction:
+        return max(1, round(cfg.warmup_fraction * total))
+    return cfg.warmup_steps
+
+
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
     """Multiplier of the peak lr at ``step`` (0-based): linear warmup, then the decay schedule."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant" or total <= cfg.warmup_steps:
+    warmup = warmup_of(total, cfg)
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if cfg.schedule == "constant" or total <= warmup:
         return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
     if cfg.schedule == "wsd":  # stable, then a linear decay over the last decay_fraction
         progress = max(0.0, (progress - (1 - cfg.decay_fraction)) / cfg.decay_fraction)
     shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
