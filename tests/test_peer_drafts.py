@@ -250,6 +250,30 @@ def test_check_reports_each_format(target_dir, said):
     assert "it leaves unsaid: the layers it was trained on; which target it was trained for" in out
 
 
+def test_check_warns_where_vllm_plans_the_drafts_attention_with_the_targets_shape(target_dir, tmp_path, said):
+    """ModelOpt's default draft (32 heads of 128) beside SmolLM2 (9 of 64) stopped vLLM 0.26.0 at start on
+    an H200 (FA3's schedule planned with the target's shape): check says so for vLLM, not for SGLang,
+    and says nothing where the shapes agree. The same weights, read as 8 heads (4 key/value) of 8."""
+    assert run_check(CheckConfig(draft=str(PEERS / "speculators"), target=str(target_dir), engines=["vllm"])) == 0
+    assert "attention is" not in said()
+    for name in ("speculators", "modelopt"):
+        reshaped = tmp_path / name
+        shutil.copytree(PEERS / name, reshaped)
+        c = json.loads((reshaped / "config.json").read_text())
+        layer = c.get("transformer_layer_config") or c
+        layer.update(num_attention_heads=8, num_key_value_heads=4, head_dim=8)  # q 64 and k/v 32 wide, as before
+        (reshaped / "config.json").write_text(json.dumps(c))
+    assert run_check(CheckConfig(draft=str(tmp_path / "speculators"), target=str(target_dir), engines=["vllm"])) == 0
+    out = said()
+    assert (
+        "WARNING: vLLM: the draft's attention is 8 heads (4 key/value) of size 8, the target's 4 heads "
+        "(2 key/value) of size 16: releases without its PR #53336" in out
+    )
+    assert "--attention-config.flash_attn_version=2" in out
+    run_check(CheckConfig(draft=str(tmp_path / "modelopt"), target=str(target_dir), engines=["sglang"]))
+    assert "attention is" not in said()
+
+
 def test_check_finds_what_engines_would_skip(target_dir, tmp_path, said):
     bad = tmp_path / "nbf_off"
     shutil.copytree(PEERS / "speculators", bad)

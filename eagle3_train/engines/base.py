@@ -354,6 +354,9 @@ class Engine:
         draft_dtype_own: non-empty where, under ``--dtype auto``, it runs the draft in the dtype the
             draft's own config names rather than the target's, and what a difference then does;
             eagle3-bench then passes the draft's dtype to both engines it starts.
+        attention_planned_by_target: non-empty where it plans the draft's attention kernels with the
+            target's head counts and head size, so a draft whose attention is shaped otherwise can
+            fail at start; what happens then and what to do.
     """
 
     name: str
@@ -374,6 +377,7 @@ class Engine:
     generation: Generation | None = None
     metrics: SpecMetrics | None = None
     draft_dtype_own: str = ""
+    attention_planned_by_target: str = ""
 
     @property
     def roles(self) -> frozenset[str]:
@@ -491,6 +495,38 @@ class Engine:
         if not self.draft_dtype_own or draft is None or target is None or draft == target:
             return None
         return f"the draft's config names {draft}, the target's {target}, and under --dtype auto {self.draft_dtype_own}"
+
+    def attention_clash(self, draft: AttentionShape | None, target: AttentionShape | None) -> str | None:
+        """Why a draft whose attention is shaped ``draft`` beside a target shaped ``target`` may fail
+        to start here (``attention_planned_by_target``); None where it does not, or a shape is unknown."""
+        if not self.attention_planned_by_target or draft is None or target is None or draft == target:
+            return None
+        return f"the draft's attention is {draft}, the target's {target}: {self.attention_planned_by_target}"
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """A decoder layer's attention: query heads, key/value heads, head size."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def __str__(self) -> str:
+        return f"{self.heads} heads ({self.kv_heads} key/value) of size {self.head_dim}"
+
+
+def attention_shape(config: Any) -> AttentionShape | None:
+    """The attention shape a model config names (a dict or a config object; ``num_key_value_heads``
+    defaults to the heads, ``head_dim`` to hidden / heads); None where it names no heads."""
+    get = config.get if isinstance(config, Mapping) else lambda key: getattr(config, key, None)
+    heads, hidden = get("num_attention_heads"), get("hidden_size")
+    if not isinstance(heads, int) or heads < 1:
+        return None
+    head_dim = get("head_dim") or (hidden // heads if isinstance(hidden, int) else None)
+    if not isinstance(head_dim, int):
+        return None
+    return AttentionShape(heads, get("num_key_value_heads") or heads, head_dim)
 
 
 def named_dtype(config: Any) -> str | None:

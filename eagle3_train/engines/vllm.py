@@ -460,6 +460,14 @@ ENGINE = Engine(
     serve=serve,
     capture=VllmCapture(),
     version_route=("/version", "version"),  # vLLM 0.26.0: vllm/entrypoints/openai/api_server.py
+    # vLLM 0.26.0: vllm/v1/attention/backends/flash_attn.py, FlashAttentionMetadataBuilder takes the heads
+    # and head size from the (target's) model_config and plans FA3's schedule with them for every KV-cache
+    # group, the draft's too; fixed upstream by vllm-project/vllm#53336 (after 0.26)
+    attention_planned_by_target="releases without its PR #53336 (merged 2026-08-22; 0.26.0 is one) plan the "
+    "draft's attention with the target's heads and head size under FlashAttention 3 (their default on Hopper "
+    "GPUs), and can fail at start with 'scheduler_metadata must have shape (metadata_size)' (seen with "
+    "0.26.0 on an H200); serve those with --attention-config.flash_attn_version=2, or train the draft with "
+    "the target's attention shape",
     generation=Generation(
         "/v1/completions",
         True,

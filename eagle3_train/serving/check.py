@@ -29,7 +29,7 @@ from eagle3_train.core.errors import ConfigError
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.reasoning import check_template_kwargs, kwargs_warning, trained_kwargs
 from eagle3_train.engines import registry
-from eagle3_train.engines.base import lookup, named_dtype
+from eagle3_train.engines.base import attention_shape, lookup, named_dtype
 from eagle3_train.engines.rules import fc_skipped, foreign_weights_text, resolve, rules_for, unloadable_weights
 from eagle3_train.serving.drafts import OURS, DraftDir, read_draft_dir
 from eagle3_train.targets import text_config
@@ -293,6 +293,17 @@ def _check_dtype(config: dict, target_cfg: Any, engines: list[str]) -> list[Find
     ]
 
 
+def _check_attention(layer: dict, target_cfg: Any, engines: list[str]) -> list[Finding]:
+    """A warning per engine that plans the draft's attention with the target's shape
+    (``Engine.attention_planned_by_target``) where the draft's layer is shaped otherwise."""
+    draft, target = attention_shape(layer), attention_shape(text_config(target_cfg))
+    return [
+        Finding("warning", f"{e.title}: {clash}")
+        for e in (registry.ENGINES[name] for name in engines)
+        if (clash := e.attention_clash(draft, target)) is not None
+    ]
+
+
 def _get_any(config: dict) -> bool:
     """Whether the config holds ids where some engine reads them."""
     return any(lookup(config, path) is not None for e in registry.ENGINES.values() for r in e.rules for path in r.keys)
@@ -419,7 +430,7 @@ def run_check(cfg: CheckConfig) -> int:
     elif dd.flags("vllm").aux_norm:
         head.append("forward: one RMSNorm over fc's input (input_norm, norm_before_fc), as trained with model.aux_norm")
     lines, findings = check(config, tensors, target_cfg, trained, list(cfg.engines), names)
-    lines, findings = head + lines, foreign + findings
+    lines, findings = head + lines, foreign + findings + _check_attention(dd.layer, target_cfg, list(cfg.engines))
     more_lines, more = check_states_from(config, cfg.serving)
     lines, findings = lines + more_lines, findings + more
     trained_flags = trained_kwargs(config)
