@@ -264,6 +264,13 @@ steady_rate() {  # steady_rate LOG STEPS|epoch: steps/s of LOG's training bar af
   python3 -c "
 import re, sys
 text, which = open(sys.argv[1]).read(), sys.argv[2]
+# speculators' validation bar reads 'Epoch N' too: its runs are cut out
+text = re.sub(r'Validation epoch \d+/\d+ started.*?(?:Validation epoch \d+/\d+ completed|\Z)', '', text, flags=re.S)
+steps_ms = [float(x) for x in re.findall(r'profile/step_ms=([0-9.e+-]+)', text)]
+if which == 'epoch' and len(steps_ms) >= 4:  # speculators logs each step's time: their median after the first tenth
+    import statistics
+    print(round(1000 / statistics.median(steps_ms[max(1, len(steps_ms) // 10):]), 3))
+    sys.exit()
 lead = r'Epoch \d+\s+\d+%\s+\S+\s+' if which == 'epoch' else ''
 bars = [(int(d), int(n), 3600 * int(h or 0) + 60 * int(m) + int(s))
         for d, n, h, m, s in re.findall(lead + r'(\d+)/(\d+)\s*\[\s*(?:(\d+):)?(\d+):(\d\d)', text)]
@@ -284,18 +291,20 @@ print(round((last[0] - first[0]) / max(1, last[2] - first[2]), 3))" "$1" "$2"
 }
 
 loop_minutes() {  # loop_minutes LOG: minutes of a peer's training loop, as its own log says
-  # (HF Trainer's train_runtime for ModelOpt; speculators' last epoch bar's elapsed time; SpecForge's
+  # (HF Trainer's train_runtime for ModelOpt; speculators' epoch bars' elapsed times, its validation's left out; SpecForge's
   # last logged step times the median of its logged optimizer-step times)
   python3 -c "
 import re, statistics, sys
 text = open(sys.argv[1]).read()
 hf = re.findall(r\"'train_runtime': '?([0-9.]+)\", text)
-bars = re.findall(r'Epoch \d+\s+\d+%\s+\S+\s+\d+/\d+\s+\[\s*(\d+):(\d\d):(\d\d)', text)
+# speculators' validation bar reads 'Epoch N' too: its runs are cut out; each training epoch's last bar counts
+text = re.sub(r'Validation epoch \d+/\d+ started.*?(?:Validation epoch \d+/\d+ completed|\Z)', '', text, flags=re.S)
+bars = {int(e): (h, m, s) for e, h, m, s in re.findall(r'Epoch (\d+)\s+\d+%\s+\S+\s+\d+/\d+\s+\[\s*(\d+):(\d\d):(\d\d)', text)}
 sf = re.findall(r\"step (\d+): \{.*'perf/optimizer_step_time_s': ([0-9.e-]+)\", text)
 if hf:
     secs = float(hf[-1])
 elif bars:
-    secs = 3600 * int(bars[-1][0]) + 60 * int(bars[-1][1]) + int(bars[-1][2])
+    secs = sum(3600 * int(h) + 60 * int(m) + int(s) for h, m, s in bars.values())
 else:
     secs = int(sf[-1][0]) * statistics.median(float(t) for _, t in sf)
 print(round(secs / 60, 3))" "$1"
@@ -373,10 +382,24 @@ served() {  # served FW: vLLM serving the target with $po/FW/export; eagle3-serv
   # shellcheck source=benchmarks/staging/engine_env.sh
   source "$repo/benchmarks/staging/engine_env.sh"
   # --enforce-eager: the start without compile and graph capture (minutes saved per draft); what it accepts is the same
-  setsid nohup "${vllm_env[@]}" "${vllm[@]}" serve "$target" --port $port --dtype "$dtype" --max-model-len 4096 \
-    --gpu-memory-utilization 0.5 --enforce-eager --speculative-config "$spec" > "$po/$fw/vllm_serve.log" 2>&1 < /dev/null &
-  local pid=$! rc=0
-  if wait_http "http://127.0.0.1:$port/health" 600 "$pid"; then
+  local more=() pid rc=0 up=0
+  while :; do
+    setsid nohup "${vllm_env[@]}" "${vllm[@]}" serve "$target" --port $port --dtype "$dtype" --max-model-len 4096 \
+      --gpu-memory-utilization 0.5 --enforce-eager "${more[@]}" --speculative-config "$spec" > "$po/$fw/vllm_serve.log" 2>&1 < /dev/null &
+    pid=$!
+    wait_http "http://127.0.0.1:$port/health" 600 "$pid" && up=1 && break
+    # vLLM 0.26's FA3 plans the draft's attention with the target's shape (eagle3-check warns): once with FA2
+    if [ ${#more[@]} = 0 ] && grep -q "scheduler_metadata must have shape" "$po/$fw/vllm_serve.log"; then
+      mv "$po/$fw/vllm_serve.log" "$po/$fw/vllm_serve_fa3.log"
+      more=(--attention-config.flash_attn_version=2)
+      echo "peers_gpu: vLLM's FA3 refused $fw's attention shape at start; again with ${more[*]}" | tee -a "$po/session.txt"
+      kill -- -"$pid" 2>/dev/null || true
+      sleep 5
+      continue
+    fi
+    break
+  done
+  if [ "$up" = 1 ]; then
     phase "$fw" served python3 -m eagle3_train.evaluation.served_acceptance ++server="http://127.0.0.1:$port" \
       ++engine=vllm ++prompts="$repo/data_prep/prompts/heldout.jsonl" ++max_new_tokens=128 ++draft="$po/$fw/export" \
       ++out="$po/$fw/served" ++wait_for_server_s=30 || rc=$?

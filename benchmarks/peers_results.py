@@ -95,6 +95,27 @@ def trainer_curve(log: str) -> list[dict[str, float]]:
     return out
 
 
+def speculators_log(text: str) -> dict[str, float]:
+    """speculators' own training log: the steps it ran, its loop's seconds (each training epoch's last bar;
+    its validation bar also reads 'Epoch N' and is left out), and its steady rate (the median of its
+    logged per-step times and tokens/s after the first tenth of the steps: compilation left out)."""
+    text = re.sub(r"Validation epoch \d+/\d+ started.*?(?:Validation epoch \d+/\d+ completed|\Z)", "", text, flags=re.S)
+    out: dict[str, float] = {}
+    bars = {
+        int(e): 3600 * int(h) + 60 * int(m) + int(sec)
+        for e, h, m, sec in re.findall(r"Epoch (\d+)\s+\d+%\s+\S+\s+\d+/\d+\s+\[\s*(\d+):(\d\d):(\d\d)", text)
+    }
+    if bars:
+        out["loop_s"] = sum(bars.values())
+    if steps := re.findall(r"global_step=(\d+)", text):
+        out["steps"] = max(map(int, steps)) + 1
+    for key, name in (("step_ms", "steady_step_ms"), ("tokens_per_s", "steady_tokens_per_s")):
+        values = [float(x) for x in re.findall(rf"profile/{key}=([0-9.e+-]+)", text)]
+        if values:
+            out[name] = round(statistics.median(values[max(1, len(values) // 10) :]), 1)
+    return out
+
+
 def session_numbers(d: Path) -> dict[str, float]:
     text = (d / "session.txt").read_text() if (d / "session.txt").is_file() else ""
     out: dict[str, float] = {}
@@ -128,6 +149,7 @@ def eval_figures(d: Path, fw: str, prompts: str) -> dict[str, Any] | None:
         "acceptance_per_position": [round(a, 3) for a in r.acceptance_per_position],
         "lossless": r.lossless,
         "captured_hf_indices": r.captured_hf_indices,
+        "engine_rule": r.engine,
         "warnings": len(r.warnings),
     }
 
@@ -154,11 +176,16 @@ def framework(d: Path, fw: str, ph: list[dict], trace: list, log: str, sizes: di
         rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
         out["steps"] = max((r["step"] for r in rows), default=None)
         out["steady_tokens_per_s"] = round(statistics.median(rates)) if rates else None
+        if loops := [r["loop_s"] for r in rows if "loop_s" in r]:
+            out["loop_s"] = max(loops)  # (our trainer's loop: compile and in-loop evaluations included)
         for key in ("gpu_peak_alloc_gib", "gpu_peak_reserved_gib"):  # the trainer's own view of its memory
             if peaks := [r[key] for r in rows if key in r]:
                 out["train_" + key] = max(peaks)
     if (rate := trainer_rate(log, fw)) is not None:
         out.update(rate)
+    own = d / f"{fw}_train.log"
+    if fw.startswith("speculators") and own.is_file():
+        out.update(speculators_log(own.read_text(errors="replace")))
     out["eval_heldout"] = eval_figures(d, fw, "heldout")
     out["eval_mtbench"] = eval_figures(d, fw, "mtbench")
     served = d / f"{fw}_served_report.json"
@@ -204,10 +231,17 @@ def main() -> None:
     if "speculators" in runs and "speculators_steps" in session:
         runs["speculators"]["steps"] = session["speculators_steps"]
         runs["speculators"]["conversations"] = session["speculators_conversations"]
+    if "speculators" in runs and "conversations" not in runs["speculators"]:
+        if m := re.search(r"speculators\.data_generation\.preprocessing - INFO -\s+Loaded (\d+) samples", log):
+            runs["speculators"]["conversations"] = int(m.group(1))  # (its data step's own count)
     if "modelopt" in runs and "modelopt_steps" in session:
         runs["modelopt"]["steps"] = runs["modelopt"]["conversations"] = session["modelopt_steps"]
         same = runs.get("ours_same_data", {})
-        if same.get("dataset_tokens") and runs["modelopt"].get("train_runtime_s"):
+        if (
+            same.get("dataset_tokens")
+            and same.get("conversations") == session["modelopt_steps"]
+            and runs["modelopt"].get("train_runtime_s")
+        ):
             # the same conversations, one epoch (batch 1, each padded to 512 tokens; the rate counts real tokens)
             runs["modelopt"]["dataset_tokens"] = same["dataset_tokens"]
             runs["modelopt"]["steady_tokens_per_s"] = round(
@@ -224,6 +258,7 @@ def main() -> None:
             r.get("steps"),
             r["seconds"].get("prepare") or (r["seconds"].get("data", 0) + r["seconds"].get("states", 0)) or "online",
             r["seconds"].get("train"),
+            r.get("loop_s") or r.get("train_runtime_s") or "",
             r.get("steady_tokens_per_s"),
             r.get("train_peak_gpu_mib"),
             round(r["draft_bytes"] / 2**20, 1) if r.get("draft_bytes") else None,
@@ -239,10 +274,14 @@ def main() -> None:
     for spec in a.curve:
         name, path, *what = spec.split("=", 2)
         curves[name] = {"what": what[0] if what else name, "log_rows": trainer_curve(Path(path).read_text())}
+    rules = sorted(
+        {e["engine_rule"] for r in runs.values() for e in (r.get("eval_heldout"), r.get("eval_mtbench")) if e}
+    )
     result = {
         "what": "The same target (SmolLM2-135M-Instruct), the same synthesized conversations and one GPU through "
         "each framework's own EAGLE-3 training with its defaults, then one yardstick: eagle3-eval (chain k=5, "
-        "greedy, fp32, lossless-checked, engine rule sglang) on the shipped held-out prompts and MT-bench (both turns)",
+        f"greedy, fp32, lossless-checked, engine rule {' and '.join(rules) or 'sglang'}) on the shipped held-out "
+        "prompts and MT-bench (both turns)",
         "machine": a.machine,
         "date": a.date,
         "runs": "single run each",
@@ -260,6 +299,7 @@ def main() -> None:
                     "steps",
                     "data s",
                     "train s",
+                    "loop s (its own log)",
                     "tokens/s",
                     "peak GPU MiB",
                     "draft MiB",

@@ -4,6 +4,7 @@ the product's tests under tests/ import nothing from here)."""
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -393,6 +394,35 @@ def test_peers_harness_reads_rates_and_loop_minutes_off_the_peers_progress_bars(
     )
     assert float(_harness("steady_rate", str(spec), "epoch")) == 4.0  # 4 -> 40 steps in 9 -> 18 s
     assert float(_harness("loop_minutes", str(spec))) == round(18 / 60, 3)
+    # as speculators 0.9.0 writes it to a file: one bar per epoch at its end, each step's time in its
+    # logged metrics, and a validation bar that reads 'Epoch N' too (its 46 s once counted as the loop's)
+    logged = tmp_path / "spec_file.log"
+    step_ms = [1.08e05, 333.2] + [50.0 + i % 3 for i in range(18)]  # compile in the first two steps
+    logged.write_text(
+        "           INFO     Training epoch 1/2 started                    trainer.py:737\n"
+        + "".join(
+            f"                    profile/step_ms={t},\n                    global_step={i}\n"
+            for i, t in enumerate(step_ms[:10])
+        )
+        + "Epoch 0 100% ━━━━━━━ 10/10  [ 0:01:57 < 0:00:00 , 16 it/s ]\n"
+        "           INFO     Training epoch 1/2 completed                  trainer.py:739\n"
+        "           INFO     Validation epoch 1/2 started                  trainer.py:754\n"
+        "Epoch 0 100% ━━━━━━━ 17/17  [ 0:00:46 < 0:00:00 , 46 it/s ]\n"
+        "                    val/loss_epoch=10.059, profile/step_ms=9000.0,\n"
+        "           INFO     Validation epoch 1/2 completed                trainer.py:756\n"
+        "           INFO     Training epoch 2/2 started                    trainer.py:737\n"
+        + "".join(f"                    profile/step_ms={t},\n" for t in step_ms[10:])
+        + "Epoch 1 100% ━━━━━━━ 10/10  [ 0:00:01 < 0:00:00 , 20 it/s ]\n"
+        "           INFO     Training epoch 2/2 completed                  trainer.py:739\n"
+        "           INFO     Validation epoch 2/2 started                  trainer.py:754\n"
+        "Epoch 1 100% ━━━━━━━ 17/17  [ 0:00:30 < 0:00:00 , 46 it/s ]\n"
+    )
+    assert float(_harness("loop_minutes", str(logged))) == round((117 + 1) / 60, 3)
+    steady = statistics.median(step_ms[2:])  # (the first tenth of 20 steps: 2)
+    assert float(_harness("steady_rate", str(logged), "epoch")) == round(1000 / steady, 3)
+    import peers_results as pr  # the results read the same log alike
+
+    assert pr.speculators_log(logged.read_text()) == {"loop_s": 118, "steps": 10, "steady_step_ms": steady}
     sf = tmp_path / "specforge.log"  # SpecForge: no bar; its last logged step times its median step time
     sf.write_text(
         "step 50: {'acc_0': 0.1, 'loss': 9.1, 'perf/optimizer_step_time_s': 0.2, 'lr': 1e-05}\n"
@@ -489,6 +519,52 @@ def test_speculators_training_retries_once_with_its_eager_loss_when_the_fused_on
     run = spec_train("other")
     assert run.returncode != 0 and len(calls.read_text().splitlines()) == 1
     assert not (tmp_path / "po_other" / "speculators" / "export").exists()
+
+
+def test_served_starts_vllm_once_more_with_fa2_when_fa3_refuses_the_drafts_attention_shape(tmp_path):
+    """vLLM 0.26's FA3 plans the draft's attention with the target's shape and stops at start
+    ('scheduler_metadata must have shape'): served() starts it once more with FA2 (the failed log
+    kept, the session told); any other failure to start is not retried."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    (bin_dir / "vllm").write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> {calls}\n'
+        'if [[ " $* " == *" --attention-config.flash_attn_version=2 "* ]] && [ "$FAIL" = fa3 ]; then\n'
+        f'  exec {sys.executable} -c \'import http.server as h; h.HTTPServer(("127.0.0.1", 8766), type("H", '
+        '(h.BaseHTTPRequestHandler,), {"do_GET": lambda s: (s.send_response(200), s.end_headers())})).serve_forever()\'\n'
+        "fi\n"
+        'if [ "$FAIL" = fa3 ]; then echo "RuntimeError: scheduler_metadata must have shape (metadata_size)"; '
+        'else echo "RuntimeError: CUDA out of memory"; fi; exit 1\n'
+    )
+    (bin_dir / "vllm").chmod(0o755)
+
+    def served(fail: str) -> tuple[subprocess.CompletedProcess, Path]:
+        po = tmp_path / f"po_{fail}"
+        (po / "modelopt").mkdir(parents=True)
+        functions = "".join(
+            f"source <(sed -n '/^{f}() {{/,/^}}/p' {LAB / 'peers_gpu.sh'}); " for f in ("wait_http", "served")
+        )
+        script = (
+            f"set -euo pipefail; {functions} target_dir() {{ echo /target; }}; "
+            f'phase() {{ echo "phase $*" >> {calls}; }}; po={po}; repo={LAB.parent}; served modelopt'
+        )
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAIL": fail}
+        return subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120), po
+
+    run, po = served("fa3")
+    assert run.returncode == 0, run.stdout + run.stderr
+    tries = calls.read_text().splitlines()
+    assert len(tries) == 3 and "flash_attn_version" not in tries[0]
+    assert "--attention-config.flash_attn_version=2 --speculative-config" in tries[1]
+    assert tries[2].startswith("phase modelopt served python3 -m eagle3_train.evaluation.served_acceptance")
+    assert "again with --attention-config.flash_attn_version=2" in (po / "session.txt").read_text()
+    assert "scheduler_metadata" in (po / "modelopt" / "vllm_serve_fa3.log").read_text()
+    calls.unlink()
+    run, po = served("other")
+    assert run.returncode != 0 and len(calls.read_text().splitlines()) == 1
+    assert not (po / "session.txt").exists()
 
 
 def test_the_poll_leaves_an_archive_while_it_waits_and_the_last_one_at_its_end(tmp_path):
