@@ -24,7 +24,8 @@
 # wall-clock time: its steps are sized from the measured rate); eval of the three on the held-out
 # prompts, then on MT-bench. session_speculators: the same with speculators (its states from vLLM),
 # and each draft served by vLLM for its acceptance length. session_pair: speculators (one epoch of N),
-# ModelOpt for speculators' loop minutes at its rate from an earlier session, ours for those minutes;
+# ours for its loop minutes over the whole set and on its N conversations (one epoch), ModelOpt for its
+# loop minutes at its rate from an earlier session;
 # all three evaluated and served (fits one 30-minute device session at N=8192). session_specforge [N]:
 # SpecForge's trainer and export on features from an HF forward (benchmarks/peers_specforge.py;
 # its own capture needs SGLang 0.5.14), then ours for its loop minutes; both evaluated and served.
@@ -344,22 +345,23 @@ run_session_speculators() {  # BUDGET|epoch [N]: speculators vs ours, as session
 run_session_pair() {  # epoch|BUDGET [N] [MODELOPT_STEPS_PER_S]: speculators, ModelOpt and ours at the same minutes
   # speculators as in session_speculators; ModelOpt then trains for speculators' loop minutes at its steady
   # rate measured in an earlier session (1.46 steps/s, peers_modelopt_h200: no probe), so that one run of ours
-  # (ours_same_minutes) is the equal-minutes reference for both; every draft evaluated (vLLM's rule) and served
+  # (ours_same_minutes) is the equal-minutes reference for both; every draft evaluated (vLLM's rule) and served.
+  # In the order that keeps the verdict if the device time runs out: speculators; ours at its minutes; ours on
+  # its conversations; ModelOpt (far from out of its 1,000-step warmup at these minutes); MT-bench last
   local budget=${1:-epoch} n=${2:-8192} mo_rate=${3:-1.46} secs mo_steps
   speculators_run "$budget" "$n"
+  ours_same_minutes speculators speculators
+  held_out ours_same_minutes
+  run_ours ours_same_data "$n" 1000000 1
+  held_out ours_same_data
   secs=$(python3 -c "print(round(60 * $(loop_minutes "$po/speculators/train.log"), 1))")
   mo_steps=$(python3 -c "print(max(8, int($secs * $mo_rate)))")
   echo "peers_gpu: ModelOpt for speculators' $secs s of loop at $mo_rate steps/s: $mo_steps steps, $mo_steps conversations" | tee -a "$po/session.txt"
   if run_modelopt modelopt "$mo_steps" "$mo_steps"; then
     held_out modelopt
   fi
-  ours_same_minutes speculators speculators
-  held_out ours_same_minutes
-  for fw in speculators modelopt ours_same_minutes; do go_on evaluate "$fw" mtbench vllm; done
+  for fw in speculators ours_same_minutes ours_same_data modelopt; do go_on evaluate "$fw" mtbench vllm; done
   go_on evaluate modelopt heldout vllm as_trained
-  run_ours ours_same_data "$n" 1000000 1
-  held_out ours_same_data
-  go_on evaluate ours_same_data mtbench vllm
 }
 
 run_session_specforge() {  # [N]: SpecForge (its trainer on HF-captured features, batch 1: one epoch of N conversations

@@ -1015,6 +1015,18 @@ def test_max_minutes_ends_the_run_and_its_schedule_when_the_budget_does(std, tmp
     assert json.loads((out / "checkpoints" / "step45" / "state.json").read_text())["loop_seconds"] == 45.0
 
 
+@pytest.mark.slow
+def test_a_budget_is_sized_every_ten_steps_whatever_log_every_is(std, tmp_path, monkeypatch, said):
+    """With a log line every 50 steps, a 30.5 s budget at one step a second still ends at step 30, its
+    lr schedule sized at step 20 (after the first ten-step window) to end there; only the last step logs."""
+    _StepClock(monkeypatch)
+    out, opts = tmp_path / "r", {"epochs": 40, "schedule": "linear", "min_lr_ratio": 0.1, "log_every": 50}
+    assert train(std, out, max_minutes=30.5 / 60, **opts)["step"] == 30
+    assert [m["step"] for m in metrics(out) if "lr" in m] == [30]
+    assert "about 30 steps fit at the measured rate; the lr schedule now ends at step 30" in said()
+    assert json.loads((out / "checkpoints" / "step30" / "state.json").read_text())["total_steps"] == 30
+
+
 def test_device_memory_reads_the_allocators_peaks_on_a_gpu_and_nothing_on_a_cpu(monkeypatch):
     """Each training record's memory fields: the CUDA allocator's peaks of this rank's device in GiB
     (asked of that device, not the current one), and no fields at all on a CPU."""

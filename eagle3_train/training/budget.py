@@ -2,7 +2,8 @@
 
 The lr schedule (warmup, then the decay) is a function of the total number of steps, so a budget in
 minutes has to become a number of steps before the decay starts. :class:`WallClockBudget` measures
-the loop's rate at each logged step and sizes the total to what fits in the minutes left, never
+the loop's rate at each logged step and every :data:`BUDGET_EVERY` steps, and sizes the total to
+what fits in the minutes left, never
 above what the epochs and ``train.max_steps`` allow. The first logged window holds start-up costs
 (compilation, the first batches' allocations), so the total keeps its size (the planned one, or what
 a resumed run had) until a second window has passed, and the rate is measured from the end of the
@@ -13,6 +14,10 @@ is spent the total becomes the current step: the loop ends there.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+BUDGET_EVERY = 10
+"""the trainer sizes a budget's total at least every this many steps (and at each logged step), so a
+short budget is not overrun for want of a log line (train.log_every=50 ran 54 s of a 46 s budget)"""
 
 
 @dataclass

@@ -30,7 +30,7 @@ class OptimConfig:
     epochs: int = 1  # passes over the training split
     max_steps: int | None = None  # stop after this many optimizer steps (null: all epochs)
     max_minutes: float | None = None
-    """wall-clock budget of the training loop in minutes (evaluations inside it count; start-up, the final evaluation and save do not): from the rate measured at each logged step the total is sized so the lr schedule ends when the minutes do; the run ends at whichever comes first, the epochs, max_steps or the minutes (null: no budget)"""
+    """wall-clock budget of the training loop in minutes (evaluations inside it count; start-up, the final evaluation and save do not): from the rate measured at each logged step and every 10 steps the total is sized so the lr schedule ends when the minutes do; the run ends at whichever comes first, the epochs, max_steps or the minutes (null: no budget)"""
     lr: float = 1e-4  # peak learning rate (AdamW)
     min_lr_ratio: float = 0.0  # final lr as a fraction of the peak
     warmup_steps: int = 0  # linear warmup from 0

@@ -34,7 +34,7 @@ from eagle3_train.core.fingerprint import continued_options, request_options
 from eagle3_train.core.log import progress_bar
 from eagle3_train.core.stagedir import StageDir
 from eagle3_train.targets import Target
-from eagle3_train.training.budget import WallClockBudget
+from eagle3_train.training.budget import BUDGET_EVERY, WallClockBudget
 from eagle3_train.training.checkpoint import (
     BestTracker,
     checkpoint_paths,
@@ -408,6 +408,9 @@ class Trainer:
                 bar.set_postfix(bar_postfix(record), refresh=False)
                 logger.info(train_line(record, self.total_steps))
                 window_start = time.time()
+            elif budget is not None and self.step % BUDGET_EVERY == 0:  # a budget's cadence, whatever log_every is
+                self.fit_budget(budget, start)
+                bar.total = self.total_steps
             improved = False
             if o.eval_every and self.step % o.eval_every == 0 and self.step < self.total_steps:
                 self.check_finite()
