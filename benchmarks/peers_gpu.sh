@@ -90,10 +90,12 @@ evaluate() {  # evaluate FW SET ENGINE [as_trained]: eagle3-eval of $po/FW/expor
     ++out="$po/$fw/eval_$tag" ++progress=false "${size[@]}"
 }
 
-run_ours() {  # run_ours NAME N STEPS EPOCHS [MINUTES]: the smollm2 recipe's training on the first N conversations
+run_ours() {  # run_ours NAME N STEPS EPOCHS [MINUTES] [OVERRIDE...]: the smollm2 recipe's training on the first N
+  # conversations (MINUTES '': no budget; OVERRIDEs: more eagle3-run overrides)
   local name=$1 n=$2 steps=$3 epochs=$4 data; data=$(subset "$n")
   local extra=(++train.train.max_steps="$steps" ++train.train.epochs="$epochs" ++train.train.eval_every=100000)
   [ -n "${5:-}" ] && extra+=(++train.train.max_minutes="$5")
+  extra+=("${@:6}")
   [ "${CPU:-0}" = 1 ] && extra+=(++train.train.compile=false ++train.train.max_tokens_per_batch=2048 ++train.model.intermediate_size=128 ++train.train.log_every=2)
   mkdir -p "$po/$name"
   phase "$name" prepare python3 -m eagle3_train.run recipe=smollm2 out="$po/$name/run" data="$data" until=prepare \
@@ -354,13 +356,18 @@ run_session_pair() {  # epoch|BUDGET [N] [MODELOPT_STEPS_PER_S]: speculators, Mo
   held_out ours_same_minutes
   run_ours ours_same_data "$n" 1000000 1
   held_out ours_same_data
+  # the lever a CPU study found at this size (benchmarks/results/peers_short_run_cpu.json): 4x the optimizer steps
+  run_ours ours_same_data_small_batches "$n" 1000000 1 "" ++train.train.max_tokens_per_batch=8192
+  held_out ours_same_data_small_batches
   secs=$(python3 -c "print(round(60 * $(loop_minutes "$po/speculators/train.log"), 1))")
   mo_steps=$(python3 -c "print(max(8, int($secs * $mo_rate)))")
   echo "peers_gpu: ModelOpt for speculators' $secs s of loop at $mo_rate steps/s: $mo_steps steps, $mo_steps conversations" | tee -a "$po/session.txt"
   if run_modelopt modelopt "$mo_steps" "$mo_steps"; then
     held_out modelopt
   fi
-  for fw in speculators ours_same_minutes ours_same_data modelopt; do go_on evaluate "$fw" mtbench vllm; done
+  for fw in speculators ours_same_minutes ours_same_data ours_same_data_small_batches modelopt; do
+    go_on evaluate "$fw" mtbench vllm
+  done
   go_on evaluate modelopt heldout vllm as_trained
 }
 

@@ -28,6 +28,7 @@ TITLES = {
     "specforge": "SpecForge 0.2.0: its trainer and export, defaults, on HF-captured features (its SGLang 0.5.14 capture does not import on the image)",
     "ours_same_data": "eagle3_train: the smollm2 recipe, the same conversations, one epoch",
     "ours_same_minutes": "eagle3_train: the smollm2 recipe, the same training minutes, the whole set",
+    "ours_same_data_small_batches": "eagle3_train: the smollm2 recipe with 8,192-token batches, the same conversations, one epoch",
 }
 
 
@@ -231,9 +232,9 @@ def main() -> None:
     if "speculators" in runs and "speculators_steps" in session:
         runs["speculators"]["steps"] = session["speculators_steps"]
         runs["speculators"]["conversations"] = session["speculators_conversations"]
-    if "speculators" in runs and "conversations" not in runs["speculators"]:
-        if m := re.search(r"speculators\.data_generation\.preprocessing - INFO -\s+Loaded (\d+) samples", log):
-            runs["speculators"]["conversations"] = int(m.group(1))  # (its data step's own count)
+    loaded = re.search(r"speculators\.data_generation\.preprocessing - INFO -\s+Loaded (\d+) samples", log)
+    if "speculators" in runs and "conversations" not in runs["speculators"] and loaded:
+        runs["speculators"]["conversations"] = int(loaded.group(1))  # (its data step's own count)
     if "modelopt" in runs and "modelopt_steps" in session:
         runs["modelopt"]["steps"] = runs["modelopt"]["conversations"] = session["modelopt_steps"]
         same = runs.get("ours_same_data", {})
