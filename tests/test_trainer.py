@@ -982,6 +982,18 @@ class _StepClock:
 
         return timed
 
+    def slowing(self, method, after, seconds):
+        """``method`` (train_step as this clock times it, a second a call) taking ``seconds`` a call after
+        its first ``after`` calls."""
+        calls = []
+
+        def timed(trainer, *args):
+            calls.append(1)
+            self.now += 0.0 if len(calls) <= after else seconds - 1.0
+            return method(trainer, *args)
+
+        return timed
+
     def time(self):
         return self.now
 
@@ -1025,6 +1037,14 @@ def test_a_budget_is_sized_every_ten_steps_whatever_log_every_is(std, tmp_path, 
     assert [m["step"] for m in metrics(out) if "lr" in m] == [30]
     assert "about 30 steps fit at the measured rate; the lr schedule now ends at step 30" in said()
     assert json.loads((out / "checkpoints" / "step30" / "state.json").read_text())["total_steps"] == 30
+    # sized at step 20 to end at 60 (60.5 s at a step a second), its steps then take 5 s: the budget is spent
+    # at step 30, between log lines, and the steps since the last record are logged there
+    clock, out = _StepClock(monkeypatch), tmp_path / "slower"
+    monkeypatch.setattr(Trainer, "train_step", clock.slowing(Trainer.train_step, after=20, seconds=5.0))
+    assert train(std, out, max_minutes=60.5 / 60, **opts)["step"] == 30
+    logged = [m for m in metrics(out) if "lr" in m]
+    assert [m["step"] for m in logged] == [30] and logged[0]["loop_s"] == 20 + 10 * 5.0
+    assert "the budget is spent at step 30" in said()
 
 
 def test_device_memory_reads_the_allocators_peaks_on_a_gpu_and_nothing_on_a_cpu(monkeypatch):

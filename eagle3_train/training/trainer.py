@@ -390,7 +390,11 @@ class Trainer:
             pending.append(self.train_step(batches))
             fault_point("train.step")  # tests: a kill between checkpoints
             bar.update(1)
-            if self.step % o.log_every == 0 or self.step == self.total_steps:
+            at_log = self.step % o.log_every == 0 or self.step == self.total_steps
+            if budget is not None and (at_log or self.step % BUDGET_EVERY == 0):  # its cadence, whatever log_every is
+                self.fit_budget(budget, start)
+                bar.total = self.total_steps
+            if at_log or self.step == self.total_steps:  # (a budget spent here ends the run: its last steps logged)
                 self.check_finite()
                 counts = torch.stack([r["counts"] for r in pending]).sum(0).cpu().numpy()
                 loss = float(torch.stack([r["loss"] for r in pending]).double().mean())
@@ -401,16 +405,10 @@ class Trainer:
                 )
                 record["loop_s"] = round(self.loop_seconds(), 1)
                 record |= device_memory(self.dist.device)
-                if budget is not None:
-                    self.fit_budget(budget, start)
-                    bar.total = self.total_steps
                 self.metrics.log(record)
                 bar.set_postfix(bar_postfix(record), refresh=False)
                 logger.info(train_line(record, self.total_steps))
                 window_start = time.time()
-            elif budget is not None and self.step % BUDGET_EVERY == 0:  # a budget's cadence, whatever log_every is
-                self.fit_budget(budget, start)
-                bar.total = self.total_steps
             improved = False
             if o.eval_every and self.step % o.eval_every == 0 and self.step < self.total_steps:
                 self.check_finite()
