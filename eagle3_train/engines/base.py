@@ -516,10 +516,15 @@ class AttentionShape:
         return f"{self.heads} heads ({self.kv_heads} key/value) of size {self.head_dim}"
 
 
+def config_getter(config: Any) -> Callable[[str], Any]:
+    """A model config's field by name (None where absent), for a dict or a config object alike."""
+    return config.get if isinstance(config, Mapping) else lambda key: getattr(config, key, None)
+
+
 def attention_shape(config: Any) -> AttentionShape | None:
     """The attention shape a model config names (a dict or a config object; ``num_key_value_heads``
     defaults to the heads, ``head_dim`` to hidden / heads); None where it names no heads."""
-    get = config.get if isinstance(config, Mapping) else lambda key: getattr(config, key, None)
+    get = config_getter(config)
     heads, hidden = get("num_attention_heads"), get("hidden_size")
     if not isinstance(heads, int) or heads < 1:
         return None
@@ -532,7 +537,7 @@ def attention_shape(config: Any) -> AttentionShape | None:
 def named_dtype(config: Any) -> str | None:
     """The dtype a model config names (``torch_dtype`` or ``dtype``; a dict or a config object),
     without torch's ``torch.`` prefix; None: none named."""
-    get = config.get if isinstance(config, Mapping) else lambda key: getattr(config, key, None)
+    get = config_getter(config)
     value = get("torch_dtype") or get("dtype")
     text = str(value)
     return text.removeprefix("torch.") if isinstance(value, str) or text.startswith("torch.") else None
