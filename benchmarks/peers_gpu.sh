@@ -266,14 +266,14 @@ steady_rate() {  # steady_rate LOG STEPS|epoch: steps/s of LOG's training bar af
   # the bar: HF Trainer's counts STEPS; speculators' reads 'Epoch N  x% ━━ done/total [h:mm:ss' (total: the epoch's)
   python3 -c "
 import re, sys
+sys.path.insert(0, sys.argv[3])
+from peers_results import speculators_steady, speculators_training
 text, which = open(sys.argv[1]).read(), sys.argv[2]
-# speculators' validation bar reads 'Epoch N' too: its runs are cut out
-text = re.sub(r'Validation epoch \d+/\d+ started.*?(?:Validation epoch \d+/\d+ completed|\Z)', '', text, flags=re.S)
-steps_ms = [float(x) for x in re.findall(r'profile/step_ms=([0-9.e+-]+)', text)]
-if which == 'epoch' and len(steps_ms) >= 4:  # speculators logs each step's time: their median after the first tenth
-    import statistics
-    print(round(1000 / statistics.median(steps_ms[max(1, len(steps_ms) // 10):]), 3))
+step_ms = speculators_steady(text, 'step_ms') if which == 'epoch' else None
+if step_ms is not None:  # speculators logs each step's time (its log file holds only each epoch's final bar)
+    print(round(1000 / step_ms, 3))
     sys.exit()
+text = speculators_training(text)
 lead = r'Epoch \d+\s+\d+%\s+\S+\s+' if which == 'epoch' else ''
 bars = [(int(d), int(n), 3600 * int(h or 0) + 60 * int(m) + int(s))
         for d, n, h, m, s in re.findall(lead + r'(\d+)/(\d+)\s*\[\s*(?:(\d+):)?(\d+):(\d\d)', text)]
@@ -290,7 +290,7 @@ first = next(b for b in run if b[0] >= max(1, last[0] // 10))  # (the tenth of t
 if last[2] <= first[2]:  # one reading left: the whole bar's rate, start-up included
     print('peers_gpu: one reading of the bar: its whole rate', file=sys.stderr)
     first = (0, 0, 0)
-print(round((last[0] - first[0]) / max(1, last[2] - first[2]), 3))" "$1" "$2"
+print(round((last[0] - first[0]) / max(1, last[2] - first[2]), 3))" "$1" "$2" "$repo/benchmarks"
 }
 
 loop_minutes() {  # loop_minutes LOG: minutes of a peer's training loop, as its own log says
@@ -298,19 +298,18 @@ loop_minutes() {  # loop_minutes LOG: minutes of a peer's training loop, as its 
   # last logged step times the median of its logged optimizer-step times)
   python3 -c "
 import re, statistics, sys
+sys.path.insert(0, sys.argv[2])
+from peers_results import speculators_loop_s
 text = open(sys.argv[1]).read()
 hf = re.findall(r\"'train_runtime': '?([0-9.]+)\", text)
-# speculators' validation bar reads 'Epoch N' too: its runs are cut out; each training epoch's last bar counts
-text = re.sub(r'Validation epoch \d+/\d+ started.*?(?:Validation epoch \d+/\d+ completed|\Z)', '', text, flags=re.S)
-bars = {int(e): (h, m, s) for e, h, m, s in re.findall(r'Epoch (\d+)\s+\d+%\s+\S+\s+\d+/\d+\s+\[\s*(\d+):(\d\d):(\d\d)', text)}
 sf = re.findall(r\"step (\d+): \{.*'perf/optimizer_step_time_s': ([0-9.e-]+)\", text)
 if hf:
     secs = float(hf[-1])
-elif bars:
-    secs = sum(3600 * int(h) + 60 * int(m) + int(s) for h, m, s in bars.values())
+elif (loop := speculators_loop_s(text)) is not None:
+    secs = loop
 else:
     secs = int(sf[-1][0]) * statistics.median(float(t) for _, t in sf)
-print(round(secs / 60, 3))" "$1"
+print(round(secs / 60, 3))" "$1" "$repo/benchmarks"
 }
 
 speculators_run() {  # speculators_run BUDGET|epoch N: its data and states, its training (BUDGET seconds of

@@ -20,8 +20,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from eagle3_train.evaluation.reports import read_eval_report
-
 TITLES = {
     "modelopt": "NVIDIA ModelOpt 0.47.0: its EAGLE-3 example and recipe, defaults",
     "speculators": "speculators 0.9.0: its CLI, defaults",
@@ -96,24 +94,40 @@ def trainer_curve(log: str) -> list[dict[str, float]]:
     return out
 
 
-def speculators_log(text: str) -> dict[str, float]:
-    """speculators' own training log: the steps it ran, its loop's seconds (each training epoch's last bar;
-    its validation bar also reads 'Epoch N' and is left out), and its steady rate (the median of its
-    logged per-step times and tokens/s after the first tenth of the steps: compilation left out)."""
-    text = re.sub(r"Validation epoch \d+/\d+ started.*?(?:Validation epoch \d+/\d+ completed|\Z)", "", text, flags=re.S)
-    out: dict[str, float] = {}
+def speculators_training(text: str) -> str:
+    """speculators' log without its validation runs (their bar also reads 'Epoch N')."""
+    return re.sub(r"Validation epoch \d+/\d+ started.*?(?:Validation epoch \d+/\d+ completed|\Z)", "", text, flags=re.S)
+
+
+def speculators_loop_s(text: str) -> int | None:
+    """The seconds of speculators' training loop: each training epoch's last bar (None: no bar)."""
     bars = {
         int(e): 3600 * int(h) + 60 * int(m) + int(sec)
-        for e, h, m, sec in re.findall(r"Epoch (\d+)\s+\d+%\s+\S+\s+\d+/\d+\s+\[\s*(\d+):(\d\d):(\d\d)", text)
+        for e, h, m, sec in re.findall(
+            r"Epoch (\d+)\s+\d+%\s+\S+\s+\d+/\d+\s+\[\s*(\d+):(\d\d):(\d\d)", speculators_training(text)
+        )
     }
-    if bars:
-        out["loop_s"] = sum(bars.values())
-    if steps := re.findall(r"global_step=(\d+)", text):
+    return sum(bars.values()) if bars else None
+
+
+def speculators_steady(text: str, key: str) -> float | None:
+    """The median of a per-step figure speculators logs (``profile/KEY=``) after the first tenth of the
+    steps (compilation left out); None: fewer than 4 steps logged it."""
+    values = [float(x) for x in re.findall(rf"profile/{key}=([0-9.e+-]+)", speculators_training(text))]
+    return statistics.median(values[max(1, len(values) // 10) :]) if len(values) >= 4 else None
+
+
+def speculators_log(text: str) -> dict[str, float]:
+    """speculators' own training log: the steps it ran, its loop's seconds, and its steady rate (per-step
+    time and tokens/s)."""
+    out: dict[str, float] = {}
+    if (loop := speculators_loop_s(text)) is not None:
+        out["loop_s"] = loop
+    if steps := re.findall(r"global_step=(\d+)", speculators_training(text)):
         out["steps"] = max(map(int, steps)) + 1
     for key, name in (("step_ms", "steady_step_ms"), ("tokens_per_s", "steady_tokens_per_s")):
-        values = [float(x) for x in re.findall(rf"profile/{key}=([0-9.e+-]+)", text)]
-        if values:
-            out[name] = round(statistics.median(values[max(1, len(values) // 10) :]), 1)
+        if (value := speculators_steady(text, key)) is not None:
+            out[name] = round(value, 1)
     return out
 
 
@@ -140,6 +154,8 @@ def session_numbers(d: Path) -> dict[str, float]:
 
 
 def eval_figures(d: Path, fw: str, prompts: str) -> dict[str, Any] | None:
+    from eagle3_train.evaluation.reports import read_eval_report  # (the log readers above need no package)
+
     path = d / f"{fw}_eval_{prompts}_report.json"
     if not path.is_file():
         return None

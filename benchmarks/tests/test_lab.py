@@ -367,7 +367,9 @@ def test_peers_results_reads_each_runs_own_log_and_a_trainer_curve():
 
 def _harness(function: str, *args: str) -> str:
     """One of peers_gpu.sh's functions, run alone in bash."""
-    script = f"source <(sed -n '/^{function}() {{/,/^}}/p' {LAB / 'peers_gpu.sh'}); {function} \"$@\""
+    script = (
+        f"repo={LAB.parent}; source <(sed -n '/^{function}() {{/,/^}}/p' {LAB / 'peers_gpu.sh'}); {function} \"$@\""
+    )
     run = subprocess.run(["bash", "-c", script, "bash", *args], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     return run.stdout.strip()
