@@ -131,6 +131,44 @@ def speculators_log(text: str) -> dict[str, float]:
     return out
 
 
+def cell(v: Any) -> Any:
+    """A table cell: a figure not measured as a dash, a long float to three places."""
+    if v is None or v == "":
+        return "—"
+    return round(v, 3) if isinstance(v, float) else v
+
+
+BUDGETS = {  # ours' run -> the budget it shares with each peer run of the session
+    "ours_same_minutes": "the peer's training-loop minutes (ours over the whole set)",
+    "ours_same_data": "the same conversations, one epoch (the recipe's batches)",
+    "ours_same_data_small_batches": "the same conversations, one epoch (8,192-token batches)",
+}
+
+
+def verdict(runs: dict[str, dict]) -> list[dict]:
+    """The verdict table: each peer against each of ours' runs, held-out tau by eval and by vLLM, and by how
+    much ours is ahead (negative: behind). Empty where the session has no peer or none of ours."""
+    peers = [fw for fw in runs if not fw.startswith("ours")]
+
+    def diff(ours: Any, peer: Any) -> Any:
+        return round(ours - peer, 2) if isinstance(ours, float) and isinstance(peer, float) else None
+
+    rows = []
+    for peer in peers:
+        for ours, budget in BUDGETS.items():
+            if ours not in runs:
+                continue
+            p, o = runs[peer], runs[ours]
+            pt, ot = (p.get("eval_heldout") or {}).get("tau"), (o.get("eval_heldout") or {}).get("tau")
+            pv, ov = p.get("vllm_acceptance_length"), o.get("vllm_acceptance_length")
+            rows.append([cell(x) for x in (budget, peer, pt, ours, ot, diff(ot, pt), pv, ov, diff(ov, pv))])
+    if not rows:
+        return []
+    header = ["budget", "peer", "peer tau", "ours", "ours tau", "ours ahead by", "peer vLLM", "ours vLLM", "ahead by"]
+    title = "Verdict: held-out tau by eagle3-eval (vLLM's rule) and vLLM's served acceptance length"
+    return [{"title": title, "header": header, "rows": rows}]
+
+
 def session_numbers(d: Path) -> dict[str, float]:
     text = (d / "session.txt").read_text() if (d / "session.txt").is_file() else ""
     out: dict[str, float] = {}
@@ -270,20 +308,25 @@ def main() -> None:
 
     rows = [
         [
-            fw,
-            r.get("conversations"),
-            r.get("steps"),
-            r["seconds"].get("prepare") or (r["seconds"].get("data", 0) + r["seconds"].get("states", 0)) or "online",
-            r["seconds"].get("train"),
-            r.get("loop_s") or r.get("train_runtime_s") or "",
-            r.get("steady_tokens_per_s"),
-            r.get("train_peak_gpu_mib"),
-            round(r["draft_bytes"] / 2**20, 1) if r.get("draft_bytes") else None,
-            tau(r, "eval_heldout"),
-            tau(r, "eval_heldout_as_trained") or "",
-            tau(r, "eval_mtbench"),
-            r.get("vllm_acceptance_length") or "",
-            (r.get("eval_heldout") or {}).get("lossless"),
+            cell(x)
+            for x in (
+                fw,
+                r.get("conversations"),
+                r.get("steps"),
+                r["seconds"].get("prepare")
+                or (r["seconds"].get("data", 0) + r["seconds"].get("states", 0))
+                or "online",
+                r["seconds"].get("train"),
+                r.get("loop_s") or r.get("train_runtime_s") or "",
+                r.get("steady_tokens_per_s"),
+                r.get("train_peak_gpu_mib"),
+                round(r["draft_bytes"] / 2**20, 1) if r.get("draft_bytes") else None,
+                tau(r, "eval_heldout"),
+                tau(r, "eval_heldout_as_trained") or "",
+                tau(r, "eval_mtbench"),
+                r.get("vllm_acceptance_length") or "",
+                (r.get("eval_heldout") or {}).get("lossless"),
+            )
         ]
         for fw, r in runs.items()
     ]
@@ -307,7 +350,8 @@ def main() -> None:
         "note": a.note,
         "frameworks": runs,
         "curves": curves,
-        "tables": [
+        "tables": verdict(runs)
+        + [
             {
                 "title": "Side by side (seconds: wall clock of each phase; training includes model load and compile)",
                 "header": [

@@ -344,6 +344,27 @@ def test_peers_results_reads_the_polls_memory_phases_and_trainer_metrics(tmp_pat
     }
 
 
+def test_peers_verdict_pairs_each_peer_with_each_of_ours_and_signs_the_difference():
+    """The verdict table: ours minus the peer (negative where ours trails), by eval and by vLLM; a figure
+    not measured is a dash, never a zero; runs of ours absent from the session give no row."""
+    import peers_results as pr
+
+    runs = {
+        "speculators": {"eval_heldout": {"tau": 1.448}, "vllm_acceptance_length": 1.4574},
+        "modelopt": {"eval_heldout": {"tau": 1.001}},  # not served
+        "ours_same_minutes": {"eval_heldout": {"tau": 1.9}, "vllm_acceptance_length": 1.88},
+        "ours_same_data": {"eval_heldout": {"tau": 1.222}, "vllm_acceptance_length": 1.2209},
+    }
+    (table,) = pr.verdict(runs)
+    by = {(r[1], r[3]): r for r in table["rows"]}
+    assert set(by) == {(p, o) for p in ("speculators", "modelopt") for o in ("ours_same_minutes", "ours_same_data")}
+    assert by["speculators", "ours_same_minutes"][5:] == [0.45, 1.457, 1.88, 0.42]
+    assert by["speculators", "ours_same_data"][5] == -0.23 and by["speculators", "ours_same_data"][8] == -0.24
+    assert by["modelopt", "ours_same_data"][6:] == ["—", 1.221, "—"]
+    assert pr.verdict({"ours_same_data": runs["ours_same_data"]}) == []  # no peer in the session
+    assert [pr.cell(x) for x in (None, "", 0, 0.0, 1.23456, "online")] == ["—", "—", 0, 0.0, 1.235, "online"]
+
+
 def test_peers_results_reads_each_runs_own_log_and_a_trainer_curve():
     """HF Trainer's final metrics belong to the run whose 'train done' closes their part of the log
     (a run without them has none, not the previous run's); a curve row takes the step and seconds
