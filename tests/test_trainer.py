@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -24,6 +25,7 @@ from eagle3_train.training.config import (
     TrainConfig,
     lr_factor,
 )
+from eagle3_train.training.data import batch_plan, plan_epoch
 from eagle3_train.training.ema import EMA_FILE, WeightAverage
 from eagle3_train.training.tracking import TRACKER_FILE
 from eagle3_train.training.trainer import Trainer
@@ -117,6 +119,66 @@ def test_warmup_fraction_is_a_share_of_the_runs_steps():
             OptimConfig(warmup_fraction=bad)
 
 
+def test_min_steps_shrinks_the_micro_batches_to_the_largest_budget_that_gives_them():
+    """train.min_steps: where the epochs hold fewer steps at train.max_tokens_per_batch, the budget is the
+    largest whose epochs (counted by plan_epoch itself, 2 ranks) hold that many; one sample per micro-batch
+    is the most a split gives; a resumed run keeps the budget it began with."""
+    lengths = np.random.default_rng(0).integers(20, 400, 300)
+
+    def steps_at(budget, epochs=2, world=2):
+        return sum(len(plan_epoch(lengths, budget, 0, e)) // world for e in range(epochs))
+
+    o = OptimConfig(max_tokens_per_batch=4096, epochs=2)
+    plain = batch_plan(lengths, o, 2)
+    assert plain.tokens == 4096 and sum(plain.epoch_steps) == steps_at(4096) == plain.steps_at_max
+    assert plain.note(o) is None
+    want = 4 * steps_at(4096)
+    o = OptimConfig(max_tokens_per_batch=4096, epochs=2, min_steps=want)
+    p = batch_plan(lengths, o, 2)
+    assert p.tokens < 4096 and sum(p.epoch_steps) == steps_at(p.tokens) >= want > steps_at(p.tokens + 1)
+    assert p.steps_at_max == steps_at(4096)
+    assert f"micro-batches hold at most {p.tokens} tokens: {sum(p.epoch_steps)} steps" in p.note(o)
+    for b in plan_epoch(lengths, p.tokens, 0, 1):  # a micro-batch of several samples stays within the budget
+        assert len(b) == 1 or len(b) * lengths[b].max() <= p.tokens
+    o = OptimConfig(max_tokens_per_batch=4096, epochs=2, min_steps=10_000)
+    p = batch_plan(lengths, o, 2)
+    assert p.tokens == 1 and p.epoch_steps == [150, 150]
+    assert "one sample per micro-batch gives 300, the most this split holds" in p.note(o)
+    p = batch_plan(lengths, OptimConfig(max_tokens_per_batch=4096, epochs=3, min_steps=want), 2, tokens=1000)
+    assert p.tokens == 1000 and sum(p.epoch_steps) == steps_at(1000, epochs=3)
+    with pytest.raises(ConfigError, match="train.min_steps=50 is above train.max_steps=10"):
+        OptimConfig(min_steps=50, max_steps=10)
+
+
+def test_min_steps_trains_on_smaller_batches_and_a_resumed_run_keeps_them(std, tmp_path, said):
+    """A run that min_steps gave smaller micro-batches records their budget; raising train.epochs continues
+    with the same batches (not the budget min_steps would now pick) and gives the weights of a run trained
+    straight with that budget as train.max_tokens_per_batch (constant lr)."""
+    run = tmp_path / "r"
+    said()
+    train(std, run, epochs=1, min_steps=8, schedule="constant")
+    m = re.search(
+        r"train.min_steps=8: the epochs hold (\d+) steps at train.max_tokens_per_batch=600, so micro-batches "
+        r"hold at most (\d+) tokens: (\d+) steps",
+        said(),
+    )
+    assert m, "no min_steps line"
+    held, began, steps = int(m[1]), int(m[2]), int(m[3])
+    assert held < 8 <= steps and began < 600
+    assert metrics(run)[-1]["step"] == steps
+    state = json.loads((run / "checkpoints" / f"step{steps}" / "state.json").read_text())
+    assert state["batch_tokens"] == began
+    train(std, run, epochs=2, min_steps=8, schedule="constant")
+    assert f"continues with the micro-batches it began with (at most {began} tokens" in said()
+    final = metrics(run)[-1]["step"]
+    straight = train(std, tmp_path / "straight", epochs=2, max_tokens_per_batch=began, schedule="constant")
+    assert straight["step"] == final
+    last = lambda d: load_file(str(d / "checkpoints" / f"step{final}" / "draft.safetensors"))  # noqa: E731
+    a, b = last(run), last(tmp_path / "straight")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6)
+
+
 def test_recipe_options_are_checked():
     with pytest.raises(ConfigError, match="would freeze a random lm_head"):
         ModelOptions(freeze_lm_head=True)
@@ -162,6 +224,7 @@ def test_recipe_options_are_checked():
         ("min_target_prob", 2.0),
         ("ema_decay", 1.0),
         ("decay_fraction", 0.0),
+        ("min_steps", -1),
     ],
 )
 def test_numeric_recipe_options_are_range_checked(field, value):

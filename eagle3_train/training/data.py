@@ -190,18 +190,72 @@ def steps_in_epoch(n_batches: int, world: int, grad_accum: int) -> int:
     return n_batches // (world * grad_accum)
 
 
-def epoch_step_counts(lengths: np.ndarray, o: Any, world: int) -> list[int]:
-    """Optimizer steps in each of ``o.epochs`` epochs over samples of ``lengths`` (``o``: the
-    ``train.*`` options; epochs shuffle differently, so their micro-batch counts can differ by a
-    few); refuses a split too small for one step."""
-    n_batches = [len(plan_epoch(lengths, o.max_tokens_per_batch, o.seed, e)) for e in range(o.epochs)]
-    steps = [steps_in_epoch(n, world, o.grad_accum) for n in n_batches]
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a run's epochs are cut into micro-batches (:func:`batch_plan`).
+
+    Attributes:
+        tokens: each micro-batch's budget of padded tokens (``plan_epoch``'s ``max_tokens``).
+        epoch_steps: the optimizer steps of each epoch at that budget.
+        steps_at_max: the steps all epochs hold at ``train.max_tokens_per_batch`` (``sum(epoch_steps)``
+            unless ``train.min_steps`` shrank the budget).
+    """
+
+    tokens: int
+    epoch_steps: list[int]
+    steps_at_max: int
+
+    def note(self, o: Any) -> str | None:
+        """The line a run logs when ``train.min_steps`` shrank its micro-batches (None when it did not)."""
+        if self.tokens == o.max_tokens_per_batch:
+            return None
+        held = sum(self.epoch_steps)
+        head = (
+            f"eagle3-train: train.min_steps={o.min_steps}: the epochs hold {self.steps_at_max} steps at "
+            f"train.max_tokens_per_batch={o.max_tokens_per_batch}"
+        )
+        if held < o.min_steps:
+            return f"{head}; one sample per micro-batch gives {held}, the most this split holds"
+        return f"{head}, so micro-batches hold at most {self.tokens} tokens: {held} steps"
+
+
+def batch_plan(lengths: np.ndarray, o: Any, world: int, tokens: int | None = None) -> BatchPlan:
+    """The micro-batch budget and the optimizer steps in each of ``o.epochs`` epochs over samples of
+    ``lengths`` (``o``: the ``train.*`` options; epochs shuffle differently, so their micro-batch
+    counts can differ by a few). The budget is ``train.max_tokens_per_batch``, or where the epochs
+    hold fewer than ``train.min_steps`` steps at it, the largest budget whose epochs hold that many
+    (at the least one sample per micro-batch); ``tokens``: the budget a resumed run began with, kept
+    whatever its raised ``train.epochs`` would now give. Refuses a split too small for one step."""
+
+    def counts(budget: int) -> tuple[list[int], list[int]]:
+        n_batches = [len(plan_epoch(lengths, budget, o.seed, e)) for e in range(o.epochs)]
+        return n_batches, [steps_in_epoch(n, world, o.grad_accum) for n in n_batches]
+
+    n_batches, steps = counts(o.max_tokens_per_batch)
+    at_max = sum(steps)
+    if tokens is not None:
+        if tokens != o.max_tokens_per_batch:
+            n_batches, steps = counts(tokens)
+    elif not o.min_steps or at_max >= o.min_steps:
+        tokens = o.max_tokens_per_batch
+    else:
+        enough, short = 1, o.max_tokens_per_batch  # a budget that gives min_steps (or the least one), one short
+        n_batches, steps = counts(1)
+        if sum(steps) >= o.min_steps:
+            while short - enough > 1:  # fewer tokens per micro-batch, more micro-batches
+                mid = (enough + short) // 2
+                found = counts(mid)
+                if sum(found[1]) >= o.min_steps:
+                    enough, (n_batches, steps) = mid, found
+                else:
+                    short = mid
+        tokens = enough
     if min(steps) == 0:
         raise ConfigError(
             f"one optimizer step needs {world * o.grad_accum} micro-batches, the training split "
             f"gives {min(n_batches)}: lower train.grad_accum or train.max_tokens_per_batch"
         )
-    return steps
+    return BatchPlan(tokens, steps, at_max)
 
 
 def micro_batches_for(plan: list[np.ndarray], step: int, rank: int, world: int, grad_accum: int) -> list[np.ndarray]:

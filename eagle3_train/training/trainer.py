@@ -48,8 +48,8 @@ from eagle3_train.training.config import USUAL_CHAIN, TrainConfig, objective
 from eagle3_train.training.data import (
     Batch,
     Prefetcher,
+    batch_plan,
     epoch_of,
-    epoch_step_counts,
     micro_batches_for,
     plan_epoch,
 )
@@ -116,11 +116,9 @@ class Trainer:
         self.world = self.dist.world_size // self.sp.size  # data-parallel ranks; each reads its own micro-batches
         self.data_rank = self.dist.rank // self.sp.size
         # Epochs shuffle differently, so their micro-batch counts can differ by a few.
-        self.epoch_steps = epoch_step_counts(self.train_split.length, o, self.world)
-        self.total_steps = sum(self.epoch_steps)
-        if o.max_steps is not None:
-            self.total_steps = min(self.total_steps, o.max_steps)
-        self.planned_steps = self.total_steps  # what the epochs and max_steps allow; max_minutes may size it down
+        self.plan_batches()
+        if note := self.batches.note(o):
+            logger.info(note)
         self.spent_s = 0.0  # loop seconds of earlier runs of this output (train.max_minutes counts them)
         self._loop_start: float | None = None  # time.time() when this run's loop began
         self._loop_end: float | None = None  # and when it ended (the final evaluation and save are not loop time)
@@ -147,6 +145,17 @@ class Trainer:
         )
 
     # -- checkpoints -----------------------------------------------------------------------------
+
+    def plan_batches(self, tokens: int | None = None) -> None:
+        """The micro-batches' token budget (``train.min_steps`` may shrink it; ``tokens``: the one a
+        resumed run began with), the steps of each epoch and the total they allow with ``train.max_steps``."""
+        o = self.cfg.train
+        self.batches = batch_plan(self.train_split.length, o, self.world, tokens)
+        self.epoch_steps = self.batches.epoch_steps
+        self.total_steps = sum(self.epoch_steps)
+        if o.max_steps is not None:
+            self.total_steps = min(self.total_steps, o.max_steps)
+        self.planned_steps = self.total_steps  # what the epochs and max_steps allow; max_minutes may size it down
 
     def _checkpoints(self) -> list[Path]:
         return run_checkpoints(self.out)
@@ -188,6 +197,13 @@ class Trainer:
             self.ema.load(last)
         self.step = state["step"]
         self.spent_s = float(state.get("loop_seconds", 0.0))
+        began = state.get("batch_tokens", self.cfg.train.max_tokens_per_batch)
+        if began != self.batches.tokens:  # train.min_steps with raised epochs: the run keeps its batches
+            logger.info(
+                f"eagle3-train: the run continues with the micro-batches it began with (at most {began} tokens; "
+                f"train.min_steps would size them at {self.batches.tokens} for the epochs now asked)"
+            )
+            self.plan_batches(began)
         if minutes := self.cfg.train.max_minutes:
             self.total_steps = self.resumed_total(state, minutes)
         if self.dist.is_main:  # what a killed run logged after this checkpoint is logged again
@@ -212,6 +228,7 @@ class Trainer:
             "ttt_length": o.ttt_length,
             "model": config_dict(self.cfg.model),
             "total_steps": self.total_steps,
+            "batch_tokens": self.batches.tokens,
             "loop_seconds": round(self.loop_seconds(), 3),
             "max_minutes_spent": self.minutes_spent,
             "continued": continued_options("train", config_dict(self.cfg)),
@@ -298,7 +315,7 @@ class Trainer:
         for step in range(self.step, self.total_steps):
             epoch, step_in_epoch = self.epoch_of(step)
             if epoch != epoch_no:
-                epoch_no, plan = epoch, plan_epoch(self.train_split.length, o.max_tokens_per_batch, o.seed, epoch)
+                epoch_no, plan = epoch, plan_epoch(self.train_split.length, self.batches.tokens, o.seed, epoch)
             for indices in micro_batches_for(plan, step_in_epoch, self.data_rank, self.world, o.grad_accum):
                 batch = self.train_split.batch(indices)
                 yield batch.pin() if pin else batch
