@@ -144,8 +144,6 @@ class Trainer:
             open_tracker(cfg.logging, self.out, config_dict(cfg), self.step, self.dist.is_main),
         )
 
-    # -- checkpoints -----------------------------------------------------------------------------
-
     def plan_batches(self, tokens: int | None = None) -> None:
         """The micro-batches' token budget (``train.min_steps`` may shrink it; ``tokens``: the one a
         resumed run began with), the steps of each epoch and the total they allow with ``train.max_steps``."""
@@ -156,6 +154,8 @@ class Trainer:
         if o.max_steps is not None:
             self.total_steps = min(self.total_steps, o.max_steps)
         self.planned_steps = self.total_steps  # what the epochs and max_steps allow; max_minutes may size it down
+
+    # -- checkpoints -----------------------------------------------------------------------------
 
     def _checkpoints(self) -> list[Path]:
         return run_checkpoints(self.out)
