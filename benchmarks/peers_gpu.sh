@@ -355,16 +355,17 @@ run_session_pair() {  # epoch|BUDGET [N] [MODELOPT_STEPS_PER_S]: speculators, Mo
   held_out ours_same_minutes
   run_ours ours_same_data "$n" 1000000 1
   held_out ours_same_data
-  # the lever a CPU study found at this size (benchmarks/results/peers_short_run_cpu.json): 4x the optimizer steps
-  run_ours ours_same_data_small_batches "$n" 1000000 1 "" ++train.train.max_tokens_per_batch=8192
-  held_out ours_same_data_small_batches
+  # the recipe sets train.min_steps=160 (8,192-token batches gave 167 steps, tau 1.51: peers_pair2_h200); the CPU
+  # study at 1/16 of this size (peers_short_run_cpu.json) still rose at 400 steps
+  run_ours ours_same_data_more_steps "$n" 1000000 1 "" ++train.train.min_steps=400
+  held_out ours_same_data_more_steps
   secs=$(python3 -c "print(round(60 * $(loop_minutes "$po/speculators/train.log"), 1))")
   mo_steps=$(python3 -c "print(max(8, int($secs * $mo_rate)))")
   echo "peers_gpu: ModelOpt for speculators' $secs s of loop at $mo_rate steps/s: $mo_steps steps, $mo_steps conversations" | tee -a "$po/session.txt"
   if run_modelopt modelopt "$mo_steps" "$mo_steps"; then
     held_out modelopt
   fi
-  for fw in speculators ours_same_minutes ours_same_data ours_same_data_small_batches modelopt; do
+  for fw in speculators ours_same_minutes ours_same_data ours_same_data_more_steps modelopt; do
     go_on evaluate "$fw" mtbench vllm
   done
   go_on evaluate modelopt heldout vllm as_trained

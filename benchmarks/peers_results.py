@@ -27,6 +27,7 @@ TITLES = {
     "ours_same_data": "eagle3_train: the smollm2 recipe, the same conversations, one epoch",
     "ours_same_minutes": "eagle3_train: the smollm2 recipe, the same training minutes, the whole set",
     "ours_same_data_small_batches": "eagle3_train: the smollm2 recipe with 8,192-token batches, the same conversations, one epoch",
+    "ours_same_data_more_steps": "eagle3_train: the smollm2 recipe with train.min_steps=400, the same conversations, one epoch",
 }
 
 
@@ -142,6 +143,7 @@ BUDGETS = {  # ours' run -> the budget it shares with each peer run of the sessi
     "ours_same_minutes": "the peer's training-loop minutes (ours over the whole set)",
     "ours_same_data": "the same conversations, one epoch (the recipe's batches)",
     "ours_same_data_small_batches": "the same conversations, one epoch (8,192-token batches)",
+    "ours_same_data_more_steps": "the same conversations, one epoch (train.min_steps=400)",
 }
 
 

@@ -122,7 +122,8 @@ def test_warmup_fraction_is_a_share_of_the_runs_steps():
 def test_min_steps_shrinks_the_micro_batches_to_the_largest_budget_that_gives_them():
     """train.min_steps: where the epochs hold fewer steps at train.max_tokens_per_batch, the budget is the
     largest whose epochs (counted by plan_epoch itself, 2 ranks) hold that many; one sample per micro-batch
-    is the most a split gives; a resumed run keeps the budget it began with."""
+    is the most a split gives; train.max_steps caps the steps asked for; a resumed run keeps the budget it
+    began with."""
     lengths = np.random.default_rng(0).integers(20, 400, 300)
 
     def steps_at(budget, epochs=2, world=2):
@@ -146,8 +147,12 @@ def test_min_steps_shrinks_the_micro_batches_to_the_largest_budget_that_gives_th
     assert "one sample per micro-batch gives 300, the most this split holds" in p.note(o)
     p = batch_plan(lengths, OptimConfig(max_tokens_per_batch=4096, epochs=3, min_steps=want), 2, tokens=1000)
     assert p.tokens == 1000 and sum(p.epoch_steps) == steps_at(1000, epochs=3)
-    with pytest.raises(ConfigError, match="train.min_steps=50 is above train.max_steps=10"):
-        OptimConfig(min_steps=50, max_steps=10)
+    # counted up to train.max_steps: a run cut shorter keeps its batches unless the epochs hold fewer steps
+    capped = OptimConfig(max_tokens_per_batch=4096, epochs=2, min_steps=want, max_steps=steps_at(4096))
+    assert batch_plan(lengths, capped, 2).tokens == 4096
+    capped = OptimConfig(max_tokens_per_batch=4096, epochs=2, min_steps=want, max_steps=2 * steps_at(4096))
+    p = batch_plan(lengths, capped, 2)
+    assert steps_at(p.tokens) >= 2 * steps_at(4096) > steps_at(p.tokens + 1)
 
 
 def test_min_steps_trains_on_smaller_batches_and_a_resumed_run_keeps_them(std, tmp_path, said):

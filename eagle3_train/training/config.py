@@ -30,7 +30,7 @@ class OptimConfig:
     epochs: int = 1  # passes over the training split
     max_steps: int | None = None  # stop after this many optimizer steps (null: all epochs)
     min_steps: int = 0
-    """the epochs take at least this many optimizer steps: where they hold fewer at train.max_tokens_per_batch (little data, few epochs), the micro-batches' token budget shrinks to the largest that gives this many (samples are still cut at train.max_tokens_per_batch; a budget in minutes may end the run sooner; 0: off)"""
+    """the epochs take at least this many optimizer steps: where they hold fewer at train.max_tokens_per_batch (little data, few epochs), the micro-batches' token budget shrinks to the largest that gives this many (samples are still cut at train.max_tokens_per_batch; counted up to train.max_steps, so a shorter run keeps its batches; a budget in minutes may end the run sooner; 0: off)"""
     max_minutes: float | None = None
     """wall-clock budget of the training loop in minutes (evaluations inside it count; start-up, the final evaluation and save do not): from the rate measured at each logged step and every 10 steps the total is sized so the lr schedule ends when the minutes do; the run ends at whichever comes first, the epochs, max_steps or the minutes (null: no budget)"""
     lr: float = 1e-4  # peak learning rate (AdamW)
@@ -86,11 +86,6 @@ class OptimConfig:
             raise ConfigError(f"train.max_steps must be >= 1 or null, got {self.max_steps}")
         if self.min_steps < 0:
             raise ConfigError(f"train.min_steps must be >= 0 (0: off), got {self.min_steps}")
-        if self.max_steps is not None and self.min_steps > self.max_steps:
-            raise ConfigError(
-                f"train.min_steps={self.min_steps} is above train.max_steps={self.max_steps}: the run would stop "
-                "before the steps its batches were sized for"
-            )
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ConfigError(f"train.max_minutes must be > 0 or null, got {self.max_minutes}")
         if not self.lr > 0:  # also refuses nan

@@ -214,16 +214,21 @@ class BatchPlan:
             f"eagle3-train: train.min_steps={o.min_steps}: the epochs hold {self.steps_at_max} steps at "
             f"train.max_tokens_per_batch={o.max_tokens_per_batch}"
         )
-        if held < o.min_steps:
+        if held < min_steps(o):
             return f"{head}; one sample per micro-batch gives {held}, the most this split holds"
         return f"{head}, so micro-batches hold at most {self.tokens} tokens: {held} steps"
+
+
+def min_steps(o: Any) -> int:
+    """The steps ``train.min_steps`` asks the epochs to hold: never more than ``train.max_steps``."""
+    return o.min_steps if o.max_steps is None else min(o.min_steps, o.max_steps)
 
 
 def batch_plan(lengths: np.ndarray, o: Any, world: int, tokens: int | None = None) -> BatchPlan:
     """The micro-batch budget and the optimizer steps in each of ``o.epochs`` epochs over samples of
     ``lengths`` (``o``: the ``train.*`` options; epochs shuffle differently, so their micro-batch
     counts can differ by a few). The budget is ``train.max_tokens_per_batch``, or where the epochs
-    hold fewer than ``train.min_steps`` steps at it, the largest budget whose epochs hold that many
+    hold fewer than ``train.min_steps`` steps at it (up to ``train.max_steps``), the largest budget whose epochs hold that many
     (at the least one sample per micro-batch); ``tokens``: the budget a resumed run began with, kept
     whatever its raised ``train.epochs`` would now give. Refuses a split too small for one step."""
 
@@ -231,21 +236,22 @@ def batch_plan(lengths: np.ndarray, o: Any, world: int, tokens: int | None = Non
         n_batches = [len(plan_epoch(lengths, budget, o.seed, e)) for e in range(o.epochs)]
         return n_batches, [steps_in_epoch(n, world, o.grad_accum) for n in n_batches]
 
+    want = min_steps(o)
     n_batches, steps = counts(o.max_tokens_per_batch)
     at_max = sum(steps)
     if tokens is not None:
         if tokens != o.max_tokens_per_batch:
             n_batches, steps = counts(tokens)
-    elif not o.min_steps or at_max >= o.min_steps:
+    elif at_max >= want:
         tokens = o.max_tokens_per_batch
     else:
-        enough, short = 1, o.max_tokens_per_batch  # a budget that gives min_steps (or the least one), one short
+        enough, short = 1, o.max_tokens_per_batch  # a budget that gives the steps (or the least one), one short
         n_batches, steps = counts(1)
-        if sum(steps) >= o.min_steps:
+        if sum(steps) >= want:
             while short - enough > 1:  # fewer tokens per micro-batch, more micro-batches
                 mid = (enough + short) // 2
                 found = counts(mid)
-                if sum(found[1]) >= o.min_steps:
+                if sum(found[1]) >= want:
                     enough, (n_batches, steps) = mid, found
                 else:
                     short = mid
