@@ -285,6 +285,8 @@ def main() -> None:
     order = [fw for fw in TITLES if any(p["fw"] == fw for p in ph)]
     runs = {fw: framework(d, fw, ph, trace, log, sizes) for fw in order}
     session = session_numbers(d)
+    if "modelopt_steps" in session and "modelopt" not in runs:  # planned, then the device time ran out
+        session["modelopt_steps_planned_not_run"] = session.pop("modelopt_steps")
     if "speculators" in runs and "speculators_steps" in session:
         runs["speculators"]["steps"] = session["speculators_steps"]
         runs["speculators"]["conversations"] = session["speculators_conversations"]

@@ -717,3 +717,24 @@ def test_every_lab_script_finds_the_repository_root():
         for n in re.findall(r"Path\(__file__\)\.resolve\(\)\.parents\[(\d+)\]", script.read_text()):
             root = script.resolve().parents[int(n)]
             assert (root / "pyproject.toml").is_file(), f"{script.name}: parents[{n}] is {root}, not the repository"
+
+
+def test_peers_results_says_a_planned_modelopt_run_that_never_ran(tmp_path):
+    """A session that ran out of device time before ModelOpt trained: the steps it had planned are kept
+    as planned, not as steps ModelOpt ran; a session where it ran keeps them as its steps."""
+    phase = {"fw": "speculators", "phase": "train", "seconds": 10.0, "start": 0.0, "end": 10.0, "rc": 0}
+    (tmp_path / "phases.jsonl").write_text(json.dumps(phase) + "\n")
+    (tmp_path / "session.txt").write_text(
+        "peers_gpu: ModelOpt for speculators' 138.0 s of loop at 1.46 steps/s: 201 steps, 201 conversations\n"
+    )
+    script = Path(__file__).resolve().parents[1] / "peers_results.py"
+
+    def session():
+        out = tmp_path / "r.json"
+        subprocess.run([sys.executable, str(script), str(tmp_path), str(out), "--machine", "m", "--date", "d"], check=True, capture_output=True)  # fmt: skip
+        return json.loads(out.read_text())["session"]
+
+    assert session()["modelopt_steps_planned_not_run"] == 201 and "modelopt_steps" not in session()
+    with (tmp_path / "phases.jsonl").open("a") as f:
+        f.write(json.dumps(phase | {"fw": "modelopt"}) + "\n")
+    assert session()["modelopt_steps"] == 201 and "modelopt_steps_planned_not_run" not in session()
