@@ -228,9 +228,10 @@ def batch_plan(lengths: np.ndarray, o: Any, world: int, tokens: int | None = Non
     """The micro-batch budget and the optimizer steps in each of ``o.epochs`` epochs over samples of
     ``lengths`` (``o``: the ``train.*`` options; epochs shuffle differently, so their micro-batch
     counts can differ by a few). The budget is ``train.max_tokens_per_batch``, or where the epochs
-    hold fewer than ``train.min_steps`` steps at it (up to ``train.max_steps``), the largest budget whose epochs hold that many
-    (at the least one sample per micro-batch); ``tokens``: the budget a resumed run began with, kept
-    whatever its raised ``train.epochs`` would now give. Refuses a split too small for one step."""
+    hold fewer than ``train.min_steps`` steps at it (counted up to ``train.max_steps``), the largest
+    budget whose epochs hold that many (at the least one sample per micro-batch); ``tokens``: the
+    budget a resumed run began with, kept whatever its raised ``train.epochs`` would now give.
+    Refuses a split too small for one step."""
 
     def counts(budget: int) -> tuple[list[int], list[int]]:
         n_batches = [len(plan_epoch(lengths, budget, o.seed, e)) for e in range(o.epochs)]
