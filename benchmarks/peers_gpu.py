@@ -374,17 +374,17 @@ def job(a: argparse.Namespace) -> None:
                                                  "date": f"{datetime.now(timezone.utc):%Y-%m-%d}"}))  # fmt: skip
     s = Session(a, device)
     for fw, head, budget, lrs, seeds in runs_wanted(a, s.known):
-        if not s.prepare(fw, head):
-            say(f"{fw}:{head}: its preparation failed; its runs are left out")
-            continue
-        if s.spec(fw, head, "sweep", budget, lrs[0], seeds[0]) is None:  # no step time yet: a probe measures it
-            s.train(s.spec(fw, head, "probe", None, lrs[0], seeds[0]))
-        for lr in lrs:
-            for seed in seeds:
+        try:
+            if not s.prepare(fw, head):
+                raise RuntimeError("its preparation failed")
+            if s.spec(fw, head, "sweep", budget, lrs[0], seeds[0]) is None:  # no step time yet: a probe measures it
+                s.train(s.spec(fw, head, "probe", None, lrs[0], seeds[0]))
+            for lr, seed in ((lr, seed) for lr in lrs for seed in seeds):
                 if (spec := s.spec(fw, head, "sweep" if budget == SWEEP_S else "final", budget, lr, seed)) is None:
-                    say(f"{fw}:{head}: its probe measured no step time; its runs are left out")
-                    break
+                    raise RuntimeError("its probe measured no step time")
                 s.train(spec)
+        except Exception as e:  # noqa: BLE001  (the next framework still runs)
+            say(f"{fw}:{head}: {e!r}; the rest of its runs are left out")
 
 
 def gpu_kind() -> str:

@@ -228,11 +228,15 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
         "sessions": sessions,
         "frameworks": [asdict(r) | {"name": r.name} for r in order],
         "tables": [
-            verdict(runs),
-            {"title": "Every run", "header": list(RUN_COLUMNS),
-             "rows": [[getattr(r, c) for c in RUN_COLUMNS] for r in order]},
+            {**(v := verdict(runs)), "rows": [[_dash(x) for x in row] for row in v["rows"]]},
+            {"title": "Every run (seconds: steady loop, compilation, start-up, data preparation)",
+             "header": list(RUN_COLUMNS), "rows": [[_dash(getattr(r, c)) for c in RUN_COLUMNS] for r in order]},
         ],  # fmt: skip
     }
+
+
+def _dash(x: Any) -> Any:
+    return "—" if x is None else x
 
 
 # --- reading a session's folder --------------------------------------------------------------------
