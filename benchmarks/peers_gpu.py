@@ -40,7 +40,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from peers_results import FINAL_S, FRAMEWORKS, SWEEP_S, RunSpec, best, epochs_for, load, plan_steps  # noqa: E402
 from peers_results import read_run, read_session, results, step_time  # noqa: E402
 
@@ -358,11 +358,10 @@ def runs_wanted(a: argparse.Namespace, known: list) -> list[tuple[str, str, floa
             for h in [head] if head else HEADS[fw]:
                 out.append((fw, h, SWEEP_S, a.lrs or list(LRS[fw]), a.seeds or [SEED[fw]]))
             continue
-        top = best(known, fw)
-        if a.lrs is None and top is None:
+        top, head = best(known, fw), "recipe" if fw == "ours" else head
+        if top is None and (a.lrs is None or not head):
             raise SystemExit(f"peers_gpu: no 3-minute sweep of {fw} in the results: give --lrs and FW:HEAD")
-        h, lrs = head or top.head, a.lrs or [top.lr]
-        out.append((fw, h if fw != "ours" else "recipe", FINAL_S, lrs, a.seeds or [SEED[fw], SEED[fw] + 1]))
+        out.append((fw, head or top.head, FINAL_S, a.lrs or [top.lr], a.seeds or [SEED[fw], SEED[fw] + 1]))
     return out
 
 

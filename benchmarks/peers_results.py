@@ -20,6 +20,7 @@ import json
 import math
 import re
 import statistics
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -222,6 +223,7 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
         "(chain k=5, greedy, fp32, lossless-checked, vLLM's rule) on the held-out prompts and MT-bench, and "
         "vLLM's acceptance length",
         "command": "python3 benchmarks/peers_gpu.py start sweep|final FRAMEWORK[:HEAD] ... (its --help)",
+        "machine": "one GPU a session: " + ", ".join(sorted({str(s.get("device")) for s in sessions})),
         "runs": "single run each; the 10-minute configurations two seeds",
         "withdrawn": WITHDRAWN,
         "not_run": NOT_RUN,
@@ -359,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("new", type=Path, help="a poll's peers_partial.json, or an unpacked poll folder")
     ap.add_argument("out", type=Path, help="the results file (created, or merged into)")
     a = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (eagle3_train reads the eval reports)
     runs, sessions = load(a.out)
     if a.new.is_dir():
         new, session = read_session(a.new)

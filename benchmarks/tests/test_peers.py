@@ -65,6 +65,8 @@ def test_the_sweeps_best_goes_on_and_a_final_plans_two_seeds_of_it():
             run("speculators", "default", lr=1e-3, tau_heldout=1.5), run("speculators", "matched", lr=3e-4, tau_heldout=1.6)]  # fmt: skip
     assert pr.best(runs, "ours").lr == 2e-3 and pr.best(runs, "speculators").head == "matched"
     assert pr.best(runs, "modelopt") is None
+    explicit = argparse.Namespace(what="final", frameworks=["modelopt:default"], lrs=[3e-4], seeds=[7])
+    assert pg.runs_wanted(explicit, runs) == [("modelopt", "default", 600.0, [3e-4], [7])]
     a = argparse.Namespace(what="final", frameworks=["ours", "speculators"], lrs=None, seeds=None)
     assert pg.runs_wanted(a, runs) == [("ours", "recipe", 600.0, [2e-3], [0, 1]),
                                        ("speculators", "matched", 600.0, [3e-4], [42, 43])]  # fmt: skip
@@ -159,3 +161,35 @@ def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_pa
     ours = pg.ours_cmd(pr.RunSpec("ours", "recipe", "sweep", 180.0, 2e-3, 0, 700, 16384), tmp_path, tmp_path / "c.jsonl")
     assert {"++train.optim.lr=0.002", "++train.loop.max_steps=700", "++train.loop.seed=0"} <= set(ours)
     assert pg.ours_head() == {"mlp": 6144, "draft_vocab": 16384, "ttt": 5, "lm_head": "target, trained"}
+
+
+def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_not_stop_the_next(tmp_path, monkeypatch):
+    """The job with each command stood in: ours has no step time on this GPU, so a probe runs first
+    and the sweep's runs take 180 s / 0.3 s steps; speculators' data fails and only its runs go."""
+    trained = []
+
+    def phase(run_name, name, cmd, env, cwd=None, log=None):
+        if name == "train":
+            out = Path(next(c for c in cmd if c.startswith("out="))[4:])
+            steps = int(next(c for c in cmd if "max_steps=" in c).split("=")[1])
+            trained.append(steps)
+            (out / "train").mkdir(parents=True)
+            rows = [{"step": s, "loop_s": 30.0 + 0.3 * s} for s in range(10, steps + 1, 10)]
+            (out / "train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return True
+
+    def init(self, a, device):
+        self.a, self.device, self.t, self.sha, self.known, self.ready = a, device, TARGET, "abc", [], set()
+        self.convs, self.target = tmp_path / "c.jsonl", Path("/target")
+
+    monkeypatch.setattr(pg, "PO", tmp_path)
+    monkeypatch.setattr(pg, "phase", phase)
+    monkeypatch.setattr(pg, "gpu_kind", lambda: "h100")
+    monkeypatch.setattr(pg.Session, "__init__", init)
+    monkeypatch.setattr(pg.Session, "speculators_data", lambda self: False)
+    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job", "sweep", "speculators:default", "ours"])
+    pg.main(["job", "sweep", "speculators:default", "ours", "--lrs", "1e-3", "2e-3"])
+    assert trained == [60, 600, 600]  # the probe, then two runs sized from it
+    runs, session = pr.read_session(tmp_path)
+    assert sorted(r.kind for r in runs) == ["probe", "sweep", "sweep"] and session["id"].startswith("h100-")
+    assert all(r.steady_step_s == pytest.approx(0.3) for r in runs)
