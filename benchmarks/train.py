@@ -35,7 +35,14 @@ from benchmarks.lab import launcher, matmul_rate, run_isolated, run_suite, sync
 from benchmarks.result import Result, this_command
 from eagle3_train.core.dist import init_distributed
 from eagle3_train.model import DraftConfig, Eagle3Draft
-from eagle3_train.training.config import DeepSpeedConfig, OptimConfig
+from eagle3_train.training.config import (
+    DeepSpeedConfig,
+    LoopConfig,
+    ObjectiveConfig,
+    OptimConfig,
+    RuntimeConfig,
+    TrainConfig,
+)
 from eagle3_train.training.data import Batch
 from eagle3_train.training.parallel import build_engine, sequence_parallel
 from eagle3_train.training.ttt import ttt_losses
@@ -116,9 +123,12 @@ def measure(a: argparse.Namespace) -> None:
     with torch.no_grad():
         model.t2d.copy_(t2d)
     lm_head = (torch.randn(c.vocab_size, c.hidden_size, device=device) * 0.02).to(dtype)
-    o = OptimConfig(ttt_length=a.ttt, lr=1e-4, grad_accum=a.grad_accum, activation_checkpointing=a.checkpointing,
-                    compile=a.compile, sequence_parallel=a.sp)  # fmt: skip
-    engine = build_engine(model, o, DeepSpeedConfig(zero_stage=2), dtype, device, 1000, sp)
+    cfg = TrainConfig(
+        data="-", out="-", objective=ObjectiveConfig(ttt_length=a.ttt), optim=OptimConfig(lr=1e-4),
+        loop=LoopConfig(grad_accum=a.grad_accum), deepspeed=DeepSpeedConfig(zero_stage=2),
+        runtime=RuntimeConfig(activation_checkpointing=a.checkpointing, compile=a.compile, sequence_parallel=a.sp),
+    )  # fmt: skip
+    engine = build_engine(model, cfg, dtype, device, 1000, sp)
     report: dict[str, Any] = {"gpus": dist.world_size, "sequence_parallel": sp.size, "data_parallel": dp,
                               "grad_accum": a.grad_accum, "activation_checkpointing": a.checkpointing,
                               "compile": a.compile, "matmul_tflops": rate / 1e12, "runs": []}  # fmt: skip
@@ -126,7 +136,14 @@ def measure(a: argparse.Namespace) -> None:
     def step(batch: Batch) -> None:
         for _ in range(a.grad_accum):
             loss, _ = ttt_losses(
-                engine.module, batch, lm_head, t2d, a.ttt, o.loss_decay, head_chunk=o.head_chunk, sp=sp
+                engine.module,
+                batch,
+                lm_head,
+                t2d,
+                a.ttt,
+                cfg.objective.loss_decay,
+                head_chunk=cfg.runtime.head_chunk,
+                sp=sp,
             )
             engine.backward(loss * sp.size)
             engine.step()
