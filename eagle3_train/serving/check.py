@@ -352,9 +352,8 @@ def _check_vocab(config: dict, tensors: dict[str, torch.Tensor], v: int) -> list
     t2d = tensors.get("t2d")
     # A zero d2t is also what a map never filled holds (speculators' buffers start as zeros, with an
     # empty t2d). It is the trained map when t2d, built with it, marks target ids 0..n-1 (a vocab
-    # chosen from few distinct tokens is padded with the lowest ids); the check below then finds t2d
-    # marks no others.
-    confirmed = t2d is not None and t2d.numel() == v and bool(t2d[: len(d2t)].bool().all())
+    # chosen from few distinct tokens is padded with the lowest ids) and no others.
+    confirmed = t2d is not None and t2d.numel() == v and torch.equal(t2d.bool().nonzero().squeeze(1), ids)
     if len(d2t) < v and bool((d2t == 0).all()) and not confirmed:
         empty = t2d is not None and not bool(t2d.bool().any())
         out.append(
