@@ -521,10 +521,12 @@ def draft_findings(
     elif trained is None:
         trained = config.get("eagle3_train", {}).get("capture", {}).get("aux_indices")
     flag_lines, flag_errors = flag_findings(dd, engines, cfg.serving.version if cfg.serving.engine else None)
-    # weights the flags account for, or that an engine loads and never applies: said once, by flag_findings
-    # and weight_problems, not again as weights outside the draft
-    names -= dd.extra_weights() | {n for e in dd.loaders() for n in dd.skipped_by(e)}
-    if dd.producer == OURS:
+    # weights the flags account for; another framework's that an engine loads and never applies (said
+    # once, by weight_problems); ours of a trained flag the config lost (said once, by flag_findings)
+    names -= dd.extra_weights()
+    if dd.producer != OURS:
+        names -= {n for e in dd.loaders() for n in dd.skipped_by(e)}
+    else:
         names -= {n for n in names for f in dd.trained_flags().changed() if n.split(".")[0] == f}
     lines, findings = check(config, tensors, target_cfg, trained, engines, names)
     findings = foreign + flag_errors + findings + _check_attention(dd.layer, target_cfg, engines)
