@@ -15,7 +15,7 @@ each engine's serve command, and the τ of any eval report of these files beside
 ``manifest.json`` last. No file names a local path: the target by its hub id or directory name, the
 checkpoint by its name and its run by a hash.
 A head holding any other weight is refused: neither engine would run it as trained.
-From a run directory it exports the best checkpoint when the run kept one (``train.keep_best``),
+From a run directory it exports the best checkpoint when the run kept one (``checkpoint.keep_best``),
 else the last.
 """
 
@@ -81,7 +81,7 @@ class CardConfig:
 class ExportConfig:
     """Options of ``eagle3-export`` (``conf/export.yaml``)."""
 
-    run: str = MISSING  # a training run directory (its best checkpoint under train.keep_best, else its last) or one checkpoint directory
+    run: str = MISSING  # a training run directory (its best checkpoint under checkpoint.keep_best, else its last) or one checkpoint directory
     out: str = MISSING  # the serving directory to write
     engines: list[str] = field(default_factory=lambda: registry.names("export"))
     """engines the config must serve (those that read config.json: sglang, vllm)"""
@@ -103,7 +103,7 @@ ConfigStore.instance().store(name="export_schema", node=ExportConfig)
 
 def find_checkpoint(run: Path) -> Path:
     """``run`` itself if it is a finished checkpoint; else, of a finished run, its best checkpoint
-    when it kept one (``train.keep_best``: best eval simulated tau), else its last. A run still
+    when it kept one (``checkpoint.keep_best``: best eval simulated tau), else its last. A run still
     training (or stopped before its end) is refused: name one of its checkpoints instead."""
     if (run / "state.json").is_file():
         return run
