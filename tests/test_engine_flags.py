@@ -92,7 +92,11 @@ def chain(head: Eagle3Draft, aux: torch.Tensor, ids: torch.Tensor, k: int) -> to
 
 # the keys each flag is written under, and the engines whose every version computes it
 EXPECT = {
-    "aux_norm": ({"norm_before_fc": True, "eagle_config.norm_before_fc": True}, ["sglang", "vllm"], "input_norm.weight"),
+    "aux_norm": (
+        {"norm_before_fc": True, "eagle_config.norm_before_fc": True},
+        ["sglang", "vllm"],
+        "input_norm.weight",
+    ),
     "fc_norm": ({"fc_norm": True}, ["sglang", "vllm"], "fc_norm.2.weight"),
     "norm_before_residual": ({"norm_before_residual": True}, ["vllm"], None),
     "norm_output": ({"norm_output": True}, ["sglang", "vllm"], None),
@@ -216,6 +220,9 @@ def test_engine_facts_are_asked_of_the_engine():
     assert not vllm.draft_flags({"fc_norm": False, "use_aux_norm": True}).fc_norm
     # eagle_config first, then the top level
     assert not vllm.draft_flags({"eagle_config": {"norm_before_fc": False}, "norm_before_fc": True}).aux_norm
-    assert (vllm.capture.memory_flag, sglang.capture.memory_flag) == ("--gpu-memory-utilization", "--mem-fraction-static")
+    assert (vllm.capture.memory_flag, sglang.capture.memory_flag) == (
+        "--gpu-memory-utilization",
+        "--mem-fraction-static",
+    )
     assert sglang.capture.final_server and not vllm.capture.final_server and vllm.capture.writes_files
     assert sglang.capture.oldest[0] == "0.5.23" and vllm.capture.oldest is None
