@@ -10,7 +10,7 @@ import pytest
 
 from eagle3_train.core.errors import BadInputError
 from eagle3_train.evaluation.eval import EvalConfig, Evaluator
-from eagle3_train.evaluation.reports import (
+from eagle3_train.core.reports import (
     BENCH_SCHEMA_VERSION,
     EVAL_SCHEMA_VERSION,
     SERVED_SCHEMA_VERSION,

@@ -64,7 +64,7 @@ from eagle3_train.core.reasoning import check_template_kwargs, request_kwargs
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import Engine, SpecMetrics, named_dtype
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
-from eagle3_train.evaluation.reports import BenchReport, BenchRow, write_report
+from eagle3_train.core.reports import BenchReport, BenchRow, write_report
 from eagle3_train.evaluation.served_acceptance import (
     CHAT_ROUTE,
     EngineClient,

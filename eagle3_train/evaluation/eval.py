@@ -53,7 +53,7 @@ from eagle3_train.engines import registry
 from eagle3_train.engines.rules import resolve
 from eagle3_train.evaluation.decoding import Counters, Reference, SpecDecoder
 from eagle3_train.evaluation.graph_spec import GraphSpecDecoder
-from eagle3_train.evaluation.reports import EvalReport
+from eagle3_train.core.reports import EvalReport
 from eagle3_train.evaluation.tree import TreeShape
 from eagle3_train.model import Eagle3Draft
 from eagle3_train.serving.card import eval_dir
