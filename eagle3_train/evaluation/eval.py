@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,19 +48,17 @@ from eagle3_train.core.reasoning import (
     reasoning_tokens,
     trained_kwargs,
 )
+from eagle3_train.core.reports import EvalReport
 from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.engines import registry
 from eagle3_train.engines.rules import resolve
 from eagle3_train.evaluation.decoding import Counters, Reference, SpecDecoder
 from eagle3_train.evaluation.graph_spec import GraphSpecDecoder
-from eagle3_train.core.reports import EvalReport
+from eagle3_train.evaluation.plots import plot_acceptance
 from eagle3_train.evaluation.tree import TreeShape
-from eagle3_train.model import Eagle3Draft
 from eagle3_train.serving.card import eval_dir
-from eagle3_train.serving.drafts import DraftDir, read_draft_dir
-from eagle3_train.serving.export import draft_config_from_json
+from eagle3_train.serving.loading import load_draft_dir
 from eagle3_train.targets import (
-    Target,
     chat_template_of,
     eos_ids,
     load_target,
@@ -171,74 +169,6 @@ class EvalConfig:
 
 
 ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
-
-
-def load_draft(directory: Path, target: Target, engine: str = "sglang") -> tuple[Eagle3Draft, dict]:
-    """Build the draft from a draft directory (ours or another framework's export) as ``engine``
-    computes it; the embeddings are the target's. Returns the draft and its config.json."""
-    draft, dd = load_draft_dir(directory, target, engine)
-    return draft, dd.config
-
-
-def load_draft_dir(
-    directory: Path, target: Target, engine: str = "sglang", as_trained: bool = False
-) -> tuple[Eagle3Draft, DraftDir]:
-    """:func:`load_draft`, with the directory as read (:class:`eagle3_train.serving.drafts.DraftDir`):
-    its producer, what it records, the forward flags ``engine`` honours (``as_trained``: those its
-    producer trained with, where they differ)."""
-    if not (directory / "config.json").is_file() or not list(directory.glob("*.safetensors")):
-        raise BadInputError(
-            f"{directory} lacks config.json or model.safetensors (or other *.safetensors weights): not an exported draft"
-        )
-    dd = read_draft_dir(directory)
-    weights = dd.weights()
-    if "fc.weight" not in weights:
-        raise BadInputError(f"{directory}: its weights have no fc.weight")
-    try:
-        dc = draft_config_from_json(dd.trained_layer() if as_trained else dd.layer, weights["fc.weight"].shape[1])
-    except KeyError as e:
-        raise BadInputError(f"{directory}/config.json ({dd.title}): no {e.args[0]}") from e
-    except (TypeError, ValueError, ZeroDivisionError) as e:
-        raise BadInputError(
-            f"{directory}/config.json ({dd.title}): a shape field is missing or not a number ({e})"
-        ) from e
-    if as_trained and (why := dd.as_trained_refusal()) is not None:
-        raise ContractError(f"{directory} ({dd.title}): as_trained=true: {why}")
-    for name in dd.skipped_by(engine):  # loaded and never applied by the engine: left out as it leaves them
-        logger.warning(f"eagle3-eval: {directory} ({dd.title}): {engine} does not apply {name}; nor does eval")
-        weights.pop(name)
-    if (refusal := dd.refusal(engine, weights["fc.weight"].shape[1])) is not None:
-        raise ContractError(f"{directory} ({dd.title}): {refusal}")
-    dc = replace(dc, **vars(dd.trained_flags() if as_trained else dd.flags(engine)))
-    if dc.vocab_size != target.vocab_size or dc.hidden_size != target.hidden_size:
-        raise ContractError(
-            f"{directory}: draft vocab {dc.vocab_size} / hidden {dc.hidden_size} do not fit target "
-            f"{target.identity.path} (vocab {target.vocab_size}, hidden {target.hidden_size})"
-        )
-    model = Eagle3Draft(dc)
-    weights["embed_tokens.weight"] = target.model.get_input_embeddings().weight.detach().float()
-    if "d2t" not in weights:
-        weights["d2t"] = torch.zeros(dc.draft_vocab_size, dtype=torch.int64)
-    if "t2d" not in weights:  # ModelOpt writes none: the engines do not read it
-        ids = weights["d2t"] + torch.arange(dc.draft_vocab_size)
-        weights["t2d"] = torch.zeros(dc.vocab_size, dtype=torch.bool).index_fill_(
-            0, ids.clamp(0, dc.vocab_size - 1), True
-        )
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    wrong = [
-        f"{k} {tuple(v.shape)} (the config makes it {shapes[k]})"
-        for k, v in weights.items()
-        if k in shapes and tuple(v.shape) != shapes[k]
-    ]
-    if wrong:
-        raise BadInputError(f"{directory} ({dd.title}): weights of another shape than its config.json says: {wrong}")
-    missing, unexpected = model.load_state_dict({k: v for k, v in weights.items()}, strict=False)
-    if missing or unexpected:
-        raise BadInputError(f"{directory} ({dd.title}): weights missing {missing}, unexpected {unexpected}")
-    ids = weights["d2t"] + torch.arange(dc.draft_vocab_size)
-    if ids.min() < 0 or ids.max() >= dc.vocab_size:
-        raise ContractError(f"{directory}: d2t maps draft ids outside the target vocab of {dc.vocab_size}")
-    return model.eval(), dd
 
 
 def short_training_warning(config: dict, k: int, tree: bool = False) -> str | None:
@@ -720,34 +650,6 @@ class Evaluator:
                 f"{case['position']} (reference margin {case['margin']}, threshold {case['threshold']})"
             )
         return report
-
-
-def plot_acceptance(report: dict[str, Any], path: Path) -> None:
-    """Acceptance rate per draft position: one group of bars per category (and all)."""
-    matplotlib = optional_import("matplotlib")
-    matplotlib.use("Agg")  # files only, never a window
-    plt = optional_import("matplotlib.pyplot")
-
-    groups = {"all": report} | report["categories"] if len(report["categories"]) > 1 else {"all": report}
-    k = len(report["acceptance_per_position"])
-    width = 0.8 / k
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(groups) + 2), 3.6))
-    colors = plt.get_cmap("viridis")
-    for i in range(k):
-        xs = [g + (i - (k - 1) / 2) * width for g in range(len(groups))]
-        ax.bar(
-            xs,
-            [v["acceptance_per_position"][i] for v in groups.values()],
-            width,
-            color=colors(i / max(k - 1, 1)),
-            label=f"position {i + 1}",
-        )
-    ax.set_xticks(range(len(groups)), [f"{name}\ntau {v['tau']:.2f}" for name, v in groups.items()], fontsize=8)
-    ax.set(ylabel="acceptance rate", ylim=(0, 1), title=f"tau = {report['tau']:.2f}")
-    ax.legend(fontsize=7, ncols=min(k, 8), loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def run_eval(cfg: EvalConfig) -> int:

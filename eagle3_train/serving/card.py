@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_train.core.errors import BadInputError
+from eagle3_train.core.reports import EvalReport, read_eval_report
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import named_dtype
 from eagle3_train.engines.rules import resolve
-from eagle3_train.core.reports import EvalReport, read_eval_report
 
 CARD_NAME = "README.md"
 LIBRARY_NAME = "eagle3_train"
