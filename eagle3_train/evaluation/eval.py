@@ -496,7 +496,8 @@ class Evaluator:
         return {"options": opts, "draft": files, "target": self.target.identity.to_dict()}
 
     def run(self) -> dict[str, Any]:
-        k = self.cfg.depth
+        """Decode, write ``outputs.jsonl``, ``acceptance.png`` and the report (last), log the
+        summary; a report of these very options and draft is returned as it stands."""
         self.out.mkdir(parents=True, exist_ok=True)
         hold_lock(self.out, "evaluation")  # one eval to out= at a time: a second is refused, naming the first
         remove_temporaries(self.out)  # a killed eval's unrenamed report
@@ -507,21 +508,31 @@ class Evaluator:
             return old
         conversations = self.conversations()
         results, seconds = self.decode(conversations)
-        categories = sorted({r.conversation.category for r in results})
-        by_category = {c: [r for r in results if r.conversation.category == c] for c in categories}
+        counts, cases = lossless_summary(results)
+        report = self.report(len(conversations), results, seconds, counts, cases)
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_outputs(results, self.out / "outputs.jsonl")
+        if self.cfg.plot:
+            plot_acceptance(report, self.out / "acceptance.png")
+        report = out.write_manifest(report)
+        self._log_summary(report, counts, cases)
+        return report
+
+    def report(
+        self,
+        conversations: int,
+        results: list[TurnResult],
+        seconds: dict[str, float],
+        counts: dict[str, int],
+        cases: list[dict[str, Any]],
+    ) -> dict[str, Any]:
+        """The report's fields (:class:`eagle3_train.core.reports.EvalReport`) of these results."""
+        k, tokens = self.cfg.depth, sum(len(r.tokens) for r in results)
         overall = acceptance([r.accepted for r in results], k)
-        tokens = sum(len(r.tokens) for r in results)
-        cases = [
-            {"source": r.conversation.source, "turn": r.turn + 1} | r.check
-            for r in results
-            if r.check["status"] != "identical"
-        ]
-        counts = {s: sum(r.check["status"] == s for r in results) for s in ("identical", "numerical", "diverged")}
-        c = (self.fast or self.decoder).counters
         by_position = acceptance_by_position(
             [r.accepted for r in results], k, self.cfg.position_bucket, [r.tokens for r in results]
         )
-        report = EvalReport(
+        return EvalReport(
             engine=self.cfg.engine,
             rule=self.resolution.rule.versions,
             ids_read_from=self.resolution.source,
@@ -533,7 +544,7 @@ class Evaluator:
             looping=looping_warnings(by_position),  # reply stretches where the target repeats itself
             trained_hf_indices=self.capture.hf_indices if self.capture.recorded else None,
             trained_ttt_length=self.config.get("eagle3_train", {}).get("training", {}).get("ttt_length"),
-            conversations=len(conversations),
+            conversations=conversations,
             prompts=len(results),
             k=k,
             tokens=tokens,
@@ -544,26 +555,11 @@ class Evaluator:
             tau=overall["tau"],
             acceptance_per_position=overall["acceptance_per_position"],
             by_reply_position=by_position,
-            categories={
-                cat: {"prompts": len(rs), "tokens": sum(len(r.tokens) for r in rs)}
-                | acceptance([r.accepted for r in rs], k)
-                for cat, rs in by_category.items()
-            },
-            turns={
-                str(t + 1): acceptance([r.accepted for r in results if r.turn == t], k)["tau"]
-                for t in sorted({r.turn for r in results})
-            },
+            categories=by_category(results, k),
+            turns=by_turn(results, k),
             by_region=by_region(results, k, self.markers),
             chat_template_kwargs=template_kwargs(self.target.tokenizer),
-            draft_format={
-                "producer": self.dd.producer,
-                "version": self.dd.version,
-                "trained_hf_indices": self.capture.hf_indices,
-                "trained_from": self.capture.source,
-                "recorded": self.capture.recorded,
-                "flags": (self.dd.trained_flags() if self.cfg.as_trained else self.dd.flags(self.cfg.engine)).changed(),
-                "as_trained": self.cfg.as_trained,
-            },
+            draft_format=self._draft_format(),
             lossless="diverged" if counts["diverged"] else "numerical" if counts["numerical"] else "identical",
             lossless_counts=counts,
             lossless_cases=cases,
@@ -572,6 +568,26 @@ class Evaluator:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.decoder.device),
             decoder=self.cfg.decoder,
+            **self._timing(tokens, seconds),
+            config=config_dict(self.cfg),
+        ).to_dict()
+
+    def _draft_format(self) -> dict[str, Any]:
+        """Who wrote the draft, what it records, and the forward flags eval computed it with."""
+        return {
+            "producer": self.dd.producer,
+            "version": self.dd.version,
+            "trained_hf_indices": self.capture.hf_indices,
+            "trained_from": self.capture.source,
+            "recorded": self.capture.recorded,
+            "flags": (self.dd.trained_flags() if self.cfg.as_trained else self.dd.flags(self.cfg.engine)).changed(),
+            "as_trained": self.cfg.as_trained,
+        }
+
+    def _timing(self, tokens: int, seconds: dict[str, float]) -> dict[str, Any]:
+        """The report's timing fields: both decoders' seconds and rates, and the eager decoder's split."""
+        c = (self.fast or self.decoder).counters
+        return dict(
             timing=(
                 f"transformers eager execution, {self.cfg.batch_size} prompts at a time, both decoders"
                 if self.fast is None
@@ -590,29 +606,11 @@ class Evaluator:
             target_seconds=c.target_seconds if self.fast is None else None,
             draft_seconds=c.draft_seconds if self.fast is None else None,
             draft_positions_per_verify_step=c.draft_positions / max(c.row_rounds, 1) if self.fast is None else None,
-            config=config_dict(self.cfg),
-        ).to_dict()
-        self.out.mkdir(parents=True, exist_ok=True)
-        with (self.out / "outputs.jsonl").open("w") as f:
-            for r in results:
-                f.write(
-                    json.dumps(
-                        {
-                            "source": r.conversation.source,
-                            "category": r.conversation.category,
-                            "turn": r.turn + 1,
-                            "prompt_tokens": r.prompt_tokens,
-                            "tokens": r.tokens,
-                            "accepted": r.accepted,
-                            "lossless": r.check["status"],
-                            "reply": r.reply,
-                        }
-                    )
-                    + "\n"
-                )
-        if self.cfg.plot:
-            plot_acceptance(report, self.out / "acceptance.png")
-        report = out.write_manifest(report)
+        )
+
+    def _log_summary(self, report: dict[str, Any], counts: dict[str, int], cases: list[dict[str, Any]]) -> None:
+        """One line of the figures, then a warning per looping stretch and per output that differs."""
+        k = self.cfg.depth
         drafts = (
             f"tree topk={self.cfg.topk} num_steps={k} num_draft_tokens={self.cfg.num_draft_tokens}"
             if self.cfg.tree
@@ -649,7 +647,52 @@ class Evaluator:
                 f"eagle3-eval: {case['status']}: {case['source']} turn {case['turn']} differs at token "
                 f"{case['position']} (reference margin {case['margin']}, threshold {case['threshold']})"
             )
-        return report
+
+
+def lossless_summary(results: list[TurnResult]) -> tuple[dict[str, int], list[dict[str, Any]]]:
+    """How many turns came out identical, numerical and diverged, and each that was not identical."""
+    counts = {s: sum(r.check["status"] == s for r in results) for s in ("identical", "numerical", "diverged")}
+    cases = [
+        {"source": r.conversation.source, "turn": r.turn + 1} | r.check
+        for r in results
+        if r.check["status"] != "identical"
+    ]
+    return counts, cases
+
+
+def by_category(results: list[TurnResult], k: int) -> dict[str, dict[str, Any]]:
+    """Prompts, tokens, τ and acceptance per position of each prompt category."""
+    categories = sorted({r.conversation.category for r in results})
+    groups = {c: [r for r in results if r.conversation.category == c] for c in categories}
+    return {
+        cat: {"prompts": len(rs), "tokens": sum(len(r.tokens) for r in rs)} | acceptance([r.accepted for r in rs], k)
+        for cat, rs in groups.items()
+    }
+
+
+def by_turn(results: list[TurnResult], k: int) -> dict[str, float]:
+    """τ of each user turn ("1", "2", ...)."""
+    return {
+        str(t + 1): acceptance([r.accepted for r in results if r.turn == t], k)["tau"]
+        for t in sorted({r.turn for r in results})
+    }
+
+
+def write_outputs(results: list[TurnResult], path: Path) -> None:
+    """``outputs.jsonl``: each turn's tokens, accepted counts, lossless status and reply, a line each."""
+    with path.open("w") as f:
+        for r in results:
+            row = {
+                "source": r.conversation.source,
+                "category": r.conversation.category,
+                "turn": r.turn + 1,
+                "prompt_tokens": r.prompt_tokens,
+                "tokens": r.tokens,
+                "accepted": r.accepted,
+                "lossless": r.check["status"],
+                "reply": r.reply,
+            }
+            f.write(json.dumps(row) + "\n")
 
 
 def run_eval(cfg: EvalConfig) -> int:
