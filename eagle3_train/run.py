@@ -5,7 +5,7 @@
     eagle3-run recipe=qwen3_8b target=... data=... out=... until=train gpus=8
     eagle3-run recipe=smollm2 out=runs/smol dry_run=true               # the stage commands, nothing run
     eagle3-run recipe=smollm2 out=runs/smol --cfg job                  # the composed job
-    eagle3-run -m recipe=smollm2 out=runs/sweep train.train.lr=1e-3,2e-3
+    eagle3-run -m recipe=smollm2 out=runs/sweep train.optim.lr=1e-3,2e-3
 
 A recipe (``conf/recipe/<name>.yaml``) holds each stage's options under the stage's name
 (``prepare``, ``dump``, ``standardize``, ``train``, ``export``, ``check``, ``eval``), exactly as
@@ -43,6 +43,7 @@ from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import shipped_prompts
 from eagle3_train.evaluation.reports import read_eval_report
+from eagle3_train.training.config import RENAMED
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +263,8 @@ def run(cfg: RunConfig) -> int:
     return 0
 
 
-main = entry_point("run", RunConfig, run)
+# eagle3-train's options as they were named before they were split by concern (train.train.lr -> train.optim.lr)
+main = entry_point("run", RunConfig, run, renamed={f"train.{old}": f"train.{new}" for old, new in RENAMED.items()})
 
 if __name__ == "__main__":
     main()

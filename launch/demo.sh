@@ -40,8 +40,8 @@ eagle3-standardize dumps="[$(IFS=,; echo "${DUMPS[*]}")]" out="$RUN_DIR/std" dra
 
 echo "== train: the draft head on the standardized data (CPU, fp32)"
 eagle3-train data="$RUN_DIR/std" target=embedded out="$RUN_DIR/train" \
-  train.epochs="${DEMO_EPOCHS:-6}" train.lr="${DEMO_LR:-3e-3}" train.warmup_steps=5 train.ttt_length="${DEMO_TTT:-3}" \
-  train.max_tokens_per_batch=2048 train.log_every=10 train.cache_target_gb="${DEMO_CACHE_GB:-4}"
+  loop.epochs="${DEMO_EPOCHS:-6}" optim.lr="${DEMO_LR:-3e-3}" optim.warmup_steps=5 objective.ttt_length="${DEMO_TTT:-3}" \
+  loop.max_tokens_per_batch=2048 loop.log_every=10 runtime.cache_target_gb="${DEMO_CACHE_GB:-4}"
 
 echo "== export for SGLang and vLLM, check what each engine will capture, evaluate on held-out prompts"
 eagle3-export run="$RUN_DIR/train" out="$RUN_DIR/export" engines=[sglang,vllm]

@@ -9,6 +9,6 @@
 #
 # `data` and `out` must be on a filesystem every node sees. Killed or preempted, run the same
 # command again: resume=auto continues from the last checkpoint at the same step and data position
-# (keep NNODES x NPROC_PER_NODE x train.grad_accum the same).
+# (keep NNODES x NPROC_PER_NODE x loop.grad_accum the same).
 set -euo pipefail
 exec "$(dirname "$0")/torchrun.sh" eagle3_train.training.trainer "$@"

@@ -136,7 +136,7 @@ def pipeline(tmp_path_factory):
     from data_prep.standardize import StandardizeConfig, Standardizer
     from eagle3_train.serving.export import ExportConfig, Exporter
     from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer, tiny_config
-    from eagle3_train.training.config import OptimConfig, TrainConfig
+    from eagle3_train.training.config import TrainConfig, train_sections
     from eagle3_train.training.trainer import Trainer
 
     root = tmp_path_factory.mktemp("e2e")
@@ -190,7 +190,7 @@ def pipeline(tmp_path_factory):
             target=target,
             out=str(root / "train"),
             progress=False,
-            train=OptimConfig(ttt_length=3, epochs=20, lr=3e-3, max_tokens_per_batch=800),
+            **train_sections(ttt_length=3, epochs=20, lr=3e-3, max_tokens_per_batch=800),
         )
     )
     trainer.run()

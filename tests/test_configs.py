@@ -81,8 +81,8 @@ def test_config_checks_run_on_final_values():
     with pytest.raises(ConfigError, match="on_bad_row must be one of"):
         to_config(cfg, data_prep.prepare.PrepareConfig)
     schema, overrides = PRIMARY["train.yaml"]
-    with pytest.raises(ConfigError, match=r"^train\.lr must be > 0, got -1"):
-        to_config(compose_config("train.yaml", overrides + ["train.lr=-1"]), schema)
+    with pytest.raises(ConfigError, match=r"^optim\.lr must be > 0, got -1"):
+        to_config(compose_config("train.yaml", overrides + ["optim.lr=-1"]), schema)
 
 
 def test_keys_the_schema_lacks_are_refused_naming_the_nearest():
@@ -92,7 +92,7 @@ def test_keys_the_schema_lacks_are_refused_naming_the_nearest():
 
     schema, overrides = PRIMARY["train.yaml"]
     cases = (
-        ("+train.learning_rate=1e-3", r"unknown option train.learning_rate \(did you mean train.lr\?\)"),
+        ("+train.learning_rate=1e-3", r"unknown option train.learning_rate \(did you mean optim.lr\?\)"),
         ("+online.dtypo=x", r"unknown option online.dtypo \(did you mean online.dtype\?\)"),
         ("+deepspeed.zero=3", r"unknown option deepspeed.zero \(did you mean deepspeed.zero_stage\?\)"),
         ("+xylophone=1", r"unknown option xylophone: not a field of TrainConfig"),
@@ -196,22 +196,22 @@ def test_train_recipe_options_compose_from_the_command_line():
                 "model.lm_head_init=target",
                 "model.freeze_lm_head=true",
                 "model.aux_norm=true",
-                "train.keep_best=true",
-                "train.eval_every=50",
-                "train.early_stop_patience=3",
+                "checkpoint.keep_best=true",
+                "loop.eval_every=50",
+                "loop.early_stop_patience=3",
             ],
         ),
         schema,
     )
     assert (cfg.model.lm_head_init, cfg.model.freeze_lm_head, cfg.model.aux_norm) == ("target", True, True)
-    assert (cfg.train.keep_best, cfg.train.early_stop_patience) == (True, 3)
+    assert (cfg.checkpoint.keep_best, cfg.loop.early_stop_patience) == (True, 3)
     default = to_config(compose_config("train.yaml", overrides), schema)
     assert (default.model.lm_head_init, default.model.freeze_lm_head, default.model.aux_norm) == (
         "random",
         False,
         False,
     )
-    assert (default.train.keep_best, default.train.early_stop_patience) == (False, 0)
+    assert (default.checkpoint.keep_best, default.loop.early_stop_patience) == (False, 0)
 
 
 def _repeated_defaults(raw, schema, prefix: str = "") -> list[str]:

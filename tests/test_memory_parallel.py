@@ -17,7 +17,7 @@ from eagle3_train.core.errors import ConfigError
 from eagle3_train.model import DraftConfig, Eagle3Draft
 from eagle3_train.model.draft import apply_rope
 from eagle3_train.targets.tiny import tiny_config
-from eagle3_train.training.config import DeepSpeedConfig, OptimConfig, TrainConfig
+from eagle3_train.training.config import DeepSpeedConfig, RuntimeConfig, TrainConfig
 from eagle3_train.training.data import Batch
 from eagle3_train.training.objective import ALPHA_FLOOR, Objective, head_loss, lk_loss, soft_cross_entropy
 from eagle3_train.training.parallel import (
@@ -156,7 +156,7 @@ LK, MIXED, SURE = (
     ],
 )
 def test_ttt_loss_of_each_objective_equals_its_definition(objective, head_chunk, compiled_head):
-    """train.lk_weight, train.label_smoothing and train.min_target_prob: the TTT loss and its
+    """objective.lk_weight, objective.label_smoothing and objective.min_target_prob: the TTT loss and its
     gradients (whole logits, the fused head, the compiled fused head) equal the dense reference
     with the step loss written out from its definition; accuracy still counts every position."""
     model, head, t2d, batch = tiny_problem()
@@ -197,7 +197,7 @@ def test_head_loss_is_the_unfused_loss():
 
 
 def test_fused_lk_gradient_is_autograds_also_below_the_acceptance_floor():
-    """train.lk_weight=1 where one position's draft gives the target's token almost no mass
+    """objective.lk_weight=1 where one position's draft gives the target's token almost no mass
     (sum min(p, q) < ALPHA_FLOOR): the loss is held at -log(floor) there, and the fused head's
     gradient is autograd's through that clamp (0 from that position)."""
     g = torch.Generator().manual_seed(3)
@@ -218,7 +218,7 @@ def test_fused_lk_gradient_is_autograds_also_below_the_acceptance_floor():
 
 
 def test_compiled_head_loss_is_the_unfused_loss():
-    """train.compile's head loss (the per-chunk math through torch.compile) gives the loss, argmax
+    """runtime.compile's head loss (the per-chunk math through torch.compile) gives the loss, argmax
     and gradients of whole logits through autograd, for chunk lengths that vary (one dynamic graph)."""
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(13, 16, generator=g, requires_grad=True), torch.randn(40, 16, generator=g, requires_grad=True)
@@ -241,7 +241,7 @@ def test_compiled_head_loss_is_the_unfused_loss():
 
 
 def test_compiled_layer_has_two_graphs_per_grad_mode_for_every_step_and_shape():
-    """train.compile: the decoder layer's two step-independent parts compile once each for training
+    """runtime.compile: the decoder layer's two step-independent parts compile once each for training
     and once each for the no-grad eval, whatever the TTT step and the batch's rows and lengths; the
     compiled layer gives the eager layer's loss and gradients."""
     import torch._dynamo
@@ -315,18 +315,18 @@ def test_memory_options_are_checked():
     from test_configs import compose_config
 
     cfg = to_config(compose_config("train.yaml", ["data=d", "out=o", "deepspeed=zero3"]), TrainConfig)
-    assert (cfg.deepspeed.zero_stage, cfg.train.head_chunk) == (3, 0)
+    assert (cfg.deepspeed.zero_stage, cfg.runtime.head_chunk) == (3, 0)
     with pytest.raises(ConfigError, match="ZeRO-3 does not gather"):
         to_config(
-            compose_config("train.yaml", ["data=d", "out=o", "deepspeed=zero3", "train.head_chunk=512"]), TrainConfig
+            compose_config("train.yaml", ["data=d", "out=o", "deepspeed=zero3", "runtime.head_chunk=512"]), TrainConfig
         )
     with pytest.raises(ConfigError, match="ZeRO-3 does not gather"):
         TrainConfig(data="d", out="o", deepspeed=DeepSpeedConfig(zero_stage=3))
     with pytest.raises(ConfigError, match=r"sequence_parallel=4 must divide the draft's key/value heads \(2\)"):
         apply_sequence_parallel(tiny_problem()[0], SequenceParallel(None, 0, 4))  # 4 heads, 2 kv heads
     for field, value in (("head_chunk", -1), ("sequence_parallel", 0)):
-        with pytest.raises(ConfigError, match=rf"^train\.{field} must be"):
-            OptimConfig(**{field: value})
+        with pytest.raises(ConfigError, match=rf"^runtime\.{field} must be"):
+            RuntimeConfig(**{field: value})
 
 
 @pytest.mark.slow

@@ -69,7 +69,7 @@ def test_objective_smooths_and_leaves_out_unsure_positions():
     torch.testing.assert_close(o.smooth(p).sum(-1), torch.ones(2))
     assert o.loss_mask(p.max(-1).values, torch.tensor([True, True])).tolist() == [True, False]
     assert Objective().smooth(p) is p and Objective().loss_mask(None, torch.tensor([False])).tolist() == [False]
-    with pytest.raises(ConfigError, match=r"train.lk_weight must be in \[0, 1\]"):
+    with pytest.raises(ConfigError, match=r"objective.lk_weight must be in \[0, 1\]"):
         Objective(lk_weight=1.5)
 
 

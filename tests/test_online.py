@@ -95,14 +95,14 @@ def test_two_ranks_and_a_killed_run_train_as_one_uninterrupted_rank(data, tmp_pa
     """1 rank x grad_accum 2 (the reference) = 2 ranks (gloo) x grad_accum 1 = the same run killed
     after its step-4 checkpoint and resumed."""
     train(data["prep"], tmp_path / "one", source="online", online=ONLINE, grad_accum=2, save_every=2)
-    two = _torchrun(data["prep"], tmp_path / "two", 2, [*ONLINE_ARGS, "train.grad_accum=1", "train.save_every=2"])
+    two = _torchrun(data["prep"], tmp_path / "two", 2, [*ONLINE_ARGS, "loop.grad_accum=1", "checkpoint.save_every=2"])
     assert two.returncode == 0, two.stderr[-3000:]
     assert_same_training(tmp_path / "one", tmp_path / "two", rel=1e-4, atol=1e-4)
     killed = _torchrun(
         data["prep"],
         tmp_path / "cut",
         1,
-        [*ONLINE_ARGS, "train.grad_accum=2", "train.save_every=2"],
+        [*ONLINE_ARGS, "loop.grad_accum=2", "checkpoint.save_every=2"],
         {FAULT_ENV: "train.step:5"},
     )
     assert killed.returncode != 0 and last_weights(tmp_path / "cut")[0] == "step4", killed.stderr[-3000:]

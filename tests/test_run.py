@@ -107,8 +107,8 @@ def conversations(path):
     return path
 
 
-SMALL = ["train.train.epochs=1", "train.train.compile=false", "train.train.max_tokens_per_batch=600",
-         "train.train.eval_every=0", "train.online.draft_vocab_size=64", "train.model.intermediate_size=256",
+SMALL = ["train.loop.epochs=1", "train.runtime.compile=false", "train.loop.max_tokens_per_batch=600",
+         "train.loop.eval_every=0", "train.online.draft_vocab_size=64", "train.model.intermediate_size=256",
          "+train.online.aux_indices=[1,2,3]", "eval.max_new_tokens=8", "+eval.limit=3", "eval.batch_size=3"]  # fmt: skip
 
 

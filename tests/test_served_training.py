@@ -133,7 +133,7 @@ def test_a_killed_run_resumes_to_the_same_finish(data, tmp_path):
             f"engine.urls=[{server.url}]",
             "engine.dtype=float32",
             f"engine.files_dir={tmp_path / 'files'}",
-            "train.save_every=2",
+            "checkpoint.save_every=2",
         ]
         killed = _torchrun(data["prep"], tmp_path / "cut", 1, args, {FAULT_ENV: "train.step:5"})
         assert killed.returncode != 0 and last_weights(tmp_path / "cut")[0] == "step4", killed.stderr[-3000:]
@@ -282,7 +282,7 @@ def test_launch_starts_the_engine_trains_and_stops_it(data, tmp_path):
         f"target={target}",
         f"out={tmp_path / 'run'}",
         *TINY_ARGS,
-        "train.save_every=2",
+        "checkpoint.save_every=2",
         *ONLINE_ARGS[1:],
         "source=served",
         "engine.launch=true",
@@ -406,7 +406,7 @@ def test_the_slurm_job_starts_engines_and_trainers_that_find_them(data, tmp_path
         env.pop(name, None)
     run = subprocess.run(
         ["bash", str(REPO / "launch" / "slurm" / "train_served.sbatch"), f"data={data['prep']}", f"target={target}",
-         f"out={tmp_path / 'run'}", *TINY_ARGS, "train.save_every=2",
+         f"out={tmp_path / 'run'}", *TINY_ARGS, "checkpoint.save_every=2",
          *ONLINE_ARGS[1:], f"engine.port={ports[0]}", "engine.dtype=float32", f"engine.files_dir={tmp_path / 'files'}",
          "engine.memory_fraction=null"],
         capture_output=True, text=True, timeout=300, env=env, cwd=REPO,
@@ -445,7 +445,7 @@ def test_two_trainer_ranks_fed_by_one_engine_train_as_one_rank(data, tmp_path):
     train(data["prep"], tmp_path / "one", source="online", online=ONLINE, grad_accum=2)
     with standin(tmp_path) as server:
         args = [*ONLINE_ARGS, "source=served", f"engine.urls=[{server.url}]", "engine.dtype=float32",
-                f"engine.files_dir={tmp_path / 'files'}", "train.grad_accum=1"]  # fmt: skip
+                f"engine.files_dir={tmp_path / 'files'}", "loop.grad_accum=1"]  # fmt: skip
         two = _torchrun(data["prep"], tmp_path / "two", 2, args)
     assert two.returncode == 0, two.stderr[-3000:]
     assert_same_training(tmp_path / "one", tmp_path / "two", rel=1e-4, atol=1e-4)

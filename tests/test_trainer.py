@@ -21,9 +21,12 @@ from eagle3_train.training.config import (
     DeepSpeedConfig,
     LoggingConfig,
     ModelOptions,
+    RENAMED,
+    LoopConfig,
     OptimConfig,
     TrainConfig,
     lr_factor,
+    train_sections,
 )
 from eagle3_train.training.data import batch_plan, plan_epoch
 from eagle3_train.training.ema import EMA_FILE, WeightAverage
@@ -52,13 +55,13 @@ def train(std, out, **opt):
     zero = opt.pop("zero_stage", 1)
     model, target = opt.pop("model", ModelOptions()), opt.pop("target", "tiny")
     source = {k: opt.pop(k) for k in ("source", "online", "engine") if k in opt}
-    o = OptimConfig(**({"ttt_length": 3, "lr": 3e-3, "max_tokens_per_batch": 600, "log_every": 1, "epochs": 2} | opt))
+    o = train_sections(**({"ttt_length": 3, "lr": 3e-3, "max_tokens_per_batch": 600, "log_every": 1, "epochs": 2} | opt))
     t = Trainer(
         TrainConfig(
             data=str(std),
             target=target,
             out=str(out),
-            train=o,
+            **o,
             model=model,
             progress=False,
             deepspeed=DeepSpeedConfig(zero_stage=zero),
@@ -97,12 +100,12 @@ def test_lr_schedule():
     # warmup-stable-decay: warmup 2, the peak through step 7 of 12 (half of the 10 after warmup), then linear to 0.1
     wsd = OptimConfig(warmup_steps=2, schedule="wsd", decay_fraction=0.5, min_lr_ratio=0.1)
     assert [round(lr_factor(s, 12, wsd), 3) for s in (0, 1, 2, 7, 8, 9, 12)] == [0.5, 1.0, 1.0, 1.0, 0.82, 0.64, 0.1]
-    with pytest.raises(ConfigError, match="train.decay_fraction must be in"):
+    with pytest.raises(ConfigError, match="optim.decay_fraction must be in"):
         OptimConfig(schedule="wsd", decay_fraction=0.0)
 
 
 def test_warmup_fraction_is_a_share_of_the_runs_steps():
-    """train.warmup_fraction: the warmup of a run of N steps is round(fraction x N) (at least 1), and the
+    """optim.warmup_fraction: the warmup of a run of N steps is round(fraction x N) (at least 1), and the
     schedule after it is the one warmup_steps of that count gives; a shorter run warms up for fewer steps."""
     frac = OptimConfig(warmup_fraction=0.0134, schedule="wsd", min_lr_ratio=0.1)
     for total, warmup in ((2246, 30), (42, 1), (10, 1), (300, 4)):
@@ -112,58 +115,58 @@ def test_warmup_fraction_is_a_share_of_the_runs_steps():
         ]
     assert lr_factor(0, 42, frac) == 1.0  # one warmup step: the peak at once
     assert lr_factor(0, 2246, frac) == pytest.approx(1 / 30)
-    with pytest.raises(ConfigError, match="train.warmup_steps=5 and train.warmup_fraction=0.1 both set"):
+    with pytest.raises(ConfigError, match="optim.warmup_steps=5 and optim.warmup_fraction=0.1 both set"):
         OptimConfig(warmup_steps=5, warmup_fraction=0.1)
     for bad in (-0.1, 1.0):
-        with pytest.raises(ConfigError, match="train.warmup_fraction must be in"):
+        with pytest.raises(ConfigError, match="optim.warmup_fraction must be in"):
             OptimConfig(warmup_fraction=bad)
 
 
 def test_min_steps_shrinks_the_micro_batches_to_the_largest_budget_that_gives_them():
-    """train.min_steps: where the epochs hold fewer steps at train.max_tokens_per_batch, the budget is the
+    """loop.min_steps: where the epochs hold fewer steps at loop.max_tokens_per_batch, the budget is the
     largest whose epochs (counted by plan_epoch itself, 2 ranks) hold that many; one sample per micro-batch
-    is the most a split gives; train.max_steps caps the steps asked for; a resumed run keeps the budget it
+    is the most a split gives; loop.max_steps caps the steps asked for; a resumed run keeps the budget it
     began with."""
     lengths = np.random.default_rng(0).integers(20, 400, 300)
 
     def steps_at(budget, epochs=2, world=2):
         return sum(len(plan_epoch(lengths, budget, 0, e)) // world for e in range(epochs))
 
-    o = OptimConfig(max_tokens_per_batch=4096, epochs=2)
+    o = LoopConfig(max_tokens_per_batch=4096, epochs=2)
     plain = batch_plan(lengths, o, 2)
     assert plain.tokens == 4096 and sum(plain.epoch_steps) == steps_at(4096) == plain.steps_at_max
     assert plain.note(o) is None
     want = 4 * steps_at(4096)
-    o = OptimConfig(max_tokens_per_batch=4096, epochs=2, min_steps=want)
+    o = LoopConfig(max_tokens_per_batch=4096, epochs=2, min_steps=want)
     p = batch_plan(lengths, o, 2)
     assert p.tokens < 4096 and sum(p.epoch_steps) == steps_at(p.tokens) >= want > steps_at(p.tokens + 1)
     assert p.steps_at_max == steps_at(4096)
     assert f"micro-batches hold at most {p.tokens} tokens: {sum(p.epoch_steps)} steps" in p.note(o)
     for b in plan_epoch(lengths, p.tokens, 0, 1):  # a micro-batch of several samples stays within the budget
         assert len(b) == 1 or len(b) * lengths[b].max() <= p.tokens
-    o = OptimConfig(max_tokens_per_batch=4096, epochs=2, min_steps=10_000)
+    o = LoopConfig(max_tokens_per_batch=4096, epochs=2, min_steps=10_000)
     p = batch_plan(lengths, o, 2)
     assert p.tokens == 1 and p.epoch_steps == [150, 150]
     assert "one sample per micro-batch gives 300, the most this split holds" in p.note(o)
-    p = batch_plan(lengths, OptimConfig(max_tokens_per_batch=4096, epochs=3, min_steps=want), 2, tokens=1000)
+    p = batch_plan(lengths, LoopConfig(max_tokens_per_batch=4096, epochs=3, min_steps=want), 2, tokens=1000)
     assert p.tokens == 1000 and sum(p.epoch_steps) == steps_at(1000, epochs=3)
-    # counted up to train.max_steps: a run cut shorter keeps its batches unless the epochs hold fewer steps
-    capped = OptimConfig(max_tokens_per_batch=4096, epochs=2, min_steps=want, max_steps=steps_at(4096))
+    # counted up to loop.max_steps: a run cut shorter keeps its batches unless the epochs hold fewer steps
+    capped = LoopConfig(max_tokens_per_batch=4096, epochs=2, min_steps=want, max_steps=steps_at(4096))
     assert batch_plan(lengths, capped, 2).tokens == 4096
-    capped = OptimConfig(max_tokens_per_batch=4096, epochs=2, min_steps=want, max_steps=2 * steps_at(4096))
+    capped = LoopConfig(max_tokens_per_batch=4096, epochs=2, min_steps=want, max_steps=2 * steps_at(4096))
     p = batch_plan(lengths, capped, 2)
     assert steps_at(p.tokens) >= 2 * steps_at(4096) > steps_at(p.tokens + 1)
 
 
 def test_min_steps_trains_on_smaller_batches_and_a_resumed_run_keeps_them(std, tmp_path, said):
-    """A run that min_steps gave smaller micro-batches records their budget; raising train.epochs continues
+    """A run that min_steps gave smaller micro-batches records their budget; raising loop.epochs continues
     with the same batches (not the budget min_steps would now pick) and gives the weights of a run trained
-    straight with that budget as train.max_tokens_per_batch (constant lr)."""
+    straight with that budget as loop.max_tokens_per_batch (constant lr)."""
     run = tmp_path / "r"
     said()
     train(std, run, epochs=1, min_steps=8, schedule="constant")
     m = re.search(
-        r"train.min_steps=8: the epochs hold (\d+) steps at train.max_tokens_per_batch=600, so micro-batches "
+        r"loop.min_steps=8: the epochs hold (\d+) steps at loop.max_tokens_per_batch=600, so micro-batches "
         r"hold at most (\d+) tokens: (\d+) steps",
         said(),
     )
@@ -189,11 +192,11 @@ def test_recipe_options_are_checked():
         ModelOptions(freeze_lm_head=True)
     with pytest.raises(ConfigError, match="lm_head_init must be random or target"):
         ModelOptions(lm_head_init="tied")
-    with pytest.raises(ConfigError, match="early_stop_patience counts evaluations: set train.eval_every"):
-        OptimConfig(early_stop_patience=2)
-    with pytest.raises(ConfigError, match="train.ema_decay averages whole weights, which ZeRO-3 partitions"):
+    with pytest.raises(ConfigError, match="early_stop_patience counts evaluations: set loop.eval_every"):
+        LoopConfig(early_stop_patience=2)
+    with pytest.raises(ConfigError, match="optim.ema_decay averages whole weights, which ZeRO-3 partitions"):
         TrainConfig(
-            data="d", out="o", train=OptimConfig(ema_decay=0.99, head_chunk=0), deepspeed=DeepSpeedConfig(zero_stage=3)
+            data="d", out="o", **train_sections(ema_decay=0.99, head_chunk=0), deepspeed=DeepSpeedConfig(zero_stage=3)
         )
 
 
@@ -233,13 +236,14 @@ def test_recipe_options_are_checked():
     ],
 )
 def test_numeric_recipe_options_are_range_checked(field, value):
-    with pytest.raises(ConfigError, match=rf"^train\.{field} must be") as e:
-        OptimConfig(**{field: value})
+    section = RENAMED[f"train.{field}"].split(".")[0]
+    with pytest.raises(ConfigError, match=rf"^{section}\.{field} must be") as e:
+        train_sections(**{field: value})
     assert "\n" not in str(e.value)
 
 
 def test_numeric_recipe_options_accept_their_bounds():
-    o = OptimConfig(
+    o = train_sections(
         lr=1e-9,
         weight_decay=0.0,
         betas=[0.0, 0.999],
@@ -255,7 +259,7 @@ def test_numeric_recipe_options_accept_their_bounds():
         ema_decay=0.0,
         decay_fraction=1.0,
     )
-    assert o.grad_clip == 0.0 and o.min_lr_ratio == 1.0
+    assert o["optim"].grad_clip == 0.0 and o["optim"].min_lr_ratio == 1.0
     with pytest.raises(ConfigError, match=r"^deepspeed\.zero_stage must be 0, 1, 2 or 3, got 4$"):
         DeepSpeedConfig(zero_stage=4)
 
@@ -319,11 +323,11 @@ def test_ttt_statistics_count_out_of_vocab_positions_as_misses():
 # train()'s recipe as command-line overrides
 TINY_ARGS = [
     "progress=false",
-    "train.ttt_length=3",
-    "train.lr=3e-3",
-    "train.max_tokens_per_batch=600",
-    "train.log_every=1",
-    "train.epochs=2",
+    "objective.ttt_length=3",
+    "optim.lr=3e-3",
+    "loop.max_tokens_per_batch=600",
+    "loop.log_every=1",
+    "loop.epochs=2",
 ]
 
 
@@ -351,9 +355,9 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(std, tmp_path):
     """Data parallel (2 ranks x grad_accum 1) and sequence parallel (2 ranks sharing each row,
     grad_accum 2) train as 1 rank x grad_accum 2: same losses, accuracies, evaluations, weights."""
     train(std, tmp_path / "one", grad_accum=2)  # the one-rank reference, in this process
-    two = _torchrun(std, tmp_path / "two", 2, ["train.grad_accum=1"])
+    two = _torchrun(std, tmp_path / "two", 2, ["loop.grad_accum=1"])
     assert two.returncode == 0, two.stderr[-3000:]
-    sp = _torchrun(std, tmp_path / "sp", 2, ["train.grad_accum=2", "train.sequence_parallel=2", "train.head_chunk=100"])
+    sp = _torchrun(std, tmp_path / "sp", 2, ["loop.grad_accum=2", "runtime.sequence_parallel=2", "runtime.head_chunk=100"])
     assert sp.returncode == 0, sp.stderr[-3000:]
     a = [m for m in metrics(tmp_path / "one") if "loss" in m]
     wa = load_file(str(sorted((tmp_path / "one" / "checkpoints").glob("step*"))[-1] / "draft.safetensors"))
@@ -376,7 +380,7 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(std, tmp_path):
 
 
 def test_weight_average_is_what_is_evaluated_exported_and_resumed(std, tmp_path, monkeypatch):
-    """train.ema_decay: training itself is untouched (the same losses as without it); the
+    """optim.ema_decay: training itself is untouched (the same losses as without it); the
     checkpoints hold the average as draft.safetensors, with the average and its update count beside
     them; a run stopped after step 5 resumes from step 4 to the same average as the whole run."""
     last = lambda d: sorted((d / "checkpoints").glob("step*"), key=lambda p: int(p.name[4:]))[-1]  # noqa: E731
@@ -425,7 +429,7 @@ def test_weight_average_update_by_hand(tmp_path):
         assert layer.weight.item() == pytest.approx(1 + 18 / 11)
     assert layer.weight.item() == 3.0
     with pytest.raises(
-        ContractError, match=r"ema.safetensors: the weight average of train.ema_decay=0.5 cannot be read"
+        ContractError, match=r"ema.safetensors: the weight average of optim.ema_decay=0.5 cannot be read"
     ):
         avg.load(tmp_path)  # a checkpoint without it
     save_file({"other": torch.zeros(1), "__updates__": torch.tensor(1)}, str(tmp_path / EMA_FILE))
@@ -448,7 +452,7 @@ def test_resume_refuses_another_vocab_map(std, tmp_path):
     with pytest.raises(
         ContractError,
         match=r"(?s)\n  micro_batches_per_step: 1 != 2\n"
-        r"  options.train.grad_accum: 1 != 2\nkeep ranks x train.grad_accum",
+        r"  options.loop.grad_accum: 1 != 2\nkeep ranks x loop.grad_accum",
     ):
         train(data, tmp_path / "r", max_steps=4, grad_accum=2)
     Standardizer(StandardizeConfig(out=str(data), only_vocab=True, draft_vocab_size=200, progress=False)).run()
@@ -467,10 +471,10 @@ def test_a_rerun_with_a_changed_option_is_refused_by_name(std, tmp_path, said):
     run = tmp_path / "r"
     train(std, run, max_steps=2, schedule="constant")
     for change, field in (
-        ({"lr": 1e-3}, r"options.train.lr: 0.003 != 0.001"),
-        ({"ttt_length": 2}, r"options.train.ttt_length: 3 != 2"),
-        ({"seed": 1}, r"options.train.seed: 0 != 1"),
-        ({"schedule": "cosine"}, r"options.train.schedule: 'constant' != 'cosine'"),
+        ({"lr": 1e-3}, r"options.optim.lr: 0.003 != 0.001"),
+        ({"ttt_length": 2}, r"options.objective.ttt_length: 3 != 2"),
+        ({"seed": 1}, r"options.loop.seed: 0 != 1"),
+        ({"schedule": "cosine"}, r"options.optim.schedule: 'constant' != 'cosine'"),
     ):
         with pytest.raises(
             ContractError,
@@ -482,7 +486,7 @@ def test_a_rerun_with_a_changed_option_is_refused_by_name(std, tmp_path, said):
     train(std, run, max_steps=2, schedule="constant", log_every=5)  # outside the request: nothing to do
     assert "already trained at step 2; nothing to do" in said()
     train(std, run, max_steps=4, schedule="constant")
-    assert "train.max_steps: 2 -> 4: the run continues from step 2 to 4 (was 2)" in said()
+    assert "loop.max_steps: 2 -> 4: the run continues from step 2 to 4 (was 2)" in said()
     train(std, tmp_path / "straight", max_steps=4, schedule="constant")
     last = lambda d: load_file(str(d / "checkpoints" / "step4" / "draft.safetensors"))  # noqa: E731
     a, b = last(run), last(tmp_path / "straight")
@@ -493,7 +497,7 @@ def test_a_rerun_with_a_changed_option_is_refused_by_name(std, tmp_path, said):
 
 @pytest.mark.slow
 def test_a_sweep_runs_each_job_in_its_own_process_and_directory(std, tmp_path):
-    """``eagle3-train -m ... train.lr=a,b``: the second job failed on DeepSpeed state left by the
+    """``eagle3-train -m ... optim.lr=a,b``: the second job failed on DeepSpeed state left by the
     first, and both wrote one out=. Now each job runs in its own process, in <out>/<swept options>,
     with the weights of a plain run at its lr."""
     sweep = tmp_path / "sweep"
@@ -506,11 +510,11 @@ def test_a_sweep_runs_each_job_in_its_own_process_and_directory(std, tmp_path):
             f"data={std}",
             "target=tiny",
             f"out={sweep}",
-            "train.ttt_length=3",
-            "train.max_tokens_per_batch=600",
-            "train.epochs=2",
-            "train.max_steps=1",
-            "train.lr=1e-3,3e-3",
+            "objective.ttt_length=3",
+            "loop.max_tokens_per_batch=600",
+            "loop.epochs=2",
+            "loop.max_steps=1",
+            "optim.lr=1e-3,3e-3",
             "progress=false",
         ],
         capture_output=True,
@@ -519,12 +523,12 @@ def test_a_sweep_runs_each_job_in_its_own_process_and_directory(std, tmp_path):
         env={**os.environ, "WANDB_MODE": "disabled"},
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml", "train.lr=0.001", "train.lr=0.003"]
+    assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml", "optim.lr=0.001", "optim.lr=0.003"]
     for lr in (1e-3, 3e-3):
-        assert json.loads((sweep / f"train.lr={lr}" / "config.json").read_text())["train"]["lr"] == lr
+        assert json.loads((sweep / f"optim.lr={lr}" / "config.json").read_text())["train"]["lr"] == lr
     # the second job (the one that failed on the first's DeepSpeed state) against a plain run
     train(std, tmp_path / "plain", max_steps=1, lr=3e-3, log_every=10)
-    a = load_file(str(sweep / "train.lr=0.003" / "checkpoints" / "step1" / "draft.safetensors"))
+    a = load_file(str(sweep / "optim.lr=0.003" / "checkpoints" / "step1" / "draft.safetensors"))
     b = load_file(str(tmp_path / "plain" / "checkpoints" / "step1" / "draft.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6)
@@ -582,8 +586,8 @@ def test_every_train_option_is_fingerprinted_or_listed():
     for name in listed:
         assert any(o == name or o.startswith(f"{name}.") for o in options), f"{name} is no train option"
     request = request_options("train", config_dict(TrainConfig(data="d", out="o")))
-    assert {"train.lr", "train.ttt_length", "model.lm_head_init", "deepspeed.zero_stage", "source"} <= set(request)
-    assert not {"train.epochs", "progress", "out", "logging.wandb"} & set(request)
+    assert {"optim.lr", "objective.ttt_length", "model.lm_head_init", "deepspeed.zero_stage", "source"} <= set(request)
+    assert not {"loop.epochs", "progress", "out", "logging.wandb"} & set(request)
 
 
 def test_data_from_another_target_is_refused(std, tmp_path):
@@ -595,9 +599,9 @@ def test_data_from_another_target_is_refused(std, tmp_path):
     other = tmp_path / "other"
     build_tiny_model(cfg).save_pretrained(other)
     build_tiny_tokenizer().save_pretrained(other)
-    o = OptimConfig(ttt_length=2, max_tokens_per_batch=600)
+    o = train_sections(ttt_length=2, max_tokens_per_batch=600)
     with pytest.raises(ContractError, match="(?s)was captured from tiny, not from target .*config_hash"):
-        Trainer(TrainConfig(data=str(std), target=str(other), out=str(tmp_path / "x"), train=o, progress=False))
+        Trainer(TrainConfig(data=str(std), target=str(other), out=str(tmp_path / "x"), **o, progress=False))
 
 
 def test_missing_vocab_map_and_nan_loss(std, tmp_path):
@@ -669,7 +673,7 @@ def test_corrupt_shard_is_refused_by_name(std, tmp_path):
 
 
 def test_cached_target_distribution_gives_the_same_training(std, tmp_path, monkeypatch):
-    """train.cache_target_gb: the target lm_head runs once per sample, not once per epoch, and the
+    """runtime.cache_target_gb: the target lm_head runs once per sample, not once per epoch, and the
     run is the one without the cache (up to float rounding of per-sample vs batched matmuls)."""
     import eagle3_train.training.ttt as trainer_module  # where the TTT loss and the cache compute it
     from eagle3_train.core.formats import read_shard
@@ -809,13 +813,13 @@ def test_lm_head_from_the_target_frozen_and_exported(std_part, tmp_path):
     build_tiny_tokenizer().save_pretrained(tmp_path / "target")
     head = target.lm_head.weight.detach()
     options = ModelOptions(lm_head_init="target", freeze_lm_head=True)
-    o = OptimConfig(ttt_length=3, lr=3e-3, max_tokens_per_batch=600, max_steps=4)
+    o = train_sections(ttt_length=3, lr=3e-3, max_tokens_per_batch=600, max_steps=4)
     trainer = Trainer(
         TrainConfig(
             data=str(std_part),
             target=str(tmp_path / "target"),
             out=str(tmp_path / "r"),
-            train=o,
+            **o,
             model=options,
             progress=False,
         )
@@ -943,13 +947,13 @@ def test_wider_mlp_is_exported_and_loaded_back(std, tmp_path):
 
 def _tracked(std, out, logging_cfg, **opt):
     """A short run (every step logged and saved) with the tracker ``logging_cfg`` names."""
-    o = OptimConfig(
+    o = train_sections(
         **(
             {"ttt_length": 2, "lr": 3e-3, "max_tokens_per_batch": 600, "log_every": 1, "max_steps": 2, "save_every": 1}
             | opt
         )
     )
-    t = Trainer(TrainConfig(data=str(std), target="tiny", out=str(out), train=o, progress=False, logging=logging_cfg))
+    t = Trainer(TrainConfig(data=str(std), target="tiny", out=str(out), **o, progress=False, logging=logging_cfg))
     try:
         return t.run()
     finally:
@@ -991,7 +995,7 @@ def test_tensorboard_holds_the_logged_scalars(std, tmp_path):
 
 
 def test_lm_head_trains_only_its_first_steps(std, tmp_path):
-    """train.lm_head_steps=2: lm_head moves in the first two optimizer steps and not after (its lr is 0),
+    """optim.lm_head_steps=2: lm_head moves in the first two optimizer steps and not after (its lr is 0),
     while the rest of the draft keeps training; without it, lm_head keeps moving."""
     ckpt = lambda d, s: load_file(str(d / "checkpoints" / f"step{s}" / "draft.safetensors"))  # noqa: E731
     for name, opt in (("frozen_after_2", {"lm_head_steps": 2}), ("plain", {})):
@@ -1004,11 +1008,11 @@ def test_lm_head_trains_only_its_first_steps(std, tmp_path):
     assert not torch.equal(plain[1]["lm_head.weight"], plain[3]["lm_head.weight"])
     # until the freeze the two runs are one run (to float rounding: the optimizer steps two groups)
     torch.testing.assert_close(frozen[1]["lm_head.weight"], plain[1]["lm_head.weight"], atol=1e-6, rtol=1e-5)
-    with pytest.raises(ConfigError, match="train.lm_head_steps .* model.freeze_lm_head never: choose one"):
+    with pytest.raises(ConfigError, match="optim.lm_head_steps .* model.freeze_lm_head never: choose one"):
         TrainConfig(
             data="d",
             out="o",
-            train=OptimConfig(lm_head_steps=2),
+            **train_sections(lm_head_steps=2),
             model=ModelOptions(lm_head_init="target", freeze_lm_head=True),
         )
 
@@ -1027,8 +1031,8 @@ def test_wall_clock_budget_sizes_the_total_from_the_measured_rate():
     assert WallClockBudget(seconds=10, planned=1000).total(5, 11.0, current=1000) == 5
     resumed = WallClockBudget(seconds=100, planned=1000, spent=90.0)
     assert resumed.total(10, 5.0, current=30) == 30 and resumed.total(12, 10.0, current=30) == 12
-    with pytest.raises(ConfigError, match="train.max_minutes must be > 0"):
-        OptimConfig(max_minutes=0)
+    with pytest.raises(ConfigError, match="loop.max_minutes must be > 0"):
+        LoopConfig(max_minutes=0)
 
 
 class _StepClock:
@@ -1078,7 +1082,7 @@ def test_max_minutes_ends_the_run_and_its_schedule_when_the_budget_does(std, tmp
     assert final["step"] == 30
     logged = [m for m in metrics(out) if "lr" in m]
     assert logged[-1]["step"] == 30 and [m["loop_s"] for m in logged[:3]] == [1.0, 2.0, 3.0]
-    o = OptimConfig(**opts)
+    o = OptimConfig(**{k: v for k, v in opts.items() if k != "epochs"})
     # a record's lr is the next step's (the schedule at index s); sized at step 2, after the first window
     assert [m["lr"] for m in logged[2:]] == pytest.approx([3e-3 * lr_factor(s, 30, o) for s in range(3, 31)])
     assert logged[-1]["lr"] == pytest.approx(3e-3 * 0.1)
@@ -1089,7 +1093,7 @@ def test_max_minutes_ends_the_run_and_its_schedule_when_the_budget_does(std, tmp
     assert max(m["step"] for m in metrics(out)) == 30
     said()
     assert train(std, out, max_minutes=45.5 / 60, **opts)["step"] == 45
-    assert "continues from step 30 for the minutes train.max_minutes leaves (about 45 steps" in said()
+    assert "continues from step 30 for the minutes loop.max_minutes leaves (about 45 steps" in said()
     resumed = [m for m in metrics(out) if "lr" in m and m["step"] > 30]
     assert [m["lr"] for m in resumed] == pytest.approx([3e-3 * lr_factor(s, 45, o) for s in range(31, 46)])
     assert json.loads((out / "checkpoints" / "step45" / "state.json").read_text())["loop_seconds"] == 45.0
@@ -1130,3 +1134,55 @@ def test_device_memory_reads_the_allocators_peaks_on_a_gpu_and_nothing_on_a_cpu(
     assert device_memory(torch.device("cuda", 1)) == {"gpu_peak_alloc_gib": 3.5, "gpu_peak_reserved_gib": 5.0}
     assert asked == [torch.device("cuda", 1)] * 2
     assert device_memory(torch.device("cpu")) == {}
+
+
+@pytest.mark.parametrize(
+    "options, flags",
+    [
+        (ModelOptions(variant="eagle3.1"), {"fc_norm": True, "norm_output": True}),
+        (ModelOptions(variant="eagle3.1", norm_output=False), {"fc_norm": True}),
+        (ModelOptions(norm_before_residual=True), {"norm_before_residual": True}),
+    ],
+)
+def test_head_variants_train_resume_and_export_what_the_engines_compute(std, tmp_path, options, flags):
+    """model.variant and the four flags: the head trains with them (fc_norm's per-state norms move),
+    a run resumed half-way ends with the weights of one trained straight through, the export's
+    config sets exactly the flags the head was trained with (the engines' keys, top level) with the
+    norms under the names the engines load, and the engines' math on the exported files (an
+    independent reference, the flags read from its config) drafts what the trained head does."""
+    from eagle3_train.model import DraftConfig, Eagle3Draft
+    from eagle3_train.targets import load_target
+    from test_peer_drafts import our_chain, reference_chain
+
+    assert {f for f, on in options.head_flags().items() if on} == set(flags)
+    straight = train(std, tmp_path / "a", max_steps=4, schedule="constant", model=options)
+    train(std, tmp_path / "b", max_steps=2, schedule="constant", model=options)  # (the lr of a longer total)
+    resumed = train(std, tmp_path / "b", max_steps=4, schedule="constant", model=options)
+    assert straight["step"] == resumed["step"] == 4
+    ckpt = tmp_path / "a" / "checkpoints" / "step4"
+    trained = load_file(str(ckpt / "draft.safetensors"))
+    again = load_file(str(tmp_path / "b" / "checkpoints" / "step4" / "draft.safetensors"))
+    for name, tensor in trained.items():
+        torch.testing.assert_close(again[name], tensor, rtol=1e-5, atol=1e-6)
+    norms = sorted(n for n in trained if n.startswith("fc_norm."))
+    assert norms == (["fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"] if flags.get("fc_norm") else [])
+    assert all(not torch.equal(trained[n], torch.ones(64)) for n in norms)  # trained
+    config = Exporter(ExportConfig(run=str(tmp_path / "a"), out=str(tmp_path / "x"), dtype="float32")).run()
+    assert {k for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output") if config.get(k)} == set(flags)
+    exported = load_file(str(tmp_path / "x" / "model.safetensors"))
+    assert set(exported) == ENGINE_WEIGHT_NAMES | set(norms)
+
+    target = load_target("tiny", cache_dir=None, dtype="float32")
+    head = Eagle3Draft(DraftConfig(**json.loads((ckpt / "state.json").read_text())["draft_config"])).float()
+    embed = target.model.get_input_embeddings().weight.detach().float()
+    head.load_state_dict(trained | {"embed_tokens.weight": embed})
+    g = torch.Generator().manual_seed(0)
+    aux = 3 * torch.randn(9, 192, generator=g) + 1  # states far from unit RMS, so the norms matter
+    ids = torch.randint(0, 320, (10,), generator=g)
+    with torch.no_grad():
+        read = {k: config[k] for k in ("fc_norm", "norm_before_residual", "norm_output") if k in config}
+        want_tokens, want = reference_chain(tmp_path / "x", embed, aux, ids, 4, read)
+        got_tokens, got = our_chain(head, aux, ids, 4)
+        _, plain = reference_chain(tmp_path / "x", embed, aux, ids, 4, {})
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert got_tokens == want_tokens and not torch.allclose(plain, want, atol=1e-3)

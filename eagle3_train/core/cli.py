@@ -83,9 +83,9 @@ def to_config(cfg: DictConfig, schema: type[T]) -> T:
         known = list(flatten(config_dict(schema)))
         said = []
         for key in unknown:
-            prefix, _, leaf = key.rpartition(".")
-            alias = ".".join(filter(None, (prefix, SYNONYMS.get(leaf))))
-            near = [alias] if alias in known else difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+            leaf = SYNONYMS.get(key.rpartition(".")[2], key.rpartition(".")[2])
+            same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]  # another trainer's name, or a moved key
+            near = same_leaf if len(same_leaf) == 1 else difflib.get_close_matches(key, known, n=1, cutoff=0.5)
             said.append(f"{key}" + (f" (did you mean {near[0]}?)" if near else ""))
         raise ConfigError(
             f"unknown option{'s' if len(said) > 1 else ''} {', '.join(said)}: not a field of "
@@ -148,11 +148,25 @@ def sweep_job(command: str, run: Callable[..., Any], cfg: DictConfig) -> int | N
     return subprocess.run([sys.executable, "-m", module, *task], env={**env, SWEEP_CHILD_ENV: "1"}).returncode
 
 
-def entry_point(config_name: str, schema: type[T], run: Callable[[T], Any]) -> Callable[[], None]:
+def renamed_option(args: list[str], renamed: dict[str, str]) -> str | None:
+    """The message for the first override in ``args`` that names an option by a name it no longer
+    has (``renamed``: old dotted key -> new), or None."""
+    for arg in args:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if "=" in arg and key in renamed:
+            return f"{key} is now {renamed[key]}: write {arg.replace(key, renamed[key], 1).lstrip('+')}"
+    return None
+
+
+def entry_point(
+    config_name: str, schema: type[T], run: Callable[[T], Any], renamed: dict[str, str] | None = None
+) -> Callable[[], None]:
     """The console entry point ``eagle3-<config_name>`` (``_`` written ``-``): compose
     ``conf/<config_name>.yaml`` with the command-line overrides, check it as ``schema``, set up the
     console as its ``logging.*`` says (:func:`eagle3_train.core.log.setup_logging`), call ``run``;
-    user errors print one line and exit 2, and an int that ``run`` returns is the exit status."""
+    user errors print one line and exit 2, and an int that ``run`` returns is the exit status.
+    ``renamed``: options that moved (old dotted key -> new), refused by their new name before Hydra
+    composes (which would otherwise say only that the old key is not in its struct)."""
     import hydra
 
     command = f"eagle3-{config_name.replace('_', '-')}"
@@ -170,6 +184,10 @@ def entry_point(config_name: str, schema: type[T], run: Callable[[T], Any]) -> C
             sys.exit(code)
 
     def main() -> None:
+        if renamed and (said := renamed_option(sys.argv[1:], renamed)):
+            setup_logging()
+            logger.error(f"{command}: error: {said}")
+            sys.exit(2)
         _main()
 
     main.__doc__ = f"Console entry point ``{command}``."

@@ -286,7 +286,7 @@ def read_manifest(directory: str | os.PathLike, stage: str | None = None, name: 
 
 
 # A training run (eagle3-train's out, eagle3-export's run): checkpoints/step<N>/ is finished once its
-# state.json exists; best.json, written with train.keep_best, names the checkpoint whose evaluation
+# state.json exists; best.json, written with checkpoint.keep_best, names the checkpoint whose evaluation
 # had the best simulated acceptance length, which export then takes instead of the last.
 BEST_FILE = "best.json"
 

@@ -4,7 +4,7 @@ A stage's request (:mod:`eagle3_train.core.stagedir`) is what decides its output
 whole config by :func:`request_options`, it holds every option by its dotted name except those
 :data:`OUTSIDE_REQUEST` lists, each with the reason it cannot change the output, and those
 :data:`CONTINUATIONS` lists: options a rerun may change to continue the same output (raising
-``train.epochs`` extends a run), each with what the change does. A new option is fingerprinted
+``loop.epochs`` extends a run), each with what the change does. A new option is fingerprinted
 unless it is listed here, so one forgotten is refused on a rerun rather than silently ignored.
 """
 
@@ -23,15 +23,15 @@ OUTSIDE_REQUEST: dict[str, dict[str, str]] = {
         "device": "where the run computes",
         "progress": "the progress bar",
         "logging": "the console and where metrics go besides metrics.jsonl",
-        "train.eval_every": "when the held-out split is measured (the weights do not depend on it)",
-        "train.save_every": "when checkpoints are written",
-        "train.keep_last": "how many checkpoints are kept",
-        "train.keep_best": "which checkpoint is kept besides the last",
-        "train.log_every": "how often a metrics line is written",
-        "train.cache_target_gb": "the target's distributions kept in memory instead of recomputed (same values)",
-        "train.head_chunk": "how the head loss is chunked in memory (the same sums in another order)",
-        "train.activation_checkpointing": "activations recomputed instead of kept (same values)",
-        "train.compile": "torch.compile of the same math",
+        "loop.eval_every": "when the held-out split is measured (the weights do not depend on it)",
+        "checkpoint.save_every": "when checkpoints are written",
+        "checkpoint.keep_last": "how many checkpoints are kept",
+        "checkpoint.keep_best": "which checkpoint is kept besides the last",
+        "loop.log_every": "how often a metrics line is written",
+        "runtime.cache_target_gb": "the target's distributions kept in memory instead of recomputed (same values)",
+        "runtime.head_chunk": "how the head loss is chunked in memory (the same sums in another order)",
+        "runtime.activation_checkpointing": "activations recomputed instead of kept (same values)",
+        "runtime.compile": "torch.compile of the same math",
         "online.overlap": "the target's forward on a side stream (same states)",
         "online.trust_remote_code": "whether the target's own code may run",
         **dict.fromkeys(
@@ -77,13 +77,13 @@ OUTSIDE_REQUEST: dict[str, dict[str, str]] = {
 # stage -> option -> what changing it on a rerun does (the rerun continues the same output)
 CONTINUATIONS: dict[str, dict[str, str]] = {
     "train": {
-        "train.epochs": "raised: the run continues to the new total; the lr schedule is recomputed over the new total, "
+        "loop.epochs": "raised: the run continues to the new total; the lr schedule is recomputed over the new total, "
         "so from the current step the lr follows the longer curve (it rises where the old one had "
         "decayed); lowered to a total already reached: nothing is trained",
-        "train.max_steps": "as train.epochs: the total becomes min(epochs' steps, max_steps)",
-        "train.max_minutes": "raised (or set to null): the run continues for the minutes added, its total sized "
+        "loop.max_steps": "as loop.epochs: the total becomes min(epochs' steps, max_steps)",
+        "loop.max_minutes": "raised (or set to null): the run continues for the minutes added, its total sized "
         "again from the measured rate; a budget already spent trains nothing more",
-        "train.early_stop_patience": "raised after an early stop: training continues from the last checkpoint",
+        "loop.early_stop_patience": "raised after an early stop: training continues from the last checkpoint",
     },
 }
 

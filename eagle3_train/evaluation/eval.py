@@ -182,7 +182,7 @@ def short_training_warning(config: dict, k: int, tree: bool = False) -> str | No
     drafts, option = (f"trees of num_steps={k}", "num_steps") if tree else (f"chains of k={k}", "k")
     return (
         f"the draft was trained with ttt_length={ttt} but drafts {drafts}: draft positions "
-        f"{ttt + 1}..{k} were never trained; train with train.ttt_length>={k} or evaluate with {option}={ttt}"
+        f"{ttt + 1}..{k} were never trained; train with objective.ttt_length>={k} or evaluate with {option}={ttt}"
     )
 
 

@@ -214,7 +214,7 @@ class TTTCore(nn.Module):
 def causal_lower_right(queries: int, keys: int) -> Any:
     """SDPA's lower-right causal pattern: query i sees keys up to ``keys - queries + i``. Imported
     when first needed: its module loads torch's compiler (3 s a process), which training without
-    ``train.compile`` and most commands never use."""
+    ``runtime.compile`` and most commands never use."""
     from torch.nn.attention.bias import causal_lower_right as bias
 
     return bias(queries, keys)
@@ -324,7 +324,7 @@ class DraftLayer(nn.Module):
         return self.finish(attn.contiguous(), hidden), kv
 
     # The two parts around the attention core are the same function at every TTT step (the core's
-    # keys grow with the step): ``train.compile`` compiles these, one graph each per grad mode.
+    # keys grow with the step): ``runtime.compile`` compiles these, one graph each per grad mode.
     def qkv(
         self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:

@@ -14,7 +14,7 @@ each engine's serve command, and the τ of any eval report of these files beside
 ``manifest.json`` last. No file names a local path: the target by its hub id or directory name, the
 checkpoint by its name and its run by a hash.
 A head holding any other weight is refused: neither engine would run it as trained.
-From a run directory it exports the best checkpoint when the run kept one (``train.keep_best``),
+From a run directory it exports the best checkpoint when the run kept one (``checkpoint.keep_best``),
 else the last.
 """
 
@@ -79,7 +79,7 @@ class CardConfig:
 class ExportConfig:
     """Options of ``eagle3-export`` (``conf/export.yaml``)."""
 
-    run: str = MISSING  # a training run directory (its best checkpoint under train.keep_best, else its last) or one checkpoint directory
+    run: str = MISSING  # a training run directory (its best checkpoint under checkpoint.keep_best, else its last) or one checkpoint directory
     out: str = MISSING  # the serving directory to write
     engines: list[str] = field(default_factory=lambda: registry.names("export"))
     """engines the config must serve (those that read config.json: sglang, vllm)"""
@@ -101,7 +101,7 @@ ConfigStore.instance().store(name="export_schema", node=ExportConfig)
 
 def find_checkpoint(run: Path) -> Path:
     """``run`` itself if it is a finished checkpoint; else, of a finished run, its best checkpoint
-    when it kept one (``train.keep_best``: best eval simulated tau), else its last. A run still
+    when it kept one (``checkpoint.keep_best``: best eval simulated tau), else its last. A run still
     training (or stopped before its end) is refused: name one of its checkpoints instead."""
     if (run / "state.json").is_file():
         return run
@@ -161,6 +161,8 @@ def refuse_unloadable(names: set[str], draft_config: DraftConfig) -> None:
     """Refuse weights that the engines would not load (see ``engines.rules.DRAFT_WEIGHTS``): SGLang
     drops an unknown name silently and runs a different head; vLLM fails on it."""
     extra = unloadable_weights(names, norm_before_fc=draft_config.aux_norm)
+    if draft_config.fc_norm:  # one per aux state, which the engines build when the config sets fc_norm
+        extra = [n for n in extra if n not in {f"fc_norm.{i}.weight" for i in range(draft_config.num_aux)}]
     if extra:
         raise ContractError(
             f"export refused: {foreign_weights_text(registry.names('export'))} the weights {extra}; "
@@ -230,7 +232,16 @@ def draft_config_json(dc: DraftConfig) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
-    } | ({"norm_before_fc": True} if dc.aux_norm else {})  # the engines' input_norm (engine_weights)
+    } | {
+        key: True
+        for key, on in (
+            ("norm_before_fc", dc.aux_norm),  # the engines' input_norm (engine_weights)
+            ("fc_norm", dc.fc_norm),  # fc_norm.<i>: one norm per aux state
+            ("norm_before_residual", dc.norm_before_residual),
+            ("norm_output", dc.norm_output),
+        )
+        if on
+    }
 
 
 def draft_config_from_json(c: dict[str, Any], fc_width: int) -> DraftConfig:

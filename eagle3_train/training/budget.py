@@ -1,10 +1,10 @@
-"""``train.max_minutes``: a wall-clock budget for the training loop.
+"""``loop.max_minutes``: a wall-clock budget for the training loop.
 
 The lr schedule (warmup, then the decay) is a function of the total number of steps, so a budget in
 minutes has to become a number of steps before the decay starts. :class:`WallClockBudget` measures
 the loop's rate at each logged step and every :data:`BUDGET_EVERY` steps, and sizes the total to
 what fits in the minutes left, never
-above what the epochs and ``train.max_steps`` allow. The first logged window holds start-up costs
+above what the epochs and ``loop.max_steps`` allow. The first logged window holds start-up costs
 (compilation, the first batches' allocations), so the total keeps its size (the planned one, or what
 a resumed run had) until a second window has passed, and the rate is measured from the end of the
 first; evaluations inside the loop count in the rate as they count in the minutes. Once the budget
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 BUDGET_EVERY = 10
 """the trainer sizes a budget's total at least every this many steps (and at each logged step), so a
-short budget is not overrun for want of a log line (train.log_every=50 ran 54 s of a 46 s budget)"""
+short budget is not overrun for want of a log line (loop.log_every=50 ran 54 s of a 46 s budget)"""
 
 
 @dataclass
@@ -25,8 +25,8 @@ class WallClockBudget:
     """Sizes the run to ``seconds`` of loop time.
 
     Args:
-        seconds: the budget (``train.max_minutes`` x 60).
-        planned: the steps the epochs and ``train.max_steps`` allow: the total never exceeds it.
+        seconds: the budget (``loop.max_minutes`` x 60).
+        planned: the steps the epochs and ``loop.max_steps`` allow: the total never exceeds it.
         spent: loop seconds of earlier runs of the same output (a resumed run counts them).
     """
 

@@ -1,6 +1,6 @@
 """A training run's directory and checkpoints: ``checkpoints/step<N>/`` (DeepSpeed's files, the
 consolidated head ``draft.safetensors``, and ``state.json`` written last, which marks it complete),
-the ``best.json`` record under ``train.keep_best``, the oldest beyond ``train.keep_last`` removed;
+the ``best.json`` record under ``checkpoint.keep_best``, the oldest beyond ``checkpoint.keep_last`` removed;
 which checkpoint a run continues from, and the best evaluation that keep_best and early stopping
 track across a resume."""
 
@@ -137,9 +137,9 @@ def run_directory(
     def hint(diffs: list[str]) -> str:
         why = {
             "vocab_sha256": "the lm_head rows would mean other tokens: standardize with vocab_map=<the old map>",
-            "micro_batches_per_step": "keep ranks x train.grad_accum the same to resume at the same data position",
-            "options": "a run continues only with the options it was started with (train.epochs and "
-            "train.max_steps may be raised to extend it)",
+            "micro_batches_per_step": "keep ranks x loop.grad_accum the same to resume at the same data position",
+            "options": "a run continues only with the options it was started with (loop.epochs and "
+            "loop.max_steps may be raised to extend it)",
             "data_fingerprint": "the run was trained on other data",
         }
         said = [text for key, text in why.items() if any(d.startswith(key) for d in diffs)]
@@ -179,8 +179,8 @@ def open_run(
 
 @dataclass
 class BestTracker:
-    """The best evaluation so far by eval simulated tau: the checkpoint ``train.keep_best`` keeps
-    and the evaluations without a better one that ``train.early_stop_patience`` stops after. Each
+    """The best evaluation so far by eval simulated tau: the checkpoint ``checkpoint.keep_best`` keeps
+    and the evaluations without a better one that ``loop.early_stop_patience`` stops after. Each
     checkpoint's ``state.json`` holds it (:meth:`state`), so a resumed run goes on counting."""
 
     keep_best: bool
@@ -233,9 +233,9 @@ def continue_run(
         return None
     if step >= total_steps:
         what = f"the run is already at step {step} of {total_steps}: nothing more is trained"
-    elif now.get("train.max_minutes"):
+    elif now.get("loop.max_minutes"):
         what = (
-            f"the run continues from step {step} for the minutes train.max_minutes leaves (about {total_steps} "
+            f"the run continues from step {step} for the minutes loop.max_minutes leaves (about {total_steps} "
             f"steps at the rate so far; sized again as it trains); the lr schedule follows the new total"
         )
     else:

@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from eagle3_train.core.storage import DTYPE, FP8_STORAGE, dequantize, scale_key
 from eagle3_train.core.threads import settle_torch_threads
 from eagle3_train.core.vocab import VocabMap, load_vocab_map
 from eagle3_train.targets import config_hash, load_target_tensors, text_config
+
+if TYPE_CHECKING:
+    from eagle3_train.training.config import LoopConfig
 
 SORT_WINDOW = 64  # micro-batches' worth of samples sorted together by length
 
@@ -197,40 +200,40 @@ class BatchPlan:
     Attributes:
         tokens: each micro-batch's budget of padded tokens (``plan_epoch``'s ``max_tokens``).
         epoch_steps: the optimizer steps of each epoch at that budget.
-        steps_at_max: the steps all epochs hold at ``train.max_tokens_per_batch`` (``sum(epoch_steps)``
-            unless ``train.min_steps`` shrank the budget).
+        steps_at_max: the steps all epochs hold at ``loop.max_tokens_per_batch`` (``sum(epoch_steps)``
+            unless ``loop.min_steps`` shrank the budget).
     """
 
     tokens: int
     epoch_steps: list[int]
     steps_at_max: int
 
-    def note(self, o: Any) -> str | None:
-        """The line a run logs when ``train.min_steps`` shrank its micro-batches (None when it did not)."""
+    def note(self, o: LoopConfig) -> str | None:
+        """The line a run logs when ``loop.min_steps`` shrank its micro-batches (None when it did not)."""
         if self.tokens == o.max_tokens_per_batch:
             return None
         held = sum(self.epoch_steps)
         head = (
-            f"eagle3-train: train.min_steps={o.min_steps}: the epochs hold {self.steps_at_max} steps at "
-            f"train.max_tokens_per_batch={o.max_tokens_per_batch}"
+            f"eagle3-train: loop.min_steps={o.min_steps}: the epochs hold {self.steps_at_max} steps at "
+            f"loop.max_tokens_per_batch={o.max_tokens_per_batch}"
         )
         if held < min_steps(o):
             return f"{head}; one sample per micro-batch gives {held}, the most this split holds"
         return f"{head}, so micro-batches hold at most {self.tokens} tokens: {held} steps"
 
 
-def min_steps(o: Any) -> int:
-    """The steps ``train.min_steps`` asks the epochs to hold: never more than ``train.max_steps``."""
+def min_steps(o: LoopConfig) -> int:
+    """The steps ``loop.min_steps`` asks the epochs to hold: never more than ``loop.max_steps``."""
     return o.min_steps if o.max_steps is None else min(o.min_steps, o.max_steps)
 
 
-def batch_plan(lengths: np.ndarray, o: Any, world: int, tokens: int | None = None) -> BatchPlan:
+def batch_plan(lengths: np.ndarray, o: LoopConfig, world: int, tokens: int | None = None) -> BatchPlan:
     """The micro-batch budget and the optimizer steps in each of ``o.epochs`` epochs over samples of
-    ``lengths`` (``o``: the ``train.*`` options; epochs shuffle differently, so their micro-batch
-    counts can differ by a few). The budget is ``train.max_tokens_per_batch``, or where the epochs
-    hold fewer than ``train.min_steps`` steps at it (counted up to ``train.max_steps``), the largest
+    ``lengths`` (``o``: the ``loop.*`` options; epochs shuffle differently, so their micro-batch
+    counts can differ by a few). The budget is ``loop.max_tokens_per_batch``, or where the epochs
+    hold fewer than ``loop.min_steps`` steps at it (counted up to ``loop.max_steps``), the largest
     budget whose epochs hold that many (at the least one sample per micro-batch); ``tokens``: the
-    budget a resumed run began with, kept whatever its raised ``train.epochs`` would now give.
+    budget a resumed run began with, kept whatever its raised ``loop.epochs`` would now give.
     Refuses a split too small for one step."""
 
     def counts(budget: int) -> tuple[list[int], list[int]]:
@@ -260,7 +263,7 @@ def batch_plan(lengths: np.ndarray, o: Any, world: int, tokens: int | None = Non
     if min(steps) == 0:
         raise ConfigError(
             f"one optimizer step needs {world * o.grad_accum} micro-batches, the training split "
-            f"gives {min(n_batches)}: lower train.grad_accum or train.max_tokens_per_batch"
+            f"gives {min(n_batches)}: lower loop.grad_accum or loop.max_tokens_per_batch"
         )
     return BatchPlan(tokens, steps, at_max)
 

@@ -1,4 +1,4 @@
-"""An exponential moving average of the draft's trainable weights (``train.ema_decay``): updated
+"""An exponential moving average of the draft's trainable weights (``optim.ema_decay``): updated
 after each optimizer step, the weights that evaluation measures and checkpoints export, saved in
 each checkpoint (``ema.safetensors``) so a resumed run averages on as the uninterrupted one."""
 
@@ -64,8 +64,8 @@ class WeightAverage:
             state = load_file(str(path))
         except Exception as e:  # missing (a checkpoint of a run without the average), or unreadable
             raise ContractError(
-                f"{path}: the weight average of train.ema_decay={self.decay} cannot be read ({type(e).__name__}: {e}); "
-                f"resume from a checkpoint of a run with the same train.ema_decay"
+                f"{path}: the weight average of optim.ema_decay={self.decay} cannot be read ({type(e).__name__}: {e}); "
+                f"resume from a checkpoint of a run with the same optim.ema_decay"
             ) from e
         updates = state.pop("__updates__", None)
         if updates is None or set(state) != set(self.average):

@@ -26,7 +26,8 @@ def evaluate_split(
     source: Source,
     losses: Losses,
     step: int,
-    o: Any,
+    ttt_length: int,
+    max_tokens: int,
     data_rank: int,
     world: int,
     sp: SequenceParallel,
@@ -39,16 +40,16 @@ def evaluate_split(
         split: the eval split (``length``: sample lengths; ``batch(indices)``: a host batch).
         source: where the split's batches go to the device (``device_batches``).
         losses: the TTT loss of a batch, filling its ``hits``.
-        o: the ``train.*`` options (``ttt_length``, ``max_tokens_per_batch``).
+        ttt_length: the TTT steps the losses unroll (``objective.ttt_length``).
+        max_tokens: each batch's budget of padded tokens (``loop.max_tokens_per_batch``).
         data_rank, world: this rank's place among the data-parallel ranks and their number.
         sp: the sequence-parallel group (its shards add up to one batch).
     """
-    ttt_length = o.ttt_length
     counts = np.zeros((ttt_length, 3), dtype=np.int64)
     loss_sum, n = 0.0, 0
     walk = np.zeros(2, dtype=np.int64)  # decode walk: tokens, verify steps
     if len(split):
-        batches = plan_epoch(split.length, o.max_tokens_per_batch, 0, 0)
+        batches = plan_epoch(split.length, max_tokens, 0, 0)
         mine = batches[data_rank::world]
         # every rank runs as many forwards (ZeRO-3 gathers parameters collectively); a rank short of
         # batches repeats its first one without counting it

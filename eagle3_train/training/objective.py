@@ -32,8 +32,8 @@ ALPHA_FLOOR = 1e-6  # -log of an acceptance rate is taken at no less than this (
 
 @dataclass(frozen=True)
 class Objective:
-    """What the TTT loss of one step is (``train.lk_weight``, ``train.label_smoothing``,
-    ``train.min_target_prob``); the default is the plain soft cross-entropy."""
+    """What the TTT loss of one step is (``objective.lk_weight``, ``objective.label_smoothing``,
+    ``objective.min_target_prob``); the default is the plain soft cross-entropy."""
 
     lk_weight: float = 0.0  # w: the loss is (1 - w) * soft cross-entropy + w * -log sum_v min(p_v, q_v)
     label_smoothing: float = 0.0  # e: the target distribution is (1 - e) p + e / V_draft
@@ -43,7 +43,7 @@ class Objective:
     def __post_init__(self) -> None:
         for name in ("lk_weight", "label_smoothing", "min_target_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"train.{name} must be in [0, 1], got {getattr(self, name)}")
+                raise ConfigError(f"objective.{name} must be in [0, 1], got {getattr(self, name)}")
 
     def loss_mask(self, top: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
         """The positions of ``mask`` [...] that enter the loss: without those whose top target

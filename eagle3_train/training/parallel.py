@@ -27,7 +27,7 @@ from torch import nn
 
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.model import Eagle3Draft
-from eagle3_train.training.config import DeepSpeedConfig, OptimConfig, lr_factor
+from eagle3_train.training.config import TrainConfig, lr_factor
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def apply_sequence_parallel(model: Eagle3Draft, sp: SequenceParallel) -> None:
     attn = model.midlayer.self_attn
     for heads, what in ((attn.num_heads, "attention heads"), (attn.num_kv, "key/value heads")):
         if heads % sp.size:
-            raise ConfigError(f"train.sequence_parallel={sp.size} must divide the draft's {what} ({heads})")
+            raise ConfigError(f"runtime.sequence_parallel={sp.size} must divide the draft's {what} ({heads})")
     attn.core = UlyssesCore(attn.core, sp.group)
 
 
@@ -155,15 +155,14 @@ def _exchange(x: torch.Tensor, group: Any, scatter: int, gather: int) -> torch.T
 
 def build_engine(
     model: Eagle3Draft,
-    o: OptimConfig,
-    ds: DeepSpeedConfig,
+    cfg: TrainConfig,
     dtype: torch.dtype,
     device: torch.device,
     total_steps: int | Callable[[], int],
     sp: SequenceParallel | None = None,
 ) -> Any:
     """The one place that turns the draft into a DeepSpeed engine: sequence parallelism over
-    ``sp``'s group, activation checkpointing and torch.compile as ``o`` asks (eagle3_train.training.parallel),
+    ``sp``'s group, activation checkpointing and torch.compile as ``cfg.runtime`` asks,
     AdamW (torch) on the trainable parameters, warmup + decay schedule, ZeRO stage over every rank
     (ZeRO's data parallelism averages the gradients of all ranks, sequence-parallel ones included:
     see :meth:`Trainer.train_step`), bf16, clipping, gradient accumulation. ``total_steps`` may be a
@@ -172,9 +171,10 @@ def build_engine(
 
     if sp is not None:
         apply_sequence_parallel(model, sp)
-    if o.activation_checkpointing:
+    o, ds = cfg.optim, cfg.deepspeed
+    if cfg.runtime.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if o.compile:
+    if cfg.runtime.compile:
         apply_compile(model)
 
     if device.type == "cpu":  # skip the shared-memory op's C++ build on CPU
@@ -197,7 +197,7 @@ def build_engine(
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config = {
         "train_micro_batch_size_per_gpu": 1,  # batches are token-budgeted; DeepSpeed only counts
-        "gradient_accumulation_steps": o.grad_accum,
+        "gradient_accumulation_steps": cfg.loop.grad_accum,
         "gradient_clipping": o.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": dtype == torch.bfloat16},

@@ -331,7 +331,7 @@ def launch_text(cfg: Any) -> str:
     prepared = prepared_data([cfg.data, *cfg.online.extra_data])
     prepared.identity_for(about, cfg.target)  # data of another tokenizer is refused here too
     aux = capture_indices(cfg.online.aux_indices, about.num_hidden_layers)
-    longest = int(min(cfg.train.max_tokens_per_batch, prepared.num_tokens.max()))
+    longest = int(min(cfg.loop.max_tokens_per_batch, prepared.num_tokens.max()))
     engine = served_engine(e)
     plan = EnginePlan(
         replace(e, urls=[], final_urls=[]), engine, about, cfg.target, aux, longest, Path(cfg.out).expanduser()

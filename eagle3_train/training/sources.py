@@ -21,7 +21,7 @@ def open_source(cfg: Any, out: Path, dist: DistInfo, dtype: torch.dtype, target:
     engine (``source=served``) or the standardized dump (``source=offline``)."""
     if target is not None and cfg.source != "online":
         raise ConfigError("a loaded target runs in this process: set source=online")
-    max_length = cfg.train.max_tokens_per_batch
+    max_length = cfg.loop.max_tokens_per_batch
     if cfg.source == "online":
         return OnlineSource(cfg.data, cfg.target, cfg.cache_dir, cfg.online, max_length, out, dist, dtype, target)
     if cfg.source == "served":

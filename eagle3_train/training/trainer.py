@@ -7,7 +7,7 @@ target in the loop (``source=online``, eagle3_train/training/online.py).
 
 The run directory holds ``checkpoints/step<N>/`` (DeepSpeed's own files plus ``draft.safetensors``,
 the consolidated head, and ``state.json``), ``metrics.jsonl`` (one line per logged step and per
-evaluation), ``config.json``, and with ``train.keep_best`` ``best.json`` (the checkpoint with the
+evaluation), ``config.json``, and with ``checkpoint.keep_best`` ``best.json`` (the checkpoint with the
 best eval simulated acceptance length, which keep_last never deletes and eagle3-export takes).
 ``resume=auto`` continues from the last checkpoint at its exact step and data position. An online
 run also holds ``vocab_map.safetensors``, the map it counted at start (unless ``online.vocab_map``).
@@ -44,7 +44,7 @@ from eagle3_train.training.checkpoint import (
     run_directory,
     save_checkpoint,
 )
-from eagle3_train.training.config import USUAL_CHAIN, TrainConfig, objective
+from eagle3_train.training.config import RENAMED, USUAL_CHAIN, TrainConfig, objective
 from eagle3_train.training.data import (
     Batch,
     Prefetcher,
@@ -95,47 +95,46 @@ class Trainer:
         """The draft, its DeepSpeed engine and the data plan, from the open source; then resume."""
         cfg = self.cfg
         self.spec, self.vocab, self.vocab_sha = self.source.spec, self.source.vocab, self.source.vocab_sha
-        self.lm_head, self.model = build_draft(cfg.model, self.source, self.spec, self.vocab, cfg.train.seed)
+        self.lm_head, self.model = build_draft(cfg.model, self.source, self.spec, self.vocab, cfg.loop.seed)
         self.lm_head = self.lm_head.to(self.dist.device, self.dtype)  # frozen target lm_head [V, H]
         self.t2d = self.vocab.t2d.to(self.dist.device)
-        o = cfg.train
-        if o.ttt_length < USUAL_CHAIN:
+        ttt = cfg.objective.ttt_length
+        if ttt < USUAL_CHAIN:
             logger.warning(
-                f"warning: train.ttt_length={o.ttt_length} < {USUAL_CHAIN}, the chain length eagle3-eval and the "
-                f"engines usually draft: draft positions past {o.ttt_length} were never trained and accept less; "
+                f"warning: objective.ttt_length={ttt} < {USUAL_CHAIN}, the chain length eagle3-eval and the "
+                f"engines usually draft: draft positions past {ttt} were never trained and accept less; "
                 f"train at least as many steps as the draft will propose"
             )
         self.train_split, self.eval_split = self.source.train_split, self.source.eval_split
         if len(self.train_split) == 0:
             raise BadInputError(f"{self.source.where} has no training samples")
-        if self.dist.world_size % o.sequence_parallel:
-            raise ConfigError(
-                f"train.sequence_parallel={o.sequence_parallel} must divide the number of ranks ({self.dist.world_size})"
-            )
-        self.sp = sequence_parallel(o.sequence_parallel)
+        sp = cfg.runtime.sequence_parallel
+        if self.dist.world_size % sp:
+            raise ConfigError(f"runtime.sequence_parallel={sp} must divide the number of ranks ({self.dist.world_size})")
+        self.sp = sequence_parallel(sp)
         self.world = self.dist.world_size // self.sp.size  # data-parallel ranks; each reads its own micro-batches
         self.data_rank = self.dist.rank // self.sp.size
         # Epochs shuffle differently, so their micro-batch counts can differ by a few.
         self.plan_batches()
-        if note := self.batches.note(o):
+        if note := self.batches.note(cfg.loop):
             logger.info(note)
-        self.spent_s = 0.0  # loop seconds of earlier runs of this output (train.max_minutes counts them)
+        self.spent_s = 0.0  # loop seconds of earlier runs of this output (loop.max_minutes counts them)
         self._loop_start: float | None = None  # time.time() when this run's loop began
         self._loop_end: float | None = None  # and when it ended (the final evaluation and save are not loop time)
-        self.minutes_spent: float | None = None  # the train.max_minutes whose budget ended the run
+        self.minutes_spent: float | None = None  # the loop.max_minutes whose budget ended the run
         self.target_cache = TargetCache.build(
-            o.cache_target_gb, self.train_split, self.eval_split, self.lm_head, self.t2d, self.vocab.draft_vocab_size
+            cfg.runtime.cache_target_gb, self.train_split, self.eval_split, self.lm_head, self.t2d, self.vocab.draft_vocab_size
         )
         self.model.to(self.dist.device)
         self.engine = build_engine(
-            self.model, cfg.train, cfg.deepspeed, self.dtype, self.dist.device, lambda: self.total_steps, self.sp
+            self.model, cfg, self.dtype, self.dist.device, lambda: self.total_steps, self.sp
         )
         self.step = 0
-        self.ema = WeightAverage(self.model, o.ema_decay) if o.ema_decay else None
-        self.objective = objective(o)  # the step loss
+        self.ema = WeightAverage(self.model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
+        self.objective = objective(cfg.objective)  # the step loss
         # each micro-batch's loss finiteness, still on the device: (0-based step, flag, sample ids)
         self._unchecked: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self.best = BestTracker(o.keep_best, o.early_stop_patience)
+        self.best = BestTracker(cfg.checkpoint.keep_best, cfg.loop.early_stop_patience)
         self.metrics_path = self.out / "metrics.jsonl"
         self._resume()
         self.metrics = MetricsLog(
@@ -145,9 +144,9 @@ class Trainer:
         )
 
     def plan_batches(self, tokens: int | None = None) -> None:
-        """The micro-batches' token budget (``train.min_steps`` may shrink it; ``tokens``: the one a
-        resumed run began with), the steps of each epoch and the total they allow with ``train.max_steps``."""
-        o = self.cfg.train
+        """The micro-batches' token budget (``loop.min_steps`` may shrink it; ``tokens``: the one a
+        resumed run began with), the steps of each epoch and the total they allow with ``loop.max_steps``."""
+        o = self.cfg.loop
         self.batches = batch_plan(self.train_split.length, o, self.world, tokens)
         self.epoch_steps = self.batches.epoch_steps
         self.total_steps = sum(self.epoch_steps)
@@ -167,7 +166,7 @@ class Trainer:
             self.spec.to_dict(),
             self.vocab_sha,
             self.model.config.to_dict(),
-            self.world * self.cfg.train.grad_accum,
+            self.world * self.cfg.loop.grad_accum,
             request_options("train", config_dict(self.cfg)),
             self.source.data_fingerprint,
         )
@@ -179,7 +178,7 @@ class Trainer:
             self.out,
             self.run_dir,
             self.cfg.resume,
-            self.cfg.train.keep_best,
+            self.cfg.checkpoint.keep_best,
             self.metrics_path,
             config_dict(self.cfg),
             self.dist.is_main,
@@ -197,14 +196,14 @@ class Trainer:
             self.ema.load(last)
         self.step = state["step"]
         self.spent_s = float(state.get("loop_seconds", 0.0))
-        began = state.get("batch_tokens", self.cfg.train.max_tokens_per_batch)
-        if began != self.batches.tokens:  # train.min_steps with raised epochs: the run keeps its batches
+        began = state.get("batch_tokens", self.cfg.loop.max_tokens_per_batch)
+        if began != self.batches.tokens:  # loop.min_steps with raised epochs: the run keeps its batches
             logger.info(
                 f"eagle3-train: the run continues with the micro-batches it began with (at most {began} tokens; "
-                f"train.min_steps would size them at {self.batches.tokens} for the epochs now asked)"
+                f"loop.min_steps would size them at {self.batches.tokens} for the epochs now asked)"
             )
             self.plan_batches(began)
-        if minutes := self.cfg.train.max_minutes:
+        if minutes := self.cfg.loop.max_minutes:
             self.total_steps = self.resumed_total(state, minutes)
         if self.dist.is_main:  # what a killed run logged after this checkpoint is logged again
             truncate_metrics(self.metrics_path, self.step)
@@ -216,16 +215,15 @@ class Trainer:
 
     def save(self) -> Path:
         """A DeepSpeed checkpoint plus the consolidated head (:mod:`eagle3_train.training.checkpoint`)."""
-        o = self.cfg.train
         state = {
             "step": self.step,
             "epoch": self.epoch_of(self.step)[0],
             "world_size": self.world,
-            "grad_accum": o.grad_accum,
+            "grad_accum": self.cfg.loop.grad_accum,
             "vocab_sha256": self.vocab_sha,
             "capture": self.spec.to_dict(),
             "draft_config": self.model.config.to_dict(),
-            "ttt_length": o.ttt_length,
+            "ttt_length": self.cfg.objective.ttt_length,
             "model": config_dict(self.cfg.model),
             "total_steps": self.total_steps,
             "batch_tokens": self.batches.tokens,
@@ -239,10 +237,11 @@ class Trainer:
             weights = consolidated_state_dict(self.model, self.cfg.deepspeed.zero_stage)
         extra = {EMA_FILE: self.ema.state()} if self.ema else None
         tag, kept = f"step{self.step}", self.best.kept()
-        return save_checkpoint(self.engine, self.out, tag, state, weights, self.dist.is_main, o.keep_last, kept, extra)
+        keep = self.cfg.checkpoint.keep_last
+        return save_checkpoint(self.engine, self.out, tag, state, weights, self.dist.is_main, keep, kept, extra)
 
     def resumed_total(self, state: dict[str, Any], minutes: float) -> int:
-        """The total a resumed run with ``train.max_minutes`` starts from, before its loop measures
+        """The total a resumed run with ``loop.max_minutes`` starts from, before its loop measures
         a rate: the step reached when this budget was spent (or is now); the total the killed run
         had sized; after a raised budget, the steps the earlier runs' rate fits in the minutes added."""
         if state.get("max_minutes_spent") == minutes or self.spent_s >= 60 * minutes:
@@ -259,34 +258,34 @@ class Trainer:
         return self.spent_s + ((self._loop_end or time.time()) - self._loop_start)
 
     def fit_budget(self, budget: WallClockBudget, start: int) -> None:
-        """Size the total steps to what fits in ``train.max_minutes`` (the same total on every rank:
+        """Size the total steps to what fits in ``loop.max_minutes`` (the same total on every rank:
         the smallest any rank measured)."""
         assert self._loop_start is not None
         fits = start + budget.total(self.step - start, time.time() - self._loop_start, self.total_steps - start)
         total = min(all_gather_objects(fits))
         spent = total == self.step < self.planned_steps  # (less than a step's time left counts as spent)
         if spent:
-            self.minutes_spent = self.cfg.train.max_minutes
+            self.minutes_spent = self.cfg.loop.max_minutes
         if total != self.total_steps:
             logger.info(
-                f"eagle3-train: train.max_minutes={self.cfg.train.max_minutes}: "
+                f"eagle3-train: loop.max_minutes={self.cfg.loop.max_minutes}: "
                 + (
                     f"the budget is spent at step {self.step}"
                     if spent
                     else f"about {total} steps fit at the measured rate; the lr schedule now ends at step {total}"
                 )
-                + f" (the epochs and train.max_steps allow {self.planned_steps})"
+                + f" (the epochs and loop.max_steps allow {self.planned_steps})"
             )
         self.total_steps = total
 
     def averaged(self) -> AbstractContextManager[None]:
-        """The model holds the weight average (``train.ema_decay``) inside the block, if there is one."""
+        """The model holds the weight average (``optim.ema_decay``) inside the block, if there is one."""
         return self.ema.applied() if self.ema else nullcontext()
 
     # -- the loop --------------------------------------------------------------------------------
 
     def losses(self, batch: Batch, hits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        o = self.cfg.train
+        o, r = self.cfg.objective, self.cfg.runtime
         return ttt_losses(
             self.engine.module,
             batch,
@@ -295,9 +294,9 @@ class Trainer:
             o.ttt_length,
             o.loss_decay,
             None if self.target_cache is None else self.target_cache(batch),
-            o.head_chunk,
+            r.head_chunk,
             self.sp,
-            o.compile and o.head_chunk > 0,
+            r.compile and r.head_chunk > 0,
             hits,
             self.objective,
         )
@@ -309,7 +308,7 @@ class Trainer:
     def train_batches(self) -> Iterator[Batch]:
         """This rank's micro-batches from the current step to the end, in order (host memory,
         pinned on CUDA). Runs on the prefetch thread."""
-        o = self.cfg.train
+        o = self.cfg.loop
         pin = self.dist.device.type == "cuda"
         epoch_no, plan = -1, []
         for step in range(self.step, self.total_steps):
@@ -328,7 +327,7 @@ class Trainer:
         finiteness is checked later by ``check_finite``, which the loop calls before it logs,
         evaluates or saves. A non-finite loss therefore stops training before any checkpoint or
         evaluation sees weights it touched, naming its step and samples."""
-        o = self.cfg.train
+        o = self.cfg.loop
         self.engine.train()
         parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # counts [k, 3], loss, tokens
         for _ in range(o.grad_accum):
@@ -369,20 +368,20 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """The eval split's figures (:func:`eagle3_train.training.evaluate.evaluate_split`; all ranks)."""
         self.engine.eval()
-        o = self.cfg.train
+        ttt, tokens = self.cfg.objective.ttt_length, self.cfg.loop.max_tokens_per_batch
         with self.averaged():
             return evaluate_split(
-                self.eval_split, self.source, self.losses, self.step, o, self.data_rank, self.world, self.sp
+                self.eval_split, self.source, self.losses, self.step, ttt, tokens, self.data_rank, self.world, self.sp
             )
 
     def after_eval(self, result: dict[str, Any]) -> bool:
         """Log an evaluation and track the best eval simulated tau; True when early stopping is due
-        (``train.early_stop_patience`` evaluations in a row without a better one)."""
+        (``loop.early_stop_patience`` evaluations in a row without a better one)."""
         self.metrics.log(result)
         return self.best.update(self.step, result["eval_tau"])
 
     def run(self) -> dict[str, Any]:
-        o = self.cfg.train
+        o, keep = self.cfg.loop, self.cfg.checkpoint
         if (self.step >= self.total_steps or self.best.early_stopped) and self._checkpoints():
             how = "stopped early" if self.best.early_stopped else "already trained"
             logger.info(f"eagle3-train: {self.out} is {how} at step {self.step}; nothing to do")
@@ -439,8 +438,8 @@ class Trainer:
                         f"(step {self.best.record['step']}) for {self.best.evals_since_best} evaluations"
                     )
                     break
-                improved = o.keep_best and self.best.record["step"] == self.step
-            if improved or (o.save_every and self.step % o.save_every == 0 and self.step < self.total_steps):
+                improved = keep.keep_best and self.best.record["step"] == self.step
+            if improved or (keep.save_every and self.step % keep.save_every == 0 and self.step < self.total_steps):
                 self.check_finite()
                 self.save()
         self._loop_end = time.time()
@@ -478,7 +477,7 @@ def _run(cfg: TrainConfig) -> None:
         close()
 
 
-main = entry_point("train", TrainConfig, _run)
+main = entry_point("train", TrainConfig, _run, renamed=RENAMED)
 
 if __name__ == "__main__":
     main()

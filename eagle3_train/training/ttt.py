@@ -144,7 +144,7 @@ def _pad_positions(
 
 
 class TargetCache:
-    """The target distribution per sample (``train.cache_target_gb``), computed the first time a
+    """The target distribution per sample (``runtime.cache_target_gb``), computed the first time a
     sample is seen. On a CPU the target lm_head over the full vocab is ~40 % of a step; with the
     cache only the first epoch pays it. Each sample is computed alone, so the values never depend
     on batching.
@@ -177,7 +177,7 @@ class TargetCache:
         need = tokens * draft_vocab_size * 4 / 2**30  # fp32 probabilities
         if need > limit_gb:
             raise ConfigError(
-                f"train.cache_target_gb={limit_gb} is too small: the target distribution of {tokens} tokens "
+                f"runtime.cache_target_gb={limit_gb} is too small: the target distribution of {tokens} tokens "
                 f"over {draft_vocab_size} draft tokens needs {need:.2f} GiB (set 0 to recompute instead)"
             )
         logger.info(f"caching the target distribution per sample (up to {need:.2f} GiB)")
