@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_train.core.errors import ContractError
-from eagle3_train.evaluation.eval import EvalConfig, Evaluator, load_draft_dir
+from eagle3_train.evaluation.eval import EvalConfig, Evaluator
 from eagle3_train.serving.check import CheckConfig, ServingConfig, run_check
 from eagle3_train.serving.drafts import read_draft_dir
+from eagle3_train.serving.loading import load_draft_dir
 from eagle3_train.targets import load_target
 
 PEERS = Path(__file__).parent / "fixtures" / "peers"

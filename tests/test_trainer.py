@@ -855,9 +855,9 @@ def test_aux_norm_is_exported_as_the_engines_input_norm(std, tmp_path, said):
     the flag without the trained norm (or its weight) and the norm without the flag (the engines
     would leave input_norm out)."""
     from eagle3_train.engines.rules import DRAFT_WEIGHTS
-    from eagle3_train.evaluation.eval import load_draft
     from eagle3_train.model import DraftConfig, Eagle3Draft
     from eagle3_train.serving.check import CheckConfig, run_check
+    from eagle3_train.serving.loading import load_draft
     from eagle3_train.targets import load_target
     from test_peer_drafts import our_chain, reference_chain
 
@@ -929,7 +929,7 @@ def test_aux_norm_is_exported_as_the_engines_input_norm(std, tmp_path, said):
 def test_wider_mlp_is_exported_and_loaded_back(std, tmp_path):
     """model.intermediate_size: the draft MLP gets that width, export writes it to config.json (what
     SGLang and vLLM size the MLP from) and eagle3-eval's loader rebuilds the same head from it."""
-    from eagle3_train.evaluation.eval import load_draft
+    from eagle3_train.serving.loading import load_draft
     from eagle3_train.targets import load_target
 
     with pytest.raises(ConfigError, match="intermediate_size must be >= 0"):
