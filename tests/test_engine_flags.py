@@ -175,9 +175,7 @@ def test_no_engine_name_comparison_outside_the_engines_package():
         if pattern.search(line)
     }
     # eval's sliding-window note: to ask registry.ENGINES[engine].honours_sliding_window() (its owner's change)
-    pending = {p for p in found if p.startswith("eagle3_train/evaluation/eval.py:")}
-    assert found - pending == set(), sorted(found)
-    assert len(pending) <= 1
+    assert found == set(), sorted(found)
 
 
 def test_a_zero_d2t_is_the_trained_map_where_t2d_confirms_it():

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ from eagle3_train.evaluation.graph_spec import GraphSpecDecoder
 from eagle3_train.evaluation.plots import plot_acceptance
 from eagle3_train.evaluation.tree import TreeShape
 from eagle3_train.serving.card import eval_dir
+from eagle3_train.serving.drafts import default_engine, read_draft_dir
 from eagle3_train.serving.loading import load_draft, load_draft_dir  # noqa: F401 (load_draft: benchmarks/storage_error.py imports it from here)
 from eagle3_train.targets import (
     chat_template_of,
@@ -82,8 +83,8 @@ class EvalConfig:
 
     draft: str = MISSING  # an exported draft directory (config.json + model.safetensors)
     target: str = "embedded"  # the target (any form load_target takes)
-    engine: str = "sglang"
-    """whose rule turns the config's ids into captured layers: an engine export writes for (sglang | vllm)"""
+    engine: str | None = None
+    """whose rule turns the config's ids into captured layers, and whose forward the draft is computed with (sglang | vllm; null: the first engine that loads the draft's format, among those an export of ours was written for)"""
     prompts: str = MISSING  # JSONL (messages / MT-bench turns / HumanEval prompt / GSM8K question) or a saved dataset
     column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
     out: str | None = None
@@ -120,7 +121,8 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, auto=True)
-        registry.engine(self.engine, "export", "engine")
+        if self.engine is not None:
+            registry.engine(self.engine, "export", "engine")
         check_numbers(
             self,
             positive=(
@@ -326,6 +328,9 @@ class Evaluator:
     """Loads target + exported draft, decodes every conversation turn by turn, writes the report."""
 
     def __init__(self, cfg: EvalConfig):
+        if cfg.engine is None:  # the draft's format says which engine serves it
+            cfg = replace(cfg, engine=default_engine(read_draft_dir(Path(cfg.draft).expanduser())))
+        assert cfg.engine is not None  # (named, or the draft's)
         self.cfg = cfg
         if cfg.plot:  # before the target loads, not after the decoding
             optional_import("matplotlib")
@@ -396,7 +401,7 @@ class Evaluator:
         if not self.cfg.as_trained:
             how = f"eval computes as {self.cfg.engine} does (as_trained=true: as it was trained)"
         out += [f"{dd.title}: {note}; {how}" for note in dd.train_serve_notes()]
-        if (w := dd.sliding_window()) is not None and self.cfg.engine == "vllm":
+        if (w := dd.sliding_window()) is not None and registry.ENGINES[self.cfg.engine].honours_sliding_window():
             out.append(
                 f"{dd.title}: vLLM attends within a sliding window of {w} tokens; eval attends to the whole "
                 f"context (equal while contexts stay under {w - self.cfg.depth} tokens)"
