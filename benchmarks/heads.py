@@ -219,7 +219,7 @@ def start(a: argparse.Namespace) -> None:
     Path(a.work).mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "/tmp/repo/benchmarks/heads.py", "run", *sys.argv[2:]]
     with open(Path(a.work) / "job.log", "a") as log:
-        subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **ENV})
+        subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **ENV}, cwd="/tmp/repo")
     print("started:", " ".join(cmd))
 
 
@@ -244,11 +244,34 @@ def poll(a: argparse.Namespace) -> None:
 
 
 def results(a: argparse.Namespace) -> None:
+    """A polled heads.json as a results file (benchmarks/result.py): the figures, one table of the heads."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.result import Result
+
     res = json.loads(Path(a.file).read_text())
+    rows = [
+        [k, h["variant"], h["seed"], h["steps"], h["loop_s"], (h.get("heldout") or {}).get("tau"),
+         (h.get("heldout") or {}).get("categories", {}).get("multi_turn"), (h.get("long") or {}).get("tau")]
+        + [(h.get("long") or {}).get("categories", {}).get(b) for b in BUCKETS]
+        for k, h in res["heads"].items()
+    ]
+    served = [
+        [k, r["concurrency"], round(r["spec"]["mean_acceptance_length"], 3), r["spec"]["requests"], round(r["speedup"], 3)]
+        for k, v in res["bench"].items() if isinstance(v, list) for r in v
+    ]
     kind = "h200" if "H200" in res["machine"] else "h100"
-    out = REPO / "benchmarks" / "results" / f"heads_{kind}.json"
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    print(out)
+    Result(
+        what=res["what"], command=res["command"], machine=res["machine"], date=res["date"], runs=res["runs"],
+        figures={"settings": res["settings"], "steps": res["steps"], "heads": res["heads"], "bench": res["bench"]},
+        tables=[
+            {"title": "heads at equal training-loop minutes (tau: eagle3-eval, chain k=5, greedy, fp32, 128 new tokens)",
+             "header": ["run", "variant", "seed", "steps", "loop s", "held-out tau", "multi-turn tau", "long tau", *BUCKETS],
+             "rows": rows},
+            {"title": "served (eagle3-bench, 5 speculative tokens, 128 new tokens, held-out prompts)",
+             "header": ["engine_variant", "concurrency", "acceptance length", "conversations", "speed-up"], "rows": served},
+        ],
+    ).write(REPO / "benchmarks" / "results" / f"heads_{kind}.json")
+    print(f"benchmarks/results/heads_{kind}.json")
 
 
 def main() -> None:

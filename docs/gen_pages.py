@@ -724,7 +724,7 @@ def families_measured() -> str:
 
 # page -> (title, file-name prefixes); a file no prefix claims goes to "other".
 RESULT_PAGES = {
-    "recipe": ("Recipe and data scaling", ("recipe_", "run_", "scaling_", "aux_", "vocab_", "synth_question")),
+    "recipe": ("Recipe and data scaling", ("recipe_", "run_", "scaling_", "aux_", "vocab_", "synth_question", "heads_")),
     "demo": ("The CPU demo", ("demo_",)),
     "speed": (
         "Speed",
@@ -754,7 +754,7 @@ PAGE_NOTES = {  # a page's opening paragraph, where its results need one before 
     "sweep for every framework and two seeds (`peers_h100` / `peers_h200`, once measured); the older files below are "
     "kept as a record of what was run.\n\n",
 }
-HEAD_KEYS = ("what", "withdrawn", "machine", "device", "date", "command", "commands", "runs", "code_at")
+HEAD_KEYS = ("what", "machine", "date", "command", "runs", "code_at")
 MAX_ROWS = 80
 
 
