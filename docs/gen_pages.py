@@ -724,7 +724,10 @@ def families_measured() -> str:
 
 # page -> (title, file-name prefixes); a file no prefix claims goes to "other".
 RESULT_PAGES = {
-    "recipe": ("Recipe and data scaling", ("recipe_", "run_", "scaling_", "aux_", "vocab_", "synth_question", "heads_")),
+    "recipe": (
+        "Recipe and data scaling",
+        ("recipe_", "run_", "scaling_", "aux_", "vocab_", "synth_question", "heads_"),
+    ),
     "demo": ("The CPU demo", ("demo_",)),
     "speed": (
         "Speed",

@@ -1,8 +1,6 @@
 """The peers harness and the staging scripts of benchmarks/ (the benchmark programs: test_programs.py;
 the product's tests under tests/ import nothing from here)."""
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +12,6 @@ sys.path[:0] = [
     str(LAB),
     str(LAB.parent),
 ]  # the lab's scripts import each other as top-level modules or as benchmarks.*
-
-
 
 
 def test_a_staging_part_still_fits_in_one_device_call_beside_the_working_tree():
@@ -43,5 +39,3 @@ def test_every_lab_script_finds_the_repository_root():
         for n in re.findall(r"Path\(__file__\)\.resolve\(\)\.parents\[(\d+)\]", script.read_text()):
             root = script.resolve().parents[int(n)]
             assert (root / "pyproject.toml").is_file(), f"{script.name}: parents[{n}] is {root}, not the repository"
-
-

@@ -331,7 +331,7 @@ class Evaluator:
         if cfg.engine is None:  # the draft's format says which engine serves it
             cfg = replace(cfg, engine=default_engine(read_draft_dir(Path(cfg.draft).expanduser())))
         assert cfg.engine is not None  # (named, or the draft's)
-        self.cfg = cfg
+        self.cfg, self.engine = cfg, cfg.engine
         if cfg.plot:  # before the target loads, not after the decoding
             optional_import("matplotlib")
         device = resolve_device(cfg.device)
@@ -401,7 +401,7 @@ class Evaluator:
         if not self.cfg.as_trained:
             how = f"eval computes as {self.cfg.engine} does (as_trained=true: as it was trained)"
         out += [f"{dd.title}: {note}; {how}" for note in dd.train_serve_notes()]
-        if (w := dd.sliding_window()) is not None and registry.ENGINES[self.cfg.engine].honours_sliding_window():
+        if (w := dd.sliding_window()) is not None and registry.ENGINES[self.engine].honours_sliding_window():
             out.append(
                 f"{dd.title}: vLLM attends within a sliding window of {w} tokens; eval attends to the whole "
                 f"context (equal while contexts stay under {w - self.cfg.depth} tokens)"
@@ -538,7 +538,7 @@ class Evaluator:
             [r.accepted for r in results], k, self.cfg.position_bucket, [r.tokens for r in results]
         )
         return EvalReport(
-            engine=self.cfg.engine,
+            engine=self.engine,
             rule=self.resolution.rule.versions,
             ids_read_from=self.resolution.source,
             ids=self.resolution.ids,
@@ -585,7 +585,7 @@ class Evaluator:
             "trained_hf_indices": self.capture.hf_indices,
             "trained_from": self.capture.source,
             "recorded": self.capture.recorded,
-            "flags": (self.dd.trained_flags() if self.cfg.as_trained else self.dd.flags(self.cfg.engine)).changed(),
+            "flags": (self.dd.trained_flags() if self.cfg.as_trained else self.dd.flags(self.engine)).changed(),
             "as_trained": self.cfg.as_trained,
         }
 
