@@ -34,7 +34,7 @@ from data_prep.chat import RENDER_MODES, Rendered, TurnSample, render_conversati
 from data_prep.conversations import BadRow, Conversation, input_fingerprint, iter_raw_rows, normalize
 from data_prep.regenerate import RegenConfig, regenerate
 from data_prep.synthesize import SynthConfig, Synthesizer, template_name
-from eagle3_train.core.cli import config_dict, entry_point
+from eagle3_train.core.cli import as_typed, config_dict, entry_point
 from eagle3_train.core.contract import check_dtype
 from eagle3_train.core.dist import DistInfo, barrier, close, init_distributed, resolve_device
 from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
@@ -452,7 +452,9 @@ class Preparer:
             out.extend(chunk)
             unfinished += data["unfinished"]
         cut = sum(bool(c.meta.get("cut_in_reasoning")) for c in out)
-        return out, {"turns_hit_max_new_tokens": unfinished, "conversations_cut_in_reasoning": cut}
+        turns = sum(m["role"] == "assistant" for c in out for m in c.messages)
+        stats = {"turns_hit_max_new_tokens": unfinished, "conversations_cut_in_reasoning": cut, "turns": turns}
+        return out, stats
 
     def _engine_stopped(self, error: Eagle3Error, chunk: int, n_chunks: int, regen_dir: Path) -> Eagle3Error:
         """A served engine's failure, naming the engine, its URL and the chunks kept."""
@@ -602,7 +604,31 @@ class Preparer:
         )
         if self.bad.counts:
             logger.info(self.bad.summary())
+        for line in self.unlearnable(counts, regen_stats):
+            logger.warning(line)
         return manifest
+
+    def unlearnable(self, counts: dict[str, Any], regen_stats: dict[str, Any]) -> list[str]:
+        """One warning line per way most of the data is cut short: samples cut at ``max_length``
+        (the draft never sees their ends), replies cut at ``regen.max_new_tokens`` (it learns
+        replies that stop mid-sentence), each counted with the option that helps."""
+        lines = []
+        rows, cut = counts["rows_written"], counts["truncated"] * self.cfg.repeat
+        if rows and 2 * cut > rows:
+            context = getattr(text_config(self.target.config), "max_position_embeddings", None)
+            lines.append(
+                f"warning: {cut} of {rows} samples ({100 * cut // rows}%) were cut at max_length={self.cfg.max_length}: "
+                f"the draft never learns their ends; raise {as_typed('max_length')}"
+                + (f" (the target's context holds {context} tokens)" if context else "")
+            )
+        turns, hit = regen_stats.get("turns", 0), regen_stats.get("turns_hit_max_new_tokens", 0)
+        if turns and 2 * hit > turns:
+            lines.append(
+                f"warning: {hit} of {turns} regenerated replies ({100 * hit // turns}%) stopped at "
+                f"regen.max_new_tokens={self.cfg.regen.max_new_tokens} before their end of turn: the draft learns "
+                f"replies cut mid-way; raise {as_typed('regen.max_new_tokens')}"
+            )
+        return lines
 
 
 def save_conversations(conversations: list[Conversation], path: Path) -> None:

@@ -388,6 +388,7 @@ def entry_point(
                 raise ConfigError(said)
             checked_arguments(config_name, schema, sys.argv[1:])
             _main()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: a Ctrl-C while the interpreter exits changes nothing
 
     main.__doc__ = f"Console entry point ``{command}``."
     return main

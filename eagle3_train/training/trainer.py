@@ -73,6 +73,8 @@ from eagle3_train.training.ttt import TargetCache, ttt_losses
 
 logger = logging.getLogger(__name__)
 
+FEW_STEPS = 100  # fewer optimizer steps than this are warned about: the draft barely moves from its start
+
 
 class Trainer:
     """One training run on this rank: build -> (resume) -> train_step... -> evaluate/save -> close."""
@@ -118,6 +120,8 @@ class Trainer:
         self.plan_batches()
         if note := self.batches.note(cfg.loop):
             logger.info(note)
+        if self.dist.is_main and (few := self.few_steps()):
+            logger.warning(few)
         self._last_save = time.time()  # checkpoint.every_minutes counts from the loop's start and each save
         self.spent_s = 0.0  # loop seconds of earlier runs of this output (loop.max_minutes counts them)
         self._loop_start: float | None = None  # time.time() when this run's loop began
@@ -154,6 +158,25 @@ class Trainer:
         if o.max_steps is not None:
             self.total_steps = min(self.total_steps, o.max_steps)
         self.planned_steps = self.total_steps  # what the epochs and max_steps allow; max_minutes may size it down
+
+    def few_steps(self) -> str | None:
+        """A warning when the epochs make too few optimizer steps for the draft to learn (a small
+        dataset at a recipe's large batches), naming what helps; None when they make enough, or
+        when loop.max_steps asks for fewer itself."""
+        o = self.cfg.loop
+        if self.planned_steps >= FEW_STEPS or (o.max_steps is not None and o.max_steps < FEW_STEPS):
+            return None
+        if o.min_steps < FEW_STEPS:
+            helps = (
+                f"{as_typed(f'loop.min_steps={2 * FEW_STEPS}')} makes the micro-batches smaller to give that many, "
+                f"or more data or {as_typed('loop.epochs')}"
+            )
+        else:  # min_steps is set: one sample per micro-batch is as small as batches go
+            helps = f"more data or {as_typed('loop.epochs')} (one sample per micro-batch already)"
+        return (
+            f"warning: this run makes only {self.planned_steps} optimizer steps ({len(self.train_split)} training "
+            f"samples, {o.epochs} epochs): too few for the draft to learn (tau stays near 1); {helps}"
+        )
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -394,9 +417,10 @@ class Trainer:
             return self._run()
         except KeyboardInterrupt:
             done = self._checkpoints()
+            lost = self.step - int(done[-1].name.removeprefix("step")) if done else 0
             kept = (
-                f"its checkpoint {done[-1].name} is kept ({self.step - int(done[-1].name.removeprefix('step'))} "
-                f"steps past it are lost)"
+                f"its checkpoint {done[-1].name} is kept ({lost} step{'' if lost == 1 else 's'} past it will be "
+                f"trained again)"
                 if done
                 else "no checkpoint was written yet: a rerun starts from step 0"
             )
