@@ -44,7 +44,7 @@ from omegaconf import MISSING, OmegaConf
 from data_prep.dump.config import DumpConfig
 from data_prep.prepare import PrepareConfig
 from data_prep.standardize import StandardizeConfig
-from eagle3_train.core.cli import INTERRUPTED_STATUS, RUN_COMMAND_ENV, RUN_STAGE_ENV, compose, entry_point
+from eagle3_train.core.cli import INTERRUPTED_STATUS, RUN_COMMAND_ENV, RUN_STAGE_ENV, SWEEP_CHILD_ENV, compose, entry_point
 from eagle3_train.core.contract import MANIFEST_NAME, read_manifest
 from eagle3_train.core.errors import ConfigError, Eagle3Error, Interrupted
 from eagle3_train.core.log import LogConfig
@@ -335,7 +335,8 @@ def read_arguments(args: list[str]) -> list[str]:
     """eagle3-run's command line as Hydra takes it: a stage's option is set whether or not the
     recipe names it (``eval.prompts=p.jsonl`` as ``++eval.prompts=p.jsonl``; the stage's schema
     still refuses a key it lacks). The line as typed, less ``redo=``, is the one that continues."""
-    os.environ.setdefault(RUN_COMMAND_ENV, shlex.join(["eagle3-run", *(a for a in args if not a.startswith("redo="))]))
+    if not os.environ.get(SWEEP_CHILD_ENV):  # (a sweep's job continues with the sweep's line)
+        os.environ[RUN_COMMAND_ENV] = shlex.join(["eagle3-run", *(a for a in args if not a.startswith("redo="))])
     stage = re.compile(rf"(?:{'|'.join(STAGES)})\.[^=]+=")
     return [f"++{a}" if stage.match(a) else a for a in args]
 
