@@ -241,7 +241,7 @@ def stage_options(cfg: RunConfig, stage: str) -> dict[str, Any]:
         own["prompts"] = str(shipped_prompts("heldout.jsonl"))
     if redone(cfg, stage) and "overwrite" in {f.name for f in fields(SCHEMAS[stage][1])}:
         own["overwrite"] = True
-    return {**wiring(cfg, stage), **own}
+    return {**wiring(cfg, stage), **own}  # disjoint: the recipe may not set what the wiring does
 
 
 def redone(cfg: RunConfig, stage: str) -> bool:
@@ -256,7 +256,7 @@ def check_stages(cfg: RunConfig, stages: tuple[str, ...]) -> None:
     message writes the options as eagle3-run takes them (``train.optim.lr``)."""
     for stage in stages:
         config_name, schema = SCHEMAS[stage]
-        compose(config_name, overrides(stage_options(cfg, stage)), schema, prefix=f"{stage}.")  # disjoint: the recipe may not set what the wiring does
+        compose(config_name, overrides(stage_options(cfg, stage)), schema, prefix=f"{stage}.")
 
 
 def command(cfg: RunConfig, stage: str) -> list[str]:

@@ -214,9 +214,10 @@ def compose_error(error: Exception, schema: type, prefix: str = "") -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
-def compose(config_name: str, overrides: list[str], schema: type[T], prefix: str = "") -> T:
-    """``conf/<config_name>.yaml`` composed with ``overrides`` and checked as ``schema``, inside a
-    running Hydra app or outside one; every error is one :class:`ConfigError` line."""
+def compose(config_name: str, overrides: list[str], schema: type[T], prefix: str = "", check: bool = True) -> T | None:
+    """``conf/<config_name>.yaml`` composed with ``overrides`` and checked as ``schema`` (unless not
+    ``check``: composed only, None), inside a running Hydra app or outside one; every error is one
+    :class:`ConfigError` line."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -232,6 +233,8 @@ def compose(config_name: str, overrides: list[str], schema: type[T], prefix: str
                 cfg = hydra_compose(config_name=config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(compose_error(e, schema, prefix)) from None
+    if not check:
+        return None
     try:
         return to_config(cfg, schema, prefix)
     except OmegaConfBaseException as e:
@@ -259,6 +262,7 @@ def checked_arguments(config_name: str, schema: type, args: list[str]) -> None:
     from eagle3_train.core.errors import ConfigError
 
     overrides, skip = [], False
+    shown = any(a in ("--cfg", "-c") for a in args)  # --cfg job: Hydra shows the config as composed, unchecked
     for arg in args:
         if skip:
             skip = False
@@ -273,7 +277,7 @@ def checked_arguments(config_name: str, schema: type, args: list[str]) -> None:
     except HydraException as e:
         raise ConfigError(compose_error(e, schema)) from None
     if not any(o.is_sweep_override() for o in parsed):
-        compose(config_name, overrides, schema)
+        compose(config_name, overrides, schema, check=not shown)
 
 
 def config_dict(obj: Any) -> dict:
