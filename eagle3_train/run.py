@@ -44,7 +44,14 @@ from omegaconf import MISSING, OmegaConf
 from data_prep.dump.config import DumpConfig
 from data_prep.prepare import PrepareConfig
 from data_prep.standardize import StandardizeConfig
-from eagle3_train.core.cli import INTERRUPTED_STATUS, RUN_COMMAND_ENV, RUN_STAGE_ENV, SWEEP_CHILD_ENV, compose, entry_point
+from eagle3_train.core.cli import (
+    INTERRUPTED_STATUS,
+    RUN_COMMAND_ENV,
+    RUN_STAGE_ENV,
+    SWEEP_CHILD_ENV,
+    compose,
+    entry_point,
+)
 from eagle3_train.core.contract import MANIFEST_NAME, read_manifest
 from eagle3_train.core.errors import ConfigError, Eagle3Error, Interrupted
 from eagle3_train.core.log import LogConfig

@@ -538,9 +538,8 @@ def test_a_kill_loses_at_most_the_checkpoint_interval_in_minutes(std, trained, t
 
 def test_ctrl_c_in_training_says_what_was_kept(std, tmp_path):
     """Ctrl-C (SIGINT) at step 5 stops eagle3-train with Interrupted naming the checkpoint kept."""
-    from eagle3_train.core.errors import Interrupted
-
     from eagle3_train.core import faults
+    from eagle3_train.core.errors import Interrupted
 
     out = tmp_path / "run"
     faults._passed.clear()

@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from eagle3_train.core.cli import CONF_DIR, to_config
-from eagle3_train.core.errors import ConfigError, Eagle3Error
+from eagle3_train.core.errors import ConfigError
 from eagle3_train.run import RunConfig, command, hydra_value, read_arguments, run
 from test_configs import PRIMARY, compose_config
 
@@ -208,8 +208,16 @@ def test_every_error_is_one_line_in_eagle3_runs_syntax_and_exit_2(tmp_path, args
 
 def test_an_option_the_recipe_does_not_set_is_given_without_a_plus(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE3_RUN_COMMAND", "")  # (restored after the test)
-    args = read_arguments(["recipe=smollm2", f"out={tmp_path}", "eval.prompts=p.jsonl", "train.optim.lr=1e-3", "redo=train"])
-    assert args == ["recipe=smollm2", f"out={tmp_path}", "++eval.prompts=p.jsonl", "++train.optim.lr=1e-3", "redo=train"]
+    args = read_arguments(
+        ["recipe=smollm2", f"out={tmp_path}", "eval.prompts=p.jsonl", "train.optim.lr=1e-3", "redo=train"]
+    )
+    assert args == [
+        "recipe=smollm2",
+        f"out={tmp_path}",
+        "++eval.prompts=p.jsonl",
+        "++train.optim.lr=1e-3",
+        "redo=train",
+    ]
     cfg = run_config(args)
     assert "++prompts=p.jsonl" in command(cfg, "eval") and "++optim.lr=0.001" in command(cfg, "train")
     assert os.environ["EAGLE3_RUN_COMMAND"] == (
@@ -283,7 +291,10 @@ def test_ctrl_c_through_eagle3_run_says_one_line_and_the_rerun_continues(tmp_pat
         for _ in range(1200):  # the training stage stops itself at step 6 (SIGSTOP): then Ctrl-C
             children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
             for pid in children:
-                if "trainer" in Path(f"/proc/{pid}/cmdline").read_text() and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+                if (
+                    "trainer" in Path(f"/proc/{pid}/cmdline").read_text()
+                    and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+                ):
                     stage = int(pid)
             if stage:
                 break
@@ -298,6 +309,9 @@ def test_ctrl_c_through_eagle3_run_says_one_line_and_the_rerun_continues(tmp_pat
     assert proc.returncode == 130 and "Traceback" not in printed, printed
     (line,) = [x for x in printed.splitlines() if "interrupted" in x]
     typed = shlex.join(["eagle3-run", *args])
-    assert line == f"eagle3-run: train: interrupted: training stopped at step 6 of 46; its checkpoint step5 is kept (1 step past it will be trained again); `{typed}` continues", line
+    assert (
+        line
+        == f"eagle3-run: train: interrupted: training stopped at step 6 of 46; its checkpoint step5 is kept (1 step past it will be trained again); `{typed}` continues"
+    ), line
     rc, printed = eagle3_run(*args)
     assert rc == 0 and "continuing from checkpoint step5 of" in printed and "eagle3-run: summary" in printed, printed

@@ -114,7 +114,9 @@ def user_errors(command: str, schema: type | None = None) -> Iterator[None]:
         if stage and schema is not None:
             from eagle3_train.core.fingerprint import flatten
 
-            logger.error(f"eagle3-run: error: {stage}: {in_run_syntax(str(e), stage, list(flatten(config_dict(schema))))}")
+            logger.error(
+                f"eagle3-run: error: {stage}: {in_run_syntax(str(e), stage, list(flatten(config_dict(schema))))}"
+            )
         else:
             logger.error(f"{command}: error: {e}")
         sys.exit(2)

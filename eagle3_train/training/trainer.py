@@ -112,7 +112,9 @@ class Trainer:
             raise BadInputError(f"{self.source.where} has no training samples")
         sp = cfg.runtime.sequence_parallel
         if self.dist.world_size % sp:
-            raise ConfigError(f"runtime.sequence_parallel={sp} must divide the number of ranks ({self.dist.world_size})")
+            raise ConfigError(
+                f"runtime.sequence_parallel={sp} must divide the number of ranks ({self.dist.world_size})"
+            )
         self.sp = sequence_parallel(sp)
         self.world = self.dist.world_size // self.sp.size  # data-parallel ranks; each reads its own micro-batches
         self.data_rank = self.dist.rank // self.sp.size
@@ -128,12 +130,15 @@ class Trainer:
         self._loop_end: float | None = None  # and when it ended (the final evaluation and save are not loop time)
         self.minutes_spent: float | None = None  # the loop.max_minutes whose budget ended the run
         self.target_cache = TargetCache.build(
-            cfg.runtime.cache_target_gb, self.train_split, self.eval_split, self.lm_head, self.t2d, self.vocab.draft_vocab_size
+            cfg.runtime.cache_target_gb,
+            self.train_split,
+            self.eval_split,
+            self.lm_head,
+            self.t2d,
+            self.vocab.draft_vocab_size,
         )
         self.model.to(self.dist.device)
-        self.engine = build_engine(
-            self.model, cfg, self.dtype, self.dist.device, lambda: self.total_steps, self.sp
-        )
+        self.engine = build_engine(self.model, cfg, self.dtype, self.dist.device, lambda: self.total_steps, self.sp)
         self.step = 0
         self.ema = WeightAverage(self.model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
         self.objective = objective(cfg.objective)  # the step loss
