@@ -168,7 +168,7 @@ class BadRows:
 
     def handle(self, err: BadRow) -> None:
         if self.policy == "error":
-            raise Eagle3Error(f"{err}\n(on_bad_row=skip would skip such rows and count them)")
+            raise Eagle3Error(f"{err} (on_bad_row=skip would skip such rows and count them)")
         self.counts[err.reason] += 1
         examples = self.examples.setdefault(err.reason, [])
         if len(examples) < EXAMPLES_PER_REASON:
