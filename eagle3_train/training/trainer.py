@@ -103,7 +103,7 @@ class Trainer:
         ttt = cfg.objective.ttt_length
         if ttt < USUAL_CHAIN:
             logger.warning(
-                f"warning: objective.ttt_length={ttt} < {USUAL_CHAIN}, the chain length eagle3-eval and the "
+                f"warning: {as_typed(f'objective.ttt_length={ttt}')} < {USUAL_CHAIN}, the chain length eagle3-eval and the "
                 f"engines usually draft: draft positions past {ttt} were never trained and accept less; "
                 f"train at least as many steps as the draft will propose"
             )
