@@ -78,9 +78,10 @@ def test_reasoning_with_thinking_off_is_dropped_counted_and_warned(tmp_path, sai
 
 def test_most_samples_cut_at_max_length_and_replies_at_max_new_tokens_are_warned(tmp_path, said):
     said()
-    rows = [{"messages": [{"role": "user", "content": "word " * 40}, PLAIN]} for _ in range(4)]
-    prepare(tmp_path, "tiny", rows, max_length=32)
-    assert "warning: 4 of 4 samples (100%) were cut at max_length=32" in said()
+    long = {"role": "assistant", "content": "word " * 40}
+    rows = [{"messages": [{"role": "user", "content": "hi"}, long]}] * 3 + [{"messages": [QUESTION, PLAIN]}]
+    prepare(tmp_path, "tiny", rows, max_length=64)
+    assert "warning: 3 of 4 samples (75%) were cut at max_length=64" in said()
     rows = [{"messages": [{"role": "user", "content": w}]} for w in ("alpha", "beta", "gamma")]
     manifest = prepare(
         tmp_path, "tiny", rows, regenerate=True, regen=RegenConfig(max_new_tokens=4), overwrite=True, max_length=64
