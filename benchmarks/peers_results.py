@@ -1,393 +1,377 @@
-"""The side-by-side with the peer frameworks, from what ``benchmarks/peers_gpu.sh poll`` brought back:
+"""The side-by-side with the peer frameworks: its results file, written and read here only.
 
-    python3 benchmarks/peers_results.py DIR benchmarks/results/peers_modelopt_h200.json \\
-        --machine "1 x NVIDIA H200 (device tool), ..." --date 2026-12-05
+    python3 benchmarks/peers_results.py merge PARTIAL_OR_DIR benchmarks/results/peers_h100.json
 
-Per framework run: the conversations and tokens it trained on, the seconds of each phase (data and
-states, training with its model load and compile, export, eval), its steady training rate, the GPU
-memory peak during training (nvidia-smi every 2 s: the whole device, the target included), the
-draft's size, and eagle3-eval's figures on the held-out prompts and MT-bench (chain k=5, greedy,
-fp32, lossless-checked). The docs page "Against the peers" is generated from the JSON.
+``PARTIAL_OR_DIR``: the ``peers_partial.json`` a poll of ``benchmarks/peers_gpu.py`` brought back, or
+the folder its ``poll.tgz`` was unpacked into (read afresh). Runs are keyed by name (framework, head,
+budget, lr, seed): a run measured again replaces the old one unless the new one got less far. The
+verdict table is recomputed from every run in the file.
+
+Budgets are seconds of *steady* training loop: each framework's start-up (model load, data loading)
+and the compilation of its first steps are measured and reported apart (:func:`split_compile`), and
+every framework is stopped by a step count sized from its own measured steady step time
+(:func:`plan_steps`), so its lr schedule ends with the budget.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
+import sys
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-TITLES = {
-    "modelopt": "NVIDIA ModelOpt 0.47.0: its EAGLE-3 example and recipe, defaults",
-    "speculators": "speculators 0.9.0: its CLI, defaults",
-    "specforge": "SpecForge 0.2.0: its trainer and export, defaults, on HF-captured features (its SGLang 0.5.14 capture does not import on the image)",
-    "ours_same_data": "eagle3_train: the smollm2 recipe, the same conversations, one epoch",
-    "ours_same_minutes": "eagle3_train: the smollm2 recipe, the same training minutes, the whole set",
-    "ours_same_data_small_batches": "eagle3_train: the smollm2 recipe with 8,192-token batches, the same conversations, one epoch",
-    "ours_same_data_more_steps": "eagle3_train: the smollm2 recipe with train.min_steps=400, the same conversations, one epoch",
+SCHEMA = 1
+FRAMEWORKS = ("ours", "speculators", "modelopt")
+SWEEP_S, FINAL_S = 180.0, 600.0  # the two budgets: the lr sweep's and the seeds'
+NOT_RUN = {
+    "specforge": "SpecForge 0.2.0 captures the target's states with SGLang 0.5.14 only, which does not import "
+    "beside the image's transformers 5.17 (it registers qwen3_asr a second time); a 0.5.14 stage carrying "
+    "transformers 5.8.1 (about 110 MB in 2 parts) was not built, and its trainer on HF-captured features is not "
+    "its pipeline (benchmarks/notes/peer_training.md)"
 }
+WITHDRAWN = (
+    "The equal-minutes verdict of 2026-12-04 (peers_pair2_h200: ours +0.45 tau over speculators, +0.42 served) is "
+    "withdrawn: unequal data (ours over 73,728 conversations, speculators 8,192 for one epoch), 128 of "
+    "speculators' 138 s of loop were its compilation, only ours was tuned, the heads differed (MLP, draft vocab, "
+    "TTT steps), ModelOpt never left its warm-up, and one seed each. peers_h100 / peers_h200 replace it."
+)
 
 
-def phases(d: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (d / "phases.jsonl").read_text().splitlines() if line.strip()]
+@dataclass
+class RunSpec:
+    """One training run as the harness planned it (``<po>/<name>/spec.json``)."""
+
+    framework: str  # ours | speculators | modelopt
+    head: str  # recipe (ours) | default (the peer's own) | matched (shaped like ours where its options allow)
+    kind: str  # probe (measures the step time) | sweep | final
+    budget_s: float | None  # seconds of steady training loop (None: a probe, sized in steps)
+    lr: float
+    seed: int
+    steps_planned: int
+    conversations: int  # the first N of the shared set, every framework alike
+    data_sha256: str = ""
+    epochs: int | None = None  # passes the framework is told to make (it stops at steps_planned)
+    warmup_steps: int | None = None  # where the harness sets it (None: the framework's own rule)
+    head_shape: dict[str, Any] = field(default_factory=dict)  # mlp, draft_vocab, ttt, lm_head, variant
+    missing: list[str] = field(default_factory=list)  # matched options the framework has no flag for
+    device: str = ""
+    session: str = ""
+
+    @property
+    def name(self) -> str:
+        budget = f"{self.budget_s:g}s" if self.budget_s else f"{self.steps_planned}steps"
+        return f"{self.framework}-{self.head}-{budget}-lr{self.lr:g}-seed{self.seed}"
 
 
-def memory_trace(d: Path) -> list[tuple[float, int]]:
-    """(epoch seconds, MiB used) from nvidia-smi's csv (its timestamps in the machine's time, UTC)."""
+@dataclass
+class Run(RunSpec):
+    """A run and what it measured (None: not measured, or not reached)."""
+
+    steps: int | None = None
+    steps_per_epoch: int | None = None
+    loop_s: float | None = None  # the training loop by the framework's own clock
+    compile_s: float | None = None  # loop seconds above steps x the steady step time (its first steps)
+    steady_step_s: float | None = None
+    steady_loop_s: float | None = None  # steps x the steady step time: what the budget is compared with
+    startup_s: float | None = None  # the training command's wall time outside its loop
+    data_s: float | None = None  # the session's data preparation for this framework (shared by its runs)
+    tokens_per_s: float | None = None  # steady, trained tokens (padding left out where the log says)
+    peak_gpu_mib: int | None = None  # nvidia-smi over the training command: the whole device
+    tau_heldout: float | None = None  # eagle3-eval, chain k=5, greedy, fp32, vLLM's rule
+    tau_mtbench: float | None = None
+    lossless: str | None = None
+    vllm_acceptance: float | None = None  # vLLM's mean acceptance length, held-out prompts
+    failed: list[str] = field(default_factory=list)  # phases that stopped with an error
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Run:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def reached(self) -> int:
+        """How far the run got: trained, evaluated, served."""
+        return sum(x is not None for x in (self.steps, self.tau_heldout, self.tau_mtbench, self.vllm_acceptance))
+
+
+# --- budgets ---------------------------------------------------------------------------------------
+
+
+def plan_steps(budget_s: float, step_s: float) -> int:
+    """The optimizer steps that fill ``budget_s`` seconds of steady loop at ``step_s`` per step."""
+    if not (budget_s > 0 and step_s > 0):
+        raise ValueError(f"budget {budget_s} s and step time {step_s} s must be > 0")
+    return max(1, round(budget_s / step_s))
+
+
+def epochs_for(steps: int, steps_per_epoch: int) -> int:
+    """Passes a framework must be allowed so that ``steps`` fit (it stops inside the last one)."""
+    return max(1, math.ceil(steps / max(1, steps_per_epoch)))
+
+
+def split_compile(points: list[tuple[int, float]]) -> tuple[float, float, float] | None:
+    """(loop s, compile s, steady step s) from cumulative (step, loop seconds) readings.
+
+    The steady step time is the median over the intervals after the first tenth of the steps (the
+    first interval always left out: it holds the compilation); compile s is what the loop took above
+    steps x that time. None: fewer than three readings."""
+    pts = sorted(set(points))
+    if len(pts) < 3:
+        return None
+    last_step, loop = pts[-1]
+    cut = max(pts[0][0], last_step / 10)
+    rates = [(s1 - s0) / (b - a) for (a, s0), (b, s1) in zip(pts, pts[1:]) if a >= cut and b > a]
+    if not rates:
+        return None
+    steady = statistics.median(rates)
+    return loop, max(0.0, loop - last_step * steady), steady
+
+
+def step_time(runs: list[Run], framework: str, head: str, device: str) -> tuple[float, int | None] | None:
+    """(steady step s, steps per epoch) of the longest run of this framework and head on this device."""
+    known = [r for r in runs if (r.framework, r.head, r.device) == (framework, head, device) and r.steady_step_s]
+    if not known:
+        return None
+    best = max(known, key=lambda r: r.steps or 0)
+    return best.steady_step_s, best.steps_per_epoch
+
+
+def best(runs: list[Run], framework: str, budget_s: float = SWEEP_S) -> Run | None:
+    """The framework's run with the highest held-out tau at the sweep's budget (any head): its
+    configuration goes on to the seeds. Ties: the first in the file."""
+    scored = [r for r in runs if r.framework == framework and r.budget_s == budget_s and r.tau_heldout is not None]
+    return max(scored, key=lambda r: r.tau_heldout) if scored else None
+
+
+def merge(old: list[Run], new: list[Run]) -> list[Run]:
+    """``old`` with ``new`` in: a run of the same name is replaced unless the new one got less far."""
+    out = {r.name: r for r in old}
+    for r in new:
+        if r.name not in out or r.reached() >= out[r.name].reached():
+            out[r.name] = r
+    return list(out.values())
+
+
+# --- the verdict -----------------------------------------------------------------------------------
+
+
+def spread(values: list[float]) -> float | None:
+    """Largest minus smallest of a configuration's seeds (None: one seed)."""
+    return round(max(values) - min(values), 3) if len(values) >= 2 else None
+
+
+def _config(runs: list[Run], framework: str, budget_s: float) -> list[Run]:
+    """The runs of the framework's best configuration at a budget (every seed of it)."""
+    top = best(runs, framework, budget_s)
+    if top is None:
+        return []
+    return [r for r in runs if (r.framework, r.head, r.budget_s, r.lr) == (top.framework, top.head, budget_s, top.lr)]
+
+
+def compare(ours: list[float], peer: list[float]) -> dict[str, Any]:
+    """Ours minus the peer (means over seeds), the larger of the two seed spreads, and whether the
+    difference is larger than that spread (None: a side with one seed, no spread to judge by)."""
+    if not ours or not peer:
+        return {"diff": None, "spread": None, "beyond_spread": None}
+    diff = round(statistics.mean(ours) - statistics.mean(peer), 3)
+    spreads = [s for s in (spread(ours), spread(peer)) if s is not None]
+    worst = max(spreads) if len(spreads) == 2 else None
+    return {"diff": diff, "spread": worst, "beyond_spread": None if worst is None else abs(diff) > worst}
+
+
+def verdict(runs: list[Run]) -> dict[str, Any]:
+    """Ours against each peer at each budget, each framework at its best configuration."""
+    rows = []
+    for budget in (SWEEP_S, FINAL_S):
+        mine = _config(runs, "ours", budget)
+        for peer in FRAMEWORKS[1:]:
+            theirs = _config(runs, peer, budget)
+            if not mine or not theirs:
+                continue
+            row: list[Any] = [f"{budget / 60:g} min", peer, f"{theirs[0].head} lr {theirs[0].lr:g}", len(theirs)]
+            for key in ("tau_heldout", "tau_mtbench", "vllm_acceptance"):
+                c = compare(
+                    [getattr(r, key) for r in mine if getattr(r, key) is not None],
+                    [getattr(r, key) for r in theirs if getattr(r, key) is not None],
+                )
+                row += [c["diff"], c["spread"], c["beyond_spread"]]
+            rows.append(row)
+    header = ["budget", "peer", "peer's config", "peer seeds"]
+    for what in ("held-out tau", "MT-bench tau", "vLLM acceptance"):
+        header += [f"ours ahead by ({what})", "seed spread", "beyond spread"]
+    return {"title": "Verdict: ours minus each peer, each at its best configuration (means over seeds)",
+            "header": header, "rows": rows}  # fmt: skip
+
+
+RUN_COLUMNS = ("name", "kind", "steps", "steady_loop_s", "compile_s", "startup_s", "data_s", "tokens_per_s",
+               "peak_gpu_mib", "tau_heldout", "tau_mtbench", "vllm_acceptance", "lossless")  # fmt: skip
+
+
+def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
+    """The results file's content."""
+    order = sorted(runs, key=lambda r: (r.budget_s or 0, FRAMEWORKS.index(r.framework), r.head, r.lr, r.seed))
+    return {
+        "schema": SCHEMA,
+        "what": "ours, speculators 0.9.0 and ModelOpt 0.47.0 on the embedded SmolLM2-135M-Instruct: the same "
+        "conversations, equal budgets of steady training loop (start-up and compilation apart), a three-lr sweep "
+        "at 3 minutes per framework and head, its best at 10 minutes with two seeds; one yardstick: eagle3-eval "
+        "(chain k=5, greedy, fp32, lossless-checked, vLLM's rule) on the held-out prompts and MT-bench, and "
+        "vLLM's acceptance length",
+        "command": "python3 benchmarks/peers_gpu.py start sweep|final FRAMEWORK[:HEAD] ... (its --help)",
+        "machine": "one GPU a session: " + ", ".join(sorted({str(s.get("device")) for s in sessions})),
+        "runs": "single run each; the 10-minute configurations two seeds",
+        "withdrawn": WITHDRAWN,
+        "not_run": NOT_RUN,
+        "sessions": sessions,
+        "frameworks": [asdict(r) | {"name": r.name} for r in order],
+        "tables": [
+            {**(v := verdict(runs)), "rows": [[_dash(x) for x in row] for row in v["rows"]]},
+            {"title": "Every run (seconds: steady loop, compilation, start-up, data preparation)",
+             "header": list(RUN_COLUMNS), "rows": [[_dash(getattr(r, c)) for c in RUN_COLUMNS] for r in order]},
+        ],  # fmt: skip
+    }
+
+
+def _dash(x: Any) -> Any:
+    return "—" if x is None else x
+
+
+# --- reading a session's folder --------------------------------------------------------------------
+
+
+def memory_trace(path: Path) -> list[tuple[float, int]]:
+    """(epoch seconds, MiB used) from nvidia-smi's csv (its timestamps in UTC)."""
     out = []
-    path = d / "smi.csv"
-    if not path.is_file():
-        return out
-    for line in path.read_text().splitlines():
+    for line in path.read_text().splitlines() if path.is_file() else []:
         m = re.match(r"\s*(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\.\d+),\s*(\d+) MiB", line)
         if m:
-            t = datetime.strptime(m.group(1), "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
-            out.append((t, int(m.group(2))))
+            t = datetime.strptime(m[1], "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
+            out.append((t, int(m[2])))
     return out
 
 
-def peak(trace: list[tuple[float, int]], start: float, end: float) -> int | None:
-    inside = [mib for t, mib in trace if start <= t <= end]
-    return max(inside) if inside else None
+def ours_points(text: str) -> tuple[list[tuple[int, float]], float | None]:
+    """Our trainer's metrics.jsonl: (step, loop_s) per logged step, and its median tokens/s."""
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    rates = [r["tokens_per_s"] for r in rows[1:] if "tokens_per_s" in r]  # (the first window compiles)
+    pts = [(r["step"], r["loop_s"]) for r in rows if "loop_s" in r]
+    return pts, (statistics.median(rates) if rates else None)
 
 
-def trainer_rate(log: str, name: str) -> dict[str, float] | None:
-    """HF Trainer's final metrics of run ``name`` (the last ``train_runtime`` line after its marker)."""
-    part = log.split(f"peers_gpu: {name} train done")[0].rsplit(" train done", 1)[-1]  # this run's part
-    found = re.findall(r"'train_runtime': '?([0-9.]+)'?, 'train_samples_per_second': '?([0-9.]+)'?", part)
-    if not found:
-        return None
-    runtime, per_s = map(float, found[-1])
-    return {"train_runtime_s": runtime, "samples_per_s": per_s}
-
-
-def trainer_curve(log: str) -> list[dict[str, float]]:
-    """HF Trainer's logged rows (every ``logging_steps``) with the step and the seconds into training
-    that its progress bar showed last before each: loss, lr and the first three positions' accuracy."""
-    out = []
-    bar = re.compile(r"(\d+)/(\d+) \[(?:(\d+):)?(\d+):(\d\d)")
-    row = re.compile(r"\{'loss': [^}]*\}")
-    last: tuple[int, int] | None = None
-    for m in re.finditer(f"{bar.pattern}|{row.pattern}", log):
-        if m.group(0).startswith("{"):
-            if last is None:
-                continue
-            fields = dict(re.findall(r"'([^']+)': '?([0-9.e+-]+)'?", m.group(0)))
-            out.append(
-                {
-                    "step": last[0],
-                    "seconds": last[1],
-                    "loss": float(fields["loss"]),
-                    "lr": float(fields.get("learning_rate", "nan")),
-                    "acc": [
-                        float(fields[f"train_acc/parallel_0_step_{i}"])
-                        for i in range(3)
-                        if f"train_acc/parallel_0_step_{i}" in fields
-                    ],
-                }
-            )
-        else:
-            h, mi, sec = int(m.group(3) or 0), int(m.group(4)), int(m.group(5))
-            last = (int(m.group(1)), 3600 * h + 60 * mi + sec)
-    return out
-
-
-def speculators_training(text: str) -> str:
-    """speculators' log without its validation runs (their bar also reads 'Epoch N')."""
+def without_validation(text: str) -> str:
+    """speculators' log without its validation passes (their bars also read 'Epoch N')."""
     return re.sub(r"Validation epoch \d+/\d+ started.*?(?:Validation epoch \d+/\d+ completed|\Z)", "", text, flags=re.S)
 
 
-def speculators_loop_s(text: str) -> int | None:
-    """The seconds of speculators' training loop: each training epoch's last bar (None: no bar)."""
-    bars = {
-        int(e): 3600 * int(h) + 60 * int(m) + int(sec)
-        for e, h, m, sec in re.findall(
-            r"Epoch (\d+)\s+\d+%\s+\S+\s+\d+/\d+\s+\[\s*(\d+):(\d\d):(\d\d)", speculators_training(text)
-        )
-    }
-    return sum(bars.values()) if bars else None
+def speculators_points(text: str) -> tuple[list[tuple[int, float]], float | None, int | None]:
+    """speculators' log: cumulative (step, seconds) from its per-step ``profile/step_ms``, its median
+    tokens/s, and its steps per epoch (the training bar's total)."""
+    text = without_validation(text)
+    ms = [float(x) for x in re.findall(r"profile/step_ms=([0-9.e+-]+)", text)]
+    pts, t = [], 0.0
+    for i, m in enumerate(ms, 1):
+        t += m / 1000
+        pts.append((i, t))
+    rates = [float(x) for x in re.findall(r"profile/tokens_per_s=([0-9.e+-]+)", text)][len(ms) // 10 + 1 :]
+    totals = re.findall(r"Epoch \d+\s+\d+%\s+\S+\s+\d+/(\d+)", text)
+    return pts, (statistics.median(rates) if rates else None), (int(totals[0]) if totals else None)
 
 
-def speculators_steady(text: str, key: str) -> float | None:
-    """The median of a per-step figure speculators logs (``profile/KEY=``) after the first tenth of the
-    steps (compilation left out); None: fewer than 4 steps logged it."""
-    values = [float(x) for x in re.findall(rf"profile/{key}=([0-9.e+-]+)", speculators_training(text))]
-    return statistics.median(values[max(1, len(values) // 10) :]) if len(values) >= 4 else None
+def trainer_points(text: str, steps: int) -> list[tuple[int, float]]:
+    """HF Trainer's progress bar (ModelOpt): (step, seconds) at each reading of the bar that counts
+    ``steps`` (its max_steps; the data loading's and the save's bars count other things)."""
+    bars = re.findall(r"(\d+)/(\d+) \[(?:(\d+):)?(\d+):(\d\d)", text)
+    return [(int(d), 3600.0 * int(h or 0) + 60 * int(m) + int(s)) for d, n, h, m, s in bars if int(n) == steps and int(d)]
 
 
-def speculators_log(text: str) -> dict[str, float]:
-    """speculators' own training log: the steps it ran, its loop's seconds, and its steady rate (per-step
-    time and tokens/s)."""
-    out: dict[str, float] = {}
-    if (loop := speculators_loop_s(text)) is not None:
-        out["loop_s"] = loop
-    if steps := re.findall(r"global_step=(\d+)", speculators_training(text)):
-        out["steps"] = max(map(int, steps)) + 1
-    for key, name in (("step_ms", "steady_step_ms"), ("tokens_per_s", "steady_tokens_per_s")):
-        if (value := speculators_steady(text, key)) is not None:
-            out[name] = round(value, 1)
-    return out
-
-
-def cell(v: Any) -> Any:
-    """A table cell: a figure not measured as a dash, a long float to three places."""
-    if v is None or v == "":
-        return "—"
-    return round(v, 3) if isinstance(v, float) else v
-
-
-BUDGETS = {  # ours' run -> the budget it shares with each peer run of the session
-    "ours_same_minutes": "the peer's training-loop minutes (ours over the whole set)",
-    "ours_same_data": "the same conversations, one epoch (the recipe's batches)",
-    "ours_same_data_small_batches": "the same conversations, one epoch (8,192-token batches)",
-    "ours_same_data_more_steps": "the same conversations, one epoch (train.min_steps=400)",
-}
-
-
-def verdict(runs: dict[str, dict]) -> list[dict]:
-    """The verdict table: each peer against each of ours' runs, held-out tau by eval and by vLLM, and by how
-    much ours is ahead (negative: behind). Empty where the session has no peer or none of ours."""
-    peers = [fw for fw in runs if not fw.startswith("ours")]
-
-    def diff(ours: Any, peer: Any) -> Any:
-        return round(ours - peer, 2) if isinstance(ours, float) and isinstance(peer, float) else None
-
-    rows = []
-    for peer in peers:
-        for ours, budget in BUDGETS.items():
-            if ours not in runs:
-                continue
-            p, o = runs[peer], runs[ours]
-            pt, ot = (p.get("eval_heldout") or {}).get("tau"), (o.get("eval_heldout") or {}).get("tau")
-            pv, ov = p.get("vllm_acceptance_length"), o.get("vllm_acceptance_length")
-            rows.append([cell(x) for x in (budget, peer, pt, ours, ot, diff(ot, pt), pv, ov, diff(ov, pv))])
-    if not rows:
-        return []
-    header = ["budget", "peer", "peer tau", "ours", "ours tau", "ours ahead by", "peer vLLM", "ours vLLM", "ahead by"]
-    title = "Verdict: held-out tau by eagle3-eval (vLLM's rule) and vLLM's served acceptance length"
-    return [{"title": title, "header": header, "rows": rows}]
-
-
-def session_numbers(d: Path) -> dict[str, float]:
-    text = (d / "session.txt").read_text() if (d / "session.txt").is_file() else ""
-    out: dict[str, float] = {}
-    if m := re.search(r"ModelOpt ran ([0-9.]+) steps/s in its probe: (\d+) steps", text):
-        out["modelopt_probe_steps_per_s"], out["modelopt_steps"] = float(m.group(1)), int(m.group(2))
-    if m := re.search(r"speculators ran ([0-9.]+) steps/s in its probe: (\d+) steps \(one epoch of (\d+)", text):
-        out["speculators_probe_steps_per_s"], out["speculators_steps"] = float(m.group(1)), int(m.group(2))
-        out["speculators_conversations"] = int(m.group(3))
-    if m := re.search(r"trained ([0-9.]+) s: ours (\d+) steps over (\d+) conversations", text):  # (before max_minutes)
-        out["ours_same_minutes_steps"], out["all_conversations"] = int(m.group(2)), int(m.group(3))
-    if m := re.search(r"trained ([0-9.]+) s \(([0-9.]+) minutes of loop\): ours for [0-9.]+ minutes over (\d+)", text):
-        out["peer_loop_minutes"], out["all_conversations"] = float(m.group(2)), int(m.group(3))
-    if m := re.search(r"ModelOpt for speculators' ([0-9.]+) s of loop at ([0-9.]+) steps/s: (\d+) steps", text):
-        out["speculators_loop_s"], out["modelopt_steps_per_s_assumed"] = float(m.group(1)), float(m.group(2))
-        out["modelopt_steps"] = int(m.group(3))
-    if "speculators' fused loss did not compile" in text:
-        out["speculators_retried_with_eager_loss"] = 1
-    if "speculators' compiled forward failed in torch's compiler" in text:
-        out["speculators_forward_not_compiled"] = 1  # its forward ran eager (TORCHDYNAMO_DISABLE=1): slower
-    return out
-
-
-def eval_figures(d: Path, fw: str, prompts: str) -> dict[str, Any] | None:
-    from eagle3_train.evaluation.reports import read_eval_report  # (the log readers above need no package)
-
-    path = d / f"{fw}_eval_{prompts}_report.json"
+def _tau(path: Path) -> tuple[float | None, str | None]:
     if not path.is_file():
-        return None
+        return None, None
+    from eagle3_train.evaluation.reports import read_eval_report  # (the readers above need no package)
+
     r = read_eval_report(path)
-    return {
-        "tau": round(r.tau, 3),
-        "prompts": r.prompts,
-        "acceptance_per_position": [round(a, 3) for a in r.acceptance_per_position],
-        "lossless": r.lossless,
-        "captured_hf_indices": r.captured_hf_indices,
-        "engine_rule": r.engine,
-        "warnings": len(r.warnings),
-    }
+    return round(r.tau, 3), r.lossless
 
 
-def framework(d: Path, fw: str, ph: list[dict], trace: list, log: str, sizes: dict[str, int]) -> dict[str, Any]:
-    mine = {p["phase"]: p for p in ph if p["fw"] == fw and not p.get("rc")}
-    out: dict[str, Any] = {"what": TITLES.get(fw, fw)}
-    out["seconds"] = {name: p["seconds"] for name, p in mine.items()}
-    failed = [
-        {"phase": p["phase"], "seconds": p["seconds"], "rc": p["rc"]} for p in ph if p["fw"] == fw and p.get("rc")
-    ]
-    if failed:  # (a retry's success is in seconds; what failed before it, here)
-        out["failed_phases"] = failed
+def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run:
+    """One run's folder (``<po>/<name>``): its spec, its training log, its reports."""
+    run = Run.from_dict(json.loads((d / "spec.json").read_text()))
+    mine = {p["phase"]: p for p in phases if p["run"] == d.name}
+    run.failed = [p for p, v in mine.items() if v["rc"]]
+    pts: list[tuple[int, float]] = []
+    if (d / "run/train/metrics.jsonl").is_file():
+        pts, run.tokens_per_s = ours_points((d / "run/train/metrics.jsonl").read_text())
+    elif run.framework == "speculators" and (d / "train.log").is_file():
+        pts, run.tokens_per_s, run.steps_per_epoch = speculators_points((d / "train.log").read_text(errors="replace"))
+    elif (d / "train.log").is_file():
+        log = (d / "train.log").read_text(errors="replace")
+        pts = trainer_points(log, run.steps_planned)
+        if m := re.findall(r"'train_runtime': '?([0-9.]+)", log):
+            pts.append((pts[-1][0] if pts else 0, float(m[-1])))  # its own loop time closes the curve
+    if pts:
+        run.steps = max(s for s, _ in pts)
+    if split := split_compile(pts):
+        run.loop_s, run.compile_s, run.steady_step_s = (round(x, 4) for x in split)
+        run.steady_loop_s = round(run.steps * run.steady_step_s, 1)
     if "train" in mine:
-        out["train_peak_gpu_mib"] = peak(trace, mine["train"]["start"], mine["train"]["end"])
-    out["draft_bytes"] = sizes.get(fw)
-    manifest = d / f"{fw}_run_prepared_manifest.json"
-    if manifest.is_file():
-        counts = json.loads(manifest.read_text())["counts"]
-        out["conversations"], out["dataset_tokens"] = counts["rows_written"], counts["tokens"]
-    metrics = d / f"{fw}_run_train_metrics.jsonl"
-    if metrics.is_file():
-        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-        rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
-        out["steps"] = max((r["step"] for r in rows), default=None)
-        out["steady_tokens_per_s"] = round(statistics.median(rates)) if rates else None
-        if loops := [r["loop_s"] for r in rows if "loop_s" in r]:
-            out["loop_s"] = max(loops)  # (our trainer's loop: compile and in-loop evaluations included)
-        for key in ("gpu_peak_alloc_gib", "gpu_peak_reserved_gib"):  # the trainer's own view of its memory
-            if peaks := [r[key] for r in rows if key in r]:
-                out["train_" + key] = max(peaks)
-    if (rate := trainer_rate(log, fw)) is not None:
-        out.update(rate)
-    own = d / f"{fw}_train.log"
-    if fw.startswith("speculators") and own.is_file():
-        out.update(speculators_log(own.read_text(errors="replace")))
-    out["eval_heldout"] = eval_figures(d, fw, "heldout")
-    out["eval_mtbench"] = eval_figures(d, fw, "mtbench")
-    served = d / f"{fw}_served_report.json"
-    if served.is_file():
+        t = mine["train"]
+        if run.loop_s is not None:
+            run.startup_s = round(t["seconds"] - run.loop_s, 1)
+        inside = [mib for ts, mib in trace if t["start"] <= ts <= t["end"]]
+        run.peak_gpu_mib = max(inside) if inside else None
+    run.data_s = sum(p["seconds"] for p in phases if p["run"] == f"{run.framework}_data" and not p["rc"]) or None
+    run.tau_heldout, run.lossless = _tau(d / "eval_heldout/report.json")
+    run.tau_mtbench, _ = _tau(d / "eval_mtbench/report.json")
+    if (d / "served/report.json").is_file():
         from eagle3_train.evaluation.reports import read_served_report
 
-        sr = read_served_report(served)
-        out["vllm_acceptance_length"] = sr.mean_acceptance_length
-    if (d / f"{fw}_eval_heldout_as_trained_report.json").is_file():
-        out["eval_heldout_as_trained"] = eval_figures(d, fw, "heldout_as_trained")
-    return out
+        run.vllm_acceptance = round(read_served_report(d / "served/report.json").mean_acceptance_length, 3)
+    return run
 
 
-def main() -> None:
+def read_session(po: Path) -> tuple[list[Run], dict[str, Any]]:
+    """Every run of a session's folder (the GPU machine's, or an unpacked poll), and the session."""
+    phases = [json.loads(x) for x in (po / "phases.jsonl").read_text().splitlines() if x.strip()] \
+        if (po / "phases.jsonl").is_file() else []  # fmt: skip
+    trace = memory_trace(po / "smi.csv")
+    runs = [read_run(spec.parent, phases, trace) for spec in sorted(po.glob("*/spec.json"))]
+    session = json.loads((po / "session.json").read_text()) if (po / "session.json").is_file() else {}
+    session["phases"] = [p for p in phases if p["run"].endswith("_data")]
+    return runs, session
+
+
+def load(path: Path) -> tuple[list[Run], list[dict[str, Any]]]:
+    """A results file's runs and sessions (none where it does not exist yet)."""
+    if not path.is_file():
+        return [], []
+    data = json.loads(path.read_text())
+    if data.get("schema") != SCHEMA:
+        raise SystemExit(f"{path}: schema {data.get('schema')}, this reader knows {SCHEMA}")
+    return [Run.from_dict(r) for r in data["frameworks"]], data["sessions"]
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("dir", type=Path)
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--machine", required=True)
-    ap.add_argument("--date", required=True)
-    ap.add_argument("--command", default="bash benchmarks/peers_gpu.sh start session_modelopt 300")
-    ap.add_argument("--note", default="", help="what the figures do and do not show")
-    ap.add_argument(
-        "--curve",
-        action="append",
-        default=[],
-        metavar="NAME=LOG[=WHAT]",
-        help="a further peer run's HF Trainer log (e.g. one stopped before its export): its logged curve",
-    )
-    a = ap.parse_args()
-    d = a.dir
-    ph = phases(d)
-    trace = memory_trace(d)
-    log = (d / "log").read_text() if (d / "log").is_file() else ""
-    sizes = {}
-    if (d / "draft_bytes.txt").is_file():
-        for line in (d / "draft_bytes.txt").read_text().splitlines():
-            name, _, n = line.partition(" ")
-            if n.strip().isdigit():
-                sizes[name] = int(n)
-    order = [fw for fw in TITLES if any(p["fw"] == fw for p in ph)]
-    runs = {fw: framework(d, fw, ph, trace, log, sizes) for fw in order}
-    session = session_numbers(d)
-    if "modelopt_steps" in session and "modelopt" not in runs:  # planned, then the device time ran out
-        session["modelopt_steps_planned_not_run"] = session.pop("modelopt_steps")
-    if "speculators" in runs and "speculators_steps" in session:
-        runs["speculators"]["steps"] = session["speculators_steps"]
-        runs["speculators"]["conversations"] = session["speculators_conversations"]
-    loaded = re.search(r"speculators\.data_generation\.preprocessing - INFO -\s+Loaded (\d+) samples", log)
-    if "speculators" in runs and "conversations" not in runs["speculators"] and loaded:
-        runs["speculators"]["conversations"] = int(loaded.group(1))  # (its data step's own count)
-    if "modelopt" in runs and "modelopt_steps" in session:
-        runs["modelopt"]["steps"] = runs["modelopt"]["conversations"] = session["modelopt_steps"]
-        same = runs.get("ours_same_data", {})
-        if (
-            same.get("dataset_tokens")
-            and same.get("conversations") == session["modelopt_steps"]
-            and runs["modelopt"].get("train_runtime_s")
-        ):
-            # the same conversations, one epoch (batch 1, each padded to 512 tokens; the rate counts real tokens)
-            runs["modelopt"]["dataset_tokens"] = same["dataset_tokens"]
-            runs["modelopt"]["steady_tokens_per_s"] = round(
-                same["dataset_tokens"] / runs["modelopt"]["train_runtime_s"]
-            )
-
-    def tau(r: dict, key: str) -> Any:
-        return (r.get(key) or {}).get("tau")
-
-    rows = [
-        [
-            cell(x)
-            for x in (
-                fw,
-                r.get("conversations"),
-                r.get("steps"),
-                r["seconds"].get("prepare")
-                or (r["seconds"].get("data", 0) + r["seconds"].get("states", 0))
-                or "online",
-                r["seconds"].get("train"),
-                r.get("loop_s") or r.get("train_runtime_s") or "",
-                r.get("steady_tokens_per_s"),
-                r.get("train_peak_gpu_mib"),
-                round(r["draft_bytes"] / 2**20, 1) if r.get("draft_bytes") else None,
-                tau(r, "eval_heldout"),
-                tau(r, "eval_heldout_as_trained") or "",
-                tau(r, "eval_mtbench"),
-                r.get("vllm_acceptance_length") or "",
-                (r.get("eval_heldout") or {}).get("lossless"),
-            )
-        ]
-        for fw, r in runs.items()
-    ]
-    curves = {}
-    for spec in a.curve:
-        name, path, *what = spec.split("=", 2)
-        curves[name] = {"what": what[0] if what else name, "log_rows": trainer_curve(Path(path).read_text())}
-    rules = sorted(
-        {e["engine_rule"] for r in runs.values() for e in (r.get("eval_heldout"), r.get("eval_mtbench")) if e}
-    )
-    result = {
-        "what": "The same target (SmolLM2-135M-Instruct), the same synthesized conversations and one GPU through "
-        "each framework's own EAGLE-3 training with its defaults, then one yardstick: eagle3-eval (chain k=5, "
-        f"greedy, fp32, lossless-checked, engine rule {' and '.join(rules) or 'sglang'}) on the shipped held-out "
-        "prompts and MT-bench (both turns)",
-        "machine": a.machine,
-        "date": a.date,
-        "runs": "single run each",
-        "command": a.command,
-        "session": session,
-        "note": a.note,
-        "frameworks": runs,
-        "curves": curves,
-        "tables": verdict(runs)
-        + [
-            {
-                "title": "Side by side (seconds: wall clock of each phase; training includes model load and compile)",
-                "header": [
-                    "run",
-                    "conversations",
-                    "steps",
-                    "data s",
-                    "train s",
-                    "loop s (its own log)",
-                    "tokens/s",
-                    "peak GPU MiB",
-                    "draft MiB",
-                    "tau held-out",
-                    "tau held-out as trained",
-                    "tau MT-bench",
-                    "vLLM acceptance length (held-out)",
-                    "lossless",
-                ],
-                "rows": rows,
-            }
-        ]
-        + [
-            {
-                "title": f"{c['what']}: its own training log (seconds into training by its progress bar)",
-                "header": ["step", "seconds", "loss", "lr", "train accuracy, draft positions 1-3"],
-                "rows": [[r["step"], r["seconds"], r["loss"], r["lr"], r["acc"]] for r in c["log_rows"]],
-            }
-            for c in curves.values()
-        ],
-    }
-    a.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(rows))
+    ap.add_argument("what", choices=["merge"])
+    ap.add_argument("new", type=Path, help="a poll's peers_partial.json, or an unpacked poll folder")
+    ap.add_argument("out", type=Path, help="the results file (created, or merged into)")
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (eagle3_train reads the eval reports)
+    runs, sessions = load(a.out)
+    if a.new.is_dir():
+        new, session = read_session(a.new)
+        new_sessions = [session]
+    else:
+        new, new_sessions = load(a.new)
+    ids = {s.get("id") for s in new_sessions}
+    sessions = [s for s in sessions if s.get("id") not in ids] + new_sessions
+    a.out.write_text(json.dumps(results(merge(runs, new), sessions), indent=1) + "\n")
+    print(f"peers_results: {len(merge(runs, new))} runs in {a.out}")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,9 @@ def reference_chain(path, embed, aux, ids, k, flags):
     x = aux
     if flags.get("norm_before_fc"):
         x = _rms(x, w["input_norm.weight"], eps)
+    if flags.get("fc_norm"):  # one norm per aux state, each over its own H_t columns
+        parts = x.chunk(sum(n.startswith("fc_norm.") for n in w), dim=-1)
+        x = torch.cat([_rms(part, w[f"fc_norm.{i}.weight"], eps) for i, part in enumerate(parts)], dim=-1)
     h = x @ w["fc.weight"].T  # [T, H]
     t = aux.shape[0]
     keys, values = [], []

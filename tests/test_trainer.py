@@ -1134,3 +1134,55 @@ def test_device_memory_reads_the_allocators_peaks_on_a_gpu_and_nothing_on_a_cpu(
     assert device_memory(torch.device("cuda", 1)) == {"gpu_peak_alloc_gib": 3.5, "gpu_peak_reserved_gib": 5.0}
     assert asked == [torch.device("cuda", 1)] * 2
     assert device_memory(torch.device("cpu")) == {}
+
+
+@pytest.mark.parametrize(
+    "options, flags",
+    [
+        (ModelOptions(variant="eagle3.1"), {"fc_norm": True, "norm_output": True}),
+        (ModelOptions(variant="eagle3.1", norm_output=False), {"fc_norm": True}),
+        (ModelOptions(norm_before_residual=True), {"norm_before_residual": True}),
+    ],
+)
+def test_head_variants_train_resume_and_export_what_the_engines_compute(std, tmp_path, options, flags):
+    """model.variant and the four flags: the head trains with them (fc_norm's per-state norms move),
+    a run resumed half-way ends with the weights of one trained straight through, the export's
+    config sets exactly the flags the head was trained with (the engines' keys, top level) with the
+    norms under the names the engines load, and the engines' math on the exported files (an
+    independent reference, the flags read from its config) drafts what the trained head does."""
+    from eagle3_train.model import DraftConfig, Eagle3Draft
+    from eagle3_train.targets import load_target
+    from test_peer_drafts import our_chain, reference_chain
+
+    assert {f for f, on in options.head_flags().items() if on} == set(flags)
+    straight = train(std, tmp_path / "a", max_steps=4, schedule="constant", model=options)
+    train(std, tmp_path / "b", max_steps=2, schedule="constant", model=options)  # (the lr of a longer total)
+    resumed = train(std, tmp_path / "b", max_steps=4, schedule="constant", model=options)
+    assert straight["step"] == resumed["step"] == 4
+    ckpt = tmp_path / "a" / "checkpoints" / "step4"
+    trained = load_file(str(ckpt / "draft.safetensors"))
+    again = load_file(str(tmp_path / "b" / "checkpoints" / "step4" / "draft.safetensors"))
+    for name, tensor in trained.items():
+        torch.testing.assert_close(again[name], tensor, rtol=1e-5, atol=1e-6)
+    norms = sorted(n for n in trained if n.startswith("fc_norm."))
+    assert norms == (["fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"] if flags.get("fc_norm") else [])
+    assert all(not torch.equal(trained[n], torch.ones(64)) for n in norms)  # trained
+    config = Exporter(ExportConfig(run=str(tmp_path / "a"), out=str(tmp_path / "x"), dtype="float32")).run()
+    assert {k for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output") if config.get(k)} == set(flags)
+    exported = load_file(str(tmp_path / "x" / "model.safetensors"))
+    assert set(exported) == ENGINE_WEIGHT_NAMES | set(norms)
+
+    target = load_target("tiny", cache_dir=None, dtype="float32")
+    head = Eagle3Draft(DraftConfig(**json.loads((ckpt / "state.json").read_text())["draft_config"])).float()
+    embed = target.model.get_input_embeddings().weight.detach().float()
+    head.load_state_dict(trained | {"embed_tokens.weight": embed})
+    g = torch.Generator().manual_seed(0)
+    aux = 3 * torch.randn(9, 192, generator=g) + 1  # states far from unit RMS, so the norms matter
+    ids = torch.randint(0, 320, (10,), generator=g)
+    with torch.no_grad():
+        read = {k: config[k] for k in ("fc_norm", "norm_before_residual", "norm_output") if k in config}
+        want_tokens, want = reference_chain(tmp_path / "x", embed, aux, ids, 4, read)
+        got_tokens, got = our_chain(head, aux, ids, 4)
+        _, plain = reference_chain(tmp_path / "x", embed, aux, ids, 4, {})
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert got_tokens == want_tokens and not torch.allclose(plain, want, atol=1e-3)

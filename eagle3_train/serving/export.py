@@ -161,6 +161,8 @@ def refuse_unloadable(names: set[str], draft_config: DraftConfig) -> None:
     """Refuse weights that the engines would not load (see ``engines.rules.DRAFT_WEIGHTS``): SGLang
     drops an unknown name silently and runs a different head; vLLM fails on it."""
     extra = unloadable_weights(names, norm_before_fc=draft_config.aux_norm)
+    if draft_config.fc_norm:  # one per aux state, which the engines build when the config sets fc_norm
+        extra = [n for n in extra if n not in {f"fc_norm.{i}.weight" for i in range(draft_config.num_aux)}]
     if extra:
         raise ContractError(
             f"export refused: {foreign_weights_text(registry.names('export'))} the weights {extra}; "
@@ -230,7 +232,16 @@ def draft_config_json(dc: DraftConfig) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
-    } | ({"norm_before_fc": True} if dc.aux_norm else {})  # the engines' input_norm (engine_weights)
+    } | {
+        key: True
+        for key, on in (
+            ("norm_before_fc", dc.aux_norm),  # the engines' input_norm (engine_weights)
+            ("fc_norm", dc.fc_norm),  # fc_norm.<i>: one norm per aux state
+            ("norm_before_residual", dc.norm_before_residual),
+            ("norm_output", dc.norm_output),
+        )
+        if on
+    }
 
 
 def draft_config_from_json(c: dict[str, Any], fc_width: int) -> DraftConfig:

@@ -162,16 +162,38 @@ def objective(o: ObjectiveConfig) -> Objective:
     return Objective(o.lk_weight, o.label_smoothing, o.min_target_prob)
 
 
+# model.variant -> the head's normalisation flags it sets (a flag given as true or false wins).
+# EAGLE-3.1 (the EAGLE-3.1 paper; the engines' fc_norm and norm_output): each aux state through its
+# own RMSNorm before fc, and each chain step after the first fed the previous step's normed output.
+VARIANTS: dict[str, dict[str, bool]] = {
+    "eagle3": {},
+    "eagle3.1": {"fc_norm": True, "norm_output": True},
+}
+HEAD_FLAGS = ("aux_norm", "fc_norm", "norm_before_residual", "norm_output")  # DraftConfig's, as the engines name them
+
+
 @dataclass
 class ModelOptions:
     """Recipe options of the draft head (``model.*``); its shapes come from the target."""
 
+    variant: str = "eagle3"
+    """eagle3 | eagle3.1: the head's normalisation as the field names it (eagle3.1: fc_norm and norm_output on); the four flags below, when set, win over it"""
     lm_head_init: str = "random"  # random | target: start lm_head from the target lm_head's rows of the draft vocab (and norm from the target's final norm)
     freeze_lm_head: bool = False  # keep lm_head at its initial value (needs lm_head_init=target)
-    aux_norm: bool = False  # RMSNorm over the concatenated aux states before fc; exported as the engines' input_norm with norm_before_fc
+    aux_norm: bool | None = None  # one RMSNorm over the concatenated aux states before fc (the engines' norm_before_fc, weight input_norm); null: as model.variant sets it
+    fc_norm: bool | None = None  # one RMSNorm per aux state before fc (the engines' fc_norm); null: as model.variant sets it
+    norm_before_residual: bool | None = None  # the layer's residual is the normed hidden state rather than the raw one (vLLM computes it, SGLang does not); null: as model.variant sets it
+    norm_output: bool | None = None  # chain steps after the first take the previous step's output through the final norm (the engines' norm_output); null: as model.variant sets it
     intermediate_size: int = 0  # the draft MLP's width; 0: the target's (engines read it from the exported config.json)
 
+    def head_flags(self) -> dict[str, bool]:
+        """The four normalisation flags of the head: ``variant``'s, then each one set explicitly."""
+        preset = VARIANTS[self.variant]
+        return {f: bool(preset.get(f, False) if getattr(self, f) is None else getattr(self, f)) for f in HEAD_FLAGS}
+
     def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"model.variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
         if self.lm_head_init not in ("random", "target"):
             raise ConfigError(f"model.lm_head_init must be random or target, got {self.lm_head_init!r}")
         if self.freeze_lm_head and self.lm_head_init != "target":

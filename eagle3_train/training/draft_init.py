@@ -25,7 +25,7 @@ def build_draft(
     torch.manual_seed(seed)
     draft_cfg = replace(
         draft_cfg,
-        aux_norm=options.aux_norm,
+        **options.head_flags(),
         intermediate_size=options.intermediate_size or draft_cfg.intermediate_size,
     )
     model = Eagle3Draft(draft_cfg)

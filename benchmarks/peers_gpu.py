@@ -1,0 +1,500 @@
+"""The side-by-side with the peer frameworks on one GPU, as one detached job polled from outside.
+
+    here:  python3 benchmarks/peers_gpu.py pack MODELOPT_EXAMPLES MT_BENCH_QUESTIONS   (-> .peers/, git-ignored)
+    there: benchmarks/staging/gpu_stage.sh install; benchmarks/staging/stage_vllm.sh install (its parts)
+           python3 benchmarks/peers_gpu.py stage                     (in the call that carries .peers)
+           python3 benchmarks/peers_gpu.py start sweep ours speculators:default [--lrs 1e-3 2e-3]
+           python3 benchmarks/peers_gpu.py start final ours speculators modelopt [--seeds 0]
+           python3 benchmarks/peers_gpu.py poll 540 "$OUT"           (back to back until it prints "ended")
+    here:  python3 benchmarks/peers_results.py merge OUT/peers_partial.json benchmarks/results/peers_h100.json
+    any:   python3 benchmarks/peers_gpu.py plan sweep ours --device h100   (the runs it would make, no GPU)
+
+Every framework trains on the first ``--n`` conversations of one shared set (the smollm2 recipe's
+synthesized ones) for a budget of steady training loop (``sweep``: 3 minutes at three learning rates;
+``final``: 10 minutes at the sweep's best head and lr, two seeds), stopped by a step count sized from
+its own steady step time (measured by a short probe where no earlier run on this kind of GPU has it),
+so that its lr schedule ends with the budget; start-up, compilation and the data preparation are
+measured apart. Heads: ``ours`` (the recipe), ``FW:default`` (the peer's own) and ``FW:matched``
+(shaped like ours where its options allow; the results name what is missing). Each draft is evaluated
+by eagle3-eval on the held-out prompts (and, in ``final``, on MT-bench and served by vLLM). Each poll
+packs the session so far into ``poll.tgz`` and ``peers_partial.json``: a machine taken back mid-run
+loses only what the last poll had not packed. Notes: benchmarks/notes/peer_training.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from peers_results import FINAL_S, FRAMEWORKS, SWEEP_S, RunSpec, best, epochs_for, load, plan_steps  # noqa: E402
+from peers_results import read_run, read_session, results, step_time  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))  # .peers/ staged: wheels, ModelOpt's launcher, data
+PO = Path(os.environ.get("PO", "/tmp/po"))  # the session's folder
+DATA_SET = "smollm2_synth_73728.jsonl.gz"
+LRS = {"ours": (1e-3, 2e-3, 4e-3), "speculators": (3e-4, 1e-3, 3e-3), "modelopt": (1e-4, 3e-4, 1e-3)}
+SEED = {"ours": 0, "speculators": 42, "modelopt": 42}  # each framework's default seed; the second is +1
+HEADS = {"ours": ("recipe",), "speculators": ("default", "matched"), "modelopt": ("default", "matched")}
+PROBE_STEPS = {"ours": 60, "speculators": 200, "modelopt": 200}
+MODELOPT_WARMUP = 0.05  # its recipe's 1,000 warm-up steps are for far longer runs: this share of the steps
+PORT_STATES, PORT_SERVE = 8765, 8766
+WHEELS = ("nvidia-modelopt==0.47.0", "pulp==3.3.2", "speculators==0.9.0", "hs-connectors==0.9.0")
+MODELOPT_FILES = ("main.py", "eagle_utils.py", "fsdp2_buffer_patch.py", "scripts/ar_validate.py",
+                  "scripts/export_hf_checkpoint.py", "scripts/calibrate_draft_vocab.py")  # fmt: skip
+
+
+def say(msg: str) -> None:
+    print(f"peers_gpu: {msg}", flush=True)
+
+
+# --- the heads ---------------------------------------------------------------------------------------
+
+
+def ours_head() -> dict:
+    """The smollm2 recipe's head, read from the recipe (old and new option names alike)."""
+    import yaml
+
+    train = yaml.safe_load((REPO / "conf/recipe/smollm2.yaml").read_text())["train"]
+    opts = {**train.get("train", {}), **train.get("objective", {})}
+    return {"mlp": train["model"]["intermediate_size"], "draft_vocab": train["online"]["draft_vocab_size"],
+            "ttt": opts["ttt_length"], "lm_head": f"{train['model']['lm_head_init']}, trained"}  # fmt: skip
+
+
+def head_shape(fw: str, head: str, target: dict, variant: str) -> tuple[dict, list[str]]:
+    """(what the draft is, the matched options the framework has no flag for)."""
+    ours = ours_head() | {"variant": variant}
+    if fw == "ours":
+        return ours, []
+    if head == "matched":
+        shape, missing = dict(ours), []
+        if fw == "speculators":
+            shape["lm_head"] = "target, frozen"  # it loads the target's rows and never trains them
+            missing.append("lm_head training: speculators keeps the draft lm_head frozen")
+        else:
+            shape["lm_head"] = "random"  # a reduced vocab gets a new lm_head; no option starts it from the target
+            missing.append("lm_head init from the target: ModelOpt starts a reduced-vocab lm_head at random")
+            if variant != "eagle3":
+                missing.append(f"model variant {variant}: ModelOpt has no such option")
+        return shape, missing
+    ttt = 3  # both peers' default TTT steps
+    lm = "target, frozen" if fw == "speculators" else "the target's own (full vocab), frozen"
+    return {"mlp": target["intermediate_size"], "draft_vocab": target["vocab_size"], "ttt": ttt, "lm_head": lm,
+            "variant": variant if fw == "speculators" else "eagle3"}, []  # fmt: skip
+
+
+# --- commands (pure: the plan prints them, the tests read them) --------------------------------------
+
+
+def ours_cmd(spec: RunSpec, run: Path, convs: Path) -> list[str]:
+    o = [f"++train.optim.lr={spec.lr}", f"++train.loop.max_steps={spec.steps_planned}", "++train.loop.epochs=1000",
+         f"++train.loop.seed={spec.seed}", "++train.loop.log_every=10", "++train.loop.eval_every=0",
+         "++train.checkpoint.keep_best=false"]  # fmt: skip
+    if spec.head_shape.get("variant", "eagle3") != "eagle3":
+        o.append(f"++train.model.variant={spec.head_shape['variant']}")
+    return [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2", f"out={run}", f"data={convs}",
+            "until=train", *o]  # fmt: skip
+
+
+def speculators_cmd(spec: RunSpec, run: Path, target: Path) -> list[str]:
+    # --loss-implementation eager: its fused Triton loss does not compile on the image's torch 2.11
+    # (dynamo asserts on the autotuner configs its two kernels share); the eager one is the same loss
+    cmd = [sys.executable, "-m", "speculators", "train", "--verifier-name-or-path", str(target),
+           "--data-path", str(PO / "speculators_data/data"), "--save-path", str(run / "ckpt"), "--on-missing", "raise",
+           "--loss-implementation", "eager", "--epochs", str(spec.epochs), "--max-steps", str(spec.steps_planned),
+           "--lr", str(spec.lr), "--seed", str(spec.seed)]  # fmt: skip
+    if spec.head == "matched":
+        cmd += ["--draft-config", str(PO / "speculators_draft.json"), "--ttt-steps", str(spec.head_shape["ttt"]),
+                "--draft-vocab-size", str(spec.head_shape["draft_vocab"])]  # fmt: skip
+    if spec.head_shape.get("variant") == "eagle3.1":
+        cmd.append("--fc-norm")  # the EAGLE-3.1 paper's per-layer norms before fc
+    return cmd
+
+
+def modelopt_cmd(spec: RunSpec, run: Path, target: Path, convs: Path, t: dict) -> list[str]:
+    arch, theta = "eagle.eagle_architecture_config", t.get("rope_theta") or t["rope_parameters"]["rope_theta"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--mixed_precision", "bf16", "main.py",
+           "--config", "/tmp/mosite/modelopt_recipes/general/speculative_decoding/eagle3.yaml",
+           f"model.model_name_or_path={target}", f"data.data_path={convs}", f"training.output_dir={run / 'out'}",
+           "training.training_seq_len=512",  # (it pads every sample to this; 512 holds the set's replies)
+           f"training.max_steps={spec.steps_planned}", f"training.warmup_steps={spec.warmup_steps}",
+           f"training.learning_rate={spec.lr}", f"training.seed={spec.seed}", "training.logging_steps=10",
+           "training.save_steps=1000000", f"{arch}.intermediate_size={spec.head_shape['mlp']}",
+           # a draft shaped for this target (its default is Llama-3.1-8B's: 32 heads of 128, 8 kv heads)
+           f"{arch}.num_attention_heads={t['num_attention_heads']}", f"{arch}.num_key_value_heads={t['num_key_value_heads']}",
+           f"{arch}.head_dim={t.get('head_dim') or t['hidden_size'] // t['num_attention_heads']}",
+           f"{arch}.rope_theta={theta}", f"{arch}.rope_scaling={{rope_type: default, rope_theta: {theta}}}",
+           f"eagle.eagle_ttt_steps={spec.head_shape['ttt']}"]  # fmt: skip
+    if spec.head == "matched":
+        cmd += [f"data.draft_vocab_cache={PO / 'modelopt_vocab' / target.name / 'd2t.pt'}",
+                f"{arch}.draft_vocab_size={spec.head_shape['draft_vocab']}"]  # fmt: skip
+    return cmd
+
+
+def eval_cmd(export: Path, prompts: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "eagle3_train.evaluation.eval", f"++draft={export}", "++target=embedded",
+            "++engine=vllm", "++k=5", "++dtype=float32", "++batch_size=40", f"++prompts={prompts}", f"++out={out}",
+            "++max_new_tokens=128", "++progress=false"]  # fmt: skip
+
+
+# --- the session ---------------------------------------------------------------------------------------
+
+
+def env_for(fw: str) -> dict[str, str]:
+    site = {"ours": [], "speculators": ["/tmp/specsite", "/tmp/vsite"], "modelopt": ["/tmp/mosite", str(PEERS / "modelopt_ex")]}
+    path = [*site[fw], "/tmp/site", str(REPO), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": ":".join(p for p in path if p), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+            "EAGLE3_CACHE": os.environ.get("EAGLE3_CACHE", "/tmp/e3cache")}  # fmt: skip
+
+
+def phase(run: str, name: str, cmd: list[str], env: dict, cwd: Path | None = None, log: Path | None = None) -> bool:
+    """Run one command, its output to ``log``; append {run, phase, seconds, start, end, rc} to phases.jsonl."""
+    log = log or PO / run / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode
+    end = time.time()
+    with (PO / "phases.jsonl").open("a") as f:
+        f.write(json.dumps({"run": run, "phase": name, "seconds": round(end - start, 1), "start": start, "end": end, "rc": rc}) + "\n")
+    say(f"{run} {name} {'done' if rc == 0 else f'failed (rc {rc}), its log: {log}'} in {end - start:.0f} s")
+    return rc == 0
+
+
+class Server:
+    """A vLLM server in its own process group, up until the block ends."""
+
+    def __init__(self, cmd: str, log: Path, url: str):
+        self.cmd, self.log, self.url = cmd, log, url
+
+    def __enter__(self) -> Server:
+        engine = f"source {REPO}/benchmarks/staging/engine_env.sh && exec \"${{vllm_env[@]}}\" {self.cmd}"
+        self.proc = subprocess.Popen(["bash", "-c", engine], stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=REPO)  # fmt: skip
+        end = time.time() + 600
+        while time.time() < end and self.proc.poll() is None:
+            try:
+                urllib.request.urlopen(self.url, timeout=2)
+                return self
+            except OSError:
+                time.sleep(2)
+        self.__exit__()
+        raise RuntimeError(f"vLLM did not answer at {self.url}: {self.log}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=60)
+
+
+class Session:
+    """One job: the shared data, each framework's preparation once, then its runs in order."""
+
+    def __init__(self, a: argparse.Namespace, device: str):
+        from eagle3_train.targets import _local_dir
+
+        self.a, self.device = a, device
+        self.target = _local_dir("embedded", os.environ.get("EAGLE3_CACHE", "/tmp/e3cache"))
+        self.t = json.loads((self.target / "config.json").read_text())
+        self.known, _ = load(a.results or REPO / f"benchmarks/results/peers_{device}.json")
+        self.ready: set[str] = set()
+        self.convs = PO / "convs.jsonl"
+        with gzip.open(PEERS / "data" / DATA_SET, "rt") as f:
+            rows = [next(f) for _ in range(a.n)]
+        self.convs.write_text("".join(rows))
+        (PO / "convs_conversations.jsonl").write_text(  # the one key speculators' reader takes
+            "".join(json.dumps({"conversations": json.loads(r)["messages"]}) + "\n" for r in rows))
+        self.sha = hashlib.sha256(self.convs.read_bytes()).hexdigest()
+
+    def prepare(self, fw: str, head: str) -> bool:
+        """The framework's data (once per session): ours tokenized, speculators' states, ModelOpt's vocab."""
+        if fw not in self.ready:
+            if fw == "ours":
+                ok = phase("ours_data", "prepare", [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2",
+                           f"out={PO / 'ours_data'}", f"data={self.convs}", "until=prepare"], env_for("ours"))  # fmt: skip
+            elif fw == "speculators":
+                ok = self.speculators_data()
+            else:
+                ok = install("/tmp/mosite", "nvidia_modelopt-*.whl", "pulp-*.whl")
+            if not ok:
+                return False
+            self.ready.add(fw)
+        if fw == "modelopt" and head == "matched" and "modelopt:vocab" not in self.ready:  # from the same conversations
+            if not phase("modelopt_data", "vocab", [sys.executable, "scripts/calibrate_draft_vocab.py", "--model",
+                         str(self.target), "--data", str(self.convs), "--draft_vocab_size", str(ours_head()["draft_vocab"]),
+                         "--save_dir", str(PO / "modelopt_vocab")], env_for("modelopt"), cwd=PEERS / "modelopt_ex"):  # fmt: skip
+                return False
+            self.ready.add("modelopt:vocab")
+        return True
+
+    def speculators_data(self) -> bool:
+        """vLLM renders the chats and writes the target's states (HF ids 2, N//2, N-3 and the pre-norm N)."""
+        if not install("/tmp/specsite", "speculators-*.whl", "hs_connectors-*.whl"):
+            return False
+        from eagle3_train.engines.vllm import launch
+
+        n, out = self.t["num_hidden_layers"], PO / "speculators_data"
+        draft = {**self.t, "num_hidden_layers": 1, "intermediate_size": ours_head()["mlp"]}
+        (PO / "speculators_draft.json").write_text(json.dumps(draft))  # the matched head's decoder config
+        cmd = launch(str(self.target), [2, n // 2, n - 3, n], "bfloat16", PORT_STATES, str(out / "hs"))
+        cmd += " --gpu-memory-utilization 0.5 --max-model-len 4096 --enforce-eager"  # (eager: the states are the same)
+        out.mkdir(parents=True, exist_ok=True)
+        spec = [sys.executable, "-m", "speculators"]
+        url = f"http://127.0.0.1:{PORT_STATES}"
+        with Server(cmd, out / "vllm.log", f"{url}/v1/models"):
+            return phase("speculators_data", "render", [*spec, "prepare-data", "--model", str(self.target), "--data",
+                         str(PO / "convs_conversations.jsonl"), "--render-endpoint", url, "--output", str(out / "data"),
+                         "--seq-length", "4096", "--max-samples", str(self.a.n), "--no-skip-token-freq"],
+                         env_for("speculators")) and phase("speculators_data", "states", [*spec, "generate-offline-data",
+                         "--preprocessed-data", str(out / "data"), "--endpoint", f"{url}/v1", "--concurrency", "32"],
+                         env_for("speculators"))  # fmt: skip
+
+    def spec(self, fw: str, head: str, kind: str, budget: float | None, lr: float, seed: int) -> RunSpec | None:
+        """The run sized to its budget from the framework's steady step time (None: none measured)."""
+        shape, missing = head_shape(fw, head, self.t, self.a.variant)
+        s = RunSpec(fw, head, kind, budget, lr, seed, PROBE_STEPS[fw], self.a.n, self.sha, head_shape=shape,
+                    missing=missing, device=self.device, session=self.a.session)  # fmt: skip
+        if budget is not None:
+            timing = step_time(self.known, fw, head, self.device)
+            if timing is None:
+                return None
+            s.steps_planned = plan_steps(budget, timing[0])
+            if fw == "speculators":
+                if timing[1] is None:
+                    raise RuntimeError(f"{fw}:{head}: its probe's log gave no steps per epoch")
+                s.epochs = epochs_for(s.steps_planned, timing[1])
+        if fw == "speculators" and s.epochs is None:
+            s.epochs = 1  # a probe: one epoch at most (more, and each epoch after the stop still runs a step)
+        if fw == "modelopt":
+            s.warmup_steps = max(1, round(MODELOPT_WARMUP * s.steps_planned))
+        return s
+
+    def train(self, s: RunSpec) -> None:
+        """Train, export, evaluate (and for a final: MT-bench, vLLM); record what it measured."""
+        run = PO / s.name
+        shutil.rmtree(run, ignore_errors=True)
+        run.mkdir(parents=True)
+        (run / "spec.json").write_text(json.dumps(asdict(s), indent=1))
+        say(f"{s.name}: {s.steps_planned} steps, {s.epochs} epochs at most ({s.kind})")
+        env, export = env_for(s.framework), run / "export"
+        if s.framework == "ours":
+            (run / "run").mkdir()
+            (run / "run/prepared").symlink_to(PO / "ours_data/prepared")  # tokenized once per session
+            ok = phase(s.name, "train", ours_cmd(s, run / "run", self.convs), env) and phase(s.name, "export",
+                       [sys.executable, "-m", "eagle3_train.serving.export", f"++run={run / 'run/train'}",
+                        f"++out={export}"], env)  # fmt: skip
+        elif s.framework == "speculators":
+            ok = phase(s.name, "train", speculators_cmd(s, run, self.target), env)
+            ckpts = sorted((p for p in (run / "ckpt").glob("[0-9]*") if p.is_dir()), key=lambda p: int(p.name))
+            if ok and ckpts:
+                export.symlink_to(ckpts[-1])  # its last epoch's directory is what vLLM serves
+                for old in ckpts[:-1]:
+                    shutil.rmtree(old)
+        else:
+            ex = PEERS / "modelopt_ex"
+            ok = phase(s.name, "train", modelopt_cmd(s, run, self.target, self.convs, self.t), env, cwd=ex) and phase(
+                s.name, "export", [sys.executable, "scripts/export_hf_checkpoint.py", "--model_path",
+                str(run / "out"), "--export_path", str(export)], env, cwd=ex)  # fmt: skip
+            shutil.rmtree(run / "out", ignore_errors=True)
+        if ok and s.kind != "probe":
+            phase(s.name, "eval_heldout", eval_cmd(export, REPO / "data_prep/prompts/heldout.jsonl", run / "eval_heldout"), env_for("ours"))
+            if s.kind == "final":
+                phase(s.name, "eval_mtbench", eval_cmd(export, PEERS / "data/mt_bench_question.jsonl", run / "eval_mtbench"), env_for("ours"))
+                self.serve(s.name, export)
+        self.known.append(read_run(run, phases(), []))
+
+    def serve(self, name: str, export: Path) -> None:
+        """vLLM serving the target with the draft; eagle3-served-acceptance on the held-out prompts."""
+        spec = json.dumps({"method": "eagle3", "model": str(export), "num_speculative_tokens": 5})
+        # FA2 for every draft: vLLM 0.26's FA3 plans a draft's attention with the target's shape
+        cmd = (f"vllm serve {self.target} --port {PORT_SERVE} --dtype bfloat16 --max-model-len 4096 "
+               f"--gpu-memory-utilization 0.5 --enforce-eager --attention-config.flash_attn_version=2 "
+               f"--speculative-config '{spec}'")  # fmt: skip
+        url = f"http://127.0.0.1:{PORT_SERVE}"
+        try:
+            with Server(cmd, PO / name / "vllm_serve.log", f"{url}/health"):
+                phase(name, "served", [sys.executable, "-m", "eagle3_train.evaluation.served_acceptance",
+                      f"++server={url}", "++engine=vllm", f"++prompts={REPO / 'data_prep/prompts/heldout.jsonl'}",
+                      "++max_new_tokens=128", f"++draft={export}", f"++out={PO / name / 'served'}"], env_for("ours"))  # fmt: skip
+        except RuntimeError as e:
+            say(f"{name}: not served: {e}")
+
+
+def install(site: str, *wheels: str) -> bool:
+    files = [str(f) for w in wheels for f in (PEERS / "whl").glob(w)]
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site, *files]
+    return len(files) == len(wheels) and subprocess.run(cmd).returncode == 0
+
+
+def phases() -> list[dict]:
+    path = PO / "phases.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
+def runs_wanted(a: argparse.Namespace, known: list) -> list[tuple[str, str, float, list[float], list[int]]]:
+    """(framework, head, budget, lrs, seeds) for each FRAMEWORK[:HEAD] asked, in the order asked."""
+    out = []
+    for item in a.frameworks:
+        fw, _, head = item.partition(":")
+        if fw not in FRAMEWORKS:
+            raise SystemExit(f"peers_gpu: {fw!r} is not one of {FRAMEWORKS}")
+        if a.what == "sweep":
+            for h in [head] if head else HEADS[fw]:
+                out.append((fw, h, SWEEP_S, a.lrs or list(LRS[fw]), a.seeds or [SEED[fw]]))
+            continue
+        top, head = best(known, fw), "recipe" if fw == "ours" else head
+        if top is None and (a.lrs is None or not head):
+            raise SystemExit(f"peers_gpu: no 3-minute sweep of {fw} in the results: give --lrs and FW:HEAD")
+        out.append((fw, head or top.head, FINAL_S, a.lrs or [top.lr], a.seeds or [SEED[fw], SEED[fw] + 1]))
+    return out
+
+
+def job(a: argparse.Namespace) -> None:
+    device = gpu_kind()
+    a.session = f"{device}-{datetime.now(timezone.utc):%Y%m%dT%H%M}"
+    command = "python3 benchmarks/peers_gpu.py start " + shlex.join(sys.argv[2:])
+    (PO / "session.json").write_text(json.dumps({"id": a.session, "device": device, "command": command,
+                                                 "date": f"{datetime.now(timezone.utc):%Y-%m-%d}"}))  # fmt: skip
+    s = Session(a, device)
+    for fw, head, budget, lrs, seeds in runs_wanted(a, s.known):
+        try:
+            if not s.prepare(fw, head):
+                raise RuntimeError("its preparation failed")
+            if s.spec(fw, head, "sweep", budget, lrs[0], seeds[0]) is None:  # no step time yet: a probe measures it
+                s.train(s.spec(fw, head, "probe", None, lrs[0], seeds[0]))
+            for lr, seed in ((lr, seed) for lr in lrs for seed in seeds):
+                if (spec := s.spec(fw, head, "sweep" if budget == SWEEP_S else "final", budget, lr, seed)) is None:
+                    raise RuntimeError("its probe measured no step time")
+                s.train(spec)
+        except Exception as e:  # noqa: BLE001  (the next framework still runs)
+            say(f"{fw}:{head}: {e!r}; the rest of its runs are left out")
+
+
+def gpu_kind() -> str:
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True).stdout  # fmt: skip
+    except FileNotFoundError:
+        return "cpu"
+    return next((k for k in ("h200", "h100", "a100", "l40") if k in name.lower()), "gpu")
+
+
+# --- pack / stage / start / poll -----------------------------------------------------------------------
+
+
+def pack(examples: Path, mt_bench: Path) -> None:
+    """Here: the peers' wheels, ModelOpt's launcher (GitHub only) and MT-bench into .peers/ (git-ignored)."""
+    dest = REPO / ".peers"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(dest / "whl"), *WHEELS], check=True)
+    for f in MODELOPT_FILES:
+        (dest / "modelopt_ex" / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(examples / f, dest / "modelopt_ex" / f)
+    (dest / "data").mkdir(exist_ok=True)
+    shutil.copy(mt_bench, dest / "data/mt_bench_question.jsonl")
+    if not (dest / "data" / DATA_SET).is_file():  # from a GPU run: eagle3-run recipe=smollm2 until=prepare ++prepare.save_conversations=...
+        raise SystemExit(f"peers_gpu: .peers/data/{DATA_SET} missing: the smollm2 recipe's synthesized conversations")
+
+
+def packed(dest: Path) -> None:
+    """The session so far as dest/poll.tgz (logs, specs, metrics, reports) and dest/peers_partial.json."""
+    dest.mkdir(parents=True, exist_ok=True)
+    names = ["log", "phases.jsonl", "smi.csv", "session.json"]
+    for pattern in ("*/spec.json", "*/*.log", "*/run/train/metrics.jsonl", "*/eval_*/report.json",
+                    "*/served/report.json", "*/export/config.json", "speculators_data/*.log"):  # fmt: skip
+        names += [str(p.relative_to(PO)) for p in PO.glob(pattern)]
+    with tarfile.open(dest / ".poll.tgz", "w:gz") as tar:
+        for n in names:
+            if (PO / n).is_file():
+                tar.add(PO / n, arcname=n)
+    (dest / ".poll.tgz").rename(dest / "poll.tgz")
+    try:
+        runs, session = read_session(PO)
+        (dest / "peers_partial.json").write_text(json.dumps(results(runs, [session]), indent=1) + "\n")
+    except Exception as e:  # noqa: BLE001  (a log half written must not cost the archive)
+        say(f"the partial results could not be read yet: {e!r}")
+
+
+def poll(seconds: float, dest: Path) -> None:
+    end, nxt = time.time() + seconds, 0.0
+    while not (PO / "rc").is_file() and time.time() < end:
+        if time.time() >= nxt:
+            packed(dest)
+            nxt = time.time() + 60
+        time.sleep(5)
+    packed(dest)
+    lines = (PO / "log").read_text(errors="replace").splitlines() if (PO / "log").is_file() else []
+    print("\n".join([x for x in lines if x.startswith("peers_gpu:")][-15:] + lines[-3:]))
+    print(f"ended: rc={(PO / 'rc').read_text().strip()}" if (PO / "rc").is_file() else "running")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 2)[2])  # fmt: skip
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pack")
+    p.add_argument("examples", type=Path, help="ModelOpt's examples/speculative_decoding (0.47.0)")
+    p.add_argument("mt_bench", type=Path, help="MT-bench's question.jsonl")
+    sub.add_parser("stage")
+    for name in ("start", "job", "plan"):
+        p = sub.add_parser(name)
+        p.add_argument("what", choices=["sweep", "final"])
+        p.add_argument("frameworks", nargs="+", help="ours, speculators[:default|:matched], modelopt[:default|:matched]")
+        p.add_argument("--lrs", type=float, nargs="+", help="default: three per framework (sweep), the best (final)")
+        p.add_argument("--seeds", type=int, nargs="+", help="default: its own (sweep), its own and +1 (final)")
+        p.add_argument("--n", type=int, default=16384, help="conversations of the shared set, every framework alike")
+        p.add_argument("--variant", choices=["eagle3", "eagle3.1"], default="eagle3", help="ours' and speculators' head family")
+        p.add_argument("--results", type=Path, help="where earlier runs are read from (default: results/peers_<gpu>.json)")
+        p.add_argument("--device", default=None, help="plan: the GPU kind whose step times to use")
+    p = sub.add_parser("poll")
+    p.add_argument("seconds", type=float)
+    p.add_argument("dest", type=Path)
+    a = ap.parse_args(argv)
+    if a.cmd == "stage":
+        shutil.rmtree(PEERS, ignore_errors=True)
+        shutil.copytree(REPO / ".peers", PEERS)
+        shutil.rmtree("/tmp/repo", ignore_errors=True)
+        shutil.copytree(REPO, "/tmp/repo", ignore=shutil.ignore_patterns(".peers", ".git"))
+        say(f"staged {PEERS} and the repository in /tmp/repo (start runs from there)")
+    elif a.cmd == "pack":
+        pack(a.examples, a.mt_bench)
+    elif a.cmd == "start":
+        shutil.rmtree(PO, ignore_errors=True)
+        PO.mkdir(parents=True)
+        repo = Path("/tmp/repo") if Path("/tmp/repo").is_dir() else REPO  # (the call's own copy is replaced by the next)
+        smi = ["nvidia-smi", "--query-gpu=timestamp,memory.used", "--format=csv,noheader", "-l", "2"]
+        if shutil.which("nvidia-smi"):
+            subprocess.Popen(smi, stdout=(PO / "smi.csv").open("w"), start_new_session=True)
+        job_cmd = f"{sys.executable} benchmarks/peers_gpu.py job {shlex.join(sys.argv[2:])}; echo $? > {PO / 'rc'}"
+        subprocess.Popen(["bash", "-c", job_cmd], cwd=repo, stdout=(PO / "log").open("w"), stderr=subprocess.STDOUT,
+                         start_new_session=True, env={**env_for("ours"), "PYTHONPATH": f"/tmp/site:{repo}"})  # fmt: skip
+        say(f"started: {' '.join(sys.argv[2:])}")
+    elif a.cmd == "job":
+        job(a)
+    elif a.cmd == "plan":
+        known, _ = load(a.results or REPO / f"benchmarks/results/peers_{a.device}.json")
+        for fw, head, budget, lrs, seeds in runs_wanted(a, known):
+            timing = step_time(known, fw, head, a.device or "")
+            steps = plan_steps(budget, timing[0]) if timing else f"a {PROBE_STEPS[fw]}-step probe first, then sized"
+            print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {steps} steps each")
+    else:
+        poll(a.seconds, a.dest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""The side-by-side harness (benchmarks/peers_gpu.py) and its results (benchmarks/peers_results.py):
+budgets into steps, compile time apart, the sweep's choice, seed spreads, merging partial results."""
+
+import argparse
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+LAB = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(LAB), str(LAB.parent)]
+
+import peers_gpu as pg  # noqa: E402
+import peers_results as pr  # noqa: E402
+
+TARGET = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
+          "vocab_size": 49152, "rope_theta": 100000, "num_hidden_layers": 30}  # fmt: skip
+
+
+def run(fw="ours", head="recipe", budget=180.0, lr=1e-3, seed=0, **measured) -> pr.Run:
+    return pr.Run(fw, head, "sweep" if budget == 180.0 else "final", budget, lr, seed, 100, 16384, device="h100", **measured)
+
+
+def test_a_budget_becomes_steps_at_the_steady_step_time_and_epochs_hold_them():
+    assert pr.plan_steps(180, 0.06) == 3000 and pr.plan_steps(600, 0.7) == 857 and pr.plan_steps(1, 9.0) == 1
+    with pytest.raises(ValueError):
+        pr.plan_steps(180, 0.0)
+    assert [pr.epochs_for(s, 270) for s in (1, 270, 271, 3000)] == [1, 1, 2, 12]
+
+
+def test_compile_time_is_what_the_loop_took_above_its_steady_steps():
+    """The first reading holds the compilation (40 s for 10 steps); the steady step is the median of
+    the later intervals (a slow one among them does not move it)."""
+    pts = [(10, 40.0), (20, 43.0), (30, 46.0), (40, 49.5), (50, 52.5), (60, 55.5)]
+    loop, compile_s, step = pr.split_compile(pts)
+    assert (loop, step) == (55.5, pytest.approx(0.3)) and compile_s == pytest.approx(55.5 - 60 * 0.3)
+    assert pr.split_compile(pts[:2]) is None  # two readings: no steady interval to trust
+    flat = [(i, 0.5 * i) for i in range(1, 101)]  # no compilation: nothing above the steady steps
+    assert pr.split_compile(flat)[1] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_speculators_log_gives_its_step_times_without_validation_and_its_epoch_size():
+    step_ms = [1.28e05, 448.0] + [60.0] * 18
+    text = "".join(f"  profile/step_ms={t},\n  profile/tokens_per_s={1e5 if i > 1 else 62.7},\n" for i, t in enumerate(step_ms))
+    text += "Epoch 0 100% ━━ 20/270  [ 0:02:10 < 0:00:00 , 16 it/s ]\n"
+    text += "Validation epoch 1/1 started\n  profile/step_ms=9000.0,\nEpoch 0 100% ━ 30/30 [ 0:00:09 ]\nValidation epoch 1/1 completed\n"
+    pts, tokens, per_epoch = pr.speculators_points(text)
+    assert len(pts) == 20 and pts[-1][1] == pytest.approx(sum(step_ms) / 1000) and per_epoch == 270 and tokens == 1e5
+    loop, compile_s, step = pr.split_compile(pts)
+    assert step == pytest.approx(0.06) and compile_s == pytest.approx(128.448 + 1.08 - 20 * 0.06)
+
+
+def test_hf_trainers_bar_readings_of_its_training_bar():
+    log = ("Map: 100%|##| 16384/16384 [00:03<00:00]\r" + "".join(f" {i}%|#| {i}/500 [00:{10 + i // 10:02d}<00:40]\r"
+           for i in range(0, 501, 50)) + "\nSaving: 1/1 [00:03<00:00]\n")  # fmt: skip
+    pts = pr.trainer_points(log, 500)
+    assert pts[0] == (50, 15.0) and pts[-1] == (500, 60.0) and len(pts) == 10  # (not the data's bar, nor step 0)
+
+
+def test_the_sweeps_best_goes_on_and_a_final_plans_two_seeds_of_it():
+    runs = [run(lr=1e-3, tau_heldout=1.9), run(lr=2e-3, tau_heldout=2.1), run(lr=4e-3),  # (not evaluated)
+            run(budget=600.0, lr=4e-3, tau_heldout=3.0),  # a final: not the sweep's
+            run("speculators", "default", lr=1e-3, tau_heldout=1.5), run("speculators", "matched", lr=3e-4, tau_heldout=1.6)]  # fmt: skip
+    assert pr.best(runs, "ours").lr == 2e-3 and pr.best(runs, "speculators").head == "matched"
+    assert pr.best(runs, "modelopt") is None
+    explicit = argparse.Namespace(what="final", frameworks=["modelopt:default"], lrs=[3e-4], seeds=[7])
+    assert pg.runs_wanted(explicit, runs) == [("modelopt", "default", 600.0, [3e-4], [7])]
+    a = argparse.Namespace(what="final", frameworks=["ours", "speculators"], lrs=None, seeds=None)
+    assert pg.runs_wanted(a, runs) == [("ours", "recipe", 600.0, [2e-3], [0, 1]),
+                                       ("speculators", "matched", 600.0, [3e-4], [42, 43])]  # fmt: skip
+    with pytest.raises(SystemExit, match="no 3-minute sweep of modelopt"):
+        pg.runs_wanted(argparse.Namespace(what="final", frameworks=["modelopt"], lrs=None, seeds=None), runs)
+    sweep = pg.runs_wanted(argparse.Namespace(what="sweep", frameworks=["speculators", "modelopt:matched"], lrs=None, seeds=None), [])
+    assert [(fw, h, lrs) for fw, h, _, lrs, _ in sweep] == [("speculators", "default", [3e-4, 1e-3, 3e-3]),
+        ("speculators", "matched", [3e-4, 1e-3, 3e-3]), ("modelopt", "matched", [1e-4, 3e-4, 1e-3])]  # fmt: skip
+
+
+def test_a_difference_counts_only_beyond_the_seed_spread():
+    assert pr.spread([2.0, 2.1]) == 0.1 and pr.spread([2.0]) is None
+    assert pr.compare([2.0, 2.1], [1.9, 1.95]) == {"diff": 0.125, "spread": 0.1, "beyond_spread": True}
+    assert pr.compare([2.0, 2.1], [2.0, 2.2]) == {"diff": -0.05, "spread": 0.2, "beyond_spread": False}
+    assert pr.compare([2.0], [1.0, 1.1])["beyond_spread"] is None  # one seed: no spread to judge by
+    assert pr.compare([], [1.0])["diff"] is None
+    runs = [run(budget=600.0, lr=2e-3, seed=s, tau_heldout=t, vllm_acceptance=t - 0.01) for s, t in ((0, 2.5), (1, 2.6))]
+    runs += [run("speculators", "default", 600.0, 1e-3, s, tau_heldout=t) for s, t in ((42, 2.0), (43, 2.2))]
+    runs += [run(lr=2e-3, tau_heldout=2.0)]  # the 3-minute sweep of ours, no peer at 3 minutes: no row
+    (row,) = pr.verdict(runs)["rows"]
+    assert row[:4] == ["10 min", "speculators", "default lr 0.001", 2] and row[4:7] == [0.45, 0.2, True]
+    assert row[7:] == [None] * 6  # MT-bench and vLLM: not measured for the peer
+
+
+def test_merging_replaces_a_run_unless_the_new_one_got_less_far():
+    old = [run(lr=1e-3, steps=3000, tau_heldout=2.0), run(lr=2e-3, steps=3000)]
+    new = [run(lr=1e-3, steps=10), run(lr=2e-3, steps=3000, tau_heldout=2.2), run(lr=4e-3)]
+    by = {r.lr: r for r in pr.merge(old, new)}
+    assert by[1e-3].tau_heldout == 2.0 and by[2e-3].tau_heldout == 2.2 and set(by) == {1e-3, 2e-3, 4e-3}
+
+
+def _session(po: Path) -> pr.RunSpec:
+    """A session folder as the job leaves it: one run trained, not yet evaluated."""
+    spec = pr.RunSpec("ours", "recipe", "sweep", 180.0, 2e-3, 0, 600, 16384, device="h100", session="h100-x")
+    (po / spec.name / "run/train").mkdir(parents=True)
+    (po / spec.name / "spec.json").write_text(json.dumps(pr.asdict(spec)))
+    rows = [{"step": 10 * i, "loop_s": 20.0 + 3.0 * i, "tokens_per_s": 1e5} for i in range(1, 61)]
+    (po / spec.name / "run/train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    phases = [{"run": "ours_data", "phase": "prepare", "seconds": 30.0, "start": 0, "end": 30, "rc": 0},
+              {"run": spec.name, "phase": "train", "seconds": 230.0, "start": 1796414180.0, "end": 1796414410.0, "rc": 0},
+              {"run": spec.name, "phase": "export", "seconds": 5.0, "start": 1796414410.0, "end": 1796414415.0, "rc": 1}]  # fmt: skip
+    (po / "phases.jsonl").write_text("".join(json.dumps(p) + "\n" for p in phases))
+    (po / "smi.csv").write_text("2026/12/04 19:56:30.000, 9000 MiB\n2026/12/04 20:10:00.000, 70000 MiB\n")
+    (po / "session.json").write_text(json.dumps({"id": "h100-x", "device": "h100"}))
+    return spec
+
+
+def test_a_poll_leaves_the_archive_and_partial_results_that_merge_into_the_file(tmp_path, monkeypatch):
+    po, dest = tmp_path / "po", tmp_path / "out"
+    spec = _session(po)
+    monkeypatch.setattr(pg, "PO", po)
+    pg.packed(dest)
+    with tarfile.open(dest / "poll.tgz") as tar:
+        assert f"{spec.name}/run/train/metrics.jsonl" in tar.getnames() and "phases.jsonl" in tar.getnames()
+    partial = json.loads((dest / "peers_partial.json").read_text())
+    (r,) = partial["frameworks"]
+    assert (r["steps"], r["steady_step_s"], r["steady_loop_s"]) == (600, pytest.approx(0.3), 180.0)
+    assert r["compile_s"] == pytest.approx(200.0 - 180.0) and r["startup_s"] == 30.0 and r["data_s"] == 30.0
+    assert r["peak_gpu_mib"] == 9000 and r["failed"] == ["export"] and r["tau_heldout"] is None
+    assert partial["tables"][0]["rows"] == []  # no peer yet: no verdict
+    out = tmp_path / "peers_h100.json"
+    pr.main(["merge", str(dest / "peers_partial.json"), str(out)])
+    pr.main(["merge", str(po), str(out)])  # the same session read again from its folder: one run, one session
+    runs, sessions = pr.load(out)
+    assert [x.name for x in runs] == [spec.name] and [s["id"] for s in sessions] == ["h100-x"]
+    assert pr.step_time(runs, "ours", "recipe", "h100") == (pytest.approx(0.3), None)
+    assert pr.step_time(runs, "ours", "recipe", "h200") is None  # another GPU: its own probe
+
+
+def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_path, monkeypatch):
+    s = object.__new__(pg.Session)
+    s.a = argparse.Namespace(n=16384, variant="eagle3", session="h100-x")
+    s.device, s.t, s.sha = "h100", TARGET, "abc"
+    s.known = [run("speculators", "matched", None, 1e-3, 42, steady_step_s=0.06, steps_per_epoch=270, steps=200)]
+    assert s.spec("speculators", "default", "sweep", 180.0, 1e-3, 42) is None  # its head has no step time: a probe
+    probe = s.spec("speculators", "default", "probe", None, 1e-3, 42)
+    assert (probe.steps_planned, probe.epochs) == (200, 1)
+    m = s.spec("speculators", "matched", "sweep", 180.0, 3e-3, 42)
+    assert (m.steps_planned, m.epochs, m.head_shape["draft_vocab"], m.head_shape["ttt"]) == (3000, 12, 16384, 5)
+    cmd = pg.speculators_cmd(m, tmp_path, Path("/target"))
+    for flag, value in (("--max-steps", "3000"), ("--epochs", "12"), ("--draft-vocab-size", "16384"), ("--ttt-steps", "5"),
+                        ("--lr", "0.003"), ("--loss-implementation", "eager")):  # fmt: skip
+        assert cmd[cmd.index(flag) + 1] == value
+    assert m.missing == ["lm_head training: speculators keeps the draft lm_head frozen"]
+    s.known.append(run("modelopt", "default", None, 1e-4, 42, steady_step_s=0.25, steps=200))
+    mo = s.spec("modelopt", "default", "final", 600.0, 3e-4, 43)
+    assert (mo.steps_planned, mo.warmup_steps, mo.head_shape["mlp"], mo.head_shape["ttt"]) == (2400, 120, 1536, 3)
+    cmd = pg.modelopt_cmd(mo, tmp_path, Path("/target"), tmp_path / "c.jsonl", TARGET)
+    for opt in ("training.max_steps=2400", "training.warmup_steps=120", "training.seed=43",
+                "eagle.eagle_architecture_config.num_attention_heads=9", "eagle.eagle_architecture_config.head_dim=64"):  # fmt: skip
+        assert opt in cmd
+    ours = pg.ours_cmd(pr.RunSpec("ours", "recipe", "sweep", 180.0, 2e-3, 0, 700, 16384), tmp_path, tmp_path / "c.jsonl")
+    assert {"++train.optim.lr=0.002", "++train.loop.max_steps=700", "++train.loop.seed=0"} <= set(ours)
+    assert pg.ours_head() == {"mlp": 6144, "draft_vocab": 16384, "ttt": 5, "lm_head": "target, trained"}
+
+
+def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_not_stop_the_next(tmp_path, monkeypatch):
+    """The job with each command stood in: ours has no step time on this GPU, so a probe runs first
+    and the sweep's runs take 180 s / 0.3 s steps; speculators' data fails and only its runs go."""
+    trained = []
+
+    def phase(run_name, name, cmd, env, cwd=None, log=None):
+        if name == "train":
+            out = Path(next(c for c in cmd if c.startswith("out="))[4:])
+            steps = int(next(c for c in cmd if "max_steps=" in c).split("=")[1])
+            trained.append(steps)
+            (out / "train").mkdir(parents=True)
+            rows = [{"step": s, "loop_s": 30.0 + 0.3 * s} for s in range(10, steps + 1, 10)]
+            (out / "train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return True
+
+    def init(self, a, device):
+        self.a, self.device, self.t, self.sha, self.known, self.ready = a, device, TARGET, "abc", [], set()
+        self.convs, self.target = tmp_path / "c.jsonl", Path("/target")
+
+    monkeypatch.setattr(pg, "PO", tmp_path)
+    monkeypatch.setattr(pg, "phase", phase)
+    monkeypatch.setattr(pg, "gpu_kind", lambda: "h100")
+    monkeypatch.setattr(pg.Session, "__init__", init)
+    monkeypatch.setattr(pg.Session, "speculators_data", lambda self: False)
+    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job", "sweep", "speculators:default", "ours"])
+    pg.main(["job", "sweep", "speculators:default", "ours", "--lrs", "1e-3", "2e-3"])
+    assert trained == [60, 600, 600]  # the probe, then two runs sized from it
+    runs, session = pr.read_session(tmp_path)
+    assert sorted(r.kind for r in runs) == ["probe", "sweep", "sweep"] and session["id"].startswith("h100-")
+    assert all(r.steady_step_s == pytest.approx(0.3) for r in runs)
