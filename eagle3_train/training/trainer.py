@@ -124,6 +124,7 @@ class Trainer:
             logger.info(note)
         if self.dist.is_main and (few := self.few_steps()):
             logger.warning(few)
+        self._bar: Any = None  # the loop's progress bar
         self._last_save = time.time()  # checkpoint.every_minutes counts from the loop's start and each save
         self.spent_s = 0.0  # loop seconds of earlier runs of this output (loop.max_minutes counts them)
         self._loop_start: float | None = None  # time.time() when this run's loop began
@@ -421,6 +422,8 @@ class Trainer:
         try:
             return self._run()
         except KeyboardInterrupt:
+            if self._bar is not None:  # its last line before the one that says what was kept
+                self._bar.close()
             done = self._checkpoints()
             lost = self.step - int(done[-1].name.removeprefix("step")) if done else 0
             kept = (
@@ -450,7 +453,7 @@ class Trainer:
             logger.info(f"eagle3-train: {self.out} is {how} at step {self.step}; nothing to do")
             evals = self.metrics.evals()
             return (evals[-1] if evals else {}) | checkpoint_paths(self.out, self._checkpoints()[-1], self.best.kept())
-        bar = progress_bar(
+        bar = self._bar = progress_bar(
             total=self.total_steps,
             initial=self.step,
             desc="train",
