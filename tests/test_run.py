@@ -117,7 +117,7 @@ SMALL = ["train.loop.epochs=1", "train.runtime.compile=false", "train.loop.max_t
 
 
 @pytest.mark.slow
-def test_a_run_equals_the_stages_run_by_hand(tmp_path, monkeypatch):
+def test_a_run_equals_the_stages_run_by_hand(tmp_path, monkeypatch, said):
     """eagle3-run recipe=smollm2 on the tiny target with a conversations file (sizes cut for the CPU)
     gives the export and the eval report of the same stages run by hand through their Python API
     with the recipe's options written out; its stages ignore a process group the caller has."""
@@ -133,6 +133,9 @@ def test_a_run_equals_the_stages_run_by_hand(tmp_path, monkeypatch):
     assert run(run_config(["recipe=smollm2", "target=tiny", f"data={data}", f"out={tmp_path / 'run'}", *SMALL])) == 0
     stages = [json.loads(x)["stage"] for x in (tmp_path / "run" / "run.jsonl").read_text().splitlines()]
     assert stages == ["prepare", "train", "export", "check", "eval"]
+    summary = said().split("eagle3-run: summary")[1]  # the run's own summary, from each stage's record
+    assert "data: 24 samples" in summary and "held-out accuracy per TTT step [" in summary
+    assert re.search(r"eagle3-eval \(sglang, HF layers \[1, 2, 3\], k=5, 3 prompts\): tau [\d.]+, acceptance", summary)
     monkeypatch.delenv("MASTER_PORT")
 
     hand = tmp_path / "hand"
