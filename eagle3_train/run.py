@@ -314,10 +314,8 @@ def run(cfg: RunConfig) -> int:
         if rc == 2:
             return 2  # the stage's one line (eagle3-run: error: <stage>: ...) is above: nothing to add
         if rc:
-            raise Eagle3Error(
-                f"{stage} stopped with status {rc} after {seconds} s (its message is above); {kept(done)}: "
-                f"`{typed}` continues from {stage}"
-            )
+            how = f"was killed (signal {-rc})" if rc < 0 else f"stopped with status {rc} (its message is above)"
+            raise Eagle3Error(f"{stage} {how} after {seconds} s; {kept(done)}: `{typed}` continues from {stage}")
         done.append(stage)
         logger.info(f"eagle3-run: {stage} done in {seconds} s")
     for line in summary(out, stages):
