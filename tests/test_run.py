@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from eagle3_train.core.cli import CONF_DIR, to_config
-from eagle3_train.core.errors import ConfigError
+from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.run import RunConfig, command, hydra_value, read_arguments, run
 from test_configs import PRIMARY, compose_config
 
@@ -318,3 +318,26 @@ def test_ctrl_c_through_eagle3_run_says_one_line_and_the_rerun_continues(tmp_pat
     ), line
     rc, printed = eagle3_run(*args)
     assert rc == 0 and "continuing from checkpoint step5 of" in printed and "eagle3-run: summary" in printed, printed
+
+
+@pytest.mark.parametrize(
+    "rc, expected",
+    [(2, 2), (130, 130), (-signal.SIGINT, 130), (-9, r"train was killed \(signal 9\) after .* s; the finished stages "
+     r"\(prepare\) are kept: `eagle3-run recipe=smollm2 out=.* target=tiny source=online` continues from train"),
+     (1, r"train stopped with status 1 \(its message is above\)")],
+)  # fmt: skip
+def test_how_a_stage_stopped_decides_what_eagle3_run_adds(tmp_path, monkeypatch, rc, expected):
+    """A stage's own error (2) and a Ctrl-C (130) said their one line: eagle3-run adds nothing and
+    exits with that status; a crash or a kill is named, with the command that continues."""
+    import eagle3_train.run as run_module
+
+    monkeypatch.delenv("EAGLE3_RUN_COMMAND", raising=False)
+    stages = iter([0, rc])
+    monkeypatch.setattr(run_module, "run_stage", lambda cmd, env: next(stages))
+    cfg = run_config(["recipe=smollm2", "target=tiny", f"out={tmp_path}", "until=export"])
+    if isinstance(expected, int):
+        assert run(cfg) == expected
+    else:
+        with pytest.raises(Eagle3Error, match=expected):
+            run(cfg)
+    assert [json.loads(x)["rc"] for x in (tmp_path / "run.jsonl").read_text().splitlines()] == [0, rc]
