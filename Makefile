@@ -33,7 +33,7 @@ test-fast: setup
 	WANDB_MODE=disabled $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=10 tests benchmarks/tests
 
 demo: setup
-	WANDB_MODE=disabled RUN_DIR=$(RUN_DIR) PATH=$(CURDIR)/$(BIN):$$PATH bash launch/demo.sh
+	WANDB_MODE=disabled $(BIN)/eagle3-run recipe=demo out=$(RUN_DIR)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

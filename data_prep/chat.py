@@ -314,3 +314,50 @@ def _tokenise(
     if isinstance(cut, BadRow):
         raise cut
     return cut
+
+
+REASONING_OFF = ("drop", "keep")  # prepare's reasoning_off
+
+
+def thinking_off(tokenizer: Any, markers: tuple[str, str] | None) -> bool:
+    """Whether the template renders requests with thinking off: its generation prompt closes the
+    reasoning block before the reply begins (Qwen3's ``enable_thinking=false`` opens and closes an
+    empty ``<think></think>``, DeepSeek-V3.1's ``thinking=false`` closes ``</think>``), so the engine's
+    replies hold no reasoning. Found by rendering, never by family name."""
+    if markers is None:
+        return False
+    start, end = markers
+    probe = f"XEAGLE3PROBE{secrets.token_hex(6)}X"
+    prompt = render_text(tokenizer, [{"role": "user", "content": probe}], "probe", add_generation_prompt=True)
+    tail = prompt[prompt.rfind(probe) + len(probe) :]
+    return end in tail and tail.rfind(end) > tail.rfind(start)
+
+
+def reasoning_when_off(messages: list[dict], markers: tuple[str, str], policy: str) -> tuple[list[dict], int]:
+    """One rule for a reply's reasoning under a template with thinking off, wherever the data puts
+    it, inline (``<think>…</think>answer``) or in a field (``reasoning_content``, ``reasoning``,
+    ``thinking``): ``drop`` leaves the answer alone, as the engine's replies with thinking off are;
+    ``keep`` keeps it inline (a field's reasoning moved there), after the empty block the request
+    closes. Returns the messages and how many replies carried reasoning."""
+    start, end = markers
+    out, count = [], 0
+    for m in messages:
+        if m["role"] != "assistant":
+            out.append(m)
+            continue
+        fields = _fields(m)
+        stripped = m["content"].lstrip()
+        inline = stripped.startswith(start) and end in stripped
+        if not (inline or fields):
+            out.append(m)
+            continue
+        count += 1
+        if inline:
+            reasoning, answer = stripped[len(start) :].split(end, 1)
+        else:
+            reasoning, answer = m[fields[0]], m["content"]
+        kept = {k: v for k, v in m.items() if k not in REASONING_FIELDS}
+        answer = answer.lstrip()
+        kept["content"] = answer if policy == "drop" else f"{start}\n{reasoning.strip()}\n{end}\n\n{answer}"
+        out.append(kept)
+    return out, count

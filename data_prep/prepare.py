@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
@@ -30,14 +31,23 @@ import numpy as np
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from data_prep.chat import RENDER_MODES, Rendered, TurnSample, render_conversation, special_ids
+from data_prep.chat import (
+    REASONING_OFF,
+    RENDER_MODES,
+    Rendered,
+    TurnSample,
+    reasoning_when_off,
+    render_conversation,
+    special_ids,
+    thinking_off,
+)
 from data_prep.conversations import BadRow, Conversation, input_fingerprint, iter_raw_rows, normalize
 from data_prep.regenerate import RegenConfig, regenerate
 from data_prep.synthesize import SynthConfig, Synthesizer, template_name
-from eagle3_train.core.cli import config_dict, entry_point
+from eagle3_train.core.cli import as_typed, config_dict, entry_point
 from eagle3_train.core.contract import check_dtype
 from eagle3_train.core.dist import DistInfo, barrier, close, init_distributed, resolve_device
-from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
+from eagle3_train.core.errors import ConfigError, Eagle3Error, Interrupted, check_numbers
 from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fileio import (
     atomic_write_bytes,
@@ -47,7 +57,7 @@ from eagle3_train.core.fileio import (
     sha256_json,
 )
 from eagle3_train.core.log import LogConfig, progress_bar
-from eagle3_train.core.reasoning import check_template_kwargs
+from eagle3_train.core.reasoning import check_template_kwargs, markers_for
 from eagle3_train.core.split import COPY_SHIFT, MAX_COPIES, copy_id
 from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.engines import registry
@@ -82,6 +92,8 @@ class PrepareConfig:
     """auto: a conversation is one sample when every assistant turn's served request (the template's render of the messages before it, with the generation prompt) and reply continue its render, else one sample per assistant turn, rendered as the engine renders that turn's request (a template that drops earlier reasoning); whole: such conversations are bad rows (template_rewrites_history); per_turn: every conversation per turn"""
     max_length: int = 2048  # longest tokenised conversation kept
     truncate: bool = True  # cut longer conversations to max_length (false: they are bad rows)
+    reasoning_off: str = "drop"
+    """a reply's reasoning (inline <think>…</think>answer, or a reasoning_content / reasoning / thinking field) where the template renders with thinking off (its generation prompt closes the reasoning block, e.g. chat_template_kwargs.enable_thinking=false): drop it, as the engine's replies have none, or keep it inline after the template's empty block; counted and warned about either way"""
     on_bad_row: str = "error"  # error: stop at the first bad row; skip: count it and go on
     tokenize_workers: int = 0  # processes that tokenise the conversations; 0: one per 10,000 conversations, at most the CPUs this process may use and 32 (one, in this process, below 20,000)
     limit: int | None = None  # read only the first N rows of the input
@@ -105,6 +117,8 @@ class PrepareConfig:
         check_template_kwargs(self.chat_template_kwargs)
         if self.render not in RENDER_MODES:
             raise ConfigError(f"render must be one of {RENDER_MODES}, got {self.render!r}")
+        if self.reasoning_off not in REASONING_OFF:
+            raise ConfigError(f"reasoning_off must be one of {REASONING_OFF}, got {self.reasoning_off!r}")
         if self.on_bad_row not in BAD_ROW_POLICIES:
             raise ConfigError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.on_bad_row!r}")
         check_numbers(
@@ -154,7 +168,7 @@ class BadRows:
 
     def handle(self, err: BadRow) -> None:
         if self.policy == "error":
-            raise Eagle3Error(f"{err}\n(on_bad_row=skip would skip such rows and count them)")
+            raise Eagle3Error(f"{err} (on_bad_row=skip would skip such rows and count them)")
         self.counts[err.reason] += 1
         examples = self.examples.setdefault(err.reason, [])
         if len(examples) < EXAMPLES_PER_REASON:
@@ -256,7 +270,12 @@ class Preparer:
             opts["regen"] = {k: v for k, v in opts["regen"].items() if k != "server"}
         if not opts.get("synthesize"):
             opts.pop("synth", None)
-        for key, defaults in (("repeat", (1,)), ("render", ("auto",)), ("chat_template_kwargs", (None, {}))):
+        for key, defaults in (
+            ("repeat", (1,)),
+            ("render", ("auto",)),
+            ("chat_template_kwargs", (None, {})),
+            ("reasoning_off", ("drop",)),
+        ):
             if opts.get(key, defaults[0]) in defaults:  # outputs made before the option existed stay this run's
                 opts.pop(key, None)
         return opts
@@ -297,7 +316,9 @@ class Preparer:
             if self.cfg.regenerate:
                 conversations, more = self.regenerate(conversations)
                 regen_stats |= more
+            conversations, reasoning_off = self.reasoning_rule(conversations)
             rows, stats = self.render(conversations, pool)
+            stats["reasoning_with_thinking_off"] = reasoning_off
         finally:
             if pool is not None:
                 pool[0].shutdown(cancel_futures=True)
@@ -423,36 +444,68 @@ class Preparer:
         size = self.cfg.regen.chunk_size
         out, unfinished = [], 0
         n_chunks = (len(conversations) + size - 1) // size
-        for c in range(n_chunks):
-            path = regen_dir / f"chunk-{c:05d}.json"
-            if path.is_file():
-                data = json.loads(path.read_text())
-                chunk = [Conversation(d["messages"], d["source"], d["meta"]) for d in data["conversations"]]
-            else:
-                torch.manual_seed(self.cfg.seed + c)
-                logger.info(f"regenerating chunk {c + 1}/{n_chunks}")
-                try:
-                    chunk, n_cut = regenerate(
-                        model,
-                        tok,
-                        conversations[c * size : (c + 1) * size],
-                        self.cfg.regen,
-                        eos_ids=eos,
-                        pad_id=pad,
-                        progress=self.cfg.progress,
-                        seed=self.cfg.seed + c,
-                    )
-                except Eagle3Error as e:
-                    if registry.ENGINES[self.cfg.regen.backend].in_process:  # no engine to name
-                        raise
-                    raise self._engine_stopped(e, c, n_chunks, regen_dir) from None
-                data = {"unfinished": n_cut, "conversations": [vars(x) for x in chunk]}
-                atomic_write_json(path, data)
-                fault_point("regen.chunk")
-            out.extend(chunk)
-            unfinished += data["unfinished"]
+        try:
+            for c in range(n_chunks):
+                path = regen_dir / f"chunk-{c:05d}.json"
+                if path.is_file():
+                    data = json.loads(path.read_text())
+                    chunk = [Conversation(d["messages"], d["source"], d["meta"]) for d in data["conversations"]]
+                else:
+                    torch.manual_seed(self.cfg.seed + c)
+                    logger.info(f"regenerating chunk {c + 1}/{n_chunks}")
+                    try:
+                        chunk, n_cut = regenerate(
+                            model,
+                            tok,
+                            conversations[c * size : (c + 1) * size],
+                            self.cfg.regen,
+                            eos_ids=eos,
+                            pad_id=pad,
+                            progress=self.cfg.progress,
+                            seed=self.cfg.seed + c,
+                        )
+                    except Eagle3Error as e:
+                        if registry.ENGINES[self.cfg.regen.backend].in_process:  # no engine to name
+                            raise
+                        raise self._engine_stopped(e, c, n_chunks, regen_dir) from None
+                    data = {"unfinished": n_cut, "conversations": [vars(x) for x in chunk]}
+                    atomic_write_json(path, data)
+                    fault_point("regen.chunk")
+                out.extend(chunk)
+                unfinished += data["unfinished"]
+        except KeyboardInterrupt:
+            kept = len(list(regen_dir.glob("chunk-*.json")))
+            raise Interrupted(
+                f"regeneration stopped; {kept} of {n_chunks} chunks are kept under {regen_dir} and are not "
+                f"generated again"
+            ) from None
         cut = sum(bool(c.meta.get("cut_in_reasoning")) for c in out)
-        return out, {"turns_hit_max_new_tokens": unfinished, "conversations_cut_in_reasoning": cut}
+        turns = sum(m["role"] == "assistant" for c in out for m in c.messages)
+        stats = {"turns_hit_max_new_tokens": unfinished, "conversations_cut_in_reasoning": cut, "turns": turns}
+        return out, stats
+
+    def reasoning_rule(self, conversations: list[Conversation]) -> tuple[list[Conversation], int | None]:
+        """Where the template renders with thinking off, every reply's reasoning, inline or in a
+        field, follows ``reasoning_off`` (:func:`data_prep.chat.reasoning_when_off`); the replies
+        that carried some are counted (None: thinking is not off)."""
+        markers = markers_for(chat_template_of(self.target.tokenizer), None)
+        if not thinking_off(self.target.tokenizer, markers):
+            return conversations, None
+        assert markers is not None  # thinking_off needs them
+        out, count = [], 0
+        for c in conversations:
+            messages, n = reasoning_when_off(c.messages, markers, self.cfg.reasoning_off)
+            out.append(Conversation(messages, c.source, c.meta) if n else c)
+            count += n
+        if count:
+            what = "dropped" if self.cfg.reasoning_off == "drop" else "kept inline after the template's empty block"
+            other = "keep" if self.cfg.reasoning_off == "drop" else "drop"
+            logger.warning(
+                f"warning: {count} replies carry reasoning (inline or in a reasoning field) while the template "
+                f"renders with thinking off, where the engine's replies have none: {what} "
+                f"({as_typed(f'reasoning_off={other}')} would {other} it)"
+            )
+        return out, count
 
     def _engine_stopped(self, error: Eagle3Error, chunk: int, n_chunks: int, regen_dir: Path) -> Eagle3Error:
         """A served engine's failure, naming the engine, its URL and the chunks kept."""
@@ -582,6 +635,8 @@ class Preparer:
             "truncated": stats["truncated"],
             "skipped": dict(self.bad.counts),
         }
+        if stats.get("reasoning_with_thinking_off") is not None:  # replies whose reasoning reasoning_off decided
+            counts["reasoning_with_thinking_off"] = stats["reasoning_with_thinking_off"]
         if stats["per_turn"]["conversations"]:
             # what rendering as served cost: tokens of the turn samples against the conversations rendered once
             counts["per_turn"] = stats["per_turn"]
@@ -602,7 +657,31 @@ class Preparer:
         )
         if self.bad.counts:
             logger.info(self.bad.summary())
+        for line in self.unlearnable(counts, regen_stats):
+            logger.warning(line)
         return manifest
+
+    def unlearnable(self, counts: dict[str, Any], regen_stats: dict[str, Any]) -> list[str]:
+        """One warning line per way most of the data is cut short: samples cut at ``max_length``
+        (the draft never sees their ends), replies cut at ``regen.max_new_tokens`` (it learns
+        replies that stop mid-sentence), each counted with the option that helps."""
+        lines = []
+        rows, cut = counts["rows_written"], counts["truncated"] * self.cfg.repeat
+        if rows and 2 * cut > rows:
+            context = getattr(text_config(self.target.config), "max_position_embeddings", None)
+            lines.append(
+                f"warning: {cut} of {rows} samples ({100 * cut // rows}%) were cut at max_length={self.cfg.max_length}: "
+                f"the draft never learns their ends; raise {as_typed('max_length')}"
+                + (f" (the target's context holds {context} tokens)" if context else "")
+            )
+        turns, hit = regen_stats.get("turns", 0), regen_stats.get("turns_hit_max_new_tokens", 0)
+        if turns and 2 * hit > turns:
+            lines.append(
+                f"warning: {hit} of {turns} regenerated replies ({100 * hit // turns}%) stopped at "
+                f"regen.max_new_tokens={self.cfg.regen.max_new_tokens} before their end of turn: the draft learns "
+                f"replies cut mid-way; raise {as_typed('regen.max_new_tokens')}"
+            )
+        return lines
 
 
 def save_conversations(conversations: list[Conversation], path: Path) -> None:
@@ -657,6 +736,8 @@ def _tokenizing_process(tok: Any) -> None:
     # One conversation per call: the Rust tokenizer's own thread pool (one thread per CPU, in every
     # worker) would only oversubscribe the CPUs the workers already fill.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Ctrl-C reaches the whole process group: the parent stops the pool, a worker says nothing
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER.update(tok=tok)
 
 

@@ -47,7 +47,7 @@ import torch
 from data_prep.chat import render_text
 from data_prep.conversations import BadRow, Conversation
 from data_prep.regenerate import RegenConfig, generate_sorted
-from eagle3_train.core.errors import ConfigError, Eagle3Error, check_numbers
+from eagle3_train.core.errors import ConfigError, Eagle3Error, Interrupted, check_numbers
 from eagle3_train.core.extras import optional_import
 from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fileio import atomic_write_json, remove_files, remove_temporaries, sha256_text
@@ -413,7 +413,16 @@ class Synthesizer:
 
     def run(self) -> tuple[list[Conversation], dict[str, Any]]:
         """All ranks return the same conversations (the first ``n`` that pass every filter, in
-        conversation order) and statistics."""
+        conversation order) and statistics. Ctrl-C names the chunks kept."""
+        try:
+            return self._run()
+        except KeyboardInterrupt:
+            kept = len(list(self.dir.glob("chunk-*.json")))
+            raise Interrupted(
+                f"synthesis stopped; {kept} finished chunks are kept under {self.dir} and are not generated again"
+            ) from None
+
+    def _run(self) -> tuple[list[Conversation], dict[str, Any]]:
         for system in self.systems:  # a template without a derivable prefix fails before any work
             self._prefix({"system": system, "messages": []})
         self._claim_dir()

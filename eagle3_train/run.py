@@ -23,27 +23,44 @@ first) or ``served`` (vLLM replicas: ``train.engine.*``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from eagle3_train.core.cli import entry_point
-from eagle3_train.core.errors import ConfigError, Eagle3Error
+from data_prep.dump.config import DumpConfig
+from data_prep.prepare import PrepareConfig
+from data_prep.standardize import StandardizeConfig
+from eagle3_train.core.cli import (
+    INTERRUPTED_STATUS,
+    RUN_COMMAND_ENV,
+    RUN_STAGE_ENV,
+    SWEEP_CHILD_ENV,
+    compose,
+    entry_point,
+)
+from eagle3_train.core.contract import MANIFEST_NAME, read_manifest
+from eagle3_train.core.errors import ConfigError, Eagle3Error, Interrupted
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import shipped_prompts
+from eagle3_train.evaluation.eval import EvalConfig
 from eagle3_train.evaluation.reports import read_eval_report
-from eagle3_train.training.config import RENAMED
+from eagle3_train.serving.check import CheckConfig
+from eagle3_train.serving.export import ExportConfig
+from eagle3_train.training.config import RENAMED, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +76,16 @@ MODULES = {
     "eval": ("eagle3_train.evaluation.eval", False),
 }
 STAGES = tuple(MODULES)
+# stage -> (its config in conf/, its schema): what eagle3-run checks each stage's options against
+SCHEMAS: dict[str, tuple[str, type]] = {
+    "prepare": ("prepare", PrepareConfig),
+    "dump": ("dump", DumpConfig),
+    "standardize": ("standardize", StandardizeConfig),
+    "train": ("train", TrainConfig),
+    "export": ("export", ExportConfig),
+    "check": ("check", CheckConfig),
+    "eval": ("eval", EvalConfig),
+}
 DIST_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 # ${shipped:heldout.jsonl}: a prompt file shipped in data_prep/prompts (recipes name them so)
@@ -80,6 +107,8 @@ class RunConfig:
     until: str | None = None  # stop after this stage (prepare | dump | standardize | train | export | check | eval)
     gpus: int = 1  # processes for the stages that take ranks (synthesis, dump, train), under torchrun when > 1
     dry_run: bool = False  # print the stage commands and run nothing
+    redo: str | None = None
+    """start over from this stage: it and every later stage write their output anew (overwrite=true where the stage takes it; dump/ and std/ under out= are removed); the stages before it are reused"""
     recipe: str = ""  # the recipe's name (set by conf/recipe/<name>.yaml)
     about: str = ""  # what the recipe is for, and which of its values were measured and which derived
     prepare: Any = field(default_factory=dict)  # eagle3-prepare options (target, input and out are set here)
@@ -98,6 +127,10 @@ class RunConfig:
         if self.until is not None and self.until not in self.stages():
             raise ConfigError(
                 f"until={self.until} is not a stage of this run (source={self.source}): one of {list(self.stages())}"
+            )
+        if self.redo is not None and self.redo not in self.stages():
+            raise ConfigError(
+                f"redo={self.redo} is not a stage of this run (source={self.source}): one of {list(self.stages())}"
             )
         if self.gpus < 1:
             raise ConfigError(f"gpus must be >= 1, got {self.gpus}")
@@ -213,7 +246,24 @@ def stage_options(cfg: RunConfig, stage: str) -> dict[str, Any]:
                 own[key] = online[key]
     if stage == "eval" and "prompts" not in own:
         own["prompts"] = str(shipped_prompts("heldout.jsonl"))
+    if redone(cfg, stage) and "overwrite" in {f.name for f in fields(SCHEMAS[stage][1])}:
+        own["overwrite"] = True
     return {**wiring(cfg, stage), **own}  # disjoint: the recipe may not set what the wiring does
+
+
+def redone(cfg: RunConfig, stage: str) -> bool:
+    """Whether ``redo=`` starts this stage over (it, or a stage before it, is named)."""
+    stages = cfg.stages()
+    return cfg.redo is not None and stages.index(stage) >= stages.index(cfg.redo)
+
+
+def check_stages(cfg: RunConfig, stages: tuple[str, ...]) -> None:
+    """Compose each stage's options against that stage's schema before any stage runs, so that a
+    typo or a wrong type in the last stage's options is refused before the first one starts; the
+    message writes the options as eagle3-run takes them (``train.optim.lr``)."""
+    for stage in stages:
+        config_name, schema = SCHEMAS[stage]
+        compose(config_name, overrides(stage_options(cfg, stage)), schema, prefix=f"{stage}.")
 
 
 def command(cfg: RunConfig, stage: str) -> list[str]:
@@ -229,10 +279,12 @@ def command(cfg: RunConfig, stage: str) -> list[str]:
 
 
 def run(cfg: RunConfig) -> int:
-    """Run (or print, with ``dry_run``) the stages up to ``until``; stop at the first that fails."""
+    """Run (or print, with ``dry_run``) the stages up to ``until``, each option checked first; stop
+    at the first that fails; end with the run's summary."""
     stages = cfg.stages()
     if cfg.until is not None:
         stages = stages[: stages.index(cfg.until) + 1]
+    check_stages(cfg, stages)
     plan = [(stage, command(cfg, stage)) for stage in stages]
     if cfg.dry_run:
         for stage, cmd in plan:
@@ -241,30 +293,121 @@ def run(cfg: RunConfig) -> int:
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     logger.info(f"eagle3-run: recipe {cfg.recipe or '(none)'}: {' -> '.join(stages)} under {out}")
+    typed = typed_command(cfg)
     # a stage forms its own process group (torchrun's, or one of one): none this process was given
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARIABLES} | {RUN_COMMAND_ENV: typed}
+    done: list[str] = []
     for stage, cmd in plan:
+        if redone(cfg, stage) and stage in ("dump", "standardize"):  # (no overwrite of their own)
+            shutil.rmtree(wiring(cfg, stage)["out"], ignore_errors=True)
         logger.info(f"eagle3-run: {stage}: {shlex.join(cmd)}")
         start = time.time()
-        rc = subprocess.run(cmd, env=env).returncode
+        try:
+            rc = run_stage(cmd, env | {RUN_STAGE_ENV: stage})
+        except KeyboardInterrupt:  # before the stage's process began
+            raise Interrupted(f"{stage} had not begun; {kept(done)}") from None
         seconds = round(time.time() - start, 1)
         with (out / "run.jsonl").open("a") as f:
             f.write(json.dumps({"stage": stage, "seconds": seconds, "rc": rc, "command": cmd}) + "\n")
+        if rc in (INTERRUPTED_STATUS, -signal.SIGINT, -signal.SIGTERM):
+            return INTERRUPTED_STATUS  # the stage said what it kept and how to continue
+        if rc == 2:
+            return 2  # the stage's one line (eagle3-run: error: <stage>: ...) is above: nothing to add
         if rc:
-            raise Eagle3Error(
-                f"eagle3-run: {stage} stopped with status {rc} after {seconds} s (its message is above); the stages "
-                f"before it are kept: run the same command again to continue from {stage}"
-            )
+            how = f"was killed (signal {-rc})" if rc < 0 else f"stopped with status {rc} (its message is above)"
+            raise Eagle3Error(f"{stage} {how} after {seconds} s; {kept(done)}: `{typed}` continues from {stage}")
+        done.append(stage)
         logger.info(f"eagle3-run: {stage} done in {seconds} s")
-    report = out / "eval" / "report.json"
-    if "eval" in stages and report.is_file():
-        r = read_eval_report(report)
-        logger.info(f"eagle3-run: tau {r.tau:.3f} on {r.prompts} prompts, lossless {r.lossless} -> {out}")
+    for line in summary(out, stages):
+        logger.info(line)
     return 0
 
 
+def kept(done: list[str]) -> str:
+    return f"the finished stages ({', '.join(done)}) are kept" if done else "no stage had finished"
+
+
+def typed_command(cfg: RunConfig) -> str:
+    """The eagle3-run command that continues this run (without ``redo=``, which would start over
+    again): as the user typed it, or written from the run's main options."""
+    if typed := os.environ.get(RUN_COMMAND_ENV):
+        return typed
+    words = [f"recipe={cfg.recipe}", f"out={cfg.out}", f"target={cfg.target}", f"source={cfg.source}"]
+    return shlex.join(["eagle3-run", *words, *([f"data={cfg.data}"] if cfg.data else [])])
+
+
+def read_arguments(args: list[str]) -> list[str]:
+    """eagle3-run's command line as Hydra takes it: a stage's option is set whether or not the
+    recipe names it (``eval.prompts=p.jsonl`` as ``++eval.prompts=p.jsonl``; the stage's schema
+    still refuses a key it lacks). The line as typed, less ``redo=``, is the one that continues."""
+    if not os.environ.get(SWEEP_CHILD_ENV):  # (a sweep's job continues with the sweep's line)
+        os.environ[RUN_COMMAND_ENV] = shlex.join(["eagle3-run", *(a for a in args if not a.startswith("redo="))])
+    stage = re.compile(rf"(?:{'|'.join(STAGES)})\.[^=]+=")
+    return [f"++{a}" if stage.match(a) else a for a in args]
+
+
+def run_stage(cmd: list[str], env: dict[str, str]) -> int:
+    """Run one stage's command in a process group of its own and wait for it. Ctrl-C, SIGTERM and
+    SIGHUP reach eagle3-run alone (the terminal's group) and are passed on once to the stage's
+    group, which stops cleanly and says what it kept; eagle3-run waits for it to finish saying so."""
+    caught: list[int] = []
+    proc: subprocess.Popen | None = None
+
+    def forward(signum: int, frame: Any) -> None:
+        caught.append(signum)
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signum)
+
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {s: signal.signal(s, forward) for s in handled}
+    try:
+        proc = subprocess.Popen(cmd, env=env, process_group=0)
+        for signum in caught:  # arrived while it was starting
+            os.killpg(proc.pid, signum)
+        return proc.wait()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def summary(out: Path, stages: tuple[str, ...]) -> list[str]:
+    """What the run made, from each stage's record: the data, training's evaluation (accuracy per
+    TTT step), eagle3-eval's report (tau, acceptance per position, lossless)."""
+    lines = [f"eagle3-run: summary ({out})"]
+    prepared = out / "prepared" / MANIFEST_NAME
+    if prepared.is_file():
+        c = read_manifest(out / "prepared", "prepare")["counts"]
+        lines.append(
+            f"  data: {c['rows_written']} samples, {c['tokens']} tokens ({c['loss_tokens']} assistant), "
+            f"{c['truncated']} cut at max_length"
+        )
+    if "train" in stages and (out / "train" / MANIFEST_NAME).is_file():
+        t = read_manifest(out / "train", "train")
+        acc = [round(a, 3) for a in t["eval"].get("eval_acc", [])]
+        lines.append(
+            f"  training: {t['step']} steps; held-out accuracy per TTT step {acc}, simulated tau "
+            f"{t['eval'].get('eval_tau', float('nan')):.2f}"
+        )
+    report = out / "eval" / "report.json"
+    if "eval" in stages and report.is_file():
+        r = read_eval_report(report)
+        lines.append(
+            f"  eagle3-eval ({r.engine}, HF layers {r.captured_hf_indices}, k={r.k}, {r.prompts} prompts): "
+            f"tau {r.tau:.2f}, acceptance per position {[round(a, 3) for a in r.acceptance_per_position]}, "
+            f"lossless {r.lossless}"
+        )
+    return lines
+
+
 # eagle3-train's options as they were named before they were split by concern (train.train.lr -> train.optim.lr)
-main = entry_point("run", RunConfig, run, renamed={f"train.{old}": f"train.{new}" for old, new in RENAMED.items()})
+main = entry_point(
+    "run",
+    RunConfig,
+    run,
+    renamed={f"train.{old}": f"train.{new}" for old, new in RENAMED.items()},
+    args=read_arguments,
+)
 
 if __name__ == "__main__":
     main()

@@ -518,8 +518,39 @@ def test_training_killed_anywhere_resumes_to_the_uninterrupted_run(std, trained,
     assert not (out / "manifest.json").exists()
     said()
     train(std, out, **TRAIN)
-    assert "resumed from" in said()  # the user is told where it went on from
+    assert "continuing from checkpoint step" in said()  # the user is told where it went on from
     assert_same_run(trained, out)
+
+
+def test_a_kill_loses_at_most_the_checkpoint_interval_in_minutes(std, trained, tmp_path, said):
+    """checkpoint.every_minutes alone (no save_every): a kill at step 5 finds the checkpoint of the
+    step before (an interval this short is due at every step), the rerun says it continues there
+    and ends with the weights of the uninterrupted run."""
+    out = tmp_path / "run"
+    kill_at("train.step", 5, lambda: train(std, out, every_minutes=1e-9))
+    assert sorted(p.name for p in (out / "checkpoints").glob("step*")) == ["step3", "step4"]  # keep_last=2
+    said()
+    train(std, out, every_minutes=1e-9)
+    assert "continuing from checkpoint step4 of" in said()
+    wa, wb = (load_file(str(last_checkpoint(run) / "draft.safetensors")) for run in (trained, out))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_ctrl_c_in_training_says_what_was_kept(std, tmp_path):
+    """Ctrl-C (SIGINT) at step 5 stops eagle3-train with Interrupted naming the checkpoint kept."""
+    from eagle3_train.core import faults
+    from eagle3_train.core.errors import Interrupted
+
+    out = tmp_path / "run"
+    faults._passed.clear()
+    os.environ[FAULT_ENV] = "train.step:5:int"
+    try:
+        with pytest.raises(Interrupted, match=r"training stopped at step 5 of \d+; its checkpoint step4 is kept"):
+            train(std, out, save_every=2, every_minutes=0)
+    finally:
+        del os.environ[FAULT_ENV]
+        faults._passed.clear()  # (forked children of later tests count their passages from 0)
+        _drop_process_group()
 
 
 def _full_disk(monkeypatch: pytest.MonkeyPatch, failing: str) -> None:

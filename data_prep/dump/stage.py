@@ -24,7 +24,7 @@ from data_prep.dump.writer import ShardWriter
 from eagle3_train.core.cli import config_dict
 from eagle3_train.core.contract import MANIFEST_NAME, CaptureSpec, read_manifest
 from eagle3_train.core.dist import all_gather_objects, barrier
-from eagle3_train.core.errors import Eagle3Error, IncompleteError
+from eagle3_train.core.errors import Eagle3Error, IncompleteError, Interrupted
 from eagle3_train.core.fileio import remove_temporaries
 from eagle3_train.core.formats import ShardRecord, finished_records, read_keys, remove_unfinished, verify_shard
 from eagle3_train.core.log import EVERY_RANK, progress_bar
@@ -107,7 +107,13 @@ class Dumper:
         self._claim()
         todo = self._todo()
         start = time.time()
-        written, tokens = self.backend.dump(self, todo)
+        try:
+            written, tokens = self.backend.dump(self, todo)
+        except KeyboardInterrupt:
+            kept = len(list(self.shard_dir.glob("*.json")))
+            raise Interrupted(
+                f"the dump stopped; {kept} finished shards are kept under {self.shard_dir} and are not dumped again"
+            ) from None
         return self._finish(time.time() - start, written, tokens)
 
     def _finished(self) -> dict[str, Any] | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,14 +34,100 @@ def conf_dir() -> str:
 CONF_DIR = conf_dir()
 
 
+# set by eagle3-run in each stage's process: the stage's name and the command the user typed, so
+# that the stage's errors, hints and Ctrl-C line are written as eagle3-run takes them
+RUN_STAGE_ENV = "EAGLE3_RUN_STAGE"
+RUN_COMMAND_ENV = "EAGLE3_RUN_COMMAND"
+INTERRUPTED_STATUS = 130  # a command stopped by Ctrl-C (SIGINT) or SIGTERM, as shells report it
+
+
+def as_typed(text: str) -> str:
+    """An option (``loop.min_steps``) or an assignment (``loop.min_steps=200``) of this stage as the
+    user writes it: as it is, or under eagle3-run ``train.loop.min_steps=200`` (``overwrite=true``:
+    ``redo=train``, which starts the stage over from eagle3-run)."""
+    stage = os.environ.get(RUN_STAGE_ENV)
+    if not stage:
+        return text
+    if text == "overwrite=true":
+        return f"redo={stage}"
+    return f"{stage}.{text}"
+
+
+def in_run_syntax(message: str, stage: str, keys: list[str]) -> str:
+    """A stage's message with its options (``keys``: the schema's dotted fields) written as
+    eagle3-run takes them: ``optim.lr`` -> ``train.optim.lr`` anywhere, ``out=`` -> ``train.out=``
+    where assigned, ``overwrite=true`` -> ``redo=train``."""
+    import re
+
+    message = re.sub(r"(?<![\w.+-])overwrite=true\b", f"redo={stage}", message)
+    dotted = sorted({k for key in keys for k in _prefixes(key) if "." in k}, key=len, reverse=True)
+    plain = sorted({key.split(".")[0] for key in keys}, key=len, reverse=True)
+    pattern = "|".join([rf"{re.escape(k)}(?![\w])" for k in dotted] + [rf"{re.escape(k)}(?==)" for k in plain])
+    if pattern:
+        message = re.sub(rf"(?<![\w.+/-])(\+{{0,2}})({pattern})", lambda m: f"{m[1]}{stage}.{m[2]}", message)
+    first = message.split(" ", 1)[0]
+    if first in plain:  # "max_length must be positive"
+        message = f"{stage}.{message}"
+    return message
+
+
+def _prefixes(key: str) -> list[str]:
+    """``a.b.c`` -> ``a.b.c``, ``a.b``."""
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 1, -1)]
+
+
+def continue_command(command: str) -> str:
+    """The command that continues this one: the user's eagle3-run line under eagle3-run, else this
+    command with its arguments (under torchrun: the same launch again)."""
+    import shlex
+
+    if typed := os.environ.get(RUN_COMMAND_ENV):
+        return f"`{typed}` continues"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return "the same launch again continues"
+    return f"`{shlex.join([command, *sys.argv[1:]])}` continues"
+
+
+def interrupted(command: str, said: str | None) -> None:
+    """One line for a stop by Ctrl-C or SIGTERM (global rank 0 only): what was kept, and the command
+    that continues; then exit with status 130."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        stage = os.environ.get(RUN_STAGE_ENV)
+        who = f"eagle3-run: {stage}" if stage else command
+        kept = said or "what it finished is kept (a rerun reuses it)"
+        logger.warning(f"{who}: interrupted: {kept}; {continue_command(command)}")
+    sys.exit(INTERRUPTED_STATUS)
+
+
 @contextlib.contextmanager
-def user_errors(command: str) -> Iterator[None]:
-    """Log an :class:`Eagle3Error` (or an OmegaConf error) as one message and exit with status 2."""
+def user_errors(command: str, schema: type | None = None) -> Iterator[None]:
+    """Log an :class:`Eagle3Error` (or an OmegaConf error) as one message and exit with status 2;
+    Ctrl-C or SIGTERM (``Interrupted`` saying what was kept) as one line, exit 130. Under eagle3-run,
+    the message names the options as eagle3-run takes them."""
+    from eagle3_train.core.errors import Interrupted
+
     try:
         yield
     except (Eagle3Error, OmegaConfBaseException) as e:
-        logger.error(f"{command}: error: {e}")
+        stage = os.environ.get(RUN_STAGE_ENV)
+        if stage and schema is not None:
+            from eagle3_train.core.fingerprint import flatten
+
+            logger.error(
+                f"eagle3-run: error: {stage}: {in_run_syntax(str(e), stage, list(flatten(config_dict(schema))))}"
+            )
+        else:
+            logger.error(f"{command}: error: {e}")
         sys.exit(2)
+    except KeyboardInterrupt as e:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while it exits: no traceback
+        interrupted(command, str(e) if isinstance(e, Interrupted) else None)
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (a scheduler's stop, eagle3-run passing one on) stops a command as Ctrl-C does."""
+    raise KeyboardInterrupt
 
 
 # names other trainers give our options (a misspelt key is matched by spelling otherwise)
@@ -69,32 +157,129 @@ def unknown_keys(cfg: DictConfig, schema: type) -> list[str]:
     return [key for key in given if not parents(key) & known]
 
 
-def to_config(cfg: DictConfig, schema: type[T]) -> T:
-    """The composed Hydra config as its dataclass, so ``__post_init__`` checks run on final values.
-    A key the schema has no field for (``+train.learning_rate=...``, which Hydra suggests for a
-    misspelt key) is refused, naming the nearest field, instead of dropped."""
+def unknown_options(unknown: list[str], schema: type, prefix: str = "") -> str:
+    """The message for options ``schema`` has no field for, each with the nearest field's name
+    (another trainer's name for it, a moved key, or the closest spelling); all written with
+    ``prefix`` (``train.`` under eagle3-run)."""
     import difflib
 
-    from eagle3_train.core.errors import ConfigError
     from eagle3_train.core.fingerprint import flatten
 
-    unknown = unknown_keys(cfg, schema)
-    if unknown:
-        known = list(flatten(config_dict(schema)))
-        said = []
-        for key in unknown:
-            leaf = SYNONYMS.get(key.rpartition(".")[2], key.rpartition(".")[2])
-            same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]  # another trainer's name, or a moved key
-            near = same_leaf if len(same_leaf) == 1 else difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-            said.append(f"{key}" + (f" (did you mean {near[0]}?)" if near else ""))
-        raise ConfigError(
-            f"unknown option{'s' if len(said) > 1 else ''} {', '.join(said)}: not a field of "
-            f"{schema.__name__}; the reference page of this command lists them all"
-        )
+    known = list(flatten(config_dict(schema)))
+    said = []
+    for key in unknown:
+        leaf = SYNONYMS.get(key.rpartition(".")[2], key.rpartition(".")[2])
+        same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]  # another trainer's name, or a moved key
+        near = same_leaf if len(same_leaf) == 1 else difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+        said.append(f"{prefix}{key}" + (f" (did you mean {prefix}{near[0]}?)" if near else ""))
+    owner = f"eagle3-{prefix.rstrip('.')}" if prefix else schema.__name__
+    return (
+        f"unknown option{'s' if len(said) > 1 else ''} {', '.join(said)}: not a field of {owner}; "
+        f"the reference page of {'that stage' if prefix else 'this command'} lists them all"
+    )
+
+
+def to_config(cfg: DictConfig, schema: type[T], prefix: str = "") -> T:
+    """The composed Hydra config as its dataclass, so ``__post_init__`` checks run on final values.
+    A key the schema has no field for (``+train.learning_rate=...``, which Hydra suggests for a
+    misspelt key) is refused, naming the nearest field, instead of dropped. ``prefix``: how the
+    messages write the options (``train.`` when eagle3-run checks a stage's)."""
+    from eagle3_train.core.errors import ConfigError
+
+    if unknown := unknown_keys(cfg, schema):
+        raise ConfigError(unknown_options(unknown, schema, prefix))
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, schema):
         raise TypeError(f"config composed into {type(obj).__name__}, expected {schema.__name__}")
     return obj
+
+
+def compose_error(error: Exception, schema: type, prefix: str = "") -> str:
+    """One line for an error of Hydra's composition (an unknown group option, a key not in the
+    config, a value of the wrong type, an override it cannot parse), options written with
+    ``prefix``; Hydra's own messages run to several lines and suggest ``+``."""
+    import re
+
+    text = str(error)
+    if m := re.search(r"Could not find '([\w/]+)/([^']+)'", text):
+        group, name = m[1], m[2]
+        options = re.findall(r"^\t(\S+)$", text, flags=re.M)
+        return f"{prefix}{group}={name}: no such {group}" + (f"; one of {', '.join(options)}" if options else "")
+    if m := re.search(r"Could not (?:override|delete from config)[^']*'([^']+)'", text):
+        return unknown_options([m[1]], schema, prefix)
+    cause = error.__cause__ or error.__context__
+    if m := re.search(r"Error merging override (\S+)", text):
+        why = str(cause).splitlines()[0] if cause is not None else text.splitlines()[-1]
+        return f"{prefix}{m[1].lstrip('+~')}: {why}"
+    if isinstance(error, OmegaConfBaseException) and getattr(error, "full_key", None):
+        return f"{prefix}{error.full_key}: {text.splitlines()[0]}"  # type: ignore[attr-defined]
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def compose(config_name: str, overrides: list[str], schema: type[T], prefix: str = "", check: bool = True) -> T | None:
+    """``conf/<config_name>.yaml`` composed with ``overrides`` and checked as ``schema`` (unless not
+    ``check``: composed only, None), inside a running Hydra app or outside one; every error is one
+    :class:`ConfigError` line."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    from eagle3_train.core.errors import ConfigError
+
+    try:
+        if GlobalHydra.instance().is_initialized():
+            cfg = hydra_compose(config_name=config_name, overrides=overrides)
+        else:
+            with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+                cfg = hydra_compose(config_name=config_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(compose_error(e, schema, prefix)) from None
+    if not check:
+        return None
+    try:
+        return to_config(cfg, schema, prefix)
+    except OmegaConfBaseException as e:
+        raise ConfigError(compose_error(e, schema, prefix)) from None
+    except ConfigError as e:
+        if not prefix or str(e).startswith("unknown option"):
+            raise
+        from eagle3_train.core.fingerprint import flatten
+
+        stage = prefix.rstrip(".")
+        raise ConfigError(in_run_syntax(str(e), stage, list(flatten(config_dict(schema))))) from None
+
+
+# Hydra flags whose value is the next argument
+FLAGS_WITH_VALUE = ("--cfg", "-c", "--package", "-p")
+
+
+def checked_arguments(config_name: str, schema: type, args: list[str]) -> None:
+    """Compose the command line's overrides before Hydra does, so that what Hydra would refuse in
+    several lines (exit 1) is one line: an unknown option or group choice, a wrong type, a bad
+    override. Left to Hydra: a sweep (``-m``), ``--help`` and other flags that change what it does."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from eagle3_train.core.errors import ConfigError
+
+    overrides, skip = [], False
+    shown = any(a in ("--cfg", "-c") for a in args)  # --cfg job: Hydra shows the config as composed, unchecked
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in FLAGS_WITH_VALUE:
+            skip = True
+        elif arg.startswith("-"):
+            return  # -m, --help, --info, -cn ...: Hydra's own
+        elif not arg.lstrip("+~").startswith("hydra"):
+            overrides.append(arg)
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        raise ConfigError(compose_error(e, schema)) from None
+    if not any(o.is_sweep_override() for o in parsed):
+        compose(config_name, overrides, schema, check=not shown)
 
 
 def config_dict(obj: Any) -> dict:
@@ -158,23 +343,38 @@ def renamed_option(args: list[str], renamed: dict[str, str]) -> str | None:
     return None
 
 
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
 def entry_point(
-    config_name: str, schema: type[T], run: Callable[[T], Any], renamed: dict[str, str] | None = None
+    config_name: str,
+    schema: type[T],
+    run: Callable[[T], Any],
+    renamed: dict[str, str] | None = None,
+    args: Callable[[list[str]], list[str]] | None = None,
 ) -> Callable[[], None]:
     """The console entry point ``eagle3-<config_name>`` (``_`` written ``-``): compose
     ``conf/<config_name>.yaml`` with the command-line overrides, check it as ``schema``, set up the
     console as its ``logging.*`` says (:func:`eagle3_train.core.log.setup_logging`), call ``run``;
     user errors print one line and exit 2, and an int that ``run`` returns is the exit status.
     ``renamed``: options that moved (old dotted key -> new), refused by their new name before Hydra
-    composes (which would otherwise say only that the old key is not in its struct)."""
+    composes (which would otherwise say only that the old key is not in its struct). ``args``: how
+    the command's arguments are read before Hydra sees them (eagle3-run lets a stage's option be
+    given without ``+``). Every argument is composed and checked first (:func:`checked_arguments`),
+    so that Hydra's own errors are one line too."""
     import hydra
+
+    from eagle3_train.core.errors import ConfigError
 
     command = f"eagle3-{config_name.replace('_', '-')}"
 
     @hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")
     def _main(cfg: DictConfig) -> None:
         setup_logging()  # the defaults until the config is read (its errors are shown too)
-        with user_errors(command):
+        with user_errors(command, schema):
             code = sweep_job(command, run, cfg)
             if code is None:
                 config = to_config(cfg, schema)
@@ -184,11 +384,17 @@ def entry_point(
             sys.exit(code)
 
     def main() -> None:
-        if renamed and (said := renamed_option(sys.argv[1:], renamed)):
-            setup_logging()
-            logger.error(f"{command}: error: {said}")
-            sys.exit(2)
-        _main()
+        setup_logging()
+        if threading_main():
+            signal.signal(signal.SIGTERM, _sigterm)
+        with user_errors(command, schema):
+            if args is not None:
+                sys.argv[1:] = args(sys.argv[1:])
+            if renamed and (said := renamed_option(sys.argv[1:], renamed)):
+                raise ConfigError(said)
+            checked_arguments(config_name, schema, sys.argv[1:])
+            _main()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: a Ctrl-C while the interpreter exits changes nothing
 
     main.__doc__ = f"Console entry point ``{command}``."
     return main

@@ -38,3 +38,8 @@ def check_numbers(
             value = getattr(section, name)
             if value is not None and not ok(value):
                 raise ConfigError(f"{prefix}{name} must be {bound}, got {value}")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or SIGTERM during a stage, with what the stage kept: the commands print it
+    as one line with the command that continues, and exit with status 130."""

@@ -2,7 +2,8 @@
 
 ``EAGLE3_FAULT_AT=<point>:<n>`` makes this process SIGKILL itself the ``n``-th time it passes
 ``fault_point("<point>")`` (``<point>:<n>:stop``: SIGSTOP instead, so a test can start a second
-process on the same directory while the first holds it, then kill the first). Unset, every point
+process on the same directory while the first holds it, then kill the first; ``<point>:<n>:int``:
+SIGINT, a Ctrl-C at that very point). Unset, every point
 is a dict lookup. The points, each placed after a unit of work or between two writes that a crash
 could separate:
 
@@ -40,4 +41,4 @@ def fault_point(point: str) -> None:
     n, _, action = rest.partition(":")
     _passed[point] += 1
     if _passed[point] == int(n):
-        os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
+        os.kill(os.getpid(), {"stop": signal.SIGSTOP, "int": signal.SIGINT}.get(action, signal.SIGKILL))

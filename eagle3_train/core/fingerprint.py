@@ -25,6 +25,8 @@ OUTSIDE_REQUEST: dict[str, dict[str, str]] = {
         "logging": "the console and where metrics go besides metrics.jsonl",
         "loop.eval_every": "when the held-out split is measured (the weights do not depend on it)",
         "checkpoint.save_every": "when checkpoints are written",
+        "checkpoint.every_minutes": "when checkpoints are written",
+        "overwrite": "whether an earlier run in out is removed first",
         "checkpoint.keep_last": "how many checkpoints are kept",
         "checkpoint.keep_best": "which checkpoint is kept besides the last",
         "loop.log_every": "how often a metrics line is written",

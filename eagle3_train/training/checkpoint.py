@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from eagle3_train.core.cli import as_typed
 from eagle3_train.core.contract import BEST_FILE, MANIFEST_NAME, run_checkpoints
 from eagle3_train.core.dist import barrier
 from eagle3_train.core.errors import ContractError, Eagle3Error
 from eagle3_train.core.fileio import atomic_write_json, remove_temporaries, save_safetensors
-from eagle3_train.core.stagedir import StageDir, hold_lock
+from eagle3_train.core.stagedir import REQUEST_NAME, StageDir, hold_lock
 from eagle3_train.training.tracking import TRACKER_FILE
 
 logger = logging.getLogger(__name__)
@@ -136,28 +137,38 @@ def run_directory(
 
     def hint(diffs: list[str]) -> str:
         why = {
-            "vocab_sha256": "the lm_head rows would mean other tokens: standardize with vocab_map=<the old map>",
+            "vocab_sha256": "the lm_head rows would mean other tokens: give the old map (offline: eagle3-standardize "
+            "vocab_map=<the old map>; online: online.vocab_map=<the old map>)",
             "micro_batches_per_step": "keep ranks x loop.grad_accum the same to resume at the same data position",
             "options": "a run continues only with the options it was started with (loop.epochs and "
             "loop.max_steps may be raised to extend it)",
             "data_fingerprint": "the run was trained on other data",
         }
         said = [text for key, text in why.items() if any(d.startswith(key) for d in diffs)]
-        return "; ".join(said + ["or start a new run with another out="])
+        return "; ".join(said + [f"{as_typed('overwrite=true')} starts the run over, or choose another out="])
 
     return StageDir(out, "train", request, what="training run", hint=hint, exclusive=True)
 
 
 def open_run(
-    out: Path, run_dir: StageDir, resume: str, keep_best: bool, metrics: Path, config: dict[str, Any], is_main: bool
+    out: Path,
+    run_dir: StageDir,
+    resume: str,
+    overwrite: bool,
+    keep_best: bool,
+    metrics: Path,
+    config: dict[str, Any],
+    is_main: bool,
 ) -> Path | None:
     """Claim the run directory for this request (collective); the checkpoint to continue from, or
     None for a fresh start, which clears an earlier run's metrics (and its tracker's run id) and
-    writes ``config.json``."""
+    writes ``config.json``. ``overwrite``: an earlier run's checkpoints and records go first."""
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         hold_lock(out, run_dir.what)  # (the claim below takes it too) before a killed run's leftovers go:
         remove_temporaries(out)  # unrenamed writes, while the other ranks wait at the barrier
+        if overwrite and (run_checkpoints(out) or (out / REQUEST_NAME).is_file()):
+            start_over(out)
     barrier()
     ckpts = run_checkpoints(out)
     if ckpts and resume == "never":
@@ -175,6 +186,15 @@ def open_run(
         (out / TRACKER_FILE).unlink(missing_ok=True)
         atomic_write_json(out / "config.json", config)
     return None
+
+
+def start_over(out: Path) -> None:
+    """Remove an earlier run from ``out`` (``overwrite=true``): its checkpoints first, then its
+    records, so a crash in between leaves a directory a rerun starts over in as well."""
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    for name in (MANIFEST_NAME, BEST_FILE, REQUEST_NAME, "metrics.jsonl", "config.json", TRACKER_FILE):
+        (out / name).unlink(missing_ok=True)
+    logger.info(f"eagle3-train: overwrite: the earlier run in {out} is removed; training starts over")
 
 
 @dataclass

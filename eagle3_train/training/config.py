@@ -121,14 +121,16 @@ class LoopConfig:
 class CheckpointConfig:
     """What the run keeps on disk, and how often (``checkpoint.*``; through eagle3-run ``train.checkpoint.*``)."""
 
-    save_every: int = 0  # checkpoint every N steps (0: only at the end)
+    every_minutes: float = 10.0
+    """checkpoint when this many minutes of training have passed since the last checkpoint (or the loop's start), so a kill loses at most this much work and a rerun continues from it (0: off; checked every step on one process, every 10 steps on several)"""
+    save_every: int = 0  # also checkpoint every N steps (0: off)
     keep_last: int = 2  # checkpoints kept
     keep_best: bool = False  # keep the checkpoint with the best eval simulated tau (saved when it improves, never deleted by keep_last, the one eagle3-export takes)
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
             raise ConfigError(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
-        _non_negative(self, "checkpoint", ("save_every",))
+        _non_negative(self, "checkpoint", ("save_every", "every_minutes"))
 
 
 @dataclass
@@ -257,6 +259,7 @@ class TrainConfig:
     out: str = MISSING  # run directory
     cache_dir: str | None = None  # where GGUF targets are converted once
     resume: str = "auto"  # auto: continue from the last checkpoint in out; never: refuse a used out
+    overwrite: bool = False  # start over: remove out's checkpoints, metrics and record of an earlier run (of these options or others) before training
     device: str = "auto"  # auto: cuda:<local_rank> if present, else cpu
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from eagle3_train.core.cli import config_dict, entry_point
+from eagle3_train.core.cli import as_typed, config_dict, entry_point
 from eagle3_train.core.contract import run_checkpoints
 from eagle3_train.core.dist import DistInfo, all_gather_objects, close, init_distributed
-from eagle3_train.core.errors import BadInputError, ConfigError, Eagle3Error
+from eagle3_train.core.errors import BadInputError, ConfigError, Eagle3Error, Interrupted
 from eagle3_train.core.faults import fault_point
 from eagle3_train.core.fingerprint import continued_options, request_options
 from eagle3_train.core.log import progress_bar
@@ -73,6 +73,8 @@ from eagle3_train.training.ttt import TargetCache, ttt_losses
 
 logger = logging.getLogger(__name__)
 
+FEW_STEPS = 100  # fewer optimizer steps than this are warned about: the draft barely moves from its start
+
 
 class Trainer:
     """One training run on this rank: build -> (resume) -> train_step... -> evaluate/save -> close."""
@@ -101,7 +103,7 @@ class Trainer:
         ttt = cfg.objective.ttt_length
         if ttt < USUAL_CHAIN:
             logger.warning(
-                f"warning: objective.ttt_length={ttt} < {USUAL_CHAIN}, the chain length eagle3-eval and the "
+                f"warning: {as_typed(f'objective.ttt_length={ttt}')} < {USUAL_CHAIN}, the chain length eagle3-eval and the "
                 f"engines usually draft: draft positions past {ttt} were never trained and accept less; "
                 f"train at least as many steps as the draft will propose"
             )
@@ -120,6 +122,10 @@ class Trainer:
         self.plan_batches()
         if note := self.batches.note(cfg.loop):
             logger.info(note)
+        if self.dist.is_main and (few := self.few_steps()):
+            logger.warning(few)
+        self._bar: Any = None  # the loop's progress bar
+        self._last_save = time.time()  # checkpoint.every_minutes counts from the loop's start and each save
         self.spent_s = 0.0  # loop seconds of earlier runs of this output (loop.max_minutes counts them)
         self._loop_start: float | None = None  # time.time() when this run's loop began
         self._loop_end: float | None = None  # and when it ended (the final evaluation and save are not loop time)
@@ -159,6 +165,25 @@ class Trainer:
             self.total_steps = min(self.total_steps, o.max_steps)
         self.planned_steps = self.total_steps  # what the epochs and max_steps allow; max_minutes may size it down
 
+    def few_steps(self) -> str | None:
+        """A warning when the epochs make too few optimizer steps for the draft to learn (a small
+        dataset at a recipe's large batches), naming what helps; None when they make enough, or
+        when loop.max_steps asks for fewer itself."""
+        o = self.cfg.loop
+        if self.planned_steps >= FEW_STEPS or (o.max_steps is not None and o.max_steps < FEW_STEPS):
+            return None
+        if o.min_steps < FEW_STEPS:
+            helps = (
+                f"{as_typed(f'loop.min_steps={2 * FEW_STEPS}')} makes the micro-batches smaller to give that many, "
+                f"or more data or {as_typed('loop.epochs')}"
+            )
+        else:  # min_steps is set: one sample per micro-batch is as small as batches go
+            helps = f"more data or {as_typed('loop.epochs')} (one sample per micro-batch already)"
+        return (
+            f"warning: this run makes only {self.planned_steps} optimizer steps ({len(self.train_split)} training "
+            f"samples, {o.epochs} epochs): too few for the draft to learn (tau stays near 1); {helps}"
+        )
+
     # -- checkpoints -----------------------------------------------------------------------------
 
     def _checkpoints(self) -> list[Path]:
@@ -183,6 +208,7 @@ class Trainer:
             self.out,
             self.run_dir,
             self.cfg.resume,
+            self.cfg.overwrite,
             self.cfg.checkpoint.keep_best,
             self.metrics_path,
             config_dict(self.cfg),
@@ -216,7 +242,10 @@ class Trainer:
         now = continued_options("train", config_dict(self.cfg))
         if note := continue_run(state, now, self.step, self.total_steps, self.best, self.out, self.dist.is_main):
             logger.info(f"eagle3-train: {note}")
-        logger.info(f"resumed from {last} at step {self.step}")
+        logger.info(
+            f"eagle3-train: continuing from checkpoint {last.name} of {self.out} at step {self.step} of "
+            f"{self.total_steps} ({as_typed('overwrite=true')} starts over)"
+        )
 
     def save(self) -> Path:
         """A DeepSpeed checkpoint plus the consolidated head (:mod:`eagle3_train.training.checkpoint`)."""
@@ -243,7 +272,9 @@ class Trainer:
         extra = {EMA_FILE: self.ema.state()} if self.ema else None
         tag, kept = f"step{self.step}", self.best.kept()
         keep = self.cfg.checkpoint.keep_last
-        return save_checkpoint(self.engine, self.out, tag, state, weights, self.dist.is_main, keep, kept, extra)
+        path = save_checkpoint(self.engine, self.out, tag, state, weights, self.dist.is_main, keep, kept, extra)
+        self._last_save = time.time()
+        return path
 
     def resumed_total(self, state: dict[str, Any], minutes: float) -> int:
         """The total a resumed run with ``loop.max_minutes`` starts from, before its loop measures
@@ -386,20 +417,50 @@ class Trainer:
         return self.best.update(self.step, result["eval_tau"])
 
     def run(self) -> dict[str, Any]:
+        """Train to the end (or resume's end); Ctrl-C or SIGTERM stop it as :class:`Interrupted`,
+        saying which checkpoint a rerun continues from."""
+        try:
+            return self._run()
+        except KeyboardInterrupt:
+            if self._bar is not None:  # its last line before the one that says what was kept
+                self._bar.close()
+            done = self._checkpoints()
+            lost = self.step - int(done[-1].name.removeprefix("step")) if done else 0
+            kept = (
+                f"its checkpoint {done[-1].name} is kept ({lost} step{'' if lost == 1 else 's'} past it will be "
+                f"trained again)"
+                if done
+                else "no checkpoint was written yet: a rerun starts from step 0"
+            )
+            raise Interrupted(f"training stopped at step {self.step} of {self.total_steps}; {kept}") from None
+
+    def checkpoint_due(self, at_sync: bool) -> bool:
+        """Whether ``checkpoint.every_minutes`` have passed since the last checkpoint (or the loop's
+        start): on several ranks decided together at ``at_sync`` steps only (one gather), so every
+        rank saves at the same step."""
+        minutes = self.cfg.checkpoint.every_minutes
+        if not minutes:
+            return False
+        due = time.time() - self._last_save >= 60 * minutes
+        if self.dist.world_size == 1:
+            return due
+        return at_sync and any(all_gather_objects(due))
+
+    def _run(self) -> dict[str, Any]:
         o, keep = self.cfg.loop, self.cfg.checkpoint
         if (self.step >= self.total_steps or self.best.early_stopped) and self._checkpoints():
             how = "stopped early" if self.best.early_stopped else "already trained"
             logger.info(f"eagle3-train: {self.out} is {how} at step {self.step}; nothing to do")
             evals = self.metrics.evals()
             return (evals[-1] if evals else {}) | checkpoint_paths(self.out, self._checkpoints()[-1], self.best.kept())
-        bar = progress_bar(
+        bar = self._bar = progress_bar(
             total=self.total_steps,
             initial=self.step,
             desc="train",
             unit="step",
             show=self.cfg.progress if self.dist.is_main else False,
         )
-        window_start = self._loop_start = time.time()
+        window_start = self._loop_start = self._last_save = time.time()
         start = self.step
         budget = (
             WallClockBudget(60 * o.max_minutes, self.planned_steps - start, self.spent_s) if o.max_minutes else None
@@ -444,7 +505,9 @@ class Trainer:
                     )
                     break
                 improved = keep.keep_best and self.best.record["step"] == self.step
-            if improved or (keep.save_every and self.step % keep.save_every == 0 and self.step < self.total_steps):
+            every = keep.save_every and self.step % keep.save_every == 0
+            at_sync = at_log or self.step % BUDGET_EVERY == 0
+            if (improved or every or self.checkpoint_due(at_sync)) and self.step < self.total_steps:
                 self.check_finite()
                 self.save()
         self._loop_end = time.time()
