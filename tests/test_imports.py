@@ -123,10 +123,12 @@ def test_no_import_cycle():
 
 
 def test_eagle3_train_never_imports_data_prep():
+    """The library stands without data_prep; only eagle3-run, which runs data_prep's stages and
+    checks their options against their schemas before the first runs, sits above both."""
     graph = import_graph()
     bad = {
         m: sorted(d for d in deps if d.startswith("data_prep"))
         for m, deps in graph.items()
-        if m.startswith("eagle3_train")
+        if m.startswith("eagle3_train") and m != "eagle3_train.run"
     }
     assert {m: d for m, d in bad.items() if d} == {}
