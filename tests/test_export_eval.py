@@ -278,7 +278,38 @@ def test_multi_turn_follows_the_targets_own_replies(pipeline, tmp_path):
     for cat in ("writing", "math"):
         steps = [a for o in outputs if o["category"] == cat for a in o["accepted"]]
         assert report["categories"][cat]["tau"] == pytest.approx((sum(steps) + len(steps)) / len(steps))
+    # τ by prompt length: every turn in the bucket its own prompt's length names, each bucket's τ over its turns
+    from eagle3_train.evaluation.eval import length_bucket
+
+    assert sum(v["prompts"] for v in report["prompt_lengths"].values()) == report["prompts"]
+    for span, figures in report["prompt_lengths"].items():
+        steps = [a for o in outputs if length_bucket(o["prompt_tokens"]) == span for a in o["accepted"]]
+        assert figures["tau"] == pytest.approx((sum(steps) + len(steps)) / len(steps))
     assert (tmp_path / "mt" / "acceptance.png").stat().st_size > 1000
+
+
+def test_prompt_length_buckets_name_their_edges_and_come_shortest_first():
+    from types import SimpleNamespace
+
+    from eagle3_train.evaluation.eval import by_prompt_length, length_bucket
+
+    assert [length_bucket(n) for n in (0, 255, 256, 1023, 1024, 4095, 4096, 8192, 40000)] == [
+        "<256",
+        "<256",
+        "256-1k",
+        "256-1k",
+        "1k-2k",
+        "2k-4k",
+        "4k-8k",
+        "8k-16k",
+        ">=32k",
+    ]
+    turns = [
+        SimpleNamespace(prompt_tokens=n, tokens=[0] * 3, accepted=a) for n, a in ((5000, [0, 1]), (10, [4]), (300, [2]))
+    ]
+    report = by_prompt_length(turns, 5)  # type: ignore[arg-type]
+    assert list(report) == ["<256", "256-1k", "4k-8k"]
+    assert [report[s]["tau"] for s in report] == [5.0, 3.0, 1.5]
 
 
 def test_tree_drafts_are_lossless_batch_invariant_and_accept_more(pipeline, tmp_path):

@@ -115,6 +115,8 @@ class EvalReport:
     chat_template_kwargs: dict[str, Any] | None = None  # the flags the prompts were rendered with (version 1)
     # who exported the draft (producer, version) and what it records of its capture (absent in older reports)
     draft_format: dict[str, Any] | None = None
+    # prompt-length bucket (<256, 256-1k, ..., >=32k) -> prompts, tokens, tau, acceptance (absent in older reports)
+    prompt_lengths: dict[str, dict[str, Any]] | None = None
     schema_version: int = EVAL_SCHEMA_VERSION
     record: dict[str, Any] = field(default_factory=dict)  # the stage record's fields (stage, request, ...)
 
@@ -130,7 +132,7 @@ class EvalReport:
         missing a field its version has."""
         version = _schema_version(data, where, EVAL, EVAL_SCHEMA_VERSION)
         own = _own_fields(
-            cls, data, where, EVAL, {"by_region", "chat_template_kwargs", "draft_format"}
+            cls, data, where, EVAL, {"by_region", "chat_template_kwargs", "draft_format", "prompt_lengths"}
         )  # absent before version 1
         own["schema_version"] = version
         return cls(**own, record={k: v for k, v in data.items() if k not in own})

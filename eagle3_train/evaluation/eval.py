@@ -561,6 +561,7 @@ class Evaluator:
             acceptance_per_position=overall["acceptance_per_position"],
             by_reply_position=by_position,
             categories=by_category(results, k),
+            prompt_lengths=by_prompt_length(results, k),
             turns=by_turn(results, k),
             by_region=by_region(results, k, self.markers),
             chat_template_kwargs=template_kwargs(self.target.tokenizer),
@@ -641,7 +642,8 @@ class Evaluator:
                 else ""
             )
             + f"per category "
-            f"{ {cat: round(v['tau'], 2) for cat, v in report['categories'].items()} }; lossless "
+            f"{ {cat: round(v['tau'], 2) for cat, v in report['categories'].items()} }; per prompt length "
+            f"{ {span: round(v['tau'], 2) for span, v in report['prompt_lengths'].items()} }; lossless "
             f"{report['lossless']} {counts}; {report['speculative_tokens_per_s']:.0f} tokens/s speculative, "
             f"{report['speedup']:.2f}x the speed of plain greedy (batch {self.cfg.batch_size}) -> {self.out}"
         )
@@ -672,6 +674,35 @@ def by_category(results: list[TurnResult], k: int) -> dict[str, dict[str, Any]]:
     return {
         cat: {"prompts": len(rs), "tokens": sum(len(r.tokens) for r in rs)} | acceptance([r.accepted for r in rs], k)
         for cat, rs in groups.items()
+    }
+
+
+# prompt tokens -> the bucket eval reports τ in: agents and RAG send prompts of thousands of tokens,
+# where a draft trained on short conversations has rarely seen a long context
+LENGTH_EDGES = (256, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def length_bucket(tokens: int) -> str:
+    """The prompt-length bucket of a turn's prompt (``<256``, ``256-1k``, ..., ``>=32k``)."""
+    name = lambda n: f"{n // 1024}k" if n >= 1024 else str(n)  # noqa: E731
+    low = 0
+    for edge in LENGTH_EDGES:
+        if tokens < edge:
+            return f"<{name(edge)}" if low == 0 else f"{name(low)}-{name(edge)}"
+        low = edge
+    return f">={name(low)}"
+
+
+def by_prompt_length(results: list[TurnResult], k: int) -> dict[str, dict[str, Any]]:
+    """Prompts, tokens, τ and acceptance per position of each prompt-length bucket (the prompt
+    each turn was decoded after, earlier turns and replies included), shortest first."""
+    order = {length_bucket(e - 1): i for i, e in enumerate((*LENGTH_EDGES, 10**9))}
+    groups: dict[str, list[TurnResult]] = {}
+    for r in results:
+        groups.setdefault(length_bucket(r.prompt_tokens), []).append(r)
+    return {
+        span: {"prompts": len(rs), "tokens": sum(len(r.tokens) for r in rs)} | acceptance([r.accepted for r in rs], k)
+        for span, rs in sorted(groups.items(), key=lambda item: order[item[0]])
     }
 
 
