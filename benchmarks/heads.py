@@ -70,7 +70,13 @@ def long_prompts(out: Path, per_bucket: int) -> None:
                 cursor += 1
             text = tok.decode(doc[:length]).strip()
             task = TASKS[i % len(TASKS)]
-            rows.append({"id": f"{bucket}-{i}", "category": bucket, "messages": [{"role": "user", "content": f"{text}\n\n{task}"}]})
+            rows.append(
+                {
+                    "id": f"{bucket}-{i}",
+                    "category": bucket,
+                    "messages": [{"role": "user", "content": f"{text}\n\n{task}"}],
+                }
+            )
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"{len(rows)} prompts, {per_bucket} per bucket {list(BUCKETS)} -> {out}")
 
@@ -81,19 +87,23 @@ class Job:
     def __init__(self, a: argparse.Namespace):
         self.a, self.work = a, Path(a.work)
         self.path = self.work / "heads.json"
-        self.res = json.loads(self.path.read_text()) if self.path.exists() else {
-            "what": "EAGLE-3 against EAGLE-3.1 heads (model.variant) at equal training-loop minutes on the smollm2 "
-            "recipe's synthesized data; tau on the shipped held-out prompts and by prompt length; served by vLLM "
-            "and SGLang through eagle3-bench",
-            "machine": gpu_name(),
-            "command": "python3 benchmarks/heads.py start " + " ".join(sys.argv[2:]),
-            "date": datetime.date.today().isoformat(),
-            "runs": "single run per (variant, seed)",
-            "settings": vars(a),
-            "steps": {},
-            "heads": {},
-            "bench": {},
-        }
+        self.res = (
+            json.loads(self.path.read_text())
+            if self.path.exists()
+            else {
+                "what": "EAGLE-3 against EAGLE-3.1 heads (model.variant) at equal training-loop minutes on the smollm2 "
+                "recipe's synthesized data; tau on the shipped held-out prompts and by prompt length; served by vLLM "
+                "and SGLang through eagle3-bench",
+                "machine": gpu_name(),
+                "command": "python3 benchmarks/heads.py start " + " ".join(sys.argv[2:]),
+                "date": datetime.date.today().isoformat(),
+                "runs": "single run per (variant, seed)",
+                "settings": vars(a),
+                "steps": {},
+                "heads": {},
+                "bench": {},
+            }
+        )
 
     def save(self) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -105,7 +115,9 @@ class Job:
         t0 = time.time()
         with open(self.work / f"{name}.log", "w") as log:
             try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=limit, env={**os.environ, **ENV, **(env or {})}).returncode
+                rc = subprocess.run(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, timeout=limit, env={**os.environ, **ENV, **(env or {})}
+                ).returncode
             except subprocess.TimeoutExpired:
                 rc = 124
         self.res["steps"][name] = {"rc": rc, "seconds": round(time.time() - t0, 1)}
@@ -135,15 +147,33 @@ class Job:
             shutil.copytree(base / "prepared", out / "prepared")
         overrides = [f"prepare.synthesize={a.n}", f"++train.loop.max_minutes={a.minutes}", f"++train.loop.seed={seed}"]
         overrides.append(f"++train.model.variant={variant}")
-        self.sh(f"run_{name}", [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2", f"out={out}", *overrides], 1200)
+        self.sh(
+            f"run_{name}", [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2", f"out={out}", *overrides], 1200
+        )
         rec = {"variant": variant, "seed": seed, "minutes": a.minutes}
         rec |= read_train(out / "train")
         rec["heldout"] = read_eval(out / "eval" / "report.json")
         if (out / "export").exists():
             long = out / "eval_long"
-            self.sh(f"long_{name}", [sys.executable, "-m", "eagle3_train.evaluation.eval", f"draft={out / 'export'}",
-                                    "target=embedded", f"prompts={PROMPTS / 'long.jsonl'}", "engine=sglang", "k=5",
-                                    "max_new_tokens=128", "dtype=float32", "batch_size=10", "plot=false", f"out={long}"], 900)
+            self.sh(
+                f"long_{name}",
+                [
+                    sys.executable,
+                    "-m",
+                    "eagle3_train.evaluation.eval",
+                    f"draft={out / 'export'}",
+                    "target=embedded",
+                    f"prompts={PROMPTS / 'long.jsonl'}",
+                    "engine=sglang",
+                    "k=5",
+                    "max_new_tokens=128",
+                    "dtype=float32",
+                    "batch_size=10",
+                    "plot=false",
+                    f"out={long}",
+                ],
+                900,
+            )
             rec["long"] = read_eval(long / "report.json")
         self.res["heads"][name] = rec
         self.save()
@@ -159,15 +189,32 @@ class Job:
             return
         tdir = target_dir()
         out = self.work / f"bench_{engine}_{variant}"
-        args = [f"engine={engine}", f"target={tdir}", f"draft={export}", f"out={out}", "max_new_tokens=128",
-                "max_turns=8", "plot=false", f"concurrency={concurrency}", "num_speculative_tokens=5"]
+        args = [
+            f"engine={engine}",
+            f"target={tdir}",
+            f"draft={export}",
+            f"out={out}",
+            "max_new_tokens=128",
+            "max_turns=8",
+            "plot=false",
+            f"concurrency={concurrency}",
+            "num_speculative_tokens=5",
+        ]
         if engine == "sglang":
-            args += [f"engine_args={SGLANG_ARGS}", "spec_args=--speculative-eagle-topk 1 --speculative-num-draft-tokens 6"]
+            args += [
+                f"engine_args={SGLANG_ARGS}",
+                "spec_args=--speculative-eagle-topk 1 --speculative-num-draft-tokens 6",
+            ]
         else:
             args += ["engine_args=--dtype bfloat16 --gpu-memory-utilization 0.5"]
-        env = {"PYTHONPATH": f"{site}:/tmp/site:/tmp/repo", "PATH": f"{site}/bin:{os.environ['PATH']}",
-               "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "TVM_FFI_CACHE_DIR": "/tmp/sgcache/tvm-ffi",
-               "FLASHINFER_WORKSPACE_BASE": "/tmp/sgcache"}
+        env = {
+            "PYTHONPATH": f"{site}:/tmp/site:/tmp/repo",
+            "PATH": f"{site}/bin:{os.environ['PATH']}",
+            "VLLM_USE_FLASHINFER_SAMPLER": "0",
+            "VLLM_NO_USAGE_STATS": "1",
+            "TVM_FFI_CACHE_DIR": "/tmp/sgcache/tvm-ffi",
+            "FLASHINFER_WORKSPACE_BASE": "/tmp/sgcache",
+        }
         self.sh(f"bench_{engine}_{variant}", [sys.executable, "-m", "eagle3_train.evaluation.bench", *args], 900, env)
         path = out / "results.json"
         self.res["bench"][f"{engine}_{variant}"] = json.loads(path.read_text()).get("rows") if path.exists() else None
@@ -176,7 +223,11 @@ class Job:
 
 def read_train(out: Path) -> dict:
     """Steps, loop seconds and the last logged rate of a training run (its metrics.jsonl)."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
+    rows = (
+        [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        if (out / "metrics.jsonl").exists()
+        else []
+    )
     train = [r for r in rows if "loss" in r and "lr" in r]
     evals = [r for r in rows if "eval_tau" in r]
     return {
@@ -193,8 +244,12 @@ def read_eval(path: Path) -> dict | None:
         return None
     r = json.loads(path.read_text())
     cats = {c: round(v["tau"], 3) for c, v in (r.get("categories") or {}).items()}
-    return {"tau": round(r["tau"], 3), "acceptance_per_position": r.get("acceptance_per_position"),
-            "lossless_counts": r.get("lossless_counts"), "categories": cats}
+    return {
+        "tau": round(r["tau"], 3),
+        "acceptance_per_position": r.get("acceptance_per_position"),
+        "lossless_counts": r.get("lossless_counts"),
+        "categories": cats,
+    }
 
 
 def target_dir() -> str:
@@ -206,7 +261,9 @@ def target_dir() -> str:
 
 def gpu_name() -> str:
     try:
-        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+        name = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         name = "no GPU"
     return f"1 x {name} (device tool), {sys.version.split()[0]}"
@@ -215,11 +272,20 @@ def gpu_name() -> str:
 def start(a: argparse.Namespace) -> None:
     """Copy the repository to /tmp/repo and run the job there, detached (it outlives this call)."""
     shutil.rmtree("/tmp/repo", ignore_errors=True)
-    shutil.copytree(REPO, "/tmp/repo", ignore=shutil.ignore_patterns(".git", ".vllm", ".sglang", ".gguf", ".whl", ".venv"))
+    shutil.copytree(
+        REPO, "/tmp/repo", ignore=shutil.ignore_patterns(".git", ".vllm", ".sglang", ".gguf", ".whl", ".venv")
+    )
     Path(a.work).mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "/tmp/repo/benchmarks/heads.py", "run", *sys.argv[2:]]
     with open(Path(a.work) / "job.log", "a") as log:
-        subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **ENV})
+        subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **ENV},
+            cwd="/tmp/repo",
+        )
     print("started:", " ".join(cmd))
 
 
@@ -236,23 +302,96 @@ def poll(a: argparse.Namespace) -> None:
         if (work / f).exists():
             shutil.copy(work / f, dest / f)
     with tarfile.open(dest / "logs.tgz", "w:gz") as tar:
-        for f in sorted(work.glob("*.log")) + sorted(work.glob("*/eval*/report.json")) + sorted(work.glob("bench_*/results.json")):
+        for f in (
+            sorted(work.glob("*.log"))
+            + sorted(work.glob("*/eval*/report.json"))
+            + sorted(work.glob("bench_*/results.json"))
+        ):
             tar.add(f, arcname=str(f.relative_to(work)))
     res = json.loads(path.read_text()) if path.exists() else {}
-    print(json.dumps({"steps": res.get("steps"), "heads": {k: (v.get("steps"), (v.get("heldout") or {}).get("tau")) for k, v in res.get("heads", {}).items()}}))
+    print(
+        json.dumps(
+            {
+                "steps": res.get("steps"),
+                "heads": {
+                    k: (v.get("steps"), (v.get("heldout") or {}).get("tau")) for k, v in res.get("heads", {}).items()
+                },
+            }
+        )
+    )
     print("ended" if res.get("ended") else "running")
 
 
 def results(a: argparse.Namespace) -> None:
+    """A polled heads.json as a results file (benchmarks/result.py): the figures, one table of the heads."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.result import Result
+
     res = json.loads(Path(a.file).read_text())
+    rows = [
+        [
+            k,
+            h["variant"],
+            h["seed"],
+            h["steps"],
+            h["loop_s"],
+            (h.get("heldout") or {}).get("tau"),
+            (h.get("heldout") or {}).get("categories", {}).get("multi_turn"),
+            (h.get("long") or {}).get("tau"),
+        ]
+        + [(h.get("long") or {}).get("categories", {}).get(b) for b in BUCKETS]
+        for k, h in res["heads"].items()
+    ]
+    served = [
+        [
+            k,
+            r["concurrency"],
+            round(r["spec"]["mean_acceptance_length"], 3),
+            r["spec"]["requests"],
+            round(r["speedup"], 3),
+        ]
+        for k, v in res["bench"].items()
+        if isinstance(v, list)
+        for r in v
+    ]
     kind = "h200" if "H200" in res["machine"] else "h100"
-    out = REPO / "benchmarks" / "results" / f"heads_{kind}.json"
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    print(out)
+    Result(
+        what=res["what"],
+        command=res["command"],
+        machine=res["machine"],
+        date=res["date"],
+        runs=res["runs"],
+        figures={"settings": res["settings"], "steps": res["steps"], "heads": res["heads"], "bench": res["bench"]},
+        tables=[
+            {
+                "title": "heads at equal training-loop minutes (tau: eagle3-eval, chain k=5, greedy, fp32, 128 new tokens)",
+                "header": [
+                    "run",
+                    "variant",
+                    "seed",
+                    "steps",
+                    "loop s",
+                    "held-out tau",
+                    "multi-turn tau",
+                    "long tau",
+                    *BUCKETS,
+                ],
+                "rows": rows,
+            },
+            {
+                "title": "served (eagle3-bench, 5 speculative tokens, 128 new tokens, held-out prompts)",
+                "header": ["engine_variant", "concurrency", "acceptance length", "conversations", "speed-up"],
+                "rows": served,
+            },
+        ],
+    ).write(REPO / "benchmarks" / "results" / f"heads_{kind}.json")
+    print(f"benchmarks/results/heads_{kind}.json")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     lp = sub.add_parser("long-prompts", help="write data_prep/prompts/long.jsonl (here, on the CPU)")
     lp.add_argument("--per-bucket", type=int, default=6)
@@ -263,7 +402,9 @@ def main() -> None:
         s.add_argument("--minutes", type=float, default=2.0, help="train.loop.max_minutes of every run")
         s.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
         s.add_argument("--variants", nargs="+", default=["eagle3", "eagle3.1"])
-        s.add_argument("--vllm-concurrency", default="[1,4,16,64]", help="eagle3-bench's levels for the last variant in vLLM")
+        s.add_argument(
+            "--vllm-concurrency", default="[1,4,16,64]", help="eagle3-bench's levels for the last variant in vLLM"
+        )
     pp = sub.add_parser("poll", help="wait, then copy what exists into DEST")
     pp.add_argument("--work", default="/tmp/heads")
     pp.add_argument("seconds", type=int)

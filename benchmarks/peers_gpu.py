@@ -41,8 +41,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from peers_results import FINAL_S, FRAMEWORKS, SWEEP_S, RunSpec, best, epochs_for, load, plan_steps  # noqa: E402
-from peers_results import read_run, read_session, results, step_time  # noqa: E402
+from peers_results import (  # noqa: E402  # noqa: E402
+    FINAL_S,
+    FRAMEWORKS,
+    SWEEP_S,
+    RunSpec,
+    best,
+    epochs_for,
+    load,
+    plan_steps,
+    read_run,
+    read_session,
+    results,
+    step_time,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))  # .peers/ staged: wheels, ModelOpt's launcher, data
@@ -156,7 +168,11 @@ def eval_cmd(export: Path, prompts: Path, out: Path) -> list[str]:
 
 
 def env_for(fw: str) -> dict[str, str]:
-    site = {"ours": [], "speculators": ["/tmp/specsite", "/tmp/vsite"], "modelopt": ["/tmp/mosite", str(PEERS / "modelopt_ex")]}
+    site = {
+        "ours": [],
+        "speculators": ["/tmp/specsite", "/tmp/vsite"],
+        "modelopt": ["/tmp/mosite", str(PEERS / "modelopt_ex")],
+    }
     path = [*site[fw], "/tmp/site", str(REPO), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": ":".join(p for p in path if p), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
@@ -172,7 +188,12 @@ def phase(run: str, name: str, cmd: list[str], env: dict, cwd: Path | None = Non
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode
     end = time.time()
     with (PO / "phases.jsonl").open("a") as f:
-        f.write(json.dumps({"run": run, "phase": name, "seconds": round(end - start, 1), "start": start, "end": end, "rc": rc}) + "\n")
+        f.write(
+            json.dumps(
+                {"run": run, "phase": name, "seconds": round(end - start, 1), "start": start, "end": end, "rc": rc}
+            )
+            + "\n"
+        )
     say(f"{run} {name} {'done' if rc == 0 else f'failed (rc {rc}), its log: {log}'} in {end - start:.0f} s")
     return rc == 0
 
@@ -184,7 +205,7 @@ class Server:
         self.cmd, self.log, self.url = cmd, log, url
 
     def __enter__(self) -> Server:
-        engine = f"source {REPO}/benchmarks/staging/engine_env.sh && exec \"${{vllm_env[@]}}\" {self.cmd}"
+        engine = f'source {REPO}/benchmarks/staging/engine_env.sh && exec "${{vllm_env[@]}}" {self.cmd}'
         self.proc = subprocess.Popen(["bash", "-c", engine], stdout=self.log.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=REPO)  # fmt: skip
         end = time.time() + 600
@@ -219,7 +240,8 @@ class Session:
             rows = [next(f) for _ in range(a.n)]
         self.convs.write_text("".join(rows))
         (PO / "convs_conversations.jsonl").write_text(  # the one key speculators' reader takes
-            "".join(json.dumps({"conversations": json.loads(r)["messages"]}) + "\n" for r in rows))
+            "".join(json.dumps({"conversations": json.loads(r)["messages"]}) + "\n" for r in rows)
+        )
         self.sha = hashlib.sha256(self.convs.read_bytes()).hexdigest()
 
     def prepare(self, fw: str, head: str) -> bool:
@@ -313,9 +335,19 @@ class Session:
                 str(run / "out"), "--export_path", str(export)], env, cwd=ex)  # fmt: skip
             shutil.rmtree(run / "out", ignore_errors=True)
         if ok and s.kind != "probe":
-            phase(s.name, "eval_heldout", eval_cmd(export, REPO / "data_prep/prompts/heldout.jsonl", run / "eval_heldout"), env_for("ours"))
+            phase(
+                s.name,
+                "eval_heldout",
+                eval_cmd(export, REPO / "data_prep/prompts/heldout.jsonl", run / "eval_heldout"),
+                env_for("ours"),
+            )
             if s.kind == "final":
-                phase(s.name, "eval_mtbench", eval_cmd(export, PEERS / "data/mt_bench_question.jsonl", run / "eval_mtbench"), env_for("ours"))
+                phase(
+                    s.name,
+                    "eval_mtbench",
+                    eval_cmd(export, PEERS / "data/mt_bench_question.jsonl", run / "eval_mtbench"),
+                    env_for("ours"),
+                )
                 self.serve(s.name, export)
         self.known.append(read_run(run, phases(), []))
 
@@ -401,13 +433,17 @@ def gpu_kind() -> str:
 def pack(examples: Path, mt_bench: Path) -> None:
     """Here: the peers' wheels, ModelOpt's launcher (GitHub only) and MT-bench into .peers/ (git-ignored)."""
     dest = REPO / ".peers"
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(dest / "whl"), *WHEELS], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(dest / "whl"), *WHEELS], check=True
+    )
     for f in MODELOPT_FILES:
         (dest / "modelopt_ex" / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(examples / f, dest / "modelopt_ex" / f)
     (dest / "data").mkdir(exist_ok=True)
     shutil.copy(mt_bench, dest / "data/mt_bench_question.jsonl")
-    if not (dest / "data" / DATA_SET).is_file():  # from a GPU run: eagle3-run recipe=smollm2 until=prepare ++prepare.save_conversations=...
+    if not (
+        dest / "data" / DATA_SET
+    ).is_file():  # from a GPU run: eagle3-run recipe=smollm2 until=prepare ++prepare.save_conversations=...
         raise SystemExit(f"peers_gpu: .peers/data/{DATA_SET} missing: the smollm2 recipe's synthesized conversations")
 
 
@@ -454,12 +490,18 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("start", "job", "plan"):
         p = sub.add_parser(name)
         p.add_argument("what", choices=["sweep", "final"])
-        p.add_argument("frameworks", nargs="+", help="ours, speculators[:default|:matched], modelopt[:default|:matched]")
+        p.add_argument(
+            "frameworks", nargs="+", help="ours, speculators[:default|:matched], modelopt[:default|:matched]"
+        )
         p.add_argument("--lrs", type=float, nargs="+", help="default: three per framework (sweep), the best (final)")
         p.add_argument("--seeds", type=int, nargs="+", help="default: its own (sweep), its own and +1 (final)")
         p.add_argument("--n", type=int, default=16384, help="conversations of the shared set, every framework alike")
-        p.add_argument("--variant", choices=["eagle3", "eagle3.1"], default="eagle3", help="ours' and speculators' head family")
-        p.add_argument("--results", type=Path, help="where earlier runs are read from (default: results/peers_<gpu>.json)")
+        p.add_argument(
+            "--variant", choices=["eagle3", "eagle3.1"], default="eagle3", help="ours' and speculators' head family"
+        )
+        p.add_argument(
+            "--results", type=Path, help="where earlier runs are read from (default: results/peers_<gpu>.json)"
+        )
         p.add_argument("--device", default=None, help="plan: the GPU kind whose step times to use")
     p = sub.add_parser("poll")
     p.add_argument("seconds", type=float)
@@ -476,7 +518,9 @@ def main(argv: list[str] | None = None) -> None:
     elif a.cmd == "start":
         shutil.rmtree(PO, ignore_errors=True)
         PO.mkdir(parents=True)
-        repo = Path("/tmp/repo") if Path("/tmp/repo").is_dir() else REPO  # (the call's own copy is replaced by the next)
+        repo = (
+            Path("/tmp/repo") if Path("/tmp/repo").is_dir() else REPO
+        )  # (the call's own copy is replaced by the next)
         smi = ["nvidia-smi", "--query-gpu=timestamp,memory.used", "--format=csv,noheader", "-l", "2"]
         if shutil.which("nvidia-smi"):
             subprocess.Popen(smi, stdout=(PO / "smi.csv").open("w"), start_new_session=True)

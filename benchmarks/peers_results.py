@@ -231,8 +231,11 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
         "frameworks": [asdict(r) | {"name": r.name} for r in order],
         "tables": [
             {**(v := verdict(runs)), "rows": [[_dash(x) for x in row] for row in v["rows"]]},
-            {"title": "Every run (seconds: steady loop, compilation, start-up, data preparation)",
-             "header": list(RUN_COLUMNS), "rows": [[_dash(getattr(r, c)) for c in RUN_COLUMNS] for r in order]},
+            {
+                "title": "Every run (seconds: steady loop, compilation, start-up, data preparation)",
+                "header": list(RUN_COLUMNS),
+                "rows": [[_dash(getattr(r, c)) for c in RUN_COLUMNS] for r in order],
+            },
         ],  # fmt: skip
     }
 
@@ -286,7 +289,9 @@ def trainer_points(text: str, steps: int) -> list[tuple[int, float]]:
     """HF Trainer's progress bar (ModelOpt): (step, seconds) at each reading of the bar that counts
     ``steps`` (its max_steps; the data loading's and the save's bars count other things)."""
     bars = re.findall(r"(\d+)/(\d+) \[(?:(\d+):)?(\d+):(\d\d)", text)
-    return [(int(d), 3600.0 * int(h or 0) + 60 * int(m) + int(s)) for d, n, h, m, s in bars if int(n) == steps and int(d)]
+    return [
+        (int(d), 3600.0 * int(h or 0) + 60 * int(m) + int(s)) for d, n, h, m, s in bars if int(n) == steps and int(d)
+    ]
 
 
 def _tau(path: Path) -> tuple[float | None, str | None]:

@@ -22,6 +22,7 @@ import ast
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import inspect
 import io
 import json
@@ -723,7 +724,10 @@ def families_measured() -> str:
 
 # page -> (title, file-name prefixes); a file no prefix claims goes to "other".
 RESULT_PAGES = {
-    "recipe": ("Recipe and data scaling", ("recipe_", "run_", "scaling_", "aux_", "vocab_", "synth_question")),
+    "recipe": (
+        "Recipe and data scaling",
+        ("recipe_", "run_", "scaling_", "aux_", "vocab_", "synth_question", "heads_"),
+    ),
     "demo": ("The CPU demo", ("demo_",)),
     "speed": (
         "Speed",
@@ -753,8 +757,20 @@ PAGE_NOTES = {  # a page's opening paragraph, where its results need one before 
     "sweep for every framework and two seeds (`peers_h100` / `peers_h200`, once measured); the older files below are "
     "kept as a record of what was run.\n\n",
 }
-HEAD_KEYS = ("what", "withdrawn", "machine", "device", "date", "command", "commands", "runs")
+HEAD_KEYS = ("what", "machine", "date", "command", "runs", "code_at")
 MAX_ROWS = 80
+
+
+@functools.cache
+def result_class() -> Any:
+    """``benchmarks/result.py``'s ``Result``, the one reader of the results files (loaded by its path:
+    the hook runs where the repository root need not be on ``sys.path``)."""
+    spec = importlib.util.spec_from_file_location("benchmarks_result", RESULTS.parent / "result.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.Result
 
 
 def _flat(d: dict, prefix: str = "", depth: int = 2) -> list[tuple[str, Any]]:
@@ -778,34 +794,30 @@ def _flat(d: dict, prefix: str = "", depth: int = 2) -> list[tuple[str, Any]]:
 
 
 def result_section(name: str, data: Any) -> str:
+    """A results file's section: its head (what, machine, date, command, runs), its figures, its tables."""
+    r = result_class().from_dict(data)
     out = [f"## {name.removesuffix('.json')}\n\n", f"`benchmarks/results/{name}`\n\n"]
-    if not isinstance(data, dict):
-        kind = type(data).__name__
-        return (
-            "".join(out)
-            + f"A {kind} of {len(data) if hasattr(data, '__len__') else 1} entries (no scalars at its top).\n\n"
-        )
     rows = []
     for key in HEAD_KEYS:
-        v = data.get(key)
+        v = getattr(r, key)
         if isinstance(v, dict):
             rows += [[f"{key}.{k}", cell(value_text(x))] for k, x in v.items() if not isinstance(x, (dict, list))]
-        elif v is not None and not isinstance(v, list):
+        elif v:
             rows.append([key, cell(value_text(v))])
-    figures = [(k, v) for k, v in _flat({k: v for k, v in data.items() if k not in HEAD_KEYS})]
+    figures = _flat(r.figures)
     for k, v in figures[:MAX_ROWS]:
         rows.append([code(k), cell(value_text(v))])
     if len(figures) > MAX_ROWS:
         rows.append(["…", f"{len(figures) - MAX_ROWS} more figures in the file"])
     out.append(table(["field", "value"], rows) + "\n")
-    out += data_tables(data)
+    out += data_tables(r.tables)
     return "".join(out)
 
 
-def data_tables(data: dict) -> list[str]:
-    """The tables a results file carries ready-made (``tables``: title, header, rows), as they are."""
+def data_tables(tables: list) -> list[str]:
+    """The tables a results file carries ready-made (title, header, rows), as they are."""
     out = []
-    for t in data.get("tables") or []:
+    for t in tables:
         if not (isinstance(t, dict) and isinstance(t.get("header"), list) and isinstance(t.get("rows"), list)):
             continue
         width = len(t["header"])
@@ -870,7 +882,8 @@ def results_pages() -> tuple[dict[str, str], dict[str, bytes]]:
         "Every measurement this project recorded, generated from `benchmarks/results/*.json` (one "
         "table per file: what was measured, on which machine, with which command, and its figures). The "
         "files hold more than these tables; the [benchmarks](../guide/benchmarks.md) page says how each "
-        "was run. Single runs unless a file says otherwise.\n\n",
+        "was run. Single runs unless a file says otherwise. A file older than the benchmark programs names "
+        "in `code_at` the commit whose tree its command runs in.\n\n",
     ]
     rows = []
     for page, members in by_page.items():
@@ -880,6 +893,7 @@ def results_pages() -> tuple[dict[str, str], dict[str, bytes]]:
         for f in members:
             try:
                 data = json.loads(f.read_text())
+                result_class().from_dict(data)
             except (OSError, ValueError) as e:
                 out.append(f"## {f.stem}\n\n`{f.name}` could not be read: {cell(e)}\n\n")
                 continue

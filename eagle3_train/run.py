@@ -362,7 +362,9 @@ def run_stage(cmd: list[str], env: dict[str, str]) -> int:
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     before = {s: signal.signal(s, forward) for s in handled}
     try:
-        proc = subprocess.Popen(cmd, env=env, process_group=0)
+        proc = subprocess.Popen(
+            cmd, env=env, start_new_session=True
+        )  # its own group: a Ctrl-C reaches it once, through forward()
         for signum in caught:  # arrived while it was starting
             os.killpg(proc.pid, signum)
         return proc.wait()

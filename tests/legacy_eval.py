@@ -1,7 +1,7 @@
 """eagle3-eval's decoder as it was before batching (commit 1201e79), kept verbatim as the
 independent reference: batch 1, the draft recomputing fc + midlayer over the whole context every
 verify step (quadratic in the generation length), plain greedy through ``generate``. The tests
-check the batched decoder against it token for token; benchmarks/bench_eval.py times it.
+check the batched decoder against it token for token.
 Not part of the library.
 """
 

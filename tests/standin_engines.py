@@ -309,7 +309,7 @@ class StandinVllm(_Standin):
         ``engine``'s rule reads from the draft's config (vLLM: top-level ids first)."""
         from eagle3_train.engines.rules import resolve
         from eagle3_train.evaluation.decoding import SpecDecoder
-        from eagle3_train.evaluation.eval import load_draft
+        from eagle3_train.serving.loading import load_draft
         from eagle3_train.targets import Target, eos_ids, target_identity
 
         identity = target_identity("standin", self.model.config, self.tokenizer)

@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from eagle3_train.core.errors import ConfigError
+from eagle3_train.core.reports import BENCH_SCHEMA_VERSION, read_bench_report
 from eagle3_train.engines.http import EngineError
 from eagle3_train.evaluation import projection
 from eagle3_train.evaluation.bench import Bench, BenchConfig, Request, percentile, stalled
-from eagle3_train.evaluation.reports import BENCH_SCHEMA_VERSION, read_bench_report
 from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
 from standin_engines import SimulatedSteps, StandinVllm
 

@@ -206,7 +206,7 @@ def test_train_recipe_options_compose_from_the_command_line():
     assert (cfg.model.lm_head_init, cfg.model.freeze_lm_head, cfg.model.aux_norm) == ("target", True, True)
     assert (cfg.checkpoint.keep_best, cfg.loop.early_stop_patience) == (True, 3)
     default = to_config(compose_config("train.yaml", overrides), schema)
-    assert (default.model.lm_head_init, default.model.freeze_lm_head, default.model.aux_norm) == (
+    assert (default.model.lm_head_init, default.model.freeze_lm_head, default.model.head_flags()["aux_norm"]) == (
         "random",
         False,
         False,

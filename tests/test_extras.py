@@ -12,7 +12,7 @@ import pytest
 from data_prep.synthesize import DuplicateFilter
 from eagle3_train.core.extras import EXTRAS, MissingExtraError
 from eagle3_train.engines.http import wait_ready
-from eagle3_train.evaluation.eval import plot_acceptance
+from eagle3_train.evaluation.plots import plot_acceptance
 from eagle3_train.evaluation.served_acceptance import parse_prometheus
 from eagle3_train.training.config import LoggingConfig
 from eagle3_train.training.tracking import open_tracker

@@ -1,4 +1,5 @@
-"""The import graph of the two packages: no cycle, and eagle3_train never imports data_prep.
+"""The import graph of the two packages: no cycle, no import up the layers, and eagle3_train never
+imports data_prep.
 
 Every import statement counts, at module level or inside a function (a lazy import is still a
 dependency); imports under ``if TYPE_CHECKING:`` are for type hints only and do not.
@@ -9,6 +10,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("data_prep", "eagle3_train")
+
+# The layers, lowest first: a module imports from its own layer and those below, never from above.
+# A module belongs to the longest prefix named here (eagle3_train itself: the package's version).
+LAYERS = (
+    ("eagle3_train", "eagle3_train.core"),  # the contracts, formats and helpers every stage shares
+    ("eagle3_train.model", "eagle3_train.targets", "eagle3_train.engines"),
+    ("eagle3_train.training", "eagle3_train.serving", "data_prep"),  # the stages
+    ("eagle3_train.evaluation",),  # reads what the stages made
+    ("eagle3_train.run",),  # runs them all
+)
 
 
 def project_modules() -> dict[str, Path]:
@@ -86,15 +97,38 @@ def test_the_walk_sees_lazy_imports_and_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
 
 
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the layer ``module`` belongs to (its longest prefix there)."""
+    found = [(len(p), i) for i, layer in enumerate(LAYERS) for p in layer if module == p or module.startswith(p + ".")]
+    assert found, f"{module} is on no layer: add its package to LAYERS"
+    return max(found)[1]
+
+
+def test_the_layers_place_every_module():
+    assert layer_of("eagle3_train.core.reports") == 0 and layer_of("eagle3_train") == 0
+    assert layer_of("eagle3_train.serving.card") == 2 and layer_of("data_prep.dump.stage") == 2
+    assert layer_of("eagle3_train.evaluation.eval") == 3 and layer_of("eagle3_train.run") == 4
+    for module in import_graph():
+        layer_of(module)
+
+
+def test_no_import_runs_up_the_layers():
+    graph = import_graph()
+    up = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m))
+    assert up == []
+
+
 def test_no_import_cycle():
     assert find_cycle(import_graph()) is None
 
 
 def test_eagle3_train_never_imports_data_prep():
+    """The library stands without data_prep; only eagle3-run, which runs data_prep's stages and
+    checks their options against their schemas before the first runs, sits above both."""
     graph = import_graph()
     bad = {
         m: sorted(d for d in deps if d.startswith("data_prep"))
         for m, deps in graph.items()
-        if m.startswith("eagle3_train")
+        if m.startswith("eagle3_train") and m != "eagle3_train.run"
     }
     assert {m: d for m, d in bad.items() if d} == {}

@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_train.core.errors import ContractError
-from eagle3_train.evaluation.eval import EvalConfig, Evaluator, load_draft_dir
-from eagle3_train.serving.check import CheckConfig, run_check
+from eagle3_train.evaluation.eval import EvalConfig, Evaluator
+from eagle3_train.serving.check import CheckConfig, ServingConfig, run_check
 from eagle3_train.serving.drafts import read_draft_dir
+from eagle3_train.serving.loading import load_draft_dir
 from eagle3_train.targets import load_target
 
 PEERS = Path(__file__).parent / "fixtures" / "peers"
@@ -237,13 +238,22 @@ def test_check_reports_each_format(target_dir, said):
     assert "it leaves unsaid: the target's revision or config hash" in out
     assert check("speculators", engines=["vllm", "sglang"]) == 1
     assert "SGLang 0.5.17 cannot load a speculators export" in said()
+    # no engine named: each judged on its own, and the draft passes where one serves it
+    assert check("speculators") == 0
+    out = said()
+    assert "serve with: vllm (each engine judged on its own" in out
+    assert "WARNING: sglang cannot serve it: SGLang 0.5.17 cannot load a speculators export" in out
+    assert check("speculators", serving=ServingConfig(engine="vllm")) == 0 and "serve with" not in said()
+    assert check("speculators", serving=ServingConfig(engine="sglang")) == 1
+    said()
     # ModelOpt: right on SGLang (ids + 1) and vLLM's V2 runner (the same states by default), one
     # layer early on vLLM's V1 runner, which takes eagle_config's ids as they are
-    assert check("modelopt") == 1
+    assert check("modelopt", engines=["sglang", "vllm"]) == 1
     out = said()
     assert "format: NVIDIA ModelOpt export" in out and "sglang 0.5.17, 0.5.23: eagle_config" in out
     assert "captures HF [1, 3, 4], the draft was trained on [2, 4, 5]" in out and "(V1 runner)" in out
     assert "hidden_norm(input_layernorm(h))" in out and "YaRN rope scaling" in out
+    assert check("modelopt") == 0 and "serve with: sglang" in said()
     assert check("modelopt", engines=["sglang"]) == 0
     said()
     # SpecForge without eagle_config: the capture is unsaid, both engines take their default

@@ -9,8 +9,7 @@ from dataclasses import asdict
 import pytest
 
 from eagle3_train.core.errors import BadInputError
-from eagle3_train.evaluation.eval import EvalConfig, Evaluator
-from eagle3_train.evaluation.reports import (
+from eagle3_train.core.reports import (
     BENCH_SCHEMA_VERSION,
     EVAL_SCHEMA_VERSION,
     SERVED_SCHEMA_VERSION,
@@ -23,6 +22,7 @@ from eagle3_train.evaluation.reports import (
     read_served_report,
     write_report,
 )
+from eagle3_train.evaluation.eval import EvalConfig, Evaluator
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from eagle3_train.core.errors import ConfigError, Eagle3Error
+from eagle3_train.core.reports import SERVED_SCHEMA_VERSION, read_served_report
 from eagle3_train.engines.http import EngineError
 from eagle3_train.engines.registry import ENGINES
 from eagle3_train.evaluation.eval import EvalConfig, Evaluator
-from eagle3_train.evaluation.reports import SERVED_SCHEMA_VERSION, read_served_report
 from eagle3_train.evaluation.served_acceptance import (
     ServedAcceptance,
     ServedAcceptanceConfig,

@@ -144,7 +144,7 @@ def test_concurrent_gguf_conversions_convert_once(tmp_path, monkeypatch):
     and load its finished directory; a half-written directory left behind is replaced, not loaded."""
     import threading
 
-    from eagle3_train import targets
+    from eagle3_train.targets import gguf as targets
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"not really a gguf")

@@ -2,7 +2,7 @@
 # The environments the serving engines run in on a GPU machine staged by benchmarks/staging/gpu_stage.sh (/tmp/site),
 # benchmarks/staging/stage_vllm.sh (/tmp/vsite) and benchmarks/staging/stage_sglang.sh (/tmp/sgsite): source it from the
 # repository root, then run a command in one with "${vllm_env[@]}" cmd ... or "${sglang_env[@]}" cmd ...
-# (the stage scripts print the same exports; benchmarks/families_gpu.py spells them in Python).
+# (the stage scripts print the same exports).
 SITE=${SITE:-/tmp/site} VSITE=${VSITE:-/tmp/vsite} SGSITE=${SGSITE:-/tmp/sgsite}
 REPO=${REPO:-$(pwd)}
 # shellcheck disable=SC2034  # used by the scripts that source this file

@@ -20,7 +20,9 @@ TARGET = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3
 
 
 def run(fw="ours", head="recipe", budget=180.0, lr=1e-3, seed=0, **measured) -> pr.Run:
-    return pr.Run(fw, head, "sweep" if budget == 180.0 else "final", budget, lr, seed, 100, 16384, device="h100", **measured)
+    return pr.Run(
+        fw, head, "sweep" if budget == 180.0 else "final", budget, lr, seed, 100, 16384, device="h100", **measured
+    )
 
 
 def test_a_budget_becomes_steps_at_the_steady_step_time_and_epochs_hold_them():
@@ -43,7 +45,9 @@ def test_compile_time_is_what_the_loop_took_above_its_steady_steps():
 
 def test_speculators_log_gives_its_step_times_without_validation_and_its_epoch_size():
     step_ms = [1.28e05, 448.0] + [60.0] * 18
-    text = "".join(f"  profile/step_ms={t},\n  profile/tokens_per_s={1e5 if i > 1 else 62.7},\n" for i, t in enumerate(step_ms))
+    text = "".join(
+        f"  profile/step_ms={t},\n  profile/tokens_per_s={1e5 if i > 1 else 62.7},\n" for i, t in enumerate(step_ms)
+    )
     text += "Epoch 0 100% ━━ 20/270  [ 0:02:10 < 0:00:00 , 16 it/s ]\n"
     text += "Validation epoch 1/1 started\n  profile/step_ms=9000.0,\nEpoch 0 100% ━ 30/30 [ 0:00:09 ]\nValidation epoch 1/1 completed\n"
     pts, tokens, per_epoch = pr.speculators_points(text)
@@ -72,7 +76,9 @@ def test_the_sweeps_best_goes_on_and_a_final_plans_two_seeds_of_it():
                                        ("speculators", "matched", 600.0, [3e-4], [42, 43])]  # fmt: skip
     with pytest.raises(SystemExit, match="no 3-minute sweep of modelopt"):
         pg.runs_wanted(argparse.Namespace(what="final", frameworks=["modelopt"], lrs=None, seeds=None), runs)
-    sweep = pg.runs_wanted(argparse.Namespace(what="sweep", frameworks=["speculators", "modelopt:matched"], lrs=None, seeds=None), [])
+    sweep = pg.runs_wanted(
+        argparse.Namespace(what="sweep", frameworks=["speculators", "modelopt:matched"], lrs=None, seeds=None), []
+    )
     assert [(fw, h, lrs) for fw, h, _, lrs, _ in sweep] == [("speculators", "default", [3e-4, 1e-3, 3e-3]),
         ("speculators", "matched", [3e-4, 1e-3, 3e-3]), ("modelopt", "matched", [1e-4, 3e-4, 1e-3])]  # fmt: skip
 
@@ -83,7 +89,9 @@ def test_a_difference_counts_only_beyond_the_seed_spread():
     assert pr.compare([2.0, 2.1], [2.0, 2.2]) == {"diff": -0.05, "spread": 0.2, "beyond_spread": False}
     assert pr.compare([2.0], [1.0, 1.1])["beyond_spread"] is None  # one seed: no spread to judge by
     assert pr.compare([], [1.0])["diff"] is None
-    runs = [run(budget=600.0, lr=2e-3, seed=s, tau_heldout=t, vllm_acceptance=t - 0.01) for s, t in ((0, 2.5), (1, 2.6))]
+    runs = [
+        run(budget=600.0, lr=2e-3, seed=s, tau_heldout=t, vllm_acceptance=t - 0.01) for s, t in ((0, 2.5), (1, 2.6))
+    ]
     runs += [run("speculators", "default", 600.0, 1e-3, s, tau_heldout=t) for s, t in ((42, 2.0), (43, 2.2))]
     runs += [run(lr=2e-3, tau_heldout=2.0)]  # the 3-minute sweep of ours, no peer at 3 minutes: no row
     (row,) = pr.verdict(runs)["rows"]
@@ -158,12 +166,16 @@ def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_pa
     for opt in ("training.max_steps=2400", "training.warmup_steps=120", "training.seed=43",
                 "eagle.eagle_architecture_config.num_attention_heads=9", "eagle.eagle_architecture_config.head_dim=64"):  # fmt: skip
         assert opt in cmd
-    ours = pg.ours_cmd(pr.RunSpec("ours", "recipe", "sweep", 180.0, 2e-3, 0, 700, 16384), tmp_path, tmp_path / "c.jsonl")
+    ours = pg.ours_cmd(
+        pr.RunSpec("ours", "recipe", "sweep", 180.0, 2e-3, 0, 700, 16384), tmp_path, tmp_path / "c.jsonl"
+    )
     assert {"++train.optim.lr=0.002", "++train.loop.max_steps=700", "++train.loop.seed=0"} <= set(ours)
     assert pg.ours_head() == {"mlp": 6144, "draft_vocab": 16384, "ttt": 5, "lm_head": "target, trained"}
 
 
-def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_not_stop_the_next(tmp_path, monkeypatch):
+def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_not_stop_the_next(
+    tmp_path, monkeypatch
+):
     """The job with each command stood in: ours has no step time on this GPU, so a probe runs first
     and the sweep's runs take 180 s / 0.3 s steps; speculators' data fails and only its runs go."""
     trained = []

@@ -212,7 +212,7 @@ def compose_error(error: Exception, schema: type, prefix: str = "") -> str:
         why = str(cause).splitlines()[0] if cause is not None else text.splitlines()[-1]
         return f"{prefix}{m[1].lstrip('+~')}: {why}"
     if isinstance(error, OmegaConfBaseException) and getattr(error, "full_key", None):
-        return f"{prefix}{error.full_key}: {text.splitlines()[0]}"  # type: ignore[attr-defined]
+        return f"{prefix}{error.full_key}: {text.splitlines()[0]}"
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 

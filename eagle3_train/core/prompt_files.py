@@ -18,6 +18,7 @@ directory's) name. Anything else stops with the file, line and field.
 
 from __future__ import annotations
 
+import importlib.resources
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,15 +45,21 @@ ROLE_ALIASES = {
 SHAPES = ("messages", "conversations", "turns", "prompt", "question")
 
 
+SHIPPED_PROMPTS = "data_prep.prompts"  # the package whose data files are the shipped prompt files
+
+
 def shipped_prompts(name: str) -> Path:
-    """A prompt file shipped in ``data_prep/prompts/`` (``heldout.jsonl``, ``train.jsonl``): a
-    package beside this one in a checkout and in an installed wheel, found by path, since
-    eagle3_train imports nothing of data_prep."""
-    path = Path(__file__).resolve().parents[2] / "data_prep" / "prompts" / name
-    if not path.is_file():
+    """A prompt file shipped in ``data_prep/prompts/`` (``heldout.jsonl``, ``train.jsonl``), found
+    by :mod:`importlib.resources` as that package's data, in a checkout and in an installed wheel
+    alike (the package holds data only: eagle3_train imports no code of data_prep)."""
+    try:
+        path: Path | None = Path(str(importlib.resources.files(SHIPPED_PROMPTS) / name)).resolve()
+    except ModuleNotFoundError:
+        path = None
+    if path is None or not path.is_file():
         raise BadInputError(
-            f"the shipped prompt file {path} is missing (this installation lacks data_prep/prompts); "
-            f"give prompts=<a prompt file>"
+            f"the shipped prompt file {path or f'{SHIPPED_PROMPTS}/{name}'} is missing (this installation lacks "
+            f"data_prep/prompts); give prompts=<a prompt file>"
         )
     return path
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from eagle3_train.core import families
 from eagle3_train.core.errors import ContractError
+from eagle3_train.engines.heads import DraftForward, Flags
 
 if TYPE_CHECKING:  # its own module: it imports torch
     from eagle3_train.engines.capture import StateCapture
@@ -340,6 +341,8 @@ class Engine:
         serves_note: what that refusal is, for the message.
         exports: it reads the ids from the draft's ``config.json``: export writes its keys and
             checks by default for it, eval takes its rule.
+        forwards: what it computes for a draft's forward flags, one row per version read, the
+            release this project serves with first (empty: it serves no draft, or none was read).
         skips_fc: it applies ``fc`` only when the captured width differs from the draft's hidden size.
         foreign_weights: what it does with a weight its draft class lacks, for export's refusal.
         in_process: it runs the target in this process (transformers): no server to start.
@@ -367,6 +370,7 @@ class Engine:
     serves: frozenset[str] | None = None
     serves_note: str = ""
     exports: bool = False
+    forwards: tuple[DraftForward, ...] = ()
     skips_fc: bool = False
     foreign_weights: str = ""
     in_process: bool = False
@@ -479,6 +483,37 @@ class Engine:
             f"{self.name} ({rule.versions}, {family} family, {rule.note}) cannot capture HF indices {ks} (N={n}): "
             f"{hint}"
         )
+
+    # -- the draft's forward flags --------------------------------------------------------------
+
+    def forwards_for(self, version: str | None = None) -> list[DraftForward]:
+        """The rows that say how ``version`` computes a draft (None: every version read; a version
+        not read: every version read, which the caller says it judged instead)."""
+        exact = [f for f in self.forwards if f.version == version]
+        return exact or list(self.forwards)
+
+    def forward(self, version: str | None = None) -> DraftForward | None:
+        """The row of ``version`` (None or unread: the release this project serves with); None when
+        no draft loader of this engine was read."""
+        rows = self.forwards_for(version)
+        return rows[0] if rows else None
+
+    def draft_flags(self, config: Mapping[str, Any], speculators: bool = False, version: str | None = None) -> Flags:
+        """The forward flags it computes for a draft whose config.json is ``config`` (all off where
+        no loader was read)."""
+        row = self.forward(version)
+        return row.flags(config, speculators) if row is not None else Flags()
+
+    def loads(self, speculators: bool) -> bool:
+        """Whether it loads a draft of this format (a speculators export, or the flat one)."""
+        row = self.forward()
+        return row is not None and (row.loads_speculators or not speculators)
+
+    def honours_sliding_window(self, version: str | None = None) -> bool:
+        """Whether it attends within the sliding window a draft's config names (else the whole context,
+        unless a server option says otherwise)."""
+        row = self.forward(version)
+        return row is not None and row.window_from_config
 
     # -- the command line ----------------------------------------------------------------------
 

@@ -109,10 +109,20 @@ class StateCapture(ABC):
     Args:
         read_from: the engine version whose API was read (``0.33.0``).
         tensors: checkpoint tensors the answers need (``load_target_tensors`` names).
+        memory_flag: its flag for the GPU memory share it takes ("": none known).
+        length_flag: its flag for the longest sequence it serves ("": none known).
+        oldest: (the oldest release whose state return was read, why older ones are refused); None: any.
+        final_server: each replica returns the post-norm final state from a second server.
+        writes_files: the engine writes the states to files in a directory both sides see.
     """
 
     read_from: str = ""
     tensors: tuple[str, ...] = ()
+    memory_flag: str = ""
+    length_flag: str = ""
+    oldest: tuple[str, str] | None = None
+    final_server: bool = False
+    writes_files: bool = False
 
     @abstractmethod
     def servers(self, server: ServerConfig) -> dict[str, str]:

@@ -27,6 +27,7 @@ from eagle3_train.engines.base import (  # noqa: F401  (re-exported: the names e
     engine_default,
     family_of,
 )
+from eagle3_train.engines.heads import Flags
 from eagle3_train.engines.registry import ENGINES  # noqa: F401  (re-exported)
 
 
@@ -120,16 +121,23 @@ DRAFT_WEIGHTS = frozenset(
 )
 
 
-# One RMSNorm over the concatenated aux states before fc (our model.aux_norm): both engines build
-# it, as ``input_norm``, when the config sets ``norm_before_fc`` (``eagle_config`` first, then the
-# top level; vLLM 0.26.0 and SGLang 0.5.17 / 0.5.23 llama_eagle3.py), and leave the weight out otherwise.
-NORM_BEFORE_FC_WEIGHT = "input_norm.weight"
+# The norms of the draft's forward flags (input_norm.weight, fc_norm.<i>.weight) are loaded only
+# when their flag is on: each engine version's row says so (eagle3_train/engines/heads.py).
+def flag_weights(flags: Flags, num_aux: int, engines: list[str]) -> dict[str, str]:
+    """{our weight name: the name ``engines`` load} for the norms ``flags`` add; every version of
+    every engine must load it under one name (raises :class:`ContractError` otherwise)."""
+    out: dict[str, str] = {}
+    for row in (row for e in engines for row in _engine(e).forwards):
+        for ours, theirs in row.weight_names(flags, num_aux).items():
+            if out.setdefault(ours, theirs) != theirs:
+                raise ContractError(f"{row.name} loads {ours} as {theirs}, another engine as {out[ours]}")
+    return out
 
 
-def unloadable_weights(names: set[str], norm_before_fc: bool = False) -> list[str]:
-    """The weight names neither engine would load (see :data:`DRAFT_WEIGHTS`; with
-    ``norm_before_fc`` also :data:`NORM_BEFORE_FC_WEIGHT`), sorted."""
-    return sorted(set(names) - DRAFT_WEIGHTS - ({NORM_BEFORE_FC_WEIGHT} if norm_before_fc else set()))
+def unloadable_weights(names: set[str], allowed: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The weight names neither engine would load (see :data:`DRAFT_WEIGHTS`; ``allowed``: the
+    norms the draft's flags add, under the engines' names), sorted."""
+    return sorted(set(names) - DRAFT_WEIGHTS - set(allowed))
 
 
 def foreign_weights_text(engines: list[str]) -> str:

@@ -56,10 +56,47 @@ from eagle3_train.engines.base import (
     shell,
 )
 from eagle3_train.engines.capture import CaptureJob, ServerConfig, StateCapture, port_of
+from eagle3_train.engines.heads import DraftForward, FlagRead
 from eagle3_train.engines.http import EngineError, post_json, wait_ready
 
 VERSION = "0.5.23"
 _READ = "0.5.17, 0.5.23"
+
+# The draft's forward flags (read from python/sglang/srt/models/llama_eagle3.py of 0.5.17 and 0.5.23,
+# alike in both). Its load_weights drops any name it has no parameter for, without a word; it applies
+# input_norm and fc_norm only where it applies fc (the captured width differs from the hidden size).
+_EAGLE3 = "python/sglang/srt/models/llama_eagle3.py"
+DRAFT_READS = {
+    "aux_norm": FlagRead(
+        (("eagle_config", "norm_before_fc"), ("norm_before_fc",)),
+        weight="input_norm.weight",
+        source=f"{_EAGLE3}: LlamaModel.__init__ and LlamaModel.forward",
+    ),
+    "fc_norm": FlagRead(
+        (("fc_norm",),),
+        weight="fc_norm.{i}.weight",  # also loads the legacy names aux_norm_low/mid/high as fc_norm.0/1/2
+        legacy=("use_aux_norm",),
+        source=f"{_EAGLE3}: LlamaModel.__init__ (one RMSNorm of target_hidden_size per aux state), "
+        "LlamaModel.forward (after input_norm)",
+    ),
+    "norm_before_residual": FlagRead(
+        (),
+        source=f"{_EAGLE3}: LlamaDecoderLayer.forward, whose input layer takes residual = hidden_states "
+        "before hidden_norm",
+        instead="it would serve this head with the raw residual h, not hidden_norm(h)",
+    ),
+    "norm_output": FlagRead(
+        (("norm_output",),),
+        source=f"{_EAGLE3}: LlamaModel.forward (the aux state the draft loop feeds to the next step)",
+    ),
+}
+DRAFT_FORWARDS = tuple(
+    # no reader for speculators configs (no model_type); a window only from --speculative-draft-window-size
+    DraftForward(
+        "sglang", v, DRAFT_READS, loads_speculators=False, window_from_config=False, source=f"SGLang {v}: {_EAGLE3}"
+    )
+    for v in ("0.5.17", "0.5.23")  # the first: the release this project serves with
+)
 
 
 def _deepseek(ids: list[int], n: int) -> list[int]:
@@ -297,6 +334,13 @@ class SglangCapture(StateCapture):
     """An aux-state server and a final-state server."""
 
     read_from = VERSION
+    memory_flag, length_flag = "--mem-fraction-static", "--context-length"
+    oldest = (
+        "0.5.23",
+        "SGLang 0.5.17 has no --return-aux-hidden-state-layer-ids (its aux states are the model's defaults); "
+        "the capture was read from 0.5.23",
+    )
+    final_server = True
 
     def servers(self, server: ServerConfig) -> dict[str, str]:
         return {"server.url": server.url, "server.final_url": server.final_url}
@@ -364,6 +408,7 @@ ENGINE = Engine(
     rules=RULES,
     verified=VERIFIED,
     exports=True,
+    forwards=DRAFT_FORWARDS,
     skips_fc=True,
     foreign_weights="would silently drop",
     # an H200 on 2026-12-03, SGLang 0.5.17: a float16 target (SmolLM2 from GGUF) with a bfloat16

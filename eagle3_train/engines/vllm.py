@@ -71,9 +71,43 @@ from eagle3_train.engines.capture import (
     first_difference,
     port_of,
 )
+from eagle3_train.engines.heads import DraftForward, FlagRead
 from eagle3_train.engines.http import EngineError, Transient, post_json, served_model, wait_ready
 
 VERSION = "0.33.0"
+
+# The draft's forward flags (read from vllm/model_executor/models/llama_eagle3.py of 0.26.0 and 0.33.0,
+# alike in both, and vllm/transformers_utils/configs/speculators/algos.py:update_eagle3 for speculators
+# configs, whose keys it copies from the top level with these defaults)
+_EAGLE3 = "vllm/model_executor/models/llama_eagle3.py"
+DRAFT_READS = {
+    "aux_norm": FlagRead(
+        (("eagle_config", "norm_before_fc"), ("norm_before_fc",)),
+        weight="input_norm.weight",
+        unflagged="skips",  # load_weights maps input_norm.* to nothing when the flag is off
+        source=f"{_EAGLE3}: LlamaModel.__init__, Eagle3LlamaForCausalLM.combine_hidden_states and load_weights",
+    ),
+    "fc_norm": FlagRead(
+        (("fc_norm",),),
+        weight="fc_norm.{i}.weight",
+        unflagged="fails",  # no fc_norm module to load into: AutoWeightsLoader raises
+        source=f"{_EAGLE3}: LlamaModel.__init__ (one RMSNorm of target_hidden_size per aux state), "
+        "Eagle3LlamaForCausalLM.combine_hidden_states (after input_norm)",
+    ),
+    "norm_before_residual": FlagRead(
+        (("norm_before_residual",),),
+        speculators_default=True,
+        source=f"{_EAGLE3}: LlamaDecoderLayer.__init__ and _norm_before_residual (the first layer)",
+    ),
+    "norm_output": FlagRead(
+        (("norm_output",),),
+        source=f"{_EAGLE3}: LlamaModel.forward (aux_output, which the proposer feeds to the next step)",
+    ),
+}
+DRAFT_FORWARDS = tuple(
+    DraftForward("vllm", v, DRAFT_READS, loads_speculators=True, window_from_config=True, source=f"vLLM {v}: {_EAGLE3}")
+    for v in ("0.26.0", "0.33.0")  # the first: the release this project serves with
+)
 
 # The target model_types whose vLLM 0.33.0 classes implement its EAGLE-3 interface (llama, mistral,
 # qwen2, qwen3, qwen3_moe, deepseek_v2/v3 -- Kimi-K2 runs in the DeepSeek-V3 class -- and gpt_oss).
@@ -367,6 +401,8 @@ class VllmCapture(StateCapture):
 
     read_from = VERSION
     tensors = ("norm",)
+    memory_flag, length_flag = "--gpu-memory-utilization", "--max-model-len"
+    writes_files = True  # into the files directory, from its first request
 
     def servers(self, server: ServerConfig) -> dict[str, str]:
         return {"server.url": server.url}
@@ -455,6 +491,7 @@ ENGINE = Engine(
     serves=EAGLE3_MODEL_TYPES,
     serves_note="runs EAGLE-3 drafts only for targets whose class implements its EAGLE-3 interface",
     exports=True,
+    forwards=DRAFT_FORWARDS,
     foreign_weights="would fail on",
     command=COMMAND,
     serve=serve,

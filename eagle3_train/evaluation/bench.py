@@ -61,10 +61,11 @@ from eagle3_train.core.fileio import atomic_write_bytes
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import Conversation, read_conversations, shipped_prompts
 from eagle3_train.core.reasoning import check_template_kwargs, request_kwargs
+from eagle3_train.core.reports import BenchReport, BenchRow, write_report
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import Engine, SpecMetrics, named_dtype
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
-from eagle3_train.evaluation.reports import BenchReport, BenchRow, write_report
+from eagle3_train.evaluation.plots import plot_speedup
 from eagle3_train.evaluation.served_acceptance import (
     CHAT_ROUTE,
     EngineClient,
@@ -685,37 +686,6 @@ def machine() -> dict[str, Any]:
             )
             gpus = [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else None
     return {"host": platform.node(), "os": platform.platform(), "python": platform.python_version(), "gpus": gpus}
-
-
-def plot_speedup(report: BenchReport, path: Path) -> None:
-    """Speed-up against concurrency (one line per temperature), and both engines' tokens/s."""
-    matplotlib = optional_import("matplotlib")
-    matplotlib.use("Agg")  # files only, never a window
-    plt = optional_import("matplotlib.pyplot")
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for temperature in report.settings["temperatures"]:
-        rows = [r for r in report.rows if r.temperature == temperature]
-        xs = [r.concurrency for r in rows]
-        label = "greedy" if temperature == 0 else f"temperature {temperature}"
-        left.plot(xs, [r.speedup for r in rows], marker="o", label=label)
-        for side, style, figs in (
-            ("baseline", "--", [r.baseline for r in rows]),
-            ("spec", "-", [r.spec for r in rows]),
-        ):
-            right.plot(xs, [f["output_tokens_per_s"] for f in figs], style, marker="o", label=f"{side}, {label}")
-    left.axhline(1.0, color="grey", linewidth=0.8)
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency (requests in flight)")
-        ax.legend(fontsize=8)
-    left.set_ylabel("speed-up (x)")
-    right.set_ylabel("output tokens/s")
-    left.set_title(f"{report.engine['name']}: with the draft / without")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 main = entry_point("bench", BenchConfig, lambda cfg: Bench(cfg).run())

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_train.core.errors import ContractError
-from eagle3_train.evaluation.tree import TreeShape, accept_path, propose_tree
+from eagle3_train.evaluation.tree import DraftTree, TreeShape, accept_path, propose_tree
 from eagle3_train.model import Eagle3Draft
 
 T = TypeVar("T")
@@ -176,6 +176,19 @@ def in_batches(prompts: list[list[int]], batch_size: int, run: Callable[[list[li
     return results
 
 
+@dataclass
+class _Batch:
+    """The rows of one speculative batch still decoding, their caches, and what the next round reads."""
+
+    rows: list[int]  # each live row's index into the batch's prompts
+    lengths: list[int]  # each live row's valid columns = the position of its newest token
+    cache: Any  # the target's transformers cache, every layer [B, heads, L, d]
+    dcache: list[tuple[torch.Tensor, torch.Tensor]]  # the draft's step-0 cache, column for column
+    valid: torch.Tensor  # [B, L] the layout's columns that belong to each row
+    last: torch.Tensor  # [B] each row's newest token (the target's own), not yet in the caches
+    hidden: torch.Tensor  # [B, H] the draft's step-0 output at the row's last accepted column
+
+
 class SpecDecoder:
     """Greedy speculative decoding of batches of prompts (chain or tree drafts), and the plain greedy
     reference.
@@ -268,10 +281,26 @@ class SpecDecoder:
         return in_batches(prompts, batch_size, lambda batch: self._speculative_batch(batch, max_new))
 
     def _speculative_batch(self, prompts: list[list[int]], max_new: int) -> list[Decoded]:
+        live = self._prefill(prompts)
+        out = [Decoded([t]) for t in live.last.tolist()]
+        self._select(live, [i for i in live.rows if not (max_new <= 1 or out[i].tokens[-1] in self.eos)])
+        while live.rows:
+            host = self._round(live)
+            self._select(live, self._record(live, host, out, max_new))
+            if live.rows and 4 * (live.valid.shape[1] - max(live.lengths)) > live.valid.shape[1]:
+                self._compact(live)
+        for d in out:  # as plain greedy decoding: stop at the first eos, at most max_new tokens
+            cut = next((i + 1 for i, t in enumerate(d.tokens) if t in self.eos), len(d.tokens))
+            d.tokens = d.tokens[: min(cut, max_new)]
+        return out
+
+    def _prefill(self, prompts: list[list[int]]) -> _Batch:
+        """The target over the left-padded prompts (its first new token), then the draft's step 0
+        over the same columns."""
         from transformers import DynamicCache
 
-        k, dev, draft = self.k, self.device, self.draft
-        ids, valid = left_pad(prompts, dev)  # [B, L]
+        draft = self.draft
+        ids, valid = left_pad(prompts, self.device)  # [B, L]
         lengths = [len(p) for p in prompts]  # valid columns per row = position of the row's last token
         padded = len(set(lengths)) > 1
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # [B, L]
@@ -286,111 +315,130 @@ class SpecDecoder:
         hidden = draft.step(draft.fuse(aux), nxt, positions, dcache, 0, mask)[:, -1]  # [B, H]
         self._sync()
         self.counters.draft_seconds += time.perf_counter() - start
+        return _Batch(list(range(len(prompts))), lengths, cache, dcache, valid, last, hidden)
 
-        out = [Decoded([t]) for t in last.tolist()]
-        rows = [i for i in range(len(prompts)) if not (max_new <= 1 or out[i].tokens[-1] in self.eos)]
-        keep = torch.tensor(rows, dtype=torch.long, device=dev)
-        cache, dcache, valid, last, hidden = self._select(cache, dcache, valid, last, hidden, keep, len(prompts))
-        lengths = [lengths[i] for i in rows]
+    def _round(self, live: _Batch) -> list[list[int]]:
+        """One verify step of every live row: draft, verify in one target forward, keep the accepted
+        columns, run the draft's step 0 over them. Returns per row ``[a, k drafts, the target's token]``."""
+        k, b, dev = self.k, len(live.rows), self.device
         slot = torch.arange(k + 1, device=dev)[None]  # [1, k+1]
-        while rows:
-            b = len(rows)
-            length = torch.tensor(lengths, device=dev)  # [B]
-            padded = len(set(lengths)) > 1 or valid.shape[1] != lengths[0]
-            pos = length[:, None] + slot  # [B, k+1] positions of the last token and a chain's drafts
-            start = time.perf_counter()
-            if self.tree is None:
-                drafts = draft.propose(hidden, length - 1, dcache, k, valid if padded else None)  # [B, k]
-            else:
-                tree = propose_tree(draft, hidden, last, length - 1, dcache, self.tree, k, valid if padded else None)
-            self._sync()
-            self.counters.draft_seconds += time.perf_counter() - start
-            if self.tree is None:
-                valid_in = torch.cat([valid, valid.new_ones(b, k + 1)], dim=1) if padded else None
-                logits, aux = self.target_forward(
-                    torch.cat([last[:, None], drafts], dim=1), pos, valid_in, cache, aux=True
-                )
-                assert aux is not None  # aux=True
-                greedy = logits.argmax(-1)  # [B, k+1]: the target's token after each prefix
-                match = (drafts == greedy[:, :k]) & ~self._is_eos(drafts)
-                a = match.long().cumprod(1).sum(1)  # [B] accepted drafts
-            else:  # one forward over the N nodes [B, N], each at its depth's position, seeing its ancestors
-                n = tree.tokens.shape[1]
-                valid_in = torch.cat([valid, valid.new_ones(b, n)], dim=1)
-                logits, aux = self.target_forward(
-                    tree.tokens, length[:, None] + tree.depths, valid_in, cache, aux=True, tree=tree.ancestors()
-                )
-                assert aux is not None  # aux=True
-                greedy = logits.argmax(-1)  # [B, N]: the target's token after each node's path
-                a, path = accept_path(tree, greedy, self._is_eos(tree.tokens), k)  # path [B, k+1]
-                # from here on as a chain's: the accepted path's drafts, the target's choices and states
-                drafts, greedy = tree.tokens.gather(1, path[:, 1:]), greedy.gather(1, path)
-                aux = aux.gather(1, path[..., None].expand(b, k + 1, aux.shape[-1]))
-            last = greedy.gather(1, a[:, None])[:, 0]  # [B] the target's own next token
-            host = torch.cat([a[:, None], drafts, last[:, None]], dim=1).tolist()
-            m = max(r[0] for r in host) + 1  # new columns kept by some row; the rest are cropped
-            if self.tree is None:
-                self._edit(cache, lambda x, cut=k + 1 - m: x[:, :, : x.shape[2] - cut])
-            else:  # only the accepted path's entries survive, moved to the first m new columns in path order
-                self._edit(
-                    cache,
-                    lambda x, old=valid.shape[1], keep=path[:, :m]: torch.cat(
-                        [x[:, :, :old], gather_columns(x[:, :, old:], keep)], dim=2
-                    ),
-                )
-            new_valid = slot[:, :m] <= a[:, None]  # [B, m]
-            padded = padded or any(r[0] + 1 < m for r in host)
-            # step 0 over the new columns: column i of a row predicts after its token i, i.e. draft
-            # i+1 while accepted, then the target's own token (later columns: junk, never seen)
-            start = time.perf_counter()
-            nxt = torch.where(slot[:, :m] < a[:, None], F.pad(drafts, (0, 1))[:, :m], last[:, None])
-            mask = extend_mask(valid, new_valid) if padded else None
-            out0 = draft.step(draft.fuse(aux[:, :m]), nxt, pos[:, :m], dcache, 0, mask)  # [B, m, H]
-            hidden = out0[torch.arange(b, device=dev), a]  # [B, H] at each row's last accepted column
-            self._sync()
-            self.counters.draft_seconds += time.perf_counter() - start
-            self.counters.draft_positions += b * (m + (k - 1) * (self.tree.topk if self.tree else 1))
-            self.counters.row_rounds += b
-            valid = torch.cat([valid, new_valid], dim=1)
-            still = []
-            for j, (row, r) in enumerate(zip(rows, host)):
-                acc = r[0]
-                out[row].tokens += r[1 : 1 + acc] + [r[-1]]
-                out[row].accepted.append(acc)
-                lengths[j] += acc + 1
-                if len(out[row].tokens) < max_new and r[-1] not in self.eos:
-                    still.append(j)
-            if len(still) < b:
-                keep = torch.tensor(still, dtype=torch.long, device=dev)
-                cache, dcache, valid, last, hidden = self._select(cache, dcache, valid, last, hidden, keep, b)
-                rows, lengths = [rows[j] for j in still], [lengths[j] for j in still]
-            if rows and 4 * (valid.shape[1] - max(lengths)) > valid.shape[1]:
-                index = compaction_index(valid)
-                self._edit(cache, lambda x, index=index: gather_columns(x, index))
-                dcache[0] = (gather_columns(dcache[0][0], index), gather_columns(dcache[0][1], index))
-                valid = valid.gather(1, index)
-                self.counters.compactions += 1
-        for d in out:  # as plain greedy decoding: stop at the first eos, at most max_new tokens
-            cut = next((i + 1 for i, t in enumerate(d.tokens) if t in self.eos), len(d.tokens))
-            d.tokens = d.tokens[: min(cut, max_new)]
-        return out
+        length = torch.tensor(live.lengths, device=dev)  # [B]
+        padded = len(set(live.lengths)) > 1 or live.valid.shape[1] != live.lengths[0]
+        pos = length[:, None] + slot  # [B, k+1] positions of the last token and a chain's drafts
+        proposed = self._propose(live, length, padded)
+        if isinstance(proposed, DraftTree):
+            a, drafts, greedy, aux, path = self._verify_tree(live, proposed, length)
+        else:
+            (a, drafts, greedy, aux), path = self._verify_chain(live, proposed, pos, padded), None
+        last = greedy.gather(1, a[:, None])[:, 0]  # [B] the target's own next token
+        host = torch.cat([a[:, None], drafts, last[:, None]], dim=1).tolist()
+        m = max(r[0] for r in host) + 1  # new columns kept by some row; the rest are cropped
+        self._keep_new_columns(live.cache, m, path, live.valid.shape[1])
+        new_valid = slot[:, :m] <= a[:, None]  # [B, m]
+        padded = padded or any(r[0] + 1 < m for r in host)
+        # step 0 over the new columns: column i of a row predicts after its token i, i.e. draft
+        # i+1 while accepted, then the target's own token (later columns: junk, never seen)
+        start = time.perf_counter()
+        nxt = torch.where(slot[:, :m] < a[:, None], F.pad(drafts, (0, 1))[:, :m], last[:, None])
+        mask = extend_mask(live.valid, new_valid) if padded else None
+        out0 = self.draft.step(self.draft.fuse(aux[:, :m]), nxt, pos[:, :m], live.dcache, 0, mask)  # [B, m, H]
+        live.hidden = out0[torch.arange(b, device=dev), a]  # [B, H] at each row's last accepted column
+        self._sync()
+        self.counters.draft_seconds += time.perf_counter() - start
+        self.counters.draft_positions += b * (m + (k - 1) * (self.tree.topk if self.tree else 1))
+        self.counters.row_rounds += b
+        live.valid, live.last = torch.cat([live.valid, new_valid], dim=1), last
+        return host
 
-    def _select(
-        self,
-        cache: Any,
-        dcache: list,
-        valid: torch.Tensor,
-        last: torch.Tensor,
-        hidden: torch.Tensor,
-        keep: torch.Tensor,
-        b: int,
-    ) -> tuple:
-        """Keep only the rows ``keep`` (indices into the current batch of ``b`` rows)."""
-        if keep.numel() == b:
-            return cache, dcache, valid, last, hidden
-        self._edit(cache, lambda x: x[keep])
-        dcache[:] = [(kk[keep], vv[keep]) for kk, vv in dcache[:1]]
-        return cache, dcache, valid[keep], last[keep], hidden[keep]
+    def _propose(self, live: _Batch, length: torch.Tensor, padded: bool) -> torch.Tensor | DraftTree:
+        """Each live row's drafts: a chain [B, k], or a tree of this decoder's shape."""
+        start = time.perf_counter()
+        valid = live.valid if padded else None
+        if self.tree is None:
+            proposed: torch.Tensor | DraftTree = self.draft.propose(live.hidden, length - 1, live.dcache, self.k, valid)
+        else:
+            proposed = propose_tree(
+                self.draft, live.hidden, live.last, length - 1, live.dcache, self.tree, self.k, valid
+            )
+        self._sync()
+        self.counters.draft_seconds += time.perf_counter() - start
+        return proposed
+
+    def _verify_chain(
+        self, live: _Batch, drafts: torch.Tensor, pos: torch.Tensor, padded: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One target forward over ``[last token, drafts]`` [B, k+1]. Returns the accepted drafts a [B],
+        the drafts, the target's token after each prefix [B, k+1] and its states there [B, k+1, n*H]."""
+        k, b = self.k, len(live.rows)
+        valid_in = torch.cat([live.valid, live.valid.new_ones(b, k + 1)], dim=1) if padded else None
+        logits, aux = self.target_forward(
+            torch.cat([live.last[:, None], drafts], dim=1), pos, valid_in, live.cache, aux=True
+        )
+        assert aux is not None  # aux=True
+        greedy = logits.argmax(-1)  # [B, k+1]: the target's token after each prefix
+        match = (drafts == greedy[:, :k]) & ~self._is_eos(drafts)
+        return match.long().cumprod(1).sum(1), drafts, greedy, aux  # [B] accepted drafts
+
+    def _verify_tree(
+        self, live: _Batch, tree: DraftTree, length: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward over the N nodes [B, N], each at its depth's position, seeing its ancestors.
+        Returns what :meth:`_verify_chain` does along the accepted path, and the path [B, k+1]."""
+        k, b = self.k, len(live.rows)
+        n = tree.tokens.shape[1]
+        valid_in = torch.cat([live.valid, live.valid.new_ones(b, n)], dim=1)
+        logits, aux = self.target_forward(
+            tree.tokens, length[:, None] + tree.depths, valid_in, live.cache, aux=True, tree=tree.ancestors()
+        )
+        assert aux is not None  # aux=True
+        greedy = logits.argmax(-1)  # [B, N]: the target's token after each node's path
+        a, path = accept_path(tree, greedy, self._is_eos(tree.tokens), k)  # path [B, k+1]
+        # from here on as a chain's: the accepted path's drafts, the target's choices and states
+        drafts, greedy = tree.tokens.gather(1, path[:, 1:]), greedy.gather(1, path)
+        aux = aux.gather(1, path[..., None].expand(b, k + 1, aux.shape[-1]))
+        return a, drafts, greedy, aux, path
+
+    def _keep_new_columns(self, cache: Any, m: int, path: torch.Tensor | None, old: int) -> None:
+        """Of the columns the verify forward appended after the ``old`` ones, keep ``m``: a chain crops
+        the rest; a tree keeps only the accepted path's entries, moved to the first m in path order."""
+        if path is None:
+            self._edit(cache, lambda x, cut=self.k + 1 - m: x[:, :, : x.shape[2] - cut])
+        else:
+            self._edit(
+                cache,
+                lambda x, keep=path[:, :m]: torch.cat([x[:, :, :old], gather_columns(x[:, :, old:], keep)], dim=2),
+            )
+
+    def _record(self, live: _Batch, host: list[list[int]], out: list[Decoded], max_new: int) -> list[int]:
+        """Each row's accepted drafts and the target's own token onto its output; returns the live
+        rows (indices into ``live.rows``) that go on."""
+        still = []
+        for j, (row, r) in enumerate(zip(live.rows, host)):
+            acc = r[0]
+            out[row].tokens += r[1 : 1 + acc] + [r[-1]]
+            out[row].accepted.append(acc)
+            live.lengths[j] += acc + 1
+            if len(out[row].tokens) < max_new and r[-1] not in self.eos:
+                still.append(j)
+        return still
+
+    def _select(self, live: _Batch, still: list[int]) -> None:
+        """Keep only the live rows ``still`` (indices into ``live.rows``)."""
+        if len(still) == len(live.rows):
+            return
+        keep = torch.tensor(still, dtype=torch.long, device=self.device)
+        self._edit(live.cache, lambda x: x[keep])
+        live.dcache[:] = [(kk[keep], vv[keep]) for kk, vv in live.dcache[:1]]
+        live.valid, live.last, live.hidden = live.valid[keep], live.last[keep], live.hidden[keep]
+        live.rows, live.lengths = [live.rows[j] for j in still], [live.lengths[j] for j in still]
+
+    def _compact(self, live: _Batch) -> None:
+        """Gather every row's valid columns to the right of the layout, in both caches."""
+        index = compaction_index(live.valid)
+        self._edit(live.cache, lambda x: gather_columns(x, index))
+        live.dcache[0] = (gather_columns(live.dcache[0][0], index), gather_columns(live.dcache[0][1], index))
+        live.valid = live.valid.gather(1, index)
+        self.counters.compactions += 1
 
     @staticmethod
     def _edit(cache: Any, fn: Any) -> None:

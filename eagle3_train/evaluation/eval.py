@@ -48,19 +48,18 @@ from eagle3_train.core.reasoning import (
     reasoning_tokens,
     trained_kwargs,
 )
+from eagle3_train.core.reports import EvalReport
 from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.engines import registry
 from eagle3_train.engines.rules import resolve
 from eagle3_train.evaluation.decoding import Counters, Reference, SpecDecoder
 from eagle3_train.evaluation.graph_spec import GraphSpecDecoder
-from eagle3_train.evaluation.reports import EvalReport
+from eagle3_train.evaluation.plots import plot_acceptance
 from eagle3_train.evaluation.tree import TreeShape
-from eagle3_train.model import Eagle3Draft
 from eagle3_train.serving.card import eval_dir
-from eagle3_train.serving.drafts import DraftDir, read_draft_dir
-from eagle3_train.serving.export import draft_config_from_json
+from eagle3_train.serving.drafts import default_engine, read_draft_dir
+from eagle3_train.serving.loading import load_draft, load_draft_dir  # noqa: F401 (load_draft: benchmarks/storage_error.py imports it from here)
 from eagle3_train.targets import (
-    Target,
     chat_template_of,
     eos_ids,
     load_target,
@@ -84,8 +83,8 @@ class EvalConfig:
 
     draft: str = MISSING  # an exported draft directory (config.json + model.safetensors)
     target: str = "embedded"  # the target (any form load_target takes)
-    engine: str = "sglang"
-    """whose rule turns the config's ids into captured layers: an engine export writes for (sglang | vllm)"""
+    engine: str | None = None
+    """whose rule turns the config's ids into captured layers, and whose forward the draft is computed with (sglang | vllm; null: the first engine that loads the draft's format, among those an export of ours was written for)"""
     prompts: str = MISSING  # JSONL (messages / MT-bench turns / HumanEval prompt / GSM8K question) or a saved dataset
     column: str | None = None  # the field holding each row's prompt (null: recognise the shape)
     out: str | None = None
@@ -122,7 +121,8 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, auto=True)
-        registry.engine(self.engine, "export", "engine")
+        if self.engine is not None:
+            registry.engine(self.engine, "export", "engine")
         check_numbers(
             self,
             positive=(
@@ -171,74 +171,6 @@ class EvalConfig:
 
 
 ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
-
-
-def load_draft(directory: Path, target: Target, engine: str = "sglang") -> tuple[Eagle3Draft, dict]:
-    """Build the draft from a draft directory (ours or another framework's export) as ``engine``
-    computes it; the embeddings are the target's. Returns the draft and its config.json."""
-    draft, dd = load_draft_dir(directory, target, engine)
-    return draft, dd.config
-
-
-def load_draft_dir(
-    directory: Path, target: Target, engine: str = "sglang", as_trained: bool = False
-) -> tuple[Eagle3Draft, DraftDir]:
-    """:func:`load_draft`, with the directory as read (:class:`eagle3_train.serving.drafts.DraftDir`):
-    its producer, what it records, the forward flags ``engine`` honours (``as_trained``: those its
-    producer trained with, where they differ)."""
-    if not (directory / "config.json").is_file() or not list(directory.glob("*.safetensors")):
-        raise BadInputError(
-            f"{directory} lacks config.json or model.safetensors (or other *.safetensors weights): not an exported draft"
-        )
-    dd = read_draft_dir(directory)
-    weights = dd.weights()
-    if "fc.weight" not in weights:
-        raise BadInputError(f"{directory}: its weights have no fc.weight")
-    try:
-        dc = draft_config_from_json(dd.trained_layer() if as_trained else dd.layer, weights["fc.weight"].shape[1])
-    except KeyError as e:
-        raise BadInputError(f"{directory}/config.json ({dd.title}): no {e.args[0]}") from e
-    except (TypeError, ValueError, ZeroDivisionError) as e:
-        raise BadInputError(
-            f"{directory}/config.json ({dd.title}): a shape field is missing or not a number ({e})"
-        ) from e
-    if as_trained and (why := dd.as_trained_refusal()) is not None:
-        raise ContractError(f"{directory} ({dd.title}): as_trained=true: {why}")
-    for name in dd.skipped_by(engine):  # loaded and never applied by the engine: left out as it leaves them
-        logger.warning(f"eagle3-eval: {directory} ({dd.title}): {engine} does not apply {name}; nor does eval")
-        weights.pop(name)
-    if (refusal := dd.refusal(engine, weights["fc.weight"].shape[1])) is not None:
-        raise ContractError(f"{directory} ({dd.title}): {refusal}")
-    dc = replace(dc, **vars(dd.trained_flags() if as_trained else dd.flags(engine)))
-    if dc.vocab_size != target.vocab_size or dc.hidden_size != target.hidden_size:
-        raise ContractError(
-            f"{directory}: draft vocab {dc.vocab_size} / hidden {dc.hidden_size} do not fit target "
-            f"{target.identity.path} (vocab {target.vocab_size}, hidden {target.hidden_size})"
-        )
-    model = Eagle3Draft(dc)
-    weights["embed_tokens.weight"] = target.model.get_input_embeddings().weight.detach().float()
-    if "d2t" not in weights:
-        weights["d2t"] = torch.zeros(dc.draft_vocab_size, dtype=torch.int64)
-    if "t2d" not in weights:  # ModelOpt writes none: the engines do not read it
-        ids = weights["d2t"] + torch.arange(dc.draft_vocab_size)
-        weights["t2d"] = torch.zeros(dc.vocab_size, dtype=torch.bool).index_fill_(
-            0, ids.clamp(0, dc.vocab_size - 1), True
-        )
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    wrong = [
-        f"{k} {tuple(v.shape)} (the config makes it {shapes[k]})"
-        for k, v in weights.items()
-        if k in shapes and tuple(v.shape) != shapes[k]
-    ]
-    if wrong:
-        raise BadInputError(f"{directory} ({dd.title}): weights of another shape than its config.json says: {wrong}")
-    missing, unexpected = model.load_state_dict({k: v for k, v in weights.items()}, strict=False)
-    if missing or unexpected:
-        raise BadInputError(f"{directory} ({dd.title}): weights missing {missing}, unexpected {unexpected}")
-    ids = weights["d2t"] + torch.arange(dc.draft_vocab_size)
-    if ids.min() < 0 or ids.max() >= dc.vocab_size:
-        raise ContractError(f"{directory}: d2t maps draft ids outside the target vocab of {dc.vocab_size}")
-    return model.eval(), dd
 
 
 def short_training_warning(config: dict, k: int, tree: bool = False) -> str | None:
@@ -396,7 +328,10 @@ class Evaluator:
     """Loads target + exported draft, decodes every conversation turn by turn, writes the report."""
 
     def __init__(self, cfg: EvalConfig):
-        self.cfg = cfg
+        if cfg.engine is None:  # the draft's format says which engine serves it
+            cfg = replace(cfg, engine=default_engine(read_draft_dir(Path(cfg.draft).expanduser())))
+        assert cfg.engine is not None  # (named, or the draft's)
+        self.cfg, self.engine = cfg, cfg.engine
         if cfg.plot:  # before the target loads, not after the decoding
             optional_import("matplotlib")
         device = resolve_device(cfg.device)
@@ -466,7 +401,7 @@ class Evaluator:
         if not self.cfg.as_trained:
             how = f"eval computes as {self.cfg.engine} does (as_trained=true: as it was trained)"
         out += [f"{dd.title}: {note}; {how}" for note in dd.train_serve_notes()]
-        if (w := dd.sliding_window()) is not None and self.cfg.engine == "vllm":
+        if (w := dd.sliding_window()) is not None and registry.ENGINES[self.engine].honours_sliding_window():
             out.append(
                 f"{dd.title}: vLLM attends within a sliding window of {w} tokens; eval attends to the whole "
                 f"context (equal while contexts stay under {w - self.cfg.depth} tokens)"
@@ -566,7 +501,8 @@ class Evaluator:
         return {"options": opts, "draft": files, "target": self.target.identity.to_dict()}
 
     def run(self) -> dict[str, Any]:
-        k = self.cfg.depth
+        """Decode, write ``outputs.jsonl``, ``acceptance.png`` and the report (last), log the
+        summary; a report of these very options and draft is returned as it stands."""
         self.out.mkdir(parents=True, exist_ok=True)
         hold_lock(self.out, "evaluation")  # one eval to out= at a time: a second is refused, naming the first
         remove_temporaries(self.out)  # a killed eval's unrenamed report
@@ -577,22 +513,32 @@ class Evaluator:
             return old
         conversations = self.conversations()
         results, seconds = self.decode(conversations)
-        categories = sorted({r.conversation.category for r in results})
-        by_category = {c: [r for r in results if r.conversation.category == c] for c in categories}
+        counts, cases = lossless_summary(results)
+        report = self.report(len(conversations), results, seconds, counts, cases)
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_outputs(results, self.out / "outputs.jsonl")
+        if self.cfg.plot:
+            plot_acceptance(report, self.out / "acceptance.png")
+        report = out.write_manifest(report)
+        self._log_summary(report, counts, cases)
+        return report
+
+    def report(
+        self,
+        conversations: int,
+        results: list[TurnResult],
+        seconds: dict[str, float],
+        counts: dict[str, int],
+        cases: list[dict[str, Any]],
+    ) -> dict[str, Any]:
+        """The report's fields (:class:`eagle3_train.core.reports.EvalReport`) of these results."""
+        k, tokens = self.cfg.depth, sum(len(r.tokens) for r in results)
         overall = acceptance([r.accepted for r in results], k)
-        tokens = sum(len(r.tokens) for r in results)
-        cases = [
-            {"source": r.conversation.source, "turn": r.turn + 1} | r.check
-            for r in results
-            if r.check["status"] != "identical"
-        ]
-        counts = {s: sum(r.check["status"] == s for r in results) for s in ("identical", "numerical", "diverged")}
-        c = (self.fast or self.decoder).counters
         by_position = acceptance_by_position(
             [r.accepted for r in results], k, self.cfg.position_bucket, [r.tokens for r in results]
         )
-        report = EvalReport(
-            engine=self.cfg.engine,
+        return EvalReport(
+            engine=self.engine,
             rule=self.resolution.rule.versions,
             ids_read_from=self.resolution.source,
             ids=self.resolution.ids,
@@ -603,7 +549,7 @@ class Evaluator:
             looping=looping_warnings(by_position),  # reply stretches where the target repeats itself
             trained_hf_indices=self.capture.hf_indices if self.capture.recorded else None,
             trained_ttt_length=self.config.get("eagle3_train", {}).get("training", {}).get("ttt_length"),
-            conversations=len(conversations),
+            conversations=conversations,
             prompts=len(results),
             k=k,
             tokens=tokens,
@@ -614,26 +560,11 @@ class Evaluator:
             tau=overall["tau"],
             acceptance_per_position=overall["acceptance_per_position"],
             by_reply_position=by_position,
-            categories={
-                cat: {"prompts": len(rs), "tokens": sum(len(r.tokens) for r in rs)}
-                | acceptance([r.accepted for r in rs], k)
-                for cat, rs in by_category.items()
-            },
-            turns={
-                str(t + 1): acceptance([r.accepted for r in results if r.turn == t], k)["tau"]
-                for t in sorted({r.turn for r in results})
-            },
+            categories=by_category(results, k),
+            turns=by_turn(results, k),
             by_region=by_region(results, k, self.markers),
             chat_template_kwargs=template_kwargs(self.target.tokenizer),
-            draft_format={
-                "producer": self.dd.producer,
-                "version": self.dd.version,
-                "trained_hf_indices": self.capture.hf_indices,
-                "trained_from": self.capture.source,
-                "recorded": self.capture.recorded,
-                "flags": (self.dd.trained_flags() if self.cfg.as_trained else self.dd.flags(self.cfg.engine)).changed(),
-                "as_trained": self.cfg.as_trained,
-            },
+            draft_format=self._draft_format(),
             lossless="diverged" if counts["diverged"] else "numerical" if counts["numerical"] else "identical",
             lossless_counts=counts,
             lossless_cases=cases,
@@ -642,6 +573,26 @@ class Evaluator:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.decoder.device),
             decoder=self.cfg.decoder,
+            **self._timing(tokens, seconds),
+            config=config_dict(self.cfg),
+        ).to_dict()
+
+    def _draft_format(self) -> dict[str, Any]:
+        """Who wrote the draft, what it records, and the forward flags eval computed it with."""
+        return {
+            "producer": self.dd.producer,
+            "version": self.dd.version,
+            "trained_hf_indices": self.capture.hf_indices,
+            "trained_from": self.capture.source,
+            "recorded": self.capture.recorded,
+            "flags": (self.dd.trained_flags() if self.cfg.as_trained else self.dd.flags(self.engine)).changed(),
+            "as_trained": self.cfg.as_trained,
+        }
+
+    def _timing(self, tokens: int, seconds: dict[str, float]) -> dict[str, Any]:
+        """The report's timing fields: both decoders' seconds and rates, and the eager decoder's split."""
+        c = (self.fast or self.decoder).counters
+        return dict(
             timing=(
                 f"transformers eager execution, {self.cfg.batch_size} prompts at a time, both decoders"
                 if self.fast is None
@@ -660,29 +611,11 @@ class Evaluator:
             target_seconds=c.target_seconds if self.fast is None else None,
             draft_seconds=c.draft_seconds if self.fast is None else None,
             draft_positions_per_verify_step=c.draft_positions / max(c.row_rounds, 1) if self.fast is None else None,
-            config=config_dict(self.cfg),
-        ).to_dict()
-        self.out.mkdir(parents=True, exist_ok=True)
-        with (self.out / "outputs.jsonl").open("w") as f:
-            for r in results:
-                f.write(
-                    json.dumps(
-                        {
-                            "source": r.conversation.source,
-                            "category": r.conversation.category,
-                            "turn": r.turn + 1,
-                            "prompt_tokens": r.prompt_tokens,
-                            "tokens": r.tokens,
-                            "accepted": r.accepted,
-                            "lossless": r.check["status"],
-                            "reply": r.reply,
-                        }
-                    )
-                    + "\n"
-                )
-        if self.cfg.plot:
-            plot_acceptance(report, self.out / "acceptance.png")
-        report = out.write_manifest(report)
+        )
+
+    def _log_summary(self, report: dict[str, Any], counts: dict[str, int], cases: list[dict[str, Any]]) -> None:
+        """One line of the figures, then a warning per looping stretch and per output that differs."""
+        k = self.cfg.depth
         drafts = (
             f"tree topk={self.cfg.topk} num_steps={k} num_draft_tokens={self.cfg.num_draft_tokens}"
             if self.cfg.tree
@@ -719,35 +652,52 @@ class Evaluator:
                 f"eagle3-eval: {case['status']}: {case['source']} turn {case['turn']} differs at token "
                 f"{case['position']} (reference margin {case['margin']}, threshold {case['threshold']})"
             )
-        return report
 
 
-def plot_acceptance(report: dict[str, Any], path: Path) -> None:
-    """Acceptance rate per draft position: one group of bars per category (and all)."""
-    matplotlib = optional_import("matplotlib")
-    matplotlib.use("Agg")  # files only, never a window
-    plt = optional_import("matplotlib.pyplot")
+def lossless_summary(results: list[TurnResult]) -> tuple[dict[str, int], list[dict[str, Any]]]:
+    """How many turns came out identical, numerical and diverged, and each that was not identical."""
+    counts = {s: sum(r.check["status"] == s for r in results) for s in ("identical", "numerical", "diverged")}
+    cases = [
+        {"source": r.conversation.source, "turn": r.turn + 1} | r.check
+        for r in results
+        if r.check["status"] != "identical"
+    ]
+    return counts, cases
 
-    groups = {"all": report} | report["categories"] if len(report["categories"]) > 1 else {"all": report}
-    k = len(report["acceptance_per_position"])
-    width = 0.8 / k
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(groups) + 2), 3.6))
-    colors = plt.get_cmap("viridis")
-    for i in range(k):
-        xs = [g + (i - (k - 1) / 2) * width for g in range(len(groups))]
-        ax.bar(
-            xs,
-            [v["acceptance_per_position"][i] for v in groups.values()],
-            width,
-            color=colors(i / max(k - 1, 1)),
-            label=f"position {i + 1}",
-        )
-    ax.set_xticks(range(len(groups)), [f"{name}\ntau {v['tau']:.2f}" for name, v in groups.items()], fontsize=8)
-    ax.set(ylabel="acceptance rate", ylim=(0, 1), title=f"tau = {report['tau']:.2f}")
-    ax.legend(fontsize=7, ncols=min(k, 8), loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+
+def by_category(results: list[TurnResult], k: int) -> dict[str, dict[str, Any]]:
+    """Prompts, tokens, τ and acceptance per position of each prompt category."""
+    categories = sorted({r.conversation.category for r in results})
+    groups = {c: [r for r in results if r.conversation.category == c] for c in categories}
+    return {
+        cat: {"prompts": len(rs), "tokens": sum(len(r.tokens) for r in rs)} | acceptance([r.accepted for r in rs], k)
+        for cat, rs in groups.items()
+    }
+
+
+def by_turn(results: list[TurnResult], k: int) -> dict[str, float]:
+    """τ of each user turn ("1", "2", ...)."""
+    return {
+        str(t + 1): acceptance([r.accepted for r in results if r.turn == t], k)["tau"]
+        for t in sorted({r.turn for r in results})
+    }
+
+
+def write_outputs(results: list[TurnResult], path: Path) -> None:
+    """``outputs.jsonl``: each turn's tokens, accepted counts, lossless status and reply, a line each."""
+    with path.open("w") as f:
+        for r in results:
+            row = {
+                "source": r.conversation.source,
+                "category": r.conversation.category,
+                "turn": r.turn + 1,
+                "prompt_tokens": r.prompt_tokens,
+                "tokens": r.tokens,
+                "accepted": r.accepted,
+                "lossless": r.check["status"],
+                "reply": r.reply,
+            }
+            f.write(json.dumps(row) + "\n")
 
 
 def run_eval(cfg: EvalConfig) -> int:

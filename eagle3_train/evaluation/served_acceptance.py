@@ -58,10 +58,10 @@ from eagle3_train.core.fileio import atomic_write_bytes
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import Conversation, read_conversations
 from eagle3_train.core.reasoning import check_template_kwargs, request_kwargs
+from eagle3_train.core.reports import ServedReport, SpecFigures, write_report
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import SpecMetrics
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
-from eagle3_train.evaluation.reports import ServedReport, SpecFigures, write_report
 
 logger = logging.getLogger(__name__)
 

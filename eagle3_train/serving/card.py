@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_train.core.errors import BadInputError
+from eagle3_train.core.reports import EvalReport, read_eval_report
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import named_dtype
 from eagle3_train.engines.rules import resolve
-from eagle3_train.evaluation.reports import EvalReport, read_eval_report
 
 CARD_NAME = "README.md"
 LIBRARY_NAME = "eagle3_train"
@@ -118,11 +118,23 @@ def model_card(
         reports: eval reports of these files (:func:`eval_reports`).
     """
     meta = config["eagle3_train"]
-    capture, target, training = meta["capture"], meta["target"], meta.get("training") or {}
-    n, aux = capture["num_hidden_layers"], capture["aux_indices"]
+    training = meta.get("training") or {}
     k = int(training.get("ttt_length") or DEFAULT_K)
     head = "---\n" + yaml_block(front_matter(base_model, license, engines)) + "---\n\n"
     lines = [
+        *_about(config, base_model, training),
+        *_target_section(meta["target"], meta["capture"]),
+        *_capture_section(config, engines, meta["target"]["model_type"], meta["capture"]),
+        *_serve_section(config, engines, base_model, repo_id, directory, k),
+        *_evaluation_section(reports),
+        *_training_section(meta, training),
+    ]
+    return head + "\n".join(lines) + "\n"
+
+
+def _about(config: dict[str, Any], base_model: str, training: dict[str, Any]) -> list[str]:
+    """The title and what the draft is: its shapes, and the checkpoint it was exported from."""
+    return [
         f"# EAGLE-3 draft for {base_model}",
         "",
         f"A one-layer EAGLE-3 draft head (`LlamaForCausalLMEagle3`: hidden size {config['hidden_size']}, draft vocab "
@@ -131,53 +143,73 @@ def model_card(
         f"{', the best by eval tau' if training.get('is_best') else ''}; {training.get('ttt_length')} training-time "
         f"test steps).",
         "",
+    ]
+
+
+def _target_section(target: dict[str, Any], capture: dict[str, Any]) -> list[str]:
+    """The target the draft fits, by name and hashes, and the chat template flags it was trained with."""
+    lines = [
         "## Target",
         "",
         "| name | model_type | layers N | hidden size | vocab | config sha256 | tokenizer sha256 | chat template sha256 |",
         "|---|---|---|---|---|---|---|---|",
-        f"| `{public_name(target['path'])}` | `{target['model_type']}` | {n} | {capture['hidden_size']} | "
-        f"{capture['vocab_size']} | `{target['config_hash']}` | `{target['tokenizer_hash']}` | "
+        f"| `{public_name(target['path'])}` | `{target['model_type']}` | {capture['num_hidden_layers']} | "
+        f"{capture['hidden_size']} | {capture['vocab_size']} | `{target['config_hash']}` | `{target['tokenizer_hash']}` | "
         f"`{target['chat_template_hash']}` |",
         "",
         "The draft only fits this target: another model (or a target whose config hash differs, beyond a quantized or "
         "re-saved copy of it) feeds it states it never saw. `eagle3-check draft=<this directory> target=<target>` "
         "compares them.",
         "",
-        *(
-            [
-                f"The training conversations were rendered with `chat_template_kwargs` "
-                f"`{json.dumps(target['chat_template_kwargs'], sort_keys=True)}`: send requests with the same "
-                f'(`extra_body={{"chat_template_kwargs": ...}}`); other flags change the contexts the draft sees.',
-                "",
-            ]
-            if target.get("chat_template_kwargs")
-            else []
-        ),
+    ]
+    if target.get("chat_template_kwargs"):
+        lines += [
+            f"The training conversations were rendered with `chat_template_kwargs` "
+            f"`{json.dumps(target['chat_template_kwargs'], sort_keys=True)}`: send requests with the same "
+            f'(`extra_body={{"chat_template_kwargs": ...}}`); other flags change the contexts the draft sees.',
+            "",
+        ]
+    return lines
+
+
+def _capture_section(config: dict[str, Any], engines: list[str], model_type: str, capture: dict[str, Any]) -> list[str]:
+    """The HF indices trained on, and what each engine reads from config.json and captures from it."""
+    lines = [
         "## Capture",
         "",
-        f"Trained on the target's hidden states at HF indices `{aux}` (transformers' `hidden_states[k]`: 0 is the "
-        f"embeddings, k the output of decoder layer k), {capture['dtype']}. What each engine reads from `config.json` "
-        f"and captures from it:",
+        f"Trained on the target's hidden states at HF indices `{capture['aux_indices']}` (transformers' "
+        f"`hidden_states[k]`: 0 is the embeddings, k the output of decoder layer k), {capture['dtype']}. What each "
+        f"engine reads from `config.json` and captures from it:",
         "",
         "| engine | reads | ids | captures |",
         "|---|---|---|---|",
     ]
     for e in engines:
         engine = registry.ENGINES[e]
-        for r in resolve(config, e, target["model_type"], n)[:1]:  # the engine's default runner
+        for r in resolve(config, e, model_type, capture["num_hidden_layers"])[:1]:  # the engine's default runner
             lines.append(f"| {engine.title} {r.rule.versions} | `{r.source}` | `{r.ids}` | {r.describe()} |")
-    draft = repo_id or directory
+    return lines
+
+
+def _serve_section(
+    config: dict[str, Any], engines: list[str], base_model: str, repo_id: str | None, directory: str, k: int
+) -> list[str]:
+    """Each engine's serve command, drafting ``k`` tokens a step, the draft named by hub id or directory."""
     where = (
         f"the draft from the hub as `{repo_id}`"
         if repo_id
         else f"the draft from the directory `{directory}` (run them beside it, or name the draft by its hub id once "
         f"published)"
     )
-    lines += ["", "## Serve", "", f"Drafting {k} tokens per step (the steps it was trained for), {where}:", ""]
-    for e, command in serve_commands(engines, base_model, draft, k, named_dtype(config)).items():
+    lines = ["", "## Serve", "", f"Drafting {k} tokens per step (the steps it was trained for), {where}:", ""]
+    for e, command in serve_commands(engines, base_model, repo_id or directory, k, named_dtype(config)).items():
         lines += [f"{registry.ENGINES[e].title}:", "", "```bash", command, "```", ""]
-    lines += ["## Evaluation", ""]
-    lines += (
+    return lines
+
+
+def _evaluation_section(reports: list[EvalReport]) -> list[str]:
+    """The τ table of the eval reports of these files, or how to make one."""
+    return ["## Evaluation", ""] + (
         _tau_table(reports)
         if reports
         else [
@@ -187,8 +219,12 @@ def model_card(
             "",
         ]
     )
+
+
+def _training_section(meta: dict[str, Any], training: dict[str, Any]) -> list[str]:
+    """The rules and vocab map versions, and the checkpoint's own held-out evaluation if it had one."""
     own = training.get("eval") or {}
-    lines += [
+    lines = [
         "## Training",
         "",
         f"Engine rules version `{meta.get('rules_version')}`; vocab map sha256 `{meta.get('vocab_map_sha256')}`.",
@@ -198,7 +234,7 @@ def model_card(
             " The checkpoint's own evaluation on the run's held-out split: teacher-forced accuracy per draft "
             f"position {[round(a, 3) for a in own['eval_acc']]}, simulated τ {own.get('eval_tau', 0):.2f}."
         )
-    return head + "\n".join(lines) + "\n"
+    return lines
 
 
 def _tau_table(reports: list[EvalReport]) -> list[str]:

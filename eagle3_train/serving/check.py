@@ -4,11 +4,16 @@
     eagle3-check draft=some/third_party_draft target=/models/target/config.json trained=[2,16,29]
 
 Works on any EAGLE-3 draft directory. For each engine runner (the engine's default runner first:
-vLLM 0.33's V2) it prints where the ids are read, the HF indices captured, and the trained indices (from the draft's ``eagle3_train`` block, or
-``trained=`` for third-party drafts); it flags silent fallbacks (no key where the engine reads, so
-the engine default), a draft whose ``fc`` SGLang would skip, ``d2t`` problems, and weights the
-engines would not load. Exits 1 on any
-mismatch or problem, 0 otherwise.
+vLLM 0.33's V2) it prints where the ids are read, the HF indices captured, and the trained indices
+(from the draft's ``eagle3_train`` block, or ``trained=`` for third-party drafts); it flags silent
+fallbacks (no key where the engine reads, so the engine default), a draft whose ``fc`` SGLang would
+skip, a forward flag an engine version ignores or computes otherwise than trained, ``d2t``
+problems, and weights the engines would not load.
+
+Which engines it judges: ``serving.engine`` (or ``engines=``) when named, each of which must serve
+the draft; else the engines our export was written for, each of which must; else (another
+framework's draft) every engine, each on its own: the draft passes where one can serve it. Exits 1 on
+any mismatch or problem of an engine it must serve with (or of the draft itself), 0 otherwise.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from eagle3_train.core.log import LogConfig
 from eagle3_train.core.reasoning import check_template_kwargs, kwargs_warning, trained_kwargs
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import attention_shape, lookup, named_dtype
+from eagle3_train.engines.heads import MEANING, DraftForward
 from eagle3_train.engines.rules import fc_skipped, foreign_weights_text, resolve, rules_for, unloadable_weights
-from eagle3_train.serving.drafts import OURS, DraftDir, read_draft_dir
+from eagle3_train.serving.drafts import OURS, SPECULATORS, DraftDir, read_draft_dir
 from eagle3_train.targets import text_config
 
 logger = logging.getLogger(__name__)
@@ -58,8 +64,8 @@ class CheckConfig:
     draft: str = MISSING  # an EAGLE-3 draft directory (config.json + *.safetensors)
     target: str = MISSING  # the target: a config.json, an HF directory, a hub id, embedded or tiny
     trained: list[int] | None = None  # HF indices the draft was trained on (null: its eagle3_train block)
-    engines: list[str] = field(default_factory=lambda: registry.names("export"))
-    """engines to check (any with layer-id rules: sglang, vllm, trtllm)"""
+    engines: list[str] | None = None
+    """engines that must serve the draft (any with layer-id rules: sglang, vllm, trtllm; null: serving.engine if set, else those our export was written for, else each engine on its own)"""
     cache_dir: str | None = None  # where GGUF targets are converted once
     serving: ServingConfig = field(default_factory=ServingConfig)
     """how the draft will be served (serving.engine=vllm serving.quantization=fp8 ...): compared with what computed the states it trained on"""
@@ -69,9 +75,12 @@ class CheckConfig:
     def __post_init__(self) -> None:
         check_template_kwargs(self.serving.chat_template_kwargs, "serving.chat_template_kwargs")
         known = registry.names("rules")
-        unknown = [e for e in self.engines if e not in known]
+        named = [self.serving.engine] if self.serving.engine is not None else []
+        unknown = [e for e in (self.engines or []) + named if e not in known]
         if unknown:
             raise ConfigError(f"unknown engines {unknown}; known: {known}")
+        if named and self.engines is not None and named[0] not in self.engines:
+            raise ConfigError(f"serving.engine={named[0]} is not among engines={self.engines}")
 
 
 ConfigStore.instance().store(name="check_schema", node=CheckConfig)
@@ -81,6 +90,7 @@ ConfigStore.instance().store(name="check_schema", node=CheckConfig)
 class Finding:
     level: str  # "error" (exit 1) or "warning"
     text: str
+    engines: tuple[str, ...] = ()  # the engines it concerns (empty: the draft, whatever serves it)
 
 
 def target_config(target: str, cache_dir: str | None) -> Any:
@@ -123,8 +133,8 @@ def foreign_findings(dd: DraftDir, engines: list[str], fc_width: int | None) -> 
     if recorded:
         lines.append("it records: " + "; ".join(recorded))
     lines.append("it leaves unsaid: " + "; ".join(dd.unsaid()))
-    findings = [Finding("error", r) for e in engines if (r := dd.refusal(e, fc_width)) is not None]
-    findings += [Finding("error", p) for p in dd.weight_problems()]
+    findings = [Finding("error", r, (e,)) for e in engines if (r := dd.refusal(e, fc_width)) is not None]
+    findings += [Finding("error", p, (e,)) for e, p in dd.weight_problems() if e in engines]
     findings += [Finding("warning", f"{dd.title}: {note}") for note in dd.train_serve_notes()]
     return lines, findings
 
@@ -144,66 +154,10 @@ def check(
     lines = [f"target: model_type {mt}, N={n}, hidden {h}, vocab {v}; trained on HF indices {trained or 'unknown'}"]
     findings: list[Finding] = []
     for engine in engines:
-        if not rules_for(engine, mt):
-            e = registry.ENGINES[engine]
-            # an engine that refuses the target at load fails for sure; one whose code was not read may not
-            refused = e.serves is not None and mt not in e.serves
-            findings.append(Finding("error" if refused else "warning", e.unserved(mt)))
-            continue
-        for r in resolve(config, engine, mt, n):  # the engine's default runner first
-            where = f"{r.source}={r.ids}" if r.ids is not None else "no ids where it reads -> engine default"
-            ok = trained is None or (r.hf_indices == sorted(trained) and not r.pre_norm_final)
-            lines.append(
-                f"{engine} {r.rule.versions}: {where} -> captures {r.describe()}"
-                + ("" if trained is None else ("  OK" if ok else f"  MISMATCH (trained {sorted(trained)})"))
-            )
-            if r.problem is not None:
-                findings.append(Finding("error", r.problem))
-            if r.pre_norm_final and r.note:
-                findings.append(
-                    Finding(
-                        "error",
-                        f"{r.note}: it feeds the last layer's output before the final norm "
-                        f"there, which no draft trained here saw",
-                    )
-                )
-            elif r.pre_norm_final:
-                findings.append(
-                    Finding(
-                        "warning",
-                        f"{engine} {r.rule.versions}: one id lands on N={n}, the last layer's "
-                        f"output before the final norm; no HF index names it (HF {n} is "
-                        f"after the norm), so no draft trained here saw it",
-                    )
-                )
-            if r.ids is None and _get_any(config):
-                findings.append(
-                    Finding(
-                        "error" if not ok or trained is None else "warning",
-                        f"{engine} {r.rule.versions}: the ids are not where it reads "
-                        f"({' or '.join('.'.join(p) for p in r.rule.keys)}): it silently uses the default {r.hf_indices}",
-                    )
-                )
-            if not ok and trained is not None:  # (not ok: trained is known)
-                findings.append(
-                    Finding(
-                        "error",
-                        f"{engine} {r.rule.versions}: captures {r.describe()}, the draft was trained on {sorted(trained)}",
-                    )
-                )
-            if any(k < 0 or k > n for k in r.hf_indices):
-                findings.append(
-                    Finding("error", f"{engine} {r.rule.versions}: HF indices {r.hf_indices} are outside 0..{n}")
-                )
-        fc = tensors.get("fc.weight")  # [H_draft, width of the captured states]
-        if fc is not None and fc_skipped(engine, 1, fc.shape[1], fc.shape[0]):
-            findings.append(
-                Finding(
-                    "error",
-                    f"{engine}: fc input width {fc.shape[1]} equals the draft hidden size, so "
-                    f"{registry.ENGINES[engine].title} skips fc",
-                )
-            )
+        start = len(findings)  # this engine's findings, tagged with it below
+        _engine_findings(config, tensors, tc, trained, engine, lines, findings)
+        for f in findings[start:]:
+            f.engines = (engine,)
     findings += _check_target(config, tensors, target_cfg, trained)
     findings += _check_vocab(config, tensors, v)
     findings += _check_dtype(config, target_cfg, engines)
@@ -218,6 +172,79 @@ def check(
             )
         )
     return lines, findings
+
+
+def _engine_findings(
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    tc: Any,
+    trained: list[int] | None,
+    engine: str,
+    lines: list[str],
+    findings: list[Finding],
+) -> None:
+    """The report lines and findings of one engine: what each runner captures, against ``trained``."""
+    n, mt = tc.num_hidden_layers, tc.model_type
+    if not rules_for(engine, mt):
+        e = registry.ENGINES[engine]
+        # an engine that refuses the target at load fails for sure; one whose code was not read may not
+        refused = e.serves is not None and mt not in e.serves
+        findings.append(Finding("error" if refused else "warning", e.unserved(mt)))
+        return
+    for r in resolve(config, engine, mt, n):  # the engine's default runner first
+        where = f"{r.source}={r.ids}" if r.ids is not None else "no ids where it reads -> engine default"
+        ok = trained is None or (r.hf_indices == sorted(trained) and not r.pre_norm_final)
+        lines.append(
+            f"{engine} {r.rule.versions}: {where} -> captures {r.describe()}"
+            + ("" if trained is None else ("  OK" if ok else f"  MISMATCH (trained {sorted(trained)})"))
+        )
+        if r.problem is not None:
+            findings.append(Finding("error", r.problem))
+        if r.pre_norm_final and r.note:
+            findings.append(
+                Finding(
+                    "error",
+                    f"{r.note}: it feeds the last layer's output before the final norm "
+                    f"there, which no draft trained here saw",
+                )
+            )
+        elif r.pre_norm_final:
+            findings.append(
+                Finding(
+                    "warning",
+                    f"{engine} {r.rule.versions}: one id lands on N={n}, the last layer's "
+                    f"output before the final norm; no HF index names it (HF {n} is "
+                    f"after the norm), so no draft trained here saw it",
+                )
+            )
+        if r.ids is None and _get_any(config):
+            findings.append(
+                Finding(
+                    "error" if not ok or trained is None else "warning",
+                    f"{engine} {r.rule.versions}: the ids are not where it reads "
+                    f"({' or '.join('.'.join(p) for p in r.rule.keys)}): it silently uses the default {r.hf_indices}",
+                )
+            )
+        if not ok and trained is not None:  # (not ok: trained is known)
+            findings.append(
+                Finding(
+                    "error",
+                    f"{engine} {r.rule.versions}: captures {r.describe()}, the draft was trained on {sorted(trained)}",
+                )
+            )
+        if any(k < 0 or k > n for k in r.hf_indices):
+            findings.append(
+                Finding("error", f"{engine} {r.rule.versions}: HF indices {r.hf_indices} are outside 0..{n}")
+            )
+    fc = tensors.get("fc.weight")  # [H_draft, width of the captured states]
+    if fc is not None and fc_skipped(engine, 1, fc.shape[1], fc.shape[0]):
+        findings.append(
+            Finding(
+                "error",
+                f"{engine}: fc input width {fc.shape[1]} equals the draft hidden size, so "
+                f"{registry.ENGINES[engine].title} skips fc",
+            )
+        )
 
 
 def _check_target(
@@ -287,7 +314,7 @@ def _check_dtype(config: dict, target_cfg: Any, engines: list[str]) -> list[Find
     where the draft's and the target's configs name different dtypes."""
     draft, target = named_dtype(config), named_dtype(target_cfg)
     return [
-        Finding("warning", f"{e.title}: {clash}: serve with --dtype {draft} (or export dtype={target})")
+        Finding("warning", f"{e.title}: {clash}: serve with --dtype {draft} (or export dtype={target})", (e.name,))
         for e in (registry.ENGINES[name] for name in engines)
         if (clash := e.dtype_clash(draft, target)) is not None
     ]
@@ -298,7 +325,7 @@ def _check_attention(layer: dict, target_cfg: Any, engines: list[str]) -> list[F
     (``Engine.attention_planned_by_target``) where the draft's layer is shaped otherwise."""
     draft, target = attention_shape(layer), attention_shape(text_config(target_cfg))
     return [
-        Finding("warning", f"{e.title}: {clash}")
+        Finding("warning", f"{e.title}: {clash}", (e.name,))
         for e in (registry.ENGINES[name] for name in engines)
         if (clash := e.attention_clash(draft, target)) is not None
     ]
@@ -322,11 +349,18 @@ def _check_vocab(config: dict, tensors: dict[str, torch.Tensor], v: int) -> list
             )
         return out
     ids = d2t.to(torch.int64) + torch.arange(len(d2t))
-    if len(d2t) < v and bool((d2t == 0).all()):
+    t2d = tensors.get("t2d")
+    # A zero d2t is also what a map never filled holds (speculators' buffers start as zeros, with an
+    # empty t2d). It is the trained map when t2d, built with it, marks target ids 0..n-1 (a vocab
+    # chosen from few distinct tokens is padded with the lowest ids) and no others.
+    confirmed = t2d is not None and t2d.numel() == v and torch.equal(t2d.bool().nonzero().squeeze(1), ids)
+    if len(d2t) < v and bool((d2t == 0).all()) and not confirmed:
+        empty = t2d is not None and not bool(t2d.bool().any())
         out.append(
             Finding(
                 "error",
-                f"d2t is all zeros: the draft vocab would be target ids 0..{len(d2t) - 1}, almost surely not the trained map",
+                f"d2t is all zeros{' and t2d is empty' if empty else ''}: the draft vocab would be target ids "
+                f"0..{len(d2t) - 1}, {'a map never filled' if empty else 'almost surely not the trained map'}",
             )
         )
     if len(ids) and (ids.min() < 0 or ids.max() >= v):
@@ -340,7 +374,6 @@ def _check_vocab(config: dict, tensors: dict[str, torch.Tensor], v: int) -> list
         out.append(
             Finding("error", "d2t maps two draft ids to the same target id: not a permutation into the target vocab")
         )
-    t2d = tensors.get("t2d")
     if (
         t2d is not None
         and t2d.numel() == v
@@ -382,63 +415,148 @@ def check_states_from(config: dict, serving: ServingConfig) -> tuple[list[str], 
     return lines, findings
 
 
-def _aux_norm_mismatch(dd: DraftDir) -> Finding | None:
-    """Our export whose config and training disagree on model.aux_norm: trained with it but
-    ``norm_before_fc`` lost (both engines would leave its input_norm out), or the flag set without
-    the norm trained or its weight (both would normalise fc's input by a norm the head never had)."""
-    trained = bool((((dd.config.get("eagle3_train") or {}).get("training") or {}).get("model") or {}).get("aux_norm"))
-    flagged, held = dd.flags("vllm").aux_norm, "aux_norm.weight" in {dd.our_name(n) for n in dd.names}
-    if trained and not flagged:
-        return Finding(
-            "error",
-            "the head was trained with model.aux_norm (its norm is input_norm.weight), but config.json sets "
-            "norm_before_fc neither at its top level nor in eagle_config: both engines would leave that norm out; export the run again",
-        )
-    if flagged and not (trained and held):
-        why = "the head was not trained with model.aux_norm" if not trained else "the weights hold no input_norm"
-        return Finding(
-            "error",
-            f"config.json sets norm_before_fc but {why}: both engines would normalise fc's input by a norm "
-            "the head never had; export the run again",
-        )
-    return None
+def flag_findings(dd: DraftDir, engines: list[str], version: str | None = None) -> tuple[list[str], list[Finding]]:
+    """Each engine version's forward flags (:mod:`eagle3_train.engines.heads`) against those the head
+    was trained with (ours: its export's record; another framework's: its config's), for the engines
+    that load its format: an error per flag one ignores or computes otherwise, naming the versions
+    and keys; and for ours, a flag whose norm the weights lack."""
+    trained = dd.trained_flags() if dd.producer == OURS else dd.written_flags()
+    rows = [r for e in engines if registry.ENGINES[e].loads(dd.producer == SPECULATORS)
+            for r in registry.ENGINES[e].forwards_for(version)]  # fmt: skip
+    grouped: dict[str, list[DraftForward]] = {}
+    for row in rows:
+        for flag in row.refusal(trained, dd.config, dd.producer == SPECULATORS):
+            grouped.setdefault(_flag_text(dd, row, flag), []).append(row)
+    findings = [
+        Finding("error", text.format(who=_versions(group)), tuple(dict.fromkeys(r.engine for r in group)))
+        for text, group in grouped.items()
+    ]
+    lines = []
+    ours, first = {dd.our_name(n) for n in dd.names}, rows[0] if rows else None
+    for flag in trained.changed():
+        if first is None or flag not in first.reads:
+            continue
+        read = first.reads[flag]
+        weight = read.weight.format(i=0).removesuffix(".weight")
+        if (
+            dd.producer == OURS
+            and read.weight
+            and not any(n == f"{flag}.weight" or n.startswith(f"{flag}.") for n in ours)
+        ):
+            findings.append(Finding("error", f"config.json sets {read.top_key} but the weights hold no {weight}"))
+        elif not grouped:
+            lines.append(f"forward: {MEANING[flag]} ({weight + ', ' if read.weight else ''}{read.top_key}), as trained"
+                         + (f" with model.{flag}" if dd.producer == OURS else ""))  # fmt: skip
+    return lines, findings
 
 
-def run_check(cfg: CheckConfig) -> int:
-    draft = Path(cfg.draft).expanduser()
-    dd = read_draft_dir(draft)
+def _flag_text(dd: DraftDir, row: DraftForward, line: str) -> str:
+    """A refusal line of :meth:`DraftForward.refusal` as a finding's text, with ``{who}`` for the
+    engine versions that share it (ours: said against the training options)."""
+    flag = next(f for f in row.reads if f" {f}" in line)
+    read, text = row.reads[flag], line.removeprefix(row.name + " ")
+    if dd.producer != OURS or not read.keys:
+        return "{who} " + text
+    norm = f" (its norm is {read.weight.format(i=0)})" if read.weight else ""
+    where = (f"sets {read.top_key} neither at its top level nor in eagle_config" if len(read.keys) > 1
+             else f"does not set {read.where()}")  # fmt: skip
+    if "which the head was not trained with" in text:
+        return f"config.json sets {read.top_key} but the head was not trained with model.{flag}: {{who}} would compute it; export the run again"
+    return f"the head was trained with model.{flag}{norm}, but config.json {where}: {{who}} would serve it without; export the run again"
+
+
+def _versions(rows: list[DraftForward]) -> str:
+    """``sglang 0.5.17, 0.5.23 and vllm 0.26.0, 0.33.0``."""
+    by: dict[str, list[str]] = {}
+    for r in rows:
+        by.setdefault(r.engine, []).append(r.version)
+    return " and ".join(f"{e} {', '.join(vs)}" for e, vs in by.items())
+
+
+def judged(cfg: CheckConfig, dd: DraftDir) -> tuple[list[str], bool]:
+    """The engines check judges, and whether each must serve the draft (else: any one will do):
+    those named (``serving.engine``, ``engines=``), else those our export was written for, else
+    every engine export writes for, each on its own."""
+    if cfg.serving.engine is not None:
+        return [cfg.serving.engine], True
+    if cfg.engines is not None:
+        return list(cfg.engines), True
+    recorded = (dd.config.get("eagle3_train") or {}).get("engines") if dd.producer == OURS else None
+    if recorded:
+        return [e for e in recorded if e in registry.ENGINES], True
+    return registry.names("export"), dd.producer == OURS
+
+
+def verdict(findings: list[Finding], engines: list[str], every: bool) -> tuple[list[Finding], list[str]]:
+    """The findings as they count, and the engines that can serve the draft: with ``every`` each
+    engine's errors count; else, where some engine has none, the others' become warnings (that
+    engine cannot serve it) and the draft passes."""
+    failing = {e for f in findings if f.level == "error" for e in f.engines}
+    serving = [e for e in engines if e not in failing]
+    if every or not serving:
+        return findings, serving
+    return [
+        Finding("warning", f"{' and '.join(f.engines)} cannot serve it: {f.text}", f.engines)
+        if f.level == "error" and f.engines and not set(f.engines) & set(serving)
+        else f
+        for f in findings
+    ], serving
+
+
+def draft_findings(
+    cfg: CheckConfig, dd: DraftDir, target_cfg: Any, engines: list[str]
+) -> tuple[list[str], list[Finding]]:
+    """Report lines and findings for one draft directory, for ``engines``."""
     config, tensors, names = dd.config, _vocab_tensors(dd), {dd.our_name(n) for n in dd.names}
-    target_cfg = target_config(cfg.target, cfg.cache_dir)
     head: list[str] = []
     foreign: list[Finding] = []
     trained = list(cfg.trained) if cfg.trained is not None else None
     if dd.producer != OURS:
         fc = tensors.get("fc.weight")
-        head, foreign = foreign_findings(dd, list(cfg.engines), None if fc is None else fc.shape[1])
+        head, foreign = foreign_findings(dd, engines, None if fc is None else fc.shape[1])
         if trained is None:
             capture = dd.capture(text_config(target_cfg).num_hidden_layers)
             head.append(f"trained on: HF {capture.hf_indices}, {capture.source}")
             trained = capture.hf_indices if capture.recorded else None
     elif trained is None:
         trained = config.get("eagle3_train", {}).get("capture", {}).get("aux_indices")
-    names -= dd.extra_weights()  # weights its flags account for (ours: model.aux_norm's, as input_norm)
-    if dd.producer != OURS:  # weights an engine loads and never applies: said once, by weight_problems
-        names -= {n for engine in ("vllm", "sglang") for n in dd.skipped_by(engine)}
-    elif (mismatch := _aux_norm_mismatch(dd)) is not None:
-        foreign.append(mismatch)
-        names.discard("aux_norm.weight")  # said once, by its file's name
-    elif dd.flags("vllm").aux_norm:
-        head.append("forward: one RMSNorm over fc's input (input_norm, norm_before_fc), as trained with model.aux_norm")
-    lines, findings = check(config, tensors, target_cfg, trained, list(cfg.engines), names)
-    lines, findings = head + lines, foreign + findings + _check_attention(dd.layer, target_cfg, list(cfg.engines))
-    more_lines, more = check_states_from(config, cfg.serving)
+    flag_lines, flag_errors = flag_findings(dd, engines, cfg.serving.version if cfg.serving.engine else None)
+    # weights the flags account for; another framework's that an engine loads and never applies (said
+    # once, by weight_problems); ours of a trained flag the config lost (said once, by flag_findings)
+    names -= dd.extra_weights()
+    if dd.producer != OURS:
+        names -= {n for e in dd.loaders() for n in dd.skipped_by(e)}
+    else:
+        names -= {n for n in names for f in dd.trained_flags().changed() if n.split(".")[0] == f}
+    lines, findings = check(config, tensors, target_cfg, trained, engines, names)
+    findings = foreign + flag_errors + findings + _check_attention(dd.layer, target_cfg, engines)
+    return head + flag_lines + lines, findings
+
+
+def run_check(cfg: CheckConfig) -> int:
+    draft = Path(cfg.draft).expanduser()
+    dd = read_draft_dir(draft)
+    target_cfg = target_config(cfg.target, cfg.cache_dir)
+    engines, every = judged(cfg, dd)
+    if cfg.serving.engine and cfg.serving.version:
+        e = registry.ENGINES[cfg.serving.engine]
+        if e.forwards and cfg.serving.version not in [r.version for r in e.forwards]:
+            logger.warning(
+                f"{e.name} {cfg.serving.version}: its draft loader was not read; judged against the versions read "
+                f"({', '.join(r.version for r in e.forwards)})"
+            )
+    lines, findings = draft_findings(cfg, dd, target_cfg, engines)
+    more_lines, more = check_states_from(dd.config, cfg.serving)
     lines, findings = lines + more_lines, findings + more
-    trained_flags = trained_kwargs(config)
+    trained_flags = trained_kwargs(dd.config)
     lines.append(f"chat template: the training data was rendered with chat_template_kwargs {json.dumps(trained_flags)}")
     if cfg.serving.chat_template_kwargs is not None:
         warning = kwargs_warning(trained_flags, cfg.serving.chat_template_kwargs, "serving")
         if warning:
             findings.append(Finding("warning", warning))
+    findings, serving = verdict(findings, engines, every)
+    if not every and serving:
+        lines.append(f"serve with: {', '.join(serving)} (each engine judged on its own; name one with serving.engine=)")
     for line in lines:
         logger.info(line)
     for f in findings:  # a finding's level is its record's: errors and warnings go to stderr

@@ -5,6 +5,7 @@ another framework (vllm-project/speculators, NVIDIA ModelOpt, SpecForge), taken 
     dd.producer, dd.version          # "speculators", "0.9.0"
     dd.capture(num_layers)           # the HF indices it says it was trained on, and where it says so
     dd.flags("vllm")                 # the forward variant that engine computes for it
+    default_engine(dd)               # the engine eval computes it as, by default: one that loads its format
     dd.weights()                     # its tensors under our names (midlayer.*, aux_norm, fc_norm.<i>)
 
 What each producer writes (their own export code, run on tiny models: ``tests/fixtures/peers``):
@@ -23,11 +24,10 @@ What each producer writes (their own export code, run on tiny models: ``tests/fi
   ``midlayer.*``, ids in ``eagle_config`` (HF - 1) only when its draft config had them, else
   nothing (the capture was then SpecForge's default).
 
-The engines' side (read from vLLM 0.26.0's and SGLang 0.5.17's ``llama_eagle3.py``, the versions
-this project serves with): both load ``midlayer.*`` and ``layers.0.*``, honour ``norm_before_fc``
-(``eagle_config`` first), ``fc_norm`` and ``norm_output``; only vLLM honours
-``norm_before_residual`` (SGLang's first layer always keeps the raw residual); only vLLM reads a
-speculators config; both size ``fc`` for the count of ``eagle_config`` ids, else 3 states.
+The engines' side is asked of the engine objects (:mod:`eagle3_train.engines.registry`): which
+forward flags each version computes and which formats it loads (:mod:`eagle3_train.engines.heads`).
+Both load ``midlayer.*`` and ``layers.0.*`` and size ``fc`` for ``num_aux_hidden_states``, else the
+count of ``eagle_config`` ids, else 3 states.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ import torch
 from safetensors import safe_open
 
 from eagle3_train.core.errors import BadInputError
+from eagle3_train.engines import registry
+from eagle3_train.engines.heads import Flags  # noqa: F401  (re-exported: eval and check name it here)
 
 OURS, SPECULATORS, MODELOPT, SPECFORGE, OTHER = "eagle3_train", "speculators", "modelopt", "specforge", "other"
 
@@ -57,23 +59,13 @@ TITLES = {
 _MODELOPT_KEYS = ("use_last_layernorm", "next_layer_regular", "use_input_layernorm_in_first_layer", "use_mtp_layernorm")
 # SGLang's legacy names of the per-state norms (aux_norm_low/mid/high -> fc_norm.0/1/2)
 _LEGACY_FC_NORM = {"aux_norm_low": "fc_norm.0", "aux_norm_mid": "fc_norm.1", "aux_norm_high": "fc_norm.2"}
-# the engines' llama_eagle3 (vLLM 0.26.0, SGLang 0.5.17)
-VLLM_SEEN, SGLANG_SEEN = "vLLM 0.26.0", "SGLang 0.5.17"
 
 
-@dataclass(frozen=True)
-class Flags:
-    """The forward variant an engine computes for a draft (:class:`eagle3_train.model.DraftConfig`'s
-    fields of the same names)."""
-
-    aux_norm: bool = False  # norm_before_fc: one RMSNorm (weight ``input_norm``) over the states before fc
-    fc_norm: bool = False  # one RMSNorm per state before fc
-    norm_before_residual: bool = False  # the layer's residual is hidden_norm(h)
-    norm_output: bool = False  # chain steps take norm(previous output)
-    hidden_input_norm: bool = False  # the hidden half normed by input_layernorm, then hidden_norm (ModelOpt's training)
-
-    def changed(self) -> list[str]:
-        return [k for k, v in vars(self).items() if v]
+def seen(engine: str) -> str:
+    """The engine and the release its draft loader was read from for this project (``vLLM 0.26.0``)."""
+    e = registry.ENGINES[engine]
+    row = e.forward()
+    return f"{e.title} {row.version}" if row is not None else e.title
 
 
 @dataclass(frozen=True)
@@ -129,20 +121,26 @@ class DraftDir:
         """Whether the draft says which layers it was trained on."""
         return self.capture(self.layer.get("num_hidden_layers") or 1).recorded
 
-    def flags(self, engine: str) -> Flags:
-        """The forward variant ``engine`` (vllm | sglang) computes for this draft."""
-        c = self.config
-        nested = c.get("eagle_config") or {}
-        nbf = nested.get("norm_before_fc", c.get("norm_before_fc", False))
-        fcn = c.get("fc_norm", False) or (engine == "sglang" and c.get("use_aux_norm", False))
-        nbr = c.get("norm_before_residual", self.producer == SPECULATORS) if engine == "vllm" else False
-        return Flags(bool(nbf), bool(fcn), bool(nbr), bool(c.get("norm_output", False)))
+    def flags(self, engine: str, version: str | None = None) -> Flags:
+        """The forward variant ``engine`` (its ``version``; None: the release served here) computes."""
+        return registry.ENGINES[engine].draft_flags(self.config, self.producer == SPECULATORS, version)
+
+    def loaders(self) -> list[str]:
+        """The engines (export's, in registry order) that load this draft's format."""
+        return [e for e in registry.names("export") if registry.ENGINES[e].loads(self.producer == SPECULATORS)]
+
+    def written_flags(self) -> Flags:
+        """The forward flags its config asks for: those some engine that loads it computes."""
+        every = [self.flags(e) for e in self.loaders()]
+        return Flags(**{k: any(getattr(f, k) for f in every) for k in vars(Flags())})
 
     def trained_flags(self) -> Flags:
-        """The forward variant its producer trained (where that differs from the engines': ModelOpt's
-        first layer normalises the hidden half twice; SpecForge 0.2.0's next step always takes the
-        pre-norm output)."""
-        f = self.flags("vllm")
+        """The forward variant its producer trained: ours as its export records it (the checkpoint's
+        DraftConfig flags, else its ``model`` options); ModelOpt's first layer normalises the hidden
+        half twice; SpecForge 0.2.0's next step always takes the pre-norm output; else as written."""
+        f = self.written_flags()
+        if self.producer == OURS:  # its model options, which export completes with the head's flags
+            return Flags.of(((self.config.get("eagle3_train") or {}).get("training") or {}).get("model") or {})
         if self.producer == MODELOPT:
             return Flags(f.aux_norm, f.fc_norm, False, False, hidden_input_norm=True)
         if self.producer == SPECFORGE:
@@ -170,16 +168,25 @@ class DraftDir:
             return {**self.layer, "rope_scaling": None, "rope_parameters": None}
         return self.layer
 
+    def _unflagged(self, engine: str, what: str) -> list[str]:
+        """Weights (our names) of a flag's norm that ``engine`` does not compute, where it ``what``
+        (``skips`` or ``fails`` on) them."""
+        row = registry.ENGINES[engine].forward()
+        if row is None:
+            return []
+        f, ours = self.flags(engine), {self.our_name(n) for n in self.names}
+        return sorted(
+            n
+            for flag, read in row.reads.items()
+            if read.weight and read.unflagged == what and not getattr(f, flag)
+            for n in ours
+            if n == f"{flag}.weight" or n.startswith(f"{flag}.")
+        )
+
     def skipped_by(self, engine: str) -> list[str]:
-        """Weights (our names) that ``engine`` loads and never applies: ``input_norm`` without
-        ``norm_before_fc``, and on SGLang ``fc_norm.*`` without ``fc_norm`` (vLLM fails on those:
-        :meth:`refusal`)."""
-        f = self.flags(engine)
-        ours = {self.our_name(n) for n in self.names}
-        out = ["aux_norm.weight"] if "aux_norm.weight" in ours and not f.aux_norm else []
-        if engine == "sglang" and not f.fc_norm:
-            out += sorted(n for n in ours if n.startswith("fc_norm."))
-        return out
+        """Weights (our names) that ``engine`` loads and never applies: a flag's norm with the flag
+        off, where the engine skips it (an engine that fails on it: :meth:`refusal`)."""
+        return self._unflagged(engine, "skips")
 
     def sliding_window(self) -> int | None:
         """vLLM's window for the draft layer (``layer_types`` says ``sliding_attention``), else None."""
@@ -219,7 +226,7 @@ class DraftDir:
             proposal = ((c.get("speculators_config") or {}).get("proposal_methods") or [{}])[0]
             if proposal.get("speculative_tokens") is not None:
                 out.append(f"{proposal['speculative_tokens']} speculative tokens (its proposal config)")
-        changed = self.flags("vllm").changed()
+        changed = self.written_flags().changed()
         if changed:
             out.append("forward flags " + ", ".join(changed))
         if self.sliding_window():
@@ -269,58 +276,77 @@ class DraftDir:
         return out
 
     def refusal(self, engine: str, fc_width: int | None = None) -> str | None:
-        """Why ``engine`` (vllm | sglang) cannot load this draft as written, or None (also for an
-        engine whose draft loader was not read: trtllm)."""
-        if engine not in ("vllm", "sglang"):
+        """Why ``engine`` cannot load this draft as written, or None (also for an engine whose draft
+        loader was not read: trtllm)."""
+        e = registry.ENGINES[engine]
+        if not e.forwards:
             return None
         c = self.config
-        if self.producer == SPECULATORS and engine == "sglang":
+        if not e.loads(self.producer == SPECULATORS):
             return (
-                f"{SGLANG_SEEN} cannot load a speculators export (no model_type, architecture "
-                f"{(c.get('architectures') or ['?'])[0]}): serve it with vLLM"
+                f"{seen(engine)} cannot load a speculators export (no model_type, architecture "
+                f"{(c.get('architectures') or ['?'])[0]}): serve it with {' or '.join(self.loaders()) or 'another engine'}"
             )
         ours = {self.our_name(n) for n in self.names}
         if any(n.startswith("layers.") for n in ours) or (self.layer.get("num_hidden_layers") or 1) > 1:
             return "a draft of more than one layer: eval builds the one-layer head the engines' llama_eagle3 builds"
         if self.producer == SPECULATORS and self.layer.get("model_type") not in (None, "llama"):
             return f"a speculators draft of layer type {self.layer.get('model_type')}: eval reads its llama drafts only"
-        if engine == "vllm" and any(n.startswith("fc_norm.") for n in ours) and not self.flags("vllm").fc_norm:
-            return f"{VLLM_SEEN} fails on fc_norm.* weights when fc_norm is not set"
+        failing = self._unflagged(engine, "fails")
+        if failing:
+            return f"{seen(engine)} fails on the weights {failing}: their flag is not set"
         th = self.layer.get("target_hidden_size") or self.layer.get("hidden_size")
         ec = c.get("eagle_config") or {}
         states = self.layer.get("num_aux_hidden_states") or len(ec.get("eagle_aux_hidden_state_layer_ids") or []) or 3
         if fc_width is not None and th and fc_width != states * th:
             where = (
-                "eagle_config's id count" if ec.get("eagle_aux_hidden_state_layer_ids") else "no eagle_config ids: 3"
+                "num_aux_hidden_states"
+                if self.layer.get("num_aux_hidden_states")
+                else "eagle_config's id count"
+                if ec.get("eagle_aux_hidden_state_layer_ids")
+                else "no eagle_config ids: 3"
+            )
+            top = (
+                " (its llama draft does not count the top-level ids)"
+                if c.get("eagle_aux_hidden_state_layer_ids")
+                else ""
             )
             return (
-                f"{VLLM_SEEN if engine == 'vllm' else SGLANG_SEEN} sizes fc for {states} states ({where}) of "
-                f"width {th} = {states * th}, but fc takes {fc_width}: the load fails"
-                + (" (vLLM's llama draft does not count the top-level ids)" if engine == "vllm" else "")
+                f"{seen(engine)} sizes fc for {states} states ({where}) of width {th} = {states * th}, but fc takes "
+                f"{fc_width}: the load fails{top}"
             )
         return None
 
-    def weight_problems(self) -> list[str]:
-        """Weights the engines would load without applying (:meth:`skipped_by`); the one vLLM fails
-        on (``fc_norm.*`` without ``fc_norm``) is a :meth:`refusal`."""
+    def weight_problems(self) -> list[tuple[str, str]]:
+        """(engine, problem) for weights the engines that load it would load without applying
+        (:meth:`skipped_by`); one an engine fails on is a :meth:`refusal`."""
         out = []
-        for engine, seen in (("vllm", VLLM_SEEN), ("sglang", SGLANG_SEEN)):
-            if self.producer == SPECULATORS and engine == "sglang":
-                continue
-            for name in self.skipped_by(engine):
-                what = "input_norm" if name == "aux_norm.weight" else name
-                flag = "norm_before_fc" if name == "aux_norm.weight" else "fc_norm"
-                out.append(f"{seen} loads {what} but never applies it: {flag} is not set")
+        for engine in self.loaders():
+            row = registry.ENGINES[engine].forward()
+            for name in self.skipped_by(engine):  # our name: <flag>.weight or <flag>.<i>.weight
+                flag, *i = name.split(".")[:-1]
+                read = row.reads[flag] if row is not None else None
+                loaded = read.weight.format(i=i[0] if i else "").removesuffix(".weight") if read else name
+                key = read.top_key if read else flag
+                out.append((engine, f"{seen(engine)} loads {loaded} but never applies it: {key} is not set"))
         return out
 
     def extra_weights(self) -> set[str]:
-        """The draft's weights (our names) beyond the plain head that its flags account for."""
-        f = self.flags("vllm")
+        """The draft's weights (our names) beyond the plain head that its written flags account for."""
+        f = self.written_flags()
         ours = {self.our_name(n) for n in self.names}
-        keep = {"aux_norm.weight"} if f.aux_norm else set()
-        if f.fc_norm:
-            keep |= {n for n in ours if n.startswith("fc_norm.")}
-        return keep
+        return {n for n in ours for flag in f.changed() if n == f"{flag}.weight" or n.startswith(f"{flag}.")}
+
+
+def default_engine(dd: DraftDir) -> str:
+    """The engine eval computes a draft as when none is named: the first engine (registry order) that
+    loads its format, among those our export was written for. Raises :class:`BadInputError` when no
+    engine loads it."""
+    recorded = (dd.config.get("eagle3_train") or {}).get("engines") if dd.producer == OURS else None
+    fits = [e for e in dd.loaders() if recorded is None or e in recorded]
+    if not fits:
+        raise BadInputError(f"{dd.path} ({dd.title}): no engine this project knows loads it; name one with engine=")
+    return fits[0]
 
 
 def detect(config: dict[str, Any], names: set[str]) -> tuple[str, str | None]:

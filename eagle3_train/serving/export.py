@@ -6,9 +6,10 @@ hidden states the draft was trained on -- or a refusal that says why.
 Writes ``config.json`` (``LlamaForCausalLMEagle3``, the draft's shapes, the engine keys computed by
 :mod:`eagle3_train.engines.rules`, and an ``eagle3_train`` block with the capture spec, target identity,
 vocab map hash and training summary), ``model.safetensors`` (``fc``, ``midlayer.*``, ``norm``,
-``lm_head``, ``d2t``, ``t2d``, and for a head trained with ``model.aux_norm`` its norm as the
-engines' ``input_norm`` with ``norm_before_fc: true`` in the config; no embeddings: SGLang uses the
-target's; metadata ``format: pt``), the
+``lm_head``, ``d2t``, ``t2d``, and the norms of the head's forward flags under the engines' names
+(``aux_norm`` as ``input_norm``, ``fc_norm.<i>``), with every key each engine version reads for each
+flag set in the config (:mod:`eagle3_train.engines.heads`); a flag a named engine version ignores is
+refused; no embeddings: SGLang uses the target's; metadata ``format: pt``), the
 model card ``README.md`` (:mod:`eagle3_train.serving.card`: the hub's front matter, target, capture,
 each engine's serve command, and the τ of any eval report of these files beside the directory) and
 ``manifest.json`` last. No file names a local path: the target by its hub id or directory name, the
@@ -47,11 +48,12 @@ from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json, save
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.stagedir import hold_lock
 from eagle3_train.engines import registry
+from eagle3_train.engines.heads import Flags, flag_keys
 from eagle3_train.engines.rules import (
-    NORM_BEFORE_FC_WEIGHT,
     TOP_KEY,
     Unexpressible,
     fc_skipped,
+    flag_weights,
     foreign_weights_text,
     ids_for,
     rules_version,
@@ -147,22 +149,20 @@ def run_sha256(ckpt: Path) -> str:
     return sha256_text(str(ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt))
 
 
-def engine_weights(weights: dict[str, torch.Tensor], draft_config: DraftConfig) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under the names the engines load: the norm of ``model.aux_norm``
-    (one RMSNorm over the concatenated states before fc) is their ``input_norm``."""
-    if not draft_config.aux_norm or "aux_norm.weight" not in weights:
-        return weights
-    out = {k: v for k, v in weights.items() if k != "aux_norm.weight"}
-    out[NORM_BEFORE_FC_WEIGHT] = weights["aux_norm.weight"]
-    return out
+def engine_weights(
+    weights: dict[str, torch.Tensor], draft_config: DraftConfig, engines: list[str]
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the names ``engines`` load: the norms of the head's forward
+    flags renamed as each engine version reads them (``aux_norm`` -> ``input_norm``)."""
+    names = flag_weights(Flags.of(draft_config), draft_config.num_aux, engines)
+    return {names.get(k, k): v for k, v in weights.items()}
 
 
-def refuse_unloadable(names: set[str], draft_config: DraftConfig) -> None:
+def refuse_unloadable(names: set[str], draft_config: DraftConfig, engines: list[str]) -> None:
     """Refuse weights that the engines would not load (see ``engines.rules.DRAFT_WEIGHTS``): SGLang
     drops an unknown name silently and runs a different head; vLLM fails on it."""
-    extra = unloadable_weights(names, norm_before_fc=draft_config.aux_norm)
-    if draft_config.fc_norm:  # one per aux state, which the engines build when the config sets fc_norm
-        extra = [n for n in extra if n not in {f"fc_norm.{i}.weight" for i in range(draft_config.num_aux)}]
+    allowed = set(flag_weights(Flags.of(draft_config), draft_config.num_aux, engines).values())
+    extra = unloadable_weights(names, allowed)
     if extra:
         raise ContractError(
             f"export refused: {foreign_weights_text(registry.names('export'))} the weights {extra}; "
@@ -170,15 +170,20 @@ def refuse_unloadable(names: set[str], draft_config: DraftConfig) -> None:
         )
 
 
-def engine_keys(spec: CaptureSpec, engines: list[str]) -> dict[str, Any]:
-    """The config.json entries that make every engine capture ``spec.aux_indices``.
+def engine_keys(spec: CaptureSpec, engines: list[str], flags: Flags | None = None) -> dict[str, Any]:
+    """The config.json entries that make every engine capture ``spec.aux_indices`` and compute the
+    forward ``flags`` (every version read of each engine; one that ignores a flag is refused).
 
     The top-level key (read by vLLM first) always carries the HF indices themselves, so a config
     exported for SGLang alone still means the same thing to vLLM.
     """
     ks, n, mt = list(spec.aux_indices), spec.num_hidden_layers, spec.target.model_type
-    problems: list[str] = []
-    entries: dict[tuple[str, ...], list[int]] = {(TOP_KEY,): ks}  # key path -> ids
+    flags = flags or Flags()
+    flag_entries, problems = flag_keys(flags, [r for e in engines for r in registry.ENGINES[e].forwards])
+    able = [e for e in registry.names("export") if not flag_keys(flags, registry.ENGINES[e].forwards)[1]]
+    if problems and able:
+        problems.append(f"export for the engines that compute this head: engines={able}")
+    entries: dict[tuple[str, ...], Any] = {(TOP_KEY,): ks}  # key path -> ids
     for engine in engines:
         if fc_skipped(engine, len(ks), spec.hidden_size, spec.hidden_size):
             problems.append(
@@ -196,8 +201,14 @@ def engine_keys(spec: CaptureSpec, engines: list[str]) -> dict[str, Any]:
             problems.append(str(e))
     if problems:
         raise ContractError(
-            "export refused; the config cannot mean the trained capture to every engine:\n  " + "\n  ".join(problems)
+            "export refused; the config cannot mean the trained head to every engine:\n  " + "\n  ".join(problems)
         )
+    # a nested flag key goes into a block the ids already need (where the engines look first); a
+    # block of its own would add nothing to the top-level key they fall back to
+    blocks = {path[:-1] for path in entries if len(path) > 1}
+    entries.update(
+        {p: v for p, v in flag_entries.items() if len(p) == 1 or p[:-1] in blocks or (p[-1],) not in flag_entries}
+    )
     out: dict[str, Any] = {}
     for path, ids in entries.items():
         node: dict[str, Any] = out
@@ -232,15 +243,8 @@ def draft_config_json(dc: DraftConfig) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
-    } | {
-        key: True
-        for key, on in (
-            ("norm_before_fc", dc.aux_norm),  # the engines' input_norm (engine_weights)
-            ("fc_norm", dc.fc_norm),  # fc_norm.<i>: one norm per aux state
-            ("norm_before_residual", dc.norm_before_residual),
-            ("norm_output", dc.norm_output),
-        )
-        if on
+        # both engines size fc (and fc_norm's count) by it first, then by eagle_config's ids, then 3
+        "num_aux_hidden_states": dc.num_aux,
     }
 
 
@@ -280,7 +284,8 @@ class Exporter:
         self.out = Path(cfg.out).expanduser()
 
     def run(self) -> dict[str, Any]:
-        keys = engine_keys(self.spec, list(self.cfg.engines))  # refuses before anything is written
+        flags = Flags.of(self.draft_config)
+        keys = engine_keys(self.spec, list(self.cfg.engines), flags)  # refuses before anything is written
         # one export to out= at a time; the lock lies beside it, as out= itself is replaced by a rename
         self.out.parent.mkdir(parents=True, exist_ok=True)
         hold_lock(self.out.parent, f"export ({self.out.name})", name=f".{self.out.name}.lock")
@@ -297,11 +302,9 @@ class Exporter:
             for k, v in weights.items()
             if not k.startswith("embed_tokens")
         }
-        weights = engine_weights(weights, self.draft_config)
-        refuse_unloadable(set(weights), self.draft_config)
+        weights = engine_weights(weights, self.draft_config, list(self.cfg.engines))
+        refuse_unloadable(set(weights), self.draft_config, list(self.cfg.engines))
         config = draft_config_json(self.draft_config) | keys | {"torch_dtype": self.cfg.dtype}
-        if self.draft_config.aux_norm and "eagle_config" in config:  # where both engines look first
-            config["eagle_config"] = config["eagle_config"] | {"norm_before_fc": True}
         target = self.spec.target.to_dict() | {"path": public_name(self.spec.target.path)}  # no local path
         config["eagle3_train"] = {
             "capture": self.spec.to_dict() | {"target": target},
@@ -356,6 +359,12 @@ class Exporter:
             eval_reports(self.out, files),
         )
 
+    def _model_options(self) -> dict[str, Any] | None:
+        """The run's model options, with the forward flags its head computes set true whichever
+        option set them (eagle3-check holds each engine version's flags to these)."""
+        model, on = self.state.get("model"), Flags.of(self.draft_config).changed()
+        return (model or {}) | dict.fromkeys(on, True) if model is not None or on else None
+
     def _summary(self) -> dict[str, Any]:
         """What the checkpoint is: its step, the TTT steps it was trained for (eval warns when a
         chain drafts more), its recipe options, its own evaluation and the run's last one."""
@@ -369,7 +378,7 @@ class Exporter:
             "checkpoint": self.ckpt.name,
             "step": self.state["step"],
             "ttt_length": self.state.get("ttt_length"),
-            "model": self.state.get("model"),
+            "model": self._model_options(),
             "is_best": best.get("step") == self.state["step"],
             "eval": own[-1] if own else None,
             "last_eval": evals[-1] if evals else None,

@@ -180,13 +180,21 @@ class ModelOptions:
     """eagle3 | eagle3.1: the head's normalisation as the field names it (eagle3.1: fc_norm and norm_output on); the four flags below, when set, win over it"""
     lm_head_init: str = "random"  # random | target: start lm_head from the target lm_head's rows of the draft vocab (and norm from the target's final norm)
     freeze_lm_head: bool = False  # keep lm_head at its initial value (needs lm_head_init=target)
-    aux_norm: bool | None = None  # one RMSNorm over the concatenated aux states before fc (the engines' norm_before_fc, weight input_norm); null: as model.variant sets it
-    fc_norm: bool | None = None  # one RMSNorm per aux state before fc (the engines' fc_norm); null: as model.variant sets it
-    norm_before_residual: bool | None = None  # the layer's residual is the normed hidden state rather than the raw one (vLLM computes it, SGLang does not); null: as model.variant sets it
-    norm_output: bool | None = None  # chain steps after the first take the previous step's output through the final norm (the engines' norm_output); null: as model.variant sets it
+    aux_norm: bool | None = (
+        None  # one RMSNorm over the concatenated aux states before fc (the engines' norm_before_fc, weight input_norm); null: as model.variant sets it
+    )
+    fc_norm: bool | None = (
+        None  # one RMSNorm per aux state before fc (the engines' fc_norm); null: as model.variant sets it
+    )
+    norm_before_residual: bool | None = (
+        None  # the layer's residual is the normed hidden state rather than the raw one (vLLM computes it, SGLang does not); null: as model.variant sets it
+    )
+    norm_output: bool | None = (
+        None  # chain steps after the first take the previous step's output through the final norm (the engines' norm_output); null: as model.variant sets it
+    )
     intermediate_size: int = 0  # the draft MLP's width; 0: the target's (engines read it from the exported config.json)
 
-    def head_flags(self) -> dict[str, bool]:
+    def head_flags(self) -> dict[str, Any]:
         """The four normalisation flags of the head: ``variant``'s, then each one set explicitly."""
         preset = VARIANTS[self.variant]
         return {f: bool(preset.get(f, False) if getattr(self, f) is None else getattr(self, f)) for f in HEAD_FLAGS}
@@ -297,9 +305,14 @@ class TrainConfig:
 
 # The sections one ``train.*`` section held until the options were split by concern: an old key is
 # refused with its new name (``optim.lr`` -> ``optim.lr``).
-SECTIONS = {"objective": ObjectiveConfig, "optim": OptimConfig, "loop": LoopConfig, "checkpoint": CheckpointConfig, "runtime": RuntimeConfig}
+SECTIONS = {
+    "objective": ObjectiveConfig,
+    "optim": OptimConfig,
+    "loop": LoopConfig,
+    "checkpoint": CheckpointConfig,
+    "runtime": RuntimeConfig,
+}
 RENAMED = {f"train.{f.name}": f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in fields(cls)}
-
 
 
 def train_sections(**options: Any) -> dict[str, Any]:

@@ -65,18 +65,6 @@ logger = logging.getLogger(__name__)
 ENGINE_DIR = "engine"  # <out>/engine/: the launched engines' logs
 FILES_DIR = "engine_files"  # <out>/engine_files/: vLLM's state files in flight (engine.files_dir: elsewhere)
 
-# engine name -> its flag for the GPU memory share it takes, and for the longest sequence it serves
-MEMORY_FLAG = {"vllm": "--gpu-memory-utilization", "sglang": "--mem-fraction-static"}
-LENGTH_FLAG = {"vllm": "--max-model-len", "sglang": "--context-length"}
-# engine -> (the oldest release whose state return this capture was read from, why older ones are refused)
-OLDEST = {
-    "sglang": (
-        "0.5.23",
-        "SGLang 0.5.17 has no --return-aux-hidden-state-layer-ids (its aux states are the model's defaults); "
-        "the capture was read from 0.5.23",
-    ),
-}
-
 
 def release(version: str) -> tuple[int, ...]:
     """``0.5.23`` -> (0, 5, 23); a suffix (``+cu130``, ``rc1``) is ignored."""
@@ -261,7 +249,7 @@ class EnginePlan:
             return [
                 replace(base, url=u.rstrip("/"), final_url=f.rstrip("/")) for u, f in zip(e.urls, finals, strict=True)
             ]
-        step = 2 if e.name == "sglang" else 1  # SGLang: an aux-state and a final-state server each
+        step = 2 if self.capture.final_server else 1  # an aux-state and a final-state server each
         return [
             replace(
                 base, url=f"http://127.0.0.1:{e.port + step * i}", final_url=f"http://127.0.0.1:{e.port + step * i + 1}"
@@ -278,7 +266,7 @@ class EnginePlan:
             return e.engine_args
         given = flag_values(e.engine_args)
         extra = []
-        memory = MEMORY_FLAG.get(e.name)
+        memory = self.capture.memory_flag
         if e.memory_fraction is not None and memory:
             if memory in given:
                 raise ConfigError(
@@ -286,7 +274,7 @@ class EnginePlan:
                     f"set engine.memory_fraction=null to keep yours"
                 )
             extra.append(f"{memory} {e.memory_fraction}")
-        length = LENGTH_FLAG.get(e.name)
+        length = self.capture.length_flag
         if length and length not in given:
             extra.append(f"{length} {longest + 1}")
         return " ".join([e.engine_args, *extra]).strip()
@@ -380,11 +368,11 @@ class ServedSource(PreparedSource):
         self.capture = self.engine.capture
         if not engine.launch and not engine.urls:
             raise ConfigError("source=served needs engine.urls=[...] (replicas already running) or engine.launch=true")
-        if engine.final_urls and engine.name != "sglang":
-            raise ConfigError("engine.final_urls are SGLang's final-state servers; this engine needs none")
-        if engine.name == "sglang" and not engine.launch and len(engine.final_urls) != len(engine.urls):
+        if engine.final_urls and not self.capture.final_server:
+            raise ConfigError(f"engine.final_urls are final-state servers; {self.engine.title} needs none")
+        if self.capture.final_server and not engine.launch and len(engine.final_urls) != len(engine.urls):
             raise ConfigError(
-                f"SGLang returns the aux states and the post-norm final state from two servers: engine.final_urls "
+                f"{self.engine.title} returns the aux states and the post-norm final state from two servers: engine.final_urls "
                 f"needs one URL per engine.urls entry ({len(engine.urls)}), got {len(engine.final_urls)}"
             )
         if engine.launch and is_tiny(target):
@@ -432,7 +420,7 @@ class ServedSource(PreparedSource):
 
     def _launch(self) -> EngineProcesses:
         """Start every replica of this node with the command lines the capture prints."""
-        if self.engine_cfg.name == "vllm":  # the engine writes into it from its first request
+        if self.capture.writes_files:  # the engine writes into it from its first request
             server = self.plan.servers[0]
             Path(server.server_files_dir or server.files_dir or self.out / FILES_DIR).mkdir(parents=True, exist_ok=True)
         return EngineProcesses(self.plan.commands())
@@ -575,8 +563,9 @@ class StateStream:
                 f"the replicas run different {c.name} versions ({versions}): the states of one run come from one engine"
             )
         self.version = known.pop() if known else None
-        if self.version is not None and c.name in OLDEST:
-            oldest, why = OLDEST[c.name]
+        capture = registry.ENGINES[c.name].capture
+        if self.version is not None and capture is not None and capture.oldest is not None:
+            oldest, why = capture.oldest
             if release(self.version) < release(oldest):
                 raise ConfigError(
                     f"the replicas run {c.name} {self.version}; training from {c.name} needs {oldest} or later: {why}"

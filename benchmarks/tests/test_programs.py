@@ -1,0 +1,131 @@
+"""The benchmark programs of benchmarks/: each answers --help, every results file reads through the one
+writer with the command that made it, and the parts that turn a run's output into results."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+LAB = Path(__file__).resolve().parents[1]
+ROOT = LAB.parent
+sys.path.insert(0, str(ROOT))  # the programs run as python3 -m benchmarks.<name> from the repository root
+
+from benchmarks import recipe, speedup  # noqa: E402
+from benchmarks.result import SCHEMA_VERSION, Result  # noqa: E402
+
+PROGRAMS = ["dump", "train", "online", "speedup", "recipe"]
+
+
+def test_each_program_answers_help():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for name in PROGRAMS:
+        done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0 and done.stdout.startswith("usage:"), (name, done.stderr[-2000:])
+
+
+def test_a_result_is_written_and_read_in_one_place(tmp_path):
+    r = Result(what="w", command="python3 -m benchmarks.x --y", machine="m", date="2026-12-06", figures={"a": {"b": 1}},
+               tables=[{"title": "t", "header": ["h"], "rows": [["1"]]}])  # fmt: skip
+    r.write(tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["schema_version"] == SCHEMA_VERSION and data["a"] == {"b": 1} and "code_at" not in data
+    assert Result.read(tmp_path / "r.json") == r
+    del data["command"]
+    with pytest.raises(ValueError, match="lacks"):
+        Result.from_dict(data)
+    with pytest.raises(ValueError, match="newer"):
+        Result.from_dict({**data, "schema_version": SCHEMA_VERSION + 1})
+    # a file older than the schema: its head fields where they are strings, named commands, the rest figures
+    old = Result.from_dict({"what": "w", "commands": {"a": "x"}, "runs": [1, 2], "tau": 2.5})
+    assert old.schema_version == 0 and old.command == {"a": "x"} and old.figures == {"runs": [1, 2], "tau": 2.5}
+
+
+def test_every_results_file_reads_and_names_the_command_that_made_it():
+    for path in sorted((LAB / "results").glob("*.json")):
+        r = Result.read(path)
+        assert r.what and r.command, path.name
+        # made before the programs: the commit whose tree the command runs in (the peers' scripts are in the tree)
+        if r.schema_version == 0 and not path.name.startswith("peers_"):
+            assert r.code_at and len(r.code_at) == 40, path.name
+
+
+def test_speedup_sets_the_engines_tau_beside_evals_on_the_same_turns(tmp_path):
+    """eval's τ over exactly the turns the bench sent the speculating engine at a concurrency, from eval's
+    per-turn accepted counts; the summary carries the tables of the steps that ran."""
+    w = tmp_path / "w"
+    tree, bench = w / "eval_tree_1_5_6", w / "bench_sglang_1_5_6"
+    tree.mkdir(parents=True)
+    bench.mkdir()
+    rows = [("/a/p:1", 1, [2, 0, 1]), ("/a/p:1", 2, [5, 5]), ("/a/p:2", 1, [0, 0, 0, 3]), ("/a/p:3", 1, [4])]
+    (tree / "outputs.jsonl").write_text(
+        "".join(json.dumps({"source": s, "turn": t, "accepted": a}) + "\n" for s, t, a in rows)
+    )
+    (tree / "report.json").write_text(json.dumps({"tau": 2.0, "lossless": "identical"}))
+    sent = [("baseline", 1, "p:3"), ("spec", 1, "p:1"), ("spec", 1, "p:2"), ("spec", 4, "p:3")]
+    (bench / "requests.jsonl").write_text(
+        "".join(json.dumps({"engine": e, "concurrency": c, "source": s, "turn": 1}) + "\n" for e, c, s in sent)
+    )
+    turns = speedup.sent_turns(bench / "requests.jsonl", 1)
+    assert turns == {("p:1", 1), ("p:2", 1)}  # another path to the same prompt file still matches
+    tau, n = speedup.eval_tau_on(tree / "outputs.jsonl", turns)
+    assert n == 2 and tau == pytest.approx(1 + (2 + 0 + 1 + 0 + 0 + 0 + 3) / 7)  # p:1's second turn left out
+    assert speedup.eval_tau_on(tree / "outputs.jsonl", {("p:9", 1)}) is None
+    side = {"output_tokens_per_s": 100.0}
+    (bench / "results.json").write_text(json.dumps({
+        "machine": {"gpus": ["H200"]}, "engine": {"spec": {"version": "0.5"}},
+        "rows": [{"concurrency": 1, "speedup": 1.5, "baseline": side, "spec": {"output_tokens_per_s": 150.0, "mean_acceptance_length": 2.2}}],
+    }))  # fmt: skip
+    a = argparse.Namespace(engine="sglang", draft="d", command="python3 -m benchmarks.speedup")
+    r = speedup.summarise(w, a)
+    assert r.machine == "H200; sglang 0.5" and r.figures["sglang_1_5_6_c1"]["speedup"] == 1.5
+    titles = [t["title"] for t in r.tables]
+    assert len(titles) == 3 and not any("position" in t for t in titles)  # the long step did not run
+    assert r.tables[-1]["rows"] == [["1", "5", "6", "1", "2.200", f"{tau:.3f} (2)", f"{2.2 / tau:.3f}"]]
+
+
+def test_recipe_results_from_a_run_directory(tmp_path):
+    run = tmp_path / "run"
+    (run / "train").mkdir(parents=True)
+    (run / "eval").mkdir()
+    stages = [{"stage": "prepare", "seconds": 60.0, "rc": 0}, {"stage": "train", "seconds": 120.0, "rc": 0}]
+    (run / "run.jsonl").write_text("".join(json.dumps(s) + "\n" for s in stages))
+    (run / "train" / "best.json").write_text(json.dumps({"eval_tau": 3.28319, "step": 9}))
+    report = {"tau": 3.03, "k": 5, "speedup": 1.47, "categories": {"math": {"tau": 3.151}}, "by_reply_position": []}
+    (run / "eval" / "report.json").write_text(json.dumps(report))
+    (tmp_path / "smi.csv").write_text(
+        "2026/12/04 10:00:00.000, 0, 1200 MiB, 5 %\n2026/12/04 10:00:05.000, 0, 44957 MiB, 90 %\n"
+    )
+    out = tmp_path / "r.json"
+    recipe.main(["--from", str(run), "--out", str(out), "--gpu-trace", str(tmp_path / "smi.csv"), "recipe=smollm2"])
+    r = Result.read(out)
+    assert r.command.startswith("python3 -m benchmarks.recipe --from ") and "recipe=smollm2" in r.what
+    assert r.figures["stages_seconds"] == {"prepare": 60.0, "train": 120.0} and r.figures["total_minutes"] == 3.0
+    assert r.figures["train"] == {"best_eval_simulated_tau": 3.283} and r.figures["peak_gpu_memory_mib"] == 44957
+    assert r.figures["eval"]["tau_by_category"] == {"math": 3.151} and "by_reply_position" not in r.figures["eval"]
+
+
+def test_a_session_runs_detached_and_each_poll_packs_what_exists(tmp_path):
+    env = dict(os.environ, SESSIONS=str(tmp_path / "s"), PATH=f"{tmp_path}:{os.environ['PATH']}")
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nsleep 60\n")  # a trace that never writes
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    session = [str(LAB / "session.sh")]
+    cmd = "mkdir -p run/export && echo '{}' > run/export/config.json && echo '{\"x\": 1}' > r.json && sleep 1"
+    start = subprocess.run(["bash", *session, "start", "t", "--", "bash", "-c", cmd], cwd=ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+    assert start.returncode == 0 and "started" in start.stdout, start.stderr
+    dest = tmp_path / "dest"
+    for _ in range(10):
+        poll = subprocess.run(["bash", *session, "poll", "t", "5", str(dest)], env=env, capture_output=True, text=True)
+        if "ended" in poll.stdout:
+            break
+        time.sleep(1)
+    assert "ended: rc=0" in poll.stdout, poll.stdout + poll.stderr
+    with tarfile.open(dest / "t.tgz") as tar:
+        names = tar.getnames()
+    assert "./out/r.json" in names and "./rc" in names and not any(n.startswith("./repo") for n in names)
+    assert [p.name for p in dest.glob("t-export*")] == ["t-export0.tgz.part-00"]
