@@ -143,7 +143,7 @@ def test_a_run_equals_the_stages_run_by_hand(tmp_path, monkeypatch, said):
     online = OnlineConfig(draft_vocab_size=64, eval_fraction=0.02, aux_indices=[1, 2, 3])
     train(hand / "prepared", hand / "train", target="tiny", source="online", online=online, ttt_length=5,
           epochs=1, lr=2e-3, warmup_fraction=0.0134, schedule="wsd", max_tokens_per_batch=600, min_steps=160, head_chunk=32768,
-          keep_best=True, log_every=50, model=ModelOptions(lm_head_init="target", intermediate_size=256))  # fmt: skip
+          keep_best=True, log_every=50, model=ModelOptions(variant="eagle3.1", lm_head_init="target", intermediate_size=256))  # fmt: skip
     Exporter(ExportConfig(run=str(hand / "train"), out=str(hand / "export"), engines=["sglang", "vllm"])).run()
     ref = Evaluator(
         EvalConfig(

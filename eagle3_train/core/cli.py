@@ -384,17 +384,24 @@ def entry_point(
             sys.exit(code)
 
     def main() -> None:
+        import atexit
+
         setup_logging()
-        if threading_main():
-            signal.signal(signal.SIGTERM, _sigterm)
-        with user_errors(command, schema):
-            if args is not None:
-                sys.argv[1:] = args(sys.argv[1:])
-            if renamed and (said := renamed_option(sys.argv[1:], renamed)):
-                raise ConfigError(said)
-            checked_arguments(config_name, schema, sys.argv[1:])
-            _main()
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: a Ctrl-C while the interpreter exits changes nothing
+        handlers = threading_main()  # (signal handlers are the main thread's)
+        before = signal.signal(signal.SIGTERM, _sigterm) if handlers else None
+        if handlers:  # a Ctrl-C while the interpreter exits (the work is done) changes nothing
+            atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
+        try:
+            with user_errors(command, schema):
+                if args is not None:
+                    sys.argv[1:] = args(sys.argv[1:])
+                if renamed and (said := renamed_option(sys.argv[1:], renamed)):
+                    raise ConfigError(said)
+                checked_arguments(config_name, schema, sys.argv[1:])
+                _main()
+        finally:
+            if handlers:
+                signal.signal(signal.SIGTERM, before)
 
     main.__doc__ = f"Console entry point ``{command}``."
     return main
