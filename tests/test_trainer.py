@@ -529,7 +529,7 @@ def test_a_sweep_runs_each_job_in_its_own_process_and_directory(std, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml", "optim.lr=0.001", "optim.lr=0.003"]
     for lr in (1e-3, 3e-3):
-        assert json.loads((sweep / f"optim.lr={lr}" / "config.json").read_text())["train"]["lr"] == lr
+        assert json.loads((sweep / f"optim.lr={lr}" / "config.json").read_text())["optim"]["lr"] == lr
     # the second job (the one that failed on the first's DeepSpeed state) against a plain run
     train(std, tmp_path / "plain", max_steps=1, lr=3e-3, log_every=10)
     a = load_file(str(sweep / "optim.lr=0.003" / "checkpoints" / "step1" / "draft.safetensors"))
@@ -844,9 +844,13 @@ def test_lm_head_from_the_target_frozen_and_exported(std_part, tmp_path):
     assert not torch.equal(weights["norm.weight"], target.model.norm.weight.detach())  # trained
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 200
     assert config["eagle3_train"]["training"]["model"] == {
+        "variant": "eagle3",
         "lm_head_init": "target",
         "freeze_lm_head": True,
-        "aux_norm": False,
+        "aux_norm": False,  # each flag as the head computes it, not as an option left null
+        "fc_norm": False,
+        "norm_before_residual": False,
+        "norm_output": False,
         "intermediate_size": 0,
     }
 

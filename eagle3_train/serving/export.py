@@ -48,7 +48,7 @@ from eagle3_train.core.fileio import atomic_write_bytes, atomic_write_json, save
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.stagedir import hold_lock
 from eagle3_train.engines import registry
-from eagle3_train.engines.heads import Flags, flag_keys
+from eagle3_train.engines.heads import FLAG_NAMES, Flags, flag_keys
 from eagle3_train.engines.rules import (
     TOP_KEY,
     Unexpressible,
@@ -360,10 +360,10 @@ class Exporter:
         )
 
     def _model_options(self) -> dict[str, Any] | None:
-        """The run's model options, with the forward flags its head computes set true whichever
-        option set them (eagle3-check holds each engine version's flags to these)."""
-        model, on = self.state.get("model"), Flags.of(self.draft_config).changed()
-        return (model or {}) | dict.fromkeys(on, True) if model is not None or on else None
+        """The run's model options, with each forward flag as its head computes it (true or false,
+        whichever option or variant set it: eagle3-check holds each engine version's flags to these)."""
+        model, flags = self.state.get("model"), {f: getattr(self.draft_config, f) for f in FLAG_NAMES}
+        return (model or {}) | flags if model is not None or any(flags.values()) else None
 
     def _summary(self) -> dict[str, Any]:
         """What the checkpoint is: its step, the TTT steps it was trained for (eval warns when a

@@ -12,6 +12,7 @@ from omegaconf import MISSING
 
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.core.log import LogConfig
+from eagle3_train.engines.heads import FLAG_NAMES
 from eagle3_train.training.objective import Objective
 from eagle3_train.training.online import OnlineConfig
 from eagle3_train.training.served import EngineConfig
@@ -169,7 +170,6 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "eagle3": {},
     "eagle3.1": {"fc_norm": True, "norm_output": True},
 }
-HEAD_FLAGS = ("aux_norm", "fc_norm", "norm_before_residual", "norm_output")  # DraftConfig's, as the engines name them
 
 
 @dataclass
@@ -197,7 +197,7 @@ class ModelOptions:
     def head_flags(self) -> dict[str, Any]:
         """The four normalisation flags of the head: ``variant``'s, then each one set explicitly."""
         preset = VARIANTS[self.variant]
-        return {f: bool(preset.get(f, False) if getattr(self, f) is None else getattr(self, f)) for f in HEAD_FLAGS}
+        return {f: bool(preset.get(f, False) if getattr(self, f) is None else getattr(self, f)) for f in FLAG_NAMES}
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
