@@ -7,30 +7,22 @@
 #                engine.engine_args='--tensor-parallel-size 8' engine.memory_fraction=null
 #   ROLE=trainer ENGINE_HOSTS="gpu1 gpu2" launch/train_served.sh <the same overrides>
 #
-# ROLE=engine starts, on this host, the command(s) `eagle3-train ... engine.print_launch=true` prints
-# (the capture's flags, engine.port, engine.engine_args) and waits on them; ROLE=trainer runs
-# launch/train.sh (torchrun: NNODES, NPROC_PER_NODE, MASTER_ADDR as there) with
-# engine.urls=[http://<host>:<engine.port>,...] for ENGINE_HOSTS and waits up to ENGINE_WAIT_S
-# (1800) for them to load. engine.files_dir must be a directory every host sees at the same path
-# (vLLM writes the states there; each file is deleted once read). Killed or preempted: submit the
-# same command again (resume=auto); the engines need no state of their own.
+# ROLE=engine runs `eagle3-train source=served engine.serve=true`: it starts this host's replica(s)
+# (the command(s) engine.print_launch=true shows: the capture's flags, engine.port,
+# engine.engine_args), logs them under <out>/engine/<host>/ and waits on them; one that exits stops
+# the rest, and SIGTERM stops them all. ROLE=trainer runs launch/train.sh (torchrun: NNODES,
+# NPROC_PER_NODE, MASTER_ADDR as there) with engine.urls=[http://<host>:<engine.port>,...] for
+# ENGINE_HOSTS and waits up to ENGINE_WAIT_S (1800) for them to load. engine.files_dir must be a
+# directory every host sees at the same path (vLLM writes the states there; each file is deleted
+# once read). Killed or preempted: submit the same command again (resume=auto); the engines need
+# no state of their own.
 set -euo pipefail
 ROLE=${ROLE:?ROLE=engine or ROLE=trainer}
 TRAIN=${EAGLE3_TRAIN:-eagle3-train}
 here=$(dirname "$0")
 case $ROLE in
 engine)
-    launch=$($TRAIN source=served engine.print_launch=true "$@")
-    echo "$launch"
-    mapfile -t engines < <(printf '%s\n' "$launch" | awk '/^#/ {next}
-        {line = line $0; if (sub(/\\$/, "", line)) next; print line; line = ""}')
-    pids=()
-    trap '[ ${#pids[@]} -eq 0 ] || kill "${pids[@]}" 2>/dev/null || true' EXIT
-    for e in "${engines[@]}"; do
-        bash -c "exec $e" &
-        pids+=($!)
-    done
-    wait -n "${pids[@]}"  # one server gone: the host's share is lost, stop the rest
+    exec $TRAIN source=served engine.serve=true "$@"  # (TRAIN unquoted: it may be several words)
     ;;
 trainer)
     port=8000

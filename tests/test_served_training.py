@@ -4,6 +4,7 @@ this process), across a kill, an engine death, a lost replica; it stays within i
 deletes the engine's files, and refuses what it cannot work with in seconds."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import torch
 from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.core.faults import FAULT_ENV
 from eagle3_train.core.prepared import prepared_data
+from eagle3_train.engines import launcher
 from eagle3_train.engines.http import EngineError
 from eagle3_train.serving.check import CheckConfig, ServingConfig, run_check
 from eagle3_train.serving.export import ExportConfig, Exporter
@@ -240,6 +242,16 @@ def test_bad_settings_and_unreachable_engines_fail_in_seconds(data, tmp_path):
         TrainConfig(data="x", out="y", engine=EngineConfig(urls=["http://h:1"]))
     with pytest.raises(ConfigError, match=r"choose one"):
         EngineConfig(urls=["http://h:1"], launch=True)
+    # engine.serve: an engine host of a source=served run, nothing else
+    with pytest.raises(ConfigError, match=r"^engine\.\* options apply to source=served"):
+        TrainConfig(data="x", out="y", source="online", engine=EngineConfig(serve=True))
+    for other, said_ in (
+        ({"print_launch": True}, "only prints their commands"),
+        ({"launch": True}, "starts them inside a training run"),
+        ({"urls": ["http://h:1"]}, "names replicas already running"),
+    ):
+        with pytest.raises(ConfigError, match=rf"engine.serve=true starts this host's replicas .*{said_}: choose one"):
+            EngineConfig(serve=True, **other)
     with pytest.raises(ConfigError, match=r"final_urls needs one URL per engine.urls entry"):
         served(data["prep"], tmp_path / "c", engine([dead], tmp_path, name="sglang"))
     with pytest.raises(ConfigError, match=r"'--tensor-paralel-size' is not a flag of vllm serve"):
@@ -342,6 +354,27 @@ def test_a_launched_engine_that_fails_to_start_is_reported_with_its_log(data, tm
         os.environ["PATH"] = path
 
 
+def test_serve_waits_until_a_server_exits_and_quotes_its_log(tmp_path, monkeypatch, said):
+    """launcher.serve (engine.serve=true, eagle3-dump serve=true): a server that exits ends the wait
+    with its status (1 for an unasked exit 0), its log quoted, and the others are stopped."""
+    monkeypatch.setattr(launcher, "POLL_S", 0.05)
+    pid = tmp_path / "pid"
+    for last, status in (("exit 3", 3), ("exit 0", 1), ("kill -9 $$", 128 + 9)):
+        pid.unlink(missing_ok=True)
+        commands = [
+            launcher.EngineCommand(f"sh -c 'echo $$ > {pid}; exec sleep 60'", None, tmp_path / "a.log"),
+            launcher.EngineCommand(f"sh -c 'echo out of memory; sleep 0.5; {last}'", None, tmp_path / "b.log"),
+        ]
+        assert launcher.serve(commands, "test serve") == status
+        text = said()
+        assert "test serve: the engine started by this run exited" in text and "out of memory" in text
+        with pytest.raises(ProcessLookupError):  # the other one had started, and was stopped
+            os.kill(int(pid.read_text()), 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="test serve starts this host's engine servers once: run it without torchrun"):
+        launcher.serve(commands, "test serve")
+
+
 def fake_cluster(tmp_path: Path) -> tuple[Path, Path]:
     """A target directory, and a bin directory with a stand-in ``vllm`` and SLURM's ``srun`` and
     ``scontrol`` as one host plays them (srun runs its command here; every node list is this host)."""
@@ -379,10 +412,50 @@ def test_print_launch_prints_the_engine_command_the_run_expects(data, tmp_path):
 
 
 @pytest.mark.slow
+def test_engine_serve_starts_the_replicas_and_sigterm_stops_them(data, tmp_path):
+    """eagle3-train source=served engine.serve=true (an engine host): the printed replica starts,
+    logging under <out>/engine/<host>/, answers on its port, and SIGTERM stops it and the command
+    (status 0, one line); nothing is trained."""
+    target, bin_dir = fake_cluster(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagle3_train.training.trainer", f"data={data['prep']}", f"target={target}",
+         f"out={tmp_path / 'run'}", *ONLINE_ARGS, "source=served", "engine.serve=true", f"engine.port={port}",
+         "engine.dtype=float32", f"engine.files_dir={tmp_path / 'files'}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    assert "eagle3-train engine.serve: stopped by a signal; the engine servers are stopped" in output
+    with pytest.raises(ConnectionRefusedError):  # stopped: nothing listens on its port
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    (log,) = (tmp_path / "run" / "engine").glob("*/replica0.0.log")
+    assert log.parent.name == socket.gethostname()
+    command = log.read_text().splitlines()[0]
+    assert f"--port {port}" in command and "extract_hidden_states" in command and str(tmp_path / "files") in command
+    assert (tmp_path / "files").is_dir() and not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
 def test_the_slurm_job_starts_engines_and_trainers_that_find_them(data, tmp_path):
     """launch/slurm/train_served.sbatch as one host plays both components (srun and scontrol
-    stand-ins): the engine component starts the printed command, the trainer component finds it by
-    the node list and trains as source=online does."""
+    stand-ins): the engine component serves (engine.serve=true), the trainer component finds it by
+    the node list and trains as source=online does, and the engine stops when training ends."""
     target, bin_dir = fake_cluster(tmp_path)
     ports = []
     for _ in range(2):
@@ -414,6 +487,9 @@ def test_the_slurm_job_starts_engines_and_trainers_that_find_them(data, tmp_path
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert_same_training(data["online"], tmp_path / "run", rel=1e-5, atol=1e-5)
     assert last_weights(tmp_path / "run")[2]["states_from"]["launched"] is False
+    assert "eagle3-train engine.serve: stopped by a signal" in run.stderr
+    with pytest.raises(ConnectionRefusedError):  # the engine host stopped its replica
+        socket.create_connection(("127.0.0.1", ports[0]), timeout=5).close()
 
 
 @pytest.mark.slow

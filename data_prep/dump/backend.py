@@ -7,7 +7,8 @@ claiming the output directory, resuming, the shard writer, coverage and the mani
 says how this process stands among the dump's processes (:meth:`Backend.team`), refuses what it
 cannot capture before any work (:meth:`Backend.check`), produces the states of its share of the
 samples (:meth:`Backend.dump`), and adds its own facts to the manifest (:meth:`Backend.run_info`).
-An engine backend also prints the command that launches its engine (:meth:`Backend.launch_text`).
+An engine backend also prints the command that launches its engine (:meth:`Backend.launch_text`)
+and hands the same commands to ``serve=true`` (:meth:`Backend.engine_commands`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,6 +29,7 @@ from eagle3_train.targets import resolve_dtype
 
 if TYPE_CHECKING:
     from data_prep.dump.stage import Dumper
+    from eagle3_train.engines.launcher import EngineCommand
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,10 @@ class Backend(ABC):
     def launch_text(self) -> str:
         """The command(s) that start the engine for this capture (``print_launch=true``)."""
         raise ConfigError(f"backend={self.cfg.backend} runs no engine, so it has no launch command")
+
+    def engine_commands(self, logs: Path) -> list[EngineCommand]:
+        """The engine server(s) for this capture (``serve=true``), logging under ``logs``."""
+        raise ConfigError(f"backend={self.cfg.backend} runs no engine, so it has none to serve")
 
     def close(self) -> None:
         """Release what the backend holds (a process group)."""

@@ -1,14 +1,16 @@
 """The ``eagle3-dump`` command: compose the config, pick the backend, run the stage (or verify a
-dump, or print an engine's launch command)."""
+dump, or print an engine's launch command, or serve the engine on this host)."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from data_prep.dump.backend import make_backend
 from data_prep.dump.config import DumpConfig
 from data_prep.dump.stage import Dumper, verify
 from eagle3_train.core.cli import entry_point
+from eagle3_train.engines.launcher import host_logs, serve
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +22,7 @@ def launch_text(cfg: DumpConfig) -> str:
 
 def _run(cfg: DumpConfig) -> int:
     """``verify=true`` checks a finished dump; ``print_launch=true`` prints the engine command;
-    otherwise this process dumps its share."""
+    ``serve=true`` runs it here until stopped; otherwise this process dumps its share."""
     if cfg.verify:
         assert cfg.out is not None  # DumpConfig requires out= but for print_launch
         problems = verify(cfg.out, cfg.progress)
@@ -31,6 +33,9 @@ def _run(cfg: DumpConfig) -> int:
     if cfg.print_launch:
         print(launch_text(cfg))  # the command's output, to copy or pipe: not a log message
         return 0
+    if cfg.serve:
+        assert cfg.out is not None  # DumpConfig requires out= for serve
+        return serve(make_backend(cfg).engine_commands(host_logs(Path(cfg.out))), "eagle3-dump serve")
     backend = make_backend(cfg)
     try:
         Dumper(cfg, backend).run()

@@ -43,6 +43,10 @@ class DumpConfig:
     attn_implementation: str | None = None  # passed to transformers (sdpa, flash_attention_2, eager)
     verify: bool = False  # only re-read every shard of out and check it against the manifest
     print_launch: bool = False  # backend=vllm|sglang: only print the engine launch command(s) for this capture
+    serve: bool = False
+    """backend=vllm|sglang: only start the engine server(s) for this capture on this host (what print_launch prints), logging under <out>/engine/<host>/, and wait on them until one exits or SIGTERM / Ctrl-C stops them; the clients run as separate eagle3-dump processes"""
+    serve_devices: list[str] = field(default_factory=list)
+    """serve: CUDA_VISIBLE_DEVICES of each engine server, in print_launch's order (SGLang: the aux-state server, then the final-state one, which must not share GPUs); empty: the GPUs this process sees"""
     server: ServerConfig = field(default_factory=ServerConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     cache_dir: str | None = None  # where GGUF targets are converted once
@@ -56,16 +60,21 @@ class DumpConfig:
     def __post_init__(self) -> None:
         engine = registry.engine(self.backend, "dump", "backend")
         here = " or ".join(f"backend={n}" for n in registry.names("dump") if registry.ENGINES[n].in_process)
-        if self.print_launch:
-            if engine.in_process:
-                served = [n for n in registry.names("dump") if not registry.ENGINES[n].in_process]
-                raise ConfigError(
-                    f"print_launch=true prints an engine's launch command: add "
-                    f"{' or '.join(f'backend={n}' for n in served)}"
-                )
-        elif not self.out:
+        if len(modes := [f"{k}=true" for k in ("verify", "print_launch", "serve") if getattr(self, k)]) > 1:
+            raise ConfigError(f"{' and '.join(modes)} each do one thing: choose one")
+        if (self.print_launch or self.serve) and engine.in_process:
+            served = [n for n in registry.names("dump") if not registry.ENGINES[n].in_process]
+            asked = (
+                "print_launch=true prints an engine's launch command"
+                if self.print_launch
+                else "serve=true starts an engine"
+            )
+            raise ConfigError(f"{asked}: add {' or '.join(f'backend={n}' for n in served)}")
+        if self.serve_devices and not self.serve:
+            raise ConfigError("serve_devices are the GPUs of the engine servers serve=true starts: add serve=true")
+        if not self.print_launch and not self.out:
             raise ConfigError("out=<dump directory> is required")
-        elif not self.verify and not self.data:
+        if not (self.print_launch or self.verify or self.serve or self.data):
             raise ConfigError("data=<prepared directory> is required (or verify=true to check a dump)")
         check_numbers(
             self,

@@ -3,6 +3,7 @@ hidden-state capture): client processes that send one request per sample to a ru
 check every answer.
 
     eagle3-dump backend=vllm target=<hf dir> print_launch=true        # the engine command to run
+    eagle3-dump backend=vllm target=<hf dir> out=<dump> serve=true    # run it here until stopped
     eagle3-dump backend=vllm target=<hf dir> data=<prepared> out=<dump> server.url=http://gpu1:8000
     eagle3-dump backend=vllm ... client.rank=3 client.world_size=8       # eight client processes
 
@@ -29,6 +30,7 @@ import asyncio
 import json
 import os
 import shlex
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,7 +45,8 @@ from eagle3_train.core.fileio import atomic_write_json
 from eagle3_train.engines import registry
 from eagle3_train.engines.capture import CaptureJob, EngineClient, NextTokenCheck, StateCapture
 from eagle3_train.engines.http import retrying
-from eagle3_train.targets import load_target, load_target_tensors, resolve_dtype, text_config
+from eagle3_train.engines.launcher import EngineCommand, command_lines
+from eagle3_train.targets import Target, load_target, load_target_tensors, resolve_dtype, text_config
 from eagle3_train.targets.tiny import is_tiny
 
 if TYPE_CHECKING:
@@ -90,9 +93,9 @@ class Backend(backend.Backend):
             cfg.client,
         )
 
-    def launch_text(self) -> str:
-        """The engine command(s) that serve exactly the capture ``cfg`` asks for, and the client
-        command that dumps from them (``print_launch=true``)."""
+    def _engine_lines(self) -> tuple[Target, list[int], list[str]]:
+        """The target, the HF indices stored, and the engine's launch lines (with comments) for
+        exactly the capture ``cfg`` asks for."""
         cfg = self.cfg
         self.resolve_dtype(None)  # the engine's GPUs: what the dump records
         if is_tiny(cfg.target):
@@ -105,14 +108,36 @@ class Backend(backend.Backend):
         )
         n = target.num_hidden_layers
         _, stored = stored_indices(cfg.capture, n)
-        lines = [
-            f"# eagle3-dump backend={cfg.backend}: {target.identity.model_type}, N={n}, HF indices stored {stored} "
-            f"+ last_hidden",
-            f"# (engine API as read from {cfg.backend} {self.capture.read_from})",
-        ]
-        lines += self.capture.launch_lines(
+        lines = self.capture.launch_lines(
             str(target.local_dir or cfg.target), target.identity.model_type, n, stored, cfg.dtype, cfg.server, cfg.out
         )
+        return target, stored, lines
+
+    def engine_commands(self, logs: Path) -> list[EngineCommand]:
+        """The engine server(s) for this capture (``serve=true``), each with its GPUs
+        (``serve_devices``) and its log ``<logs>/engine<i>.log``."""
+        commands = command_lines("\n".join(self._engine_lines()[2]))
+        devices = self.cfg.serve_devices
+        if devices and len(devices) != len(commands):
+            raise ConfigError(
+                f"serve_devices lists {len(devices)} device sets for the {len(commands)} server(s) backend="
+                f"{self.cfg.backend} starts: one per server, in print_launch's order"
+            )
+        return [
+            EngineCommand(c, devices[i] if devices else None, logs / f"engine{i}.log") for i, c in enumerate(commands)
+        ]
+
+    def launch_text(self) -> str:
+        """The engine command(s) that serve exactly the capture ``cfg`` asks for, and the client
+        command that dumps from them (``print_launch=true``)."""
+        cfg = self.cfg
+        target, stored, engine = self._engine_lines()
+        lines = [
+            f"# eagle3-dump backend={cfg.backend}: {target.identity.model_type}, N={target.num_hidden_layers}, "
+            f"HF indices stored {stored} + last_hidden",
+            f"# (engine API as read from {cfg.backend} {self.capture.read_from}; serve=true starts it on this host)",
+            *engine,
+        ]
         capture = "".join(
             f" capture.{name}=[{','.join(map(str, v))}]"
             for name, v in (("aux_indices", cfg.capture.aux_indices), ("extra_indices", cfg.capture.extra_indices))

@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,15 +54,18 @@ from eagle3_train.engines import registry
 from eagle3_train.engines.base import Engine
 from eagle3_train.engines.capture import CaptureJob, ClientConfig, EngineClient, NextTokenCheck, ServerConfig
 from eagle3_train.engines.http import EngineError, RetriesExhausted, retrying, wait_ready
-from eagle3_train.engines.launcher import EngineCommand, EngineProcesses, command_lines
+from eagle3_train.engines.launcher import LOG_DIR, EngineCommand, EngineProcesses, command_lines, host_logs
+from eagle3_train.engines.launcher import serve as serve_commands
 from eagle3_train.targets import Target, load_target, load_target_tensors, resolve_dtype, text_config
 from eagle3_train.targets.tiny import is_tiny
 from eagle3_train.training.data import Batch
 from eagle3_train.training.online import OnlineConfig, PreparedSource, Tokens, capture_indices
 
+if TYPE_CHECKING:
+    from eagle3_train.training.config import TrainConfig
+
 logger = logging.getLogger(__name__)
 
-ENGINE_DIR = "engine"  # <out>/engine/: the launched engines' logs
 FILES_DIR = "engine_files"  # <out>/engine_files/: vLLM's state files in flight (engine.files_dir: elsewhere)
 
 
@@ -125,6 +128,8 @@ class EngineConfig:
     keep_files: bool = False  # vLLM: keep the engine's state files after reading them (debugging)
     print_launch: bool = False
     """print the command(s) that start the replicas this run expects (to start them elsewhere: SLURM, another host), and exit"""
+    serve: bool = False
+    """start this host's replicas (what print_launch prints) and wait on them until one exits or SIGTERM / Ctrl-C stops them; no training (the engine hosts of launch/train_served.sh)"""
     check_args: bool = True
     """refuse engine_args flags the engine's command line (as this project read it) does not take; false passes them unchecked"""
 
@@ -140,6 +145,15 @@ class EngineConfig:
         if self.launch and self.urls:
             raise ConfigError(
                 "engine.launch=true starts the replicas itself; engine.urls names replicas already running: choose one"
+            )
+        others = {
+            "print_launch": "engine.print_launch=true only prints their commands",
+            "launch": "engine.launch=true starts them inside a training run",
+            "urls": "engine.urls names replicas already running",
+        }
+        if self.serve and (asked := [said for k, said in others.items() if getattr(self, k)]):
+            raise ConfigError(
+                f"engine.serve=true starts this host's replicas for trainers elsewhere; {asked[0]}: choose one"
             )
         if self.devices and len(self.devices) != self.replicas:
             raise ConfigError(
@@ -297,23 +311,27 @@ class EnginePlan:
             )
         )
 
-    def commands(self) -> list[EngineCommand]:
-        """Every replica's server command(s), each with its GPUs and its log under ``<out>/engine``."""
+    def commands(self, logs: Path | None = None) -> list[EngineCommand]:
+        """Every replica's server command(s), each with its GPUs and its log under ``logs``
+        (None: ``<out>/engine``)."""
         e = self.cfg
+        logs = self.out / LOG_DIR if logs is None else logs
         out = []
         for i in range(len(self.servers)):
             for j, line in enumerate(command_lines(self.text(i))):
-                out.append(
-                    EngineCommand(
-                        line, e.devices[i] if e.devices else None, self.out / ENGINE_DIR / f"replica{i}.{j}.log"
-                    )
-                )
+                out.append(EngineCommand(line, e.devices[i] if e.devices else None, logs / f"replica{i}.{j}.log"))
         return out
 
+    def make_files_dir(self) -> None:
+        """Create the directory a replica writes state files into from its first request (vLLM)."""
+        if self.capture.writes_files:
+            server = self.servers[0]
+            Path(server.server_files_dir or server.files_dir or self.out / FILES_DIR).mkdir(parents=True, exist_ok=True)
 
-def launch_text(cfg: Any) -> str:
-    """``engine.print_launch=true``: the command(s) that start the replicas the run ``cfg`` (a
-    ``TrainConfig``) expects, for each engine host (the port, files and flags of ``engine.*``)."""
+
+def engine_plan(cfg: TrainConfig) -> tuple[Engine, Target, EnginePlan]:
+    """The replicas the run ``cfg`` expects on each engine host (the port, files and flags of
+    ``engine.*``): what ``engine.print_launch`` prints and ``engine.serve`` starts."""
     e = cfg.engine
     about = load_target(cfg.target, cache_dir=cfg.cache_dir, load_model=False)
     prepared = prepared_data([cfg.data, *cfg.online.extra_data])
@@ -324,14 +342,32 @@ def launch_text(cfg: Any) -> str:
     plan = EnginePlan(
         replace(e, urls=[], final_urls=[]), engine, about, cfg.target, aux, longest, Path(cfg.out).expanduser()
     )
+    return engine, about, plan
+
+
+def launch_text(cfg: TrainConfig) -> str:
+    """``engine.print_launch=true``: the command(s) that start the replicas the run ``cfg`` expects,
+    for each engine host."""
+    engine, about, plan = engine_plan(cfg)
     lines = [
         f"# eagle3-train source=served: {engine.title} replica(s) for {about.identity.model_type}, N={about.num_hidden_layers}, "
-        f"HF indices {aux} + the last layer (engine ids {plan.layer_ids}); run on each engine host:"
+        f"HF indices {plan.aux} + the last layer (engine ids {plan.layer_ids}); run on each engine host "
+        f"(or eagle3-train engine.serve=true there):"
     ]
     for i in range(len(plan.servers)):
         lines.append(plan.text(i))
     lines.append("# then the trainer, with engine.urls=[http://<engine host>:<port>,...] and the same engine.files_dir")
     return "\n".join(lines)
+
+
+def serve(cfg: TrainConfig) -> int:
+    """``engine.serve=true``: start this host's replicas (those ``engine.print_launch`` prints), each
+    logging under ``<out>/engine/<host>/``, and wait on them until one exits (its status) or SIGTERM
+    / Ctrl-C stops them all (0): the engine hosts of a run whose trainers name them in
+    ``engine.urls``."""
+    _, _, plan = engine_plan(cfg)
+    plan.make_files_dir()
+    return serve_commands(plan.commands(host_logs(plan.out)), "eagle3-train engine.serve")
 
 
 class ServedSource(PreparedSource):
@@ -420,9 +456,7 @@ class ServedSource(PreparedSource):
 
     def _launch(self) -> EngineProcesses:
         """Start every replica of this node with the command lines the capture prints."""
-        if self.capture.writes_files:  # the engine writes into it from its first request
-            server = self.plan.servers[0]
-            Path(server.server_files_dir or server.files_dir or self.out / FILES_DIR).mkdir(parents=True, exist_ok=True)
+        self.plan.make_files_dir()
         return EngineProcesses(self.plan.commands())
 
     def _job(self, about: Target, rank: int) -> CaptureJob:

@@ -66,7 +66,7 @@ from eagle3_train.training.metrics import (
     truncate_metrics,
 )
 from eagle3_train.training.parallel import build_engine, sequence_parallel
-from eagle3_train.training.served import launch_text
+from eagle3_train.training.served import launch_text, serve
 from eagle3_train.training.sources import open_source
 from eagle3_train.training.tracking import open_tracker
 from eagle3_train.training.ttt import TargetCache, ttt_losses
@@ -533,16 +533,19 @@ class Trainer:
         self.source.close()
 
 
-def _run(cfg: TrainConfig) -> None:
+def _run(cfg: TrainConfig) -> int | None:
     if cfg.source == "served" and cfg.engine.print_launch:
         print(launch_text(cfg))  # the command's output, to copy or pipe: not a log message
-        return
+        return None
+    if cfg.source == "served" and cfg.engine.serve:
+        return serve(cfg)  # an engine host: no training
     trainer = Trainer(cfg)
     try:
         trainer.run()
     finally:
         trainer.close()
         close()
+    return None
 
 
 main = entry_point("train", TrainConfig, _run, renamed=RENAMED)
