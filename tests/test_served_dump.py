@@ -8,11 +8,13 @@ through the servers' API surface.
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from data_prep.dump import CaptureConfig, ClientConfig, DumpConfig, Dumper, ServerConfig, launch_text, verify
+from data_prep.dump.backend import make_backend
 from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.engines.http import EngineError
 from eagle3_train.engines.rules import Unexpressible
@@ -248,6 +250,16 @@ def test_refusals_and_launch_commands(prepared, tmp_path):
         Dumper(config(prepared, tmp_path / "a", "sglang", aux=[1, 2], extra=(0,))).run()
     with pytest.raises(ConfigError, match="add backend=sglang or backend=vllm"):
         config(prepared, tmp_path, "hf", print_launch=True)
+    # serve=true: this host's engine servers, nothing else
+    with pytest.raises(ConfigError, match="serve=true starts an engine: add backend=sglang or backend=vllm"):
+        config(prepared, tmp_path, "hf", serve=True)
+    with pytest.raises(ConfigError, match="print_launch=true and serve=true each do one thing: choose one"):
+        config(prepared, tmp_path, "vllm", print_launch=True, serve=True)
+    with pytest.raises(ConfigError, match="out=<dump directory> is required"):
+        DumpConfig(target="tiny", backend="vllm", serve=True)
+    with pytest.raises(ConfigError, match="serve_devices are the GPUs of the engine servers serve=true starts"):
+        config(prepared, tmp_path, "vllm", serve_devices=["0"])
+    assert DumpConfig(target="tiny", backend="vllm", serve=True, out=str(tmp_path)).data is None  # no data needed
     with pytest.raises(ConfigError, match="tp_size=2 applies to backend=hf"):
         config(prepared, tmp_path, "vllm", tp_size=2)
     with pytest.raises(ConfigError, match="client.rank=2 must be in"):
@@ -284,6 +296,13 @@ def test_refusals_and_launch_commands(prepared, tmp_path):
     )
     text = launch_text(cfg)
     assert f"vllm serve {target} --port 8000 --dtype bfloat16 --no-enable-prefix-caching" in text
+    # serve=true starts the printed engine command(s), each with its GPUs and its log
+    serving = replace(cfg, print_launch=False, serve=True, out=str(tmp_path / "d"), serve_devices=["0,1"])
+    (command,) = make_backend(serving).engine_commands(tmp_path / "logs")
+    assert command.command in text.replace("\\\n", "") and command.devices == "0,1"
+    assert command.log == tmp_path / "logs" / "engine0.log"
+    with pytest.raises(ConfigError, match=r"serve_devices lists 3 device sets for the 2 server\(s\) backend=sglang"):
+        make_backend(replace(serving, backend="sglang", serve_devices=["0", "1", "2"])).engine_commands(tmp_path)
     assert '"eagle_aux_hidden_state_layer_ids":[1,2,3,4]' in text
     assert '"shared_storage_path":"/shared/hs","allow_custom_save_path":true' in text
     cfg.backend = "sglang"
@@ -369,8 +388,9 @@ def test_client_processes_from_the_command_line_equal_hf(prepared, hf_dump, tmp_
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
 def test_launch_script_starts_the_printed_engines_and_clients(backend, prepared, hf_dump, tmp_path):
-    """launch/dump_served.sh runs the engine command(s) that print_launch prints (here answered by
-    stand-ins that require the same flags) and two clients; the dump equals backend=hf."""
+    """launch/dump_served.sh starts the engine command(s) that print_launch prints through
+    ``eagle3-dump serve=true`` (here answered by stand-ins that require the same flags) and two
+    clients; the dump equals backend=hf, and the engines are stopped at the end."""
     import os
     import socket
     from pathlib import Path
@@ -405,11 +425,10 @@ def test_launch_script_starts_the_printed_engines_and_clients(backend, prepared,
         os.environ,
         BACKEND=backend,
         CLIENTS="2",
-        LOGDIR=str(tmp_path),
         PATH=f"{bin_dir}:{os.environ['PATH']}",
         PYTHONPATH=f"{tmp_path / 'py'}:{repo}",
         EAGLE3_DUMP=f"{sys.executable} -m data_prep.dump",
-        ENGINE_DEVICES="0;1",
+        ENGINE_DEVICES="0;1" if backend == "sglang" else "0",
     )  # one device list per engine (the stand-ins ignore it)
     run = subprocess.run(
         [
@@ -428,8 +447,13 @@ def test_launch_script_starts_the_printed_engines_and_clients(backend, prepared,
         text=True,
         timeout=240,
     )
-    logs = "".join((tmp_path / f).read_text() for f in ("engine0.log", "engine1.log") if (tmp_path / f).exists())
-    assert run.returncode == 0, run.stdout + run.stderr + logs
+    logs = sorted((out / "engine" / socket.gethostname()).glob("engine*.log"))
+    assert run.returncode == 0, run.stdout + run.stderr + "".join(f.read_text() for f in logs)
+    assert len(logs) == (2 if backend == "sglang" else 1)
+    assert "eagle3-dump serve: stopped by a signal; the engine servers are stopped" in run.stdout + run.stderr
+    for port in ports[: len(logs)]:
+        with pytest.raises(ConnectionRefusedError):  # stopped: nothing listens on its port
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
     got, hf = stored_samples(out), stored_samples(hf_dump)
     assert sorted(got) == sorted(hf)
     for sid in got:
@@ -523,7 +547,6 @@ def test_sglang_pipeline_stages_are_refused_before_launch(prepared, tmp_path):
         os.environ,
         BACKEND="sglang",
         ENGINE_ARGS="--pp-size 2",
-        LOGDIR=str(tmp_path),
         EAGLE3_DUMP=f"{sys.executable} -m data_prep.dump",
     )
     run = subprocess.run(
@@ -541,7 +564,8 @@ def test_sglang_pipeline_stages_are_refused_before_launch(prepared, tmp_path):
         timeout=120,
     )
     assert run.returncode != 0 and "only with pp_size == 1" in run.stderr
-    assert not list(tmp_path.glob("engine*.log"))  # no engine was started
+    assert "the engine process ended (status 2) before the clients; stopping them" in run.stderr
+    assert not (tmp_path / "dump" / "engine").exists()  # no engine was started
 
 
 def test_every_printed_engine_command_parses_by_its_engines_flags(tmp_path):

@@ -487,7 +487,7 @@ def test_the_slurm_job_starts_engines_and_trainers_that_find_them(data, tmp_path
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert_same_training(data["online"], tmp_path / "run", rel=1e-5, atol=1e-5)
     assert last_weights(tmp_path / "run")[2]["states_from"]["launched"] is False
-    assert "eagle3-train engine.serve: stopped by a signal" in run.stderr
+    assert "eagle3-train engine.serve: stopped by a signal" in run.stdout + run.stderr, run.stdout[-1500:]
     with pytest.raises(ConnectionRefusedError):  # the engine host stopped its replica
         socket.create_connection(("127.0.0.1", ports[0]), timeout=5).close()
 
