@@ -12,7 +12,7 @@ from eagle3_train.core.errors import ConfigError, ContractError
 from eagle3_train.core.faults import FAULT_ENV
 from eagle3_train.serving.export import ExportConfig, Exporter
 from eagle3_train.training.config import TrainConfig
-from eagle3_train.training.online import PreparedConfig
+from eagle3_train.training.online import OnlineConfig, PreparedConfig
 from test_standardize import make_dump
 from test_trainer import _torchrun, metrics, standardized, train
 
@@ -133,8 +133,12 @@ def test_each_source_refuses_the_other_sources_data_and_options(data, tmp_path):
         train(data["prep"], tmp_path / "a")
     with pytest.raises(ContractError, match=r"expected the output of stage 'prepare', found stage 'standardize'"):
         train(data["std"], tmp_path / "b", source="online", prepared=ONLINE)
-    with pytest.raises(ConfigError, match=r"^online\.\* options apply to source=online"):
+    with pytest.raises(ConfigError, match=r"^prepared\.\* options read a prepared dataset \(source=online or served\)"):
         TrainConfig(data=str(data["std"]), out=str(tmp_path / "c"), prepared=ONLINE)
+    with pytest.raises(
+        ConfigError, match=r"^online\.\* options set how the target runs in this process \(source=online\)$"
+    ):
+        TrainConfig(data=str(data["std"]), out=str(tmp_path / "c"), online=OnlineConfig(overlap=False))
 
 
 def test_a_vocab_map_counted_over_another_split_is_refused(data, tmp_path):
