@@ -144,7 +144,7 @@ def measure(a: argparse.Namespace) -> None:
     from eagle3_train.targets import Target, target_identity
     from eagle3_train.targets.tiny import build_tiny_tokenizer
     from eagle3_train.training.config import DeepSpeedConfig, LoopConfig, ObjectiveConfig, OptimConfig, TrainConfig
-    from eagle3_train.training.online import OnlineConfig
+    from eagle3_train.training.online import PreparedConfig
     from eagle3_train.training.served import EngineConfig
     from eagle3_train.training.trainer import Trainer
 
@@ -177,7 +177,7 @@ def measure(a: argparse.Namespace) -> None:
     shutil.rmtree(run, ignore_errors=True)
     cfg = TrainConfig(
         data=str(prep), target=str(target), out=str(run), source=a.mode,
-        online=OnlineConfig(draft_vocab_size=256 if a.small else 32000, eval_fraction=0.0), engine=engine,
+        prepared=PreparedConfig(draft_vocab_size=256 if a.small else 32000, eval_fraction=0.0), engine=engine,
         objective=ObjectiveConfig(ttt_length=a.ttt), optim=OptimConfig(schedule="constant"),
         loop=LoopConfig(max_tokens_per_batch=a.tokens),
         deepspeed=DeepSpeedConfig(zero_stage=2), progress=False,

@@ -114,7 +114,9 @@ class RunConfig:
     prepare: Any = field(default_factory=dict)  # eagle3-prepare options (target, input and out are set here)
     dump: Any = field(default_factory=dict)  # eagle3-dump options (source=offline)
     standardize: Any = field(default_factory=dict)  # eagle3-standardize options (source=offline)
-    train: Any = field(default_factory=dict)  # eagle3-train options (its own train.*, model.*, online.*, engine.*)
+    train: Any = field(
+        default_factory=dict
+    )  # eagle3-train options (its objective.*, optim.*, loop.*, model.*, prepared.*, online.*, engine.*, ...)
     export: Any = field(default_factory=dict)  # eagle3-export options
     check: Any = field(default_factory=dict)  # eagle3-check options
     eval: Any = field(default_factory=dict)  # eagle3-eval options (prompts: the shipped held-out ones unless given)
@@ -236,14 +238,14 @@ def stage_options(cfg: RunConfig, stage: str) -> dict[str, Any]:
     if stage == "prepare":
         own.pop("synthesize" if cfg.data is not None else "input", None)
     if stage == "train":  # a recipe serves every source: what the chosen one does not take is left out
-        for group, used in (("online", ("online", "served")), ("engine", ("served",))):
+        for group, used in (("prepared", ("online", "served")), ("online", ("online",)), ("engine", ("served",))):
             if cfg.source not in used:
                 own.pop(group, None)
     if stage == "standardize":  # offline, the draft vocab and the held-out share are standardize's
-        online = cfg.train.get("online") or {}
+        prepared = cfg.train.get("prepared") or {}
         for key in ("draft_vocab_size", "eval_fraction"):
-            if key in online and key not in own:
-                own[key] = online[key]
+            if key in prepared and key not in own:
+                own[key] = prepared[key]
     if stage == "eval" and "prompts" not in own:
         own["prompts"] = str(shipped_prompts("heldout.jsonl"))
     if redone(cfg, stage) and "overwrite" in {f.name for f in fields(SCHEMAS[stage][1])}:

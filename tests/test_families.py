@@ -25,7 +25,7 @@ from eagle3_train.serving.check import CheckConfig, run_check
 from eagle3_train.serving.export import ExportConfig, Exporter
 from eagle3_train.targets import load_target
 from eagle3_train.targets.tiny import FAMILIES, save_tiny
-from eagle3_train.training.online import OnlineConfig
+from eagle3_train.training.online import PreparedConfig
 from test_online import assert_same_training
 from test_trainer import train
 
@@ -182,7 +182,7 @@ def test_online_training_equals_offline_training(fam, tmp_path):
         tmp_path / "on",
         target=fam["target"],
         source="online",
-        online=OnlineConfig(draft_vocab_size=VOCAB, eval_fraction=EVAL),
+        prepared=PreparedConfig(draft_vocab_size=VOCAB, eval_fraction=EVAL),
     )
     assert_same_training(root / "train", tmp_path / "on", rel=1e-4, atol=1e-4)
 
@@ -206,7 +206,7 @@ def test_served_training_equals_offline_training(fam, tmp_path):
             tmp_path / "served",
             target=fam["target"],
             source="served",
-            online=OnlineConfig(draft_vocab_size=VOCAB, eval_fraction=EVAL),
+            prepared=PreparedConfig(draft_vocab_size=VOCAB, eval_fraction=EVAL),
             engine=EngineConfig(urls=[server.url], dtype="float32", files_dir=str(tmp_path / "files"), backoff_s=0.01),
         )
     assert_same_training(root / "train", tmp_path / "served", rel=1e-4, atol=1e-4)

@@ -39,7 +39,7 @@ from eagle3_train.core.faults import FAULT_ENV
 from eagle3_train.evaluation.eval import EvalConfig, Evaluator
 from eagle3_train.serving.export import ExportConfig, Exporter
 from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
-from eagle3_train.training.online import OnlineConfig
+from eagle3_train.training.online import PreparedConfig
 from standin_engines import StandinVllm
 from test_dump import mixed_conversations, prepare_tiny, stored_samples
 from test_standardize import make_dump
@@ -620,7 +620,7 @@ def online(**kw: Any) -> dict[str, Any]:
     """``source=online`` options: the tiny target in the loop over the prepared data of ``std``."""
     return {
         "source": "online",
-        "online": OnlineConfig(**{"aux_indices": [1, 2, 3], "draft_vocab_size": 12, "eval_fraction": 0.15, **kw}),
+        "prepared": PreparedConfig(**{"aux_indices": [1, 2, 3], "draft_vocab_size": 12, "eval_fraction": 0.15, **kw}),
     }
 
 

@@ -12,18 +12,18 @@ from eagle3_train.core.errors import ConfigError, ContractError
 from eagle3_train.core.faults import FAULT_ENV
 from eagle3_train.serving.export import ExportConfig, Exporter
 from eagle3_train.training.config import TrainConfig
-from eagle3_train.training.online import OnlineConfig
+from eagle3_train.training.online import OnlineConfig, PreparedConfig
 from test_standardize import make_dump
 from test_trainer import _torchrun, metrics, standardized, train
 
 VOCAB = 12  # fewer than the data's distinct tokens: the map is a real choice, some targets fall outside it
 EVAL = 0.15  # what test_trainer.standardized holds out
-ONLINE = OnlineConfig(aux_indices=[1, 2, 3], draft_vocab_size=VOCAB, eval_fraction=EVAL)
+ONLINE = PreparedConfig(aux_indices=[1, 2, 3], draft_vocab_size=VOCAB, eval_fraction=EVAL)
 ONLINE_ARGS = [
     "source=online",
-    "online.aux_indices=[1,2,3]",
-    f"online.draft_vocab_size={VOCAB}",
-    f"online.eval_fraction={EVAL}",
+    "prepared.aux_indices=[1,2,3]",
+    f"prepared.draft_vocab_size={VOCAB}",
+    f"prepared.eval_fraction={EVAL}",
 ]
 
 
@@ -62,7 +62,7 @@ def assert_same_training(a, b, rel, atol):
 
 def test_online_training_equals_offline_training_from_a_dump(data, tmp_path):
     train(data["std"], tmp_path / "off")
-    train(data["prep"], tmp_path / "on", source="online", online=ONLINE)
+    train(data["prep"], tmp_path / "on", source="online", prepared=ONLINE)
     assert_same_training(tmp_path / "off", tmp_path / "on", rel=1e-5, atol=1e-5)
     # the same vocab map (byte for byte), capture spec and vocab hash in the checkpoint
     assert (tmp_path / "on" / "vocab_map.safetensors").read_bytes() == (
@@ -94,7 +94,7 @@ def test_online_training_equals_offline_training_from_a_dump(data, tmp_path):
 def test_two_ranks_and_a_killed_run_train_as_one_uninterrupted_rank(data, tmp_path):
     """1 rank x grad_accum 2 (the reference) = 2 ranks (gloo) x grad_accum 1 = the same run killed
     after its step-4 checkpoint and resumed."""
-    train(data["prep"], tmp_path / "one", source="online", online=ONLINE, grad_accum=2, save_every=2)
+    train(data["prep"], tmp_path / "one", source="online", prepared=ONLINE, grad_accum=2, save_every=2)
     two = _torchrun(data["prep"], tmp_path / "two", 2, [*ONLINE_ARGS, "loop.grad_accum=1", "checkpoint.save_every=2"])
     assert two.returncode == 0, two.stderr[-3000:]
     assert_same_training(tmp_path / "one", tmp_path / "two", rel=1e-4, atol=1e-4)
@@ -106,7 +106,7 @@ def test_two_ranks_and_a_killed_run_train_as_one_uninterrupted_rank(data, tmp_pa
         {FAULT_ENV: "train.step:5"},
     )
     assert killed.returncode != 0 and last_weights(tmp_path / "cut")[0] == "step4", killed.stderr[-3000:]
-    train(data["prep"], tmp_path / "cut", source="online", online=ONLINE, grad_accum=2, save_every=2)
+    train(data["prep"], tmp_path / "cut", source="online", prepared=ONLINE, grad_accum=2, save_every=2)
     assert_same_training(tmp_path / "one", tmp_path / "cut", rel=1e-5, atol=1e-5)
 
 
@@ -120,7 +120,7 @@ def test_two_ranks_and_a_killed_run_train_as_one_uninterrupted_rank(data, tmp_pa
 )
 def test_a_capture_the_target_cannot_provide_is_refused_before_training(data, tmp_path, aux, message):
     with pytest.raises(ContractError, match=message):
-        train(data["prep"], tmp_path / "r", source="online", online=OnlineConfig(aux_indices=aux))
+        train(data["prep"], tmp_path / "r", source="online", prepared=PreparedConfig(aux_indices=aux))
     assert not (tmp_path / "r").exists()
 
 
@@ -132,24 +132,30 @@ def test_each_source_refuses_the_other_sources_data_and_options(data, tmp_path):
     ):
         train(data["prep"], tmp_path / "a")
     with pytest.raises(ContractError, match=r"expected the output of stage 'prepare', found stage 'standardize'"):
-        train(data["std"], tmp_path / "b", source="online", online=ONLINE)
-    with pytest.raises(ConfigError, match=r"^online\.\* options apply to source=online"):
-        TrainConfig(data=str(data["std"]), out=str(tmp_path / "c"), online=ONLINE)
+        train(data["std"], tmp_path / "b", source="online", prepared=ONLINE)
+    with pytest.raises(ConfigError, match=r"^prepared\.\* options read a prepared dataset \(source=online or served\)"):
+        TrainConfig(data=str(data["std"]), out=str(tmp_path / "c"), prepared=ONLINE)
+    with pytest.raises(
+        ConfigError, match=r"^online\.\* options set how the target runs in this process \(source=online\)$"
+    ):
+        TrainConfig(data=str(data["std"]), out=str(tmp_path / "c"), online=OnlineConfig(overlap=False))
 
 
 def test_a_vocab_map_counted_over_another_split_is_refused(data, tmp_path):
-    other = OnlineConfig(aux_indices=[1, 2, 3], vocab_map=str(data["std"] / "vocab_map.safetensors"), eval_fraction=0.3)
+    other = PreparedConfig(
+        aux_indices=[1, 2, 3], vocab_map=str(data["std"] / "vocab_map.safetensors"), eval_fraction=0.3
+    )
     with pytest.raises(
         ContractError,
         match=r'counted over the split \{"eval_fraction": 0.15, "seed": 0\}.*holds out '
         r'\{"eval_fraction": 0.3, "seed": 0\}',
     ):
-        train(data["prep"], tmp_path / "r", source="online", online=other)
+        train(data["prep"], tmp_path / "r", source="online", prepared=other)
 
 
 @pytest.mark.slow
 def test_extra_prepared_directories_train_as_one_directory_of_them_all(data, tmp_path):
-    """online.extra_data: the 48 conversations prepared as two directories (ids 0-19 and 20-47) train
+    """prepared.extra_data: the 48 conversations prepared as two directories (ids 0-19 and 20-47) train
     exactly as the one directory that holds them all; overlapping ids are refused, naming both."""
     from dataclasses import replace
 
@@ -160,13 +166,13 @@ def test_extra_prepared_directories_train_as_one_directory_of_them_all(data, tmp
     for name, part, offset in (("a", lines[:20], 0), ("b", lines[20:], 20), ("clash", lines[:3], 19)):
         (tmp_path / f"{name}.jsonl").write_text("\n".join(part) + "\n")
         prepare_tiny(tmp_path / f"{name}.jsonl", tmp_path / f"{name}-prep", offset)
-    train(data["prep"], tmp_path / "one", source="online", online=ONLINE)
+    train(data["prep"], tmp_path / "one", source="online", prepared=ONLINE)
     two = replace(ONLINE, extra_data=[str(tmp_path / "b-prep")])
-    train(tmp_path / "a-prep", tmp_path / "two", source="online", online=two)
+    train(tmp_path / "a-prep", tmp_path / "two", source="online", prepared=two)
     assert_same_training(tmp_path / "one", tmp_path / "two", rel=1e-6, atol=1e-6)
     assert (tmp_path / "two" / "vocab_map.safetensors").read_bytes() == (
         tmp_path / "one" / "vocab_map.safetensors"
     ).read_bytes()
     clash = replace(ONLINE, extra_data=[str(tmp_path / "clash-prep")])
     with pytest.raises(BadInputError, match=r"sample id 19 is in both .*a-prep and .*clash-prep"):
-        train(tmp_path / "a-prep", tmp_path / "three", source="online", online=clash)
+        train(tmp_path / "a-prep", tmp_path / "three", source="online", prepared=clash)

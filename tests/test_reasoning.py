@@ -194,14 +194,14 @@ def drafted(root, f, kwargs):
     """A tiny target of ``f``'s family and template, its two-turn conversations prepared with
     ``kwargs`` (per turn where the template rewrites history), a draft trained online and exported."""
     from eagle3_train.serving.export import ExportConfig, Exporter
-    from eagle3_train.training.online import OnlineConfig
+    from eagle3_train.training.online import PreparedConfig
     from test_trainer import train
 
     target = target_dir(root, f)
     rows = [conversation(f, reasoning=f.markers is not None) for _ in range(8)]
     prepare(root, target, rows, chat_template_kwargs=kwargs)
-    online = OnlineConfig(aux_indices=[2, 4, 5], draft_vocab_size=320, eval_fraction=0.0)
-    train(root / "prep", root / "train", target=target, source="online", online=online, epochs=1)
+    online = PreparedConfig(aux_indices=[2, 4, 5], draft_vocab_size=320, eval_fraction=0.0)
+    train(root / "prep", root / "train", target=target, source="online", prepared=online, epochs=1)
     Exporter(ExportConfig(run=str(root / "train"), out=str(root / "export"))).run()
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": ["What is 2+3?", f"And times {n}?"]}) + "\n" for n in range(4)))

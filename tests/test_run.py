@@ -112,8 +112,8 @@ def conversations(path):
 
 
 SMALL = ["train.loop.epochs=1", "train.runtime.compile=false", "train.loop.max_tokens_per_batch=600",
-         "train.loop.eval_every=0", "train.online.draft_vocab_size=64", "train.model.intermediate_size=256",
-         "+train.online.aux_indices=[1,2,3]", "eval.max_new_tokens=8", "+eval.limit=3", "eval.batch_size=3"]  # fmt: skip
+         "train.loop.eval_every=0", "train.prepared.draft_vocab_size=64", "train.model.intermediate_size=256",
+         "+train.prepared.aux_indices=[1,2,3]", "eval.max_new_tokens=8", "+eval.limit=3", "eval.batch_size=3"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -125,7 +125,7 @@ def test_a_run_equals_the_stages_run_by_hand(tmp_path, monkeypatch, said):
     from eagle3_train.evaluation.eval import EvalConfig, Evaluator
     from eagle3_train.serving.export import ExportConfig, Exporter
     from eagle3_train.training.config import ModelOptions
-    from eagle3_train.training.online import OnlineConfig
+    from eagle3_train.training.online import PreparedConfig
     from test_trainer import train
 
     data = conversations(tmp_path / "chats.jsonl")
@@ -140,8 +140,8 @@ def test_a_run_equals_the_stages_run_by_hand(tmp_path, monkeypatch, said):
 
     hand = tmp_path / "hand"
     Preparer(PrepareConfig(target="tiny", input=str(data), out=str(hand / "prepared"), progress=False)).run()
-    online = OnlineConfig(draft_vocab_size=64, eval_fraction=0.02, aux_indices=[1, 2, 3])
-    train(hand / "prepared", hand / "train", target="tiny", source="online", online=online, ttt_length=5,
+    online = PreparedConfig(draft_vocab_size=64, eval_fraction=0.02, aux_indices=[1, 2, 3])
+    train(hand / "prepared", hand / "train", target="tiny", source="online", prepared=online, ttt_length=5,
           epochs=1, lr=2e-3, warmup_fraction=0.0134, schedule="wsd", max_tokens_per_batch=600, min_steps=160, head_chunk=32768,
           keep_best=True, log_every=50, model=ModelOptions(variant="eagle3.1", lm_head_init="target", intermediate_size=256))  # fmt: skip
     Exporter(ExportConfig(run=str(hand / "train"), out=str(hand / "export"), engines=["sglang", "vllm"])).run()

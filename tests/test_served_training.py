@@ -24,6 +24,7 @@ from eagle3_train.serving.check import CheckConfig, ServingConfig, run_check
 from eagle3_train.serving.export import ExportConfig, Exporter
 from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
 from eagle3_train.training.config import TrainConfig
+from eagle3_train.training.online import OnlineConfig
 from eagle3_train.training.served import EngineConfig, flag_values
 from standin_engines import StandinVllm
 from test_online import ONLINE, ONLINE_ARGS, assert_same_training, last_weights
@@ -44,7 +45,7 @@ def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
     make_dump(root, "d", n=48)
     prep = root / "d-prep"
-    train(prep, root / "online", source="online", online=ONLINE, save_every=2)
+    train(prep, root / "online", source="online", prepared=ONLINE, save_every=2)
     return {"prep": prep, "online": root / "online"}
 
 
@@ -67,7 +68,7 @@ def engine(urls, tmp_path, **kw):
 
 
 def served(prep, out, eng, **opt):
-    return train(prep, out, source="served", online=ONLINE, engine=eng, **opt)
+    return train(prep, out, source="served", prepared=ONLINE, engine=eng, **opt)
 
 
 @pytest.mark.slow
@@ -256,8 +257,11 @@ def test_bad_settings_and_unreachable_engines_fail_in_seconds(data, tmp_path):
         served(data["prep"], tmp_path / "c", engine([dead], tmp_path, name="sglang"))
     with pytest.raises(ConfigError, match=r"'--tensor-paralel-size' is not a flag of vllm serve"):
         served(data["prep"], tmp_path / "d", engine([dead], tmp_path, engine_args="--tensor-paralel-size 2"))
-    with pytest.raises(ConfigError, match=r"online.dtype sets how the target runs in this process"):
-        TrainConfig(data="x", out="y", source="served", online=replace(ONLINE, dtype="bfloat16"))
+    with pytest.raises(
+        ConfigError,
+        match=r"online.\* options set how the target runs in this process \(source=online\); with source=served the engine runs it",
+    ):
+        TrainConfig(data="x", out="y", source="served", prepared=ONLINE, online=OnlineConfig(dtype="bfloat16"))
     with pytest.raises(ConfigError, match=r"runs in this process: use source=online"):
         served(data["prep"], tmp_path / "e", engine([dead], tmp_path, name="hf"))
     assert flag_values("--tp 8 --quantization=fp8 --enable-expert-parallel") == {
@@ -518,7 +522,7 @@ def test_sglang_replicas_train_as_online_and_old_releases_are_refused_by_name(da
 def test_two_trainer_ranks_fed_by_one_engine_train_as_one_rank(data, tmp_path):
     """2 ranks (gloo) x grad_accum 1, each with its own requests to the one replica, train as the
     one-rank online reference with grad_accum 2: the served source assigns micro-batches as online."""
-    train(data["prep"], tmp_path / "one", source="online", online=ONLINE, grad_accum=2)
+    train(data["prep"], tmp_path / "one", source="online", prepared=ONLINE, grad_accum=2)
     with standin(tmp_path) as server:
         args = [*ONLINE_ARGS, "source=served", f"engine.urls=[{server.url}]", "engine.dtype=float32",
                 f"engine.files_dir={tmp_path / 'files'}", "loop.grad_accum=1"]  # fmt: skip

@@ -51,10 +51,10 @@ def std(tmp_path_factory):
 
 
 def train(std, out, **opt):
-    """A run on the tiny target; ``source=online`` with ``online=OnlineConfig(...)`` runs it in the loop."""
+    """A run on the tiny target; ``source=online`` with ``prepared=PreparedConfig(...)`` runs it in the loop."""
     zero = opt.pop("zero_stage", 1)
     model, target = opt.pop("model", ModelOptions()), opt.pop("target", "tiny")
-    source = {k: opt.pop(k) for k in ("source", "online", "engine") if k in opt}
+    source = {k: opt.pop(k) for k in ("source", "prepared", "online", "engine") if k in opt}
     o = train_sections(
         **({"ttt_length": 3, "lr": 3e-3, "max_tokens_per_batch": 600, "log_every": 1, "epochs": 2} | opt)
     )

@@ -103,7 +103,7 @@ class PreparedData:
 
 
 class PreparedSet:
-    """Several prepared directories read as one (online training's ``data`` and ``online.extra_data``):
+    """Several prepared directories read as one (online training's ``data`` and ``prepared.extra_data``):
     rows in the parts' order, their sample ids disjoint, all tokenised by one tokenizer with one
     chat template. The interface of :class:`PreparedData`.
 

@@ -138,7 +138,7 @@ def run_directory(
     def hint(diffs: list[str]) -> str:
         why = {
             "vocab_sha256": "the lm_head rows would mean other tokens: give the old map (offline: eagle3-standardize "
-            "vocab_map=<the old map>; online: online.vocab_map=<the old map>)",
+            "vocab_map=<the old map>; online: prepared.vocab_map=<the old map>)",
             "micro_batches_per_step": "keep ranks x loop.grad_accum the same to resume at the same data position",
             "options": "a run continues only with the options it was started with (loop.epochs and "
             "loop.max_steps may be raised to extend it)",

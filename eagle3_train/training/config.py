@@ -14,7 +14,7 @@ from eagle3_train.core.errors import ConfigError
 from eagle3_train.core.log import LogConfig
 from eagle3_train.engines.heads import FLAG_NAMES
 from eagle3_train.training.objective import Objective
-from eagle3_train.training.online import OnlineConfig
+from eagle3_train.training.online import OnlineConfig, PreparedConfig
 from eagle3_train.training.served import EngineConfig
 from eagle3_train.training.tracking import TRACKERS, check_tracker
 
@@ -252,8 +252,11 @@ class TrainConfig:
     data: str = MISSING  # source=offline: a standardized directory (eagle3-standardize's out); source=online: a prepared one (eagle3-prepare's out)
     target: str = "embedded"  # the target whose embeddings and lm_head are read (offline: from its safetensors only; online: it runs in the loop)
     source: str = "offline"
-    """offline: states read from data=; online: the target runs on data= in the training loop (online.*); served: engine replicas (vLLM, SGLang) return the states of data= (engine.*, and online.*'s data options)"""
+    """offline: states read from data=; online: the target runs on data= in the training loop (prepared.*, online.*); served: engine replicas (vLLM, SGLang) return the states of data= (prepared.*, engine.*)"""
+    prepared: PreparedConfig = field(default_factory=PreparedConfig)
+    """source=online and served: which layers, the draft vocab and the held-out split of the prepared data="""
     online: OnlineConfig = field(default_factory=OnlineConfig)
+    """source=online: how the target runs in this process"""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """source=served: the engine replicas that return the target's states"""
     out: str = MISSING  # run directory
@@ -278,17 +281,23 @@ class TrainConfig:
             raise ConfigError(f"resume must be auto or never, got {self.resume!r}")
         if self.source not in SOURCES:
             raise ConfigError(f"source must be one of {', '.join(SOURCES)}, got {self.source!r}")
-        if self.source == "offline" and self.online != OnlineConfig():
-            raise ConfigError("online.* options apply to source=online (the target in the loop); add source=online")
+        if self.source == "offline" and self.prepared != PreparedConfig():
+            raise ConfigError(
+                "prepared.* options read a prepared dataset (source=online or served); offline, the standardized "
+                "data= holds the capture, the vocab map and the split"
+            )
+        if self.source != "online" and self.online != OnlineConfig():
+            raise ConfigError(
+                "online.* options set how the target runs in this process (source=online)"
+                + (
+                    "; with source=served the engine runs it (engine.dtype, engine.engine_args)"
+                    if self.source == "served"
+                    else ""
+                )
+            )
         if self.source != "served" and self.engine != EngineConfig():
             raise ConfigError(
                 "engine.* options apply to source=served (states from engine replicas); add source=served"
-            )
-        in_process = {"dtype": "auto", "attn_implementation": None}
-        if self.source == "served" and (set_ := [k for k, v in in_process.items() if getattr(self.online, k) != v]):
-            raise ConfigError(
-                f"online.{set_[0]} sets how the target runs in this process; with source=served the engine runs it "
-                f"(engine.dtype, engine.engine_args)"
             )
         if self.deepspeed.zero_stage == 3 and self.runtime.head_chunk:
             raise ConfigError(
@@ -313,6 +322,7 @@ SECTIONS = {
     "runtime": RuntimeConfig,
 }
 RENAMED = {f"train.{f.name}": f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in fields(cls)}
+RENAMED |= {f"online.{f.name}": f"prepared.{f.name}" for f in fields(PreparedConfig)}  # read by online and served alike
 
 
 def train_sections(**options: Any) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from ``last_hidden`` and the target lm_head, the TTT loss, DeepSpeed's step.
 
 The vocab map is the one eagle3-standardize counts from a dump of the same data (the loss-masked
 tokens of the training split, held out by the same rule: :mod:`eagle3_train.core.split`): built at start
-and saved as ``<out>/vocab_map.safetensors``, or read from ``online.vocab_map``. So an online run
+and saved as ``<out>/vocab_map.safetensors``, or read from ``prepared.vocab_map``. So an online run
 and an offline run of the same data and options train the same head (a test checks losses and
 weights).
 
@@ -57,12 +57,13 @@ VOCAB_FILE = "vocab_map.safetensors"  # in the run directory, when built at star
 
 
 @dataclass
-class OnlineConfig:
-    """The target in the training loop (``online.*``, used with ``source=online``)."""
+class PreparedConfig:
+    """Training from a prepared dataset, whoever computes the states (``prepared.*``, with
+    ``source=online`` and ``source=served``): which target layers, the draft vocab, the held-out
+    split and more directories beside ``data=``."""
 
     aux_indices: list[int] | None = None
     """HF indices captured (null: [2, N//2, N-3]); one the target has not is refused before training"""
-    dtype: str = "auto"  # the target runs in: auto = bfloat16 on GPU, float32 on CPU
     draft_vocab_size: int = DRAFT_VOCAB_SIZE  # counted over the training split's loss-masked tokens (capped at the target's vocab), as eagle3-standardize counts
     vocab_map: str | None = None
     """use this vocab_map.safetensors instead (eagle3-standardize only_vocab=true data=<prepared>, or a standardized dir's)"""
@@ -70,14 +71,23 @@ class OnlineConfig:
     """more prepared directories trained on beside data= (disjoint sample ids, the same tokenizer and template: e.g. your own prompts answered by the target, eagle3-prepare repeat=, beside synthesized ones)"""
     eval_fraction: float = EVAL_FRACTION  # samples held out, by eagle3-standardize's rule (its eval_fraction=)
     split_seed: int = SPLIT_SEED  # seed of that rule (eagle3-standardize's seed=)
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "prepared.", positive=("draft_vocab_size",))
+        check_fraction(self.eval_fraction, "prepared.eval_fraction")
+
+
+@dataclass
+class OnlineConfig:
+    """The target in the training loop, in this process (``online.*``, with ``source=online``)."""
+
+    dtype: str = "auto"  # the target runs in: auto = bfloat16 on GPU, float32 on CPU
     overlap: bool = True
     """GPU: the next micro-batch's target forward runs on a side CUDA stream during this one's draft step"""
     attn_implementation: str | None = None  # passed to transformers (sdpa, flash_attention_2, eager)
     trust_remote_code: bool = False  # let transformers run the target repository's own code
 
     def __post_init__(self) -> None:
-        check_numbers(self, "online.", positive=("draft_vocab_size",))
-        check_fraction(self.eval_fraction, "online.eval_fraction")
         check_dtype(self.dtype, "online.dtype", auto=True)
 
 
@@ -126,7 +136,7 @@ class PreparedSplit:
 
 
 def capture_indices(aux_indices: list[int] | None, num_hidden_layers: int) -> list[int]:
-    """``online.aux_indices`` checked against the target, or the default [2, N//2, N-3]."""
+    """``prepared.aux_indices`` checked against the target, or the default [2, N//2, N-3]."""
     n = num_hidden_layers
     return list(default_aux_indices(n) if aux_indices is None else validate_aux_indices(list(aux_indices), n))
 
@@ -140,12 +150,12 @@ class PreparedSource(Source):
     Args:
         data: the prepared directory (eagle3-prepare's out).
         target: the target's name, for messages and the capture's identity.
-        cfg: the ``online.*`` options.
+        cfg: the ``prepared.*`` options.
         about: the target's config and tokenizer (its weights need not be loaded).
         dist: this rank.
     """
 
-    def __init__(self, data: str, target: str, cfg: OnlineConfig, about: Target, dist: DistInfo):
+    def __init__(self, data: str, target: str, cfg: PreparedConfig, about: Target, dist: DistInfo):
         self.cfg = cfg
         self.prepared = prepared_data([data, *cfg.extra_data])
         self.where = str(self.prepared.path)
@@ -169,7 +179,7 @@ class PreparedSource(Source):
         self.eval_split = PreparedSplit(self.prepared, eval_ids, max_length)
 
     def _vocab(self, out: Path, dist: DistInfo) -> tuple[VocabMap, str]:
-        """The map of ``online.vocab_map``, or the one counted from the training split, built by
+        """The map of ``prepared.vocab_map``, or the one counted from the training split, built by
         rank 0 into the run directory."""
         cfg, v = self.cfg, self.spec.vocab_size
         if cfg.vocab_map is not None:
@@ -197,7 +207,7 @@ class PreparedSource(Source):
             show = lambda d: json.dumps(d, sort_keys=True)  # noqa: E731
             raise ContractError(
                 f"{vocab_map} was counted over the split {show(split)} (its {manifest.name}), this run "
-                f"holds out {show(mine)}: set online.split_seed / online.eval_fraction to match"
+                f"holds out {show(mine)}: set prepared.split_seed / prepared.eval_fraction to match"
             )
 
 
@@ -221,18 +231,19 @@ class OnlineSource(PreparedSource):
         data: str,
         target: str,
         cache_dir: str | None,
-        cfg: OnlineConfig,
+        cfg: PreparedConfig,
+        online: OnlineConfig,
         max_length: int,
         out: Path,
         dist: DistInfo,
         dtype: torch.dtype,
         loaded: Target | None = None,
     ):
-        self.device, self.dtype = dist.device, dtype
+        self.device, self.dtype, self.online = dist.device, dtype, online
         # config and tokenizer first: a capture the target cannot provide (a layer it does not have,
         # N itself) and data of another tokenizer are refused before its weights are loaded
         about = loaded or load_target(
-            target, cache_dir=cache_dir, load_model=False, trust_remote_code=cfg.trust_remote_code
+            target, cache_dir=cache_dir, load_model=False, trust_remote_code=online.trust_remote_code
         )
         super().__init__(data, target, cfg, about, dist)
         self.target = loaded or self._load(target, cache_dir)
@@ -241,19 +252,19 @@ class OnlineSource(PreparedSource):
         self._split(model_dtype, max_length, out, dist)
         self.states_from = {"engine": "transformers", "version": transformers.__version__, "dtype": model_dtype}
         self.stream = None
-        if cfg.overlap and self.device.type == "cuda":
+        if online.overlap and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the weights' copies are done before another stream reads them
             self.stream = torch.cuda.Stream(self.device)
 
     def _load(self, target: str, cache_dir: str | None) -> Target:
-        kwargs = {"attn_implementation": self.cfg.attn_implementation} if self.cfg.attn_implementation else {}
-        logger.info(f"loading target {target} ({self.cfg.dtype}) on {self.device}")
+        kwargs = {"attn_implementation": self.online.attn_implementation} if self.online.attn_implementation else {}
+        logger.info(f"loading target {target} ({self.online.dtype}) on {self.device}")
         return load_target(
             target,
             cache_dir=cache_dir,
-            dtype=self.cfg.dtype,
+            dtype=self.online.dtype,
             device=str(self.device),
-            trust_remote_code=self.cfg.trust_remote_code,
+            trust_remote_code=self.online.trust_remote_code,
             model_kwargs=kwargs,
         )
 
@@ -287,7 +298,7 @@ class OnlineSource(PreparedSource):
     def device_batches(self, batches: Iterator[Tokens]) -> Iterator[Batch]:
         """The states of each micro-batch; with ``online.overlap``, one micro-batch ahead (see the
         module docstring)."""
-        if not self.cfg.overlap:
+        if not self.online.overlap:
             for tokens in batches:
                 yield self.states(tokens)
             return

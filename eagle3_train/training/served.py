@@ -59,7 +59,7 @@ from eagle3_train.engines.launcher import serve as serve_commands
 from eagle3_train.targets import Target, load_target, load_target_tensors, resolve_dtype, text_config
 from eagle3_train.targets.tiny import is_tiny
 from eagle3_train.training.data import Batch
-from eagle3_train.training.online import OnlineConfig, PreparedSource, Tokens, capture_indices
+from eagle3_train.training.online import PreparedConfig, PreparedSource, Tokens, capture_indices
 
 if TYPE_CHECKING:
     from eagle3_train.training.config import TrainConfig
@@ -334,9 +334,9 @@ def engine_plan(cfg: TrainConfig) -> tuple[Engine, Target, EnginePlan]:
     ``engine.*``): what ``engine.print_launch`` prints and ``engine.serve`` starts."""
     e = cfg.engine
     about = load_target(cfg.target, cache_dir=cfg.cache_dir, load_model=False)
-    prepared = prepared_data([cfg.data, *cfg.online.extra_data])
+    prepared = prepared_data([cfg.data, *cfg.prepared.extra_data])
     prepared.identity_for(about, cfg.target)  # data of another tokenizer is refused here too
-    aux = capture_indices(cfg.online.aux_indices, about.num_hidden_layers)
+    aux = capture_indices(cfg.prepared.aux_indices, about.num_hidden_layers)
     longest = int(min(cfg.loop.max_tokens_per_batch, prepared.num_tokens.max()))
     engine = served_engine(e)
     plan = EnginePlan(
@@ -390,7 +390,7 @@ class ServedSource(PreparedSource):
         data: str,
         target: str,
         cache_dir: str | None,
-        cfg: OnlineConfig,
+        cfg: PreparedConfig,
         engine: EngineConfig,
         max_length: int,
         out: Path,

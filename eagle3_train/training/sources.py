@@ -23,7 +23,9 @@ def open_source(cfg: Any, out: Path, dist: DistInfo, dtype: torch.dtype, target:
         raise ConfigError("a loaded target runs in this process: set source=online")
     max_length = cfg.loop.max_tokens_per_batch
     if cfg.source == "online":
-        return OnlineSource(cfg.data, cfg.target, cfg.cache_dir, cfg.online, max_length, out, dist, dtype, target)
+        return OnlineSource(
+            cfg.data, cfg.target, cfg.cache_dir, cfg.prepared, cfg.online, max_length, out, dist, dtype, target
+        )
     if cfg.source == "served":
-        return ServedSource(cfg.data, cfg.target, cfg.cache_dir, cfg.online, cfg.engine, max_length, out, dist, dtype)
+        return ServedSource(cfg.data, cfg.target, cfg.cache_dir, cfg.prepared, cfg.engine, max_length, out, dist, dtype)
     return OfflineSource(cfg.data, cfg.target, cfg.cache_dir, max_length, dist.device, dtype)

@@ -10,7 +10,7 @@ the consolidated head, and ``state.json``), ``metrics.jsonl`` (one line per logg
 evaluation), ``config.json``, and with ``checkpoint.keep_best`` ``best.json`` (the checkpoint with the
 best eval simulated acceptance length, which keep_last never deletes and eagle3-export takes).
 ``resume=auto`` continues from the last checkpoint at its exact step and data position. An online
-run also holds ``vocab_map.safetensors``, the map it counted at start (unless ``online.vocab_map``).
+run also holds ``vocab_map.safetensors``, the map it counted at start (unless ``prepared.vocab_map``).
 """
 
 from __future__ import annotations
