@@ -228,10 +228,10 @@ class Session:
     """One job: the shared data, each framework's preparation once, then its runs in order."""
 
     def __init__(self, a: argparse.Namespace, device: str):
-        from eagle3_train.targets import _local_dir
+        from eagle3_train.targets import resolve_local_dir
 
         self.a, self.device = a, device
-        self.target = _local_dir("embedded", os.environ.get("EAGLE3_CACHE", "/tmp/e3cache"))
+        self.target = resolve_local_dir("embedded", os.environ.get("EAGLE3_CACHE", "/tmp/e3cache"))
         self.t = json.loads((self.target / "config.json").read_text())
         self.known, _ = load(a.results or REPO / f"benchmarks/results/peers_{device}.json")
         self.ready: set[str] = set()
