@@ -84,7 +84,7 @@ def ours_head() -> dict:
 
     train = yaml.safe_load((REPO / "conf/recipe/smollm2.yaml").read_text())["train"]
     opts = {**train.get("train", {}), **train.get("objective", {})}
-    return {"mlp": train["model"]["intermediate_size"], "draft_vocab": train["online"]["draft_vocab_size"],
+    return {"mlp": train["model"]["intermediate_size"], "draft_vocab": train["prepared"]["draft_vocab_size"],
             "ttt": opts["ttt_length"], "lm_head": f"{train['model']['lm_head_init']}, trained"}  # fmt: skip
 
 
