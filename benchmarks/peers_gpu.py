@@ -84,7 +84,7 @@ def ours_head() -> dict:
 
     train = yaml.safe_load((REPO / "conf/recipe/smollm2.yaml").read_text())["train"]
     opts = {**train.get("train", {}), **train.get("objective", {})}
-    return {"mlp": train["model"]["intermediate_size"], "draft_vocab": train["online"]["draft_vocab_size"],
+    return {"mlp": train["model"]["intermediate_size"], "draft_vocab": train["prepared"]["draft_vocab_size"],
             "ttt": opts["ttt_length"], "lm_head": f"{train['model']['lm_head_init']}, trained"}  # fmt: skip
 
 
@@ -228,10 +228,10 @@ class Session:
     """One job: the shared data, each framework's preparation once, then its runs in order."""
 
     def __init__(self, a: argparse.Namespace, device: str):
-        from eagle3_train.targets import _local_dir
+        from eagle3_train.targets import resolve_local_dir
 
         self.a, self.device = a, device
-        self.target = _local_dir("embedded", os.environ.get("EAGLE3_CACHE", "/tmp/e3cache"))
+        self.target = resolve_local_dir("embedded", os.environ.get("EAGLE3_CACHE", "/tmp/e3cache"))
         self.t = json.loads((self.target / "config.json").read_text())
         self.known, _ = load(a.results or REPO / f"benchmarks/results/peers_{device}.json")
         self.ready: set[str] = set()

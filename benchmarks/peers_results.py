@@ -297,7 +297,7 @@ def trainer_points(text: str, steps: int) -> list[tuple[int, float]]:
 def _tau(path: Path) -> tuple[float | None, str | None]:
     if not path.is_file():
         return None, None
-    from eagle3_train.evaluation.reports import read_eval_report  # (the readers above need no package)
+    from eagle3_train.core.reports import read_eval_report  # (the readers above need no package)
 
     r = read_eval_report(path)
     return round(r.tau, 3), r.lossless
@@ -333,7 +333,7 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
     run.tau_heldout, run.lossless = _tau(d / "eval_heldout/report.json")
     run.tau_mtbench, _ = _tau(d / "eval_mtbench/report.json")
     if (d / "served/report.json").is_file():
-        from eagle3_train.evaluation.reports import read_served_report
+        from eagle3_train.core.reports import read_served_report
 
         run.vllm_acceptance = round(read_served_report(d / "served/report.json").mean_acceptance_length, 3)
     return run

@@ -56,8 +56,8 @@ from eagle3_train.core.contract import MANIFEST_NAME, read_manifest
 from eagle3_train.core.errors import ConfigError, Eagle3Error, Interrupted
 from eagle3_train.core.log import LogConfig
 from eagle3_train.core.prompt_files import shipped_prompts
+from eagle3_train.core.reports import read_eval_report
 from eagle3_train.evaluation.eval import EvalConfig
-from eagle3_train.evaluation.reports import read_eval_report
 from eagle3_train.serving.check import CheckConfig
 from eagle3_train.serving.export import ExportConfig
 from eagle3_train.training.config import RENAMED, TrainConfig

@@ -8,7 +8,6 @@ from eagle3_train.core.contract import (
     default_aux_indices,
     differences,
     read_manifest,
-    require_same,
     validate_aux_indices,
     write_manifest,
 )
@@ -78,15 +77,6 @@ def test_differences_name_every_field():
     # the path only names the target; listed on request
     full = differences(spec(), spec(target=other_target), include_informative=True)
     assert any(d.startswith("target.path:") for d in full)
-
-
-def test_require_same_names_both_sides():
-    with pytest.raises(ContractError) as e:
-        require_same(spec(), spec(aux_indices=(1, 15, 28)), "dump", "request")
-    text = str(e.value)
-    assert "aux_indices: [2, 16, 29] != [1, 15, 28]" in text
-    assert "dump:" in text and "request:" in text
-    require_same(spec(), spec(target=TargetIdentity("/copy", "llama", "c" * 64, "t" * 64, "h" * 64)), "a", "b")
 
 
 def test_manifest_write_is_atomic_and_read_checks_stage(tmp_path):

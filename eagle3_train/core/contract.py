@@ -222,23 +222,6 @@ def _diff(a: Any, b: Any, name: str, out: list[str]) -> None:
         out.append(f"{name.rstrip('.')}: {a!r} != {b!r}")
 
 
-def require_same(
-    have: CaptureSpec | TargetIdentity,
-    want: CaptureSpec | TargetIdentity,
-    have_name: str,
-    want_name: str,
-) -> None:
-    """Raise :class:`ContractError` naming both sides and every differing field, if any."""
-    diffs = differences(have, want)
-    if diffs:
-        raise ContractError(
-            f"{have_name} and {want_name} disagree ({have_name} != {want_name}):\n  "
-            + "\n  ".join(diffs)
-            + f"\n{have_name}: {json.dumps(have.to_dict(), sort_keys=True)}"
-            + f"\n{want_name}: {json.dumps(want.to_dict(), sort_keys=True)}"
-        )
-
-
 def write_manifest(directory: str | os.PathLike, stage: str, body: dict[str, Any], name: str = MANIFEST_NAME) -> Path:
     """Write ``<directory>/manifest.json`` (or ``name``) atomically; its presence marks the
     directory complete.

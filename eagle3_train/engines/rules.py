@@ -49,12 +49,6 @@ def rules_for(engine: str, model_type: str) -> list[Rule]:
     return _engine(engine).rules_for(model_type)
 
 
-def known_model_types(engine: str) -> list[str]:
-    """The target model_types some rule of ``engine`` covers."""
-    e = _engine(engine)
-    return sorted(m for m in set(FAMILIES) | (e.serves or set()) if e.rules_for(m))
-
-
 def verification(engine: str, model_type: str) -> str:
     """How this project knows the rule of ``engine`` for ``model_type``: a real run (which), the
     engines' source only (which versions), or no rule at all."""

@@ -58,7 +58,7 @@ from eagle3_train.evaluation.plots import plot_acceptance
 from eagle3_train.evaluation.tree import TreeShape
 from eagle3_train.serving.card import eval_dir
 from eagle3_train.serving.drafts import default_engine, read_draft_dir
-from eagle3_train.serving.loading import load_draft, load_draft_dir  # noqa: F401 (load_draft: benchmarks/storage_error.py imports it from here)
+from eagle3_train.serving.loading import load_draft_dir
 from eagle3_train.targets import (
     chat_template_of,
     eos_ids,

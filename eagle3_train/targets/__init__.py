@@ -22,8 +22,6 @@ from eagle3_train.targets.template import (
 )
 from eagle3_train.targets.tensors import WEIGHT_INDEX, load_target_tensors
 
-_local_dir = resolve_local_dir  # its old name, which benchmarks/families_gpu.py still imports
-
 __all__ = [
     "EMBEDDED_GGUF",
     "EMBEDDED_PACKAGE",
