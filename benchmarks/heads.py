@@ -239,16 +239,19 @@ def read_train(out: Path) -> dict:
 
 
 def read_eval(path: Path) -> dict | None:
-    """τ, acceptance per position, lossless counts and per-category τ of an eval report."""
+    """τ, acceptance per position, lossless counts, and τ per category and per prompt length of an
+    eval report (read through its one reader)."""
     if not path.exists():
         return None
-    r = json.loads(path.read_text())
-    cats = {c: round(v["tau"], 3) for c, v in (r.get("categories") or {}).items()}
+    from eagle3_train.core.reports import read_eval_report
+
+    r = read_eval_report(path)
     return {
-        "tau": round(r["tau"], 3),
-        "acceptance_per_position": r.get("acceptance_per_position"),
-        "lossless_counts": r.get("lossless_counts"),
-        "categories": cats,
+        "tau": round(r.tau, 3),
+        "acceptance_per_position": r.acceptance_per_position,
+        "lossless_counts": r.lossless_counts,
+        "categories": {c: round(v["tau"], 3) for c, v in r.categories.items()},
+        "prompt_lengths": {s: round(v["tau"], 3) for s, v in (r.prompt_lengths or {}).items()},
     }
 
 

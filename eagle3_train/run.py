@@ -65,27 +65,18 @@ from eagle3_train.training.config import RENAMED, TrainConfig
 logger = logging.getLogger(__name__)
 
 SOURCES = ("online", "offline", "served")
-# stage -> (module, takes ranks under torchrun)
-MODULES = {
-    "prepare": ("data_prep.prepare", True),
-    "dump": ("data_prep.dump", True),
-    "standardize": ("data_prep.standardize", False),
-    "train": ("eagle3_train.training.trainer", True),
-    "export": ("eagle3_train.serving.export", False),
-    "check": ("eagle3_train.serving.check", False),
-    "eval": ("eagle3_train.evaluation.eval", False),
+# stage -> (its module, whether it takes ranks under torchrun, its schema); its config in conf/ is
+# <stage>.yaml, which eagle3-run composes each stage's options against before any runs
+STAGE_TABLE: dict[str, tuple[str, bool, type]] = {
+    "prepare": ("data_prep.prepare", True, PrepareConfig),
+    "dump": ("data_prep.dump", True, DumpConfig),
+    "standardize": ("data_prep.standardize", False, StandardizeConfig),
+    "train": ("eagle3_train.training.trainer", True, TrainConfig),
+    "export": ("eagle3_train.serving.export", False, ExportConfig),
+    "check": ("eagle3_train.serving.check", False, CheckConfig),
+    "eval": ("eagle3_train.evaluation.eval", False, EvalConfig),
 }
-STAGES = tuple(MODULES)
-# stage -> (its config in conf/, its schema): what eagle3-run checks each stage's options against
-SCHEMAS: dict[str, tuple[str, type]] = {
-    "prepare": ("prepare", PrepareConfig),
-    "dump": ("dump", DumpConfig),
-    "standardize": ("standardize", StandardizeConfig),
-    "train": ("train", TrainConfig),
-    "export": ("export", ExportConfig),
-    "check": ("check", CheckConfig),
-    "eval": ("eval", EvalConfig),
-}
+STAGES = tuple(STAGE_TABLE)
 DIST_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 # ${shipped:heldout.jsonl}: a prompt file shipped in data_prep/prompts (recipes name them so)
@@ -248,7 +239,7 @@ def stage_options(cfg: RunConfig, stage: str) -> dict[str, Any]:
                 own[key] = prepared[key]
     if stage == "eval" and "prompts" not in own:
         own["prompts"] = str(shipped_prompts("heldout.jsonl"))
-    if redone(cfg, stage) and "overwrite" in {f.name for f in fields(SCHEMAS[stage][1])}:
+    if redone(cfg, stage) and "overwrite" in {f.name for f in fields(STAGE_TABLE[stage][2])}:
         own["overwrite"] = True
     return {**wiring(cfg, stage), **own}  # disjoint: the recipe may not set what the wiring does
 
@@ -264,13 +255,12 @@ def check_stages(cfg: RunConfig, stages: tuple[str, ...]) -> None:
     typo or a wrong type in the last stage's options is refused before the first one starts; the
     message writes the options as eagle3-run takes them (``train.optim.lr``)."""
     for stage in stages:
-        config_name, schema = SCHEMAS[stage]
-        compose(config_name, overrides(stage_options(cfg, stage)), schema, prefix=f"{stage}.")
+        compose(stage, overrides(stage_options(cfg, stage)), STAGE_TABLE[stage][2], prefix=f"{stage}.")
 
 
 def command(cfg: RunConfig, stage: str) -> list[str]:
     """The stage's command line: its module with its options, under torchrun where it takes ranks."""
-    module, ranks = MODULES[stage]
+    module, ranks, _ = STAGE_TABLE[stage]
     options = stage_options(cfg, stage)
     if stage == "prepare" and not options.get("synthesize"):
         ranks = False  # reading and regenerating run in one process; synthesis runs on every rank

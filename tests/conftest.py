@@ -136,8 +136,9 @@ def pipeline(tmp_path_factory):
     from data_prep.standardize import StandardizeConfig, Standardizer
     from eagle3_train.serving.export import ExportConfig, Exporter
     from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer, tiny_config
-    from eagle3_train.training.config import TrainConfig, train_sections
+    from eagle3_train.training.config import TrainConfig
     from eagle3_train.training.trainer import Trainer
+    from train_options import train_sections
 
     root = tmp_path_factory.mktemp("e2e")
     cfg = tiny_config()

@@ -26,13 +26,13 @@ from eagle3_train.training.config import (
     OptimConfig,
     TrainConfig,
     lr_factor,
-    train_sections,
 )
 from eagle3_train.training.data import batch_plan, plan_epoch
 from eagle3_train.training.ema import EMA_FILE, WeightAverage
 from eagle3_train.training.tracking import TRACKER_FILE
 from eagle3_train.training.trainer import Trainer
 from test_standardize import make_dump
+from train_options import train_sections
 
 
 def standardized(dump, out, draft_vocab_size):
