@@ -10,7 +10,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from eagle3_train.core.errors import ConfigError
+from eagle3_train.core.errors import ConfigError, check_numbers
 from eagle3_train.core.log import LogConfig
 from eagle3_train.engines.heads import FLAG_NAMES
 from eagle3_train.training.objective import Objective
@@ -79,7 +79,7 @@ class OptimConfig:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(self.betas)}")
-        _non_negative(self, "optim", ("warmup_steps", "weight_decay", "grad_clip", "lm_head_steps"))
+        check_numbers(self, "optim.", non_negative=("warmup_steps", "weight_decay", "grad_clip", "lm_head_steps"))
 
 
 @dataclass
@@ -115,7 +115,7 @@ class LoopConfig:
             raise ConfigError(f"loop.early_stop_patience must be >= 0, got {self.early_stop_patience}")
         if self.early_stop_patience and not self.eval_every:
             raise ConfigError("loop.early_stop_patience counts evaluations: set loop.eval_every too")
-        _non_negative(self, "loop", ("eval_every",))
+        check_numbers(self, "loop.", non_negative=("eval_every",))
 
 
 @dataclass
@@ -131,7 +131,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.keep_last < 1:
             raise ConfigError(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
-        _non_negative(self, "checkpoint", ("save_every", "every_minutes"))
+        check_numbers(self, "checkpoint.", non_negative=("save_every", "every_minutes"))
 
 
 @dataclass
@@ -148,14 +148,7 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.sequence_parallel < 1:
             raise ConfigError(f"runtime.sequence_parallel must be >= 1, got {self.sequence_parallel}")
-        _non_negative(self, "runtime", ("head_chunk", "cache_target_gb"))
-
-
-def _non_negative(section: object, name: str, fields: tuple[str, ...]) -> None:
-    """Refuse a negative (or nan) value of ``fields``; 0 means off where the field says so."""
-    for f in fields:
-        if not getattr(section, f) >= 0:
-            raise ConfigError(f"{name}.{f} must be >= 0, got {getattr(section, f)}")
+        check_numbers(self, "runtime.", non_negative=("head_chunk", "cache_target_gb"))
 
 
 def objective(o: ObjectiveConfig) -> Objective:
