@@ -13,6 +13,12 @@ The job synthesizes ``--n`` conversations once with the smollm2 recipe's prepare
 each head on the long-prompt set, and benches the heads of the first seed in both engines when they
 are staged (``benchmarks/staging/stage_vllm.sh`` / ``stage_sglang.sh``). Every step rewrites
 ``<work>/heads.json``, so a machine lost partway leaves what was measured; each poll copies it out.
+
+A variant named ``eagle3.1+long`` trains on its own prepared data with ``prepare.synth.long_fraction``
+(long-context samples); ``--steps`` gives every run the same optimizer steps instead of minutes (runs
+that share the GPU, ``--parallel``); ``--bench-variant`` with ``--bench`` benches one head
+(``vllm:[levels]``, ``sglang:chain``, ``sglang:tree``), and ``--same-turns`` evaluates it on exactly
+the turns the first bench counted (fp32 and bf16), the yardstick for served acceptance against eval τ.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "data_prep" / "prompts"
@@ -45,7 +53,8 @@ ENV = {"PYTHONPATH": "/tmp/site:/tmp/repo", "EAGLE3_CACHE": "/tmp/e3cache", "HF_
     "WANDB_MODE": "disabled",
 }
 ENGINE_SITES = {"vllm": "/tmp/vsite", "sglang": "/tmp/sgsite"}
-SGLANG_ARGS = "--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.5"
+SGLANG_ARGS = "--attention-backend triton --sampling-backend pytorch --mem-fraction-static {memory}"
+LONG = "+long"  # a variant's suffix: trained on data with long-context samples (prepare.synth.long_fraction)
 
 
 def long_prompts(out: Path, per_bucket: int) -> None:
@@ -86,8 +95,8 @@ class Job:
 
     def __init__(self, a: argparse.Namespace):
         self.a, self.work = a, Path(a.work)
-        self.path = self.work / "heads.json"
-        self.res = (
+        self.path, self.lock = self.work / "heads.json", threading.Lock()
+        self.res: dict[str, Any] = (
             json.loads(self.path.read_text())
             if self.path.exists()
             else {
@@ -106,9 +115,10 @@ class Job:
         )
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.res, indent=1))
-        os.replace(tmp, self.path)
+        with self.lock:  # the +long arm's thread saves too
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.res, indent=1))
+            os.replace(tmp, self.path)
 
     def sh(self, name: str, cmd: list[str], limit: int, env: dict[str, str] | None = None) -> int:
         """``cmd`` under a time limit, its output in ``<work>/<name>.log``; its time and status recorded."""
@@ -125,32 +135,57 @@ class Job:
         return rc
 
     def run(self) -> None:
-        a, base = self.a, self.work / "base"
-        run = [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2"]
-        self.sh("prepare", [*run, f"out={base}", "until=prepare", f"prepare.synthesize={a.n}"], 1200)
-        for seed in a.seeds:
+        a = self.a
+        long = [v for v in a.variants if v.endswith(LONG)]
+        # the long-context arm (its own prepared data) beside the rest when asked: equal steps, not minutes
+        side = threading.Thread(target=self.arms, args=(long,)) if a.parallel and long else None
+        if side:
+            side.start()
+        self.arms([v for v in a.variants if side is None or v not in long])
+        if a.bench_variant:
+            export = self.work / run_name(a.bench_variant, a.seeds[0]) / "export"
+            for spec in a.bench:
+                self.bench(spec, a.bench_variant, export)
+                if spec == a.bench[0] and a.same_turns:
+                    self.same_turns(a.bench_variant, export)
+        else:  # the first seed's heads, served
             for variant in a.variants:
-                self.head(base, variant, seed)
-        for variant in a.variants:  # the first seed's heads, served
-            export = self.work / f"{variant}_s{a.seeds[0]}" / "export"
-            for engine, concurrency in (("vllm", a.vllm_concurrency), ("sglang", "[1]")):
-                if variant != a.variants[-1]:
-                    concurrency = "[1]"  # the control: its acceptance only
-                self.bench(engine, variant, export, concurrency)
+                export = self.work / run_name(variant, a.seeds[0]) / "export"
+                for spec in (f"vllm:{a.vllm_concurrency}", "sglang:chain"):
+                    if variant != a.variants[-1]:
+                        spec = spec.replace(a.vllm_concurrency, "[1]")  # the control: its acceptance only
+                    self.bench(spec, variant, export)
+        if side:
+            side.join()
         self.res["ended"] = True
         self.save()
 
+    def arms(self, variants: list[str]) -> None:
+        """Prepare the data these variants train on (once per kind), then train and evaluate each."""
+        a = self.a
+        for seed in a.seeds:
+            for variant in variants:
+                base = self.work / ("base_long" if variant.endswith(LONG) else "base")
+                if not (base / "prepared").exists():
+                    extra = [f"prepare.synth.long_fraction={a.long_fraction}"] if variant.endswith(LONG) else []
+                    run = [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2", f"out={base}", "until=prepare"]
+                    self.sh(f"prepare_{base.name}", [*run, f"prepare.synthesize={a.n}", *extra], 1500)
+                self.head(base, variant, seed)
+
     def head(self, base: Path, variant: str, seed: int) -> None:
-        name, a = f"{variant}_s{seed}", self.a
+        name, a = run_name(variant, seed), self.a
         out = self.work / name
         if not (out / "prepared").exists():  # the same prepared conversations for every run
             shutil.copytree(base / "prepared", out / "prepared")
-        overrides = [f"prepare.synthesize={a.n}", f"++train.loop.max_minutes={a.minutes}", f"++train.loop.seed={seed}"]
-        overrides.append(f"++train.model.variant={variant}")
+        budget = f"train.loop.max_steps={a.steps}" if a.steps else f"train.loop.max_minutes={a.minutes}"
+        overrides = [f"prepare.synthesize={a.n}", budget, f"train.loop.seed={seed}"]
+        overrides.append(f"train.model.variant={variant.removesuffix(LONG)}")
+        if variant.endswith(LONG):
+            overrides.append(f"prepare.synth.long_fraction={a.long_fraction}")
         self.sh(
             f"run_{name}", [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2", f"out={out}", *overrides], 1200
         )
-        rec = {"variant": variant, "seed": seed, "minutes": a.minutes}
+        rec = {"variant": variant, "seed": seed, "minutes": None if a.steps else a.minutes, "max_steps": a.steps}
         rec |= read_train(out / "train")
         rec["heldout"] = read_eval(out / "eval" / "report.json")
         if (out / "export").exists():
@@ -178,17 +213,21 @@ class Job:
         self.res["heads"][name] = rec
         self.save()
 
-    def bench(self, engine: str, variant: str, export: Path, concurrency: str) -> None:
+    def bench(self, spec: str, variant: str, export: Path) -> None:
+        """eagle3-bench of ``export``: ``spec`` is ``vllm:[levels]``, ``sglang:chain`` or ``sglang:tree``."""
+        engine, how = spec.split(":", 1)
+        concurrency = how if how.startswith("[") else "[1]"
+        key = f"{engine}_{run_name(variant)}" + ("_tree" if how == "tree" else "")
         site = ENGINE_SITES[engine]
         deadline = time.time() + 900
         staged = lambda: any(Path(site).glob(".stage_*"))  # noqa: E731  (stage_lib.sh's mark of a finished install)
         while not staged() and time.time() < deadline:  # the staging calls may still be running
             time.sleep(10)
         if not export.exists() or not staged():
-            self.res["bench"][f"{engine}_{variant}"] = {"skipped": f"no export or {engine} not staged"}
+            self.res["bench"][key] = {"skipped": f"no export or {engine} not staged"}
             return
         tdir = target_dir()
-        out = self.work / f"bench_{engine}_{variant}"
+        out = self.work / f"bench_{key}"
         args = [
             f"engine={engine}",
             f"target={tdir}",
@@ -201,12 +240,14 @@ class Job:
             "num_speculative_tokens=5",
         ]
         if engine == "sglang":
+            tree = "--speculative-eagle-topk 4 --speculative-num-draft-tokens 16"
+            chain = "--speculative-eagle-topk 1 --speculative-num-draft-tokens 6"
             args += [
-                f"engine_args={SGLANG_ARGS}",
-                "spec_args=--speculative-eagle-topk 1 --speculative-num-draft-tokens 6",
+                f"engine_args={SGLANG_ARGS.format(memory=self.a.memory)}",
+                f"spec_args={tree if how == 'tree' else chain}",
             ]
         else:
-            args += ["engine_args=--dtype bfloat16 --gpu-memory-utilization 0.5"]
+            args += [f"engine_args=--dtype bfloat16 --gpu-memory-utilization {self.a.memory}"]
         env = {
             "PYTHONPATH": f"{site}:/tmp/site:/tmp/repo",
             "PATH": f"{site}/bin:{os.environ['PATH']}",
@@ -215,10 +256,30 @@ class Job:
             "TVM_FFI_CACHE_DIR": "/tmp/sgcache/tvm-ffi",
             "FLASHINFER_WORKSPACE_BASE": "/tmp/sgcache",
         }
-        self.sh(f"bench_{engine}_{variant}", [sys.executable, "-m", "eagle3_train.evaluation.bench", *args], 900, env)
+        self.sh(f"bench_{key}", [sys.executable, "-m", "eagle3_train.evaluation.bench", *args], 900, env)
         path = out / "results.json"
-        self.res["bench"][f"{engine}_{variant}"] = json.loads(path.read_text()).get("rows") if path.exists() else None
+        self.res["bench"][key] = json.loads(path.read_text()).get("rows") if path.exists() else None
         self.save()
+
+    def same_turns(self, variant: str, export: Path) -> None:
+        """eagle3-eval over exactly the turns the bench counted at concurrency 1 (the first
+        ``min_requests`` held-out conversations, ``max_turns`` 8): τ to set beside the engines'
+        acceptance length, in float32 and in bfloat16 (the engines' dtype)."""
+        for dtype in ("float32", "bfloat16"):
+            out = self.work / run_name(variant, self.a.seeds[0]) / f"eval_turns_{dtype}"
+            args = [f"draft={export}", "target=embedded", f"prompts={PROMPTS / 'heldout.jsonl'}", "k=5"]
+            args += ["max_new_tokens=128", "max_turns=8", "limit=16", f"dtype={dtype}", "plot=false", f"out={out}"]
+            self.sh(
+                f"turns_{run_name(variant)}_{dtype}", [sys.executable, "-m", "eagle3_train.evaluation.eval", *args], 600
+            )
+            self.res.setdefault("same_turns", {})[f"{variant}_{dtype}"] = read_eval(out / "report.json")
+            self.save()
+
+
+def run_name(variant: str, seed: int | None = None) -> str:
+    """A variant's directory and log name (``eagle3.1+long`` -> ``eagle3.1_long``), with its seed."""
+    name = variant.replace("+", "_")
+    return name if seed is None else f"{name}_s{seed}"
 
 
 def read_train(out: Path) -> dict:
@@ -408,6 +469,13 @@ def main() -> None:
         s.add_argument(
             "--vllm-concurrency", default="[1,4,16,64]", help="eagle3-bench's levels for the last variant in vLLM"
         )
+        s.add_argument("--steps", type=int, default=None, help="train.loop.max_steps instead of --minutes")
+        s.add_argument("--long-fraction", type=float, default=0.1, help="prepare.synth.long_fraction of +long variants")
+        s.add_argument("--parallel", action="store_true", help="the +long variants in a thread beside the others")
+        s.add_argument("--bench-variant", default=None, help="bench only this variant (first seed), with --bench")
+        s.add_argument("--bench", nargs="+", default=["sglang:chain", "vllm:[1]", "sglang:tree"])
+        s.add_argument("--same-turns", action="store_true", help="eval on the first bench's turns (fp32 and bf16)")
+        s.add_argument("--memory", type=float, default=0.5, help="the bench engines' share of GPU memory")
     pp = sub.add_parser("poll", help="wait, then copy what exists into DEST")
     pp.add_argument("--work", default="/tmp/heads")
     pp.add_argument("seconds", type=int)
