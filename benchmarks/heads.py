@@ -425,7 +425,7 @@ def results(a: argparse.Namespace) -> None:
         machine=res["machine"],
         date=res["date"],
         runs=res["runs"],
-        figures={"settings": res["settings"], "steps": res["steps"], "heads": res["heads"], "bench": res["bench"]},
+        figures={k: res.get(k) for k in ("settings", "steps", "heads", "bench", "same_turns")},
         tables=[
             {
                 "title": "heads at equal training-loop minutes (tau: eagle3-eval, chain k=5, greedy, fp32, 128 new tokens)",
@@ -443,13 +443,20 @@ def results(a: argparse.Namespace) -> None:
                 "rows": rows,
             },
             {
+                "title": "eagle3-eval on the turns the first bench counted (first 16 held-out conversations, 8 turns)",
+                "header": ["variant_dtype", "tau", "lossless"],
+                "rows": [
+                    [k, v and v["tau"], v and v["lossless_counts"]] for k, v in (res.get("same_turns") or {}).items()
+                ],
+            },
+            {
                 "title": "served (eagle3-bench, 5 speculative tokens, 128 new tokens, held-out prompts)",
                 "header": ["engine_variant", "concurrency", "acceptance length", "conversations", "speed-up"],
                 "rows": served,
             },
         ],
-    ).write(REPO / "benchmarks" / "results" / f"heads_{kind}.json")
-    print(f"benchmarks/results/heads_{kind}.json")
+    ).write(REPO / "benchmarks" / "results" / f"{a.name}_{kind}.json")
+    print(f"benchmarks/results/{a.name}_{kind}.json")
 
 
 def main() -> None:
@@ -482,6 +489,7 @@ def main() -> None:
     pp.add_argument("dest")
     rp = sub.add_parser("results", help="write benchmarks/results/heads_<gpu>.json from a polled heads.json")
     rp.add_argument("file")
+    rp.add_argument("--name", default="heads", help="benchmarks/results/<name>_<gpu>.json")
     a = p.parse_args()
     if a.cmd == "long-prompts":
         long_prompts(PROMPTS / "long.jsonl", a.per_bucket)
