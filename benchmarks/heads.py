@@ -54,6 +54,7 @@ ENV = {"PYTHONPATH": "/tmp/site:/tmp/repo", "EAGLE3_CACHE": "/tmp/e3cache", "HF_
 }
 ENGINE_SITES = {"vllm": "/tmp/vsite", "sglang": "/tmp/sgsite"}
 SGLANG_ARGS = "--attention-backend triton --sampling-backend pytorch --mem-fraction-static {memory}"
+CONVERSATIONS = "conversations.jsonl.gz"  # the base prepare's synthesized conversations, polled out
 LONG = "+long"  # a variant's suffix: trained on data with long-context samples (prepare.synth.long_fraction)
 
 
@@ -168,6 +169,7 @@ class Job:
                 base = self.work / ("base_long" if variant.endswith(LONG) else "base")
                 if not (base / "prepared").exists():
                     extra = [f"prepare.synth.long_fraction={a.long_fraction}"] if variant.endswith(LONG) else []
+                    extra.append(f"prepare.save_conversations={base / CONVERSATIONS}")  # the peers' shared set too
                     run = [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2", f"out={base}", "until=prepare"]
                     self.sh(f"prepare_{base.name}", [*run, f"prepare.synthesize={a.n}", *extra], 1500)
                 self.head(base, variant, seed)
@@ -362,9 +364,9 @@ def poll(a: argparse.Namespace) -> None:
         time.sleep(5)
     dest = Path(a.dest)
     dest.mkdir(parents=True, exist_ok=True)
-    for f in ("heads.json", "job.log"):
+    for f in ("heads.json", "job.log", f"base/{CONVERSATIONS}"):
         if (work / f).exists():
-            shutil.copy(work / f, dest / f)
+            shutil.copy(work / f, dest / Path(f).name)
     with tarfile.open(dest / "logs.tgz", "w:gz") as tar:
         for f in (
             sorted(work.glob("*.log"))
