@@ -92,6 +92,7 @@ class GraphDecoder:
         do_sample: bool = False,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        memory_share: float = CACHE_SHARE,
     ) -> None:
         check_supported(model, 0)
         self.model, self.T, self.pad = model, max_new_tokens, pad_id
@@ -104,7 +105,7 @@ class GraphDecoder:
         if self.device.type == "cuda":  # what one process may give a batch's buffers (rows_per_batch)
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
             total = torch.cuda.get_device_properties(self.device).total_memory
-            self.budget = int((total - weights) * CACHE_SHARE / processes_per_gpu())
+            self.budget = int((total - weights) * memory_share / processes_per_gpu())
 
     def kv_bytes_per_token(self) -> int:
         """Keys and values of one position, all layers."""
@@ -114,7 +115,7 @@ class GraphDecoder:
     def rows_per_batch(self, width: int, wanted: int) -> int:
         """At most ``wanted`` rows, fewer where one batch's buffers (the static cache of ``width`` + T
         columns, the step's fp32 logits and, sampling, the sort's copies of them) would pass
-        ``CACHE_SHARE`` of the GPU's memory less the weights, shared by the processes on the GPU.
+        ``memory_share`` of the GPU's memory less the weights, shared by the processes on the GPU.
         Sized from the GPU's total, not its momentary free memory, so a run splits its batches
         the same way every time (sampled replies depend on the split)."""
         if self.device.type != "cuda":
@@ -296,6 +297,7 @@ def generate_graph(
         do_sample=cfg.do_sample,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
+        memory_share=cfg.memory_share,
     )
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     rows: list[list[int]] = [[] for _ in prompts]

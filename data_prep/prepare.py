@@ -42,6 +42,7 @@ from data_prep.chat import (
     thinking_off,
 )
 from data_prep.conversations import BadRow, Conversation, input_fingerprint, iter_raw_rows, normalize
+from data_prep.graph_decode import CACHE_SHARE
 from data_prep.regenerate import RegenConfig, regenerate
 from data_prep.synthesize import SynthConfig, Synthesizer, template_name
 from eagle3_train.core.cli import as_typed, config_dict, entry_point
@@ -268,6 +269,11 @@ class Preparer:
             opts.pop("regen", None)
         else:  # where the engine listens and how the client retries do not change a reply
             opts["regen"] = {k: v for k, v in opts["regen"].items() if k != "server"}
+            if (
+                opts["regen"].get("memory_share", CACHE_SHARE) == CACHE_SHARE
+                or opts["regen"].get("batching") != "graph"
+            ):
+                opts["regen"].pop("memory_share", None)  # splits only graph batches; outputs made before it stay valid
         if not opts.get("synthesize"):
             opts.pop("synth", None)
         for key, defaults in (

@@ -17,6 +17,7 @@ import torch
 
 from data_prep.chat import render_text
 from data_prep.conversations import Conversation
+from data_prep.graph_decode import CACHE_SHARE
 from data_prep.served_regen import ServedRegenConfig, served_generate_batch
 from eagle3_train.core.errors import ConfigError, check_numbers
 from eagle3_train.core.log import progress_bar
@@ -42,6 +43,8 @@ class RegenConfig:
     """hf: transformers in this process; an engine (vllm | sglang): the engine serving the target at server.url"""
     batching: str = "padded"  # hf only. padded: model.generate on left-padded, length-sorted batches of batch_size; static: the same with a static KV cache (generate compiles it on GPUs); continuous: transformers' continuous batching (model.generate_batch: paged cache, finished replies make room for new ones); graph: our own decode loop on a static cache, one CUDA graph per batch (dense llama/mistral/qwen2/qwen3; data_prep.graph_decode)
     server: ServedRegenConfig = field(default_factory=ServedRegenConfig)  # backend=vllm|sglang only
+    memory_share: float = CACHE_SHARE
+    """batching=graph only: the share of the GPU's memory, less the weights, that one batch's buffers may take (split among this node's ranks on the GPU); lower it when the GPU is shared with other work (an engine, a trainer). Batches split by it, so sampled replies change with it"""
     cut_in_reasoning: str = "drop"
     """a reply that hits max_new_tokens inside its reasoning (opened, never closed: core/reasoning.py's markers, found from the chat template): drop its conversation (a bad row, cut_in_reasoning) or keep it; counted in the manifest either way"""
 
@@ -52,6 +55,8 @@ class RegenConfig:
         if self.batching not in BATCHING:
             raise ConfigError(f"regen.batching must be one of {BATCHING}, got {self.batching!r}")
         check_numbers(self, "regen.", positive=("max_new_tokens", "batch_size", "chunk_size"))
+        if not 0 < self.memory_share <= 1:  # NaN fails too
+            raise ConfigError(f"regen.memory_share must be in (0, 1], got {self.memory_share}")
         if self.do_sample and not (self.temperature > 0 and 0 < self.top_p <= 1):
             raise ConfigError("regen.temperature must be > 0 and regen.top_p in (0, 1] when sampling")
 

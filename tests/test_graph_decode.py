@@ -162,3 +162,24 @@ def test_prefill_in_row_slices_changes_nothing(monkeypatch):
     padded = generate_sorted(model, ps, RegenConfig(max_new_tokens=12, batch_size=5), EOS, 0)
     graph = generate_sorted(model, ps, RegenConfig(max_new_tokens=12, batch_size=5, batching="graph"), EOS, 0)
     assert graph == padded
+
+
+def test_memory_share_is_checked_and_decides_an_output_only_where_it_splits_graph_batches(tmp_path):
+    from data_prep.prepare import PrepareConfig, Preparer
+    from data_prep.regenerate import RegenConfig
+
+    with pytest.raises(ConfigError, match=r"regen.memory_share must be in \(0, 1\], got 0"):
+        RegenConfig(memory_share=0)
+    with pytest.raises(ConfigError, match="regen.memory_share"):
+        RegenConfig(memory_share=float("nan"))
+
+    def options(**regen):
+        cfg = PrepareConfig(target="tiny", input="x.jsonl", out=str(tmp_path), regenerate=True)
+        cfg.regen = RegenConfig(**regen)
+        return Preparer(cfg)._output_options()
+
+    # the default is not recorded (outputs made before the option existed stay valid), nor a share that
+    # splits nothing (padded batches); a graph run's other share is another output (its sampled replies)
+    assert "memory_share" not in options(batching="graph")["regen"]
+    assert "memory_share" not in options(batching="padded", memory_share=0.2)["regen"]
+    assert options(batching="graph", memory_share=0.3)["regen"]["memory_share"] == 0.3
