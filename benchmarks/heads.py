@@ -138,11 +138,15 @@ class Job:
     def run(self) -> None:
         a = self.a
         long = [v for v in a.variants if v.endswith(LONG)]
-        # the long-context arm (its own prepared data) beside the rest when asked: equal steps, not minutes
-        side = threading.Thread(target=self.arms, args=(long,)) if a.parallel and long else None
-        if side:
+        rest = [v for v in a.variants if v not in long]
+        side = None
+        if a.parallel and long and rest:
+            # the long-context arm beside the rest once the first data is made (one synthesis at a time:
+            # each may take regen.memory_share of the GPU); equal steps then, not minutes
+            self.prepare(rest[0])
+            side = threading.Thread(target=self.arms, args=(long,))
             side.start()
-        self.arms([v for v in a.variants if side is None or v not in long])
+        self.arms(a.variants if side is None else rest)
         if a.bench_variant:
             export = self.work / run_name(a.bench_variant, a.seeds[0]) / "export"
             for spec in a.bench:
@@ -161,18 +165,30 @@ class Job:
         self.res["ended"] = True
         self.save()
 
-    def arms(self, variants: list[str]) -> None:
-        """Prepare the data these variants train on (once per kind), then train and evaluate each."""
+    def data_options(self, variant: str) -> list[str]:
+        """The prepare options of a variant's data (the same in its prepare and its run)."""
         a = self.a
-        for seed in a.seeds:
+        opts = [f"prepare.synthesize={a.n}"]
+        if a.memory_share:
+            opts.append(f"prepare.regen.memory_share={a.memory_share}")
+        if variant.endswith(LONG):
+            opts.append(f"prepare.synth.long_fraction={a.long_fraction}")
+        return opts
+
+    def prepare(self, variant: str) -> Path:
+        """The prepared data a variant trains on, synthesized once per kind (plain, long-context)."""
+        base = self.work / ("base_long" if variant.endswith(LONG) else "base")
+        if not (base / "prepared").exists():
+            run = [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2", f"out={base}", "until=prepare"]
+            keep = f"prepare.save_conversations={base / CONVERSATIONS}"  # the peers' shared set too
+            self.sh(f"prepare_{base.name}", [*run, *self.data_options(variant), keep], 1500)
+        return base
+
+    def arms(self, variants: list[str]) -> None:
+        """Train and evaluate each variant at each seed on its data."""
+        for seed in self.a.seeds:
             for variant in variants:
-                base = self.work / ("base_long" if variant.endswith(LONG) else "base")
-                if not (base / "prepared").exists():
-                    extra = [f"prepare.synth.long_fraction={a.long_fraction}"] if variant.endswith(LONG) else []
-                    extra.append(f"prepare.save_conversations={base / CONVERSATIONS}")  # the peers' shared set too
-                    run = [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2", f"out={base}", "until=prepare"]
-                    self.sh(f"prepare_{base.name}", [*run, f"prepare.synthesize={a.n}", *extra], 1500)
-                self.head(base, variant, seed)
+                self.head(self.prepare(variant), variant, seed)
 
     def head(self, base: Path, variant: str, seed: int) -> None:
         name, a = run_name(variant, seed), self.a
@@ -180,10 +196,8 @@ class Job:
         if not (out / "prepared").exists():  # the same prepared conversations for every run
             shutil.copytree(base / "prepared", out / "prepared")
         budget = f"train.loop.max_steps={a.steps}" if a.steps else f"train.loop.max_minutes={a.minutes}"
-        overrides = [f"prepare.synthesize={a.n}", budget, f"train.loop.seed={seed}"]
+        overrides = [*self.data_options(variant), budget, f"train.loop.seed={seed}"]
         overrides.append(f"train.model.variant={variant.removesuffix(LONG)}")
-        if variant.endswith(LONG):
-            overrides.append(f"prepare.synth.long_fraction={a.long_fraction}")
         self.sh(
             f"run_{name}", [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2", f"out={out}", *overrides], 1200
         )
@@ -484,6 +498,7 @@ def main() -> None:
         s.add_argument("--bench-variant", default=None, help="bench only this variant (first seed), with --bench")
         s.add_argument("--bench", nargs="+", default=["sglang:chain", "vllm:[1]", "sglang:tree"])
         s.add_argument("--same-turns", action="store_true", help="eval on the first bench's turns (fp32 and bf16)")
+        s.add_argument("--memory-share", type=float, default=None, help="prepare.regen.memory_share of every run")
         s.add_argument("--memory", type=float, default=0.5, help="the bench engines' share of GPU memory")
     pp = sub.add_parser("poll", help="wait, then copy what exists into DEST")
     pp.add_argument("--work", default="/tmp/heads")
