@@ -697,20 +697,26 @@ class Synthesizer:
         self.generated.update(tokens=new_tokens, chunks=1)
         fault_point("synth.chunk")  # tests: a kill at the worst moment, other ranks mid-chunk
 
-    def _document(self, g: int, pieces: list[list[int]]) -> tuple[str, int, str]:
-        """Conversation ``g``'s document, drawn by ``(seed, g)``: ``pieces`` (the chunk's replies,
-        tokenised, each with its separator) whole, in a drawn order (again from the start where
-        they run out), cut at a drawn length of ``synth.long_tokens``; that length and a drawn task."""
+    def _draw_document(self, g: int, pieces: list[str], sizes: list[int]) -> tuple[str, int, str]:
+        """Conversation ``g``'s draws by ``(seed, g)``: ``pieces`` (the chunk's replies, each with
+        its separator) whole, in a drawn order (again from the start where they run out), joined
+        until their tokens (``sizes``, counted apart) exceed the drawn length of ``synth.long_tokens``
+        by a margin (joined text tokenises a few percent otherwise); that text, the length and a task."""
         rng = random.Random(f"{self.seed}:long:{g}")
         length = rng.choice(self.synth.long_tokens)
         task = rng.choice(self.long_tasks)
         order = rng.sample(range(len(pieces)), len(pieces))
-        doc: list[int] = []
-        i = 0
-        while len(doc) < length:  # every piece holds at least its separator's token
-            doc += pieces[order[i % len(order)]]
+        return self._join(pieces, sizes, order, length), length, task
+
+    @staticmethod
+    def _join(pieces: list[str], sizes: list[int], order: list[int], tokens: int) -> str:
+        """``pieces`` in ``order`` (cycled) until their sizes pass ``tokens`` by 10% + 16."""
+        text, n, i = [], 0, 0
+        while n < tokens * 1.1 + 16:  # every piece holds at least its separator's token
+            text.append(pieces[order[i % len(order)]])
+            n += sizes[order[i % len(order)]]
             i += 1
-        return self.tok.decode(doc[:length], skip_special_tokens=False).strip(), length, task
+        return "".join(text)
 
     def _answer_long(self, longs: list[dict], convs: list[dict], chunk: int, bar: Any, dropped: Counter) -> int:
         """Write the long-context conversations ``longs``: a document of the replies of this
@@ -721,10 +727,19 @@ class Synthesizer:
             dropped["no_document"] += len(longs)
             bar.update(len(longs))
             return 0
-        pieces = self.tok([r + LONG_SEPARATOR for r in replies], add_special_tokens=False)["input_ids"]
-        for c in longs:
-            text, c["document_tokens"], task = self._document(c["id"], pieces)
-            c["messages"] = [{"role": "user", "content": text + LONG_SEPARATOR + task}]
+        pieces = [r + LONG_SEPARATOR for r in replies]
+        sizes = [len(ids) for ids in self.tok(pieces, add_special_tokens=False)["input_ids"]]
+        drawn = [self._draw_document(c["id"], pieces, sizes) for c in longs]
+        # the joined texts tokenised in one call (the Rust tokenizer spreads it over the CPUs), then
+        # cut at the drawn length: the document holds that many tokens of the target's own text
+        joined = self.tok([text for text, _, _ in drawn], add_special_tokens=False)["input_ids"]
+        for c, (text, length, task), ids in zip(longs, drawn, joined):
+            while len(ids) < length:  # tokenised together, far fewer tokens than apart: join more
+                text += self._join(pieces, sizes, list(range(len(pieces))), length - len(ids))
+                ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            doc = self.tok.decode(ids[:length], skip_special_tokens=False).strip()
+            c["document_tokens"] = length
+            c["messages"] = [{"role": "user", "content": doc + LONG_SEPARATOR + task}]
         texts = [render_text(self.tok, self._stored(c), f"synth[{c['id']}]", add_generation_prompt=True) for c in longs]
         outs, _ = generate_sorted(
             self.model,
