@@ -44,7 +44,7 @@ from data_prep.chat import (
 from data_prep.conversations import BadRow, Conversation, input_fingerprint, iter_raw_rows, normalize
 from data_prep.graph_decode import CACHE_SHARE
 from data_prep.regenerate import RegenConfig, regenerate
-from data_prep.synthesize import SynthConfig, Synthesizer, template_name
+from data_prep.synthesize import SynthConfig, Synthesizer, long_prompt_tokens, recorded_synth, template_name
 from eagle3_train.core.cli import as_typed, config_dict, entry_point
 from eagle3_train.core.contract import check_dtype
 from eagle3_train.core.dist import DistInfo, barrier, close, init_distributed, resolve_device
@@ -236,6 +236,21 @@ class Preparer:
                     f"{name}={value} is longer than max_length={c.max_length}, where every conversation "
                     f"is cut: lower {name} or raise max_length"
                 )
+        if c.synthesize and c.synth.long_fraction:
+            # the longest document, its task and template, and the reply: never cut where it is written or kept
+            need = long_prompt_tokens(self.target.tokenizer, c.synth) + c.regen.max_new_tokens
+            longest = (
+                f"synth.long_tokens up to {max(c.synth.long_tokens)} + the task, template and regen.max_new_tokens"
+            )
+            if context is not None and need > context:
+                raise ConfigError(
+                    f"{longest} make {need} tokens, more than the target's context of {context}: lower synth.long_tokens"
+                )
+            if need > c.max_length:
+                raise ConfigError(
+                    f"{longest} make {need} tokens, more than max_length={c.max_length}, where every conversation is "
+                    f"cut: raise max_length (to at least {need}) or lower synth.long_tokens"
+                )
 
     def _load(self, load_model: bool) -> Target:
         c = self.cfg
@@ -276,6 +291,8 @@ class Preparer:
                 opts["regen"].pop("memory_share", None)  # splits only graph batches; outputs made before it stay valid
         if not opts.get("synthesize"):
             opts.pop("synth", None)
+        elif "synth" in opts:
+            opts["synth"] = recorded_synth(opts["synth"])
         for key, defaults in (
             ("repeat", (1,)),
             ("render", ("auto",)),
@@ -364,13 +381,14 @@ class Preparer:
             "seed": c.seed,
             "dtype": c.dtype,
             # the steering prompts themselves, not the file they came from
-            "synth": config_dict(c.synth)
+            "synth": recorded_synth(config_dict(c.synth))
             | {
                 "system_prompts": c.synth.systems(),
                 "system_prompts_file": None,
                 "example_prompts": c.synth.examples(),
                 "example_prompts_file": None,
-            },
+            }
+            | ({"long_tasks": c.synth.long_tasks(), "long_tasks_file": None} if c.synth.long_fraction else {}),
             "regen": {k: v for k, v in self._output_options()["regen"].items() if k != "chunk_size"},
         }
         assert c.synthesize is not None  # how this method is reached: synthesize=N

@@ -26,6 +26,16 @@ conversation; at a later turn the conversation ends before it); then across the 
 conversation order, ``exact_duplicate`` (same first user turn after case and whitespace
 folding) and ``near_duplicate`` (MinHash LSH over word 3-grams, estimated Jaccard at or above
 ``near_duplicate_threshold``). If fewer than N conversations survive, more chunks are generated.
+
+**Long-context conversations** (``synth.long_fraction`` f): evenly spread slots (conversation ``g``
+is one when ``floor((g + 1) f) > floor(g f)``) hold a document followed by a task instead of a
+question. The document is the target's own text: the replies of the same chunk's other
+conversations, whole, in an order drawn by ``(seed, g)``, concatenated and cut at a length drawn
+from ``synth.long_tokens`` (target tokens); the task is drawn from ``synth.long_tasks_file``. The
+target answers it as it answers the questions (``regen.*``, one length-sorted batch per chunk).
+They skip the user-turn and duplicate filters (their text is the target's replies, reused by
+design); the selection takes ``round(N f)`` of them and ``N - round(N f)`` others, each in
+conversation order.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ import re
 import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +71,10 @@ SET_FILTERS = ("exact_duplicate", "near_duplicate")
 MAX_ROUNDS = 8  # rounds of extra chunks when filters drop more than expected
 EXAMPLE_CHARS = 300  # an example prompt longer than this is cut (a steering prompt, not a document)
 EXAMPLES_HEADER = "Users write requests like these:"
+LONG_TASKS_FILE = "long_tasks.txt"  # the shipped tasks of long-context conversations (data_prep/prompts/)
+LONG_SEPARATOR = "\n\n"  # between a document's replies, and between the document and its task
+LONG_MARGIN = 8  # tokens a cut document may gain when its text is tokenised again (merges at the cut)
+LONG_KEYS = ("long_fraction", "long_tokens", "long_tasks_file")
 
 
 @dataclass
@@ -86,6 +100,12 @@ class SynthConfig:
     """estimated Jaccard of word 3-grams at which a first user turn is a near duplicate"""
     chunk_size: int = 512
     """conversations per resumable chunk under <out>/synth/ (fewer for a small synthesize=N: see chunk_size_for)"""
+    long_fraction: float = 0.0
+    """share of the conversations that are long-context: a document of the target's own replies (from the same chunk) followed by a task, answered as the others are (regen.*); 0: none"""
+    long_tokens: list[int] = field(default_factory=lambda: [1000, 2000, 4000, 7000])
+    """document lengths in target tokens, one drawn per long-context conversation by (seed, conversation); the longest must fit max_length and the target's context with the task and regen.max_new_tokens"""
+    long_tasks_file: str | None = None
+    """the tasks that follow a document, one per line, one drawn per long-context conversation by (seed, conversation); null: the shipped data_prep/prompts/long_tasks.txt"""
 
     def __post_init__(self) -> None:
         check_numbers(self, "synth.", positive=("turns", "max_new_tokens", "chunk_size", "examples_per_prompt"))
@@ -106,6 +126,15 @@ class SynthConfig:
         if self.starter_words and self.example_prompts_file is None:
             raise ConfigError(
                 "synth.starter_words takes the openings of synth.example_prompts_file's prompts: give the file"
+            )
+        if not 0 <= self.long_fraction < 1:  # NaN fails too
+            raise ConfigError(
+                f"synth.long_fraction must be in [0, 1) (documents are cut from the other conversations' replies), "
+                f"got {self.long_fraction}"
+            )
+        if not self.long_tokens or not all(type(t) is int and t > 0 for t in self.long_tokens):
+            raise ConfigError(
+                f"synth.long_tokens must be a non-empty list of positive token counts, got {self.long_tokens}"
             )
 
     def systems(self) -> list[str | None]:
@@ -139,6 +168,47 @@ class SynthConfig:
         if not shown:
             raise ConfigError(f"synth.example_prompts_file {path} holds no user prompt")
         return shown
+
+    def long_tasks(self) -> list[str]:
+        """The tasks of long-context conversations, one per non-empty line of ``long_tasks_file``
+        (or the shipped file); ``[]`` when ``long_fraction`` is 0."""
+        if not self.long_fraction:
+            return []
+        from eagle3_train.core.prompt_files import shipped_prompts
+
+        path = Path(self.long_tasks_file).expanduser() if self.long_tasks_file else shipped_prompts(LONG_TASKS_FILE)
+        if not path.is_file():
+            raise ConfigError(f"synth.long_tasks_file {path} does not exist")
+        tasks = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not tasks:
+            raise ConfigError(f"synth.long_tasks_file {path} holds no task")
+        return tasks
+
+
+def recorded_synth(opts: dict[str, Any]) -> dict[str, Any]:
+    """``synth.*`` as a request records it: without the long-context options while
+    ``long_fraction`` is 0, so outputs made before they existed stay this run's."""
+    if opts.get("long_fraction"):
+        return dict(opts)
+    return {k: v for k, v in opts.items() if k not in LONG_KEYS}
+
+
+def long_prompt_tokens(tokenizer: Any, synth: SynthConfig) -> int:
+    """The most tokens a long-context prompt can hold: the longest document (plus LONG_MARGIN),
+    the longest task, the template with its generation prompt and, where it is kept, the longest
+    steering prompt with its longest examples."""
+    tasks = synth.long_tasks()
+    system = None
+    if synth.keep_system_prompt:
+        systems = [s for s in synth.systems() if s is not None]
+        examples = sorted(synth.examples(), key=len)[-synth.examples_per_prompt :]
+        listed = EXAMPLES_HEADER + "\n" + "\n".join(f"- {e}" for e in examples) if examples else ""
+        system = "\n\n".join(p for p in (max(systems, key=len) if systems else "", listed) if p) or None
+    task = max(tasks, key=lambda t: len(tokenizer(t, add_special_tokens=False)["input_ids"]))
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": LONG_SEPARATOR + task})
+    text = render_text(tokenizer, messages, "synth.long_tasks", add_generation_prompt=True)
+    return max(synth.long_tokens) + LONG_MARGIN + len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 # -- the template's user-turn prefix ---------------------------------------------------------------
@@ -302,6 +372,11 @@ def chunk_size_for(n: int, chunk_size: int) -> int:
     return min(chunk_size, max(MIN_CHUNK, 1 << max(0, need - 1).bit_length()))
 
 
+def is_long(conv: Conversation) -> bool:
+    """Whether a synthesized conversation is long-context (a document and a task)."""
+    return "document_tokens" in conv.meta
+
+
 def chunk_seed(seed: int, chunk: int) -> int:
     return (seed * 1_000_003 + chunk) % (2**63)
 
@@ -357,6 +432,9 @@ class Synthesizer:
         self.progress = progress
         self.systems = synth.systems()
         self.examples = synth.examples()
+        self.long_tasks = synth.long_tasks()
+        n_long = round(n * synth.long_fraction)
+        self.wanted = {False: n - n_long, True: n_long}  # conversations to keep: short, long-context
         # a user turn is dropped once it passes max_tokens, so sampling stops one token after that
         self.user_cfg = replace(
             regen,
@@ -408,6 +486,12 @@ class Synthesizer:
         starter = " ".join(picked[0].split()[: self.synth.starter_words])
         return listed if system is None else f"{system}\n\n{listed}", starter
 
+    def long_slot(self, g: int) -> bool:
+        """Whether conversation ``g`` is long-context: the slots are spread evenly, so any run of
+        conversations holds the share ``synth.long_fraction`` of them (to one)."""
+        f = self.synth.long_fraction
+        return math.floor((g + 1) * f) > math.floor(g * f)
+
     def _path(self, chunk: int) -> Path:
         return self.dir / f"chunk-{chunk:06d}.json"
 
@@ -444,20 +528,29 @@ class Synthesizer:
                     f"e.g. raise synth.max_new_tokens / synth.max_tokens if the target writes long questions, "
                     f"or check that the target is a chat model"
                 )
-            if len(kept) >= self.n or round_ == MAX_ROUNDS - 1:
+            have = Counter(map(is_long, kept))
+            short = [kind for kind, want in self.wanted.items() if have[kind] < want]
+            if not short or round_ == MAX_ROUNDS - 1:
                 break
-            # more chunks for the deficit at the keep rate seen so far (plus a margin), at most 4x
-            rate = len(kept) / (n_chunks * size)
-            n_chunks += min(3 * n_chunks, max(1, -(-int((self.n - len(kept)) / rate * 1.1) // size)))
+            # more chunks for the largest deficit at its keep rate so far (plus a margin), at most 4x
+            rates = {kind: max(have[kind], 1) / (n_chunks * size) for kind in short}
+            need = max(int((self.wanted[kind] - have[kind]) / rates[kind] * 1.1) for kind in short)
+            n_chunks += min(3 * n_chunks, max(1, -(-need // size)))
         seconds = time.perf_counter() - start
-        if len(kept) < self.n:
+        taken: Counter[bool] = Counter()  # the first wanted of each kind, in conversation order
+        chosen = []
+        for conv in kept:
+            if taken[kind := is_long(conv)] < self.wanted[kind]:
+                chosen.append(conv)
+                taken[kind] += 1
+        if len(chosen) < self.n:
             logger.warning(
-                f"eagle3-prepare: only {len(kept)} of {self.n} synthesized conversations passed the filters "
+                f"eagle3-prepare: only {len(chosen)} of {self.n} synthesized conversations passed the filters "
                 f"after {n_chunks} chunks; see counts.synthesis in the manifest"
             )
         stats = {
             "conversations_asked": self.n,
-            "conversations_kept": min(len(kept), self.n),
+            "conversations_kept": len(chosen),
             "chunks": n_chunks,
             "dropped": dict(counts),
             "new_tokens": self.totals["new_tokens"],  # every chunk's, whichever run made it
@@ -465,7 +558,18 @@ class Synthesizer:
             "this_run_new_tokens": self.generated["tokens"],  # this rank, this run
             "this_run_wall_s": round(seconds, 3),
         }
-        return kept[: self.n], stats
+        if self.synth.long_fraction:
+            lengths = Counter(conv.meta["document_tokens"] for conv in chosen if is_long(conv))
+            stats["long_context"] = {
+                "asked": self.wanted[True],
+                "kept": taken[True],
+                "document_tokens": {str(k): lengths[k] for k in sorted(lengths)},
+            }
+            logger.info(
+                f"eagle3-prepare: {taken[True]} of {len(chosen)} synthesized conversations are long-context "
+                f"(documents of {', '.join(f'{k} tokens: {v}' for k, v in sorted(lengths.items()))})"
+            )
+        return chosen, stats
 
     def _select(self, n_chunks: int) -> tuple[list[Conversation], Counter]:
         """The conversations of chunks 0..n_chunks-1 that pass the set filters, and every filter's
@@ -477,12 +581,15 @@ class Synthesizer:
             sel["counts"].update(data["dropped"])
             self.totals.update(new_tokens=data["new_tokens"], seconds=data["seconds"])
             convs = [Conversation(d["messages"], d["source"], d["meta"]) for d in data["conversations"]]
+            # long-context ones skip the duplicate filter: their documents reuse the replies by design
+            short = [i for i, conv in enumerate(convs) if not is_long(conv)]
             start = sel["filter"].count
             dropped = sel["filter"].add(
-                [next(m["content"] for m in conv.messages if m["role"] == "user") for conv in convs]
+                [next(m["content"] for m in convs[i].messages if m["role"] == "user") for i in short]
             )
             sel["counts"].update(Counter(dropped.values()))
-            sel["kept"].extend(conv for i, conv in enumerate(convs, start=start) if i not in dropped)
+            gone = {short[i - start] for i in dropped}
+            sel["kept"].extend(conv for i, conv in enumerate(convs) if i not in gone)
         sel["chunks"] = max(sel["chunks"], n_chunks)
         return list(sel["kept"]), Counter(sel["counts"])
 
@@ -497,14 +604,19 @@ class Synthesizer:
         size = self.size
         ids = range(chunk * size, (chunk + 1) * size)
         # per conversation: the messages kept, the system prompt that steers its user turns
+        # long-context slots wait for the others' replies (their documents) and are answered last
         convs: list[dict[str, Any]] = [
-            {"id": g, "system": system, "starter": starter, "messages": [], "alive": True}
+            {"id": g, "system": system, "starter": starter, "messages": [], "alive": not self.long_slot(g)}
             for g, (system, starter) in zip(ids, map(self.steering, ids))
         ]
+        longs = [c for c in convs if not c["alive"]]
         dropped: Counter = Counter()
         new_tokens = 0
         bar = progress_bar(
-            total=len(convs) * self.synth.turns * 2, desc=f"synthesize chunk {chunk}", unit="turn", show=self.progress
+            total=(len(convs) - len(longs)) * self.synth.turns * 2 + len(longs),
+            desc=f"synthesize chunk {chunk}",
+            unit="turn",
+            show=self.progress,
         )
         for turn in range(self.synth.turns):
             alive = [c for c in convs if c["alive"]]
@@ -561,12 +673,18 @@ class Synthesizer:
                     dropped["empty_reply"] += 1
                     c["messages"] = c["messages"][:-2]
                     c["alive"] = False
+        if longs:
+            new_tokens += self._answer_long(longs, convs, chunk, bar, dropped)
         bar.close()
         kept = [
             {
                 "messages": self._stored(c),
                 "source": f"synthesized[{c['id']}]",
-                "meta": {"id": c["id"], **({"system_prompt": c["system"]} if c["system"] is not None else {})},
+                "meta": {
+                    "id": c["id"],
+                    **({"system_prompt": c["system"]} if c["system"] is not None else {}),
+                    **({"document_tokens": c["document_tokens"]} if "document_tokens" in c else {}),
+                },
             }
             for c in convs
             if c["messages"]
@@ -578,6 +696,70 @@ class Synthesizer:
         )
         self.generated.update(tokens=new_tokens, chunks=1)
         fault_point("synth.chunk")  # tests: a kill at the worst moment, other ranks mid-chunk
+
+    def _draw_document(self, g: int, pieces: list[str], sizes: list[int]) -> tuple[str, int, str]:
+        """Conversation ``g``'s draws by ``(seed, g)``: ``pieces`` (the chunk's replies, each with
+        its separator) whole, in a drawn order (again from the start where they run out), joined
+        until their tokens (``sizes``, counted apart) exceed the drawn length of ``synth.long_tokens``
+        by a margin (joined text tokenises a few percent otherwise); that text, the length and a task."""
+        rng = random.Random(f"{self.seed}:long:{g}")
+        length = rng.choice(self.synth.long_tokens)
+        task = rng.choice(self.long_tasks)
+        order = rng.sample(range(len(pieces)), len(pieces))
+        return self._join(pieces, sizes, order, length), length, task
+
+    @staticmethod
+    def _join(pieces: list[str], sizes: list[int], order: list[int], tokens: int) -> str:
+        """``pieces`` in ``order`` (cycled) until their sizes pass ``tokens`` by 10% + 16."""
+        text, n, i = [], 0, 0
+        while n < tokens * 1.1 + 16:  # every piece holds at least its separator's token
+            text.append(pieces[order[i % len(order)]])
+            n += sizes[order[i % len(order)]]
+            i += 1
+        return "".join(text)
+
+    def _answer_long(self, longs: list[dict], convs: list[dict], chunk: int, bar: Any, dropped: Counter) -> int:
+        """Write the long-context conversations ``longs``: a document of the replies of this
+        chunk's other conversations (``convs``), a task, and the target's answer (``regen.*``, one
+        length-sorted batch, seeded by the chunk). Returns the new tokens generated."""
+        replies = [m["content"] for c in convs for m in c["messages"] if m["role"] == "assistant"]
+        if not replies:  # every other conversation of the chunk was dropped
+            dropped["no_document"] += len(longs)
+            bar.update(len(longs))
+            return 0
+        pieces = [r + LONG_SEPARATOR for r in replies]
+        sizes = [len(ids) for ids in self.tok(pieces, add_special_tokens=False)["input_ids"]]
+        drawn = [self._draw_document(c["id"], pieces, sizes) for c in longs]
+        # the joined texts tokenised in one call (the Rust tokenizer spreads it over the CPUs), then
+        # cut at the drawn length: the document holds that many tokens of the target's own text
+        joined = self.tok([text for text, _, _ in drawn], add_special_tokens=False)["input_ids"]
+        for c, (text, length, task), ids in zip(longs, drawn, joined):
+            while len(ids) < length:  # tokenised together, far fewer tokens than apart: join more
+                text += self._join(pieces, sizes, list(range(len(pieces))), length - len(ids))
+                ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            doc = self.tok.decode(ids[:length], skip_special_tokens=False).strip()
+            c["document_tokens"] = length
+            c["messages"] = [{"role": "user", "content": doc + LONG_SEPARATOR + task}]
+        texts = [render_text(self.tok, self._stored(c), f"synth[{c['id']}]", add_generation_prompt=True) for c in longs]
+        outs, _ = generate_sorted(
+            self.model,
+            self.tok(texts, add_special_tokens=False)["input_ids"],
+            self.regen,
+            self.eos,
+            self.pad,
+            bar=bar,
+            seed=chunk_seed(self.seed, chunk) + 2 * self.synth.turns,
+        )
+        new_tokens = 0
+        for c, reply in zip(longs, outs):
+            new_tokens += len(reply) + (len(reply) < self.regen.max_new_tokens)
+            answer = self.tok.decode(reply, skip_special_tokens=False).strip()
+            if not answer:
+                dropped["empty_reply"] += 1
+                c["messages"] = []
+                continue
+            c["messages"].append({"role": "assistant", "content": answer})
+        return new_tokens
 
     def _stored(self, c: dict) -> list[dict]:
         """The conversation as stored and answered: with its system prompt unless it only steers."""

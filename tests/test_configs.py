@@ -267,6 +267,8 @@ def test_each_default_is_written_once():
         ),
         ("prepare.yaml", "dtype=fp8", r"^dtype must be one of auto, float32, bfloat16, float16, got 'fp8'$"),
         ("prepare.yaml", "synth.turns=0", r"^synth\.turns must be positive, got 0$"),
+        ("prepare.yaml", "synth.long_fraction=1", r"^synth\.long_fraction must be in \[0, 1\) .*, got 1\.0$"),
+        ("prepare.yaml", "synth.long_tokens=[0]", r"^synth\.long_tokens must be a non-empty list .*, got \[0\]$"),
         ("standardize.yaml", "workers=-1", r"^workers must be >= 0, got -1$"),
         ("eval.yaml", "limit=0", r"^limit must be positive, got 0$"),
         ("eval.yaml", "tie_threshold=nan", r"^tie_threshold must be >= 0, got nan$"),

@@ -4,8 +4,10 @@ data-parallel ranks, kill and resume."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -526,3 +528,142 @@ def test_a_small_request_writes_about_what_it_asks(tmp_path, monkeypatch):
     assert len(questions) == 16 and manifest["regeneration"]["synthesis"]["chunks"] == 1
     assert manifest["counts"]["rows_written"] == 6 and manifest["regeneration"]["synthesis"]["conversations_kept"] == 6
     assert [chunk_size_for(n, 512) for n in (1, 6, 13, 100, 409, 410, 5000)] == [16, 16, 32, 128, 512, 512, 512]
+
+
+# -- long-context conversations --------------------------------------------------------------------
+
+
+class ByPrompt(torch.nn.Module):
+    """Answers by the prompt alone, so any chunking or a resume gives the same text: a question
+    names the topic of its steering prompt, a reply quotes its question, and the answer to a
+    document-and-task prompt names the task. Records every prompt."""
+
+    def __init__(self, tok):
+        super().__init__()
+        self.tok = tok
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # generate_sorted asks for the device
+        self.prompts: list[str] = []
+        self.generation_config = None
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **kw):
+        rows = []
+        for row, mask in zip(input_ids, attention_mask):
+            text = self.tok.decode(row[mask.bool()].tolist())
+            self.prompts.append(text)
+            if text.split("<|im_start|>")[-1].startswith("user"):
+                out = f"Tell me about topic {text.split('Topic ')[1].split('<|im_end|>')[0]}?"
+            else:
+                asked = text.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
+                out = f"Done: {asked.split(chr(10))[-1]}" if "\n\n" in asked else f"Reply to '{asked}', all of it."
+            ids = self.tok(out, add_special_tokens=False)["input_ids"][: max_new_tokens - 1]
+            ids += [_ids(self.tok, "<|im_end|>")] + [pad_token_id] * (max_new_tokens - len(ids) - 1)
+            rows.append(ids)
+        return torch.cat([input_ids, torch.tensor(rows)], 1)
+
+
+LONG = dict(
+    long_fraction=0.25, long_tokens=[40, 90], system_prompts=[f"Topic {i}" for i in range(64)], keep_system_prompt=False
+)
+
+
+def _long_run(tmp_path, monkeypatch, out, n=16, **synth):
+    tok = build_tiny_tokenizer(SMOLLM2_TEMPLATE)
+    model = ByPrompt(tok)
+    options = {**LONG, "chunk_size": 16, **synth}
+    manifest = _prepare(
+        tmp_path,
+        monkeypatch,
+        model,
+        out=out,
+        synthesize=n,
+        synth=SynthConfig(**options),
+        save_conversations=str(tmp_path / f"{out}.jsonl"),
+    )
+    import json
+
+    convs = [json.loads(line) for line in (tmp_path / f"{out}.jsonl").read_text().splitlines()]
+    return manifest, convs, model
+
+
+def test_long_context_conversations_are_documents_of_the_runs_own_replies(tmp_path, monkeypatch):
+    from data_prep.synthesize import LONG_SEPARATOR
+
+    manifest, convs, model = _long_run(tmp_path, monkeypatch, "a")
+    tasks = (Path(__file__).resolve().parents[1] / "data_prep/prompts/long_tasks.txt").read_text().splitlines()
+    longs = [c for c in convs if "document_tokens" in c]
+    assert len(convs) == 16 and len(longs) == 4  # round(16 * 0.25), the rest short
+    assert [c["id"] for c in longs] == [3, 7, 11, 15]  # evenly spread slots
+    replies = [c["messages"][-1]["content"] for c in convs if c not in longs]
+    assert all(r.startswith("Reply to 'Tell me about topic") for r in replies)
+    for c in longs:
+        (user, answer) = c["messages"]
+        doc, task = user["content"].rsplit(LONG_SEPARATOR, 1)
+        assert task in tasks and answer == {"role": "assistant", "content": f"Done: {task}"}
+        length = c["document_tokens"]
+        assert length in (40, 90)
+        assert length - len(LONG_SEPARATOR) <= len(doc.encode()) <= length  # byte-level: a token a byte
+        pieces = doc.split(LONG_SEPARATOR)  # whole replies, the last one cut
+        assert all(p in replies for p in pieces[:-1]) and any(r.startswith(pieces[-1]) for r in replies)
+    asked = [p for p in model.prompts if "\n\n" in p.split("<|im_start|>user\n")[-1]]
+    assert len(asked) == 4  # every long one answered once, as a regenerated reply
+    stats = manifest["regeneration"]["synthesis"]["long_context"]
+    histogram = Counter(str(c["document_tokens"]) for c in longs)
+    assert stats == {"asked": 4, "kept": 4, "document_tokens": dict(sorted(histogram.items()))}
+
+
+def test_long_context_conversations_are_deterministic_and_resume(tmp_path, monkeypatch):
+    import shutil
+
+    _, first, _ = _long_run(tmp_path, monkeypatch, "a", n=24)
+    _, again, _ = _long_run(tmp_path, monkeypatch, "b", n=24)
+    assert again == first
+    shutil.copytree(tmp_path / "a" / "synth", tmp_path / "c" / "synth")  # a run killed after its first chunk
+    (tmp_path / "c" / "synth" / "chunk-000001.json").unlink()
+    _, resumed, model = _long_run(tmp_path, monkeypatch, "c", n=24)
+    assert resumed == first
+    assert model.prompts and all(int(t) >= 16 for p in model.prompts for t in re.findall(r"Topic (\d+)", p))
+    with pytest.raises(ContractError, match="synth.long_fraction: 0.25 != 0.5"):
+        _long_run(tmp_path, monkeypatch, "a", n=24, long_fraction=0.5)
+
+
+def test_without_long_context_nothing_changes(tmp_path, monkeypatch):
+    """long_fraction=0 (the default) writes what a run before the option wrote, and records no
+    long-context option, so such outputs are reused."""
+    import json
+
+    _, convs, _ = _long_run(tmp_path, monkeypatch, "a", long_fraction=0.0)
+    assert len(convs) == 16 and not any("document_tokens" in c for c in convs)
+    request = json.loads((tmp_path / "a" / "synth" / "request.json").read_text())
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert not any(k.startswith("long") for k in request["synth"])
+    assert not any(k.startswith("long") for k in manifest["request"]["config"]["synth"])
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"long_fraction": 1.0}, r"^synth\.long_fraction must be in \[0, 1\) .*got 1\.0$"),
+        ({"long_fraction": float("nan")}, r"^synth\.long_fraction must be in \[0, 1\) .*got nan$"),
+        ({"long_tokens": []}, r"^synth\.long_tokens must be a non-empty list of positive token counts, got \[\]$"),
+        ({"long_tokens": [100, 0]}, r"^synth\.long_tokens must be .* got \[100, 0\]$"),
+    ],
+)
+def test_bad_long_context_options_are_refused(options, message):
+    with pytest.raises(ConfigError, match=message):
+        SynthConfig(**options)
+
+
+def test_long_documents_must_fit_max_length_and_the_context(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"more than max_length=2048, .* raise max_length \(to at least \d+\)"):
+        _prepare(tmp_path, monkeypatch, None, synthesize=4, synth=SynthConfig(long_fraction=0.1, long_tokens=[3000]))
+    with pytest.raises(ConfigError, match=r"more than the target's context of 4096: lower synth.long_tokens"):
+        _prepare(tmp_path, monkeypatch, None, synthesize=4, max_length=8192, synth=SynthConfig(long_fraction=0.1))
+    (tmp_path / "tasks.txt").write_text("\n\n")
+    with pytest.raises(ConfigError, match=r"synth\.long_tasks_file .*tasks\.txt holds no task"):
+        _prepare(
+            tmp_path,
+            monkeypatch,
+            None,
+            synthesize=4,
+            synth=SynthConfig(long_fraction=0.1, long_tokens=[50], long_tasks_file=str(tmp_path / "tasks.txt")),
+        )
