@@ -172,7 +172,7 @@ class Job:
         if a.memory_share:
             opts.append(f"prepare.regen.memory_share={a.memory_share}")
         if variant.endswith(LONG):
-            opts.append(f"prepare.synth.long_fraction={a.long_fraction}")
+            opts += [f"prepare.synth.long_fraction={a.long_fraction}", "prepare.max_length=8192"]  # 7k documents
         return opts
 
     def prepare(self, variant: str) -> Path:
@@ -493,7 +493,9 @@ def main() -> None:
             "--vllm-concurrency", default="[1,4,16,64]", help="eagle3-bench's levels for the last variant in vLLM"
         )
         s.add_argument("--steps", type=int, default=None, help="train.loop.max_steps instead of --minutes")
-        s.add_argument("--long-fraction", type=float, default=0.1, help="prepare.synth.long_fraction of +long variants")
+        s.add_argument(
+            "--long-fraction", type=float, default=0.05, help="prepare.synth.long_fraction of +long variants"
+        )
         s.add_argument("--parallel", action="store_true", help="the +long variants in a thread beside the others")
         s.add_argument("--bench-variant", default=None, help="bench only this variant (first seed), with --bench")
         s.add_argument("--bench", nargs="+", default=["sglang:chain", "vllm:[1]", "sglang:tree"])
