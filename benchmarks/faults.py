@@ -2,13 +2,14 @@
 run starts itself (``engine.launch=true``): each fault once, what the user saw, what was kept, and
 the rerun of the same command ending where an uninterrupted run ends.
 
-    bash benchmarks/session.sh start faults vllm -- python3 -m benchmarks.faults run --out faults.json
+    bash benchmarks/session.sh start faults vllm -- python3 -m benchmarks.faults run --out faults.json --work work
     python3 -m benchmarks.faults run --small --out /tmp/faults.json   # CPU: the stand-in engine
     python3 -m benchmarks.faults table faults.json    # the rows of docs/guide/faults.md's table
 
 On the GPU machine staged for vLLM (benchmarks/staging/stage_vllm.sh), session.sh runs it in
 $S/out with the repository and the engine's site on PYTHONPATH and vLLM's ``vllm`` on PATH; the
-embedded target is converted once into $EAGLE3_CACHE. About 7 minutes on one H100 (``--budget``).
+embedded target is converted once into $EAGLE3_CACHE; ``--work work`` puts the runs and their logs
+under $S/out, where poll packs them. About 7 minutes on one H100 (``--budget``).
 
 Scenarios, all at once (each its own run directory, port and state-file directory):
 
