@@ -97,7 +97,7 @@ def prepare(a: argparse.Namespace) -> Setup:
     """The target directory and the prepared conversations, made once under ``--work``."""
     from data_prep.prepare import PrepareConfig, Preparer
 
-    work = Path(a.work)
+    work = Path(a.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     if a.small:
