@@ -746,7 +746,7 @@ RESULT_PAGES = {
         ),
     ),
     "storage": ("Storage (fp8, bf16, int8)", ("storage_",)),
-    "engines": ("Served by real engines", ("vllm_", "sglang_", "families_", "served_", "reasoning_")),
+    "engines": ("Served by real engines", ("vllm_", "sglang_", "families_", "served_", "reasoning_", "faults_")),
     "peers": ("Against the peers", ("peers_",)),
 }
 PAGE_NOTES = {  # a page's opening paragraph, where its results need one before their tables

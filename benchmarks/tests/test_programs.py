@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))  # the programs run as python3 -m benchmarks.<name
 from benchmarks import recipe, speedup  # noqa: E402
 from benchmarks.result import SCHEMA_VERSION, Result  # noqa: E402
 
-PROGRAMS = ["dump", "train", "online", "speedup", "recipe", "heads", "peers_gpu", "peers_results"]
+PROGRAMS = ["dump", "train", "online", "speedup", "recipe", "heads", "peers_gpu", "peers_results", "faults"]
 
 
 def test_each_program_answers_help():
