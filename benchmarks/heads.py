@@ -141,12 +141,13 @@ class Job:
         rest = [v for v in a.variants if v not in long]
         side = None
         if a.parallel and long and rest:
-            # the long-context arm beside the rest once the first data is made (one synthesis at a time:
-            # each may take regen.memory_share of the GPU); equal steps then, not minutes
-            self.prepare(rest[0])
+            # the long-context arm beside the benches once the others are trained (one synthesis and one
+            # training at a time on the GPU); equal steps then, not minutes
+            self.arms(rest)
             side = threading.Thread(target=self.arms, args=(long,))
             side.start()
-        self.arms(a.variants if side is None else rest)
+        else:
+            self.arms(a.variants)
         if a.bench_variant:
             export = self.work / run_name(a.bench_variant, a.seeds[0]) / "export"
             for spec in a.bench:
