@@ -445,7 +445,10 @@ def results(a: argparse.Namespace) -> None:
         figures={k: res.get(k) for k in ("settings", "steps", "heads", "bench", "same_turns")},
         tables=[
             {
-                "title": "heads at equal training-loop minutes (tau: eagle3-eval, chain k=5, greedy, fp32, 128 new tokens)",
+                "title": (
+                    f"heads at equal {'optimizer steps' if res['settings'].get('steps') else 'training-loop minutes'} "
+                    "(tau: eagle3-eval, chain k=5, greedy, fp32, 128 new tokens)"
+                ),
                 "header": [
                     "run",
                     "variant",

@@ -246,7 +246,9 @@ def test_torchrun_two_ranks_killed_and_resumed_equals_one_process(prepared, tmp_
     assert len(partial) >= 2, crashed.stderr[-2000:]
     resumed = _torchrun(prepared, tmp_path / "two", 2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming:" in resumed.stdout
+    # it resumes from the recorded shards, or (no record was written before the kill) says it removed
+    # the unrecorded ones and starts over: either way the result below equals one process's
+    assert "resuming:" in resumed.stdout or "unfinished files of an interrupted run" in resumed.stdout, resumed.stdout
     manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert manifest["run"]["world_size"] == 2
     a, b = stored_samples(tmp_path / "one"), stored_samples(tmp_path / "two")
