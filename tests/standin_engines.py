@@ -51,6 +51,13 @@ class _Standin:
         self.fail_from: int | None = None  # every POST from this one on answers 503
         self.die_at: int | None = None  # this POST finds the engine dead: dropped unanswered, the port closed
         self.slow_posts: dict[int, float] = {}  # these POSTs answer after a delay (seconds)
+        self.hang_at: int | None = None  # this POST hangs the engine (sets ``hung``)
+        self.hung = (
+            False  # a stopped engine (SIGSTOP): nothing answers, /health included; no file is written or released
+        )
+        self.hung_since: float | None = None  # when hang_at hung it (monotonic)
+        self.health_probes = 0  # GET /health requests
+        self.closed = threading.Event()
         self.bodies: list[dict] = []  # every POST body, in arrival order
         self.prompts: list[list[int]] = []  # the token ids of every chat request, as its template rendered them
         self.in_flight = 0  # POSTs being answered now
@@ -77,7 +84,11 @@ class _Standin:
                     self.wfile.write(data)
 
             def do_GET(self) -> None:
+                if not standin.stall():
+                    return
                 if self.path == "/health":
+                    with standin.forward_lock:
+                        standin.health_probes += 1
                     self._send(200, {})
                 elif self.path in ("/version", "/get_server_info"):
                     self._send(200, {"version": standin.version})
@@ -97,7 +108,11 @@ class _Standin:
                     standin.bodies.append(body)
                     standin.in_flight += 1
                     standin.arrivals.append(standin.in_flight)
+                    if standin.hang_at is not None and number >= standin.hang_at and not standin.hung:
+                        standin.hung, standin.hung_since = True, time.monotonic()
                 try:
+                    if not standin.stall():  # hung, then killed: never answered
+                        return
                     if standin.die_at is not None and number >= standin.die_at:  # the process died: no answer, no port
                         self.close_connection = True
                         threading.Thread(target=standin.die, daemon=True).start()
@@ -111,7 +126,8 @@ class _Standin:
                 finally:  # answered: no longer in flight (before the client can see it and send the next)
                     with standin.forward_lock:
                         standin.in_flight -= 1
-                self._send(status, payload)
+                if standin.stall():
+                    self._send(status, payload)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
@@ -127,8 +143,18 @@ class _Standin:
 
     def die(self) -> None:
         """Stop serving and close the port, as a killed engine does."""
+        self.closed.set()
         self.server.shutdown()
         self.server.server_close()
+
+    def stall(self) -> bool:
+        """(a request's or a file writer's thread) Wait while the engine is hung, as a stopped
+        process does; False if it is gone meanwhile (nothing more is answered or written)."""
+        if not self.hung:
+            return True
+        while self.hung and not self.closed.wait(0.05):
+            pass
+        return not self.closed.is_set()
 
     @torch.no_grad()
     def forward(self, prompt: list[int]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, int]:
@@ -276,6 +302,7 @@ class StandinVllm(_Standin):
         self.layer_ids, self.storage = sorted(layer_ids or []), Path(storage) if storage else None
         self.allow_custom_save_path, self.write_delay_s = allow_custom_save_path, write_delay_s
         self.unwritten_posts: set[int] = set()  # these requests' files are never written
+        self.held_posts: set[int] = set()  # these requests' files are never written nor their locks released
         self.shift_tokens = False  # report token ids one off (another tokenizer)
         self.requests = 0
         self.tokenizer, self.speculative, self.accepted_plan = tokenizer, speculative, accepted_plan
@@ -523,12 +550,14 @@ class StandinVllm(_Standin):
         lock = os.open(filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
         fcntl.flock(lock, fcntl.LOCK_EX)  # taken before the response, released once written
         token_ids = torch.tensor(prompt, dtype=torch.int64) + (1 if self.shift_tokens else 0)
-        write = number not in self.unwritten_posts
+        write, held = number not in self.unwritten_posts, number in self.held_posts
 
         def write_later() -> None:
             try:
                 time.sleep(self.write_delay_s)
-                if write:
+                if held:  # a writer stuck until the engine stops
+                    self.closed.wait()
+                elif write and self.stall():
                     save_file({"hidden_states": states, "token_ids": token_ids}, filename)
             finally:
                 os.close(lock)

@@ -3,11 +3,13 @@ tiny target: it trains exactly as ``source=online`` on the same data (the refere
 this process), across a kill, an engine death, a lost replica; it stays within its prefetch bound,
 deletes the engine's files, and refuses what it cannot work with in seconds."""
 
+import fcntl
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +21,7 @@ from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.core.faults import FAULT_ENV
 from eagle3_train.core.prepared import prepared_data
 from eagle3_train.engines import launcher
-from eagle3_train.engines.http import EngineError
+from eagle3_train.engines.http import EngineError, Transient
 from eagle3_train.serving.check import CheckConfig, ServingConfig, run_check
 from eagle3_train.serving.export import ExportConfig, Exporter
 from eagle3_train.targets.tiny import build_tiny_model, build_tiny_tokenizer
@@ -61,7 +63,7 @@ def engine(urls, tmp_path, **kw):
         backoff_s=0.01,
         retries=kw.pop("retries", 2),
         request_timeout_s=kw.pop("request_timeout_s", 20.0),
-        file_timeout_s=5.0,
+        file_timeout_s=kw.pop("file_timeout_s", 5.0),
         concurrency=4,
         **kw,
     )
@@ -180,6 +182,103 @@ def test_a_hung_engine_counts_as_failed_after_the_request_timeout(data, tmp_path
         with pytest.raises(EngineError, match=r"TimeoutError"):
             served(data["prep"], tmp_path / "run", engine([server.url], tmp_path, retries=1, request_timeout_s=1.0))
         assert time.monotonic() - start < 25
+
+
+HUNG = {"request_timeout_s": 600.0, "file_timeout_s": 600.0, "health_every_s": 1.0}  # the default timeouts
+
+
+def test_a_hung_engine_stops_the_run_within_its_health_probes_and_the_run_resumes(data, tmp_path):
+    """The only replica hangs mid-run (stopped: nothing answers, /health included, no state file is
+    released) with the default 600 s request and file timeouts: its failed /health probes stop the
+    run in seconds, naming the endpoint; the checkpoints are kept, and with the engine back the same
+    command finishes as the uninterrupted run did."""
+    with standin(tmp_path) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        server.hang_at = 60  # past the step-2 checkpoint
+        with pytest.raises(EngineError) as err:
+            served(data["prep"], tmp_path / "run", engine([server.url], tmp_path, **HUNG), save_every=2)
+        assert server.hung_since is not None
+        stopped_after = time.monotonic() - server.hung_since
+    message = str(err.value)
+    assert "no engine replica is left to answer sample" in message, message
+    assert f"{server.url}: no answer to /health for" in message and "(2 probes" in message, message
+    assert stopped_after < 15, stopped_after  # 2 probes 1 s apart, not 600 s timeouts
+    assert sorted((tmp_path / "run" / "checkpoints").glob("step*")), "the checkpoints before the hang are kept"
+    with standin(tmp_path, port=port) as back:
+        served(data["prep"], tmp_path / "run", engine([back.url], tmp_path), save_every=2)
+    assert_same_training(data["online"], tmp_path / "run", rel=1e-5, atol=1e-5)
+
+
+def test_a_hung_replica_of_two_is_dropped_on_its_health_probes_and_the_run_goes_on(data, tmp_path, said):
+    with standin(tmp_path) as a, standin(tmp_path) as b:
+        b.hang_at = 20
+        served(data["prep"], tmp_path / "run", engine([a.url, b.url], tmp_path, **HUNG), save_every=2)
+        assert b.hung and a.posts > 20
+    text = said()
+    assert f"dropped replica {b.url} (no answer to /health for" in text and "1 left" in text
+    assert_same_training(data["online"], tmp_path / "run", rel=1e-5, atol=1e-5)
+
+
+def test_a_slow_engine_that_answers_health_is_not_dropped(data, tmp_path, said):
+    """Answers seconds late, /health on time: the watchdog probes and leaves it alone (no retries
+    either: a drop would stop the run)."""
+    with standin(tmp_path) as server:
+        server.slow_posts = {n: 4.0 for n in range(5, 9)}
+        served(data["prep"], tmp_path / "run", engine([server.url], tmp_path, retries=0, **HUNG), max_steps=2)
+        probes = server.health_probes
+    assert probes >= 2 + 3, probes  # the 2 readiness probes, and those while the slow answers were awaited
+    text = said()
+    assert "dropped replica" not in text and "did not answer /health" not in text
+
+
+def test_a_sample_waiting_for_its_file_fails_as_soon_as_the_last_replica_is_dropped(data, tmp_path):
+    """A sample of an earlier micro-batch, answered but its state file never released (the lock
+    held), stops waiting when a later micro-batch's failures drop the last replica: the trainer
+    waiting on the earlier one gets the usual error at once, not after engine.file_timeout_s; the
+    thread that waited for the file stops too."""
+    from eagle3_train.core.dist import DistInfo
+    from eagle3_train.engines.vllm import wait_and_load
+    from eagle3_train.training.served import ServedSource
+
+    with standin(tmp_path) as server:
+        eng = engine([server.url], tmp_path, file_timeout_s=600.0, health_every_s=0.0)
+        cpu = DistInfo(0, 1, 0, torch.device("cpu"))
+        source = ServedSource(str(data["prep"]), "tiny", None, ONLINE, eng, 600, tmp_path / "run", cpu, torch.float32)
+        try:
+            split = source.train_split
+            server.held_posts = {1}
+            first = source.stream.submit(split.batch(torch.arange(0, 2).numpy()))
+            deadline = time.monotonic() + 30
+            while server.requests < 2 and time.monotonic() < deadline:  # both answered, one file held
+                time.sleep(0.05)
+            server.fail_from = server.posts + 1  # 503s: its retries drop the replica, the held lock stays
+            later = source.stream.submit(split.batch(torch.arange(2, 4).numpy()))
+            start = time.monotonic()
+            with pytest.raises(EngineError, match=rf"no engine replica is left to answer sample \d+: {server.url}: "):
+                first.result(timeout=30)
+            assert time.monotonic() - start < 10
+            with pytest.raises(EngineError):
+                later.result(timeout=30)
+        finally:
+            source.close()
+    # the wait itself: a held lock, then the request is cancelled (the stream sets stop)
+    path = tmp_path / "held.safetensors"
+    lock = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    stop, stopped = threading.Event(), []
+
+    def wait() -> None:
+        with pytest.raises(Transient, match="the wait was cancelled"):
+            wait_and_load(path, 600.0, stop)
+        stopped.append(True)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    stop.set()
+    waiter.join(timeout=2)
+    os.close(lock)
+    assert not waiter.is_alive() and stopped
 
 
 def test_a_wrong_answer_stops_the_run_at_once_naming_the_endpoint_and_the_sample(data, tmp_path):

@@ -64,6 +64,8 @@ OUTSIDE_REQUEST: dict[str, dict[str, str]] = {
                     "file_timeout_s",
                     "retries",
                     "backoff_s",
+                    "health_every_s",
+                    "health_failures",
                     "wait_for_server_s",
                     "launch_timeout_s",
                     "check_samples",

@@ -62,6 +62,18 @@ async def post_json(session: Any, url: str, body: dict, parse_gate: asyncio.Sema
         raise Transient(f"{url}: the response is not JSON: {text[:200]!r}") from None
 
 
+async def health(session: Any, base_url: str, timeout_s: float = HEALTH_PROBE_S) -> str | None:
+    """One ``GET /health`` probe: None when the server answers 200 within ``timeout_s``, else what
+    went wrong (the HTTP status, the connection error, the timeout)."""
+    aiohttp = optional_import("aiohttp")
+
+    try:
+        async with session.get(f"{base_url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return None if resp.status == 200 else f"HTTP {resp.status}"
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} after {timeout_s:g} s"
+
+
 async def wait_ready(
     session: Any,
     base_urls: list[str],
@@ -74,22 +86,15 @@ async def wait_ready(
     ``command`` and ``hint`` name the caller in its messages (the dump, or regeneration). ``wait_s``
     0: one probe, so an unreachable server fails at once. ``alive``: called between probes, raises
     when the engine processes this run started have died (no point waiting for them)."""
-    aiohttp = optional_import("aiohttp")
-
     deadline = time.monotonic() + wait_s
-    probe = aiohttp.ClientTimeout(total=HEALTH_PROBE_S)
     for base in base_urls:
         said = False
         while True:
             if alive is not None:
                 alive()
-            try:
-                async with session.get(f"{base}/health", timeout=probe) as resp:
-                    if resp.status == 200:
-                        break
-                    problem = f"HTTP {resp.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                problem = f"{type(e).__name__}: {e}"
+            problem = await health(session, base)
+            if problem is None:
+                break
             if time.monotonic() > deadline:
                 raise Eagle3Error(
                     f"{base} did not become ready within {wait_s:.0f} s ({problem}); is the engine running? {hint}"

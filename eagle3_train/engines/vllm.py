@@ -42,6 +42,7 @@ import asyncio
 import fcntl
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -302,17 +303,26 @@ class VllmStates:
         return states
 
 
-def wait_and_load(path: Path, timeout_s: float) -> dict[str, torch.Tensor]:
+def wait_and_load(path: Path, timeout_s: float, stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
     """Read a vLLM state file once the engine has released its ``.lock`` (a shared lock is
-    granted only after the engine's exclusive one is gone); the lock exists before the response."""
+    granted only after the engine's exclusive one is gone); the lock exists before the response.
+    ``stop``: set when the request is cancelled, ends the wait within a poll (a cancelled asyncio
+    task does not stop the thread it awaits, which would hold a worker until ``timeout_s``)."""
     lock = path.with_name(path.name + ".lock")
     deadline = time.monotonic() + timeout_s
     delay = 0.002
+    stop = stop or threading.Event()
+
+    def pause() -> None:
+        nonlocal delay
+        if stop.wait(delay):
+            raise Transient(f"{path}: the wait was cancelled")
+        delay = min(2 * delay, 0.25)
+
     while not lock.exists():  # on a shared filesystem it may show up late
         if time.monotonic() > deadline:
             raise Transient(f"{lock} did not appear within {timeout_s:.0f} s")
-        time.sleep(delay)
-        delay = min(2 * delay, 0.25)
+        pause()
     fd = os.open(lock, os.O_RDONLY)
     try:
         while True:
@@ -322,8 +332,7 @@ def wait_and_load(path: Path, timeout_s: float) -> dict[str, torch.Tensor]:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     raise Transient(f"{path} was still being written after {timeout_s:.0f} s") from None
-                time.sleep(delay)
-                delay = min(2 * delay, 0.25)
+                pause()
         if not path.is_file():
             raise Transient(f"the engine released {lock.name} without writing {path} (see the engine's log)")
         try:
@@ -385,9 +394,11 @@ class VllmClient:
             )
         path = self._local(engine_path)
         client = self.job.client
+        stop = threading.Event()
         try:
-            data = await asyncio.to_thread(wait_and_load, path, client.file_timeout_s)
+            data = await asyncio.to_thread(wait_and_load, path, client.file_timeout_s, stop)
         finally:
+            stop.set()  # cancelled: the thread stops waiting too
             if not client.keep_files:
                 path.unlink(missing_ok=True)
                 path.with_name(path.name + ".lock").unlink(missing_ok=True)

@@ -25,9 +25,13 @@ samples instead (a low agreement stops the run: another model, or another last l
 Faults: a request that fails on something worth retrying (connection, timeout, 5xx, a state file
 that never came) is retried ``engine.retries`` times with exponential backoff; a replica that still
 fails is dropped and its samples go to the others (logged), so losing one replica slows the run;
-losing the last stops it, naming the endpoint and the sample. An answer that retrying cannot fix
-(wrong token ids, shape or dtype, non-finite states) stops the run at once, naming both. The last
-checkpoint is kept and ``resume=auto`` continues from it at its exact data position.
+losing the last stops it, naming the endpoint and the sample. A hung engine (stopped, stuck in a
+kernel) fails no request before its timeouts, so while a replica has requests in flight its
+``/health`` is probed every ``engine.health_every_s``; ``engine.health_failures`` failed probes in a
+row drop it at once, its samples in flight (those waiting for a state file too) going elsewhere.
+An answer that retrying cannot fix (wrong token ids, shape or dtype, non-finite states) stops the
+run at once, naming both. The last checkpoint is kept and ``resume=auto`` continues from it at its
+exact data position.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import functools
 import logging
 import shlex
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -53,7 +58,7 @@ from eagle3_train.core.prepared import prepared_data
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import Engine
 from eagle3_train.engines.capture import CaptureJob, ClientConfig, EngineClient, NextTokenCheck, ServerConfig
-from eagle3_train.engines.http import EngineError, RetriesExhausted, retrying, wait_ready
+from eagle3_train.engines.http import HEALTH_PROBE_S, EngineError, RetriesExhausted, health, retrying, wait_ready
 from eagle3_train.engines.launcher import LOG_DIR, EngineCommand, EngineProcesses, command_lines, host_logs
 from eagle3_train.engines.launcher import serve as serve_commands
 from eagle3_train.targets import Target, load_target, load_target_tensors, resolve_dtype, text_config
@@ -121,6 +126,8 @@ class EngineConfig:
     file_timeout_s: float = 600.0  # vLLM: longest wait for a state file once its response came
     retries: int = 3  # further attempts at a request after a transient failure, before its replica is dropped
     backoff_s: float = 1.0  # the first retry's delay; doubled on every further one (at most 60 s)
+    health_every_s: float = 30.0  # probe a replica's /health this often while it has requests in flight (0: off)
+    health_failures: int = 2  # a replica failing this many probes in a row is dropped at once (a hung engine)
     wait_for_server_s: float = 0.0
     """urls: how long to wait for the replicas' /health (0: one probe, an unreachable URL fails at once)"""
     launch_timeout_s: float = 1800.0  # launch: how long the started replicas may take to load the target
@@ -137,8 +144,23 @@ class EngineConfig:
         check_numbers(
             self,
             "engine.",
-            positive=("replicas", "port", "prefetch", "concurrency", "request_timeout_s", "file_timeout_s"),
-            non_negative=("retries", "backoff_s", "wait_for_server_s", "launch_timeout_s", "check_samples"),
+            positive=(
+                "replicas",
+                "port",
+                "prefetch",
+                "concurrency",
+                "request_timeout_s",
+                "file_timeout_s",
+                "health_failures",
+            ),
+            non_negative=(
+                "retries",
+                "backoff_s",
+                "health_every_s",
+                "wait_for_server_s",
+                "launch_timeout_s",
+                "check_samples",
+            ),
         )
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ConfigError(f"engine.memory_fraction must be in (0, 1] or null, got {self.memory_fraction}")
@@ -173,6 +195,7 @@ class Replica:
     client: EngineClient
     in_flight: int = 0
     lost: str | None = None  # why it was dropped
+    dead: asyncio.Future = field(init=False, repr=False)  # done once dropped (made on the stream's loop)
 
     @property
     def name(self) -> str:
@@ -565,6 +588,8 @@ class StateStream:
         self.thread = threading.Thread(target=self.loop.run_forever, name="served-states", daemon=True)
         self.thread.start()
         self.session: Any = None
+        self.probes: Any = None  # the watchdog's own session: a full request pool must not delay a probe
+        self.watchdogs: list[asyncio.Task] = []
         try:
             self._call(self._start())
         except BaseException:
@@ -585,6 +610,9 @@ class StateStream:
             timeout=aiohttp.ClientTimeout(total=c.request_timeout_s),
             connector=aiohttp.TCPConnector(limit=2 * c.concurrency),
         )
+        self.probes = aiohttp.ClientSession()
+        for r in self.replicas:
+            r.dead = self.loop.create_future()
         hint = "start it, or let eagle3-train start it with engine.launch=true"
         for r in self.replicas:
             wait = c.launch_timeout_s if c.launch else c.wait_for_server_s
@@ -603,6 +631,41 @@ class StateStream:
             if release(self.version) < release(oldest):
                 raise ConfigError(
                     f"the replicas run {c.name} {self.version}; training from {c.name} needs {oldest} or later: {why}"
+                )
+        if c.health_every_s:
+            self.watchdogs = [self.loop.create_task(self._watch(r)) for r in self.replicas]
+
+    async def _watch(self, replica: Replica) -> None:
+        """Probe the replica's ``/health`` (each of its servers) every ``health_every_s`` while it
+        has requests in flight; ``health_failures`` failed probes in a row drop it. A stopped or
+        stuck engine answers nothing, and its requests would otherwise wait out their timeouts and
+        retries; a slow engine still answers ``/health`` and is left alone."""
+        c = self.cfg
+        limit = min(HEALTH_PROBE_S, c.health_every_s)
+        failed, since, due = 0, 0.0, time.monotonic() + c.health_every_s
+        while replica.lost is None:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            start = due = time.monotonic()
+            due += c.health_every_s  # probes start on a fixed cadence, however long one takes
+            if not replica.in_flight:
+                failed = 0
+                continue
+            answers = await asyncio.gather(*(health(self.probes, u, limit) for u in replica.urls))
+            problems = [f"{u}/health: {p}" for u, p in zip(replica.urls, answers, strict=True) if p is not None]
+            if not problems:
+                failed = 0
+                continue
+            if not failed:
+                since = start
+                logger.warning(
+                    f"source=served: {replica.name} did not answer /health ({problems[0]}); "
+                    f"dropped if {c.health_failures} probes in a row fail"
+                )
+            failed += 1
+            if failed >= c.health_failures:
+                self._drop(
+                    replica,
+                    f"no answer to /health for {time.monotonic() - since:.0f} s ({failed} probes; the last: {problems[0]})",
                 )
 
     async def _version(self, url: str) -> str | None:
@@ -676,26 +739,30 @@ class StateStream:
 
     async def _sample(self, sample_id: int, prompt: list[int]) -> dict[str, torch.Tensor]:
         """One sample's states ({``hidden.<k>``, ``last_hidden``: [T, H]}) from the least busy live
-        replica; a replica whose retries run out is dropped and the sample asked of another."""
+        replica; a replica whose retries run out is dropped and the sample asked of another, as is
+        one dropped while the sample waits on it."""
         async with self.gate:
             while True:
                 replica = self._pick(sample_id)
-                replica.in_flight += 1
                 fetch = functools.partial(replica.client.fetch, self.session, sample_id, prompt)  # (attempt)
+                attempt = asyncio.ensure_future(
+                    retrying(fetch, self.cfg.retries, self.cfg.backoff_s, f"sample {sample_id} from {replica.name}")
+                )
+                replica.in_flight += 1
+                try:  # until it is answered or the replica is dropped (the watchdog, another sample's retries)
+                    await asyncio.wait((attempt, replica.dead), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    replica.in_flight -= 1
+                    attempt.cancel()  # dropped, or this sample cancelled: no retry on it (no-op once done)
+                if not attempt.done():  # dropped while asked: another replica, or none is left
+                    continue
                 try:
-                    states, next_token = await retrying(
-                        fetch,
-                        self.cfg.retries,
-                        self.cfg.backoff_s,
-                        f"sample {sample_id} from {replica.name}",
-                    )
+                    states, next_token = attempt.result()
                 except RetriesExhausted as e:
                     self._drop(replica, str(e))
                     continue
                 except EngineError as e:
                     raise EngineError(f"{replica.name} answered sample {sample_id} wrongly: {e}") from None
-                finally:
-                    replica.in_flight -= 1
                 break
         await asyncio.to_thread(self._checked, states, next_token, sample_id, replica.name)
         return states
@@ -719,14 +786,22 @@ class StateStream:
     def _drop(self, replica: Replica, why: str) -> None:
         if replica.lost is None:
             replica.lost = why
+            replica.dead.set_result(None)  # its samples in flight, even those waiting for a file, go elsewhere
             left = sum(r.lost is None for r in self.replicas)
             logger.warning(f"source=served: dropped replica {replica.name} ({why}); {left} left")
+
+    async def _stop(self) -> None:
+        for w in self.watchdogs:
+            w.cancel()
+        await asyncio.gather(*self.watchdogs, return_exceptions=True)
+        for session in (self.session, self.probes):
+            if session is not None:
+                await session.close()
 
     def close(self) -> None:
         if self.loop.is_closed():
             return
-        if self.session is not None:
-            self._call(self.session.close())
+        self._call(self._stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
         self.loop.close()
