@@ -290,7 +290,7 @@ SCENARIOS: dict[str, tuple[str, tuple[str, ...], Callable[[Trainer], str] | None
     "baseline": ("the run uninterrupted", (), None),
     "repeat": ("the run uninterrupted, again", (), None),
     "engine_killed": ("the engine killed (SIGKILL)", (), engine_signal(signal.SIGKILL)),
-    "engine_stopped": (f"the engine stopped (SIGSTOP), {' '.join(TIMEOUTS)}", TIMEOUTS, engine_signal(signal.SIGSTOP)),
+    "engine_stopped": ("the engine stopped (SIGSTOP), the engine.* defaults", (), engine_signal(signal.SIGSTOP)),
     "replica_killed": ("one of two replicas killed (SIGKILL)", ("engine.replicas=2",), engine_signal(signal.SIGKILL, 1)),
     "trainer_killed": ("the trainer killed (SIGKILL to its process group)", (), kill_trainer),
     "files_full": ("engine.files_dir on a small tmpfs filled mid-run, rerun with it on a RAM disk", TIMEOUTS, None),
