@@ -16,8 +16,8 @@ Scenarios, all at once (each its own run directory, port and state-file director
 - ``baseline``, ``repeat``: the uninterrupted run, twice (their difference is the run-to-run noise
   of the engine's batching);
 - ``engine_killed``: the engine's process group SIGKILLed mid-run, then the same command again;
-- ``engine_stopped``: the engine SIGSTOPped (a hung engine) with ``engine.request_timeout_s`` short,
-  then the same command again;
+- ``engine_stopped``: the engine SIGSTOPped (a hung engine) under the ``engine.*`` defaults (its
+  ``/health`` probes find it), then the same command again;
 - ``replica_killed``: two replicas, one SIGKILLed mid-run: the run goes on with the other;
 - ``trainer_killed``: the trainer's process group SIGKILLed mid-run (its engine goes with it), then
   the same command again;
