@@ -676,6 +676,12 @@ class Synthesizer:
         if longs:
             new_tokens += self._answer_long(longs, convs, chunk, bar, dropped)
         bar.close()
+        self._save_chunk(chunk, convs, dropped, new_tokens, time.perf_counter() - t0)
+
+    def _save_chunk(
+        self, chunk: int, convs: list[dict[str, Any]], dropped: Counter, new_tokens: int, seconds: float
+    ) -> None:
+        """The chunk's surviving conversations and counts, written atomically."""
         kept = [
             {
                 "messages": self._stored(c),
@@ -689,7 +695,6 @@ class Synthesizer:
             for c in convs
             if c["messages"]
         ]
-        seconds = time.perf_counter() - t0
         atomic_write_json(
             self._path(chunk),
             {"conversations": kept, "dropped": dict(dropped), "new_tokens": new_tokens, "seconds": round(seconds, 3)},
