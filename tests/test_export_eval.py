@@ -377,6 +377,10 @@ def test_lossless_check_classifies_the_first_difference():
         6,
     )
     assert lossless_check([5, 6, 1], ref, 1e-3)["status"] == "diverged"
+    # a margin on the threshold is a near-tie (bf16 margins come on a grid: 0.5 is a few units in the
+    # last place); just past it is not
+    assert lossless_check([5, 6, 7, 1], ref, 0.5)["status"] == "numerical"
+    assert lossless_check([5, 6, 7, 1], ref, 0.4999)["status"] == "diverged"
     assert lossless_check([5, 6, 7, 8], Reference([5, 6, 7, 8, 2], [1.0] * 5), 1e-3)["position"] == 4
 
 

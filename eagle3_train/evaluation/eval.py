@@ -14,7 +14,7 @@ a conversation's later user turns follow the target's own greedy replies to the 
 
 Lossless check: every turn is also decoded by plain greedy decoding (batched the same way). At the
 first position where the two differ, the reference's top-1 minus top-2 logit margin decides:
-``numerical`` below ``tie_threshold`` (a near-tie that rounding can flip), else ``diverged`` (exit
+``numerical`` at or below ``tie_threshold`` (a near-tie that rounding can flip), else ``diverged`` (exit
 status 1). Writes ``report.json``, ``outputs.jsonl`` and ``acceptance.png`` to ``out``.
 """
 
@@ -72,8 +72,9 @@ logger = logging.getLogger(__name__)
 
 REPORT_NAME = "report.json"  # the eval directory's record, written last (eagle3_train.core.stagedir)
 
-# Top-1/top-2 logit margins below which a first difference counts as numerical: a few units in the
-# last place of logits of magnitude ~10-30 in that dtype, plus what batching reorders upstream.
+# Top-1/top-2 logit margins up to which a first difference counts as numerical: a few units in the
+# last place of logits of magnitude ~10-30 in that dtype, plus what batching reorders upstream (bf16
+# margins come in steps of 0.125-0.5 there, so a margin of exactly 0.5 is a near-tie too).
 TIE_THRESHOLDS = {torch.float32: 1e-3, torch.float16: 0.1, torch.bfloat16: 0.5}
 
 
@@ -190,15 +191,16 @@ def short_training_warning(config: dict, k: int, tree: bool = False) -> str | No
 
 def lossless_check(tokens: list[int], reference: Reference, threshold: float) -> dict[str, Any]:
     """Speculative ``tokens`` against plain greedy decoding: ``identical``, or at the first position
-    where they differ, ``numerical`` when the reference's top-1/top-2 margin there is below
-    ``threshold`` (a near-tie), else ``diverged``."""
+    where they differ, ``numerical`` when the reference's top-1/top-2 margin there is at most
+    ``threshold`` (a near-tie: low-precision margins come on a grid, so the bound is included), else
+    ``diverged``."""
     ref = reference.tokens
     if tokens == ref:
         return {"status": "identical"}
     i = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), min(len(tokens), len(ref)))
     margin = reference.margins[i] if i < len(reference.margins) else None
     return {
-        "status": "numerical" if margin is not None and margin < threshold else "diverged",
+        "status": "numerical" if margin is not None and margin <= threshold else "diverged",
         "position": i,
         "margin": margin,
         "threshold": threshold,
