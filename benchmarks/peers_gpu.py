@@ -18,7 +18,10 @@ measured apart. Heads: ``ours`` (the recipe), ``FW:default`` (the peer's own) an
 (shaped like ours where its options allow; the results name what is missing). Each draft is evaluated
 by eagle3-eval on the held-out prompts (and, in ``final``, on MT-bench and served by vLLM). Each poll
 packs the session so far into ``poll.tgz`` and ``peers_partial.json``: a machine taken back mid-run
-loses only what the last poll had not packed. Notes: benchmarks/notes/peer_training.md.
+loses only what the last poll had not packed. The shared set (``.peers/data/<DATA_SET>``), where
+missing, is synthesized by the session's first phase (outside every budget; about 11 minutes on an
+H100) and polls bring it out as ``<DATA_SET>.part-N``: put those in ``.peers/data/`` and pack again,
+so later sessions carry the same set. Notes: benchmarks/notes/peer_training.md.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ from peers_results import (  # noqa: E402  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))  # .peers/ staged: wheels, ModelOpt's launcher, data
 PO = Path(os.environ.get("PO", "/tmp/po"))  # the session's folder
-DATA_SET = "smollm2_synth_73728.jsonl.gz"
+DATA_SET = "smollm2_synth_73728.jsonl.gz"  # the shared set (synthesized by the first session where missing)
+DATA_PART = 12 << 20  # bytes per part of it that a poll brings out
 LRS = {"ours": (1e-3, 2e-3, 4e-3), "speculators": (3e-4, 1e-3, 3e-3), "modelopt": (1e-4, 3e-4, 1e-3)}
 SEED = {"ours": 0, "speculators": 42, "modelopt": 42}  # each framework's default seed; the second is +1
 HEADS = {"ours": ("recipe",), "speculators": ("default", "matched"), "modelopt": ("default", "matched")}
@@ -198,6 +202,27 @@ def phase(run: str, name: str, cmd: list[str], env: dict, cwd: Path | None = Non
     return rc == 0
 
 
+def synthesize(data: Path) -> bool:
+    """The shared set, written once on the GPU by the smollm2 recipe's synthesis (its own phase,
+    outside every budget); polls then bring it out in parts (:func:`data_parts`)."""
+    data.parent.mkdir(parents=True, exist_ok=True)
+    n = int(DATA_SET.split("_")[-1].split(".")[0])
+    cmd = [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2", f"out={PO / 'data' / 'run'}", "until=prepare",
+           f"prepare.synthesize={n}", f"prepare.save_conversations={data}"]  # fmt: skip
+    return phase("data", "synthesize", cmd, env_for("ours"))
+
+
+def data_parts(dest: Path) -> None:
+    """A set synthesized this session, in parts that fit a poll's files (``cat`` them, in order, into
+    ``.peers/data/<DATA_SET>`` here; ``pack`` does)."""
+    data = PEERS / "data" / DATA_SET
+    if not any(ph["run"] == "data" and ph["rc"] == 0 for ph in phases()):  # none made here, or not yet whole
+        return
+    blob = data.read_bytes()
+    for i in range(0, len(blob), DATA_PART):
+        (dest / f"{DATA_SET}.part-{i // DATA_PART}").write_bytes(blob[i : i + DATA_PART])
+
+
 class Server:
     """A vLLM server in its own process group, up until the block ends."""
 
@@ -236,8 +261,13 @@ class Session:
         self.known, _ = load(a.results or REPO / f"benchmarks/results/peers_{device}.json")
         self.ready: set[str] = set()
         self.convs = PO / "convs.jsonl"
-        with gzip.open(PEERS / "data" / DATA_SET, "rt") as f:
-            rows = [next(f) for _ in range(a.n)]
+        data = PEERS / "data" / DATA_SET
+        if not data.is_file() and not synthesize(data):
+            raise SystemExit(f"peers_gpu: the shared set {data} could not be synthesized (see {PO}/data/)")
+        with gzip.open(data, "rt") as f:
+            rows = [line for _, line in zip(range(a.n), f)]
+        if len(rows) < a.n:
+            raise SystemExit(f"peers_gpu: {data} holds {len(rows)} conversations, fewer than --n {a.n}")
         self.convs.write_text("".join(rows))
         (PO / "convs_conversations.jsonl").write_text(  # the one key speculators' reader takes
             "".join(json.dumps({"conversations": json.loads(r)["messages"]}) + "\n" for r in rows)
@@ -441,10 +471,19 @@ def pack(examples: Path, mt_bench: Path) -> None:
         shutil.copy(examples / f, dest / "modelopt_ex" / f)
     (dest / "data").mkdir(exist_ok=True)
     shutil.copy(mt_bench, dest / "data/mt_bench_question.jsonl")
-    if not (
-        dest / "data" / DATA_SET
-    ).is_file():  # from a GPU run: eagle3-run recipe=smollm2 until=prepare ++prepare.save_conversations=...
-        raise SystemExit(f"peers_gpu: .peers/data/{DATA_SET} missing: the smollm2 recipe's synthesized conversations")
+    join_data_parts(dest)
+    if not (dest / "data" / DATA_SET).is_file():
+        say(f".peers/data/{DATA_SET} missing: the first session synthesizes it (its own phase) and its polls "
+            f"bring it out as {DATA_SET}.part-N: put those in .peers/data/ and pack again")  # fmt: skip
+
+
+def join_data_parts(peers: Path) -> None:
+    """The shared set's parts a session's polls brought out (put in ``<peers>/data/``), joined in order."""
+    parts = sorted((peers / "data").glob(f"{DATA_SET}.part-*"), key=lambda f: int(f.name.rsplit("-", 1)[1]))
+    if parts and not (peers / "data" / DATA_SET).is_file():
+        (peers / "data" / DATA_SET).write_bytes(b"".join(f.read_bytes() for f in parts))
+        for f in parts:
+            f.unlink()
 
 
 def packed(dest: Path) -> None:
@@ -459,6 +498,7 @@ def packed(dest: Path) -> None:
             if (PO / n).is_file():
                 tar.add(PO / n, arcname=n)
     (dest / ".poll.tgz").rename(dest / "poll.tgz")
+    data_parts(dest)
     try:
         runs, session = read_session(PO)
         (dest / "peers_partial.json").write_text(json.dumps(results(runs, [session]), indent=1) + "\n")

@@ -205,3 +205,45 @@ def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_
     runs, session = pr.read_session(tmp_path)
     assert sorted(r.kind for r in runs) == ["probe", "sweep", "sweep"] and session["id"].startswith("h100-")
     assert all(r.steady_step_s == pytest.approx(0.3) for r in runs)
+
+
+def test_a_missing_shared_set_is_synthesized_once_and_polls_bring_it_out_in_parts_pack_joins(tmp_path, monkeypatch):
+    """The first session writes the set in a phase of its own (outside every budget); a poll before
+    that phase ends brings no part; after it, parts that ``pack`` joins back into the same bytes."""
+    po, peers, dest = tmp_path / "po", tmp_path / "peers", tmp_path / "out"
+    po.mkdir()
+    dest.mkdir()
+    blob = bytes(range(256)) * 1000  # 256,000 bytes: three parts of 100,000
+    asked = []
+
+    def parts_out():
+        return sorted(dest.glob(f"{pg.DATA_SET}.part-*"), key=lambda f: int(f.name.rsplit("-", 1)[1]))
+
+    def phase(run_name, name, cmd, env, cwd=None, log=None):
+        asked.append(cmd)
+        save = Path(next(c for c in cmd if c.startswith("prepare.save_conversations=")).split("=", 1)[1])
+        save.write_bytes(blob[:1000])  # half written: a poll now brings out nothing
+        pg.data_parts(dest)
+        assert not parts_out()
+        save.write_bytes(blob)
+        (po / "phases.jsonl").write_text(json.dumps({"run": run_name, "phase": name, "rc": 0}) + "\n")
+        return True
+
+    monkeypatch.setattr(pg, "PO", po)
+    monkeypatch.setattr(pg, "PEERS", peers)
+    monkeypatch.setattr(pg, "DATA_PART", 100_000)
+    monkeypatch.setattr(pg, "phase", phase)
+    pg.data_parts(dest)
+    assert not parts_out()  # no synthesis this session: nothing to bring out
+    assert pg.synthesize(peers / "data" / pg.DATA_SET)
+    (cmd,) = asked
+    assert "recipe=smollm2" in cmd and "until=prepare" in cmd and "prepare.synthesize=73728" in cmd
+    pg.data_parts(dest)
+    parts = parts_out()
+    assert [p.stat().st_size for p in parts] == [100_000, 100_000, 56_000]
+    here = tmp_path / "here"
+    (here / "data").mkdir(parents=True)
+    for p in parts:
+        (here / "data" / p.name).write_bytes(p.read_bytes())
+    pg.join_data_parts(here)
+    assert (here / "data" / pg.DATA_SET).read_bytes() == blob and not list((here / "data").glob("*.part-*"))
