@@ -651,28 +651,7 @@ class Synthesizer:
                 c["messages"].append({"role": "user", "content": text})
             # 2. the target's answer, as regeneration writes it
             alive = [c for c in convs if c["alive"]]
-            texts = [
-                render_text(self.tok, self._stored(c), f"synth[{c['id']}]", add_generation_prompt=True) for c in alive
-            ]
-            prompts = self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
-            outs, _ = generate_sorted(
-                self.model,
-                prompts,
-                self.regen,
-                self.eos,
-                self.pad,
-                bar=bar,
-                seed=chunk_seed(self.seed, chunk) + 2 * turn + 1,
-            )
-            for c, reply in zip(alive, outs):
-                new_tokens += len(reply) + (len(reply) < self.regen.max_new_tokens)
-                c["messages"].append(
-                    {"role": "assistant", "content": self.tok.decode(reply, skip_special_tokens=False).strip()}
-                )
-                if not c["messages"][-1]["content"]:
-                    dropped["empty_reply"] += 1
-                    c["messages"] = c["messages"][:-2]
-                    c["alive"] = False
+            new_tokens += self._answer(alive, chunk_seed(self.seed, chunk) + 2 * turn + 1, bar, dropped)
         if longs:
             new_tokens += self._answer_long(longs, convs, chunk, bar, dropped)
         bar.close()
@@ -745,25 +724,25 @@ class Synthesizer:
             doc = self.tok.decode(ids[:length], skip_special_tokens=False).strip()
             c["document_tokens"] = length
             c["messages"] = [{"role": "user", "content": doc + LONG_SEPARATOR + task}]
-        texts = [render_text(self.tok, self._stored(c), f"synth[{c['id']}]", add_generation_prompt=True) for c in longs]
-        outs, _ = generate_sorted(
-            self.model,
-            self.tok(texts, add_special_tokens=False)["input_ids"],
-            self.regen,
-            self.eos,
-            self.pad,
-            bar=bar,
-            seed=chunk_seed(self.seed, chunk) + 2 * self.synth.turns,
-        )
+        return self._answer(longs, chunk_seed(self.seed, chunk) + 2 * self.synth.turns, bar, dropped)
+
+    def _answer(self, convs: list[dict], seed: int, bar: Any, dropped: Counter) -> int:
+        """The target's reply to the last user turn of each of ``convs``, as regeneration writes it
+        (``regen.*``, length-sorted batches, ``seed``); an empty reply ends its conversation before
+        that turn. Returns the new tokens generated."""
+        texts = [render_text(self.tok, self._stored(c), f"synth[{c['id']}]", add_generation_prompt=True) for c in convs]
+        prompts = self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+        outs, _ = generate_sorted(self.model, prompts, self.regen, self.eos, self.pad, bar=bar, seed=seed)
         new_tokens = 0
-        for c, reply in zip(longs, outs):
+        for c, reply in zip(convs, outs):
             new_tokens += len(reply) + (len(reply) < self.regen.max_new_tokens)
-            answer = self.tok.decode(reply, skip_special_tokens=False).strip()
-            if not answer:
+            c["messages"].append(
+                {"role": "assistant", "content": self.tok.decode(reply, skip_special_tokens=False).strip()}
+            )
+            if not c["messages"][-1]["content"]:
                 dropped["empty_reply"] += 1
-                c["messages"] = []
-                continue
-            c["messages"].append({"role": "assistant", "content": answer})
+                c["messages"] = c["messages"][:-2]
+                c["alive"] = False
         return new_tokens
 
     def _stored(self, c: dict) -> list[dict]:
