@@ -154,10 +154,7 @@ class Trainer:
 
     def step(self) -> int:
         """The last step metrics.jsonl logged (0: none yet)."""
-        path = self.out / "metrics.jsonl"
-        lines = path.read_text().splitlines() if path.is_file() else []
-        steps = [json.loads(x)["step"] for x in lines if x.endswith("}") and '"loss"' in x]
-        return max(steps, default=0)
+        return max((r["step"] for r in metrics(self.out) if "loss" in r), default=0)
 
     def _look(self) -> None:
         """Note the engine process groups this trainer started (its children that lead a session)."""
@@ -195,10 +192,16 @@ class Trainer:
         return [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()][-n:]
 
 
+def metrics(out: Path) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl records, the last line left out while it is still being written."""
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [json.loads(x) for x in lines if x.endswith("}")]
+
+
 def final(out: Path) -> dict[str, Any]:
     """The run's last step, loss and end-of-run evaluation, from its metrics.jsonl."""
-    path = out / "metrics.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    rows = metrics(out)
     steps, evals = [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
     if not steps:
         return {}
