@@ -62,7 +62,8 @@ from peers_results import (  # noqa: E402  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))  # .peers/ staged: wheels, ModelOpt's launcher, data
 PO = Path(os.environ.get("PO", "/tmp/po"))  # the session's folder
-DATA_SET = "smollm2_synth_73728.jsonl.gz"  # the shared set (synthesized by the first session where missing)
+DATA_N = 73728  # conversations of the shared set (synthesized by the first session where missing)
+DATA_SET = f"smollm2_synth_{DATA_N}.jsonl.gz"
 DATA_PART = 12 << 20  # bytes per part of it that a poll brings out
 LRS = {"ours": (1e-3, 2e-3, 4e-3), "speculators": (3e-4, 1e-3, 3e-3), "modelopt": (1e-4, 3e-4, 1e-3)}
 SEED = {"ours": 0, "speculators": 42, "modelopt": 42}  # each framework's default seed; the second is +1
@@ -206,9 +207,8 @@ def synthesize(data: Path) -> bool:
     """The shared set, written once on the GPU by the smollm2 recipe's synthesis (its own phase,
     outside every budget); polls then bring it out in parts (:func:`data_parts`)."""
     data.parent.mkdir(parents=True, exist_ok=True)
-    n = int(DATA_SET.split("_")[-1].split(".")[0])
     cmd = [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2", f"out={PO / 'data' / 'run'}", "until=prepare",
-           f"prepare.synthesize={n}", f"prepare.save_conversations={data}"]  # fmt: skip
+           f"prepare.synthesize={DATA_N}", f"prepare.save_conversations={data}"]  # fmt: skip
     return phase("data", "synthesize", cmd, env_for("ours"))
 
 
