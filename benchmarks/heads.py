@@ -53,6 +53,7 @@ ENV = {"PYTHONPATH": "/tmp/site:/tmp/repo", "EAGLE3_CACHE": "/tmp/e3cache", "HF_
     "WANDB_MODE": "disabled",
 }
 ENGINE_SITES = {"vllm": "/tmp/vsite", "sglang": "/tmp/sgsite"}
+MAX_TURNS = 8  # user turns per held-out conversation sent by the bench (and by the same-turns eval)
 SGLANG_ARGS = "--attention-backend triton --sampling-backend pytorch --mem-fraction-static {memory}"
 CONVERSATIONS = "conversations.jsonl.gz"  # the base prepare's synthesized conversations, polled out
 LONG = "+long"  # a variant's suffix: trained on data with long-context samples (prepare.synth.long_fraction)
@@ -251,7 +252,7 @@ class Job:
             f"draft={export}",
             f"out={out}",
             "max_new_tokens=128",
-            "max_turns=8",
+            f"max_turns={MAX_TURNS}",
             "plot=false",
             f"concurrency={concurrency}",
             "num_speculative_tokens=5",
@@ -282,10 +283,14 @@ class Job:
         """eagle3-eval over exactly the turns the bench counted at concurrency 1 (the first
         ``min_requests`` held-out conversations, ``max_turns`` 8): τ to set beside the engines'
         acceptance length, in float32 and in bfloat16 (the engines' dtype)."""
+        from eagle3_train.evaluation.bench import BenchConfig, level_requests
+
+        counted = level_requests(1, BenchConfig(out="", target="t", draft="d"))  # what the bench counts at c=1
         for dtype in ("float32", "bfloat16"):
             out = self.work / run_name(variant, self.a.seeds[0]) / f"eval_turns_{dtype}"
             args = [f"draft={export}", "target=embedded", f"prompts={PROMPTS / 'heldout.jsonl'}", "k=5"]
-            args += ["max_new_tokens=128", "max_turns=8", "limit=16", f"dtype={dtype}", "plot=false", f"out={out}"]
+            args += ["max_new_tokens=128", f"max_turns={MAX_TURNS}", f"limit={counted}", f"dtype={dtype}"]
+            args += ["plot=false", f"out={out}"]
             self.sh(
                 f"turns_{run_name(variant)}_{dtype}", [sys.executable, "-m", "eagle3_train.evaluation.eval", *args], 600
             )
