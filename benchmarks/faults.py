@@ -324,13 +324,13 @@ def files_full(setup: Setup, name: str, port: int) -> dict[str, Any]:
         return {"done": f"not run: mount -t tmpfs failed: {mounted.stderr.strip()[-300:]}"}
 
     def fill(t: Trainer) -> str:
-        mib = 0
-        with contextlib.suppress(OSError), (mount / "filler").open("wb") as f:
-            while True:
-                f.write(b"\0" * 2**20)
-                f.flush()
-                mib += 1
-        return f"a {mib} MiB file filled the {size} tmpfs holding engine.files_dir"
+        written = 0
+        with (mount / "filler").open("wb", buffering=0) as f:
+            for block in (2**20, 4096):  # MiBs, then the last pages: no room left for the smallest state file
+                with contextlib.suppress(OSError):
+                    while True:
+                        written += f.write(b"\0" * block)
+        return f"a {written / 2**20:.1f} MiB file filled the {size} tmpfs holding engine.files_dir"
 
     try:
         full = setup.args(name, port, *SCENARIOS[name][1], f"engine.files_dir={mount / 'files'}")
