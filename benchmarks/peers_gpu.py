@@ -3,18 +3,20 @@
     here:  python3 benchmarks/peers_gpu.py pack MODELOPT_EXAMPLES MT_BENCH_QUESTIONS   (-> .peers/, git-ignored)
     there: benchmarks/staging/gpu_stage.sh install; benchmarks/staging/stage_vllm.sh install (its parts)
            python3 benchmarks/peers_gpu.py stage                     (in the call that carries .peers)
-           python3 benchmarks/peers_gpu.py start sweep ours speculators:default [--lrs 1e-3 2e-3]
+           python3 benchmarks/peers_gpu.py start sweep ours speculators modelopt [--lanes 4] [--lrs 1e-3 2e-3]
            python3 benchmarks/peers_gpu.py start final ours speculators modelopt [--seeds 0]
            python3 benchmarks/peers_gpu.py poll 540 "$OUT"           (back to back until it prints "ended")
     here:  python3 benchmarks/peers_results.py merge OUT/peers_partial.json benchmarks/results/peers_h100.json
     any:   python3 benchmarks/peers_gpu.py plan sweep ours --device h100   (the runs it would make, no GPU)
 
-Every framework trains on the first ``--n`` conversations of one shared set (the smollm2 recipe's
-synthesized ones) for a budget of steady training loop (``sweep``: 3 minutes at three learning rates;
-``final``: 10 minutes at the sweep's best head and lr, two seeds), stopped by a step count sized from
-its own steady step time (measured by a short probe where no earlier run on this kind of GPU has it),
-so that its lr schedule ends with the budget; start-up, compilation and the data preparation are
-measured apart. Heads: ``ours`` (the recipe), ``FW:default`` (the peer's own) and ``FW:matched``
+Every framework trains on the same conversations (the smollm2 recipe's synthesized ones) for a
+budget of steady training loop (``sweep``: 3 minutes at three learning rates; ``final``: 10 minutes at
+the sweep's best head and lr, two seeds), stopped by a step count sized from its own steady step time
+alone on the GPU (measured by a short probe where no earlier run on this kind of GPU has it), so that
+its lr schedule ends with the budget; start-up, compilation and the data preparation are measured
+apart. Data preparation and probes run alone; the sized runs then share the GPU ``--lanes`` at a
+time (their step counts, and so their drafts, are the same either way; only their clocks slow), mixed
+across frameworks, and a run the results file already holds evaluated is not run again. Heads: ``ours`` (the recipe), ``FW:default`` (the peer's own) and ``FW:matched``
 (shaped like ours where its options allow; the results name what is missing). Each draft is evaluated
 by eagle3-eval on the held-out prompts (and, in ``final``, on MT-bench and served by vLLM). Each poll
 packs the session so far into ``poll.tgz`` and ``peers_partial.json``: a machine taken back mid-run
@@ -37,8 +39,11 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -52,6 +57,7 @@ from peers_results import (  # noqa: E402  # noqa: E402
     best,
     epochs_for,
     load,
+    memory_trace,
     plan_steps,
     read_run,
     read_session,
@@ -62,7 +68,8 @@ from peers_results import (  # noqa: E402  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))  # .peers/ staged: wheels, ModelOpt's launcher, data
 PO = Path(os.environ.get("PO", "/tmp/po"))  # the session's folder
-DATA_N = 73728  # conversations of the shared set (synthesized by the first session where missing)
+DATA_N = 16384  # conversations of the shared set (synthesized by the first session where missing): speculators'
+# states for them are about 15 GB (73,728 would be 67 GB, past the 64 GiB disk); every budget takes several epochs
 DATA_SET = f"smollm2_synth_{DATA_N}.jsonl.gz"
 DATA_PART = 12 << 20  # bytes per part of it that a poll brings out
 LRS = {"ours": (1e-3, 2e-3, 4e-3), "speculators": (3e-4, 1e-3, 3e-3), "modelopt": (1e-4, 3e-4, 1e-3)}
@@ -70,7 +77,8 @@ SEED = {"ours": 0, "speculators": 42, "modelopt": 42}  # each framework's defaul
 HEADS = {"ours": ("recipe",), "speculators": ("default", "matched"), "modelopt": ("default", "matched")}
 PROBE_STEPS = {"ours": 60, "speculators": 200, "modelopt": 200}
 MODELOPT_WARMUP = 0.05  # its recipe's 1,000 warm-up steps are for far longer runs: this share of the steps
-PORT_STATES, PORT_SERVE = 8765, 8766
+PORT_STATES, PORT_SERVE, PORT_DIST = 8765, 8766, 29600  # (PORT_SERVE and PORT_DIST: + the lane)
+SERVE_MEMORY = 0.15  # vLLM's share of the GPU when serving a draft beside the other lanes' runs
 WHEELS = ("nvidia-modelopt==0.47.0", "pulp==3.3.2", "speculators==0.9.0", "hs-connectors==0.9.0")
 MODELOPT_FILES = ("main.py", "eagle_utils.py", "fsdp2_buffer_patch.py", "scripts/ar_validate.py",
                   "scripts/export_hf_checkpoint.py", "scripts/calibrate_draft_vocab.py")  # fmt: skip
@@ -90,12 +98,15 @@ def ours_head() -> dict:
     train = yaml.safe_load((REPO / "conf/recipe/smollm2.yaml").read_text())["train"]
     opts = {**train.get("train", {}), **train.get("objective", {})}
     return {"mlp": train["model"]["intermediate_size"], "draft_vocab": train["prepared"]["draft_vocab_size"],
-            "ttt": opts["ttt_length"], "lm_head": f"{train['model']['lm_head_init']}, trained"}  # fmt: skip
+            "ttt": opts["ttt_length"], "lm_head": f"{train['model']['lm_head_init']}, trained",
+            "variant": train["model"].get("variant", "eagle3")}  # fmt: skip
 
 
-def head_shape(fw: str, head: str, target: dict, variant: str) -> tuple[dict, list[str]]:
-    """(what the draft is, the matched options the framework has no flag for)."""
-    ours = ours_head() | {"variant": variant}
+def head_shape(fw: str, head: str, target: dict, variant: str | None) -> tuple[dict, list[str]]:
+    """(what the draft is, the matched options the framework has no flag for); ``variant``: the head
+    family of ours and of speculators (None: the recipe's)."""
+    ours = ours_head()
+    ours["variant"] = variant = variant or ours["variant"]
     if fw == "ours":
         return ours, []
     if head == "matched":
@@ -122,8 +133,7 @@ def ours_cmd(spec: RunSpec, run: Path, convs: Path) -> list[str]:
     o = [f"++train.optim.lr={spec.lr}", f"++train.loop.max_steps={spec.steps_planned}", "++train.loop.epochs=1000",
          f"++train.loop.seed={spec.seed}", "++train.loop.log_every=10", "++train.loop.eval_every=0",
          "++train.checkpoint.keep_best=false"]  # fmt: skip
-    if spec.head_shape.get("variant", "eagle3") != "eagle3":
-        o.append(f"++train.model.variant={spec.head_shape['variant']}")
+    o.append(f"++train.model.variant={spec.head_shape.get('variant', 'eagle3')}")
     return [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2", f"out={run}", f"data={convs}",
             "until=train", *o]  # fmt: skip
 
@@ -139,7 +149,9 @@ def speculators_cmd(spec: RunSpec, run: Path, target: Path) -> list[str]:
         cmd += ["--draft-config", str(PO / "speculators_draft.json"), "--ttt-steps", str(spec.head_shape["ttt"]),
                 "--draft-vocab-size", str(spec.head_shape["draft_vocab"])]  # fmt: skip
     if spec.head_shape.get("variant") == "eagle3.1":
-        cmd.append("--fc-norm")  # the EAGLE-3.1 paper's per-layer norms before fc
+        # the EAGLE-3.1 paper's per-state norms before fc, in place of its default single norm over
+        # their concatenation (the two are exclusive); its default already feeds the chain normed states
+        cmd += ["--fc-norm", "--no-norm-before-fc"]
     return cmd
 
 
@@ -184,6 +196,9 @@ def env_for(fw: str) -> dict[str, str]:
             "EAGLE3_CACHE": os.environ.get("EAGLE3_CACHE", "/tmp/e3cache")}  # fmt: skip
 
 
+PHASES = threading.Lock()  # the lanes append to one phases.jsonl
+
+
 def phase(run: str, name: str, cmd: list[str], env: dict, cwd: Path | None = None, log: Path | None = None) -> bool:
     """Run one command, its output to ``log``; append {run, phase, seconds, start, end, rc} to phases.jsonl."""
     log = log or PO / run / f"{name}.log"
@@ -192,7 +207,7 @@ def phase(run: str, name: str, cmd: list[str], env: dict, cwd: Path | None = Non
     with log.open("w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode
     end = time.time()
-    with (PO / "phases.jsonl").open("a") as f:
+    with PHASES, (PO / "phases.jsonl").open("a") as f:
         f.write(
             json.dumps(
                 {"run": run, "phase": name, "seconds": round(end - start, 1), "start": start, "end": end, "rc": rc}
@@ -326,6 +341,7 @@ class Session:
             timing = step_time(self.known, fw, head, self.device)
             if timing is None:
                 return None
+            s.planned_step_s, s.lanes = timing[0], self.a.lanes
             s.steps_planned = plan_steps(budget, timing[0])
             if fw == "speculators":
                 if timing[1] is None:
@@ -337,14 +353,15 @@ class Session:
             s.warmup_steps = max(1, round(MODELOPT_WARMUP * s.steps_planned))
         return s
 
-    def train(self, s: RunSpec) -> None:
-        """Train, export, evaluate (and for a final: MT-bench, vLLM); record what it measured."""
+    def train(self, s: RunSpec, lane: int = 0) -> None:
+        """Train, export, evaluate (and for a final: MT-bench, vLLM); record what it measured. ``lane``:
+        which of the runs sharing the GPU this is (its ports)."""
         run = PO / s.name
         shutil.rmtree(run, ignore_errors=True)
         run.mkdir(parents=True)
         (run / "spec.json").write_text(json.dumps(asdict(s), indent=1))
-        say(f"{s.name}: {s.steps_planned} steps, {s.epochs} epochs at most ({s.kind})")
-        env, export = env_for(s.framework), run / "export"
+        say(f"{s.name}: {s.steps_planned} steps, {s.epochs} epochs at most ({s.kind}, lane {lane})")
+        env, export = env_for(s.framework) | {"MASTER_PORT": str(PORT_DIST + lane)}, run / "export"
         if s.framework == "ours":
             (run / "run").mkdir()
             (run / "run/prepared").symlink_to(PO / "ours_data/prepared")  # tokenized once per session
@@ -378,17 +395,23 @@ class Session:
                     eval_cmd(export, PEERS / "data/mt_bench_question.jsonl", run / "eval_mtbench"),
                     env_for("ours"),
                 )
-                self.serve(s.name, export)
-        self.known.append(read_run(run, phases(), []))
+                self.serve(s.name, export, lane)
+        self.known.append(read_run(run, phases(), memory_trace(PO / "smi.csv")))
 
-    def serve(self, name: str, export: Path) -> None:
+    def peak(self, spec: RunSpec) -> int | None:
+        """The whole device's peak while this framework and head trained alone (its probe)."""
+        alone = [r.peak_gpu_mib for r in self.known if (r.framework, r.head, r.device) ==
+                 (spec.framework, spec.head, spec.device) and r.peak_gpu_mib and r.peak_from == "run"]  # fmt: skip
+        return max(alone) if alone else None
+
+    def serve(self, name: str, export: Path, lane: int = 0) -> None:
         """vLLM serving the target with the draft; eagle3-served-acceptance on the held-out prompts."""
         spec = json.dumps({"method": "eagle3", "model": str(export), "num_speculative_tokens": 5})
         # FA2 for every draft: vLLM 0.26's FA3 plans a draft's attention with the target's shape
-        cmd = (f"vllm serve {self.target} --port {PORT_SERVE} --dtype bfloat16 --max-model-len 4096 "
-               f"--gpu-memory-utilization 0.5 --enforce-eager --attention-config.flash_attn_version=2 "
+        cmd = (f"vllm serve {self.target} --port {PORT_SERVE + lane} --dtype bfloat16 --max-model-len 4096 "
+               f"--gpu-memory-utilization {SERVE_MEMORY} --enforce-eager --attention-config.flash_attn_version=2 "
                f"--speculative-config '{spec}'")  # fmt: skip
-        url = f"http://127.0.0.1:{PORT_SERVE}"
+        url = f"http://127.0.0.1:{PORT_SERVE + lane}"
         try:
             with Server(cmd, PO / name / "vllm_serve.log", f"{url}/health"):
                 phase(name, "served", [sys.executable, "-m", "eagle3_train.evaluation.served_acceptance",
@@ -427,25 +450,78 @@ def runs_wanted(a: argparse.Namespace, known: list) -> list[tuple[str, str, floa
     return out
 
 
+def done(known: list, spec: RunSpec) -> bool:
+    """The results already hold this run evaluated (a final: on MT-bench too)."""
+    return any(r.name == spec.name and r.tau_heldout is not None and (r.kind != "final" or r.tau_mtbench is not None)
+               for r in known)  # fmt: skip
+
+
+def interleaved(groups: list[list[RunSpec]]) -> list[RunSpec]:
+    """One run of each framework and head in turn, so the lanes hold a mix (ours' online training
+    holds the most memory; several of it at once could fill the GPU)."""
+    out: list[RunSpec] = []
+    for i in range(max(map(len, groups), default=0)):
+        out += [g[i] for g in groups if i < len(g)]
+    return out
+
+
 def job(a: argparse.Namespace) -> None:
     device = gpu_kind()
     a.session = f"{device}-{datetime.now(timezone.utc):%Y%m%dT%H%M}"
     command = "python3 benchmarks/peers_gpu.py start " + shlex.join(sys.argv[2:])
     (PO / "session.json").write_text(json.dumps({"id": a.session, "device": device, "command": command,
-                                                 "date": f"{datetime.now(timezone.utc):%Y-%m-%d}"}))  # fmt: skip
+                                                 "lanes": a.lanes, "date": f"{datetime.now(timezone.utc):%Y-%m-%d}"}))  # fmt: skip
     s = Session(a, device)
-    for fw, head, budget, lrs, seeds in runs_wanted(a, s.known):
+    groups = []
+    for fw, head, budget, lrs, seeds in runs_wanted(a, s.known):  # alone on the GPU: data, then a probe
         try:
             if not s.prepare(fw, head):
                 raise RuntimeError("its preparation failed")
             if s.spec(fw, head, "sweep", budget, lrs[0], seeds[0]) is None:  # no step time yet: a probe measures it
                 s.train(s.spec(fw, head, "probe", None, lrs[0], seeds[0]))
-            for lr, seed in ((lr, seed) for lr in lrs for seed in seeds):
-                if (spec := s.spec(fw, head, "sweep" if budget == SWEEP_S else "final", budget, lr, seed)) is None:
-                    raise RuntimeError("its probe measured no step time")
-                s.train(spec)
+            specs = [s.spec(fw, head, "sweep" if budget == SWEEP_S else "final", budget, lr, seed)
+                     for lr in lrs for seed in seeds]  # fmt: skip
+            if None in specs:
+                raise RuntimeError("its probe measured no step time")
+            groups.append([x for x in specs if x is not None and not done(s.known, x)])
         except Exception as e:  # noqa: BLE001  (the next framework still runs)
-            say(f"{fw}:{head}: {e!r}; the rest of its runs are left out")
+            say(f"{fw}:{head}: {e!r}; its runs are left out")
+    queue = interleaved(groups)
+    say(f"{len(queue)} runs, {a.lanes} at a time on the GPU within {a.memory_gib:g} GiB")
+    Lanes(a.lanes, a.memory_gib * 1024, s.peak).run(queue, s.train)
+
+
+class Lanes:
+    """Sized runs sharing the GPU: at most ``n`` at once, and a run starts only where the peaks its
+    framework and head reached alone (their probes) fit ``cap_mib`` beside those running (a run whose
+    peak is unknown waits for the GPU to itself). Each run is told its lane (its ports)."""
+
+    def __init__(self, n: int, cap_mib: float, peak: Callable[[RunSpec], int | None]):
+        self.n, self.cap, self.peak = n, cap_mib, peak
+        self.running: dict[int, float] = {}  # lane -> the MiB it was admitted with
+        self.cond = threading.Condition()
+
+    def _fits(self, need: float) -> bool:
+        return len(self.running) < self.n and (not self.running or sum(self.running.values()) + need <= self.cap)
+
+    def one(self, spec: RunSpec, work: Callable[[RunSpec, int], None]) -> None:
+        need = self.peak(spec) or self.cap
+        with self.cond:
+            self.cond.wait_for(lambda: self._fits(need))
+            lane = min(set(range(self.n)) - set(self.running))
+            self.running[lane] = need
+        try:
+            work(spec, lane)
+        except Exception as e:  # noqa: BLE001  (the other lanes go on)
+            say(f"{spec.name}: {e!r}")
+        finally:
+            with self.cond:
+                del self.running[lane]
+                self.cond.notify_all()
+
+    def run(self, queue: list[RunSpec], work: Callable[[RunSpec, int], None]) -> None:
+        with ThreadPoolExecutor(self.n) as pool:
+            list(pool.map(lambda spec: self.one(spec, work), queue))
 
 
 def gpu_kind() -> str:
@@ -535,10 +611,12 @@ def main(argv: list[str] | None = None) -> None:
         )
         p.add_argument("--lrs", type=float, nargs="+", help="default: three per framework (sweep), the best (final)")
         p.add_argument("--seeds", type=int, nargs="+", help="default: its own (sweep), its own and +1 (final)")
-        p.add_argument("--n", type=int, default=16384, help="conversations of the shared set, every framework alike")
-        p.add_argument(
-            "--variant", choices=["eagle3", "eagle3.1"], default="eagle3", help="ours' and speculators' head family"
-        )
+        p.add_argument("--n", type=int, default=DATA_N, help="the first N conversations of the shared set, for all")
+        p.add_argument("--lanes", type=int, default=5, help="sized runs sharing the GPU at once (probes run alone)")
+        p.add_argument("--memory-gib", type=float, default=64.0,
+                       help="the sum of the lanes' peaks (each measured alone) a new run must fit under")  # fmt: skip
+        p.add_argument("--variant", choices=["eagle3", "eagle3.1"], default=None,
+                       help="ours' and speculators' head family (default: the recipe's)")  # fmt: skip
         p.add_argument(
             "--results", type=Path, help="where earlier runs are read from (default: results/peers_<gpu>.json)"
         )
@@ -576,6 +654,7 @@ def main(argv: list[str] | None = None) -> None:
             timing = step_time(known, fw, head, a.device or "")
             steps = plan_steps(budget, timing[0]) if timing else f"a {PROBE_STEPS[fw]}-step probe first, then sized"
             print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {steps} steps each")
+        print(f"sized runs {a.lanes} at a time on the GPU; data and probes alone")
     else:
         poll(a.seconds, a.dest)
 

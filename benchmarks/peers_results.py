@@ -9,8 +9,11 @@ verdict table is recomputed from every run in the file.
 
 Budgets are seconds of *steady* training loop: each framework's start-up (model load, data loading)
 and the compilation of its first steps are measured and reported apart (:func:`split_compile`), and
-every framework is stopped by a step count sized from its own measured steady step time
-(:func:`plan_steps`), so its lr schedule ends with the budget.
+every framework is stopped by a step count sized from its own steady step time measured alone on
+the GPU (:func:`plan_steps`), so its lr schedule ends with the budget. Sized runs may then share the
+GPU (``lanes``): their step counts, and so their drafts, do not depend on it; their own clocks run
+slower, so the budget is judged by ``budget_loop_s`` (steps x the step time measured alone), and a
+run's peak memory is its own only where it ran alone (else its probe's, which did).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class RunSpec:
     missing: list[str] = field(default_factory=list)  # matched options the framework has no flag for
     device: str = ""
     session: str = ""
+    planned_step_s: float | None = None  # the steady step time measured alone that sized steps_planned
+    lanes: int = 1  # sized runs that may share the GPU at once (1: alone)
 
     @property
     def name(self) -> str:
@@ -78,11 +83,13 @@ class Run(RunSpec):
     loop_s: float | None = None  # the training loop by the framework's own clock
     compile_s: float | None = None  # loop seconds above steps x the steady step time (its first steps)
     steady_step_s: float | None = None
-    steady_loop_s: float | None = None  # steps x the steady step time: what the budget is compared with
+    steady_loop_s: float | None = None  # steps x its own steady step time (slower where it shared the GPU)
+    budget_loop_s: float | None = None  # steps x planned_step_s: the loop alone, what the budget is compared with
     startup_s: float | None = None  # the training command's wall time outside its loop
     data_s: float | None = None  # the session's data preparation for this framework (shared by its runs)
     tokens_per_s: float | None = None  # steady, trained tokens (padding left out where the log says)
-    peak_gpu_mib: int | None = None  # nvidia-smi over the training command: the whole device
+    peak_gpu_mib: int | None = None  # nvidia-smi, the whole device, while the run trained alone
+    peak_from: str | None = None  # run (it trained alone) | probe (it shared the GPU: its probe's peak)
     tau_heldout: float | None = None  # eagle3-eval, chain k=5, greedy, fp32, vLLM's rule
     tau_mtbench: float | None = None
     lossless: str | None = None
@@ -133,8 +140,10 @@ def split_compile(points: list[tuple[int, float]]) -> tuple[float, float, float]
 
 
 def step_time(runs: list[Run], framework: str, head: str, device: str) -> tuple[float, int | None] | None:
-    """(steady step s, steps per epoch) of the longest run of this framework and head on this device."""
-    known = [r for r in runs if (r.framework, r.head, r.device) == (framework, head, device) and r.steady_step_s]
+    """(steady step s, steps per epoch) of the longest run of this framework and head on this device
+    that had the GPU to itself (a probe, or a run outside the lanes)."""
+    known = [r for r in runs if (r.framework, r.head, r.device) == (framework, head, device) and r.steady_step_s
+             and (r.kind == "probe" or r.lanes == 1)]  # fmt: skip
     if not known:
         return None
     best = max(known, key=lambda r: r.steps or 0)
@@ -208,13 +217,26 @@ def verdict(runs: list[Run]) -> dict[str, Any]:
             "header": header, "rows": rows}  # fmt: skip
 
 
-RUN_COLUMNS = ("name", "kind", "steps", "steady_loop_s", "compile_s", "startup_s", "data_s", "tokens_per_s",
-               "peak_gpu_mib", "tau_heldout", "tau_mtbench", "vllm_acceptance", "lossless")  # fmt: skip
+RUN_COLUMNS = ("name", "kind", "lanes", "steps", "budget_loop_s", "steady_loop_s", "compile_s", "startup_s", "data_s",
+               "tokens_per_s", "peak_gpu_mib", "peak_from", "tau_heldout", "tau_mtbench", "vllm_acceptance",
+               "lossless")  # fmt: skip
+
+
+def with_probe_peaks(runs: list[Run]) -> list[Run]:
+    """Runs that shared the GPU take the peak memory of their probe (the same framework, head and
+    GPU, alone): the whole device's figure is not theirs."""
+    probes = {(r.framework, r.head, r.device): r.peak_gpu_mib for r in runs if r.kind == "probe" and r.peak_gpu_mib}
+    for r in runs:
+        if r.peak_gpu_mib is None and (r.framework, r.head, r.device) in probes and r.steps is not None:
+            r.peak_gpu_mib, r.peak_from = probes[(r.framework, r.head, r.device)], "probe"
+    return runs
 
 
 def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
     """The results file's content."""
-    order = sorted(runs, key=lambda r: (r.budget_s or 0, FRAMEWORKS.index(r.framework), r.head, r.lr, r.seed))
+    order = sorted(
+        with_probe_peaks(runs), key=lambda r: (r.budget_s or 0, FRAMEWORKS.index(r.framework), r.head, r.lr, r.seed)
+    )
     return {
         "schema": SCHEMA,
         "what": "ours, speculators 0.9.0 and ModelOpt 0.47.0 on the embedded SmolLM2-135M-Instruct: the same "
@@ -224,7 +246,8 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
         "vLLM's acceptance length",
         "command": "python3 benchmarks/peers_gpu.py start sweep|final FRAMEWORK[:HEAD] ... (its --help)",
         "machine": "one GPU a session: " + ", ".join(sorted({str(s.get("device")) for s in sessions})),
-        "runs": "single run each; the 10-minute configurations two seeds",
+        "runs": "single run each; the 10-minute configurations two seeds; probes ran alone on the GPU, sized runs "
+        "up to `lanes` at once (the budget_loop_s column is their loop alone)",
         "withdrawn": WITHDRAWN,
         "not_run": NOT_RUN,
         "sessions": sessions,
@@ -323,12 +346,16 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
     if split := split_compile(pts):
         run.loop_s, run.compile_s, run.steady_step_s = (round(x, 4) for x in split)
         run.steady_loop_s = round(run.steps * run.steady_step_s, 1)
+    if run.steps is not None:
+        alone = run.planned_step_s or (run.steady_step_s if run.kind == "probe" else None)
+        run.budget_loop_s = round(run.steps * alone, 1) if alone else None
     if "train" in mine:
         t = mine["train"]
         if run.loop_s is not None:
             run.startup_s = round(t["seconds"] - run.loop_s, 1)
         inside = [mib for ts, mib in trace if t["start"] <= ts <= t["end"]]
-        run.peak_gpu_mib = max(inside) if inside else None
+        if inside and (run.lanes == 1 or run.kind == "probe"):  # (a run in a lane may have had company)
+            run.peak_gpu_mib, run.peak_from = max(inside), "run"
     run.data_s = sum(p["seconds"] for p in phases if p["run"] == f"{run.framework}_data" and not p["rc"]) or None
     run.tau_heldout, run.lossless = _tau(d / "eval_heldout/report.json")
     run.tau_mtbench, _ = _tau(d / "eval_mtbench/report.json")

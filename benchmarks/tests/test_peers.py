@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -146,7 +148,7 @@ def test_a_poll_leaves_the_archive_and_partial_results_that_merge_into_the_file(
 
 def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_path, monkeypatch):
     s = object.__new__(pg.Session)
-    s.a = argparse.Namespace(n=16384, variant="eagle3", session="h100-x")
+    s.a = argparse.Namespace(n=16384, variant="eagle3", session="h100-x", lanes=3)
     s.device, s.t, s.sha = "h100", TARGET, "abc"
     s.known = [run("speculators", "matched", None, 1e-3, 42, steady_step_s=0.06, steps_per_epoch=270, steps=200)]
     assert s.spec("speculators", "default", "sweep", 180.0, 1e-3, 42) is None  # its head has no step time: a probe
@@ -170,7 +172,9 @@ def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_pa
         pr.RunSpec("ours", "recipe", "sweep", 180.0, 2e-3, 0, 700, 16384), tmp_path, tmp_path / "c.jsonl"
     )
     assert {"++train.optim.lr=0.002", "++train.loop.max_steps=700", "++train.loop.seed=0"} <= set(ours)
-    assert pg.ours_head() == {"mlp": 6144, "draft_vocab": 16384, "ttt": 5, "lm_head": "target, trained"}
+    assert pg.ours_head() == {"mlp": 6144, "draft_vocab": 16384, "ttt": 5, "lm_head": "target, trained",
+                              "variant": "eagle3.1"}  # fmt: skip
+    assert (m.planned_step_s, m.lanes, probe.planned_step_s, probe.lanes) == (0.06, 3, None, 1)
 
 
 def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_not_stop_the_next(
@@ -237,7 +241,7 @@ def test_a_missing_shared_set_is_synthesized_once_and_polls_bring_it_out_in_part
     assert not parts_out()  # no synthesis this session: nothing to bring out
     assert pg.synthesize(peers / "data" / pg.DATA_SET)
     (cmd,) = asked
-    assert "recipe=smollm2" in cmd and "until=prepare" in cmd and "prepare.synthesize=73728" in cmd
+    assert "recipe=smollm2" in cmd and "until=prepare" in cmd and f"prepare.synthesize={pg.DATA_N}" in cmd
     pg.data_parts(dest)
     parts = parts_out()
     assert [p.stat().st_size for p in parts] == [100_000, 100_000, 56_000]
@@ -247,3 +251,116 @@ def test_a_missing_shared_set_is_synthesized_once_and_polls_bring_it_out_in_part
         (here / "data" / p.name).write_bytes(p.read_bytes())
     pg.join_data_parts(here)
     assert (here / "data" / pg.DATA_SET).read_bytes() == blob and not list((here / "data").glob("*.part-*"))
+
+
+def test_the_recipes_head_family_goes_to_ours_and_to_speculators_flags_for_it(tmp_path):
+    """No --variant: the recipe's head (EAGLE-3.1), which speculators builds with per-state norms
+    before fc in place of its single norm; ModelOpt, which has no such option, says so."""
+    shape, missing = pg.head_shape("speculators", "default", TARGET, None)
+    spec = pr.RunSpec("speculators", "default", "sweep", 180.0, 1e-3, 42, 900, 16384, head_shape=shape, epochs=4)
+    cmd = pg.speculators_cmd(spec, tmp_path, Path("/target"))
+    assert shape["variant"] == "eagle3.1" and not missing
+    assert "--fc-norm" in cmd and "--no-norm-before-fc" in cmd and "--draft-config" not in cmd
+    plain, _ = pg.head_shape("speculators", "matched", TARGET, "eagle3")
+    assert "--fc-norm" not in pg.speculators_cmd(pr.RunSpec("speculators", "matched", "sweep", 180.0, 1e-3, 42, 9,
+                                                            16384, head_shape=plain), tmp_path, Path("/t"))  # fmt: skip
+    ours, _ = pg.head_shape("ours", "recipe", TARGET, None)
+    assert "++train.model.variant=eagle3.1" in pg.ours_cmd(
+        pr.RunSpec("ours", "recipe", "sweep", 180.0, 2e-3, 0, 9, 16384, head_shape=ours), tmp_path, tmp_path / "c"
+    )
+    assert (
+        "model variant eagle3.1: ModelOpt has no such option" in pg.head_shape("modelopt", "matched", TARGET, None)[1]
+    )
+
+
+def test_runs_that_shared_the_gpu_are_judged_by_their_steps_at_the_step_time_measured_alone():
+    """A sized run in a lane trained slower (0.5 s a step) than its probe alone (0.3 s): its budget
+    is its steps at 0.3 s, its peak memory is the probe's, and the next plan still uses 0.3 s."""
+    probe = run(budget=None, steps=60, steady_step_s=0.3, peak_gpu_mib=20000, peak_from="run")
+    probe.kind = "probe"
+    shared = run(lr=2e-3, steps=600, steady_step_s=0.5, planned_step_s=0.3, lanes=4)
+    assert pr.step_time([probe, shared], "ours", "recipe", "h100") == (0.3, None)
+    assert pr.step_time([shared], "ours", "recipe", "h100") is None  # only a run that had company: probe again
+    pr.with_probe_peaks([probe, shared])
+    assert (shared.peak_gpu_mib, shared.peak_from) == (20000, "probe")
+
+
+def test_a_lane_reads_its_budget_from_the_planned_step_and_takes_no_device_peak(tmp_path):
+    spec = pr.RunSpec("ours", "recipe", "sweep", 180.0, 2e-3, 0, 600, 16384, planned_step_s=0.3, lanes=4)
+    d = tmp_path / spec.name
+    (d / "run/train").mkdir(parents=True)
+    (d / "spec.json").write_text(json.dumps(pr.asdict(spec)))
+    rows = [{"step": 10 * i, "loop_s": 40.0 + 5.0 * i} for i in range(1, 61)]  # 0.5 s a step with company
+    (d / "run/train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    phases = [{"run": spec.name, "phase": "train", "seconds": 400.0, "start": 0.0, "end": 400.0, "rc": 0}]
+    r = pr.read_run(d, phases, [(10.0, 70000)])
+    assert (r.steps, r.budget_loop_s, r.steady_loop_s) == (600, 180.0, 300.0) and r.peak_gpu_mib is None
+
+
+def spec(fw: str) -> pr.RunSpec:
+    return pr.RunSpec(fw, "default", "sweep", 180.0, 1e-3, 0, 9, 16384)
+
+
+def test_the_lanes_run_a_mix_of_frameworks_at_once_on_their_own_ports_and_skip_what_is_done(tmp_path, monkeypatch):
+    """Two lanes: never more than two trainings at once, each on a port no other running one holds;
+    the runs alternate between frameworks; a run the results hold evaluated is not run again."""
+    active, most, order, ports, lock = set(), [0], [], [], threading.Lock()
+
+    def phase(run_name, name, cmd, env, cwd=None, log=None):
+        if name == "train":
+            with lock:
+                assert env["MASTER_PORT"] not in {p for _, p in active}
+                active.add((run_name, env["MASTER_PORT"]))
+                most[0] = max(most[0], len(active))
+                order.append(run_name)
+            time.sleep(0.05)
+            with lock:
+                active.discard((run_name, env["MASTER_PORT"]))
+                ports.append(env["MASTER_PORT"])
+        return False  # (trained nothing: no export, no eval)
+
+    known = [
+        run(steps=60, steady_step_s=0.3, peak_gpu_mib=25000, peak_from="run"),
+        run("modelopt", "default", None, 1e-4, 42, steady_step_s=0.25, steps=200, peak_gpu_mib=5000, peak_from="run"),
+    ]
+    known[0].kind = known[1].kind = "probe"
+    known.append(run(lr=1e-3, steps=600, tau_heldout=1.8, planned_step_s=0.3, lanes=2))  # done in an earlier session
+
+    def init(self, a, device):
+        self.a, self.device, self.t, self.sha, self.known, self.ready = a, device, TARGET, "abc", list(known), set()
+        self.convs, self.target = tmp_path / "c.jsonl", Path("/target")
+
+    monkeypatch.setattr(pg, "PO", tmp_path)
+    monkeypatch.setattr(pg, "phase", phase)
+    monkeypatch.setattr(pg, "gpu_kind", lambda: "h100")
+    monkeypatch.setattr(pg.Session, "__init__", init)
+    monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
+    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    pg.main(["job", "sweep", "ours", "modelopt:default", "--lanes", "2"])
+    assert most[0] == 2 and set(ports) == {str(pg.PORT_DIST), str(pg.PORT_DIST + 1)}
+    assert sorted(n.split("-lr")[0] for n in order) == ["modelopt-default-180s"] * 3 + ["ours-recipe-180s"] * 2
+    assert [x.framework for x in pg.interleaved([[spec("ours")] * 2, [spec("modelopt")] * 3])] == [
+        "ours", "modelopt", "ours", "modelopt", "modelopt"]  # fmt: skip
+    assert "ours-recipe-180s-lr0.001-seed0" not in order and len(order) == 5
+
+
+def test_a_run_starts_only_where_the_peaks_measured_alone_fit_beside_those_running():
+    """Three lanes, a 64 GiB cap: two 30 GiB runs at once, never three; a 5 GiB one beside them;
+    a run whose peak is unknown has the GPU to itself."""
+    peaks = {"a": 30 * 1024, "b": 30 * 1024, "c": 30 * 1024, "d": 5 * 1024, "e": None}
+    active, seen, lock = {}, [], threading.Lock()
+
+    def work(spec, lane):
+        with lock:
+            assert lane not in active
+            active[lane] = spec.framework
+            seen.append(sorted(active.values()))
+        time.sleep(0.05)
+        with lock:
+            del active[lane]
+
+    lanes = pg.Lanes(3, 64 * 1024, lambda spec: peaks[spec.framework])
+    lanes.run([spec(x) for x in "abcde"], work)
+    assert len(seen) == 5 and max(map(len, seen)) <= 3
+    assert all(sum(peaks[x] or 64 * 1024 for x in now) <= 64 * 1024 or len(now) == 1 for now in seen)
+    assert ["e"] in seen and not any(len(now) == 3 and "d" not in now for now in seen)
