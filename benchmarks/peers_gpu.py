@@ -161,6 +161,10 @@ def modelopt_cmd(spec: RunSpec, run: Path, target: Path, convs: Path, t: dict) -
            "--config", "/tmp/mosite/modelopt_recipes/general/speculative_decoding/eagle3.yaml",
            f"model.model_name_or_path={target}", f"data.data_path={convs}", f"training.output_dir={run / 'out'}",
            "training.training_seq_len=512",  # (it pads every sample to this; 512 holds the set's replies)
+           # tf32 on, transformers 5.17 sets torch.backends.fp32_precision, which torch 2.11's inductor reads as
+           # a mix of the old and new precision APIs and refuses: every frame of its torch.compile fell back
+           # to eager (1 s a step). Off, it compiles; its matmuls run in bf16 under autocast either way
+           "training.tf32=false",
            f"training.max_steps={spec.steps_planned}", f"training.warmup_steps={spec.warmup_steps}",
            f"training.learning_rate={spec.lr}", f"training.seed={spec.seed}", "training.logging_steps=10",
            "training.save_steps=1000000", f"{arch}.intermediate_size={spec.head_shape['mlp']}",
@@ -407,10 +411,10 @@ class Session:
     def serve(self, name: str, export: Path, lane: int = 0) -> None:
         """vLLM serving the target with the draft; eagle3-served-acceptance on the held-out prompts."""
         spec = json.dumps({"method": "eagle3", "model": str(export), "num_speculative_tokens": 5})
-        # FA2 for every draft: vLLM 0.26's FA3 plans a draft's attention with the target's shape
+        # vLLM's default attention (FA3 on Hopper): every draft here has the target's attention shape, the
+        # one 0.26 plans a draft's FA3 schedule with (the staged vLLM carries no FA2 kernels)
         cmd = (f"vllm serve {self.target} --port {PORT_SERVE + lane} --dtype bfloat16 --max-model-len 4096 "
-               f"--gpu-memory-utilization {SERVE_MEMORY} --enforce-eager --attention-config.flash_attn_version=2 "
-               f"--speculative-config '{spec}'")  # fmt: skip
+               f"--gpu-memory-utilization {SERVE_MEMORY} --enforce-eager --speculative-config '{spec}'")  # fmt: skip
         url = f"http://127.0.0.1:{PORT_SERVE + lane}"
         try:
             with Server(cmd, PO / name / "vllm_serve.log", f"{url}/health"):

@@ -32,6 +32,7 @@ from typing import Any
 SCHEMA = 1
 FRAMEWORKS = ("ours", "speculators", "modelopt")
 SWEEP_S, FINAL_S = 180.0, 600.0  # the two budgets: the lr sweep's and the seeds'
+BAR_GAP_S = 10.0  # seconds between the readings of a progress bar's whole-second clock that time its steps
 NOT_RUN = {
     "specforge": "SpecForge 0.2.0 captures the target's states with SGLang 0.5.14 only, which does not import "
     "beside the image's transformers 5.17 (it registers qwen3_asr a second time); a 0.5.14 stage carrying "
@@ -312,9 +313,14 @@ def trainer_points(text: str, steps: int) -> list[tuple[int, float]]:
     """HF Trainer's progress bar (ModelOpt): (step, seconds) at each reading of the bar that counts
     ``steps`` (its max_steps; the data loading's and the save's bars count other things)."""
     bars = re.findall(r"(\d+)/(\d+) \[(?:(\d+):)?(\d+):(\d\d)", text)
-    return [
+    pts = [
         (int(d), 3600.0 * int(h or 0) + 60 * int(m) + int(s)) for d, n, h, m, s in bars if int(n) == steps and int(d)
     ]
+    kept = pts[:1]
+    for p in pts[1:]:  # its clock counts whole seconds: readings BAR_GAP_S apart, or the median interval reads 0 s
+        if p[1] - kept[-1][1] >= BAR_GAP_S:
+            kept.append(p)
+    return kept + pts[-1:] if pts and kept[-1] != pts[-1] else kept
 
 
 def _tau(path: Path) -> tuple[float | None, str | None]:
@@ -356,7 +362,8 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
         inside = [mib for ts, mib in trace if t["start"] <= ts <= t["end"]]
         if inside and (run.lanes == 1 or run.kind == "probe"):  # (a run in a lane may have had company)
             run.peak_gpu_mib, run.peak_from = max(inside), "run"
-    run.data_s = sum(p["seconds"] for p in phases if p["run"] == f"{run.framework}_data" and not p["rc"]) or None
+    mine_data = [p for p in phases if p["run"] == f"{run.framework}_data" and not p["rc"]]
+    run.data_s = sum(p["seconds"] for p in mine_data if p["phase"] != "vocab" or run.head == "matched") or None
     run.tau_heldout, run.lossless = _tau(d / "eval_heldout/report.json")
     run.tau_mtbench, _ = _tau(d / "eval_mtbench/report.json")
     if (d / "served/report.json").is_file():
@@ -373,7 +380,7 @@ def read_session(po: Path) -> tuple[list[Run], dict[str, Any]]:
     trace = memory_trace(po / "smi.csv")
     runs = [read_run(spec.parent, phases, trace) for spec in sorted(po.glob("*/spec.json"))]
     session = json.loads((po / "session.json").read_text()) if (po / "session.json").is_file() else {}
-    session["phases"] = [p for p in phases if p["run"].endswith("_data")]
+    session["phases"] = [p for p in phases if p["run"] == "data" or p["run"].endswith("_data")]  # (data: the set)
     return runs, session
 
 

@@ -61,8 +61,14 @@ def test_speculators_log_gives_its_step_times_without_validation_and_its_epoch_s
 def test_hf_trainers_bar_readings_of_its_training_bar():
     log = ("Map: 100%|##| 16384/16384 [00:03<00:00]\r" + "".join(f" {i}%|#| {i}/500 [00:{10 + i // 10:02d}<00:40]\r"
            for i in range(0, 501, 50)) + "\nSaving: 1/1 [00:03<00:00]\n")  # fmt: skip
-    pts = pr.trainer_points(log, 500)
-    assert pts[0] == (50, 15.0) and pts[-1] == (500, 60.0) and len(pts) == 10  # (not the data's bar, nor step 0)
+    pts = pr.trainer_points(log, 500)  # (not the data's bar, nor step 0; readings 10 s apart, and the last)
+    assert pts == [(50, 15.0), (150, 25.0), (250, 35.0), (350, 45.0), (450, 55.0), (500, 60.0)]
+    # a bar redrawn every step, its clock in whole seconds: 20 s of compilation, then 0.67 s a step
+    log = "".join(
+        f" {i}/200 [00:{int(20 + 0.67 * i) // 60:02d}:{int(20 + 0.67 * i) % 60:02d}<00:10]\r" for i in range(201)
+    )
+    loop, compile_s, step = pr.split_compile(pr.trainer_points(log, 200))
+    assert step == pytest.approx(0.67, abs=0.02) and compile_s == pytest.approx(20, abs=3)
 
 
 def test_the_sweeps_best_goes_on_and_a_final_plans_two_seeds_of_it():
@@ -165,7 +171,7 @@ def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_pa
     mo = s.spec("modelopt", "default", "final", 600.0, 3e-4, 43)
     assert (mo.steps_planned, mo.warmup_steps, mo.head_shape["mlp"], mo.head_shape["ttt"]) == (2400, 120, 1536, 3)
     cmd = pg.modelopt_cmd(mo, tmp_path, Path("/target"), tmp_path / "c.jsonl", TARGET)
-    for opt in ("training.max_steps=2400", "training.warmup_steps=120", "training.seed=43",
+    for opt in ("training.max_steps=2400", "training.warmup_steps=120", "training.seed=43", "training.tf32=false",
                 "eagle.eagle_architecture_config.num_attention_heads=9", "eagle.eagle_architecture_config.head_dim=64"):  # fmt: skip
         assert opt in cmd
     ours = pg.ours_cmd(
