@@ -42,8 +42,9 @@ import tarfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -79,6 +80,7 @@ PROBE_STEPS = {"ours": 60, "speculators": 200, "modelopt": 200}
 MODELOPT_WARMUP = 0.05  # its recipe's 1,000 warm-up steps are for far longer runs: this share of the steps
 PORT_STATES, PORT_SERVE, PORT_DIST = 8765, 8766, 29600  # (PORT_SERVE and PORT_DIST: + the lane)
 SERVE_MEMORY = 0.15  # vLLM's share of the GPU when serving a draft beside the other lanes' runs
+CAPTURE_SHARE = 0.25  # ... and when writing speculators' states (prefill only, for a 135M target)
 WHEELS = ("nvidia-modelopt==0.47.0", "pulp==3.3.2", "speculators==0.9.0", "hs-connectors==0.9.0")
 MODELOPT_FILES = ("main.py", "eagle_utils.py", "fsdp2_buffer_patch.py", "scripts/ar_validate.py",
                   "scripts/export_hf_checkpoint.py", "scripts/calibrate_draft_vocab.py")  # fmt: skip
@@ -203,8 +205,17 @@ def env_for(fw: str) -> dict[str, str]:
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
 
 
-def phase(run: str, name: str, cmd: list[str], env: dict, cwd: Path | None = None, log: Path | None = None) -> bool:
-    """Run one command, its output to ``log``; append {run, phase, seconds, start, end, rc} to phases.jsonl."""
+def phase(
+    run: str,
+    name: str,
+    cmd: list[str],
+    env: dict,
+    cwd: Path | None = None,
+    log: Path | None = None,
+    shared: bool = False,
+) -> bool:
+    """Run one command, its output to ``log``; append {run, phase, seconds, start, end, rc, shared} to
+    phases.jsonl (``shared``: other work had the GPU too, so its seconds are not the phase's alone)."""
     log = log or PO / run / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -214,7 +225,15 @@ def phase(run: str, name: str, cmd: list[str], env: dict, cwd: Path | None = Non
     with PHASES, (PO / "phases.jsonl").open("a") as f:
         f.write(
             json.dumps(
-                {"run": run, "phase": name, "seconds": round(end - start, 1), "start": start, "end": end, "rc": rc}
+                {
+                    "run": run,
+                    "phase": name,
+                    "seconds": round(end - start, 1),
+                    "start": start,
+                    "end": end,
+                    "rc": rc,
+                    "shared": shared,
+                }  # fmt: skip
             )
             + "\n"
         )
@@ -279,6 +298,8 @@ class Session:
         self.t = json.loads((self.target / "config.json").read_text())
         self.known, _ = load(a.results or REPO / f"benchmarks/results/peers_{device}.json")
         self.ready: set[str] = set()
+        self.prep_locks = {fw: threading.Lock() for fw in FRAMEWORKS}  # (two heads, one preparation)
+        self.lanes: Lanes | None = None  # set once the runs share the GPU: preparations then go beside them
         self.convs = PO / "convs.jsonl"
         data = PEERS / "data" / DATA_SET
         if not data.is_file() and not synthesize(data):
@@ -295,10 +316,16 @@ class Session:
 
     def prepare(self, fw: str, head: str) -> bool:
         """The framework's data (once per session): ours tokenized, speculators' states, ModelOpt's vocab."""
+        with self.prep_locks[fw]:
+            return self._prepare(fw, head)
+
+    def _prepare(self, fw: str, head: str) -> bool:
+        shared = self.lanes is not None
         if fw not in self.ready:
             if fw == "ours":
                 ok = phase("ours_data", "prepare", [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2",
-                           f"out={PO / 'ours_data'}", f"data={self.convs}", "until=prepare"], env_for("ours"))  # fmt: skip
+                           f"out={PO / 'ours_data'}", f"data={self.convs}", "until=prepare"], env_for("ours"),
+                           shared=shared)  # fmt: skip
             elif fw == "speculators":
                 ok = self.speculators_data()
             else:
@@ -309,7 +336,8 @@ class Session:
         if fw == "modelopt" and head == "matched" and "modelopt:vocab" not in self.ready:  # from the same conversations
             if not phase("modelopt_data", "vocab", [sys.executable, "scripts/calibrate_draft_vocab.py", "--model",
                          str(self.target), "--data", str(self.convs), "--draft_vocab_size", str(ours_head()["draft_vocab"]),
-                         "--save_dir", str(PO / "modelopt_vocab")], env_for("modelopt"), cwd=PEERS / "modelopt_ex"):  # fmt: skip
+                         "--save_dir", str(PO / "modelopt_vocab")], env_for("modelopt"), cwd=PEERS / "modelopt_ex",
+                         shared=shared):  # fmt: skip
                 return False
             self.ready.add("modelopt:vocab")
         return True
@@ -324,17 +352,18 @@ class Session:
         draft = {**self.t, "num_hidden_layers": 1, "intermediate_size": ours_head()["mlp"]}
         (PO / "speculators_draft.json").write_text(json.dumps(draft))  # the matched head's decoder config
         cmd = launch(str(self.target), [2, n // 2, n - 3, n], "bfloat16", PORT_STATES, str(out / "hs"))
-        cmd += " --gpu-memory-utilization 0.5 --max-model-len 4096 --enforce-eager"  # (eager: the states are the same)
+        cmd += f" --gpu-memory-utilization {CAPTURE_SHARE} --max-model-len 4096 --enforce-eager"  # (eager: the same states)
         out.mkdir(parents=True, exist_ok=True)
         spec = [sys.executable, "-m", "speculators"]
-        url = f"http://127.0.0.1:{PORT_STATES}"
-        with Server(cmd, out / "vllm.log", f"{url}/v1/models"):
+        url, shared = f"http://127.0.0.1:{PORT_STATES}", self.lanes is not None
+        held = self.lanes.hold("speculators_data", CAPTURE_SHARE * gpu_memory_mib()) if self.lanes else nullcontext()
+        with held, Server(cmd, out / "vllm.log", f"{url}/v1/models"):
             return phase("speculators_data", "render", [*spec, "prepare-data", "--model", str(self.target), "--data",
                          str(PO / "convs_conversations.jsonl"), "--render-endpoint", url, "--output", str(out / "data"),
                          "--seq-length", "4096", "--max-samples", str(self.a.n), "--no-skip-token-freq"],
-                         env_for("speculators")) and phase("speculators_data", "states", [*spec, "generate-offline-data",
-                         "--preprocessed-data", str(out / "data"), "--endpoint", f"{url}/v1", "--concurrency", "32"],
-                         env_for("speculators"))  # fmt: skip
+                         env_for("speculators"), shared=shared) and phase("speculators_data", "states", [*spec,
+                         "generate-offline-data", "--preprocessed-data", str(out / "data"), "--endpoint", f"{url}/v1",
+                         "--concurrency", "32"], env_for("speculators"), shared=shared)  # fmt: skip
 
     def spec(self, fw: str, head: str, kind: str, budget: float | None, lr: float, seed: int) -> RunSpec | None:
         """The run sized to its budget from the framework's steady step time (None: none measured)."""
@@ -460,58 +489,74 @@ def done(known: list, spec: RunSpec) -> bool:
                for r in known)  # fmt: skip
 
 
-def interleaved(groups: list[list[RunSpec]]) -> list[RunSpec]:
-    """One run of each framework and head in turn, so the lanes hold a mix (ours' online training
-    holds the most memory; several of it at once could fill the GPU)."""
-    out: list[RunSpec] = []
-    for i in range(max(map(len, groups), default=0)):
-        out += [g[i] for g in groups if i < len(g)]
-    return out
-
-
 def job(a: argparse.Namespace) -> None:
+    """Alone on the GPU: the shared set where missing, then, for each framework and head with no step
+    time on this GPU yet, its data and a probe. Then the sized runs share the GPU in lanes; a
+    framework's data not yet written this session (speculators' states) is written beside them, and
+    its runs join the lanes once it is."""
     device = gpu_kind()
     a.session = f"{device}-{datetime.now(timezone.utc):%Y%m%dT%H%M}"
     command = "python3 benchmarks/peers_gpu.py start " + shlex.join(sys.argv[2:])
     (PO / "session.json").write_text(json.dumps({"id": a.session, "device": device, "command": command,
                                                  "lanes": a.lanes, "date": f"{datetime.now(timezone.utc):%Y-%m-%d}"}))  # fmt: skip
     s = Session(a, device)
-    groups = []
-    for fw, head, budget, lrs, seeds in runs_wanted(a, s.known):  # alone on the GPU: data, then a probe
-        try:
-            if not s.prepare(fw, head):
-                raise RuntimeError("its preparation failed")
-            if s.spec(fw, head, "sweep", budget, lrs[0], seeds[0]) is None:  # no step time yet: a probe measures it
-                s.train(s.spec(fw, head, "probe", None, lrs[0], seeds[0]))
-            specs = [s.spec(fw, head, "sweep" if budget == SWEEP_S else "final", budget, lr, seed)
-                     for lr in lrs for seed in seeds]  # fmt: skip
-            if None in specs:
-                raise RuntimeError("its probe measured no step time")
-            groups.append([x for x in specs if x is not None and not done(s.known, x)])
-        except Exception as e:  # noqa: BLE001  (the next framework still runs)
-            say(f"{fw}:{head}: {e!r}; its runs are left out")
-    queue = interleaved(groups)
-    say(f"{len(queue)} runs, {a.lanes} at a time on the GPU within {a.memory_gib:g} GiB")
-    Lanes(a.lanes, a.memory_gib * 1024, s.peak).run(queue, s.train)
+    wanted, failed = runs_wanted(a, s.known), set()
+    for fw, head, budget, lrs, seeds in wanted:
+        if s.spec(fw, head, "sweep", budget, lrs[0], seeds[0]) is None:  # no step time yet: a probe, alone
+            try:
+                if not s.prepare(fw, head):
+                    raise RuntimeError("its preparation failed")
+                s.train(s.spec(fw, head, "probe", None, lrs[0], seeds[0]))  # type: ignore[arg-type]
+            except Exception as e:  # noqa: BLE001  (the next framework still runs)
+                failed.add((fw, head))
+                say(f"{fw}:{head}: {e!r}; its runs are left out")
+
+    def runs_of(fw: str, head: str, budget: float, lrs: list[float], seeds: list[int]) -> list[RunSpec]:
+        specs = [s.spec(fw, head, "sweep" if budget == SWEEP_S else "final", budget, lr, seed)
+                 for lr in lrs for seed in seeds]  # fmt: skip
+        if None in specs:
+            raise RuntimeError("its probe measured no step time")
+        if not s.prepare(fw, head):
+            raise RuntimeError("its preparation failed")
+        return [x for x in specs if x is not None and not done(s.known, x)]
+
+    s.lanes = Lanes(a.lanes, a.memory_gib * 1024, s.peak)
+    say(f"the sized runs, {a.lanes} at a time on the GPU within {a.memory_gib:g} GiB")
+    groups = [(f"{w[0]}:{w[1]}", lambda w=w: runs_of(*w)) for w in wanted if (w[0], w[1]) not in failed]
+    s.lanes.run(groups, s.train)
 
 
 class Lanes:
     """Sized runs sharing the GPU: at most ``n`` at once, and a run starts only where the peaks its
-    framework and head reached alone (their probes) fit ``cap_mib`` beside those running (a run whose
+    framework and head reached alone (their probes) fit ``cap_mib`` beside what is running (a run whose
     peak is unknown waits for the GPU to itself). Each run is told its lane (its ports)."""
 
     def __init__(self, n: int, cap_mib: float, peak: Callable[[RunSpec], int | None]):
         self.n, self.cap, self.peak = n, cap_mib, peak
-        self.running: dict[int, float] = {}  # lane -> the MiB it was admitted with
+        self.running: dict[int | str, float] = {}  # a lane, or a preparation -> the MiB it holds
         self.cond = threading.Condition()
 
-    def _fits(self, need: float) -> bool:
-        return len(self.running) < self.n and (not self.running or sum(self.running.values()) + need <= self.cap)
+    def _fits(self, need: float, lane: bool) -> bool:
+        lanes = sum(isinstance(k, int) for k in self.running)
+        return (not lane or lanes < self.n) and (not self.running or sum(self.running.values()) + need <= self.cap)
+
+    @contextmanager
+    def hold(self, name: str, need: float) -> Iterator[None]:
+        """GPU memory for a preparation beside the runs (no lane)."""
+        with self.cond:
+            self.cond.wait_for(lambda: self._fits(need, False))
+            self.running[name] = need
+        try:
+            yield
+        finally:
+            with self.cond:
+                del self.running[name]
+                self.cond.notify_all()
 
     def one(self, spec: RunSpec, work: Callable[[RunSpec, int], None]) -> None:
         need = self.peak(spec) or self.cap
         with self.cond:
-            self.cond.wait_for(lambda: self._fits(need))
+            self.cond.wait_for(lambda: self._fits(need, True))
             lane = min(set(range(self.n)) - set(self.running))
             self.running[lane] = need
         try:
@@ -523,9 +568,58 @@ class Lanes:
                 del self.running[lane]
                 self.cond.notify_all()
 
-    def run(self, queue: list[RunSpec], work: Callable[[RunSpec, int], None]) -> None:
-        with ThreadPoolExecutor(self.n) as pool:
-            list(pool.map(lambda spec: self.one(spec, work), queue))
+    def run(self, groups: list[tuple[str, Callable[[], list[RunSpec]]]], work: Callable[[RunSpec, int], None]) -> None:
+        """Each group's callable prepares what it needs (beside the runs already going) and gives its
+        runs; they are taken one group after another in turn, so the lanes hold a mix (ours' online
+        training holds the most memory)."""
+        ready: list[deque[RunSpec]] = [deque() for _ in groups]
+        pending, turn = len(groups), 0
+
+        def prepare(i: int, name: str, make: Callable[[], list[RunSpec]]) -> None:
+            nonlocal pending
+            try:
+                specs = make()
+            except Exception as e:  # noqa: BLE001  (the other groups go on)
+                say(f"{name}: {e!r}; its runs are left out")
+                specs = []
+            with self.cond:
+                ready[i].extend(specs)
+                pending -= 1
+                self.cond.notify_all()
+
+        def take() -> RunSpec | None:
+            nonlocal turn
+            with self.cond:
+                while True:
+                    for k in range(len(ready)):
+                        i = (turn + k) % len(ready)
+                        if ready[i]:
+                            turn = i + 1
+                            return ready[i].popleft()
+                    if not pending:
+                        return None
+                    self.cond.wait()
+
+        def lane() -> None:
+            while (spec := take()) is not None:
+                self.one(spec, work)
+
+        threads = [threading.Thread(target=prepare, args=(i, *g)) for i, g in enumerate(groups)]
+        threads += [threading.Thread(target=lane) for _ in range(self.n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def gpu_memory_mib() -> int:
+    """The GPU's memory (0 where there is none)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True).stdout  # fmt: skip
+        return int(out.split()[0])
+    except (FileNotFoundError, IndexError, ValueError):
+        return 0
 
 
 def gpu_kind() -> str:

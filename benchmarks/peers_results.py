@@ -223,6 +223,16 @@ RUN_COLUMNS = ("name", "kind", "lanes", "steps", "budget_loop_s", "steady_loop_s
                "lossless")  # fmt: skip
 
 
+def with_alone_data(runs: list[Run], sessions: list[dict[str, Any]]) -> list[Run]:
+    """Runs whose data was prepared beside other work take the seconds it took alone in the latest
+    session that measured it (as their peaks come from probes)."""
+    for r in runs:
+        for s in sorted(sessions, key=lambda s: str(s.get("id")), reverse=True):
+            if r.data_s is None and (x := data_seconds(s.get("phases", []), r.framework, r.head)) is not None:
+                r.data_s = x
+    return runs
+
+
 def with_probe_peaks(runs: list[Run]) -> list[Run]:
     """Runs that shared the GPU take the peak memory of their probe (the same framework, head and
     GPU, alone): the whole device's figure is not theirs."""
@@ -236,7 +246,8 @@ def with_probe_peaks(runs: list[Run]) -> list[Run]:
 def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
     """The results file's content."""
     order = sorted(
-        with_probe_peaks(runs), key=lambda r: (r.budget_s or 0, FRAMEWORKS.index(r.framework), r.head, r.lr, r.seed)
+        with_probe_peaks(with_alone_data(runs, sessions)),
+        key=lambda r: (r.budget_s or 0, FRAMEWORKS.index(r.framework), r.head, r.lr, r.seed),
     )
     return {
         "schema": SCHEMA,
@@ -332,6 +343,15 @@ def _tau(path: Path) -> tuple[float | None, str | None]:
     return round(r.tau, 3), r.lossless
 
 
+def data_seconds(phases: list[dict], framework: str, head: str) -> float | None:
+    """The framework's data preparation for this head, where it ran alone on the GPU (None: not in
+    these phases, or beside other work)."""
+    mine = [p for p in phases if p["run"] == f"{framework}_data" and not p["rc"]]
+    if not mine or any(p.get("shared") for p in mine):
+        return None
+    return round(sum(p["seconds"] for p in mine if p["phase"] != "vocab" or head == "matched"), 1) or None
+
+
 def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run:
     """One run's folder (``<po>/<name>``): its spec, its training log, its reports."""
     run = Run.from_dict(json.loads((d / "spec.json").read_text()))
@@ -362,8 +382,7 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
         inside = [mib for ts, mib in trace if t["start"] <= ts <= t["end"]]
         if inside and (run.lanes == 1 or run.kind == "probe"):  # (a run in a lane may have had company)
             run.peak_gpu_mib, run.peak_from = max(inside), "run"
-    mine_data = [p for p in phases if p["run"] == f"{run.framework}_data" and not p["rc"]]
-    run.data_s = sum(p["seconds"] for p in mine_data if p["phase"] != "vocab" or run.head == "matched") or None
+    run.data_s = data_seconds(phases, run.framework, run.head)
     run.tau_heldout, run.lossless = _tau(d / "eval_heldout/report.json")
     run.tau_mtbench, _ = _tau(d / "eval_mtbench/report.json")
     if (d / "served/report.json").is_file():

@@ -753,9 +753,11 @@ PAGE_NOTES = {  # a page's opening paragraph, where its results need one before 
     "peers": "The equal-minutes verdict of the first sessions (ours ahead of speculators by 0.45 τ) is withdrawn: "
     "the data differed (ours 73,728 conversations, speculators 8,192 for one epoch), most of speculators' loop was "
     "its compilation, only ours was tuned, the heads differed, ModelOpt never left its warm-up, and each ran once. "
-    "The comparison is redone with the same conversations, equal minutes of steady training loop, a learning-rate "
-    "sweep for every framework and two seeds (`peers_h100` / `peers_h200`, once measured); the older files below are "
-    "kept as a record of what was run.\n\n",
+    "The comparison is being redone in `peers_h100`: the same 16,384 conversations for every framework, equal "
+    "minutes of steady training loop (start-up, compilation and data preparation apart), a learning-rate sweep for "
+    "every framework and head, then two seeds of each framework's best. So far it holds the shared set and each "
+    "framework's step time measured alone; it has no verdict yet. The older files below are kept as a record of "
+    "what was run.\n\n",
 }
 HEAD_KEYS = ("what", "machine", "date", "command", "runs", "code_at")
 MAX_ROWS = 80

@@ -190,7 +190,7 @@ def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_
     and the sweep's runs take 180 s / 0.3 s steps; speculators' data fails and only its runs go."""
     trained = []
 
-    def phase(run_name, name, cmd, env, cwd=None, log=None):
+    def phase(run_name, name, cmd, env, cwd=None, log=None, shared=False):
         if name == "train":
             out = Path(next(c for c in cmd if c.startswith("out="))[4:])
             steps = int(next(c for c in cmd if "max_steps=" in c).split("=")[1])
@@ -203,6 +203,7 @@ def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_
     def init(self, a, device):
         self.a, self.device, self.t, self.sha, self.known, self.ready = a, device, TARGET, "abc", [], set()
         self.convs, self.target = tmp_path / "c.jsonl", Path("/target")
+        self.prep_locks, self.lanes = {fw: threading.Lock() for fw in pr.FRAMEWORKS}, None
 
     monkeypatch.setattr(pg, "PO", tmp_path)
     monkeypatch.setattr(pg, "phase", phase)
@@ -229,7 +230,7 @@ def test_a_missing_shared_set_is_synthesized_once_and_polls_bring_it_out_in_part
     def parts_out():
         return sorted(dest.glob(f"{pg.DATA_SET}.part-*"), key=lambda f: int(f.name.rsplit("-", 1)[1]))
 
-    def phase(run_name, name, cmd, env, cwd=None, log=None):
+    def phase(run_name, name, cmd, env, cwd=None, log=None, shared=False):
         asked.append(cmd)
         save = Path(next(c for c in cmd if c.startswith("prepare.save_conversations=")).split("=", 1)[1])
         save.write_bytes(blob[:1000])  # half written: a poll now brings out nothing
@@ -312,7 +313,7 @@ def test_the_lanes_run_a_mix_of_frameworks_at_once_on_their_own_ports_and_skip_w
     the runs alternate between frameworks; a run the results hold evaluated is not run again."""
     active, most, order, ports, lock = set(), [0], [], [], threading.Lock()
 
-    def phase(run_name, name, cmd, env, cwd=None, log=None):
+    def phase(run_name, name, cmd, env, cwd=None, log=None, shared=False):
         if name == "train":
             with lock:
                 assert env["MASTER_PORT"] not in {p for _, p in active}
@@ -335,6 +336,7 @@ def test_the_lanes_run_a_mix_of_frameworks_at_once_on_their_own_ports_and_skip_w
     def init(self, a, device):
         self.a, self.device, self.t, self.sha, self.known, self.ready = a, device, TARGET, "abc", list(known), set()
         self.convs, self.target = tmp_path / "c.jsonl", Path("/target")
+        self.prep_locks, self.lanes = {fw: threading.Lock() for fw in pr.FRAMEWORKS}, None
 
     monkeypatch.setattr(pg, "PO", tmp_path)
     monkeypatch.setattr(pg, "phase", phase)
@@ -345,8 +347,6 @@ def test_the_lanes_run_a_mix_of_frameworks_at_once_on_their_own_ports_and_skip_w
     pg.main(["job", "sweep", "ours", "modelopt:default", "--lanes", "2"])
     assert most[0] == 2 and set(ports) == {str(pg.PORT_DIST), str(pg.PORT_DIST + 1)}
     assert sorted(n.split("-lr")[0] for n in order) == ["modelopt-default-180s"] * 3 + ["ours-recipe-180s"] * 2
-    assert [x.framework for x in pg.interleaved([[spec("ours")] * 2, [spec("modelopt")] * 3])] == [
-        "ours", "modelopt", "ours", "modelopt", "modelopt"]  # fmt: skip
     assert "ours-recipe-180s-lr0.001-seed0" not in order and len(order) == 5
 
 
@@ -366,7 +366,57 @@ def test_a_run_starts_only_where_the_peaks_measured_alone_fit_beside_those_runni
             del active[lane]
 
     lanes = pg.Lanes(3, 64 * 1024, lambda spec: peaks[spec.framework])
-    lanes.run([spec(x) for x in "abcde"], work)
+    lanes.run([("all", lambda: [spec(x) for x in "abcde"])], work)
     assert len(seen) == 5 and max(map(len, seen)) <= 3
     assert all(sum(peaks[x] or 64 * 1024 for x in now) <= 64 * 1024 or len(now) == 1 for now in seen)
     assert ["e"] in seen and not any(len(now) == 3 and "d" not in now for now in seen)
+
+
+def test_a_preparation_holds_its_memory_beside_the_lanes_and_its_runs_join_them_in_turn():
+    """Group b writes its data (40 GiB held) while group a's runs go; a's runs never take more than
+    the cap leaves beside it; b's runs start only after, then the two groups alternate; a group whose
+    preparation fails loses its runs, not the others'."""
+    lanes = pg.Lanes(2, 64 * 1024, lambda spec: 20 * 1024)
+    events, lock = [], threading.Lock()
+
+    def work(x, lane):
+        with lock:
+            held = sum(lanes.running.values())
+            events.append((x.framework, x.lr, held))
+        time.sleep(0.03)
+
+    def b():
+        with lanes.hold("b_data", 40 * 1024):
+            with lock:
+                events.append(("b_data", None, sum(lanes.running.values())))
+            time.sleep(0.15)
+        return [pr.RunSpec("b", "default", "sweep", 180.0, lr, 0, 9, 16384) for lr in (1, 2)]
+
+    def broken():
+        raise RuntimeError("no states")
+
+    a_runs = [pr.RunSpec("a", "default", "sweep", 180.0, lr, 0, 9, 16384) for lr in (1, 2, 3, 4, 5, 6, 7, 8)]
+    lanes.run([("a", lambda: a_runs), ("b", b), ("c", broken)], work)
+    assert all(held <= 64 * 1024 for _, _, held in events)
+    names = [e[0] for e in events]
+    assert names.count("a") == 8 and names.count("b") == 2 and "c" not in names
+    assert names.index("b") > names.index("b_data")
+    first_b = names.index("b")
+    assert "a" in names[first_b + 1 :]  # a's remaining runs went on beside b's, in turn
+
+
+def test_data_written_beside_the_lanes_is_reported_at_its_seconds_alone_from_an_earlier_session():
+    alone = [{"run": "speculators_data", "phase": "render", "seconds": 67.0, "rc": 0, "shared": False},
+             {"run": "speculators_data", "phase": "states", "seconds": 104.0, "rc": 0, "shared": False},
+             {"run": "modelopt_data", "phase": "vocab", "seconds": 25.0, "rc": 0}]  # fmt: skip
+    shared = [{**p, "seconds": 150.0, "shared": True} for p in alone[:2]]
+    assert (
+        pr.data_seconds(alone, "speculators", "default") == 171.0
+        and pr.data_seconds(shared, "speculators", "x") is None
+    )
+    assert (
+        pr.data_seconds(alone, "modelopt", "matched") == 25.0 and pr.data_seconds(alone, "modelopt", "default") is None
+    )
+    later = run("speculators", "default", steps=100, data_s=pr.data_seconds(shared, "speculators", "default"))
+    out = pr.results([later], [{"id": "h100-1", "phases": alone}, {"id": "h100-2", "phases": shared}])
+    assert out["frameworks"][0]["data_s"] == 171.0
