@@ -183,6 +183,20 @@ def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_pa
     assert (m.planned_step_s, m.lanes, probe.planned_step_s, probe.lanes) == (0.06, 3, None, 1)
 
 
+def stand_in_session(monkeypatch, po: Path, phase, known: list) -> None:
+    """The job on an H100 with ``phase`` standing in for every command and ``known`` as the results."""
+
+    def init(self, a, device):
+        self.a, self.device, self.t, self.sha, self.known, self.ready = a, device, TARGET, "abc", list(known), set()
+        self.convs, self.target = po / "c.jsonl", Path("/target")
+        self.prep_locks, self.lanes = {fw: threading.Lock() for fw in pr.FRAMEWORKS}, None
+
+    monkeypatch.setattr(pg, "PO", po)
+    monkeypatch.setattr(pg, "phase", phase)
+    monkeypatch.setattr(pg, "gpu_kind", lambda: "h100")
+    monkeypatch.setattr(pg.Session, "__init__", init)
+
+
 def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_not_stop_the_next(
     tmp_path, monkeypatch
 ):
@@ -200,15 +214,7 @@ def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_
             (out / "train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return True
 
-    def init(self, a, device):
-        self.a, self.device, self.t, self.sha, self.known, self.ready = a, device, TARGET, "abc", [], set()
-        self.convs, self.target = tmp_path / "c.jsonl", Path("/target")
-        self.prep_locks, self.lanes = {fw: threading.Lock() for fw in pr.FRAMEWORKS}, None
-
-    monkeypatch.setattr(pg, "PO", tmp_path)
-    monkeypatch.setattr(pg, "phase", phase)
-    monkeypatch.setattr(pg, "gpu_kind", lambda: "h100")
-    monkeypatch.setattr(pg.Session, "__init__", init)
+    stand_in_session(monkeypatch, tmp_path, phase, [])
     monkeypatch.setattr(pg.Session, "speculators_data", lambda self: False)
     monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job", "sweep", "speculators:default", "ours"])
     pg.main(["job", "sweep", "speculators:default", "ours", "--lrs", "1e-3", "2e-3"])
@@ -333,15 +339,7 @@ def test_the_lanes_run_a_mix_of_frameworks_at_once_on_their_own_ports_and_skip_w
     known[0].kind = known[1].kind = "probe"
     known.append(run(lr=1e-3, steps=600, tau_heldout=1.8, planned_step_s=0.3, lanes=2))  # done in an earlier session
 
-    def init(self, a, device):
-        self.a, self.device, self.t, self.sha, self.known, self.ready = a, device, TARGET, "abc", list(known), set()
-        self.convs, self.target = tmp_path / "c.jsonl", Path("/target")
-        self.prep_locks, self.lanes = {fw: threading.Lock() for fw in pr.FRAMEWORKS}, None
-
-    monkeypatch.setattr(pg, "PO", tmp_path)
-    monkeypatch.setattr(pg, "phase", phase)
-    monkeypatch.setattr(pg, "gpu_kind", lambda: "h100")
-    monkeypatch.setattr(pg.Session, "__init__", init)
+    stand_in_session(monkeypatch, tmp_path, phase, known)
     monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
     monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
     pg.main(["job", "sweep", "ours", "modelopt:default", "--lanes", "2"])
