@@ -534,17 +534,24 @@ class Lanes:
     def __init__(self, n: int, cap_mib: float, peak: Callable[[RunSpec], int | None]):
         self.n, self.cap, self.peak = n, cap_mib, peak
         self.running: dict[int | str, float] = {}  # a lane, or a preparation -> the MiB it holds
+        self.waiting = 0.0  # MiB of preparations waiting to start: no new run takes their room
         self.cond = threading.Condition()
 
     def _fits(self, need: float, lane: bool) -> bool:
+        if not lane:
+            return not self.running or sum(self.running.values()) + need <= self.cap
         lanes = sum(isinstance(k, int) for k in self.running)
-        return (not lane or lanes < self.n) and (not self.running or sum(self.running.values()) + need <= self.cap)
+        alone = not self.running and not self.waiting
+        return lanes < self.n and (alone or sum(self.running.values()) + need + self.waiting <= self.cap)
 
     @contextmanager
     def hold(self, name: str, need: float) -> Iterator[None]:
-        """GPU memory for a preparation beside the runs (no lane)."""
+        """GPU memory for a preparation beside the runs (no lane); runs admitted after it asks wait
+        behind it."""
         with self.cond:
+            self.waiting += need
             self.cond.wait_for(lambda: self._fits(need, False))
+            self.waiting -= need
             self.running[name] = need
         try:
             yield

@@ -418,3 +418,36 @@ def test_data_written_beside_the_lanes_is_reported_at_its_seconds_alone_from_an_
     later = run("speculators", "default", steps=100, data_s=pr.data_seconds(shared, "speculators", "default"))
     out = pr.results([later], [{"id": "h100-1", "phases": alone}, {"id": "h100-2", "phases": shared}])
     assert out["frameworks"][0]["data_s"] == 171.0
+
+
+def test_a_preparation_waiting_for_room_is_not_overtaken_by_runs_asked_after_it():
+    """A 40 GiB run holds the GPU; a preparation (30 GiB) asks next, then a second 40 GiB run: when
+    the first ends, the preparation starts, and the second run (which cannot fit beside it) waits."""
+    lanes, order, lock = pg.Lanes(3, 64 * 1024, lambda spec: 40 * 1024), [], threading.Lock()
+    big_started, small_given = threading.Event(), threading.Event()
+
+    def work(x, lane):
+        with lock:
+            order.append(x.framework)
+        if x.framework == "big":
+            big_started.set()
+            assert small_given.wait(5)
+            time.sleep(0.1)  # (a lane has taken the small run and waits for room)
+
+    def prep():
+        assert big_started.wait(5)
+        with lanes.hold("data", 30 * 1024), lock:
+            order.append("data")
+        return []
+
+    def later():
+        while not lanes.waiting:  # (the preparation has asked)
+            time.sleep(0.005)
+        small_given.set()
+        return [spec("small")]
+
+    lanes.run([("big", lambda: [spec("big")]), ("data", prep), ("small", later)], work)
+    assert order == ["big", "data", "small"]
+    idle = pg.Lanes(3, 64 * 1024, lambda spec: 40 * 1024)
+    idle.waiting = 30 * 1024  # nothing running, a preparation asking: a run that cannot fit beside it waits
+    assert not idle._fits(40 * 1024, True) and idle._fits(20 * 1024, True) and idle._fits(30 * 1024, False)
