@@ -3,7 +3,7 @@
     here:  python3 benchmarks/peers_gpu.py pack MODELOPT_EXAMPLES MT_BENCH_QUESTIONS   (-> .peers/, git-ignored)
     there: benchmarks/staging/gpu_stage.sh install; benchmarks/staging/stage_vllm.sh install (its parts)
            python3 benchmarks/peers_gpu.py stage                     (in the call that carries .peers)
-           python3 benchmarks/peers_gpu.py start sweep ours speculators modelopt [--lanes 4] [--lrs 1e-3 2e-3]
+           python3 benchmarks/peers_gpu.py start sweep ours speculators modelopt [--lanes 5] [--admit-for-s 1200]
            python3 benchmarks/peers_gpu.py start final ours speculators modelopt [--seeds 0]
            python3 benchmarks/peers_gpu.py poll 540 "$OUT"           (back to back until it prints "ended")
     here:  python3 benchmarks/peers_results.py merge OUT/peers_partial.json benchmarks/results/peers_h100.json
@@ -203,6 +203,7 @@ def env_for(fw: str) -> dict[str, str]:
 
 
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
+START = time.time()  # when the job began (--admit-for-s counts from it)
 
 
 def phase(
@@ -520,7 +521,8 @@ def job(a: argparse.Namespace) -> None:
             raise RuntimeError("its preparation failed")
         return [x for x in specs if x is not None and not done(s.known, x)]
 
-    s.lanes = Lanes(a.lanes, a.memory_gib * 1024, s.peak)
+    last = None if a.admit_for_s is None else START + a.admit_for_s
+    s.lanes = Lanes(a.lanes, a.memory_gib * 1024, s.peak, last)
     say(f"the sized runs, {a.lanes} at a time on the GPU within {a.memory_gib:g} GiB")
     groups = [(f"{w[0]}:{w[1]}", lambda w=w: runs_of(*w)) for w in wanted if (w[0], w[1]) not in failed]
     s.lanes.run(groups, s.train)
@@ -531,8 +533,8 @@ class Lanes:
     framework and head reached alone (their probes) fit ``cap_mib`` beside what is running (a run whose
     peak is unknown waits for the GPU to itself). Each run is told its lane (its ports)."""
 
-    def __init__(self, n: int, cap_mib: float, peak: Callable[[RunSpec], int | None]):
-        self.n, self.cap, self.peak = n, cap_mib, peak
+    def __init__(self, n: int, cap_mib: float, peak: Callable[[RunSpec], int | None], last: float | None = None):
+        self.n, self.cap, self.peak, self.last = n, cap_mib, peak, last  # last: no run starts after this time
         self.running: dict[int | str, float] = {}  # a lane, or a preparation -> the MiB it holds
         self.waiting = 0.0  # MiB of preparations waiting to start: no new run takes their room
         self.cond = threading.Condition()
@@ -564,6 +566,9 @@ class Lanes:
         need = self.peak(spec) or self.cap
         with self.cond:
             self.cond.wait_for(lambda: self._fits(need, True))
+            if self.last is not None and time.time() > self.last:  # it could not end before the machine goes
+                say(f"{spec.name}: not started (past --admit-for-s), left for the next session")
+                return
             lane = min(set(range(self.n)) - set(self.running))
             self.running[lane] = need
         try:
@@ -718,6 +723,9 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--seeds", type=int, nargs="+", help="default: its own (sweep), its own and +1 (final)")
         p.add_argument("--n", type=int, default=DATA_N, help="the first N conversations of the shared set, for all")
         p.add_argument("--lanes", type=int, default=5, help="sized runs sharing the GPU at once (probes run alone)")
+        p.add_argument("--admit-for-s", type=float, default=None,
+                       help="start no sized run later than this many seconds after the job began (those left "
+                       "would not end before the device time does; the running ones then share the GPU with fewer)")  # fmt: skip
         p.add_argument("--memory-gib", type=float, default=64.0,
                        help="the sum of the lanes' peaks (each measured alone) a new run must fit under")  # fmt: skip
         p.add_argument("--variant", choices=["eagle3", "eagle3.1"], default=None,

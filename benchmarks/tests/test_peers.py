@@ -451,3 +451,10 @@ def test_a_preparation_waiting_for_room_is_not_overtaken_by_runs_asked_after_it(
     idle = pg.Lanes(3, 64 * 1024, lambda spec: 40 * 1024)
     idle.waiting = 30 * 1024  # nothing running, a preparation asking: a run that cannot fit beside it waits
     assert not idle._fits(40 * 1024, True) and idle._fits(20 * 1024, True) and idle._fits(30 * 1024, False)
+
+
+def test_no_run_starts_past_the_admission_deadline():
+    started = []
+    lanes = pg.Lanes(1, 64 * 1024, lambda spec: 1024, last=time.time() + 0.1)
+    lanes.run([("g", lambda: [spec("a"), spec("b"), spec("c")])], lambda x, lane: (started.append(x), time.sleep(0.15)))
+    assert [x.framework for x in started] == ["a"]  # b and c would have started after the deadline
