@@ -140,6 +140,19 @@ def split_compile(points: list[tuple[int, float]]) -> tuple[float, float, float]
     return loop, max(0.0, loop - last_step * steady), steady
 
 
+def bar_split(points: list[tuple[int, float]]) -> tuple[float, float, float] | None:
+    """:func:`split_compile` for HF Trainer's bar, or, where its whole-second readings 10 s apart are
+    too few for it (a short, fast run), the mean step after the first reading (the compilation came
+    before that reading) up to the trainer's own loop time (the last point)."""
+    if (split := split_compile(points)) and split[2] > 0:
+        return split
+    if len(points) < 2 or points[-1][0] <= points[0][0]:
+        return None
+    (s0, t0), (s1, t1) = points[0], points[-1]
+    step = (t1 - t0) / (s1 - s0)
+    return t1, max(0.0, t1 - s1 * step), step
+
+
 def step_time(runs: list[Run], framework: str, head: str, device: str) -> tuple[float, int | None] | None:
     """(steady step s, steps per epoch) of the longest run of this framework and head on this device
     that had the GPU to itself (a probe, or a run outside the lanes)."""
@@ -358,6 +371,7 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
     mine = {p["phase"]: p for p in phases if p["run"] == d.name}
     run.failed = [p for p, v in mine.items() if v["rc"]]
     pts: list[tuple[int, float]] = []
+    timing = split_compile
     if (d / "run/train/metrics.jsonl").is_file():
         pts, run.tokens_per_s = ours_points((d / "run/train/metrics.jsonl").read_text())
     elif run.framework == "speculators" and (d / "train.log").is_file():
@@ -367,9 +381,10 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
         pts = trainer_points(log, run.steps_planned)
         if m := re.findall(r"'train_runtime': '?([0-9.]+)", log):
             pts.append((pts[-1][0] if pts else 0, float(m[-1])))  # its own loop time closes the curve
+        timing = bar_split
     if pts:
         run.steps = max(s for s, _ in pts)
-    if split := split_compile(pts):
+    if split := timing(pts):
         run.loop_s, run.compile_s, run.steady_step_s = (round(x, 4) for x in split)
         run.steady_loop_s = round(run.steps * run.steady_step_s, 1)
     if run.steps is not None:

@@ -69,6 +69,12 @@ def test_hf_trainers_bar_readings_of_its_training_bar():
     )
     loop, compile_s, step = pr.split_compile(pr.trainer_points(log, 200))
     assert step == pytest.approx(0.67, abs=0.02) and compile_s == pytest.approx(20, abs=3)
+    # a fast run: 300 steps at 0.03 s after 30 s of compilation, its loop 39.1 s by the trainer's own clock
+    log = "".join(f" {i}/300 [00:00:{int(30 + 0.03 * i):02d}<00:10]\r" for i in range(1, 301))
+    pts = pr.trainer_points(log, 300) + [(300, 39.1)]
+    assert pr.split_compile(pts) is None  # (its first reading and its last, under 10 s apart: no interval)
+    loop, compile_s, step = pr.bar_split(pts)
+    assert loop == 39.1 and step == pytest.approx(9.1 / 299) and compile_s == pytest.approx(39.1 - 300 * step)
 
 
 def test_the_sweeps_best_goes_on_and_a_final_plans_two_seeds_of_it():
