@@ -48,7 +48,7 @@ pack() {
   split_bundle
   say "$(ls "$pack_dir"/bundle/*.whl | wc -l) wheels, $(du -sm "$pack_dir/bundle" | cut -f1) MiB -> $(ls -d "$pack_dir"/parts/*/ | wc -l) parts:"
   du -m "$pack_dir"/parts/*/"$tag"-* | sed "s#$pack_dir/##"
-  say "one device call per part, carry [\"$pack_rel/parts/<k>\"], command: launch/stage_$tag.sh install"
+  say "one device call per part, carry [\"$pack_rel/parts/<k>\"], command: benchmarks/staging/stage_$tag.sh install"
 }
 
 # Split $pack_dir/bundle.tar into parts of $part_mib MiB named by the tar's hash, one folder each.
