@@ -1,7 +1,8 @@
 """The side-by-side with the peer frameworks on one GPU, as one detached job polled from outside.
 
-    here:  python3 benchmarks/peers_gpu.py pack MODELOPT_EXAMPLES MT_BENCH_QUESTIONS   (-> .peers/, git-ignored)
-    there: benchmarks/staging/gpu_stage.sh install; benchmarks/staging/stage_vllm.sh install (its parts)
+    here:  python3 benchmarks/peers_gpu.py pack MODELOPT_EXAMPLES MT_BENCH_QUESTIONS [SPECFORGE_SCRIPTS]   (-> .peers/)
+    there: benchmarks/staging/gpu_stage.sh install; benchmarks/staging/stage_vllm.sh install (its parts);
+           for specforge also benchmarks/staging/stage_sglang14.sh install (its parts)
            python3 benchmarks/peers_gpu.py stage                     (in the call that carries .peers)
            python3 benchmarks/peers_gpu.py start sweep ours speculators modelopt [--lanes 5] [--admit-for-s 1200]
            python3 benchmarks/peers_gpu.py start final ours speculators modelopt [--seeds 0]
@@ -73,15 +74,25 @@ DATA_N = 16384  # conversations of the shared set (synthesized by the first sess
 # states for them are about 15 GB (73,728 would be 67 GB, past the 64 GiB disk); every budget takes several epochs
 DATA_SET = f"smollm2_synth_{DATA_N}.jsonl.gz"
 DATA_PART = 12 << 20  # bytes per part of it that a poll brings out
-LRS = {"ours": (1e-3, 2e-3, 4e-3), "speculators": (3e-4, 1e-3, 3e-3), "modelopt": (1e-4, 3e-4, 1e-3)}
-SEED = {"ours": 0, "speculators": 42, "modelopt": 42}  # each framework's default seed; the second is +1
-HEADS = {"ours": ("recipe",), "speculators": ("default", "matched"), "modelopt": ("default", "matched")}
-PROBE_STEPS = {"ours": 60, "speculators": 200, "modelopt": 300}  # (ModelOpt's bar reads whole seconds)
+LRS = {"ours": (1e-3, 2e-3, 4e-3), "speculators": (3e-4, 1e-3, 3e-3), "modelopt": (1e-4, 3e-4, 1e-3),
+       "specforge": (3e-5, 1e-4, 3e-4)}  # fmt: skip
+SEED = {"ours": 0, "speculators": 42, "modelopt": 42, "specforge": 42}  # each one's default seed; the second is +1
+HEADS = {"ours": ("recipe",), "speculators": ("default", "matched"), "modelopt": ("default", "matched"),
+         "specforge": ("default", "matched")}  # fmt: skip
+PROBE_STEPS = {"ours": 60, "speculators": 200, "modelopt": 300, "specforge": 200}  # (ModelOpt's bar: whole seconds)
 MODELOPT_WARMUP = 0.05  # its recipe's 1,000 warm-up steps are for far longer runs: this share of the steps
 PORT_STATES, PORT_SERVE, PORT_DIST = 8765, 8766, 29600  # (PORT_SERVE and PORT_DIST: + the lane)
 SERVE_MEMORY = 0.15  # vLLM's share of the GPU when serving a draft beside the other lanes' runs
 CAPTURE_SHARE = 0.25  # ... and when writing speculators' states (prefill only, for a 135M target)
-WHEELS = ("nvidia-modelopt==0.47.0", "pulp==3.3.2", "speculators==0.9.0", "hs-connectors==0.9.0")
+WHEELS = ("nvidia-modelopt==0.47.0", "pulp==3.3.2", "speculators==0.9.0", "hs-connectors==0.9.0", "specforge==0.2.0",
+          "yunchang==0.6.4")  # fmt: skip
+SPECFORGE_CAPTURE = "prepare_hidden_states.py"  # SpecForge@a6b6b02 scripts/ (GitHub only): its offline capture
+SPECFORGE_SHARE = 0.25  # SGLang's --mem-fraction-static for that capture (beside the lanes: 0.3 of the GPU held)
+# what SpecForge 0.2.0 copies from the target into the draft config it derives (training/model_loading.py)
+SPECFORGE_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                    "max_position_embeddings", "rms_norm_eps", "hidden_act", "initializer_range", "attention_bias",
+                    "attention_dropout", "head_dim", "rope_theta", "rope_scaling", "bos_token_id", "eos_token_id",
+                    "pad_token_id")  # fmt: skip
 MODELOPT_FILES = ("main.py", "eagle_utils.py", "fsdp2_buffer_patch.py", "scripts/ar_validate.py",
                   "scripts/export_hf_checkpoint.py", "scripts/calibrate_draft_vocab.py")  # fmt: skip
 
@@ -111,6 +122,14 @@ def head_shape(fw: str, head: str, target: dict, variant: str | None) -> tuple[d
     ours["variant"] = variant = variant or ours["variant"]
     if fw == "ours":
         return ours, []
+    if fw == "specforge":
+        missing = ["the chain fed its normed output: SpecForge 0.2.0's next step takes the pre-norm output"] \
+            if variant == "eagle3.1" else []  # fmt: skip
+        if head == "matched":
+            shape = dict(ours) | {"lm_head": "random, trained"}
+            return shape, ["lm_head init from the target: SpecForge starts the draft lm_head at random", *missing]
+        return {"mlp": target["intermediate_size"], "draft_vocab": 32000, "ttt": 7, "lm_head": "random, trained",
+                "variant": variant}, missing  # fmt: skip
     if head == "matched":
         shape, missing = dict(ours), []
         if fw == "speculators":
@@ -181,6 +200,46 @@ def modelopt_cmd(spec: RunSpec, run: Path, target: Path, convs: Path, t: dict) -
     return cmd
 
 
+def specforge_draft(t: dict, shape: dict) -> dict:
+    """The draft config SpecForge 0.2.0 derives from the target (its fields, one Llama layer), shaped as
+    ``shape`` (MLP, draft vocab; EAGLE-3.1: its per-state norms before fc)."""
+    d = {k: t[k] for k in SPECFORGE_FIELDS if t.get(k) is not None}
+    if "rope_theta" not in d and t.get("rope_parameters"):  # (transformers 5 keeps it under rope_parameters)
+        d["rope_theta"] = t["rope_parameters"]["rope_theta"]
+    d |= {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+          "tie_word_embeddings": False, "use_cache": True, "pad_token_id": t.get("pad_token_id") or 0,
+          "intermediate_size": shape["mlp"], "draft_vocab_size": shape["draft_vocab"]}  # fmt: skip
+    if shape.get("variant") == "eagle3.1":
+        d["fc_norm"] = True
+    return d
+
+
+def specforge_config(spec: RunSpec, run: Path, sf: Path, tied: bool) -> dict:
+    """One run's SpecForge config (``specforge train -c``): its defaults but the budget's steps, the
+    lr, the seed, the head and the data of the session (``sf``: the capture's folder)."""
+    vocab = sf / "hs/vocab_mapping" if spec.head == "default" else sf / f"vocab{spec.head_shape['draft_vocab']}"
+    return {
+        "run_id": "run",
+        "output_dir": str(run / "out"),
+        "model": {
+            "target_model_path": str(sf / "target"),
+            "draft_model_config": str(sf / f"draft_{spec.head}.json"),
+            "lm_head_key": "model.embed_tokens.weight" if tied else "lm_head.weight",
+            "vocab_mapping_path": str(vocab / "vocab_mapping.pt"),
+        },  # fmt: skip
+        "data": {"hidden_states_path": str(sf / "hs"), "max_length": 2048, "chat_template": "lfm"},
+        "training": {
+            "strategy": "eagle3",
+            "num_epochs": 1000,
+            "max_steps": spec.steps_planned,  # (it stops there)
+            "learning_rate": spec.lr,
+            "seed": spec.seed,
+            "ttt_length": spec.head_shape["ttt"],
+            "log_interval": 10,
+        },  # fmt: skip
+    }
+
+
 def eval_cmd(export: Path, prompts: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "eagle3_train.evaluation.eval", f"++draft={export}", "++target=embedded",
             "++engine=vllm", "++k=5", "++dtype=float32", "++batch_size=40", f"++prompts={prompts}", f"++out={out}",
@@ -195,11 +254,13 @@ def env_for(fw: str) -> dict[str, str]:
         "ours": [],
         "speculators": ["/tmp/specsite", "/tmp/vsite"],
         "modelopt": ["/tmp/mosite", str(PEERS / "modelopt_ex")],
+        "specforge": ["/tmp/sfsite", "/tmp/sg14site"],  # (SGLang 0.5.14's site carries transformers 5.8.1: first)
     }
     path = [*site[fw], "/tmp/site", str(REPO), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": ":".join(p for p in path if p), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-            "EAGLE3_CACHE": os.environ.get("EAGLE3_CACHE", "/tmp/e3cache")}  # fmt: skip
+            "EAGLE3_CACHE": os.environ.get("EAGLE3_CACHE", "/tmp/e3cache"),
+            "TVM_FFI_CACHE_DIR": "/tmp/sg14cache/tvm-ffi", "FLASHINFER_WORKSPACE_BASE": "/tmp/sg14cache"}  # fmt: skip
 
 
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
@@ -329,6 +390,8 @@ class Session:
                            shared=shared)  # fmt: skip
             elif fw == "speculators":
                 ok = self.speculators_data()
+            elif fw == "specforge":
+                ok = self.specforge_data()
             else:
                 ok = install("/tmp/mosite", "nvidia_modelopt-*.whl", "pulp-*.whl")
             if not ok:
@@ -366,6 +429,34 @@ class Session:
                          "generate-offline-data", "--preprocessed-data", str(out / "data"), "--endpoint", f"{url}/v1",
                          "--concurrency", "32"], env_for("speculators"), shared=shared)  # fmt: skip
 
+    def specforge_data(self) -> bool:
+        """SpecForge's capture (SGLang 0.5.14 in process) renders the chats with its template and writes
+        the target's states with the default head's vocabulary; the matched head's vocabulary is
+        SpecForge's own mapping over the same rows."""
+        if not install("/tmp/sfsite", "specforge-*.whl", "yunchang-*.whl"):
+            return False
+        sf, shared = PO / "specforge_data", self.lanes is not None
+        specforge_target(self.target, sf / "target")
+        for head in HEADS["specforge"]:
+            shape, _ = head_shape("specforge", head, self.t, self.a.variant)
+            (sf / f"draft_{head}.json").write_text(json.dumps(specforge_draft(self.t, shape), indent=1))
+        data, target = str(PO / "convs_conversations.jsonl"), str(sf / "target")
+        capture = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                   str(PEERS / "specforge" / SPECFORGE_CAPTURE), "--target-model-path", target, "--draft-model-config",
+                   str(sf / "draft_default.json"), "--data-path", data, "--output-path", str(sf / "hs"),
+                   "--chat-template", "lfm", "--max-length", "2048", "--num-samples", str(self.a.n), "--batch-size",
+                   "32", "--cache-dir", str(sf / "cache"), "--sglang-attention-backend", "triton",
+                   "--sglang-mem-fraction-static", str(SPECFORGE_SHARE)]  # fmt: skip
+        held = self.lanes.hold("specforge_data", (SPECFORGE_SHARE + 0.05) * gpu_memory_mib()) if self.lanes \
+            else nullcontext()  # fmt: skip
+        with held:
+            if not phase("specforge_data", "states", capture, env_for("specforge"), shared=shared):
+                return False
+        size = head_shape("specforge", "matched", self.t, self.a.variant)[0]["draft_vocab"]
+        return phase("specforge_data", "vocab", [sys.executable, "-c", SPECFORGE_VOCAB, data, target, str(self.a.n),
+                     str(self.t["vocab_size"]), str(size), str(sf / f"vocab{size}")], env_for("specforge"),
+                     shared=shared)  # fmt: skip
+
     def spec(self, fw: str, head: str, kind: str, budget: float | None, lr: float, seed: int) -> RunSpec | None:
         """The run sized to its budget from the framework's steady step time (None: none measured)."""
         shape, missing = head_shape(fw, head, self.t, self.a.variant)
@@ -402,6 +493,16 @@ class Session:
             ok = phase(s.name, "train", ours_cmd(s, run / "run", self.convs), env) and phase(s.name, "export",
                        [sys.executable, "-m", "eagle3_train.serving.export", f"++run={run / 'run/train'}",
                         f"++out={export}"], env)  # fmt: skip
+        elif s.framework == "specforge":
+            sf, draft = PO / "specforge_data", PO / "specforge_data" / f"draft_{s.head}.json"
+            config = specforge_config(s, run, sf, bool(self.t.get("tie_word_embeddings")))
+            (run / "config.json").write_text(json.dumps(config, indent=1))
+            env.pop("MASTER_PORT")  # (it takes a free port itself, and refuses a partial torchrun environment)
+            ok = phase(s.name, "train", [sys.executable, "-m", "specforge.cli", "train", "-c", str(run / "config.json")],
+                       env) and phase(s.name, "export", [sys.executable, "-m", "specforge.cli", "export", "--to",
+                       "sglang", "--checkpoint", str(run / "out/run-latest"), "--draft-config", str(draft),
+                       "--vocab-mapping", config["model"]["vocab_mapping_path"], "--output-dir", str(export)], env)  # fmt: skip
+            shutil.rmtree(run / "out", ignore_errors=True)
         elif s.framework == "speculators":
             ok = phase(s.name, "train", speculators_cmd(s, run, self.target), env)
             ckpts = sorted((p for p in (run / "ckpt").glob("[0-9]*") if p.is_dir()), key=lambda p: int(p.name))
@@ -453,6 +554,35 @@ class Session:
                       "++max_new_tokens=128", f"++draft={export}", f"++out={PO / name / 'served'}"], env_for("ours"))  # fmt: skip
         except RuntimeError as e:
             say(f"{name}: not served: {e}")
+
+
+SPECFORGE_VOCAB = """\
+import sys
+from datasets import Dataset
+from specforge.data.preprocessing import build_eagle3_dataset, generate_vocab_mapping_file
+from specforge.utils import load_tokenizer, safe_conversations_generator
+data, target, n, vocab, size, out = sys.argv[1:]
+chats = Dataset.from_generator(safe_conversations_generator, gen_kwargs={"file_path": data}).select(range(int(n)))
+rows = build_eagle3_dataset(chats, load_tokenizer(target), chat_template="lfm", max_length=2048)
+generate_vocab_mapping_file(rows, target_vocab_size=int(vocab), draft_vocab_size=int(size), cache_dir=out)
+"""  # the matched head's draft vocabulary by SpecForge's own functions, over the rows its capture read
+
+
+def specforge_target(hf: Path, dest: Path) -> None:
+    """The target's files, and the weight index SpecForge's target head asks for (it reads the lm_head,
+    tied or not, through one)."""
+    from safetensors import safe_open
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in hf.iterdir():
+        if not (dest / f.name).exists():
+            (dest / f.name).symlink_to(f)
+    if not (dest / "model.safetensors.index.json").exists():
+        weights = {}
+        for f in sorted(hf.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as w:
+                weights |= dict.fromkeys(w.keys(), f.name)
+        (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weights}))
 
 
 def install(site: str, *wheels: str) -> bool:
@@ -646,8 +776,9 @@ def gpu_kind() -> str:
 # --- pack / stage / start / poll -----------------------------------------------------------------------
 
 
-def pack(examples: Path, mt_bench: Path) -> None:
-    """Here: the peers' wheels, ModelOpt's launcher (GitHub only) and MT-bench into .peers/ (git-ignored)."""
+def pack(examples: Path, mt_bench: Path, specforge_scripts: Path | None = None) -> None:
+    """Here: the peers' wheels, ModelOpt's launcher and SpecForge's capture (GitHub only) and MT-bench
+    into .peers/ (git-ignored)."""
     dest = REPO / ".peers"
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(dest / "whl"), *WHEELS], check=True
@@ -655,6 +786,9 @@ def pack(examples: Path, mt_bench: Path) -> None:
     for f in MODELOPT_FILES:
         (dest / "modelopt_ex" / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(examples / f, dest / "modelopt_ex" / f)
+    if specforge_scripts is not None:
+        (dest / "specforge").mkdir(exist_ok=True)
+        shutil.copy(specforge_scripts / SPECFORGE_CAPTURE, dest / "specforge" / SPECFORGE_CAPTURE)
     (dest / "data").mkdir(exist_ok=True)
     shutil.copy(mt_bench, dest / "data/mt_bench_question.jsonl")
     join_data_parts(dest)
@@ -712,6 +846,7 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("pack")
     p.add_argument("examples", type=Path, help="ModelOpt's examples/speculative_decoding (0.47.0)")
     p.add_argument("mt_bench", type=Path, help="MT-bench's question.jsonl")
+    p.add_argument("specforge", type=Path, nargs="?", help="SpecForge's scripts/ (0.2.0: @a6b6b02)")
     sub.add_parser("stage")
     for name in ("start", "job", "plan"):
         p = sub.add_parser(name)
@@ -745,7 +880,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.copytree(REPO, "/tmp/repo", ignore=shutil.ignore_patterns(".peers", ".git"))
         say(f"staged {PEERS} and the repository in /tmp/repo (start runs from there)")
     elif a.cmd == "pack":
-        pack(a.examples, a.mt_bench)
+        pack(a.examples, a.mt_bench, a.specforge)
     elif a.cmd == "start":
         shutil.rmtree(PO, ignore_errors=True)
         PO.mkdir(parents=True)

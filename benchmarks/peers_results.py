@@ -30,14 +30,13 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA = 1
-FRAMEWORKS = ("ours", "speculators", "modelopt")
+FRAMEWORKS = ("ours", "speculators", "modelopt", "specforge")
 SWEEP_S, FINAL_S = 180.0, 600.0  # the two budgets: the lr sweep's and the seeds'
 BAR_GAP_S = 10.0  # seconds between the readings of a progress bar's whole-second clock that time its steps
-NOT_RUN = {
-    "specforge": "SpecForge 0.2.0 captures the target's states with SGLang 0.5.14 only, which does not import "
-    "beside the image's transformers 5.17 (it registers qwen3_asr a second time); a 0.5.14 stage carrying "
-    "transformers 5.8.1 (about 110 MB in 2 parts) was not built, and its trainer on HF-captured features is not "
-    "its pipeline (benchmarks/notes/peer_training.md)"
+NOT_RUN = {  # (a framework's entry goes once the file holds a run of it)
+    "specforge": "SpecForge 0.2.0 captures the target's states with SGLang 0.5.14 only, which needs transformers "
+    "5.8.1 in a site of its own beside the image's 5.17 (benchmarks/staging/stage_sglang14.sh, 2 parts); not run "
+    "yet: the harness runs it after the two other peers (benchmarks/notes/peer_training.md)"
 }
 WITHDRAWN = (
     "The equal-minutes verdict of 2026-12-04 (peers_pair2_h200: ours +0.45 tau over speculators, +0.42 served) is "
@@ -274,7 +273,7 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
         "runs": "single run each; the 10-minute configurations two seeds; probes ran alone on the GPU, sized runs "
         "up to `lanes` at once (the budget_loop_s column is their loop alone)",
         "withdrawn": WITHDRAWN,
-        "not_run": NOT_RUN,
+        "not_run": {fw: why for fw, why in NOT_RUN.items() if not any(r.framework == fw for r in runs)},
         "sessions": sessions,
         "frameworks": [asdict(r) | {"name": r.name} for r in order],
         "tables": [
@@ -333,6 +332,18 @@ def speculators_points(text: str) -> tuple[list[tuple[int, float]], float | None
     return pts, (statistics.median(rates) if rates else None), (int(totals[0]) if totals else None)
 
 
+def specforge_points(text: str) -> list[tuple[int, float]]:
+    """SpecForge's console lines ``step N: {..., 'perf/optimizer_step_time_s': s, ...}`` (one each
+    ``training.log_interval`` steps, s the mean over those steps): cumulative (step, seconds)."""
+    pts, t, last = [], 0.0, 0
+    for step, body in re.findall(r"^step (\d+): (\{.*\})\s*$", text, re.M):
+        if m := re.search(r"'perf/optimizer_step_time_s': ([0-9.e+-]+)", body):
+            t += float(m[1]) * (int(step) - last)
+            last = int(step)
+            pts.append((last, t))
+    return pts
+
+
 def trainer_points(text: str, steps: int) -> list[tuple[int, float]]:
     """HF Trainer's progress bar (ModelOpt): (step, seconds) at each reading of the bar that counts
     ``steps`` (its max_steps; the data loading's and the save's bars count other things)."""
@@ -376,6 +387,8 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
         pts, run.tokens_per_s = ours_points((d / "run/train/metrics.jsonl").read_text())
     elif run.framework == "speculators" and (d / "train.log").is_file():
         pts, run.tokens_per_s, run.steps_per_epoch = speculators_points((d / "train.log").read_text(errors="replace"))
+    elif run.framework == "specforge" and (d / "train.log").is_file():
+        pts = specforge_points((d / "train.log").read_text(errors="replace"))
     elif (d / "train.log").is_file():
         log = (d / "train.log").read_text(errors="replace")
         pts = trainer_points(log, run.steps_planned)

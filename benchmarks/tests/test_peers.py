@@ -464,3 +464,77 @@ def test_no_run_starts_past_the_admission_deadline():
     lanes = pg.Lanes(1, 64 * 1024, lambda spec: 1024, last=time.time() + 0.1)
     lanes.run([("g", lambda: [spec("a"), spec("b"), spec("c")])], lambda x, lane: (started.append(x), time.sleep(0.15)))
     assert [x.framework for x in started] == ["a"]  # b and c would have started after the deadline
+
+
+def test_specforge_trains_its_own_config_its_head_derived_from_the_target_as_it_derives_one(tmp_path):
+    """Its default head: the target's MLP, its 32,000-token vocabulary, 7 TTT steps; matched: ours.
+    The draft config takes SpecForge's fields from the target (rope theta where transformers 5 keeps
+    it), and the run's config its steps, lr, seed and the session's data."""
+    shape, missing = pg.head_shape("specforge", "default", TARGET, None)
+    assert (shape["mlp"], shape["draft_vocab"], shape["ttt"], shape["variant"]) == (1536, 32000, 7, "eagle3.1")
+    assert missing == ["the chain fed its normed output: SpecForge 0.2.0's next step takes the pre-norm output"]
+    matched, why = pg.head_shape("specforge", "matched", TARGET, "eagle3")
+    assert (matched["mlp"], matched["draft_vocab"], matched["ttt"]) == (6144, 16384, 5)
+    assert why == ["lm_head init from the target: SpecForge starts the draft lm_head at random"]
+    t5 = {k: v for k, v in TARGET.items() if k != "rope_theta"} | {"rope_parameters": {"rope_theta": 1e5}}
+    d = pg.specforge_draft(t5, shape)
+    assert (d["rope_theta"], d["intermediate_size"], d["draft_vocab_size"], d["num_hidden_layers"]) == (
+        1e5,
+        1536,
+        32000,
+        1,
+    )
+    assert (
+        d["fc_norm"] is True
+        and d["architectures"] == ["LlamaForCausalLMEagle3"]
+        and "fc_norm" not in pg.specforge_draft(t5, matched)
+    )
+    sf = tmp_path / "sf"
+    run_m = pr.RunSpec("specforge", "matched", "sweep", 180.0, 3e-4, 43, 500, 16384, head_shape=matched)
+    c = pg.specforge_config(run_m, tmp_path / "r", sf, tied=True)
+    assert c["training"] | {"strategy": "eagle3"} == {"strategy": "eagle3", "num_epochs": 1000, "max_steps": 500,
+        "learning_rate": 3e-4, "seed": 43, "ttt_length": 5, "log_interval": 10}  # fmt: skip
+    assert c["model"]["vocab_mapping_path"] == str(sf / "vocab16384/vocab_mapping.pt")
+    assert c["model"]["lm_head_key"] == "model.embed_tokens.weight" and c["data"]["hidden_states_path"] == str(
+        sf / "hs"
+    )
+    run_d = pr.RunSpec("specforge", "default", "sweep", 180.0, 1e-4, 42, 900, 16384, head_shape=shape)
+    c = pg.specforge_config(run_d, tmp_path / "r", sf, tied=False)
+    assert c["model"]["vocab_mapping_path"] == str(sf / "hs/vocab_mapping/vocab_mapping.pt")
+    assert c["model"]["lm_head_key"] == "lm_head.weight" and c["model"]["draft_model_config"] == str(
+        sf / "draft_default.json"
+    )
+
+
+def test_specforge_log_gives_its_step_times_its_first_window_compiling():
+    lines = ["step 10: {'loss': 9.1, 'perf/optimizer_step_time_s': 6.0, 'lr': 1e-05}"]  # (compilation in it)
+    lines += [f"step {s}: {{'loss': 3.0, 'perf/optimizer_step_time_s': 0.2}}" for s in range(20, 201, 10)]
+    text = "Training:  5%|5| 10/200\n" + "\n".join(lines) + "\nstep 200 saved\n"
+    pts = pr.specforge_points(text)
+    assert pts[0] == (10, 60.0) and pts[-1] == (200, pytest.approx(60.0 + 190 * 0.2)) and len(pts) == 20
+    loop, compile_s, step = pr.split_compile(pts)
+    assert step == pytest.approx(0.2) and compile_s == pytest.approx(loop - 200 * 0.2)
+
+
+def test_specforge_reads_the_target_through_a_weight_index_it_is_given(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(4, 2), "model.norm.weight": torch.ones(2)}, hf / "model.safetensors"
+    )
+    (hf / "config.json").write_text("{}")
+    pg.specforge_target(hf, tmp_path / "t")
+    index = json.loads((tmp_path / "t/model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {
+        "model.embed_tokens.weight": "model.safetensors",
+        "model.norm.weight": "model.safetensors",
+    }
+    assert (tmp_path / "t/config.json").resolve() == (hf / "config.json").resolve()
+
+
+def test_a_framework_leaves_the_not_run_list_once_the_file_holds_a_run_of_it():
+    assert "specforge" in pr.results([], [])["not_run"]
+    assert "specforge" not in pr.results([run("specforge", "default", steps=10)], [])["not_run"]
