@@ -534,10 +534,14 @@ class Session:
         self.known.append(read_run(run, phases(), memory_trace(PO / "smi.csv")))
 
     def peak(self, spec: RunSpec) -> int | None:
-        """The whole device's peak while this framework and head trained alone (its probe)."""
+        """What the run's lane may take: the whole device's peak while this framework and head trained
+        alone (its probe), and for a final at least what vLLM takes serving its draft afterwards."""
         alone = [r.peak_gpu_mib for r in self.known if (r.framework, r.head, r.device) ==
                  (spec.framework, spec.head, spec.device) and r.peak_gpu_mib and r.peak_from == "run"]  # fmt: skip
-        return max(alone) if alone else None
+        if not alone:
+            return None
+        serving = (SERVE_MEMORY + 0.03) * gpu_memory_mib() if spec.kind == "final" else 0  # (+ its CUDA context)
+        return int(max(max(alone), serving))
 
     def serve(self, name: str, export: Path, lane: int = 0) -> None:
         """vLLM serving the target with the draft; eagle3-served-acceptance on the held-out prompts."""
