@@ -264,6 +264,7 @@ def env_for(fw: str) -> dict[str, str]:
 
 
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
+PHASE_TIMEOUT_S = 1800.0  # a phase that hangs (an engine, a rendezvous) frees its lane after this; training: below
 START = time.time()  # when the job began (--admit-for-s counts from it)
 
 
@@ -275,14 +276,22 @@ def phase(
     cwd: Path | None = None,
     log: Path | None = None,
     shared: bool = False,
+    timeout: float = PHASE_TIMEOUT_S,
 ) -> bool:
-    """Run one command, its output to ``log``; append {run, phase, seconds, start, end, rc, shared} to
-    phases.jsonl (``shared``: other work had the GPU too, so its seconds are not the phase's alone)."""
+    """Run one command in its own process group, its output to ``log``, stopped (the whole group) after
+    ``timeout`` seconds (rc 124); append {run, phase, seconds, start, end, rc, shared} to phases.jsonl
+    (``shared``: other work had the GPU too, so its seconds are not the phase's alone)."""
     log = log or PO / run / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
     with log.open("w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop_group(proc)
+            rc = 124
+            say(f"{run} {name}: stopped after {timeout:.0f} s")
     end = time.time()
     with PHASES, (PO / "phases.jsonl").open("a") as f:
         f.write(
@@ -323,30 +332,46 @@ def data_parts(dest: Path) -> None:
         (dest / f"{DATA_SET}.part-{i // DATA_PART}").write_bytes(blob[i : i + DATA_PART])
 
 
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group (torchrun and vLLM leave children), SIGKILL 60 s later."""
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 class Server:
-    """A vLLM server in its own process group, up until the block ends."""
+    """A vLLM server in its own process group, up until the block ends. Its start is tried twice:
+    beside the lanes, another process freeing GPU memory while vLLM profiles it fails the start."""
 
     def __init__(self, cmd: str, log: Path, url: str):
         self.cmd, self.log, self.url = cmd, log, url
 
     def __enter__(self) -> Server:
         engine = f'source {REPO}/benchmarks/staging/engine_env.sh && exec "${{vllm_env[@]}}" {self.cmd}'
-        self.proc = subprocess.Popen(["bash", "-c", engine], stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=REPO)  # fmt: skip
-        end = time.time() + 600
-        while time.time() < end and self.proc.poll() is None:
-            try:
-                urllib.request.urlopen(self.url, timeout=2)
-                return self
-            except OSError:
-                time.sleep(2)
-        self.__exit__()
+        for attempt in (1, 2):
+            with self.log.open("a") as out:
+                self.proc = subprocess.Popen(["bash", "-c", engine], stdout=out, stderr=subprocess.STDOUT,
+                                             start_new_session=True, cwd=REPO)  # fmt: skip
+            end = time.time() + 600
+            while time.time() < end and self.proc.poll() is None:
+                try:
+                    urllib.request.urlopen(self.url, timeout=2)
+                    return self
+                except OSError:
+                    time.sleep(2)
+            self.__exit__()
+            say(f"vLLM did not answer at {self.url} (start {attempt} of 2): {self.log}")
         raise RuntimeError(f"vLLM did not answer at {self.url}: {self.log}")
 
     def __exit__(self, *exc: object) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=60)
+            stop_group(self.proc)
 
 
 class Session:
@@ -361,6 +386,7 @@ class Session:
         self.known, _ = load(a.results or REPO / f"benchmarks/results/peers_{device}.json")
         self.ready: set[str] = set()
         self.prep_locks = {fw: threading.Lock() for fw in FRAMEWORKS}  # (two heads, one preparation)
+        self.prep_failed: set[str] = set()
         self.lanes: Lanes | None = None  # set once the runs share the GPU: preparations then go beside them
         self.convs = PO / "convs.jsonl"
         data = PEERS / "data" / DATA_SET
@@ -377,9 +403,19 @@ class Session:
         self.sha = hashlib.sha256(self.convs.read_bytes()).hexdigest()
 
     def prepare(self, fw: str, head: str) -> bool:
-        """The framework's data (once per session): ours tokenized, speculators' states, ModelOpt's vocab."""
+        """The framework's data (once per session): ours tokenized, speculators' states, ModelOpt's vocab.
+        One that failed is not tried again for the framework's other head."""
         with self.prep_locks[fw]:
-            return self._prepare(fw, head)
+            if fw in self.prep_failed:
+                return False
+            try:
+                ok = self._prepare(fw, head)
+            except Exception:
+                self.prep_failed.add(fw)
+                raise
+            if not ok:
+                self.prep_failed.add(fw)
+            return ok
 
     def _prepare(self, fw: str, head: str) -> bool:
         shared = self.lanes is not None
@@ -420,7 +456,8 @@ class Session:
         out.mkdir(parents=True, exist_ok=True)
         spec = [sys.executable, "-m", "speculators"]
         url, shared = f"http://127.0.0.1:{PORT_STATES}", self.lanes is not None
-        held = self.lanes.hold("speculators_data", CAPTURE_SHARE * gpu_memory_mib()) if self.lanes else nullcontext()
+        held = self.lanes.hold("speculators_data", (CAPTURE_SHARE + 0.05) * gpu_memory_mib()) if self.lanes \
+            else nullcontext()  # (+ its CUDA context and activations)  # fmt: skip
         with held, Server(cmd, out / "vllm.log", f"{url}/v1/models"):
             return phase("speculators_data", "render", [*spec, "prepare-data", "--model", str(self.target), "--data",
                          str(PO / "convs_conversations.jsonl"), "--render-endpoint", url, "--output", str(out / "data"),
@@ -487,10 +524,11 @@ class Session:
         (run / "spec.json").write_text(json.dumps(asdict(s), indent=1))
         say(f"{s.name}: {s.steps_planned} steps, {s.epochs} epochs at most ({s.kind}, lane {lane})")
         env, export = env_for(s.framework) | {"MASTER_PORT": str(PORT_DIST + lane)}, run / "export"
+        limit = 4 * (s.budget_s or 0) + 900  # (its loop slowed by the lanes, start-up and compilation)
         if s.framework == "ours":
             (run / "run").mkdir()
             (run / "run/prepared").symlink_to(PO / "ours_data/prepared")  # tokenized once per session
-            ok = phase(s.name, "train", ours_cmd(s, run / "run", self.convs), env) and phase(s.name, "export",
+            ok = phase(s.name, "train", ours_cmd(s, run / "run", self.convs), env, timeout=limit) and phase(s.name, "export",
                        [sys.executable, "-m", "eagle3_train.serving.export", f"++run={run / 'run/train'}",
                         f"++out={export}"], env)  # fmt: skip
         elif s.framework == "specforge":
@@ -499,12 +537,12 @@ class Session:
             (run / "config.json").write_text(json.dumps(config, indent=1))
             env.pop("MASTER_PORT")  # (it takes a free port itself, and refuses a partial torchrun environment)
             ok = phase(s.name, "train", [sys.executable, "-m", "specforge.cli", "train", "-c", str(run / "config.json")],
-                       env) and phase(s.name, "export", [sys.executable, "-m", "specforge.cli", "export", "--to",
+                       env, timeout=limit) and phase(s.name, "export", [sys.executable, "-m", "specforge.cli", "export", "--to",
                        "sglang", "--checkpoint", str(run / "out/run-latest"), "--draft-config", str(draft),
                        "--vocab-mapping", config["model"]["vocab_mapping_path"], "--output-dir", str(export)], env)  # fmt: skip
             shutil.rmtree(run / "out", ignore_errors=True)
         elif s.framework == "speculators":
-            ok = phase(s.name, "train", speculators_cmd(s, run, self.target), env)
+            ok = phase(s.name, "train", speculators_cmd(s, run, self.target), env, timeout=limit)
             ckpts = sorted((p for p in (run / "ckpt").glob("[0-9]*") if p.is_dir()), key=lambda p: int(p.name))
             if ok and ckpts:
                 export.symlink_to(ckpts[-1])  # its last epoch's directory is what vLLM serves
@@ -512,7 +550,8 @@ class Session:
                     shutil.rmtree(old)
         else:
             ex = PEERS / "modelopt_ex"
-            ok = phase(s.name, "train", modelopt_cmd(s, run, self.target, self.convs, self.t), env, cwd=ex) and phase(
+            ok = phase(s.name, "train", modelopt_cmd(s, run, self.target, self.convs, self.t), env, cwd=ex,
+                       timeout=limit) and phase(
                 s.name, "export", [sys.executable, "scripts/export_hf_checkpoint.py", "--model_path",
                 str(run / "out"), "--export_path", str(export)], env, cwd=ex)  # fmt: skip
             shutil.rmtree(run / "out", ignore_errors=True)
@@ -597,13 +636,14 @@ def install(site: str, *wheels: str) -> bool:
 
 def phases() -> list[dict]:
     path = PO / "phases.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    with PHASES:  # (not half a line a lane is writing)
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
 
 def runs_wanted(a: argparse.Namespace, known: list) -> list[tuple[str, str, float, list[float], list[int]]]:
     """(framework, head, budget, lrs, seeds) for each FRAMEWORK[:HEAD] asked, in the order asked."""
     out = []
-    for item in a.frameworks:
+    for item in dict.fromkeys(a.frameworks):  # (one of each)
         fw, _, head = item.partition(":")
         if fw not in FRAMEWORKS:
             raise SystemExit(f"peers_gpu: {fw!r} is not one of {FRAMEWORKS}")
@@ -611,7 +651,8 @@ def runs_wanted(a: argparse.Namespace, known: list) -> list[tuple[str, str, floa
             for h in [head] if head else HEADS[fw]:
                 out.append((fw, h, SWEEP_S, a.lrs or list(LRS[fw]), a.seeds or [SEED[fw]]))
             continue
-        top, head = best(known, fw), "recipe" if fw == "ours" else head
+        head = "recipe" if fw == "ours" else head
+        top = best([r for r in known if not head or r.head == head], fw)  # (a head named: that head's best lr)
         if top is None and (a.lrs is None or not head):
             raise SystemExit(f"peers_gpu: no 3-minute sweep of {fw} in the results: give --lrs and FW:HEAD")
         out.append((fw, head or top.head, FINAL_S, a.lrs or [top.lr], a.seeds or [SEED[fw], SEED[fw] + 1]))
@@ -636,26 +677,29 @@ def job(a: argparse.Namespace) -> None:
                                                  "lanes": a.lanes, "date": f"{datetime.now(timezone.utc):%Y-%m-%d}"}))  # fmt: skip
     s = Session(a, device)
     wanted, failed = runs_wanted(a, s.known), set()
+    last = None if a.admit_for_s is None else START + a.admit_for_s
     for fw, head, budget, lrs, seeds in wanted:
-        if s.spec(fw, head, "sweep", budget, lrs[0], seeds[0]) is None:  # no step time yet: a probe, alone
-            try:
+        try:
+            if s.spec(fw, head, "sweep", budget, lrs[0], seeds[0]) is None:  # no step time yet: a probe, alone
                 if not s.prepare(fw, head):
                     raise RuntimeError("its preparation failed")
                 s.train(s.spec(fw, head, "probe", None, lrs[0], seeds[0]))  # type: ignore[arg-type]
-            except Exception as e:  # noqa: BLE001  (the next framework still runs)
-                failed.add((fw, head))
-                say(f"{fw}:{head}: {e!r}; its runs are left out")
+        except Exception as e:  # noqa: BLE001  (the next framework still runs)
+            failed.add((fw, head))
+            say(f"{fw}:{head}: {e!r}; its runs are left out")
 
     def runs_of(fw: str, head: str, budget: float, lrs: list[float], seeds: list[int]) -> list[RunSpec]:
         specs = [s.spec(fw, head, "sweep" if budget == SWEEP_S else "final", budget, lr, seed)
                  for lr in lrs for seed in seeds]  # fmt: skip
         if None in specs:
-            raise RuntimeError("its probe measured no step time")
+            raise RuntimeError("its probe measured no step time (or it failed)")
+        todo = [x for x in specs if x is not None and not done(s.known, x)]
+        if not todo or (last is not None and time.time() > last):  # (nothing to prepare for)
+            return []
         if not s.prepare(fw, head):
             raise RuntimeError("its preparation failed")
-        return [x for x in specs if x is not None and not done(s.known, x)]
+        return todo
 
-    last = None if a.admit_for_s is None else START + a.admit_for_s
     s.lanes = Lanes(a.lanes, a.memory_gib * 1024, s.peak, last)
     say(f"the sized runs, {a.lanes} at a time on the GPU within {a.memory_gib:g} GiB")
     groups = [(f"{w[0]}:{w[1]}", lambda w=w: runs_of(*w)) for w in wanted if (w[0], w[1]) not in failed]
@@ -670,7 +714,7 @@ class Lanes:
     def __init__(self, n: int, cap_mib: float, peak: Callable[[RunSpec], int | None], last: float | None = None):
         self.n, self.cap, self.peak, self.last = n, cap_mib, peak, last  # last: no run starts after this time
         self.running: dict[int | str, float] = {}  # a lane, or a preparation -> the MiB it holds
-        self.waiting = 0.0  # MiB of preparations waiting to start: no new run takes their room
+        self.waiting: dict[str, float] = {}  # preparations waiting to start -> MiB: no new run takes their room
         self.cond = threading.Condition()
 
     def _fits(self, need: float, lane: bool) -> bool:
@@ -678,16 +722,16 @@ class Lanes:
             return not self.running or sum(self.running.values()) + need <= self.cap
         lanes = sum(isinstance(k, int) for k in self.running)
         alone = not self.running and not self.waiting
-        return lanes < self.n and (alone or sum(self.running.values()) + need + self.waiting <= self.cap)
+        return lanes < self.n and (alone or sum(self.running.values()) + need + sum(self.waiting.values()) <= self.cap)
 
     @contextmanager
     def hold(self, name: str, need: float) -> Iterator[None]:
         """GPU memory for a preparation beside the runs (no lane); runs admitted after it asks wait
         behind it."""
         with self.cond:
-            self.waiting += need
+            self.waiting[name] = need
             self.cond.wait_for(lambda: self._fits(need, False))
-            self.waiting -= need
+            del self.waiting[name]
             self.running[name] = need
         try:
             yield

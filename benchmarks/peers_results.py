@@ -103,7 +103,8 @@ class Run(RunSpec):
 
     def reached(self) -> int:
         """How far the run got: trained, evaluated, served."""
-        return sum(x is not None for x in (self.steps, self.tau_heldout, self.tau_mtbench, self.vllm_acceptance))
+        trained = self.steps is not None and self.steps >= self.steps_planned
+        return trained + sum(x is not None for x in (self.tau_heldout, self.tau_mtbench, self.vllm_acceptance))
 
 
 # --- budgets ---------------------------------------------------------------------------------------
@@ -153,10 +154,12 @@ def bar_split(points: list[tuple[int, float]]) -> tuple[float, float, float] | N
 
 
 def step_time(runs: list[Run], framework: str, head: str, device: str) -> tuple[float, int | None] | None:
-    """(steady step s, steps per epoch) of the longest run of this framework and head on this device
-    that had the GPU to itself (a probe, or a run outside the lanes)."""
+    """(steady step s, steps per epoch) of the longest probe of this framework and head on this device
+    (probes alone have the GPU to themselves) that ended without a failed phase (its training ended:
+    its start-up was measured), for speculators one whose log gave its steps per epoch."""
     known = [r for r in runs if (r.framework, r.head, r.device) == (framework, head, device) and r.steady_step_s
-             and (r.kind == "probe" or r.lanes == 1)]  # fmt: skip
+             and r.kind == "probe" and not r.failed and r.startup_s is not None
+             and (framework != "speculators" or r.steps_per_epoch)]  # fmt: skip
     if not known:
         return None
     best = max(known, key=lambda r: r.steps or 0)
@@ -408,7 +411,7 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
         if run.loop_s is not None:
             run.startup_s = round(t["seconds"] - run.loop_s, 1)
         inside = [mib for ts, mib in trace if t["start"] <= ts <= t["end"]]
-        if inside and (run.lanes == 1 or run.kind == "probe"):  # (a run in a lane may have had company)
+        if inside and run.kind == "probe":  # (alone; any other run may have had company, a preparation too)
             run.peak_gpu_mib, run.peak_from = max(inside), "run"
     run.data_s = data_seconds(phases, run.framework, run.head)
     run.tau_heldout, run.lossless = _tau(d / "eval_heldout/report.json")

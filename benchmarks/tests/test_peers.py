@@ -3,6 +3,7 @@ budgets into steps, compile time apart, the sweep's choice, seed spreads, mergin
 
 import argparse
 import json
+import os
 import sys
 import tarfile
 import threading
@@ -25,6 +26,13 @@ def run(fw="ours", head="recipe", budget=180.0, lr=1e-3, seed=0, **measured) -> 
     return pr.Run(
         fw, head, "sweep" if budget == 180.0 else "final", budget, lr, seed, 100, 16384, device="h100", **measured
     )
+
+
+def probe(fw="ours", head="recipe", lr=1e-3, seed=0, **measured) -> pr.Run:
+    """A probe that ended (its start-up measured) and measured its step."""
+    r = run(fw, head, None, lr, seed, startup_s=60.0, **measured)
+    r.kind = "probe"
+    return r
 
 
 def test_a_budget_becomes_steps_at_the_steady_step_time_and_epochs_hold_them():
@@ -121,8 +129,8 @@ def test_merging_replaces_a_run_unless_the_new_one_got_less_far():
 
 
 def _session(po: Path) -> pr.RunSpec:
-    """A session folder as the job leaves it: one run trained, not yet evaluated."""
-    spec = pr.RunSpec("ours", "recipe", "sweep", 180.0, 2e-3, 0, 600, 16384, device="h100", session="h100-x")
+    """A session folder as the job leaves it: one probe trained, its export failed."""
+    spec = pr.RunSpec("ours", "recipe", "probe", None, 2e-3, 0, 600, 16384, device="h100", session="h100-x")
     (po / spec.name / "run/train").mkdir(parents=True)
     (po / spec.name / "spec.json").write_text(json.dumps(pr.asdict(spec)))
     rows = [{"step": 10 * i, "loop_s": 20.0 + 3.0 * i, "tokens_per_s": 1e5} for i in range(1, 61)]
@@ -154,6 +162,8 @@ def test_a_poll_leaves_the_archive_and_partial_results_that_merge_into_the_file(
     pr.main(["merge", str(po), str(out)])  # the same session read again from its folder: one run, one session
     runs, sessions = pr.load(out)
     assert [x.name for x in runs] == [spec.name] and [s["id"] for s in sessions] == ["h100-x"]
+    assert pr.step_time(runs, "ours", "recipe", "h100") is None  # a probe whose export failed sizes nothing
+    runs[0].failed = []
     assert pr.step_time(runs, "ours", "recipe", "h100") == (pytest.approx(0.3), None)
     assert pr.step_time(runs, "ours", "recipe", "h200") is None  # another GPU: its own probe
 
@@ -162,10 +172,10 @@ def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_pa
     s = object.__new__(pg.Session)
     s.a = argparse.Namespace(n=16384, variant="eagle3", session="h100-x", lanes=3)
     s.device, s.t, s.sha = "h100", TARGET, "abc"
-    s.known = [run("speculators", "matched", None, 1e-3, 42, steady_step_s=0.06, steps_per_epoch=270, steps=200)]
+    s.known = [probe("speculators", "matched", 1e-3, 42, steady_step_s=0.06, steps_per_epoch=270, steps=200)]
     assert s.spec("speculators", "default", "sweep", 180.0, 1e-3, 42) is None  # its head has no step time: a probe
-    probe = s.spec("speculators", "default", "probe", None, 1e-3, 42)
-    assert (probe.steps_planned, probe.epochs) == (200, 1)
+    first = s.spec("speculators", "default", "probe", None, 1e-3, 42)
+    assert (first.steps_planned, first.epochs) == (200, 1)
     m = s.spec("speculators", "matched", "sweep", 180.0, 3e-3, 42)
     assert (m.steps_planned, m.epochs, m.head_shape["draft_vocab"], m.head_shape["ttt"]) == (3000, 12, 16384, 5)
     cmd = pg.speculators_cmd(m, tmp_path, Path("/target"))
@@ -173,7 +183,7 @@ def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_pa
                         ("--lr", "0.003"), ("--loss-implementation", "eager")):  # fmt: skip
         assert cmd[cmd.index(flag) + 1] == value
     assert m.missing == ["lm_head training: speculators keeps the draft lm_head frozen"]
-    s.known.append(run("modelopt", "default", None, 1e-4, 42, steady_step_s=0.25, steps=200))
+    s.known.append(probe("modelopt", "default", 1e-4, 42, steady_step_s=0.25, steps=200))
     mo = s.spec("modelopt", "default", "final", 600.0, 3e-4, 43)
     assert (mo.steps_planned, mo.warmup_steps, mo.head_shape["mlp"], mo.head_shape["ttt"]) == (2400, 120, 1536, 3)
     cmd = pg.modelopt_cmd(mo, tmp_path, Path("/target"), tmp_path / "c.jsonl", TARGET)
@@ -186,7 +196,7 @@ def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_pa
     assert {"++train.optim.lr=0.002", "++train.loop.max_steps=700", "++train.loop.seed=0"} <= set(ours)
     assert pg.ours_head() == {"mlp": 6144, "draft_vocab": 16384, "ttt": 5, "lm_head": "target, trained",
                               "variant": "eagle3.1"}  # fmt: skip
-    assert (m.planned_step_s, m.lanes, probe.planned_step_s, probe.lanes) == (0.06, 3, None, 1)
+    assert (m.planned_step_s, m.lanes, first.planned_step_s, first.lanes) == (0.06, 3, None, 1)
 
 
 def stand_in_session(monkeypatch, po: Path, phase, known: list) -> None:
@@ -195,7 +205,7 @@ def stand_in_session(monkeypatch, po: Path, phase, known: list) -> None:
     def init(self, a, device):
         self.a, self.device, self.t, self.sha, self.known, self.ready = a, device, TARGET, "abc", list(known), set()
         self.convs, self.target = po / "c.jsonl", Path("/target")
-        self.prep_locks, self.lanes = {fw: threading.Lock() for fw in pr.FRAMEWORKS}, None
+        self.prep_locks, self.lanes, self.prep_failed = {fw: threading.Lock() for fw in pr.FRAMEWORKS}, None, set()
 
     monkeypatch.setattr(pg, "PO", po)
     monkeypatch.setattr(pg, "phase", phase)
@@ -210,7 +220,7 @@ def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_
     and the sweep's runs take 180 s / 0.3 s steps; speculators' data fails and only its runs go."""
     trained = []
 
-    def phase(run_name, name, cmd, env, cwd=None, log=None, shared=False):
+    def phase(run_name, name, cmd, env, cwd=None, log=None, shared=False, timeout=None):
         if name == "train":
             out = Path(next(c for c in cmd if c.startswith("out="))[4:])
             steps = int(next(c for c in cmd if "max_steps=" in c).split("=")[1])
@@ -218,6 +228,9 @@ def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_
             (out / "train").mkdir(parents=True)
             rows = [{"step": s, "loop_s": 30.0 + 0.3 * s} for s in range(10, steps + 1, 10)]
             (out / "train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            with (tmp_path / "phases.jsonl").open("a") as f:  # (as the real phase records it)
+                f.write(json.dumps({"run": run_name, "phase": name, "seconds": 30 + 0.3 * steps + 9, "start": 0.0,
+                                    "end": 1.0, "rc": 0}) + "\n")  # fmt: skip
         return True
 
     stand_in_session(monkeypatch, tmp_path, phase, [])
@@ -242,7 +255,7 @@ def test_a_missing_shared_set_is_synthesized_once_and_polls_bring_it_out_in_part
     def parts_out():
         return sorted(dest.glob(f"{pg.DATA_SET}.part-*"), key=lambda f: int(f.name.rsplit("-", 1)[1]))
 
-    def phase(run_name, name, cmd, env, cwd=None, log=None, shared=False):
+    def phase(run_name, name, cmd, env, cwd=None, log=None, shared=False, timeout=None):
         asked.append(cmd)
         save = Path(next(c for c in cmd if c.startswith("prepare.save_conversations=")).split("=", 1)[1])
         save.write_bytes(blob[:1000])  # half written: a poll now brings out nothing
@@ -295,12 +308,11 @@ def test_the_recipes_head_family_goes_to_ours_and_to_speculators_flags_for_it(tm
 def test_runs_that_shared_the_gpu_are_judged_by_their_steps_at_the_step_time_measured_alone():
     """A sized run in a lane trained slower (0.5 s a step) than its probe alone (0.3 s): its budget
     is its steps at 0.3 s, its peak memory is the probe's, and the next plan still uses 0.3 s."""
-    probe = run(budget=None, steps=60, steady_step_s=0.3, peak_gpu_mib=20000, peak_from="run")
-    probe.kind = "probe"
+    alone = probe(steps=60, steady_step_s=0.3, peak_gpu_mib=20000, peak_from="run")
     shared = run(lr=2e-3, steps=600, steady_step_s=0.5, planned_step_s=0.3, lanes=4)
-    assert pr.step_time([probe, shared], "ours", "recipe", "h100") == (0.3, None)
+    assert pr.step_time([alone, shared], "ours", "recipe", "h100") == (0.3, None)
     assert pr.step_time([shared], "ours", "recipe", "h100") is None  # only a run that had company: probe again
-    pr.with_probe_peaks([probe, shared])
+    pr.with_probe_peaks([alone, shared])
     assert (shared.peak_gpu_mib, shared.peak_from) == (20000, "probe")
 
 
@@ -325,7 +337,7 @@ def test_the_lanes_run_a_mix_of_frameworks_at_once_on_their_own_ports_and_skip_w
     the runs alternate between frameworks; a run the results hold evaluated is not run again."""
     active, most, order, ports, lock = set(), [0], [], [], threading.Lock()
 
-    def phase(run_name, name, cmd, env, cwd=None, log=None, shared=False):
+    def phase(run_name, name, cmd, env, cwd=None, log=None, shared=False, timeout=None):
         if name == "train":
             with lock:
                 assert env["MASTER_PORT"] not in {p for _, p in active}
@@ -339,10 +351,9 @@ def test_the_lanes_run_a_mix_of_frameworks_at_once_on_their_own_ports_and_skip_w
         return False  # (trained nothing: no export, no eval)
 
     known = [
-        run(steps=60, steady_step_s=0.3, peak_gpu_mib=25000, peak_from="run"),
-        run("modelopt", "default", None, 1e-4, 42, steady_step_s=0.25, steps=200, peak_gpu_mib=5000, peak_from="run"),
+        probe(steps=60, steady_step_s=0.3, peak_gpu_mib=25000, peak_from="run"),
+        probe("modelopt", "default", 1e-4, 42, steady_step_s=0.25, steps=200, peak_gpu_mib=5000, peak_from="run"),
     ]
-    known[0].kind = known[1].kind = "probe"
     known.append(run(lr=1e-3, steps=600, tau_heldout=1.8, planned_step_s=0.3, lanes=2))  # done in an earlier session
 
     stand_in_session(monkeypatch, tmp_path, phase, known)
@@ -455,7 +466,7 @@ def test_a_preparation_waiting_for_room_is_not_overtaken_by_runs_asked_after_it(
     lanes.run([("big", lambda: [spec("big")]), ("data", prep), ("small", later)], work)
     assert order == ["big", "data", "small"]
     idle = pg.Lanes(3, 64 * 1024, lambda spec: 40 * 1024)
-    idle.waiting = 30 * 1024  # nothing running, a preparation asking: a run that cannot fit beside it waits
+    idle.waiting = {"data": 30 * 1024}  # nothing running, a preparation asking: a run that cannot fit beside it waits
     assert not idle._fits(40 * 1024, True) and idle._fits(20 * 1024, True) and idle._fits(30 * 1024, False)
 
 
@@ -548,3 +559,50 @@ def test_a_final_runs_lane_holds_room_for_vllm_serving_its_draft(monkeypatch):
     sweep = pr.RunSpec("modelopt", "default", "sweep", 180.0, 1e-4, 42, 9, 16384, device="h100")
     assert s.peak(sweep) == 4000 and s.peak(final) == int((pg.SERVE_MEMORY + 0.03) * 80000)
     assert s.peak(pr.RunSpec("ours", "recipe", "final", 600.0, 1e-3, 0, 9, 16384, device="h100")) is None
+
+
+def test_a_preparation_that_failed_is_not_tried_again_and_none_runs_for_runs_already_done(tmp_path, monkeypatch):
+    """speculators' states fail once: its second head does not write them again. ours' runs are all
+    in the results already: its data is not prepared at all."""
+    calls, trained = [], []
+
+    def phase(run_name, name, cmd, env, cwd=None, log=None, shared=False, timeout=None):
+        trained.append(run_name)
+        return True
+
+    known = [probe(steps=60, steady_step_s=0.3)] + [
+        run(lr=lr, steps=600, tau_heldout=1.8, planned_step_s=0.3) for lr in (1e-3, 2e-3)
+    ]
+    stand_in_session(monkeypatch, tmp_path, phase, known)
+    monkeypatch.setattr(pg.Session, "speculators_data", lambda self: calls.append("states") or False)
+    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    pg.main(["job", "sweep", "speculators", "ours", "ours", "--lrs", "1e-3", "2e-3"])
+    assert calls == ["states"]  # (its second head: not again)
+    assert trained == []  # no phase at all: ours' tokenizing neither (ours named twice: one group)
+
+
+def test_a_final_for_a_named_head_takes_that_heads_best_lr():
+    runs = [run("speculators", "default", lr=1e-3, tau_heldout=1.5), run("speculators", "matched", lr=3e-4, tau_heldout=1.7),
+            run("speculators", "default", lr=3e-3, tau_heldout=1.4)]  # fmt: skip
+    a = argparse.Namespace(what="final", frameworks=["speculators:default"], lrs=None, seeds=None)
+    assert pg.runs_wanted(a, runs) == [("speculators", "default", 600.0, [1e-3], [42, 43])]
+
+
+def test_a_hung_phase_is_stopped_with_its_children_and_frees_its_lane(tmp_path, monkeypatch):
+    monkeypatch.setattr(pg, "PO", tmp_path)
+    child = tmp_path / "child.pid"
+    cmd = ["bash", "-c", f"sleep 30 & echo $! > {child}; wait"]
+    start = time.time()
+    assert not pg.phase("r", "train", cmd, dict(os.environ), timeout=1.0)
+    assert time.time() - start < 20
+    (rec,) = [json.loads(x) for x in (tmp_path / "phases.jsonl").read_text().splitlines()]
+    assert rec["rc"] == 124
+    time.sleep(0.2)
+    stat = Path(f"/proc/{child.read_text().strip()}/stat")
+    assert not stat.exists() or stat.read_text().split()[2] == "Z"  # the group's child went too (a zombie at most)
+
+
+def test_a_run_cut_off_before_its_steps_does_not_replace_one_that_trained_them():
+    whole = run(steps=100)  # (100 planned)
+    cut = run(steps=40)
+    assert pr.merge([whole], [cut])[0].steps == 100 and pr.merge([cut], [whole])[0].steps == 100
