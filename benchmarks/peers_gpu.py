@@ -500,7 +500,7 @@ class Session:
         s = RunSpec(fw, head, kind, budget, lr, seed, PROBE_STEPS[fw], self.a.n, self.sha, head_shape=shape,
                     missing=missing, device=self.device, session=self.a.session)  # fmt: skip
         if budget is not None:
-            timing = step_time(self.known, fw, head, self.device)
+            timing = step_time(self.known, fw, head, self.device, s.conversations, shape.get("variant", "eagle3"))
             if timing is None:
                 return None
             s.planned_step_s, s.lanes = timing[0], self.a.lanes
@@ -916,7 +916,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(
             "--results", type=Path, help="where earlier runs are read from (default: results/peers_<gpu>.json)"
         )
-        p.add_argument("--device", default=None, help="plan: the GPU kind whose step times to use")
+        p.add_argument("--device", default="h100", help="plan: the GPU kind whose step times to use")
     p = sub.add_parser("poll")
     p.add_argument("seconds", type=float)
     p.add_argument("dest", type=Path)
@@ -946,8 +946,8 @@ def main(argv: list[str] | None = None) -> None:
         job(a)
     elif a.cmd == "plan":
         known, _ = load(a.results or REPO / f"benchmarks/results/peers_{a.device}.json")
-        for fw, head, budget, lrs, seeds in runs_wanted(a, known):
-            timing = step_time(known, fw, head, a.device or "")
+        for fw, head, budget, lrs, seeds in runs_wanted(a, known):  # (any head family: plan has no target)
+            timing = step_time(known, fw, head, a.device, a.n)
             steps = plan_steps(budget, timing[0]) if timing else f"a {PROBE_STEPS[fw]}-step probe first, then sized"
             print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {steps} steps each")
         print(f"sized runs {a.lanes} at a time on the GPU; data and probes alone")

@@ -70,8 +70,11 @@ class RunSpec:
 
     @property
     def name(self) -> str:
+        """The run's key (a run of the same name is the same run): framework, head, head family, data,
+        budget, lr, seed."""
         budget = f"{self.budget_s:g}s" if self.budget_s else f"{self.steps_planned}steps"
-        return f"{self.framework}-{self.head}-{budget}-lr{self.lr:g}-seed{self.seed}"
+        family = self.head_shape.get("variant", "eagle3")
+        return f"{self.framework}-{self.head}-{family}-n{self.conversations}-{budget}-lr{self.lr:g}-seed{self.seed}"
 
 
 @dataclass
@@ -153,13 +156,17 @@ def bar_split(points: list[tuple[int, float]]) -> tuple[float, float, float] | N
     return t1, max(0.0, t1 - s1 * step), step
 
 
-def step_time(runs: list[Run], framework: str, head: str, device: str) -> tuple[float, int | None] | None:
+def step_time(
+    runs: list[Run], framework: str, head: str, device: str, conversations: int | None = None, family: str | None = None
+) -> tuple[float, int | None] | None:
     """(steady step s, steps per epoch) of the longest probe of this framework and head on this device
     (probes alone have the GPU to themselves) that ended without a failed phase (its training ended:
     its start-up was measured), for speculators one whose log gave its steps per epoch."""
     known = [r for r in runs if (r.framework, r.head, r.device) == (framework, head, device) and r.steady_step_s
              and r.kind == "probe" and not r.failed and r.startup_s is not None
-             and (framework != "speculators" or r.steps_per_epoch)]  # fmt: skip
+             and (framework != "speculators" or r.steps_per_epoch)
+             and conversations in (None, r.conversations)  # (speculators' epochs are the set's)
+             and family in (None, r.head_shape.get("variant", "eagle3"))]  # fmt: skip
     if not known:
         return None
     best = max(known, key=lambda r: r.steps or 0)

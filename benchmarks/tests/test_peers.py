@@ -23,6 +23,8 @@ TARGET = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3
 
 
 def run(fw="ours", head="recipe", budget=180.0, lr=1e-3, seed=0, **measured) -> pr.Run:
+    """A run as the job plans it: the recipe's head family for ours and speculators, EAGLE-3 for ModelOpt."""
+    measured.setdefault("head_shape", {"variant": "eagle3" if fw == "modelopt" else "eagle3.1"})
     return pr.Run(
         fw, head, "sweep" if budget == 180.0 else "final", budget, lr, seed, 100, 16384, device="h100", **measured
     )
@@ -173,6 +175,11 @@ def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_pa
     s.a = argparse.Namespace(n=16384, variant="eagle3", session="h100-x", lanes=3)
     s.device, s.t, s.sha = "h100", TARGET, "abc"
     s.known = [probe("speculators", "matched", 1e-3, 42, steady_step_s=0.06, steps_per_epoch=270, steps=200)]
+    assert s.spec("speculators", "matched", "sweep", 180.0, 1e-3, 42) is None  # another head family: probe it again
+    s.a.n = 2048
+    s.a.variant = None  # (the recipe's: EAGLE-3.1, as the probe)
+    assert s.spec("speculators", "matched", "sweep", 180.0, 1e-3, 42) is None  # fewer conversations: their epochs
+    s.a.n = 16384
     assert s.spec("speculators", "default", "sweep", 180.0, 1e-3, 42) is None  # its head has no step time: a probe
     first = s.spec("speculators", "default", "probe", None, 1e-3, 42)
     assert (first.steps_planned, first.epochs) == (200, 1)
@@ -361,8 +368,11 @@ def test_the_lanes_run_a_mix_of_frameworks_at_once_on_their_own_ports_and_skip_w
     monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
     pg.main(["job", "sweep", "ours", "modelopt:default", "--lanes", "2"])
     assert most[0] == 2 and set(ports) == {str(pg.PORT_DIST), str(pg.PORT_DIST + 1)}
-    assert sorted(n.split("-lr")[0] for n in order) == ["modelopt-default-180s"] * 3 + ["ours-recipe-180s"] * 2
-    assert "ours-recipe-180s-lr0.001-seed0" not in order and len(order) == 5
+    assert (
+        sorted(n.split("-lr")[0] for n in order)
+        == ["modelopt-default-eagle3-n16384-180s"] * 3 + ["ours-recipe-eagle3.1-n16384-180s"] * 2
+    )
+    assert "ours-recipe-eagle3.1-n16384-180s-lr0.001-seed0" not in order and len(order) == 5
 
 
 def test_a_run_starts_only_where_the_peaks_measured_alone_fit_beside_those_running():
