@@ -165,7 +165,10 @@ def speculators_cmd(spec: RunSpec, run: Path, target: Path) -> list[str]:
     cmd = [sys.executable, "-m", "speculators", "train", "--verifier-name-or-path", str(target),
            "--data-path", str(PO / "speculators_data/data"), "--save-path", str(run / "ckpt"), "--on-missing", "raise",
            "--loss-implementation", "eager", "--epochs", str(spec.epochs), "--max-steps", str(spec.steps_planned),
-           "--lr", str(spec.lr), "--seed", str(spec.seed)]  # fmt: skip
+           "--lr", str(spec.lr), "--seed", str(spec.seed),
+           # a checkpoint after its first epoch and its last only (not each of up to 30, ~0.4 GB each, on a
+           # 64 GiB disk that also holds the states); its training is the same
+           "--checkpoint-freq", str(spec.epochs or 1)]  # fmt: skip
     if spec.head == "matched":
         cmd += ["--draft-config", str(PO / "speculators_draft.json"), "--ttt-steps", str(spec.head_shape["ttt"]),
                 "--draft-vocab-size", str(spec.head_shape["draft_vocab"])]  # fmt: skip

@@ -187,6 +187,7 @@ def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_pa
     assert (m.steps_planned, m.epochs, m.head_shape["draft_vocab"], m.head_shape["ttt"]) == (3000, 12, 16384, 5)
     cmd = pg.speculators_cmd(m, tmp_path, Path("/target"))
     for flag, value in (("--max-steps", "3000"), ("--epochs", "12"), ("--draft-vocab-size", "16384"), ("--ttt-steps", "5"),
+                        ("--checkpoint-freq", "12"),
                         ("--lr", "0.003"), ("--loss-implementation", "eager")):  # fmt: skip
         assert cmd[cmd.index(flag) + 1] == value
     assert m.missing == ["lm_head training: speculators keeps the draft lm_head frozen"]
