@@ -887,6 +887,8 @@ def poll(seconds: float, dest: Path) -> None:
     packed(dest)
     lines = (PO / "log").read_text(errors="replace").splitlines() if (PO / "log").is_file() else []
     print("\n".join([x for x in lines if x.startswith("peers_gpu:")][-15:] + lines[-3:]))
+    free = shutil.disk_usage(PO).free / 2**30
+    print(f"disk: {free:.1f} GiB free under {PO}")  # (states and checkpoints fill it: SpecForge's ~30 GB)
     print(f"ended: rc={(PO / 'rc').read_text().strip()}" if (PO / "rc").is_file() else "running")
 
 
