@@ -30,13 +30,13 @@ so later sessions carry the same set. Notes: benchmarks/notes/peer_training.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import hashlib
 import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -45,7 +45,7 @@ import time
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -66,6 +66,8 @@ from peers_results import (  # noqa: E402  # noqa: E402
     results,
     step_time,
 )
+
+from eagle3_train.engines.launcher import stop_group  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))  # .peers/ staged: wheels, ModelOpt's launcher, data
@@ -292,7 +294,7 @@ def phase(
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            stop_group(proc)
+            stop_group(proc, 60.0)
             rc = 124
             say(f"{run} {name}: stopped after {timeout:.0f} s")
     end = time.time()
@@ -335,19 +337,6 @@ def data_parts(dest: Path) -> None:
         (dest / f"{DATA_SET}.part-{i // DATA_PART}").write_bytes(blob[i : i + DATA_PART])
 
 
-def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the process group (torchrun and vLLM leave children), SIGKILL 60 s later."""
-    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 class Server:
     """A vLLM server in its own process group, up until the block ends. Its start is tried twice:
     beside the lanes, another process freeing GPU memory while vLLM profiles it fails the start."""
@@ -374,7 +363,7 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         if self.proc.poll() is None:
-            stop_group(self.proc)
+            stop_group(self.proc, 60.0)
 
 
 class Session:
@@ -459,15 +448,18 @@ class Session:
         out.mkdir(parents=True, exist_ok=True)
         spec = [sys.executable, "-m", "speculators"]
         url, shared = f"http://127.0.0.1:{PORT_STATES}", self.lanes is not None
-        held = self.lanes.hold("speculators_data", (CAPTURE_SHARE + 0.05) * gpu_memory_mib()) if self.lanes \
-            else nullcontext()  # (+ its CUDA context and activations)  # fmt: skip
-        with held, Server(cmd, out / "vllm.log", f"{url}/v1/models"):
+        with self.beside_lanes("speculators_data", CAPTURE_SHARE), Server(cmd, out / "vllm.log", f"{url}/v1/models"):
             return phase("speculators_data", "render", [*spec, "prepare-data", "--model", str(self.target), "--data",
                          str(PO / "convs_conversations.jsonl"), "--render-endpoint", url, "--output", str(out / "data"),
                          "--seq-length", "4096", "--max-samples", str(self.a.n), "--no-skip-token-freq"],
                          env_for("speculators"), shared=shared) and phase("speculators_data", "states", [*spec,
                          "generate-offline-data", "--preprocessed-data", str(out / "data"), "--endpoint", f"{url}/v1",
                          "--concurrency", "32"], env_for("speculators"), shared=shared)  # fmt: skip
+
+    def beside_lanes(self, name: str, share: float) -> contextlib.AbstractContextManager:
+        """Room on the GPU for a preparation's engine taking ``share`` of it (+ its CUDA context and
+        activations), held against the lanes' cap while runs share the GPU; nothing before."""
+        return self.lanes.hold(name, (share + 0.05) * gpu_memory_mib()) if self.lanes else contextlib.nullcontext()
 
     def specforge_data(self) -> bool:
         """SpecForge's capture (SGLang 0.5.14 in process) renders the chats with its template and writes
@@ -487,9 +479,7 @@ class Session:
                    "--chat-template", "lfm", "--max-length", "2048", "--num-samples", str(self.a.n), "--batch-size",
                    "32", "--cache-dir", str(sf / "cache"), "--sglang-attention-backend", "triton",
                    "--sglang-mem-fraction-static", str(SPECFORGE_SHARE)]  # fmt: skip
-        held = self.lanes.hold("specforge_data", (SPECFORGE_SHARE + 0.05) * gpu_memory_mib()) if self.lanes \
-            else nullcontext()  # fmt: skip
-        with held:
+        with self.beside_lanes("specforge_data", SPECFORGE_SHARE):
             if not phase("specforge_data", "states", capture, env_for("specforge"), shared=shared):
                 return False
         size = head_shape("specforge", "matched", self.t, self.a.variant)[0]["draft_vocab"]
@@ -535,13 +525,13 @@ class Session:
                        [sys.executable, "-m", "eagle3_train.serving.export", f"++run={run / 'run/train'}",
                         f"++out={export}"], env)  # fmt: skip
         elif s.framework == "specforge":
-            sf, draft = PO / "specforge_data", PO / "specforge_data" / f"draft_{s.head}.json"
-            config = specforge_config(s, run, sf, bool(self.t.get("tie_word_embeddings")))
+            config = specforge_config(s, run, PO / "specforge_data", bool(self.t.get("tie_word_embeddings")))
+            draft = config["model"]["draft_model_config"]
             (run / "config.json").write_text(json.dumps(config, indent=1))
             env.pop("MASTER_PORT")  # (it takes a free port itself, and refuses a partial torchrun environment)
             ok = phase(s.name, "train", [sys.executable, "-m", "specforge.cli", "train", "-c", str(run / "config.json")],
                        env, timeout=limit) and phase(s.name, "export", [sys.executable, "-m", "specforge.cli", "export", "--to",
-                       "sglang", "--checkpoint", str(run / "out/run-latest"), "--draft-config", str(draft),
+                       "sglang", "--checkpoint", str(run / "out/run-latest"), "--draft-config", draft,
                        "--vocab-mapping", config["model"]["vocab_mapping_path"], "--output-dir", str(export)], env)  # fmt: skip
             shutil.rmtree(run / "out", ignore_errors=True)
         elif s.framework == "speculators":

@@ -141,6 +141,19 @@ class EngineProcesses:
         self.commands = []
 
 
+def stop_group(proc: subprocess.Popen, grace_s: float = STOP_WAIT_S) -> None:
+    """Stop a process started with ``start_new_session``: SIGTERM to its whole group (engines and
+    launchers leave children), SIGKILL after ``grace_s`` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def host_logs(out: Path) -> Path:
     """``<out>/engine/<host>``: where :func:`serve` logs, one directory per host, since the engine
     hosts of one run share its ``out``."""

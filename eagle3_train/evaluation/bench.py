@@ -36,11 +36,9 @@ import contextlib
 import datetime
 import json
 import logging
-import os
 import platform
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -65,6 +63,7 @@ from eagle3_train.core.reports import BenchReport, BenchRow, write_report
 from eagle3_train.engines import registry
 from eagle3_train.engines.base import Engine, SpecMetrics, named_dtype
 from eagle3_train.engines.http import EngineError, post_json, retrying, wait_ready
+from eagle3_train.engines.launcher import stop_group
 from eagle3_train.evaluation.plots import plot_speedup
 from eagle3_train.evaluation.served_acceptance import (
     CHAT_ROUTE,
@@ -306,14 +305,7 @@ class StartedEngine:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, grace_s: float = 60.0) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_group(self.proc, grace_s)
         self.log_file.close()
 
 
