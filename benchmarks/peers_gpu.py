@@ -61,6 +61,7 @@ from peers_results import (  # noqa: E402  # noqa: E402
     load,
     memory_trace,
     plan_steps,
+    probe_peaks,
     read_run,
     read_session,
     results,
@@ -568,12 +569,11 @@ class Session:
     def peak(self, spec: RunSpec) -> int | None:
         """What the run's lane may take: the whole device's peak while this framework and head trained
         alone (its probe), and for a final at least what vLLM takes serving its draft afterwards."""
-        alone = [r.peak_gpu_mib for r in self.known if (r.framework, r.head, r.device) ==
-                 (spec.framework, spec.head, spec.device) and r.peak_gpu_mib and r.peak_from == "run"]  # fmt: skip
-        if not alone:
+        alone = probe_peaks(self.known).get((spec.framework, spec.head, spec.device))
+        if alone is None:
             return None
         serving = (SERVE_MEMORY + 0.03) * gpu_memory_mib() if spec.kind == "final" else 0  # (+ its CUDA context)
-        return int(max(max(alone), serving))
+        return int(max(alone, serving))
 
     def serve(self, name: str, export: Path, lane: int = 0) -> None:
         """vLLM serving the target with the draft; eagle3-served-acceptance on the held-out prompts."""

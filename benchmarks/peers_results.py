@@ -248,17 +248,29 @@ RUN_COLUMNS = ("name", "kind", "lanes", "steps", "budget_loop_s", "steady_loop_s
 def with_alone_data(runs: list[Run], sessions: list[dict[str, Any]]) -> list[Run]:
     """Runs whose data was prepared beside other work take the seconds it took alone in the latest
     session that measured it (as their peaks come from probes)."""
+    latest_first = sorted(sessions, key=lambda s: str(s.get("id")), reverse=True)
     for r in runs:
-        for s in sorted(sessions, key=lambda s: str(s.get("id")), reverse=True):
-            if r.data_s is None and (x := data_seconds(s.get("phases", []), r.framework, r.head)) is not None:
-                r.data_s = x
+        if r.data_s is None:
+            found = (data_seconds(s.get("phases", []), r.framework, r.head) for s in latest_first)
+            r.data_s = next((x for x in found if x is not None), None)
     return runs
+
+
+def probe_peaks(runs: list[Run]) -> dict[tuple[str, str, str], int]:
+    """(framework, head, GPU) -> the whole device's peak while its probe trained alone (the highest
+    where it was probed more than once)."""
+    out: dict[tuple[str, str, str], int] = {}
+    for r in runs:
+        if r.kind == "probe" and r.peak_from == "run" and r.peak_gpu_mib:
+            key = (r.framework, r.head, r.device)
+            out[key] = max(out.get(key, 0), r.peak_gpu_mib)
+    return out
 
 
 def with_probe_peaks(runs: list[Run]) -> list[Run]:
     """Runs that shared the GPU take the peak memory of their probe (the same framework, head and
     GPU, alone): the whole device's figure is not theirs."""
-    probes = {(r.framework, r.head, r.device): r.peak_gpu_mib for r in runs if r.kind == "probe" and r.peak_gpu_mib}
+    probes = probe_peaks(runs)
     for r in runs:
         if r.peak_gpu_mib is None and (r.framework, r.head, r.device) in probes and r.steps is not None:
             r.peak_gpu_mib, r.peak_from = probes[(r.framework, r.head, r.device)], "probe"

@@ -564,7 +564,7 @@ def test_a_framework_leaves_the_not_run_list_once_the_file_holds_a_run_of_it():
 
 def test_a_final_runs_lane_holds_room_for_vllm_serving_its_draft(monkeypatch):
     s = object.__new__(pg.Session)
-    s.known = [run("modelopt", "default", None, steps=300, peak_gpu_mib=4000, peak_from="run")]
+    s.known = [probe("modelopt", "default", steps=300, peak_gpu_mib=4000, peak_from="run")]
     monkeypatch.setattr(pg, "gpu_memory_mib", lambda: 80000)
     final = pr.RunSpec("modelopt", "default", "final", 600.0, 1e-4, 42, 9, 16384, device="h100")
     sweep = pr.RunSpec("modelopt", "default", "sweep", 180.0, 1e-4, 42, 9, 16384, device="h100")
