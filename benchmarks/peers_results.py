@@ -470,6 +470,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("out", type=Path, help="the results file (created, or merged into)")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (eagle3_train reads the eval reports)
+    if not a.new.exists():
+        raise SystemExit(f"peers_results: {a.new}: no such file or folder (a poll's peers_partial.json, or a folder "
+                         "its poll.tgz was unpacked into)")  # fmt: skip
     runs, sessions = load(a.out)
     if a.new.is_dir():
         new, session = read_session(a.new)

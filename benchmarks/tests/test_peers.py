@@ -617,3 +617,9 @@ def test_a_run_cut_off_before_its_steps_does_not_replace_one_that_trained_them()
     whole = run(steps=100)  # (100 planned)
     cut = run(steps=40)
     assert pr.merge([whole], [cut])[0].steps == 100 and pr.merge([cut], [whole])[0].steps == 100
+
+
+def test_merging_from_a_path_that_is_not_there_says_so_and_writes_nothing(tmp_path):
+    with pytest.raises(SystemExit, match="missing.json: no such file or folder"):
+        pr.main(["merge", str(tmp_path / "missing.json"), str(tmp_path / "out.json")])
+    assert not (tmp_path / "out.json").exists()
