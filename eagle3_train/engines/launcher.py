@@ -127,31 +127,35 @@ class EngineProcesses:
 
     def close(self) -> None:
         """Stop every server (SIGTERM to its process group, SIGKILL after :data:`STOP_WAIT_S`)."""
-        for p in self.procs:  # the group too when its leader is gone: workers may outlive it
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:  # every group signalled before any is waited for: they stop together
+            signal_group(p, signal.SIGTERM)
         for p in self.procs:
-            try:
-                p.wait(STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            wait_or_kill(p, STOP_WAIT_S)
         self.procs = []
         self.commands = []
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the process group of ``proc`` (started with ``start_new_session``), its leader gone
+    or not: workers may outlive it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+def wait_or_kill(proc: subprocess.Popen, grace_s: float) -> None:
+    """Wait ``grace_s`` seconds for a signalled process, then SIGKILL its group."""
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        signal_group(proc, signal.SIGKILL)
+        proc.wait()
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = STOP_WAIT_S) -> None:
     """Stop a process started with ``start_new_session``: SIGTERM to its whole group (engines and
     launchers leave children), SIGKILL after ``grace_s`` seconds."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    signal_group(proc, signal.SIGTERM)
+    wait_or_kill(proc, grace_s)
 
 
 def host_logs(out: Path) -> Path:
