@@ -4,7 +4,7 @@
     there: benchmarks/staging/gpu_stage.sh install; benchmarks/staging/stage_vllm.sh install (its parts);
            for specforge also benchmarks/staging/stage_sglang14.sh install (its parts)
            python3 benchmarks/peers_gpu.py stage                     (in the call that carries .peers)
-           python3 benchmarks/peers_gpu.py start sweep ours speculators modelopt [--lanes 5] [--admit-for-s 1200]
+           python3 benchmarks/peers_gpu.py start sweep ours speculators modelopt [--lanes 5] [--end-by-s 1600] [--then-final]
            python3 benchmarks/peers_gpu.py start final ours speculators modelopt [--seeds 0]
            python3 benchmarks/peers_gpu.py poll 540 "$OUT"           (back to back until it prints "ended")
     here:  python3 benchmarks/peers_results.py merge OUT/peers_partial.json benchmarks/results/peers_h100.json
@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
@@ -60,6 +61,7 @@ from peers_results import (  # noqa: E402  # noqa: E402
     epochs_for,
     load,
     memory_trace,
+    merge_into,
     plan_steps,
     probe_peaks,
     read_run,
@@ -82,7 +84,8 @@ LRS = {"ours": (1e-3, 2e-3, 4e-3), "speculators": (3e-4, 1e-3, 3e-3), "modelopt"
 SEED = {"ours": 0, "speculators": 42, "modelopt": 42, "specforge": 42}  # each one's default seed; the second is +1
 HEADS = {"ours": ("recipe",), "speculators": ("default", "matched"), "modelopt": ("default", "matched"),
          "specforge": ("default", "matched")}  # fmt: skip
-PROBE_STEPS = {"ours": 60, "speculators": 200, "modelopt": 300, "specforge": 200}  # (ModelOpt's bar: whole seconds)
+PROBE_STEPS = {"ours": 200, "speculators": 200, "modelopt": 300, "specforge": 200}  # (ModelOpt's bar: whole seconds;
+# ours' step falls from 0.5 s to 0.3 s over its first ~150 steps: its 60-step probe sized runs 40 % short)
 MODELOPT_WARMUP = 0.05  # its recipe's 1,000 warm-up steps are for far longer runs: this share of the steps
 PORT_STATES, PORT_SERVE, PORT_DIST = 8765, 8766, 29600  # (PORT_SERVE and PORT_DIST: + the lane)
 SERVE_MEMORY = 0.15  # vLLM's share of the GPU when serving a draft beside the other lanes' runs
@@ -271,7 +274,10 @@ def env_for(fw: str) -> dict[str, str]:
 
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
 PHASE_TIMEOUT_S = 1800.0  # a phase that hangs (an engine, a rendezvous) frees its lane after this; training: below
-START = time.time()  # when the job began (--admit-for-s counts from it)
+START = time.time()  # when the job began (--admit-for-s and --end-by-s count from it)
+SHARED_SLOWDOWN = 2.0  # a loop sharing the GPU, where its framework has not shared it yet (speculators: 1.9x, H100)
+EVAL_S = 90.0  # eagle3-eval of a draft beside the lanes (42-55 s measured; H100)
+SERVE_S = 180.0  # vLLM's start with the draft and its served acceptance (a final)
 
 
 def phase(
@@ -494,7 +500,8 @@ class Session:
         s = RunSpec(fw, head, kind, budget, lr, seed, PROBE_STEPS[fw], self.a.n, self.sha, head_shape=shape,
                     missing=missing, device=self.device, session=self.a.session)  # fmt: skip
         if budget is not None:
-            timing = step_time(self.known, fw, head, self.device, s.conversations, shape.get("variant", "eagle3"))
+            timing = step_time(self.known, fw, head, self.device, s.conversations, shape.get("variant", "eagle3"),
+                               PROBE_STEPS[fw])  # fmt: skip
             if timing is None:
                 return None
             s.planned_step_s, s.lanes = timing[0], self.a.lanes
@@ -564,7 +571,24 @@ class Session:
                     env_for("ours"),
                 )
                 self.serve(s.name, export, lane)
-        self.known.append(read_run(run, phases(), memory_trace(PO / "smi.csv")))
+        record = read_run(run, phases(), memory_trace(PO / "smi.csv"))
+        with PHASES:  # (the lanes end runs at once: this run now stands for its name, an earlier one's goes)
+            self.known = [r for r in self.known if r.name != record.name] + [record]
+
+    def expected(self, spec: RunSpec) -> float:
+        """Seconds the run may take from its start while sharing the GPU: its loop slowed as much as its
+        framework's slowest shared run was (else ``SHARED_SLOWDOWN``), its probe's start-up and
+        compilation (a fresh machine compiles again), its evaluation, and for a final MT-bench and vLLM
+        serving."""
+        probes = [r for r in self.known if (r.framework, r.head, r.device, r.kind) ==
+                  (spec.framework, spec.head, spec.device, "probe") and not r.failed]  # fmt: skip
+        alone = max(probes, key=lambda r: r.steps or 0) if probes else None
+        measured = (alone.startup_s, alone.compile_s) if alone else (None, None)
+        overhead = sum(60.0 if x is None else x for x in measured)
+        shared = [r.steady_loop_s / r.budget_loop_s for r in self.known if r.framework == spec.framework and
+                  (r.lanes or 1) > 1 and r.steady_loop_s and r.budget_loop_s]  # fmt: skip
+        loop = (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * max(shared, default=SHARED_SLOWDOWN)
+        return loop + overhead + EVAL_S + (EVAL_S + SERVE_S if spec.kind == "final" else 0.0)
 
     def peak(self, spec: RunSpec) -> int | None:
         """What the run's lane may take: the whole device's peak while this framework and head trained
@@ -653,9 +677,10 @@ def runs_wanted(a: argparse.Namespace, known: list) -> list[tuple[str, str, floa
 
 
 def done(known: list, spec: RunSpec) -> bool:
-    """The results already hold this run evaluated (a final: on MT-bench too)."""
-    return any(r.name == spec.name and r.tau_heldout is not None and (r.kind != "final" or r.tau_mtbench is not None)
-               for r in known)  # fmt: skip
+    """The results already hold this run evaluated (a final: on MT-bench too) at the steps it is sized
+    to now (one sized from an earlier step time runs again)."""
+    return any(r.name == spec.name and r.steps_planned == spec.steps_planned and r.tau_heldout is not None
+               and (r.kind != "final" or r.tau_mtbench is not None) for r in known)  # fmt: skip
 
 
 def job(a: argparse.Namespace) -> None:
@@ -693,9 +718,32 @@ def job(a: argparse.Namespace) -> None:
             raise RuntimeError("its preparation failed")
         return todo
 
-    s.lanes = Lanes(a.lanes, a.memory_gib * 1024, s.peak, last)
+    def finals_of(fw: str) -> list[RunSpec]:
+        """After the framework's sweep in this job: its best head and lr at the final budget, two seeds,
+        once every run of its sweep is in the results (a sweep cut short chooses nothing)."""
+        heads = [w for w in wanted if w[0] == fw]
+        s.lanes.over([f"{fw}:{h}" for _, h, *_ in heads])  # type: ignore[union-attr]
+        missing = []
+        for _, h, budget, lrs, seeds in heads:
+            for lr, seed in [(lr, seed) for lr in lrs for seed in seeds]:
+                x = s.spec(fw, h, "sweep", budget, lr, seed)
+                if x is None or not done(s.known, x):
+                    missing.append(x.name if x else f"{fw}:{h} lr {lr:g} seed {seed} (no step time)")
+        if missing:
+            say(f"{fw}: no final this job, its sweep lacks {', '.join(missing)}")
+            return []
+        item = fw if len(heads) > 1 else f"{fw}:{heads[0][1]}"  # (one head swept: its final)
+        final = argparse.Namespace(**{**vars(a), "what": "final", "frameworks": [item], "lrs": None, "seeds": None})
+        ((_, head, budget, lrs, seeds),) = runs_wanted(final, s.known)
+        return runs_of(fw, head, budget, lrs, seeds)
+
+    end = None if a.end_by_s is None else START + a.end_by_s
+    s.lanes = Lanes(a.lanes, a.memory_gib * 1024, s.peak, last, end, s.expected)
     say(f"the sized runs, {a.lanes} at a time on the GPU within {a.memory_gib:g} GiB")
-    groups = [(f"{w[0]}:{w[1]}", lambda w=w: runs_of(*w)) for w in wanted if (w[0], w[1]) not in failed]
+    groups: list[tuple[str, Callable[[], list[RunSpec]]]]
+    groups = [(f"{w[0]}:{w[1]}", partial(runs_of, *w)) for w in wanted if (w[0], w[1]) not in failed]
+    if a.then_final and a.what == "sweep":
+        groups += [(f"{fw} final", partial(finals_of, fw)) for fw in dict.fromkeys(w[0] for w in wanted)]
     s.lanes.run(groups, s.train)
 
 
@@ -704,8 +752,11 @@ class Lanes:
     framework and head reached alone (their probes) fit ``cap_mib`` beside what is running (a run whose
     peak is unknown waits for the GPU to itself). Each run is told its lane (its ports)."""
 
-    def __init__(self, n: int, cap_mib: float, peak: Callable[[RunSpec], int | None], last: float | None = None):
+    def __init__(self, n: int, cap_mib: float, peak: Callable[[RunSpec], int | None], last: float | None = None,
+                 end: float | None = None, expected: Callable[[RunSpec], float] | None = None):  # fmt: skip
         self.n, self.cap, self.peak, self.last = n, cap_mib, peak, last  # last: no run starts after this time
+        self.end, self.expected = end, expected  # no run starts that is expected to end after ``end``
+        self.left: dict[str, int] = {}  # a group -> its runs not yet over (+1 while it prepares)
         self.running: dict[int | str, float] = {}  # a lane, or a preparation -> the MiB it holds
         self.waiting: dict[str, float] = {}  # preparations waiting to start -> MiB: no new run takes their room
         self.cond = threading.Condition()
@@ -740,6 +791,10 @@ class Lanes:
             if self.last is not None and time.time() > self.last:  # it could not end before the machine goes
                 say(f"{spec.name}: not started (past --admit-for-s), left for the next session")
                 return
+            if self.end is not None and self.expected is not None and time.time() + self.expected(spec) > self.end:
+                say(f"{spec.name}: not started (it would end {time.time() + self.expected(spec) - self.end:.0f} s "
+                    "past --end-by-s), left for the next session")  # fmt: skip
+                return
             lane = min(set(range(self.n)) - set(self.running))
             self.running[lane] = need
         try:
@@ -751,12 +806,20 @@ class Lanes:
                 del self.running[lane]
                 self.cond.notify_all()
 
+    def over(self, names: list[str]) -> None:
+        """Wait until these groups (of the ``run`` going on) have given their runs and every one of them
+        is over: trained, failed or not started. A group not in the run counts as over."""
+        with self.cond:
+            self.cond.wait_for(lambda: not any(self.left.get(n, 0) for n in names))
+
     def run(self, groups: list[tuple[str, Callable[[], list[RunSpec]]]], work: Callable[[RunSpec, int], None]) -> None:
         """Each group's callable prepares what it needs (beside the runs already going) and gives its
         runs; they are taken one group after another in turn, so the lanes hold a mix (ours' online
-        training holds the most memory)."""
+        training holds the most memory). A group's callable may wait for others to be ``over``."""
         ready: list[deque[RunSpec]] = [deque() for _ in groups]
         pending, turn = len(groups), 0
+        with self.cond:
+            self.left = {name: 1 for name, _ in groups}
 
         def prepare(i: int, name: str, make: Callable[[], list[RunSpec]]) -> None:
             nonlocal pending
@@ -768,9 +831,10 @@ class Lanes:
             with self.cond:
                 ready[i].extend(specs)
                 pending -= 1
+                self.left[name] += len(specs) - 1
                 self.cond.notify_all()
 
-        def take() -> RunSpec | None:
+        def take() -> tuple[str, RunSpec] | None:
             nonlocal turn
             with self.cond:
                 while True:
@@ -778,14 +842,19 @@ class Lanes:
                         i = (turn + k) % len(ready)
                         if ready[i]:
                             turn = i + 1
-                            return ready[i].popleft()
+                            return groups[i][0], ready[i].popleft()
                     if not pending:
                         return None
                     self.cond.wait()
 
         def lane() -> None:
-            while (spec := take()) is not None:
-                self.one(spec, work)
+            while (taken := take()) is not None:
+                try:
+                    self.one(taken[1], work)
+                finally:
+                    with self.cond:
+                        self.left[taken[0]] -= 1
+                        self.cond.notify_all()
 
         threads = [threading.Thread(target=prepare, args=(i, *g)) for i, g in enumerate(groups)]
         threads += [threading.Thread(target=lane) for _ in range(self.n)]
@@ -882,6 +951,15 @@ def poll(seconds: float, dest: Path) -> None:
     print(f"ended: rc={(PO / 'rc').read_text().strip()}" if (PO / "rc").is_file() else "running")
 
 
+def fold_earlier_job(results_file: Path) -> None:
+    """Before a new job takes the session's folder: refuse while the last job runs; an ended one's runs
+    go into the results file the new job reads (so a final after a sweep on this machine sees it)."""
+    if (PO / "session.json").is_file() and not (PO / "rc").is_file():
+        raise SystemExit(f"peers_gpu: a job is still running in {PO} (no rc yet): poll it until it ends")
+    if (PO / "session.json").is_file():
+        say(f"the last job's runs: {merge_into(PO, results_file)} runs in {results_file} now")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 2)[2])  # fmt: skip
@@ -904,6 +982,15 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--admit-for-s", type=float, default=None,
                        help="start no sized run later than this many seconds after the job began (those left "
                        "would not end before the device time does; the running ones then share the GPU with fewer)")  # fmt: skip
+        p.add_argument("--end-by-s", type=float, default=None,
+                       help="start no sized run expected to end later than this many seconds after the job began "
+                       f"(its loop at {SHARED_SLOWDOWN:g}x its time alone, its probe's start-up and compilation, its "
+                       "evaluation and, for a final, serving)")  # fmt: skip
+        p.add_argument(
+            "--then-final",
+            action="store_true",
+            help="sweep: once a framework's sweep is all in, its finals join the lanes in the same job",
+        )
         p.add_argument("--memory-gib", type=float, default=64.0,
                        help="the sum of the lanes' peaks (each measured alone) a new run must fit under")  # fmt: skip
         p.add_argument("--variant", choices=["eagle3", "eagle3.1"], default=None,
@@ -925,11 +1012,12 @@ def main(argv: list[str] | None = None) -> None:
     elif a.cmd == "pack":
         pack(a.examples, a.mt_bench, a.specforge)
     elif a.cmd == "start":
-        shutil.rmtree(PO, ignore_errors=True)
-        PO.mkdir(parents=True)
         repo = (
             Path("/tmp/repo") if Path("/tmp/repo").is_dir() else REPO
         )  # (the call's own copy is replaced by the next)
+        fold_earlier_job(repo / f"benchmarks/results/peers_{gpu_kind()}.json")
+        shutil.rmtree(PO, ignore_errors=True)
+        PO.mkdir(parents=True)
         smi = ["nvidia-smi", "--query-gpu=timestamp,memory.used", "--format=csv,noheader", "-l", "2"]
         if shutil.which("nvidia-smi"):
             subprocess.Popen(smi, stdout=(PO / "smi.csv").open("w"), start_new_session=True)
@@ -942,7 +1030,7 @@ def main(argv: list[str] | None = None) -> None:
     elif a.cmd == "plan":
         known, _ = load(a.results or REPO / f"benchmarks/results/peers_{a.device}.json")
         for fw, head, budget, lrs, seeds in runs_wanted(a, known):  # (any head family: plan has no target)
-            timing = step_time(known, fw, head, a.device, a.n)
+            timing = step_time(known, fw, head, a.device, a.n, min_steps=PROBE_STEPS[fw])
             steps = plan_steps(budget, timing[0]) if timing else f"a {PROBE_STEPS[fw]}-step probe first, then sized"
             print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {steps} steps each")
         print(f"sized runs {a.lanes} at a time on the GPU; data and probes alone")

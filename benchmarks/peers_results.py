@@ -98,6 +98,7 @@ class Run(RunSpec):
     lossless: str | None = None
     vllm_acceptance: float | None = None  # vLLM's mean acceptance length, held-out prompts
     failed: list[str] = field(default_factory=list)  # phases that stopped with an error
+    alone: bool | None = None  # it trained with the GPU to itself (a probe; a run in one lane, no other phase beside)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Run:
@@ -157,13 +158,21 @@ def bar_split(points: list[tuple[int, float]]) -> tuple[float, float, float] | N
 
 
 def step_time(
-    runs: list[Run], framework: str, head: str, device: str, conversations: int | None = None, family: str | None = None
+    runs: list[Run],
+    framework: str,
+    head: str,
+    device: str,
+    conversations: int | None = None,
+    family: str | None = None,
+    min_steps: int = 0,
 ) -> tuple[float, int | None] | None:
-    """(steady step s, steps per epoch) of the longest probe of this framework and head on this device
-    (probes alone have the GPU to themselves) that ended without a failed phase (its training ended:
-    its start-up was measured), for speculators one whose log gave its steps per epoch."""
+    """(steady step s, steps per epoch) of the longest run of this framework and head on this device
+    that trained alone (a probe, or a sized run that had the GPU to itself) for at least ``min_steps``
+    and ended without a failed phase (its training ended: its start-up was measured), for speculators
+    one whose log gave its steps per epoch."""
     known = [r for r in runs if (r.framework, r.head, r.device) == (framework, head, device) and r.steady_step_s
-             and r.kind == "probe" and not r.failed and r.startup_s is not None
+             and (r.kind == "probe" or r.alone) and not r.failed and r.startup_s is not None
+             and (r.steps or 0) >= min_steps
              and (framework != "speculators" or r.steps_per_epoch)
              and conversations in (None, r.conversations)  # (speculators' epochs are the set's)
              and family in (None, r.head_shape.get("variant", "eagle3"))]  # fmt: skip
@@ -427,6 +436,8 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
         run.budget_loop_s = round(run.steps * alone, 1) if alone else None
     if "train" in mine:
         t = mine["train"]
+        beside = [p for p in phases if p["run"] != d.name and p["start"] < t["end"] and p["end"] > t["start"]]
+        run.alone = run.kind == "probe" or (run.lanes == 1 and not beside)
         if run.loop_s is not None:
             run.startup_s = round(t["seconds"] - run.loop_s, 1)
         inside = [mib for ts, mib in trace if t["start"] <= ts <= t["end"]]
@@ -473,16 +484,23 @@ def main(argv: list[str] | None = None) -> None:
     if not a.new.exists():
         raise SystemExit(f"peers_results: {a.new}: no such file or folder (a poll's peers_partial.json, or a folder "
                          "its poll.tgz was unpacked into)")  # fmt: skip
-    runs, sessions = load(a.out)
-    if a.new.is_dir():
-        new, session = read_session(a.new)
+    print(f"peers_results: {merge_into(a.new, a.out)} runs in {a.out}")
+
+
+def merge_into(new: Path, out: Path) -> int:
+    """A partial results file or a session's folder merged into the results file ``out``; how many runs
+    it then holds."""
+    runs, sessions = load(out)
+    if new.is_dir():
+        fresh, session = read_session(new)
         new_sessions = [session]
     else:
-        new, new_sessions = load(a.new)
+        fresh, new_sessions = load(new)
     ids = {s.get("id") for s in new_sessions}
     sessions = [s for s in sessions if s.get("id") not in ids] + new_sessions
-    a.out.write_text(json.dumps(results(merge(runs, new), sessions), indent=1) + "\n")
-    print(f"peers_results: {len(merge(runs, new))} runs in {a.out}")
+    merged = merge(runs, fresh)
+    out.write_text(json.dumps(results(merged, sessions), indent=1) + "\n")
+    return len(merged)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,12 @@ TARGET = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3
           "vocab_size": 49152, "rope_theta": 100000, "num_hidden_layers": 30}  # fmt: skip
 
 
-def run(fw="ours", head="recipe", budget=180.0, lr=1e-3, seed=0, **measured) -> pr.Run:
-    """A run as the job plans it: the recipe's head family for ours and speculators, EAGLE-3 for ModelOpt."""
+def run(fw="ours", head="recipe", budget=180.0, lr=1e-3, seed=0, planned=100, **measured) -> pr.Run:
+    """A run as the job plans it (``planned`` steps): the recipe's head family for ours and speculators,
+    EAGLE-3 for ModelOpt."""
     measured.setdefault("head_shape", {"variant": "eagle3" if fw == "modelopt" else "eagle3.1"})
     return pr.Run(
-        fw, head, "sweep" if budget == 180.0 else "final", budget, lr, seed, 100, 16384, device="h100", **measured
+        fw, head, "sweep" if budget == 180.0 else "final", budget, lr, seed, planned, 16384, device="h100", **measured
     )
 
 
@@ -191,7 +192,7 @@ def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_pa
                         ("--lr", "0.003"), ("--loss-implementation", "eager")):  # fmt: skip
         assert cmd[cmd.index(flag) + 1] == value
     assert m.missing == ["lm_head training: speculators keeps the draft lm_head frozen"]
-    s.known.append(probe("modelopt", "default", 1e-4, 42, steady_step_s=0.25, steps=200))
+    s.known.append(probe("modelopt", "default", 1e-4, 42, steady_step_s=0.25, steps=300))
     mo = s.spec("modelopt", "default", "final", 600.0, 3e-4, 43)
     assert (mo.steps_planned, mo.warmup_steps, mo.head_shape["mlp"], mo.head_shape["ttt"]) == (2400, 120, 1536, 3)
     cmd = pg.modelopt_cmd(mo, tmp_path, Path("/target"), tmp_path / "c.jsonl", TARGET)
@@ -245,7 +246,7 @@ def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_
     monkeypatch.setattr(pg.Session, "speculators_data", lambda self: False)
     monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job", "sweep", "speculators:default", "ours"])
     pg.main(["job", "sweep", "speculators:default", "ours", "--lrs", "1e-3", "2e-3"])
-    assert trained == [60, 600, 600]  # the probe, then two runs sized from it
+    assert trained == [200, 600, 600]  # the probe, then two runs sized from it
     runs, session = pr.read_session(tmp_path)
     assert sorted(r.kind for r in runs) == ["probe", "sweep", "sweep"] and session["id"].startswith("h100-")
     assert all(r.steady_step_s == pytest.approx(0.3) for r in runs)
@@ -359,10 +360,12 @@ def test_the_lanes_run_a_mix_of_frameworks_at_once_on_their_own_ports_and_skip_w
         return False  # (trained nothing: no export, no eval)
 
     known = [
-        probe(steps=60, steady_step_s=0.3, peak_gpu_mib=25000, peak_from="run"),
-        probe("modelopt", "default", 1e-4, 42, steady_step_s=0.25, steps=200, peak_gpu_mib=5000, peak_from="run"),
+        probe(steps=200, steady_step_s=0.3, peak_gpu_mib=25000, peak_from="run"),
+        probe("modelopt", "default", 1e-4, 42, steady_step_s=0.25, steps=300, peak_gpu_mib=5000, peak_from="run"),
     ]
-    known.append(run(lr=1e-3, steps=600, tau_heldout=1.8, planned_step_s=0.3, lanes=2))  # done in an earlier session
+    known.append(
+        run(lr=1e-3, planned=600, steps=600, tau_heldout=1.8, planned_step_s=0.3, lanes=2)
+    )  # done in an earlier session
 
     stand_in_session(monkeypatch, tmp_path, phase, known)
     monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
@@ -581,8 +584,8 @@ def test_a_preparation_that_failed_is_not_tried_again_and_none_runs_for_runs_alr
         trained.append(run_name)
         return True
 
-    known = [probe(steps=60, steady_step_s=0.3)] + [
-        run(lr=lr, steps=600, tau_heldout=1.8, planned_step_s=0.3) for lr in (1e-3, 2e-3)
+    known = [probe(steps=200, steady_step_s=0.3)] + [
+        run(lr=lr, planned=600, steps=600, tau_heldout=1.8, planned_step_s=0.3) for lr in (1e-3, 2e-3)
     ]
     stand_in_session(monkeypatch, tmp_path, phase, known)
     monkeypatch.setattr(pg.Session, "speculators_data", lambda self: calls.append("states") or False)
@@ -623,3 +626,123 @@ def test_merging_from_a_path_that_is_not_there_says_so_and_writes_nothing(tmp_pa
     with pytest.raises(SystemExit, match="missing.json: no such file or folder"):
         pr.main(["merge", str(tmp_path / "missing.json"), str(tmp_path / "out.json")])
     assert not (tmp_path / "out.json").exists()
+
+
+def test_a_sweep_then_its_finals_in_one_job_each_final_after_its_frameworks_whole_sweep(tmp_path, monkeypatch):
+    """--then-final: ours' and ModelOpt's sweeps run; each framework's finals (its best lr, two seeds,
+    600 s) start only once its every sweep run is over; speculators' sweep has a run that failed, so
+    it gets no final."""
+    events, lock = [], threading.Lock()
+    tau = {("ours", 1e-3): 1.9, ("ours", 2e-3): 2.1, ("ours", 4e-3): 1.7, ("modelopt", 1e-4): 1.2,
+           ("modelopt", 3e-4): 1.5, ("modelopt", 1e-3): 1.4, ("speculators", 3e-4): 1.6, ("speculators", 1e-3): 1.8}  # fmt: skip
+
+    def train(self, spec, lane=0):
+        with lock:
+            events.append(("start", spec.name))
+        time.sleep(0.02)
+        failed = spec.framework == "speculators" and spec.lr == 3e-3
+        r = pr.Run.from_dict(
+            {
+                **pr.asdict(spec),
+                "steps": spec.steps_planned,
+                "tau_heldout": None if failed else tau[spec.framework, spec.lr],
+            }
+        )
+        with lock:
+            self.known.append(r)
+            events.append(("end", spec.name))
+
+    known = [probe(steps=200, steady_step_s=0.3), probe("modelopt", "default", 1e-4, 42, steady_step_s=0.06, steps=300),
+             probe("speculators", "default", 3e-4, 42, steady_step_s=0.06, steps=200, steps_per_epoch=270)]  # fmt: skip
+    stand_in_session(monkeypatch, tmp_path, None, known)
+    monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
+    monkeypatch.setattr(pg.Session, "train", train)
+    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    pg.main(["job", "sweep", "ours", "modelopt:default", "speculators:default", "--lanes", "3", "--then-final"])
+    started = [n for e, n in events if e == "start"]
+    finals = [n for n in started if "-600s-" in n]
+    assert sorted(finals) == ["modelopt-default-eagle3-n16384-600s-lr0.0003-seed42",
+                              "modelopt-default-eagle3-n16384-600s-lr0.0003-seed43",
+                              "ours-recipe-eagle3.1-n16384-600s-lr0.002-seed0",
+                              "ours-recipe-eagle3.1-n16384-600s-lr0.002-seed1"]  # fmt: skip
+    for fw in ("ours", "modelopt"):
+        last_sweep_end = max(i for i, (e, n) in enumerate(events) if e == "end" and n.startswith(fw) and "-180s-" in n)
+        first_final = min(i for i, (e, n) in enumerate(events) if e == "start" and n.startswith(fw) and "-600s-" in n)
+        assert first_final > last_sweep_end
+    assert len([n for n in started if "-180s-" in n]) == 9
+
+
+def test_no_run_starts_that_would_end_past_the_end_deadline():
+    """--end-by-s: a run expected to take longer than what is left waits out; a short one still goes."""
+    started = []
+    lanes = pg.Lanes(2, 64 * 1024, lambda spec: 1024, end=time.time() + 100.0,
+                     expected=lambda x: 500.0 if x.framework == "long" else 10.0)  # fmt: skip
+    lanes.run([("g", lambda: [spec("long"), spec("short")])], lambda x, lane: started.append(x.framework))
+    assert started == ["short"]
+
+
+def test_a_runs_expected_time_is_its_loop_shared_its_probes_overheads_and_its_evaluations():
+    s = object.__new__(pg.Session)
+    s.known = [probe("modelopt", "default", steps=300, steady_step_s=0.06, compile_s=381.0)]  # start-up 60 s
+    sweep = pr.RunSpec("modelopt", "default", "sweep", 180.0, 1e-4, 42, 3000, 16384, device="h100", planned_step_s=0.06)
+    final = pr.RunSpec(
+        "modelopt", "default", "final", 600.0, 1e-4, 42, 10000, 16384, device="h100", planned_step_s=0.06
+    )
+    loop = 3000 * 0.06 * pg.SHARED_SLOWDOWN
+    assert s.expected(sweep) == pytest.approx(loop + 60.0 + 381.0 + pg.EVAL_S)
+    assert s.expected(final) == pytest.approx(10000 * 0.06 * pg.SHARED_SLOWDOWN + 441.0 + 2 * pg.EVAL_S + pg.SERVE_S)
+    unknown = pr.RunSpec("ours", "recipe", "sweep", 180.0, 1e-3, 0, 360, 16384, device="h100", planned_step_s=0.5)
+    assert s.expected(unknown) == pytest.approx(360 * 0.5 * pg.SHARED_SLOWDOWN + 120.0 + pg.EVAL_S)  # no probe: 60 + 60
+    s.known += [run("modelopt", "default", lanes=5, steady_loop_s=234.0, budget_loop_s=180.0),
+                run("modelopt", "default", lanes=5, steady_loop_s=200.0, budget_loop_s=180.0),
+                run("modelopt", "default", lanes=1, steady_loop_s=400.0, budget_loop_s=180.0)]  # fmt: skip
+    assert s.expected(sweep) == pytest.approx(3000 * 0.06 * 1.3 + 441.0 + pg.EVAL_S)  # its slowest shared run: 1.3x
+
+
+def test_a_new_job_refuses_while_one_runs_and_folds_an_ended_ones_runs_into_the_results_it_reads(tmp_path, monkeypatch):
+    po = tmp_path / "po"
+    spec = _session(po)
+    monkeypatch.setattr(pg, "PO", po)
+    out = tmp_path / "peers_h100.json"
+    (po / "rc").unlink(missing_ok=True)
+    with pytest.raises(SystemExit, match="still running"):
+        pg.fold_earlier_job(out)
+    assert not out.exists()
+    (po / "rc").write_text("0\n")
+    pg.fold_earlier_job(out)
+    runs, sessions = pr.load(out)
+    assert [r.name for r in runs] == [spec.name] and [s["id"] for s in sessions] == ["h100-x"]
+    pg.fold_earlier_job(out)  # the same job folded again: still one run, one session
+    assert len(pr.load(out)[0]) == 1 and len(pr.load(out)[1]) == 1
+
+
+def test_a_run_that_had_the_gpu_to_itself_sizes_the_next_and_a_probe_shorter_than_the_probe_now_does_not(tmp_path):
+    """ours' 60-step probe read 0.51 s a step; a 353-step run alone in one lane read 0.315 s, and it
+    sizes what follows. A run in one lane with another's phase beside it is not alone."""
+    short = probe(steps=60, steady_step_s=0.51)
+    assert pr.step_time([short], "ours", "recipe", "h100", min_steps=200) is None  # probe again
+    spec = pr.RunSpec("ours", "recipe", "sweep", 180.0, 1e-3, 0, 353, 16384, device="h100", planned_step_s=0.51)
+    d = tmp_path / spec.name
+    (d / "run/train").mkdir(parents=True)
+    (d / "spec.json").write_text(json.dumps(pr.asdict(spec)))
+    rows = [{"step": 10 * i, "loop_s": 40.0 + 3.15 * i} for i in range(1, 36)] + [{"step": 353, "loop_s": 151.2}]
+    (d / "run/train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = {"run": spec.name, "phase": "train", "seconds": 220.0, "start": 100.0, "end": 320.0, "rc": 0}
+    alone = pr.read_run(d, [train], [])
+    assert alone.alone and pr.step_time([short, alone], "ours", "recipe", "h100", min_steps=200) == (
+        pytest.approx(0.315),
+        None,
+    )
+    beside = {"run": "speculators_data", "phase": "states", "seconds": 100.0, "start": 300.0, "end": 400.0, "rc": 0}
+    company = pr.read_run(d, [train, beside], [])
+    assert company.alone is False and pr.step_time([short, company], "ours", "recipe", "h100", min_steps=200) is None
+    assert pr.step_time([short, company], "ours", "recipe", "h100") == (0.51, None)
+
+
+def test_a_run_sized_from_an_earlier_step_time_is_not_done_and_runs_again():
+    old = run(lr=1e-3, planned=353, steps=353, tau_heldout=2.2, planned_step_s=0.51)
+    now = pr.RunSpec("ours", "recipe", "sweep", 180.0, 1e-3, 0, 571, 16384, device="h100",
+                     head_shape={"variant": "eagle3.1"})  # fmt: skip
+    assert now.name == old.name and not pg.done([old], now)
+    now.steps_planned = 353
+    assert pg.done([old], now)
