@@ -274,6 +274,7 @@ def env_for(fw: str) -> dict[str, str]:
 
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
 PHASE_TIMEOUT_S = 1800.0  # a phase that hangs (an engine, a rendezvous) frees its lane after this; training: below
+CAPTURE_TIMEOUT_S = 900.0  # a peer's state capture (speculators' took 67 + 104 s alone on an H100; SpecForge's: new)
 START = time.time()  # when the job began (--admit-for-s and --end-by-s count from it)
 SHARED_SLOWDOWN = 2.0  # a loop sharing the GPU, where its framework has not shared it yet (speculators: 1.9x, H100)
 EVAL_S = 90.0  # eagle3-eval of a draft beside the lanes (42-55 s measured; H100)
@@ -459,9 +460,10 @@ class Session:
             return phase("speculators_data", "render", [*spec, "prepare-data", "--model", str(self.target), "--data",
                          str(PO / "convs_conversations.jsonl"), "--render-endpoint", url, "--output", str(out / "data"),
                          "--seq-length", "4096", "--max-samples", str(self.a.n), "--no-skip-token-freq"],
-                         env_for("speculators"), shared=shared) and phase("speculators_data", "states", [*spec,
-                         "generate-offline-data", "--preprocessed-data", str(out / "data"), "--endpoint", f"{url}/v1",
-                         "--concurrency", "32"], env_for("speculators"), shared=shared)  # fmt: skip
+                         env_for("speculators"), shared=shared, timeout=CAPTURE_TIMEOUT_S) and phase("speculators_data",
+                         "states", [*spec, "generate-offline-data", "--preprocessed-data", str(out / "data"), "--endpoint",
+                         f"{url}/v1", "--concurrency", "32"], env_for("speculators"), shared=shared,
+                         timeout=CAPTURE_TIMEOUT_S)  # fmt: skip
 
     def beside_lanes(self, name: str, share: float) -> contextlib.AbstractContextManager:
         """Room on the GPU for a preparation's engine taking ``share`` of it (+ its CUDA context and
@@ -487,7 +489,8 @@ class Session:
                    "32", "--cache-dir", str(sf / "cache"), "--sglang-attention-backend", "triton",
                    "--sglang-mem-fraction-static", str(SPECFORGE_SHARE)]  # fmt: skip
         with self.beside_lanes("specforge_data", SPECFORGE_SHARE):
-            if not phase("specforge_data", "states", capture, env_for("specforge"), shared=shared):
+            if not phase("specforge_data", "states", capture, env_for("specforge"), shared=shared,
+                         timeout=CAPTURE_TIMEOUT_S):  # fmt: skip
                 return False
         size = head_shape("specforge", "matched", self.t, self.a.variant)[0]["draft_vocab"]
         return phase("specforge_data", "vocab", [sys.executable, "-c", SPECFORGE_VOCAB, data, target, str(self.a.n),
@@ -587,7 +590,8 @@ class Session:
         overhead = sum(60.0 if x is None else x for x in measured)
         shared = [r.steady_loop_s / r.budget_loop_s for r in self.known if r.framework == spec.framework and
                   (r.lanes or 1) > 1 and r.steady_loop_s and r.budget_loop_s]  # fmt: skip
-        loop = (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * max(shared, default=SHARED_SLOWDOWN)
+        slowdown = max(shared, default=SHARED_SLOWDOWN) if spec.lanes > 1 else 1.0  # (one lane: the GPU to itself)
+        loop = (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * slowdown
         return loop + overhead + EVAL_S + (EVAL_S + SERVE_S if spec.kind == "final" else 0.0)
 
     def peak(self, spec: RunSpec) -> int | None:

@@ -684,19 +684,20 @@ def test_no_run_starts_that_would_end_past_the_end_deadline():
 def test_a_runs_expected_time_is_its_loop_shared_its_probes_overheads_and_its_evaluations():
     s = object.__new__(pg.Session)
     s.known = [probe("modelopt", "default", steps=300, steady_step_s=0.06, compile_s=381.0)]  # start-up 60 s
-    sweep = pr.RunSpec("modelopt", "default", "sweep", 180.0, 1e-4, 42, 3000, 16384, device="h100", planned_step_s=0.06)
-    final = pr.RunSpec(
-        "modelopt", "default", "final", 600.0, 1e-4, 42, 10000, 16384, device="h100", planned_step_s=0.06
-    )
+    shape = {"device": "h100", "planned_step_s": 0.06, "lanes": 5}
+    sweep = pr.RunSpec("modelopt", "default", "sweep", 180.0, 1e-4, 42, 3000, 16384, **shape)
+    final = pr.RunSpec("modelopt", "default", "final", 600.0, 1e-4, 42, 10000, 16384, **shape)
     loop = 3000 * 0.06 * pg.SHARED_SLOWDOWN
     assert s.expected(sweep) == pytest.approx(loop + 60.0 + 381.0 + pg.EVAL_S)
     assert s.expected(final) == pytest.approx(10000 * 0.06 * pg.SHARED_SLOWDOWN + 441.0 + 2 * pg.EVAL_S + pg.SERVE_S)
-    unknown = pr.RunSpec("ours", "recipe", "sweep", 180.0, 1e-3, 0, 360, 16384, device="h100", planned_step_s=0.5)
+    unknown = pr.RunSpec("ours", "recipe", "sweep", 180.0, 1e-3, 0, 360, 16384, **{**shape, "planned_step_s": 0.5})
     assert s.expected(unknown) == pytest.approx(360 * 0.5 * pg.SHARED_SLOWDOWN + 120.0 + pg.EVAL_S)  # no probe: 60 + 60
     s.known += [run("modelopt", "default", lanes=5, steady_loop_s=234.0, budget_loop_s=180.0),
                 run("modelopt", "default", lanes=5, steady_loop_s=200.0, budget_loop_s=180.0),
                 run("modelopt", "default", lanes=1, steady_loop_s=400.0, budget_loop_s=180.0)]  # fmt: skip
     assert s.expected(sweep) == pytest.approx(3000 * 0.06 * 1.3 + 441.0 + pg.EVAL_S)  # its slowest shared run: 1.3x
+    sweep.lanes = 1
+    assert s.expected(sweep) == pytest.approx(3000 * 0.06 + 441.0 + pg.EVAL_S)  # one lane: the GPU to itself
 
 
 def test_a_new_job_refuses_while_one_runs_and_folds_an_ended_ones_runs_into_the_results_it_reads(tmp_path, monkeypatch):
