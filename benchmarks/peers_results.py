@@ -431,9 +431,6 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
     if split := timing(pts):
         run.loop_s, run.compile_s, run.steady_step_s = (round(x, 4) for x in split)
         run.steady_loop_s = round(run.steps * run.steady_step_s, 1)
-    if run.steps is not None:
-        alone = run.planned_step_s or (run.steady_step_s if run.kind == "probe" else None)
-        run.budget_loop_s = round(run.steps * alone, 1) if alone else None
     if "train" in mine:
         t = mine["train"]
         beside = [p for p in phases if p["run"] != d.name and p["start"] < t["end"] and p["end"] > t["start"]]
@@ -441,8 +438,11 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
         if run.loop_s is not None:
             run.startup_s = round(t["seconds"] - run.loop_s, 1)
         inside = [mib for ts, mib in trace if t["start"] <= ts <= t["end"]]
-        if inside and run.kind == "probe":  # (alone; any other run may have had company, a preparation too)
+        if inside and run.alone:  # (a run that had company: its probe's peak, see with_probe_peaks)
             run.peak_gpu_mib, run.peak_from = max(inside), "run"
+    if run.steps is not None:  # its loop alone: its own steady step where it was alone, else the one measured alone
+        alone = run.steady_step_s if run.alone else run.planned_step_s
+        run.budget_loop_s = round(run.steps * alone, 1) if alone else None
     run.data_s = data_seconds(phases, run.framework, run.head)
     run.tau_heldout, run.lossless = _tau(d / "eval_heldout/report.json")
     run.tau_mtbench, _ = _tau(d / "eval_mtbench/report.json")
