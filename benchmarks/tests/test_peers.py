@@ -737,7 +737,9 @@ def test_a_run_that_had_the_gpu_to_itself_sizes_the_next_and_a_probe_shorter_tha
     assert alone.budget_loop_s == pytest.approx(353 * 0.315, abs=0.1)  # what it had, not 353 x 0.51
     beside = {"run": "speculators_data", "phase": "states", "seconds": 100.0, "start": 300.0, "end": 400.0, "rc": 0}
     company = pr.read_run(d, [train, beside], [])
-    assert company.budget_loop_s == pytest.approx(353 * 0.51)  # (it shared: its steps at the step measured alone)
+    assert company.budget_loop_s == pytest.approx(
+        353 * 0.51, abs=0.1
+    )  # (it shared: its steps at the step measured alone)
     assert company.alone is False and pr.step_time([short, company], "ours", "recipe", "h100", min_steps=200) is None
     assert pr.step_time([short, company], "ours", "recipe", "h100") == (0.51, None)
 
