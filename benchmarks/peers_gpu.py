@@ -274,7 +274,7 @@ def env_for(fw: str) -> dict[str, str]:
 
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
 PHASE_TIMEOUT_S = 1800.0  # a phase that hangs (an engine, a rendezvous) frees its lane after this; training: below
-CAPTURE_TIMEOUT_S = 900.0  # a peer's state capture (speculators' took 67 + 104 s alone on an H100; SpecForge's: new)
+CAPTURE_TIMEOUT_S = 600.0  # a peer's state capture (speculators' took 67 + 104 s alone on an H100; SpecForge's: new)
 START = time.time()  # when the job began (--admit-for-s and --end-by-s count from it)
 SHARED_SLOWDOWN = 2.0  # a loop sharing the GPU, where its framework has not shared it yet (speculators: 1.9x, H100)
 EVAL_S = 90.0  # eagle3-eval of a draft beside the lanes (42-55 s measured; H100)
