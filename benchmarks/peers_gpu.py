@@ -93,6 +93,8 @@ CAPTURE_SHARE = 0.25  # ... and when writing speculators' states (prefill only, 
 WHEELS = ("nvidia-modelopt==0.47.0", "pulp==3.3.2", "speculators==0.9.0", "hs-connectors==0.9.0", "specforge==0.2.0",
           "yunchang==0.6.4")  # fmt: skip
 SPECFORGE_CAPTURE = "prepare_hidden_states.py"  # SpecForge@a6b6b02 scripts/ (GitHub only): its offline capture
+SPECFORGE_LOG_EVERY = 10  # its step line comes each this many steps only: its runs take a multiple of it
+SPECFORGE_BATCH = 32  # its capture's batch (its loader drops a last partial one: --n must be a multiple)
 SPECFORGE_SHARE = 0.25  # SGLang's --mem-fraction-static for that capture (beside the lanes: 0.3 of the GPU held)
 # what SpecForge 0.2.0 copies from the target into the draft config it derives (training/model_loading.py)
 SPECFORGE_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
@@ -244,7 +246,7 @@ def specforge_config(spec: RunSpec, run: Path, sf: Path, tied: bool) -> dict:
             "learning_rate": spec.lr,
             "seed": spec.seed,
             "ttt_length": spec.head_shape["ttt"],
-            "log_interval": 10,
+            "log_interval": SPECFORGE_LOG_EVERY,
         },  # fmt: skip
     }
 
@@ -476,6 +478,10 @@ class Session:
         SpecForge's own mapping over the same rows."""
         if not install("/tmp/sfsite", "specforge-*.whl", "yunchang-*.whl"):
             return False
+        if self.a.n % SPECFORGE_BATCH:
+            say(f"specforge: --n {self.a.n} is not a multiple of its capture's batch {SPECFORGE_BATCH} (it drops "
+                "the last partial batch, while the matched head's vocabulary counts every conversation)")  # fmt: skip
+            return False
         sf, shared = PO / "specforge_data", self.lanes is not None
         specforge_target(self.target, sf / "target")
         for head in HEADS["specforge"]:
@@ -486,7 +492,7 @@ class Session:
                    str(PEERS / "specforge" / SPECFORGE_CAPTURE), "--target-model-path", target, "--draft-model-config",
                    str(sf / "draft_default.json"), "--data-path", data, "--output-path", str(sf / "hs"),
                    "--chat-template", "lfm", "--max-length", "2048", "--num-samples", str(self.a.n), "--batch-size",
-                   "32", "--cache-dir", str(sf / "cache"), "--sglang-attention-backend", "triton",
+                   str(SPECFORGE_BATCH), "--cache-dir", str(sf / "cache"), "--sglang-attention-backend", "triton",
                    "--sglang-mem-fraction-static", str(SPECFORGE_SHARE)]  # fmt: skip
         with self.beside_lanes("specforge_data", SPECFORGE_SHARE):
             if not phase("specforge_data", "states", capture, env_for("specforge"), shared=shared,
@@ -509,6 +515,8 @@ class Session:
                 return None
             s.planned_step_s, s.lanes = timing[0], self.a.lanes
             s.steps_planned = plan_steps(budget, timing[0])
+            if fw == "specforge":  # (a last partial window of steps would go unlogged, its seconds unknown)
+                s.steps_planned = max(3, round(s.steps_planned / SPECFORGE_LOG_EVERY)) * SPECFORGE_LOG_EVERY
             if fw == "speculators":
                 if timing[1] is None:
                     raise RuntimeError(f"{fw}:{head}: its probe's log gave no steps per epoch")
@@ -633,14 +641,19 @@ generate_vocab_mapping_file(rows, target_vocab_size=int(vocab), draft_vocab_size
 
 
 def specforge_target(hf: Path, dest: Path) -> None:
-    """The target's files, and the weight index SpecForge's target head asks for (it reads the lm_head,
-    tied or not, through one)."""
+    """The target's files, its config saying bfloat16, and the weight index SpecForge's target head
+    asks for (it reads the lm_head, tied or not, through one). The embedded target's checkpoint is
+    fp32: SpecForge's capture has no dtype option and would write fp32 states (twice the disk), which
+    its bf16-only target head refuses at the first step (float != BFloat16, seen on the CPU)."""
     from safetensors import safe_open
 
     dest.mkdir(parents=True, exist_ok=True)
     for f in hf.iterdir():
-        if not (dest / f.name).exists():
+        if f.name != "config.json" and not (dest / f.name).exists():
             (dest / f.name).symlink_to(f)
+    config = {k: v for k, v in json.loads((hf / "config.json").read_text()).items() if k != "torch_dtype"}
+    (dest / "config.json").unlink(missing_ok=True)  # (never written through a link into the target itself)
+    (dest / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}, indent=1))
     if not (dest / "model.safetensors.index.json").exists():
         weights = {}
         for f in sorted(hf.glob("*.safetensors")):
@@ -951,7 +964,7 @@ def poll(seconds: float, dest: Path) -> None:
     lines = (PO / "log").read_text(errors="replace").splitlines() if (PO / "log").is_file() else []
     print("\n".join([x for x in lines if x.startswith("peers_gpu:")][-15:] + lines[-3:]))
     free = shutil.disk_usage(PO).free / 2**30
-    print(f"disk: {free:.1f} GiB free under {PO}")  # (states and checkpoints fill it: SpecForge's ~30 GB)
+    print(f"disk: {free:.1f} GiB free under {PO}")  # (states and checkpoints fill it: SpecForge's ~17 GB in bf16)
     print(f"ended: rc={(PO / 'rc').read_text().strip()}" if (PO / "rc").is_file() else "running")
 
 

@@ -550,14 +550,31 @@ def test_specforge_reads_the_target_through_a_weight_index_it_is_given(tmp_path)
     save_file(
         {"model.embed_tokens.weight": torch.zeros(4, 2), "model.norm.weight": torch.ones(2)}, hf / "model.safetensors"
     )
-    (hf / "config.json").write_text("{}")
+    (hf / "config.json").write_text(json.dumps({"dtype": "float32", "torch_dtype": "float32", "hidden_size": 2}))
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t/config.json").symlink_to(hf / "config.json")  # (an earlier session's layout: a link)
     pg.specforge_target(hf, tmp_path / "t")
+    pg.specforge_target(hf, tmp_path / "t")  # (again: the same)
     index = json.loads((tmp_path / "t/model.safetensors.index.json").read_text())
     assert index["weight_map"] == {
         "model.embed_tokens.weight": "model.safetensors",
         "model.norm.weight": "model.safetensors",
     }
-    assert (tmp_path / "t/config.json").resolve() == (hf / "config.json").resolve()
+    # its capture writes states in the dtype the config names, and its target head is bf16 only
+    assert json.loads((tmp_path / "t/config.json").read_text()) == {"dtype": "bfloat16", "hidden_size": 2}
+    assert json.loads((hf / "config.json").read_text())["dtype"] == "float32"  # the target itself untouched
+    assert (tmp_path / "t/model.safetensors").resolve() == (hf / "model.safetensors").resolve()
+
+
+def test_specforge_runs_take_whole_windows_of_its_step_log():
+    """It prints a step line each 10 steps only: a run sized to 2,917 steps takes 2,920."""
+    s = object.__new__(pg.Session)
+    s.a = argparse.Namespace(n=16384, variant=None, session="h100-x", lanes=5)
+    s.device, s.t, s.sha = "h100", TARGET, "abc"
+    s.known = [probe("specforge", "default", 1e-4, 42, steady_step_s=180.0 / 2917, steps=200)]
+    x = s.spec("specforge", "default", "sweep", 180.0, 1e-4, 42)
+    assert x.steps_planned == 2920 and x.steps_planned % pg.SPECFORGE_LOG_EVERY == 0
+    assert pg.specforge_config(x, Path("/r"), Path("/sf"), True)["training"]["log_interval"] == pg.SPECFORGE_LOG_EVERY
 
 
 def test_a_framework_leaves_the_not_run_list_once_the_file_holds_a_run_of_it():
