@@ -55,6 +55,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from peers_results import (  # noqa: E402  # noqa: E402
     FINAL_S,
     FRAMEWORKS,
+    MODELOPT_TOKENS,
     SWEEP_S,
     RunSpec,
     best,
@@ -86,6 +87,7 @@ HEADS = {"ours": ("recipe",), "speculators": ("default", "matched"), "modelopt":
          "specforge": ("default", "matched")}  # fmt: skip
 PROBE_STEPS = {"ours": 200, "speculators": 200, "modelopt": 300, "specforge": 200}  # (ModelOpt's bar: whole seconds;
 # ours' step falls from 0.5 s to 0.3 s over its first ~150 steps: its 60-step probe sized runs 40 % short)
+MODELOPT_SEQ = 512  # its samples' length (padded): one a step
 MODELOPT_WARMUP = 0.05  # its recipe's 1,000 warm-up steps are for far longer runs: this share of the steps
 PORT_STATES, PORT_SERVE, PORT_DIST = 8765, 8766, 29600  # (PORT_SERVE and PORT_DIST: + the lane)
 SERVE_MEMORY = 0.15  # vLLM's share of the GPU when serving a draft beside the other lanes' runs
@@ -192,7 +194,7 @@ def modelopt_cmd(spec: RunSpec, run: Path, target: Path, convs: Path, t: dict) -
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--mixed_precision", "bf16", "main.py",
            "--config", "/tmp/mosite/modelopt_recipes/general/speculative_decoding/eagle3.yaml",
            f"model.model_name_or_path={target}", f"data.data_path={convs}", f"training.output_dir={run / 'out'}",
-           "training.training_seq_len=512",  # (it pads every sample to this; 512 holds the set's replies)
+           f"training.training_seq_len={MODELOPT_SEQ}",  # (it pads every sample to this; 512 holds the set's replies)
            # tf32 on, transformers 5.17 sets torch.backends.fp32_precision, which torch 2.11's inductor reads as
            # a mix of the old and new precision APIs and refuses: every frame of its torch.compile fell back
            # to eager (1 s a step). Off, it compiles; its matmuls run in bf16 under autocast either way
@@ -209,6 +211,18 @@ def modelopt_cmd(spec: RunSpec, run: Path, target: Path, convs: Path, t: dict) -
         cmd += [f"data.draft_vocab_cache={PO / 'modelopt_vocab' / target.name / 'd2t.pt'}",
                 f"{arch}.draft_vocab_size={spec.head_shape['draft_vocab']}"]  # fmt: skip
     return cmd
+
+
+def sample_tokens(convs: Path, target: Path, max_len: int) -> float:
+    """The mean tokens of a conversation of ``convs`` rendered by the target's chat template, cut at
+    ``max_len``: what a batch of one such sample trains (its padding left out)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    rows = [json.loads(x)["messages"] for x in convs.read_text().split("\n") if x.strip()]  # (not splitlines: U+2028)
+    texts = [tok.apply_chat_template(m, tokenize=False) for m in rows]  # (tokenized apart: a list in any version)
+    lengths = [min(max_len, len(ids)) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+    return round(sum(lengths) / max(1, len(lengths)), 1)
 
 
 def specforge_draft(t: dict, shape: dict) -> dict:
@@ -432,6 +446,9 @@ class Session:
                 ok = self.specforge_data()
             else:
                 ok = install("/tmp/mosite", "nvidia_modelopt-*.whl", "pulp-*.whl")
+                (PO / "modelopt_data").mkdir(parents=True, exist_ok=True)
+                (PO / "modelopt_data" / MODELOPT_TOKENS).write_text(json.dumps(
+                    {"tokens_per_step": sample_tokens(self.convs, self.target, MODELOPT_SEQ)}))  # fmt: skip
             if not ok:
                 return False
             self.ready.add(fw)

@@ -407,13 +407,16 @@ def data_seconds(phases: list[dict], framework: str, head: str) -> float | None:
     return round(sum(p["seconds"] for p in mine if p["phase"] != "vocab" or head == "matched"), 1) or None
 
 
+MODELOPT_TOKENS = "tokens_per_step.json"  # in <session>/modelopt_data/: its mean tokens a step (batch of one)
+
+
 def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run:
     """One run's folder (``<po>/<name>``): its spec, its training log, its reports."""
     run = Run.from_dict(json.loads((d / "spec.json").read_text()))
     mine = {p["phase"]: p for p in phases if p["run"] == d.name}
     run.failed = [p for p, v in mine.items() if v["rc"]]
     pts: list[tuple[int, float]] = []
-    timing = split_compile
+    timing, per_step = split_compile, None
     if (d / "run/train/metrics.jsonl").is_file():
         pts, run.tokens_per_s = ours_points((d / "run/train/metrics.jsonl").read_text())
     elif run.framework == "speculators" and (d / "train.log").is_file():
@@ -426,11 +429,15 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
         if m := re.findall(r"'train_runtime': '?([0-9.]+)", log):
             pts.append((pts[-1][0] if pts else 0, float(m[-1])))  # its own loop time closes the curve
         timing = bar_split
+        if (d.parent / "modelopt_data" / MODELOPT_TOKENS).is_file():  # (one sample a step: its mean tokens)
+            per_step = json.loads((d.parent / "modelopt_data" / MODELOPT_TOKENS).read_text())["tokens_per_step"]
     if pts:
         run.steps = max(s for s, _ in pts)
     if split := timing(pts):
         run.loop_s, run.compile_s, run.steady_step_s = (round(x, 4) for x in split)
         run.steady_loop_s = round(run.steps * run.steady_step_s, 1)
+        if per_step and run.steady_step_s:
+            run.tokens_per_s = round(per_step / run.steady_step_s, 1)
     if "train" in mine:
         t = mine["train"]
         beside = [p for p in phases if p["run"] != d.name and p["start"] < t["end"] and p["end"] > t["start"]]

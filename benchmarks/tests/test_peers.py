@@ -768,3 +768,34 @@ def test_a_run_sized_from_an_earlier_step_time_is_not_done_and_runs_again():
     assert now.name == old.name and not pg.done([old], now)
     now.steps_planned = 353
     assert pg.done([old], now)
+
+
+def test_modelopts_tokens_per_second_are_its_samples_mean_tokens_over_its_steady_step(tmp_path, monkeypatch):
+    """One sample a step, padded to 512: its tokens are the rendered conversation's, cut at 512 (a row
+    holding U+2028 stays one row)."""
+
+    class Tok:
+        def apply_chat_template(self, messages, tokenize):
+            assert tokenize is False
+            return " ".join(m["content"] for m in messages)
+
+        def __call__(self, texts, add_special_tokens):
+            return {"input_ids": [t.split(" ") for t in texts]}
+
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda path: Tok())
+    convs = tmp_path / "c.jsonl"
+    rows = [[{"role": "user", "content": "a b\u2028c"}, {"role": "assistant", "content": "d"}],
+            [{"role": "user", "content": " ".join(["w"] * 600)}]]  # fmt: skip
+    convs.write_text("".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in rows))
+    assert pg.sample_tokens(convs, tmp_path, 512) == (3 + 512) / 2
+    po = tmp_path / "po"
+    spec = pr.RunSpec("modelopt", "default", "probe", None, 1e-4, 42, 300, 16384, device="h100")
+    (po / spec.name).mkdir(parents=True)
+    (po / spec.name / "spec.json").write_text(json.dumps(pr.asdict(spec)))
+    bar = "".join(f"{s}/300 [00:{s // 10:02d}<00:10, 9.0it/s]\n" for s in range(10, 301, 10))  # (1 s / 10 steps)
+    (po / spec.name / "train.log").write_text(bar + "{'train_runtime': '31.0'}\n")
+    assert pr.read_run(po / spec.name, [], []).tokens_per_s is None  # (no mean: not reported)
+    (po / "modelopt_data").mkdir()
+    (po / "modelopt_data" / pr.MODELOPT_TOKENS).write_text(json.dumps({"tokens_per_step": 164.5}))
+    r = pr.read_run(po / spec.name, [], [])
+    assert r.tokens_per_s == pytest.approx(164.5 / r.steady_step_s, rel=1e-3)
