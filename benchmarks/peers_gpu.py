@@ -613,9 +613,10 @@ class Session:
         alone = max(probes, key=lambda r: r.steps or 0) if probes else None
         measured = (alone.startup_s, alone.compile_s) if alone else (None, None)
         overhead = sum(60.0 if x is None else x for x in measured)
-        shared = [r.steady_loop_s / r.budget_loop_s for r in self.known if r.framework == spec.framework and
-                  (r.lanes or 1) > 1 and r.steady_loop_s and r.budget_loop_s]  # fmt: skip
-        slowdown = max(shared, default=SHARED_SLOWDOWN) if spec.lanes > 1 else 1.0  # (one lane: the GPU to itself)
+        shared = [r.steady_step_s / spec.planned_step_s for r in self.known if (r.framework, r.head) ==
+                  (spec.framework, spec.head) and (r.lanes or 1) > 1 and r.steady_step_s and spec.planned_step_s]  # fmt: skip
+        slowdown = max([1.0, *shared]) if shared else SHARED_SLOWDOWN
+        slowdown = slowdown if spec.lanes > 1 else 1.0  # (one lane: the GPU to itself)
         loop = (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * slowdown
         return loop + overhead + EVAL_S + (EVAL_S + SERVE_S if spec.kind == "final" else 0.0)
 
@@ -700,7 +701,8 @@ def runs_wanted(a: argparse.Namespace, known: list) -> list[tuple[str, str, floa
             raise SystemExit(f"peers_gpu: {fw!r} is not one of {FRAMEWORKS}")
         if a.what == "sweep":
             for h in [head] if head else HEADS[fw]:
-                out.append((fw, h, SWEEP_S, a.lrs or list(LRS[fw]), a.seeds or [SEED[fw]]))
+                if not any(w[:2] == (fw, h) for w in out):  # (ours and ours:recipe: one group)
+                    out.append((fw, h, SWEEP_S, a.lrs or list(LRS[fw]), a.seeds or [SEED[fw]]))
             continue
         head = "recipe" if fw == "ours" else head
         top = best([r for r in known if not head or r.head == head], fw)  # (a head named: that head's best lr)
@@ -752,32 +754,45 @@ def job(a: argparse.Namespace) -> None:
             raise RuntimeError("its preparation failed")
         return todo
 
-    def finals_of(fw: str) -> list[RunSpec]:
-        """After the framework's sweep in this job: its best head and lr at the final budget, two seeds,
-        once every run of its sweep is in the results (a sweep cut short chooses nothing)."""
-        heads = [w for w in wanted if w[0] == fw]
-        s.lanes.over([f"{fw}:{h}" for _, h, *_ in heads])  # type: ignore[union-attr]
-        missing = []
-        for _, h, budget, lrs, seeds in heads:
-            for lr, seed in [(lr, seed) for lr in lrs for seed in seeds]:
+    def swept(fw: str) -> list[tuple[str, str, float, list[float], list[int]]]:
+        """The framework's sweep as it is sized now: this job's (a sweep), or its heads asked at their
+        three lrs (a final)."""
+        if a.what == "sweep":
+            return [w for w in wanted if w[0] == fw]
+        heads = {h for item in a.frameworks if item.partition(":")[0] == fw for h in
+                 ([item.partition(":")[2]] if item.partition(":")[2] else HEADS[fw])}  # fmt: skip
+        return [(fw, h, SWEEP_S, list(LRS[fw]), [SEED[fw]]) for h in sorted(heads)]
+
+    def finals_of(fw: str, seeds: list[int]) -> list[RunSpec]:
+        """Once the framework's sweep (as sized now) is over and whole: its best head and lr at the final
+        budget, ``seeds``. A sweep cut short, or one sized from another step time, chooses nothing."""
+        sweep = swept(fw)
+        s.lanes.over([f"{fw}:{h}" for _, h, *_ in sweep])  # type: ignore[union-attr]
+        runs, missing = [], []
+        for _, h, budget, lrs, sweep_seeds in sweep:
+            for lr, seed in [(lr, seed) for lr in lrs for seed in sweep_seeds]:
                 x = s.spec(fw, h, "sweep", budget, lr, seed)
                 if x is None or not done(s.known, x):
                     missing.append(x.name if x else f"{fw}:{h} lr {lr:g} seed {seed} (no step time)")
+                else:
+                    runs += [r for r in s.known if r.name == x.name]
         if missing:
             say(f"{fw}: no final this job, its sweep lacks {', '.join(missing)}")
             return []
-        item = fw if len(heads) > 1 else f"{fw}:{heads[0][1]}"  # (one head swept: its final)
-        final = argparse.Namespace(**{**vars(a), "what": "final", "frameworks": [item], "lrs": None, "seeds": None})
-        ((_, head, budget, lrs, seeds),) = runs_wanted(final, s.known)
-        return runs_of(fw, head, budget, lrs, seeds)
+        top = best(runs, fw)
+        return runs_of(fw, top.head, FINAL_S, [top.lr], seeds) if top else []  # type: ignore[union-attr]
 
     end = None if a.end_by_s is None else START + a.end_by_s
     s.lanes = Lanes(a.lanes, a.memory_gib * 1024, s.peak, last, end, s.expected)
     say(f"the sized runs, {a.lanes} at a time on the GPU within {a.memory_gib:g} GiB")
     groups: list[tuple[str, Callable[[], list[RunSpec]]]]
-    groups = [(f"{w[0]}:{w[1]}", partial(runs_of, *w)) for w in wanted if (w[0], w[1]) not in failed]
+    frameworks = dict.fromkeys(w[0] for w in wanted)
+    if a.what == "final" and a.lrs is None:  # (each framework's best of its whole sweep as sized now)
+        groups = [(f"{fw} final", partial(finals_of, fw, a.seeds or [SEED[fw], SEED[fw] + 1])) for fw in frameworks]
+    else:
+        groups = [(f"{w[0]}:{w[1]}", partial(runs_of, *w)) for w in wanted if (w[0], w[1]) not in failed]
     if a.then_final and a.what == "sweep":
-        groups += [(f"{fw} final", partial(finals_of, fw)) for fw in dict.fromkeys(w[0] for w in wanted)]
+        groups += [(f"{fw} final", partial(finals_of, fw, [SEED[fw], SEED[fw] + 1])) for fw in frameworks]
     s.lanes.run(groups, s.train)
 
 
@@ -853,7 +868,9 @@ class Lanes:
         ready: list[deque[RunSpec]] = [deque() for _ in groups]
         pending, turn = len(groups), 0
         with self.cond:
-            self.left = {name: 1 for name, _ in groups}
+            self.left = {}
+            for name, _ in groups:  # (a name given twice: each of its groups counts)
+                self.left[name] = self.left.get(name, 0) + 1
 
         def prepare(i: int, name: str, make: Callable[[], list[RunSpec]]) -> None:
             nonlocal pending
@@ -885,6 +902,8 @@ class Lanes:
             while (taken := take()) is not None:
                 try:
                     self.one(taken[1], work)
+                except Exception as e:  # noqa: BLE001  (a lane that died would leave its group never over)
+                    say(f"{taken[1].name}: {e!r}")
                 finally:
                     with self.cond:
                         self.left[taken[0]] -= 1
@@ -955,7 +974,8 @@ def packed(dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     names = ["log", "phases.jsonl", "smi.csv", "session.json"]
     for pattern in ("*/spec.json", "*/*.log", "*/run/train/metrics.jsonl", "*/eval_*/report.json",
-                    "*/served/report.json", "*/export/config.json", "speculators_data/*.log"):  # fmt: skip
+                    "*/served/report.json", "*/export/config.json", "speculators_data/*.log",
+                    f"modelopt_data/{MODELOPT_TOKENS}"):  # fmt: skip
         names += [str(p.relative_to(PO)) for p in PO.glob(pattern)]
     with tarfile.open(dest / ".poll.tgz", "w:gz") as tar:
         for n in names:
@@ -988,8 +1008,11 @@ def poll(seconds: float, dest: Path) -> None:
 def fold_earlier_job(results_file: Path) -> None:
     """Before a new job takes the session's folder: refuse while the last job runs; an ended one's runs
     go into the results file the new job reads (so a final after a sweep on this machine sees it)."""
-    if (PO / "session.json").is_file() and not (PO / "rc").is_file():
+    if (PO / "log").is_file() and not (PO / "rc").is_file():
         raise SystemExit(f"peers_gpu: a job is still running in {PO} (no rc yet): poll it until it ends")
+    if (PO / "smi.pid").is_file():  # (the last job's memory trace)
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int((PO / "smi.pid").read_text()), 15)
     if (PO / "session.json").is_file():
         say(f"the last job's runs: {merge_into(PO, results_file)} runs in {results_file} now")
 
@@ -1049,12 +1072,13 @@ def main(argv: list[str] | None = None) -> None:
         repo = (
             Path("/tmp/repo") if Path("/tmp/repo").is_dir() else REPO
         )  # (the call's own copy is replaced by the next)
-        fold_earlier_job(repo / f"benchmarks/results/peers_{gpu_kind()}.json")
+        fold_earlier_job(a.results or repo / f"benchmarks/results/peers_{gpu_kind()}.json")
         shutil.rmtree(PO, ignore_errors=True)
         PO.mkdir(parents=True)
         smi = ["nvidia-smi", "--query-gpu=timestamp,memory.used", "--format=csv,noheader", "-l", "2"]
         if shutil.which("nvidia-smi"):
-            subprocess.Popen(smi, stdout=(PO / "smi.csv").open("w"), start_new_session=True)
+            trace = subprocess.Popen(smi, stdout=(PO / "smi.csv").open("w"), start_new_session=True)
+            (PO / "smi.pid").write_text(str(trace.pid))
         job_cmd = f"{sys.executable} benchmarks/peers_gpu.py job {shlex.join(sys.argv[2:])}; echo $? > {PO / 'rc'}"
         subprocess.Popen(["bash", "-c", job_cmd], cwd=repo, stdout=(PO / "log").open("w"), stderr=subprocess.STDOUT,
                          start_new_session=True, env={**env_for("ours"), "PYTHONPATH": f"/tmp/site:{repo}"})  # fmt: skip

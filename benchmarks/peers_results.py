@@ -98,7 +98,7 @@ class Run(RunSpec):
     lossless: str | None = None
     vllm_acceptance: float | None = None  # vLLM's mean acceptance length, held-out prompts
     failed: list[str] = field(default_factory=list)  # phases that stopped with an error
-    alone: bool | None = None  # it trained with the GPU to itself (a probe; a run in one lane, no other phase beside)
+    alone: bool | None = None  # it trained with the GPU to itself (a probe; one lane, nothing beside: reported only)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Run:
@@ -166,13 +166,14 @@ def step_time(
     family: str | None = None,
     min_steps: int = 0,
 ) -> tuple[float, int | None] | None:
-    """(steady step s, steps per epoch) of the longest run of this framework and head on this device
-    that trained alone (a probe, or a sized run that had the GPU to itself) for at least ``min_steps``
-    and ended without a failed phase (its training ended: its start-up was measured), for speculators
-    one whose log gave its steps per epoch."""
+    """(steady step s, steps per epoch) of the longest probe of this framework and head on this device
+    (probes have the GPU to themselves) of at least ``min_steps`` (or its one epoch, where that is
+    shorter) that ended without a failed phase (its training ended: its start-up was measured), for
+    speculators one whose log gave its steps per epoch. Only probes: a sized run's step time would
+    re-size the sweep it belongs to."""
     known = [r for r in runs if (r.framework, r.head, r.device) == (framework, head, device) and r.steady_step_s
-             and (r.kind == "probe" or r.alone) and not r.failed and r.startup_s is not None
-             and (r.steps or 0) >= min_steps
+             and r.kind == "probe" and not r.failed and r.startup_s is not None
+             and (r.steps or 0) >= min(min_steps, r.steps_per_epoch or min_steps)  # (a probe: one epoch at most)
              and (framework != "speculators" or r.steps_per_epoch)
              and conversations in (None, r.conversations)  # (speculators' epochs are the set's)
              and family in (None, r.head_shape.get("variant", "eagle3"))]  # fmt: skip
@@ -441,7 +442,8 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
     if "train" in mine:
         t = mine["train"]
         beside = [p for p in phases if p["run"] != d.name and p["start"] < t["end"] and p["end"] > t["start"]]
-        run.alone = run.kind == "probe" or (run.lanes == 1 and not beside)
+        prepared_beside = any(p.get("shared") for p in phases)  # (an engine beside the lanes starts before its phase)
+        run.alone = run.kind == "probe" or (run.lanes == 1 and not beside and not prepared_beside)
         if run.loop_s is not None:
             run.startup_s = round(t["seconds"] - run.loop_s, 1)
         inside = [mib for ts, mib in trace if t["start"] <= ts <= t["end"]]

@@ -709,9 +709,9 @@ def test_a_runs_expected_time_is_its_loop_shared_its_probes_overheads_and_its_ev
     assert s.expected(final) == pytest.approx(10000 * 0.06 * pg.SHARED_SLOWDOWN + 441.0 + 2 * pg.EVAL_S + pg.SERVE_S)
     unknown = pr.RunSpec("ours", "recipe", "sweep", 180.0, 1e-3, 0, 360, 16384, **{**shape, "planned_step_s": 0.5})
     assert s.expected(unknown) == pytest.approx(360 * 0.5 * pg.SHARED_SLOWDOWN + 120.0 + pg.EVAL_S)  # no probe: 60 + 60
-    s.known += [run("modelopt", "default", lanes=5, steady_loop_s=234.0, budget_loop_s=180.0),
-                run("modelopt", "default", lanes=5, steady_loop_s=200.0, budget_loop_s=180.0),
-                run("modelopt", "default", lanes=1, steady_loop_s=400.0, budget_loop_s=180.0)]  # fmt: skip
+    s.known += [run("modelopt", "default", lanes=5, steady_step_s=0.078), run("modelopt", "default", lanes=5,
+                steady_step_s=0.066), run("modelopt", "default", lanes=1, steady_step_s=0.2),
+                run("modelopt", "matched", lanes=5, steady_step_s=0.3)]  # (alone; another head)  # fmt: skip
     assert s.expected(sweep) == pytest.approx(3000 * 0.06 * 1.3 + 441.0 + pg.EVAL_S)  # its slowest shared run: 1.3x
     sweep.lanes = 1
     assert s.expected(sweep) == pytest.approx(3000 * 0.06 + 441.0 + pg.EVAL_S)  # one lane: the GPU to itself
@@ -723,6 +723,7 @@ def test_a_new_job_refuses_while_one_runs_and_folds_an_ended_ones_runs_into_the_
     monkeypatch.setattr(pg, "PO", po)
     out = tmp_path / "peers_h100.json"
     (po / "rc").unlink(missing_ok=True)
+    (po / "log").write_text("peers_gpu: started\n")  # (start writes it before the job writes anything)
     with pytest.raises(SystemExit, match="still running"):
         pg.fold_earlier_job(out)
     assert not out.exists()
@@ -734,11 +735,13 @@ def test_a_new_job_refuses_while_one_runs_and_folds_an_ended_ones_runs_into_the_
     assert len(pr.load(out)[0]) == 1 and len(pr.load(out)[1]) == 1
 
 
-def test_a_run_that_had_the_gpu_to_itself_sizes_the_next_and_a_probe_shorter_than_the_probe_now_does_not(tmp_path):
-    """ours' 60-step probe read 0.51 s a step; a 353-step run alone in one lane read 0.315 s, and it
-    sizes what follows. A run in one lane with another's phase beside it is not alone."""
+def test_only_a_probe_as_long_as_the_probe_now_sizes_runs_and_a_run_alone_reports_its_own_loop(tmp_path):
+    """ours' 60-step probe read 0.51 s a step, its 353-step run alone 0.315 s: the short probe sizes
+    nothing (probe again, 200 steps), and the run, a sized one, sizes nothing either (it would re-size
+    its own sweep), but its budget column is the loop it had. A run in one lane with another's phase
+    beside it, or in a session that prepared data beside the lanes, is not alone."""
     short = probe(steps=60, steady_step_s=0.51)
-    assert pr.step_time([short], "ours", "recipe", "h100", min_steps=200) is None  # probe again
+    assert pr.step_time([short], "ours", "recipe", "h100", min_steps=200) is None
     spec = pr.RunSpec("ours", "recipe", "sweep", 180.0, 1e-3, 0, 353, 16384, device="h100", planned_step_s=0.51)
     d = tmp_path / spec.name
     (d / "run/train").mkdir(parents=True)
@@ -747,18 +750,41 @@ def test_a_run_that_had_the_gpu_to_itself_sizes_the_next_and_a_probe_shorter_tha
     (d / "run/train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     train = {"run": spec.name, "phase": "train", "seconds": 220.0, "start": 100.0, "end": 320.0, "rc": 0}
     alone = pr.read_run(d, [train], [])
-    assert alone.alone and pr.step_time([short, alone], "ours", "recipe", "h100", min_steps=200) == (
-        pytest.approx(0.315),
-        None,
-    )
+    assert alone.alone and pr.step_time([short, alone], "ours", "recipe", "h100", min_steps=200) is None
     assert alone.budget_loop_s == pytest.approx(353 * 0.315, abs=0.1)  # what it had, not 353 x 0.51
     beside = {"run": "speculators_data", "phase": "states", "seconds": 100.0, "start": 300.0, "end": 400.0, "rc": 0}
     company = pr.read_run(d, [train, beside], [])
-    assert company.budget_loop_s == pytest.approx(
-        353 * 0.51, abs=0.1
-    )  # (it shared: its steps at the step measured alone)
-    assert company.alone is False and pr.step_time([short, company], "ours", "recipe", "h100", min_steps=200) is None
+    assert company.alone is False and company.budget_loop_s == pytest.approx(353 * 0.51, abs=0.1)
+    later = {**beside, "start": 400.0, "end": 500.0, "shared": True}  # (its engine may have started during the run)
+    assert pr.read_run(d, [train, later], []).alone is False
     assert pr.step_time([short, company], "ours", "recipe", "h100") == (0.51, None)
+
+
+def test_a_speculators_probe_capped_at_its_one_epoch_still_sizes_its_runs():
+    capped = probe("speculators", "default", 3e-4, 42, steady_step_s=0.06, steps=150, steps_per_epoch=150)
+    assert pr.step_time([capped], "speculators", "default", "h100", min_steps=200) == (0.06, 150)
+    short = probe("speculators", "default", 3e-4, 42, steady_step_s=0.06, steps=150, steps_per_epoch=300)
+    assert pr.step_time([short], "speculators", "default", "h100", min_steps=200) is None
+
+
+def test_a_final_waits_for_every_run_of_a_group_named_twice():
+    """Two groups of one name (ours and ours:recipe): the final is released after both groups' runs."""
+    events, lock = [], threading.Lock()
+    lanes = pg.Lanes(2, 64 * 1024, lambda x: 1024)
+
+    def work(x, lane):
+        with lock:
+            events.append(("start", x.framework))
+        time.sleep(0.05 if x.framework == "slow" else 0.01)
+        with lock:
+            events.append(("end", x.framework))
+
+    def final():
+        lanes.over(["g"])
+        return [spec("final")]
+
+    lanes.run([("g", lambda: [spec("fast")]), ("g", lambda: [spec("slow")]), ("f", final)], work)
+    assert events.index(("start", "final")) > events.index(("end", "slow")) and lanes.left == {"g": 0, "f": 0}
 
 
 def test_a_run_sized_from_an_earlier_step_time_is_not_done_and_runs_again():
@@ -799,3 +825,37 @@ def test_modelopts_tokens_per_second_are_its_samples_mean_tokens_over_its_steady
     (po / "modelopt_data" / pr.MODELOPT_TOKENS).write_text(json.dumps({"tokens_per_step": 164.5}))
     r = pr.read_run(po / spec.name, [], [])
     assert r.tokens_per_s == pytest.approx(164.5 / r.steady_step_s, rel=1e-3)
+
+
+def test_a_final_job_takes_the_best_of_the_whole_sweep_as_sized_now_and_none_from_a_stale_one(tmp_path, monkeypatch):
+    """ours' lr 4e-3 run was sized from an earlier step time (353 steps, tau 2.5): it is not part of
+    the sweep as sized now (600 steps), so no final; once it runs again at 600 steps (tau 1.7), the
+    final takes lr 2e-3 (tau 2.1), two seeds, 600 s."""
+    trained = []
+
+    def train(self, spec, lane=0):
+        trained.append(spec.name)
+
+    sweep = [run(lr=lr, planned=600, steps=600, tau_heldout=tau) for lr, tau in ((1e-3, 1.9), (2e-3, 2.1))]
+    stale = run(lr=4e-3, planned=353, steps=353, tau_heldout=2.5)
+    stand_in_session(monkeypatch, tmp_path, None, [probe(steps=200, steady_step_s=0.3), *sweep, stale])
+    monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
+    monkeypatch.setattr(pg.Session, "train", train)
+    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    pg.main(["job", "final", "ours"])
+    assert trained == []
+    stand_in_session(monkeypatch, tmp_path, None, [probe(steps=200, steady_step_s=0.3), *sweep,
+                     run(lr=4e-3, planned=600, steps=600, tau_heldout=1.7)])  # fmt: skip
+    monkeypatch.setattr(pg.Session, "train", train)
+    pg.main(["job", "final", "ours"])
+    assert trained == [
+        "ours-recipe-eagle3.1-n16384-600s-lr0.002-seed0",
+        "ours-recipe-eagle3.1-n16384-600s-lr0.002-seed1",
+    ]
+
+
+def test_a_shared_run_faster_than_the_step_alone_does_not_shrink_the_expected_time():
+    s = object.__new__(pg.Session)
+    s.known = [probe(steps=200, steady_step_s=0.3), run(lanes=4, steady_step_s=0.25)]
+    x = pr.RunSpec("ours", "recipe", "sweep", 180.0, 1e-3, 0, 600, 16384, device="h100", planned_step_s=0.3, lanes=4)
+    assert s.expected(x) == pytest.approx(600 * 0.3 + 120.0 + pg.EVAL_S)  # (slowdown 1, not 0.83)
