@@ -322,6 +322,13 @@ def phase(
             rc = 124
             say(f"{run} {name}: stopped after {timeout:.0f} s")
     end = time.time()
+    record(run, name, start, end, rc, shared)
+    say(f"{run} {name} {'done' if rc == 0 else f'failed (rc {rc}), its log: {log}'} in {end - start:.0f} s")
+    return rc == 0
+
+
+def record(run: str, name: str, start: float, end: float, rc: int = 0, shared: bool = False) -> None:
+    """Append one phase to the session's phases.jsonl."""
     with PHASES, (PO / "phases.jsonl").open("a") as f:
         f.write(
             json.dumps(
@@ -337,8 +344,6 @@ def phase(
             )
             + "\n"
         )
-    say(f"{run} {name} {'done' if rc == 0 else f'failed (rc {rc}), its log: {log}'} in {end - start:.0f} s")
-    return rc == 0
 
 
 def synthesize(data: Path) -> bool:
@@ -484,10 +489,21 @@ class Session:
                          f"{url}/v1", "--concurrency", "32"], env_for("speculators"), shared=shared,
                          timeout=CAPTURE_TIMEOUT_S)  # fmt: skip
 
-    def beside_lanes(self, name: str, share: float) -> contextlib.AbstractContextManager:
+    @contextmanager
+    def beside_lanes(self, name: str, share: float) -> Iterator[None]:
         """Room on the GPU for a preparation's engine taking ``share`` of it (+ its CUDA context and
-        activations), held against the lanes' cap while runs share the GPU; nothing before."""
-        return self.lanes.hold(name, (share + 0.05) * gpu_memory_mib()) if self.lanes else contextlib.nullcontext()
+        activations), held against the lanes' cap while runs share the GPU; nothing before. The hold
+        is a phase of its own (``lanes_hold``): its engine starts before the preparation's first
+        phase, and a run it overlapped did not have the GPU to itself."""
+        if self.lanes is None:
+            yield
+            return
+        with self.lanes.hold(name, (share + 0.05) * gpu_memory_mib()):
+            start = time.time()
+            try:
+                yield
+            finally:
+                record("lanes_hold", name, start, time.time(), shared=True)
 
     def specforge_data(self) -> bool:
         """SpecForge's capture (SGLang 0.5.14 in process) renders the chats with its template and writes

@@ -226,6 +226,11 @@ def compare(ours: list[float], peer: list[float]) -> dict[str, Any]:
     return {"diff": diff, "spread": worst, "beyond_spread": None if worst is None else abs(diff) > worst}
 
 
+def _mean_loop(runs: list[Run]) -> float | None:
+    loops = [r.budget_loop_s for r in runs if r.budget_loop_s is not None]
+    return round(statistics.mean(loops), 1) if loops else None
+
+
 def verdict(runs: list[Run]) -> dict[str, Any]:
     """Ours against each peer at each budget, each framework at its best configuration."""
     rows = []
@@ -242,10 +247,12 @@ def verdict(runs: list[Run]) -> dict[str, Any]:
                     [getattr(r, key) for r in theirs if getattr(r, key) is not None],
                 )
                 row += [c["diff"], c["spread"], c["beyond_spread"]]
+            row += [f"{mine[0].head} lr {mine[0].lr:g}", _mean_loop(mine), _mean_loop(theirs)]
             rows.append(row)
     header = ["budget", "peer", "peer's config", "peer seeds"]
     for what in ("held-out tau", "MT-bench tau", "vLLM acceptance"):
         header += [f"ours ahead by ({what})", "seed spread", "beyond spread"]
+    header += ["ours' config", "ours' loop s (alone)", "peer's loop s (alone)"]  # (a budget one side missed shows)
     return {"title": "Verdict: ours minus each peer, each at its best configuration (means over seeds)",
             "header": header, "rows": rows}  # fmt: skip
 
@@ -442,8 +449,7 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
     if "train" in mine:
         t = mine["train"]
         beside = [p for p in phases if p["run"] != d.name and p["start"] < t["end"] and p["end"] > t["start"]]
-        prepared_beside = any(p.get("shared") for p in phases)  # (an engine beside the lanes starts before its phase)
-        run.alone = run.kind == "probe" or (run.lanes == 1 and not beside and not prepared_beside)
+        run.alone = run.kind == "probe" or (run.lanes == 1 and not beside)  # (an engine's hold: lanes_hold)
         if run.loop_s is not None:
             run.startup_s = round(t["seconds"] - run.loop_s, 1)
         inside = [mib for ts, mib in trace if t["start"] <= ts <= t["end"]]

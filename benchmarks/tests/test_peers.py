@@ -115,13 +115,15 @@ def test_a_difference_counts_only_beyond_the_seed_spread():
     assert pr.compare([2.0], [1.0, 1.1])["beyond_spread"] is None  # one seed: no spread to judge by
     assert pr.compare([], [1.0])["diff"] is None
     runs = [
-        run(budget=600.0, lr=2e-3, seed=s, tau_heldout=t, vllm_acceptance=t - 0.01) for s, t in ((0, 2.5), (1, 2.6))
+        run(budget=600.0, lr=2e-3, seed=s, tau_heldout=t, vllm_acceptance=t - 0.01, budget_loop_s=b)
+        for s, t, b in ((0, 2.5, 600.0), (1, 2.6, 590.0))
     ]
     runs += [run("speculators", "default", 600.0, 1e-3, s, tau_heldout=t) for s, t in ((42, 2.0), (43, 2.2))]
     runs += [run(lr=2e-3, tau_heldout=2.0)]  # the 3-minute sweep of ours, no peer at 3 minutes: no row
     (row,) = pr.verdict(runs)["rows"]
     assert row[:4] == ["10 min", "speculators", "default lr 0.001", 2] and row[4:7] == [0.45, 0.2, True]
-    assert row[7:] == [None] * 6  # MT-bench and vLLM: not measured for the peer
+    assert row[7:13] == [None] * 6  # MT-bench and vLLM: not measured for the peer
+    assert row[13:] == ["recipe lr 0.002", 595.0, None]  # each side's loop alone (the peer's: not measured here)
 
 
 def test_merging_replaces_a_run_unless_the_new_one_got_less_far():
@@ -755,8 +757,18 @@ def test_only_a_probe_as_long_as_the_probe_now_sizes_runs_and_a_run_alone_report
     beside = {"run": "speculators_data", "phase": "states", "seconds": 100.0, "start": 300.0, "end": 400.0, "rc": 0}
     company = pr.read_run(d, [train, beside], [])
     assert company.alone is False and company.budget_loop_s == pytest.approx(353 * 0.51, abs=0.1)
-    later = {**beside, "start": 400.0, "end": 500.0, "shared": True}  # (its engine may have started during the run)
-    assert pr.read_run(d, [train, later], []).alone is False
+    before = {
+        "run": "ours_data",
+        "phase": "prepare",
+        "seconds": 40.0,
+        "start": 50.0,
+        "end": 90.0,
+        "rc": 0,
+        "shared": True,
+    }
+    hold = {"run": "lanes_hold", "phase": "speculators_data", "seconds": 200.0, "start": 310.0, "end": 510.0, "rc": 0,
+            "shared": True}  # (an engine beside the lanes, started before its first phase)  # fmt: skip
+    assert pr.read_run(d, [before, train], []).alone and pr.read_run(d, [train, hold], []).alone is False
     assert pr.step_time([short, company], "ours", "recipe", "h100") == (0.51, None)
 
 
@@ -859,3 +871,23 @@ def test_a_shared_run_faster_than_the_step_alone_does_not_shrink_the_expected_ti
     s.known = [probe(steps=200, steady_step_s=0.3), run(lanes=4, steady_step_s=0.25)]
     x = pr.RunSpec("ours", "recipe", "sweep", 180.0, 1e-3, 0, 600, 16384, device="h100", planned_step_s=0.3, lanes=4)
     assert s.expected(x) == pytest.approx(600 * 0.3 + 120.0 + pg.EVAL_S)  # (slowdown 1, not 0.83)
+
+
+def test_a_preparation_beside_the_lanes_leaves_its_hold_as_a_phase(tmp_path, monkeypatch):
+    monkeypatch.setattr(pg, "PO", tmp_path)
+    monkeypatch.setattr(pg, "gpu_memory_mib", lambda: 80000)
+    s = object.__new__(pg.Session)
+    s.lanes = None
+    with s.beside_lanes("speculators_data", 0.25):  # (before the lanes: alone, no hold)
+        pass
+    assert pg.phases() == []
+    s.lanes = pg.Lanes(2, 64 * 1024, lambda x: 1024)
+    with s.beside_lanes("speculators_data", 0.25):
+        assert s.lanes.running == {"speculators_data": pytest.approx(0.30 * 80000)}
+    (hold,) = pg.phases()
+    assert (hold["run"], hold["phase"], hold["shared"]) == (
+        "lanes_hold",
+        "speculators_data",
+        True,
+    ) and not s.lanes.running
+    assert pr.read_session(tmp_path)[1]["phases"] == []  # (not a framework's data seconds)
