@@ -248,7 +248,7 @@ def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_
     monkeypatch.setattr(pg.Session, "speculators_data", lambda self: False)
     monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job", "sweep", "speculators:default", "ours"])
     pg.main(["job", "sweep", "speculators:default", "ours", "--lrs", "1e-3", "2e-3"])
-    assert trained == [200, 600, 600]  # the probe, then two runs sized from it
+    assert trained == [300, 600, 600]  # the probe, then two runs sized from it
     runs, session = pr.read_session(tmp_path)
     assert sorted(r.kind for r in runs) == ["probe", "sweep", "sweep"] and session["id"].startswith("h100-")
     assert all(r.steady_step_s == pytest.approx(0.3) for r in runs)
@@ -362,7 +362,7 @@ def test_the_lanes_run_a_mix_of_frameworks_at_once_on_their_own_ports_and_skip_w
         return False  # (trained nothing: no export, no eval)
 
     known = [
-        probe(steps=200, steady_step_s=0.3, peak_gpu_mib=25000, peak_from="run"),
+        probe(steps=300, steady_step_s=0.3, peak_gpu_mib=25000, peak_from="run"),
         probe("modelopt", "default", 1e-4, 42, steady_step_s=0.25, steps=300, peak_gpu_mib=5000, peak_from="run"),
     ]
     known.append(
@@ -603,7 +603,7 @@ def test_a_preparation_that_failed_is_not_tried_again_and_none_runs_for_runs_alr
         trained.append(run_name)
         return True
 
-    known = [probe(steps=200, steady_step_s=0.3)] + [
+    known = [probe(steps=300, steady_step_s=0.3)] + [
         run(lr=lr, planned=600, steps=600, tau_heldout=1.8, planned_step_s=0.3) for lr in (1e-3, 2e-3)
     ]
     stand_in_session(monkeypatch, tmp_path, phase, known)
@@ -671,7 +671,7 @@ def test_a_sweep_then_its_finals_in_one_job_each_final_after_its_frameworks_whol
             self.known.append(r)
             events.append(("end", spec.name))
 
-    known = [probe(steps=200, steady_step_s=0.3), probe("modelopt", "default", 1e-4, 42, steady_step_s=0.06, steps=300),
+    known = [probe(steps=300, steady_step_s=0.3), probe("modelopt", "default", 1e-4, 42, steady_step_s=0.06, steps=300),
              probe("speculators", "default", 3e-4, 42, steady_step_s=0.06, steps=200, steps_per_epoch=270)]  # fmt: skip
     stand_in_session(monkeypatch, tmp_path, None, known)
     monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
@@ -850,13 +850,13 @@ def test_a_final_job_takes_the_best_of_the_whole_sweep_as_sized_now_and_none_fro
 
     sweep = [run(lr=lr, planned=600, steps=600, tau_heldout=tau) for lr, tau in ((1e-3, 1.9), (2e-3, 2.1))]
     stale = run(lr=4e-3, planned=353, steps=353, tau_heldout=2.5)
-    stand_in_session(monkeypatch, tmp_path, None, [probe(steps=200, steady_step_s=0.3), *sweep, stale])
+    stand_in_session(monkeypatch, tmp_path, None, [probe(steps=300, steady_step_s=0.3), *sweep, stale])
     monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
     monkeypatch.setattr(pg.Session, "train", train)
     monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
     pg.main(["job", "final", "ours"])
     assert trained == []
-    stand_in_session(monkeypatch, tmp_path, None, [probe(steps=200, steady_step_s=0.3), *sweep,
+    stand_in_session(monkeypatch, tmp_path, None, [probe(steps=300, steady_step_s=0.3), *sweep,
                      run(lr=4e-3, planned=600, steps=600, tau_heldout=1.7)])  # fmt: skip
     monkeypatch.setattr(pg.Session, "train", train)
     pg.main(["job", "final", "ours"])
@@ -868,7 +868,7 @@ def test_a_final_job_takes_the_best_of_the_whole_sweep_as_sized_now_and_none_fro
 
 def test_a_shared_run_faster_than_the_step_alone_does_not_shrink_the_expected_time():
     s = object.__new__(pg.Session)
-    s.known = [probe(steps=200, steady_step_s=0.3), run(lanes=4, steady_step_s=0.25)]
+    s.known = [probe(steps=300, steady_step_s=0.3), run(lanes=4, steady_step_s=0.25)]
     x = pr.RunSpec("ours", "recipe", "sweep", 180.0, 1e-3, 0, 600, 16384, device="h100", planned_step_s=0.3, lanes=4)
     assert s.expected(x) == pytest.approx(600 * 0.3 + 120.0 + pg.EVAL_S)  # (slowdown 1, not 0.83)
 
