@@ -631,7 +631,9 @@ class Session:
         overhead = sum(60.0 if x is None else x for x in measured)
         shared = [r.steady_step_s / spec.planned_step_s for r in self.known if (r.framework, r.head) ==
                   (spec.framework, spec.head) and (r.lanes or 1) > 1 and r.steady_step_s and spec.planned_step_s]  # fmt: skip
-        slowdown = max([1.0, *shared]) if shared else SHARED_SLOWDOWN
+        slowdown = self.a.slowdown or (
+            max([1.0, *shared]) if shared else SHARED_SLOWDOWN
+        )  # (--slowdown: the operator's)
         slowdown = slowdown if spec.lanes > 1 else 1.0  # (one lane: the GPU to itself)
         loop = (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * slowdown
         return loop + overhead + EVAL_S + (EVAL_S + SERVE_S if spec.kind == "final" else 0.0)
@@ -1059,6 +1061,9 @@ def main(argv: list[str] | None = None) -> None:
                        help="start no sized run expected to end later than this many seconds after the job began "
                        f"(its loop at {SHARED_SLOWDOWN:g}x its time alone, its probe's start-up and compilation, its "
                        "evaluation and, for a final, serving)")  # fmt: skip
+        p.add_argument("--slowdown", type=float, default=None,
+                       help="--end-by-s: the loop's slowdown sharing the GPU (default: the slowest its framework and "
+                       f"head met in lanes, else {SHARED_SLOWDOWN:g}); e.g. 1.3 for two seeds of one framework")  # fmt: skip
         p.add_argument(
             "--then-final",
             action="store_true",

@@ -702,6 +702,7 @@ def test_no_run_starts_that_would_end_past_the_end_deadline():
 
 def test_a_runs_expected_time_is_its_loop_shared_its_probes_overheads_and_its_evaluations():
     s = object.__new__(pg.Session)
+    s.a = argparse.Namespace(slowdown=None)
     s.known = [probe("modelopt", "default", steps=300, steady_step_s=0.06, compile_s=381.0)]  # start-up 60 s
     shape = {"device": "h100", "planned_step_s": 0.06, "lanes": 5}
     sweep = pr.RunSpec("modelopt", "default", "sweep", 180.0, 1e-4, 42, 3000, 16384, **shape)
@@ -869,8 +870,11 @@ def test_a_final_job_takes_the_best_of_the_whole_sweep_as_sized_now_and_none_fro
 def test_a_shared_run_faster_than_the_step_alone_does_not_shrink_the_expected_time():
     s = object.__new__(pg.Session)
     s.known = [probe(steps=300, steady_step_s=0.3), run(lanes=4, steady_step_s=0.25)]
+    s.a = argparse.Namespace(slowdown=None)
     x = pr.RunSpec("ours", "recipe", "sweep", 180.0, 1e-3, 0, 600, 16384, device="h100", planned_step_s=0.3, lanes=4)
     assert s.expected(x) == pytest.approx(600 * 0.3 + 120.0 + pg.EVAL_S)  # (slowdown 1, not 0.83)
+    s.a.slowdown = 1.3  # (the operator's, e.g. two seeds of one framework)
+    assert s.expected(x) == pytest.approx(600 * 0.3 * 1.3 + 120.0 + pg.EVAL_S)
 
 
 def test_a_preparation_beside_the_lanes_leaves_its_hold_as_a_phase(tmp_path, monkeypatch):
