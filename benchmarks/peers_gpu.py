@@ -615,9 +615,9 @@ class Session:
                     env_for("ours"),
                 )
                 self.serve(s.name, export, lane)
-        record = read_run(run, phases(), memory_trace(PO / "smi.csv"))
+        got = read_run(run, phases(), memory_trace(PO / "smi.csv"))
         with PHASES:  # (the lanes end runs at once: this run now stands for its name, an earlier one's goes)
-            self.known = [r for r in self.known if r.name != record.name] + [record]
+            self.known = [r for r in self.known if r.name != got.name] + [got]
 
     def expected(self, spec: RunSpec) -> float:
         """Seconds the run may take from its start while sharing the GPU: its loop slowed as much as its
@@ -631,9 +631,8 @@ class Session:
         overhead = sum(60.0 if x is None else x for x in measured)
         shared = [r.steady_step_s / spec.planned_step_s for r in self.known if (r.framework, r.head) ==
                   (spec.framework, spec.head) and (r.lanes or 1) > 1 and r.steady_step_s and spec.planned_step_s]  # fmt: skip
-        slowdown = self.a.slowdown or (
-            max([1.0, *shared]) if shared else SHARED_SLOWDOWN
-        )  # (--slowdown: the operator's)
+        measured_slowdown = max([1.0, *shared]) if shared else SHARED_SLOWDOWN
+        slowdown = self.a.slowdown or measured_slowdown  # (--slowdown: the operator's)
         slowdown = slowdown if spec.lanes > 1 else 1.0  # (one lane: the GPU to itself)
         loop = (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * slowdown
         return loop + overhead + EVAL_S + (EVAL_S + SERVE_S if spec.kind == "final" else 0.0)
