@@ -774,11 +774,10 @@ def job(a: argparse.Namespace) -> None:
     def swept(fw: str) -> list[tuple[str, str, float, list[float], list[int]]]:
         """The framework's sweep as it is sized now: this job's (a sweep), or its heads asked at their
         three lrs (a final)."""
-        if a.what == "sweep":
-            return [w for w in wanted if w[0] == fw]
-        heads = {h for item in a.frameworks if item.partition(":")[0] == fw for h in
-                 ([item.partition(":")[2]] if item.partition(":")[2] else HEADS[fw])}  # fmt: skip
-        return [(fw, h, SWEEP_S, list(LRS[fw]), [SEED[fw]]) for h in sorted(heads)]
+        sweep = (
+            a if a.what == "sweep" else argparse.Namespace(**{**vars(a), "what": "sweep", "lrs": None, "seeds": None})
+        )
+        return [w for w in (wanted if sweep is a else runs_wanted(sweep, s.known)) if w[0] == fw]
 
     def finals_of(fw: str, seeds: list[int]) -> list[RunSpec]:
         """Once the framework's sweep (as sized now) is over and whole: its best head and lr at the final

@@ -437,8 +437,8 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
         if m := re.findall(r"'train_runtime': '?([0-9.]+)", log):
             pts.append((pts[-1][0] if pts else 0, float(m[-1])))  # its own loop time closes the curve
         timing = bar_split
-        if (d.parent / "modelopt_data" / MODELOPT_TOKENS).is_file():  # (one sample a step: its mean tokens)
-            per_step = json.loads((d.parent / "modelopt_data" / MODELOPT_TOKENS).read_text())["tokens_per_step"]
+        if (tokens := d.parent / "modelopt_data" / MODELOPT_TOKENS).is_file():  # (one sample a step: its mean)
+            per_step = json.loads(tokens.read_text())["tokens_per_step"]
     if pts:
         run.steps = max(s for s, _ in pts)
     if split := timing(pts):
