@@ -312,6 +312,9 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
         "runs": "single run each; the 10-minute configurations two seeds; probes ran alone on the GPU, sized runs "
         "up to `lanes` at once (the budget_loop_s column is their loop alone)",
         "withdrawn": WITHDRAWN,
+        "raw": "benchmarks/results/raw/peers_<gpu>/<session id>/: each session's last poll unpacked (phases, logs, "
+        "train metrics, eval and served reports; engine logs gzipped); `peers_results.py merge` of those folders "
+        "gives this file again",
         "not_run": {fw: why for fw, why in NOT_RUN.items() if not any(r.framework == fw for r in runs)},
         "sessions": sessions,
         "frameworks": [asdict(r) | {"name": r.name} for r in order],
