@@ -716,6 +716,8 @@ def runs_wanted(a: argparse.Namespace, known: list) -> list[tuple[str, str, floa
         fw, _, head = item.partition(":")
         if fw not in FRAMEWORKS:
             raise SystemExit(f"peers_gpu: {fw!r} is not one of {FRAMEWORKS}")
+        if head and head not in HEADS[fw]:
+            raise SystemExit(f"peers_gpu: {item!r}: the heads of {fw} are {', '.join(HEADS[fw])}")
         if a.what == "sweep":
             for h in [head] if head else HEADS[fw]:
                 if not any(w[:2] == (fw, h) for w in out):  # (ours and ours:recipe: one group)

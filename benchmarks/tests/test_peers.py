@@ -895,3 +895,11 @@ def test_a_preparation_beside_the_lanes_leaves_its_hold_as_a_phase(tmp_path, mon
         True,
     ) and not s.lanes.running
     assert pr.read_session(tmp_path)[1]["phases"] == []  # (not a framework's data seconds)
+
+
+def test_a_head_a_framework_has_not_is_refused_by_name():
+    a = argparse.Namespace(what="sweep", frameworks=["speculators:bogus"], lrs=None, seeds=None)
+    with pytest.raises(SystemExit, match="'speculators:bogus': the heads of speculators are default, matched"):
+        pg.runs_wanted(a, [])
+    with pytest.raises(SystemExit, match="'bogus' is not one of"):
+        pg.runs_wanted(argparse.Namespace(what="sweep", frameworks=["bogus"], lrs=None, seeds=None), [])
