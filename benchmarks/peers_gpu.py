@@ -55,7 +55,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from peers_results import (  # noqa: E402  # noqa: E402
     FINAL_S,
     FRAMEWORKS,
-    MODELOPT_TOKENS,
+    STEP_TOKENS,
     SWEEP_S,
     RunSpec,
     best,
@@ -452,7 +452,7 @@ class Session:
             else:
                 ok = install("/tmp/mosite", "nvidia_modelopt-*.whl", "pulp-*.whl")
                 (PO / "modelopt_data").mkdir(parents=True, exist_ok=True)
-                (PO / "modelopt_data" / MODELOPT_TOKENS).write_text(json.dumps(
+                (PO / "modelopt_data" / STEP_TOKENS).write_text(json.dumps(
                     {"tokens_per_step": sample_tokens(self.convs, self.target, MODELOPT_SEQ)}))  # fmt: skip
             if not ok:
                 return False
@@ -533,7 +533,7 @@ class Session:
                 return False
         size = head_shape("specforge", "matched", self.t, self.a.variant)[0]["draft_vocab"]
         return phase("specforge_data", "vocab", [sys.executable, "-c", SPECFORGE_VOCAB, data, target, str(self.a.n),
-                     str(self.t["vocab_size"]), str(size), str(sf / f"vocab{size}")], env_for("specforge"),
+                     str(self.t["vocab_size"]), str(size), str(sf / f"vocab{size}"), str(sf / STEP_TOKENS)], env_for("specforge"),
                      shared=shared)  # fmt: skip
 
     def spec(self, fw: str, head: str, kind: str, budget: float | None, lr: float, seed: int) -> RunSpec | None:
@@ -664,15 +664,19 @@ class Session:
 
 
 SPECFORGE_VOCAB = """\
-import sys
+import json, sys
 from datasets import Dataset
 from specforge.data.preprocessing import build_eagle3_dataset, generate_vocab_mapping_file
 from specforge.utils import load_tokenizer, safe_conversations_generator
-data, target, n, vocab, size, out = sys.argv[1:]
+data, target, n, vocab, size, out, tokens = sys.argv[1:]
 chats = Dataset.from_generator(safe_conversations_generator, gen_kwargs={"file_path": data}).select(range(int(n)))
 rows = build_eagle3_dataset(chats, load_tokenizer(target), chat_template="lfm", max_length=2048)
 generate_vocab_mapping_file(rows, target_vocab_size=int(vocab), draft_vocab_size=int(size), cache_dir=out)
-"""  # the matched head's draft vocabulary by SpecForge's own functions, over the rows its capture read
+lengths = [x.numel() for x in rows["input_ids"]]
+with open(tokens, "w") as f:
+    json.dump({"tokens_per_step": sum(lengths) / len(lengths)}, f)
+"""  # the matched head's draft vocabulary by SpecForge's own functions, over the rows its capture read; and its
+# rows' mean length, its tokens a step (a batch of one, its default)
 
 
 def specforge_target(hf: Path, dest: Path) -> None:
@@ -992,8 +996,8 @@ def packed(dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     names = ["log", "phases.jsonl", "smi.csv", "session.json"]
     for pattern in ("*/spec.json", "*/*.log", "*/run/train/metrics.jsonl", "*/eval_*/report.json",
-                    "*/served/report.json", "*/export/config.json", "speculators_data/*.log",
-                    f"modelopt_data/{MODELOPT_TOKENS}"):  # fmt: skip
+                    "*/served/report.json", "*/export/config.json", "speculators_data/*.log", "specforge_data/*.log",
+                    f"modelopt_data/{STEP_TOKENS}", f"specforge_data/{STEP_TOKENS}"):  # fmt: skip
         names += [str(p.relative_to(PO)) for p in PO.glob(pattern)]
     with tarfile.open(dest / ".poll.tgz", "w:gz") as tar:
         for n in names:

@@ -418,7 +418,7 @@ def data_seconds(phases: list[dict], framework: str, head: str) -> float | None:
     return round(sum(p["seconds"] for p in mine if p["phase"] != "vocab" or head == "matched"), 1) or None
 
 
-MODELOPT_TOKENS = "tokens_per_step.json"  # in <session>/modelopt_data/: its mean tokens a step (batch of one)
+STEP_TOKENS = "tokens_per_step.json"  # in <session>/modelopt_data/, specforge_data/: mean tokens a step
 
 
 def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run:
@@ -434,13 +434,15 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
         pts, run.tokens_per_s, run.steps_per_epoch = speculators_points((d / "train.log").read_text(errors="replace"))
     elif run.framework == "specforge" and (d / "train.log").is_file():
         pts = specforge_points((d / "train.log").read_text(errors="replace"))
+        if (tokens := d.parent / "specforge_data" / STEP_TOKENS).is_file():  # (one conversation a step: its mean)
+            per_step = json.loads(tokens.read_text())["tokens_per_step"]
     elif (d / "train.log").is_file():
         log = (d / "train.log").read_text(errors="replace")
         pts = trainer_points(log, run.steps_planned)
         if m := re.findall(r"'train_runtime': '?([0-9.]+)", log):
             pts.append((pts[-1][0] if pts else 0, float(m[-1])))  # its own loop time closes the curve
         timing = bar_split
-        if (tokens := d.parent / "modelopt_data" / MODELOPT_TOKENS).is_file():  # (one sample a step: its mean)
+        if (tokens := d.parent / "modelopt_data" / STEP_TOKENS).is_file():  # (one sample a step: its mean)
             per_step = json.loads(tokens.read_text())["tokens_per_step"]
     if pts:
         run.steps = max(s for s, _ in pts)

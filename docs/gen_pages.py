@@ -755,10 +755,10 @@ PAGE_NOTES = {  # a page's opening paragraph, where its results need one before 
     "its compilation, only ours was tuned, the heads differed, ModelOpt never left its warm-up, and each ran once. "
     "The comparison is being redone in `peers_h100`: the same 16,384 conversations for every framework, equal "
     "minutes of steady training loop (start-up, compilation and data preparation apart), a learning-rate sweep for "
-    "every framework and head, then two seeds of each framework's best. So far it holds each framework's step "
-    "time measured alone, five of ModelOpt's six sweep runs and one of ours; its verdict row compares single "
-    "sweep runs, not yet the seeds, and ours' run there trained 111 s of steady loop, not 180 (its first probe "
-    "was too short: the harness now sizes ours from a run alone, and that run trains again). The older files "
+    "every framework and head, then two seeds of each framework's best. So far it holds the step times of ours, "
+    "speculators and ModelOpt measured alone, two of ours' three sweep runs and five of ModelOpt's six; "
+    "speculators' and SpecForge's sweeps have not run (SpecForge's capture and training ran once, on 256 "
+    "conversations, outside this file). Its verdict row compares single sweep runs, not yet the seeds. The older files "
     "below are kept as a record of what was run.\n\n",
 }
 HEAD_KEYS = ("what", "machine", "date", "command", "runs", "code_at")

@@ -4,6 +4,7 @@ budgets into steps, compile time apart, the sweep's choice, seed spreads, mergin
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tarfile
 import threading
@@ -543,6 +544,49 @@ def test_specforge_log_gives_its_step_times_its_first_window_compiling():
     assert step == pytest.approx(0.2) and compile_s == pytest.approx(loop - 200 * 0.2)
 
 
+def test_specforge_tokens_a_second_are_its_rows_mean_length_over_its_steady_step(tmp_path):
+    """A batch of one conversation a step (its default): the capture's rows' mean length, written by
+    the vocab phase beside its states, over the steady step its log gives; none without that mean."""
+    po = tmp_path / "po"
+    spec = pr.RunSpec("specforge", "default", "probe", None, 1e-4, 42, 200, 16384, device="h100")
+    (po / spec.name).mkdir(parents=True)
+    (po / spec.name / "spec.json").write_text(json.dumps(pr.asdict(spec)))
+    lines = ["step 10: {'loss': 9.1, 'perf/optimizer_step_time_s': 6.0}"]
+    lines += [f"step {s}: {{'loss': 3.0, 'perf/optimizer_step_time_s': 0.05}}" for s in range(20, 201, 10)]
+    (po / spec.name / "train.log").write_text("\n".join(lines) + "\n")
+    assert pr.read_run(po / spec.name, [], []).tokens_per_s is None
+    (po / "specforge_data").mkdir()
+    (po / "specforge_data" / pr.STEP_TOKENS).write_text(json.dumps({"tokens_per_step": 170.0}))
+    r = pr.read_run(po / spec.name, [], [])
+    assert r.steady_step_s == pytest.approx(0.05) and r.tokens_per_s == pytest.approx(170.0 / 0.05, rel=1e-3)
+
+
+def test_specforge_vocab_phase_writes_its_rows_mean_length(tmp_path):
+    """The vocab phase's script, run with SpecForge's functions stood in (the rows its template would
+    give: 3 and 6 tokens), writes their mean where read_run looks for it."""
+    (tmp_path / "specforge" / "data").mkdir(parents=True)
+    (tmp_path / "datasets.py").write_text(
+        "class Dataset:\n    @staticmethod\n    def from_generator(gen, gen_kwargs):\n        return Rows()\n"
+        "class Rows:\n    def select(self, r):\n        return self\n"
+    )
+    (tmp_path / "specforge/__init__.py").write_text("")
+    (tmp_path / "specforge/data/__init__.py").write_text("")
+    (tmp_path / "specforge/data/preprocessing.py").write_text(
+        "import torch\ndef build_eagle3_dataset(chats, tok, chat_template, max_length):\n"
+        "    return {'input_ids': [torch.zeros(1, 3), torch.zeros(1, 6)]}\n"
+        "def generate_vocab_mapping_file(rows, target_vocab_size, draft_vocab_size, cache_dir):\n    pass\n"
+    )
+    (tmp_path / "specforge/utils.py").write_text(
+        "def load_tokenizer(p):\n    return None\ndef safe_conversations_generator(file_path):\n    yield {}\n"
+    )
+    out = tmp_path / "specforge_data" / pr.STEP_TOKENS
+    out.parent.mkdir()
+    args = ["c.jsonl", "target", "2", "49152", "16384", str(tmp_path / "vocab"), str(out)]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run([sys.executable, "-c", pg.SPECFORGE_VOCAB, *args], check=True, env=env)
+    assert json.loads(out.read_text()) == {"tokens_per_step": 4.5}
+
+
 def test_specforge_reads_the_target_through_a_weight_index_it_is_given(tmp_path):
     import torch
     from safetensors.torch import save_file
@@ -835,7 +879,7 @@ def test_modelopts_tokens_per_second_are_its_samples_mean_tokens_over_its_steady
     (po / spec.name / "train.log").write_text(bar + "{'train_runtime': '31.0'}\n")
     assert pr.read_run(po / spec.name, [], []).tokens_per_s is None  # (no mean: not reported)
     (po / "modelopt_data").mkdir()
-    (po / "modelopt_data" / pr.MODELOPT_TOKENS).write_text(json.dumps({"tokens_per_step": 164.5}))
+    (po / "modelopt_data" / pr.STEP_TOKENS).write_text(json.dumps({"tokens_per_step": 164.5}))
     r = pr.read_run(po / spec.name, [], [])
     assert r.tokens_per_s == pytest.approx(164.5 / r.steady_step_s, rel=1e-3)
 
