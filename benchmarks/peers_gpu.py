@@ -24,7 +24,9 @@ packs the session so far into ``poll.tgz`` and ``peers_partial.json``: a machine
 loses only what the last poll had not packed. The shared set (``.peers/data/<DATA_SET>``), where
 missing, is synthesized by the session's first phase (outside every budget; about 11 minutes on an
 H100) and polls bring it out as ``<DATA_SET>.part-N``: put those in ``.peers/data/`` and pack again,
-so later sessions carry the same set. Notes: benchmarks/notes/peer_training.md.
+so later sessions carry the same set. ModelOpt's compile cache comes out as ``inductor_modelopt.tgz``
+(where it fits 24 MiB): put it in ``.peers/cache/`` and ``stage`` unpacks it, so a fresh machine
+skips its 5-6 minutes of max-autotune. Notes: benchmarks/notes/peer_training.md.
 """
 
 from __future__ import annotations
@@ -282,12 +284,18 @@ def env_for(fw: str) -> dict[str, str]:
         "specforge": ["/tmp/sfsite", "/tmp/sg14site"],  # (SGLang 0.5.14's site carries transformers 5.8.1: first)
     }
     path = [*site[fw], "/tmp/site", str(REPO), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": ":".join(p for p in path if p), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
+    # ModelOpt's max-autotune compile took 5-6 min on a fresh machine: its cache goes out with the polls
+    # and comes back with .peers (compilation is measured apart from the budget either way)
+    cache = {"TORCHINDUCTOR_CACHE_DIR": str(COMPILE_CACHE)} if fw == "modelopt" else {}
+    return {**os.environ, **cache, "PYTHONPATH": ":".join(p for p in path if p), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
             "EAGLE3_CACHE": os.environ.get("EAGLE3_CACHE", "/tmp/e3cache"),
             "TVM_FFI_CACHE_DIR": "/tmp/sg14cache/tvm-ffi", "FLASHINFER_WORKSPACE_BASE": "/tmp/sg14cache"}  # fmt: skip
 
 
+COMPILE_CACHE = Path(os.environ.get("COMPILE_CACHE", "/tmp/inductor_modelopt"))  # ModelOpt's torch.compile cache
+COMPILE_CACHE_TGZ = "inductor_modelopt.tgz"  # a poll's file; put in .peers/cache/ here, a later session starts warm
+COMPILE_CACHE_MIB = 24  # at most this much comes out (a call carries 64 MiB: the tree, .whl and .peers take ~36)
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
 PHASE_TIMEOUT_S = 1800.0  # a phase that hangs (an engine, a rendezvous) frees its lane after this; training: below
 CAPTURE_TIMEOUT_S = 600.0  # a peer's state capture (speculators' took 67 + 104 s alone on an H100; SpecForge's: new)
@@ -982,6 +990,33 @@ def pack(examples: Path, mt_bench: Path, specforge_scripts: Path | None = None) 
             f"bring it out as {DATA_SET}.part-N: put those in .peers/data/ and pack again")  # fmt: skip
 
 
+def compile_cache_out(dest: Path) -> None:
+    """ModelOpt's compile cache as dest/COMPILE_CACHE_TGZ, where it fits COMPILE_CACHE_MIB: its graphs
+    (their Triton kernels bundled in), not Triton's own cache of every autotuned candidate."""
+    if not COMPILE_CACHE.is_dir():
+        return
+    tmp = dest / f".{COMPILE_CACHE_TGZ}"
+    with tarfile.open(tmp, "w:gz") as tar:
+        triton = f"{COMPILE_CACHE.name}/triton"  # (Triton's own cache, under inductor's by default)
+        tar.add(COMPILE_CACHE, arcname=COMPILE_CACHE.name,
+                filter=lambda m: None if m.name == triton or m.name.startswith(f"{triton}/") else m)  # fmt: skip
+    if tmp.stat().st_size > COMPILE_CACHE_MIB << 20:
+        say(
+            f"ModelOpt's compile cache is {tmp.stat().st_size / 2**20:.0f} MiB packed: over {COMPILE_CACHE_MIB}, left here"
+        )
+        tmp.unlink()
+        return
+    tmp.rename(dest / COMPILE_CACHE_TGZ)
+
+
+def compile_cache_in(peers: Path) -> None:
+    """The compile cache an earlier session brought out (``.peers/cache/``), where ModelOpt looks."""
+    if (tgz := peers / "cache" / COMPILE_CACHE_TGZ).is_file() and not COMPILE_CACHE.is_dir():
+        with tarfile.open(tgz) as tar:
+            tar.extractall(COMPILE_CACHE.parent, filter="data")
+        say(f"ModelOpt's compile cache from an earlier session: {COMPILE_CACHE}")
+
+
 def join_data_parts(peers: Path) -> None:
     """The shared set's parts a session's polls brought out (put in ``<peers>/data/``), joined in order."""
     parts = sorted((peers / "data").glob(f"{DATA_SET}.part-*"), key=lambda f: int(f.name.rsplit("-", 1)[1]))
@@ -1005,6 +1040,7 @@ def packed(dest: Path) -> None:
                 tar.add(PO / n, arcname=n)
     (dest / ".poll.tgz").rename(dest / "poll.tgz")
     data_parts(dest)
+    compile_cache_out(dest)
     try:
         runs, session = read_session(PO)
         (dest / "peers_partial.json").write_text(json.dumps(results(runs, [session]), indent=1) + "\n")
@@ -1090,6 +1126,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.copytree(REPO / ".peers", PEERS)
         shutil.rmtree("/tmp/repo", ignore_errors=True)
         shutil.copytree(REPO, "/tmp/repo", ignore=shutil.ignore_patterns(".peers", ".git"))
+        compile_cache_in(PEERS)
         say(f"staged {PEERS} and the repository in /tmp/repo (start runs from there)")
     elif a.cmd == "pack":
         pack(a.examples, a.mt_bench, a.specforge)

@@ -297,6 +297,44 @@ def test_a_missing_shared_set_is_synthesized_once_and_polls_bring_it_out_in_part
     assert (here / "data" / pg.DATA_SET).read_bytes() == blob and not list((here / "data").glob("*.part-*"))
 
 
+def test_modelopt_compiles_into_a_cache_polls_bring_out_and_stage_puts_back_without_tritons_own(tmp_path, monkeypatch):
+    """Only ModelOpt's processes compile into the carried cache; a poll packs its graphs (not Triton's
+    cache of every autotuned candidate), none over the cap; a later session's stage unpacks it, and
+    never over a cache already there."""
+    cache, dest, peers = tmp_path / "m" / "inductor_modelopt", tmp_path / "out", tmp_path / "peers"
+    monkeypatch.setattr(pg, "COMPILE_CACHE", cache)
+    assert pg.env_for("modelopt")["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
+    assert all(
+        pg.env_for(fw).get("TORCHINDUCTOR_CACHE_DIR") != str(cache) for fw in ("ours", "speculators", "specforge")
+    )
+    dest.mkdir()
+    pg.compile_cache_out(dest)
+    assert not list(dest.iterdir())  # nothing compiled this session
+    (cache / "fxgraph" / "ab").mkdir(parents=True)
+    (cache / "fxgraph" / "ab" / "entry").write_bytes(b"graph" * 100)
+    (cache / "fxgraph" / "ab" / "triton_bundle").write_bytes(b"kernels")  # (bundled in the graph's entry: kept)
+    (cache / "triton" / "0" / "k").mkdir(parents=True)
+    (cache / "triton" / "0" / "k" / "k.cubin").write_bytes(os.urandom(4096))
+    pg.compile_cache_out(dest)
+    with tarfile.open(dest / pg.COMPILE_CACHE_TGZ) as tar:
+        assert sorted(m.name for m in tar.getmembers() if m.isfile()) == [
+            "inductor_modelopt/fxgraph/ab/entry",
+            "inductor_modelopt/fxgraph/ab/triton_bundle",
+        ]
+    (peers / "cache").mkdir(parents=True)
+    (peers / "cache" / pg.COMPILE_CACHE_TGZ).write_bytes((dest / pg.COMPILE_CACHE_TGZ).read_bytes())
+    monkeypatch.setattr(pg, "COMPILE_CACHE", tmp_path / "fresh" / "inductor_modelopt")
+    pg.compile_cache_in(peers)
+    assert (tmp_path / "fresh/inductor_modelopt/fxgraph/ab/entry").read_bytes() == b"graph" * 100
+    (tmp_path / "fresh/inductor_modelopt/fxgraph/ab/entry").write_bytes(b"newer")
+    pg.compile_cache_in(peers)  # (a cache already there is this machine's own: kept)
+    assert (tmp_path / "fresh/inductor_modelopt/fxgraph/ab/entry").read_bytes() == b"newer"
+    monkeypatch.setattr(pg, "COMPILE_CACHE_MIB", 0)
+    (dest / pg.COMPILE_CACHE_TGZ).unlink()
+    pg.compile_cache_out(dest)
+    assert not list(dest.iterdir())  # over the cap: left on the machine
+
+
 def test_the_recipes_head_family_goes_to_ours_and_to_speculators_flags_for_it(tmp_path):
     """No --variant: the recipe's head (EAGLE-3.1), which speculators builds with per-state norms
     before fc in place of its single norm; ModelOpt, which has no such option, says so."""
