@@ -302,7 +302,7 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
     )
     return {
         "schema": SCHEMA,
-        "what": "ours, speculators 0.9.0 and ModelOpt 0.47.0 on the embedded SmolLM2-135M-Instruct: the same "
+        "what": "ours, speculators 0.9.0, ModelOpt 0.47.0 and SpecForge 0.2.0 on the embedded SmolLM2-135M-Instruct: the same "
         "conversations, equal budgets of steady training loop (start-up and compilation apart), a three-lr sweep "
         "at 3 minutes per framework and head, its best at 10 minutes with two seeds; one yardstick: eagle3-eval "
         "(chain k=5, greedy, fp32, lossless-checked, vLLM's rule) on the held-out prompts and MT-bench, and "
