@@ -996,10 +996,15 @@ def compile_cache_out(dest: Path) -> None:
     if not COMPILE_CACHE.is_dir():
         return
     tmp = dest / f".{COMPILE_CACHE_TGZ}"
-    with tarfile.open(tmp, "w:gz") as tar:
-        triton = f"{COMPILE_CACHE.name}/triton"  # (Triton's own cache, under inductor's by default)
-        tar.add(COMPILE_CACHE, arcname=COMPILE_CACHE.name,
-                filter=lambda m: None if m.name == triton or m.name.startswith(f"{triton}/") else m)  # fmt: skip
+    triton = f"{COMPILE_CACHE.name}/triton"  # (Triton's own cache, under inductor's by default)
+    try:
+        with tarfile.open(tmp, "w:gz") as tar:
+            tar.add(COMPILE_CACHE, arcname=COMPILE_CACHE.name,
+                    filter=lambda m: None if m.name == triton or m.name.startswith(f"{triton}/") else m)  # fmt: skip
+    except (OSError, tarfile.TarError) as e:  # (a compile writing it now: the next poll packs it)
+        say(f"ModelOpt's compile cache not packed this time: {e!r}")
+        tmp.unlink(missing_ok=True)
+        return
     if tmp.stat().st_size > COMPILE_CACHE_MIB << 20:
         say(
             f"ModelOpt's compile cache is {tmp.stat().st_size / 2**20:.0f} MiB packed: over {COMPILE_CACHE_MIB}, left here"

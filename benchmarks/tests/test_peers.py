@@ -333,6 +333,14 @@ def test_modelopt_compiles_into_a_cache_polls_bring_out_and_stage_puts_back_with
     (dest / pg.COMPILE_CACHE_TGZ).unlink()
     pg.compile_cache_out(dest)
     assert not list(dest.iterdir())  # over the cap: left on the machine
+    monkeypatch.setattr(pg, "COMPILE_CACHE_MIB", 24)
+
+    def gone(*a, **k):  # a file the compile renames away while the poll reads it
+        raise FileNotFoundError("fxgraph/ab/.tmp_entry")
+
+    monkeypatch.setattr(tarfile.TarFile, "add", gone)
+    pg.compile_cache_out(dest)  # (the poll goes on; the next one packs it)
+    assert not list(dest.iterdir())
 
 
 def test_the_recipes_head_family_goes_to_ours_and_to_speculators_flags_for_it(tmp_path):
