@@ -8,7 +8,8 @@
            python3 benchmarks/peers_gpu.py start final ours speculators modelopt [--seeds 0]
            python3 benchmarks/peers_gpu.py poll 540 "$OUT"           (back to back until it prints "ended")
     here:  python3 benchmarks/peers_results.py merge OUT/peers_partial.json benchmarks/results/peers_h100.json
-    any:   python3 benchmarks/peers_gpu.py plan sweep ours --device h100   (the runs it would make, no GPU)
+    any:   python3 benchmarks/peers_gpu.py plan sweep ours --device h100   (the runs it would make, each one's
+           expected seconds sharing the GPU and its lane's memory, as --end-by-s and --memory-gib judge them; no GPU)
 
 Every framework trains on the same conversations (the smollm2 recipe's synthesized ones) for a
 budget of steady training loop (``sweep``: 3 minutes at three learning rates; ``final``: 10 minutes at
@@ -303,6 +304,7 @@ START = time.time()  # when the job began (--admit-for-s and --end-by-s count fr
 SHARED_SLOWDOWN = 2.0  # a loop sharing the GPU, where its framework has not shared it yet (speculators: 1.9x, H100)
 EVAL_S = 90.0  # eagle3-eval of a draft beside the lanes (42-55 s measured; H100)
 SERVE_S = 180.0  # vLLM's start with the draft and its served acceptance (a final)
+PLAN_GPU_MIB = {"h100": 81559, "h200": 143771}  # plan (no GPU here): the memory nvidia-smi reports there
 
 
 def phase(
@@ -628,31 +630,10 @@ class Session:
             self.known = [r for r in self.known if r.name != got.name] + [got]
 
     def expected(self, spec: RunSpec) -> float:
-        """Seconds the run may take from its start while sharing the GPU: its loop slowed as much as its
-        framework's slowest shared run was (else ``SHARED_SLOWDOWN``), its probe's start-up and
-        compilation (a fresh machine compiles again), its evaluation, and for a final MT-bench and vLLM
-        serving."""
-        probes = [r for r in self.known if (r.framework, r.head, r.device, r.kind) ==
-                  (spec.framework, spec.head, spec.device, "probe") and not r.failed]  # fmt: skip
-        alone = max(probes, key=lambda r: r.steps or 0) if probes else None
-        measured = (alone.startup_s, alone.compile_s) if alone else (None, None)
-        overhead = sum(60.0 if x is None else x for x in measured)
-        shared = [r.steady_step_s / spec.planned_step_s for r in self.known if (r.framework, r.head) ==
-                  (spec.framework, spec.head) and (r.lanes or 1) > 1 and r.steady_step_s and spec.planned_step_s]  # fmt: skip
-        measured_slowdown = max([1.0, *shared]) if shared else SHARED_SLOWDOWN
-        slowdown = self.a.slowdown or measured_slowdown  # (--slowdown: the operator's)
-        slowdown = slowdown if spec.lanes > 1 else 1.0  # (one lane: the GPU to itself)
-        loop = (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * slowdown
-        return loop + overhead + EVAL_S + (EVAL_S + SERVE_S if spec.kind == "final" else 0.0)
+        return expected_s(self.known, spec, self.a.slowdown)
 
     def peak(self, spec: RunSpec) -> int | None:
-        """What the run's lane may take: the whole device's peak while this framework and head trained
-        alone (its probe), and for a final at least what vLLM takes serving its draft afterwards."""
-        alone = probe_peaks(self.known).get((spec.framework, spec.head, spec.device))
-        if alone is None:
-            return None
-        serving = (SERVE_MEMORY + 0.03) * gpu_memory_mib() if spec.kind == "final" else 0  # (+ its CUDA context)
-        return int(max(alone, serving))
+        return lane_peak(self.known, spec, gpu_memory_mib())
 
     def serve(self, name: str, export: Path, lane: int = 0) -> None:
         """vLLM serving the target with the draft; eagle3-served-acceptance on the held-out prompts."""
@@ -669,6 +650,34 @@ class Session:
                       "++max_new_tokens=128", f"++draft={export}", f"++out={PO / name / 'served'}"], env_for("ours"))  # fmt: skip
         except RuntimeError as e:
             say(f"{name}: not served: {e}")
+
+
+def expected_s(known: list, spec: RunSpec, slowdown: float | None = None) -> float:
+    """Seconds the run may take from its start while sharing the GPU: its loop slowed as much as its
+    framework's slowest shared run was (else ``SHARED_SLOWDOWN``; ``slowdown``: the operator's), its
+    probe's start-up and compilation (a fresh machine compiles again), its evaluation, and for a final
+    MT-bench and vLLM serving."""
+    probes = [r for r in known if (r.framework, r.head, r.device, r.kind) ==
+              (spec.framework, spec.head, spec.device, "probe") and not r.failed]  # fmt: skip
+    alone = max(probes, key=lambda r: r.steps or 0) if probes else None
+    measured = (alone.startup_s, alone.compile_s) if alone else (None, None)
+    overhead = sum(60.0 if x is None else x for x in measured)
+    shared = [r.steady_step_s / spec.planned_step_s for r in known if (r.framework, r.head) ==
+              (spec.framework, spec.head) and (r.lanes or 1) > 1 and r.steady_step_s and spec.planned_step_s]  # fmt: skip
+    slowdown = slowdown or (max([1.0, *shared]) if shared else SHARED_SLOWDOWN)
+    slowdown = slowdown if spec.lanes > 1 else 1.0  # (one lane: the GPU to itself)
+    loop = (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * slowdown
+    return loop + overhead + EVAL_S + (EVAL_S + SERVE_S if spec.kind == "final" else 0.0)
+
+
+def lane_peak(known: list, spec: RunSpec, device_mib: int) -> int | None:
+    """What the run's lane may take: the whole device's peak while this framework and head trained
+    alone (its probe), and for a final at least what vLLM takes serving its draft afterwards."""
+    alone = probe_peaks(known).get((spec.framework, spec.head, spec.device))
+    if alone is None:
+        return None
+    serving = (SERVE_MEMORY + 0.03) * device_mib if spec.kind == "final" else 0  # (+ its CUDA context)
+    return int(max(alone, serving))
 
 
 SPECFORGE_VOCAB = """\
@@ -1156,9 +1165,18 @@ def main(argv: list[str] | None = None) -> None:
         known, _ = load(a.results or REPO / f"benchmarks/results/peers_{a.device}.json")
         for fw, head, budget, lrs, seeds in runs_wanted(a, known):  # (any head family: plan has no target)
             timing = step_time(known, fw, head, a.device, a.n, min_steps=PROBE_STEPS[fw])
-            steps = plan_steps(budget, timing[0]) if timing else f"a {PROBE_STEPS[fw]}-step probe first, then sized"
-            print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {steps} steps each")
-        print(f"sized runs {a.lanes} at a time on the GPU; data and probes alone")
+            if not timing:
+                print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: a {PROBE_STEPS[fw]}-step probe first, "
+                      "then sized steps each")  # fmt: skip
+                continue
+            kind = "sweep" if budget == SWEEP_S else "final"
+            spec = RunSpec(fw, head, kind, budget, lrs[0], seeds[0], plan_steps(budget, timing[0]), a.n,
+                           device=a.device, planned_step_s=timing[0], lanes=a.lanes)  # fmt: skip
+            peak = lane_peak(known, spec, PLAN_GPU_MIB.get(a.device, 0))
+            print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {spec.steps_planned} steps each, about "
+                  f"{expected_s(known, spec, a.slowdown):.0f} s from its start sharing the GPU, its lane "
+                  f"{'unknown' if peak is None else f'{peak / 1024:.1f} GiB'}")  # fmt: skip
+        print(f"sized runs {a.lanes} at a time on the GPU within {a.memory_gib:g} GiB; data and probes alone")
     else:
         poll(a.seconds, a.dest)
 

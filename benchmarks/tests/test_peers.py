@@ -951,7 +951,7 @@ def test_a_final_job_takes_the_best_of_the_whole_sweep_as_sized_now_and_none_fro
                      run(lr=4e-3, planned=600, steps=600, tau_heldout=1.7)])  # fmt: skip
     monkeypatch.setattr(pg.Session, "train", train)
     pg.main(["job", "final", "ours"])
-    assert trained == [
+    assert sorted(trained) == [  # (the two seeds share the GPU: either may start first)
         "ours-recipe-eagle3.1-n16384-600s-lr0.002-seed0",
         "ours-recipe-eagle3.1-n16384-600s-lr0.002-seed1",
     ]
@@ -993,3 +993,23 @@ def test_a_head_a_framework_has_not_is_refused_by_name():
         pg.runs_wanted(a, [])
     with pytest.raises(SystemExit, match="'bogus' is not one of"):
         pg.runs_wanted(argparse.Namespace(what="sweep", frameworks=["bogus"], lrs=None, seeds=None), [])
+
+
+def test_plan_tells_each_runs_expected_seconds_and_lane_as_the_job_would_judge_them(monkeypatch, capsys):
+    """ours' final: 2,000 steps at 0.3 s, slowed 1.5x as its shared run was, its probe's start-up 60 s
+    and compile 40 s, evaluation and serving; its lane the larger of its probe's peak and vLLM's share
+    of an H100. A framework with no probe is told to probe first."""
+    known = [
+        probe(steps=300, steady_step_s=0.3, compile_s=40.0, peak_gpu_mib=30000, peak_from="run"),
+        run(lr=2e-3, planned=600, steps=600, lanes=3, steady_step_s=0.45, tau_heldout=2.0),
+    ]
+    monkeypatch.setattr(pg, "load", lambda path: (known, None))
+    pg.main(["plan", "final", "ours", "modelopt:default", "--lrs", "2e-3", "--device", "h100"])
+    ours, modelopt, lanes = capsys.readouterr().out.splitlines()
+    loop = 2000 * 0.3 * 1.5
+    assert f"2000 steps each, about {loop + 100 + 2 * pg.EVAL_S + pg.SERVE_S:.0f} s from its start" in ours
+    assert f"its lane {30000 / 1024:.1f} GiB" in ours
+    assert modelopt.startswith("modelopt:default 600 s") and "a 300-step probe first" in modelopt
+    assert lanes.startswith("sized runs 5 at a time on the GPU within 64 GiB")
+    pg.main(["plan", "sweep", "ours", "--lrs", "2e-3", "--device", "h100", "--slowdown", "2"])
+    assert f"about {600 * 0.3 * 2 + 100 + pg.EVAL_S:.0f} s" in capsys.readouterr().out  # (the operator's slowdown)
