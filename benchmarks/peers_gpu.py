@@ -718,6 +718,45 @@ def specforge_target(hf: Path, dest: Path) -> None:
         (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weights}))
 
 
+YARDSTICK = """\
+import json, sys, time, torch
+n, dev = int(sys.argv[1]), "cuda" if torch.cuda.is_available() else "cpu"
+sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+x = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+for _ in range(3):
+    x @ x
+sync(); t = time.perf_counter()
+for _ in range(100):
+    x @ x
+sync(); tflops = 100 * 2 * n**3 / (time.perf_counter() - t) / 1e12
+y = torch.zeros(1, device=dev)
+for _ in range(200):
+    y.add_(1)
+sync(); t = time.perf_counter()
+for _ in range(5000):
+    y.add_(1)
+sync(); launch_us = (time.perf_counter() - t) / 5000 * 1e6
+t, k = time.perf_counter(), 0
+for i in range(3_000_000):
+    k += i
+print(json.dumps({"matmul_tflops": round(tflops, 2), "launch_us": round(launch_us, 2),
+                  "python_loop_s": round(time.perf_counter() - t, 3)}))
+"""  # a bf16 matmul (the GPU), a tiny op (a kernel launch: small drafts are bound by it), a Python loop (the CPU)
+YARDSTICK_N = 8192
+
+
+def yardstick(n: int = YARDSTICK_N) -> dict | None:
+    """This machine's speed, a few seconds alone: two H100s differed 1.3x in ours' step (sessions 35, 36),
+    and each framework's step time is measured on the machine of the session that probed it."""
+    try:
+        done = subprocess.run([sys.executable, "-c", YARDSTICK, str(n)], capture_output=True, text=True, timeout=120,
+                              env=env_for("ours"))  # fmt: skip
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, IndexError, ValueError) as e:
+        say(f"no yardstick: {e!r}")
+        return None
+
+
 def install(site: str, *wheels: str) -> bool:
     files = [str(f) for w in wheels for f in (PEERS / "whl").glob(w)]
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site, *files]
@@ -767,8 +806,11 @@ def job(a: argparse.Namespace) -> None:
     device = gpu_kind()
     a.session = f"{device}-{datetime.now(timezone.utc):%Y%m%dT%H%M}"
     command = "python3 benchmarks/peers_gpu.py start " + shlex.join(sys.argv[2:])
-    (PO / "session.json").write_text(json.dumps({"id": a.session, "device": device, "command": command,
-                                                 "lanes": a.lanes, "date": f"{datetime.now(timezone.utc):%Y-%m-%d}"}))  # fmt: skip
+    session = {"id": a.session, "device": device, "command": command, "lanes": a.lanes,
+               "date": f"{datetime.now(timezone.utc):%Y-%m-%d}"}  # fmt: skip
+    (PO / "session.json").write_text(json.dumps(session))
+    if stick := yardstick():  # (alone, before anything: this machine's speed beside the other sessions')
+        (PO / "session.json").write_text(json.dumps(session | {"yardstick": stick}))
     s = Session(a, device)
     wanted, failed = runs_wanted(a, s.known), set()
     last = None if a.admit_for_s is None else START + a.admit_for_s

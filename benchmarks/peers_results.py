@@ -294,6 +294,9 @@ def with_probe_peaks(runs: list[Run]) -> list[Run]:
     return runs
 
 
+YARDSTICK_KEYS = ("matmul_tflops", "launch_us", "python_loop_s")  # peers_gpu.yardstick's
+
+
 def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
     """The results file's content."""
     order = sorted(
@@ -324,6 +327,27 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
                 "title": "Every run (seconds: steady loop, compilation, start-up, data preparation)",
                 "header": list(RUN_COLUMNS),
                 "rows": [[_dash(getattr(r, c)) for c in RUN_COLUMNS] for r in order],
+            },
+            {
+                "title": "Sessions, each on a machine of its own: the yardstick each ran alone at its start (bf16 "
+                "matmul 8192, a one-element op's launch, 3M Python loop steps)",
+                "header": ["session", "device", "matmul TFLOP/s", "launch us", "Python loop s", "probes"],
+                "rows": [
+                    [
+                        s.get("id"),
+                        s.get("device"),
+                        *[_dash((s.get("yardstick") or {}).get(k)) for k in YARDSTICK_KEYS],
+                        ", ".join(
+                            sorted(
+                                f"{r.framework}:{r.head}"
+                                for r in runs
+                                if r.kind == "probe" and r.session == s.get("id")
+                            )
+                        )
+                        or "—",
+                    ]
+                    for s in sorted(sessions, key=lambda s: str(s.get("id")))
+                ],
             },
         ],  # fmt: skip
     }

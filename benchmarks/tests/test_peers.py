@@ -222,6 +222,7 @@ def stand_in_session(monkeypatch, po: Path, phase, known: list) -> None:
     monkeypatch.setattr(pg, "PO", po)
     monkeypatch.setattr(pg, "phase", phase)
     monkeypatch.setattr(pg, "gpu_kind", lambda: "h100")
+    monkeypatch.setattr(pg, "yardstick", lambda: None)  # (its own test runs it)
     monkeypatch.setattr(pg.Session, "__init__", init)
 
 
@@ -1013,3 +1014,26 @@ def test_plan_tells_each_runs_expected_seconds_and_lane_as_the_job_would_judge_t
     assert lanes.startswith("sized runs 5 at a time on the GPU within 64 GiB")
     pg.main(["plan", "sweep", "ours", "--lrs", "2e-3", "--device", "h100", "--slowdown", "2"])
     assert f"about {600 * 0.3 * 2 + 100 + pg.EVAL_S:.0f} s" in capsys.readouterr().out  # (the operator's slowdown)
+
+
+def test_each_session_measures_its_machine_alone_and_the_results_show_it_beside_its_probes(tmp_path):
+    """The yardstick's script runs (here on the CPU, small) and gives its three figures; a broken run
+    gives none; the results' session table lists each session's figures and the probes it measured."""
+    stick = pg.yardstick(64)
+    assert set(stick) == set(pr.YARDSTICK_KEYS) and all(v > 0 for v in stick.values())
+    assert pg.yardstick("not a size") is None  # type: ignore[arg-type]
+    sessions = [
+        {"id": "h100-20261206T1337", "device": "h100", "yardstick": stick},
+        {"id": "h100-20261206T1018", "device": "h100"},  # (before the yardstick)
+    ]
+    runs = [
+        probe(session="h100-20261206T1337", steps=300, steady_step_s=0.24),
+        probe("modelopt", "default", session="h100-20261206T1018", steps=300, steady_step_s=0.06),
+        probe("modelopt", "matched", session="h100-20261206T1018", steps=300, steady_step_s=0.09),
+        run(session="h100-20261206T1337", steps=100),
+    ]
+    (table,) = [t for t in pr.results(runs, sessions)["tables"] if t["title"].startswith("Sessions")]
+    assert table["rows"] == [
+        ["h100-20261206T1018", "h100", "—", "—", "—", "modelopt:default, modelopt:matched"],
+        ["h100-20261206T1337", "h100", *[stick[k] for k in pr.YARDSTICK_KEYS], "ours:recipe"],
+    ]
