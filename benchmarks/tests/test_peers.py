@@ -1037,3 +1037,21 @@ def test_each_session_measures_its_machine_alone_and_the_results_show_it_beside_
         ["h100-20261206T1018", "h100", "—", "—", "—", "modelopt:default, modelopt:matched"],
         ["h100-20261206T1337", "h100", *[stick[k] for k in pr.YARDSTICK_KEYS], "ours:recipe"],
     ]
+
+
+def test_a_job_keeps_its_machines_yardstick_in_its_session(tmp_path, monkeypatch):
+    """The yardstick runs before anything else of the job and its figures go into session.json (what
+    the results' session table reads); a job whose yardstick failed keeps its session without one."""
+    order = []
+    stand_in_session(monkeypatch, tmp_path, None, [probe(steps=300, steady_step_s=0.3)])
+    monkeypatch.setattr(pg, "yardstick", lambda: order.append("yardstick") or {"matmul_tflops": 600.0})
+    monkeypatch.setattr(pg.Session, "train", lambda self, spec, lane=0: order.append(spec.name))
+    monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
+    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    pg.main(["job", "sweep", "ours", "--lrs", "1e-3"])
+    assert order[0] == "yardstick" and len(order) == 2
+    session = json.loads((tmp_path / "session.json").read_text())
+    assert session["yardstick"] == {"matmul_tflops": 600.0} and session["device"] == "h100"
+    monkeypatch.setattr(pg, "yardstick", lambda: None)
+    pg.main(["job", "sweep", "ours", "--lrs", "1e-3"])
+    assert "yardstick" not in json.loads((tmp_path / "session.json").read_text())
