@@ -739,8 +739,9 @@ sync(); launch_us = (time.perf_counter() - t) / 5000 * 1e6
 t, k = time.perf_counter(), 0
 for i in range(3_000_000):
     k += i
-print(json.dumps({"matmul_tflops": round(tflops, 2), "launch_us": round(launch_us, 2),
-                  "python_loop_s": round(time.perf_counter() - t, 3)}))
+sig = lambda x: float(f"{x:.3g}")  # (three significant figures: a small matmul on a CPU is far below 0.01)
+print(json.dumps({"matmul_tflops": sig(tflops), "launch_us": sig(launch_us),
+                  "python_loop_s": sig(time.perf_counter() - t)}))
 """  # a bf16 matmul (the GPU), a tiny op (a kernel launch: small drafts are bound by it), a Python loop (the CPU)
 YARDSTICK_N = 8192
 
