@@ -557,9 +557,7 @@ class Session:
             if timing is None:
                 return None
             s.planned_step_s, s.lanes = timing[0], self.a.lanes
-            s.steps_planned = plan_steps(budget, timing[0])
-            if fw == "specforge":  # (a last partial window of steps would go unlogged, its seconds unknown)
-                s.steps_planned = max(3, round(s.steps_planned / SPECFORGE_LOG_EVERY)) * SPECFORGE_LOG_EVERY
+            s.steps_planned = sized_steps(fw, budget, timing[0])
             if fw == "speculators":
                 if timing[1] is None:
                     raise RuntimeError(f"{fw}:{head}: its probe's log gave no steps per epoch")
@@ -650,6 +648,14 @@ class Session:
                       "++max_new_tokens=128", f"++draft={export}", f"++out={PO / name / 'served'}"], env_for("ours"))  # fmt: skip
         except RuntimeError as e:
             say(f"{name}: not served: {e}")
+
+
+def sized_steps(fw: str, budget: float, step_s: float) -> int:
+    """The steps ``budget`` seconds of steady loop take at the framework's step time alone."""
+    steps = plan_steps(budget, step_s)
+    if fw == "specforge":  # (a last partial window of steps would go unlogged, its seconds unknown)
+        steps = max(3, round(steps / SPECFORGE_LOG_EVERY)) * SPECFORGE_LOG_EVERY
+    return steps
 
 
 def expected_s(known: list, spec: RunSpec, slowdown: float | None = None) -> float:
@@ -809,9 +815,9 @@ def job(a: argparse.Namespace) -> None:
     command = "python3 benchmarks/peers_gpu.py start " + shlex.join(sys.argv[2:])
     session = {"id": a.session, "device": device, "command": command, "lanes": a.lanes,
                "date": f"{datetime.now(timezone.utc):%Y-%m-%d}"}  # fmt: skip
-    (PO / "session.json").write_text(json.dumps(session))
     if stick := yardstick():  # (alone, before anything: this machine's speed beside the other sessions')
-        (PO / "session.json").write_text(json.dumps(session | {"yardstick": stick}))
+        session["yardstick"] = stick
+    (PO / "session.json").write_text(json.dumps(session))
     s = Session(a, device)
     wanted, failed = runs_wanted(a, s.known), set()
     last = None if a.admit_for_s is None else START + a.admit_for_s
@@ -1097,7 +1103,6 @@ def packed(dest: Path) -> None:
                 tar.add(PO / n, arcname=n)
     (dest / ".poll.tgz").rename(dest / "poll.tgz")
     data_parts(dest)
-    compile_cache_out(dest)
     try:
         runs, session = read_session(PO)
         (dest / "peers_partial.json").write_text(json.dumps(results(runs, [session]), indent=1) + "\n")
@@ -1113,6 +1118,7 @@ def poll(seconds: float, dest: Path) -> None:
             nxt = time.time() + 60
         time.sleep(5)
     packed(dest)
+    compile_cache_out(dest)  # (once a poll: what a call brings out is what is under dest when it returns)
     lines = (PO / "log").read_text(errors="replace").splitlines() if (PO / "log").is_file() else []
     print("\n".join([x for x in lines if x.startswith("peers_gpu:")][-15:] + lines[-3:]))
     free = shutil.disk_usage(PO).free / 2**30
@@ -1213,7 +1219,7 @@ def main(argv: list[str] | None = None) -> None:
                       "then sized steps each")  # fmt: skip
                 continue
             kind = "sweep" if budget == SWEEP_S else "final"
-            spec = RunSpec(fw, head, kind, budget, lrs[0], seeds[0], plan_steps(budget, timing[0]), a.n,
+            spec = RunSpec(fw, head, kind, budget, lrs[0], seeds[0], sized_steps(fw, budget, timing[0]), a.n,
                            device=a.device, planned_step_s=timing[0], lanes=a.lanes)  # fmt: skip
             peak = lane_peak(known, spec, PLAN_GPU_MIB.get(a.device, 0))
             print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {spec.steps_planned} steps each, about "

@@ -297,6 +297,13 @@ def with_probe_peaks(runs: list[Run]) -> list[Run]:
 YARDSTICK_KEYS = ("matmul_tflops", "launch_us", "python_loop_s")  # peers_gpu.yardstick's
 
 
+def _probed(runs: list[Run], session: str | None) -> str:
+    """The framework:head pairs whose probe a session measured."""
+    return (
+        ", ".join(sorted(f"{r.framework}:{r.head}" for r in runs if r.kind == "probe" and r.session == session)) or "—"
+    )
+
+
 def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
     """The results file's content."""
     order = sorted(
@@ -337,14 +344,7 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
                         s.get("id"),
                         s.get("device"),
                         *[_dash((s.get("yardstick") or {}).get(k)) for k in YARDSTICK_KEYS],
-                        ", ".join(
-                            sorted(
-                                f"{r.framework}:{r.head}"
-                                for r in runs
-                                if r.kind == "probe" and r.session == s.get("id")
-                            )
-                        )
-                        or "—",
+                        _probed(runs, s.get("id")),
                     ]
                     for s in sorted(sessions, key=lambda s: str(s.get("id")))
                 ],
@@ -458,16 +458,14 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
         pts, run.tokens_per_s, run.steps_per_epoch = speculators_points((d / "train.log").read_text(errors="replace"))
     elif run.framework == "specforge" and (d / "train.log").is_file():
         pts = specforge_points((d / "train.log").read_text(errors="replace"))
-        if (tokens := d.parent / "specforge_data" / STEP_TOKENS).is_file():  # (one conversation a step: its mean)
-            per_step = json.loads(tokens.read_text())["tokens_per_step"]
     elif (d / "train.log").is_file():
         log = (d / "train.log").read_text(errors="replace")
         pts = trainer_points(log, run.steps_planned)
         if m := re.findall(r"'train_runtime': '?([0-9.]+)", log):
             pts.append((pts[-1][0] if pts else 0, float(m[-1])))  # its own loop time closes the curve
         timing = bar_split
-        if (tokens := d.parent / "modelopt_data" / STEP_TOKENS).is_file():  # (one sample a step: its mean)
-            per_step = json.loads(tokens.read_text())["tokens_per_step"]
+    if (tokens := d.parent / f"{run.framework}_data" / STEP_TOKENS).is_file():  # (ModelOpt, SpecForge: one sample
+        per_step = json.loads(tokens.read_text())["tokens_per_step"]  # a step, their mean; none for the others)
     if pts:
         run.steps = max(s for s, _ in pts)
     if split := timing(pts):

@@ -1014,6 +1014,9 @@ def test_plan_tells_each_runs_expected_seconds_and_lane_as_the_job_would_judge_t
     assert lanes.startswith("sized runs 5 at a time on the GPU within 64 GiB")
     pg.main(["plan", "sweep", "ours", "--lrs", "2e-3", "--device", "h100", "--slowdown", "2"])
     assert f"about {600 * 0.3 * 2 + 100 + pg.EVAL_S:.0f} s" in capsys.readouterr().out  # (the operator's slowdown)
+    known.append(probe("specforge", "default", steps=200, steady_step_s=0.0607))  # (180 s: 2,965 steps)
+    pg.main(["plan", "sweep", "specforge:default", "--device", "h100"])
+    assert "2960 steps each" in capsys.readouterr().out  # (as the job sizes it: whole windows of its step log)
 
 
 def test_each_session_measures_its_machine_alone_and_the_results_show_it_beside_its_probes(tmp_path):
