@@ -758,7 +758,7 @@ PAGE_NOTES = {  # a page's opening paragraph, where its results need one before 
     "every framework and head, then two seeds of each framework's best. So far it holds the step times of ours, "
     "speculators and ModelOpt measured alone, two of ours' three sweep runs and five of ModelOpt's six; "
     "speculators' and SpecForge's sweeps have not run (SpecForge's capture and training ran once, on 256 "
-    "conversations, outside this file). Its verdict row compares single sweep runs, not yet the seeds. The older files "
+    "conversations, in `peers_specforge_smoke_h100`). Its verdict row compares single sweep runs, not yet the seeds. The older files "
     "below are kept as a record of what was run.\n\n",
 }
 HEAD_KEYS = ("what", "machine", "date", "command", "runs", "code_at")
