@@ -414,7 +414,8 @@ class Session:
         self.a, self.device = a, device
         self.target = resolve_local_dir("embedded", os.environ.get("EAGLE3_CACHE", "/tmp/e3cache"))
         self.t = json.loads((self.target / "config.json").read_text())
-        self.known, _ = load(a.results or REPO / f"benchmarks/results/peers_{device}.json")
+        self.size_on = getattr(a, "size_on", None) or device  # (whose probes size the runs)
+        self.known, _ = load(a.results or REPO / f"benchmarks/results/peers_{self.size_on}.json")
         self.ready: set[str] = set()
         self.prep_locks = {fw: threading.Lock() for fw in FRAMEWORKS}  # (two heads, one preparation)
         self.prep_failed: set[str] = set()
@@ -552,11 +553,12 @@ class Session:
         s = RunSpec(fw, head, kind, budget, lr, seed, PROBE_STEPS[fw], self.a.n, self.sha, head_shape=shape,
                     missing=missing, device=self.device, session=self.a.session)  # fmt: skip
         if budget is not None:
-            timing = step_time(self.known, fw, head, self.device, s.conversations, shape.get("variant", "eagle3"),
+            timing = step_time(self.known, fw, head, self.size_on, s.conversations, shape.get("variant", "eagle3"),
                                PROBE_STEPS[fw])  # fmt: skip
             if timing is None:
                 return None
             s.planned_step_s, s.lanes = timing[0], self.a.lanes
+            s.sized_on = "" if self.size_on == self.device else self.size_on
             s.steps_planned = sized_steps(fw, budget, timing[0])
             if fw == "speculators":
                 if timing[1] is None:
@@ -664,7 +666,7 @@ def expected_s(known: list, spec: RunSpec, slowdown: float | None = None) -> flo
     probe's start-up and compilation (a fresh machine compiles again), its evaluation, and for a final
     MT-bench and vLLM serving."""
     probes = [r for r in known if (r.framework, r.head, r.device, r.kind) ==
-              (spec.framework, spec.head, spec.device, "probe") and not r.failed]  # fmt: skip
+              (spec.framework, spec.head, spec.sized_on or spec.device, "probe") and not r.failed]  # fmt: skip
     alone = max(probes, key=lambda r: r.steps or 0) if probes else None
     measured = (alone.startup_s, alone.compile_s) if alone else (None, None)
     overhead = sum(60.0 if x is None else x for x in measured)
@@ -679,7 +681,7 @@ def expected_s(known: list, spec: RunSpec, slowdown: float | None = None) -> flo
 def lane_peak(known: list, spec: RunSpec, device_mib: int) -> int | None:
     """What the run's lane may take: the whole device's peak while this framework and head trained
     alone (its probe), and for a final at least what vLLM takes serving its draft afterwards."""
-    alone = probe_peaks(known).get((spec.framework, spec.head, spec.device))
+    alone = probe_peaks(known).get((spec.framework, spec.head, spec.sized_on or spec.device))
     if alone is None:
         return None
     serving = (SERVE_MEMORY + 0.03) * device_mib if spec.kind == "final" else 0  # (+ its CUDA context)
@@ -813,7 +815,7 @@ def job(a: argparse.Namespace) -> None:
     device = gpu_kind()
     a.session = f"{device}-{datetime.now(timezone.utc):%Y%m%dT%H%M}"
     command = "python3 benchmarks/peers_gpu.py start " + shlex.join(sys.argv[2:])
-    session = {"id": a.session, "device": device, "command": command, "lanes": a.lanes,
+    session = {"id": a.session, "device": device, "command": command, "lanes": a.lanes, "size_on": a.size_on or device,
                "date": f"{datetime.now(timezone.utc):%Y-%m-%d}"}  # fmt: skip
     if stick := yardstick():  # (alone, before anything: this machine's speed beside the other sessions')
         session["yardstick"] = stick
@@ -824,6 +826,8 @@ def job(a: argparse.Namespace) -> None:
     for fw, head, budget, lrs, seeds in wanted:
         try:
             if s.spec(fw, head, "sweep", budget, lrs[0], seeds[0]) is None:  # no step time yet: a probe, alone
+                if s.size_on != device:
+                    raise RuntimeError(f"no probe on {s.size_on} to size it by (--size-on): it is probed there only")
                 if not s.prepare(fw, head):
                     raise RuntimeError("its preparation failed")
                 s.train(s.spec(fw, head, "probe", None, lrs[0], seeds[0]))  # type: ignore[arg-type]
@@ -1180,6 +1184,9 @@ def main(argv: list[str] | None = None) -> None:
             "--results", type=Path, help="where earlier runs are read from (default: results/peers_<gpu>.json)"
         )
         p.add_argument("--device", default="h100", help="plan: the GPU kind whose step times to use")
+        p.add_argument("--size-on", default=None, metavar="KIND",
+                       help="size the runs by the probes of another GPU kind (e.g. h100 on an H200: the same steps, "
+                       "so the same drafts, as there); a framework never probed there is left out, not probed here")  # fmt: skip
     p = sub.add_parser("poll")
     p.add_argument("seconds", type=float)
     p.add_argument("dest", type=Path)

@@ -65,6 +65,7 @@ class RunSpec:
     missing: list[str] = field(default_factory=list)  # matched options the framework has no flag for
     device: str = ""
     session: str = ""
+    sized_on: str = ""  # the GPU kind whose probes sized it, where not ``device`` (its steps are that GPU's minutes)
     planned_step_s: float | None = None  # the steady step time measured alone that sized steps_planned
     lanes: int = 1  # sized runs that may share the GPU at once (1: alone)
 
@@ -257,7 +258,7 @@ def verdict(runs: list[Run]) -> dict[str, Any]:
             "header": header, "rows": rows}  # fmt: skip
 
 
-RUN_COLUMNS = ("name", "kind", "lanes", "steps", "budget_loop_s", "steady_loop_s", "compile_s", "startup_s", "data_s",
+RUN_COLUMNS = ("name", "kind", "device", "lanes", "steps", "budget_loop_s", "steady_loop_s", "compile_s", "startup_s", "data_s",
                "tokens_per_s", "peak_gpu_mib", "peak_from", "tau_heldout", "tau_mtbench", "vllm_acceptance",
                "lossless")  # fmt: skip
 
@@ -289,9 +290,15 @@ def with_probe_peaks(runs: list[Run]) -> list[Run]:
     GPU, alone): the whole device's figure is not theirs."""
     probes = probe_peaks(runs)
     for r in runs:
-        if r.peak_gpu_mib is None and (r.framework, r.head, r.device) in probes and r.steps is not None:
-            r.peak_gpu_mib, r.peak_from = probes[(r.framework, r.head, r.device)], "probe"
+        key = (r.framework, r.head, r.sized_on or r.device)
+        if r.peak_gpu_mib is None and key in probes and r.steps is not None:
+            r.peak_gpu_mib, r.peak_from = probes[key], "probe"
     return runs
+
+
+def _device(r: Run) -> str:
+    """Where the run trained, and where its steps were sized when that was another GPU."""
+    return f"{r.device} (sized on {r.sized_on})" if r.sized_on and r.sized_on != r.device else r.device
 
 
 YARDSTICK_KEYS = ("matmul_tflops", "launch_us", "python_loop_s")  # peers_gpu.yardstick's
@@ -333,7 +340,7 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
             {
                 "title": "Every run (seconds: steady loop, compilation, start-up, data preparation)",
                 "header": list(RUN_COLUMNS),
-                "rows": [[_dash(getattr(r, c)) for c in RUN_COLUMNS] for r in order],
+                "rows": [[_dash(_device(r) if c == "device" else getattr(r, c)) for c in RUN_COLUMNS] for r in order],
             },
             {
                 "title": "Sessions, each on a machine of its own: the yardstick each ran alone at its start (bf16 "

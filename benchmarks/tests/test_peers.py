@@ -177,7 +177,7 @@ def test_a_poll_leaves_the_archive_and_partial_results_that_merge_into_the_file(
 def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_path, monkeypatch):
     s = object.__new__(pg.Session)
     s.a = argparse.Namespace(n=16384, variant="eagle3", session="h100-x", lanes=3)
-    s.device, s.t, s.sha = "h100", TARGET, "abc"
+    s.device, s.size_on, s.t, s.sha = "h100", "h100", TARGET, "abc"
     s.known = [probe("speculators", "matched", 1e-3, 42, steady_step_s=0.06, steps_per_epoch=270, steps=200)]
     assert s.spec("speculators", "matched", "sweep", 180.0, 1e-3, 42) is None  # another head family: probe it again
     s.a.n = 2048
@@ -211,17 +211,18 @@ def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_pa
     assert (m.planned_step_s, m.lanes, first.planned_step_s, first.lanes) == (0.06, 3, None, 1)
 
 
-def stand_in_session(monkeypatch, po: Path, phase, known: list) -> None:
-    """The job on an H100 with ``phase`` standing in for every command and ``known`` as the results."""
+def stand_in_session(monkeypatch, po: Path, phase, known: list, gpu: str = "h100") -> None:
+    """The job on an H100 (``gpu``) with ``phase`` standing in for every command and ``known`` as the results."""
 
     def init(self, a, device):
         self.a, self.device, self.t, self.sha, self.known, self.ready = a, device, TARGET, "abc", list(known), set()
+        self.size_on = a.size_on or device
         self.convs, self.target = po / "c.jsonl", Path("/target")
         self.prep_locks, self.lanes, self.prep_failed = {fw: threading.Lock() for fw in pr.FRAMEWORKS}, None, set()
 
     monkeypatch.setattr(pg, "PO", po)
     monkeypatch.setattr(pg, "phase", phase)
-    monkeypatch.setattr(pg, "gpu_kind", lambda: "h100")
+    monkeypatch.setattr(pg, "gpu_kind", lambda: gpu)
     monkeypatch.setattr(pg, "yardstick", lambda: None)  # (its own test runs it)
     monkeypatch.setattr(pg.Session, "__init__", init)
 
@@ -427,6 +428,37 @@ def test_the_lanes_run_a_mix_of_frameworks_at_once_on_their_own_ports_and_skip_w
         == ["modelopt-default-eagle3-n16384-180s"] * 3 + ["ours-recipe-eagle3.1-n16384-180s"] * 2
     )
     assert "ours-recipe-eagle3.1-n16384-180s-lr0.001-seed0" not in order and len(order) == 5
+
+
+def test_on_another_gpu_runs_are_sized_by_the_probes_named_and_a_framework_never_probed_there_is_left_out(
+    tmp_path, monkeypatch
+):
+    """On an H200 with --size-on h100: ours' runs take the steps its H100 probe sized (the same drafts
+    as there), are recorded as trained on the H200 and sized on the H100, and hold that probe's peak;
+    ModelOpt, never probed on an H100, is neither probed here nor run."""
+    trained: list[tuple[str, str]] = []
+
+    def phase(run_name, name, cmd, env, cwd=None, log=None, shared=False, timeout=None):
+        if name == "train":
+            trained.append((run_name, next(c for c in cmd if "max_steps=" in c).split("=")[1]))
+        return False
+
+    known = [probe(steps=300, steady_step_s=0.3, peak_gpu_mib=25000, peak_from="run")]
+    stand_in_session(monkeypatch, tmp_path, phase, known, gpu="h200")
+    monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
+    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    pg.main(["job", "sweep", "ours", "modelopt:default", "--lrs", "1e-3", "--size-on", "h100"])
+    assert trained == [("ours-recipe-eagle3.1-n16384-180s-lr0.001-seed0", "600")]  # 180 s at H100's 0.3 s
+    spec = pr.RunSpec(**json.loads((tmp_path / trained[0][0] / "spec.json").read_text()))
+    assert (spec.device, spec.sized_on, spec.planned_step_s) == ("h200", "h100", 0.3)
+    assert pg.lane_peak(known, spec, 143771) == 25000  # the H100 probe's peak holds its lane
+    assert pg.expected_s(known, spec) > 600 * 0.3  # its H100 probe's overheads and loop, not a guess
+    got = pr.Run.from_dict({**json.loads((tmp_path / trained[0][0] / "spec.json").read_text()), "steps": 600})
+    pr.with_probe_peaks([*known, got])
+    assert (got.peak_gpu_mib, got.peak_from) == (25000, "probe")
+    table = next(t for t in pr.results([*known, got], [])["tables"] if t["title"].startswith("Every run"))
+    assert table["rows"][-1][table["header"].index("device")] == "h200 (sized on h100)"
+    assert json.loads((tmp_path / "session.json").read_text())["size_on"] == "h100"
 
 
 def test_a_run_starts_only_where_the_peaks_measured_alone_fit_beside_those_running():
@@ -663,7 +695,7 @@ def test_specforge_runs_take_whole_windows_of_its_step_log():
     """It prints a step line each 10 steps only: a run sized to 2,917 steps takes 2,920."""
     s = object.__new__(pg.Session)
     s.a = argparse.Namespace(n=16384, variant=None, session="h100-x", lanes=5)
-    s.device, s.t, s.sha = "h100", TARGET, "abc"
+    s.device, s.size_on, s.t, s.sha = "h100", "h100", TARGET, "abc"
     s.known = [probe("specforge", "default", 1e-4, 42, steady_step_s=180.0 / 2917, steps=200)]
     x = s.spec("specforge", "default", "sweep", 180.0, 1e-4, 42)
     assert x.steps_planned == 2920 and x.steps_planned % pg.SPECFORGE_LOG_EVERY == 0
