@@ -19,6 +19,7 @@ run's peak memory is its own only where it ran alone (else its probe's, which di
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import re
@@ -452,6 +453,15 @@ def data_seconds(phases: list[dict], framework: str, head: str) -> float | None:
 STEP_TOKENS = "tokens_per_step.json"  # in <session>/modelopt_data/, specforge_data/: mean tokens a step
 
 
+def train_log(d: Path) -> str | None:
+    """The run's training log, or the gzipped one of a raw folder (large logs are kept gzipped there)."""
+    if (d / "train.log").is_file():
+        return (d / "train.log").read_text(errors="replace")
+    if (d / "train.log.gz").is_file():
+        return gzip.decompress((d / "train.log.gz").read_bytes()).decode(errors="replace")
+    return None
+
+
 def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run:
     """One run's folder (``<po>/<name>``): its spec, its training log, its reports."""
     run = Run.from_dict(json.loads((d / "spec.json").read_text()))
@@ -459,14 +469,14 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
     run.failed = [p for p, v in mine.items() if v["rc"]]
     pts: list[tuple[int, float]] = []
     timing, per_step = split_compile, None
+    log = train_log(d)
     if (d / "run/train/metrics.jsonl").is_file():
         pts, run.tokens_per_s = ours_points((d / "run/train/metrics.jsonl").read_text())
-    elif run.framework == "speculators" and (d / "train.log").is_file():
-        pts, run.tokens_per_s, run.steps_per_epoch = speculators_points((d / "train.log").read_text(errors="replace"))
-    elif run.framework == "specforge" and (d / "train.log").is_file():
-        pts = specforge_points((d / "train.log").read_text(errors="replace"))
-    elif (d / "train.log").is_file():
-        log = (d / "train.log").read_text(errors="replace")
+    elif run.framework == "speculators" and log is not None:
+        pts, run.tokens_per_s, run.steps_per_epoch = speculators_points(log)
+    elif run.framework == "specforge" and log is not None:
+        pts = specforge_points(log)
+    elif log is not None:
         pts = trainer_points(log, run.steps_planned)
         if m := re.findall(r"'train_runtime': '?([0-9.]+)", log):
             pts.append((pts[-1][0] if pts else 0, float(m[-1])))  # its own loop time closes the curve

@@ -46,6 +46,23 @@ def test_a_budget_becomes_steps_at_the_steady_step_time_and_epochs_hold_them():
     assert [pr.epochs_for(s, 270) for s in (1, 270, 271, 3000)] == [1, 1, 2, 12]
 
 
+def test_a_raw_folders_gzipped_training_log_reads_as_the_plain_one(tmp_path):
+    """The raw folders keep large logs gzipped; merging them again gives the same run."""
+    import gzip
+
+    d = tmp_path / "speculators-matched-x"
+    d.mkdir()
+    (d / "spec.json").write_text(json.dumps(pr.asdict(run("speculators", "matched", planned=20))))
+    (d / "train.log").write_text("".join(f"  profile/step_ms={t},\n  profile/tokens_per_s=1e5,\n"
+                                         for t in [9000.0] + [60.0] * 19) + "Epoch 0 100% ━━ 20/270  [ 0:00:10 < 0:00:00 , 16 it/s ]\n")  # fmt: skip
+    plain = pr.read_run(d, [], [])
+    (d / "train.log.gz").write_bytes(gzip.compress((d / "train.log").read_bytes()))
+    (d / "train.log").unlink()
+    zipped = pr.read_run(d, [], [])
+    assert plain.steps == 20 and plain.steady_step_s == pytest.approx(0.06) and plain.steps_per_epoch == 270
+    assert pr.asdict(zipped) == pr.asdict(plain)
+
+
 def test_compile_time_is_what_the_loop_took_above_its_steady_steps():
     """The first reading holds the compilation (40 s for 10 steps); the steady step is the median of
     the later intervals (a slow one among them does not move it)."""
