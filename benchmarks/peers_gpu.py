@@ -53,6 +53,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from peers_results import (  # noqa: E402  # noqa: E402
@@ -1130,6 +1131,13 @@ def poll(seconds: float, dest: Path) -> None:
     print(f"ended: rc={(PO / 'rc').read_text().strip()}" if (PO / "rc").is_file() else "running")
 
 
+def detach(cmd: list[str], out: Path, errors: bool = True, **kw: Any) -> subprocess.Popen:
+    """Start ``cmd`` in a session of its own, writing to ``out`` (its errors too, or nowhere) and
+    holding none of this process's streams: ``start ... | tail`` returns once ``start`` does."""
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out.open("w"),
+                            stderr=subprocess.STDOUT if errors else subprocess.DEVNULL, start_new_session=True, **kw)  # fmt: skip
+
+
 def fold_earlier_job(results_file: Path) -> None:
     """Before a new job takes the session's folder: refuse while the last job runs; an ended one's runs
     go into the results file the new job reads (so a final after a sweep on this machine sees it)."""
@@ -1204,16 +1212,16 @@ def main(argv: list[str] | None = None) -> None:
         repo = (
             Path("/tmp/repo") if Path("/tmp/repo").is_dir() else REPO
         )  # (the call's own copy is replaced by the next)
-        fold_earlier_job(a.results or repo / f"benchmarks/results/peers_{gpu_kind()}.json")
+        fold_earlier_job(a.results or repo / f"benchmarks/results/peers_{a.size_on or gpu_kind()}.json")
         shutil.rmtree(PO, ignore_errors=True)
         PO.mkdir(parents=True)
         smi = ["nvidia-smi", "--query-gpu=timestamp,memory.used", "--format=csv,noheader", "-l", "2"]
         if shutil.which("nvidia-smi"):
-            trace = subprocess.Popen(smi, stdout=(PO / "smi.csv").open("w"), start_new_session=True)
-            (PO / "smi.pid").write_text(str(trace.pid))
+            (PO / "smi.pid").write_text(str(detach(smi, PO / "smi.csv", errors=False).pid))
         job_cmd = f"{sys.executable} benchmarks/peers_gpu.py job {shlex.join(sys.argv[2:])}; echo $? > {PO / 'rc'}"
-        subprocess.Popen(["bash", "-c", job_cmd], cwd=repo, stdout=(PO / "log").open("w"), stderr=subprocess.STDOUT,
-                         start_new_session=True, env={**env_for("ours"), "PYTHONPATH": f"/tmp/site:{repo}"})  # fmt: skip
+        detach(
+            ["bash", "-c", job_cmd], PO / "log", cwd=repo, env={**env_for("ours"), "PYTHONPATH": f"/tmp/site:{repo}"}
+        )
         say(f"started: {' '.join(sys.argv[2:])}")
     elif a.cmd == "job":
         job(a)

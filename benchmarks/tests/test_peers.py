@@ -878,6 +878,26 @@ def test_a_new_job_refuses_while_one_runs_and_folds_an_ended_ones_runs_into_the_
     assert len(pr.load(out)[0]) == 1 and len(pr.load(out)[1]) == 1
 
 
+def test_what_start_leaves_running_holds_none_of_its_streams(tmp_path):
+    """``start ... 2>&1 | tail`` on the GPU hung until the call's limit: the memory trace it left
+    running held the pipe. A detached command writes to its file, and the caller's pipe ends."""
+    script = (f"import sys; sys.path[:0] = [{str(LAB)!r}, {str(LAB.parent)!r}]; from pathlib import Path; "
+              "import peers_gpu as pg; "
+              f"p = pg.detach(['bash', '-c', 'echo to-err >&2; echo to-out; exec sleep 60'], Path({str(tmp_path / 'log')!r})); "
+              f"Path({str(tmp_path / 'pid')!r}).write_text(str(p.pid)); print('back')")  # fmt: skip
+    t0 = time.time()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
+    try:
+        assert done.stdout.strip() == "back" and done.stderr == "" and time.time() - t0 < 40
+        for _ in range(100):
+            if "to-out" in (tmp_path / "log").read_text():
+                break
+            time.sleep(0.05)
+        assert (tmp_path / "log").read_text().split() == ["to-err", "to-out"]
+    finally:
+        os.kill(int((tmp_path / "pid").read_text()), 9)
+
+
 def test_only_a_probe_as_long_as_the_probe_now_sizes_runs_and_a_run_alone_reports_its_own_loop(tmp_path):
     """ours' 60-step probe read 0.51 s a step, its 353-step run alone 0.315 s: the short probe sizes
     nothing (probe again, 200 steps), and the run, a sized one, sizes nothing either (it would re-size
