@@ -756,9 +756,11 @@ PAGE_NOTES = {  # a page's opening paragraph, where its results need one before 
     "The comparison is being redone in `peers_h100`: the same 16,384 conversations for every framework, equal "
     "minutes of steady training loop (start-up, compilation and data preparation apart), a learning-rate sweep for "
     "every framework and head, then two seeds of each framework's best. So far it holds the step times of ours, "
-    "speculators and ModelOpt measured alone, two of ours' three sweep runs and five of ModelOpt's six; "
-    "speculators' and SpecForge's sweeps have not run (SpecForge's capture and training ran once, on 256 "
-    "conversations, in `peers_specforge_smoke_h100`). Its verdict row compares single sweep runs, not yet the seeds. The older files "
+    "speculators and ModelOpt measured alone and 13 of the 15 sweep runs of those three (speculators' default "
+    "head at lr 1e-3 and 3e-3 are left); SpecForge's sweep has not run (its capture and training ran once, on 256 "
+    "conversations, in `peers_specforge_smoke_h100`). At 3 minutes, single runs, ours (lr 2e-3, held-out τ 2.622) "
+    "trails speculators' matched head (lr 3e-3, 2.695) by 0.073 and leads ModelOpt's best (default head, lr 3e-4, "
+    "1.566) by 1.056; no seed spread is measured yet, so neither margin is a verdict. The older files "
     "below are kept as a record of what was run.\n\n",
 }
 HEAD_KEYS = ("what", "machine", "date", "command", "runs", "code_at")
