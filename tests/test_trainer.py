@@ -1199,3 +1199,51 @@ def test_head_variants_train_resume_and_export_what_the_engines_compute(std, tmp
         _, plain = reference_chain(tmp_path / "x", embed, aux, ids, 4, {})
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert got_tokens == want_tokens and not torch.allclose(plain, want, atol=1e-3)
+
+
+def test_muon_trains_freezes_lm_head_on_time_and_resumes_to_the_same_weights(std, tmp_path, monkeypatch):
+    """optim.optimizer=muon through the trainer: the loss falls; with optim.lm_head_steps=2 lm_head
+    (AdamW's) moves in the first two steps only while fc (Muon's) keeps moving; the lr logged is
+    optim.lr's; a run stopped after step 5 resumes from step 4 (Muon's momentum restored) to the
+    weights of the run never stopped."""
+    last = lambda d: sorted((d / "checkpoints").glob("step*"), key=lambda p: int(p.name[4:]))[-1]  # noqa: E731
+    ckpt = lambda d, s: load_file(str(d / "checkpoints" / f"step{s}" / "draft.safetensors"))  # noqa: E731
+    muon = {"optimizer": "muon", "muon_lr": 0.02, "lr": 3e-3, "warmup_steps": 0, "schedule": "constant"}
+    train(std, tmp_path / "head2", save_every=1, keep_last=10, max_steps=4, lm_head_steps=2, **muon)
+    frozen = [ckpt(tmp_path / "head2", s) for s in (1, 2, 3, 4)]
+    assert not torch.equal(frozen[0]["lm_head.weight"], frozen[1]["lm_head.weight"])
+    assert torch.equal(frozen[1]["lm_head.weight"], frozen[3]["lm_head.weight"])
+    assert not torch.equal(frozen[1]["fc.weight"], frozen[3]["fc.weight"])
+    assert {r["lr"] for r in metrics(tmp_path / "head2") if "loss" in r} == {3e-3}
+
+    whole = train(std, tmp_path / "whole", save_every=2, **muon)
+    logged = [r["loss"] for r in metrics(tmp_path / "whole") if "loss" in r and "eval_acc" not in r]
+    assert logged[-1] < logged[0]
+    steps = iter(range(1, 100))
+
+    def killed_after_step_5(point):
+        if point == "train.step" and next(steps) == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("eagle3_train.training.trainer.fault_point", killed_after_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(std, tmp_path / "cut", save_every=2, **muon)
+    monkeypatch.undo()
+    assert last(tmp_path / "cut").name == "step4"
+    train(std, tmp_path / "cut", save_every=2, **muon)
+    again, want = (load_file(str(last(tmp_path / d) / "draft.safetensors")) for d in ("cut", "whole"))
+    assert last(tmp_path / "whole").name == f"step{whole['step']}"
+    for k in want:
+        torch.testing.assert_close(again[k], want[k], atol=1e-6, rtol=1e-6)
+
+
+def test_the_optimizer_and_its_options_are_checked_by_name():
+    with pytest.raises(ConfigError, match="optim.optimizer must be one of adamw, muon, got 'mun'"):
+        OptimConfig(optimizer="mun")
+    with pytest.raises(ConfigError, match="optim.muon_lr must be > 0"):
+        OptimConfig(optimizer="muon", muon_lr=0)
+    with pytest.raises(ConfigError, match=r"optim.muon_momentum must be in \[0, 1\)"):
+        OptimConfig(optimizer="muon", muon_momentum=1.0)
+    with pytest.raises(ConfigError, match="optim.optimizer=muon .* deepspeed.offload_optimizer .* choose one"):
+        TrainConfig(data="d", out="o", **train_sections(optimizer="muon"),
+                    deepspeed=DeepSpeedConfig(offload_optimizer=True))  # fmt: skip

@@ -19,6 +19,7 @@ from eagle3_train.training.served import EngineConfig
 from eagle3_train.training.tracking import TRACKERS, check_tracker
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")  # optim.schedule's values
+OPTIMIZERS = ("adamw", "muon")  # optim.optimizer's values
 SOURCES = ("offline", "online", "served")  # source's values
 USUAL_CHAIN = 5  # draft tokens per verify step that eagle3-eval and the engines' recipes use
 
@@ -46,7 +47,11 @@ class ObjectiveConfig:
 class OptimConfig:
     """The optimizer and its learning-rate schedule (``optim.*``; through eagle3-run ``train.optim.*``)."""
 
-    lr: float = 1e-4  # peak learning rate (AdamW)
+    lr: float = 1e-4  # peak learning rate (AdamW; with optimizer=muon, of the parameters Muon leaves to AdamW)
+    optimizer: str = "adamw"
+    """adamw | muon: Muon (momentum orthogonalized by Newton-Schulz; DeepSpeed's, every ZeRO stage) on the draft's weight matrices (fc, attention, MLP) at optim.muon_lr, AdamW at optim.lr on the rest (norms, lm_head)"""
+    muon_lr: float = 0.02  # optimizer=muon: the matrices' peak learning rate (Muon's own scale, about 10x AdamW's; the same warmup and decay as optim.lr)
+    muon_momentum: float = 0.95  # optimizer=muon: Muon's momentum (Nesterov)
     min_lr_ratio: float = 0.0  # final lr as a fraction of the peak
     warmup_steps: int = 0  # linear warmup from 0
     warmup_fraction: float = 0.0
@@ -62,6 +67,12 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"optim.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optim.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not self.muon_lr > 0:
+            raise ConfigError(f"optim.muon_lr must be > 0, got {self.muon_lr}")
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if not 0 < self.decay_fraction <= 1:
             raise ConfigError(f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if not 0 <= self.ema_decay < 1:
@@ -299,6 +310,11 @@ class TrainConfig:
             )
         if self.deepspeed.zero_stage == 3 and self.optim.ema_decay:
             raise ConfigError("optim.ema_decay averages whole weights, which ZeRO-3 partitions: use ZeRO 0-2")
+        if self.optim.optimizer == "muon" and self.deepspeed.offload_optimizer:
+            raise ConfigError(
+                "optim.optimizer=muon runs on the GPU beside the gradients; deepspeed.offload_optimizer keeps the "
+                "optimizer in host memory: choose one"
+            )
         if self.optim.lm_head_steps and self.model.freeze_lm_head:
             raise ConfigError(
                 "optim.lm_head_steps trains lm_head for its first steps, model.freeze_lm_head never: choose one"

@@ -153,6 +153,13 @@ def _exchange(x: torch.Tensor, group: Any, scatter: int, gather: int) -> torch.T
     return torch.cat(recv.unbind(0), gather)
 
 
+def scheduled_lr(engine: Any) -> float:
+    """optim.lr as the schedule has it now: the first group AdamW steps (with optim.optimizer=muon the
+    matrices' groups run at optim.muon_lr times the same factor)."""
+    groups = engine.optimizer.param_groups
+    return float(next((g["lr"] for g in groups if not g.get("use_muon")), groups[0]["lr"]))
+
+
 def build_engine(
     model: Eagle3Draft,
     cfg: TrainConfig,
@@ -163,7 +170,7 @@ def build_engine(
 ) -> Any:
     """The one place that turns the draft into a DeepSpeed engine: sequence parallelism over
     ``sp``'s group, activation checkpointing and torch.compile as ``cfg.runtime`` asks,
-    AdamW (torch) on the trainable parameters, warmup + decay schedule, ZeRO stage over every rank
+    AdamW (torch) on the trainable parameters or DeepSpeed's Muon (``optim.optimizer``), warmup + decay schedule, ZeRO stage over every rank
     (ZeRO's data parallelism averages the gradients of all ranks, sequence-parallel ones included:
     see :meth:`Trainer.train_step`), bf16, clipping, gradient accumulation. ``total_steps`` may be a
     function: the schedule reads the total at each step (a wall-clock budget resizes it while training)."""
@@ -180,22 +187,22 @@ def build_engine(
     if device.type == "cpu":  # skip the shared-memory op's C++ build on CPU
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     trained = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": trained}]
+    groups: list[dict[str, Any]] = [{"params": trained}]
     total = total_steps if callable(total_steps) else lambda: total_steps
-    factors = [lambda s: lr_factor(s, total(), o)]
+    plain = lambda s: lr_factor(s, total(), o)  # noqa: E731
+    head_only = lambda s: lr_factor(s, total(), o) if s < o.lm_head_steps else 0.0  # noqa: E731
     if o.lm_head_steps:  # lm_head in a group of its own whose lr drops to 0 after its steps (AdamW's decay with it)
         head = {id(p) for p in model.lm_head.parameters()}
         groups = [
             {"params": [p for p in trained if id(p) not in head]},
             {"params": [p for p in trained if id(p) in head]},
         ]
-        factors.append(lambda s: lr_factor(s, total(), o) if s < o.lm_head_steps else 0.0)
-    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
+        if o.optimizer == "muon":  # (the names Muon's halves are named after)
+            groups[0]["name"], groups[1]["name"] = "draft", "lm_head"
     zero: dict[str, Any] = {"stage": ds.zero_stage}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    config = {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,  # batches are token-budgeted; DeepSpeed only counts
         "gradient_accumulation_steps": cfg.loop.grad_accum,
         "gradient_clipping": o.grad_clip,
@@ -205,5 +212,24 @@ def build_engine(
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=config)
+    if o.optimizer == "muon":
+        # DeepSpeed's own Muon, which each ZeRO stage orthogonalizes inside its partitioning (a torch
+        # optimizer handed in would see ZeRO's flat 1-D buffers): it takes the matrices not named
+        # embed or lm_head, splits each group below into its Muon and AdamW halves (names
+        # "<group>-muon-params" / "-adam-params"), and the schedule scales each half's own peak lr
+        config["optimizer"] = {"type": "Muon", "params": {
+            "lr": o.lr, "muon_lr": o.muon_lr, "momentum": o.muon_momentum, "betas": list(o.betas),
+            "weight_decay": o.weight_decay}}  # fmt: skip
+
+        def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+            return torch.optim.lr_scheduler.LambdaLR(
+                optimizer, [head_only if str(g.get("name", "")).startswith("lm_head") else plain
+                            for g in optimizer.param_groups])  # fmt: skip
+
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, lr_scheduler=schedule,
+                                               config=config)  # fmt: skip
+        return engine
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay)
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, [plain, head_only][: len(groups)])
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_schedule, config=config)
     return engine

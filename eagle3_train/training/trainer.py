@@ -65,7 +65,7 @@ from eagle3_train.training.metrics import (
     train_record,
     truncate_metrics,
 )
-from eagle3_train.training.parallel import build_engine, sequence_parallel
+from eagle3_train.training.parallel import build_engine, scheduled_lr, sequence_parallel
 from eagle3_train.training.served import launch_text, serve
 from eagle3_train.training.sources import open_source
 from eagle3_train.training.tracking import open_tracker
@@ -483,7 +483,7 @@ class Trainer:
                 tokens = int(torch.stack([r["tokens"] for r in pending]).sum())
                 pending.clear()
                 record = train_record(
-                    self.step, counts, loss, tokens, time.time() - window_start, self.engine.get_lr()[0], self.sp.size
+                    self.step, counts, loss, tokens, time.time() - window_start, scheduled_lr(self.engine), self.sp.size
                 )
                 record["loop_s"] = round(self.loop_seconds(), 1)
                 record |= device_memory(self.dist.device)
