@@ -18,8 +18,10 @@ alone on the GPU (measured by a short probe where no earlier run on this kind of
 its lr schedule ends with the budget; start-up, compilation and the data preparation are measured
 apart. Data preparation and probes run alone; the sized runs then share the GPU ``--lanes`` at a
 time (their step counts, and so their drafts, are the same either way; only their clocks slow), mixed
-across frameworks, and a run the results file already holds evaluated is not run again. Heads: ``ours`` (the recipe), ``FW:default`` (the peer's own) and ``FW:matched``
-(shaped like ours where its options allow; the results name what is missing). Each draft is evaluated
+across frameworks, and a run the results file already holds evaluated is not run again. Heads: ``ours:recipe`` (as shipped: AdamW), ``ours:muon`` (the recipe with
+Muon on the matrices, speculators' default optimizer; its lrs are optim.muon_lr), ``FW:default`` (the
+peer's own) and ``FW:matched`` (shaped like ours where its options allow; the results name what is
+missing): two configurations a framework, each swept at three lrs. Each draft is evaluated
 by eagle3-eval on the held-out prompts (and, in ``final``, on MT-bench and served by vLLM). Each poll
 packs the session so far into ``poll.tgz`` and ``peers_partial.json``: a machine taken back mid-run
 loses only what the last poll had not packed. The shared set (``.peers/data/<DATA_SET>``), where
@@ -85,9 +87,10 @@ DATA_N = 16384  # conversations of the shared set (synthesized by the first sess
 DATA_SET = f"smollm2_synth_{DATA_N}.jsonl.gz"
 DATA_PART = 12 << 20  # bytes per part of it that a poll brings out
 LRS = {"ours": (1e-3, 2e-3, 4e-3), "speculators": (3e-4, 1e-3, 3e-3), "modelopt": (1e-4, 3e-4, 1e-3),
-       "specforge": (3e-5, 1e-4, 3e-4)}  # fmt: skip
+       "specforge": (3e-5, 1e-4, 3e-4),
+       "ours:muon": (1e-2, 2e-2, 4e-2)}  # fmt: skip  # (ours:muon's lr is optim.muon_lr; optim.lr stays the recipe's)
 SEED = {"ours": 0, "speculators": 42, "modelopt": 42, "specforge": 42}  # each one's default seed; the second is +1
-HEADS = {"ours": ("recipe",), "speculators": ("default", "matched"), "modelopt": ("default", "matched"),
+HEADS = {"ours": ("recipe", "muon"), "speculators": ("default", "matched"), "modelopt": ("default", "matched"),
          "specforge": ("default", "matched")}  # fmt: skip
 PROBE_STEPS = {"ours": 300, "speculators": 200, "modelopt": 300, "specforge": 200}  # (ModelOpt's bar: whole seconds;
 # ours' step falls from 0.5 s to 0.3 s over its first ~150 steps: 60 steps read it 40 % slow, 200 steps 11 %, 300 2 %)
@@ -165,7 +168,11 @@ def head_shape(fw: str, head: str, target: dict, variant: str | None) -> tuple[d
 
 
 def ours_cmd(spec: RunSpec, run: Path, convs: Path) -> list[str]:
-    o = [f"++train.optim.lr={spec.lr}", f"++train.loop.max_steps={spec.steps_planned}", "++train.loop.epochs=1000",
+    """The recipe; its ``muon`` head: the recipe with Muon on the draft's matrices at ``spec.lr``
+    (optim.muon_lr), AdamW on the rest at the recipe's optim.lr (speculators' default optimizer)."""
+    lr = [f"++train.optim.lr={spec.lr}"] if spec.head != "muon" else \
+        ["++train.optim.optimizer=muon", f"++train.optim.muon_lr={spec.lr}"]  # fmt: skip
+    o = [*lr, f"++train.loop.max_steps={spec.steps_planned}", "++train.loop.epochs=1000",
          f"++train.loop.seed={spec.seed}", "++train.loop.log_every=10", "++train.loop.eval_every=0",
          "++train.checkpoint.keep_best=false"]  # fmt: skip
     o.append(f"++train.model.variant={spec.head_shape.get('variant', 'eagle3')}")
@@ -791,9 +798,8 @@ def runs_wanted(a: argparse.Namespace, known: list) -> list[tuple[str, str, floa
         if a.what == "sweep":
             for h in [head] if head else HEADS[fw]:
                 if not any(w[:2] == (fw, h) for w in out):  # (ours and ours:recipe: one group)
-                    out.append((fw, h, SWEEP_S, a.lrs or list(LRS[fw]), a.seeds or [SEED[fw]]))
+                    out.append((fw, h, SWEEP_S, a.lrs or list(LRS.get(f"{fw}:{h}", LRS[fw])), a.seeds or [SEED[fw]]))
             continue
-        head = "recipe" if fw == "ours" else head
         top = best([r for r in known if not head or r.head == head], fw)  # (a head named: that head's best lr)
         if top is None and (a.lrs is None or not head):
             raise SystemExit(f"peers_gpu: no 3-minute sweep of {fw} in the results: give --lrs and FW:HEAD")

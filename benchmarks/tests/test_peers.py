@@ -267,7 +267,7 @@ def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_
     stand_in_session(monkeypatch, tmp_path, phase, [])
     monkeypatch.setattr(pg.Session, "speculators_data", lambda self: False)
     monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job", "sweep", "speculators:default", "ours"])
-    pg.main(["job", "sweep", "speculators:default", "ours", "--lrs", "1e-3", "2e-3"])
+    pg.main(["job", "sweep", "speculators:default", "ours:recipe", "--lrs", "1e-3", "2e-3"])
     assert trained == [300, 600, 600]  # the probe, then two runs sized from it
     runs, session = pr.read_session(tmp_path)
     assert sorted(r.kind for r in runs) == ["probe", "sweep", "sweep"] and session["id"].startswith("h100-")
@@ -438,7 +438,7 @@ def test_the_lanes_run_a_mix_of_frameworks_at_once_on_their_own_ports_and_skip_w
     stand_in_session(monkeypatch, tmp_path, phase, known)
     monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
     monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
-    pg.main(["job", "sweep", "ours", "modelopt:default", "--lanes", "2"])
+    pg.main(["job", "sweep", "ours:recipe", "modelopt:default", "--lanes", "2"])
     assert most[0] == 2 and set(ports) == {str(pg.PORT_DIST), str(pg.PORT_DIST + 1)}
     assert (
         sorted(n.split("-lr")[0] for n in order)
@@ -749,7 +749,7 @@ def test_a_preparation_that_failed_is_not_tried_again_and_none_runs_for_runs_alr
     stand_in_session(monkeypatch, tmp_path, phase, known)
     monkeypatch.setattr(pg.Session, "speculators_data", lambda self: calls.append("states") or False)
     monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
-    pg.main(["job", "sweep", "speculators", "ours", "ours", "--lrs", "1e-3", "2e-3"])
+    pg.main(["job", "sweep", "speculators", "ours:recipe", "ours:recipe", "--lrs", "1e-3", "2e-3"])
     assert calls == ["states"]  # (its second head: not again)
     assert trained == []  # no phase at all: ours' tokenizing neither (ours named twice: one group)
 
@@ -817,7 +817,7 @@ def test_a_sweep_then_its_finals_in_one_job_each_final_after_its_frameworks_whol
     monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
     monkeypatch.setattr(pg.Session, "train", train)
     monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
-    pg.main(["job", "sweep", "ours", "modelopt:default", "speculators:default", "--lanes", "3", "--then-final"])
+    pg.main(["job", "sweep", "ours:recipe", "modelopt:default", "speculators:default", "--lanes", "3", "--then-final"])
     started = [n for e, n in events if e == "start"]
     finals = [n for n in started if "-600s-" in n]
     assert sorted(finals) == ["modelopt-default-eagle3-n16384-600s-lr0.0003-seed42",
@@ -1015,12 +1015,12 @@ def test_a_final_job_takes_the_best_of_the_whole_sweep_as_sized_now_and_none_fro
     monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
     monkeypatch.setattr(pg.Session, "train", train)
     monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
-    pg.main(["job", "final", "ours"])
+    pg.main(["job", "final", "ours:recipe"])
     assert trained == []
     stand_in_session(monkeypatch, tmp_path, None, [probe(steps=300, steady_step_s=0.3), *sweep,
                      run(lr=4e-3, planned=600, steps=600, tau_heldout=1.7)])  # fmt: skip
     monkeypatch.setattr(pg.Session, "train", train)
-    pg.main(["job", "final", "ours"])
+    pg.main(["job", "final", "ours:recipe"])
     assert sorted(trained) == [  # (the two seeds share the GPU: either may start first)
         "ours-recipe-eagle3.1-n16384-600s-lr0.002-seed0",
         "ours-recipe-eagle3.1-n16384-600s-lr0.002-seed1",
@@ -1120,10 +1120,29 @@ def test_a_job_keeps_its_machines_yardstick_in_its_session(tmp_path, monkeypatch
     monkeypatch.setattr(pg.Session, "train", lambda self, spec, lane=0: order.append(spec.name))
     monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
     monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
-    pg.main(["job", "sweep", "ours", "--lrs", "1e-3"])
+    pg.main(["job", "sweep", "ours:recipe", "--lrs", "1e-3"])
     assert order[0] == "yardstick" and len(order) == 2
     session = json.loads((tmp_path / "session.json").read_text())
     assert session["yardstick"] == {"matmul_tflops": 600.0} and session["device"] == "h100"
     monkeypatch.setattr(pg, "yardstick", lambda: None)
-    pg.main(["job", "sweep", "ours", "--lrs", "1e-3"])
+    pg.main(["job", "sweep", "ours:recipe", "--lrs", "1e-3"])
     assert "yardstick" not in json.loads((tmp_path / "session.json").read_text())
+
+
+def test_ours_is_swept_as_shipped_and_with_muon_each_a_command_eagle3_run_accepts(tmp_path):
+    """``ours`` is two configurations like each peer: the recipe (AdamW, its lrs) and the recipe with
+    Muon (its lrs are optim.muon_lr; optim.lr stays the recipe's). Each command composes and checks
+    through eagle3-run's dry run, and the train stage it prints runs the optimizer asked."""
+    a = argparse.Namespace(what="sweep", frameworks=["ours"], lrs=None, seeds=None)
+    assert [(w[1], w[3]) for w in pg.runs_wanted(a, [])] == [("recipe", [1e-3, 2e-3, 4e-3]), ("muon", [1e-2, 2e-2, 4e-2])]
+    printed = {}
+    for head, lr in (("recipe", 2e-3), ("muon", 2e-2)):
+        spec = pr.RunSpec("ours", head, "sweep", 180.0, lr, 0, 750, 16384, head_shape=pg.ours_head())
+        cmd = pg.ours_cmd(spec, tmp_path / head, tmp_path / "c.jsonl")
+        done = subprocess.run([*cmd, "dry_run=true"], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(LAB.parent)}, cwd=LAB.parent)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        printed[head] = next(line for line in done.stdout.splitlines() if "eagle3_train.train" in line
+                             or "eagle3-train" in line)  # fmt: skip
+    assert "optim.optimizer=muon" in printed["muon"] and "optim.muon_lr=0.02" in printed["muon"]
+    assert "optim.lr=0.002" in printed["recipe"] and "muon" not in printed["recipe"]
