@@ -1134,7 +1134,10 @@ def test_ours_is_swept_as_shipped_and_with_muon_each_a_command_eagle3_run_accept
     Muon (its lrs are optim.muon_lr; optim.lr stays the recipe's). Each command composes and checks
     through eagle3-run's dry run, and the train stage it prints runs the optimizer asked."""
     a = argparse.Namespace(what="sweep", frameworks=["ours"], lrs=None, seeds=None)
-    assert [(w[1], w[3]) for w in pg.runs_wanted(a, [])] == [("recipe", [1e-3, 2e-3, 4e-3]), ("muon", [1e-2, 2e-2, 4e-2])]
+    assert [(w[1], w[3]) for w in pg.runs_wanted(a, [])] == [
+        ("recipe", [1e-3, 2e-3, 4e-3]),
+        ("muon", [1e-2, 2e-2, 4e-2]),
+    ]
     printed = {}
     for head, lr in (("recipe", 2e-3), ("muon", 2e-2)):
         spec = pr.RunSpec("ours", head, "sweep", 180.0, lr, 0, 750, 16384, head_shape=pg.ours_head())
