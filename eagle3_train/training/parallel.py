@@ -219,7 +219,8 @@ def build_engine(
         # "<group>-muon-params" / "-adam-params"), and the schedule scales each half's own peak lr
         config["optimizer"] = {"type": "Muon", "params": {
             "lr": o.lr, "muon_lr": o.muon_lr, "momentum": o.muon_momentum, "betas": list(o.betas),
-            "weight_decay": o.weight_decay}}  # fmt: skip
+            "weight_decay": o.weight_decay,
+            "torch_adam": True}}  # fmt: skip  # (its other half torch's AdamW, as without Muon: no fused op to build)
 
         def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
             return torch.optim.lr_scheduler.LambdaLR(
