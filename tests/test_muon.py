@@ -52,7 +52,7 @@ def reference_steps(model, grads, lrs):
                                                     (1, torch.bfloat16, 0.05)])  # fmt: skip
 def test_muon_steps_the_matrices_and_adamw_the_rest_as_torchs_own_would(zero, dtype, tol):
     """bf16 at ZeRO 1 (the GPU's default: fp32 master weights beside the bf16 ones) against the fp32
-    reference, the weights' bf16 rounding on top: the matrices and lm_head within 5 % (3 % measured);
+    reference, the weights' bf16 rounding on top: the matrices and lm_head within 5 % (3.5 % measured);
     the norms' weights sit near 1.0, where bf16 cannot hold a step of 1e-3, so they are not compared."""
     torch.manual_seed(0)
     draft = Eagle3Draft(DraftConfig.from_target(tiny_config(), num_aux=3, draft_vocab_size=48)).to(dtype)
