@@ -88,7 +88,7 @@ DATA_SET = f"smollm2_synth_{DATA_N}.jsonl.gz"
 DATA_PART = 12 << 20  # bytes per part of it that a poll brings out
 LRS = {"ours": (1e-3, 2e-3, 4e-3), "speculators": (3e-4, 1e-3, 3e-3), "modelopt": (1e-4, 3e-4, 1e-3),
        "specforge": (3e-5, 1e-4, 3e-4),
-       "ours:muon": (1e-2, 2e-2, 4e-2)}  # fmt: skip  # (ours:muon's lr is optim.muon_lr; optim.lr stays the recipe's)
+       "ours:muon": (2e-2, 4e-2, 8e-2)}  # fmt: skip  # (ours:muon's lr is optim.muon_lr; optim.lr stays the recipe's)
 SEED = {"ours": 0, "speculators": 42, "modelopt": 42, "specforge": 42}  # each one's default seed; the second is +1
 HEADS = {"ours": ("recipe", "muon"), "speculators": ("default", "matched"), "modelopt": ("default", "matched"),
          "specforge": ("default", "matched")}  # fmt: skip

@@ -1136,7 +1136,7 @@ def test_ours_is_swept_as_shipped_and_with_muon_each_a_command_eagle3_run_accept
     a = argparse.Namespace(what="sweep", frameworks=["ours"], lrs=None, seeds=None)
     assert [(w[1], w[3]) for w in pg.runs_wanted(a, [])] == [
         ("recipe", [1e-3, 2e-3, 4e-3]),
-        ("muon", [1e-2, 2e-2, 4e-2]),
+        ("muon", [2e-2, 4e-2, 8e-2]),
     ]
     printed = {}
     for head, lr in (("recipe", 2e-3), ("muon", 2e-2)):
