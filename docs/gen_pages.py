@@ -755,7 +755,7 @@ PAGE_NOTES = {  # a page's opening paragraph, where its results need one before 
     "its compilation, only ours was tuned, the heads differed, ModelOpt never left its warm-up, and each ran once. "
     "The comparison is being redone in `peers_h100`: the same 16,384 conversations for every framework, equal "
     "minutes of steady training loop (start-up, compilation and data preparation apart), a learning-rate sweep for "
-    "every framework and head, then two seeds of each framework's best. So far it holds the step times of ours, "
+    "every framework and head, then two seeds of each framework's best. So far it holds the step times of ours as shipped, "
     "speculators and ModelOpt measured alone and 13 of the 18 sweep runs of those three: speculators' default "
     "head at lr 1e-3 and 3e-3 are left, and ours with Muon (`ours:muon`, speculators' default optimizer; added "
     "after the sweep below showed speculators' matched head ahead, so that ours too is swept in two "
