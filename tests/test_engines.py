@@ -264,3 +264,36 @@ def test_check_warns_where_sglang_would_run_the_draft_in_another_dtype_than_the_
     assert found.startswith("SGLang: the draft's config names bfloat16, the target's float16")
     assert "--dtype bfloat16" in found
     assert warnings(torch.bfloat16) == [] and warnings(None) == []
+
+
+def test_a_crashed_runs_files_are_removed_though_one_vanishes_during_the_walk(tmp_path, monkeypatch):
+    """vLLM's client clears a crashed run's state files; a file the engine renames away between the
+    walk's listing and its unlink (a write finishing) is already gone, and the rest is still removed."""
+    import shutil
+
+    from eagle3_train.engines import vllm
+
+    root = tmp_path / "00000"
+    (root / "sub").mkdir(parents=True)
+    for name in ("a.safetensors", ".tmpX", "sub/b.safetensors"):
+        (root / name).write_bytes(b"x")
+    real, calls = shutil.rmtree, []
+
+    def racing(path, *a, **k):  # the first walk: the engine renames .tmpX away under it
+        calls.append(path)
+        if len(calls) == 1:
+            (root / ".tmpX").unlink()
+            raise FileNotFoundError(2, "No such file or directory", ".tmpX")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(vllm.shutil, "rmtree", racing)
+    vllm.remove_tree(root)
+    assert not root.exists() and len(calls) == 2
+    (root / "sub").mkdir(parents=True)
+
+    def always(path, *a, **k):
+        raise FileNotFoundError(2, "No such file or directory", "x")
+
+    monkeypatch.setattr(vllm.shutil, "rmtree", always)
+    with pytest.raises(FileNotFoundError):  # a tree that never stops vanishing is not passed over in silence
+        vllm.remove_tree(root)

@@ -343,6 +343,20 @@ def wait_and_load(path: Path, timeout_s: float, stop: threading.Event | None = N
         os.close(fd)
 
 
+def remove_tree(path: Path, tries: int = 5) -> None:
+    """``shutil.rmtree``, where a file may vanish under it: an engine still finishing a write renames
+    its temporary file away between the listing and the unlink (seen once in CI, a stand-in engine).
+    A file already gone is what removing it wanted; the walk starts again over what is left."""
+    for _ in range(tries - 1):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            if not path.exists():
+                return
+    shutil.rmtree(path)
+
+
 class VllmClient:
     """One request per sample to vLLM's ``/v1/completions``; the states arrive as a file."""
 
@@ -358,7 +372,7 @@ class VllmClient:
 
     async def start(self, session: Any) -> None:
         if self.client_dir.exists():  # a crashed run's files: the engine is done with them
-            shutil.rmtree(self.client_dir)
+            remove_tree(self.client_dir)
         self.client_dir.mkdir(parents=True)
         await wait_ready(session, [self.url], self.job.client.wait_for_server_s)
         if self.model is None:
