@@ -1131,7 +1131,8 @@ def poll(seconds: float, dest: Path) -> None:
     packed(dest)
     compile_cache_out(dest)  # (once a poll: what a call brings out is what is under dest when it returns)
     lines = (PO / "log").read_text(errors="replace").splitlines() if (PO / "log").is_file() else []
-    print("\n".join([x for x in lines if x.startswith("peers_gpu:")][-15:] + lines[-3:]))
+    said = [x for x in lines if x.startswith("peers_gpu:")][-15:]  # (and the log's end where it is not the job's own)
+    print("\n".join(said + [x for x in lines[-3:] if not x.startswith("peers_gpu:")]))
     free = shutil.disk_usage(PO).free / 2**30
     print(f"disk: {free:.1f} GiB free under {PO}")  # (states and checkpoints fill it: SpecForge's ~17 GB in bf16)
     print(f"ended: rc={(PO / 'rc').read_text().strip()}" if (PO / "rc").is_file() else "running")

@@ -1149,3 +1149,22 @@ def test_ours_is_swept_as_shipped_and_with_muon_each_a_command_eagle3_run_accept
                              or "eagle3-train" in line)  # fmt: skip
     assert "optim.optimizer=muon" in printed["muon"] and "optim.muon_lr=0.02" in printed["muon"]
     assert "optim.lr=0.002" in printed["recipe"] and "muon" not in printed["recipe"]
+
+
+def test_a_poll_tells_each_of_the_jobs_lines_once_and_the_logs_end_beside_them(tmp_path, monkeypatch, capsys):
+    po = tmp_path / "po"
+    po.mkdir()
+    said = [f"peers_gpu: run {i}: not started" for i in range(20)]
+    (po / "log").write_text("\n".join(["noise", *said, "Traceback (most recent call last):", "ValueError: x"]) + "\n")
+    (po / "rc").write_text("1\n")
+    monkeypatch.setattr(pg, "PO", po)
+    monkeypatch.setattr(pg, "packed", lambda dest: None)
+    monkeypatch.setattr(pg, "compile_cache_out", lambda dest: None)
+    pg.poll(0, tmp_path / "out")
+    out = capsys.readouterr().out.splitlines()
+    assert out[:15] == said[-15:] and out[15:17] == ["Traceback (most recent call last):", "ValueError: x"]
+    assert out[-1] == "ended: rc=1"
+    (po / "log").write_text("\n".join(said) + "\n")  # the job's own lines at the end: each once
+    pg.poll(0, tmp_path / "out")
+    out = capsys.readouterr().out.splitlines()
+    assert out[:15] == said[-15:] and out[15].startswith("disk:")
