@@ -76,6 +76,28 @@ def train(std, out, **opt):
         t.close()
 
 
+def last_checkpoint(out: Path) -> Path:
+    return sorted((out / "checkpoints").glob("step*"), key=lambda p: int(p.name[4:]))[-1]
+
+
+def killed_after_step_5_and_resumed(std, out: Path, monkeypatch, **opt) -> dict:
+    """A run (``save_every=2``) killed after its step 5, so its last checkpoint is step 4, then run
+    again to its end: the draft it ends with."""
+    steps = iter(range(1, 100))
+
+    def killed_after_step_5(point):
+        if point == "train.step" and next(steps) == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("eagle3_train.training.trainer.fault_point", killed_after_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(std, out, save_every=2, **opt)
+    monkeypatch.undo()
+    assert last_checkpoint(out).name == "step4"
+    train(std, out, save_every=2, **opt)
+    return load_file(str(last_checkpoint(out) / "draft.safetensors"))
+
+
 def metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -387,35 +409,22 @@ def test_weight_average_is_what_is_evaluated_exported_and_resumed(std, tmp_path,
     """optim.ema_decay: training itself is untouched (the same losses as without it); the
     checkpoints hold the average as draft.safetensors, with the average and its update count beside
     them; a run stopped after step 5 resumes from step 4 to the same average as the whole run."""
-    last = lambda d: sorted((d / "checkpoints").glob("step*"), key=lambda p: int(p.name[4:]))[-1]  # noqa: E731
     plain = train(std, tmp_path / "plain", save_every=2)
     whole = train(std, tmp_path / "whole", save_every=2, ema_decay=0.9)
     train_lines = lambda d: [r for r in metrics(d) if "loss" in r and "eval_acc" not in r]  # noqa: E731
     assert [r["loss"] for r in train_lines(tmp_path / "whole")] == [r["loss"] for r in train_lines(tmp_path / "plain")]
     assert whole["eval_tau"] != plain["eval_tau"]
-    ema = load_file(str(last(tmp_path / "whole") / "ema.safetensors"))
+    ema = load_file(str(last_checkpoint(tmp_path / "whole") / "ema.safetensors"))
     assert int(ema.pop("__updates__")) == whole["step"]
-    draft = load_file(str(last(tmp_path / "whole") / "draft.safetensors"))
-    raw = load_file(str(last(tmp_path / "plain") / "draft.safetensors"))
+    draft = load_file(str(last_checkpoint(tmp_path / "whole") / "draft.safetensors"))
+    raw = load_file(str(last_checkpoint(tmp_path / "plain") / "draft.safetensors"))
     assert set(ema) <= set(draft) and "fc.weight" in ema
     for k in ema:
         assert torch.equal(draft[k], ema[k].to(draft[k].dtype))
     assert not torch.equal(draft["fc.weight"], raw["fc.weight"])
     assert torch.equal(draft["d2t"], raw["d2t"])  # what is not trained is not averaged
 
-    steps = iter(range(1, 100))
-
-    def killed_after_step_5(point):
-        if point == "train.step" and next(steps) == 5:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr("eagle3_train.training.trainer.fault_point", killed_after_step_5)
-    with pytest.raises(KeyboardInterrupt):
-        train(std, tmp_path / "cut", save_every=2, ema_decay=0.9)
-    monkeypatch.undo()
-    assert last(tmp_path / "cut").name == "step4"
-    train(std, tmp_path / "cut", save_every=2, ema_decay=0.9)
-    again = load_file(str(last(tmp_path / "cut") / "draft.safetensors"))
+    again = killed_after_step_5_and_resumed(std, tmp_path / "cut", monkeypatch, ema_decay=0.9)
     for k in draft:
         torch.testing.assert_close(again[k], draft[k], atol=1e-6, rtol=1e-6)
 
@@ -1206,7 +1215,6 @@ def test_muon_trains_freezes_lm_head_on_time_and_resumes_to_the_same_weights(std
     (AdamW's) moves in the first two steps only while fc (Muon's) keeps moving; the lr logged is
     optim.lr's; a run stopped after step 5 resumes from step 4 (Muon's momentum restored) to the
     weights of the run never stopped."""
-    last = lambda d: sorted((d / "checkpoints").glob("step*"), key=lambda p: int(p.name[4:]))[-1]  # noqa: E731
     ckpt = lambda d, s: load_file(str(d / "checkpoints" / f"step{s}" / "draft.safetensors"))  # noqa: E731
     muon = {"optimizer": "muon", "muon_lr": 0.02, "lr": 3e-3, "warmup_steps": 0, "schedule": "constant"}
     train(std, tmp_path / "head2", save_every=1, keep_last=10, max_steps=4, lm_head_steps=2, **muon)
@@ -1219,20 +1227,9 @@ def test_muon_trains_freezes_lm_head_on_time_and_resumes_to_the_same_weights(std
     whole = train(std, tmp_path / "whole", save_every=2, **muon)
     logged = [r["loss"] for r in metrics(tmp_path / "whole") if "loss" in r and "eval_acc" not in r]
     assert logged[-1] < logged[0]
-    steps = iter(range(1, 100))
-
-    def killed_after_step_5(point):
-        if point == "train.step" and next(steps) == 5:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr("eagle3_train.training.trainer.fault_point", killed_after_step_5)
-    with pytest.raises(KeyboardInterrupt):
-        train(std, tmp_path / "cut", save_every=2, **muon)
-    monkeypatch.undo()
-    assert last(tmp_path / "cut").name == "step4"
-    train(std, tmp_path / "cut", save_every=2, **muon)
-    again, want = (load_file(str(last(tmp_path / d) / "draft.safetensors")) for d in ("cut", "whole"))
-    assert last(tmp_path / "whole").name == f"step{whole['step']}"
+    again = killed_after_step_5_and_resumed(std, tmp_path / "cut", monkeypatch, **muon)
+    want = load_file(str(last_checkpoint(tmp_path / "whole") / "draft.safetensors"))
+    assert last_checkpoint(tmp_path / "whole").name == f"step{whole['step']}"
     for k in want:
         torch.testing.assert_close(again[k], want[k], atol=1e-6, rtol=1e-6)
 
