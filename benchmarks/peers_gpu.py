@@ -422,7 +422,7 @@ class Session:
         self.a, self.device = a, device
         self.target = resolve_local_dir("embedded", os.environ.get("EAGLE3_CACHE", "/tmp/e3cache"))
         self.t = json.loads((self.target / "config.json").read_text())
-        self.size_on = getattr(a, "size_on", None) or device  # (whose probes size the runs)
+        self.size_on = a.size_on or device  # (whose probes size the runs)
         self.known, _ = load(a.results or REPO / f"benchmarks/results/peers_{self.size_on}.json")
         self.ready: set[str] = set()
         self.prep_locks = {fw: threading.Lock() for fw in FRAMEWORKS}  # (two heads, one preparation)

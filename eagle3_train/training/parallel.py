@@ -193,12 +193,10 @@ def build_engine(
     head_only = lambda s: lr_factor(s, total(), o) if s < o.lm_head_steps else 0.0  # noqa: E731
     if o.lm_head_steps:  # lm_head in a group of its own whose lr drops to 0 after its steps (AdamW's decay with it)
         head = {id(p) for p in model.lm_head.parameters()}
-        groups = [
-            {"params": [p for p in trained if id(p) not in head]},
-            {"params": [p for p in trained if id(p) in head]},
+        groups = [  # (named: the schedule finds lm_head's group by its name, Muon's halves included)
+            {"params": [p for p in trained if id(p) not in head], "name": "draft"},
+            {"params": [p for p in trained if id(p) in head], "name": "lm_head"},
         ]
-        if o.optimizer == "muon":  # (the names Muon's halves are named after)
-            groups[0]["name"], groups[1]["name"] = "draft", "lm_head"
     zero: dict[str, Any] = {"stage": ds.zero_stage}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -212,25 +210,24 @@ def build_engine(
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    optimizer = None
     if o.optimizer == "muon":
         # DeepSpeed's own Muon, which each ZeRO stage orthogonalizes inside its partitioning (a torch
         # optimizer handed in would see ZeRO's flat 1-D buffers): it takes the matrices not named
-        # embed or lm_head, splits each group below into its Muon and AdamW halves (names
-        # "<group>-muon-params" / "-adam-params"), and the schedule scales each half's own peak lr
+        # embed or lm_head and splits each group into its Muon and AdamW halves ("<group>-muon-params"
+        # / "-adam-params"), each at its own peak lr under the one schedule
         config["optimizer"] = {"type": "Muon", "params": {
             "lr": o.lr, "muon_lr": o.muon_lr, "momentum": o.muon_momentum, "betas": list(o.betas),
             "weight_decay": o.weight_decay,
             "torch_adam": True}}  # fmt: skip  # (its other half torch's AdamW, as without Muon: no fused op to build)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay)
 
-        def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-            return torch.optim.lr_scheduler.LambdaLR(
-                optimizer, [head_only if str(g.get("name", "")).startswith("lm_head") else plain
-                            for g in optimizer.param_groups])  # fmt: skip
+    def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(
+            opt, [head_only if str(g.get("name", "")).startswith("lm_head") else plain for g in opt.param_groups]
+        )
 
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, lr_scheduler=schedule,
-                                               config=config)  # fmt: skip
-        return engine
-    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay)
-    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, [plain, head_only][: len(groups)])
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_schedule, config=config)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=config,
+                                           model_parameters=groups if optimizer is None else None)  # fmt: skip
     return engine
