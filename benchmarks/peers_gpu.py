@@ -106,6 +106,10 @@ SPECFORGE_LOG_EVERY = 10  # its step line comes each this many steps only: its r
 SPECFORGE_BATCH = 32  # its capture's batch (its loader drops a last partial one: --n must be a multiple)
 SPECFORGE_SHARE = 0.25  # SGLang's --mem-fraction-static for that capture (beside the lanes: 0.3 of the GPU held)
 # what SpecForge 0.2.0 copies from the target into the draft config it derives (training/model_loading.py)
+# the data a framework writes with an engine beside the lanes (its folder, the engine's share of the GPU), and
+# the marker its folder gets once written whole (a later job on the same machine reuses it)
+BESIDE = {"speculators": ("speculators_data", CAPTURE_SHARE), "specforge": ("specforge_data", SPECFORGE_SHARE)}
+WRITTEN = "written.json"
 SPECFORGE_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                     "max_position_embeddings", "rms_norm_eps", "hidden_act", "initializer_range", "attention_bias",
                     "attention_dropout", "head_dim", "rope_theta", "rope_scaling", "bos_token_id", "eos_token_id",
@@ -459,6 +463,9 @@ class Session:
 
     def _prepare(self, fw: str, head: str) -> bool:
         shared = self.lanes is not None
+        if fw not in self.ready and fw in BESIDE and self.written(fw):
+            say(f"{BESIDE[fw][0]}: written by an earlier job on this machine from the same conversations, reused")
+            self.ready.add(fw)
         if fw not in self.ready:
             if fw == "ours":
                 ok = phase("ours_data", "prepare", [sys.executable, "-m", "eagle3_train.run", "recipe=smollm2",
@@ -475,6 +482,8 @@ class Session:
                     {"tokens_per_step": sample_tokens(self.convs, self.target, MODELOPT_SEQ)}))  # fmt: skip
             if not ok:
                 return False
+            if fw in BESIDE:  # (a later job on this machine reuses it: its states take minutes)
+                (PO / BESIDE[fw][0] / WRITTEN).write_text(json.dumps({"sha256": self.sha, "n": self.a.n}))
             self.ready.add(fw)
         if fw == "modelopt" and head == "matched" and "modelopt:vocab" not in self.ready:  # from the same conversations
             if not phase("modelopt_data", "vocab", [sys.executable, "scripts/calibrate_draft_vocab.py", "--model",
@@ -484,6 +493,15 @@ class Session:
                 return False
             self.ready.add("modelopt:vocab")
         return True
+
+    def written(self, fw: str) -> bool:
+        """The framework's data folder holds what an earlier job on this machine wrote whole from these
+        conversations (its marker is written last)."""
+        try:
+            mark = json.loads((PO / BESIDE[fw][0] / WRITTEN).read_text())
+        except (OSError, ValueError):
+            return False
+        return mark == {"sha256": self.sha, "n": self.a.n}
 
     def speculators_data(self) -> bool:
         """vLLM renders the chats and writes the target's states (HF ids 2, N//2, N-3 and the pre-norm N)."""
@@ -499,7 +517,7 @@ class Session:
         out.mkdir(parents=True, exist_ok=True)
         spec = [sys.executable, "-m", "speculators"]
         url, shared = f"http://127.0.0.1:{PORT_STATES}", self.lanes is not None
-        with self.beside_lanes("speculators_data", CAPTURE_SHARE), Server(cmd, out / "vllm.log", f"{url}/v1/models"):
+        with self.beside_lanes("speculators"), Server(cmd, out / "vllm.log", f"{url}/v1/models"):
             return phase("speculators_data", "render", [*spec, "prepare-data", "--model", str(self.target), "--data",
                          str(PO / "convs_conversations.jsonl"), "--render-endpoint", url, "--output", str(out / "data"),
                          "--seq-length", "4096", "--max-samples", str(self.a.n), "--no-skip-token-freq"],
@@ -508,16 +526,23 @@ class Session:
                          f"{url}/v1", "--concurrency", "32"], env_for("speculators"), shared=shared,
                          timeout=CAPTURE_TIMEOUT_S)  # fmt: skip
 
+    @staticmethod
+    def beside_mib(fw: str) -> float:
+        """What the framework's data preparation holds of the GPU beside the lanes: its engine's share
+        (+ its CUDA context and activations)."""
+        return (BESIDE[fw][1] + 0.05) * gpu_memory_mib()
+
     @contextmanager
-    def beside_lanes(self, name: str, share: float) -> Iterator[None]:
-        """Room on the GPU for a preparation's engine taking ``share`` of it (+ its CUDA context and
-        activations), held against the lanes' cap while runs share the GPU; nothing before. The hold
-        is a phase of its own (``lanes_hold``): its engine starts before the preparation's first
-        phase, and a run it overlapped did not have the GPU to itself."""
+    def beside_lanes(self, fw: str) -> Iterator[None]:
+        """Room on the GPU for the framework's data preparation (``beside_mib``), held against the
+        lanes' cap while runs share the GPU; nothing before. The hold is a phase of its own
+        (``lanes_hold``): its engine starts before the preparation's first phase, and a run it
+        overlapped did not have the GPU to itself."""
+        name = BESIDE[fw][0]
         if self.lanes is None:
             yield
             return
-        with self.lanes.hold(name, (share + 0.05) * gpu_memory_mib()):
+        with self.lanes.hold(name, self.beside_mib(fw)):
             start = time.time()
             try:
                 yield
@@ -546,7 +571,7 @@ class Session:
                    "--chat-template", "lfm", "--max-length", "2048", "--num-samples", str(self.a.n), "--batch-size",
                    str(SPECFORGE_BATCH), "--cache-dir", str(sf / "cache"), "--sglang-attention-backend", "triton",
                    "--sglang-mem-fraction-static", str(SPECFORGE_SHARE)]  # fmt: skip
-        with self.beside_lanes("specforge_data", SPECFORGE_SHARE):
+        with self.beside_lanes("specforge"):
             if not phase("specforge_data", "states", capture, env_for("specforge"), shared=shared,
                          timeout=CAPTURE_TIMEOUT_S):  # fmt: skip
                 return False
@@ -854,13 +879,31 @@ def job(a: argparse.Namespace) -> None:
             raise RuntimeError("its preparation failed")
         return todo
 
+    def to_run(fw: str, head: str, budget: float, lrs: list[float], seeds: list[int]) -> bool:
+        """Some of these runs are not yet done (or cannot be sized: the group will say why)."""
+        try:
+            specs = [s.spec(fw, head, "sweep" if budget == SWEEP_S else "final", budget, lr, seed)
+                     for lr in lrs for seed in seeds]  # fmt: skip
+        except RuntimeError:
+            return True
+        return any(x is None or not done(s.known, x) for x in specs)
+
+    def giving_back(fw: str, make: Callable[[], list[RunSpec]]) -> list[RunSpec]:
+        try:
+            return make()
+        finally:
+            s.lanes.release(BESIDE[fw][0])  # type: ignore[union-attr]
+
     def swept(fw: str) -> list[tuple[str, str, float, list[float], list[int]]]:
-        """The framework's sweep as it is sized now: this job's (a sweep), or its heads asked at their
-        three lrs (a final)."""
-        sweep = (
-            a if a.what == "sweep" else argparse.Namespace(**{**vars(a), "what": "sweep", "lrs": None, "seeds": None})
-        )
-        return [w for w in (wanted if sweep is a else runs_wanted(sweep, s.known)) if w[0] == fw]
+        """The framework's sweep as it is sized now. A final job: its heads asked (all where none is
+        named) at their three lrs. A sweep's finals (--then-final): every head of the framework, this
+        job's as it sweeps them and the others at their three lrs (its best goes on, whichever head)."""
+        three = argparse.Namespace(**{**vars(a), "what": "sweep", "lrs": None, "seeds": None})
+        if a.what != "sweep":
+            return [w for w in runs_wanted(three, s.known) if w[0] == fw]
+        mine = [w for w in wanted if w[0] == fw]
+        three.frameworks = [fw]
+        return mine + [w for w in runs_wanted(three, s.known) if w[1] not in {m[1] for m in mine}]
 
     def finals_of(fw: str, seeds: list[int]) -> list[RunSpec]:
         """Once the framework's sweep (as sized now) is over and whole: its best head and lr at the final
@@ -888,8 +931,21 @@ def job(a: argparse.Namespace) -> None:
     frameworks = dict.fromkeys(w[0] for w in wanted)
     if a.what == "final" and a.lrs is None:  # (each framework's best of its whole sweep as sized now)
         groups = [(f"{fw} final", partial(finals_of, fw, a.seeds or [SEED[fw], SEED[fw] + 1])) for fw in frameworks]
+        owners = {fw: i for i, fw in enumerate(frameworks)}
     else:
-        groups = [(f"{w[0]}:{w[1]}", partial(runs_of, *w)) for w in wanted if (w[0], w[1]) not in failed]
+        asked = [w for w in wanted if (w[0], w[1]) not in failed]
+        groups = [(f"{w[0]}:{w[1]}", partial(runs_of, *w)) for w in asked]
+        owners = {}
+        for i, w in enumerate(asked):
+            if w[0] not in owners and to_run(*w):
+                owners[w[0]] = i
+    # data written beside the lanes (speculators' states) has its room reserved before the first run starts,
+    # not only once its engine is installed (else runs fill the GPU first and it waits for them to end);
+    # the group that prepares it gives the reservation back when it is over
+    for fw, i in owners.items():
+        if fw in BESIDE and fw not in s.ready and not s.written(fw) and to_run(*next(w for w in wanted if w[0] == fw)):
+            s.lanes.reserve(BESIDE[fw][0], s.beside_mib(fw))
+            groups[i] = (groups[i][0], partial(giving_back, fw, groups[i][1]))
     if a.then_final and a.what == "sweep":
         groups += [(f"{fw} final", partial(finals_of, fw, [SEED[fw], SEED[fw] + 1])) for fw in frameworks]
     s.lanes.run(groups, s.train)
@@ -907,20 +963,35 @@ class Lanes:
         self.left: dict[str, int] = {}  # a group -> its runs not yet over (+1 while it prepares)
         self.running: dict[int | str, float] = {}  # a lane, or a preparation -> the MiB it holds
         self.waiting: dict[str, float] = {}  # preparations waiting to start -> MiB: no new run takes their room
+        self.reserved: dict[str, float] = {}  # ... and those the job will ask for, before they ask (``reserve``)
         self.cond = threading.Condition()
 
     def _fits(self, need: float, lane: bool) -> bool:
         if not lane:
             return not self.running or sum(self.running.values()) + need <= self.cap
         lanes = sum(isinstance(k, int) for k in self.running)
-        alone = not self.running and not self.waiting
-        return lanes < self.n and (alone or sum(self.running.values()) + need + sum(self.waiting.values()) <= self.cap)
+        ahead = sum(self.waiting.values()) + sum(self.reserved.values())
+        alone = not self.running and not ahead
+        return lanes < self.n and (alone or sum(self.running.values()) + need + ahead <= self.cap)
+
+    def reserve(self, name: str, need: float) -> None:
+        """Room for a preparation the job will ask for (``hold``) once it has installed what it needs:
+        runs admitted before it asks leave it room, as they would once it waits."""
+        with self.cond:
+            self.reserved[name] = need
+
+    def release(self, name: str) -> None:
+        """A reservation not taken (its preparation was not needed, failed before asking, or is over)."""
+        with self.cond:
+            if self.reserved.pop(name, None) is not None:
+                self.cond.notify_all()
 
     @contextmanager
     def hold(self, name: str, need: float) -> Iterator[None]:
-        """GPU memory for a preparation beside the runs (no lane); runs admitted after it asks wait
-        behind it."""
+        """GPU memory for a preparation beside the runs (no lane); runs admitted after it asks (or
+        after it was reserved) wait behind it."""
         with self.cond:
+            self.reserved.pop(name, None)
             self.waiting[name] = need
             self.cond.wait_for(lambda: self._fits(need, False))
             del self.waiting[name]

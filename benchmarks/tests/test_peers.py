@@ -583,6 +583,71 @@ def test_a_preparation_waiting_for_room_is_not_overtaken_by_runs_asked_after_it(
     assert not idle._fits(40 * 1024, True) and idle._fits(20 * 1024, True) and idle._fits(30 * 1024, False)
 
 
+def test_a_preparation_reserved_before_the_runs_start_keeps_its_room_until_it_asks():
+    """Two 30 GiB runs would fill the 64 GiB at once, but speculators' states (24 GiB) are reserved:
+    one run goes beside the reservation, the other waits until the preparation is over; a reservation
+    given back unused frees its room."""
+    lanes, order, lock = pg.Lanes(3, 64 * 1024, lambda x: 30 * 1024), [], threading.Lock()
+    lanes.reserve("speculators_data", 24 * 1024)
+    first_running, asked = threading.Event(), threading.Event()
+
+    def work(x, lane):
+        with lock:
+            order.append((x.framework, dict(lanes.running)))
+        first_running.set()
+        assert asked.wait(5) or x.framework == "b"
+
+    def prep():
+        assert first_running.wait(5)  # (its engine installs while the first run trains)
+        time.sleep(0.1)  # (the second run has had its chance to start, and did not)
+        with lanes.hold("speculators_data", 24 * 1024), lock:
+            order.append(("data", dict(lanes.running)))
+        asked.set()
+        return []
+
+    lanes.run([("runs", lambda: [spec("a"), spec("b")]), ("data", prep)], work)
+    assert [o[0] for o in order] == ["a", "data", "b"] and "speculators_data" in order[1][1]
+    assert not lanes.reserved and not lanes.waiting
+    idle = pg.Lanes(3, 64 * 1024, lambda x: 40 * 1024)
+    idle.reserve("d", 30 * 1024)
+    assert not idle._fits(40 * 1024, True)
+    idle.release("d")
+    assert idle._fits(40 * 1024, True)
+
+
+def test_a_job_reserves_room_for_data_written_beside_the_lanes_and_a_later_one_reuses_that_data(tmp_path, monkeypatch):
+    """A sweep of speculators' default head reserves its states' room before any run starts (and
+    gives it back once they are written); the folder is marked written, so a second job on the same
+    machine from the same conversations writes nothing again, while other conversations would."""
+    seen, wrote = [], []
+
+    def speculators_data(self):
+        seen.append(dict(self.lanes.reserved))
+        wrote.append(self.sha)
+        (tmp_path / "speculators_data").mkdir(exist_ok=True)
+        return True
+
+    def train(self, spec, lane=0):
+        seen.append(dict(self.lanes.reserved))
+
+    known = [probe("speculators", "default", 3e-4, 42, steady_step_s=0.06, steps=200, steps_per_epoch=270)]
+    stand_in_session(monkeypatch, tmp_path, None, known)
+    monkeypatch.setattr(pg, "gpu_memory_mib", lambda: 80000)
+    monkeypatch.setattr(pg, "install", lambda *x: True)
+    monkeypatch.setattr(pg.Session, "speculators_data", speculators_data)
+    monkeypatch.setattr(pg.Session, "train", train)
+    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    pg.main(["job", "sweep", "speculators:default", "--lanes", "1"])
+    assert seen[0] == {"speculators_data": pytest.approx(0.30 * 80000)} and seen[1:] == [{}, {}, {}]
+    assert json.loads((tmp_path / "speculators_data" / pg.WRITTEN).read_text()) == {"sha256": "abc", "n": 16384}
+    seen.clear()
+    pg.main(["job", "sweep", "speculators:default", "--lanes", "1"])
+    assert wrote == ["abc"] and seen == [{}, {}, {}]  # (nothing reserved: nothing to write)
+    s = object.__new__(pg.Session)
+    s.sha, s.a = "other", argparse.Namespace(n=16384)
+    assert not s.written("speculators")
+
+
 def test_no_run_starts_past_the_admission_deadline():
     started = []
     lanes = pg.Lanes(1, 64 * 1024, lambda spec: 1024, last=time.time() + 0.1)
@@ -787,6 +852,15 @@ def test_merging_from_a_path_that_is_not_there_says_so_and_writes_nothing(tmp_pa
     assert not (tmp_path / "out.json").exists()
 
 
+def swept_before(fw: str, head: str, step_s: float, tau: float) -> list[pr.Run]:
+    """A head's probe and its whole 3-minute sweep, done by an earlier job (each lr at ``tau``)."""
+    lrs, seed = pg.LRS.get(f"{fw}:{head}", pg.LRS[fw]), pg.SEED[fw]
+    steps = pg.sized_steps(fw, 180.0, step_s)
+    shape = {"variant": pg.head_shape(fw, head, TARGET, "eagle3.1")[0].get("variant", "eagle3")}
+    return [probe(fw, head, lrs[0], seed, steps=300, steady_step_s=step_s, head_shape=shape),
+            *(run(fw, head, 180.0, lr, seed, steps, steps=steps, tau_heldout=tau, head_shape=shape) for lr in lrs)]  # fmt: skip
+
+
 def test_a_sweep_then_its_finals_in_one_job_each_final_after_its_frameworks_whole_sweep(tmp_path, monkeypatch):
     """--then-final: ours' and ModelOpt's sweeps run; each framework's finals (its best lr, two seeds,
     600 s) start only once its every sweep run is over; speculators' sweep has a run that failed, so
@@ -812,7 +886,8 @@ def test_a_sweep_then_its_finals_in_one_job_each_final_after_its_frameworks_whol
             events.append(("end", spec.name))
 
     known = [probe(steps=300, steady_step_s=0.3), probe("modelopt", "default", 1e-4, 42, steady_step_s=0.06, steps=300),
-             probe("speculators", "default", 3e-4, 42, steady_step_s=0.06, steps=200, steps_per_epoch=270)]  # fmt: skip
+             probe("speculators", "default", 3e-4, 42, steady_step_s=0.06, steps=200, steps_per_epoch=270),
+             *swept_before("ours", "muon", 0.3, 1.5), *swept_before("modelopt", "matched", 0.06, 1.3)]  # fmt: skip
     stand_in_session(monkeypatch, tmp_path, None, known)
     monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
     monkeypatch.setattr(pg.Session, "train", train)
@@ -829,6 +904,33 @@ def test_a_sweep_then_its_finals_in_one_job_each_final_after_its_frameworks_whol
         first_final = min(i for i, (e, n) in enumerate(events) if e == "start" and n.startswith(fw) and "-600s-" in n)
         assert first_final > last_sweep_end
     assert len([n for n in started if "-180s-" in n]) == 9
+
+
+def test_a_sweeps_finals_take_the_frameworks_best_head_whichever_this_job_swept(tmp_path, monkeypatch):
+    """--then-final after a sweep of ours:muon alone: ours' recipe head, swept by an earlier job, did
+    better, so its best lr goes on (two seeds), after the muon sweep is over; none goes on while a
+    head of the framework has no sweep."""
+    events = []
+
+    def train(self, spec, lane=0):
+        events.append(spec.name)
+        self.known.append(pr.Run.from_dict({**pr.asdict(spec), "steps": spec.steps_planned, "tau_heldout": 1.4}))
+
+    recipe = swept_before("ours", "recipe", 0.3, 2.0)
+    recipe[2].tau_heldout = 2.6  # (lr 2e-3)
+    muon_probe = probe("ours", "muon", 0.02, steps=300, steady_step_s=0.3)
+    stand_in_session(monkeypatch, tmp_path, None, [*recipe, muon_probe])
+    monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
+    monkeypatch.setattr(pg.Session, "train", train)
+    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    pg.main(["job", "sweep", "ours:muon", "--lanes", "1", "--then-final"])
+    assert events == [*(f"ours-muon-eagle3.1-n16384-180s-lr{lr:g}-seed0" for lr in pg.LRS["ours:muon"]),
+                      "ours-recipe-eagle3.1-n16384-600s-lr0.002-seed0", "ours-recipe-eagle3.1-n16384-600s-lr0.002-seed1"]  # fmt: skip
+    events.clear()
+    stand_in_session(monkeypatch, tmp_path, None, [muon_probe, *recipe[:1]])  # (the recipe head probed, never swept)
+    monkeypatch.setattr(pg.Session, "train", train)
+    pg.main(["job", "sweep", "ours:muon", "--lanes", "1", "--then-final"])
+    assert all("-180s-" in n for n in events) and len(events) == 3
 
 
 def test_no_run_starts_that_would_end_past_the_end_deadline():
@@ -1042,11 +1144,11 @@ def test_a_preparation_beside_the_lanes_leaves_its_hold_as_a_phase(tmp_path, mon
     monkeypatch.setattr(pg, "gpu_memory_mib", lambda: 80000)
     s = object.__new__(pg.Session)
     s.lanes = None
-    with s.beside_lanes("speculators_data", 0.25):  # (before the lanes: alone, no hold)
+    with s.beside_lanes("speculators"):  # (before the lanes: alone, no hold)
         pass
     assert pg.phases() == []
     s.lanes = pg.Lanes(2, 64 * 1024, lambda x: 1024)
-    with s.beside_lanes("speculators_data", 0.25):
+    with s.beside_lanes("speculators"):
         assert s.lanes.running == {"speculators_data": pytest.approx(0.30 * 80000)}
     (hold,) = pg.phases()
     assert (hold["run"], hold["phase"], hold["shared"]) == (
