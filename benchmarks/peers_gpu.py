@@ -657,6 +657,8 @@ class Session:
                     eval_cmd(export, PEERS / "data/mt_bench_question.jsonl", run / "eval_mtbench"),
                     env_for("ours"),
                 )
+                if self.lanes is not None:  # (its training's room goes back; vLLM's waits ahead of new runs)
+                    self.lanes.move(lane, serve_mib(gpu_memory_mib()))
                 self.serve(s.name, export, lane)
         got = read_run(run, phases(), memory_trace(PO / "smi.csv"))
         with PHASES:  # (the lanes end runs at once: this run now stands for its name, an earlier one's goes)
@@ -712,13 +714,16 @@ def expected_s(known: list, spec: RunSpec, slowdown: float | None = None) -> flo
 
 
 def lane_peak(known: list, spec: RunSpec, device_mib: int) -> int | None:
-    """What the run's lane may take: the whole device's peak while this framework and head trained
-    alone (its probe), and for a final at least what vLLM takes serving its draft afterwards."""
+    """What the run's lane may take while it trains and is evaluated: the whole device's peak while
+    this framework and head trained alone (its probe). A final's lane then moves to what vLLM takes
+    serving its draft (``serve_mib``: ``Lanes.move``)."""
     alone = probe_peaks(known).get((spec.framework, spec.head, spec.sized_on or spec.device))
-    if alone is None:
-        return None
-    serving = (SERVE_MEMORY + 0.03) * device_mib if spec.kind == "final" else 0  # (+ its CUDA context)
-    return int(max(alone, serving))
+    return None if alone is None else int(alone)
+
+
+def serve_mib(device_mib: int) -> int:
+    """What a final's lane holds while vLLM serves its draft (+ its CUDA context)."""
+    return int((SERVE_MEMORY + 0.03) * device_mib)
 
 
 SPECFORGE_VOCAB = """\
@@ -973,6 +978,17 @@ class Lanes:
         ahead = sum(self.waiting.values()) + sum(self.reserved.values())
         alone = not self.running and not ahead
         return lanes < self.n and (alone or sum(self.running.values()) + need + ahead <= self.cap)
+
+    def move(self, lane: int, need: float) -> None:
+        """The lane's run goes on to a phase holding ``need`` (a final's vLLM, once it has trained): it
+        gives back what it held and waits for ``need``, ahead of runs not yet started."""
+        with self.cond:
+            self.running[lane] = 0.0  # (still a lane)
+            self.waiting[f"lane {lane}"] = need
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: sum(self.running.values()) + need <= self.cap)
+            del self.waiting[f"lane {lane}"]
+            self.running[lane] = need
 
     def reserve(self, name: str, need: float) -> None:
         """Room for a preparation the job will ask for (``hold``) once it has installed what it needs:
@@ -1315,9 +1331,12 @@ def main(argv: list[str] | None = None) -> None:
             spec = RunSpec(fw, head, kind, budget, lrs[0], seeds[0], sized_steps(fw, budget, timing[0]), a.n,
                            device=a.device, planned_step_s=timing[0], lanes=a.lanes)  # fmt: skip
             peak = lane_peak(known, spec, PLAN_GPU_MIB.get(a.device, 0))
+            serving = (
+                f", then {serve_mib(PLAN_GPU_MIB.get(a.device, 0)) / 1024:.1f} GiB serving" if kind == "final" else ""
+            )
             print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {spec.steps_planned} steps each, about "
                   f"{expected_s(known, spec, a.slowdown):.0f} s from its start sharing the GPU, its lane "
-                  f"{'unknown' if peak is None else f'{peak / 1024:.1f} GiB'}")  # fmt: skip
+                  f"{'unknown' if peak is None else f'{peak / 1024:.1f} GiB'}{serving}")  # fmt: skip
         print(f"sized runs {a.lanes} at a time on the GPU within {a.memory_gib:g} GiB; data and probes alone")
     else:
         poll(a.seconds, a.dest)

@@ -789,14 +789,45 @@ def test_a_framework_leaves_the_not_run_list_once_the_file_holds_a_run_of_it():
     assert "specforge" not in pr.results([run("specforge", "default", steps=10)], [])["not_run"]
 
 
-def test_a_final_runs_lane_holds_room_for_vllm_serving_its_draft(monkeypatch):
+def test_a_final_runs_lane_holds_its_training_peak_then_moves_to_room_for_vllm_serving_its_draft(monkeypatch):
+    """A lane holds its probe's peak while it trains (a final as a sweep run); serving, it gives that
+    back and waits for vLLM's room ahead of runs not yet started: a 20 GiB run asked while it waits
+    would fit beside the 40 GiB one running, but not beside both, so it starts only once that one ends."""
     s = object.__new__(pg.Session)
     s.known = [probe("modelopt", "default", steps=300, peak_gpu_mib=4000, peak_from="run")]
     monkeypatch.setattr(pg, "gpu_memory_mib", lambda: 80000)
     final = pr.RunSpec("modelopt", "default", "final", 600.0, 1e-4, 42, 9, 16384, device="h100")
     sweep = pr.RunSpec("modelopt", "default", "sweep", 180.0, 1e-4, 42, 9, 16384, device="h100")
-    assert s.peak(sweep) == 4000 and s.peak(final) == int((pg.SERVE_MEMORY + 0.03) * 80000)
+    assert s.peak(sweep) == 4000 and s.peak(final) == 4000 and pg.serve_mib(80000) == int(0.18 * 80000)
     assert s.peak(pr.RunSpec("ours", "recipe", "final", 600.0, 1e-3, 0, 9, 16384, device="h100")) is None
+    peaks = {"final": 4 * 1024, "big": 40 * 1024, "late": 20 * 1024}
+    lanes, order, lock = pg.Lanes(3, 64 * 1024, lambda x: peaks[x.framework]), [], threading.Lock()
+    big_running, moving, big_over = threading.Event(), threading.Event(), threading.Event()
+
+    def work(x, lane):
+        with lock:
+            order.append((x.framework, sum(lanes.running.values()) / 1024, big_over.is_set()))
+        if x.framework == "big":
+            big_running.set()
+            assert moving.wait(5)
+            time.sleep(0.1)  # (the late run has been asked while the final waits for vLLM's room)
+            big_over.set()
+        elif x.framework == "final":
+            assert big_running.wait(5)
+            threading.Timer(0.05, moving.set).start()
+            lanes.move(lane, 30 * 1024)  # (40 + 30 > 64: it waits for the big run)
+            with lock:
+                order.append(("served", lanes.running[lane] / 1024, big_over.is_set()))
+            time.sleep(0.1)
+
+    def late():
+        assert moving.wait(5)
+        return [spec("late")]
+
+    lanes.run([("f", lambda: [spec("final"), spec("big")]), ("late", late)], work)
+    assert {o[:2] for o in order[:2]} <= {("final", 4.0), ("big", 44.0), ("big", 40.0), ("final", 44.0)}
+    (late,) = [o for o in order if o[0] == "late"]
+    assert ("served", 30.0, True) in order and late[2] and late[1] in (20.0, 50.0)  # (beside vLLM's 30, asked or held)
 
 
 def test_a_preparation_that_failed_is_not_tried_again_and_none_runs_for_runs_already_done(tmp_path, monkeypatch):
