@@ -936,19 +936,19 @@ def job(a: argparse.Namespace) -> None:
     frameworks = dict.fromkeys(w[0] for w in wanted)
     if a.what == "final" and a.lrs is None:  # (each framework's best of its whole sweep as sized now)
         groups = [(f"{fw} final", partial(finals_of, fw, a.seeds or [SEED[fw], SEED[fw] + 1])) for fw in frameworks]
-        owners = {fw: i for i, fw in enumerate(frameworks)}
+        asked = [next(w for w in wanted if w[0] == fw) for fw in frameworks]  # (its final as the results have it)
     else:
         asked = [w for w in wanted if (w[0], w[1]) not in failed]
         groups = [(f"{w[0]}:{w[1]}", partial(runs_of, *w)) for w in asked]
-        owners = {}
-        for i, w in enumerate(asked):
-            if w[0] not in owners and to_run(*w):
-                owners[w[0]] = i
     # data written beside the lanes (speculators' states) has its room reserved before the first run starts,
     # not only once its engine is installed (else runs fill the GPU first and it waits for them to end);
-    # the group that prepares it gives the reservation back when it is over
+    # the first group with runs to prepare it for gives the reservation back when it is over
+    owners: dict[str, int] = {}
+    for i, w in enumerate(asked):
+        if w[0] in BESIDE and w[0] not in owners and to_run(*w):
+            owners[w[0]] = i
     for fw, i in owners.items():
-        if fw in BESIDE and fw not in s.ready and not s.written(fw) and to_run(*next(w for w in wanted if w[0] == fw)):
+        if fw not in s.ready and not s.written(fw):
             s.lanes.reserve(BESIDE[fw][0], s.beside_mib(fw))
             groups[i] = (groups[i][0], partial(giving_back, fw, groups[i][1]))
     if a.then_final and a.what == "sweep":
