@@ -537,17 +537,21 @@ def test_a_kill_loses_at_most_the_checkpoint_interval_in_minutes(std, trained, t
 
 
 def test_ctrl_c_in_training_says_what_was_kept(std, tmp_path):
-    """Ctrl-C (SIGINT) at step 5 stops eagle3-train with Interrupted naming the checkpoint kept."""
+    """Ctrl-C (SIGINT) at step 5 stops eagle3-train with Interrupted naming the checkpoint kept.
+    SIGINT is a terminal's (Python's own handler): a test run started in the background by a
+    non-interactive shell inherits it ignored."""
     from eagle3_train.core import faults
     from eagle3_train.core.errors import Interrupted
 
     out = tmp_path / "run"
     faults._passed.clear()
     os.environ[FAULT_ENV] = "train.step:5:int"
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(Interrupted, match=r"training stopped at step 5 of \d+; its checkpoint step4 is kept"):
             train(std, out, save_every=2, every_minutes=0)
     finally:
+        signal.signal(signal.SIGINT, before)
         del os.environ[FAULT_ENV]
         faults._passed.clear()  # (forked children of later tests count their passages from 0)
         _drop_process_group()
