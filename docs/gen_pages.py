@@ -726,7 +726,7 @@ def families_measured() -> str:
 RESULT_PAGES = {
     "recipe": (
         "Recipe and data scaling",
-        ("recipe_", "run_", "scaling_", "aux_", "vocab_", "synth_question", "heads_", "muon_"),
+        ("recipe_", "run_", "scaling_", "aux_", "vocab_", "synth_question", "heads_", "muon_", "batch_probe_"),
     ),
     "demo": ("The CPU demo", ("demo_",)),
     "speed": (
