@@ -743,6 +743,7 @@ RESULT_PAGES = {
             "compile_",
             "projection_",
             "bench_",
+            "step_profile_",
         ),
     ),
     "storage": ("Storage (fp8, bf16, int8)", ("storage_",)),

@@ -4,6 +4,7 @@ writer with the command that made it, and the parts that turn a run's output int
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -19,7 +20,18 @@ sys.path.insert(0, str(ROOT))  # the programs run as python3 -m benchmarks.<name
 from benchmarks import recipe, speedup  # noqa: E402
 from benchmarks.result import SCHEMA_VERSION, Result  # noqa: E402
 
-PROGRAMS = ["dump", "train", "online", "speedup", "recipe", "heads", "peers_gpu", "peers_results", "faults"]
+PROGRAMS = [
+    "dump",
+    "train",
+    "online",
+    "speedup",
+    "recipe",
+    "heads",
+    "peers_gpu",
+    "peers_results",
+    "faults",
+    "step_profile",
+]
 
 
 def test_each_program_answers_help():
@@ -129,3 +141,31 @@ def test_a_session_runs_detached_and_each_poll_packs_what_exists(tmp_path):
         names = tar.getnames()
     assert "./out/r.json" in names and "./rc" in names and not any(n.startswith("./repo") for n in names)
     assert [p.name for p in dest.glob("t-export*")] == ["t-export0.tgz.part-00"]
+
+
+def test_step_profile_profiles_the_steps_after_its_warmup_and_the_run_ends_with_them(tmp_path):
+    """eagle3-train on the tiny target's standardized dump, 2 steps of warm-up then 3 profiled: the
+    run stops at step 5, and the summary holds the 3 steps' host time, ops and wall."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_standardize import make_dump
+    from test_trainer import standardized
+
+    std = standardized(make_dump(tmp_path, "d", n=48), tmp_path / "std", 320)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), WANDB_MODE="disabled"
+    )
+    options = [f"++data={std}", "++target=tiny", f"++out={tmp_path / 'run'}", "++objective.ttt_length=3",
+               "++loop.max_tokens_per_batch=600", "++loop.log_every=1", "++loop.eval_every=0", "++progress=false"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--out", str(tmp_path / "prof.json"),
+                           "--warmup", "2", "--steps", "3", "--", *options], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = Result.read(tmp_path / "prof.json")
+    assert got.figures["steps_profiled"] == 3 and got.command.endswith(shlex.join(options))
+    assert (
+        got.figures["host_s_per_step"] > 0 and got.figures["ops_per_step"] > 10 and got.figures["wall_s_per_step"] > 0
+    )
+    (host,) = got.tables
+    assert len(host["rows"]) == 25 and host["rows"][0][2] >= host["rows"][-1][2] > 0
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 5 and "aten::" in (tmp_path / "prof.host.txt").read_text()
