@@ -29,6 +29,9 @@ class DistInfo:
         return self.rank == 0
 
 
+PORT_TRIES = 5  # a group of one picks its port again this many times (another process may take a free one first)
+
+
 def init_distributed(
     device: str = "auto", timeout_minutes: float = 120.0, always: bool = False, share_gpus: bool = False
 ) -> DistInfo:
@@ -41,7 +44,8 @@ def init_distributed(
     GPUs: rank ``l`` takes ``cuda:<l % GPUs>`` and the group uses gloo, since NCCL refuses two ranks
     on one GPU.
     """
-    if always and "WORLD_SIZE" not in os.environ:
+    ours = always and "WORLD_SIZE" not in os.environ  # (a group of one on a port this process picks)
+    if ours:
         os.environ.update(
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
         )
@@ -56,11 +60,18 @@ def init_distributed(
         torch.cuda.set_device(dev)
     if (world > 1 or always) and not dist.is_initialized():
         nccl = dev.type == "cuda" and not shared
-        dist.init_process_group(
-            backend="nccl" if nccl else "gloo",
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-            device_id=dev if nccl else None,
-        )
+        for attempt in range(PORT_TRIES if ours else 1):
+            try:
+                dist.init_process_group(
+                    backend="nccl" if nccl else "gloo",
+                    timeout=datetime.timedelta(minutes=timeout_minutes),
+                    device_id=dev if nccl else None,
+                )
+                break
+            except dist.DistNetworkError:  # the port it picked was taken before it listened: another
+                if attempt == PORT_TRIES - 1 or not ours:
+                    raise
+                os.environ["MASTER_PORT"] = str(_free_port())
     return DistInfo(rank, world, local, dev)
 
 
