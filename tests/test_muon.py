@@ -85,3 +85,17 @@ def test_muon_steps_the_matrices_and_adamw_the_rest_as_torchs_own_would(zero, dt
             continue
         limit = tol if n in matrices(draft) or dtype == torch.bfloat16 else 1e-4  # (AdamW's: the same algorithm)
         assert (got - want).norm() <= limit * want.norm(), (n, float((got - want).norm() / want.norm()))
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_deepspeeds_bf16_overflow_check_is_the_option_given(check):
+    """deepspeed.check_grad_overflow reaches DeepSpeed's ZeRO optimizer (false: its step never waits
+    for the device to look for inf/NaN gradients)."""
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig.from_target(tiny_config(), num_aux=3, draft_vocab_size=48)).to(torch.bfloat16)
+    cfg = TrainConfig(
+        data="d", out="o", **train_sections(), deepspeed=DeepSpeedConfig(zero_stage=1, check_grad_overflow=check)
+    )
+    init_distributed("cpu", always=True)
+    engine = build_engine(draft, cfg, torch.bfloat16, torch.device("cpu"), 10)
+    assert engine.optimizer.check_grad_overflow is check

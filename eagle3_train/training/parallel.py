@@ -205,7 +205,7 @@ def build_engine(
         "gradient_accumulation_steps": cfg.loop.grad_accum,
         "gradient_clipping": o.grad_clip,
         "zero_optimization": zero,
-        "bf16": {"enabled": dtype == torch.bfloat16},
+        "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": ds.check_grad_overflow},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
