@@ -1244,3 +1244,33 @@ def test_the_optimizer_and_its_options_are_checked_by_name():
     with pytest.raises(ConfigError, match="optim.optimizer=muon .* deepspeed.offload_optimizer .* choose one"):
         TrainConfig(data="d", out="o", **train_sections(optimizer="muon"),
                     deepspeed=DeepSpeedConfig(offload_optimizer=True))  # fmt: skip
+
+
+def test_without_deepspeeds_overflow_check_no_checkpoint_keeps_non_finite_weights(std, tmp_path, monkeypatch):
+    """deepspeed.check_grad_overflow=false: a step that leaves a weight non-finite (its loss was
+    finite) stops the run at the next save, naming the step and the last good checkpoint; with the
+    check on, the weights are not looked at (no wait)."""
+    step = Trainer.train_step
+
+    def poisoned(self, batches):
+        out = step(self, batches)
+        if self.step == 4:  # (after its loss: step 4's was finite, the save at 4 finds the weight)
+            with torch.no_grad():
+                next(p for p in self.model.parameters() if p.requires_grad).view(-1)[0] = float("inf")
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", poisoned)
+    ds = DeepSpeedConfig(zero_stage=1, check_grad_overflow=False)
+    o = train_sections(ttt_length=3, lr=3e-3, max_tokens_per_batch=600, log_every=100, epochs=2, save_every=2)
+    t = Trainer(TrainConfig(data=str(std), target="tiny", out=str(tmp_path / "run"), **o, progress=False, deepspeed=ds))
+    try:
+        with pytest.raises(Eagle3Error, match=r"non-finite weights after step 4 .*last good checkpoint: .*step2"):
+            t.run()
+    finally:
+        t.close()
+    assert sorted(p.name for p in (tmp_path / "run/checkpoints").glob("step*")) == ["step2"]
+    looked = []
+    monkeypatch.setattr(Trainer, "check_weights", lambda self: looked.append(self.step))
+    monkeypatch.setattr(Trainer, "train_step", step)
+    train(std, tmp_path / "checked", save_every=2)
+    assert looked == []

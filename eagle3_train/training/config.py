@@ -222,7 +222,7 @@ class DeepSpeedConfig:
     bf16: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; true / false to force
     offload_optimizer: bool = False  # ZeRO optimizer states in host memory
     check_grad_overflow: bool = True
-    """bf16: DeepSpeed looks for inf/NaN gradients each step and skips such a step, the host waiting for the GPU there; false: no look and no wait (a non-finite loss still stops the run, naming its step)"""
+    """bf16: DeepSpeed looks for inf/NaN gradients each step and skips such a step, the host waiting for the GPU there; false: no look and no wait (a non-finite loss stops the run, and each save checks the weights first, so no checkpoint keeps non-finite ones)"""
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):

@@ -249,6 +249,8 @@ class Trainer:
 
     def save(self) -> Path:
         """A DeepSpeed checkpoint plus the consolidated head (:mod:`eagle3_train.training.checkpoint`)."""
+        if not self.cfg.deepspeed.check_grad_overflow:
+            self.check_weights()
         state = {
             "step": self.step,
             "epoch": self.epoch_of(self.step)[0],
@@ -399,6 +401,21 @@ class Trainer:
             raise Eagle3Error(
                 f"non-finite loss at step {step + 1} (epoch {self.epoch_of(step)[0]}, micro-batch of samples "
                 f"{samples.tolist()[:8]} on some rank); last good checkpoint: {last[-1] if last else 'none'}"
+            )
+
+    def check_weights(self) -> None:
+        """Raise if a trained weight is not finite (one wait for the device). With
+        deepspeed.check_grad_overflow off, a step whose loss was finite may still have applied a
+        non-finite gradient; no checkpoint keeps such weights."""
+        ok = torch.stack([torch.isfinite(p).all() for p in self.model.parameters() if p.requires_grad])
+        ok = ok.all().float().reshape(1)
+        if torch.distributed.is_initialized():  # every rank stops at the same step
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        if ok.item() < 1:
+            last = self._checkpoints()
+            raise Eagle3Error(
+                f"non-finite weights after step {self.step} (deepspeed.check_grad_overflow=false, so a step "
+                f"applied a non-finite gradient); last good checkpoint: {last[-1] if last else 'none'}"
             )
 
     def evaluate(self) -> dict[str, Any]:
