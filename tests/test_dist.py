@@ -26,6 +26,8 @@ GIVEN = TAKEN.replace("info = d.init_distributed", "os.environ.update(RANK='0', 
 
 def run(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # (this process's own group)
+        env.pop(name, None)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 

@@ -154,6 +154,8 @@ def test_step_profile_profiles_the_steps_after_its_warmup_and_the_run_ends_with_
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), WANDB_MODE="disabled"
     )
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # (this process's own group)
+        env.pop(name, None)
     options = [f"++data={std}", "++target=tiny", f"++out={tmp_path / 'run'}", "++objective.ttt_length=3",
                "++loop.max_tokens_per_batch=600", "++loop.log_every=1", "++loop.eval_every=0", "++progress=false"]  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--out", str(tmp_path / "prof.json"),
