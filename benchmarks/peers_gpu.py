@@ -483,6 +483,7 @@ class Session:
             if not ok:
                 return False
             if fw in BESIDE:  # (a later job on this machine reuses it: its states take minutes)
+                (PO / BESIDE[fw][0]).mkdir(parents=True, exist_ok=True)
                 (PO / BESIDE[fw][0] / WRITTEN).write_text(json.dumps({"sha256": self.sha, "n": self.a.n}))
             self.ready.add(fw)
         if fw == "modelopt" and head == "matched" and "modelopt:vocab" not in self.ready:  # from the same conversations
