@@ -757,7 +757,7 @@ PAGE_NOTES = {  # a page's opening paragraph, where its results need one before 
     "The comparison is being redone in `peers_h100`: the same 16,384 conversations for every framework, equal "
     "minutes of steady training loop (start-up, compilation and data preparation apart), a learning-rate sweep for "
     "every framework and head, then two seeds of each framework's best. So far it holds the step times of ours "
-    "(as shipped and with Muon), speculators and ModelOpt measured alone and 22 of the 24 sweep runs of those "
+    "(as shipped and with Muon), speculators and ModelOpt measured alone and 16 of the 18 sweep runs of those "
     "three: speculators' default head at lr 1e-3 and 3e-3 are left. Ours with Muon (`ours:muon`, speculators' "
     "default optimizer; added after the sweep showed speculators' matched head ahead, so that ours too is swept "
     "in two configurations) reached held-out τ 1.384, 1.500 and 1.662 at `optim.muon_lr` 0.02, 0.04 and 0.08, "
