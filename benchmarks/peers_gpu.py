@@ -105,11 +105,11 @@ SPECFORGE_CAPTURE = "prepare_hidden_states.py"  # SpecForge@a6b6b02 scripts/ (Gi
 SPECFORGE_LOG_EVERY = 10  # its step line comes each this many steps only: its runs take a multiple of it
 SPECFORGE_BATCH = 32  # its capture's batch (its loader drops a last partial one: --n must be a multiple)
 SPECFORGE_SHARE = 0.25  # SGLang's --mem-fraction-static for that capture (beside the lanes: 0.3 of the GPU held)
-# what SpecForge 0.2.0 copies from the target into the draft config it derives (training/model_loading.py)
 # the data a framework writes with an engine beside the lanes (its folder, the engine's share of the GPU), and
 # the marker its folder gets once written whole (a later job on the same machine reuses it)
 BESIDE = {"speculators": ("speculators_data", CAPTURE_SHARE), "specforge": ("specforge_data", SPECFORGE_SHARE)}
 WRITTEN = "written.json"
+# what SpecForge 0.2.0 copies from the target into the draft config it derives (training/model_loading.py)
 SPECFORGE_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                     "max_position_embeddings", "rms_norm_eps", "hidden_act", "initializer_range", "attention_bias",
                     "attention_dropout", "head_dim", "rope_theta", "rope_scaling", "bos_token_id", "eos_token_id",
@@ -873,9 +873,13 @@ def job(a: argparse.Namespace) -> None:
             failed.add((fw, head))
             say(f"{fw}:{head}: {e!r}; its runs are left out")
 
+    def sized(fw: str, head: str, budget: float, lrs: list[float], seeds: list[int]) -> list[RunSpec | None]:
+        """The group's runs sized to their budget (None: no step time to size one by)."""
+        return [s.spec(fw, head, "sweep" if budget == SWEEP_S else "final", budget, lr, seed)
+                for lr in lrs for seed in seeds]  # fmt: skip
+
     def runs_of(fw: str, head: str, budget: float, lrs: list[float], seeds: list[int]) -> list[RunSpec]:
-        specs = [s.spec(fw, head, "sweep" if budget == SWEEP_S else "final", budget, lr, seed)
-                 for lr in lrs for seed in seeds]  # fmt: skip
+        specs = sized(fw, head, budget, lrs, seeds)
         if None in specs:
             raise RuntimeError("its probe measured no step time (or it failed)")
         todo = [x for x in specs if x is not None and not done(s.known, x)]
@@ -888,8 +892,7 @@ def job(a: argparse.Namespace) -> None:
     def to_run(fw: str, head: str, budget: float, lrs: list[float], seeds: list[int]) -> bool:
         """Some of these runs are not yet done (or cannot be sized: the group will say why)."""
         try:
-            specs = [s.spec(fw, head, "sweep" if budget == SWEEP_S else "final", budget, lr, seed)
-                     for lr in lrs for seed in seeds]  # fmt: skip
+            specs = sized(fw, head, budget, lrs, seeds)
         except RuntimeError:
             return True
         return any(x is None or not done(s.known, x) for x in specs)

@@ -117,7 +117,7 @@ def top(events: Any, key: str, steps: int, side: str, n: int = 25) -> dict[str, 
                 round(e.self_device_time_total / 1e3 / steps, 3),
             ]
             for e in rows
-        ],  # fmt: skip
+        ],
     }
 
 
