@@ -58,11 +58,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from peers_results import (  # noqa: E402  # noqa: E402
+from peers_results import (  # noqa: E402
     FINAL_S,
     FRAMEWORKS,
     STEP_TOKENS,
     SWEEP_S,
+    Run,
     RunSpec,
     best,
     epochs_for,
@@ -368,6 +369,17 @@ def record(run: str, name: str, start: float, end: float, rc: int = 0, shared: b
         )
 
 
+def other_sets(known: list[Run], sha: str) -> str | None:
+    """What to say where runs in the results trained on other conversations than the set here (e.g.
+    a shared set lost here and synthesized again, which a machine's numbers may not repeat)."""
+    other = {r.data_sha256 for r in known if r.data_sha256 not in ("", sha)}
+    if not other:
+        return None
+    return (f"the shared set here (sha256 {sha[:12]}) is not the one {sum(r.data_sha256 in other for r in known)} "
+            f"runs in the results trained on ({', '.join(sorted(x[:12] for x in other))}): the verdict's "
+            "'one data set' column says where a comparison mixes them")  # fmt: skip
+
+
 def synthesize(data: Path) -> bool:
     """The shared set, written once on the GPU by the smollm2 recipe's synthesis (its own phase,
     outside every budget); polls then bring it out in parts (:func:`data_parts`)."""
@@ -445,6 +457,8 @@ class Session:
             "".join(json.dumps({"conversations": json.loads(r)["messages"]}) + "\n" for r in rows)
         )
         self.sha = hashlib.sha256(self.convs.read_bytes()).hexdigest()
+        if msg := other_sets(self.known, self.sha):
+            say(msg)
 
     def prepare(self, fw: str, head: str) -> bool:
         """The framework's data (once per session): ours tokenized, speculators' states, ModelOpt's vocab.

@@ -233,6 +233,13 @@ def _mean_loop(runs: list[Run]) -> float | None:
     return round(statistics.mean(loops), 1) if loops else None
 
 
+def _one_set(runs: list[Run]) -> bool | None:
+    """Whether the runs compared all trained on the same conversations (their sha256); None where a
+    run does not say."""
+    shas = {r.data_sha256 for r in runs}
+    return None if "" in shas else len(shas) == 1
+
+
 def verdict(runs: list[Run]) -> dict[str, Any]:
     """Ours against each peer at each budget, each framework at its best configuration."""
     rows = []
@@ -249,12 +256,13 @@ def verdict(runs: list[Run]) -> dict[str, Any]:
                     [getattr(r, key) for r in theirs if getattr(r, key) is not None],
                 )
                 row += [c["diff"], c["spread"], c["beyond_spread"]]
-            row += [f"{mine[0].head} lr {mine[0].lr:g}", _mean_loop(mine), _mean_loop(theirs)]
+            row += [f"{mine[0].head} lr {mine[0].lr:g}", _mean_loop(mine), _mean_loop(theirs), _one_set(mine + theirs)]
             rows.append(row)
     header = ["budget", "peer", "peer's config", "peer seeds"]
     for what in ("held-out tau", "MT-bench tau", "vLLM acceptance"):
         header += [f"ours ahead by ({what})", "seed spread", "beyond spread"]
-    header += ["ours' config", "ours' loop s (alone)", "peer's loop s (alone)"]  # (a budget one side missed shows)
+    header += ["ours' config", "ours' loop s (alone)", "peer's loop s (alone)",  # (a budget one side missed shows)
+               "one data set"]  # fmt: skip
     return {"title": "Verdict: ours minus each peer, each at its best configuration (means over seeds)",
             "header": header, "rows": rows}  # fmt: skip
 

@@ -133,15 +133,22 @@ def test_a_difference_counts_only_beyond_the_seed_spread():
     assert pr.compare([2.0], [1.0, 1.1])["beyond_spread"] is None  # one seed: no spread to judge by
     assert pr.compare([], [1.0])["diff"] is None
     runs = [
-        run(budget=600.0, lr=2e-3, seed=s, tau_heldout=t, vllm_acceptance=t - 0.01, budget_loop_s=b)
+        run(budget=600.0, lr=2e-3, seed=s, tau_heldout=t, vllm_acceptance=t - 0.01, budget_loop_s=b, data_sha256="a")
         for s, t, b in ((0, 2.5, 600.0), (1, 2.6, 590.0))
     ]
-    runs += [run("speculators", "default", 600.0, 1e-3, s, tau_heldout=t) for s, t in ((42, 2.0), (43, 2.2))]
+    runs += [
+        run("speculators", "default", 600.0, 1e-3, s, tau_heldout=t, data_sha256="a") for s, t in ((42, 2.0), (43, 2.2))
+    ]
     runs += [run(lr=2e-3, tau_heldout=2.0)]  # the 3-minute sweep of ours, no peer at 3 minutes: no row
     (row,) = pr.verdict(runs)["rows"]
     assert row[:4] == ["10 min", "speculators", "default lr 0.001", 2] and row[4:7] == [0.45, 0.2, True]
     assert row[7:13] == [None] * 6  # MT-bench and vLLM: not measured for the peer
-    assert row[13:] == ["recipe lr 0.002", 595.0, None]  # each side's loop alone (the peer's: not measured here)
+    # each side's loop alone (the peer's: not measured here); both trained on the same conversations
+    assert row[13:] == ["recipe lr 0.002", 595.0, None, True]
+    runs[3].data_sha256 = "b"  # a peer's seed on other conversations (a shared set synthesized again)
+    assert pr.verdict(runs)["rows"][0][-1] is False
+    runs[3].data_sha256 = ""  # a run that does not say
+    assert pr.verdict(runs)["rows"][0][-1] is None
 
 
 def test_merging_replaces_a_run_unless_the_new_one_got_less_far():
@@ -1301,3 +1308,14 @@ def test_a_poll_tells_each_of_the_jobs_lines_once_and_the_logs_end_beside_them(t
     pg.poll(0, tmp_path / "out")
     out = capsys.readouterr().out.splitlines()
     assert out[:15] == said[-15:] and out[15].startswith("disk:")
+
+
+def test_a_shared_set_synthesized_again_is_named_where_it_is_not_the_one_earlier_runs_trained_on():
+    """A machine's synthesis may not repeat bytes for bytes: where the set here is not the one runs in
+    the results trained on, the job says how many and which, and the verdict's last column flags a
+    comparison across sets."""
+    known = [run(tau_heldout=2.0, data_sha256="a" * 64), run(lr=2e-3, data_sha256="a" * 64), run(lr=4e-3)]
+    assert pg.other_sets(known, "a" * 64) is None  # the same set (a run that does not say is left out)
+    msg = pg.other_sets(known, "b" * 64)
+    assert msg is not None and "bbbbbbbbbbbb" in msg and "not the one 2 runs" in msg and "aaaaaaaaaaaa" in msg
+    assert pg.other_sets([], "b" * 64) is None
