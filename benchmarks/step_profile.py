@@ -26,18 +26,24 @@ from benchmarks.result import Result, this_command
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
-def summary(events: Any, steps: int, walls: list[float]) -> dict[str, Any]:
+def median_gap(ends: list[float]) -> float | None:
+    gaps = sorted(b - a for a, b in zip(ends, ends[1:]))
+    return round(gaps[len(gaps) // 2], 4) if gaps else None
+
+
+def summary(events: Any, steps: int, walls: list[float], before: list[float] | None = None) -> dict[str, Any]:
     """Per step: the host's own time in every op, the device's in every kernel, the launches, and
-    the wall between steps (the median of the profiled ones)."""
+    the wall between steps (the median of the profiled ones; ``before``: the ends of the last
+    warm-up steps, whose wall the profiler's own recording does not slow)."""
     per = lambda x: round(x / 1e6 / steps, 4)  # noqa: E731  (the profiler's microseconds -> s a step)
-    gaps = sorted(b - a for a, b in zip(walls, walls[1:]))
     return {
         "steps_profiled": steps,
         "host_s_per_step": per(sum(e.self_cpu_time_total for e in events)),
         "device_s_per_step": per(sum(e.self_device_time_total for e in events)),
         "launches_per_step": round(sum(e.count for e in events if e.key in LAUNCHES) / steps, 1),
         "ops_per_step": round(sum(e.count for e in events if e.key.startswith("aten::")) / steps, 1),
-        "wall_s_per_step": round(gaps[len(gaps) // 2], 4) if gaps else None,
+        "wall_s_per_step": median_gap(walls),
+        "wall_s_per_step_unprofiled": median_gap(before or []),
     }
 
 
@@ -66,11 +72,13 @@ def main(argv: list[str] | None = None) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=activities, schedule=schedule(wait=a.warmup - 1, warmup=1, active=a.steps))
     walls: list[float] = []  # the end of the last warm-up step and of each profiled one
+    ends: list[float] = []  # the end of every step (the warm-up's second half: the wall unprofiled)
     step, done = Trainer.train_step, [0]
 
     def profiled_step(self: Trainer, batches: Any) -> dict[str, Any]:
         out = step(self, batches)
         done[0] += 1
+        ends.append(time.perf_counter())
         if done[0] >= a.warmup:
             walls.append(time.perf_counter())
         prof.step()
@@ -84,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             trainer.close()
     events = prof.key_averages()
-    figures = summary(events, a.steps, walls[: a.steps + 1])
+    figures = summary(events, a.steps, walls[: a.steps + 1], ends[a.warmup // 2 : a.warmup - 1])
     cuda = torch.cuda.is_available()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

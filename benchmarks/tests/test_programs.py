@@ -144,8 +144,9 @@ def test_a_session_runs_detached_and_each_poll_packs_what_exists(tmp_path):
 
 
 def test_step_profile_profiles_the_steps_after_its_warmup_and_the_run_ends_with_them(tmp_path):
-    """eagle3-train on the tiny target's standardized dump, 2 steps of warm-up then 3 profiled: the
-    run stops at step 5, and the summary holds the 3 steps' host time, ops and wall."""
+    """eagle3-train on the tiny target's standardized dump, 6 steps of warm-up then 3 profiled: the
+    run stops at step 9, and the summary holds the 3 steps' host time, ops and wall, and the wall of
+    warm-up steps the profiler did not record."""
     sys.path.insert(0, str(ROOT / "tests"))
     from test_standardize import make_dump
     from test_trainer import standardized
@@ -157,9 +158,9 @@ def test_step_profile_profiles_the_steps_after_its_warmup_and_the_run_ends_with_
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # (this process's own group)
         env.pop(name, None)
     options = [f"++data={std}", "++target=tiny", f"++out={tmp_path / 'run'}", "++objective.ttt_length=3",
-               "++loop.max_tokens_per_batch=600", "++loop.log_every=1", "++loop.eval_every=0", "++progress=false"]  # fmt: skip
+               "++loop.max_tokens_per_batch=600", "++loop.epochs=3", "++loop.log_every=1", "++loop.eval_every=0", "++progress=false"]  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--out", str(tmp_path / "prof.json"),
-                           "--warmup", "2", "--steps", "3", "--", *options], cwd=ROOT, env=env, capture_output=True,
+                           "--warmup", "6", "--steps", "3", "--", *options], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     got = Result.read(tmp_path / "prof.json")
@@ -167,7 +168,8 @@ def test_step_profile_profiles_the_steps_after_its_warmup_and_the_run_ends_with_
     assert (
         got.figures["host_s_per_step"] > 0 and got.figures["ops_per_step"] > 10 and got.figures["wall_s_per_step"] > 0
     )
+    assert got.figures["wall_s_per_step_unprofiled"] > 0
     (host,) = got.tables
     assert len(host["rows"]) == 25 and host["rows"][0][2] >= host["rows"][-1][2] > 0
     steps = [json.loads(line)["step"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert max(steps) == 5 and "aten::" in (tmp_path / "prof.host.txt").read_text()
+    assert max(steps) == 9 and "aten::" in (tmp_path / "prof.host.txt").read_text()
