@@ -26,6 +26,12 @@ from benchmarks.result import Result, this_command
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
+def on_device(e: Any) -> bool:
+    """A kernel's own event, as the profiler's table totals them: not an op's share of its kernels
+    (counted again on the kernel) nor a user annotation's range (``ProfilerStep*``)."""
+    return getattr(e.device_type, "name", "CPU") != "CPU" and not getattr(e, "is_user_annotation", False)
+
+
 def median_gap(ends: list[float]) -> float | None:
     gaps = sorted(b - a for a, b in zip(ends, ends[1:]))
     return round(gaps[len(gaps) // 2], 4) if gaps else None
@@ -39,7 +45,7 @@ def summary(events: Any, steps: int, walls: list[float], before: list[float] | N
     return {
         "steps_profiled": steps,
         "host_s_per_step": per(sum(e.self_cpu_time_total for e in events)),
-        "device_s_per_step": per(sum(e.self_device_time_total for e in events)),
+        "device_s_per_step": per(sum(e.self_device_time_total for e in events if on_device(e))),
         "launches_per_step": round(sum(e.count for e in events if e.key in LAUNCHES) / steps, 1),
         "ops_per_step": round(sum(e.count for e in events if e.key.startswith("aten::")) / steps, 1),
         "wall_s_per_step": median_gap(walls),

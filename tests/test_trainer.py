@@ -1274,3 +1274,27 @@ def test_without_deepspeeds_overflow_check_no_checkpoint_keeps_non_finite_weight
     monkeypatch.setattr(Trainer, "train_step", step)
     train(std, tmp_path / "checked", save_every=2)
     assert looked == []
+
+
+def test_runtime_cudnn_attention_sets_torchs_choice_for_the_run_only(std, tmp_path, monkeypatch):
+    """runtime.cudnn_attention=false: torch may not pick cuDNN's attention while the run trains; its
+    own setting is back once the run closes, and after a run that failed to start."""
+    seen = []
+    step = Trainer.train_step
+
+    def looked(self, batches):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return step(self, batches)
+
+    monkeypatch.setattr(Trainer, "train_step", looked)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    assert before  # torch's default
+    train(std, tmp_path / "off", cudnn_attention=False, epochs=1)
+    assert seen and not any(seen) and torch.backends.cuda.cudnn_sdp_enabled()
+    seen.clear()
+    train(std, tmp_path / "on", epochs=1)
+    assert seen and all(seen)
+    with pytest.raises(Eagle3Error):  # a run that cannot start (no such data) leaves torch as it was
+        Trainer(TrainConfig(data=str(tmp_path / "none"), target="tiny", out=str(tmp_path / "x"),
+                            **train_sections(cudnn_attention=False), progress=False))  # fmt: skip
+    assert torch.backends.cuda.cudnn_sdp_enabled()

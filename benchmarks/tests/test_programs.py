@@ -173,3 +173,17 @@ def test_step_profile_profiles_the_steps_after_its_warmup_and_the_run_ends_with_
     assert len(host["rows"]) == 25 and host["rows"][0][2] >= host["rows"][-1][2] > 0
     steps = [json.loads(line)["step"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert max(steps) == 9 and "aten::" in (tmp_path / "prof.host.txt").read_text()
+
+
+def test_step_profiles_device_time_is_the_kernels_own_as_the_profilers_table_totals_it():
+    """An op's share of its kernels and a user annotation's range (ProfilerStep*) on the device are
+    not counted again: only the kernels' own events."""
+    from types import SimpleNamespace as E
+
+    from benchmarks.step_profile import on_device
+
+    cuda, cpu = E(name="CUDA"), E(name="CPU")
+    events = [E(key="aten::mm", device_type=cpu, is_user_annotation=False, self_device_time_total=5),
+              E(key="nvjet_gemm", device_type=cuda, is_user_annotation=False, self_device_time_total=5),
+              E(key="ProfilerStep*", device_type=cuda, is_user_annotation=True, self_device_time_total=40)]  # fmt: skip
+    assert [e.key for e in events if on_device(e)] == ["nvjet_gemm"]

@@ -34,6 +34,7 @@ OUTSIDE_REQUEST: dict[str, dict[str, str]] = {
         "runtime.head_chunk": "how the head loss is chunked in memory (the same sums in another order)",
         "runtime.activation_checkpointing": "activations recomputed instead of kept (same values)",
         "runtime.compile": "torch.compile of the same math",
+        "runtime.cudnn_attention": "which kernels compute the same attention",
         "online.overlap": "the target's forward on a side stream (same states)",
         "online.trust_remote_code": "whether the target's own code may run",
         **dict.fromkeys(

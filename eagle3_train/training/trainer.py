@@ -83,14 +83,22 @@ class Trainer:
         """``target``: with source=online, an already loaded target (a benchmark's random weights)."""
         self.cfg = cfg
         self.out = Path(cfg.out).expanduser()
+        # which SDPA kernels torch may pick, for this run (close() puts torch's setting back)
+        self._cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(cfg.runtime.cudnn_attention)
         self.dist: DistInfo = init_distributed(cfg.device, always=True)
         bf16 = cfg.deepspeed.bf16 == "true" or (cfg.deepspeed.bf16 == "auto" and self.dist.device.type == "cuda")
         self.dtype = torch.bfloat16 if bf16 else torch.float32
-        self.source = open_source(cfg, self.out, self.dist, self.dtype, target)
+        try:
+            self.source = open_source(cfg, self.out, self.dist, self.dtype, target)
+        except BaseException:
+            torch.backends.cuda.enable_cudnn_sdp(self._cudnn_sdp)
+            raise
         try:
             self._build()
         except BaseException:  # engines the source started stop with the run
             self.source.close()
+            torch.backends.cuda.enable_cudnn_sdp(self._cudnn_sdp)
             raise
 
     def _build(self) -> None:
@@ -548,6 +556,7 @@ class Trainer:
     def close(self) -> None:
         self.metrics.close()
         self.source.close()
+        torch.backends.cuda.enable_cudnn_sdp(self._cudnn_sdp)
 
 
 def _run(cfg: TrainConfig) -> int | None:
