@@ -765,7 +765,11 @@ PAGE_NOTES = {  # a page's opening paragraph, where its results need one before 
     "capture and training ran once, on 256 conversations, in `peers_specforge_smoke_h100`). At 3 minutes, "
     "single runs, ours (lr 2e-3, held-out τ 2.622) trails speculators' matched head (lr 3e-3, 2.695) by 0.073 "
     "and leads ModelOpt's best (default head, lr 3e-4, 1.566) by 1.056; no seed spread is measured yet, so "
-    "neither margin is a verdict. The older files below are kept as a record of what was run.\n\n",
+    "neither margin is a verdict. Every run records the sha256 of the conversations it trained on, and the "
+    "verdict's last column says whether a comparison's runs share one set (a fresh checkout had to synthesize the "
+    "set again, and it came out byte for byte the same). Ours' step is bound by the host, not the GPU "
+    "(`step_profile_h200` on the speed page): if a cheaper step changes what ours ships, ours' probe and sweep run "
+    "again before its finals. The older files below are kept as a record of what was run.\n\n",
 }
 HEAD_KEYS = ("what", "machine", "date", "command", "runs", "code_at")
 MAX_ROWS = 80
