@@ -5,7 +5,7 @@ and the ops that took the most host and device time (the profiler's whole tables
 results file, as ``<name>.host.txt`` and ``<name>.device.txt``); a step whose host time exceeds its
 device time is bound by the launches, not by the GPU.
 
-    python3 -m benchmarks.step_profile --out results/step_profile_h100.json [--warmup 30] [--steps 20] -- ++target=embedded ++data=... ...
+    python3 -m benchmarks.step_profile --out results/step_profile_h100.json [--warmup 30] [--steps 20] [--stacks 6] -- ++target=embedded ++data=... ...
 
 The options after ``--`` are eagle3-train's (``eagle3-run ... --cfg job`` prints a recipe's);
 ``loop.max_steps`` is set to the steps profiled, so the run ends there (its final evaluation and
@@ -48,6 +48,10 @@ def summary(events: Any, steps: int, walls: list[float], before: list[float] | N
         "device_s_per_step": per(sum(e.self_device_time_total for e in events if on_device(e))),
         "launches_per_step": round(sum(e.count for e in events if e.key in LAUNCHES) / steps, 1),
         "ops_per_step": round(sum(e.count for e in events if e.key.startswith("aten::")) / steps, 1),
+        # the host's time within the step in no op (Python, the autograd engine, hooks): the step's range's own
+        "host_outside_ops_s_per_step": per(
+            sum(e.self_cpu_time_total for e in events if e.key.startswith("ProfilerStep"))
+        ),
         "wall_s_per_step": median_gap(walls),
         "wall_s_per_step_unprofiled": median_gap(before or []),
     }
@@ -60,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="the results file (its whole profiler tables beside it)")
     p.add_argument("--warmup", type=int, default=30, help="steps before the profile (compilation, the allocator)")
     p.add_argument("--steps", type=int, default=20, help="steps profiled")
+    p.add_argument("--stacks", type=int, default=0,
+                   help="also record Python stacks and write the host's time by the innermost N frames "
+                   "(<out>.stacks.txt; slows the profiled steps)")  # fmt: skip
     p.add_argument("overrides", nargs="*", help="eagle3-train's options")
     a = p.parse_args(argv)
     if a.warmup < 2 or a.steps < 2:
@@ -76,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     assert cfg is not None
     cfg.loop.max_steps = a.warmup + a.steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(activities=activities, schedule=schedule(wait=a.warmup - 1, warmup=1, active=a.steps))
+    prof = profile(activities=activities, schedule=schedule(wait=a.warmup - 1, warmup=1, active=a.steps),
+                   with_stack=a.stacks > 0)  # fmt: skip
     walls: list[float] = []  # the end of the last warm-up step and of each profiled one
     ends: list[float] = []  # the end of every step (the warm-up's second half: the wall unprofiled)
     step, done = Trainer.train_step, [0]
@@ -114,6 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     (out.with_suffix(".host.txt")).write_text(events.table(sort_by="self_cpu_time_total", row_limit=80))
     if cuda:
         (out.with_suffix(".device.txt")).write_text(events.table(sort_by="self_device_time_total", row_limit=80))
+    if a.stacks:
+        by_stack = prof.key_averages(group_by_stack_n=a.stacks)
+        (out.with_suffix(".stacks.txt")).write_text(by_stack.table(sort_by="self_cpu_time_total", row_limit=60))
     print(json.dumps(figures))
 
 

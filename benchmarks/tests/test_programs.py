@@ -160,7 +160,7 @@ def test_step_profile_profiles_the_steps_after_its_warmup_and_the_run_ends_with_
     options = [f"++data={std}", "++target=tiny", f"++out={tmp_path / 'run'}", "++objective.ttt_length=3",
                "++loop.max_tokens_per_batch=600", "++loop.epochs=3", "++loop.log_every=1", "++loop.eval_every=0", "++progress=false"]  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--out", str(tmp_path / "prof.json"),
-                           "--warmup", "6", "--steps", "3", "--", *options], cwd=ROOT, env=env, capture_output=True,
+                           "--warmup", "6", "--steps", "3", "--stacks", "4", "--", *options], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     got = Result.read(tmp_path / "prof.json")
@@ -169,6 +169,8 @@ def test_step_profile_profiles_the_steps_after_its_warmup_and_the_run_ends_with_
         got.figures["host_s_per_step"] > 0 and got.figures["ops_per_step"] > 10 and got.figures["wall_s_per_step"] > 0
     )
     assert got.figures["wall_s_per_step_unprofiled"] > 0
+    assert 0 < got.figures["host_outside_ops_s_per_step"] < got.figures["host_s_per_step"]
+    assert ".py(" in (tmp_path / "prof.stacks.txt").read_text()  # the host's time in Python's own frames too
     (host,) = got.tables
     assert len(host["rows"]) == 25 and host["rows"][0][2] >= host["rows"][-1][2] > 0
     steps = [json.loads(line)["step"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
