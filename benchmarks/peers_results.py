@@ -1,11 +1,15 @@
 """The side-by-side with the peer frameworks: its results file, written and read here only.
 
     python3 benchmarks/peers_results.py merge PARTIAL_OR_DIR benchmarks/results/peers_h100.json
+    python3 benchmarks/peers_results.py supersede benchmarks/results/peers_h100.json ours:recipe --reason "..."
 
 ``PARTIAL_OR_DIR``: the ``peers_partial.json`` a poll of ``benchmarks/peers_gpu.py`` brought back, or
 the folder its ``poll.tgz`` was unpacked into (read afresh). Runs are keyed by name (framework, head,
 budget, lr, seed): a run measured again replaces the old one unless the new one got less far. The
-verdict table is recomputed from every run in the file.
+verdict table is recomputed from every run in the file. ``supersede`` takes a framework's head out of
+the file (into ``<file>_superseded.json``, with the reason) where a change to that framework changed
+what its runs would measure, e.g. ours' step time: its probe, sweep and finals then run again, and
+merging an old session's folder does not bring the taken-out runs back.
 
 Budgets are seconds of *steady* training loop: each framework's start-up (model load, data loading)
 and the compilation of its first steps are measured and reported apart (:func:`split_compile`), and
@@ -541,12 +545,56 @@ def load(path: Path) -> tuple[list[Run], list[dict[str, Any]]]:
     return [Run.from_dict(r) for r in data["frameworks"]], data["sessions"]
 
 
+def superseded_path(out: Path) -> Path:
+    return out.with_name(f"{out.stem}_superseded.json")
+
+
+def _superseded(out: Path) -> list[dict[str, Any]]:
+    path = superseded_path(out)
+    return json.loads(path.read_text())["frameworks"] if path.is_file() else []
+
+
+def supersede(out: Path, framework: str, head: str, reason: str) -> int:
+    """The framework's head's runs taken out of the results file ``out`` into its superseded file, each
+    with ``reason`` and the date; how many. Their sessions stay (their other runs, their yardsticks)."""
+    runs, sessions = load(out)
+    gone = [r for r in runs if (r.framework, r.head) == (framework, head)]
+    if not gone:
+        raise SystemExit(f"peers_results: {out} holds no run of {framework}:{head}")
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    moved = _superseded(out) + [asdict(r) | {"name": r.name, "superseded": reason, "superseded_on": when}
+                                for r in gone]  # fmt: skip
+    columns = ("name", "session", "steps", "planned_step_s", "tau_heldout", "superseded_on", "superseded")
+    superseded_path(out).write_text(json.dumps({
+        "schema": SCHEMA,
+        "what": f"runs taken out of {out.name}: each still measured what it says, but a change to its framework "
+        "since (the reason beside it) changed what such a run measures, so its configuration ran again",
+        "command": "python3 benchmarks/peers_results.py supersede RESULTS FRAMEWORK:HEAD --reason ...",
+        "runs": "as in the results file they left",
+        "frameworks": moved,
+        "tables": [{"title": "The runs taken out, and why", "header": list(columns),
+                    "rows": [[_dash(r.get(c)) for c in columns] for r in moved]}],
+    }, indent=1) + "\n")  # fmt: skip
+    out.write_text(json.dumps(results([r for r in runs if r not in gone], sessions), indent=1) + "\n")
+    return len(gone)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["merge"])
-    ap.add_argument("new", type=Path, help="a poll's peers_partial.json, or an unpacked poll folder")
-    ap.add_argument("out", type=Path, help="the results file (created, or merged into)")
+    ap.add_argument("what", choices=["merge", "supersede"])
+    ap.add_argument("new", type=Path, help="merge: a poll's peers_partial.json, or an unpacked poll folder; "
+                    "supersede: the results file")  # fmt: skip
+    ap.add_argument("out", help="merge: the results file (created, or merged into); supersede: FRAMEWORK:HEAD")
+    ap.add_argument("--reason", help="supersede: what changed, so that its runs measure something else now")
     a = ap.parse_args(argv)
+    if a.what == "supersede":
+        fw, _, head = a.out.partition(":")
+        if not head or not a.reason:
+            ap.error("supersede takes FRAMEWORK:HEAD and --reason")
+        print(f"peers_results: {supersede(a.new, fw, head, a.reason)} runs of {a.out} taken out of {a.new} into "
+              f"{superseded_path(a.new)}")  # fmt: skip
+        return
+    a.out = Path(a.out)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (eagle3_train reads the eval reports)
     if not a.new.exists():
         raise SystemExit(f"peers_results: {a.new}: no such file or folder (a poll's peers_partial.json, or a folder "
@@ -565,7 +613,8 @@ def merge_into(new: Path, out: Path) -> int:
         fresh, new_sessions = load(new)
     ids = {s.get("id") for s in new_sessions}
     sessions = [s for s in sessions if s.get("id") not in ids] + new_sessions
-    merged = merge(runs, fresh)
+    gone = {(r["name"], r.get("session")) for r in _superseded(out)}  # (an old session's folder merged again)
+    merged = merge(runs, [r for r in fresh if (r.name, r.session) not in gone])
     out.write_text(json.dumps(results(merged, sessions), indent=1) + "\n")
     return len(merged)
 

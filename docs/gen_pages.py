@@ -756,20 +756,19 @@ PAGE_NOTES = {  # a page's opening paragraph, where its results need one before 
     "its compilation, only ours was tuned, the heads differed, ModelOpt never left its warm-up, and each ran once. "
     "The comparison is being redone in `peers_h100`: the same 16,384 conversations for every framework, equal "
     "minutes of steady training loop (start-up, compilation and data preparation apart), a learning-rate sweep for "
-    "every framework and head, then two seeds of each framework's best. So far it holds the step times of ours "
-    "(as shipped and with Muon), speculators and ModelOpt measured alone and 16 of the 18 sweep runs of those "
-    "three: speculators' default head at lr 1e-3 and 3e-3 are left. Ours with Muon (`ours:muon`, speculators' "
-    "default optimizer; added after the sweep showed speculators' matched head ahead, so that ours too is swept "
-    "in two configurations) reached held-out τ 1.384, 1.500 and 1.662 at `optim.muon_lr` 0.02, 0.04 and 0.08, "
-    "against 2.599-2.622 as shipped (AdamW): ours' best stays the recipe. SpecForge's sweep has not run (its "
-    "capture and training ran once, on 256 conversations, in `peers_specforge_smoke_h100`). At 3 minutes, "
-    "single runs, ours (lr 2e-3, held-out τ 2.622) trails speculators' matched head (lr 3e-3, 2.695) by 0.073 "
-    "and leads ModelOpt's best (default head, lr 3e-4, 1.566) by 1.056; no seed spread is measured yet, so "
-    "neither margin is a verdict. Every run records the sha256 of the conversations it trained on, and the "
-    "verdict's last column says whether a comparison's runs share one set (a fresh checkout had to synthesize the "
-    "set again, and it came out byte for byte the same). Ours' step is bound by the host, not the GPU "
-    "(`step_profile_h200` on the speed page): if a cheaper step changes what ours ships, ours' probe and sweep run "
-    "again before its finals. The older files below are kept as a record of what was run.\n\n",
+    "every framework and head, then two seeds of each framework's best. Ours' step turned out to be bound by the "
+    "host, most of all by cuDNN's attention (`step_profile_h200` on the speed page), so `runtime.cudnn_attention` "
+    "is now off by default and ours' shipped head (`ours:recipe`) is probed and swept again: its earlier probe and "
+    "sweep are in `peers_h100_superseded` (held-out τ 2.599, 2.622 and 2.158 at lr 1e-3, 2e-3 and 4e-3, where "
+    "speculators' matched head reached 2.695 at lr 3e-3, single runs). Ours with Muon (`ours:muon`, speculators' "
+    "default optimizer; added after the sweep showed speculators ahead) reached 1.384, 1.500 and 1.662 at "
+    "`optim.muon_lr` 0.02, 0.04 and 0.08 and was not run again. Of the peers' 12 sweep runs, speculators' default "
+    "head at lr 1e-3 and 3e-3 are left; ModelOpt's best is its default head at lr 3e-4 (1.566). SpecForge's sweep "
+    "has not run (its capture and training ran once, on 256 conversations, in `peers_specforge_smoke_h100`). No "
+    "seed spread is measured yet, so no margin is a verdict. Every run records the sha256 of the conversations it "
+    "trained on, and the verdict's last column says whether a comparison's runs share one set (a fresh checkout "
+    "had to synthesize the set again, and it came out byte for byte the same). The older files below are kept as "
+    "a record of what was run.\n\n",
 }
 HEAD_KEYS = ("what", "machine", "date", "command", "runs", "code_at")
 MAX_ROWS = 80

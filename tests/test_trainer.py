@@ -1277,8 +1277,9 @@ def test_without_deepspeeds_overflow_check_no_checkpoint_keeps_non_finite_weight
 
 
 def test_runtime_cudnn_attention_sets_torchs_choice_for_the_run_only(std, tmp_path, monkeypatch):
-    """runtime.cudnn_attention=false: torch may not pick cuDNN's attention while the run trains; its
-    own setting is back once the run closes, and after a run that failed to start."""
+    """runtime.cudnn_attention (false by default): torch may not pick cuDNN's attention while the run
+    trains, unless asked; its own setting is back once the run closes, and after a run that failed to
+    start."""
     seen = []
     step = Trainer.train_step
 
@@ -1289,12 +1290,11 @@ def test_runtime_cudnn_attention_sets_torchs_choice_for_the_run_only(std, tmp_pa
     monkeypatch.setattr(Trainer, "train_step", looked)
     before = torch.backends.cuda.cudnn_sdp_enabled()
     assert before  # torch's default
-    train(std, tmp_path / "off", cudnn_attention=False, epochs=1)
+    train(std, tmp_path / "off", epochs=1)
     assert seen and not any(seen) and torch.backends.cuda.cudnn_sdp_enabled()
     seen.clear()
-    train(std, tmp_path / "on", epochs=1)
+    train(std, tmp_path / "on", cudnn_attention=True, epochs=1)
     assert seen and all(seen)
     with pytest.raises(Eagle3Error):  # a run that cannot start (no such data) leaves torch as it was
-        Trainer(TrainConfig(data=str(tmp_path / "none"), target="tiny", out=str(tmp_path / "x"),
-                            **train_sections(cudnn_attention=False), progress=False))  # fmt: skip
+        Trainer(TrainConfig(data=str(tmp_path / "none"), target="tiny", out=str(tmp_path / "x"), progress=False))
     assert torch.backends.cuda.cudnn_sdp_enabled()

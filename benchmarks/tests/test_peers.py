@@ -1319,3 +1319,34 @@ def test_a_shared_set_synthesized_again_is_named_where_it_is_not_the_one_earlier
     msg = pg.other_sets(known, "b" * 64)
     assert msg is not None and "bbbbbbbbbbbb" in msg and "not the one 2 runs" in msg and "aaaaaaaaaaaa" in msg
     assert pg.other_sets([], "b" * 64) is None
+
+
+def test_a_superseded_head_leaves_the_results_with_its_reason_and_an_old_session_merged_again_does_not_bring_it_back(
+    tmp_path,
+):
+    """ours' step changed: its recipe head's probe and sweep leave the file (into <file>_superseded.json,
+    with the reason), so the harness probes and sweeps it again; ours' other head and the peers stay,
+    and so do the sessions. Merging an old session's runs again keeps the taken-out ones out; a new
+    session's run of the same name comes in."""
+    out = tmp_path / "peers_h100.json"
+    old = [run(lr=2e-3, session="s1", tau_heldout=2.6, steps=100), probe(session="s1", steady_step_s=0.24),
+           run("ours", "muon", lr=0.08, session="s1", tau_heldout=1.6),
+           run("speculators", "matched", lr=3e-3, seed=42, session="s2", tau_heldout=2.7)]  # fmt: skip
+    out.write_text(json.dumps(pr.results(old, [{"id": "s1"}, {"id": "s2"}])))
+    assert pr.main(["supersede", str(out), "ours:recipe", "--reason", "runtime.cudnn_attention off"]) is None
+    runs, sessions = pr.load(out)
+    assert [(r.framework, r.head) for r in runs] == [("ours", "muon"), ("speculators", "matched")]
+    assert [s["id"] for s in sessions] == ["s1", "s2"]
+    gone = json.loads(pr.superseded_path(out).read_text())["frameworks"]
+    assert sorted(r["kind"] for r in gone) == ["probe", "sweep"]
+    assert {r["superseded"] for r in gone} == {"runtime.cudnn_attention off"}
+    assert pr.step_time(runs, "ours", "recipe", "h100") is None  # so the harness probes it again
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps(pr.results(old[:1], [{"id": "s1"}])))
+    pr.merge_into(partial, out)  # the old session's folder merged again
+    assert [(r.framework, r.head) for r in pr.load(out)[0]] == [("ours", "muon"), ("speculators", "matched")]
+    partial.write_text(json.dumps(pr.results([run(lr=2e-3, session="s3", tau_heldout=2.8, steps=100)], [{"id": "s3"}])))
+    pr.merge_into(partial, out)
+    assert ("ours", "recipe", "s3") in {(r.framework, r.head, r.session) for r in pr.load(out)[0]}
+    with pytest.raises(SystemExit, match="no run of ours:recipe"):
+        pr.supersede(tmp_path / "empty.json", "ours", "recipe", "x")

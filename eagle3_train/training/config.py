@@ -155,7 +155,7 @@ class RuntimeConfig:
     compile: bool = False  # torch.compile the decoder layer's step-independent parts (2 graphs per grad mode) and the fused head loss's chunk math (GPU; the first steps compile)
     sequence_parallel: int = 1  # ranks that share each sequence (Ulysses all-to-all over heads); divides the world size and the head counts; data parallelism runs over world / this
     cache_target_gb: float = 0.0  # keep each sample's target distribution in memory after its first use, up to this size (0: recompute every epoch)
-    cudnn_attention: bool = True  # let torch run attention (SDPA: the draft's and, online, the target's) on cuDNN where it prefers it (H100/H200); false: FlashAttention or memory-efficient. cuDNN builds a graph per sequence shape: under torch.profiler ours' step spent 85 ms (8k-token batches) to 140 ms (32k) of host time a step there (benchmarks/results/step_profile_h200.json)
+    cudnn_attention: bool = False  # let torch run attention (SDPA: the draft's and, online, the target's) on cuDNN where it prefers it (H100/H200); false: FlashAttention or the memory-efficient kernel. cuDNN builds a graph for each new sequence shape, and packed batches change shape every step: under torch.profiler the recipe's step spent 85 ms (8k-token batches) to 140-176 ms (32k) of a ~0.23 s step's host time there (benchmarks/results/step_profile_h200.json)
 
     def __post_init__(self) -> None:
         if self.sequence_parallel < 1:
