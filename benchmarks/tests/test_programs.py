@@ -189,3 +189,36 @@ def test_step_profiles_device_time_is_the_kernels_own_as_the_profilers_table_tot
               E(key="nvjet_gemm", device_type=cuda, is_user_annotation=False, self_device_time_total=5),
               E(key="ProfilerStep*", device_type=cuda, is_user_annotation=True, self_device_time_total=40)]  # fmt: skip
     assert [e.key for e in events if on_device(e)] == ["nvjet_gemm"]
+
+
+@pytest.mark.slow
+def test_step_ab_profiles_the_recipes_own_step_at_each_value_of_an_option(tmp_path):
+    """step_ab.sh on the tiny target: the data prepared once, then one profile per value and batch, each
+    with the recipe's own trainer options (read from eagle3-run's dry run) and the option's value, the
+    options it sets itself given once."""
+    convs = tmp_path / "c.jsonl"
+    words = ["cat", "dog", "the", "sun"]
+    convs.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant",
+                     "content": " ".join(words[: 1 + i % 4] * 6)}]}) + "\n" for i in range(120)))  # fmt: skip
+    env = dict(os.environ, WORK=str(tmp_path / "w"), WARMUP="3", STEPS="2", WANDB_MODE="disabled",
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))  # fmt: skip
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run([str(LAB / "step_ab.sh"), str(tmp_path / "out"), str(convs), "runtime.cudnn_attention",
+                           "true false", "300", "target=tiny", "train.prepared.draft_vocab_size=64",
+                           "train.prepared.aux_indices=[1,2,3]", "train.runtime.compile=false",
+                           "train.loop.min_steps=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == [
+        "runtime.cudnn_attention-true-300",
+        "runtime.cudnn_attention-false-300",
+    ]
+    for value in ("true", "false"):
+        got = Result.read(tmp_path / f"out/runtime.cudnn_attention-{value}-300.json")
+        args = shlex.split(got.command)
+        assert got.figures["steps_profiled"] == 2 and f"++runtime.cudnn_attention={value}" in args
+        assert "++model.intermediate_size=6144" in args and "++target=tiny" in args  # the recipe's, and the run's
+        assert [a for a in args if a.startswith("++loop.max_tokens_per_batch=")] == ["++loop.max_tokens_per_batch=300"]
+        assert len([a for a in args if a.startswith("++out=")]) == 1
+    assert (tmp_path / "w/prepare.log").is_file()
