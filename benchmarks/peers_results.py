@@ -568,7 +568,7 @@ def supersede(out: Path, framework: str, head: str, reason: str) -> int:
     superseded_path(out).write_text(json.dumps({
         "schema": SCHEMA,
         "what": f"runs taken out of {out.name}: each still measured what it says, but a change to its framework "
-        "since (the reason beside it) changed what such a run measures, so its configuration ran again",
+        "since (the reason beside it) changed what such a run measures, so its configuration runs again",
         "command": "python3 benchmarks/peers_results.py supersede RESULTS FRAMEWORK:HEAD --reason ...",
         "runs": "as in the results file they left",
         "frameworks": moved,
