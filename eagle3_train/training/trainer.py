@@ -86,10 +86,10 @@ class Trainer:
         # which SDPA kernels torch may pick, for this run (close() puts torch's setting back)
         self._cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
         torch.backends.cuda.enable_cudnn_sdp(cfg.runtime.cudnn_attention)
-        self.dist: DistInfo = init_distributed(cfg.device, always=True)
-        bf16 = cfg.deepspeed.bf16 == "true" or (cfg.deepspeed.bf16 == "auto" and self.dist.device.type == "cuda")
-        self.dtype = torch.bfloat16 if bf16 else torch.float32
         try:
+            self.dist: DistInfo = init_distributed(cfg.device, always=True)
+            bf16 = cfg.deepspeed.bf16 == "true" or (cfg.deepspeed.bf16 == "auto" and self.dist.device.type == "cuda")
+            self.dtype = torch.bfloat16 if bf16 else torch.float32
             self.source = open_source(cfg, self.out, self.dist, self.dtype, target)
         except BaseException:
             torch.backends.cuda.enable_cudnn_sdp(self._cudnn_sdp)
