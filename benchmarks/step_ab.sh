@@ -30,7 +30,8 @@ mkdir -p "$out" "$work"
 train=$(python3 -m eagle3_train.run recipe=smollm2 "${run[@]}" out="$work/p" data="$data" dry_run=true |
   sed -n '/^# train$/{n;p;}')
 # the recipe's options (the dry run quotes them as a shell would), less those the profile sets
-mapfile -t words < <(python3 -c 'import shlex, sys; print("\n".join(shlex.split(sys.stdin.read())[3:]))' <<<"$train")
+mapfile -t words < <(python3 -c 'import shlex, sys; w = shlex.split(sys.stdin.read())
+print("\n".join(w[w.index("eagle3_train.training.trainer") + 1 :]))' <<<"$train")
 opts=()
 for o in "${words[@]}"; do
   case $o in
