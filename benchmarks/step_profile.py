@@ -52,6 +52,10 @@ def summary(events: Any, steps: int, walls: list[float], before: list[float] | N
         "host_outside_ops_s_per_step": per(
             sum(e.self_cpu_time_total for e in events if e.key.startswith("ProfilerStep"))
         ),
+        # the host's time in attention's ops, whichever kernel ran it (cuDNN builds a graph per new shape)
+        "attention_host_s_per_step": per(
+            sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::") and "attention" in e.key)
+        ),
         "wall_s_per_step": median_gap(walls),
         "wall_s_per_step_unprofiled": median_gap(before or []),
     }

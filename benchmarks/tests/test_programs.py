@@ -170,6 +170,7 @@ def test_step_profile_profiles_the_steps_after_its_warmup_and_the_run_ends_with_
     )
     assert got.figures["wall_s_per_step_unprofiled"] > 0
     assert 0 < got.figures["host_outside_ops_s_per_step"] < got.figures["host_s_per_step"]
+    assert 0 < got.figures["attention_host_s_per_step"] < got.figures["host_s_per_step"]  # (on the CPU: SDPA's own)
     assert ".py(" in (tmp_path / "prof.stacks.txt").read_text()  # the host's time in Python's own frames too
     (host,) = got.tables
     assert len(host["rows"]) == 25 and host["rows"][0][2] >= host["rows"][-1][2] > 0
