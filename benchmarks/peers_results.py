@@ -559,6 +559,7 @@ def supersede(out: Path, framework: str, head: str, reason: str) -> int:
     with ``reason`` and the date; how many. Their sessions stay (their other runs, their yardsticks)."""
     runs, sessions = load(out)
     gone = [r for r in runs if (r.framework, r.head) == (framework, head)]
+    kept = [r for r in runs if (r.framework, r.head) != (framework, head)]
     if not gone:
         raise SystemExit(f"peers_results: {out} holds no run of {framework}:{head}")
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d")
@@ -575,7 +576,7 @@ def supersede(out: Path, framework: str, head: str, reason: str) -> int:
         "tables": [{"title": "The runs taken out, and why", "header": list(columns),
                     "rows": [[_dash(r.get(c)) for c in columns] for r in moved]}],
     }, indent=1) + "\n")  # fmt: skip
-    out.write_text(json.dumps(results([r for r in runs if r not in gone], sessions), indent=1) + "\n")
+    out.write_text(json.dumps(results(kept, sessions), indent=1) + "\n")
     return len(gone)
 
 

@@ -89,16 +89,13 @@ def main(argv: list[str] | None = None) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=activities, schedule=schedule(wait=a.warmup - 1, warmup=1, active=a.steps),
                    with_stack=a.stacks > 0)  # fmt: skip
-    walls: list[float] = []  # the end of the last warm-up step and of each profiled one
-    ends: list[float] = []  # the end of every step (the warm-up's second half: the wall unprofiled)
+    ends: list[float] = []  # the end of every step
     step, done = Trainer.train_step, [0]
 
     def profiled_step(self: Trainer, batches: Any) -> dict[str, Any]:
         out = step(self, batches)
         done[0] += 1
         ends.append(time.perf_counter())
-        if done[0] >= a.warmup:
-            walls.append(time.perf_counter())
         prof.step()
         return out
 
@@ -110,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             trainer.close()
     events = prof.key_averages()
-    figures = summary(events, a.steps, walls[: a.steps + 1], ends[a.warmup // 2 : a.warmup - 1])
+    # the profiled steps' walls from the last warm-up step's end; unprofiled: the warm-up's second half
+    figures = summary(events, a.steps, ends[a.warmup - 1 : a.warmup + a.steps], ends[a.warmup // 2 : a.warmup - 1])
     cuda = torch.cuda.is_available()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -91,13 +91,12 @@ class Trainer:
             bf16 = cfg.deepspeed.bf16 == "true" or (cfg.deepspeed.bf16 == "auto" and self.dist.device.type == "cuda")
             self.dtype = torch.bfloat16 if bf16 else torch.float32
             self.source = open_source(cfg, self.out, self.dist, self.dtype, target)
+            try:
+                self._build()
+            except BaseException:  # engines the source started stop with the run
+                self.source.close()
+                raise
         except BaseException:
-            torch.backends.cuda.enable_cudnn_sdp(self._cudnn_sdp)
-            raise
-        try:
-            self._build()
-        except BaseException:  # engines the source started stop with the run
-            self.source.close()
             torch.backends.cuda.enable_cudnn_sdp(self._cudnn_sdp)
             raise
 
