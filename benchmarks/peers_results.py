@@ -2,6 +2,7 @@
 
     python3 benchmarks/peers_results.py merge PARTIAL_OR_DIR benchmarks/results/peers_h100.json
     python3 benchmarks/peers_results.py supersede benchmarks/results/peers_h100.json ours:recipe --reason "..."
+    python3 benchmarks/peers_results.py reinstate benchmarks/results/peers_h100.json NAME@SESSION ... --reason "..."
 
 ``PARTIAL_OR_DIR``: the ``peers_partial.json`` a poll of ``benchmarks/peers_gpu.py`` brought back, or
 the folder its ``poll.tgz`` was unpacked into (read afresh). Runs are keyed by name (framework, head,
@@ -9,7 +10,9 @@ budget, lr, seed): a run measured again replaces the old one unless the new one 
 verdict table is recomputed from every run in the file. ``supersede`` takes a framework's head out of
 the file (into ``<file>_superseded.json``, with the reason) where a change to that framework changed
 what its runs would measure, e.g. ours' step time: its probe, sweep and finals then run again, and
-merging an old session's folder does not bring the taken-out runs back.
+merging an old session's folder does not bring the taken-out runs back. ``reinstate`` brings named
+runs back, with the reason, where a measurement showed that the change did not change what they
+measure (e.g. a rerun of one of them after the change, equal within its spread).
 
 Budgets are seconds of *steady* training loop: each framework's start-up (model load, data loading)
 and the compilation of its first steps are measured and reported apart (:func:`split_compile`), and
@@ -105,6 +108,7 @@ class Run(RunSpec):
     vllm_acceptance: float | None = None  # vLLM's mean acceptance length, held-out prompts
     failed: list[str] = field(default_factory=list)  # phases that stopped with an error
     alone: bool | None = None  # it trained with the GPU to itself (a probe; one lane, nothing beside: reported only)
+    reinstated: str | None = None  # brought back from the superseded file: why its measure still holds, and when
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Run:
@@ -201,6 +205,8 @@ def merge(old: list[Run], new: list[Run]) -> list[Run]:
     out = {r.name: r for r in old}
     for r in new:
         if r.name not in out or r.reached() >= out[r.name].reached():
+            if r.name in out and out[r.name].session == r.session and r.reinstated is None:
+                r.reinstated = out[r.name].reinstated  # (the same run read again: its note stays)
             out[r.name] = r
     return list(out.values())
 
@@ -369,6 +375,17 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
                     for s in sorted(sessions, key=lambda s: str(s.get("id")))
                 ],
             },
+            *(
+                [
+                    {
+                        "title": "Runs brought back from the superseded file, and why their measure holds",
+                        "header": ["name", "session", "reinstated"],
+                        "rows": [[r.name, r.session, r.reinstated] for r in order if r.reinstated],
+                    }
+                ]
+                if any(r.reinstated for r in order)
+                else []
+            ),
         ],  # fmt: skip
     }
 
@@ -562,9 +579,43 @@ def supersede(out: Path, framework: str, head: str, reason: str) -> int:
     kept = [r for r in runs if (r.framework, r.head) != (framework, head)]
     if not gone:
         raise SystemExit(f"peers_results: {out} holds no run of {framework}:{head}")
-    when = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    moved = _superseded(out) + [asdict(r) | {"name": r.name, "superseded": reason, "superseded_on": when}
+    moved = _superseded(out) + [asdict(r) | {"name": r.name, "superseded": reason, "superseded_on": _today()}
                                 for r in gone]  # fmt: skip
+    _write_superseded(out, moved)
+    out.write_text(json.dumps(results(kept, sessions), indent=1) + "\n")
+    return len(gone)
+
+
+def _today() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d")
+
+
+def reinstate(out: Path, keys: list[str], reason: str) -> int:
+    """The superseded runs ``keys`` (``NAME@SESSION``) back in the results file ``out``, each with
+    ``reason`` and the date; how many. A name the results already hold (a run of it measured since) is
+    refused: that newer run stands."""
+    runs, sessions = load(out)
+    away = _superseded(out)
+    index = {f"{r['name']}@{r.get('session')}": i for i, r in enumerate(away)}
+    missing = [k for k in keys if k not in index]
+    if missing:
+        raise SystemExit(f"peers_results: {superseded_path(out)} holds no run {', '.join(missing)} (NAME@SESSION: "
+                         f"{', '.join(index) or 'none there'})")  # fmt: skip
+    back = [away[index[k]] for k in keys]
+    held = {r.name: r.session for r in runs}
+    clash = [f"{r['name']} (session {held[r['name']]})" for r in back if r["name"] in held]
+    if clash:
+        raise SystemExit(f"peers_results: {out} already holds {', '.join(clash)}, measured since: it stands")
+    extra = ("name", "superseded", "superseded_on")
+    returned = [Run.from_dict({k: v for k, v in r.items() if k not in extra}) for r in back]
+    for r, old in zip(returned, back):
+        r.reinstated = f"{reason} (superseded on {old['superseded_on']}: {old['superseded']}; reinstated {_today()})"
+    _write_superseded(out, [r for i, r in enumerate(away) if i not in {index[k] for k in keys}])
+    out.write_text(json.dumps(results(runs + returned, sessions), indent=1) + "\n")
+    return len(returned)
+
+
+def _write_superseded(out: Path, moved: list[dict[str, Any]]) -> None:
     columns = ("name", "session", "steps", "planned_step_s", "tau_heldout", "superseded_on", "superseded")
     superseded_path(out).write_text(json.dumps({
         "schema": SCHEMA,
@@ -576,26 +627,33 @@ def supersede(out: Path, framework: str, head: str, reason: str) -> int:
         "tables": [{"title": "The runs taken out, and why", "header": list(columns),
                     "rows": [[_dash(r.get(c)) for c in columns] for r in moved]}],
     }, indent=1) + "\n")  # fmt: skip
-    out.write_text(json.dumps(results(kept, sessions), indent=1) + "\n")
-    return len(gone)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["merge", "supersede"])
+    ap.add_argument("what", choices=["merge", "supersede", "reinstate"])
     ap.add_argument("new", type=Path, help="merge: a poll's peers_partial.json, or an unpacked poll folder; "
-                    "supersede: the results file")  # fmt: skip
-    ap.add_argument("out", help="merge: the results file (created, or merged into); supersede: FRAMEWORK:HEAD")
-    ap.add_argument("--reason", help="supersede: what changed, so that its runs measure something else now")
+                    "supersede, reinstate: the results file")  # fmt: skip
+    ap.add_argument("out", nargs="+", help="merge: the results file (created, or merged into); supersede: "
+                    "FRAMEWORK:HEAD; reinstate: NAME@SESSION of each run (its superseded file's table names them)")  # fmt: skip
+    ap.add_argument("--reason", help="supersede: what changed, so that its runs measure something else now; "
+                    "reinstate: the measurement that shows they still measure what they say")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.what == "reinstate":
+        if not a.reason:
+            ap.error("reinstate takes NAME@SESSION ... and --reason")
+        print(f"peers_results: {reinstate(a.new, a.out, a.reason)} runs back in {a.new} from {superseded_path(a.new)}")
+        return
+    if len(a.out) != 1:
+        ap.error(f"{a.what} takes one {'FRAMEWORK:HEAD' if a.what == 'supersede' else 'results file'}")
     if a.what == "supersede":
-        fw, _, head = a.out.partition(":")
+        fw, _, head = a.out[0].partition(":")
         if not head or not a.reason:
             ap.error("supersede takes FRAMEWORK:HEAD and --reason")
-        print(f"peers_results: {supersede(a.new, fw, head, a.reason)} runs of {a.out} taken out of {a.new} into "
+        print(f"peers_results: {supersede(a.new, fw, head, a.reason)} runs of {a.out[0]} taken out of {a.new} into "
               f"{superseded_path(a.new)}")  # fmt: skip
         return
-    a.out = Path(a.out)
+    a.out = Path(a.out[0])
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (eagle3_train reads the eval reports)
     if not a.new.exists():
         raise SystemExit(f"peers_results: {a.new}: no such file or folder (a poll's peers_partial.json, or a folder "

@@ -11,7 +11,8 @@
 #
 # Environment: WORK (its prepared data and logs; /tmp/step_ab), WARMUP (24), STEPS (12), STACKS (0: the
 # host's time by Python frame too, in <name>.stacks.txt, where N > 0). The data is prepared once (an
-# earlier call's is reused).
+# earlier call's is reused, so calls with other OUT dirs repeat the profiles on the same data); each
+# profile's run starts afresh.
 set -euo pipefail
 if [ $# -lt 5 ]; then
   sed -n '2,13p' "$0" >&2
@@ -43,6 +44,7 @@ done
 for b in $batches; do
   for v in $values; do
     name="$option-$v-$b"
+    rm -rf "${work:?}/$name" # (a run left there by an earlier call would be resumed, not profiled)
     if python3 -m benchmarks.step_profile --out "$out/$name.json" --warmup "${WARMUP:-24}" --steps "${STEPS:-12}" \
       --stacks "${STACKS:-0}" -- "${opts[@]}" ++out="$work/$name" ++loop.epochs=1000 ++loop.max_tokens_per_batch="$b" \
       ++loop.eval_every=0 ++loop.log_every=10 ++checkpoint.keep_best=false ++progress=false "++$option=$v" \

@@ -85,6 +85,11 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = compose("train", a.overrides, TrainConfig)
     assert cfg is not None
+    if Path(cfg.out).expanduser().is_dir() and any(Path(cfg.out).expanduser().iterdir()):
+        # (the trainer would resume the run there, and a finished one makes no step to profile)
+        raise SystemExit(
+            f"step_profile: out={cfg.out} already holds a run, which the trainer would resume: give an empty out="
+        )
     cfg.loop.max_steps = a.warmup + a.steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=activities, schedule=schedule(wait=a.warmup - 1, warmup=1, active=a.steps),

@@ -1350,3 +1350,40 @@ def test_a_superseded_head_leaves_the_results_with_its_reason_and_an_old_session
     assert ("ours", "recipe", "s3") in {(r.framework, r.head, r.session) for r in pr.load(out)[0]}
     with pytest.raises(SystemExit, match="no run of ours:recipe"):
         pr.supersede(tmp_path / "empty.json", "ours", "recipe", "x")
+
+
+def test_reinstated_runs_come_back_from_the_superseded_file_with_the_reason_and_a_newer_run_stands(tmp_path):
+    """A change turned out not to change what some superseded runs measure (a rerun of one of them
+    after it, equal): those named come back into the results, each with why and the superseding reason,
+    and leave the superseded file; a name the results hold again (measured since) is refused, and so is
+    a run the superseded file does not hold."""
+    out = tmp_path / "peers_h100.json"
+    old = [run(lr=1e-3, session="s1", tau_heldout=2.6, steps=100), run(lr=2e-3, session="s1", tau_heldout=2.62, steps=100),
+           run(lr=4e-3, session="s2", tau_heldout=2.16, steps=100), probe(session="s1", steady_step_s=0.24)]  # fmt: skip
+    out.write_text(json.dumps(pr.results(old, [{"id": "s1"}, {"id": "s2"}])))
+    pr.supersede(out, "ours", "recipe", "attention switched")
+    partial = tmp_path / "partial.json"  # the change's own rerun of lr 2e-3
+    partial.write_text(json.dumps(pr.results([run(lr=2e-3, session="s3", tau_heldout=2.62, steps=96)], [{"id": "s3"}])))
+    pr.merge_into(partial, out)
+    lr1, lr2, lr4 = (r.name for r in old[:3])
+    with pytest.raises(SystemExit, match="already holds .*session s3"):
+        pr.reinstate(out, [f"{lr2}@s1"], "x")
+    with pytest.raises(SystemExit, match="holds no run nope@s1"):
+        pr.reinstate(out, ["nope@s1"], "x")
+    assert pr.main(["reinstate", str(out), f"{lr1}@s1", f"{lr4}@s2", "--reason", "the rerun at 2e-3 equal"]) is None
+    runs, _ = pr.load(out)
+    got = {(r.lr, r.session): r for r in runs}
+    assert set(got) == {(1e-3, "s1"), (2e-3, "s3"), (4e-3, "s2")} and got[(2e-3, "s3")].reinstated is None
+    note = got[(1e-3, "s1")].reinstated
+    assert note is not None and note.startswith("the rerun at 2e-3 equal") and "attention switched" in note
+    assert got[(4e-3, "s2")].tau_heldout == 2.16 and got[(4e-3, "s2")].steps == 100  # as measured
+    left = json.loads(pr.superseded_path(out).read_text())["frameworks"]
+    assert sorted((r["lr"], r["kind"]) for r in left) == [(1e-3, "probe"), (2e-3, "sweep")]
+    table = json.loads(out.read_text())["tables"][-1]
+    assert table["title"].startswith("Runs brought back") and [r[1] for r in table["rows"]] == ["s1", "s2"]
+    assert pr.best(runs, "ours", pr.SWEEP_S).lr == 2e-3  # the sweep whole again: its best is chosen
+    partial.write_text(json.dumps(pr.results(old[:1], [{"id": "s1"}])))
+    pr.merge_into(partial, out)  # the old session merged again: the reinstated run stays, once, with its note
+    again = pr.load(out)[0]
+    assert sorted((r.lr, r.session) for r in again) == [(1e-3, "s1"), (2e-3, "s3"), (4e-3, "s2")]
+    assert [r.reinstated for r in again if r.lr == 1e-3] == [note]

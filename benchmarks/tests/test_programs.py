@@ -205,10 +205,10 @@ def test_step_ab_profiles_the_recipes_own_step_at_each_value_of_an_option(tmp_pa
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))  # fmt: skip
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    done = subprocess.run([str(LAB / "step_ab.sh"), str(tmp_path / "out"), str(convs), "runtime.cudnn_attention",
-                           "true false", "300", "target=tiny", "train.prepared.draft_vocab_size=64",
-                           "train.prepared.aux_indices=[1,2,3]", "train.runtime.compile=false",
-                           "train.loop.min_steps=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    call = [str(tmp_path / "out"), str(convs), "runtime.cudnn_attention", "true false", "300", "target=tiny",
+            "train.prepared.draft_vocab_size=64", "train.prepared.aux_indices=[1,2,3]", "train.runtime.compile=false",
+            "train.loop.min_steps=1"]  # fmt: skip
+    done = subprocess.run([str(LAB / "step_ab.sh"), *call], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert [line.split()[0] for line in lines] == [
@@ -222,4 +222,23 @@ def test_step_ab_profiles_the_recipes_own_step_at_each_value_of_an_option(tmp_pa
         assert "++model.intermediate_size=6144" in args and "++target=tiny" in args  # the recipe's, and the run's
         assert [a for a in args if a.startswith("++loop.max_tokens_per_batch=")] == ["++loop.max_tokens_per_batch=300"]
         assert len([a for a in args if a.startswith("++out=")]) == 1
-    assert (tmp_path / "w/prepare.log").is_file()
+    prepared = (tmp_path / "w/prepare.log").stat().st_mtime_ns
+    # again into another OUT: the same prepared data, and the run a profile left in WORK starts afresh
+    again = [str(tmp_path / "out2"), *call[1:3], "false", *call[4:]]
+    done = subprocess.run([str(LAB / "step_ab.sh"), *again], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0 and "failed" not in done.stdout, done.stdout + done.stderr[-3000:]
+    assert Result.read(tmp_path / "out2/runtime.cudnn_attention-false-300.json").figures["steps_profiled"] == 2
+    assert (tmp_path / "w/prepare.log").stat().st_mtime_ns == prepared  # (not prepared again)
+
+
+def test_step_profile_refuses_an_out_that_holds_a_run(tmp_path):
+    """The trainer would resume a run left in out= (a finished one makes no step to profile): refused
+    before anything loads, naming the option."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/metrics.jsonl").write_text("{}\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--out", str(tmp_path / "p.json"), "--",
+                           "++target=tiny", f"++data={tmp_path}", f"++out={tmp_path / 'run'}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode != 0 and f"out={tmp_path / 'run'} already holds a run" in done.stderr
+    assert not (tmp_path / "p.json").exists()
