@@ -18,7 +18,8 @@ alone on the GPU (measured by a short probe where no earlier run on this kind of
 its lr schedule ends with the budget; start-up, compilation and the data preparation are measured
 apart. Data preparation and probes run alone; the sized runs then share the GPU ``--lanes`` at a
 time (their step counts, and so their drafts, are the same either way; only their clocks slow), mixed
-across frameworks, and a run the results file already holds evaluated is not run again. Heads: ``ours:recipe`` (as shipped: AdamW), ``ours:muon`` (the recipe with
+across frameworks, and a run the results file already holds evaluated, at steps within 5 % of what it is
+sized to now, is not run again (``plan`` names those it holds). Heads: ``ours:recipe`` (as shipped: AdamW), ``ours:muon`` (the recipe with
 Muon on the matrices, speculators' default optimizer; its lrs are optim.muon_lr), ``FW:default`` (the
 peer's own) and ``FW:matched`` (shaped like ours where its options allow; the results name what is
 missing): two configurations a framework, each swept at three lrs. Each draft is evaluated
@@ -51,7 +52,7 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -852,11 +853,16 @@ def runs_wanted(a: argparse.Namespace, known: list) -> list[tuple[str, str, floa
     return out
 
 
+SIZED_WITHIN = 0.05  # a run held at steps within this share of what it is sized to now is done
+
+
 def done(known: list, spec: RunSpec) -> bool:
     """The results already hold this run evaluated (a final: on MT-bench too) at the steps it is sized
-    to now (one sized from an earlier step time runs again)."""
-    return any(r.name == spec.name and r.steps_planned == spec.steps_planned and r.tau_heldout is not None
-               and (r.kind != "final" or r.tau_mtbench is not None) for r in known)  # fmt: skip
+    to now, within ``SIZED_WITHIN`` (one sized from a step time that has moved further runs again: two
+    H100s' steps differ by more than that, a 60-step probe's from a 300-step one's by far more)."""
+    return any(r.name == spec.name and abs(r.steps_planned - spec.steps_planned) <= SIZED_WITHIN * spec.steps_planned
+               and r.tau_heldout is not None and (r.kind != "final" or r.tau_mtbench is not None)
+               for r in known)  # fmt: skip
 
 
 def job(a: argparse.Namespace) -> None:
@@ -1346,15 +1352,24 @@ def main(argv: list[str] | None = None) -> None:
                       "then sized steps each")  # fmt: skip
                 continue
             kind = "sweep" if budget == SWEEP_S else "final"
+            # (the head family as head_shape gives it: ModelOpt's own head is EAGLE-3; a matched one copies ours')
+            family = {"variant": "eagle3" if (fw, head) == ("modelopt", "default") else a.variant or ours_head()["variant"]}
             spec = RunSpec(fw, head, kind, budget, lrs[0], seeds[0], sized_steps(fw, budget, timing[0]), a.n,
-                           device=a.device, planned_step_s=timing[0], lanes=a.lanes)  # fmt: skip
+                           device=a.device, planned_step_s=timing[0], lanes=a.lanes, head_shape=family)  # fmt: skip
+            held = [f"lr {lr:g} seed {seed}" for lr in lrs for seed in seeds
+                    if done(known, replace(spec, lr=lr, seed=seed))]  # fmt: skip
+            if len(held) == len(lrs) * len(seeds):
+                print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: all held in the results")
+                continue
+            lrs = [lr for lr in lrs if any(f"lr {lr:g} seed {seed}" not in held for seed in seeds)]
+            held_note = f" (held in the results: {', '.join(held)})" if held else ""
             peak = lane_peak(known, spec, PLAN_GPU_MIB.get(a.device, 0))
             serving = (
                 f", then {serve_mib(PLAN_GPU_MIB.get(a.device, 0)) / 1024:.1f} GiB serving" if kind == "final" else ""
             )
             print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {spec.steps_planned} steps each, about "
                   f"{expected_s(known, spec, a.slowdown):.0f} s from its start sharing the GPU, its lane "
-                  f"{'unknown' if peak is None else f'{peak / 1024:.1f} GiB'}{serving}")  # fmt: skip
+                  f"{'unknown' if peak is None else f'{peak / 1024:.1f} GiB'}{serving}{held_note}")  # fmt: skip
         print(f"sized runs {a.lanes} at a time on the GPU within {a.memory_gib:g} GiB; data and probes alone")
     else:
         poll(a.seconds, a.dest)

@@ -1107,6 +1107,11 @@ def test_a_run_sized_from_an_earlier_step_time_is_not_done_and_runs_again():
     assert now.name == old.name and not pg.done([old], now)
     now.steps_planned = 353
     assert pg.done([old], now)
+    # within 5 % of the steps it is sized to now (ours' sweep before and after the attention switch: 750, 720)
+    old.steps_planned, now.steps_planned = 750, 720
+    assert pg.done([old], now)
+    now.steps_planned = 714  # (750 is 36 over: more than 5 % of 714)
+    assert not pg.done([old], now)
 
 
 def test_modelopts_tokens_per_second_are_its_samples_mean_tokens_over_its_steady_step(tmp_path, monkeypatch):
@@ -1221,8 +1226,13 @@ def test_plan_tells_each_runs_expected_seconds_and_lane_as_the_job_would_judge_t
     assert f"its lane {30000 / 1024:.1f} GiB" in ours
     assert modelopt.startswith("modelopt:default 600 s") and "a 300-step probe first" in modelopt
     assert lanes.startswith("sized runs 5 at a time on the GPU within 64 GiB")
-    pg.main(["plan", "sweep", "ours", "--lrs", "2e-3", "--device", "h100", "--slowdown", "2"])
-    assert f"about {600 * 0.3 * 2 + 100 + pg.EVAL_S:.0f} s" in capsys.readouterr().out  # (the operator's slowdown)
+    pg.main(["plan", "sweep", "ours", "--lrs", "2e-3", "4e-3", "--device", "h100", "--slowdown", "2"])
+    recipe = capsys.readouterr().out.splitlines()[0]
+    assert f"about {600 * 0.3 * 2 + 100 + pg.EVAL_S:.0f} s" in recipe  # (the operator's slowdown)
+    # lr 2e-3 is held (evaluated at the steps it is sized to now): only 4e-3 is left to run
+    assert "lrs [0.004]" in recipe and recipe.endswith("(held in the results: lr 0.002 seed 0)")
+    pg.main(["plan", "sweep", "ours:recipe", "--lrs", "2e-3", "--device", "h100"])
+    assert capsys.readouterr().out.startswith("ours:recipe 180 s, lrs [0.002], seeds [0]: all held in the results")
     known.append(probe("specforge", "default", steps=200, steady_step_s=0.0607))  # (180 s: 2,965 steps)
     pg.main(["plan", "sweep", "specforge:default", "--device", "h100"])
     assert "2960 steps each" in capsys.readouterr().out  # (as the job sizes it: whole windows of its step log)
