@@ -1353,7 +1353,9 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             kind = "sweep" if budget == SWEEP_S else "final"
             # (the head family as head_shape gives it: ModelOpt's own head is EAGLE-3; a matched one copies ours')
-            family = {"variant": "eagle3" if (fw, head) == ("modelopt", "default") else a.variant or ours_head()["variant"]}
+            family = {
+                "variant": "eagle3" if (fw, head) == ("modelopt", "default") else a.variant or ours_head()["variant"]
+            }
             spec = RunSpec(fw, head, kind, budget, lrs[0], seeds[0], sized_steps(fw, budget, timing[0]), a.n,
                            device=a.device, planned_step_s=timing[0], lanes=a.lanes, head_shape=family)  # fmt: skip
             held = [f"lr {lr:g} seed {seed}" for lr in lrs for seed in seeds
