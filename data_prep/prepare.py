@@ -63,6 +63,7 @@ from eagle3_train.core.split import COPY_SHIFT, MAX_COPIES, copy_id
 from eagle3_train.core.stagedir import StageDir, hold_lock
 from eagle3_train.engines import registry
 from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target, text_config
+from eagle3_train.targets.identity import tokenizer_facts
 
 logger = logging.getLogger(__name__)
 
@@ -667,6 +668,7 @@ class Preparer:
         body = {
             "fingerprint": self.fingerprint,
             "target": self.target.identity.to_dict(),
+            "tokenizer": tokenizer_facts(self.target.tokenizer),  # (explains a tokenizer_hash that differs later)
             "config": config_dict(self.cfg),
             "dataset": "dataset",
             "counts": counts,

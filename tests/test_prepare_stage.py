@@ -322,3 +322,42 @@ def test_repeat_writes_copies_with_consecutive_ids_and_old_outputs_stay_valid(tm
         prepare(path, out="once", sample_id_offset=100, repeat=2)
     with pytest.raises(Exception, match="repeat"):
         prepare(path, out="never", repeat=0)
+
+
+def test_data_of_another_tokenizer_is_refused_with_what_differs(tmp_path, write_jsonl, prepare):
+    """Prepared for one tokenizer, read for a target whose tokenizer differs (here a saved copy of the
+    tiny target with another eos token, as a GGUF can load under another transformers): refused, and
+    the message says which special tokens and parts differ, from the facts the manifest recorded. A
+    manifest from before those facts is still refused, without them."""
+    from eagle3_train.core.prepared import PreparedData
+    from eagle3_train.targets import load_target
+    from eagle3_train.targets.identity import tokenizer_differences, tokenizer_facts
+
+    data = write_jsonl([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    manifest, _ = prepare(data)
+    tiny = load_target("tiny", cache_dir=None, load_model=False)
+    assert manifest["tokenizer"] == tokenizer_facts(tiny.tokenizer)
+    tok = tiny.tokenizer
+    tok.add_special_tokens({"eos_token": "<|other_end|>"})
+    tok.save_pretrained(tmp_path / "m")
+    tiny.config.save_pretrained(tmp_path / "m")
+    other = load_target(str(tmp_path / "m"), cache_dir=None, load_model=False)
+    assert other.identity.tokenizer_hash != tiny.identity.tokenizer_hash
+    with pytest.raises(ContractError) as e:
+        PreparedData(tmp_path / "prepared").identity_for(other, "mine")
+    said = str(e.value)
+    there = manifest["tokenizer"]["special_tokens"]["eos_token"]
+    assert f"eos_token {there!r} there, '<|other_end|>' here" in said and "other parts: added_tokens" in said
+    assert "loaded by" not in said and said.endswith("prepare the data with this target, where it trains")
+    # a manifest written before the facts: the same refusal, without them
+    path = tmp_path / "prepared/manifest.json"
+    old = json.loads(path.read_text())
+    del old["tokenizer"]
+    path.write_text(json.dumps(old))
+    with pytest.raises(ContractError, match=r"tokenises differently \([0-9a-f]{12}\): prepare the data"):
+        PreparedData(tmp_path / "prepared").identity_for(other, "mine")
+    # the libraries, where they differ (the GGUF's tokenizer under transformers 5.25 and 5.17)
+    facts = tokenizer_facts(tiny.tokenizer)
+    moved = {**facts, "transformers": "5.17.0"}
+    assert tokenizer_differences(facts, moved) == f"loaded by transformers {facts['transformers']} there, 5.17.0 here"
+    assert tokenizer_differences(facts, facts) == ""

@@ -63,10 +63,17 @@ class PreparedData:
         tokenizer), and the chat template is the one the data was rendered with."""
         have, mine = self.target, target.identity
         if have.tokenizer_hash != mine.tokenizer_hash:
+            how = ""
+            if "tokenizer" in self.manifest:  # (what it recorded: manifests since 2026-12-07)
+                from eagle3_train.targets.identity import tokenizer_differences, tokenizer_facts
+
+                how = tokenizer_differences(self.manifest["tokenizer"], tokenizer_facts(target.tokenizer))
+                how = f" ({how})" if how else ""
             raise ContractError(
                 f"{self.path} was prepared with the tokenizer of {have.path} "
                 f"(tokenizer_hash {have.tokenizer_hash[:12]}), but target {name} tokenises "
-                f"differently ({mine.tokenizer_hash[:12]}): prepare the data with this target"
+                f"differently ({mine.tokenizer_hash[:12]}){how}: prepare the data with this target, "
+                "where it trains"
             )
         if have.config_hash != mine.config_hash:
             logger.info(f"note: data prepared with {have.path}, running {mine.path} (same tokenizer, other model)")
