@@ -61,9 +61,9 @@ from eagle3_train.core.log import LogConfig, progress_bar
 from eagle3_train.core.reasoning import check_template_kwargs, markers_for
 from eagle3_train.core.split import COPY_SHIFT, MAX_COPIES, copy_id
 from eagle3_train.core.stagedir import StageDir, hold_lock
+from eagle3_train.core.tokenizer_spec import tokenizer_facts
 from eagle3_train.engines import registry
 from eagle3_train.targets import Target, chat_template_of, eos_ids, load_target, text_config
-from eagle3_train.targets.identity import tokenizer_facts
 
 logger = logging.getLogger(__name__)
 

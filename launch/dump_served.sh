@@ -17,7 +17,8 @@
 # go to <out>/engine/<host>/engine<i>.log. An engine that stops early stops the clients too. To use
 # engines already running elsewhere, skip this script: run `eagle3-dump backend=... server.url=...`
 # on any hosts with client.rank / client.world_size.
-# Stopped or killed, run the same command again: the clients resume after the stored samples.
+# Stopped or killed, run the same command again: the clients resume after the stored samples. When it
+# stops, a client still running STOP_GRACE_S (60) seconds after its SIGTERM is killed.
 # Several hosts, each with its own engine: CLIENT_RANK_OFFSET and CLIENT_WORLD_SIZE place this host's
 # clients among all of them (launch/slurm/dump_served.sbatch sets both).
 set -euo pipefail
@@ -38,6 +39,16 @@ engines=$!
 clients=()
 stop() {  # SIGTERM: the engine process stops its servers before it exits
     kill "$engines" "${clients[@]}" 2>/dev/null || true
+    # a client still running STOP_GRACE_S after (a SIGTERM that lands while Python imports can be
+    # lost) is killed: clients resume after the stored samples; the engine process is only waited for
+    local live=("${clients[@]}")
+    for ((t = 0; t < ${STOP_GRACE_S:-60} && ${#live[@]} > 0; t++)); do
+        sleep 1
+        local next=()
+        for p in "${live[@]}"; do ! kill -0 "$p" 2>/dev/null || next+=("$p"); done
+        live=("${next[@]}")
+    done
+    [ ${#live[@]} -eq 0 ] || kill -KILL "${live[@]}" 2>/dev/null || true
     wait || true
 }
 trap stop EXIT

@@ -330,8 +330,8 @@ def test_data_of_another_tokenizer_is_refused_with_what_differs(tmp_path, write_
     the message says which special tokens and parts differ, from the facts the manifest recorded. A
     manifest from before those facts is still refused, without them."""
     from eagle3_train.core.prepared import PreparedData
+    from eagle3_train.core.tokenizer_spec import tokenizer_differences, tokenizer_facts
     from eagle3_train.targets import load_target
-    from eagle3_train.targets.identity import tokenizer_differences, tokenizer_facts
 
     data = write_jsonl([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
     manifest, _ = prepare(data)

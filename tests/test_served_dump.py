@@ -595,3 +595,31 @@ def test_every_printed_engine_command_parses_by_its_engines_flags(tmp_path):
             assert aux["--return-aux-hidden-state-layer-ids"] == [0, 1, 2] and aux["--chunked-prefill-size"] == -1
             assert final["--enable-return-hidden-states"] is True and final["--port"] == 30001
         assert len(commands) + 1 == want  # the engine command(s), and the client's
+
+
+def test_a_client_that_misses_its_sigterm_is_killed_after_the_grace(tmp_path):
+    """The engine process ends first (its options refused), so dump_served.sh stops the clients; one
+    whose SIGTERM is lost (here: it ignores it; in CI, one landed while Python imported) is killed
+    STOP_GRACE_S later instead of holding the script forever. The engine's status is the script's."""
+    import os
+    import time
+    from pathlib import Path
+
+    fake = tmp_path / "dump.sh"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'case " $* " in\n'
+        '  *" serve=true "*) sleep 1; exit 3 ;;\n'
+        f"  *) echo $$ > {tmp_path / 'client.pid'}; trap '' TERM; exec sleep 300 ;;\n"
+        "esac\n"
+    )
+    fake.chmod(0o755)
+    env = dict(os.environ, EAGLE3_DUMP=str(fake), STOP_GRACE_S="2")
+    script = Path(__file__).resolve().parents[1] / "launch" / "dump_served.sh"
+    began = time.monotonic()
+    done = subprocess.run(["bash", str(script), "target=x"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and "the engine process ended (status 3)" in done.stderr
+    assert time.monotonic() - began < 30
+    pid = int((tmp_path / "client.pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

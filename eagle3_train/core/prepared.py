@@ -20,6 +20,7 @@ import torch
 from eagle3_train.core.contract import TargetIdentity, read_manifest
 from eagle3_train.core.errors import BadInputError, ContractError, IncompleteError
 from eagle3_train.core.split import split_eval
+from eagle3_train.core.tokenizer_spec import tokenizer_differences, tokenizer_facts
 from eagle3_train.core.vocab import VocabMap, build_vocab_map, capped_draft_size, count_tokens
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,6 @@ class PreparedData:
         if have.tokenizer_hash != mine.tokenizer_hash:
             how = ""
             if "tokenizer" in self.manifest:  # (what it recorded: manifests since 2026-12-07)
-                from eagle3_train.targets.identity import tokenizer_differences, tokenizer_facts
-
                 how = tokenizer_differences(self.manifest["tokenizer"], tokenizer_facts(target.tokenizer))
                 how = f" ({how})" if how else ""
             raise ContractError(
