@@ -1358,13 +1358,12 @@ def main(argv: list[str] | None = None) -> None:
             }
             spec = RunSpec(fw, head, kind, budget, lrs[0], seeds[0], sized_steps(fw, budget, timing[0]), a.n,
                            device=a.device, planned_step_s=timing[0], lanes=a.lanes, head_shape=family)  # fmt: skip
-            held = [f"lr {lr:g} seed {seed}" for lr in lrs for seed in seeds
-                    if done(known, replace(spec, lr=lr, seed=seed))]  # fmt: skip
+            held = [(lr, seed) for lr in lrs for seed in seeds if done(known, replace(spec, lr=lr, seed=seed))]
             if len(held) == len(lrs) * len(seeds):
                 print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: all held in the results")
                 continue
-            lrs = [lr for lr in lrs if any(f"lr {lr:g} seed {seed}" not in held for seed in seeds)]
-            held_note = f" (held in the results: {', '.join(held)})" if held else ""
+            lrs = [lr for lr in lrs if any((lr, seed) not in held for seed in seeds)]
+            held_note = f" (held in the results: {', '.join(f'lr {lr:g} seed {s}' for lr, s in held)})" if held else ""
             peak = lane_peak(known, spec, PLAN_GPU_MIB.get(a.device, 0))
             serving = (
                 f", then {serve_mib(PLAN_GPU_MIB.get(a.device, 0)) / 1024:.1f} GiB serving" if kind == "final" else ""

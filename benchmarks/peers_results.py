@@ -610,7 +610,8 @@ def reinstate(out: Path, keys: list[str], reason: str) -> int:
     returned = [Run.from_dict({k: v for k, v in r.items() if k not in extra}) for r in back]
     for r, old in zip(returned, back):
         r.reinstated = f"{reason} (superseded on {old['superseded_on']}: {old['superseded']}; reinstated {_today()})"
-    _write_superseded(out, [r for i, r in enumerate(away) if i not in {index[k] for k in keys}])
+    taken = {index[k] for k in keys}
+    _write_superseded(out, [r for i, r in enumerate(away) if i not in taken])
     out.write_text(json.dumps(results(runs + returned, sessions), indent=1) + "\n")
     return len(returned)
 

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = compose("train", a.overrides, TrainConfig)
     assert cfg is not None
-    if Path(cfg.out).expanduser().is_dir() and any(Path(cfg.out).expanduser().iterdir()):
+    if (run_dir := Path(cfg.out).expanduser()).is_dir() and any(run_dir.iterdir()):
         # (the trainer would resume the run there, and a finished one makes no step to profile)
         raise SystemExit(
             f"step_profile: out={cfg.out} already holds a run, which the trainer would resume: give an empty out="
