@@ -3,6 +3,7 @@
     python3 benchmarks/peers_results.py merge PARTIAL_OR_DIR benchmarks/results/peers_h100.json
     python3 benchmarks/peers_results.py supersede benchmarks/results/peers_h100.json ours:recipe --reason "..."
     python3 benchmarks/peers_results.py reinstate benchmarks/results/peers_h100.json NAME@SESSION ... --reason "..."
+    python3 benchmarks/peers_results.py note benchmarks/results/peers_h100.json SESSION --text "..."
 
 ``PARTIAL_OR_DIR``: the ``peers_partial.json`` a poll of ``benchmarks/peers_gpu.py`` brought back, or
 the folder its ``poll.tgz`` was unpacked into (read afresh). Runs are keyed by name (framework, head,
@@ -12,7 +13,9 @@ the file (into ``<file>_superseded.json``, with the reason) where a change to th
 what its runs would measure, e.g. ours' step time: its probe, sweep and finals then run again, and
 merging an old session's folder does not bring the taken-out runs back. ``reinstate`` brings named
 runs back, with the reason, where a measurement showed that the change did not change what they
-measure (e.g. a rerun of one of them after the change, equal within its spread).
+measure (e.g. a rerun of one of them after the change, equal within its spread). ``note`` writes a
+session's note (what the machine did, what was left and why): the session's folder does not carry it,
+so merging that folder again keeps the note the file holds.
 
 Budgets are seconds of *steady* training loop: each framework's start-up (model load, data loading)
 and the compilation of its first steps are measured and reported apart (:func:`split_compile`), and
@@ -616,6 +619,16 @@ def reinstate(out: Path, keys: list[str], reason: str) -> int:
     return len(returned)
 
 
+def note(out: Path, session: str, text: str) -> None:
+    """``text`` as the note of the session ``session`` in the results file ``out`` (replacing its note)."""
+    runs, sessions = load(out)
+    ids = [str(s.get("id")) for s in sessions]
+    if session not in ids:
+        raise SystemExit(f"peers_results: {out} holds no session {session} (its sessions: {', '.join(sorted(ids)) or 'none'})")
+    sessions = [{**s, "note": text} if s.get("id") == session else s for s in sessions]
+    out.write_text(json.dumps(results(runs, sessions), indent=1) + "\n")
+
+
 def _write_superseded(out: Path, moved: list[dict[str, Any]]) -> None:
     columns = ("name", "session", "steps", "planned_step_s", "tau_heldout", "superseded_on", "superseded")
     superseded_path(out).write_text(json.dumps({
@@ -632,18 +645,26 @@ def _write_superseded(out: Path, moved: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["merge", "supersede", "reinstate"])
+    ap.add_argument("what", choices=["merge", "supersede", "reinstate", "note"])
     ap.add_argument("new", type=Path, help="merge: a poll's peers_partial.json, or an unpacked poll folder; "
                     "supersede, reinstate: the results file")  # fmt: skip
     ap.add_argument("out", nargs="+", help="merge: the results file (created, or merged into); supersede: "
-                    "FRAMEWORK:HEAD; reinstate: NAME@SESSION of each run (its superseded file's table names them)")  # fmt: skip
+                    "FRAMEWORK:HEAD; reinstate: NAME@SESSION of each run (its superseded file's table names them); "
+                    "note: the session's id")  # fmt: skip
     ap.add_argument("--reason", help="supersede: what changed, so that its runs measure something else now; "
                     "reinstate: the measurement that shows they still measure what they say")  # fmt: skip
+    ap.add_argument("--text", help="note: the session's note")
     a = ap.parse_args(argv)
     if a.what == "reinstate":
         if not a.reason:
             ap.error("reinstate takes NAME@SESSION ... and --reason")
         print(f"peers_results: {reinstate(a.new, a.out, a.reason)} runs back in {a.new} from {superseded_path(a.new)}")
+        return
+    if a.what == "note":
+        if len(a.out) != 1 or not a.text:
+            ap.error("note takes one SESSION and --text")
+        note(a.new, a.out[0], a.text)
+        print(f"peers_results: the note of session {a.out[0]} in {a.new}")
         return
     if len(a.out) != 1:
         ap.error(f"{a.what} takes one {'FRAMEWORK:HEAD' if a.what == 'supersede' else 'results file'}")
@@ -672,6 +693,9 @@ def merge_into(new: Path, out: Path) -> int:
     else:
         fresh, new_sessions = load(new)
     ids = {s.get("id") for s in new_sessions}
+    notes = {s.get("id"): s["note"] for s in sessions if s.get("note")}  # (written here, not in the folder)
+    new_sessions = [{**s, "note": notes[s.get("id")]} if not s.get("note") and s.get("id") in notes else s
+                    for s in new_sessions]  # fmt: skip
     sessions = [s for s in sessions if s.get("id") not in ids] + new_sessions
     gone = {(r["name"], r.get("session")) for r in _superseded(out)}  # (an old session's folder merged again)
     merged = merge(runs, [r for r in fresh if (r.name, r.session) not in gone])

@@ -1397,3 +1397,24 @@ def test_reinstated_runs_come_back_from_the_superseded_file_with_the_reason_and_
     again = pr.load(out)[0]
     assert sorted((r.lr, r.session) for r in again) == [(1e-3, "s1"), (2e-3, "s3"), (4e-3, "s2")]
     assert [r.reinstated for r in again if r.lr == 1e-3] == [note]
+
+
+def test_a_sessions_note_is_written_here_and_stays_when_its_folder_is_merged_again(tmp_path):
+    """A session's note (what its machine did, what was left) is written into the results file; its
+    folder carries none, so merging that folder again keeps the note, and a new note replaces it. A
+    session the file does not hold is refused with the ones it does."""
+    out = tmp_path / "peers_h100.json"
+    out.write_text(json.dumps(pr.results([run(session="s1", tau_heldout=2.6)], [{"id": "s1"}, {"id": "s2"}])))
+    assert pr.main(["note", str(out), "s1", "--text", "the machine came late"]) is None
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps(pr.results([run(session="s1", tau_heldout=2.6)], [{"id": "s1", "device": "h100"}])))
+    pr.merge_into(partial, out)
+    sessions = {s["id"]: s for s in pr.load(out)[1]}
+    assert sessions["s1"] == {"id": "s1", "device": "h100", "note": "the machine came late"}
+    assert "note" not in sessions["s2"]
+    pr.note(out, "s1", "replaced")
+    assert {s["id"]: s.get("note") for s in pr.load(out)[1]} == {"s1": "replaced", "s2": None}
+    with pytest.raises(SystemExit, match="holds no session s9 .*s1, s2"):
+        pr.note(out, "s9", "x")
+    with pytest.raises(SystemExit):
+        pr.main(["note", str(out), "s1"])  # (no --text)
