@@ -12,7 +12,8 @@
            expected seconds sharing the GPU and its lane's memory, as --end-by-s and --memory-gib judge them; no GPU)
 
 Every framework trains on the same conversations (the smollm2 recipe's synthesized ones) for a
-budget of steady training loop (``sweep``: 3 minutes at three learning rates; ``final``: 10 minutes at
+budget of steady training loop (``sweep``: 3 minutes at three learning rates, and past the grid's
+edge where a head's best lies there; ``final``: 10 minutes at
 the sweep's best head and lr, two seeds), stopped by a step count sized from its own steady step time
 alone on the GPU (measured by a short probe where no earlier run on this kind of GPU has it), so that
 its lr schedule ends with the budget; start-up, compilation and the data preparation are measured
@@ -22,7 +23,7 @@ across frameworks, and a run the results file already holds evaluated, at steps 
 sized to now, is not run again (``plan`` names those it holds). Heads: ``ours:recipe`` (as shipped: AdamW), ``ours:muon`` (the recipe with
 Muon on the matrices, speculators' default optimizer; its lrs are optim.muon_lr), ``FW:default`` (the
 peer's own) and ``FW:matched`` (shaped like ours where its options allow; the results name what is
-missing): two configurations a framework, each swept at three lrs. Each draft is evaluated
+missing): two configurations a framework, each swept at three lrs (and past an edge). Each draft is evaluated
 by eagle3-eval on the held-out prompts (and, in ``final``, on MT-bench and served by vLLM). Each poll
 packs the session so far into ``poll.tgz`` and ``peers_partial.json``: a machine taken back mid-run
 loses only what the last poll had not packed. The shared set (``.peers/data/<DATA_SET>``), where
@@ -62,6 +63,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from peers_results import (  # noqa: E402
     FINAL_S,
     FRAMEWORKS,
+    SEED,
     STEP_TOKENS,
     SWEEP_S,
     Run,
@@ -77,6 +79,7 @@ from peers_results import (  # noqa: E402
     read_session,
     results,
     step_time,
+    sweep_lrs,
 )
 
 from eagle3_train.engines.launcher import stop_group  # noqa: E402
@@ -88,10 +91,6 @@ DATA_N = 16384  # conversations of the shared set (synthesized by the first sess
 # states for them are about 15 GB (73,728 would be 67 GB, past the 64 GiB disk); every budget takes several epochs
 DATA_SET = f"smollm2_synth_{DATA_N}.jsonl.gz"
 DATA_PART = 12 << 20  # bytes per part of it that a poll brings out
-LRS = {"ours": (1e-3, 2e-3, 4e-3), "speculators": (3e-4, 1e-3, 3e-3), "modelopt": (1e-4, 3e-4, 1e-3),
-       "specforge": (3e-5, 1e-4, 3e-4),
-       "ours:muon": (2e-2, 4e-2, 8e-2)}  # fmt: skip  # (ours:muon's lr is optim.muon_lr; optim.lr stays the recipe's)
-SEED = {"ours": 0, "speculators": 42, "modelopt": 42, "specforge": 42}  # each one's default seed; the second is +1
 HEADS = {"ours": ("recipe", "muon"), "speculators": ("default", "matched"), "modelopt": ("default", "matched"),
          "specforge": ("default", "matched")}  # fmt: skip
 PROBE_STEPS = {"ours": 300, "speculators": 200, "modelopt": 300, "specforge": 200}  # (ModelOpt's bar: whole seconds;
@@ -844,7 +843,9 @@ def runs_wanted(a: argparse.Namespace, known: list) -> list[tuple[str, str, floa
         if a.what == "sweep":
             for h in [head] if head else HEADS[fw]:
                 if not any(w[:2] == (fw, h) for w in out):  # (ours and ours:recipe: one group)
-                    out.append((fw, h, SWEEP_S, a.lrs or list(LRS.get(f"{fw}:{h}", LRS[fw])), a.seeds or [SEED[fw]]))
+                    seeds = a.seeds or [SEED[fw]]  # (its grid, and past its edge where its best lies there)
+                    lrs = a.lrs or sweep_lrs(known, fw, h, seeds[0])
+                    out.append((fw, h, SWEEP_S, lrs, seeds))
             continue
         top = best([r for r in known if not head or r.head == head], fw)  # (a head named: that head's best lr)
         if top is None and (a.lrs is None or not head):
@@ -925,8 +926,8 @@ def job(a: argparse.Namespace) -> None:
 
     def swept(fw: str) -> list[tuple[str, str, float, list[float], list[int]]]:
         """The framework's sweep as it is sized now. A final job: its heads asked (all where none is
-        named) at their three lrs. A sweep's finals (--then-final): every head of the framework, this
-        job's as it sweeps them and the others at their three lrs (its best goes on, whichever head)."""
+        named) at their sweep's lrs. A sweep's finals (--then-final): every head of the framework, this
+        job's as it sweeps them and the others at their sweep's lrs (its best goes on, whichever head)."""
         three = argparse.Namespace(**{**vars(a), "what": "sweep", "lrs": None, "seeds": None})
         if a.what != "sweep":
             return [w for w in runs_wanted(three, s.known) if w[0] == fw]

@@ -43,6 +43,10 @@ from typing import Any
 SCHEMA = 1
 FRAMEWORKS = ("ours", "speculators", "modelopt", "specforge")
 SWEEP_S, FINAL_S = 180.0, 600.0  # the two budgets: the lr sweep's and the seeds'
+LRS = {"ours": (1e-3, 2e-3, 4e-3), "speculators": (3e-4, 1e-3, 3e-3), "modelopt": (1e-4, 3e-4, 1e-3),
+       "specforge": (3e-5, 1e-4, 3e-4),
+       "ours:muon": (2e-2, 4e-2, 8e-2)}  # fmt: skip  # (ours:muon's lr is optim.muon_lr; optim.lr stays the recipe's)
+SEED = {"ours": 0, "speculators": 42, "modelopt": 42, "specforge": 42}  # each one's default seed; the second is +1
 BAR_GAP_S = 10.0  # seconds between the readings of a progress bar's whole-second clock that time its steps
 NOT_RUN = {  # (a framework's entry goes once the file holds a run of it)
     "specforge": "SpecForge 0.2.0 captures the target's states with SGLang 0.5.14 only, which needs transformers "
@@ -203,6 +207,33 @@ def best(runs: list[Run], framework: str, budget_s: float = SWEEP_S) -> Run | No
     return max(scored, key=lambda r: r.tau_heldout) if scored else None
 
 
+PAST_EDGE = 2  # a sweep whose best lr is its highest (lowest) runs on past it, at most this many lrs a side
+
+
+def sweep_lrs(runs: list[Run], framework: str, head: str, seed: int | None = None) -> list[float]:
+    """The lrs of a framework's head to sweep: its grid (``LRS``), and where the grid is scored (held-out
+    tau at the sweep's budget, ``seed``: its default) and its best lr is at an end of what ran (ties
+    count: the best may lie further), one lr further that way, by the ratio of the two lrs at that end
+    rounded to one digit, and again once that one is scored, at most ``PAST_EDGE`` a side. The same rule
+    for every framework: a best at the edge of a grid may not be the best."""
+    lrs = sorted(LRS.get(f"{framework}:{head}", LRS[framework]))
+    seed = SEED[framework] if seed is None else seed
+    tau = {r.lr: r.tau_heldout for r in runs if (r.framework, r.head, r.budget_s, r.seed) ==
+           (framework, head, SWEEP_S, seed) and r.tau_heldout is not None}  # fmt: skip
+    up = down = 0
+    while len(lrs) > 1 and all(lr in tau for lr in lrs):
+        top = max(tau[lr] for lr in lrs)
+        if tau[lrs[-1]] == top and up < PAST_EDGE:
+            lrs.append(float(f"{lrs[-1] * lrs[-1] / lrs[-2]:.0e}"))
+            up += 1
+        elif tau[lrs[0]] == top and down < PAST_EDGE:
+            lrs.insert(0, float(f"{lrs[0] * lrs[0] / lrs[1]:.0e}"))
+            down += 1
+        else:
+            break
+    return lrs
+
+
 def merge(old: list[Run], new: list[Run]) -> list[Run]:
     """``old`` with ``new`` in: a run of the same name is replaced unless the new one got less far."""
     out = {r.name: r for r in old}
@@ -253,6 +284,32 @@ def _one_set(runs: list[Run]) -> bool | None:
     return None if "" in shas else len(shas) == 1
 
 
+def sweeps_left(runs: list[Run], framework: str) -> list[str]:
+    """``head lr`` of each lr the framework's sweeps (of the heads the file holds sweep runs of) still
+    call for."""
+    heads = dict.fromkeys(r.head for r in runs if r.framework == framework and r.budget_s == SWEEP_S)
+    scored = {(r.head, r.lr) for r in runs if r.framework == framework and r.budget_s == SWEEP_S and
+              r.seed == SEED[framework] and r.tau_heldout is not None}  # fmt: skip
+    return [f"{h} {lr:g}" for h in heads for lr in sweep_lrs(runs, framework, h) if (h, lr) not in scored]
+
+
+def sweep_table(runs: list[Run]) -> dict[str, Any]:
+    """Each framework's head: its held-out tau at each lr it swept (3 minutes, its default seed), and
+    the lrs its sweep still calls for (its grid, and past an edge where its best lies there)."""
+    rows = []
+    for fw in FRAMEWORKS:
+        for head in dict.fromkeys(r.head for r in runs if r.framework == fw and r.budget_s == SWEEP_S):
+            tau = {r.lr: r.tau_heldout for r in runs if (r.framework, r.head, r.budget_s, r.seed) ==
+                   (fw, head, SWEEP_S, SEED[fw]) and r.tau_heldout is not None}  # fmt: skip
+            left = [lr for lr in sweep_lrs(runs, fw, head) if lr not in tau]
+            top = max(tau, key=lambda lr: tau[lr]) if tau else None
+            rows.append([f"{fw}:{head}", ", ".join(f"{lr:g}: {tau[lr]:.3f}" for lr in sorted(tau)) or "—",
+                         "—" if top is None else f"{top:g}", ", ".join(f"{lr:g}" for lr in left) or "—"])  # fmt: skip
+    return {"title": "The sweeps (3 minutes, each framework's default seed): held-out tau at each lr, the best, and "
+            "the lrs still to run (the grid, and past its edge where the best lies there)",
+            "header": ["framework:head", "held-out tau by lr", "best lr", "lrs still to run"], "rows": rows}  # fmt: skip
+
+
 def verdict(runs: list[Run]) -> dict[str, Any]:
     """Ours against each peer at each budget, each framework at its best configuration."""
     rows = []
@@ -269,13 +326,14 @@ def verdict(runs: list[Run]) -> dict[str, Any]:
                     [getattr(r, key) for r in theirs if getattr(r, key) is not None],
                 )
                 row += [c["diff"], c["spread"], c["beyond_spread"]]
-            row += [f"{mine[0].head} lr {mine[0].lr:g}", _mean_loop(mine), _mean_loop(theirs), _one_set(mine + theirs)]
+            row += [f"{mine[0].head} lr {mine[0].lr:g}", _mean_loop(mine), _mean_loop(theirs), _one_set(mine + theirs),
+                    "; ".join(f"{fw} {x}" for fw in ("ours", peer) for x in sweeps_left(runs, fw)) or "—"]  # fmt: skip
             rows.append(row)
     header = ["budget", "peer", "peer's config", "peer seeds"]
     for what in ("held-out tau", "MT-bench tau", "vLLM acceptance"):
         header += [f"ours ahead by ({what})", "seed spread", "beyond spread"]
     header += ["ours' config", "ours' loop s (alone)", "peer's loop s (alone)",  # (a budget one side missed shows)
-               "one data set"]  # fmt: skip
+               "one data set", "sweep lrs still to run (either side)"]  # fmt: skip
     return {"title": "Verdict: ours minus each peer, each at its best configuration (means over seeds)",
             "header": header, "rows": rows}  # fmt: skip
 
@@ -343,7 +401,7 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
         "schema": SCHEMA,
         "what": "ours, speculators 0.9.0, ModelOpt 0.47.0 and SpecForge 0.2.0 on the embedded SmolLM2-135M-Instruct: the same "
         "conversations, equal budgets of steady training loop (start-up and compilation apart), a three-lr sweep "
-        "at 3 minutes per framework and head, its best at 10 minutes with two seeds; one yardstick: eagle3-eval "
+        "at 3 minutes per framework and head (going on past the grid's edge where a head's best lies there), its best at 10 minutes with two seeds; one yardstick: eagle3-eval "
         "(chain k=5, greedy, fp32, lossless-checked, vLLM's rule) on the held-out prompts and MT-bench, and "
         "vLLM's acceptance length",
         "command": "python3 benchmarks/peers_gpu.py start sweep|final FRAMEWORK[:HEAD] ... (its --help)",
@@ -359,6 +417,7 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
         "frameworks": [asdict(r) | {"name": r.name} for r in order],
         "tables": [
             {**(v := verdict(runs)), "rows": [[_dash(x) for x in row] for row in v["rows"]]},
+            sweep_table(runs),
             {
                 "title": "Every run (seconds: steady loop, compilation, start-up, data preparation)",
                 "header": list(RUN_COLUMNS),
@@ -624,7 +683,9 @@ def note(out: Path, session: str, text: str) -> None:
     runs, sessions = load(out)
     ids = [str(s.get("id")) for s in sessions]
     if session not in ids:
-        raise SystemExit(f"peers_results: {out} holds no session {session} (its sessions: {', '.join(sorted(ids)) or 'none'})")
+        raise SystemExit(
+            f"peers_results: {out} holds no session {session} (its sessions: {', '.join(sorted(ids)) or 'none'})"
+        )
     sessions = [{**s, "note": text} if s.get("id") == session else s for s in sessions]
     out.write_text(json.dumps(results(runs, sessions), indent=1) + "\n")
 

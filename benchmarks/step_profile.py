@@ -10,7 +10,9 @@ device time is bound by the launches, not by the GPU.
 The options after ``--`` are eagle3-train's (``eagle3-run ... --cfg job`` prints a recipe's);
 ``loop.max_steps`` is set to the steps profiled, so the run ends there (its final evaluation and
 checkpoint come after the profile). Asked by the peers' side-by-side: at 8k-token batches ours' step
-took about 0.2 s on an H100, as at 32k (benchmarks/results/batch_probe_h100.json).
+took about 0.2 s on an H100, as at 32k (benchmarks/results/batch_probe_h100.json), with cuDNN's
+attention on; with it off (the default since), 0.115 s at 8k, 0.119 s at 16k and 0.224 s at 32k
+(benchmarks/results/step_ab_batch_h100.json, step_ab_cudnn_h100.json).
 """
 
 from __future__ import annotations

@@ -144,11 +144,12 @@ def test_a_difference_counts_only_beyond_the_seed_spread():
     assert row[:4] == ["10 min", "speculators", "default lr 0.001", 2] and row[4:7] == [0.45, 0.2, True]
     assert row[7:13] == [None] * 6  # MT-bench and vLLM: not measured for the peer
     # each side's loop alone (the peer's: not measured here); both trained on the same conversations
-    assert row[13:] == ["recipe lr 0.002", 595.0, None, True]
+    assert row[13:17] == ["recipe lr 0.002", 595.0, None, True]
+    assert row[17] == "ours recipe 0.001; ours recipe 0.004"  # (ours' sweep has one lr of its three)
     runs[3].data_sha256 = "b"  # a peer's seed on other conversations (a shared set synthesized again)
-    assert pr.verdict(runs)["rows"][0][-1] is False
+    assert pr.verdict(runs)["rows"][0][16] is False
     runs[3].data_sha256 = ""  # a run that does not say
-    assert pr.verdict(runs)["rows"][0][-1] is None
+    assert pr.verdict(runs)["rows"][0][16] is None
 
 
 def test_merging_replaces_a_run_unless_the_new_one_got_less_far():
@@ -891,12 +892,14 @@ def test_merging_from_a_path_that_is_not_there_says_so_and_writes_nothing(tmp_pa
 
 
 def swept_before(fw: str, head: str, step_s: float, tau: float) -> list[pr.Run]:
-    """A head's probe and its whole 3-minute sweep, done by an earlier job (each lr at ``tau``)."""
-    lrs, seed = pg.LRS.get(f"{fw}:{head}", pg.LRS[fw]), pg.SEED[fw]
+    """A head's probe and its whole 3-minute sweep, done by an earlier job (its middle lr at ``tau``, the
+    two others 0.05 below: its best inside the grid, so it goes no further)."""
+    lrs, seed = pr.LRS.get(f"{fw}:{head}", pr.LRS[fw]), pr.SEED[fw]
     steps = pg.sized_steps(fw, 180.0, step_s)
     shape = {"variant": pg.head_shape(fw, head, TARGET, "eagle3.1")[0].get("variant", "eagle3")}
     return [probe(fw, head, lrs[0], seed, steps=300, steady_step_s=step_s, head_shape=shape),
-            *(run(fw, head, 180.0, lr, seed, steps, steps=steps, tau_heldout=tau, head_shape=shape) for lr in lrs)]  # fmt: skip
+            *(run(fw, head, 180.0, lr, seed, steps, steps=steps, tau_heldout=tau - 0.05 * (i != 1), head_shape=shape)
+              for i, lr in enumerate(lrs))]  # fmt: skip
 
 
 def test_a_sweep_then_its_finals_in_one_job_each_final_after_its_frameworks_whole_sweep(tmp_path, monkeypatch):
@@ -962,7 +965,7 @@ def test_a_sweeps_finals_take_the_frameworks_best_head_whichever_this_job_swept(
     monkeypatch.setattr(pg.Session, "train", train)
     monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
     pg.main(["job", "sweep", "ours:muon", "--lanes", "1", "--then-final"])
-    assert events == [*(f"ours-muon-eagle3.1-n16384-180s-lr{lr:g}-seed0" for lr in pg.LRS["ours:muon"]),
+    assert events == [*(f"ours-muon-eagle3.1-n16384-180s-lr{lr:g}-seed0" for lr in pr.LRS["ours:muon"]),
                       "ours-recipe-eagle3.1-n16384-600s-lr0.002-seed0", "ours-recipe-eagle3.1-n16384-600s-lr0.002-seed1"]  # fmt: skip
     events.clear()
     stand_in_session(monkeypatch, tmp_path, None, [muon_probe, *recipe[:1]])  # (the recipe head probed, never swept)
@@ -1418,3 +1421,48 @@ def test_a_sessions_note_is_written_here_and_stays_when_its_folder_is_merged_aga
         pr.note(out, "s9", "x")
     with pytest.raises(SystemExit):
         pr.main(["note", str(out), "s1"])  # (no --text)
+
+
+def test_a_sweep_whose_best_lr_is_at_its_edge_goes_on_past_it_for_every_framework():
+    """The grid first; once it is scored, a best at its top (ties count) adds the next lr up by the ratio
+    at that end, rounded to one digit, and so on while the newest stays best, at most PAST_EDGE a side;
+    a best at the bottom goes down; an inside best, a grid not yet scored, another seed's or budget's
+    runs add nothing. runs_wanted (what a sweep job and plan run) follows it for each head."""
+    grid = (3e-4, 1e-3, 3e-3)
+
+    def scored(*pairs, fw="speculators", head="default", **kw):
+        return [run(fw, head, lr=lr, seed=42, tau_heldout=t, **kw) for lr, t in pairs]
+
+    assert pr.sweep_lrs([], "speculators", "default", 42) == [3e-4, 1e-3, 3e-3]
+    part = scored((3e-4, 2.4), (3e-3, 2.7))  # (1e-3 not scored yet)
+    assert pr.sweep_lrs(part, "speculators", "default", 42) == [3e-4, 1e-3, 3e-3]
+    inside = scored((3e-4, 2.4), (1e-3, 2.8), (3e-3, 2.7))
+    assert pr.sweep_lrs(inside, "speculators", "default", 42) == [3e-4, 1e-3, 3e-3]
+    top = scored((3e-4, 2.4), (1e-3, 2.6), (3e-3, 2.7))
+    assert pr.sweep_lrs(top, "speculators", "default", 42) == [3e-4, 1e-3, 3e-3, 9e-3]
+    assert pr.sweep_lrs(top, "speculators", "default", 43) == list(grid)  # (another seed's runs)
+    assert pr.sweep_lrs(top, "speculators", "matched", 42) == list(grid)  # (another head's)
+    finals = [run("speculators", "default", budget=600.0, lr=lr, seed=42, tau_heldout=t) for lr, t in
+              [(3e-4, 2.4), (1e-3, 2.6), (3e-3, 2.7)]]  # fmt: skip
+    assert pr.sweep_lrs(finals, "speculators", "default", 42) == list(grid)  # (not the sweep's budget)
+    tie = scored((3e-4, 2.4), (1e-3, 2.7), (3e-3, 2.7))
+    assert pr.sweep_lrs(tie, "speculators", "default", 42)[-1] == 9e-3
+    still = top + scored((9e-3, 2.8))
+    assert pr.sweep_lrs(still, "speculators", "default", 42) == [3e-4, 1e-3, 3e-3, 9e-3, 3e-2]
+    capped = still + scored((3e-2, 2.9))
+    assert pr.sweep_lrs(capped, "speculators", "default", 42) == [3e-4, 1e-3, 3e-3, 9e-3, 3e-2]
+    fell = top + scored((9e-3, 1.0))
+    assert pr.sweep_lrs(fell, "speculators", "default", 42) == [3e-4, 1e-3, 3e-3, 9e-3]
+    low = scored((1e-4, 1.6), (3e-4, 1.5), (1e-3, 1.4), fw="modelopt")
+    assert pr.sweep_lrs(low, "modelopt", "default", 42) == [3e-5, 1e-4, 3e-4, 1e-3]
+    ours = [run(lr=lr, tau_heldout=t) for lr, t in [(1e-3, 2.6), (2e-3, 2.62), (4e-3, 2.7)]]
+    assert pr.sweep_lrs(ours, "ours", "recipe", 0)[-1] == 8e-3
+    a = argparse.Namespace(what="sweep", frameworks=["speculators", "ours:recipe"], lrs=None, seeds=None)
+    assert [(fw, h, lrs) for fw, h, _, lrs, _ in pg.runs_wanted(a, top + ours)] == [
+        ("speculators", "default", [3e-4, 1e-3, 3e-3, 9e-3]), ("speculators", "matched", [3e-4, 1e-3, 3e-3]),
+        ("ours", "recipe", [1e-3, 2e-3, 4e-3, 8e-3])]  # fmt: skip
+    a.lrs = [5e-3]  # (lrs given: those)
+    assert {tuple(w[3]) for w in pg.runs_wanted(a, top + ours)} == {(5e-3,)}
+    (table,) = [t for t in pr.results(top + ours, [])["tables"] if t["title"].startswith("The sweeps")]
+    assert table["rows"] == [["ours:recipe", "0.001: 2.600, 0.002: 2.620, 0.004: 2.700", "0.004", "0.008"],
+                             ["speculators:default", "0.0003: 2.400, 0.001: 2.600, 0.003: 2.700", "0.003", "0.009"]]  # fmt: skip
