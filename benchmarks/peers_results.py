@@ -210,6 +210,13 @@ def best(runs: list[Run], framework: str, budget_s: float = SWEEP_S) -> Run | No
 PAST_EDGE = 2  # a sweep whose best lr is its highest (lowest) runs on past it, at most this many lrs a side
 
 
+def swept(runs: list[Run], framework: str, head: str, seed: int | None = None) -> dict[float, float]:
+    """lr -> held-out tau of the head's sweep runs scored (the sweep's budget; ``seed``: its default)."""
+    seed = SEED[framework] if seed is None else seed
+    return {r.lr: r.tau_heldout for r in runs if (r.framework, r.head, r.budget_s, r.seed) ==
+            (framework, head, SWEEP_S, seed) and r.tau_heldout is not None}  # fmt: skip
+
+
 def sweep_lrs(runs: list[Run], framework: str, head: str, seed: int | None = None) -> list[float]:
     """The lrs of a framework's head to sweep: its grid (``LRS``), and where the grid is scored (held-out
     tau at the sweep's budget, ``seed``: its default) and its best lr is at an end of what ran (ties
@@ -217,9 +224,7 @@ def sweep_lrs(runs: list[Run], framework: str, head: str, seed: int | None = Non
     rounded to one digit, and again once that one is scored, at most ``PAST_EDGE`` a side. The same rule
     for every framework: a best at the edge of a grid may not be the best."""
     lrs = sorted(LRS.get(f"{framework}:{head}", LRS[framework]))
-    seed = SEED[framework] if seed is None else seed
-    tau = {r.lr: r.tau_heldout for r in runs if (r.framework, r.head, r.budget_s, r.seed) ==
-           (framework, head, SWEEP_S, seed) and r.tau_heldout is not None}  # fmt: skip
+    tau = swept(runs, framework, head, seed)
     up = down = 0
     while len(lrs) > 1 and all(lr in tau for lr in lrs):
         top = max(tau[lr] for lr in lrs)
@@ -284,13 +289,15 @@ def _one_set(runs: list[Run]) -> bool | None:
     return None if "" in shas else len(shas) == 1
 
 
+def _swept_heads(runs: list[Run], framework: str) -> list[str]:
+    return list(dict.fromkeys(r.head for r in runs if r.framework == framework and r.budget_s == SWEEP_S))
+
+
 def sweeps_left(runs: list[Run], framework: str) -> list[str]:
     """``head lr`` of each lr the framework's sweeps (of the heads the file holds sweep runs of) still
     call for."""
-    heads = dict.fromkeys(r.head for r in runs if r.framework == framework and r.budget_s == SWEEP_S)
-    scored = {(r.head, r.lr) for r in runs if r.framework == framework and r.budget_s == SWEEP_S and
-              r.seed == SEED[framework] and r.tau_heldout is not None}  # fmt: skip
-    return [f"{h} {lr:g}" for h in heads for lr in sweep_lrs(runs, framework, h) if (h, lr) not in scored]
+    return [f"{h} {lr:g}" for h in _swept_heads(runs, framework) for lr in sweep_lrs(runs, framework, h)
+            if lr not in swept(runs, framework, h)]  # fmt: skip
 
 
 def sweep_table(runs: list[Run]) -> dict[str, Any]:
@@ -298,9 +305,8 @@ def sweep_table(runs: list[Run]) -> dict[str, Any]:
     the lrs its sweep still calls for (its grid, and past an edge where its best lies there)."""
     rows = []
     for fw in FRAMEWORKS:
-        for head in dict.fromkeys(r.head for r in runs if r.framework == fw and r.budget_s == SWEEP_S):
-            tau = {r.lr: r.tau_heldout for r in runs if (r.framework, r.head, r.budget_s, r.seed) ==
-                   (fw, head, SWEEP_S, SEED[fw]) and r.tau_heldout is not None}  # fmt: skip
+        for head in _swept_heads(runs, fw):
+            tau = swept(runs, fw, head)
             left = [lr for lr in sweep_lrs(runs, fw, head) if lr not in tau]
             top = max(tau, key=lambda lr: tau[lr]) if tau else None
             rows.append([f"{fw}:{head}", ", ".join(f"{lr:g}: {tau[lr]:.3f}" for lr in sorted(tau)) or "—",
@@ -401,7 +407,8 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
         "schema": SCHEMA,
         "what": "ours, speculators 0.9.0, ModelOpt 0.47.0 and SpecForge 0.2.0 on the embedded SmolLM2-135M-Instruct: the same "
         "conversations, equal budgets of steady training loop (start-up and compilation apart), a three-lr sweep "
-        "at 3 minutes per framework and head (going on past the grid's edge where a head's best lies there), its best at 10 minutes with two seeds; one yardstick: eagle3-eval "
+        "at 3 minutes per framework and head (going on past the grid's edge where a head's best lies there), its "
+        "best at 10 minutes with two seeds; one yardstick: eagle3-eval "
         "(chain k=5, greedy, fp32, lossless-checked, vLLM's rule) on the held-out prompts and MT-bench, and "
         "vLLM's acceptance length",
         "command": "python3 benchmarks/peers_gpu.py start sweep|final FRAMEWORK[:HEAD] ... (its --help)",
