@@ -7,6 +7,8 @@
            python3 benchmarks/peers_gpu.py start sweep ours speculators modelopt [--lanes 5] [--end-by-s 1600] [--then-final]
            python3 benchmarks/peers_gpu.py start final ours speculators modelopt [--seeds 0]
            python3 benchmarks/peers_gpu.py poll 540 "$OUT"           (back to back until it prints "ended")
+           (vLLM's parts may also come with the first polls, each call running stage_vllm.sh install before
+           its poll: a vLLM server, for speculators' states or a final's serving, waits for its stage, 15 min at most)
     here:  python3 benchmarks/peers_results.py merge OUT/peers_partial.json benchmarks/results/peers_h100.json
     any:   python3 benchmarks/peers_gpu.py plan sweep ours --device h100   (the runs it would make, each one's
            expected seconds sharing the GPU and its lane's memory, as --end-by-s and --memory-gib judge them; no GPU)
@@ -87,6 +89,7 @@ from eagle3_train.engines.launcher import stop_group  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))  # .peers/ staged: wheels, ModelOpt's launcher, data
 PO = Path(os.environ.get("PO", "/tmp/po"))  # the session's folder
+VSITE = Path(os.environ.get("VSITE", "/tmp/vsite"))  # where stage_vllm.sh installs vLLM (engine_env.sh reads it too)
 DATA_N = 16384  # conversations of the shared set (synthesized by the first session where missing): speculators'
 # states for them are about 15 GB (73,728 would be 67 GB, past the 64 GiB disk); every budget takes several epochs
 DATA_SET = f"smollm2_synth_{DATA_N}.jsonl.gz"
@@ -293,7 +296,7 @@ def eval_cmd(export: Path, prompts: Path, out: Path) -> list[str]:
 def env_for(fw: str) -> dict[str, str]:
     site = {
         "ours": [],
-        "speculators": ["/tmp/specsite", "/tmp/vsite"],
+        "speculators": ["/tmp/specsite", str(VSITE)],
         "modelopt": ["/tmp/mosite", str(PEERS / "modelopt_ex")],
         "specforge": ["/tmp/sfsite", "/tmp/sg14site"],  # (SGLang 0.5.14's site carries transformers 5.8.1: first)
     }
@@ -400,14 +403,35 @@ def data_parts(dest: Path) -> None:
         (dest / f"{DATA_SET}.part-{i // DATA_PART}").write_bytes(blob[i : i + DATA_PART])
 
 
+STAGE_WAIT_S = 900.0  # a server waits this long for vLLM's stage: its parts may come with the polls after the start
+
+
+def vllm_staged(wait_s: float = 0.0) -> bool:
+    """vLLM is installed in ``VSITE`` (stage_vllm.sh's marker, written once every part is installed),
+    waiting up to ``wait_s`` for it."""
+    end = time.time() + wait_s
+    while not any(VSITE.glob(".stage_vllm-*")):
+        if time.time() >= end:
+            return False
+        time.sleep(min(1.0, max(0.05, end - time.time())))
+    return True
+
+
 class Server:
     """A vLLM server in its own process group, up until the block ends. Its start is tried twice:
-    beside the lanes, another process freeing GPU memory while vLLM profiles it fails the start."""
+    beside the lanes, another process freeing GPU memory while vLLM profiles it fails the start. It
+    first waits for vLLM's stage (``STAGE_WAIT_S``), so a job may start before the calls that carry
+    vLLM's parts."""
 
     def __init__(self, cmd: str, log: Path, url: str):
         self.cmd, self.log, self.url = cmd, log, url
 
     def __enter__(self) -> Server:
+        if not vllm_staged():
+            say(f"waiting for vLLM's stage in {VSITE} (benchmarks/staging/stage_vllm.sh install, each of its parts)")
+            if not vllm_staged(STAGE_WAIT_S):
+                raise RuntimeError(f"vLLM is not staged in {VSITE} after {STAGE_WAIT_S:.0f} s: carry its parts "
+                                   "(benchmarks/staging/stage_vllm.sh install)")  # fmt: skip
         engine = f'source {REPO}/benchmarks/staging/engine_env.sh && exec "${{vllm_env[@]}}" {self.cmd}'
         for attempt in (1, 2):
             with self.log.open("a") as out:

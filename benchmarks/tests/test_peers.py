@@ -1466,3 +1466,21 @@ def test_a_sweep_whose_best_lr_is_at_its_edge_goes_on_past_it_for_every_framewor
     (table,) = [t for t in pr.results(top + ours, [])["tables"] if t["title"].startswith("The sweeps")]
     assert table["rows"] == [["ours:recipe", "0.001: 2.600, 0.002: 2.620, 0.004: 2.700", "0.004", "0.008"],
                              ["speculators:default", "0.0003: 2.400, 0.001: 2.600, 0.003: 2.700", "0.003", "0.009"]]  # fmt: skip
+
+
+def test_a_server_waits_for_vllms_stage_and_says_what_to_carry_when_it_never_comes(tmp_path, monkeypatch):
+    """A job may start before the calls that carry vLLM's parts: a server waits for stage_vllm.sh's
+    marker (written once every part is installed) and starts once it is there; where it never comes,
+    nothing is launched and the error names the script to run."""
+    monkeypatch.setattr(pg, "VSITE", tmp_path / "vsite")
+    assert pg.vllm_staged() is False
+    threading.Timer(0.3, lambda: (tmp_path / "vsite").mkdir() or (tmp_path / "vsite/.stage_vllm-abc").touch()).start()
+    t0 = time.time()
+    assert pg.vllm_staged(10.0) is True and time.time() - t0 < 3.0
+    monkeypatch.setattr(pg, "VSITE", tmp_path / "never")
+    monkeypatch.setattr(pg, "STAGE_WAIT_S", 0.2)
+    launched = []
+    monkeypatch.setattr(pg.subprocess, "Popen", lambda *a, **k: launched.append(a))
+    with pytest.raises(RuntimeError, match="not staged in .*never after 0 s: carry its parts .*stage_vllm.sh install"):
+        pg.Server("vllm serve x", tmp_path / "vllm.log", "http://127.0.0.1:1/health").__enter__()
+    assert launched == []
