@@ -65,6 +65,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from peers_results import (  # noqa: E402
     FINAL_S,
     FRAMEWORKS,
+    PAST_EDGE,
     SEED,
     STEP_TOKENS,
     SWEEP_S,
@@ -955,15 +956,29 @@ def job(a: argparse.Namespace) -> None:
         three = argparse.Namespace(**{**vars(a), "what": "sweep", "lrs": None, "seeds": None})
         if a.what != "sweep":
             return [w for w in runs_wanted(three, s.known) if w[0] == fw]
-        mine = [w for w in wanted if w[0] == fw]
+        mine = [(f, h, b, lrs if a.lrs else sweep_lrs(s.known, f, h, seeds[0]), seeds)  # (as scored so far)
+                for f, h, b, lrs, seeds in wanted if f == fw]  # fmt: skip
         three.frameworks = [fw]
         return mine + [w for w in runs_wanted(three, s.known) if w[1] not in {m[1] for m in mine}]
+
+    def edge_names(fw: str, head: str, upto: int = 2 * PAST_EDGE) -> list[str]:
+        return [f"{fw}:{head}", *(f"{fw}:{head} past edge {k}" for k in range(1, upto + 1))]
+
+    tried = {(w[0], w[1]): set(w[3]) for w in wanted if a.what == "sweep"}  # a head's lrs this job has run
+
+    def past_edge(fw: str, head: str, seeds: list[int], k: int) -> list[RunSpec]:
+        """Once the head's sweep so far is over: the lr past its edge where its best lies there (the
+        ``k``-th such step at most, up or down; nothing where its best is inside, or a run went unscored)."""
+        s.lanes.over(edge_names(fw, head, k - 1))  # type: ignore[union-attr]
+        new = [lr for lr in sweep_lrs(s.known, fw, head, seeds[0]) if lr not in tried[fw, head]]
+        tried[fw, head].update(new)
+        return runs_of(fw, head, SWEEP_S, new, seeds) if new else []
 
     def finals_of(fw: str, seeds: list[int]) -> list[RunSpec]:
         """Once the framework's sweep (as sized now) is over and whole: its best head and lr at the final
         budget, ``seeds``. A sweep cut short, or one sized from another step time, chooses nothing."""
-        sweep = swept(fw)
-        s.lanes.over([f"{fw}:{h}" for _, h, *_ in sweep])  # type: ignore[union-attr]
+        s.lanes.over([n for _, h, *_ in swept(fw) for n in edge_names(fw, h)])  # type: ignore[union-attr]
+        sweep = swept(fw)  # (again: its lrs past an edge as scored now)
         runs, missing = [], []
         for _, h, budget, lrs, sweep_seeds in sweep:
             for lr, seed in [(lr, seed) for lr in lrs for seed in sweep_seeds]:
@@ -1000,6 +1015,9 @@ def job(a: argparse.Namespace) -> None:
         if fw not in s.ready and not s.written(fw):
             s.lanes.reserve(BESIDE[fw][0], s.beside_mib(fw))
             groups[i] = (groups[i][0], partial(giving_back, fw, groups[i][1]))
+    if a.what == "sweep" and a.lrs is None:  # (a head's best at its grid's edge: the next lr, in this job)
+        groups += [(f"{fw}:{h} past edge {k}", partial(past_edge, fw, h, seeds, k))
+                   for fw, h, _, _, seeds in asked for k in range(1, 2 * PAST_EDGE + 1)]  # fmt: skip
     if a.then_final and a.what == "sweep":
         groups += [(f"{fw} final", partial(finals_of, fw, [SEED[fw], SEED[fw] + 1])) for fw in frameworks]
     s.lanes.run(groups, s.train)

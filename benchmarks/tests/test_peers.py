@@ -897,7 +897,8 @@ def swept_before(fw: str, head: str, step_s: float, tau: float) -> list[pr.Run]:
     lrs, seed = pr.LRS.get(f"{fw}:{head}", pr.LRS[fw]), pr.SEED[fw]
     steps = pg.sized_steps(fw, 180.0, step_s)
     shape = {"variant": pg.head_shape(fw, head, TARGET, "eagle3.1")[0].get("variant", "eagle3")}
-    return [probe(fw, head, lrs[0], seed, steps=300, steady_step_s=step_s, head_shape=shape),
+    epoch = {"steps_per_epoch": 270} if fw == "speculators" else {}  # (speculators' probe: its epoch's steps)
+    return [probe(fw, head, lrs[0], seed, steps=300, steady_step_s=step_s, head_shape=shape, **epoch),
             *(run(fw, head, 180.0, lr, seed, steps, steps=steps, tau_heldout=tau - 0.05 * (i != 1), head_shape=shape)
               for i, lr in enumerate(lrs))]  # fmt: skip
 
@@ -955,7 +956,8 @@ def test_a_sweeps_finals_take_the_frameworks_best_head_whichever_this_job_swept(
 
     def train(self, spec, lane=0):
         events.append(spec.name)
-        self.known.append(pr.Run.from_dict({**pr.asdict(spec), "steps": spec.steps_planned, "tau_heldout": 1.4}))
+        tau = 1.4 if spec.lr == 0.04 else 1.3  # (muon's best inside its grid: nothing past its edges)
+        self.known.append(pr.Run.from_dict({**pr.asdict(spec), "steps": spec.steps_planned, "tau_heldout": tau}))
 
     recipe = swept_before("ours", "recipe", 0.3, 2.0)
     recipe[2].tau_heldout = 2.6  # (lr 2e-3)
@@ -1484,3 +1486,52 @@ def test_a_server_waits_for_vllms_stage_and_says_what_to_carry_when_it_never_com
     with pytest.raises(RuntimeError, match="not staged in .*never after 0 s: carry its parts .*stage_vllm.sh install"):
         pg.Server("vllm serve x", tmp_path / "vllm.log", "http://127.0.0.1:1/health").__enter__()
     assert launched == []
+
+
+def test_a_sweep_job_runs_past_its_edge_once_its_grid_is_scored_and_its_finals_wait_for_that(tmp_path, monkeypatch):
+    """speculators' tau rises with the lr: once its grid has ended the job runs 9e-3, then (best again)
+    3e-2, the second and last step up; its finals take 3e-2 and start after it. ModelOpt's best is
+    inside its grid: nothing past it, and its finals start once its grid has ended. With --lrs given,
+    nothing past an edge runs."""
+    events, lock = [], threading.Lock()
+
+    def train(self, spec, lane=0):
+        with lock:
+            events.append(("start", spec.name))
+        tau = {"speculators": 2.0 + spec.lr * 10, "modelopt": 1.5 if spec.lr == 3e-4 else 1.4}[spec.framework]
+        with lock:
+            self.known.append(pr.Run.from_dict({**pr.asdict(spec), "steps": spec.steps_planned, "tau_heldout": tau}))
+            events.append(("end", spec.name))
+
+    known = [probe("speculators", "default", 3e-4, 42, steady_step_s=0.06, steps=200, steps_per_epoch=270),
+             probe("modelopt", "default", 1e-4, 42, steady_step_s=0.06, steps=300),
+             *swept_before("speculators", "matched", 0.06, 2.0), *swept_before("modelopt", "matched", 0.06, 1.3)]  # fmt: skip
+    stand_in_session(monkeypatch, tmp_path, None, known)
+    monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
+    monkeypatch.setattr(pg.Session, "train", train)
+    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    pg.main(["job", "sweep", "speculators:default", "modelopt:default", "--lanes", "2", "--then-final"])
+    started = [n for e, n in events if e == "start"]
+
+    def lrs(fw, budget):
+        names = [n for e, n in events if e == "start" and n.startswith(fw) and f"-{budget}s-" in n]
+        return [float(n.split("-lr")[1].split("-")[0]) for n in names]
+
+    assert sorted(lrs("speculators", 180)) == [3e-4, 1e-3, 3e-3, 9e-3, 3e-2]
+    assert sorted(lrs("modelopt", 180)) == [1e-4, 3e-4, 1e-3]
+    assert lrs("speculators", 600) == [3e-2, 3e-2] and lrs("modelopt", 600) == [3e-4, 3e-4]
+
+    def at(kind, name):
+        return events.index((kind, name))
+
+    spec = "speculators-default-eagle3.1-n16384-180s-lr{}-seed42"
+    assert at("start", spec.format("0.009")) > max(at("end", spec.format(x)) for x in ("0.0003", "0.001", "0.003"))
+    assert at("start", spec.format("0.03")) > at("end", spec.format("0.009"))
+    assert min(at("start", n) for n in started if n.startswith("speculators") and "-600s-" in n) > at(
+        "end", spec.format("0.03")
+    )
+    events.clear()
+    stand_in_session(monkeypatch, tmp_path, None, known)
+    monkeypatch.setattr(pg.Session, "train", train)
+    pg.main(["job", "sweep", "speculators:default", "--lrs", "0.001", "0.003", "--lanes", "2"])
+    assert sorted(lrs("speculators", 180)) == [1e-3, 3e-3]
