@@ -1395,9 +1395,11 @@ def main(argv: list[str] | None = None) -> None:
                       "then sized steps each")  # fmt: skip
                 continue
             kind = "sweep" if budget == SWEEP_S else "final"
-            # (the head family as head_shape gives it: ModelOpt's own head is EAGLE-3; a matched one copies ours')
+            # (plan has no target: the head family, all that sizing reads of the shape, does not depend on it)
             family = {
-                "variant": "eagle3" if (fw, head) == ("modelopt", "default") else a.variant or ours_head()["variant"]
+                "variant": head_shape(fw, head, {"intermediate_size": None, "vocab_size": None}, a.variant)[0][
+                    "variant"
+                ]
             }
             spec = RunSpec(fw, head, kind, budget, lrs[0], seeds[0], sized_steps(fw, budget, timing[0]), a.n,
                            device=a.device, planned_step_s=timing[0], lanes=a.lanes, head_shape=family)  # fmt: skip
