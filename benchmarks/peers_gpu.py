@@ -80,7 +80,7 @@ from peers_results import (  # noqa: E402
     probe_peaks,
     read_run,
     read_session,
-    results,
+    save,
     step_time,
     sweep_lrs,
 )
@@ -1270,7 +1270,7 @@ def packed(dest: Path) -> None:
     data_parts(dest)
     try:
         runs, session = read_session(PO)
-        (dest / "peers_partial.json").write_text(json.dumps(results(runs, [session]), indent=1) + "\n")
+        save(dest / "peers_partial.json", runs, [session])
     except Exception as e:  # noqa: BLE001  (a log half written must not cost the archive)
         say(f"the partial results could not be read yet: {e!r}")
 

@@ -621,6 +621,11 @@ def read_session(po: Path) -> tuple[list[Run], dict[str, Any]]:
     return runs, session
 
 
+def save(out: Path, runs: list[Run], sessions: list[dict[str, Any]]) -> None:
+    """The results file ``out`` written afresh from ``runs`` and ``sessions`` (its tables recomputed)."""
+    out.write_text(json.dumps(results(runs, sessions), indent=1) + "\n")
+
+
 def load(path: Path) -> tuple[list[Run], list[dict[str, Any]]]:
     """A results file's runs and sessions (none where it does not exist yet)."""
     if not path.is_file():
@@ -651,7 +656,7 @@ def supersede(out: Path, framework: str, head: str, reason: str) -> int:
     moved = _superseded(out) + [asdict(r) | {"name": r.name, "superseded": reason, "superseded_on": _today()}
                                 for r in gone]  # fmt: skip
     _write_superseded(out, moved)
-    out.write_text(json.dumps(results(kept, sessions), indent=1) + "\n")
+    save(out, kept, sessions)
     return len(gone)
 
 
@@ -681,7 +686,7 @@ def reinstate(out: Path, keys: list[str], reason: str) -> int:
         r.reinstated = f"{reason} (superseded on {old['superseded_on']}: {old['superseded']}; reinstated {_today()})"
     taken = {index[k] for k in keys}
     _write_superseded(out, [r for i, r in enumerate(away) if i not in taken])
-    out.write_text(json.dumps(results(runs + returned, sessions), indent=1) + "\n")
+    save(out, runs + returned, sessions)
     return len(returned)
 
 
@@ -694,7 +699,7 @@ def note(out: Path, session: str, text: str) -> None:
             f"peers_results: {out} holds no session {session} (its sessions: {', '.join(sorted(ids)) or 'none'})"
         )
     sessions = [{**s, "note": text} if s.get("id") == session else s for s in sessions]
-    out.write_text(json.dumps(results(runs, sessions), indent=1) + "\n")
+    save(out, runs, sessions)
 
 
 def _write_superseded(out: Path, moved: list[dict[str, Any]]) -> None:
@@ -767,7 +772,7 @@ def merge_into(new: Path, out: Path) -> int:
     sessions = [s for s in sessions if s.get("id") not in ids] + new_sessions
     gone = {(r["name"], r.get("session")) for r in _superseded(out)}  # (an old session's folder merged again)
     merged = merge(runs, [r for r in fresh if (r.name, r.session) not in gone])
-    out.write_text(json.dumps(results(merged, sessions), indent=1) + "\n")
+    save(out, merged, sessions)
     return len(merged)
 
 
