@@ -887,8 +887,7 @@ def done(known: list, spec: RunSpec) -> bool:
     to now, within ``SIZED_WITHIN`` (one sized from a step time that has moved further runs again: two
     H100s' steps differ by more than that, a 60-step probe's from a 300-step one's by far more)."""
     return any(r.name == spec.name and abs(r.steps_planned - spec.steps_planned) <= SIZED_WITHIN * spec.steps_planned
-               and r.tau_heldout is not None and (r.kind != "final" or r.tau_mtbench is not None)
-               for r in known)  # fmt: skip
+               and r.scored() for r in known)  # fmt: skip
 
 
 def job(a: argparse.Namespace) -> None:

@@ -122,6 +122,11 @@ class Run(RunSpec):
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
+    def scored(self) -> bool:
+        """Evaluated as far as a job needs to hold it done (a final: on MT-bench too; its vLLM
+        acceptance, lost with the machine that trained it, does not send it back to training)."""
+        return self.tau_heldout is not None and (self.kind != "final" or self.tau_mtbench is not None)
+
     def reached(self) -> int:
         """How far the run got: trained, evaluated, served."""
         trained = self.steps is not None and self.steps >= self.steps_planned
@@ -447,6 +452,18 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
             *(
                 [
                     {
+                        "title": "Runs not carried through: where each stopped, and whether the next job that "
+                        "wants it trains it again",
+                        "header": ["name", "session", "steps", "missing", "why", "trained again"],
+                        "rows": rows,
+                    }
+                ]
+                if (rows := unfinished(order))
+                else []
+            ),
+            *(
+                [
+                    {
                         "title": "Runs brought back from the superseded file, and why their measure holds",
                         "header": ["name", "session", "reinstated"],
                         "rows": [[r.name, r.session, r.reinstated] for r in order if r.reinstated],
@@ -457,6 +474,24 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
             ),
         ],  # fmt: skip
     }
+
+
+def unfinished(runs: list[Run]) -> list[list[Any]]:
+    """Sweep and final runs the file holds short of their end (steps short of the plan, or a measure a
+    run of that kind takes missing): where each stopped, and what it says of why."""
+    rows = []
+    for r in runs:
+        wanted = ["tau_heldout", *(["tau_mtbench", "vllm_acceptance"] if r.kind == "final" else [])]
+        missing = [k for k in wanted if getattr(r, k) is None]
+        short = r.steps is None or r.steps < r.steps_planned
+        if r.kind == "probe" or not (short or missing):
+            continue
+        why = ", ".join(f"{p} failed" for p in r.failed) or (
+            "no phase failed: the machine went back, or the job was still running, at the session's last poll"
+        )
+        rows.append([r.name, r.session, f"{r.steps or 0} of {r.steps_planned}", ", ".join(missing) or "—", why,
+                     not r.scored()])  # fmt: skip
+    return rows
 
 
 def _dash(x: Any) -> Any:

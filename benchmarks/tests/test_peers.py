@@ -1535,3 +1535,29 @@ def test_a_sweep_job_runs_past_its_edge_once_its_grid_is_scored_and_its_finals_w
     monkeypatch.setattr(pg.Session, "train", train)
     pg.main(["job", "sweep", "speculators:default", "--lrs", "0.001", "0.003", "--lanes", "2"])
     assert sorted(lrs("speculators", 180)) == [1e-3, 3e-3]
+
+
+def test_runs_short_of_their_end_are_listed_with_where_they_stopped_and_the_job_trains_them_again():
+    """A final lost mid-training, a final whose serving alone failed, a sweep whose eval failed, beside
+    runs that ended: only the three are listed; the next job trains the lost final and the sweep again
+    (``done`` says no), not the one that lacks only vLLM's acceptance."""
+    ended = run(lr=1e-3, steps=100, tau_heldout=2.5)
+    final = run(budget=600.0, lr=2e-3, planned=400, steps=400, tau_heldout=2.9, tau_mtbench=2.7, vllm_acceptance=2.8)
+    lost = run(budget=600.0, lr=2e-3, seed=1, planned=400, steps=310, session="s2")
+    unserved = run(budget=600.0, lr=2e-3, seed=2, planned=400, steps=400, tau_heldout=2.9, tau_mtbench=2.7,
+                   failed=["serve"])  # fmt: skip
+    no_eval = run(lr=2e-3, steps=100, failed=["eval_heldout"])
+    runs = [probe(steps=100), ended, final, lost, unserved, no_eval]
+    (table,) = [t for t in pr.results(runs, [])["tables"] if t["title"].startswith("Runs not carried through")]
+    rows = {row[0]: dict(zip(table["header"], row)) for row in table["rows"]}
+    assert set(rows) == {lost.name, unserved.name, no_eval.name}
+    assert rows[lost.name]["steps"] == "310 of 400" and rows[lost.name]["session"] == "s2"
+    assert rows[lost.name]["missing"] == "tau_heldout, tau_mtbench, vllm_acceptance"
+    assert "machine went back" in rows[lost.name]["why"]
+    assert (rows[unserved.name]["missing"], rows[unserved.name]["why"]) == ("vllm_acceptance", "serve failed")
+    assert rows[no_eval.name]["why"] == "eval_heldout failed"
+    assert [rows[n]["trained again"] for n in (lost.name, unserved.name, no_eval.name)] == [True, False, True]
+    for r in (lost, unserved, no_eval, ended, final):
+        spec = pr.RunSpec(**{k: getattr(r, k) for k in pr.RunSpec.__dataclass_fields__})
+        assert pg.done(runs, spec) is not rows.get(r.name, {"trained again": False})["trained again"]
+    assert not [t for t in pr.results([ended, final], [])["tables"] if t["title"].startswith("Runs not carried")]
