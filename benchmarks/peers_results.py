@@ -116,6 +116,7 @@ class Run(RunSpec):
     failed: list[str] = field(default_factory=list)  # phases that stopped with an error
     alone: bool | None = None  # it trained with the GPU to itself (a probe; one lane, nothing beside: reported only)
     reinstated: str | None = None  # brought back from the superseded file: why its measure still holds, and when
+    first_acc: dict[str, float] | None = None  # step -> the first draft position's train accuracy (its own log)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Run:
@@ -449,6 +450,7 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
                     for s in sorted(sessions, key=lambda s: str(s.get("id")))
                 ],
             },
+            *([learning] if (learning := learning_table(order))["rows"] else []),
             *(
                 [
                     {
@@ -474,6 +476,20 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
             ),
         ],  # fmt: skip
     }
+
+
+def learning_table(runs: list[Run]) -> dict[str, Any]:
+    """What each sweep and final run learned by optimizer step: the first draft position's train
+    accuracy by its own log (ours' ``acc[0]``, speculators' ``full_acc_0``: the same quantity, argmax
+    against the target's, over its trained positions), beside the tokens each of its steps carried."""
+    rows = [[r.name, round(r.tokens_per_s * r.steady_step_s) if r.tokens_per_s and r.steady_step_s else None, r.steps,
+             *[(r.first_acc or {}).get(str(s)) for s in ACC_STEPS], (r.first_acc or {}).get("last"), r.tau_heldout]
+            for r in runs if r.first_acc and r.kind != "probe"]  # fmt: skip
+    return {"title": f"Learning by optimizer step: the first draft position's train accuracy (each framework's own "
+                     f"log, the mean over the {ACC_WINDOW} steps up to each), beside the tokens a step carried",
+            "header": ["name", "tokens a step (about)", "steps", *[f"acc @{s}" for s in ACC_STEPS], "acc last",
+                       "held-out tau"],
+            "rows": [[_dash(x) for x in row] for row in rows]}  # fmt: skip
 
 
 def unfinished(runs: list[Run]) -> list[list[Any]]:
@@ -537,6 +553,43 @@ def speculators_points(text: str) -> tuple[list[tuple[int, float]], float | None
     rates = [float(x) for x in re.findall(r"profile/tokens_per_s=([0-9.e+-]+)", text)][len(ms) // 10 + 1 :]
     totals = re.findall(r"Epoch \d+\s+\d+%\s+\S+\s+\d+/(\d+)", text)
     return pts, (statistics.median(rates) if rates else None), (int(totals[0]) if totals else None)
+
+
+ACC_STEPS = (100, 300, 600, 1000, 2000)  # the optimizer steps the learning table reads each run's accuracy at
+ACC_WINDOW = 20  # ... as the mean of the values it logged over this many steps up to it (one batch is noisy)
+
+
+def first_acc(pairs: list[tuple[int, float]]) -> dict[str, float] | None:
+    """The first draft position's train accuracy at each of :data:`ACC_STEPS` the run reached, and at
+    its last step (``"last"``), each the mean of what it logged over the :data:`ACC_WINDOW` steps up to
+    there (None: the log has none)."""
+    if not pairs:
+        return None
+    last = max(s for s, _ in pairs)
+
+    def at(step: int) -> float:
+        near = [a for s, a in pairs if step - ACC_WINDOW < s <= step]
+        return round(statistics.fmean(near), 3)
+
+    out = {str(s): at(s) for s in ACC_STEPS if s <= last and any(s - ACC_WINDOW < x <= s for x, _ in pairs)}
+    return out | {"last": at(last)}
+
+
+def ours_acc(text: str) -> list[tuple[int, float]]:
+    """Our trainer's metrics.jsonl: (step, acc of the first chain position) per logged step."""
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [(r["step"], r["acc"][0]) for r in rows if r.get("acc")]
+
+
+def speculators_acc(text: str) -> list[tuple[int, float]]:
+    """speculators' log: (global_step, ``train/full_acc_0``) per training record (its validation passes
+    left out)."""
+    out = []
+    for record in without_validation(text).split("train/loss_0=")[1:]:
+        acc, step = re.search(r"train/full_acc_0=([0-9.e+-]+)", record), re.search(r"global_step=(\d+)", record)
+        if acc and step:
+            out.append((int(step[1]), float(acc[1])))
+    return out
 
 
 def specforge_points(text: str) -> list[tuple[int, float]]:
@@ -605,8 +658,10 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
     log = train_log(d)
     if (d / "run/train/metrics.jsonl").is_file():
         pts, run.tokens_per_s = ours_points((d / "run/train/metrics.jsonl").read_text())
+        run.first_acc = first_acc(ours_acc((d / "run/train/metrics.jsonl").read_text()))
     elif run.framework == "speculators" and log is not None:
         pts, run.tokens_per_s, run.steps_per_epoch = speculators_points(log)
+        run.first_acc = first_acc(speculators_acc(log))
     elif run.framework == "specforge" and log is not None:
         pts = specforge_points(log)
     elif log is not None:

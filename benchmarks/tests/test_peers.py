@@ -1561,3 +1561,32 @@ def test_runs_short_of_their_end_are_listed_with_where_they_stopped_and_the_job_
         spec = pr.RunSpec(**{k: getattr(r, k) for k in pr.RunSpec.__dataclass_fields__})
         assert pg.done(runs, spec) is not rows.get(r.name, {"trained again": False})["trained again"]
     assert not [t for t in pr.results([ended, final], [])["tables"] if t["title"].startswith("Runs not carried")]
+
+
+def test_each_runs_first_position_accuracy_is_read_from_its_own_log_by_optimizer_step(tmp_path):
+    """ours' metrics.jsonl (acc[0] every 10 steps) and speculators' records (full_acc_0 every step,
+    its validation passes left out) give the accuracy at 100 and 300 steps as the mean of what each
+    logged over the 20 steps up to there, and at its last step; steps a run never reached are absent;
+    the learning table puts them beside the tokens a step carried."""
+    ours_dir, spec_dir = tmp_path / "ours-recipe-x", tmp_path / "speculators-matched-x"
+    for d, r in ((ours_dir, run(planned=320)), (spec_dir, run("speculators", "matched", planned=320))):
+        d.mkdir()
+        (d / "spec.json").write_text(json.dumps(pr.asdict(r)))
+    (ours_dir / "run/train").mkdir(parents=True)
+    rows = [{"step": s, "loop_s": 0.3 * s, "tokens_per_s": 1e5, "acc": [s / 1000, 0.0]} for s in range(10, 330, 10)]
+    (ours_dir / "run/train/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record = "[t] INFO train/loss_0=1.0,\n  train/full_acc_0={a},\n  profile/step_ms=60.0,\n  global_step={s}\n"
+    text = "".join(record.format(a=s / 2000, s=s) for s in range(1, 321))
+    text = text.replace("  global_step=150\n", "  global_step=150\nValidation epoch 1/1 started\n[t] INFO "
+                        "train/loss_0=9.0,\n  train/full_acc_0=0.99,\n  global_step=295\nValidation epoch 1/1 completed\n")  # fmt: skip
+    (spec_dir / "train.log").write_text(text)
+    ours, spec = pr.read_run(ours_dir, [], []), pr.read_run(spec_dir, [], [])
+    assert ours.first_acc == {"100": 0.095, "300": 0.295, "last": 0.315}  # (steps 90 and 100; 290, 300; 310, 320)
+    # (steps 81-100: 0.04525, 281-300: 0.14525, 301-320: 0.15525; the validation's 0.99 is not among them)
+    assert spec.first_acc == {"100": 0.045, "300": 0.145, "last": 0.155}
+    assert pr.first_acc([]) is None
+    table = pr.learning_table([probe(steps=10, first_acc={"last": 0.1}), ours, spec])
+    by_name = {row[0]: dict(zip(table["header"], row)) for row in table["rows"]}
+    assert set(by_name) == {ours.name, spec.name}  # (a probe is not a run to compare)
+    assert (by_name[ours.name]["acc @300"], by_name[ours.name]["acc @600"]) == (0.295, "—")
+    assert by_name[ours.name]["tokens a step (about)"] == round(1e5 * ours.steady_step_s)
