@@ -245,14 +245,27 @@ def sweep_lrs(runs: list[Run], framework: str, head: str, seed: int | None = Non
     return lrs
 
 
+def _when(session: str) -> str:
+    """A session id's time (``h100-20261206T1041`` -> ``20261206T1041``), what orders sessions."""
+    return session.rsplit("-", 1)[-1]
+
+
 def merge(old: list[Run], new: list[Run]) -> list[Run]:
-    """``old`` with ``new`` in: a run of the same name is replaced unless the new one got less far."""
+    """``old`` with ``new`` in: a run of the same name is replaced where the new one got further, or as
+    far from the same session or a later one (an older session's folder merged again leaves a later
+    run of the name standing). The same run read again keeps what the file gave it: its note, and the
+    data seconds and peak it took from other sessions and probes when first merged."""
     out = {r.name: r for r in old}
     for r in new:
-        if r.name not in out or r.reached() >= out[r.name].reached():
-            if r.name in out and out[r.name].session == r.session and r.reinstated is None:
-                r.reinstated = out[r.name].reinstated  # (the same run read again: its note stays)
-            out[r.name] = r
+        was = out.get(r.name)
+        if was is not None and (r.reached(), _when(r.session)) < (was.reached(), _when(was.session)):
+            continue
+        if was is not None and was.session == r.session:
+            r.reinstated = r.reinstated or was.reinstated
+            r.data_s = was.data_s if r.data_s is None else r.data_s
+            if r.peak_gpu_mib is None and was.peak_from == "probe":
+                r.peak_gpu_mib, r.peak_from = was.peak_gpu_mib, was.peak_from
+        out[r.name] = r
     return list(out.values())
 
 
@@ -423,8 +436,8 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
         "up to `lanes` at once (the budget_loop_s column is their loop alone)",
         "withdrawn": WITHDRAWN,
         "raw": "benchmarks/results/raw/peers_<gpu>/<session id>/: each session's last poll unpacked (phases, logs, "
-        "train metrics, eval and served reports; engine logs gzipped); `peers_results.py merge` of those folders "
-        "gives this file again",
+        "train metrics, eval and served reports; engine logs gzipped); `peers_results.py merge` of those folders, "
+        "oldest first, into this file gives it again byte for byte (session notes, written here, are kept)",
         "not_run": {fw: why for fw, why in NOT_RUN.items() if not any(r.framework == fw for r in runs)},
         "sessions": sessions,
         "frameworks": [asdict(r) | {"name": r.name} for r in order],

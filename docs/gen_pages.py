@@ -776,7 +776,7 @@ PAGE_NOTES = {  # a page's opening paragraph, where its results need one before 
     "(first-position train accuracy 0.45-0.47 at lr 3e-3 against ours' 0.29-0.32), but by step 600 ours is ahead "
     "(0.74 against 0.69), each of its steps carrying four times the tokens; speculators ends higher (0.84-0.85 "
     "against 0.78) because it makes three to four times the steps. Ours with Muon learns slower than ours with "
-    "AdamW on the CPU too (`muon_check_cpu2` on the training page: DeepSpeed's Muon steps as torch's own does), so "
+    "AdamW on the CPU too (`muon_check_cpu2` on the recipe page: DeepSpeed's Muon steps as torch's own does), so "
     "its low τ is no GPU fault. Ours' step "
     "at 16k-token batches takes 0.119 s against 0.224 s at 32k (`step_ab_batch_h100` on the speed page), so half "
     "the batch would nearly double ours' steps a minute for about 5 % fewer tokens a second; what that does to τ "

@@ -159,6 +159,28 @@ def test_merging_replaces_a_run_unless_the_new_one_got_less_far():
     assert by[1e-3].tau_heldout == 2.0 and by[2e-3].tau_heldout == 2.2 and set(by) == {1e-3, 2e-3, 4e-3}
 
 
+def test_an_older_sessions_folder_merged_again_leaves_a_later_run_of_the_name_and_a_run_read_again_keeps_its_file_fields():
+    """Re-merging every raw folder, oldest first, must give the file again: an older session's run of
+    the same name that got as far does not replace the later one (nor drop its note), and the later
+    one read again keeps its note and the data seconds and peak it took from others when first merged."""
+    later = run(steps=100, tau_heldout=2.6, session="h100-20261206T1337", reinstated="why it holds", data_s=28.5,
+                peak_gpu_mib=32563, peak_from="probe")  # fmt: skip
+    older = run(steps=100, tau_heldout=2.5, session="h100-20261206T1041")
+    (kept,) = pr.merge([later], [older])
+    assert kept is later
+    again = run(steps=100, tau_heldout=2.6, session="h100-20261206T1337")  # (as read_run gives it: nothing derived)
+    (read,) = pr.merge([later], [again])
+    assert read is again and (read.reinstated, read.data_s, read.peak_gpu_mib, read.peak_from) == (
+        "why it holds",
+        28.5,
+        32563,
+        "probe",
+    )
+    further = run(steps=100, tau_heldout=2.5, tau_mtbench=2.4, session="h100-20261206T1041")
+    assert pr.merge([later], [further])[0] is further  # (an older run that got further still wins)
+    assert pr.merge([older], [later])[0] is later
+
+
 def _session(po: Path) -> pr.RunSpec:
     """A session folder as the job leaves it: one probe trained, its export failed."""
     spec = pr.RunSpec("ours", "recipe", "probe", None, 2e-3, 0, 600, 16384, device="h100", session="h100-x")
