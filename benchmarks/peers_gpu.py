@@ -65,6 +65,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from peers_results import (  # noqa: E402
     FINAL_S,
     FRAMEWORKS,
+    HEADS,
     PAST_EDGE,
     SEED,
     STEP_TOKENS,
@@ -95,8 +96,6 @@ DATA_N = 16384  # conversations of the shared set (synthesized by the first sess
 # states for them are about 15 GB (73,728 would be 67 GB, past the 64 GiB disk); every budget takes several epochs
 DATA_SET = f"smollm2_synth_{DATA_N}.jsonl.gz"
 DATA_PART = 12 << 20  # bytes per part of it that a poll brings out
-HEADS = {"ours": ("recipe", "muon"), "speculators": ("default", "matched"), "modelopt": ("default", "matched"),
-         "specforge": ("default", "matched")}  # fmt: skip
 PROBE_STEPS = {"ours": 300, "speculators": 200, "modelopt": 300, "specforge": 200}  # (ModelOpt's bar: whole seconds;
 # ours' step falls from 0.5 s to 0.3 s over its first ~150 steps: 60 steps read it 40 % slow, 200 steps 11 %, 300 2 %)
 MODELOPT_SEQ = 512  # its samples' length (padded): one a step
@@ -160,6 +159,7 @@ def head_shape(fw: str, head: str, target: dict, variant: str | None) -> tuple[d
         shape, missing = dict(ours), []
         if fw == "speculators":
             shape["lm_head"] = "target, frozen"  # it loads the target's rows and never trains them
+            shape["residual"] = "raw"  # --no-norm-before-residual: the layer's residual is h, as ours has it
             missing.append("lm_head training: speculators keeps the draft lm_head frozen")
         else:
             shape["lm_head"] = "random"  # a reduced vocab gets a new lm_head; no option starts it from the target
@@ -169,8 +169,9 @@ def head_shape(fw: str, head: str, target: dict, variant: str | None) -> tuple[d
         return shape, missing
     ttt = 3  # both peers' default TTT steps
     lm = "target, frozen" if fw == "speculators" else "the target's own (full vocab), frozen"
+    residual = {"residual": "normed"} if fw == "speculators" else {}  # (its default norm_before_residual; ours: raw)
     return {"mlp": target["intermediate_size"], "draft_vocab": target["vocab_size"], "ttt": ttt, "lm_head": lm,
-            "variant": variant if fw == "speculators" else "eagle3"}, []  # fmt: skip
+            "variant": variant if fw == "speculators" else "eagle3", **residual}, []  # fmt: skip
 
 
 # --- commands (pure: the plan prints them, the tests read them) --------------------------------------
@@ -202,6 +203,8 @@ def speculators_cmd(spec: RunSpec, run: Path, target: Path) -> list[str]:
     if spec.head == "matched":
         cmd += ["--draft-config", str(PO / "speculators_draft.json"), "--ttt-steps", str(spec.head_shape["ttt"]),
                 "--draft-vocab-size", str(spec.head_shape["draft_vocab"])]  # fmt: skip
+    if spec.head_shape.get("residual") == "raw":  # ours' layer adds h itself, not hidden_norm(h) (its default)
+        cmd.append("--no-norm-before-residual")
     if spec.head_shape.get("variant") == "eagle3.1":
         # the EAGLE-3.1 paper's per-state norms before fc, in place of its default single norm over
         # their concatenation (the two are exclusive); its default already feeds the chain normed states

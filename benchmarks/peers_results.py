@@ -46,6 +46,8 @@ SWEEP_S, FINAL_S = 180.0, 600.0  # the two budgets: the lr sweep's and the seeds
 LRS = {"ours": (1e-3, 2e-3, 4e-3), "speculators": (3e-4, 1e-3, 3e-3), "modelopt": (1e-4, 3e-4, 1e-3),
        "specforge": (3e-5, 1e-4, 3e-4),
        "ours:muon": (2e-2, 4e-2, 8e-2)}  # fmt: skip  # (ours:muon's lr is optim.muon_lr; optim.lr stays the recipe's)
+HEADS = {"ours": ("recipe", "muon"), "speculators": ("default", "matched"), "modelopt": ("default", "matched"),
+         "specforge": ("default", "matched")}  # fmt: skip
 SEED = {"ours": 0, "speculators": 42, "modelopt": 42, "specforge": 42}  # each one's default seed; the second is +1
 BAR_GAP_S = 10.0  # seconds between the readings of a progress bar's whole-second clock that time its steps
 NOT_RUN = {  # (a framework's entry goes once the file holds a run of it)
@@ -309,12 +311,14 @@ def _one_set(runs: list[Run]) -> bool | None:
 
 
 def _swept_heads(runs: list[Run], framework: str) -> list[str]:
-    return list(dict.fromkeys(r.head for r in runs if r.framework == framework and r.budget_s == SWEEP_S))
+    """The framework's heads, where the file holds any run of it (a head whose runs were superseded
+    still has its sweep to run); none where it holds none (``not_run`` says why)."""
+    return list(HEADS[framework]) if any(r.framework == framework for r in runs) else []
 
 
 def sweeps_left(runs: list[Run], framework: str) -> list[str]:
-    """``head lr`` of each lr the framework's sweeps (of the heads the file holds sweep runs of) still
-    call for."""
+    """``head lr`` of each lr the framework's sweeps (of each of its heads, where the file holds a run
+    of it) still call for."""
     return [f"{h} {lr:g}" for h in _swept_heads(runs, framework) for lr in sweep_lrs(runs, framework, h)
             if lr not in swept(runs, framework, h)]  # fmt: skip
 

@@ -145,7 +145,10 @@ def test_a_difference_counts_only_beyond_the_seed_spread():
     assert row[7:13] == [None] * 6  # MT-bench and vLLM: not measured for the peer
     # each side's loop alone (the peer's: not measured here); both trained on the same conversations
     assert row[13:17] == ["recipe lr 0.002", 595.0, None, True]
-    assert row[17] == "ours recipe 0.001; ours recipe 0.004"  # (ours' sweep has one lr of its three)
+    # (ours' recipe sweep has one lr of its three; every other head of a framework the file holds has its whole grid)
+    assert row[17] == ("ours recipe 0.001; ours recipe 0.004; ours muon 0.02; ours muon 0.04; ours muon 0.08; "
+                       "speculators default 0.0003; speculators default 0.001; speculators default 0.003; "
+                       "speculators matched 0.0003; speculators matched 0.001; speculators matched 0.003")  # fmt: skip
     runs[3].data_sha256 = "b"  # a peer's seed on other conversations (a shared set synthesized again)
     assert pr.verdict(runs)["rows"][0][16] is False
     runs[3].data_sha256 = ""  # a run that does not say
@@ -242,6 +245,7 @@ def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_pa
                         ("--lr", "0.003"), ("--loss-implementation", "eager")):  # fmt: skip
         assert cmd[cmd.index(flag) + 1] == value
     assert m.missing == ["lm_head training: speculators keeps the draft lm_head frozen"]
+    assert m.head_shape["residual"] == "raw" and "--no-norm-before-residual" in cmd  # (ours' residual: h)
     s.known.append(probe("modelopt", "default", 1e-4, 42, steady_step_s=0.25, steps=300))
     mo = s.spec("modelopt", "default", "final", 600.0, 3e-4, 43)
     assert (mo.steps_planned, mo.warmup_steps, mo.head_shape["mlp"], mo.head_shape["ttt"]) == (2400, 120, 1536, 3)
@@ -398,8 +402,9 @@ def test_the_recipes_head_family_goes_to_ours_and_to_speculators_flags_for_it(tm
     shape, missing = pg.head_shape("speculators", "default", TARGET, None)
     spec = pr.RunSpec("speculators", "default", "sweep", 180.0, 1e-3, 42, 900, 16384, head_shape=shape, epochs=4)
     cmd = pg.speculators_cmd(spec, tmp_path, Path("/target"))
-    assert shape["variant"] == "eagle3.1" and not missing
+    assert shape["variant"] == "eagle3.1" and shape["residual"] == "normed" and not missing
     assert "--fc-norm" in cmd and "--no-norm-before-fc" in cmd and "--draft-config" not in cmd
+    assert "--no-norm-before-residual" not in cmd  # (its own default: the residual normed)
     plain, _ = pg.head_shape("speculators", "matched", TARGET, "eagle3")
     assert "--fc-norm" not in pg.speculators_cmd(pr.RunSpec("speculators", "matched", "sweep", 180.0, 1e-3, 42, 9,
                                                             16384, head_shape=plain), tmp_path, Path("/t"))  # fmt: skip
@@ -1489,7 +1494,9 @@ def test_a_sweep_whose_best_lr_is_at_its_edge_goes_on_past_it_for_every_framewor
     assert {tuple(w[3]) for w in pg.runs_wanted(a, top + ours)} == {(5e-3,)}
     (table,) = [t for t in pr.results(top + ours, [])["tables"] if t["title"].startswith("The sweeps")]
     assert table["rows"] == [["ours:recipe", "0.001: 2.600, 0.002: 2.620, 0.004: 2.700", "0.004", "0.008"],
-                             ["speculators:default", "0.0003: 2.400, 0.001: 2.600, 0.003: 2.700", "0.003", "0.009"]]  # fmt: skip
+                             ["ours:muon", "—", "—", "0.02, 0.04, 0.08"],  # (no run of it yet: its grid)
+                             ["speculators:default", "0.0003: 2.400, 0.001: 2.600, 0.003: 2.700", "0.003", "0.009"],
+                             ["speculators:matched", "—", "—", "0.0003, 0.001, 0.003"]]  # fmt: skip
 
 
 def test_a_server_waits_for_vllms_stage_and_says_what_to_carry_when_it_never_comes(tmp_path, monkeypatch):
