@@ -587,12 +587,11 @@ def first_acc(pairs: list[tuple[int, float]]) -> dict[str, float] | None:
         return None
     last = max(s for s, _ in pairs)
 
-    def at(step: int) -> float:
-        near = [a for s, a in pairs if step - ACC_WINDOW < s <= step]
-        return round(statistics.fmean(near), 3)
+    def window(step: int) -> list[float]:
+        return [a for s, a in pairs if step - ACC_WINDOW < s <= step]
 
-    out = {str(s): at(s) for s in ACC_STEPS if s <= last and any(s - ACC_WINDOW < x <= s for x, _ in pairs)}
-    return out | {"last": at(last)}
+    out = {str(s): round(statistics.fmean(w), 3) for s in ACC_STEPS if s <= last and (w := window(s))}
+    return out | {"last": round(statistics.fmean(window(last)), 3)}
 
 
 def ours_acc(text: str) -> list[tuple[int, float]]:
