@@ -740,7 +740,8 @@ def sized_steps(fw: str, budget: float, step_s: float) -> int:
 
 def expected_s(known: list, spec: RunSpec, slowdown: float | None = None) -> float:
     """Seconds the run may take from its start while sharing the GPU: its loop slowed as much as its
-    framework's slowest shared run was (else ``SHARED_SLOWDOWN``; ``slowdown``: the operator's), its
+    framework's slowest shared run was among those that shared it with no more lanes than this one's job
+    (else among all; else ``SHARED_SLOWDOWN``; ``slowdown``: the operator's), its
     probe's start-up and compilation (a fresh machine compiles again), its evaluation, and for a final
     MT-bench and vLLM serving."""
     probes = [r for r in known if (r.framework, r.head, r.device, r.kind) ==
@@ -748,9 +749,10 @@ def expected_s(known: list, spec: RunSpec, slowdown: float | None = None) -> flo
     alone = max(probes, key=lambda r: r.steps or 0) if probes else None
     measured = (alone.startup_s, alone.compile_s) if alone else (None, None)
     overhead = sum(60.0 if x is None else x for x in measured)
-    shared = [r.steady_step_s / spec.planned_step_s for r in known if (r.framework, r.head) ==
+    shared = [(r.lanes, r.steady_step_s / spec.planned_step_s) for r in known if (r.framework, r.head) ==
               (spec.framework, spec.head) and (r.lanes or 1) > 1 and r.steady_step_s and spec.planned_step_s]  # fmt: skip
-    slowdown = slowdown or (max([1.0, *shared]) if shared else SHARED_SLOWDOWN)
+    near = [x for n, x in shared if n <= spec.lanes] or [x for _, x in shared]  # (met in no more lanes, else any)
+    slowdown = slowdown or (max([1.0, *near]) if near else SHARED_SLOWDOWN)
     slowdown = slowdown if spec.lanes > 1 else 1.0  # (one lane: the GPU to itself)
     loop = (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * slowdown
     return loop + overhead + EVAL_S + (EVAL_S + SERVE_S if spec.kind == "final" else 0.0)

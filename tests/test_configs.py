@@ -299,5 +299,9 @@ def test_device_auto_is_resolved_in_one_place(monkeypatch):
     with pytest.raises(ConfigError, match="local rank 5 has no GPU of its own"):
         resolve_device("auto", 5)
     assert [resolve_device("auto", r, share_gpus=True).index for r in range(6)] == [0, 1, 2, 3, 0, 1]
+    # a bare "cuda" is the rank's own GPU (torch.cuda.set_device refuses an index-less device)
+    assert resolve_device("cuda", 2) == torch.device("cuda:2") and resolve_device("cuda:1", 3).index == 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto", 3) == torch.device("cpu") and resolve_device("auto", 9, share_gpus=True).type == "cpu"
+    with pytest.raises(ConfigError, match="device=cuda, but torch sees no CUDA device"):
+        resolve_device("cuda")

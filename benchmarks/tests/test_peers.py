@@ -1214,6 +1214,24 @@ def test_a_shared_run_faster_than_the_step_alone_does_not_shrink_the_expected_ti
     assert s.expected(x) == pytest.approx(600 * 0.3 * 1.3 + 120.0 + pg.EVAL_S)
 
 
+def test_the_expected_slowdown_is_the_slowest_met_in_no_more_lanes_than_the_jobs():
+    s = object.__new__(pg.Session)
+    s.a = argparse.Namespace(slowdown=None)
+    s.known = [probe(steps=300, steady_step_s=0.3), run(lanes=2, steady_step_s=0.39), run(lanes=5, steady_step_s=0.6)]
+
+    def x(lanes: int) -> pr.RunSpec:
+        return pr.RunSpec("ours", "recipe", "final", 600.0, 1e-3, 0, 2000, 16384, device="h100", planned_step_s=0.3,
+                          lanes=lanes)  # fmt: skip
+
+    rest = 120.0 + 2 * pg.EVAL_S + pg.SERVE_S
+    assert s.expected(x(2)) == pytest.approx(2000 * 0.3 * 1.3 + rest)  # (two lanes: 1.3x, not five lanes' 2x)
+    assert s.expected(x(3)) == pytest.approx(2000 * 0.3 * 1.3 + rest)
+    assert s.expected(x(5)) == pytest.approx(2000 * 0.3 * 2.0 + rest)
+    s.known = s.known[:1] + s.known[2:]  # (met only in more lanes than the job's: that, not a guess)
+    assert s.expected(x(2)) == pytest.approx(2000 * 0.3 * 2.0 + rest)
+    assert s.expected(x(1)) == pytest.approx(2000 * 0.3 + rest)  # (one lane: the GPU to itself)
+
+
 def test_a_preparation_beside_the_lanes_leaves_its_hold_as_a_phase(tmp_path, monkeypatch):
     monkeypatch.setattr(pg, "PO", tmp_path)
     monkeypatch.setattr(pg, "gpu_memory_mib", lambda: 80000)

@@ -77,11 +77,14 @@ def init_distributed(
 
 def resolve_device(device: str, local_rank: int = 0, share_gpus: bool = False) -> torch.device:
     """The one reading of ``device=``: ``auto`` is ``cuda:<local_rank>`` when CUDA is present,
-    else the CPU; anything else is taken as torch spells it. A local rank past the node's GPUs is
-    refused unless ``share_gpus``, which maps it round-robin."""
-    if device == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
+    else the CPU; a bare ``cuda`` is ``cuda:<local_rank>`` too (refused without CUDA); anything
+    else is taken as torch spells it. A local rank past the node's GPUs is refused unless
+    ``share_gpus``, which maps it round-robin."""
+    if device in ("auto", "cuda") and not torch.cuda.is_available():
+        if device == "cuda":
+            raise ConfigError("device=cuda, but torch sees no CUDA device on this machine: use device=auto or cpu")
+        return torch.device("cpu")
+    if device in ("auto", "cuda"):  # a bare "cuda" is this rank's GPU (torch.cuda.set_device refuses it)
         gpus = torch.cuda.device_count()
         if local_rank >= gpus and not share_gpus:
             raise ConfigError(
