@@ -4,7 +4,7 @@
     there: benchmarks/staging/gpu_stage.sh install; benchmarks/staging/stage_vllm.sh install (its parts);
            for specforge also benchmarks/staging/stage_sglang14.sh install (its parts)
            python3 benchmarks/peers_gpu.py stage                     (in the call that carries .peers)
-           python3 benchmarks/peers_gpu.py start sweep ours speculators modelopt [--lanes 5] [--end-by-s 1600] [--then-final]
+           python3 benchmarks/peers_gpu.py start sweep ours speculators modelopt [--lanes 5] [--end-by-s 1600] [--then-seed] [--then-final]
            python3 benchmarks/peers_gpu.py start final ours speculators modelopt [--seeds 0]
            python3 benchmarks/peers_gpu.py poll 540 "$OUT"           (back to back until it prints "ended")
            (vLLM's parts may also come with the first polls, each call running stage_vllm.sh install before
@@ -978,9 +978,10 @@ def job(a: argparse.Namespace) -> None:
         tried[fw, head].update(new)
         return runs_of(fw, head, SWEEP_S, new, seeds) if new else []
 
-    def finals_of(fw: str, seeds: list[int]) -> list[RunSpec]:
-        """Once the framework's sweep (as sized now) is over and whole: its best head and lr at the final
-        budget, ``seeds``. A sweep cut short, or one sized from another step time, chooses nothing."""
+    def finals_of(fw: str, seeds: list[int], at: float = FINAL_S) -> list[RunSpec]:
+        """Once the framework's sweep (as sized now) is over and whole: its best head and lr at ``at`` seconds
+        (the final's; the sweep's for --then-seed), ``seeds``. A sweep cut short, or one sized from
+        another step time, chooses nothing."""
         s.lanes.over([n for _, h, *_ in swept(fw) for n in edge_names(fw, h)])  # type: ignore[union-attr]
         sweep = swept(fw)  # (again: its lrs past an edge as scored now)
         runs, missing = [], []
@@ -992,10 +993,11 @@ def job(a: argparse.Namespace) -> None:
                 else:
                     runs += [r for r in s.known if r.name == x.name]
         if missing:
-            say(f"{fw}: no final this job, its sweep lacks {', '.join(missing)}")
+            what = "final" if at == FINAL_S else f"{at:g}-s run of seed {', '.join(map(str, seeds))}"
+            say(f"{fw}: no {what} this job, its sweep lacks {', '.join(missing)}")
             return []
         top = best(runs, fw)
-        return runs_of(fw, top.head, FINAL_S, [top.lr], seeds) if top else []  # type: ignore[union-attr]
+        return runs_of(fw, top.head, at, [top.lr], seeds) if top else []  # type: ignore[union-attr]
 
     end = None if a.end_by_s is None else START + a.end_by_s
     s.lanes = Lanes(a.lanes, a.memory_gib * 1024, s.peak, last, end, s.expected)
@@ -1022,6 +1024,8 @@ def job(a: argparse.Namespace) -> None:
     if a.what == "sweep" and a.lrs is None:  # (a head's best at its grid's edge: the next lr, in this job)
         groups += [(f"{fw}:{h} past edge {k}", partial(past_edge, fw, h, seeds, k))
                    for fw, h, _, _, seeds in asked for k in range(1, 2 * PAST_EDGE + 1)]  # fmt: skip
+    if a.then_seed and a.what == "sweep":  # (the 3-minute verdict's spread: the best again, another seed)
+        groups += [(f"{fw} second seed", partial(finals_of, fw, [SEED[fw] + 1], SWEEP_S)) for fw in frameworks]
     if a.then_final and a.what == "sweep":
         groups += [(f"{fw} final", partial(finals_of, fw, [SEED[fw], SEED[fw] + 1])) for fw in frameworks]
     s.lanes.run(groups, s.train)
@@ -1349,6 +1353,9 @@ def main(argv: list[str] | None = None) -> None:
             action="store_true",
             help="sweep: once a framework's sweep is all in, its finals join the lanes in the same job",
         )
+        p.add_argument("--then-seed", action="store_true",
+                       help="sweep: once a framework's sweep is all in, its best head and lr runs again at the "
+                       "sweep's budget with its second seed (the 3-minute verdict's spread), in the same job")  # fmt: skip
         p.add_argument("--memory-gib", type=float, default=64.0,
                        help="the sum of the lanes' peaks (each measured alone) a new run must fit under")  # fmt: skip
         p.add_argument("--variant", choices=["eagle3", "eagle3.1"], default=None,
@@ -1420,6 +1427,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {spec.steps_planned} steps each, about "
                   f"{expected_s(known, spec, a.slowdown):.0f} s from its start sharing the GPU, its lane "
                   f"{'unknown' if peak is None else f'{peak / 1024:.1f} GiB'}{serving}{held_note}")  # fmt: skip
+        if a.what == "sweep" and a.then_seed:
+            for fw in dict.fromkeys(w[0] for w in runs_wanted(a, known)):
+                top = best(known, fw)
+                now = f"now {top.head} lr {top.lr:g}" if top else "none scored yet"
+                print(f"{fw}: once its sweep is whole, its best ({now}) again at {SWEEP_S:g} s, seed {SEED[fw] + 1}")
         print(f"sized runs {a.lanes} at a time on the GPU within {a.memory_gib:g} GiB; data and probes alone")
     else:
         poll(a.seconds, a.dest)

@@ -1003,6 +1003,38 @@ def test_a_sweeps_finals_take_the_frameworks_best_head_whichever_this_job_swept(
     assert all("-180s-" in n for n in events) and len(events) == 3
 
 
+def test_then_seed_runs_each_frameworks_best_again_at_3_minutes_once_its_sweep_is_whole(tmp_path, monkeypatch):
+    """--then-seed: once ours' sweep (both heads) is in, its best (the recipe at 2e-3, swept earlier) runs
+    again at 180 s with seed 1, after the last sweep run; ModelOpt's sweep has a failed run, so it gets
+    none; and a second job finds it held and runs nothing."""
+    events, sessions = [], []
+
+    def train(self, spec, lane=0):
+        events.append(spec.name)
+        sessions.append(self)
+        tau = None if spec.framework == "modelopt" and spec.lr == 1e-3 else (1.4 if spec.lr == 0.04 else 1.3)
+        self.known.append(pr.Run.from_dict({**pr.asdict(spec), "steps": spec.steps_planned, "tau_heldout": tau}))
+
+    recipe = swept_before("ours", "recipe", 0.3, 2.0)
+    recipe[2].tau_heldout = 2.6  # (lr 2e-3)
+    known = [*recipe, probe("ours", "muon", 0.02, steps=300, steady_step_s=0.3),
+             probe("modelopt", "default", 1e-4, 42, steady_step_s=0.06, steps=300),
+             *swept_before("modelopt", "matched", 0.06, 1.3)]  # fmt: skip
+    stand_in_session(monkeypatch, tmp_path, None, known)
+    monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
+    monkeypatch.setattr(pg.Session, "train", train)
+    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    pg.main(["job", "sweep", "ours:muon", "modelopt:default", "--lanes", "1", "--then-seed"])
+    assert events[-1] == "ours-recipe-eagle3.1-n16384-180s-lr0.002-seed1"
+    assert [n for n in events if n.endswith(("-seed1", "-seed43"))] == [events[-1]]  # (none for ModelOpt)
+    assert len(events) == 3 + 3 + 1
+    events.clear()
+    stand_in_session(monkeypatch, tmp_path, None, sessions[-1].known)  # (the next job reads what this one ran)
+    monkeypatch.setattr(pg.Session, "train", train)
+    pg.main(["job", "sweep", "ours:muon", "--lanes", "1", "--then-seed"])
+    assert events == []
+
+
 def test_no_run_starts_that_would_end_past_the_end_deadline():
     """--end-by-s: a run expected to take longer than what is left waits out; a short one still goes."""
     started = []
