@@ -29,7 +29,9 @@ from eagle3_train.training.config import DeepSpeedConfig, TrainConfig, lr_factor
 from eagle3_train.training.parallel import build_engine, scheduled_lr  # noqa: E402
 from train_options import train_sections  # noqa: E402
 
-OPT = {"lr": 2e-3, "muon_lr": 0.02, "muon_momentum": 0.95, "betas": [0.9, 0.95], "grad_clip": 0.0}
+# grad_clip: the trainer's default, so the check steps what a run steps (with 0 it missed DeepSpeed
+# clipping Muon's orthogonalized update: muon_check_clip_cpu.json)
+OPT = {"lr": 2e-3, "muon_lr": 0.02, "muon_momentum": 0.95, "betas": [0.9, 0.95], "grad_clip": 0.5}
 STEPS = 3
 
 

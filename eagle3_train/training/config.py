@@ -60,7 +60,7 @@ class OptimConfig:
     decay_fraction: float = 0.2  # schedule=wsd: the share of the steps after warmup that decay to min_lr_ratio
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
-    grad_clip: float = 0.5  # max global gradient norm (0: off)
+    grad_clip: float = 0.5  # max global gradient norm (0: off; not applied with optimizer=muon, where DeepSpeed would clip Muon's orthogonalized update instead of the gradient)
     lm_head_steps: int = 0  # the draft's lm_head trains for the first N optimizer steps only, then its lr is 0: frozen after a warm-up (0: it trains at every step; model.freeze_lm_head: never)
     ema_decay: float = 0.0  # evaluate and export an exponential moving average of the weights with this decay per optimizer step (0: off; e.g. 0.999; ZeRO 0-2)
 

@@ -17,6 +17,7 @@ Heads must divide by the group size; a micro-batch's rows are padded to a multip
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,8 @@ from torch import nn
 from eagle3_train.core.errors import ConfigError
 from eagle3_train.model import Eagle3Draft
 from eagle3_train.training.config import TrainConfig, lr_factor
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -197,13 +200,23 @@ def build_engine(
             {"params": [p for p in trained if id(p) not in head], "name": "draft"},
             {"params": [p for p in trained if id(p) in head], "name": "lm_head"},
         ]
+    # DeepSpeed's Muon orthogonalizes the matrices' gradients inside its step, before the global norm, so
+    # its clip scales the orthogonalized update (a norm of about sqrt(min(rows, cols)) a matrix), not the
+    # gradient: at the recipe's head and optim.grad_clip 0.5 every Muon step came out 40x smaller than
+    # torch's Muon takes it (muon_check_cpu2.json). Muon's update is normalized anyway (torch's and the
+    # peers' clip the raw gradient, which barely moves it), so under Muon nothing is clipped
+    clip = o.grad_clip
+    if o.optimizer == "muon" and clip > 0:
+        logger.info("optim.grad_clip=%g is not applied with optim.optimizer=muon: DeepSpeed would clip Muon's "
+                    "orthogonalized update, not the gradient, and shrink every Muon step", clip)  # fmt: skip
+        clip = 0.0
     zero: dict[str, Any] = {"stage": ds.zero_stage}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,  # batches are token-budgeted; DeepSpeed only counts
         "gradient_accumulation_steps": cfg.loop.grad_accum,
-        "gradient_clipping": o.grad_clip,
+        "gradient_clipping": clip,
         "zero_optimization": zero,
         "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": ds.check_grad_overflow},
         "zero_allow_untested_optimizer": True,
