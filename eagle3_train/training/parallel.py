@@ -202,9 +202,10 @@ def build_engine(
         ]
     # DeepSpeed's Muon orthogonalizes the matrices' gradients inside its step, before the global norm, so
     # its clip scales the orthogonalized update (a norm of about sqrt(min(rows, cols)) a matrix), not the
-    # gradient: at the recipe's head and optim.grad_clip 0.5 every Muon step came out 40x smaller than
-    # torch's Muon takes it (muon_check_cpu2.json). Muon's update is normalized anyway (torch's and the
-    # peers' clip the raw gradient, which barely moves it), so under Muon nothing is clipped
+    # gradient (DeepSpeed issue 8439, open for 0.19): at the recipe's head and optim.grad_clip 0.5 every
+    # Muon step came out 40x smaller than torch's Muon takes it (muon_check_clip_cpu.json). Muon's update
+    # is normalized anyway (torch's and the peers' clip the raw gradient, which barely moves it), so under
+    # Muon nothing is clipped
     clip = o.grad_clip
     if o.optimizer == "muon" and clip > 0:
         logger.info("optim.grad_clip=%g is not applied with optim.optimizer=muon: DeepSpeed would clip Muon's "
