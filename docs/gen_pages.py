@@ -786,7 +786,9 @@ PAGE_NOTES = {  # a page's opening paragraph, where its results need one before 
     "norm, so ours' `optim.grad_clip` (0.5) clipped Muon's orthogonalized update rather than the gradient, and "
     "every Muon step of this head was 2.5 % of what torch's Muon takes (`muon_check_clip_cpu` on the recipe "
     "page; the earlier checks ran with the clip off and missed it). Ours no longer passes a clip to DeepSpeed "
-    "under Muon; the three runs are in `peers_h100_superseded` and the grid runs again.\n\n"
+    "under Muon; the three runs are in `peers_h100_superseded` and the grid runs again. With the fix, on the "
+    "CPU demo's data Muon (`muon_lr` 0.08-0.2) beat AdamW (eval τ 1.40-1.44 against 1.31, 60 steps, single "
+    "runs), so ours' best head at 3 minutes may change.\n\n"
     "Every sized run's step count comes from its framework's step time measured alone, so its draft is the "
     "same whether it shared the GPU or not; the session table gives each machine's yardstick, since H100s "
     "differ. The older files below are kept as a record of what was run.\n\n",
