@@ -278,6 +278,15 @@ def stand_in_session(monkeypatch, po: Path, phase, known: list, gpu: str = "h100
     monkeypatch.setattr(pg.Session, "__init__", init)
 
 
+def stand_in_job(monkeypatch, po: Path, known: list, train) -> None:
+    """The job as ``stand_in_session`` has it, every framework's data prepared and ``train`` standing in
+    for each run (no command runs)."""
+    stand_in_session(monkeypatch, po, None, known)
+    monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
+    monkeypatch.setattr(pg.Session, "train", train)
+    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+
+
 def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_not_stop_the_next(
     tmp_path, monkeypatch
 ):
@@ -957,10 +966,7 @@ def test_a_sweep_then_its_finals_in_one_job_each_final_after_its_frameworks_whol
     known = [probe(steps=300, steady_step_s=0.3), probe("modelopt", "default", 1e-4, 42, steady_step_s=0.06, steps=300),
              probe("speculators", "default", 3e-4, 42, steady_step_s=0.06, steps=200, steps_per_epoch=270),
              *swept_before("ours", "muon", 0.3, 1.5), *swept_before("modelopt", "matched", 0.06, 1.3)]  # fmt: skip
-    stand_in_session(monkeypatch, tmp_path, None, known)
-    monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
-    monkeypatch.setattr(pg.Session, "train", train)
-    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    stand_in_job(monkeypatch, tmp_path, known, train)
     pg.main(["job", "sweep", "ours:recipe", "modelopt:default", "speculators:default", "--lanes", "3", "--then-final"])
     started = [n for e, n in events if e == "start"]
     finals = [n for n in started if "-600s-" in n]
@@ -989,10 +995,7 @@ def test_a_sweeps_finals_take_the_frameworks_best_head_whichever_this_job_swept(
     recipe = swept_before("ours", "recipe", 0.3, 2.0)
     recipe[2].tau_heldout = 2.6  # (lr 2e-3)
     muon_probe = probe("ours", "muon", 0.02, steps=300, steady_step_s=0.3)
-    stand_in_session(monkeypatch, tmp_path, None, [*recipe, muon_probe])
-    monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
-    monkeypatch.setattr(pg.Session, "train", train)
-    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    stand_in_job(monkeypatch, tmp_path, [*recipe, muon_probe], train)
     pg.main(["job", "sweep", "ours:muon", "--lanes", "1", "--then-final"])
     assert events == [*(f"ours-muon-eagle3.1-n16384-180s-lr{lr:g}-seed0" for lr in pr.LRS["ours:muon"]),
                       "ours-recipe-eagle3.1-n16384-600s-lr0.002-seed0", "ours-recipe-eagle3.1-n16384-600s-lr0.002-seed1"]  # fmt: skip
@@ -1020,10 +1023,7 @@ def test_then_seed_runs_each_frameworks_best_again_at_3_minutes_once_its_sweep_i
     known = [*recipe, probe("ours", "muon", 0.02, steps=300, steady_step_s=0.3),
              probe("modelopt", "default", 1e-4, 42, steady_step_s=0.06, steps=300),
              *swept_before("modelopt", "matched", 0.06, 1.3)]  # fmt: skip
-    stand_in_session(monkeypatch, tmp_path, None, known)
-    monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
-    monkeypatch.setattr(pg.Session, "train", train)
-    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    stand_in_job(monkeypatch, tmp_path, known, train)
     pg.main(["job", "sweep", "ours:muon", "modelopt:default", "--lanes", "1", "--then-seed"])
     assert events[-1] == "ours-recipe-eagle3.1-n16384-180s-lr0.002-seed1"
     assert [n for n in events if n.endswith(("-seed1", "-seed43"))] == [events[-1]]  # (none for ModelOpt)
@@ -1220,10 +1220,7 @@ def test_a_final_job_takes_the_best_of_the_whole_sweep_as_sized_now_and_none_fro
 
     sweep = [run(lr=lr, planned=600, steps=600, tau_heldout=tau) for lr, tau in ((1e-3, 1.9), (2e-3, 2.1))]
     stale = run(lr=4e-3, planned=353, steps=353, tau_heldout=2.5)
-    stand_in_session(monkeypatch, tmp_path, None, [probe(steps=300, steady_step_s=0.3), *sweep, stale])
-    monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
-    monkeypatch.setattr(pg.Session, "train", train)
-    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    stand_in_job(monkeypatch, tmp_path, [probe(steps=300, steady_step_s=0.3), *sweep, stale], train)
     pg.main(["job", "final", "ours:recipe"])
     assert trained == []
     stand_in_session(monkeypatch, tmp_path, None, [probe(steps=300, steady_step_s=0.3), *sweep,
@@ -1585,10 +1582,7 @@ def test_a_sweep_job_runs_past_its_edge_once_its_grid_is_scored_and_its_finals_w
     known = [probe("speculators", "default", 3e-4, 42, steady_step_s=0.06, steps=200, steps_per_epoch=270),
              probe("modelopt", "default", 1e-4, 42, steady_step_s=0.06, steps=300),
              *swept_before("speculators", "matched", 0.06, 2.0), *swept_before("modelopt", "matched", 0.06, 1.3)]  # fmt: skip
-    stand_in_session(monkeypatch, tmp_path, None, known)
-    monkeypatch.setattr(pg.Session, "prepare", lambda self, fw, head: True)
-    monkeypatch.setattr(pg.Session, "train", train)
-    monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job"])
+    stand_in_job(monkeypatch, tmp_path, known, train)
     pg.main(["job", "sweep", "speculators:default", "modelopt:default", "--lanes", "2", "--then-final"])
     started = [n for e, n in events if e == "start"]
 
