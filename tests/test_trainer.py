@@ -1210,6 +1210,18 @@ def test_head_variants_train_resume_and_export_what_the_engines_compute(std, tmp
     assert got_tokens == want_tokens and not torch.allclose(plain, want, atol=1e-3)
 
 
+def test_muon_at_zero3_steps_as_at_zero1(std, tmp_path):
+    """optim.optimizer=muon at ZeRO 3 (DeepSpeed refuses Muon beside its reduce-scatter, so the trainer
+    turns that off) trains to the weights the same run reaches at ZeRO 1."""
+    muon = {"optimizer": "muon", "muon_lr": 0.02, "lr": 3e-3, "warmup_steps": 0, "head_chunk": 0, "max_steps": 3}
+    train(std, tmp_path / "z1", zero_stage=1, **muon)
+    train(std, tmp_path / "z3", zero_stage=3, **muon)
+    want, got = (load_file(str(last_checkpoint(tmp_path / z) / "draft.safetensors")) for z in ("z1", "z3"))
+    assert last_checkpoint(tmp_path / "z3").name == "step3" and set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-4)
+
+
 def test_muon_trains_freezes_lm_head_on_time_and_resumes_to_the_same_weights(std, tmp_path, monkeypatch):
     """optim.optimizer=muon through the trainer: the loss falls; with optim.lm_head_steps=2 lm_head
     (AdamW's) moves in the first two steps only while fc (Muon's) keeps moving; the lr logged is

@@ -212,6 +212,8 @@ def build_engine(
                     "orthogonalized update, not the gradient, and shrink every Muon step", clip)  # fmt: skip
         clip = 0.0
     zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if o.optimizer == "muon" and ds.zero_stage == 3:  # (ZeRO-3 refuses Muon beside its reduce-scatter)
+        zero["reduce_scatter"] = False
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config: dict[str, Any] = {
