@@ -782,7 +782,7 @@ PAGE_NOTES = {  # a page's opening paragraph, where its results need one before 
     "not measured, and it would count only once every framework's batch is swept alike.\n\n"
     "**Ours with Muon is swept again.** `ours:muon` (speculators' default optimizer, added after the sweep "
     "showed speculators ahead) had reached 1.384, 1.500 and 1.662 at `optim.muon_lr` 0.02, 0.04 and 0.08. "
-    "Session 43 found why it did so badly: DeepSpeed's Muon orthogonalizes inside its step, before the global "
+    "Session 43 found a fault in ours behind those runs: DeepSpeed's Muon orthogonalizes inside its step, before the global "
     "norm, so ours' `optim.grad_clip` (0.5) clipped Muon's orthogonalized update rather than the gradient, and "
     "every Muon step of this head was 2.5 % of what torch's Muon takes (`muon_check_clip_cpu` on the recipe "
     "page; the earlier checks ran with the clip off and missed it). Ours no longer passes a clip to DeepSpeed "
