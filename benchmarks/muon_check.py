@@ -27,6 +27,7 @@ from eagle3_train.core.dist import init_distributed  # noqa: E402
 from eagle3_train.model.draft import DraftConfig, Eagle3Draft  # noqa: E402
 from eagle3_train.training.config import DeepSpeedConfig, TrainConfig, lr_factor  # noqa: E402
 from eagle3_train.training.parallel import build_engine, scheduled_lr  # noqa: E402
+from muon_reference import matrices, reference_steps  # noqa: E402
 from train_options import train_sections  # noqa: E402
 
 # grad_clip: the trainer's default, so the check steps what a run steps (with 0 it missed DeepSpeed
@@ -79,19 +80,8 @@ def check(kind: str, zero: int, dtype: torch.dtype, device: torch.device) -> dic
         engine.backward(sum((p * g[n].to(dtype)).sum() for n, p in draft.named_parameters() if p.requires_grad))
         engine.step()
     assert factors == [lr_factor(s, 10, cfg.optim) for s in range(STEPS)], factors
-    ref = dict(reference.named_parameters())
-    mat = sorted(n for n in trained if ref[n].ndim == 2 and "lm_head" not in n)
-    muon = torch.optim.Muon([ref[n] for n in mat], lr=OPT["muon_lr"], momentum=OPT["muon_momentum"], weight_decay=0.0,
-                            nesterov=True, ns_steps=5)  # fmt: skip
-    adam = torch.optim.AdamW([ref[n] for n in trained if n not in mat], lr=OPT["lr"], betas=tuple(OPT["betas"]),
-                             weight_decay=0.0)  # fmt: skip
-    for g, f in zip(grads, factors):
-        for n in trained:
-            ref[n].grad = g[n].float().clone()
-        for opt, lr in ((muon, OPT["muon_lr"]), (adam, OPT["lr"])):
-            for group in opt.param_groups:
-                group["lr"] = lr * f
-            opt.step()
+    reference_steps(reference, grads, factors, OPT)
+    ref, mat = dict(reference.named_parameters()), matrices(reference)
     rows = {}
     for n in trained:
         want, got = ref[n].detach() - start[n], named[n].detach().float() - start[n]

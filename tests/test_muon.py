@@ -12,6 +12,7 @@ from eagle3_train.model.draft import DraftConfig, Eagle3Draft
 from eagle3_train.targets.tiny import tiny_config
 from eagle3_train.training.config import DeepSpeedConfig, TrainConfig, lr_factor
 from eagle3_train.training.parallel import build_engine, scheduled_lr
+from muon_reference import matrices, reference_steps
 from train_options import train_sections
 
 OPT = {"lr": 3e-3, "muon_lr": 0.02, "muon_momentum": 0.9, "betas": [0.9, 0.95], "grad_clip": 0.0}
@@ -20,32 +21,6 @@ OPT = {"lr": 3e-3, "muon_lr": 0.02, "muon_momentum": 0.9, "betas": [0.9, 0.95], 
 def config(zero: int, **optim) -> TrainConfig:
     o = train_sections(optimizer="muon", warmup_steps=2, schedule="linear", **(OPT | optim))
     return TrainConfig(data="d", out="o", **o, deepspeed=DeepSpeedConfig(zero_stage=zero))
-
-
-def matrices(model: torch.nn.Module) -> set[str]:
-    """What Muon should take: the trained matrices other than lm_head (the embeddings are frozen)."""
-    return {n for n, p in model.named_parameters() if p.requires_grad and p.ndim == 2 and "lm_head" not in n}
-
-
-def reference_steps(model, grads, lrs):
-    """torch.optim.Muon (Nesterov, 5 Newton-Schulz steps, its original shape scale) on the matrices and
-    torch.optim.AdamW on the rest, each step at the trainer's schedule factor."""
-    named = dict(model.named_parameters())
-    mat = matrices(model)
-    muon = torch.optim.Muon([named[n] for n in sorted(mat)], lr=OPT["muon_lr"], momentum=OPT["muon_momentum"],
-                            weight_decay=0.0, nesterov=True, ns_steps=5)  # fmt: skip
-    rest = [n for n, p in named.items() if p.requires_grad and n not in mat]
-    adam = torch.optim.AdamW([named[n] for n in rest], lr=OPT["lr"], betas=tuple(OPT["betas"]), weight_decay=0.0)
-    for g, factor in zip(grads, lrs):
-        for n, p in named.items():
-            if p.requires_grad:
-                p.grad = g[n].clone()
-        for group in muon.param_groups:
-            group["lr"] = OPT["muon_lr"] * factor
-        for group in adam.param_groups:
-            group["lr"] = OPT["lr"] * factor
-        muon.step()
-        adam.step()
 
 
 @pytest.mark.parametrize(("zero", "dtype", "tol", "clip"), [(0, torch.float32, 0.02, 0.0), (1, torch.float32, 0.02, 0.0),
@@ -76,7 +51,7 @@ def test_muon_steps_the_matrices_and_adamw_the_rest_as_torchs_own_would(zero, dt
         engine.backward(sum((p * g[n]).sum() for n, p in draft.named_parameters() if p.requires_grad))
         engine.step()
     assert lrs == pytest.approx([lr_factor(s, 10, cfg.optim) for s in range(3)])  # read off the AdamW half
-    reference_steps(reference, grads, lrs)
+    reference_steps(reference, grads, lrs, OPT)
     ref = dict(reference.named_parameters())
     for n in trained:
         want, got = ref[n].detach() - start[n], named[n].detach().float() - start[n]
