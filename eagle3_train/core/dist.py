@@ -80,19 +80,19 @@ def resolve_device(device: str, local_rank: int = 0, share_gpus: bool = False) -
     else the CPU; a bare ``cuda`` is ``cuda:<local_rank>`` too (refused without CUDA); anything
     else is taken as torch spells it. A local rank past the node's GPUs is refused unless
     ``share_gpus``, which maps it round-robin."""
-    if device in ("auto", "cuda") and not torch.cuda.is_available():
+    if device not in ("auto", "cuda"):  # (a bare "cuda" is this rank's GPU: torch.cuda.set_device refuses it)
+        return torch.device(device)
+    if not torch.cuda.is_available():
         if device == "cuda":
             raise ConfigError("device=cuda, but torch sees no CUDA device on this machine: use device=auto or cpu")
         return torch.device("cpu")
-    if device in ("auto", "cuda"):  # a bare "cuda" is this rank's GPU (torch.cuda.set_device refuses it)
-        gpus = torch.cuda.device_count()
-        if local_rank >= gpus and not share_gpus:
-            raise ConfigError(
-                f"local rank {local_rank} has no GPU of its own ({gpus} on this node): start at most "
-                f"{gpus} processes per node (torchrun --nproc_per_node {gpus})"
-            )
-        return torch.device(f"cuda:{local_rank % gpus}")
-    return torch.device(device)
+    gpus = torch.cuda.device_count()
+    if local_rank >= gpus and not share_gpus:
+        raise ConfigError(
+            f"local rank {local_rank} has no GPU of its own ({gpus} on this node): start at most "
+            f"{gpus} processes per node (torchrun --nproc_per_node {gpus})"
+        )
+    return torch.device(f"cuda:{local_rank % gpus}")
 
 
 def _free_port() -> int:
