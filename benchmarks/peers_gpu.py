@@ -1399,7 +1399,8 @@ def main(argv: list[str] | None = None) -> None:
         job(a)
     elif a.cmd == "plan":
         known, _ = load(a.results or REPO / f"benchmarks/results/peers_{a.device}.json")
-        for fw, head, budget, lrs, seeds in runs_wanted(a, known):  # (any head family: plan has no target)
+        wanted = runs_wanted(a, known)
+        for fw, head, budget, lrs, seeds in wanted:  # (any head family: plan has no target)
             timing = step_time(known, fw, head, a.device, a.n, min_steps=PROBE_STEPS[fw])
             if not timing:
                 print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: a {PROBE_STEPS[fw]}-step probe first, "
@@ -1428,7 +1429,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{expected_s(known, spec, a.slowdown):.0f} s from its start sharing the GPU, its lane "
                   f"{'unknown' if peak is None else f'{peak / 1024:.1f} GiB'}{serving}{held_note}")  # fmt: skip
         if a.what == "sweep" and a.then_seed:
-            for fw in dict.fromkeys(w[0] for w in runs_wanted(a, known)):
+            for fw in dict.fromkeys(w[0] for w in wanted):
                 top = best(known, fw)
                 now = f"now {top.head} lr {top.lr:g}" if top else "none scored yet"
                 print(f"{fw}: once its sweep is whole, its best ({now}) again at {SWEEP_S:g} s, seed {SEED[fw] + 1}")
