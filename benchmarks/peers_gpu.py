@@ -1398,10 +1398,11 @@ def main(argv: list[str] | None = None) -> None:
     elif a.cmd == "job":
         job(a)
     elif a.cmd == "plan":
-        known, _ = load(a.results or REPO / f"benchmarks/results/peers_{a.device}.json")
+        sizing = a.size_on or a.device  # (as a job there would: the probes of --size-on size its runs)
+        known, _ = load(a.results or REPO / f"benchmarks/results/peers_{sizing}.json")
         wanted = runs_wanted(a, known)
         for fw, head, budget, lrs, seeds in wanted:  # (any head family: plan has no target)
-            timing = step_time(known, fw, head, a.device, a.n, min_steps=PROBE_STEPS[fw])
+            timing = step_time(known, fw, head, sizing, a.n, min_steps=PROBE_STEPS[fw])
             if not timing:
                 print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: a {PROBE_STEPS[fw]}-step probe first, "
                       "then sized steps each")  # fmt: skip
@@ -1414,7 +1415,8 @@ def main(argv: list[str] | None = None) -> None:
                 ]
             }
             spec = RunSpec(fw, head, kind, budget, lrs[0], seeds[0], sized_steps(fw, budget, timing[0]), a.n,
-                           device=a.device, planned_step_s=timing[0], lanes=a.lanes, head_shape=family)  # fmt: skip
+                           device=a.device, planned_step_s=timing[0], lanes=a.lanes, head_shape=family,
+                           sized_on="" if sizing == a.device else sizing)  # fmt: skip
             held = [(lr, seed) for lr in lrs for seed in seeds if done(known, replace(spec, lr=lr, seed=seed))]
             if len(held) == len(lrs) * len(seeds):
                 print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: all held in the results")

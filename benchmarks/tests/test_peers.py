@@ -1315,6 +1315,12 @@ def test_plan_tells_each_runs_expected_seconds_and_lane_as_the_job_would_judge_t
     known.append(probe("specforge", "default", steps=200, steady_step_s=0.0607))  # (180 s: 2,965 steps)
     pg.main(["plan", "sweep", "specforge:default", "--device", "h100"])
     assert "2960 steps each" in capsys.readouterr().out  # (as the job sizes it: whole windows of its step log)
+    # on an H200 sized by the H100's probes (--size-on): the same steps, and what the H100 ran is held
+    read: list = []
+    monkeypatch.setattr(pg, "load", lambda path: (read.append(path.name), (known, None))[1])
+    pg.main(["plan", "sweep", "ours:recipe", "--lrs", "2e-3", "4e-3", "--device", "h200", "--size-on", "h100"])
+    recipe = capsys.readouterr().out.splitlines()[0]
+    assert read == ["peers_h100.json"] and "600 steps each" in recipe and "(held in the results: lr 0.002" in recipe
 
 
 def test_each_session_measures_its_machine_alone_and_the_results_show_it_beside_its_probes(tmp_path):
