@@ -9,7 +9,8 @@
            python3 benchmarks/peers_gpu.py poll 540 "$OUT"           (back to back until it prints "ended")
            (vLLM's parts may also come with the first polls, each call running stage_vllm.sh install before
            its poll: a vLLM server, for speculators' states or a final's serving, waits for its stage, 15 min at most)
-    here:  python3 benchmarks/peers_results.py merge OUT/peers_partial.json benchmarks/results/peers_h100.json
+    here:  python3 benchmarks/peers_results.py merge OUT/poll.tgz benchmarks/results/peers_h100.json
+           (it keeps the poll as benchmarks/results/raw/peers_h100/<session id>.tgz; then `note` the session)
     any:   python3 benchmarks/peers_gpu.py plan sweep ours --device h100   (the runs it would make, each one's
            expected seconds sharing the GPU and its lane's memory, as --end-by-s and --memory-gib judge them; no GPU)
 

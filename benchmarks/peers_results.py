@@ -1,12 +1,14 @@
 """The side-by-side with the peer frameworks: its results file, written and read here only.
 
-    python3 benchmarks/peers_results.py merge PARTIAL_OR_DIR benchmarks/results/peers_h100.json
+    python3 benchmarks/peers_results.py merge POLL benchmarks/results/peers_h100.json
     python3 benchmarks/peers_results.py supersede benchmarks/results/peers_h100.json ours:recipe --reason "..."
     python3 benchmarks/peers_results.py reinstate benchmarks/results/peers_h100.json NAME@SESSION ... --reason "..."
     python3 benchmarks/peers_results.py note benchmarks/results/peers_h100.json SESSION --text "..."
 
-``PARTIAL_OR_DIR``: the ``peers_partial.json`` a poll of ``benchmarks/peers_gpu.py`` brought back, or
-the folder its ``poll.tgz`` was unpacked into (read afresh). Runs are keyed by name (framework, head,
+``POLL``: the ``poll.tgz`` a poll of ``benchmarks/peers_gpu.py`` brought back (read afresh, and kept as
+``raw/<results file's stem>/<session id>.tgz`` beside the results file, so that merging those, oldest
+first, gives the file again), the folder it was unpacked into, or the ``peers_partial.json`` beside
+it. Runs are keyed by name (framework, head,
 budget, lr, seed): a run measured again replaces the old one unless the new one got less far. The
 verdict table is recomputed from every run in the file. ``supersede`` takes a framework's head out of
 the file (into ``<file>_superseded.json``, with the reason) where a change to that framework changed
@@ -33,8 +35,11 @@ import gzip
 import json
 import math
 import re
+import shutil
 import statistics
 import sys
+import tarfile
+import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -439,9 +444,9 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
         "runs": "single run each; the 10-minute configurations two seeds; probes ran alone on the GPU, sized runs "
         "up to `lanes` at once (the budget_loop_s column is their loop alone)",
         "withdrawn": WITHDRAWN,
-        "raw": "benchmarks/results/raw/peers_<gpu>/<session id>/: each session's last poll unpacked (phases, logs, "
-        "train metrics, eval and served reports; engine logs gzipped); `peers_results.py merge` of those folders, "
-        "oldest first, into this file gives it again byte for byte (session notes, written here, are kept)",
+        "raw": "benchmarks/results/raw/peers_<gpu>/<session id>.tgz: each session's last poll (phases, logs, "
+        "train metrics, eval and served reports); `peers_results.py merge` of those, oldest first, into this "
+        "file gives it again byte for byte (session notes, written here, are kept)",
         "not_run": {fw: why for fw, why in NOT_RUN.items() if not any(r.framework == fw for r in runs)},
         "sessions": sessions,
         "frameworks": [asdict(r) | {"name": r.name} for r in order],
@@ -733,6 +738,7 @@ def read_session(po: Path) -> tuple[list[Run], dict[str, Any]]:
 
 def save(out: Path, runs: list[Run], sessions: list[dict[str, Any]]) -> None:
     """The results file ``out`` written afresh from ``runs`` and ``sessions`` (its tables recomputed)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results(runs, sessions), indent=1) + "\n")
 
 
@@ -829,8 +835,8 @@ def _write_superseded(out: Path, moved: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["merge", "supersede", "reinstate", "note"])
-    ap.add_argument("new", type=Path, help="merge: a poll's peers_partial.json, or an unpacked poll folder; "
-                    "supersede, reinstate: the results file")  # fmt: skip
+    ap.add_argument("new", type=Path, help="merge: a poll's poll.tgz (kept under raw/), the folder it was unpacked "
+                    "into, or its peers_partial.json; supersede, reinstate: the results file")  # fmt: skip
     ap.add_argument("out", nargs="+", help="merge: the results file (created, or merged into); supersede: "
                     "FRAMEWORK:HEAD; reinstate: NAME@SESSION of each run (its superseded file's table names them); "
                     "note: the session's id")  # fmt: skip
@@ -861,16 +867,33 @@ def main(argv: list[str] | None = None) -> None:
     a.out = Path(a.out[0])
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (eagle3_train reads the eval reports)
     if not a.new.exists():
-        raise SystemExit(f"peers_results: {a.new}: no such file or folder (a poll's peers_partial.json, or a folder "
-                         "its poll.tgz was unpacked into)")  # fmt: skip
+        raise SystemExit(f"peers_results: {a.new}: no such file or folder (a poll's poll.tgz, the folder it was "
+                         "unpacked into, or its peers_partial.json)")  # fmt: skip
     print(f"peers_results: {merge_into(a.new, a.out)} runs in {a.out}")
 
 
+def raw_path(out: Path, session_id: str) -> Path:
+    """Where a session's poll is kept beside the results file ``out``."""
+    return out.parent / "raw" / out.stem / f"{session_id}.tgz"
+
+
 def merge_into(new: Path, out: Path) -> int:
-    """A partial results file or a session's folder merged into the results file ``out``; how many runs
-    it then holds."""
+    """A poll (its ``.tgz``, kept under :func:`raw_path`), a session's folder or a partial results file
+    merged into the results file ``out``; how many runs it then holds."""
     runs, sessions = load(out)
-    if new.is_dir():
+    if new.name.endswith((".tgz", ".tar.gz")):
+        with tempfile.TemporaryDirectory() as unpacked:
+            with tarfile.open(new) as tar:
+                tar.extractall(unpacked, filter="data")
+            fresh, session = read_session(Path(unpacked))
+        if not session.get("id"):
+            raise SystemExit(f"peers_results: {new} holds no session.json (is it a poll of peers_gpu.py?)")
+        kept = raw_path(out, session["id"])
+        if not kept.exists() or not kept.samefile(new):
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(new, kept)
+        new_sessions = [session]
+    elif new.is_dir():
         fresh, session = read_session(new)
         new_sessions = [session]
     else:

@@ -47,7 +47,7 @@ def test_a_budget_becomes_steps_at_the_steady_step_time_and_epochs_hold_them():
 
 
 def test_a_raw_folders_gzipped_training_log_reads_as_the_plain_one(tmp_path):
-    """The raw folders keep large logs gzipped; merging them again gives the same run."""
+    """The polls kept before session 44 hold their large logs gzipped; merging them again gives the same run."""
     import gzip
 
     d = tmp_path / "speculators-matched-x"
@@ -222,6 +222,18 @@ def test_a_poll_leaves_the_archive_and_partial_results_that_merge_into_the_file(
     runs[0].failed = []
     assert pr.step_time(runs, "ours", "recipe", "h100") == (pytest.approx(0.3), None)
     assert pr.step_time(runs, "ours", "recipe", "h200") is None  # another GPU: its own probe
+    # the poll.tgz itself: read as its folder is, and kept beside the results file, from where it merges again
+    by_folder, by_archive = tmp_path / "f" / "peers_h100.json", tmp_path / "a" / "peers_h100.json"
+    pr.main(["merge", str(po), str(by_folder)])
+    pr.main(["merge", str(dest / "poll.tgz"), str(by_archive)])
+    kept = tmp_path / "a" / "raw" / "peers_h100" / "h100-x.tgz"
+    assert by_archive.read_text() == by_folder.read_text() and kept.read_bytes() == (dest / "poll.tgz").read_bytes()
+    pr.main(["merge", str(kept), str(by_archive)])
+    assert by_archive.read_text() == by_folder.read_text()
+    with tarfile.open(tmp_path / "not_a_poll.tgz", "w:gz") as tar:
+        tar.add(po / spec.name, arcname=spec.name)  # (a run, no session.json)
+    with pytest.raises(SystemExit, match="holds no session.json"):
+        pr.main(["merge", str(tmp_path / "not_a_poll.tgz"), str(by_archive)])
 
 
 def test_the_session_sizes_each_run_from_the_step_time_its_probe_measured(tmp_path, monkeypatch):
