@@ -1431,11 +1431,18 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {spec.steps_planned} steps each, about "
                   f"{expected_s(known, spec, a.slowdown):.0f} s from its start sharing the GPU, its lane "
                   f"{'unknown' if peak is None else f'{peak / 1024:.1f} GiB'}{serving}{held_note}")  # fmt: skip
-        if a.what == "sweep" and a.then_seed:
+        if a.what == "sweep" and (a.then_seed or a.then_final):
             for fw in dict.fromkeys(w[0] for w in wanted):
                 top = best(known, fw)
                 now = f"now {top.head} lr {top.lr:g}" if top else "none scored yet"
-                print(f"{fw}: once its sweep is whole, its best ({now}) again at {SWEEP_S:g} s, seed {SEED[fw] + 1}")
+                if a.then_seed:
+                    held = top and any((r.head, r.lr, r.seed, r.budget_s) == (top.head, top.lr, SEED[fw] + 1, SWEEP_S)
+                                       and r.framework == fw and r.scored() for r in known)  # fmt: skip
+                    print(f"{fw}: once its sweep is whole, its best ({now}) again at {SWEEP_S:g} s, seed {SEED[fw] + 1}"
+                          + (" (held in the results)" if held else ""))  # fmt: skip
+                if a.then_final:
+                    print(f"{fw}: once its sweep is whole, its best ({now}) at {FINAL_S:g} s, seeds {SEED[fw]} and "
+                          f"{SEED[fw] + 1} (`plan final {fw}` sizes them)")  # fmt: skip
         print(f"sized runs {a.lanes} at a time on the GPU within {a.memory_gib:g} GiB; data and probes alone")
     else:
         poll(a.seconds, a.dest)

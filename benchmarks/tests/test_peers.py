@@ -1018,10 +1018,10 @@ def test_a_sweeps_finals_take_the_frameworks_best_head_whichever_this_job_swept(
     assert all("-180s-" in n for n in events) and len(events) == 3
 
 
-def test_then_seed_runs_each_frameworks_best_again_at_3_minutes_once_its_sweep_is_whole(tmp_path, monkeypatch):
+def test_then_seed_runs_each_frameworks_best_again_at_3_minutes_once_its_sweep_is_whole(tmp_path, monkeypatch, capsys):
     """--then-seed: once ours' sweep (both heads) is in, its best (the recipe at 2e-3, swept earlier) runs
     again at 180 s with seed 1, after the last sweep run; ModelOpt's sweep has a failed run, so it gets
-    none; and a second job finds it held and runs nothing."""
+    none; and a second job finds it held and runs nothing, as plan says."""
     events, sessions = [], []
 
     def train(self, spec, lane=0):
@@ -1045,6 +1045,13 @@ def test_then_seed_runs_each_frameworks_best_again_at_3_minutes_once_its_sweep_i
     monkeypatch.setattr(pg.Session, "train", train)
     pg.main(["job", "sweep", "ours:muon", "--lanes", "1", "--then-seed"])
     assert events == []
+    monkeypatch.setattr(pg, "load", lambda path: (sessions[-1].known, None))
+    capsys.readouterr()
+    pg.main(["plan", "sweep", "ours", "modelopt", "--then-seed", "--then-final", "--device", "h100"])
+    out = capsys.readouterr().out
+    assert "ours: once its sweep is whole, its best (now recipe lr 0.002) again at 180 s, seed 1 (held" in out
+    assert "ours: once its sweep is whole, its best (now recipe lr 0.002) at 600 s, seeds 0 and 1" in out
+    assert "modelopt: once its sweep is whole, its best (now matched lr 0.0003) again at 180 s, seed 43\n" in out
 
 
 def test_no_run_starts_that_would_end_past_the_end_deadline():
