@@ -1,5 +1,6 @@
 """Every conf/ file composes into its typed config; the package ships conf/ and the prompts."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 import data_prep.dump  # noqa: F401  (registers dump_schema)
 import data_prep.prepare  # noqa: F401  (registers prepare_schema)
@@ -103,6 +104,28 @@ def test_keys_the_schema_lacks_are_refused_naming_the_nearest():
     for name, (schema, overrides) in PRIMARY.items():  # every command, and its real keys still compose
         with pytest.raises(ConfigError, match=rf"unknown option zzz_extra: not a field of {schema.__name__}"):
             to_config(compose_config(name, overrides + ["+zzz_extra=1"]), schema)
+
+
+def test_options_without_a_default_are_named_together_in_the_syntax_typed():
+    """A command run without its required options (``data``, ``out``...) said OmegaConf's "Structured
+    config of type ... has missing mandatory value" for the first only. Each command names every one it
+    lacks, as the user would type them; the options PRIMARY gives are exactly those."""
+    from eagle3_train.core.cli import compose as checked
+    from eagle3_train.core.errors import ConfigError
+
+    for name, (schema, overrides) in PRIMARY.items():
+        given = [o.split("=", 1)[0] for o in overrides]
+        no_default = [f.name for f in dataclasses.fields(schema) if f.default is MISSING]
+        assert set(no_default) <= set(given), name
+        if not no_default:
+            continue
+        said = no_default[0] if len(no_default) == 1 else f"{', '.join(no_default[:-1])} and {no_default[-1]}"
+        with pytest.raises(ConfigError, match=rf"^{said} (is|are) required \(no default\): add "
+                           + " ".join(f"{k}=..." for k in no_default) + " to the command$"):  # fmt: skip
+            to_config(compose_config(name, []), schema)
+        left = [o for o in overrides if o.split("=", 1)[0] != no_default[-1]]
+        with pytest.raises(ConfigError, match=rf"^train\.{no_default[-1]} is required \(no default\)"):
+            checked(name.removesuffix(".yaml"), left, schema, prefix="train.")
 
 
 def test_shipped_prompts():

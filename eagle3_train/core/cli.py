@@ -188,10 +188,23 @@ def to_config(cfg: DictConfig, schema: type[T], prefix: str = "") -> T:
 
     if unknown := unknown_keys(cfg, schema):
         raise ConfigError(unknown_options(unknown, schema, prefix))
+    if missing := OmegaConf.missing_keys(cfg):
+        from eagle3_train.core.fingerprint import flatten
+
+        order = list(flatten(config_dict(schema)))  # (as the schema declares them)
+        raise ConfigError(required(sorted(missing, key=lambda k: order.index(k) if k in order else len(order)), prefix))
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, schema):
         raise TypeError(f"config composed into {type(obj).__name__}, expected {schema.__name__}")
     return obj
+
+
+def required(keys: list[str], prefix: str = "") -> str:
+    """The message for options that have no default and were not given."""
+    said = [f"{prefix}{k}" for k in keys]
+    names = said[0] if len(said) == 1 else f"{', '.join(said[:-1])} and {said[-1]}"
+    return (f"{names} {'is' if len(said) == 1 else 'are'} required (no default): add "
+            f"{' '.join(f'{k}=...' for k in said)} to the command")  # fmt: skip
 
 
 def compose_error(error: Exception, schema: type, prefix: str = "") -> str:
