@@ -32,9 +32,11 @@ packs the session so far into ``poll.tgz`` and ``peers_partial.json``: a machine
 loses only what the last poll had not packed. The shared set (``.peers/data/<DATA_SET>``), where
 missing, is synthesized by the session's first phase (outside every budget; about 11 minutes on an
 H100) and polls bring it out as ``<DATA_SET>.part-N``: put those in ``.peers/data/`` and pack again,
-so later sessions carry the same set. ModelOpt's compile cache comes out as ``inductor_modelopt.tgz``
-(where it fits 24 MiB): put it in ``.peers/cache/`` and ``stage`` unpacks it, so a fresh machine
-skips its 5-6 minutes of max-autotune. Notes: benchmarks/notes/peer_training.md.
+so later sessions carry the same set. ModelOpt's compile cache comes out as
+``inductor_modelopt.tgz.part-N`` (15 MiB parts, 48 MiB at most): put them in ``.peers_cache/`` here and
+run ``peers_gpu.py cache-in .peers_cache`` in a call of their own that carries it (before ``start``),
+so a fresh machine may skip ModelOpt's 5-6 minutes of max-autotune (a cache small enough may ride in
+``.peers/cache/`` instead, which ``stage`` unpacks). Notes: benchmarks/notes/peer_training.md.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import argparse
 import contextlib
 import gzip
 import hashlib
+import io
 import json
 import os
 import shlex
@@ -307,7 +310,7 @@ def env_for(fw: str) -> dict[str, str]:
     }
     path = [*site[fw], "/tmp/site", str(REPO), os.environ.get("PYTHONPATH", "")]
     # ModelOpt's max-autotune compile took 5-6 min on a fresh machine: its cache goes out with the polls
-    # and comes back with .peers (compilation is measured apart from the budget either way)
+    # and comes back with a call of its own (cache-in; compilation is measured apart from the budget either way)
     cache = {"TORCHINDUCTOR_CACHE_DIR": str(COMPILE_CACHE)} if fw == "modelopt" else {}
     return {**os.environ, **cache, "PYTHONPATH": ":".join(p for p in path if p), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
@@ -316,8 +319,9 @@ def env_for(fw: str) -> dict[str, str]:
 
 
 COMPILE_CACHE = Path(os.environ.get("COMPILE_CACHE", "/tmp/inductor_modelopt"))  # ModelOpt's torch.compile cache
-COMPILE_CACHE_TGZ = "inductor_modelopt.tgz"  # a poll's file; put in .peers/cache/ here, a later session starts warm
-COMPILE_CACHE_MIB = 24  # at most this much comes out (a call carries 64 MiB: the tree, .whl and .peers take ~36)
+COMPILE_CACHE_TGZ = "inductor_modelopt.tgz"  # a poll's parts of it (.part-N); a later session starts warm
+COMPILE_CACHE_MIB = 48  # at most this much comes out (a call's files: 64 MiB together, 16 MiB each, 8 files)
+CACHE_PART_BYTES = 15 << 20  # one file of it
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
 PHASE_TIMEOUT_S = 1800.0  # a phase that hangs (an engine, a rendezvous) frees its lane after this; training: below
 CAPTURE_TIMEOUT_S = 600.0  # a peer's state capture (speculators' took 67 + 104 s alone on an H100; SpecForge's: new)
@@ -1223,8 +1227,9 @@ def pack(examples: Path, mt_bench: Path, specforge_scripts: Path | None = None) 
 
 
 def compile_cache_out(dest: Path) -> None:
-    """ModelOpt's compile cache as dest/COMPILE_CACHE_TGZ, where it fits COMPILE_CACHE_MIB: its graphs
-    (their Triton kernels bundled in), not Triton's own cache of every autotuned candidate."""
+    """ModelOpt's compile cache as dest/COMPILE_CACHE_TGZ.part-N (``CACHE_PART_BYTES`` each, a call's
+    files being 16 MiB at most), where it fits COMPILE_CACHE_MIB: its graphs (their Triton kernels
+    bundled in), not Triton's own cache of every autotuned candidate."""
     if not COMPILE_CACHE.is_dir():
         return
     tmp = dest / f".{COMPILE_CACHE_TGZ}"
@@ -1243,15 +1248,25 @@ def compile_cache_out(dest: Path) -> None:
         )
         tmp.unlink()
         return
-    tmp.rename(dest / COMPILE_CACHE_TGZ)
+    blob, part = tmp.read_bytes(), CACHE_PART_BYTES
+    for old in dest.glob(f"{COMPILE_CACHE_TGZ}.part-*"):  # (an earlier poll's, in this folder)
+        old.unlink()
+    for i in range(0, len(blob), part):
+        (dest / f"{COMPILE_CACHE_TGZ}.part-{i // part}").write_bytes(blob[i : i + part])
+    tmp.unlink()
 
 
-def compile_cache_in(peers: Path) -> None:
-    """The compile cache an earlier session brought out (``.peers/cache/``), where ModelOpt looks."""
-    if (tgz := peers / "cache" / COMPILE_CACHE_TGZ).is_file() and not COMPILE_CACHE.is_dir():
-        with tarfile.open(tgz) as tar:
-            tar.extractall(COMPILE_CACHE.parent, filter="data")
-        say(f"ModelOpt's compile cache from an earlier session: {COMPILE_CACHE}")
+def compile_cache_in(folder: Path) -> None:
+    """The compile cache an earlier session brought out (its parts, or the whole ``.tgz``, in
+    ``folder``), where ModelOpt looks; never over a cache already there (this machine's own)."""
+    parts = sorted(folder.glob(f"{COMPILE_CACHE_TGZ}.part-*"), key=lambda f: int(f.name.rsplit("-", 1)[1]))
+    whole = folder / COMPILE_CACHE_TGZ
+    if COMPILE_CACHE.is_dir() or not (parts or whole.is_file()):
+        return
+    blob = b"".join(f.read_bytes() for f in parts) if parts else whole.read_bytes()
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(COMPILE_CACHE.parent, filter="data")
+    say(f"ModelOpt's compile cache from an earlier session: {COMPILE_CACHE} ({len(blob) / 2**20:.0f} MiB packed)")
 
 
 def join_data_parts(peers: Path) -> None:
@@ -1368,6 +1383,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--size-on", default=None, metavar="KIND",
                        help="size the runs by the probes of another GPU kind (e.g. h100 on an H200: the same steps, "
                        "so the same drafts, as there); a framework never probed there is left out, not probed here")  # fmt: skip
+    p = sub.add_parser("cache-in", help="ModelOpt's compile cache from a poll's parts in FOLDER (a call carrying it)")
+    p.add_argument("folder", type=Path)
     p = sub.add_parser("poll")
     p.add_argument("seconds", type=float)
     p.add_argument("dest", type=Path)
@@ -1377,8 +1394,10 @@ def main(argv: list[str] | None = None) -> None:
         shutil.copytree(REPO / ".peers", PEERS)
         shutil.rmtree("/tmp/repo", ignore_errors=True)
         shutil.copytree(REPO, "/tmp/repo", ignore=shutil.ignore_patterns(".peers", ".git"))
-        compile_cache_in(PEERS)
+        compile_cache_in(PEERS / "cache")
         say(f"staged {PEERS} and the repository in /tmp/repo (start runs from there)")
+    elif a.cmd == "cache-in":
+        compile_cache_in(a.folder)
     elif a.cmd == "pack":
         pack(a.examples, a.mt_bench, a.specforge)
     elif a.cmd == "start":

@@ -2,8 +2,10 @@
 budgets into steps, compile time apart, the sweep's choice, seed spreads, merging partial results."""
 
 import argparse
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -371,11 +373,14 @@ def test_a_missing_shared_set_is_synthesized_once_and_polls_bring_it_out_in_part
     assert (here / "data" / pg.DATA_SET).read_bytes() == blob and not list((here / "data").glob("*.part-*"))
 
 
-def test_modelopt_compiles_into_a_cache_polls_bring_out_and_stage_puts_back_without_tritons_own(tmp_path, monkeypatch):
+def test_modelopt_compiles_into_a_cache_polls_bring_out_in_parts_and_cache_in_puts_back_without_tritons_own(
+    tmp_path, monkeypatch
+):
     """Only ModelOpt's processes compile into the carried cache; a poll packs its graphs (not Triton's
-    cache of every autotuned candidate), none over the cap; a later session's stage unpacks it, and
-    never over a cache already there."""
-    cache, dest, peers = tmp_path / "m" / "inductor_modelopt", tmp_path / "out", tmp_path / "peers"
+    cache of every autotuned candidate) in parts a call's files can hold, none over the cap, replacing
+    an earlier poll's; a later session's cache-in (or stage, from .peers/cache) joins and unpacks them,
+    and never over a cache already there."""
+    cache, dest, carried = tmp_path / "m" / "inductor_modelopt", tmp_path / "out", tmp_path / ".peers_cache"
     monkeypatch.setattr(pg, "COMPILE_CACHE", cache)
     assert pg.env_for("modelopt")["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
     assert all(
@@ -385,29 +390,45 @@ def test_modelopt_compiles_into_a_cache_polls_bring_out_and_stage_puts_back_with
     pg.compile_cache_out(dest)
     assert not list(dest.iterdir())  # nothing compiled this session
     (cache / "fxgraph" / "ab").mkdir(parents=True)
-    (cache / "fxgraph" / "ab" / "entry").write_bytes(b"graph" * 100)
+    graph = os.urandom(5000)  # (incompressible: the archive takes more than one part)
+    (cache / "fxgraph" / "ab" / "entry").write_bytes(graph)
     (cache / "fxgraph" / "ab" / "triton_bundle").write_bytes(b"kernels")  # (bundled in the graph's entry: kept)
     (cache / "triton" / "0" / "k").mkdir(parents=True)
     (cache / "triton" / "0" / "k" / "k.cubin").write_bytes(os.urandom(4096))
+    monkeypatch.setattr(pg, "CACHE_PART_BYTES", 2048)
+    (dest / f"{pg.COMPILE_CACHE_TGZ}.part-7").write_bytes(b"an earlier poll's")
     pg.compile_cache_out(dest)
-    with tarfile.open(dest / pg.COMPILE_CACHE_TGZ) as tar:
+    parts = sorted(dest.iterdir(), key=lambda f: int(f.name.rsplit("-", 1)[1]))
+    assert [f.name for f in parts] == [f"{pg.COMPILE_CACHE_TGZ}.part-{i}" for i in range(3)]
+    assert all(f.stat().st_size <= 2048 for f in parts)
+    with tarfile.open(fileobj=io.BytesIO(b"".join(f.read_bytes() for f in parts))) as tar:
         assert sorted(m.name for m in tar.getmembers() if m.isfile()) == [
             "inductor_modelopt/fxgraph/ab/entry",
             "inductor_modelopt/fxgraph/ab/triton_bundle",
         ]
-    (peers / "cache").mkdir(parents=True)
-    (peers / "cache" / pg.COMPILE_CACHE_TGZ).write_bytes((dest / pg.COMPILE_CACHE_TGZ).read_bytes())
-    monkeypatch.setattr(pg, "COMPILE_CACHE", tmp_path / "fresh" / "inductor_modelopt")
-    pg.compile_cache_in(peers)
-    assert (tmp_path / "fresh/inductor_modelopt/fxgraph/ab/entry").read_bytes() == b"graph" * 100
-    (tmp_path / "fresh/inductor_modelopt/fxgraph/ab/entry").write_bytes(b"newer")
-    pg.compile_cache_in(peers)  # (a cache already there is this machine's own: kept)
-    assert (tmp_path / "fresh/inductor_modelopt/fxgraph/ab/entry").read_bytes() == b"newer"
+    carried.mkdir()
+    for f in parts:
+        (carried / f.name).write_bytes(f.read_bytes())
+    fresh = tmp_path / "fresh" / "inductor_modelopt"
+    monkeypatch.setattr(pg, "COMPILE_CACHE", fresh)
+    pg.main(["cache-in", str(carried)])
+    assert (fresh / "fxgraph/ab/entry").read_bytes() == graph and not (fresh / "triton").exists()
+    (fresh / "fxgraph/ab/entry").write_bytes(b"newer")
+    pg.compile_cache_in(carried)  # (a cache already there is this machine's own: kept)
+    assert (fresh / "fxgraph/ab/entry").read_bytes() == b"newer"
+    shutil.rmtree(fresh)
+    (tmp_path / "peers" / "cache").mkdir(parents=True)  # (a small one, whole, in .peers/cache: stage's)
+    with tarfile.open(tmp_path / "peers" / "cache" / pg.COMPILE_CACHE_TGZ, "w:gz") as tar:
+        tar.add(cache / "fxgraph", arcname="inductor_modelopt/fxgraph")
+    pg.compile_cache_in(tmp_path / "peers" / "cache")
+    assert (fresh / "fxgraph/ab/entry").read_bytes() == graph
+    monkeypatch.setattr(pg, "COMPILE_CACHE", cache)
     monkeypatch.setattr(pg, "COMPILE_CACHE_MIB", 0)
-    (dest / pg.COMPILE_CACHE_TGZ).unlink()
+    for f in parts:
+        f.unlink()
     pg.compile_cache_out(dest)
     assert not list(dest.iterdir())  # over the cap: left on the machine
-    monkeypatch.setattr(pg, "COMPILE_CACHE_MIB", 24)
+    monkeypatch.setattr(pg, "COMPILE_CACHE_MIB", 48)
 
     def gone(*a, **k):  # a file the compile renames away while the poll reads it
         raise FileNotFoundError("fxgraph/ab/.tmp_entry")
