@@ -28,7 +28,7 @@ pack_rel=.vllm
 pack_dir=$repo/$pack_rel
 site=${SITE:-/tmp/vsite}
 stage=${STAGE:-/tmp/vstage}
-part_mib=${PART_MIB:-52}  # a call carries 64 MiB with the working tree (~4 MiB)
+part_mib=${PART_MIB:-52}  # a call carries 64 MiB with the working tree (~8 MiB; test_lab checks it fits)
 # Inside the vllm wheel: never loaded on sm90 (and, with VLLM_DROP_MOE=1, for a dense target).
 drop="vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs"
 [ "${VLLM_DROP_MOE:-0}" = 1 ] && drop+=" vllm/_moe_C_stable_libtorch.abi3.so"
