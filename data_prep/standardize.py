@@ -165,7 +165,7 @@ class Standardizer:
         ``vocab`` that records the split it was counted over (online training checks it)."""
         cfg = self.cfg
         assert cfg.data is not None  # how this method is reached: only_vocab=true data=...
-        prepared = PreparedData(cfg.data)
+        prepared = PreparedData(cfg.data, "data")
         name = cfg.target or prepared.target.path
         target = load_target(name, cache_dir=cfg.cache_dir, load_model=False)
         identity = prepared.identity_for(target, name)
@@ -237,7 +237,7 @@ class Standardizer:
     def run(self) -> dict[str, Any]:
         if self.cfg.only_vocab:
             return self.vocab_of_prepared() if self.cfg.data else self.rebuild_vocab()
-        dumps = [read_manifest(Path(d).expanduser(), "dump") for d in self.cfg.dumps]
+        dumps = [read_manifest(Path(d).expanduser(), "dump", option="dumps") for d in self.cfg.dumps]
         spec = self.check_dumps(dumps)
         sources = self.sources(dumps)
         all_ids = np.concatenate([s.sample_ids for s in sources]) if sources else np.zeros(0, dtype=np.int64)

@@ -91,3 +91,11 @@ def test_manifest_write_is_atomic_and_read_checks_stage(tmp_path):
 def test_missing_manifest_is_incomplete(tmp_path):
     with pytest.raises(IncompleteError, match="has no manifest.json"):
         read_manifest(tmp_path)
+
+
+def test_a_directory_an_option_named_is_refused_in_the_syntax_typed(tmp_path):
+    """``data=/typo`` is answered as the user wrote it, not as a bare path."""
+    with pytest.raises(IncompleteError, match=rf"^data={tmp_path / 'typo'}: no such directory$"):
+        read_manifest(tmp_path / "typo", "prepare", option="data")
+    with pytest.raises(IncompleteError, match=rf"^dumps={tmp_path} has no manifest.json: the stage"):
+        read_manifest(tmp_path, "dump", option="dumps")

@@ -424,7 +424,7 @@ def test_launch_starts_the_engine_trains_and_stops_it(data, tmp_path):
     log = tmp_path / "run" / "engine" / "replica0.0.log"
     assert run.returncode == 0, run.stderr[-3000:] + (log.read_text() if log.exists() else "")
     command = log.read_text().splitlines()[0]  # the log holds both starts; the first line is the first command
-    longest = min(600, int(prepared_data([str(data["prep"])]).num_tokens.max()))
+    longest = min(600, int(prepared_data(str(data["prep"])).num_tokens.max()))
     assert "--gpu-memory-utilization 0.45" in command and f"--max-model-len {longest + 1}" in command
     assert "extract_hidden_states" in command and "--enforce-eager" in command
     with pytest.raises(ConnectionRefusedError):  # stopped: nothing listens on its port

@@ -56,7 +56,7 @@ class Dumper:
         self.team = self.backend.team()
         self.dist = self.team.dist
         self.backend.resolve_dtype(self.dist)
-        data = PreparedData(cfg.data)
+        data = PreparedData(cfg.data, "data")
         self.prepared_dir, self.prepared, self.dataset, self.sample_ids = (
             data.path,
             data.manifest,

@@ -240,15 +240,21 @@ def write_manifest(directory: str | os.PathLike, stage: str, body: dict[str, Any
     return path
 
 
-def read_manifest(directory: str | os.PathLike, stage: str | None = None, name: str = MANIFEST_NAME) -> dict[str, Any]:
+def read_manifest(
+    directory: str | os.PathLike, stage: str | None = None, name: str = MANIFEST_NAME, option: str | None = None
+) -> dict[str, Any]:
     """Read ``<directory>/manifest.json`` (or ``name``); refuse a missing, unreadable or
-    wrong-stage manifest."""
+    wrong-stage manifest. ``option``: the user's option that named ``directory`` (``data``), so the
+    message says it as typed."""
     path = Path(directory) / name
+    given = f"{option}={directory}" if option else str(directory)
     if not Path(directory).is_dir():
-        raise IncompleteError(f"{directory} does not exist or is not a directory")
+        raise IncompleteError(
+            f"{given}: no such directory" if option else f"{directory} does not exist or is not a directory"
+        )
     if not path.is_file():
         raise IncompleteError(
-            f"{directory} has no {name}: the stage writing it did not finish (or this is "
+            f"{given} has no {name}: the stage writing it did not finish (or this is "
             f"not an eagle3_train directory); run that stage again to complete it"
         )
     try:

@@ -33,13 +33,14 @@ class PreparedData:
 
     Args:
         directory: eagle3-prepare's ``out``.
+        option: the user's option that named it (``data``), for messages.
     """
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, option: str | None = None):
         from datasets import load_from_disk
 
         self.path = Path(directory).expanduser()
-        self.manifest = read_manifest(self.path, "prepare")
+        self.manifest = read_manifest(self.path, "prepare", option=option)
         dataset = self.path / self.manifest.get("dataset", "dataset")
         if not dataset.is_dir():
             raise IncompleteError(f"prepared directory {self.path} has a manifest but no {dataset.name}/")
@@ -166,9 +167,10 @@ class PreparedSet:
         )
 
 
-def prepared_data(directories: list[str | os.PathLike]) -> PreparedData | PreparedSet:
-    """One prepared directory, or several read as one."""
-    parts = [PreparedData(d) for d in directories]
+def prepared_data(data: str | os.PathLike, extra: list[str] | None = None) -> PreparedData | PreparedSet:
+    """The prepared directory ``data`` (the ``data`` option), or it and ``extra`` (the
+    ``prepared.extra_data`` option) read as one."""
+    parts = [PreparedData(data, "data"), *(PreparedData(d, "prepared.extra_data") for d in extra or [])]
     return parts[0] if len(parts) == 1 else PreparedSet(parts)
 
 

@@ -332,7 +332,7 @@ class OfflineSource(Source):
         self.data_dir = Path(data).expanduser()
         self.where, self.target, self.cache_dir = str(self.data_dir), target, cache_dir
         self.device, self.dtype = device, dtype
-        self.manifest = read_manifest(self.data_dir)
+        self.manifest = read_manifest(self.data_dir, option="data")
         if self.manifest["stage"] != "standardize":
             hint = " (a prepared dataset trains with source=online)" if self.manifest["stage"] == "prepare" else ""
             raise ContractError(

@@ -157,7 +157,7 @@ class PreparedSource(Source):
 
     def __init__(self, data: str, target: str, cfg: PreparedConfig, about: Target, dist: DistInfo):
         self.cfg = cfg
-        self.prepared = prepared_data([data, *cfg.extra_data])
+        self.prepared = prepared_data(data, cfg.extra_data)
         self.where = str(self.prepared.path)
         self.data_fingerprint = self.prepared.fingerprint
         n = about.num_hidden_layers

@@ -357,7 +357,7 @@ def engine_plan(cfg: TrainConfig) -> tuple[Engine, Target, EnginePlan]:
     ``engine.*``): what ``engine.print_launch`` prints and ``engine.serve`` starts."""
     e = cfg.engine
     about = load_target(cfg.target, cache_dir=cfg.cache_dir, load_model=False)
-    prepared = prepared_data([cfg.data, *cfg.prepared.extra_data])
+    prepared = prepared_data(cfg.data, cfg.prepared.extra_data)
     prepared.identity_for(about, cfg.target)  # data of another tokenizer is refused here too
     aux = capture_indices(cfg.prepared.aux_indices, about.num_hidden_layers)
     longest = int(min(cfg.loop.max_tokens_per_batch, prepared.num_tokens.max()))
