@@ -765,7 +765,7 @@ PAGE_NOTES = {  # a page's opening paragraph, where its results need one before 
     "held-out τ 2.730 and, with its second seed, 2.695 (spread 0.035). It leads speculators' default head (2.703 "
     "at lr 3e-3, one seed; the top of its grid, 9e-3 is still to run) by 0.010 on the mean, inside ours' seed "
     "spread: a tie so far, not a lead. It leads ModelOpt's best (its default head, 1.566) by 1.146. ModelOpt's "
-    "matched head peaked at lr 3e-4 (1.511; 3e-3, its edge, 1.392). At 10 minutes only ours has run, and with "
+    "matched head peaked at lr 3e-4 and 1e-3 (1.511 each; 3e-3, past its grid, 1.392). At 10 minutes only ours has run, and with "
     "AdamW (lr 2e-3, before Muon was fixed): 2.786 and 2.756 held-out (spread 0.030), 2.600 and 2.627 on "
     "MT-bench, 2.793 and 2.793 served by vLLM (session h100-20261207T0755, the two seeds sharing the GPU). The "
     "peers' finals have not run, so there is no 10-minute verdict yet. speculators' matched head runs again: "
