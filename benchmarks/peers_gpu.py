@@ -407,9 +407,21 @@ def data_parts(dest: Path) -> None:
     data = PEERS / "data" / DATA_SET
     if not any(ph["run"] == "data" and ph["rc"] == 0 for ph in phases()):  # none made here, or not yet whole
         return
-    blob = data.read_bytes()
-    for i in range(0, len(blob), DATA_PART):
-        (dest / f"{DATA_SET}.part-{i // DATA_PART}").write_bytes(blob[i : i + DATA_PART])
+    write_parts(data.read_bytes(), dest / DATA_SET, DATA_PART)
+
+
+def write_parts(blob: bytes, path: Path, size: int) -> None:
+    """``blob`` as ``<path>.part-N`` of ``size`` bytes each (a call's files are 16 MiB at most),
+    replacing the parts an earlier poll left there."""
+    for old in path.parent.glob(f"{path.name}.part-*"):
+        old.unlink()
+    for i in range(0, len(blob), size):
+        path.with_name(f"{path.name}.part-{i // size}").write_bytes(blob[i : i + size])
+
+
+def part_files(path: Path) -> list[Path]:
+    """``<path>.part-N``, in order."""
+    return sorted(path.parent.glob(f"{path.name}.part-*"), key=lambda f: int(f.name.rsplit("-", 1)[1]))
 
 
 STAGE_WAIT_S = 900.0  # a server waits this long for vLLM's stage: its parts may come with the polls after the start
@@ -1248,19 +1260,14 @@ def compile_cache_out(dest: Path) -> None:
         )
         tmp.unlink()
         return
-    blob, part = tmp.read_bytes(), CACHE_PART_BYTES
-    for old in dest.glob(f"{COMPILE_CACHE_TGZ}.part-*"):  # (an earlier poll's, in this folder)
-        old.unlink()
-    for i in range(0, len(blob), part):
-        (dest / f"{COMPILE_CACHE_TGZ}.part-{i // part}").write_bytes(blob[i : i + part])
+    write_parts(tmp.read_bytes(), dest / COMPILE_CACHE_TGZ, CACHE_PART_BYTES)
     tmp.unlink()
 
 
 def compile_cache_in(folder: Path) -> None:
     """The compile cache an earlier session brought out (its parts, or the whole ``.tgz``, in
     ``folder``), where ModelOpt looks; never over a cache already there (this machine's own)."""
-    parts = sorted(folder.glob(f"{COMPILE_CACHE_TGZ}.part-*"), key=lambda f: int(f.name.rsplit("-", 1)[1]))
-    whole = folder / COMPILE_CACHE_TGZ
+    parts, whole = part_files(folder / COMPILE_CACHE_TGZ), folder / COMPILE_CACHE_TGZ
     if COMPILE_CACHE.is_dir() or not (parts or whole.is_file()):
         return
     blob = b"".join(f.read_bytes() for f in parts) if parts else whole.read_bytes()
@@ -1271,7 +1278,7 @@ def compile_cache_in(folder: Path) -> None:
 
 def join_data_parts(peers: Path) -> None:
     """The shared set's parts a session's polls brought out (put in ``<peers>/data/``), joined in order."""
-    parts = sorted((peers / "data").glob(f"{DATA_SET}.part-*"), key=lambda f: int(f.name.rsplit("-", 1)[1]))
+    parts = part_files(peers / "data" / DATA_SET)
     if parts and not (peers / "data" / DATA_SET).is_file():
         (peers / "data" / DATA_SET).write_bytes(b"".join(f.read_bytes() for f in parts))
         for f in parts:
