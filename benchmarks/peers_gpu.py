@@ -127,7 +127,10 @@ MODELOPT_FILES = ("main.py", "eagle_utils.py", "fsdp2_buffer_patch.py", "scripts
 
 
 def say(msg: str) -> None:
-    print(f"peers_gpu: {msg}", flush=True)
+    """One line, written whole: the lanes' threads say things at once, and print() writes the line
+    and its newline apart."""
+    sys.stdout.write(f"peers_gpu: {msg}\n")
+    sys.stdout.flush()
 
 
 # --- the heads ---------------------------------------------------------------------------------------

@@ -1709,3 +1709,27 @@ def test_each_runs_first_position_accuracy_is_read_from_its_own_log_by_optimizer
     assert set(by_name) == {ours.name, spec.name}  # (a probe is not a run to compare)
     assert (by_name[ours.name]["acc @300"], by_name[ours.name]["acc @600"]) == (0.295, "—")
     assert by_name[ours.name]["tokens a step (about)"] == round(1e5 * ours.steady_step_s)
+
+
+def test_what_the_lanes_say_at_once_comes_out_a_whole_line_each(monkeypatch):
+    """The lanes' threads say things together: each line is one write, its newline in it (print()
+    wrote the newline apart, and session 45's log ran two lines into one)."""
+    writes: list[str] = []
+    lock = threading.Lock()
+
+    class Out:
+        def write(self, s: str) -> int:
+            with lock:
+                writes.append(s)
+            return len(s)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Out())
+    threads = [threading.Thread(target=pg.say, args=(f"run {i}: not started",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(writes) == sorted(f"peers_gpu: run {i}: not started\n" for i in range(8))
