@@ -36,7 +36,9 @@ so later sessions carry the same set. ModelOpt's compile cache comes out as
 ``inductor_modelopt.tgz.part-N`` (15 MiB parts, 48 MiB at most): put them in ``.peers_cache/`` here and
 run ``peers_gpu.py cache-in .peers_cache`` in a call of their own that carries it (before ``start``),
 so a fresh machine may skip ModelOpt's 5-6 minutes of max-autotune (a cache small enough may ride in
-``.peers/cache/`` instead, which ``stage`` unpacks). Notes: benchmarks/notes/peer_training.md.
+``.peers/cache/`` instead, which ``stage`` unpacks). The cache names the heads whose training it holds
+(``heads.json``); ``plan`` and ``--end-by-s`` count those heads' compile warm. Notes:
+benchmarks/notes/peer_training.md.
 """
 
 from __future__ import annotations
@@ -325,6 +327,7 @@ COMPILE_CACHE = Path(os.environ.get("COMPILE_CACHE", "/tmp/inductor_modelopt")) 
 COMPILE_CACHE_TGZ = "inductor_modelopt.tgz"  # a poll's parts of it (.part-N); a later session starts warm
 COMPILE_CACHE_MIB = 48  # at most this much comes out (a call's files: 64 MiB together, 16 MiB each, 8 files)
 CACHE_PART_BYTES = 15 << 20  # one file of it
+CACHE_HEADS = "heads.json"  # in COMPILE_CACHE: the heads (framework:head@device) whose graphs it holds
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
 PHASE_TIMEOUT_S = 1800.0  # a phase that hangs (an engine, a rendezvous) frees its lane after this; training: below
 CAPTURE_TIMEOUT_S = 600.0  # a peer's state capture (speculators' took 67 + 104 s alone on an H100; SpecForge's: new)
@@ -728,7 +731,7 @@ class Session:
             self.known = [r for r in self.known if r.name != got.name] + [got]
 
     def expected(self, spec: RunSpec) -> float:
-        return expected_s(self.known, spec, self.a.slowdown)
+        return expected_s(self.known, spec, self.a.slowdown, warm=head_key(spec) in cached_heads())
 
     def peak(self, spec: RunSpec) -> int | None:
         return lane_peak(self.known, spec, gpu_memory_mib())
@@ -758,16 +761,19 @@ def sized_steps(fw: str, budget: float, step_s: float) -> int:
     return steps
 
 
-def expected_s(known: list, spec: RunSpec, slowdown: float | None = None) -> float:
+def expected_s(known: list, spec: RunSpec, slowdown: float | None = None, warm: bool = False) -> float:
     """Seconds the run may take from its start while sharing the GPU: its loop slowed as much as its
     framework's slowest shared run was among those that shared it with no more lanes than this one's job
     (else among all; else ``SHARED_SLOWDOWN``; ``slowdown``: the operator's), its
-    probe's start-up and compilation (a fresh machine compiles again), its evaluation, and for a final
-    MT-bench and vLLM serving."""
+    probe's start-up and compilation (a fresh machine compiles again; ``warm``: the compile cache here
+    holds its head's graphs, so its compile is a warm one's, ``warm_compile_s``), its evaluation, and
+    for a final MT-bench and vLLM serving."""
     probes = [r for r in known if (r.framework, r.head, r.device, r.kind) ==
               (spec.framework, spec.head, spec.sized_on or spec.device, "probe") and not r.failed]  # fmt: skip
     alone = max(probes, key=lambda r: r.steps or 0) if probes else None
     measured = (alone.startup_s, alone.compile_s) if alone else (None, None)
+    if warm and alone and (hit := warm_compile_s(known, spec, alone.compile_s)) is not None:
+        measured = (alone.startup_s, hit)
     overhead = sum(60.0 if x is None else x for x in measured)
     shared = [(r.lanes, r.steady_step_s / spec.planned_step_s) for r in known if (r.framework, r.head) ==
               (spec.framework, spec.head) and (r.lanes or 1) > 1 and r.steady_step_s and spec.planned_step_s]  # fmt: skip
@@ -776,6 +782,22 @@ def expected_s(known: list, spec: RunSpec, slowdown: float | None = None) -> flo
     slowdown = slowdown if spec.lanes > 1 else 1.0  # (one lane: the GPU to itself)
     loop = (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * slowdown
     return loop + overhead + EVAL_S + (EVAL_S + SERVE_S if spec.kind == "final" else 0.0)
+
+
+def warm_compile_s(known: list, spec: RunSpec, cold: float | None) -> float | None:
+    """A compile that found its graphs cached: the median compile of the head's sized runs whose
+    compile took under half its probe's (``cold``: a compile from nothing), on the device it sizes by."""
+    if not cold:
+        return None
+    hits = sorted(r.compile_s for r in known if (r.framework, r.head, r.device) == (spec.framework, spec.head,
+                  spec.sized_on or spec.device) and r.kind != "probe" and r.compile_s is not None
+                  and r.compile_s < cold / 2)  # fmt: skip
+    return hits[len(hits) // 2] if hits else None
+
+
+def head_key(spec: RunSpec) -> str:
+    """How the compile cache names a head it holds the graphs of (``CACHE_HEADS``)."""
+    return f"{spec.framework}:{spec.head}@{spec.device}"
 
 
 def lane_peak(known: list, spec: RunSpec, device_mib: int) -> int | None:
@@ -1241,12 +1263,47 @@ def pack(examples: Path, mt_bench: Path, specforge_scripts: Path | None = None) 
             f"bring it out as {DATA_SET}.part-N: put those in .peers/data/ and pack again")  # fmt: skip
 
 
+def cached_heads() -> set[str]:
+    """The heads whose graphs the compile cache here holds (``head_key``): a run of one compiles warm."""
+    try:
+        return set(json.loads((COMPILE_CACHE / CACHE_HEADS).read_text()))
+    except (OSError, ValueError):
+        return set()
+
+
+def heads_in_parts(folder: Path) -> set[str]:
+    """The heads a poll's cache parts in ``folder`` hold the graphs of (none where it has no parts, or
+    they name none: a cache brought out before they were named)."""
+    parts = part_files(folder / COMPILE_CACHE_TGZ)
+    if not parts:
+        return set()
+    try:
+        with tarfile.open(fileobj=io.BytesIO(b"".join(f.read_bytes() for f in parts))) as tar:
+            f = tar.extractfile(f"{COMPILE_CACHE.name}/{CACHE_HEADS}")
+            return set(json.loads(f.read())) if f else set()
+    except (KeyError, tarfile.TarError, ValueError):
+        return set()
+
+
+def name_cached_heads() -> None:
+    """Add to the cache's ``CACHE_HEADS`` the ModelOpt heads that trained here (their graphs are in it)."""
+    trained = set()
+    for p in phases():
+        if p["phase"] == "train" and not p["rc"] and (PO / p["run"] / "spec.json").is_file():
+            spec = RunSpec(**json.loads((PO / p["run"] / "spec.json").read_text()))
+            if spec.framework == "modelopt":
+                trained.add(head_key(spec))
+    if trained - cached_heads():
+        (COMPILE_CACHE / CACHE_HEADS).write_text(json.dumps(sorted(cached_heads() | trained)))
+
+
 def compile_cache_out(dest: Path) -> None:
     """ModelOpt's compile cache as dest/COMPILE_CACHE_TGZ.part-N (``CACHE_PART_BYTES`` each, a call's
     files being 16 MiB at most), where it fits COMPILE_CACHE_MIB: its graphs (their Triton kernels
-    bundled in), not Triton's own cache of every autotuned candidate."""
+    bundled in), not Triton's own cache of every autotuned candidate, and the heads they are of."""
     if not COMPILE_CACHE.is_dir():
         return
+    name_cached_heads()
     tmp = dest / f".{COMPILE_CACHE_TGZ}"
     triton = f"{COMPILE_CACHE.name}/triton"  # (Triton's own cache, under inductor's by default)
     try:
@@ -1369,7 +1426,8 @@ def main(argv: list[str] | None = None) -> None:
                        "would not end before the device time does; the running ones then share the GPU with fewer)")  # fmt: skip
         p.add_argument("--end-by-s", type=float, default=None,
                        help="start no sized run expected to end later than this many seconds after the job began "
-                       f"(its loop at {SHARED_SLOWDOWN:g}x its time alone, its probe's start-up and compilation, its "
+                       f"(its loop at {SHARED_SLOWDOWN:g}x its time alone, its probe's start-up and compilation (warm where "
+                       "the compile cache holds its head's graphs), its "
                        "evaluation and, for a final, serving)")  # fmt: skip
         p.add_argument("--slowdown", type=float, default=None,
                        help="--end-by-s: the loop's slowdown sharing the GPU (default: the slowest its framework and "
@@ -1390,6 +1448,8 @@ def main(argv: list[str] | None = None) -> None:
             "--results", type=Path, help="where earlier runs are read from (default: results/peers_<gpu>.json)"
         )
         p.add_argument("--device", default="h100", help="plan: the GPU kind whose step times to use")
+        p.add_argument("--cache", type=Path, default=REPO / ".peers_cache",
+                       help="plan: the compile cache's parts that cache-in will bring (its heads compile warm)")  # fmt: skip
         p.add_argument("--size-on", default=None, metavar="KIND",
                        help="size the runs by the probes of another GPU kind (e.g. h100 on an H200: the same steps, "
                        "so the same drafts, as there); a framework never probed there is left out, not probed here")  # fmt: skip
@@ -1431,6 +1491,7 @@ def main(argv: list[str] | None = None) -> None:
         sizing = a.size_on or a.device  # (as a job there would: the probes of --size-on size its runs)
         known, _ = load(a.results or REPO / f"benchmarks/results/peers_{sizing}.json")
         wanted = runs_wanted(a, known)
+        cached = heads_in_parts(a.cache)  # (what cache-in would bring to the machine)
         for fw, head, budget, lrs, seeds in wanted:  # (any head family: plan has no target)
             timing = step_time(known, fw, head, sizing, a.n, min_steps=PROBE_STEPS[fw])
             if not timing:
@@ -1457,8 +1518,10 @@ def main(argv: list[str] | None = None) -> None:
             serving = (
                 f", then {serve_mib(PLAN_GPU_MIB.get(a.device, 0)) / 1024:.1f} GiB serving" if kind == "final" else ""
             )
+            warm = head_key(spec) in cached
             print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {spec.steps_planned} steps each, about "
-                  f"{expected_s(known, spec, a.slowdown):.0f} s from its start sharing the GPU, its lane "
+                  f"{expected_s(known, spec, a.slowdown, warm):.0f} s from its start sharing the GPU"
+                  f"{f' (compiling warm: {a.cache.name} holds its graphs)' if warm else ''}, its lane "
                   f"{'unknown' if peak is None else f'{peak / 1024:.1f} GiB'}{serving}{held_note}")  # fmt: skip
         if a.what == "sweep" and (a.then_seed or a.then_final):
             for fw in dict.fromkeys(w[0] for w in wanted):

@@ -2,6 +2,7 @@
 budgets into steps, compile time apart, the sweep's choice, seed spreads, merging partial results."""
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -436,6 +437,66 @@ def test_modelopt_compiles_into_a_cache_polls_bring_out_in_parts_and_cache_in_pu
     monkeypatch.setattr(tarfile.TarFile, "add", gone)
     pg.compile_cache_out(dest)  # (the poll goes on; the next one packs it)
     assert not list(dest.iterdir())
+
+
+def test_the_cache_names_the_heads_that_trained_into_it_and_their_runs_are_counted_compiling_warm(
+    tmp_path, monkeypatch, capsys
+):
+    """A poll names in the cache the ModelOpt heads whose training ended here (not a failed one, nor
+    another framework's); the names travel in its parts and come back with cache-in. A job, or plan
+    over the parts cache-in will bring, then counts such a head's compile as a warm one's: the median
+    of its sized runs' compiles under half its probe's."""
+    po, cache, dest = tmp_path / "po", tmp_path / "m" / "inductor_modelopt", tmp_path / ".peers_cache"
+    monkeypatch.setattr(pg, "PO", po)
+    monkeypatch.setattr(pg, "COMPILE_CACHE", cache)
+    specs = [pr.RunSpec("modelopt", "default", "sweep", 180.0, 3e-4, 43, 2799, 16384, device="h100"),
+             pr.RunSpec("modelopt", "matched", "sweep", 180.0, 3e-4, 42, 1927, 16384, device="h100"),
+             pr.RunSpec("ours", "muon", "final", 600.0, 0.02, 0, 2069, 16384, device="h100")]  # fmt: skip
+    rows = []
+    for spec, rc in zip(specs, (0, 1, 0)):
+        (po / spec.name).mkdir(parents=True)
+        (po / spec.name / "spec.json").write_text(json.dumps(pr.asdict(spec)))
+        rows.append({"run": spec.name, "phase": "train", "seconds": 9.0, "start": 0, "end": 9, "rc": rc})
+    (po / "phases.jsonl").write_text("".join(json.dumps(p) + "\n" for p in rows))
+    (cache / "fxgraph").mkdir(parents=True)
+    (cache / "fxgraph" / "entry").write_bytes(b"graph")
+    dest.mkdir()
+    pg.compile_cache_out(dest)
+    assert pg.cached_heads() == pg.heads_in_parts(dest) == {"modelopt:default@h100"}
+    fresh = tmp_path / "fresh" / "inductor_modelopt"
+    monkeypatch.setattr(pg, "COMPILE_CACHE", fresh)
+    assert pg.cached_heads() == set()
+    pg.main(["cache-in", str(dest)])
+    assert pg.cached_heads() == {"modelopt:default@h100"}
+    shutil.rmtree(cache)  # (a cache brought out before heads were named: none counted warm)
+    (cache / "fxgraph").mkdir(parents=True)
+    with tarfile.open(tmp_path / "old.tgz", "w:gz") as tar:
+        tar.add(cache, arcname=cache.name)
+    (tmp_path / "old").mkdir()
+    pg.write_parts((tmp_path / "old.tgz").read_bytes(), tmp_path / "old" / pg.COMPILE_CACHE_TGZ, 1 << 20)
+    assert pg.heads_in_parts(tmp_path / "old") == pg.heads_in_parts(tmp_path / "none") == set()
+
+    known = [probe("modelopt", "default", steps=300, steady_step_s=0.06, compile_s=381.0),  # start-up 60 s
+             run("modelopt", "default", lr=1e-4, compile_s=16.75), run("modelopt", "default", lr=3e-4, compile_s=20.4),
+             run("modelopt", "default", lr=1e-3, compile_s=21.7), run("modelopt", "default", seed=43, compile_s=421.6),
+             run("modelopt", "matched", compile_s=5.0)]  # (cold, and another head: neither counts)  # fmt: skip
+    final = pr.RunSpec("modelopt", "default", "final", 600.0, 3e-4, 42, 10000, 16384, device="h100",
+                       planned_step_s=0.06, lanes=1)  # fmt: skip
+    rest = 10000 * 0.06 + 60.0 + 2 * pg.EVAL_S + pg.SERVE_S
+    assert pg.expected_s(known, final) == pytest.approx(rest + 381.0)
+    assert pg.expected_s(known, final, warm=True) == pytest.approx(rest + 20.4)
+    assert pg.expected_s(known[:1], final, warm=True) == pytest.approx(rest + 381.0)  # (no warm run measured yet)
+    s = object.__new__(pg.Session)
+    s.a, s.known = argparse.Namespace(slowdown=None), known
+    assert s.expected(final) == pytest.approx(rest + 20.4)  # (the cache here names it)
+    elsewhere = dataclasses.replace(final, device="h200", sized_on="h100")  # (graphs of another GPU)
+    assert s.expected(elsewhere) == pytest.approx(rest + 381.0)
+    monkeypatch.setattr(pg, "load", lambda path: (known, None))
+    plan = ["plan", "final", "modelopt:default", "--lrs", "3e-4", "--lanes", "1", "--device", "h100", "--cache"]
+    pg.main([*plan, str(dest)])
+    assert "(compiling warm: .peers_cache holds its graphs)" in capsys.readouterr().out
+    pg.main([*plan, str(tmp_path / "old")])
+    assert "compiling warm" not in capsys.readouterr().out
 
 
 def test_the_recipes_head_family_goes_to_ours_and_to_speculators_flags_for_it(tmp_path):
