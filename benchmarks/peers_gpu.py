@@ -8,7 +8,7 @@
            python3 benchmarks/peers_gpu.py start final ours speculators modelopt [--seeds 0]
            python3 benchmarks/peers_gpu.py poll 540 "$OUT"           (back to back until it prints "ended")
            (vLLM's parts may also come with the first polls, each call running stage_vllm.sh install before
-           its poll: a vLLM server, for speculators' states or a final's serving, waits for its stage, 15 min at most)
+           its poll: a vLLM server, for speculators' states or a draft's serving, waits for its stage, 15 min at most)
     here:  python3 benchmarks/peers_results.py merge OUT/poll.tgz benchmarks/results/peers_h100.json
            (it keeps the poll as benchmarks/results/raw/peers_h100/<session id>.tgz; then `note` the session)
     any:   python3 benchmarks/peers_gpu.py plan sweep ours --device h100   (the runs it would make, each one's
@@ -27,7 +27,9 @@ sized to now, is not run again (``plan`` names those it holds). Heads: ``ours:re
 Muon on the matrices, speculators' default optimizer; its lrs are optim.muon_lr), ``FW:default`` (the
 peer's own) and ``FW:matched`` (shaped like ours where its options allow; the results name what is
 missing): two configurations a framework, each swept at three lrs (and past an edge). Each draft is evaluated
-by eagle3-eval on the held-out prompts (and, in ``final``, on MT-bench and served by vLLM). Each poll
+by eagle3-eval on the held-out prompts and MT-bench and served by vLLM (drafts of sessions before 46:
+sweep runs on the held-out prompts only; ``--then-seed`` gives each best two more seeds scored all three
+ways). Each poll
 packs the session so far into ``poll.tgz`` and ``peers_partial.json``: a machine taken back mid-run
 loses only what the last poll had not packed. The shared set (``.peers/data/<DATA_SET>``), where
 missing, is synthesized by the session's first phase (outside every budget; about 11 minutes on an
@@ -328,13 +330,14 @@ COMPILE_CACHE_TGZ = "inductor_modelopt.tgz"  # a poll's parts of it (.part-N); a
 COMPILE_CACHE_MIB = 48  # at most this much comes out (a call's files: 64 MiB together, 16 MiB each, 8 files)
 CACHE_PART_BYTES = 15 << 20  # one file of it
 CACHE_HEADS = "heads.json"  # in COMPILE_CACHE: the heads (framework:head@device) whose graphs it holds
+PEERS_CACHE = REPO / ".peers_cache"  # here: the parts a poll brought out, for cache-in (plan reads their heads)
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
 PHASE_TIMEOUT_S = 1800.0  # a phase that hangs (an engine, a rendezvous) frees its lane after this; training: below
 CAPTURE_TIMEOUT_S = 600.0  # a peer's state capture (speculators' took 67 + 104 s alone on an H100; SpecForge's: new)
 START = time.time()  # when the job began (--admit-for-s and --end-by-s count from it)
 SHARED_SLOWDOWN = 2.0  # a loop sharing the GPU, where its framework has not shared it yet (speculators: 1.9x, H100)
 EVAL_S = 90.0  # eagle3-eval of a draft beside the lanes (42-55 s measured; H100)
-SERVE_S = 180.0  # vLLM's start with the draft and its served acceptance (a final)
+SERVE_S = 180.0  # vLLM's start with the draft and its served acceptance (every sized run; 150 s measured)
 PLAN_GPU_MIB = {"h100": 81559, "h200": 143771}  # plan (no GPU here): the memory nvidia-smi reports there
 
 
@@ -716,16 +719,15 @@ class Session:
                 eval_cmd(export, REPO / "data_prep/prompts/heldout.jsonl", run / "eval_heldout"),
                 env_for("ours"),
             )
-            if s.kind == "final":
-                phase(
-                    s.name,
-                    "eval_mtbench",
-                    eval_cmd(export, PEERS / "data/mt_bench_question.jsonl", run / "eval_mtbench"),
-                    env_for("ours"),
-                )
-                if self.lanes is not None:  # (its training's room goes back; vLLM's waits ahead of new runs)
-                    self.lanes.move(lane, serve_mib(gpu_memory_mib()))
-                self.serve(s.name, export, lane)
+            phase(
+                s.name,
+                "eval_mtbench",
+                eval_cmd(export, PEERS / "data/mt_bench_question.jsonl", run / "eval_mtbench"),
+                env_for("ours"),
+            )
+            if self.lanes is not None:  # (its training's room goes back; vLLM's waits ahead of new runs)
+                self.lanes.move(lane, serve_mib(gpu_memory_mib()))
+            self.serve(s.name, export, lane)
         got = read_run(run, phases(), memory_trace(PO / "smi.csv"))
         with PHASES:  # (the lanes end runs at once: this run now stands for its name, an earlier one's goes)
             self.known = [r for r in self.known if r.name != got.name] + [got]
@@ -743,13 +745,14 @@ class Session:
         # one 0.26 plans a draft's FA3 schedule with (the staged vLLM carries no FA2 kernels)
         cmd = (f"vllm serve {self.target} --port {PORT_SERVE + lane} --dtype bfloat16 --max-model-len 4096 "
                f"--gpu-memory-utilization {SERVE_MEMORY} --enforce-eager --speculative-config '{spec}'")  # fmt: skip
-        url = f"http://127.0.0.1:{PORT_SERVE + lane}"
+        url, start = f"http://127.0.0.1:{PORT_SERVE + lane}", time.time()
         try:
             with Server(cmd, PO / name / "vllm_serve.log", f"{url}/health"):
                 phase(name, "served", [sys.executable, "-m", "eagle3_train.evaluation.served_acceptance",
                       f"++server={url}", "++engine=vllm", f"++prompts={REPO / 'data_prep/prompts/heldout.jsonl'}",
                       "++max_new_tokens=128", f"++draft={export}", f"++out={PO / name / 'served'}"], env_for("ours"))  # fmt: skip
-        except RuntimeError as e:
+        except RuntimeError as e:  # (recorded: a run that vLLM will not serve is not trained again for it)
+            record(name, "served", start, time.time(), rc=1)
             say(f"{name}: not served: {e}")
 
 
@@ -766,8 +769,8 @@ def expected_s(known: list, spec: RunSpec, slowdown: float | None = None, warm: 
     framework's slowest shared run was among those that shared it with no more lanes than this one's job
     (else among all; else ``SHARED_SLOWDOWN``; ``slowdown``: the operator's), its
     probe's start-up and compilation (a fresh machine compiles again; ``warm``: the compile cache here
-    holds its head's graphs, so its compile is a warm one's, ``warm_compile_s``), its evaluation, and
-    for a final MT-bench and vLLM serving."""
+    holds its head's graphs, so its compile is a warm one's, ``warm_compile_s``), its two evaluations
+    (held-out, MT-bench) and vLLM serving."""
     probes = [r for r in known if (r.framework, r.head, r.device, r.kind) ==
               (spec.framework, spec.head, spec.sized_on or spec.device, "probe") and not r.failed]  # fmt: skip
     alone = max(probes, key=lambda r: r.steps or 0) if probes else None
@@ -781,7 +784,7 @@ def expected_s(known: list, spec: RunSpec, slowdown: float | None = None, warm: 
     slowdown = slowdown or (max([1.0, *near]) if near else SHARED_SLOWDOWN)
     slowdown = slowdown if spec.lanes > 1 else 1.0  # (one lane: the GPU to itself)
     loop = (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * slowdown
-    return loop + overhead + EVAL_S + (EVAL_S + SERVE_S if spec.kind == "final" else 0.0)
+    return loop + overhead + 2 * EVAL_S + SERVE_S
 
 
 def warm_compile_s(known: list, spec: RunSpec, cold: float | None) -> float | None:
@@ -929,12 +932,14 @@ def runs_wanted(a: argparse.Namespace, known: list) -> list[tuple[str, str, floa
 SIZED_WITHIN = 0.05  # a run held at steps within this share of what it is sized to now is done
 
 
-def done(known: list, spec: RunSpec) -> bool:
-    """The results already hold this run evaluated (a final: on MT-bench too) at the steps it is sized
-    to now, within ``SIZED_WITHIN`` (one sized from a step time that has moved further runs again: two
-    H100s' steps differ by more than that, a 60-step probe's from a 300-step one's by far more)."""
+def done(known: list, spec: RunSpec, whole: bool = False) -> bool:
+    """The results already hold this run evaluated (a final: on MT-bench too; ``whole``: on MT-bench
+    and its vLLM acceptance too, or vLLM failed to serve it) at the steps it is sized to now, within ``SIZED_WITHIN`` (one sized from a step
+    time that has moved further runs again: two H100s' steps differ by more than that, a 60-step
+    probe's from a 300-step one's by far more)."""
     return any(r.name == spec.name and abs(r.steps_planned - spec.steps_planned) <= SIZED_WITHIN * spec.steps_planned
-               and r.scored() for r in known)  # fmt: skip
+               and r.scored() and (not whole or r.tau_mtbench is not None and (r.vllm_acceptance is not None
+               or "served" in r.failed)) for r in known)  # fmt: skip
 
 
 def job(a: argparse.Namespace) -> None:
@@ -970,11 +975,13 @@ def job(a: argparse.Namespace) -> None:
         return [s.spec(fw, head, "sweep" if budget == SWEEP_S else "final", budget, lr, seed)
                 for lr in lrs for seed in seeds]  # fmt: skip
 
-    def runs_of(fw: str, head: str, budget: float, lrs: list[float], seeds: list[int]) -> list[RunSpec]:
+    def runs_of(
+        fw: str, head: str, budget: float, lrs: list[float], seeds: list[int], whole: bool = False
+    ) -> list[RunSpec]:
         specs = sized(fw, head, budget, lrs, seeds)
         if None in specs:
             raise RuntimeError("its probe measured no step time (or it failed)")
-        todo = [x for x in specs if x is not None and not done(s.known, x)]
+        todo = [x for x in specs if x is not None and not done(s.known, x, whole)]
         if not todo or (last is not None and time.time() > last):  # (nothing to prepare for)
             return []
         if not s.prepare(fw, head):
@@ -1022,8 +1029,9 @@ def job(a: argparse.Namespace) -> None:
 
     def finals_of(fw: str, seeds: list[int], at: float = FINAL_S) -> list[RunSpec]:
         """Once the framework's sweep (as sized now) is over and whole: its best head and lr at ``at`` seconds
-        (the final's; the sweep's for --then-seed), ``seeds``. A sweep cut short, or one sized from
-        another step time, chooses nothing."""
+        (the final's; the sweep's for --then-seed, where a seed's run held without its MT-bench tau or
+        vLLM acceptance trains again, its record replaced), ``seeds``. A sweep cut short, or one sized from another step
+        time, chooses nothing."""
         s.lanes.over([n for _, h, *_ in swept(fw) for n in edge_names(fw, h)])  # type: ignore[union-attr]
         sweep = swept(fw)  # (again: its lrs past an edge as scored now)
         runs, missing = [], []
@@ -1039,7 +1047,7 @@ def job(a: argparse.Namespace) -> None:
             say(f"{fw}: no {what} this job, its sweep lacks {', '.join(missing)}")
             return []
         top = best(runs, fw)
-        return runs_of(fw, top.head, at, [top.lr], seeds) if top else []  # type: ignore[union-attr]
+        return runs_of(fw, top.head, at, [top.lr], seeds, at == SWEEP_S) if top else []  # type: ignore[union-attr]
 
     end = None if a.end_by_s is None else START + a.end_by_s
     s.lanes = Lanes(a.lanes, a.memory_gib * 1024, s.peak, last, end, s.expected)
@@ -1066,8 +1074,10 @@ def job(a: argparse.Namespace) -> None:
     if a.what == "sweep" and a.lrs is None:  # (a head's best at its grid's edge: the next lr, in this job)
         groups += [(f"{fw}:{h} past edge {k}", partial(past_edge, fw, h, seeds, k))
                    for fw, h, _, _, seeds in asked for k in range(1, 2 * PAST_EDGE + 1)]  # fmt: skip
-    if a.then_seed and a.what == "sweep":  # (the 3-minute verdict's spread: the best again, another seed)
-        groups += [(f"{fw} second seed", partial(finals_of, fw, [SEED[fw] + 1], SWEEP_S)) for fw in frameworks]
+    if a.then_seed and a.what == "sweep":  # (the 3-minute verdict: the best with two more seeds, each scored as a
+        # final is; not its sweep seed's run again, whose score chose it: a rerun of that could choose another)
+        groups += [(f"{fw} 3-minute pair", partial(finals_of, fw, [SEED[fw] + 1, SEED[fw] + 2], SWEEP_S))
+                   for fw in frameworks]  # fmt: skip
     if a.then_final and a.what == "sweep":
         groups += [(f"{fw} final", partial(finals_of, fw, [SEED[fw], SEED[fw] + 1])) for fw in frameworks]
     s.lanes.run(groups, s.train)
@@ -1438,8 +1448,9 @@ def main(argv: list[str] | None = None) -> None:
             help="sweep: once a framework's sweep is all in, its finals join the lanes in the same job",
         )
         p.add_argument("--then-seed", action="store_true",
-                       help="sweep: once a framework's sweep is all in, its best head and lr runs again at the "
-                       "sweep's budget with its second seed (the 3-minute verdict's spread), in the same job")  # fmt: skip
+                       help="sweep: once a framework's sweep is all in, its best head and lr at the sweep's budget "
+                       "with two more seeds (its own +1 and +2), each scored on MT-bench and served by vLLM (the "
+                       "3-minute verdict's spread), in the same job: a seed's run held without those trains again")  # fmt: skip
         p.add_argument("--memory-gib", type=float, default=64.0,
                        help="the sum of the lanes' peaks (each measured alone) a new run must fit under")  # fmt: skip
         p.add_argument("--variant", choices=["eagle3", "eagle3.1"], default=None,
@@ -1448,8 +1459,9 @@ def main(argv: list[str] | None = None) -> None:
             "--results", type=Path, help="where earlier runs are read from (default: results/peers_<gpu>.json)"
         )
         p.add_argument("--device", default="h100", help="plan: the GPU kind whose step times to use")
-        p.add_argument("--cache", type=Path, default=REPO / ".peers_cache",
-                       help="plan: the compile cache's parts that cache-in will bring (its heads compile warm)")  # fmt: skip
+        p.add_argument("--cache", type=Path, default=None,
+                       help="plan: the compile cache's parts that cache-in will bring, where its heads compile warm "
+                       "(default: .peers_cache)")  # fmt: skip
         p.add_argument("--size-on", default=None, metavar="KIND",
                        help="size the runs by the probes of another GPU kind (e.g. h100 on an H200: the same steps, "
                        "so the same drafts, as there); a framework never probed there is left out, not probed here")  # fmt: skip
@@ -1491,7 +1503,7 @@ def main(argv: list[str] | None = None) -> None:
         sizing = a.size_on or a.device  # (as a job there would: the probes of --size-on size its runs)
         known, _ = load(a.results or REPO / f"benchmarks/results/peers_{sizing}.json")
         wanted = runs_wanted(a, known)
-        cached = heads_in_parts(a.cache)  # (what cache-in would bring to the machine)
+        cached = heads_in_parts(a.cache or PEERS_CACHE)  # (what cache-in would bring to the machine)
         for fw, head, budget, lrs, seeds in wanted:  # (any head family: plan has no target)
             timing = step_time(known, fw, head, sizing, a.n, min_steps=PROBE_STEPS[fw])
             if not timing:
@@ -1521,17 +1533,24 @@ def main(argv: list[str] | None = None) -> None:
             warm = head_key(spec) in cached
             print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {spec.steps_planned} steps each, about "
                   f"{expected_s(known, spec, a.slowdown, warm):.0f} s from its start sharing the GPU"
-                  f"{f' (compiling warm: {a.cache.name} holds its graphs)' if warm else ''}, its lane "
+                  f"{f' (compiling warm: {(a.cache or PEERS_CACHE).name} holds its graphs)' if warm else ''}, its lane "
                   f"{'unknown' if peak is None else f'{peak / 1024:.1f} GiB'}{serving}{held_note}")  # fmt: skip
         if a.what == "sweep" and (a.then_seed or a.then_final):
             for fw in dict.fromkeys(w[0] for w in wanted):
                 top = best(known, fw)
                 now = f"now {top.head} lr {top.lr:g}" if top else "none scored yet"
                 if a.then_seed:
-                    held = top and any((r.head, r.lr, r.seed, r.budget_s) == (top.head, top.lr, SEED[fw] + 1, SWEEP_S)
-                                       and r.framework == fw and r.scored() for r in known)  # fmt: skip
-                    print(f"{fw}: once its sweep is whole, its best ({now}) again at {SWEEP_S:g} s, seed {SEED[fw] + 1}"
-                          + (" (held in the results)" if held else ""))  # fmt: skip
+                    pair = [SEED[fw] + 1, SEED[fw] + 2]
+                    held = [seed for seed in pair if top and any(
+                        (r.framework, r.head, r.lr, r.seed, r.budget_s) == (fw, top.head, top.lr, seed, SWEEP_S)
+                        and r.scored() and r.tau_mtbench is not None and r.vllm_acceptance is not None
+                        for r in known)]  # fmt: skip
+                    say_held = (
+                        " (held in the results)" if len(held) == 2
+                        else f" (seed {held[0]} held in the results)" if held else ""
+                    )  # fmt: skip
+                    print(f"{fw}: once its sweep is whole, its best ({now}) at {SWEEP_S:g} s, seeds {pair[0]} and "
+                          f"{pair[1]}, each on MT-bench and served by vLLM{say_held}")  # fmt: skip
                 if a.then_final:
                     print(f"{fw}: once its sweep is whole, its best ({now}) at {FINAL_S:g} s, seeds {SEED[fw]} and "
                           f"{SEED[fw] + 1} (`plan final {fw}` sizes them)")  # fmt: skip

@@ -22,6 +22,13 @@ sys.path[:0] = [str(LAB), str(LAB.parent)]
 import peers_gpu as pg  # noqa: E402
 import peers_results as pr  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def no_cache_here(tmp_path, monkeypatch):
+    """plan reads no compile cache this checkout may hold (.peers_cache) unless a test gives one."""
+    monkeypatch.setattr(pg, "PEERS_CACHE", tmp_path / "no_peers_cache")
+
+
 TARGET = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
           "vocab_size": 49152, "rope_theta": 100000, "num_hidden_layers": 30}  # fmt: skip
 
@@ -291,6 +298,7 @@ def stand_in_session(monkeypatch, po: Path, phase, known: list, gpu: str = "h100
     monkeypatch.setattr(pg, "gpu_kind", lambda: gpu)
     monkeypatch.setattr(pg, "yardstick", lambda: None)  # (its own test runs it)
     monkeypatch.setattr(pg.Session, "__init__", init)
+    monkeypatch.setattr(pg.Session, "serve", lambda self, name, export, lane=0: None)  # (vLLM: its own tests)
 
 
 def stand_in_job(monkeypatch, po: Path, known: list, train) -> None:
@@ -323,12 +331,15 @@ def test_a_session_probes_once_then_sizes_its_runs_and_a_failing_framework_does_
         return True
 
     stand_in_session(monkeypatch, tmp_path, phase, [])
+    served: list[str] = []
+    monkeypatch.setattr(pg.Session, "serve", lambda self, name, export, lane=0: served.append(name))
     monkeypatch.setattr(pg.Session, "speculators_data", lambda self: False)
     monkeypatch.setattr(sys, "argv", ["peers_gpu.py", "job", "sweep", "speculators:default", "ours"])
     pg.main(["job", "sweep", "speculators:default", "ours:recipe", "--lrs", "1e-3", "2e-3"])
     assert trained == [300, 600, 600]  # the probe, then two runs sized from it
     runs, session = pr.read_session(tmp_path)
     assert sorted(r.kind for r in runs) == ["probe", "sweep", "sweep"] and session["id"].startswith("h100-")
+    assert sorted(served) == sorted(r.name for r in runs if r.kind == "sweep")  # (every sized run, not a probe)
     assert all(r.steady_step_s == pytest.approx(0.3) for r in runs)
 
 
@@ -1100,17 +1111,23 @@ def test_a_sweeps_finals_take_the_frameworks_best_head_whichever_this_job_swept(
     assert all("-180s-" in n for n in events) and len(events) == 3
 
 
-def test_then_seed_runs_each_frameworks_best_again_at_3_minutes_once_its_sweep_is_whole(tmp_path, monkeypatch, capsys):
+def test_then_seed_runs_each_frameworks_best_at_3_minutes_with_both_seeds_served_once_its_sweep_is_whole(
+    tmp_path, monkeypatch, capsys
+):
     """--then-seed: once ours' sweep (both heads) is in, its best (the recipe at 2e-3, swept earlier) runs
-    again at 180 s with seed 1, after the last sweep run; ModelOpt's sweep has a failed run, so it gets
-    none; and a second job finds it held and runs nothing, as plan says."""
+    at 180 s with seeds 1 and 2, each on MT-bench and served, after the last sweep run (seed 0's sweep run, which chose
+    it, is not run again); ModelOpt's sweep has a failed run, so it gets none; a second job finds the
+    pair held and runs nothing, as plan says. A seed's run held unserved (or without MT-bench) trains
+    again; one that vLLM failed to serve is held (not trained again for it)."""
     events, sessions = [], []
 
     def train(self, spec, lane=0):
         events.append(spec.name)
         sessions.append(self)
         tau = None if spec.framework == "modelopt" and spec.lr == 1e-3 else (1.4 if spec.lr == 0.04 else 1.3)
-        self.known.append(pr.Run.from_dict({**pr.asdict(spec), "steps": spec.steps_planned, "tau_heldout": tau}))
+        got = pr.Run.from_dict({**pr.asdict(spec), "steps": spec.steps_planned, "tau_heldout": tau})
+        got.tau_mtbench = got.vllm_acceptance = 1.5 if tau else None
+        self.known = [r for r in self.known if r.name != got.name] + [got]  # (as train replaces a run of its name)
 
     recipe = swept_before("ours", "recipe", 0.3, 2.0)
     recipe[2].tau_heldout = 2.6  # (lr 2e-3)
@@ -1119,9 +1136,10 @@ def test_then_seed_runs_each_frameworks_best_again_at_3_minutes_once_its_sweep_i
              *swept_before("modelopt", "matched", 0.06, 1.3)]  # fmt: skip
     stand_in_job(monkeypatch, tmp_path, known, train)
     pg.main(["job", "sweep", "ours:muon", "modelopt:default", "--lanes", "1", "--then-seed"])
-    assert events[-1] == "ours-recipe-eagle3.1-n16384-180s-lr0.002-seed1"
-    assert [n for n in events if n.endswith(("-seed1", "-seed43"))] == [events[-1]]  # (none for ModelOpt)
-    assert len(events) == 3 + 3 + 1
+    pair = ["ours-recipe-eagle3.1-n16384-180s-lr0.002-seed1", "ours-recipe-eagle3.1-n16384-180s-lr0.002-seed2"]
+    assert events[-2:] == pair
+    assert [n for n in events if not n.endswith(("-seed0", "-seed42"))] == pair  # (none for ModelOpt)
+    assert len(events) == 3 + 3 + 2
     events.clear()
     stand_in_session(monkeypatch, tmp_path, None, sessions[-1].known)  # (the next job reads what this one ran)
     monkeypatch.setattr(pg.Session, "train", train)
@@ -1131,9 +1149,20 @@ def test_then_seed_runs_each_frameworks_best_again_at_3_minutes_once_its_sweep_i
     capsys.readouterr()
     pg.main(["plan", "sweep", "ours", "modelopt", "--then-seed", "--then-final", "--device", "h100"])
     out = capsys.readouterr().out
-    assert "ours: once its sweep is whole, its best (now recipe lr 0.002) again at 180 s, seed 1 (held" in out
+    assert "ours: once its sweep is whole, its best (now recipe lr 0.002) at 180 s, seeds 1 and 2, each on MT-bench " \
+           "and served by vLLM (held in the results)" in out  # fmt: skip
     assert "ours: once its sweep is whole, its best (now recipe lr 0.002) at 600 s, seeds 0 and 1" in out
-    assert "modelopt: once its sweep is whole, its best (now matched lr 0.0003) again at 180 s, seed 43\n" in out
+    assert "modelopt: once its sweep is whole, its best (now matched lr 0.0003) at 180 s, seeds 43 and 44, each " \
+           "on MT-bench and served by vLLM\n" in out  # fmt: skip
+    spec = next(r for r in sessions[-1].known if r.name == pair[0])
+    spec.vllm_acceptance = None
+    assert not pg.done(sessions[-1].known, spec, whole=True) and pg.done(sessions[-1].known, spec)
+    pg.main(["plan", "sweep", "ours", "--then-seed", "--device", "h100"])
+    assert "seeds 1 and 2, each on MT-bench and served by vLLM (seed 2 held in the results)" in capsys.readouterr().out
+    spec.failed = ["served"]
+    assert pg.done(sessions[-1].known, spec, whole=True)
+    spec.tau_mtbench = None
+    assert not pg.done(sessions[-1].known, spec, whole=True)
 
 
 def test_no_run_starts_that_would_end_past_the_end_deadline():
@@ -1152,17 +1181,17 @@ def test_a_runs_expected_time_is_its_loop_shared_its_probes_overheads_and_its_ev
     shape = {"device": "h100", "planned_step_s": 0.06, "lanes": 5}
     sweep = pr.RunSpec("modelopt", "default", "sweep", 180.0, 1e-4, 42, 3000, 16384, **shape)
     final = pr.RunSpec("modelopt", "default", "final", 600.0, 1e-4, 42, 10000, 16384, **shape)
-    loop = 3000 * 0.06 * pg.SHARED_SLOWDOWN
-    assert s.expected(sweep) == pytest.approx(loop + 60.0 + 381.0 + pg.EVAL_S)
-    assert s.expected(final) == pytest.approx(10000 * 0.06 * pg.SHARED_SLOWDOWN + 441.0 + 2 * pg.EVAL_S + pg.SERVE_S)
+    loop, scored = 3000 * 0.06 * pg.SHARED_SLOWDOWN, 2 * pg.EVAL_S + pg.SERVE_S  # (a sweep's draft scored as a final's)
+    assert s.expected(sweep) == pytest.approx(loop + 60.0 + 381.0 + scored)
+    assert s.expected(final) == pytest.approx(10000 * 0.06 * pg.SHARED_SLOWDOWN + 441.0 + scored)
     unknown = pr.RunSpec("ours", "recipe", "sweep", 180.0, 1e-3, 0, 360, 16384, **{**shape, "planned_step_s": 0.5})
-    assert s.expected(unknown) == pytest.approx(360 * 0.5 * pg.SHARED_SLOWDOWN + 120.0 + pg.EVAL_S)  # no probe: 60 + 60
+    assert s.expected(unknown) == pytest.approx(360 * 0.5 * pg.SHARED_SLOWDOWN + 120.0 + scored)  # no probe: 60 + 60
     s.known += [run("modelopt", "default", lanes=5, steady_step_s=0.078), run("modelopt", "default", lanes=5,
                 steady_step_s=0.066), run("modelopt", "default", lanes=1, steady_step_s=0.2),
                 run("modelopt", "matched", lanes=5, steady_step_s=0.3)]  # (alone; another head)  # fmt: skip
-    assert s.expected(sweep) == pytest.approx(3000 * 0.06 * 1.3 + 441.0 + pg.EVAL_S)  # its slowest shared run: 1.3x
+    assert s.expected(sweep) == pytest.approx(3000 * 0.06 * 1.3 + 441.0 + scored)  # its slowest shared run: 1.3x
     sweep.lanes = 1
-    assert s.expected(sweep) == pytest.approx(3000 * 0.06 + 441.0 + pg.EVAL_S)  # one lane: the GPU to itself
+    assert s.expected(sweep) == pytest.approx(3000 * 0.06 + 441.0 + scored)  # one lane: the GPU to itself
 
 
 def test_a_new_job_refuses_while_one_runs_and_folds_an_ended_ones_runs_into_the_results_it_reads(tmp_path, monkeypatch):
@@ -1339,9 +1368,9 @@ def test_a_shared_run_faster_than_the_step_alone_does_not_shrink_the_expected_ti
     s.known = [probe(steps=300, steady_step_s=0.3), run(lanes=4, steady_step_s=0.25)]
     s.a = argparse.Namespace(slowdown=None)
     x = pr.RunSpec("ours", "recipe", "sweep", 180.0, 1e-3, 0, 600, 16384, device="h100", planned_step_s=0.3, lanes=4)
-    assert s.expected(x) == pytest.approx(600 * 0.3 + 120.0 + pg.EVAL_S)  # (slowdown 1, not 0.83)
+    assert s.expected(x) == pytest.approx(600 * 0.3 + 120.0 + 2 * pg.EVAL_S + pg.SERVE_S)  # (slowdown 1, not 0.83)
     s.a.slowdown = 1.3  # (the operator's, e.g. two seeds of one framework)
-    assert s.expected(x) == pytest.approx(600 * 0.3 * 1.3 + 120.0 + pg.EVAL_S)
+    assert s.expected(x) == pytest.approx(600 * 0.3 * 1.3 + 120.0 + 2 * pg.EVAL_S + pg.SERVE_S)
 
 
 def test_the_expected_slowdown_is_the_slowest_met_in_no_more_lanes_than_the_jobs():
@@ -1408,7 +1437,7 @@ def test_plan_tells_each_runs_expected_seconds_and_lane_as_the_job_would_judge_t
     assert lanes.startswith("sized runs 5 at a time on the GPU within 64 GiB")
     pg.main(["plan", "sweep", "ours", "--lrs", "2e-3", "4e-3", "--device", "h100", "--slowdown", "2"])
     recipe = capsys.readouterr().out.splitlines()[0]
-    assert f"about {600 * 0.3 * 2 + 100 + pg.EVAL_S:.0f} s" in recipe  # (the operator's slowdown)
+    assert f"about {600 * 0.3 * 2 + 100 + 2 * pg.EVAL_S + pg.SERVE_S:.0f} s" in recipe  # (the operator's slowdown)
     # lr 2e-3 is held (evaluated at the steps it is sized to now): only 4e-3 is left to run
     assert "lrs [0.004]" in recipe and recipe.endswith("(held in the results: lr 0.002 seed 0)")
     pg.main(["plan", "sweep", "ours:recipe", "--lrs", "2e-3", "--device", "h100"])
