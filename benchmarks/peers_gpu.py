@@ -934,9 +934,9 @@ SIZED_WITHIN = 0.05  # a run held at steps within this share of what it is sized
 
 def done(known: list, spec: RunSpec, whole: bool = False) -> bool:
     """The results already hold this run evaluated (a final: on MT-bench too; ``whole``: on MT-bench
-    and its vLLM acceptance too, or vLLM failed to serve it) at the steps it is sized to now, within ``SIZED_WITHIN`` (one sized from a step
-    time that has moved further runs again: two H100s' steps differ by more than that, a 60-step
-    probe's from a 300-step one's by far more)."""
+    and its vLLM acceptance too, or vLLM failed to serve it) at the steps it is sized to now, within
+    ``SIZED_WITHIN`` (one sized from a step time that has moved further runs again: two H100s' steps
+    differ by more than that, a 60-step probe's from a 300-step one's by far more)."""
     return any(r.name == spec.name and abs(r.steps_planned - spec.steps_planned) <= SIZED_WITHIN * spec.steps_planned
                and r.scored() and (not whole or r.tau_mtbench is not None and (r.vllm_acceptance is not None
                or "served" in r.failed)) for r in known)  # fmt: skip
@@ -1028,10 +1028,10 @@ def job(a: argparse.Namespace) -> None:
         return runs_of(fw, head, SWEEP_S, new, seeds) if new else []
 
     def finals_of(fw: str, seeds: list[int], at: float = FINAL_S) -> list[RunSpec]:
-        """Once the framework's sweep (as sized now) is over and whole: its best head and lr at ``at`` seconds
-        (the final's; the sweep's for --then-seed, where a seed's run held without its MT-bench tau or
-        vLLM acceptance trains again, its record replaced), ``seeds``. A sweep cut short, or one sized from another step
-        time, chooses nothing."""
+        """Once the framework's sweep (as sized now) is over and whole: its best head and lr at ``at``
+        seconds (the final's; the sweep's for --then-seed, where a seed's run held without its MT-bench
+        tau or vLLM acceptance trains again, its record replaced), ``seeds``. A sweep cut short, or one
+        sized from another step time, chooses nothing."""
         s.lanes.over([n for _, h, *_ in swept(fw) for n in edge_names(fw, h)])  # type: ignore[union-attr]
         sweep = swept(fw)  # (again: its lrs past an edge as scored now)
         runs, missing = [], []
@@ -1300,7 +1300,7 @@ def name_cached_heads() -> None:
     trained = set()
     for p in phases():
         if p["phase"] == "train" and not p["rc"] and (PO / p["run"] / "spec.json").is_file():
-            spec = RunSpec(**json.loads((PO / p["run"] / "spec.json").read_text()))
+            spec = Run.from_dict(json.loads((PO / p["run"] / "spec.json").read_text()))
             if spec.framework == "modelopt":
                 trained.add(head_key(spec))
     if trained - cached_heads():
@@ -1437,8 +1437,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--end-by-s", type=float, default=None,
                        help="start no sized run expected to end later than this many seconds after the job began "
                        f"(its loop at {SHARED_SLOWDOWN:g}x its time alone, its probe's start-up and compilation (warm where "
-                       "the compile cache holds its head's graphs), its "
-                       "evaluation and, for a final, serving)")  # fmt: skip
+                       "the compile cache holds its head's graphs), its evaluations and its serving)")  # fmt: skip
         p.add_argument("--slowdown", type=float, default=None,
                        help="--end-by-s: the loop's slowdown sharing the GPU (default: the slowest its framework and "
                        f"head met in lanes, else {SHARED_SLOWDOWN:g}); e.g. 1.3 for two seeds of one framework")  # fmt: skip
@@ -1541,10 +1540,7 @@ def main(argv: list[str] | None = None) -> None:
                 now = f"now {top.head} lr {top.lr:g}" if top else "none scored yet"
                 if a.then_seed:
                     pair = [SEED[fw] + 1, SEED[fw] + 2]
-                    held = [seed for seed in pair if top and any(
-                        (r.framework, r.head, r.lr, r.seed, r.budget_s) == (fw, top.head, top.lr, seed, SWEEP_S)
-                        and r.scored() and r.tau_mtbench is not None and r.vllm_acceptance is not None
-                        for r in known)]  # fmt: skip
+                    held = [seed for seed in pair if top and done(known, replace(top, seed=seed), whole=True)]
                     say_held = (
                         " (held in the results)" if len(held) == 2
                         else f" (seed {held[0]} held in the results)" if held else ""
