@@ -12,7 +12,8 @@
     here:  python3 benchmarks/peers_results.py merge OUT/poll.tgz benchmarks/results/peers_h100.json
            (it keeps the poll as benchmarks/results/raw/peers_h100/<session id>.tgz; then `note` the session)
     any:   python3 benchmarks/peers_gpu.py plan sweep ours --device h100   (the runs it would make, each one's
-           expected seconds sharing the GPU and its lane's memory, as --end-by-s and --memory-gib judge them; no GPU)
+           expected seconds sharing the GPU and its lane's memory, as --end-by-s and --memory-gib judge them; no GPU;
+           --rehearse: then the job itself over the results held, nothing run: when each run would start and end)
 
 Every framework trains on the same conversations (the smollm2 recipe's synthesized ones) for a
 budget of steady training loop (``sweep``: 3 minutes at three learning rates, and past the grid's
@@ -51,6 +52,7 @@ import gzip
 import hashlib
 import io
 import json
+import math
 import os
 import shlex
 import shutil
@@ -74,6 +76,7 @@ from peers_results import (  # noqa: E402
     FINAL_S,
     FRAMEWORKS,
     HEADS,
+    LRS,
     PAST_EDGE,
     SEED,
     STEP_TOKENS,
@@ -942,22 +945,92 @@ def done(known: list, spec: RunSpec, whole: bool = False) -> bool:
                or "served" in r.failed)) for r in known)  # fmt: skip
 
 
-def job(a: argparse.Namespace) -> None:
+REHEARSAL_SCALE = 60.0  # a rehearsal's clock runs this many times faster than a job's (its host's own work: 60x)
+VLLM_STAGED_S = 110.0  # a job's vLLM is staged this long after its start (four parts with the first polls; S45)
+CAPTURE_GUESS_S = 300.0  # a rehearsal's data preparation for a framework no held session prepared
+
+
+class Rehearsal(Session):
+    """The job as it would go over the results held, with nothing run (``plan --rehearse``): each
+    framework's data takes what the held sessions' took (the median; speculators' also waits for vLLM's
+    stage), each sized run its expected seconds (``expected_s``), on a clock ``REHEARSAL_SCALE`` times
+    faster. A rehearsed run ends evaluated below every held one, highest at its grid's middle lr, so
+    it moves no best and opens no edge; a probe measures nothing, so its framework's runs are left out;
+    serving's memory is not counted."""
+
+    def __init__(self, a: argparse.Namespace, device: str):
+        self.a, self.device, self.size_on = a, device, a.size_on or device
+        self.t: dict = {"intermediate_size": None, "vocab_size": None}  # (no target: sizing reads no shape)
+        self.known, sessions = load(a.results or REPO / f"benchmarks/results/peers_{self.size_on}.json")
+        shas = [r.data_sha256 for r in self.known if r.data_sha256]
+        self.sha = max(set(shas), key=shas.count) if shas else ""
+        self.ready, self.prep_failed, self.lanes = set(), set(), None
+        self.prep_locks = {fw: threading.Lock() for fw in FRAMEWORKS}
+        self.cached = heads_in_parts(a.cache or PEERS_CACHE)
+        took: dict[str, list[float]] = {}
+        for session in sessions:
+            for fw in FRAMEWORKS:  # (a framework's phases of one session, summed)
+                mine = [p["seconds"] for p in session.get("phases", []) if p["run"] == f"{fw}_data" and not p["rc"]]
+                if mine:
+                    took.setdefault(fw, []).append(sum(mine))
+        self.data_s = {fw: sorted(x)[len(x) // 2] for fw, x in took.items()}
+        self.floor = min([r.tau_heldout for r in self.known if r.tau_heldout is not None] or [1.0]) - 1.0  # (held)
+        self.t0 = time.time()
+
+    def now(self) -> float:
+        return (time.time() - self.t0) * REHEARSAL_SCALE
+
+    def prepare(self, fw: str, head: str) -> bool:
+        with self.prep_locks[fw]:
+            if fw not in self.ready:
+                wait = self.data_s.get(fw, CAPTURE_GUESS_S) + (VLLM_STAGED_S if fw in BESIDE else 0.0)
+                time.sleep(wait / REHEARSAL_SCALE)
+                self.ready.add(fw)
+                say(f"{self.now():5.0f} s  the data of {fw} ready")
+        return True
+
+    def beside_mib(self, fw: str) -> float:
+        return (BESIDE[fw][1] + 0.05) * PLAN_GPU_MIB.get(self.device, 0)
+
+    def expected(self, spec: RunSpec) -> float:
+        return expected_s(self.known, spec, self.a.slowdown, warm=head_key(spec) in self.cached) / REHEARSAL_SCALE
+
+    def peak(self, spec: RunSpec) -> int | None:
+        return lane_peak(self.known, spec, PLAN_GPU_MIB.get(self.device, 0))
+
+    def train(self, s: RunSpec, lane: int = 0) -> None:
+        if s.kind == "probe":
+            say(f"{self.now():5.0f} s  {s.name}: a probe, whose step time sizes its framework's runs: left out here")
+            return
+        took = self.expected(s) * REHEARSAL_SCALE
+        say(f"{self.now():5.0f} s  {s.name} starts in lane {lane}, expected to end at {self.now() + took:.0f} s")
+        time.sleep(took / REHEARSAL_SCALE)
+        grid = LRS.get(f"{s.framework}:{s.head}", LRS[s.framework])
+        off = abs(math.log(s.lr / grid[len(grid) // 2]))  # (its grid's middle scores best: no edge)
+        low = self.floor - 0.01 * off
+        got = Run.from_dict(asdict(s) | {"steps": s.steps_planned, "tau_heldout": low, "tau_mtbench": low,
+                                         "vllm_acceptance": low, "lossless": "identical"})  # fmt: skip
+        with PHASES:
+            self.known = [r for r in self.known if r.name != got.name] + [got]
+        say(f"{self.now():5.0f} s  {s.name} ends")
+
+
+def job(a: argparse.Namespace, rehearse: bool = False) -> None:
     """Alone on the GPU: the shared set where missing, then, for each framework and head with no step
     time on this GPU yet, its data and a probe. Then the sized runs share the GPU in lanes; a
     framework's data not yet written this session (speculators' states) is written beside them, and
-    its runs join the lanes once it is."""
-    device = gpu_kind()
+    its runs join the lanes once it is. ``rehearse``: as a ``Rehearsal`` (nothing run, nothing written)."""
+    device = a.device if rehearse else gpu_kind()
     a.session = f"{device}-{datetime.now(timezone.utc):%Y%m%dT%H%M}"
     command = "python3 benchmarks/peers_gpu.py start " + shlex.join(sys.argv[2:])
     session = {"id": a.session, "device": device, "command": command, "lanes": a.lanes, "size_on": a.size_on or device,
                "date": f"{datetime.now(timezone.utc):%Y-%m-%d}"}  # fmt: skip
-    if stick := yardstick():  # (alone, before anything: this machine's speed beside the other sessions')
-        session["yardstick"] = stick
-    (PO / "session.json").write_text(json.dumps(session))
-    s = Session(a, device)
+    if not rehearse:
+        if stick := yardstick():  # (alone, before anything: this machine's speed beside the other sessions')
+            session["yardstick"] = stick
+        (PO / "session.json").write_text(json.dumps(session))
+    s = Rehearsal(a, device) if rehearse else Session(a, device)
     wanted, failed = runs_wanted(a, s.known), set()
-    last = None if a.admit_for_s is None else START + a.admit_for_s
     for fw, head, budget, lrs, seeds in wanted:
         try:
             if s.spec(fw, head, "sweep", budget, lrs[0], seeds[0]) is None:  # no step time yet: a probe, alone
@@ -1049,8 +1122,12 @@ def job(a: argparse.Namespace) -> None:
         top = best(runs, fw)
         return runs_of(fw, top.head, at, [top.lr], seeds, at == SWEEP_S) if top else []  # type: ignore[union-attr]
 
-    end = None if a.end_by_s is None else START + a.end_by_s
-    s.lanes = Lanes(a.lanes, a.memory_gib * 1024, s.peak, last, end, s.expected)
+    if isinstance(s, Rehearsal):  # (its clock starts with the lanes: its sizing so far took the host's time only)
+        s.t0 = time.time()
+    began, scale = (s.t0, REHEARSAL_SCALE) if isinstance(s, Rehearsal) else (START, 1.0)  # (what deadlines count on)
+    last = None if a.admit_for_s is None else began + a.admit_for_s / scale
+    end = None if a.end_by_s is None else began + a.end_by_s / scale
+    s.lanes = Lanes(a.lanes, a.memory_gib * 1024, s.peak, last, end, s.expected, scale)
     say(f"the sized runs, {a.lanes} at a time on the GPU within {a.memory_gib:g} GiB")
     groups: list[tuple[str, Callable[[], list[RunSpec]]]]
     frameworks = dict.fromkeys(w[0] for w in wanted)
@@ -1089,9 +1166,11 @@ class Lanes:
     peak is unknown waits for the GPU to itself). Each run is told its lane (its ports)."""
 
     def __init__(self, n: int, cap_mib: float, peak: Callable[[RunSpec], int | None], last: float | None = None,
-                 end: float | None = None, expected: Callable[[RunSpec], float] | None = None):  # fmt: skip
+                 end: float | None = None, expected: Callable[[RunSpec], float] | None = None,
+                 scale: float = 1.0):  # fmt: skip
         self.n, self.cap, self.peak, self.last = n, cap_mib, peak, last  # last: no run starts after this time
         self.end, self.expected = end, expected  # no run starts that is expected to end after ``end``
+        self.scale = scale  # a job's seconds in one of this clock's (a rehearsal's: REHEARSAL_SCALE)
         self.left: dict[str, int] = {}  # a group -> its runs not yet over (+1 while it prepares)
         self.running: dict[int | str, float] = {}  # a lane, or a preparation -> the MiB it holds
         self.waiting: dict[str, float] = {}  # preparations waiting to start -> MiB: no new run takes their room
@@ -1154,8 +1233,8 @@ class Lanes:
                 say(f"{spec.name}: not started (past --admit-for-s), left for the next session")
                 return
             if self.end is not None and self.expected is not None and time.time() + self.expected(spec) > self.end:
-                say(f"{spec.name}: not started (it would end {time.time() + self.expected(spec) - self.end:.0f} s "
-                    "past --end-by-s), left for the next session")  # fmt: skip
+                past = (time.time() + self.expected(spec) - self.end) * self.scale
+                say(f"{spec.name}: not started (it would end {past:.0f} s past --end-by-s), left for the next session")
                 return
             lane = min(set(range(self.n)) - set(self.running))
             self.running[lane] = need
@@ -1458,6 +1537,10 @@ def main(argv: list[str] | None = None) -> None:
             "--results", type=Path, help="where earlier runs are read from (default: results/peers_<gpu>.json)"
         )
         p.add_argument("--device", default="h100", help="plan: the GPU kind whose step times to use")
+        if name == "plan":
+            p.add_argument("--rehearse", action="store_true",
+                           help="then the job itself over the results held, nothing run: when each run would start "
+                           f"and end and which --end-by-s would leave ({REHEARSAL_SCALE:g}x faster than the job)")  # fmt: skip
         p.add_argument("--cache", type=Path, default=None,
                        help="plan: the compile cache's parts that cache-in will bring, where its heads compile warm "
                        "(default: .peers_cache)")  # fmt: skip
@@ -1551,6 +1634,12 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{fw}: once its sweep is whole, its best ({now}) at {FINAL_S:g} s, seeds {SEED[fw]} and "
                           f"{SEED[fw] + 1} (`plan final {fw}` sizes them)")  # fmt: skip
         print(f"sized runs {a.lanes} at a time on the GPU within {a.memory_gib:g} GiB; data and probes alone")
+        if a.rehearse:
+            say(
+                "rehearsed (seconds from the job's start; each run its expected seconds, a new run scored below "
+                "every held one):"
+            )
+            job(a, rehearse=True)
     else:
         poll(a.seconds, a.dest)
 

@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1823,3 +1824,38 @@ def test_what_the_lanes_say_at_once_comes_out_a_whole_line_each(monkeypatch):
     for t in threads:
         t.join()
     assert sorted(writes) == sorted(f"peers_gpu: run {i}: not started\n" for i in range(8))
+
+
+def test_a_rehearsal_plays_the_job_over_the_results_held_on_a_faster_clock_and_runs_nothing(monkeypatch, capsys):
+    """plan --rehearse: ours' data takes its held sessions' median (200 s: not their mean, 407), each
+    final its expected seconds (2,000 steps at 0.3 s alone, start-up and compile 120 s, two evaluations
+    and serving: one lane), one after the other; the second would end past --end-by-s, so it is left,
+    by how much said in the job's seconds. The best (the recipe at 2e-3) goes on; the held results are
+    not written. (The host's own work reads as rehearsed seconds too: each time may come late, never
+    early.)"""
+    monkeypatch.setattr(pg, "REHEARSAL_SCALE", 300.0)
+    known = [*swept_before("ours", "recipe", 0.3, 2.5), *swept_before("ours", "muon", 0.3, 2.0)]
+    sessions = [{"id": f"s{i}", "phases": [{"run": "ours_data", "phase": "prepare", "seconds": x, "rc": 0}]}
+                for i, x in enumerate((20.0, 200.0, 1000.0))]  # fmt: skip
+    monkeypatch.setattr(pg, "load", lambda path: (known, sessions))
+    monkeypatch.setattr(pg, "Session", None)  # (a rehearsal builds no real session: no target, no data, no GPU)
+    pg.main(["plan", "final", "ours", "--lanes", "1", "--end-by-s", "1500", "--device", "h100", "--rehearse"])
+    lines = [x.removeprefix("peers_gpu: ") for x in capsys.readouterr().out.splitlines()]
+    took, late = 2000 * 0.3 + 120.0 + 2 * pg.EVAL_S + pg.SERVE_S, 150.0
+
+    def at(pattern: str) -> list[float]:
+        (hit,) = [m for x in lines if (m := re.fullmatch(pattern, x.strip()))]
+        return [float(g) for g in hit.groups()]
+
+    (ready,) = at(r"(\d+) s  the data of ours ready")
+    assert 199 <= ready <= 200 + late
+    start, end = at(
+        r"(\d+) s  ours-recipe-eagle3.1-n16384-600s-lr0.002-seed0 starts in lane 0, expected to end at (\d+) s"
+    )
+    assert ready <= start <= ready + late and end - start == pytest.approx(took, abs=2)
+    (ended,) = at(r"(\d+) s  ours-recipe-eagle3.1-n16384-600s-lr0.002-seed0 ends")
+    assert end - 1 <= ended <= end + late
+    (past,) = at(r"ours-recipe-eagle3.1-n16384-600s-lr0.002-seed1: not started \(it would end (\d+) s past "
+                 r"--end-by-s\), left for the next session")  # fmt: skip
+    assert ended + took - 1500 - 2 <= past <= ended + took - 1500 + late
+    assert not any(r.kind == "final" for r in known)  # (what it ran stayed in the rehearsal)
