@@ -946,15 +946,16 @@ def done(known: list, spec: RunSpec, whole: bool = False) -> bool:
 
 
 REHEARSAL_SCALE = 60.0  # a rehearsal's clock runs this many times faster than a job's (its host's own work: 60x)
-VLLM_STAGED_S = 110.0  # a job's vLLM is staged this long after its start (four parts with the first polls; S45)
+ENGINE_STAGED_S = 110.0  # a job's engine (vLLM, SGLang 0.5.14) is staged this long after its start (its parts
+# come with the first polls: session 45's four vLLM parts)
 CAPTURE_GUESS_S = 300.0  # a rehearsal's data preparation for a framework no held session prepared
 
 
 class Rehearsal(Session):
     """The job as it would go over the results held, with nothing run (``plan --rehearse``): each
-    framework's data takes what the held sessions' took (the median; speculators' also waits for vLLM's
-    stage), each sized run its expected seconds (``expected_s``), on a clock ``REHEARSAL_SCALE`` times
-    faster. A rehearsed run ends evaluated below every held one, highest at its grid's middle lr, so
+    framework's data takes what the held sessions' took (the median; speculators' and SpecForge's also
+    wait for their engine's stage), each sized run its expected seconds (``expected_s``), on a clock
+    ``REHEARSAL_SCALE`` times faster. A rehearsed run ends evaluated below every held one, highest at its grid's middle lr, so
     it moves no best and opens no edge; a probe measures nothing, so its framework's runs are left out;
     serving's memory is not counted."""
 
@@ -983,7 +984,7 @@ class Rehearsal(Session):
     def prepare(self, fw: str, head: str) -> bool:
         with self.prep_locks[fw]:
             if fw not in self.ready:
-                wait = self.data_s.get(fw, CAPTURE_GUESS_S) + (VLLM_STAGED_S if fw in BESIDE else 0.0)
+                wait = self.data_s.get(fw, CAPTURE_GUESS_S) + (ENGINE_STAGED_S if fw in BESIDE else 0.0)
                 time.sleep(wait / REHEARSAL_SCALE)
                 self.ready.add(fw)
                 say(f"{self.now():5.0f} s  the data of {fw} ready")
