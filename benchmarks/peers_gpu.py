@@ -333,6 +333,9 @@ COMPILE_CACHE_TGZ = "inductor_modelopt.tgz"  # a poll's parts of it (.part-N); a
 COMPILE_CACHE_MIB = 48  # at most this much comes out (a call's files: 64 MiB together, 16 MiB each, 8 files)
 CACHE_PART_BYTES = 15 << 20  # one file of it
 CACHE_HEADS = "heads.json"  # in COMPILE_CACHE: the heads (framework:head@device) whose graphs it holds
+CARRIED_COMPILE_S = 90.0  # a compile that found its graphs in a cache carried from another H100: ModelOpt's
+# default head compiled in ~88 s so (session 45: 60 steps in 92 s, 4 s of them steps), against 17-21 s where the
+# cache was the machine's own and 381 s cold
 PEERS_CACHE = REPO / ".peers_cache"  # here: the parts a poll brought out, for cache-in (plan reads their heads)
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
 PHASE_TIMEOUT_S = 1800.0  # a phase that hangs (an engine, a rendezvous) frees its lane after this; training: below
@@ -772,14 +775,15 @@ def expected_s(known: list, spec: RunSpec, slowdown: float | None = None, warm: 
     framework's slowest shared run was among those that shared it with no more lanes than this one's job
     (else among all; else ``SHARED_SLOWDOWN``; ``slowdown``: the operator's), its
     probe's start-up and compilation (a fresh machine compiles again; ``warm``: the compile cache here
-    holds its head's graphs, so its compile is a warm one's, ``warm_compile_s``), its two evaluations
+    holds its head's graphs, so its compile is a warm one's, ``warm_compile_s``, or one from a cache
+    carried from another machine, ``CARRIED_COMPILE_S``, whichever is longer), its two evaluations
     (held-out, MT-bench) and vLLM serving."""
     probes = [r for r in known if (r.framework, r.head, r.device, r.kind) ==
               (spec.framework, spec.head, spec.sized_on or spec.device, "probe") and not r.failed]  # fmt: skip
     alone = max(probes, key=lambda r: r.steps or 0) if probes else None
     measured = (alone.startup_s, alone.compile_s) if alone else (None, None)
     if warm and alone and (hit := warm_compile_s(known, spec, alone.compile_s)) is not None:
-        measured = (alone.startup_s, hit)
+        measured = (alone.startup_s, max(hit, CARRIED_COMPILE_S))  # (the cache may have come from another machine)
     overhead = sum(60.0 if x is None else x for x in measured)
     shared = [(r.lanes, r.steady_step_s / spec.planned_step_s) for r in known if (r.framework, r.head) ==
               (spec.framework, spec.head) and (r.lanes or 1) > 1 and r.steady_step_s and spec.planned_step_s]  # fmt: skip
