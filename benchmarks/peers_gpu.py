@@ -959,9 +959,9 @@ class Rehearsal(Session):
     """The job as it would go over the results held, with nothing run (``plan --rehearse``): each
     framework's data takes what the held sessions' took (the median; speculators' and SpecForge's also
     wait for their engine's stage), each sized run its expected seconds (``expected_s``), on a clock
-    ``REHEARSAL_SCALE`` times faster. A rehearsed run ends evaluated below every held one, highest at its grid's middle lr, so
-    it moves no best and opens no edge; a probe measures nothing, so its framework's runs are left out;
-    serving's memory is not counted."""
+    ``REHEARSAL_SCALE`` times faster. A rehearsed run ends evaluated below every held one, highest at
+    its grid's middle lr, so it moves no best and opens no edge; a probe measures nothing, so its
+    framework's runs are left out; serving's memory is not counted."""
 
     def __init__(self, a: argparse.Namespace, device: str):
         self.a, self.device, self.size_on = a, device, a.size_on or device
