@@ -971,7 +971,7 @@ class Rehearsal(Session):
         self.sha = max(set(shas), key=shas.count) if shas else ""
         self.ready, self.prep_failed, self.lanes = set(), set(), None
         self.prep_locks = {fw: threading.Lock() for fw in FRAMEWORKS}
-        self.cached = heads_in_parts(a.cache or PEERS_CACHE)
+        self.cached = carried_heads(a.cache or PEERS_CACHE)
         took: dict[str, list[float]] = {}
         for session in sessions:
             for fw in FRAMEWORKS:  # (a framework's phases of one session, summed)
@@ -1365,14 +1365,22 @@ def cached_heads() -> set[str]:
         return set()
 
 
-def heads_in_parts(folder: Path) -> set[str]:
-    """The heads a poll's cache parts in ``folder`` hold the graphs of (none where it has no parts, or
-    they name none: a cache brought out before they were named)."""
-    parts = part_files(folder / COMPILE_CACHE_TGZ)
-    if not parts:
+def carried_cache(folder: Path) -> bytes | None:
+    """The packed compile cache an earlier session brought out into ``folder``: its parts joined, or
+    the whole ``.tgz`` (None: neither is there)."""
+    parts, whole = part_files(folder / COMPILE_CACHE_TGZ), folder / COMPILE_CACHE_TGZ
+    if parts:
+        return b"".join(f.read_bytes() for f in parts)
+    return whole.read_bytes() if whole.is_file() else None
+
+
+def carried_heads(folder: Path) -> set[str]:
+    """The heads the cache carried in ``folder`` holds the graphs of (none where there is none, or it
+    names none: a cache brought out before they were named)."""
+    if (blob := carried_cache(folder)) is None:
         return set()
     try:
-        with tarfile.open(fileobj=io.BytesIO(b"".join(f.read_bytes() for f in parts))) as tar:
+        with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
             f = tar.extractfile(f"{COMPILE_CACHE.name}/{CACHE_HEADS}")
             return set(json.loads(f.read())) if f else set()
     except (KeyError, tarfile.TarError, ValueError):
@@ -1387,8 +1395,8 @@ def name_cached_heads() -> None:
             spec = Run.from_dict(json.loads((PO / p["run"] / "spec.json").read_text()))
             if spec.framework == "modelopt":
                 trained.add(head_key(spec))
-    if trained - cached_heads():
-        (COMPILE_CACHE / CACHE_HEADS).write_text(json.dumps(sorted(cached_heads() | trained)))
+    if trained - (held := cached_heads()):
+        (COMPILE_CACHE / CACHE_HEADS).write_text(json.dumps(sorted(held | trained)))
 
 
 def compile_cache_out(dest: Path) -> None:
@@ -1421,10 +1429,8 @@ def compile_cache_out(dest: Path) -> None:
 def compile_cache_in(folder: Path) -> None:
     """The compile cache an earlier session brought out (its parts, or the whole ``.tgz``, in
     ``folder``), where ModelOpt looks; never over a cache already there (this machine's own)."""
-    parts, whole = part_files(folder / COMPILE_CACHE_TGZ), folder / COMPILE_CACHE_TGZ
-    if COMPILE_CACHE.is_dir() or not (parts or whole.is_file()):
+    if COMPILE_CACHE.is_dir() or (blob := carried_cache(folder)) is None:
         return
-    blob = b"".join(f.read_bytes() for f in parts) if parts else whole.read_bytes()
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         tar.extractall(COMPILE_CACHE.parent, filter="data")
     say(f"ModelOpt's compile cache from an earlier session: {COMPILE_CACHE} ({len(blob) / 2**20:.0f} MiB packed)")
@@ -1590,7 +1596,7 @@ def main(argv: list[str] | None = None) -> None:
         sizing = a.size_on or a.device  # (as a job there would: the probes of --size-on size its runs)
         known, _ = load(a.results or REPO / f"benchmarks/results/peers_{sizing}.json")
         wanted = runs_wanted(a, known)
-        cached = heads_in_parts(a.cache or PEERS_CACHE)  # (what cache-in would bring to the machine)
+        cached = carried_heads(a.cache or PEERS_CACHE)  # (what cache-in would bring to the machine)
         for fw, head, budget, lrs, seeds in wanted:  # (any head family: plan has no target)
             timing = step_time(known, fw, head, sizing, a.n, min_steps=PROBE_STEPS[fw])
             if not timing:

@@ -474,7 +474,7 @@ def test_the_cache_names_the_heads_that_trained_into_it_and_their_runs_are_count
     (cache / "fxgraph" / "entry").write_bytes(b"graph")
     dest.mkdir()
     pg.compile_cache_out(dest)
-    assert pg.cached_heads() == pg.heads_in_parts(dest) == {"modelopt:default@h100"}
+    assert pg.cached_heads() == pg.carried_heads(dest) == {"modelopt:default@h100"}
     fresh = tmp_path / "fresh" / "inductor_modelopt"
     monkeypatch.setattr(pg, "COMPILE_CACHE", fresh)
     assert pg.cached_heads() == set()
@@ -486,7 +486,7 @@ def test_the_cache_names_the_heads_that_trained_into_it_and_their_runs_are_count
         tar.add(cache, arcname=cache.name)
     (tmp_path / "old").mkdir()
     pg.write_parts((tmp_path / "old.tgz").read_bytes(), tmp_path / "old" / pg.COMPILE_CACHE_TGZ, 1 << 20)
-    assert pg.heads_in_parts(tmp_path / "old") == pg.heads_in_parts(tmp_path / "none") == set()
+    assert pg.carried_heads(tmp_path / "old") == pg.carried_heads(tmp_path / "none") == set()
 
     known = [probe("modelopt", "default", steps=300, steady_step_s=0.06, compile_s=381.0),  # start-up 60 s
              run("modelopt", "default", lr=1e-4, compile_s=16.75), run("modelopt", "default", lr=3e-4, compile_s=20.4),
