@@ -334,7 +334,7 @@ COMPILE_CACHE_MIB = 48  # at most this much comes out (a call's files: 64 MiB to
 CACHE_PART_BYTES = 15 << 20  # one file of it
 CACHE_HEADS = "heads.json"  # in COMPILE_CACHE: the heads (framework:head@device) whose graphs it holds
 CARRIED_COMPILE_S = 90.0  # a compile that found its graphs in a cache carried from another H100: ModelOpt's
-# default head compiled in ~88 s so (session 45: 60 steps in 92 s, 4 s of them steps), against 17-21 s where the
+# default head compiled in ~88 s so (peers_modelopt_cache_h100.json: 60 steps in 92 s, 4 s of them steps), against 17-21 s where the
 # cache was the machine's own and 381 s cold
 PEERS_CACHE = REPO / ".peers_cache"  # here: the parts a poll brought out, for cache-in (plan reads their heads)
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
