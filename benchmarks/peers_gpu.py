@@ -1571,7 +1571,9 @@ def main(argv: list[str] | None = None) -> None:
         shutil.copytree(REPO, "/tmp/repo", ignore=shutil.ignore_patterns(".peers", ".git"))
         compile_cache_in(PEERS / "cache")
         say(f"staged {PEERS} and the repository in /tmp/repo (start runs from there)")
-    elif a.cmd == "cache-in":
+    elif a.cmd == "cache-in":  # (named by hand: a folder that is not there, or holds no cache, is said)
+        if carried_cache(a.folder) is None:
+            raise SystemExit(f"peers_gpu: cache-in {a.folder}: no {COMPILE_CACHE_TGZ} or its .part-N there")
         compile_cache_in(a.folder)
     elif a.cmd == "pack":
         pack(a.examples, a.mt_bench, a.specforge)
@@ -1596,6 +1598,8 @@ def main(argv: list[str] | None = None) -> None:
         sizing = a.size_on or a.device  # (as a job there would: the probes of --size-on size its runs)
         known, _ = load(a.results or REPO / f"benchmarks/results/peers_{sizing}.json")
         wanted = runs_wanted(a, known)
+        if a.cache is not None and not a.cache.is_dir():
+            raise SystemExit(f"peers_gpu: --cache {a.cache}: no such folder")
         cached = carried_heads(a.cache or PEERS_CACHE)  # (what cache-in would bring to the machine)
         for fw, head, budget, lrs, seeds in wanted:  # (any head family: plan has no target)
             timing = step_time(known, fw, head, sizing, a.n, min_steps=PROBE_STEPS[fw])

@@ -511,6 +511,10 @@ def test_the_cache_names_the_heads_that_trained_into_it_and_their_runs_are_count
     assert "(compiling warm: .peers_cache holds its graphs)" in capsys.readouterr().out
     pg.main([*plan, str(tmp_path / "old")])
     assert "compiling warm" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--cache .*typo: no such folder"):
+        pg.main([*plan, str(tmp_path / "typo")])
+    with pytest.raises(SystemExit, match=f"cache-in .*none: no {pg.COMPILE_CACHE_TGZ} or its .part-N there"):
+        pg.main(["cache-in", str(tmp_path / "none")])
 
 
 def test_the_recipes_head_family_goes_to_ours_and_to_speculators_flags_for_it(tmp_path):
