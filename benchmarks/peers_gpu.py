@@ -453,10 +453,15 @@ def vllm_staged(wait_s: float = 0.0) -> bool:
     return True
 
 
+STARTING = threading.Lock()  # one vLLM server starts at a time (its profile reads the whole GPU's free memory)
+
+
 class Server:
     """A vLLM server in its own process group, up until the block ends. Its start is tried twice:
-    beside the lanes, another process freeing GPU memory while vLLM profiles it fails the start. It
-    first waits for vLLM's stage (``STAGE_WAIT_S``), so a job may start before the calls that carry
+    beside the lanes, another process freeing GPU memory while vLLM profiles it fails the start. The
+    lanes' servers start one at a time (``STARTING``): session 46's three, started within a second of
+    each other, each read the others' growth as its own, and one found -0.2 GiB left for its KV cache.
+    It first waits for vLLM's stage (``STAGE_WAIT_S``), so a job may start before the calls that carry
     vLLM's parts."""
 
     def __init__(self, cmd: str, log: Path, url: str):
@@ -469,6 +474,10 @@ class Server:
                 raise RuntimeError(f"vLLM is not staged in {VSITE} after {STAGE_WAIT_S:.0f} s: carry its parts "
                                    "(benchmarks/staging/stage_vllm.sh install)")  # fmt: skip
         engine = f'source {REPO}/benchmarks/staging/engine_env.sh && exec "${{vllm_env[@]}}" {self.cmd}'
+        with STARTING:
+            return self._start(engine)
+
+    def _start(self, engine: str) -> Server:
         for attempt in (1, 2):
             with self.log.open("a") as out:
                 self.proc = subprocess.Popen(["bash", "-c", engine], stdout=out, stderr=subprocess.STDOUT,
@@ -774,24 +783,61 @@ def expected_s(known: list, spec: RunSpec, slowdown: float | None = None, warm: 
     """Seconds the run may take from its start while sharing the GPU: its loop slowed as much as its
     framework's slowest shared run was among those that shared it with no more lanes than this one's job
     (else among all; else ``SHARED_SLOWDOWN``; ``slowdown``: the operator's), its
-    probe's start-up and compilation (a fresh machine compiles again; ``warm``: the compile cache here
+    probe's start-up and compilation, slowed as its framework's were beside as many lanes
+    (``overhead_slowdown``; a fresh machine compiles again; ``warm``: the compile cache here
     holds its head's graphs, so its compile is a warm one's, ``warm_compile_s``, or one from a cache
     carried from another machine, ``CARRIED_COMPILE_S``, whichever is longer), its two evaluations
     (held-out, MT-bench) and vLLM serving."""
-    probes = [r for r in known if (r.framework, r.head, r.device, r.kind) ==
-              (spec.framework, spec.head, spec.sized_on or spec.device, "probe") and not r.failed]  # fmt: skip
-    alone = max(probes, key=lambda r: r.steps or 0) if probes else None
-    measured = (alone.startup_s, alone.compile_s) if alone else (None, None)
-    if warm and alone and (hit := warm_compile_s(known, spec, alone.compile_s)) is not None:
-        measured = (alone.startup_s, max(hit, CARRIED_COMPILE_S))  # (the cache may have come from another machine)
-    overhead = sum(60.0 if x is None else x for x in measured)
+    overhead = alone_overhead(known, spec, warm)
     shared = [(r.lanes, r.steady_step_s / spec.planned_step_s) for r in known if (r.framework, r.head) ==
               (spec.framework, spec.head) and (r.lanes or 1) > 1 and r.steady_step_s and spec.planned_step_s]  # fmt: skip
     near = [x for n, x in shared if n <= spec.lanes] or [x for _, x in shared]  # (met in no more lanes, else any)
     slowdown = slowdown or (max([1.0, *near]) if near else SHARED_SLOWDOWN)
     slowdown = slowdown if spec.lanes > 1 else 1.0  # (one lane: the GPU to itself)
     loop = (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * slowdown
-    return loop + overhead + 2 * EVAL_S + SERVE_S
+    return loop + overhead * overhead_slowdown(known, spec, warm) + 2 * EVAL_S + SERVE_S
+
+
+def probe_of(known: list, fw: str, head: str, device: str) -> Run | None:
+    """The head's probe on that GPU kind (its longest, where several): what sizes its runs."""
+    probes = [
+        r for r in known if (r.framework, r.head, r.device, r.kind) == (fw, head, device, "probe") and not r.failed
+    ]
+    return max(probes, key=lambda r: r.steps or 0) if probes else None
+
+
+def alone_overhead(known: list, spec: RunSpec, warm: bool) -> float:
+    """The run's start-up and compilation alone on the GPU: its head's probe's (60 s each where
+    unmeasured), the compile a warm one's where ``warm`` (``expected_s``)."""
+    alone = probe_of(known, spec.framework, spec.head, spec.sized_on or spec.device)
+    measured = (alone.startup_s, alone.compile_s) if alone else (None, None)
+    if warm and alone and (hit := warm_compile_s(known, spec, alone.compile_s)) is not None:
+        measured = (alone.startup_s, max(hit, CARRIED_COMPILE_S))  # (the cache may have come from another machine)
+    return sum(60.0 if x is None else x for x in measured)
+
+
+def overhead_slowdown(known: list, spec: RunSpec, warm: bool) -> float:
+    """How much longer start-up and compilation take beside the other lanes (host work: the lanes
+    share the host's cores): the slowest ratio met by the framework's runs that shared the GPU with no
+    more lanes than this one's job (else with any), each run's start-up and compile over its own
+    head's alone (``alone_overhead``), among compiles of this run's kind (from a cache, or from
+    nothing); 1 where none is measured, or in one lane. Session 46: speculators' matched head took
+    180 s and 230 s beside five lanes against 66 s and 67 s alone."""
+    if spec.lanes <= 1:
+        return 1.0
+    device, ratios = spec.sized_on or spec.device, []
+    for r in known:
+        shared = (r.framework, r.sized_on or r.device) == (spec.framework, device) and (r.lanes or 1) > 1
+        cold = probe_of(known, r.framework, r.head, device) if shared and r.kind != "probe" else None
+        if cold is None or not cold.compile_s or r.startup_s is None or r.compile_s is None:
+            continue
+        hit = r.compile_s < cold.compile_s / 2  # (its compile found its graphs cached)
+        if hit == warm:
+            ratios.append(
+                (r.lanes, (r.startup_s + r.compile_s) / alone_overhead(known, replace(spec, head=r.head), hit))
+            )
+    near = [x for n, x in ratios if n <= spec.lanes] or [x for _, x in ratios]
+    return max([1.0, *near])
 
 
 def warm_compile_s(known: list, spec: RunSpec, cold: float | None) -> float | None:
@@ -950,18 +996,34 @@ def done(known: list, spec: RunSpec, whole: bool = False) -> bool:
 
 
 REHEARSAL_SCALE = 60.0  # a rehearsal's clock runs this many times faster than a job's (its host's own work: 60x)
-ENGINE_STAGED_S = 110.0  # a job's engine (vLLM, SGLang 0.5.14) is staged this long after its start (its parts
-# come with the first polls: session 45's four vLLM parts)
+ENGINE_STAGED_S = 230.0  # a job's engine (vLLM, SGLang 0.5.14) is staged and started this long after its start
+# (its parts come with the first polls: session 46's speculators asked at 0 s and rendered from 232 s)
 CAPTURE_GUESS_S = 300.0  # a rehearsal's data preparation for a framework no held session prepared
+
+
+def data_ready_s(phases: list[dict], fw: str) -> float | None:
+    """Seconds from a framework's data preparation being asked for to its data ready, in one session's
+    phases: from its hold of room beside the lanes (``lanes_hold``: its engine's stage and start came
+    inside it) to its last phase; where it held none (it ran before the lanes, or the session predates
+    the holds kept), its phases summed, and for one with an engine ``ENGINE_STAGED_S`` more. None: it
+    prepared nothing there."""
+    mine = [p for p in phases if p["run"] == f"{fw}_data" and not p["rc"]]
+    if not mine:
+        return None
+    hold = [p for p in phases if (p["run"], p["phase"]) == ("lanes_hold", f"{fw}_data")]
+    if hold:
+        return max(p["end"] for p in mine + hold) - min(p["start"] for p in mine + hold)
+    return sum(p["seconds"] for p in mine) + (ENGINE_STAGED_S if fw in BESIDE else 0.0)
 
 
 class Rehearsal(Session):
     """The job as it would go over the results held, with nothing run (``plan --rehearse``): each
-    framework's data takes what the held sessions' took (the median; speculators' and SpecForge's also
-    wait for their engine's stage), each sized run its expected seconds (``expected_s``), on a clock
-    ``REHEARSAL_SCALE`` times faster. A rehearsed run ends evaluated below every held one, highest at
-    its grid's middle lr, so it moves no best and opens no edge; a probe measures nothing, so its
-    framework's runs are left out; serving's memory is not counted."""
+    framework's data takes what the held sessions' took from asking to ready (the median, the range
+    said; ``data_ready_s``: speculators' and SpecForge's wait for their engine's stage), each sized
+    run its expected seconds (``expected_s``), on a clock ``REHEARSAL_SCALE`` times faster. A
+    rehearsed run ends evaluated below every held one, highest at its grid's middle lr, so it moves no
+    best and opens no edge; a probe measures nothing, so its framework's runs are left out; serving's
+    memory is not counted."""
 
     def __init__(self, a: argparse.Namespace, device: str):
         self.a, self.device, self.size_on = a, device, a.size_on or device
@@ -972,13 +1034,12 @@ class Rehearsal(Session):
         self.ready, self.prep_failed, self.lanes = set(), set(), None
         self.prep_locks = {fw: threading.Lock() for fw in FRAMEWORKS}
         self.cached = carried_heads(a.cache or PEERS_CACHE)
-        took: dict[str, list[float]] = {}
+        self.took: dict[str, list[float]] = {}
         for session in sessions:
-            for fw in FRAMEWORKS:  # (a framework's phases of one session, summed)
-                mine = [p["seconds"] for p in session.get("phases", []) if p["run"] == f"{fw}_data" and not p["rc"]]
-                if mine:
-                    took.setdefault(fw, []).append(sum(mine))
-        self.data_s = {fw: sorted(x)[len(x) // 2] for fw, x in took.items()}
+            for fw in FRAMEWORKS:
+                if (x := data_ready_s(session.get("phases", []), fw)) is not None:
+                    self.took.setdefault(fw, []).append(x)
+        self.data_s = {fw: sorted(x)[len(x) // 2] for fw, x in self.took.items()}
         self.floor = min([r.tau_heldout for r in self.known if r.tau_heldout is not None] or [1.0]) - 1.0  # (held)
         self.t0 = time.time()
 
@@ -988,10 +1049,12 @@ class Rehearsal(Session):
     def prepare(self, fw: str, head: str) -> bool:
         with self.prep_locks[fw]:
             if fw not in self.ready:
-                wait = self.data_s.get(fw, CAPTURE_GUESS_S) + (ENGINE_STAGED_S if fw in BESIDE else 0.0)
-                time.sleep(wait / REHEARSAL_SCALE)
+                time.sleep(self.data_s.get(fw, CAPTURE_GUESS_S) / REHEARSAL_SCALE)
                 self.ready.add(fw)
-                say(f"{self.now():5.0f} s  the data of {fw} ready")
+                held = sorted(self.took.get(fw, []))
+                span = f"{held[0]:.0f}-{held[-1]:.0f}" if len(held) > 1 else "".join(f"{x:.0f}" for x in held)
+                say(f"{self.now():5.0f} s  the data of {fw} ready (" + (f"held sessions: {span} s from asking, "
+                    f"median {self.data_s[fw]:.0f} s)" if held else f"none held: {CAPTURE_GUESS_S:.0f} s)"))  # fmt: skip
         return True
 
     def beside_mib(self, fw: str) -> float:

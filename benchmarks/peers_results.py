@@ -732,7 +732,8 @@ def read_session(po: Path) -> tuple[list[Run], dict[str, Any]]:
     trace = memory_trace(po / "smi.csv")
     runs = [read_run(spec.parent, phases, trace) for spec in sorted(po.glob("*/spec.json"))]
     session = json.loads((po / "session.json").read_text()) if (po / "session.json").is_file() else {}
-    session["phases"] = [p for p in phases if p["run"] == "data" or p["run"].endswith("_data")]  # (data: the set)
+    kept = ("data", "lanes_hold")  # (the shared set; a preparation's hold beside the lanes, from asking to ready)
+    session["phases"] = [p for p in phases if p["run"] in kept or p["run"].endswith("_data")]
     return runs, session
 
 

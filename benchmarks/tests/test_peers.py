@@ -1398,6 +1398,32 @@ def test_the_expected_slowdown_is_the_slowest_met_in_no_more_lanes_than_the_jobs
     assert s.expected(x(1)) == pytest.approx(2000 * 0.3 + rest)  # (one lane: the GPU to itself)
 
 
+def test_start_up_and_compile_beside_the_lanes_slow_as_the_frameworks_runs_met_in_no_more_lanes():
+    """Session 46: speculators' matched head started in 180 s and compiled in 230 s beside five lanes,
+    against 66 s and 67 s alone. A run's overheads are its probe's times the slowest such ratio its
+    framework met (either head, each against its own probe) in no more lanes than the job's, among
+    compiles of its kind: a cached compile's ratio does not stand for one from nothing."""
+    s = object.__new__(pg.Session)
+    s.a = argparse.Namespace(slowdown=None)
+    s.known = [probe("speculators", "default", steps=200, steady_step_s=0.06, compile_s=100.0),  # alone: 60 + 100
+               probe("speculators", "matched", steps=200, steady_step_s=0.08, compile_s=60.0),  # alone: 60 + 60
+               run("speculators", "default", lanes=2, startup_s=72.0, compile_s=120.0),  # 192 / 160 = 1.2
+               run("speculators", "matched", lanes=6, startup_s=180.0, compile_s=180.0),  # 360 / 120 = 3.0
+               run("ours", "recipe", lanes=2, startup_s=600.0, compile_s=600.0)]  # (another framework)  # fmt: skip
+
+    def x(lanes: int, head: str = "default") -> pr.RunSpec:
+        return pr.RunSpec("speculators", head, "sweep", 180.0, 9e-3, 42, 3000, 16384, device="h100",
+                          planned_step_s=0.06, lanes=lanes)  # fmt: skip
+
+    scored, loop = 2 * pg.EVAL_S + pg.SERVE_S, 3000 * 0.06 * pg.SHARED_SLOWDOWN  # (no shared step measured)
+    assert s.expected(x(2)) == pytest.approx(loop + 160.0 * 1.2 + scored)  # (two lanes: not six lanes' 3x)
+    assert s.expected(x(6)) == pytest.approx(loop + 160.0 * 3.0 + scored)  # (the matched's ratio, default's probe)
+    assert s.expected(x(6, "matched")) == pytest.approx(3000 * 0.06 * pg.SHARED_SLOWDOWN + 120.0 * 3.0 + scored)
+    assert s.expected(x(1)) == pytest.approx(3000 * 0.06 + 160.0 + scored)  # (one lane: the host to itself)
+    s.known[2:4] = [run("speculators", "default", lanes=6, startup_s=240.0, compile_s=10.0)]  # (its graphs cached)
+    assert s.expected(x(6)) == pytest.approx(loop + 160.0 + scored)  # (a cached compile's ratio: not for a cold one)
+
+
 def test_a_preparation_beside_the_lanes_leaves_its_hold_as_a_phase(tmp_path, monkeypatch):
     monkeypatch.setattr(pg, "PO", tmp_path)
     monkeypatch.setattr(pg, "gpu_memory_mib", lambda: 80000)
@@ -1415,7 +1441,8 @@ def test_a_preparation_beside_the_lanes_leaves_its_hold_as_a_phase(tmp_path, mon
         "speculators_data",
         True,
     ) and not s.lanes.running
-    assert pr.read_session(tmp_path)[1]["phases"] == []  # (not a framework's data seconds)
+    kept = pr.read_session(tmp_path)[1]["phases"]  # (kept for a rehearsal's wait: data_ready_s)
+    assert kept == [hold] and pr.data_seconds(kept, "speculators", "default") is None  # (not its data seconds)
 
 
 def test_a_head_a_framework_has_not_is_refused_by_name():
@@ -1707,6 +1734,45 @@ def test_a_server_waits_for_vllms_stage_and_says_what_to_carry_when_it_never_com
     assert launched == []
 
 
+def test_the_lanes_servers_start_one_at_a_time_each_after_the_one_before_answers(tmp_path, monkeypatch):
+    """vLLM's profile reads the whole GPU's free memory: a second server starts only once the first
+    answers its health check (session 46: three at once, one left -0.2 GiB for its KV cache)."""
+    (tmp_path / "vsite").mkdir()
+    (tmp_path / "vsite/.stage_vllm-abc").touch()
+    monkeypatch.setattr(pg, "VSITE", tmp_path / "vsite")
+    events, lock = [], threading.Lock()
+
+    class Proc:
+        def poll(self):
+            return None
+
+    def popen(*a, **k):
+        with lock:
+            events.append(("start", threading.current_thread().name))
+        return Proc()
+
+    def health(url, timeout):
+        time.sleep(0.3)  # (the profile and the engine's start)
+        with lock:
+            events.append(("up", threading.current_thread().name))
+
+    monkeypatch.setattr(pg.subprocess, "Popen", popen)
+    monkeypatch.setattr(pg.urllib.request, "urlopen", health)
+    monkeypatch.setattr(pg, "stop_group", lambda proc, wait: None)
+
+    def serve(lane: int) -> None:
+        with pg.Server("vllm serve x", tmp_path / f"vllm{lane}.log", f"http://127.0.0.1:{lane}/health"):
+            time.sleep(0.5)  # (its acceptance measured while the next one starts)
+
+    threads = [threading.Thread(target=serve, args=(i,), name=f"lane{i}") for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [e for e, _ in events] == ["start", "up"] * 3
+    assert [n for _, n in events[::2]] == [n for _, n in events[1::2]]  # (each answered before the next began)
+
+
 def test_a_sweep_job_runs_past_its_edge_once_its_grid_is_scored_and_its_finals_wait_for_that(tmp_path, monkeypatch):
     """speculators' tau rises with the lr: once its grid has ended the job runs 9e-3, then (best again)
     3e-2, the second and last step up; its finals take 3e-2 and start after it. ModelOpt's best is
@@ -1832,6 +1898,27 @@ def test_what_the_lanes_say_at_once_comes_out_a_whole_line_each(monkeypatch):
     assert sorted(writes) == sorted(f"peers_gpu: run {i}: not started\n" for i in range(8))
 
 
+def test_a_rehearsals_data_runs_from_asking_to_ready_its_engines_wait_inside_the_hold_the_session_keeps(tmp_path):
+    """Session 46's speculators held room at 0 s, its vLLM came staged and up at 232 s, its states were
+    written at 554 s: ready after 554 s, not its phases' 322. Where no hold was kept (alone before the
+    lanes, or an older session), its phases summed and its engine's stage (``ENGINE_STAGED_S``); ours
+    has no engine to wait for. The session's data phases and holds come into the results file."""
+    phases = [{"run": "lanes_hold", "phase": "speculators_data", "seconds": 554.0, "start": 1000.0, "end": 1554.0, "rc": 0},
+              {"run": "speculators_data", "phase": "render", "seconds": 128.0, "start": 1232.0, "end": 1360.0, "rc": 0},
+              {"run": "speculators_data", "phase": "states", "seconds": 194.0, "start": 1360.0, "end": 1554.0, "rc": 0},
+              {"run": "ours_data", "phase": "prepare", "seconds": 30.0, "start": 1000.0, "end": 1030.0, "rc": 0},
+              {"run": "ours-recipe-x", "phase": "train", "seconds": 99.0, "start": 1030.0, "end": 1129.0, "rc": 0}]  # fmt: skip
+    assert pg.data_ready_s(phases, "speculators") == pytest.approx(554.0)
+    assert pg.data_ready_s(phases[1:], "speculators") == pytest.approx(322.0 + pg.ENGINE_STAGED_S)
+    assert pg.data_ready_s(phases, "ours") == pytest.approx(30.0)
+    assert pg.data_ready_s(phases, "modelopt") is None
+    failed = [{**phases[1], "rc": 1}]
+    assert pg.data_ready_s(failed, "speculators") is None  # (a preparation that failed readied nothing)
+    (tmp_path / "phases.jsonl").write_text("".join(json.dumps(p) + "\n" for p in phases))
+    _, session = pr.read_session(tmp_path)
+    assert session["phases"] == phases[:4]
+
+
 def test_a_rehearsal_plays_the_job_over_the_results_held_on_a_faster_clock_and_runs_nothing(monkeypatch, capsys):
     """plan --rehearse: ours' data takes its held sessions' median (200 s: not their mean, 407), each
     final its expected seconds (2,000 steps at 0.3 s alone, start-up and compile 120 s, two evaluations
@@ -1853,7 +1940,7 @@ def test_a_rehearsal_plays_the_job_over_the_results_held_on_a_faster_clock_and_r
         (hit,) = [m for x in lines if (m := re.fullmatch(pattern, x.strip()))]
         return [float(g) for g in hit.groups()]
 
-    (ready,) = at(r"(\d+) s  the data of ours ready")
+    (ready,) = at(r"(\d+) s  the data of ours ready \(held sessions: 20-1000 s from asking, median 200 s\)")
     assert 199 <= ready <= 200 + late
     start, end = at(
         r"(\d+) s  ours-recipe-eagle3.1-n16384-600s-lr0.002-seed0 starts in lane 0, expected to end at (\d+) s"
