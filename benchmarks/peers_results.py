@@ -285,8 +285,11 @@ def spread(values: list[float]) -> float | None:
 
 
 def _config(runs: list[Run], framework: str, budget_s: float) -> list[Run]:
-    """The runs of the framework's best configuration at a budget (every seed of it)."""
-    top = best(runs, framework, budget_s)
+    """The runs at a budget (every seed) of the framework's best configuration: the one its sweep chose
+    at 3 minutes, the one its finals ran. At 10 minutes too: a framework whose finals ran two
+    configurations (ours: AdamW's before Muon's sweep won) is judged by its sweep's choice, not by the
+    better of them at 10 minutes. None where that configuration has no run at the budget."""
+    top = best(runs, framework, SWEEP_S)
     if top is None:
         return []
     return [r for r in runs if (r.framework, r.head, r.budget_s, r.lr) == (top.framework, top.head, budget_s, top.lr)]

@@ -150,20 +150,25 @@ def test_a_difference_counts_only_beyond_the_seed_spread():
     runs += [
         run("speculators", "default", 600.0, 1e-3, s, tau_heldout=t, data_sha256="a") for s, t in ((42, 2.0), (43, 2.2))
     ]
-    runs += [run(lr=2e-3, tau_heldout=2.0)]  # the 3-minute sweep of ours, no peer at 3 minutes: no row
-    (row,) = pr.verdict(runs)["rows"]
+    runs += [run(lr=2e-3, tau_heldout=2.0), run("speculators", "default", lr=1e-3, seed=42, tau_heldout=1.9)]
+    # (ours' Muon: lower in the sweep, higher at 10 minutes: the verdict takes what the sweep chose, not the
+    # better of ours' two final configurations)
+    runs += [run("ours", "muon", lr=0.02, tau_heldout=1.5)]
+    runs += [run("ours", "muon", 600.0, 0.02, s, tau_heldout=3.0, data_sha256="a") for s in (0, 1)]
+    short, row = pr.verdict(runs)["rows"]
+    assert short[:7] == ["3 min", "speculators", "default lr 0.001", 1, 0.1, None, None]  # (one seed a side)
     assert row[:4] == ["10 min", "speculators", "default lr 0.001", 2] and row[4:7] == [0.45, 0.2, True]
     assert row[7:13] == [None] * 6  # MT-bench and vLLM: not measured for the peer
     # each side's loop alone (the peer's: not measured here); both trained on the same conversations
     assert row[13:17] == ["recipe lr 0.002", 595.0, None, True]
     # (ours' recipe sweep has one lr of its three; every other head of a framework the file holds has its whole grid)
-    assert row[17] == ("ours recipe 0.001; ours recipe 0.004; ours muon 0.02; ours muon 0.04; ours muon 0.08; "
-                       "speculators default 0.0003; speculators default 0.001; speculators default 0.003; "
+    assert row[17] == ("ours recipe 0.001; ours recipe 0.004; ours muon 0.04; ours muon 0.08; "
+                       "speculators default 0.0003; speculators default 0.003; "
                        "speculators matched 0.0003; speculators matched 0.001; speculators matched 0.003")  # fmt: skip
     runs[3].data_sha256 = "b"  # a peer's seed on other conversations (a shared set synthesized again)
-    assert pr.verdict(runs)["rows"][0][16] is False
+    assert pr.verdict(runs)["rows"][1][16] is False
     runs[3].data_sha256 = ""  # a run that does not say
-    assert pr.verdict(runs)["rows"][0][16] is None
+    assert pr.verdict(runs)["rows"][1][16] is None
 
 
 def test_merging_replaces_a_run_unless_the_new_one_got_less_far():
