@@ -396,8 +396,9 @@ def test_modelopt_compiles_into_a_cache_polls_bring_out_in_parts_and_cache_in_pu
 ):
     """Only ModelOpt's processes compile into the carried cache; a poll packs its graphs (not Triton's
     cache of every autotuned candidate) in parts a call's files can hold, none over the cap, replacing
-    an earlier poll's; a later session's cache-in (or stage, from .peers/cache) joins and unpacks them,
-    and never over a cache already there."""
+    an earlier poll's, and packs it again only once it changed (else its last parts again); a later
+    session's cache-in (or stage, from .peers/cache) joins and unpacks them, never over a cache already
+    there, and its polls bring the cache out only once it changed from what came in."""
     cache, dest, carried = tmp_path / "m" / "inductor_modelopt", tmp_path / "out", tmp_path / ".peers_cache"
     monkeypatch.setattr(pg, "COMPILE_CACHE", cache)
     assert pg.env_for("modelopt")["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
@@ -424,6 +425,15 @@ def test_modelopt_compiles_into_a_cache_polls_bring_out_in_parts_and_cache_in_pu
             "inductor_modelopt/fxgraph/ab/entry",
             "inductor_modelopt/fxgraph/ab/triton_bundle",
         ]
+    packed = [f.read_bytes() for f in parts]
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / f"{pg.COMPILE_CACHE_TGZ}.part-5").write_bytes(b"an earlier poll's")
+    with monkeypatch.context() as m:  # (unchanged since the last poll: its parts again, nothing packed)
+        m.setattr(pg.tarfile, "open", lambda *a, **k: pytest.fail("packed again"))
+        pg.compile_cache_out(again)
+    assert [f.read_bytes() for f in pg.part_files(again / pg.COMPILE_CACHE_TGZ)] == packed
+    assert len(list(again.iterdir())) == len(packed)
     carried.mkdir()
     for f in parts:
         (carried / f.name).write_bytes(f.read_bytes())
@@ -431,6 +441,18 @@ def test_modelopt_compiles_into_a_cache_polls_bring_out_in_parts_and_cache_in_pu
     monkeypatch.setattr(pg, "COMPILE_CACHE", fresh)
     pg.main(["cache-in", str(carried)])
     assert (fresh / "fxgraph/ab/entry").read_bytes() == graph and not (fresh / "triton").exists()
+    brought = tmp_path / "brought"
+    brought.mkdir()
+    pg.compile_cache_out(brought)
+    assert not list(brought.iterdir())  # (unchanged since it was carried in: the parts carried hold it)
+    (fresh / "fxgraph/cd").mkdir()
+    (fresh / "fxgraph/cd/entry").write_bytes(b"a graph compiled here")
+    pg.compile_cache_out(brought)
+    with tarfile.open(
+        fileobj=io.BytesIO(b"".join(f.read_bytes() for f in pg.part_files(brought / pg.COMPILE_CACHE_TGZ)))
+    ) as tar:
+        assert "inductor_modelopt/fxgraph/cd/entry" in tar.getnames()  # (changed: brought out whole)
+    (fresh / "fxgraph/cd/entry").unlink()
     (fresh / "fxgraph/ab/entry").write_bytes(b"newer")
     pg.compile_cache_in(carried)  # (a cache already there is this machine's own: kept)
     assert (fresh / "fxgraph/ab/entry").read_bytes() == b"newer"
@@ -444,6 +466,7 @@ def test_modelopt_compiles_into_a_cache_polls_bring_out_in_parts_and_cache_in_pu
     monkeypatch.setattr(pg, "COMPILE_CACHE_MIB", 0)
     for f in parts:
         f.unlink()
+    (cache / "fxgraph/ab/entry").write_bytes(os.urandom(5001))  # (changed since the last poll packed it)
     pg.compile_cache_out(dest)
     assert not list(dest.iterdir())  # over the cap: left on the machine
     monkeypatch.setattr(pg, "COMPILE_CACHE_MIB", 48)
@@ -452,6 +475,7 @@ def test_modelopt_compiles_into_a_cache_polls_bring_out_in_parts_and_cache_in_pu
         raise FileNotFoundError("fxgraph/ab/.tmp_entry")
 
     monkeypatch.setattr(tarfile.TarFile, "add", gone)
+    (cache / "fxgraph/ab/entry").write_bytes(os.urandom(5002))
     pg.compile_cache_out(dest)  # (the poll goes on; the next one packs it)
     assert not list(dest.iterdir())
 
