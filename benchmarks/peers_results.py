@@ -124,6 +124,7 @@ class Run(RunSpec):
     alone: bool | None = None  # it trained with the GPU to itself (a probe; one lane, nothing beside: reported only)
     reinstated: str | None = None  # brought back from the superseded file: why its measure still holds, and when
     first_acc: dict[str, float] | None = None  # step -> the first draft position's train accuracy (its own log)
+    scored_s: float | None = None  # from its training's end to its last phase: export, two evaluations, vLLM serving
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Run:
@@ -719,6 +720,8 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
         alone = run.steady_step_s if run.alone else run.planned_step_s
         run.budget_loop_s = round(run.steps * alone, 1) if alone else None
     run.data_s = data_seconds(phases, run.framework, run.head)
+    if "train" in mine and {"eval_heldout", "eval_mtbench", "served"} <= set(mine):  # (scored the three ways)
+        run.scored_s = round(max(p["end"] for p in mine.values()) - mine["train"]["end"], 1)
     run.tau_heldout, run.lossless = _tau(d / "eval_heldout/report.json")
     run.tau_mtbench, _ = _tau(d / "eval_mtbench/report.json")
     if (d / "served/report.json").is_file():

@@ -1453,6 +1453,40 @@ def test_start_up_and_compile_beside_the_lanes_slow_as_the_frameworks_runs_met_i
     assert s.expected(x(6)) == pytest.approx(loop + 160.0 + scored)  # (a cached compile's ratio: not for a cold one)
 
 
+def test_a_drafts_scoring_is_counted_as_long_as_its_frameworks_took_beside_no_more_lanes(tmp_path):
+    """A run scored the three ways keeps the seconds from its training's end to its last phase (the
+    waits between them included: session 46's ModelOpt finals waited 150 s for vLLM); a job counts
+    the longest its framework took beside no more lanes than its own (else beside any), and the
+    constants only where none was measured."""
+    d = tmp_path / "speculators-matched-x"
+    d.mkdir()
+    (d / "spec.json").write_text(json.dumps(pr.asdict(run("speculators", "matched", planned=20))))
+    mine = [
+        ("train", 0.0, 750.0),
+        ("eval_heldout", 750.0, 805.0),
+        ("eval_mtbench", 805.0, 880.0),
+        ("served", 950.0, 986.0),
+    ]
+    phases = [{"run": d.name, "phase": n, "seconds": b - a, "start": a, "end": b, "rc": 0} for n, a, b in mine]
+    assert pr.read_run(d, phases, []).scored_s == pytest.approx(236.0)
+    assert pr.read_run(d, phases[:3], []).scored_s is None  # (not served: not scored the three ways)
+    s = object.__new__(pg.Session)
+    s.a = argparse.Namespace(slowdown=None)
+    s.known = [probe("speculators", "matched", steps=200, steady_step_s=0.08, compile_s=60.0),
+               run("speculators", "default", lanes=6, scored_s=236.0), run("speculators", "matched", lanes=2, scored_s=150.0),
+               run("ours", "recipe", lanes=2, scored_s=900.0)]  # (another framework's)  # fmt: skip
+
+    def x(lanes: int, fw: str = "speculators") -> pr.RunSpec:
+        return pr.RunSpec(fw, "matched" if fw == "speculators" else "muon", "final", 600.0, 3e-3, 42, 1000, 16384,
+                          device="h100", planned_step_s=0.08, lanes=lanes)  # fmt: skip
+
+    loop = 1000 * 0.08 * pg.SHARED_SLOWDOWN
+    assert s.expected(x(2)) == pytest.approx(loop + 120.0 + 150.0)  # (two lanes: its two-lane draft's 150 s)
+    assert s.expected(x(6)) == pytest.approx(loop + 120.0 + 236.0)  # (the longest beside six)
+    assert s.expected(x(1)) == pytest.approx(1000 * 0.08 + 120.0 + 236.0)  # (none alone: the longest of any)
+    assert pg.scoring_s(s.known, x(2, "modelopt")) == 2 * pg.EVAL_S + pg.SERVE_S  # (none measured)
+
+
 def test_a_preparation_beside_the_lanes_leaves_its_hold_as_a_phase(tmp_path, monkeypatch):
     monkeypatch.setattr(pg, "PO", tmp_path)
     monkeypatch.setattr(pg, "gpu_memory_mib", lambda: 80000)
