@@ -7,8 +7,9 @@
            python3 benchmarks/peers_gpu.py start sweep ours speculators modelopt [--lanes 5] [--end-by-s 1600] [--then-seed] [--then-final]
            python3 benchmarks/peers_gpu.py start final ours speculators modelopt [--seeds 0]
            python3 benchmarks/peers_gpu.py poll 540 "$OUT"           (back to back until it prints "ended")
-           (vLLM's parts may also come with the first polls, each call running stage_vllm.sh install before
-           its poll: a vLLM server, for speculators' states or a draft's serving, waits for its stage, 15 min at most)
+           (vLLM's parts may also come after the start, one call each running stage_vllm.sh install alone, no
+           poll beside it: a vLLM server, for speculators' states or a draft's serving, waits for its stage,
+           15 min at most)
     here:  python3 benchmarks/peers_results.py merge OUT/poll.tgz benchmarks/results/peers_h100.json
            (it keeps the poll as benchmarks/results/raw/peers_h100/<session id>.tgz; then `note` the session)
     any:   python3 benchmarks/peers_gpu.py plan sweep ours --device h100   (the runs it would make, each one's
