@@ -782,21 +782,32 @@ def sized_steps(fw: str, budget: float, step_s: float) -> int:
 
 def expected_s(known: list, spec: RunSpec, slowdown: float | None = None, warm: bool = False) -> float:
     """Seconds the run may take from its start while sharing the GPU: its loop slowed as much as its
-    framework's slowest shared run was among those that shared it with no more lanes than this one's job
-    (else among all; else ``SHARED_SLOWDOWN``; ``slowdown``: the operator's), its
+    framework's slowest shared run was (either head, each against its own step alone) among those that
+    shared it with no more lanes than this one's job (else among all; else ``SHARED_SLOWDOWN``;
+    ``slowdown``: the operator's), its
     probe's start-up and compilation, slowed as its framework's were beside as many lanes
     (``overhead_slowdown``; a fresh machine compiles again; ``warm``: the compile cache here
     holds its head's graphs, so its compile is a warm one's, ``warm_compile_s``, or one from a cache
     carried from another machine, ``CARRIED_COMPILE_S``, whichever is longer), and its draft's
     scoring (``scoring_s``: two evaluations, held-out and MT-bench, and vLLM serving)."""
-    overhead = alone_overhead(known, spec, warm)
-    shared = [(r.lanes, r.steady_step_s / spec.planned_step_s) for r in known if (r.framework, r.head) ==
-              (spec.framework, spec.head) and (r.lanes or 1) > 1 and r.steady_step_s and spec.planned_step_s]  # fmt: skip
+    return sum(expected_parts(known, spec, slowdown, warm)[k] for k in ("loop", "overhead", "scoring"))
+
+
+def expected_parts(known: list, spec: RunSpec, slowdown: float | None = None, warm: bool = False) -> dict[str, float]:
+    """``expected_s``'s parts, each in seconds and with its factor: ``loop`` (at ``loop_x`` its time
+    alone), ``overhead`` (start-up and compile, at ``overhead_x``) and ``scoring``."""
+    shared = []  # (lanes, its steady step over its step alone) of the framework's runs that shared the GPU
+    for r in known:
+        alone = spec.planned_step_s if r.head == spec.head else r.planned_step_s  # (another head: its own)
+        if r.framework == spec.framework and (r.lanes or 1) > 1 and r.steady_step_s and alone:
+            shared.append((r.lanes, r.steady_step_s / alone))
     near = [x for n, x in shared if n <= spec.lanes] or [x for _, x in shared]  # (met in no more lanes, else any)
     slowdown = slowdown or (max([1.0, *near]) if near else SHARED_SLOWDOWN)
     slowdown = slowdown if spec.lanes > 1 else 1.0  # (one lane: the GPU to itself)
-    loop = (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * slowdown
-    return loop + overhead * overhead_slowdown(known, spec, warm) + scoring_s(known, spec)
+    factor = overhead_slowdown(known, spec, warm)
+    return {"loop": (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * slowdown, "loop_x": slowdown,
+            "overhead": alone_overhead(known, spec, warm) * factor, "overhead_x": factor,
+            "scoring": scoring_s(known, spec)}  # fmt: skip
 
 
 def scoring_s(known: list, spec: RunSpec) -> float:
@@ -1736,8 +1747,11 @@ def main(argv: list[str] | None = None) -> None:
                 f", then {serve_mib(PLAN_GPU_MIB.get(a.device, 0)) / 1024:.1f} GiB serving" if kind == "final" else ""
             )
             warm = head_key(spec) in cached
+            x = expected_parts(known, spec, a.slowdown, warm)
             print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {spec.steps_planned} steps each, about "
-                  f"{expected_s(known, spec, a.slowdown, warm):.0f} s from its start sharing the GPU"
+                  f"{expected_s(known, spec, a.slowdown, warm):.0f} s from its start sharing the GPU (loop "
+                  f"{x['loop']:.0f} s at {x['loop_x']:.2f}x alone, start-up and compile {x['overhead']:.0f} s at "
+                  f"{x['overhead_x']:.2f}x, scoring {x['scoring']:.0f} s)"
                   f"{f' (compiling warm: {(a.cache or PEERS_CACHE).name} holds its graphs)' if warm else ''}, its lane "
                   f"{'unknown' if peak is None else f'{peak / 1024:.1f} GiB'}{serving}{held_note}")  # fmt: skip
         if a.what == "sweep" and (a.then_seed or a.then_final):

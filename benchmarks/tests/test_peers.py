@@ -1425,6 +1425,11 @@ def test_the_expected_slowdown_is_the_slowest_met_in_no_more_lanes_than_the_jobs
     s.known = s.known[:1] + s.known[2:]  # (met only in more lanes than the job's: that, not a guess)
     assert s.expected(x(2)) == pytest.approx(2000 * 0.3 * 2.0 + rest)
     assert s.expected(x(1)) == pytest.approx(2000 * 0.3 + rest)  # (one lane: the GPU to itself)
+    # (the framework's other head met two lanes: its slowdown, against its own step alone, before five lanes')
+    s.known.append(run("ours", "muon", lanes=2, steady_step_s=0.5, planned_step_s=0.4))
+    assert s.expected(x(2)) == pytest.approx(2000 * 0.3 * 1.25 + rest)
+    s.known.append(run("speculators", "default", lanes=2, steady_step_s=0.5, planned_step_s=0.1))  # (another framework)
+    assert s.expected(x(2)) == pytest.approx(2000 * 0.3 * 1.25 + rest)
 
 
 def test_start_up_and_compile_beside_the_lanes_slow_as_the_frameworks_runs_met_in_no_more_lanes():
@@ -1529,6 +1534,7 @@ def test_plan_tells_each_runs_expected_seconds_and_lane_as_the_job_would_judge_t
     ours, modelopt, lanes = capsys.readouterr().out.splitlines()
     loop = 2000 * 0.3 * 1.5
     assert f"2000 steps each, about {loop + 100 + 2 * pg.EVAL_S + pg.SERVE_S:.0f} s from its start" in ours
+    assert f"(loop {loop:.0f} s at 1.50x alone, start-up and compile 100 s at 1.00x, scoring 360 s)" in ours
     assert f"its lane {30000 / 1024:.1f} GiB" in ours
     assert modelopt.startswith("modelopt:default 600 s") and "a 300-step probe first" in modelopt
     assert lanes.startswith("sized runs 5 at a time on the GPU within 64 GiB")
