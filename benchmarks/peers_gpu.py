@@ -801,8 +801,8 @@ def expected_parts(known: list, spec: RunSpec, slowdown: float | None = None, wa
         alone = spec.planned_step_s if r.head == spec.head else r.planned_step_s  # (another head: its own)
         if r.framework == spec.framework and (r.lanes or 1) > 1 and r.steady_step_s and alone:
             shared.append((r.lanes, r.steady_step_s / alone))
-    near = [x for n, x in shared if n <= spec.lanes] or [x for _, x in shared]  # (met in no more lanes, else any)
-    slowdown = slowdown or (max([1.0, *near]) if near else SHARED_SLOWDOWN)
+    met = at_lanes(shared, spec.lanes)
+    slowdown = slowdown or (max(1.0, met) if met is not None else SHARED_SLOWDOWN)
     slowdown = slowdown if spec.lanes > 1 else 1.0  # (one lane: the GPU to itself)
     factor = overhead_slowdown(known, spec, warm)
     return {"loop": (spec.steps_planned or 0) * (spec.planned_step_s or 0.0) * slowdown, "loop_x": slowdown,
@@ -860,8 +860,26 @@ def overhead_slowdown(known: list, spec: RunSpec, warm: bool) -> float:
             ratios.append(
                 (r.lanes, (r.startup_s + r.compile_s) / alone_overhead(known, replace(spec, head=r.head), hit))
             )
-    near = [x for n, x in ratios if n <= spec.lanes] or [x for _, x in ratios]
-    return max([1.0, *near])
+    return max(1.0, at_lanes(ratios, spec.lanes) or 1.0)
+
+
+def at_lanes(met: list[tuple[int, float]], lanes: int) -> float | None:
+    """A slowdown for a job of ``lanes`` from those met (lanes, factor): the slowest met in no more
+    lanes, and where more lanes were met too, at least the straight line from there to the fewest
+    more met (speculators: 1.27x in two lanes, 2.04x in five, so 1.78x counted in four, not 1.27x);
+    where none was met in so few lanes, the slowest met (None: none met)."""
+    if not met:
+        return None
+    below = [(n, x) for n, x in met if n <= lanes]
+    if not below:
+        return max(x for _, x in met)
+    low_n, low = max(n for n, _ in below), max(x for _, x in below)
+    above = [n for n, _ in met if n > lanes]
+    if not above:
+        return low
+    high_n = min(above)
+    high = max(x for n, x in met if n == high_n)
+    return max(low, low + (high - low) * (lanes - low_n) / (high_n - low_n))
 
 
 def warm_compile_s(known: list, spec: RunSpec, cold: float | None) -> float | None:

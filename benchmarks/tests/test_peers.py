@@ -1409,6 +1409,15 @@ def test_a_shared_run_faster_than_the_step_alone_does_not_shrink_the_expected_ti
     assert s.expected(x) == pytest.approx(600 * 0.3 * 1.3 + 120.0 + 2 * pg.EVAL_S + pg.SERVE_S)
 
 
+def test_a_slowdown_at_a_jobs_lanes_is_the_slowest_met_in_no_more_and_at_least_the_line_to_more():
+    assert pg.at_lanes([], 4) is None
+    assert pg.at_lanes([(2, 1.27), (5, 2.04), (6, 1.9)], 4) == pytest.approx(1.27 + 0.77 * 2 / 3)
+    assert pg.at_lanes([(2, 1.27), (5, 2.04), (6, 1.9)], 2) == pytest.approx(1.27)
+    assert pg.at_lanes([(2, 1.27), (5, 2.04), (6, 1.9)], 6) == pytest.approx(2.04)  # (the slowest in no more)
+    assert pg.at_lanes([(2, 1.5), (4, 1.2)], 3) == pytest.approx(1.5)  # (never below what fewer lanes met)
+    assert pg.at_lanes([(5, 2.0), (6, 3.1)], 2) == pytest.approx(3.1)  # (none in so few: the slowest met)
+
+
 def test_the_expected_slowdown_is_the_slowest_met_in_no_more_lanes_than_the_jobs():
     s = object.__new__(pg.Session)
     s.a = argparse.Namespace(slowdown=None)
@@ -1420,8 +1429,9 @@ def test_the_expected_slowdown_is_the_slowest_met_in_no_more_lanes_than_the_jobs
 
     rest = 120.0 + 2 * pg.EVAL_S + pg.SERVE_S
     assert s.expected(x(2)) == pytest.approx(2000 * 0.3 * 1.3 + rest)  # (two lanes: 1.3x, not five lanes' 2x)
-    assert s.expected(x(3)) == pytest.approx(2000 * 0.3 * 1.3 + rest)
+    assert s.expected(x(3)) == pytest.approx(2000 * 0.3 * (1.3 + 0.7 / 3) + rest)  # (at least the line to five's)
     assert s.expected(x(5)) == pytest.approx(2000 * 0.3 * 2.0 + rest)
+    assert s.expected(x(6)) == pytest.approx(2000 * 0.3 * 2.0 + rest)  # (none met in more: five lanes')
     s.known = s.known[:1] + s.known[2:]  # (met only in more lanes than the job's: that, not a guess)
     assert s.expected(x(2)) == pytest.approx(2000 * 0.3 * 2.0 + rest)
     assert s.expected(x(1)) == pytest.approx(2000 * 0.3 + rest)  # (one lane: the GPU to itself)
