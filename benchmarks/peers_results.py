@@ -910,6 +910,7 @@ def merge_into(new: Path, out: Path) -> int:
     new_sessions = [{**s, "note": notes[s.get("id")]} if not s.get("note") and s.get("id") in notes else s
                     for s in new_sessions]  # fmt: skip
     sessions = [s for s in sessions if s.get("id") not in ids] + new_sessions
+    sessions.sort(key=lambda s: _when(str(s.get("id", ""))))  # (in time: any order of merging gives one file)
     gone = {(r["name"], r.get("session")) for r in _superseded(out)}  # (an old session's folder merged again)
     merged = merge(runs, [r for r in fresh if (r.name, r.session) not in gone])
     save(out, merged, sessions)

@@ -171,6 +171,26 @@ def test_a_difference_counts_only_beyond_the_seed_spread():
     assert pr.verdict(runs)["rows"][1][16] is None
 
 
+def test_sessions_merged_in_any_order_give_one_file_their_sessions_in_time(tmp_path):
+    """Session 46 merged older polls again (to keep phases they had dropped), and the sessions moved to
+    the file's end: the file holds them in time, so merging its polls in any order gives it byte for byte."""
+    folders = []
+    for sid, lr in (("h100-20261206T2300", 1e-3), ("h100-20261207T0100", 2e-3), ("h100-20261207T0900", 4e-3)):
+        d = tmp_path / sid
+        (d / "r").mkdir(parents=True)
+        (d / "session.json").write_text(json.dumps({"id": sid, "device": "h100"}))
+        (d / "r/spec.json").write_text(json.dumps(pr.asdict(run(lr=lr, session=sid))))
+        folders.append(d)
+    files = []
+    for order in (folders, folders[::-1], [folders[1], folders[0], folders[2], folders[0]]):
+        out = tmp_path / f"peers_{len(files)}.json"
+        for d in order:
+            pr.main(["merge", str(d), str(out)])
+        files.append(out.read_bytes())
+    assert files[0] == files[1] == files[2]
+    assert [x["id"] for x in json.loads(files[0])["sessions"]] == [d.name for d in folders]
+
+
 def test_merging_replaces_a_run_unless_the_new_one_got_less_far():
     old = [run(lr=1e-3, steps=3000, tau_heldout=2.0), run(lr=2e-3, steps=3000)]
     new = [run(lr=1e-3, steps=10), run(lr=2e-3, steps=3000, tau_heldout=2.2), run(lr=4e-3)]
