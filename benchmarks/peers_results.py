@@ -333,19 +333,26 @@ def sweeps_left(runs: list[Run], framework: str) -> list[str]:
 
 
 def sweep_table(runs: list[Run]) -> dict[str, Any]:
-    """Each framework's head: its held-out tau at each lr it swept (3 minutes, its default seed), and
-    the lrs its sweep still calls for (its grid, and past an edge where its best lies there)."""
+    """Each framework's head: its held-out tau at each lr it swept (3 minutes, its default seed), the
+    lrs its sweep still calls for (its grid, and past an edge where its best lies there), and the lr
+    MT-bench tau would have chosen where every lr swept has it (the held-out prompts both choose and
+    score: a choice the other prompts make too does not hang on them)."""
     rows = []
     for fw in FRAMEWORKS:
         for head in _swept_heads(runs, fw):
             tau = swept(runs, fw, head)
             left = [lr for lr in sweep_lrs(runs, fw, head) if lr not in tau]
             top = max(tau, key=lambda lr: tau[lr]) if tau else None
+            mt = {r.lr: r.tau_mtbench for r in runs if (r.framework, r.head, r.budget_s, r.seed) ==
+                  (fw, head, SWEEP_S, SEED[fw]) and r.lr in tau and r.tau_mtbench is not None}  # fmt: skip
+            by_mt = f"{max(mt, key=lambda lr: mt[lr]):g}" if tau and set(mt) == set(tau) else "—"
             rows.append([f"{fw}:{head}", ", ".join(f"{lr:g}: {tau[lr]:.3f}" for lr in sorted(tau)) or "—",
-                         "—" if top is None else f"{top:g}", ", ".join(f"{lr:g}" for lr in left) or "—"])  # fmt: skip
-    return {"title": "The sweeps (3 minutes, each framework's default seed): held-out tau at each lr, the best, and "
-            "the lrs still to run (the grid, and past its edge where the best lies there)",
-            "header": ["framework:head", "held-out tau by lr", "best lr", "lrs still to run"], "rows": rows}  # fmt: skip
+                         "—" if top is None else f"{top:g}", ", ".join(f"{lr:g}" for lr in left) or "—", by_mt])  # fmt: skip
+    return {"title": "The sweeps (3 minutes, each framework's default seed): held-out tau at each lr, the best, the "
+            "lrs still to run (the grid, and past its edge where the best lies there), and the best by MT-bench tau "
+            "where every lr has it",
+            "header": ["framework:head", "held-out tau by lr", "best lr", "lrs still to run", "best lr by MT-bench"],
+            "rows": rows}  # fmt: skip
 
 
 def verdict(runs: list[Run]) -> dict[str, Any]:

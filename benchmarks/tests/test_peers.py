@@ -1808,11 +1808,16 @@ def test_a_sweep_whose_best_lr_is_at_its_edge_goes_on_past_it_for_every_framewor
         ("ours", "recipe", [1e-3, 2e-3, 4e-3, 8e-3])]  # fmt: skip
     a.lrs = [5e-3]  # (lrs given: those)
     assert {tuple(w[3]) for w in pg.runs_wanted(a, top + ours)} == {(5e-3,)}
+    for r, mt in zip(ours, (2.5, 2.55, 2.52)):  # (MT-bench would choose 2e-3; speculators' has none: no choice)
+        r.tau_mtbench = mt
     (table,) = [t for t in pr.results(top + ours, [])["tables"] if t["title"].startswith("The sweeps")]
-    assert table["rows"] == [["ours:recipe", "0.001: 2.600, 0.002: 2.620, 0.004: 2.700", "0.004", "0.008"],
-                             ["ours:muon", "—", "—", "0.02, 0.04, 0.08"],  # (no run of it yet: its grid)
-                             ["speculators:default", "0.0003: 2.400, 0.001: 2.600, 0.003: 2.700", "0.003", "0.009"],
-                             ["speculators:matched", "—", "—", "0.0003, 0.001, 0.003"]]  # fmt: skip
+    assert table["rows"] == [["ours:recipe", "0.001: 2.600, 0.002: 2.620, 0.004: 2.700", "0.004", "0.008", "0.002"],
+                             ["ours:muon", "—", "—", "0.02, 0.04, 0.08", "—"],  # (no run of it yet: its grid)
+                             ["speculators:default", "0.0003: 2.400, 0.001: 2.600, 0.003: 2.700", "0.003", "0.009", "—"],
+                             ["speculators:matched", "—", "—", "0.0003, 0.001, 0.003", "—"]]  # fmt: skip
+    ours[0].tau_mtbench = None
+    (table,) = [t for t in pr.results(top + ours, [])["tables"] if t["title"].startswith("The sweeps")]
+    assert table["rows"][0][-1] == "—"  # (an lr without it: no choice)
 
 
 def test_a_server_waits_for_vllms_stage_and_says_what_to_carry_when_it_never_comes(tmp_path, monkeypatch):
