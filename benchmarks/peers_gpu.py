@@ -790,7 +790,12 @@ def expected_s(known: list, spec: RunSpec, slowdown: float | None = None, warm: 
     holds its head's graphs, so its compile is a warm one's, ``warm_compile_s``, or one from a cache
     carried from another machine, ``CARRIED_COMPILE_S``, whichever is longer), and its draft's
     scoring (``scoring_s``: two evaluations, held-out and MT-bench, and vLLM serving)."""
-    return sum(expected_parts(known, spec, slowdown, warm)[k] for k in ("loop", "overhead", "scoring"))
+    return expected_total(expected_parts(known, spec, slowdown, warm))
+
+
+def expected_total(parts: dict[str, float]) -> float:
+    """The seconds of ``expected_parts`` (its factors left out)."""
+    return parts["loop"] + parts["overhead"] + parts["scoring"]
 
 
 def expected_parts(known: list, spec: RunSpec, slowdown: float | None = None, warm: bool = False) -> dict[str, float]:
@@ -1767,7 +1772,7 @@ def main(argv: list[str] | None = None) -> None:
             warm = head_key(spec) in cached
             x = expected_parts(known, spec, a.slowdown, warm)
             print(f"{fw}:{head} {budget:g} s, lrs {lrs}, seeds {seeds}: {spec.steps_planned} steps each, about "
-                  f"{expected_s(known, spec, a.slowdown, warm):.0f} s from its start sharing the GPU (loop "
+                  f"{expected_total(x):.0f} s from its start sharing the GPU (loop "
                   f"{x['loop']:.0f} s at {x['loop_x']:.2f}x alone, start-up and compile {x['overhead']:.0f} s at "
                   f"{x['overhead_x']:.2f}x, scoring {x['scoring']:.0f} s)"
                   f"{f' (compiling warm: {(a.cache or PEERS_CACHE).name} holds its graphs)' if warm else ''}, its lane "
