@@ -1099,7 +1099,7 @@ class Rehearsal(Session):
                 time.sleep(self.data_s.get(fw, CAPTURE_GUESS_S) / REHEARSAL_SCALE)
                 self.ready.add(fw)
                 held = sorted(self.took.get(fw, []))
-                span = f"{held[0]:.0f}-{held[-1]:.0f}" if len(held) > 1 else "".join(f"{x:.0f}" for x in held)
+                span = f"{held[0]:.0f}" + (f"-{held[-1]:.0f}" if len(held) > 1 else "") if held else ""
                 say(f"{self.now():5.0f} s  the data of {fw} ready (" + (f"held sessions: {span} s from asking, "
                     f"median {self.data_s[fw]:.0f} s)" if held else f"none held: {CAPTURE_GUESS_S:.0f} s)"))  # fmt: skip
         return True
