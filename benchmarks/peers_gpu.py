@@ -33,10 +33,11 @@ by eagle3-eval on the held-out prompts and MT-bench and served by vLLM (drafts o
 sweep runs on the held-out prompts only; ``--then-seed`` gives each best two more seeds scored all three
 ways). Each poll
 packs the session so far into ``poll.tgz`` and ``peers_partial.json``: a machine taken back mid-run
-loses only what the last poll had not packed. The shared set (``.peers/data/<DATA_SET>``), where
-missing, is synthesized by the session's first phase (outside every budget; about 11 minutes on an
-H100) and polls bring it out as ``<DATA_SET>.part-N``: put those in ``.peers/data/`` and pack again,
-so later sessions carry the same set. ModelOpt's compile cache comes out as
+loses only what the last poll had not packed. The shared set (``.peers/data/<DATA_SET>``) is
+committed as ``benchmarks/data/<DATA_SET>`` (3.8 MB), which ``pack`` copies; where missing, it is
+synthesized by the session's first phase (outside every budget; 138-155 s on an H100, which gave the
+same conversations each time) and polls bring it out as ``<DATA_SET>.part-N``: put those in
+``.peers/data/`` and pack again, so later sessions carry the same set. ModelOpt's compile cache comes out as
 ``inductor_modelopt.tgz.part-N`` (15 MiB parts, 48 MiB at most): put them in ``.peers_cache/`` here and
 run ``peers_gpu.py cache-in .peers_cache`` in a call of their own that carries it (before ``start``),
 so a fresh machine may skip ModelOpt's 5-6 minutes of max-autotune (a cache small enough may ride in
@@ -337,6 +338,7 @@ CACHE_HEADS = "heads.json"  # in COMPILE_CACHE: the heads (framework:head@device
 CARRIED_COMPILE_S = 90.0  # a compile that found its graphs in a cache carried from another H100: ModelOpt's
 # default head compiled in ~88 s so (peers_modelopt_cache_h100.json: 60 steps in 92 s, 4 s of them steps), against 17-21 s where the
 # cache was the machine's own and 381 s cold
+SHARED_SET = REPO / "benchmarks" / "data" / DATA_SET  # the shared set, committed (pack copies it into .peers/)
 PEERS_CACHE = REPO / ".peers_cache"  # here: the parts a poll brought out, for cache-in (plan reads their heads)
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
 PHASE_TIMEOUT_S = 1800.0  # a phase that hangs (an engine, a rendezvous) frees its lane after this; training: below
@@ -1578,13 +1580,19 @@ def compile_cache_in(folder: Path) -> None:
     say(f"ModelOpt's compile cache from an earlier session: {COMPILE_CACHE} ({len(blob) / 2**20:.0f} MiB packed)")
 
 
-def join_data_parts(peers: Path) -> None:
-    """The shared set's parts a session's polls brought out (put in ``<peers>/data/``), joined in order."""
-    parts = part_files(peers / "data" / DATA_SET)
-    if parts and not (peers / "data" / DATA_SET).is_file():
-        (peers / "data" / DATA_SET).write_bytes(b"".join(f.read_bytes() for f in parts))
+def join_data_parts(peers: Path, committed: Path | None = None) -> None:
+    """The shared set's parts a session's polls brought out (put in ``<peers>/data/``), joined in order;
+    else, where ``<peers>/data/`` has no set, the committed one (``SHARED_SET``) copied there."""
+    data = peers / "data" / DATA_SET
+    parts = part_files(data)
+    if parts and not data.is_file():
+        data.write_bytes(b"".join(f.read_bytes() for f in parts))
         for f in parts:
             f.unlink()
+    committed = SHARED_SET if committed is None else committed
+    if not data.is_file() and committed.is_file():
+        data.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(committed, data)
 
 
 def packed(dest: Path) -> None:

@@ -4,7 +4,7 @@
 # to 0.26.0 do; 0.27.0 to 0.32.0 pin 2.13.0, 0.33.0 2.14.0); its kernels are built with CUDA 13.0
 # (libcudart.so.13) and it has extract_hidden_states, ExampleHiddenStatesConnector and EAGLE-3 drafts.
 #
-#   here:   benchmarks/staging/stage_vllm.sh pack      # .vllm/ (git-ignored): wheels, then parts of <= 52 MiB,
+#   here:   benchmarks/staging/stage_vllm.sh pack      # .vllm/ (git-ignored): wheels, then parts of <= 44 MiB,
 #                                          # one folder each: .vllm/parts/1, .vllm/parts/2, ...
 #   there:  one back-to-back call per part (the machine must stay warm: /tmp survives only then),
 #           each with carry [".vllm/parts/<k>"] and the command
@@ -28,7 +28,7 @@ pack_rel=.vllm
 pack_dir=$repo/$pack_rel
 site=${SITE:-/tmp/vsite}
 stage=${STAGE:-/tmp/vstage}
-part_mib=${PART_MIB:-52}  # a call carries 64 MiB with the working tree (~8 MiB; test_lab checks it fits)
+part_mib=${PART_MIB:-44}  # a call carries 64 MiB with the working tree (~13 MiB with the peers' shared set; test_lab checks it fits)
 # Inside the vllm wheel: never loaded on sm90 (and, with VLLM_DROP_MOE=1, for a dense target).
 drop="vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs"
 [ "${VLLM_DROP_MOE:-0}" = 1 ] && drop+=" vllm/_moe_C_stable_libtorch.abi3.so"

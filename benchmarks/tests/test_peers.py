@@ -3,6 +3,8 @@ budgets into steps, compile time apart, the sweep's choice, seed spreads, mergin
 
 import argparse
 import dataclasses
+import gzip
+import hashlib
 import io
 import json
 import os
@@ -407,8 +409,26 @@ def test_a_missing_shared_set_is_synthesized_once_and_polls_bring_it_out_in_part
     (here / "data").mkdir(parents=True)
     for p in parts:
         (here / "data" / p.name).write_bytes(p.read_bytes())
-    pg.join_data_parts(here)
+    pg.join_data_parts(here, committed=tmp_path / "none")
     assert (here / "data" / pg.DATA_SET).read_bytes() == blob and not list((here / "data").glob("*.part-*"))
+    committed = tmp_path / "committed" / pg.DATA_SET  # (a fresh checkout: no parts, the committed set)
+    committed.parent.mkdir()
+    committed.write_bytes(b"the committed set")
+    pg.join_data_parts(here, committed=committed)  # a set already there stays
+    assert (here / "data" / pg.DATA_SET).read_bytes() == blob
+    fresh = tmp_path / "fresh"
+    pg.join_data_parts(fresh, committed=committed)
+    assert (fresh / "data" / pg.DATA_SET).read_bytes() == b"the committed set"
+
+
+def test_the_committed_shared_set_is_the_one_the_results_trained_on():
+    """The set a fresh checkout packs is the one every run in the results trained on (their sha256 is
+    over the conversations the job reads from it)."""
+    with gzip.open(pg.SHARED_SET, "rt") as f:
+        rows = [line for _, line in zip(range(pg.DATA_N), f)]
+    sha = hashlib.sha256("".join(rows).encode()).hexdigest()
+    known, _ = pr.load(pg.REPO / "benchmarks/results/peers_h100.json")
+    assert len(rows) == pg.DATA_N and {r.data_sha256 for r in known} == {sha}
 
 
 def test_modelopt_compiles_into_a_cache_polls_bring_out_in_parts_and_cache_in_puts_back_without_tritons_own(
