@@ -91,6 +91,37 @@ def test_online_training_equals_offline_training_from_a_dump(data, tmp_path):
 
 
 @pytest.mark.slow
+def test_online_training_with_the_target_compiled_equals_offline_training(data, tmp_path):
+    """``online.compile=true``: the target's decoder layers run compiled and the run trains as the
+    offline one on a dump of the same data (the dump is the eager forward's)."""
+    from eagle3_train.training.online import OnlineSource
+
+    compiled = []
+    real = OnlineSource.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        compiled.append([layer._compiled_call_impl is not None for layer in self.model.base_model.layers])
+
+    train(data["std"], tmp_path / "off")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(OnlineSource, "__init__", spy)
+        train(data["prep"], tmp_path / "on", source="online", prepared=ONLINE, online=OnlineConfig(compile=True))
+    assert compiled and all(all(layers) and layers for layers in compiled)
+    assert_same_training(tmp_path / "off", tmp_path / "on", rel=1e-5, atol=1e-5)
+
+
+def test_online_compile_names_the_option_where_the_target_has_no_layers_to_compile():
+    from eagle3_train.core.capture import compile_layers
+
+    class Flat(torch.nn.Module):
+        base_model = torch.nn.Linear(2, 2)
+
+    with pytest.raises(ConfigError, match=r"online.compile=true: Linear keeps no decoder layers"):
+        compile_layers(Flat(), "online.compile=true")
+
+
+@pytest.mark.slow
 def test_two_ranks_and_a_killed_run_train_as_one_uninterrupted_rank(data, tmp_path):
     """1 rank x grad_accum 2 (the reference) = 2 ranks (gloo) x grad_accum 1 = the same run killed
     after its step-4 checkpoint and resumed."""

@@ -5,7 +5,7 @@ How it stays exact: samples are batched by length with right padding and *no* at
 Attention is causal, so a real token never sees the padding that follows it, and its states are
 those of the sample run alone; padded positions are dropped before anything is stored. The forward
 pass is :func:`eagle3_train.core.capture.capture`, the one capture of the project; ``compile=true`` runs
-its decoder layers compiled (:func:`compile_layers`), the same states within the dtype's tolerance.
+its decoder layers compiled (:func:`eagle3_train.core.capture.compile_layers`), the same states within the dtype's tolerance.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from data_prep.dump import backend
-from eagle3_train.core.capture import capture
+from eagle3_train.core.capture import capture, compile_layers
 from eagle3_train.core.dist import DistInfo, close, init_distributed
 from eagle3_train.core.errors import ConfigError, Eagle3Error
 from eagle3_train.targets import load_target, tensor_parallel_kwargs
@@ -59,22 +59,6 @@ def plan_batches(rows: np.ndarray, lengths: np.ndarray, max_tokens: int, max_bat
     return batches
 
 
-def compile_layers(model: Any) -> None:
-    """``compile=true``: torch.compile each decoder layer in place, with dynamic batch and length
-    (one compilation serves every layer and every batch shape). What runs between the layers (the
-    embedding, rotary tables, the hidden-state recording, the final norm) stays eager, so the
-    capture is the same code; the fused kernels only reorder float operations within a layer."""
-    layers = getattr(model.base_model, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ConfigError(
-            f"compile=true: {type(model.base_model).__name__} keeps no decoder layers in "
-            f"base_model.layers to compile; run without compile"
-        )
-    for layer in layers:
-        if getattr(layer, "_compiled_call_impl", None) is None:  # (a model already compiled stays as it is)
-            layer.compile(dynamic=True)
-
-
 class Backend(backend.Backend):
     """Runs the target on this rank; one writer per tensor-parallel group."""
 
@@ -109,7 +93,7 @@ class Backend(backend.Backend):
                 model_kwargs=self._model_kwargs(),
             )
             if cfg.compile:
-                compile_layers(self.target.model)
+                compile_layers(self.target.model, "compile=true")
         return self.target.model
 
     def _model_kwargs(self) -> dict[str, Any]:

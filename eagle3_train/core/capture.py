@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from eagle3_train.core.errors import ContractError
+from eagle3_train.core.errors import ConfigError, ContractError
 
 
 @dataclass
@@ -66,3 +66,21 @@ def capture(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
             f"(N, the post-norm state, is last_hidden)"
         )
     return States({int(k): hidden[k] for k in indices}, hidden[n])
+
+
+def compile_layers(model: Any, option: str) -> None:
+    """torch.compile each decoder layer of a transformers target in place, with dynamic batch and
+    length (one compilation serves every layer and every batch shape). What runs between the layers
+    (the embedding, rotary tables, the hidden-state recording, the final norm) stays eager, so
+    :func:`capture` is the same code; the fused kernels only reorder float operations within a layer,
+    and a layer launches a few kernels instead of dozens. ``option`` is the user's switch
+    (``compile=true``, ``online.compile=true``), named where the target cannot take it."""
+    layers = getattr(model.base_model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ConfigError(
+            f"{option}: {type(model.base_model).__name__} keeps no decoder layers in "
+            f"base_model.layers to compile; run without it"
+        )
+    for layer in layers:
+        if getattr(layer, "_compiled_call_impl", None) is None:  # (a model already compiled stays as it is)
+            layer.compile(dynamic=True)

@@ -36,6 +36,7 @@ OUTSIDE_REQUEST: dict[str, dict[str, str]] = {
         "runtime.compile": "torch.compile of the same math",
         "runtime.cudnn_attention": "which kernels compute the same attention",
         "online.overlap": "the target's forward on a side stream (same states)",
+        "online.compile": "torch.compile of the target's same layers (same states within the dtype's tolerance)",
         "online.trust_remote_code": "whether the target's own code may run",
         **dict.fromkeys(
             [
