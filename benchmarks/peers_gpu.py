@@ -1048,6 +1048,20 @@ REHEARSAL_SCALE = 60.0  # a rehearsal's clock runs this many times faster than a
 ENGINE_STAGED_S = 230.0  # a job's engine (vLLM, SGLang 0.5.14) is staged and started this long after its start
 # (its parts come with the first polls: session 46's speculators asked at 0 s and rendered from 232 s)
 CAPTURE_GUESS_S = 300.0  # a rehearsal's data preparation for a framework no held session prepared
+SYNTHESIS_GUESS_S = 160.0  # ... and the shared set's synthesis where no held session synthesized it (H100: 138-155 s)
+PEERS_HERE = REPO / ".peers"  # what pack filled here, which a job's call carries
+
+
+def set_carried(peers: Path, committed: Path) -> bool:
+    """Whether a job will find the shared set (else it synthesizes it first): in ``peers`` where it was
+    packed, else in the committed copy ``pack`` will put there."""
+    return (peers / "data" / DATA_SET).is_file() if peers.is_dir() else committed.is_file()
+
+
+def synthesis_s(sessions: list[dict]) -> list[float]:
+    """The seconds each held session's synthesis of the shared set took."""
+    return [p["seconds"] for s in sessions for p in s.get("phases", [])
+            if (p["run"], p["phase"]) == ("data", "synthesize") and not p["rc"]]  # fmt: skip
 
 
 def data_ready_s(phases: list[dict], fw: str) -> float | None:
@@ -1066,7 +1080,9 @@ def data_ready_s(phases: list[dict], fw: str) -> float | None:
 
 
 class Rehearsal(Session):
-    """The job as it would go over the results held, with nothing run (``plan --rehearse``): each
+    """The job as it would go over the results held, with nothing run (``plan --rehearse``): the shared
+    set's synthesis first where the job will not find the set (``set_carried``: the held sessions'
+    median), each
     framework's data takes what the held sessions' took from asking to ready (the median, the range
     said; ``data_ready_s``: speculators' and SpecForge's wait for their engine's stage), each sized
     run its expected seconds (``expected_s``), on a clock ``REHEARSAL_SCALE`` times faster. A
@@ -1091,6 +1107,13 @@ class Rehearsal(Session):
         self.data_s = {fw: sorted(x)[len(x) // 2] for fw, x in self.took.items()}
         self.floor = min([r.tau_heldout for r in self.known if r.tau_heldout is not None] or [1.0]) - 1.0  # (held)
         self.t0 = time.time()
+        self.ahead = 0.0  # the job's seconds before its lanes (the set's synthesis)
+        if not set_carried(PEERS_HERE, SHARED_SET):  # (the job's first phase, alone, before anything)
+            held = sorted(synthesis_s(sessions))
+            self.ahead = held[len(held) // 2] if held else SYNTHESIS_GUESS_S
+            span = f"{held[0]:.0f}" + (f"-{held[-1]:.0f}" if len(held) > 1 else "") if held else ""
+            say(f"{self.ahead:5.0f} s  the shared set synthesized, as it is not in .peers/data (" + (
+                f"held sessions: {span} s, median {self.ahead:.0f} s)" if held else f"none held: {self.ahead:.0f} s)"))  # fmt: skip
 
     def now(self) -> float:
         return (time.time() - self.t0) * REHEARSAL_SCALE
@@ -1239,8 +1262,8 @@ def job(a: argparse.Namespace, rehearse: bool = False) -> None:
         top = best(runs, fw)
         return runs_of(fw, top.head, at, [top.lr], seeds, at == SWEEP_S) if top else []  # type: ignore[union-attr]
 
-    if isinstance(s, Rehearsal):  # (its clock starts with the lanes: its sizing so far took the host's time only)
-        s.t0 = time.time()
+    if isinstance(s, Rehearsal):  # (its clock starts with the lanes, after the set's synthesis where the job
+        s.t0 = time.time() - s.ahead / REHEARSAL_SCALE  # synthesizes it: its sizing so far took the host's time only)
     began, scale = (s.t0, REHEARSAL_SCALE) if isinstance(s, Rehearsal) else (START, 1.0)  # (what deadlines count on)
     last = None if a.admit_for_s is None else began + a.admit_for_s / scale
     end = None if a.end_by_s is None else began + a.end_by_s / scale

@@ -2076,3 +2076,37 @@ def test_a_rehearsal_plays_the_job_over_the_results_held_on_a_faster_clock_and_r
                  r"--end-by-s\), left for the next session")  # fmt: skip
     assert ended + took - 1500 - 2 <= past <= ended + took - 1500 + late
     assert not any(r.kind == "final" for r in known)  # (what it ran stayed in the rehearsal)
+
+
+def test_a_rehearsal_counts_the_shared_sets_synthesis_first_where_the_job_will_not_find_the_set(
+    tmp_path, monkeypatch, capsys
+):
+    """Session 47's checkout was new: no set in .peers/data, so its job synthesized it first (138 s) and
+    everything started that much later than rehearsed. A rehearsal now counts the held sessions'
+    median synthesis first where the job will not find the set: packed into .peers (the truth once
+    pack ran), else the committed copy pack puts there."""
+    peers, committed = tmp_path / ".peers", tmp_path / "committed.jsonl.gz"
+    assert not pg.set_carried(peers, committed)
+    committed.write_bytes(b"set")
+    assert pg.set_carried(peers, committed)  # (not packed yet: pack will copy the committed set)
+    (peers / "data").mkdir(parents=True)
+    assert not pg.set_carried(peers, committed)  # (packed without it: the job synthesizes)
+    (peers / "data" / pg.DATA_SET).write_bytes(b"set")
+    assert pg.set_carried(peers, committed)
+    monkeypatch.setattr(pg, "REHEARSAL_SCALE", 300.0)
+    monkeypatch.setattr(pg, "PEERS_HERE", tmp_path / "none")
+    monkeypatch.setattr(pg, "SHARED_SET", tmp_path / "none.jsonl.gz")
+    known = [*swept_before("ours", "recipe", 0.3, 2.5), *swept_before("ours", "muon", 0.3, 2.0)]
+    sessions = [{"id": f"s{i}", "phases": [{"run": "data", "phase": "synthesize", "seconds": x, "rc": 0},
+                                           {"run": "ours_data", "phase": "prepare", "seconds": 200.0, "rc": 0}]}
+                for i, x in enumerate((138.0, 155.0, 600.0))]  # fmt: skip
+    monkeypatch.setattr(pg, "load", lambda path: (known, sessions))
+    monkeypatch.setattr(pg, "Session", None)
+    pg.main(["plan", "final", "ours", "--lanes", "1", "--end-by-s", "5000", "--device", "h100", "--rehearse"])
+    lines = [x.removeprefix("peers_gpu: ").strip() for x in capsys.readouterr().out.splitlines()]
+    late = 150.0
+    (synth,) = [float(m[1]) for x in lines if (m := re.fullmatch(
+        r"(\d+) s  the shared set synthesized, as it is not in .peers/data \(held sessions: 138-600 s, median 155 s\)", x
+    ))]  # fmt: skip
+    (ready,) = [float(m[1]) for x in lines if (m := re.fullmatch(r"(\d+) s  the data of ours ready .*", x))]
+    assert 155 <= synth <= 155 + late and 355 <= ready <= 355 + late
