@@ -745,6 +745,7 @@ RESULT_PAGES = {
             "bench_",
             "step_profile_",
             "step_ab_",
+            "target_forward_",
         ),
     ),
     "storage": ("Storage (fp8, bf16, int8)", ("storage_",)),

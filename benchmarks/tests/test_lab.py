@@ -39,3 +39,29 @@ def test_every_lab_script_finds_the_repository_root():
         for n in re.findall(r"Path\(__file__\)\.resolve\(\)\.parents\[(\d+)\]", script.read_text()):
             root = script.resolve().parents[int(n)]
             assert (root / "pyproject.toml").is_file(), f"{script.name}: parents[{n}] is {root}, not the repository"
+
+
+def test_target_forward_times_the_capture_eager_then_compiled_and_writes_its_table(tmp_path):
+    """benchmarks/target_forward.py on the CPU with the tiny target: each micro-batch size eager, then
+    the same with online.compile's layers compiled (every layer), in one results file."""
+    import json
+
+    from benchmarks import target_forward
+    from eagle3_train.core import capture
+
+    compiled: list[int] = []
+    real = capture.compile_layers
+
+    def spy(model, option):
+        real(model, option)
+        compiled.append(sum(layer._compiled_call_impl is not None for layer in model.base_model.layers))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(target_forward, "compile_layers", spy)
+        target_forward.main(["--out", str(tmp_path / "tf.json"), "--target", "tiny", "--device", "cpu",
+                             "--tokens", "64,128", "--seq", "32", "--iters", "2", "--aux", "1,2,3"])  # fmt: skip
+    (table,) = json.loads((tmp_path / "tf.json").read_text())["tables"]
+    assert [(r[0], r[1]) for r in table["rows"]] == [("eager", 64), ("eager", 128), ("compiled", 64), ("compiled", 128)]
+    assert compiled == [4]  # (the tiny target's four layers)
+    for _, tokens, first, host, wall, rate in table["rows"]:
+        assert first > 0 and 0 < host <= wall and rate == pytest.approx(tokens / (wall / 1e3), rel=0.01)

@@ -1,0 +1,100 @@
+"""The target's forward as online training runs it (``eagle3_train.core.capture.capture``: the aux
+layers and the post-norm state, no lm_head), eager and with ``online.compile=true``'s compiled
+decoder layers: seconds a micro-batch, host (until the call returns, nothing waited for) and wall
+(the GPU done), and the first call's (the compilation).
+
+    python3 -m benchmarks.target_forward --out benchmarks/results/target_forward_h100.json
+    python3 -m benchmarks.target_forward --out /tmp/tf.json --device cpu --tokens 512 --seq 256 --iters 2
+
+The target is the embedded SmolLM2-135M-Instruct (or ``--target``) in bf16 on the GPU; the
+micro-batches are rows of ``--seq`` random token ids, ``--tokens`` in all (ours' recipe: 32,768).
+Eager runs first in the process, then the same batches with the layers compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from benchmarks.result import Result, machine, this_command, today
+from eagle3_train.core.capture import capture, compile_layers
+from eagle3_train.core.contract import default_aux_indices
+from eagle3_train.targets import load_target
+
+
+def timed(model: object, ids: torch.Tensor, aux: list[int], iters: int, sync: bool) -> tuple[float, float, float]:
+    """(first call's seconds, host seconds a call, wall seconds a call) over ``iters`` calls after two more."""
+
+    def wait() -> None:
+        if sync:
+            torch.cuda.synchronize()
+
+    with torch.no_grad():
+        t = time.perf_counter()
+        capture(model, ids, None, aux)
+        wait()
+        first = time.perf_counter() - t
+        for _ in range(2):
+            capture(model, ids, None, aux)
+        wait()
+        host = wall = 0.0
+        for _ in range(iters):
+            t = time.perf_counter()
+            capture(model, ids, None, aux)
+            host += time.perf_counter() - t
+            wait()
+            wall += time.perf_counter() - t
+    return first, host / iters, wall / iters
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="results JSON")
+    p.add_argument("--target", default="embedded")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tokens", default="8192,32768", help="comma-separated tokens a micro-batch")
+    p.add_argument("--seq", type=int, default=2048, help="tokens a row")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--aux", help="comma-separated HF indices captured (default: the engines' [2, N//2, N-3])")
+    a = p.parse_args(argv)
+    dev = torch.device(a.device)
+    cache = os.environ.get("EAGLE3_CACHE", "/tmp/e3cache")  # (where the GGUF target is converted once)
+    target = load_target(a.target, cache_dir=cache, dtype="auto", device=str(dev))
+    model = target.model.requires_grad_(False).eval()
+    n = target.config.num_hidden_layers
+    aux = [int(k) for k in a.aux.split(",")] if a.aux else list(default_aux_indices(n))
+    sizes = [int(x) for x in a.tokens.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    batches = {t: torch.randint(target.config.vocab_size, (t // a.seq, a.seq), generator=gen).to(dev) for t in sizes}
+    rows = []
+    for mode in ("eager", "compiled"):
+        if mode == "compiled":
+            compile_layers(model, "online.compile=true")
+        for t, ids in batches.items():
+            first, host, wall = timed(model, ids, aux, a.iters, dev.type == "cuda")
+            rows.append([mode, t, round(first, 3), round(host * 1e3, 2), round(wall * 1e3, 2), round(t / wall)])
+            print(f"target_forward: {mode} {t} tokens: first {first:.2f} s, host {host * 1e3:.1f} ms, "
+                  f"wall {wall * 1e3:.1f} ms", flush=True)  # fmt: skip
+    Result(
+        what="The target's forward as online training runs it (capture: aux layers and the post-norm state), "
+        "eager against online.compile=true's compiled decoder layers, a micro-batch at a time",
+        command=this_command("target_forward", argv),
+        machine=machine(),
+        date=today(),
+        runs=f"one process; {a.iters} timed calls a row after three (the first: compilation), random ids, "
+        f"rows of {a.seq} tokens; target {a.target}, aux {aux}",
+        tables=[
+            {
+                "title": "A micro-batch's forward, eager and compiled",
+                "header": ["layers", "tokens", "first call s", "host ms", "wall ms", "tokens/s"],
+                "rows": rows,
+            }
+        ],
+    ).write(a.out)
+
+
+if __name__ == "__main__":
+    main()
