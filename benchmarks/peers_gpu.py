@@ -35,7 +35,7 @@ ways). Each poll
 packs the session so far into ``poll.tgz`` and ``peers_partial.json``: a machine taken back mid-run
 loses only what the last poll had not packed. The shared set (``.peers/data/<DATA_SET>``) is
 committed as ``benchmarks/data/<DATA_SET>`` (3.8 MB), which ``pack`` copies; where missing, it is
-synthesized by the session's first phase (outside every budget; 138-155 s on an H100, which gave the
+synthesized by the session's first phase (outside every budget; 123-155 s on an H100, which gave the
 same conversations each time) and polls bring it out as ``<DATA_SET>.part-N``: put those in
 ``.peers/data/`` and pack again, so later sessions carry the same set. ModelOpt's compile cache comes out as
 ``inductor_modelopt.tgz.part-N`` (15 MiB parts, 48 MiB at most): put them in ``.peers_cache/`` here and
@@ -1048,7 +1048,7 @@ REHEARSAL_SCALE = 60.0  # a rehearsal's clock runs this many times faster than a
 ENGINE_STAGED_S = 230.0  # a job's engine (vLLM, SGLang 0.5.14) is staged and started this long after its start
 # (its parts come with the first polls: session 46's speculators asked at 0 s and rendered from 232 s)
 CAPTURE_GUESS_S = 300.0  # a rehearsal's data preparation for a framework no held session prepared
-SYNTHESIS_GUESS_S = 160.0  # ... and the shared set's synthesis where no held session synthesized it (H100: 138-155 s)
+SYNTHESIS_GUESS_S = 160.0  # ... and the shared set's synthesis where no held session synthesized it (H100: 123-155 s)
 PEERS_HERE = REPO / ".peers"  # what pack filled here, which a job's call carries
 
 
