@@ -339,6 +339,7 @@ CARRIED_COMPILE_S = 90.0  # a compile that found its graphs in a cache carried f
 # default head compiled in ~88 s so (peers_modelopt_cache_h100.json: 60 steps in 92 s, 4 s of them steps), against 17-21 s where the
 # cache was the machine's own and 381 s cold
 SHARED_SET = REPO / "benchmarks" / "data" / DATA_SET  # the shared set, committed (pack copies it into .peers/)
+PEERS_HERE = REPO / ".peers"  # what pack fills here, which a job's call carries
 PEERS_CACHE = REPO / ".peers_cache"  # here: the parts a poll brought out, for cache-in (plan reads their heads)
 PHASES = threading.Lock()  # the lanes append to one phases.jsonl
 PHASE_TIMEOUT_S = 1800.0  # a phase that hangs (an engine, a rendezvous) frees its lane after this; training: below
@@ -1049,13 +1050,18 @@ ENGINE_STAGED_S = 230.0  # a job's engine (vLLM, SGLang 0.5.14) is staged and st
 # (its parts come with the first polls: session 46's speculators asked at 0 s and rendered from 232 s)
 CAPTURE_GUESS_S = 300.0  # a rehearsal's data preparation for a framework no held session prepared
 SYNTHESIS_GUESS_S = 160.0  # ... and the shared set's synthesis where no held session synthesized it (H100: 123-155 s)
-PEERS_HERE = REPO / ".peers"  # what pack filled here, which a job's call carries
 
 
 def set_carried(peers: Path, committed: Path) -> bool:
     """Whether a job will find the shared set (else it synthesizes it first): in ``peers`` where it was
     packed, else in the committed copy ``pack`` will put there."""
     return (peers / "data" / DATA_SET).is_file() if peers.is_dir() else committed.is_file()
+
+
+def held_range(held: list[float]) -> tuple[float, str]:
+    """The held sessions' seconds: their median, and their range in words (``123-154``)."""
+    xs = sorted(held)
+    return xs[len(xs) // 2], f"{xs[0]:.0f}" + (f"-{xs[-1]:.0f}" if len(xs) > 1 else "")
 
 
 def synthesis_s(sessions: list[dict]) -> list[float]:
@@ -1104,14 +1110,13 @@ class Rehearsal(Session):
             for fw in FRAMEWORKS:
                 if (x := data_ready_s(session.get("phases", []), fw)) is not None:
                     self.took.setdefault(fw, []).append(x)
-        self.data_s = {fw: sorted(x)[len(x) // 2] for fw, x in self.took.items()}
+        self.data_s = {fw: held_range(x)[0] for fw, x in self.took.items()}
         self.floor = min([r.tau_heldout for r in self.known if r.tau_heldout is not None] or [1.0]) - 1.0  # (held)
         self.t0 = time.time()
         self.ahead = 0.0  # the job's seconds before its lanes (the set's synthesis)
         if not set_carried(PEERS_HERE, SHARED_SET):  # (the job's first phase, alone, before anything)
-            held = sorted(synthesis_s(sessions))
-            self.ahead = held[len(held) // 2] if held else SYNTHESIS_GUESS_S
-            span = f"{held[0]:.0f}" + (f"-{held[-1]:.0f}" if len(held) > 1 else "") if held else ""
+            held = synthesis_s(sessions)
+            self.ahead, span = held_range(held) if held else (SYNTHESIS_GUESS_S, "")
             say(f"{self.ahead:5.0f} s  the shared set synthesized, as it is not in .peers/data (" + (
                 f"held sessions: {span} s, median {self.ahead:.0f} s)" if held else f"none held: {self.ahead:.0f} s)"))  # fmt: skip
 
@@ -1123,8 +1128,8 @@ class Rehearsal(Session):
             if fw not in self.ready:
                 time.sleep(self.data_s.get(fw, CAPTURE_GUESS_S) / REHEARSAL_SCALE)
                 self.ready.add(fw)
-                held = sorted(self.took.get(fw, []))
-                span = f"{held[0]:.0f}" + (f"-{held[-1]:.0f}" if len(held) > 1 else "") if held else ""
+                held = self.took.get(fw, [])
+                span = held_range(held)[1] if held else ""
                 say(f"{self.now():5.0f} s  the data of {fw} ready (" + (f"held sessions: {span} s from asking, "
                     f"median {self.data_s[fw]:.0f} s)" if held else f"none held: {CAPTURE_GUESS_S:.0f} s)"))  # fmt: skip
         return True
@@ -1474,7 +1479,7 @@ def gpu_kind() -> str:
 def pack(examples: Path, mt_bench: Path, specforge_scripts: Path | None = None) -> None:
     """Here: the peers' wheels, ModelOpt's launcher and SpecForge's capture (GitHub only) and MT-bench
     into .peers/ (git-ignored)."""
-    dest = REPO / ".peers"
+    dest = PEERS_HERE
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(dest / "whl"), *WHEELS], check=True
     )

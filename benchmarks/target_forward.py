@@ -19,33 +19,29 @@ import time
 
 import torch
 
+from benchmarks.lab import sync
 from benchmarks.result import Result, machine, this_command, today
 from eagle3_train.core.capture import capture, compile_layers
 from eagle3_train.core.contract import default_aux_indices
 from eagle3_train.targets import load_target
 
 
-def timed(model: object, ids: torch.Tensor, aux: list[int], iters: int, sync: bool) -> tuple[float, float, float]:
+def timed(model: object, ids: torch.Tensor, aux: list[int], iters: int) -> tuple[float, float, float]:
     """(first call's seconds, host seconds a call, wall seconds a call) over ``iters`` calls after two more."""
-
-    def wait() -> None:
-        if sync:
-            torch.cuda.synchronize()
-
     with torch.no_grad():
         t = time.perf_counter()
         capture(model, ids, None, aux)
-        wait()
+        sync(ids.device)
         first = time.perf_counter() - t
         for _ in range(2):
             capture(model, ids, None, aux)
-        wait()
+        sync(ids.device)
         host = wall = 0.0
         for _ in range(iters):
             t = time.perf_counter()
             capture(model, ids, None, aux)
             host += time.perf_counter() - t
-            wait()
+            sync(ids.device)
             wall += time.perf_counter() - t
     return first, host / iters, wall / iters
 
@@ -74,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         if mode == "compiled":
             compile_layers(model, "online.compile=true")
         for t, ids in batches.items():
-            first, host, wall = timed(model, ids, aux, a.iters, dev.type == "cuda")
+            first, host, wall = timed(model, ids, aux, a.iters)
             rows.append([mode, t, round(first, 3), round(host * 1e3, 2), round(wall * 1e3, 2), round(t / wall)])
             print(f"target_forward: {mode} {t} tokens: first {first:.2f} s, host {host * 1e3:.1f} ms, "
                   f"wall {wall * 1e3:.1f} ms", flush=True)  # fmt: skip
