@@ -188,6 +188,29 @@ def test_online_training_equals_offline_training(fam, tmp_path):
 
 
 @pytest.mark.slow
+def test_compiled_layers_capture_what_the_eager_forward_does_batch_1_and_batched(fam):
+    """``online.compile=true`` (and the dump's ``compile=true``) on the family's target: every decoder
+    layer compiled, and each row of a right-padded batch of two gets the states its eager forward
+    alone gives (batch 1), the post-norm last state too."""
+    from eagle3_train.core.capture import capture, compile_layers
+
+    model = load_target(fam["target"], cache_dir=None).model.eval()
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(model.config.vocab_size, (t,), generator=g) for t in (11, 7)]
+    with torch.no_grad():
+        eager = [capture(model, r[None], None, DEFAULT_AUX) for r in rows]
+        compile_layers(model, "online.compile=true")
+        assert all(layer._compiled_call_impl is not None for layer in model.base_model.layers)
+        batched = capture(model, torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), None, DEFAULT_AUX)
+        alone = capture(model, rows[1][None], None, DEFAULT_AUX)
+    for i, r in enumerate(rows):
+        t = len(r)
+        torch.testing.assert_close(batched.aux(DEFAULT_AUX)[i, :t], eager[i].aux(DEFAULT_AUX)[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(batched.last_hidden[i, :t], eager[i].last_hidden[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(alone.last_hidden, eager[1].last_hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_served_training_equals_offline_training(fam, tmp_path):
     """The target of the family served by a stand-in vLLM (the engine ids vLLM's rule gives for
     the trained capture, the final norm the family's own) trains exactly as offline on its dump."""
