@@ -46,25 +46,31 @@ def timed(model: object, ids: torch.Tensor, aux: list[int], iters: int) -> tuple
     return first, host / iters, wall / iters
 
 
+def ints(text: str) -> list[int]:
+    """A comma-separated list of integers (argparse names the option and the value it refuses)."""
+    return [int(x) for x in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="results JSON")
     p.add_argument("--target", default="embedded")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--tokens", default="8192,32768", help="comma-separated tokens a micro-batch")
+    p.add_argument("--tokens", type=ints, default=[8192, 32768], help="comma-separated tokens a micro-batch")
     p.add_argument("--seq", type=int, default=2048, help="tokens a row")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--aux", help="comma-separated HF indices captured (default: the engines' [2, N//2, N-3])")
+    p.add_argument(
+        "--aux", type=ints, help="comma-separated HF indices captured (default: the engines' [2, N//2, N-3])"
+    )
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     cache = os.environ.get("EAGLE3_CACHE", "/tmp/e3cache")  # (where the GGUF target is converted once)
     target = load_target(a.target, cache_dir=cache, dtype="auto", device=str(dev))
     model = target.model.requires_grad_(False).eval()
     n = target.config.num_hidden_layers
-    aux = [int(k) for k in a.aux.split(",")] if a.aux else list(default_aux_indices(n))
-    sizes = [int(x) for x in a.tokens.split(",")]
+    aux = a.aux or list(default_aux_indices(n))
     gen = torch.Generator().manual_seed(0)
-    batches = {t: torch.randint(target.config.vocab_size, (t // a.seq, a.seq), generator=gen).to(dev) for t in sizes}
+    batches = {t: torch.randint(target.config.vocab_size, (t // a.seq, a.seq), generator=gen).to(dev) for t in a.tokens}
     rows = []
     for mode in ("eager", "compiled"):
         if mode == "compiled":
