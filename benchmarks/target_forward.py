@@ -1,7 +1,9 @@
 """The target's forward as online training runs it (``eagle3_train.core.capture.capture``: the aux
 layers and the post-norm state, no lm_head), eager and with ``online.compile=true``'s compiled
 decoder layers: seconds a micro-batch, host (until the call returns, nothing waited for) and wall
-(the GPU done), and the first call's (the compilation).
+(the GPU done), and the first call's (the compilation); and, from one more call under
+torch.profiler, the ops and kernel launches a micro-batch (as ``benchmarks/step_profile.py`` counts
+them a training step, so the two can be read side by side).
 
     python3 -m benchmarks.target_forward --out benchmarks/results/target_forward_h100.json
     python3 -m benchmarks.target_forward --out /tmp/tf.json --device cpu --tokens 512 --seq 256 --iters 2
@@ -21,6 +23,7 @@ import torch
 
 from benchmarks.lab import sync
 from benchmarks.result import Result, machine, this_command, today
+from benchmarks.step_profile import LAUNCHES
 from eagle3_train.core.capture import capture, compile_layers
 from eagle3_train.core.contract import default_aux_indices
 from eagle3_train.targets import load_target
@@ -44,6 +47,19 @@ def timed(model: object, ids: torch.Tensor, aux: list[int], iters: int) -> tuple
             sync(ids.device)
             wall += time.perf_counter() - t
     return first, host / iters, wall / iters
+
+
+def counted(model: object, ids: torch.Tensor, aux: list[int]) -> tuple[int, int]:
+    """(aten ops, kernel launches) of one call under torch.profiler (step_profile's definitions)."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if ids.device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.no_grad(), torch.profiler.profile(activities=acts) as prof:
+        capture(model, ids, None, aux)
+        sync(ids.device)
+    events = prof.key_averages()
+    ops = sum(e.count for e in events if e.key.startswith("aten::"))
+    return ops, sum(e.count for e in events if e.key in LAUNCHES)
 
 
 def ints(text: str) -> list[int]:
@@ -77,9 +93,11 @@ def main(argv: list[str] | None = None) -> None:
             compile_layers(model, "online.compile=true")
         for t, ids in batches.items():
             first, host, wall = timed(model, ids, aux, a.iters)
-            rows.append([mode, t, round(first, 3), round(host * 1e3, 2), round(wall * 1e3, 2), round(t / wall)])
+            ops, launches = counted(model, ids, aux)
+            rows.append([mode, t, round(first, 3), round(host * 1e3, 2), round(wall * 1e3, 2), round(t / wall), ops,
+                         launches])  # fmt: skip
             print(f"target_forward: {mode} {t} tokens: first {first:.2f} s, host {host * 1e3:.1f} ms, "
-                  f"wall {wall * 1e3:.1f} ms", flush=True)  # fmt: skip
+                  f"wall {wall * 1e3:.1f} ms, {ops} aten ops, {launches} launches", flush=True)  # fmt: skip
     Result(
         what="The target's forward as online training runs it (capture: aux layers and the post-norm state), "
         "eager against online.compile=true's compiled decoder layers, a micro-batch at a time",
@@ -91,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         tables=[
             {
                 "title": "A micro-batch's forward, eager and compiled",
-                "header": ["layers", "tokens", "first call s", "host ms", "wall ms", "tokens/s"],
+                "header": ["layers", "tokens", "first call s", "host ms", "wall ms", "tokens/s", "aten ops",
+                           "kernel launches"],  # fmt: skip
                 "rows": rows,
             }
         ],
