@@ -63,7 +63,7 @@ def test_target_forward_times_the_capture_eager_then_compiled_and_writes_its_tab
     (table,) = json.loads((tmp_path / "tf.json").read_text())["tables"]
     assert [(r[0], r[1]) for r in table["rows"]] == [("eager", 64), ("eager", 128), ("compiled", 64), ("compiled", 128)]
     assert compiled == [4]  # (the tiny target's four layers)
-    for _, tokens, first, host, wall, rate, ops, launches in table["rows"]:
+    for _, tokens, first, host, wall, rate, _, launches in table["rows"]:
         assert first > 0 and 0 < host <= wall and rate == pytest.approx(tokens / (wall / 1e3), rel=0.01)
         assert launches == 0  # (the CPU launches no kernels)
     ops = {(r[0], r[1]): r[6] for r in table["rows"]}
