@@ -29,6 +29,9 @@ from eagle3_train.core.contract import default_aux_indices
 from eagle3_train.targets import load_target
 
 
+HEADER = ["layers", "tokens", "first call s", "host ms", "wall ms", "tokens/s", "aten ops", "kernel launches"]
+
+
 def timed(model: object, ids: torch.Tensor, aux: list[int], iters: int) -> tuple[float, float, float]:
     """(first call's seconds, host seconds a call, wall seconds a call) over ``iters`` calls after two more."""
     with torch.no_grad():
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         tables=[
             {
                 "title": "A micro-batch's forward, eager and compiled",
-                "header": "layers,tokens,first call s,host ms,wall ms,tokens/s,aten ops,kernel launches".split(","),
+                "header": HEADER,
                 "rows": rows,
             }
         ],
