@@ -28,7 +28,6 @@ from eagle3_train.core.capture import capture, compile_layers
 from eagle3_train.core.contract import default_aux_indices
 from eagle3_train.targets import load_target
 
-
 HEADER = ["layers", "tokens", "first call s", "host ms", "wall ms", "tokens/s", "aten ops", "kernel launches"]
 
 
