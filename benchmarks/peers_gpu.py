@@ -42,8 +42,13 @@ same conversations each time) and polls bring it out as ``<DATA_SET>.part-N``: p
 run ``peers_gpu.py cache-in .peers_cache`` in a call of their own that carries it (before ``start``),
 so a fresh machine may skip ModelOpt's 5-6 minutes of max-autotune (a cache small enough may ride in
 ``.peers/cache/`` instead, which ``stage`` unpacks). The cache names the heads whose training it holds
-(``heads.json``); ``plan`` and ``--end-by-s`` count those heads' compile warm. Notes:
-benchmarks/notes/peer_training.md.
+(``heads.json``); ``plan`` and ``--end-by-s`` count those heads' compile warm. speculators' rows
+(its ``prepare-data``) come from its vLLM render endpoint, about 100 s once the server is up; the job
+also renders them here with the target's template before the server starts and compares the two
+datasets speculators writes (phase ``check render <sha12>``), and once a held session found them the
+same for the set, later jobs give speculators the rows rendered here and skip the endpoint's render.
+Where a machine comes late, name every framework with work left: ``--end-by-s`` starts only the runs
+that end in time. Notes: benchmarks/notes/peer_training.md.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from peers_results import (  # noqa: E402
+    CHECK,
     FINAL_S,
     FRAMEWORKS,
     HEADS,
@@ -102,6 +108,7 @@ from peers_results import (  # noqa: E402
 from eagle3_train.engines.launcher import stop_group  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve()  # (a phase runs this file again: same-prepared)
 PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))  # .peers/ staged: wheels, ModelOpt's launcher, data
 PO = Path(os.environ.get("PO", "/tmp/po"))  # the session's folder
 VSITE = Path(os.environ.get("VSITE", "/tmp/vsite"))  # where stage_vllm.sh installs vLLM (engine_env.sh reads it too)
@@ -381,6 +388,65 @@ def phase(
     return rc == 0
 
 
+SPECULATORS_SEQ = 4096  # speculators' --seq-length (and its capture server's --max-model-len)
+RENDER_CHECK = f"{CHECK}render "  # + a set's sha256[:12]: the phase comparing speculators' rows rendered here
+
+
+def render_trusted(sessions: list[dict], sha: str) -> bool:
+    """A held session found speculators' rows rendered here the same as its render endpoint's, for the
+    set of this ``sha`` (its ``RENDER_CHECK`` phase ended 0)."""
+    return any((p["run"], p["phase"], p["rc"]) == ("speculators_data", f"{RENDER_CHECK}{sha[:12]}", 0)
+               for s in sessions for p in s.get("phases", []))  # fmt: skip
+
+
+def chat_ids(tok: Any, messages: list[dict], prompt: bool) -> list[int]:
+    """The chat rendered by the tokenizer's template as an OpenAI-style server renders it: the
+    template's text (with the assistant's opening where ``prompt``), tokenized adding no special tokens
+    of its own, cut at ``SPECULATORS_SEQ`` on the right."""
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+    return tok(text, add_special_tokens=False)["input_ids"][:SPECULATORS_SEQ]
+
+
+def speculators_rows(convs: Path, model: str, out: Path) -> bool:
+    """speculators' training rows (``input_ids``, ``loss_mask``: the reply and what closes it trained)
+    of ``convs`` (one ``conversations`` list a line) rendered here with ``model``'s chat template,
+    one a conversation in its order, as its render endpoint path derives them: the prompt rendered
+    with the assistant's opening, the whole chat without, the mask at the prompt's end. False (nothing
+    written) where a chat is not one user turn answered once, or its prompt's render does not begin the
+    whole chat's: speculators' own path then renders them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    lines = []
+    for line in convs.read_text().splitlines():
+        chat = [{"role": t["role"], "content": t["content"]} for t in json.loads(line)["conversations"]]
+        if [t["role"] for t in chat] != ["user", "assistant"]:
+            return False
+        prompt, full = chat_ids(tok, chat[:1], True), chat_ids(tok, chat, False)
+        if full[: len(prompt)] != prompt:
+            return False
+        lines.append(json.dumps({"input_ids": full, "loss_mask": [0] * len(prompt) + [1] * (len(full) - len(prompt))}))
+    out.write_text("".join(x + "\n" for x in lines))
+    return True
+
+
+def same_prepared(a: Path, b: Path) -> str | None:
+    """None where speculators' two prepared datasets hold the same rows in the same order and the same
+    token counts (``token_freq.pt``); else where they first differ."""
+    import torch
+    from datasets import load_from_disk
+
+    x, y = (load_from_disk(str(d)).with_format(None) for d in (a, b))  # (python lists, whatever format it saved)
+    if len(x) != len(y):
+        return f"{len(x)} rows against {len(y)}"
+    for i, (r, q) in enumerate(zip(x, y)):
+        for k in ("input_ids", "loss_mask", "seq_len"):
+            if r[k] != q[k]:
+                return f"row {i}: {k} differs"
+    same = torch.load(a / "token_freq.pt") == torch.load(b / "token_freq.pt")  # ({token id: count})
+    return None if same else "token_freq.pt differs"
+
+
 def record(run: str, name: str, start: float, end: float, rc: int = 0, shared: bool = False) -> None:
     """Append one phase to the session's phases.jsonl."""
     with PHASES, (PO / "phases.jsonl").open("a") as f:
@@ -512,7 +578,7 @@ class Session:
         self.target = resolve_local_dir("embedded", os.environ.get("EAGLE3_CACHE", "/tmp/e3cache"))
         self.t = json.loads((self.target / "config.json").read_text())
         self.size_on = a.size_on or device  # (whose probes size the runs)
-        self.known, _ = load(a.results or REPO / f"benchmarks/results/peers_{self.size_on}.json")
+        self.known, self.sessions = load(a.results or REPO / f"benchmarks/results/peers_{self.size_on}.json")
         self.ready: set[str] = set()
         self.prep_locks = {fw: threading.Lock() for fw in FRAMEWORKS}  # (two heads, one preparation)
         self.prep_failed: set[str] = set()
@@ -592,7 +658,12 @@ class Session:
         return mark == {"sha256": self.sha, "n": self.a.n}
 
     def speculators_data(self) -> bool:
-        """vLLM renders the chats and writes the target's states (HF ids 2, N//2, N-3 and the pre-norm N)."""
+        """vLLM writes the target's states (HF ids 2, N//2, N-3 and the pre-norm N) of speculators'
+        rows. The rows are its render endpoint's (each chat rendered twice by the server, masked at
+        the boundary), or, where a held session found them the same for this set
+        (``render_trusted``), rendered here before the server is up (``speculators_rows``: the
+        render's ~100 s off the data's critical path); where it has not, both, and the two compared
+        (``RENDER_CHECK``; the two phases of the check are not counted in its data's seconds)."""
         if not install("/tmp/specsite", "speculators-*.whl", "hs_connectors-*.whl"):
             return False
         from eagle3_train.engines.vllm import launch
@@ -601,17 +672,38 @@ class Session:
         draft = {**self.t, "num_hidden_layers": 1, "intermediate_size": ours_head()["mlp"]}
         (PO / "speculators_draft.json").write_text(json.dumps(draft))  # the matched head's decoder config
         cmd = launch(str(self.target), [2, n // 2, n - 3, n], "bfloat16", PORT_STATES, str(out / "hs"))
-        cmd += f" --gpu-memory-utilization {CAPTURE_SHARE} --max-model-len 4096 --enforce-eager"  # (eager: the same states)
+        cmd += f" --gpu-memory-utilization {CAPTURE_SHARE} --max-model-len {SPECULATORS_SEQ} --enforce-eager"
         out.mkdir(parents=True, exist_ok=True)
         spec = [sys.executable, "-m", "speculators"]
-        url, shared = f"http://127.0.0.1:{PORT_STATES}", self.lanes is not None
+        prep = [*spec, "prepare-data", "--model", str(self.target), "--seq-length", str(SPECULATORS_SEQ),
+                "--max-samples", str(self.a.n), "--no-skip-token-freq"]  # fmt: skip
+        url, shared, env = f"http://127.0.0.1:{PORT_STATES}", self.lanes is not None, env_for("speculators")
+        rows, trusted = out / "rows.jsonl", render_trusted(self.sessions, self.sha)
+        try:
+            local = speculators_rows(PO / "convs_conversations.jsonl", str(self.target), rows)
+        except Exception as e:  # (a check of ours: speculators' own path goes on without it)
+            say(f"speculators_data: its rows not rendered here ({type(e).__name__}: {e}); its render endpoint's only")
+            local = False
+        if local:  # (no server needed: it runs while vLLM is staged)
+            shutil.rmtree(out / ("data" if trusted else "data_rows"), ignore_errors=True)  # (prepare-data keeps any)
+            local = phase("speculators_data", "rows" if trusted else f"{CHECK}rows", [*prep, "--data", str(rows),
+                          "--output", str(out / ("data" if trusted else "data_rows"))], env, shared=shared,
+                          timeout=CAPTURE_TIMEOUT_S)  # fmt: skip
+        if trusted and local:
+            say(f"speculators_data: its rows rendered here (a held session found them the render endpoint's for "
+                f"set {self.sha[:12]})")  # fmt: skip
         with self.beside_lanes("speculators"), Server(cmd, out / "vllm.log", f"{url}/v1/models"):
-            return phase("speculators_data", "render", [*spec, "prepare-data", "--model", str(self.target), "--data",
-                         str(PO / "convs_conversations.jsonl"), "--render-endpoint", url, "--output", str(out / "data"),
-                         "--seq-length", "4096", "--max-samples", str(self.a.n), "--no-skip-token-freq"],
-                         env_for("speculators"), shared=shared, timeout=CAPTURE_TIMEOUT_S) and phase("speculators_data",
-                         "states", [*spec, "generate-offline-data", "--preprocessed-data", str(out / "data"), "--endpoint",
-                         f"{url}/v1", "--concurrency", "32"], env_for("speculators"), shared=shared,
+            if not (trusted and local):
+                shutil.rmtree(out / "data", ignore_errors=True)  # (what failed rows left: it would be kept)
+                if not phase("speculators_data", "render", [*prep, "--data", str(PO / "convs_conversations.jsonl"),
+                             "--render-endpoint", url, "--output", str(out / "data")], env, shared=shared,
+                             timeout=CAPTURE_TIMEOUT_S):  # fmt: skip
+                    return False
+                if local:  # (the rows rendered here against the endpoint's, as speculators wrote both)
+                    phase("speculators_data", f"{RENDER_CHECK}{self.sha[:12]}", [sys.executable, str(HERE),
+                          "same-prepared", str(out / "data"), str(out / "data_rows")], env, shared=shared)  # fmt: skip
+            return phase("speculators_data", "states", [*spec, "generate-offline-data", "--preprocessed-data",
+                         str(out / "data"), "--endpoint", f"{url}/v1", "--concurrency", "32"], env, shared=shared,
                          timeout=CAPTURE_TIMEOUT_S)  # fmt: skip
 
     @staticmethod
@@ -1689,6 +1781,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("mt_bench", type=Path, help="MT-bench's question.jsonl")
     p.add_argument("specforge", type=Path, nargs="?", help="SpecForge's scripts/ (0.2.0: @a6b6b02)")
     sub.add_parser("stage")
+    p = sub.add_parser("same-prepared", help="exit 0 where speculators' two prepared datasets are the same")
+    p.add_argument("a", type=Path)
+    p.add_argument("b", type=Path)
     for name in ("start", "job", "plan"):
         p = sub.add_parser(name)
         p.add_argument("what", choices=["sweep", "final"])
@@ -1755,6 +1850,10 @@ def main(argv: list[str] | None = None) -> None:
         compile_cache_in(a.folder)
     elif a.cmd == "pack":
         pack(a.examples, a.mt_bench, a.specforge)
+    elif a.cmd == "same-prepared":
+        if differs := same_prepared(a.a, a.b):
+            raise SystemExit(f"peers_gpu: {a.a} and {a.b} differ: {differs}")
+        say(f"{a.a} and {a.b}: the same rows, in the same order, and the same token counts")
     elif a.cmd == "start":
         repo = (
             Path("/tmp/repo") if Path("/tmp/repo").is_dir() else REPO

@@ -662,13 +662,17 @@ def _tau(path: Path) -> tuple[float | None, str | None]:
     return round(r.tau, 3), r.lossless
 
 
+CHECK = "check "  # a data phase of the harness's own checks (not the framework's preparation): not its seconds
+
+
 def data_seconds(phases: list[dict], framework: str, head: str) -> float | None:
     """The framework's data preparation for this head, where it ran alone on the GPU (None: not in
     these phases, or beside other work)."""
     mine = [p for p in phases if p["run"] == f"{framework}_data" and not p["rc"]]
     if not mine or any(p.get("shared") for p in mine):
         return None
-    return round(sum(p["seconds"] for p in mine if p["phase"] != "vocab" or head == "matched"), 1) or None
+    return round(sum(p["seconds"] for p in mine if (p["phase"] != "vocab" or head == "matched")
+                     and not p["phase"].startswith(CHECK)), 1) or None  # fmt: skip
 
 
 STEP_TOKENS = "tokens_per_step.json"  # in <session>/modelopt_data/, specforge_data/: mean tokens a step

@@ -2110,3 +2110,111 @@ def test_a_rehearsal_counts_the_shared_sets_synthesis_first_where_the_job_will_n
     ))]  # fmt: skip
     (ready,) = [float(m[1]) for x in lines if (m := re.fullmatch(r"(\d+) s  the data of ours ready .*", x))]
     assert 155 <= synth <= 155 + late and 355 <= ready <= 355 + late
+
+
+def test_speculators_rows_rendered_here_mask_the_prompt_and_train_the_reply_and_refuse_other_chats(tmp_path):
+    """Each chat of one user turn answered once gives one row: the prompt with the assistant's opening
+    masked, the rest of the whole chat's render (the reply and what closes it) trained, in the
+    file's order, as the template renders each part on its own; a chat of other turns writes nothing."""
+    from eagle3_train.targets.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    tok.save_pretrained(tmp_path / "target")
+    chats = [[{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"}],
+             [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4, of course."}]]  # fmt: skip
+    convs, rows = tmp_path / "convs.jsonl", tmp_path / "rows.jsonl"
+    convs.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in chats))
+    assert pg.speculators_rows(convs, str(tmp_path / "target"), rows)
+    got = [json.loads(x) for x in rows.read_text().splitlines()]
+    for chat, row in zip(chats, got, strict=True):
+        ids, mask = row["input_ids"], row["loss_mask"]
+        k = mask.index(1)
+        assert len(mask) == len(ids) and set(mask[:k]) == {0} and set(mask[k:]) == {1}
+        prompt = tok.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True)
+        whole = tok.apply_chat_template(chat, tokenize=False)
+        assert whole.startswith(prompt) and chat[1]["content"] in whole[len(prompt) :]
+        assert tok.decode(ids[:k]) == prompt and tok.decode(ids[k:]) == whole[len(prompt) :]
+    two = [*chats[0], {"role": "user", "content": "And?"}, {"role": "assistant", "content": "That is all."}]
+    convs.write_text(json.dumps({"conversations": two}) + "\n")
+    rows.unlink()
+    assert not pg.speculators_rows(convs, str(tmp_path / "target"), rows) and not rows.exists()
+
+
+def test_two_prepared_datasets_are_the_same_only_with_the_same_rows_in_order_and_token_counts(tmp_path, capsys):
+    import torch
+    from datasets import Dataset
+
+    def save(name, rows, freq):
+        d = tmp_path / name
+        cols = {
+            "input_ids": [r[0] for r in rows],
+            "loss_mask": [r[1] for r in rows],
+            "seq_len": [len(r[0]) for r in rows],
+        }
+        Dataset.from_dict(cols).with_format("torch").save_to_disk(str(d))
+        torch.save(freq, d / "token_freq.pt")
+        return str(d)
+
+    rows = [([5, 6, 7], [0, 1, 1]), ([8, 9], [0, 1])]
+    a = save("a", rows, {6: 1, 7: 1, 9: 1})
+    pg.main(["same-prepared", a, save("b", rows, {6: 1, 7: 1, 9: 1})])
+    assert "the same rows" in capsys.readouterr().out
+    for name, other, freq, why in [("c", [rows[0], ([8, 9], [1, 1])], {6: 1, 7: 1, 9: 1}, "row 1: loss_mask differs"),
+                                   ("d", rows[::-1], {6: 1, 7: 1, 9: 1}, "row 0: input_ids differs"),
+                                   ("e", rows[:1], {6: 1, 7: 1}, "2 rows against 1"),
+                                   ("f", rows, {6: 1, 7: 2, 9: 1}, "token_freq.pt differs")]:  # fmt: skip
+        with pytest.raises(SystemExit, match=why):
+            pg.main(["same-prepared", a, save(name, other, freq)])
+
+
+def test_speculators_rows_are_rendered_here_only_once_a_held_session_found_them_its_render_endpoints(
+    tmp_path, monkeypatch
+):
+    """No check held for the set: the rows rendered here (before the server) and the endpoint's both,
+    compared, and the endpoint's take the states; a check held that ended 0 for this set: the rows
+    rendered here alone take them; one that failed, or one for another set, trusts nothing; rows
+    that cannot be rendered here, or whose preparation failed, leave speculators' own path."""
+    import contextlib
+
+    monkeypatch.setattr(pg, "PO", tmp_path)
+    monkeypatch.setattr(pg, "install", lambda *x: True)
+    monkeypatch.setattr(pg, "Server", lambda *a: contextlib.nullcontext())
+    ran, fail = [], set()
+
+    def phase(run, name, cmd, env, shared=False, timeout=0.0, **kw):
+        out = cmd[cmd.index("--output") + 1] if "--output" in cmd else None
+        ran.append((name, Path(out).name if out else cmd[-3] if name.startswith(pg.RENDER_CHECK) else None))
+        return name not in fail
+
+    monkeypatch.setattr(pg, "phase", phase)
+    rendered = {"ok": True}
+    monkeypatch.setattr(pg, "speculators_rows", lambda *a: rendered["ok"])
+    s = object.__new__(pg.Session)
+    s.t, s.a, s.lanes, s.sha, s.target = TARGET, argparse.Namespace(n=16384), None, "abc123def456789", "/t"
+    check = f"{pg.RENDER_CHECK}abc123def456"
+
+    def phases_with(sessions):
+        s.sessions = sessions
+        ran.clear()
+        assert s.speculators_data() is ("states" not in fail)
+        return ran[:]
+
+    assert phases_with([]) == [("check rows", "data_rows"), ("render", "data"), (check, "same-prepared"),
+                               ("states", None)]  # fmt: skip
+    held = {"phases": [{"run": "speculators_data", "phase": check, "rc": 0}]}
+    assert phases_with([held]) == [("rows", "data"), ("states", None)]
+    for other in ({"phases": [{"run": "speculators_data", "phase": check, "rc": 1}]},
+                  {"phases": [{"run": "speculators_data", "phase": f"{pg.RENDER_CHECK}0123456789ab", "rc": 0}]}):  # fmt: skip
+        assert phases_with([other])[:2] == [("check rows", "data_rows"), ("render", "data")]
+    fail.add("rows")
+    assert phases_with([held]) == [("rows", "data"), ("render", "data"), ("states", None)]
+    rendered["ok"] = False
+    assert phases_with([]) == [("render", "data"), ("states", None)]
+    monkeypatch.setattr(pg, "speculators_rows", lambda *a: 1 / 0)
+    assert phases_with([held]) == [("render", "data"), ("states", None)]
+    # the check's two phases are not the framework's data seconds
+    timed = [
+        {"run": "speculators_data", "phase": p, "seconds": 10.0, "rc": 0}
+        for p in ("check rows", "render", check, "states")
+    ]
+    assert pr.data_seconds(timed, "speculators", "default") == 20.0
