@@ -672,7 +672,8 @@ class Session:
         draft = {**self.t, "num_hidden_layers": 1, "intermediate_size": ours_head()["mlp"]}
         (PO / "speculators_draft.json").write_text(json.dumps(draft))  # the matched head's decoder config
         cmd = launch(str(self.target), [2, n // 2, n - 3, n], "bfloat16", PORT_STATES, str(out / "hs"))
-        cmd += f" --gpu-memory-utilization {CAPTURE_SHARE} --max-model-len {SPECULATORS_SEQ} --enforce-eager"
+        cmd += f" --gpu-memory-utilization {CAPTURE_SHARE} --max-model-len {SPECULATORS_SEQ} --enforce-eager"  # (eager:
+        # the same states)
         out.mkdir(parents=True, exist_ok=True)
         spec = [sys.executable, "-m", "speculators"]
         prep = [*spec, "prepare-data", "--model", str(self.target), "--seq-length", str(SPECULATORS_SEQ),
