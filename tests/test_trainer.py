@@ -988,7 +988,8 @@ def test_resume_continues_the_same_offline_wandb_run(std, tmp_path, monkeypatch)
     _tracked(std, out, LoggingConfig(tracker="wandb"), max_steps=3)  # continues from step 2
     run_id = json.loads((out / TRACKER_FILE).read_text())["wandb_run_id"]
     runs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs)
+    # offline-run-<start time>-<id>; wandb adds -1 to the second where both started within the same second
+    assert len(runs) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", n) for n in runs)
 
 
 def test_tensorboard_holds_the_logged_scalars(std, tmp_path):
