@@ -194,6 +194,10 @@ def test_compiled_layers_capture_what_the_eager_forward_does_batch_1_and_batched
     alone gives (batch 1), the post-norm last state too."""
     from eagle3_train.core.capture import capture, compile_layers
 
+    # compile afresh: a layer class's forward is one code object for all its models, and earlier tests in
+    # this process may have spent its recompile limit, past which dynamo runs it eager (and this would pass)
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     model = load_target(fam["target"], cache_dir=None).model.eval()
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(model.config.vocab_size, (t,), generator=g) for t in (11, 7)]
@@ -203,6 +207,7 @@ def test_compiled_layers_capture_what_the_eager_forward_does_batch_1_and_batched
         assert all(layer._compiled_call_impl is not None for layer in model.base_model.layers)
         batched = capture(model, torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), None, DEFAULT_AUX)
         alone = capture(model, rows[1][None], None, DEFAULT_AUX)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # (the layers ran as compiled graphs)
     for i, r in enumerate(rows):
         t = len(r)
         torch.testing.assert_close(batched.aux(DEFAULT_AUX)[i, :t], eager[i].aux(DEFAULT_AUX)[0], rtol=1e-5, atol=1e-5)

@@ -104,10 +104,13 @@ def test_online_training_with_the_target_compiled_equals_offline_training(data, 
         compiled.append([layer._compiled_call_impl is not None for layer in self.model.base_model.layers])
 
     train(data["std"], tmp_path / "off")
+    torch._dynamo.reset()  # (compile afresh: earlier tests may have spent the layer forward's recompile limit)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(OnlineSource, "__init__", spy)
         train(data["prep"], tmp_path / "on", source="online", prepared=ONLINE, online=OnlineConfig(compile=True))
     assert compiled and all(all(layers) and layers for layers in compiled)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # (they ran as compiled graphs)
     assert_same_training(tmp_path / "off", tmp_path / "on", rel=1e-5, atol=1e-5)
 
 

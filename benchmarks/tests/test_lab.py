@@ -46,9 +46,14 @@ def test_target_forward_times_the_capture_eager_then_compiled_and_writes_its_tab
     the same with online.compile's layers compiled (every layer), in one results file."""
     import json
 
+    import torch
+
     from benchmarks import target_forward
     from eagle3_train.core import capture
 
+    # compile afresh: the decoder layers' forward is one code object for every model of its class, and
+    # earlier tests in this process may have spent its recompile limit, past which dynamo runs it eager
+    torch._dynamo.reset()
     compiled: list[int] = []
     real = capture.compile_layers
 
