@@ -412,15 +412,15 @@ def speculators_rows(convs: Path, model: str, out: Path) -> bool:
     of ``convs`` (one ``conversations`` list a line) rendered here with ``model``'s chat template,
     one a conversation in its order, as its render endpoint path derives them: the prompt rendered
     with the assistant's opening, the whole chat without, the mask at the prompt's end. False (nothing
-    written) where a chat is not one user turn answered once, or its prompt's render does not begin the
+    written) where a chat is not one user turn answered once in text, or its prompt's render does not begin the
     whole chat's: speculators' own path then renders them."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
     lines = []
     for line in convs.read_text().splitlines():
-        chat = [{"role": t["role"], "content": t["content"]} for t in json.loads(line)["conversations"]]
-        if [t["role"] for t in chat] != ["user", "assistant"]:
+        chat = [{"role": t.get("role"), "content": t.get("content")} for t in json.loads(line)["conversations"]]
+        if [t["role"] for t in chat] != ["user", "assistant"] or not all(isinstance(t["content"], str) for t in chat):
             return False
         prompt, full = chat_ids(tok, chat[:1], True), chat_ids(tok, chat, False)
         if full[: len(prompt)] != prompt:
@@ -436,6 +436,9 @@ def same_prepared(a: Path, b: Path) -> str | None:
     import torch
     from datasets import load_from_disk
 
+    for d in (a, b):
+        if not (d / "dataset_info.json").is_file():
+            return f"{d} holds no dataset speculators' prepare-data wrote (no dataset_info.json)"
     x, y = (load_from_disk(str(d)).with_format(None) for d in (a, b))  # (python lists, whatever format it saved)
     if len(x) != len(y):
         return f"{len(x)} rows against {len(y)}"
@@ -686,10 +689,10 @@ class Session:
             say(f"speculators_data: its rows not rendered here ({type(e).__name__}: {e}); its render endpoint's only")
             local = False
         if local:  # (no server needed: it runs while vLLM is staged)
-            shutil.rmtree(out / ("data" if trusted else "data_rows"), ignore_errors=True)  # (prepare-data keeps any)
+            dest = out / ("data" if trusted else "data_rows")
+            shutil.rmtree(dest, ignore_errors=True)  # (prepare-data keeps what a folder holds)
             local = phase("speculators_data", "rows" if trusted else f"{CHECK}rows", [*prep, "--data", str(rows),
-                          "--output", str(out / ("data" if trusted else "data_rows"))], env, shared=shared,
-                          timeout=CAPTURE_TIMEOUT_S)  # fmt: skip
+                          "--output", str(dest)], env, shared=shared, timeout=CAPTURE_TIMEOUT_S)  # fmt: skip
         if trusted and local:
             say(f"speculators_data: its rows rendered here (a held session found them the render endpoint's for "
                 f"set {self.sha[:12]})")  # fmt: skip

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.lab import sync
 from benchmarks.result import Result, machine, this_command, today
-from benchmarks.step_profile import LAUNCHES
+from benchmarks.step_profile import summary
 from eagle3_train.core.capture import capture, compile_layers
 from eagle3_train.core.contract import default_aux_indices
 from eagle3_train.targets import load_target
@@ -52,16 +52,15 @@ def timed(model: object, ids: torch.Tensor, aux: list[int], iters: int) -> tuple
 
 
 def counted(model: object, ids: torch.Tensor, aux: list[int]) -> tuple[int, int]:
-    """(aten ops, kernel launches) of one call under torch.profiler (step_profile's definitions)."""
+    """(aten ops, kernel launches) of one call under torch.profiler, as step_profile's summary counts a step."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if ids.device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.no_grad(), torch.profiler.profile(activities=acts) as prof:
         capture(model, ids, None, aux)
         sync(ids.device)
-    events = prof.key_averages()
-    ops = sum(e.count for e in events if e.key.startswith("aten::"))
-    return ops, sum(e.count for e in events if e.key in LAUNCHES)
+    one = summary(prof.key_averages(), 1, [])
+    return int(one["ops_per_step"]), int(one["launches_per_step"])
 
 
 def ints(text: str) -> list[int]:

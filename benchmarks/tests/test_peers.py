@@ -2138,6 +2138,8 @@ def test_speculators_rows_rendered_here_mask_the_prompt_and_train_the_reply_and_
     convs.write_text(json.dumps({"conversations": two}) + "\n")
     rows.unlink()
     assert not pg.speculators_rows(convs, str(tmp_path / "target"), rows) and not rows.exists()
+    convs.write_text(json.dumps({"conversations": [{"role": "user"}, chats[0][1]]}) + "\n")  # (no content)
+    assert not pg.speculators_rows(convs, str(tmp_path / "target"), rows) and not rows.exists()
 
 
 def test_two_prepared_datasets_are_the_same_only_with_the_same_rows_in_order_and_token_counts(tmp_path, capsys):
@@ -2165,6 +2167,8 @@ def test_two_prepared_datasets_are_the_same_only_with_the_same_rows_in_order_and
                                    ("f", rows, {6: 1, 7: 2, 9: 1}, "token_freq.pt differs")]:  # fmt: skip
         with pytest.raises(SystemExit, match=why):
             pg.main(["same-prepared", a, save(name, other, freq)])
+    with pytest.raises(SystemExit, match=f"{tmp_path / 'none'} holds no dataset"):
+        pg.main(["same-prepared", a, str(tmp_path / "none")])
 
 
 def test_speculators_rows_are_rendered_here_only_once_a_held_session_found_them_its_render_endpoints(
