@@ -619,6 +619,9 @@ class Session:
 
     def _prepare(self, fw: str, head: str) -> bool:
         shared = self.lanes is not None
+        if fw == "speculators":  # the matched head's decoder config (here, not with its states: those may be reused)
+            draft = {**self.t, "num_hidden_layers": 1, "intermediate_size": ours_head()["mlp"]}
+            (PO / "speculators_draft.json").write_text(json.dumps(draft))
         if fw not in self.ready and fw in BESIDE and self.written(fw):
             say(f"{BESIDE[fw][0]}: written by an earlier job on this machine from the same conversations, reused")
             self.ready.add(fw)
@@ -672,8 +675,6 @@ class Session:
         from eagle3_train.engines.vllm import launch
 
         n, out = self.t["num_hidden_layers"], PO / "speculators_data"
-        draft = {**self.t, "num_hidden_layers": 1, "intermediate_size": ours_head()["mlp"]}
-        (PO / "speculators_draft.json").write_text(json.dumps(draft))  # the matched head's decoder config
         cmd = launch(str(self.target), [2, n // 2, n - 3, n], "bfloat16", PORT_STATES, str(out / "hs"))
         cmd += f" --gpu-memory-utilization {CAPTURE_SHARE} --max-model-len {SPECULATORS_SEQ} --enforce-eager"  # (eager:
         # the same states)
@@ -1181,12 +1182,19 @@ def data_ready_s(phases: list[dict], fw: str) -> float | None:
     return sum(p["seconds"] for p in mine) + (ENGINE_STAGED_S if fw in BESIDE else 0.0)
 
 
+def rendered_here(session: dict) -> bool:
+    """speculators' rows came from ``speculators_rows`` alone in this session (a held check trusted
+    them), not through its render endpoint: its data was ready some 100 s sooner."""
+    return any((p["run"], p["phase"], p["rc"]) == ("speculators_data", "rows", 0) for p in session.get("phases", []))
+
+
 class Rehearsal(Session):
     """The job as it would go over the results held, with nothing run (``plan --rehearse``): the shared
     set's synthesis first where the job will not find the set (``set_carried``: the held sessions'
     median), each
     framework's data takes what the held sessions' took from asking to ready (the median, the range
-    said; ``data_ready_s``: speculators' and SpecForge's wait for their engine's stage), each sized
+    said; ``data_ready_s``: speculators' and SpecForge's wait for their engine's stage; speculators'
+    from the sessions whose rows took the path the job's will, ``rendered_here``, once one did), each sized
     run its expected seconds (``expected_s``), on a clock ``REHEARSAL_SCALE`` times faster. A
     rehearsed run ends evaluated below every held one, highest at its grid's middle lr, so it moves no
     best and opens no edge; a probe measures nothing, so its framework's runs are left out; serving's
@@ -1202,8 +1210,11 @@ class Rehearsal(Session):
         self.prep_locks = {fw: threading.Lock() for fw in FRAMEWORKS}
         self.cached = carried_heads(a.cache or PEERS_CACHE)
         self.took: dict[str, list[float]] = {}
+        trusted = render_trusted(sessions, self.sha)
         for session in sessions:
             for fw in FRAMEWORKS:
+                if fw == "speculators" and rendered_here(session) != trusted and any(map(rendered_here, sessions)):
+                    continue  # (its data's path differs: the render on the critical path, or not)
                 if (x := data_ready_s(session.get("phases", []), fw)) is not None:
                     self.took.setdefault(fw, []).append(x)
         self.data_s = {fw: held_range(x)[0] for fw, x in self.took.items()}
@@ -1341,21 +1352,36 @@ def job(a: argparse.Namespace, rehearse: bool = False) -> None:
         tried[fw, head].update(new)
         return runs_of(fw, head, SWEEP_S, new, seeds) if new else []
 
-    def finals_of(fw: str, seeds: list[int], at: float = FINAL_S) -> list[RunSpec]:
+    def held_of(w: tuple[str, str, float, list[float], list[int]]) -> tuple[list[Run], list[str]]:
+        """A head's sweep as sized now: (its runs held scored, those it lacks)."""
+        fw, h, budget, lrs, sweep_seeds = w
+        runs, missing = [], []
+        for lr, seed in [(lr, seed) for lr in lrs for seed in sweep_seeds]:
+            x = s.spec(fw, h, "sweep", budget, lr, seed)
+            if x is None or not done(s.known, x):
+                missing.append(x.name if x else f"{fw}:{h} lr {lr:g} seed {seed} (no step time)")
+            else:
+                runs += [r for r in s.known if r.name == x.name]
+        return runs, missing
+
+    def finals_of(fw: str, seeds: list[int], at: float = FINAL_S, early: bool = False) -> list[RunSpec]:
         """Once the framework's sweep (as sized now) is over and whole: its best head and lr at ``at``
         seconds (the final's; the sweep's for --then-seed, where a seed's run held without its MT-bench
         tau or vLLM acceptance trains again, its record replaced), ``seeds``. A sweep cut short, or one
-        sized from another step time, chooses nothing."""
-        s.lanes.over([n for _, h, *_ in swept(fw) for n in edge_names(fw, h)])  # type: ignore[union-attr]
-        sweep = swept(fw)  # (again: its lrs past an edge as scored now)
+        sized from another step time, chooses nothing. ``early`` (--seed-early): the best of the heads
+        whose sweeps are whole when the job comes to it, beside the runs the other heads still lack
+        (where none is whole yet, as without it)."""
+        heads = [h for _, h, *_ in swept(fw)]
+        if early and (whole := [w[1] for w in swept(fw) if not held_of(w)[1]]) and whole != heads:
+            say(f"{fw}: seeds {', '.join(map(str, seeds))} of the best of its heads swept whole now "
+                f"({', '.join(whole)}), beside the sweep of {', '.join(h for h in heads if h not in whole)}")  # fmt: skip
+            heads = whole
+        s.lanes.over([n for h in heads for n in edge_names(fw, h)])  # type: ignore[union-attr]
         runs, missing = [], []
-        for _, h, budget, lrs, sweep_seeds in sweep:
-            for lr, seed in [(lr, seed) for lr in lrs for seed in sweep_seeds]:
-                x = s.spec(fw, h, "sweep", budget, lr, seed)
-                if x is None or not done(s.known, x):
-                    missing.append(x.name if x else f"{fw}:{h} lr {lr:g} seed {seed} (no step time)")
-                else:
-                    runs += [r for r in s.known if r.name == x.name]
+        for w in swept(fw):  # (again: its lrs past an edge as scored now)
+            if w[1] in heads:
+                held, lacks = held_of(w)
+                runs, missing = runs + held, missing + lacks
         if missing:
             what = "final" if at == FINAL_S else f"{at:g}-s run of seed {', '.join(map(str, seeds))}"
             say(f"{fw}: no {what} this job, its sweep lacks {', '.join(missing)}")
@@ -1394,8 +1420,8 @@ def job(a: argparse.Namespace, rehearse: bool = False) -> None:
                    for fw, h, _, _, seeds in asked for k in range(1, 2 * PAST_EDGE + 1)]  # fmt: skip
     if a.then_seed and a.what == "sweep":  # (the 3-minute verdict: the best with two more seeds, each scored as a
         # final is; not its sweep seed's run again, whose score chose it: a rerun of that could choose another)
-        groups += [(f"{fw} 3-minute pair", partial(finals_of, fw, [SEED[fw] + 1, SEED[fw] + 2], SWEEP_S))
-                   for fw in frameworks]  # fmt: skip
+        groups += [(f"{fw} 3-minute pair", partial(finals_of, fw, [SEED[fw] + 1, SEED[fw] + 2], SWEEP_S,
+                                                    a.seed_early)) for fw in frameworks]  # fmt: skip
     if a.then_final and a.what == "sweep":
         groups += [(f"{fw} final", partial(finals_of, fw, [SEED[fw], SEED[fw] + 1])) for fw in frameworks]
     s.lanes.run(groups, s.train)
@@ -1776,6 +1802,20 @@ def fold_earlier_job(results_file: Path) -> None:
         say(f"the last job's runs: {merge_into(PO, results_file)} runs in {results_file} now")
 
 
+def clear_session_folder() -> None:
+    """The session's folder emptied for a new job, less the data an earlier job on this machine wrote
+    whole beside the lanes (speculators' states: minutes of vLLM's time; the new job's ``written``
+    reuses them where its conversations are the same, and writes them again where not)."""
+    kept = PO.with_name(f"{PO.name}.kept")
+    shutil.rmtree(kept, ignore_errors=True)
+    kept.mkdir(parents=True)
+    for folder, _ in BESIDE.values():
+        if (PO / folder / WRITTEN).is_file():
+            (PO / folder).rename(kept / folder)
+    shutil.rmtree(PO, ignore_errors=True)
+    kept.rename(PO)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 2)[2])  # fmt: skip
@@ -1817,6 +1857,10 @@ def main(argv: list[str] | None = None) -> None:
                        help="sweep: once a framework's sweep is all in, its best head and lr at the sweep's budget "
                        "with two more seeds (its own +1 and +2), each scored on MT-bench and served by vLLM (the "
                        "3-minute verdict's spread), in the same job: a seed's run held without those trains again")  # fmt: skip
+        p.add_argument("--seed-early", action="store_true",
+                       help="--then-seed: the pair of the best of the framework's heads swept whole when the job "
+                       "comes to it, beside the runs its other heads still lack (time the GPU would give them "
+                       "alone); where one of those then does better, its pair is left for a later job")  # fmt: skip
         p.add_argument("--memory-gib", type=float, default=64.0,
                        help="the sum of the lanes' peaks (each measured alone) a new run must fit under")  # fmt: skip
         p.add_argument("--variant", choices=["eagle3", "eagle3.1"], default=None,
@@ -1863,8 +1907,7 @@ def main(argv: list[str] | None = None) -> None:
             Path("/tmp/repo") if Path("/tmp/repo").is_dir() else REPO
         )  # (the call's own copy is replaced by the next)
         fold_earlier_job(a.results or repo / f"benchmarks/results/peers_{a.size_on or gpu_kind()}.json")
-        shutil.rmtree(PO, ignore_errors=True)
-        PO.mkdir(parents=True)
+        clear_session_folder()
         smi = ["nvidia-smi", "--query-gpu=timestamp,memory.used", "--format=csv,noheader", "-l", "2"]
         if shutil.which("nvidia-smi"):
             (PO / "smi.pid").write_text(str(detach(smi, PO / "smi.csv", errors=False).pid))
@@ -1927,7 +1970,9 @@ def main(argv: list[str] | None = None) -> None:
                         " (held in the results)" if len(held) == 2
                         else f" (seed {held[0]} held in the results)" if held else ""
                     )  # fmt: skip
-                    print(f"{fw}: once its sweep is whole, its best ({now}) at {SWEEP_S:g} s, seeds {pair[0]} and "
+                    when = "once a head's sweep is whole (--seed-early), the best of those" if a.seed_early else \
+                        "once its sweep is whole, its best"  # fmt: skip
+                    print(f"{fw}: {when} ({now}) at {SWEEP_S:g} s, seeds {pair[0]} and "
                           f"{pair[1]}, each on MT-bench and served by vLLM{say_held}")  # fmt: skip
                 if a.then_final:
                     print(f"{fw}: once its sweep is whole, its best ({now}) at {FINAL_S:g} s, seeds {SEED[fw]} and "

@@ -865,9 +865,19 @@ def test_a_job_reserves_room_for_data_written_beside_the_lanes_and_a_later_one_r
     pg.main(["job", "sweep", "speculators:default", "--lanes", "1"])
     assert seen[0] == {"speculators_data": pytest.approx(0.30 * 80000)} and seen[1:] == [{}, {}, {}]
     assert json.loads((tmp_path / "speculators_data" / pg.WRITTEN).read_text()) == {"sha256": "abc", "n": 16384}
+    (tmp_path / "speculators_data" / "hs").mkdir()  # (its states)
+    (tmp_path / "modelopt_data").mkdir()
+    pg.clear_session_folder()  # what ``start`` does before the next job: the written states stay, nothing else
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["speculators_data"]
+    assert (tmp_path / "speculators_data" / "hs").is_dir()
     seen.clear()
     pg.main(["job", "sweep", "speculators:default", "--lanes", "1"])
     assert wrote == ["abc"] and seen == [{}, {}, {}]  # (nothing reserved: nothing to write)
+    draft = json.loads((tmp_path / "speculators_draft.json").read_text())  # (the matched head's, on reuse too)
+    assert draft["num_hidden_layers"] == 1 and draft["intermediate_size"] == pg.ours_head()["mlp"]
+    (tmp_path / "speculators_data" / pg.WRITTEN).unlink()  # written in part (the marker comes last): not kept
+    pg.clear_session_folder()
+    assert list(tmp_path.iterdir()) == []
     s = object.__new__(pg.Session)
     s.sha, s.a = "other", argparse.Namespace(n=16384)
     assert not s.written("speculators")
@@ -1239,6 +1249,48 @@ def test_then_seed_runs_each_frameworks_best_at_3_minutes_with_both_seeds_served
     assert pg.done(sessions[-1].known, spec, whole=True)
     spec.tau_mtbench = None
     assert not pg.done(sessions[-1].known, spec, whole=True)
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_seed_early_pairs_the_best_head_swept_whole_beside_the_sweep_the_other_head_still_lacks(
+    tmp_path, monkeypatch, early
+):
+    """--seed-early: ours' recipe head was swept whole by an earlier job (its best 2e-3 at 2.6) and this
+    job sweeps its muon head; the recipe's pair (seeds 1 and 2) starts beside muon's sweep runs. Muon
+    then does better (0.04 at 2.8), so its pair is left for a later job. Without it, the pair waits for
+    the whole sweep and is muon's."""
+    events, lock, paired = [], threading.Lock(), threading.Event()
+
+    def train(self, spec, lane=0):
+        with lock:
+            events.append(("start", spec.name))
+        if spec.seed:
+            paired.set()
+        else:  # (a sweep run lasts until a pair's run has started, or 2 s)
+            paired.wait(2.0)
+        tau = 2.8 if (spec.head, spec.lr) == ("muon", 0.04) else 1.3
+        got = pr.Run.from_dict({**pr.asdict(spec), "steps": spec.steps_planned, "tau_heldout": tau})
+        got.tau_mtbench = got.vllm_acceptance = 1.5
+        with lock:
+            self.known = [r for r in self.known if r.name != got.name] + [got]
+            events.append(("end", spec.name))
+
+    recipe = swept_before("ours", "recipe", 0.3, 2.0)
+    recipe[2].tau_heldout = 2.6  # (lr 2e-3)
+    recipe[0].peak_gpu_mib, recipe[0].peak_from = 8000, "run"  # (each head's probe measured its peak: its
+    muon = probe("ours", "muon", 0.02, steps=300, steady_step_s=0.3, peak_gpu_mib=8000, peak_from="run")  # runs share)
+    stand_in_job(monkeypatch, tmp_path, [*recipe, muon], train)
+    pg.main(["job", "sweep", "ours:muon", "--lanes", "5", "--then-seed", *(["--seed-early"] if early else [])])
+    pairs = [n for e, n in events if e == "start" and not n.endswith("-seed0")]
+    sweep_ends = [i for i, (e, n) in enumerate(events) if e == "end" and "-muon-" in n and n.endswith("-seed0")]
+    first_pair = min(i for i, (e, n) in enumerate(events) if e == "start" and not n.endswith("-seed0"))
+    assert len(sweep_ends) == 3
+    if early:
+        assert sorted(pairs) == [f"ours-recipe-eagle3.1-n16384-180s-lr0.002-seed{k}" for k in (1, 2)]
+        assert first_pair < sweep_ends[0]  # (beside the sweep, not after it)
+    else:
+        assert sorted(pairs) == [f"ours-muon-eagle3.1-n16384-180s-lr0.04-seed{k}" for k in (1, 2)]
+        assert first_pair > sweep_ends[-1]
 
 
 def test_no_run_starts_that_would_end_past_the_end_deadline():
