@@ -124,6 +124,7 @@ class Run(RunSpec):
     alone: bool | None = None  # it trained with the GPU to itself (a probe; one lane, nothing beside: reported only)
     reinstated: str | None = None  # brought back from the superseded file: why its measure still holds, and when
     first_acc: dict[str, float] | None = None  # step -> the first draft position's train accuracy (its own log)
+    acc_by_tokens: dict[str, float] | None = None  # "<N>M" -> the same, once it had trained N million tokens
     scored_s: float | None = None  # from its training's end to its last phase: export, two evaluations, vLLM serving
 
     @classmethod
@@ -484,6 +485,7 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
                 ],
             },
             *([learning] if (learning := learning_table(order))["rows"] else []),
+            *([by_tokens] if (by_tokens := tokens_table(order))["rows"] else []),
             *(
                 [
                     {
@@ -524,6 +526,21 @@ def learning_table(runs: list[Run]) -> dict[str, Any]:
     return {"title": f"Learning by optimizer step: the first draft position's train accuracy (each framework's own "
                      f"log, the mean over the {ACC_WINDOW} steps up to each), beside the tokens a step carried",
             "header": ["name", "tokens a step (about)", "steps", *[f"acc @{s}" for s in ACC_STEPS], "acc last",
+                       "held-out tau"],
+            "rows": [[_dash(x) for x in row] for row in rows]}  # fmt: skip
+
+
+def tokens_table(runs: list[Run]) -> dict[str, Any]:
+    """The learning table read by trained tokens rather than optimizer steps: the same accuracy once
+    each run had trained 2, 5, 10, 15 and 20 million tokens (ours' steps carry ~32k tokens, speculators'
+    ~8k), so that how much a framework learns from a token can be read apart from how many steps its
+    minutes make."""
+    rows = [[r.name, round(r.tokens_per_s * r.steady_step_s) if r.tokens_per_s and r.steady_step_s else None, r.steps,
+             *[(r.acc_by_tokens or {}).get(f"{m}M") for m in TOKEN_MARKS], r.tau_heldout]
+            for r in runs if r.acc_by_tokens and r.kind != "probe"]  # fmt: skip
+    return {"title": "Learning by trained tokens: the first draft position's train accuracy (as in the table above) "
+                     "once each run had trained so many tokens",
+            "header": ["name", "tokens a step (about)", "steps", *[f"acc @{m}M tokens" for m in TOKEN_MARKS],
                        "held-out tau"],
             "rows": [[_dash(x) for x in row] for row in rows]}  # fmt: skip
 
@@ -610,6 +627,23 @@ def first_acc(pairs: list[tuple[int, float]]) -> dict[str, float] | None:
     return out | {"last": round(statistics.fmean(window(last)), 3)}
 
 
+TOKEN_MARKS = (2, 5, 10, 15, 20)  # millions of trained tokens the learning-by-tokens table reads each run at
+
+
+def acc_by_tokens(pairs: list[tuple[int, float]], tokens_per_step: float) -> dict[str, float] | None:
+    """The first draft position's train accuracy once the run had trained each of :data:`TOKEN_MARKS`
+    million tokens (the step its steady tokens a step reach them at), the mean of what it logged over the
+    :data:`ACC_WINDOW` steps up to there; marks past its last step are left out (None: none reached)."""
+    if not pairs or tokens_per_step <= 0:
+        return None
+    last, out = max(s for s, _ in pairs), {}
+    for m in TOKEN_MARKS:
+        step = round(m * 1e6 / tokens_per_step)
+        if step <= last and (w := [a for s, a in pairs if step - ACC_WINDOW < s <= step]):
+            out[f"{m}M"] = round(statistics.fmean(w), 3)
+    return out or None
+
+
 def ours_acc(text: str) -> list[tuple[int, float]]:
     """Our trainer's metrics.jsonl: (step, acc of the first chain position) per logged step."""
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
@@ -693,15 +727,16 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
     mine = {p["phase"]: p for p in phases if p["run"] == d.name}
     run.failed = [p for p, v in mine.items() if v["rc"]]
     pts: list[tuple[int, float]] = []
+    acc: list[tuple[int, float]] = []
     timing, per_step = split_compile, None
     log = train_log(d)
     if (d / "run/train/metrics.jsonl").is_file():
         metrics = (d / "run/train/metrics.jsonl").read_text()
         pts, run.tokens_per_s = ours_points(metrics)
-        run.first_acc = first_acc(ours_acc(metrics))
+        run.first_acc = first_acc(acc := ours_acc(metrics))
     elif run.framework == "speculators" and log is not None:
         pts, run.tokens_per_s, run.steps_per_epoch = speculators_points(log)
-        run.first_acc = first_acc(speculators_acc(log))
+        run.first_acc = first_acc(acc := speculators_acc(log))
     elif run.framework == "specforge" and log is not None:
         pts = specforge_points(log)
     elif log is not None:
@@ -718,6 +753,8 @@ def read_run(d: Path, phases: list[dict], trace: list[tuple[float, int]]) -> Run
         run.steady_loop_s = round(run.steps * run.steady_step_s, 1)
         if per_step and run.steady_step_s:
             run.tokens_per_s = round(per_step / run.steady_step_s, 1)
+    if run.tokens_per_s and run.steady_step_s:
+        run.acc_by_tokens = acc_by_tokens(acc, run.tokens_per_s * run.steady_step_s)
     if "train" in mine:
         t = mine["train"]
         beside = [p for p in phases if p["run"] != d.name and p["start"] < t["end"] and p["end"] > t["start"]]

@@ -2048,6 +2048,27 @@ def test_each_runs_first_position_accuracy_is_read_from_its_own_log_by_optimizer
     assert set(by_name) == {ours.name, spec.name}  # (a probe is not a run to compare)
     assert (by_name[ours.name]["acc @300"], by_name[ours.name]["acc @600"]) == (0.295, "—")
     assert by_name[ours.name]["tokens a step (about)"] == round(1e5 * ours.steady_step_s)
+    # (its steps carry 1e5 tokens/s x its steady step: its 2M mark is the step that reaches 2M, read as above)
+    assert ours.acc_by_tokens == pr.acc_by_tokens(pr.ours_acc((ours_dir / "run/train/metrics.jsonl").read_text()),
+                                                  1e5 * ours.steady_step_s)  # fmt: skip
+
+
+def test_each_runs_accuracy_is_also_read_at_so_many_trained_tokens():
+    """The same accuracy read where the run had trained 2, 5, ... million tokens: at 8,000 tokens a
+    step, 2M is step 250 (the mean over steps 231-250), 15M step 1,875; 20M (step 2,500) lies past its
+    last step and is left out. A run read from its folder gets them from its steady tokens a step, and
+    the table beside the step one lists the runs, not the probes."""
+    pairs = [(s, s / 10000) for s in range(1, 2001)]
+    got = pr.acc_by_tokens(pairs, 8000.0)
+    assert got == {"2M": round(sum(range(231, 251)) / 20 / 10000, 3), "5M": round(sum(range(606, 626)) / 20 / 10000, 3),
+                   "10M": round(sum(range(1231, 1251)) / 20 / 10000, 3), "15M": round(sum(range(1856, 1876)) / 20 / 10000, 3)}  # fmt: skip
+    assert pr.acc_by_tokens([], 8000.0) is None and pr.acc_by_tokens(pairs, 0.0) is None
+    assert pr.acc_by_tokens(pairs[:10], 8000.0) is None  # (no mark reached)
+    ours = run(steps=2000, tokens_per_s=80000.0, steady_step_s=0.1, acc_by_tokens=got, tau_heldout=2.5)
+    table = pr.tokens_table([probe(steps=300, acc_by_tokens={"2M": 0.1}), ours])
+    assert [row[0] for row in table["rows"]] == [ours.name]
+    row = dict(zip(table["header"], table["rows"][0]))
+    assert (row["acc @2M tokens"], row["acc @20M tokens"], row["tokens a step (about)"]) == (got["2M"], "—", 8000)
 
 
 def test_what_the_lanes_say_at_once_comes_out_a_whole_line_each(monkeypatch):
