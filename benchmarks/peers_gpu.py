@@ -104,6 +104,7 @@ from peers_results import (  # noqa: E402
     step_time,
     sweep_lrs,
 )
+from peers_results import swept as swept_taus  # noqa: E402  (job() has a swept of its own)
 
 from eagle3_train.engines.launcher import stop_group  # noqa: E402
 
@@ -1961,7 +1962,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"{'unknown' if peak is None else f'{peak / 1024:.1f} GiB'}{serving}{held_note}")  # fmt: skip
         if a.what == "sweep" and (a.then_seed or a.then_final):
             for fw in dict.fromkeys(w[0] for w in wanted):
-                top = best(known, fw)
+                whole = [h for h in HEADS[fw] if set(sweep_lrs(known, fw, h)) <= set(swept_taus(known, fw, h))]
+                early = a.then_seed and a.seed_early and whole  # (the pair: the best of the heads swept whole)
+                top = best([r for r in known if r.head in whole] if early else known, fw)
                 now = f"now {top.head} lr {top.lr:g}" if top else "none scored yet"
                 if a.then_seed:
                     pair = [SEED[fw] + 1, SEED[fw] + 2]

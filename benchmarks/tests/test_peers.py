@@ -1293,6 +1293,19 @@ def test_seed_early_pairs_the_best_head_swept_whole_beside_the_sweep_the_other_h
         assert first_pair > sweep_ends[-1]
 
 
+def test_plan_names_the_head_seed_early_would_pair(monkeypatch, capsys):
+    """``plan``: with --seed-early the pair is the best of the heads swept whole (the recipe, 2.6), not
+    a head ahead of it whose sweep still lacks runs (muon, 2.8 at 0.04 alone)."""
+    recipe = swept_before("ours", "recipe", 0.3, 2.0)
+    recipe[2].tau_heldout = 2.6  # (lr 2e-3)
+    muon = run("ours", "muon", 180.0, 0.04, 0, 600, steps=600, tau_heldout=2.8)
+    monkeypatch.setattr(pg, "load", lambda path: ([*recipe, muon], None))
+    for flags, now in (([], "muon lr 0.04"), (["--seed-early"], "recipe lr 0.002")):
+        capsys.readouterr()
+        pg.main(["plan", "sweep", "ours", "--then-seed", *flags, "--device", "h100"])
+        assert f"(now {now}) at 180 s, seeds 1 and 2" in capsys.readouterr().out
+
+
 def test_no_run_starts_that_would_end_past_the_end_deadline():
     """--end-by-s: a run expected to take longer than what is left waits out; a short one still goes."""
     started = []
