@@ -4,7 +4,7 @@
     there: benchmarks/staging/gpu_stage.sh install; benchmarks/staging/stage_vllm.sh install (its parts);
            for specforge also benchmarks/staging/stage_sglang14.sh install (its parts)
            python3 benchmarks/peers_gpu.py stage                     (in the call that carries .peers)
-           python3 benchmarks/peers_gpu.py start sweep ours speculators modelopt [--lanes 5] [--end-by-s 1600] [--then-seed] [--then-final]
+           python3 benchmarks/peers_gpu.py start sweep ours speculators modelopt [--lanes 5] [--end-by-s 1600] [--then-seed [--seed-early]] [--then-final]
            python3 benchmarks/peers_gpu.py start final ours speculators modelopt [--seeds 0]
            python3 benchmarks/peers_gpu.py poll 540 "$OUT"           (back to back until it prints "ended")
            (vLLM's parts may also come after the start, one call each running stage_vllm.sh install alone, no
@@ -48,7 +48,9 @@ also renders them here with the target's template before the server starts and c
 datasets speculators writes (phase ``check render <sha12>``), and once a held session found them the
 same for the set, later jobs give speculators the rows rendered here and skip the endpoint's render.
 Where a machine comes late, name every framework with work left: ``--end-by-s`` starts only the runs
-that end in time. Notes: benchmarks/notes/peer_training.md.
+that end in time; ``--seed-early`` lets a 3-minute seed pair run beside the sweep another head still
+lacks. A second ``start`` on the same machine keeps the data a job wrote whole (speculators' states)
+and reuses it. Notes: benchmarks/notes/peer_training.md.
 """
 
 from __future__ import annotations
