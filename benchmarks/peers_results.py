@@ -513,6 +513,11 @@ def results(runs: list[Run], sessions: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def step_tokens(r: Run) -> int | None:
+    """About how many tokens a step of the run carried: its steady tokens/s over its steady step."""
+    return round(r.tokens_per_s * r.steady_step_s) if r.tokens_per_s and r.steady_step_s else None
+
+
 def learning_table(runs: list[Run]) -> dict[str, Any]:
     """What each sweep and final run learned by optimizer step: the first draft position's train
     accuracy by its own log (ours' ``acc[0]``, speculators' ``full_acc_0``: the same quantity, argmax
@@ -520,8 +525,8 @@ def learning_table(runs: list[Run]) -> dict[str, Any]:
     token, ours counts the position as missed, and how speculators' matched head counts it is not
     checked: its default head, on the full vocabulary, reads within 0.05 of it), beside the tokens each
     of its steps carried."""
-    rows = [[r.name, round(r.tokens_per_s * r.steady_step_s) if r.tokens_per_s and r.steady_step_s else None, r.steps,
-             *[(r.first_acc or {}).get(str(s)) for s in ACC_STEPS], (r.first_acc or {}).get("last"), r.tau_heldout]
+    rows = [[r.name, step_tokens(r), r.steps, *[(r.first_acc or {}).get(str(s)) for s in ACC_STEPS],
+             (r.first_acc or {}).get("last"), r.tau_heldout]
             for r in runs if r.first_acc and r.kind != "probe"]  # fmt: skip
     return {"title": f"Learning by optimizer step: the first draft position's train accuracy (each framework's own "
                      f"log, the mean over the {ACC_WINDOW} steps up to each), beside the tokens a step carried",
@@ -535,8 +540,8 @@ def tokens_table(runs: list[Run]) -> dict[str, Any]:
     each run had trained 2, 5, 10, 15 and 20 million tokens (ours' steps carry ~32k tokens, speculators'
     ~8k), so that how much a framework learns from a token can be read apart from how many steps its
     minutes make."""
-    rows = [[r.name, round(r.tokens_per_s * r.steady_step_s) if r.tokens_per_s and r.steady_step_s else None, r.steps,
-             *[(r.acc_by_tokens or {}).get(f"{m}M") for m in TOKEN_MARKS], r.tau_heldout]
+    rows = [[r.name, step_tokens(r), r.steps, *[(r.acc_by_tokens or {}).get(f"{m}M") for m in TOKEN_MARKS],
+             r.tau_heldout]
             for r in runs if r.acc_by_tokens and r.kind != "probe"]  # fmt: skip
     return {"title": "Learning by trained tokens: the first draft position's train accuracy (as in the table above) "
                      "once each run had trained so many tokens",
@@ -612,6 +617,11 @@ ACC_STEPS = (100, 300, 600, 1000, 2000)  # the optimizer steps the learning tabl
 ACC_WINDOW = 20  # ... as the mean of the values it logged over this many steps up to it (one batch is noisy)
 
 
+def window(pairs: list[tuple[int, float]], step: int) -> list[float]:
+    """What a log's (step, value) pairs hold over the :data:`ACC_WINDOW` steps up to ``step``."""
+    return [a for s, a in pairs if step - ACC_WINDOW < s <= step]
+
+
 def first_acc(pairs: list[tuple[int, float]]) -> dict[str, float] | None:
     """The first draft position's train accuracy at each of :data:`ACC_STEPS` the run reached, and at
     its last step (``"last"``), each the mean of what it logged over the :data:`ACC_WINDOW` steps up to
@@ -619,12 +629,8 @@ def first_acc(pairs: list[tuple[int, float]]) -> dict[str, float] | None:
     if not pairs:
         return None
     last = max(s for s, _ in pairs)
-
-    def window(step: int) -> list[float]:
-        return [a for s, a in pairs if step - ACC_WINDOW < s <= step]
-
-    out = {str(s): round(statistics.fmean(w), 3) for s in ACC_STEPS if s <= last and (w := window(s))}
-    return out | {"last": round(statistics.fmean(window(last)), 3)}
+    out = {str(s): round(statistics.fmean(w), 3) for s in ACC_STEPS if s <= last and (w := window(pairs, s))}
+    return out | {"last": round(statistics.fmean(window(pairs, last)), 3)}
 
 
 TOKEN_MARKS = (2, 5, 10, 15, 20)  # millions of trained tokens the learning-by-tokens table reads each run at
@@ -639,7 +645,7 @@ def acc_by_tokens(pairs: list[tuple[int, float]], tokens_per_step: float) -> dic
     last, out = max(s for s, _ in pairs), {}
     for m in TOKEN_MARKS:
         step = round(m * 1e6 / tokens_per_step)
-        if step <= last and (w := [a for s, a in pairs if step - ACC_WINDOW < s <= step]):
+        if step <= last and (w := window(pairs, step)):
             out[f"{m}M"] = round(statistics.fmean(w), 3)
     return out or None
 
