@@ -1213,10 +1213,10 @@ class Rehearsal(Session):
         self.prep_locks = {fw: threading.Lock() for fw in FRAMEWORKS}
         self.cached = carried_heads(a.cache or PEERS_CACHE)
         self.took: dict[str, list[float]] = {}
-        trusted = render_trusted(sessions, self.sha)
+        trusted, paths = render_trusted(sessions, self.sha), any(map(rendered_here, sessions))
         for session in sessions:
             for fw in FRAMEWORKS:
-                if fw == "speculators" and rendered_here(session) != trusted and any(map(rendered_here, sessions)):
+                if fw == "speculators" and paths and rendered_here(session) != trusted:
                     continue  # (its data's path differs: the render on the critical path, or not)
                 if (x := data_ready_s(session.get("phases", []), fw)) is not None:
                     self.took.setdefault(fw, []).append(x)
@@ -1374,8 +1374,9 @@ def job(a: argparse.Namespace, rehearse: bool = False) -> None:
         sized from another step time, chooses nothing. ``early`` (--seed-early): the best of the heads
         whose sweeps are whole when the job comes to it, beside the runs the other heads still lack
         (where none is whole yet, as without it)."""
-        heads = [h for _, h, *_ in swept(fw)]
-        if early and (whole := [w[1] for w in swept(fw) if not held_of(w)[1]]) and whole != heads:
+        sweep = swept(fw)
+        heads = [h for _, h, *_ in sweep]
+        if early and (whole := [w[1] for w in sweep if not held_of(w)[1]]) and whole != heads:
             say(f"{fw}: seeds {', '.join(map(str, seeds))} of the best of its heads swept whole now "
                 f"({', '.join(whole)}), beside the sweep of {', '.join(h for h in heads if h not in whole)}")  # fmt: skip
             heads = whole
