@@ -1304,6 +1304,10 @@ def test_plan_names_the_head_seed_early_would_pair(monkeypatch, capsys):
         capsys.readouterr()
         pg.main(["plan", "sweep", "ours", "--then-seed", *flags, "--device", "h100"])
         assert f"(now {now}) at 180 s, seeds 1 and 2" in capsys.readouterr().out
+    for words in (["sweep", "ours", "--seed-early"], ["final", "ours", "--then-seed", "--seed-early"]):
+        with pytest.raises(SystemExit):  # (without a pair to start early, the flag is refused, not ignored)
+            pg.main(["plan", *words, "--device", "h100"])
+        assert "--seed-early: it starts --then-seed's pair early" in capsys.readouterr().err
 
 
 def test_no_run_starts_that_would_end_past_the_end_deadline():
