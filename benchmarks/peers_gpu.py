@@ -37,10 +37,11 @@ loses only what the last poll had not packed. The shared set (``.peers/data/<DAT
 committed as ``benchmarks/data/<DATA_SET>`` (3.8 MB), which ``pack`` copies; where missing, it is
 synthesized by the session's first phase (outside every budget; 123-155 s on an H100, which gave the
 same conversations each time) and polls bring it out as ``<DATA_SET>.part-N``: put those in
-``.peers/data/`` and pack again, so later sessions carry the same set. ModelOpt's compile cache comes out as
-``inductor_modelopt.tgz.part-N`` (15 MiB parts, 48 MiB at most): put them in ``.peers_cache/`` here and
+``.peers/data/`` and pack again, so later sessions carry the same set. The peers' compile cache (the
+torch.compile graphs of ModelOpt, speculators and SpecForge; ours' are not in it) comes out as
+``inductor_peers.tgz.part-N`` (15 MiB parts, 48 MiB at most): put them in ``.peers_cache/`` here and
 run ``peers_gpu.py cache-in .peers_cache`` in a call of their own that carries it (before ``start``),
-so a fresh machine may skip ModelOpt's 5-6 minutes of max-autotune (a cache small enough may ride in
+so a fresh machine may skip ModelOpt's 5-6 minutes of max-autotune and most of speculators' compile (a cache small enough may ride in
 ``.peers/cache/`` instead, which ``stage`` unpacks). The cache names the heads whose training it holds
 (``heads.json``); ``plan`` and ``--end-by-s`` count those heads' compile warm. speculators' rows
 (its ``prepare-data``) come from its vLLM render endpoint, about 100 s once the server is up; the job
@@ -331,23 +332,28 @@ def env_for(fw: str) -> dict[str, str]:
         "specforge": ["/tmp/sfsite", "/tmp/sg14site"],  # (SGLang 0.5.14's site carries transformers 5.8.1: first)
     }
     path = [*site[fw], "/tmp/site", str(REPO), os.environ.get("PYTHONPATH", "")]
-    # ModelOpt's max-autotune compile took 5-6 min on a fresh machine: its cache goes out with the polls
-    # and comes back with a call of its own (cache-in; compilation is measured apart from the budget either way)
-    cache = {"TORCHINDUCTOR_CACHE_DIR": str(COMPILE_CACHE)} if fw == "modelopt" else {}
+    # ModelOpt's max-autotune compile took 5-6 min on a fresh machine, speculators' 1-4 min: the peers' cache
+    # goes out with the polls and comes back with a call of its own (cache-in; compilation is measured apart
+    # from the budget either way)
+    cache = {"TORCHINDUCTOR_CACHE_DIR": str(COMPILE_CACHE)} if fw in CACHED else {}
     return {**os.environ, **cache, "PYTHONPATH": ":".join(p for p in path if p), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
             "EAGLE3_CACHE": os.environ.get("EAGLE3_CACHE", "/tmp/e3cache"),
             "TVM_FFI_CACHE_DIR": "/tmp/sg14cache/tvm-ffi", "FLASHINFER_WORKSPACE_BASE": "/tmp/sg14cache"}  # fmt: skip
 
 
-COMPILE_CACHE = Path(os.environ.get("COMPILE_CACHE", "/tmp/inductor_modelopt"))  # ModelOpt's torch.compile cache
-COMPILE_CACHE_TGZ = "inductor_modelopt.tgz"  # a poll's parts of it (.part-N); a later session starts warm
+CACHED = ("modelopt", "speculators", "specforge")  # the frameworks that compile into the carried cache (ours
+# keeps its own: it has no runs left to start warm, and its graphs would only take the cache's room)
+COMPILE_CACHE = Path(os.environ.get("COMPILE_CACHE", "/tmp/inductor_peers"))  # their torch.compile cache
+COMPILE_CACHE_TGZ = "inductor_peers.tgz"  # a poll's parts of it (.part-N); a later session starts warm
+# (sessions 37-48 carried ModelOpt's alone, as inductor_modelopt.tgz: pack those again under this name to use them)
 COMPILE_CACHE_MIB = 48  # at most this much comes out (a call's files: 64 MiB together, 16 MiB each, 8 files)
 CACHE_PART_BYTES = 15 << 20  # one file of it
 CACHE_HEADS = "heads.json"  # in COMPILE_CACHE: the heads (framework:head@device) whose graphs it holds
-CARRIED_COMPILE_S = 90.0  # a compile that found its graphs in a cache carried from another H100: ModelOpt's
-# default head compiled in ~88 s so (peers_modelopt_cache_h100.json: 60 steps in 92 s, 4 s of them steps), against 17-21 s where the
-# cache was the machine's own and 381 s cold
+CARRIED_COMPILE_S = {"modelopt": 90.0}  # a compile that found its graphs in a cache carried from another H100:
+# ModelOpt's default head compiled in ~88 s so (peers_modelopt_cache_h100.json: 60 steps in 92 s, 4 s of them
+# steps), against 17-21 s where the cache was the machine's own and 381 s cold. A framework not named here has not
+# compiled from a carried cache yet: its runs are counted cold (the first such run's compile column says how warm)
 SHARED_SET = REPO / "benchmarks" / "data" / DATA_SET  # the shared set, committed (pack copies it into .peers/)
 PEERS_HERE = REPO / ".peers"  # what pack fills here, which a job's call carries
 PEERS_CACHE = REPO / ".peers_cache"  # here: the parts a poll brought out, for cache-in (plan reads their heads)
@@ -891,7 +897,8 @@ def expected_s(known: list, spec: RunSpec, slowdown: float | None = None, warm: 
     probe's start-up and compilation, slowed as its framework's were beside as many lanes
     (``overhead_slowdown``; a fresh machine compiles again; ``warm``: the compile cache here
     holds its head's graphs, so its compile is a warm one's, ``warm_compile_s``, or one from a cache
-    carried from another machine, ``CARRIED_COMPILE_S``, whichever is longer), and its draft's
+    carried from another machine, ``CARRIED_COMPILE_S``, whichever is longer; cold where its framework
+    has no carried compile measured), and its draft's
     scoring (``scoring_s``: two evaluations, held-out and MT-bench, and vLLM serving)."""
     return expected_total(expected_parts(known, spec, slowdown, warm))
 
@@ -943,8 +950,9 @@ def alone_overhead(known: list, spec: RunSpec, warm: bool) -> float:
     unmeasured), the compile a warm one's where ``warm`` (``expected_s``)."""
     alone = probe_of(known, spec.framework, spec.head, spec.sized_on or spec.device)
     measured = (alone.startup_s, alone.compile_s) if alone else (None, None)
-    if warm and alone and (hit := warm_compile_s(known, spec, alone.compile_s)) is not None:
-        measured = (alone.startup_s, max(hit, CARRIED_COMPILE_S))  # (the cache may have come from another machine)
+    carried = CARRIED_COMPILE_S.get(spec.framework)  # (the cache may have come from another machine)
+    if warm and alone and carried is not None and (hit := warm_compile_s(known, spec, alone.compile_s)) is not None:
+        measured = (alone.startup_s, max(hit, carried))
     return sum(60.0 if x is None else x for x in measured)
 
 
@@ -1654,19 +1662,20 @@ def carried_heads(folder: Path) -> set[str]:
 
 
 def name_cached_heads() -> None:
-    """Add to the cache's ``CACHE_HEADS`` the ModelOpt heads that trained here (their graphs are in it)."""
+    """Add to the cache's ``CACHE_HEADS`` the heads of ``CACHED`` frameworks that trained here (their graphs
+    are in it)."""
     trained = set()
     for p in phases():
         if p["phase"] == "train" and not p["rc"] and (PO / p["run"] / "spec.json").is_file():
             spec = Run.from_dict(json.loads((PO / p["run"] / "spec.json").read_text()))
-            if spec.framework == "modelopt":
+            if spec.framework in CACHED:
                 trained.add(head_key(spec))
     if trained - (held := cached_heads()):
         (COMPILE_CACHE / CACHE_HEADS).write_text(json.dumps(sorted(held | trained)))
 
 
 def cache_fingerprint() -> str:
-    """What ModelOpt's compile cache holds now: its files' paths, sizes and times (Triton's own left out)."""
+    """What the peers' compile cache holds now: its files' paths, sizes and times (Triton's own left out)."""
     h, triton = hashlib.sha256(), COMPILE_CACHE / "triton"
     for f in sorted(COMPILE_CACHE.rglob("*")):
         if f.is_file() and triton not in f.parents:
@@ -1682,7 +1691,7 @@ def cache_side(what: str) -> Path:
 
 
 def compile_cache_out(dest: Path) -> None:
-    """ModelOpt's compile cache as dest/COMPILE_CACHE_TGZ.part-N (``CACHE_PART_BYTES`` each, a call's
+    """The peers' compile cache as dest/COMPILE_CACHE_TGZ.part-N (``CACHE_PART_BYTES`` each, a call's
     files being 16 MiB at most), where it fits COMPILE_CACHE_MIB: its graphs (their Triton kernels
     bundled in), not Triton's own cache of every autotuned candidate, and the heads they are of.
     Packed only when it changed (every poll packed it again before): the last parts are copied again,
@@ -1705,12 +1714,12 @@ def compile_cache_out(dest: Path) -> None:
             tar.add(COMPILE_CACHE, arcname=COMPILE_CACHE.name,
                     filter=lambda m: None if m.name == triton or m.name.startswith(f"{triton}/") else m)  # fmt: skip
     except (OSError, tarfile.TarError) as e:  # (a compile writing it now: the next poll packs it)
-        say(f"ModelOpt's compile cache not packed this time: {e!r}")
+        say(f"the peers' compile cache not packed this time: {e!r}")
         tmp.unlink(missing_ok=True)
         return
     if tmp.stat().st_size > COMPILE_CACHE_MIB << 20:
         say(
-            f"ModelOpt's compile cache is {tmp.stat().st_size / 2**20:.0f} MiB packed: over {COMPILE_CACHE_MIB}, left here"
+            f"the peers' compile cache is {tmp.stat().st_size / 2**20:.0f} MiB packed: over {COMPILE_CACHE_MIB}, left here"
         )
         tmp.unlink()
         return
@@ -1725,13 +1734,13 @@ def compile_cache_out(dest: Path) -> None:
 
 def compile_cache_in(folder: Path) -> None:
     """The compile cache an earlier session brought out (its parts, or the whole ``.tgz``, in
-    ``folder``), where ModelOpt looks; never over a cache already there (this machine's own)."""
+    ``folder``), where the peers look; never over a cache already there (this machine's own)."""
     if COMPILE_CACHE.is_dir() or (blob := carried_cache(folder)) is None:
         return
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         tar.extractall(COMPILE_CACHE.parent, filter="data")
     cache_side("carried").write_text(cache_fingerprint())  # (a poll brings it out again only once it changed)
-    say(f"ModelOpt's compile cache from an earlier session: {COMPILE_CACHE} ({len(blob) / 2**20:.0f} MiB packed)")
+    say(f"the peers' compile cache from an earlier session: {COMPILE_CACHE} ({len(blob) / 2**20:.0f} MiB packed)")
 
 
 def join_data_parts(peers: Path, committed: Path | None = None) -> None:
@@ -1883,7 +1892,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--size-on", default=None, metavar="KIND",
                        help="size the runs by the probes of another GPU kind (e.g. h100 on an H200: the same steps, "
                        "so the same drafts, as there); a framework never probed there is left out, not probed here")  # fmt: skip
-    p = sub.add_parser("cache-in", help="ModelOpt's compile cache from a poll's parts in FOLDER (a call carrying it)")
+    p = sub.add_parser("cache-in", help="the peers' compile cache from a poll's parts in FOLDER (a call carrying it)")
     p.add_argument("folder", type=Path)
     p = sub.add_parser("poll")
     p.add_argument("seconds", type=float)

@@ -431,20 +431,20 @@ def test_the_committed_shared_set_is_the_one_the_results_trained_on():
     assert len(rows) == pg.DATA_N and {r.data_sha256 for r in known} == {sha}
 
 
-def test_modelopt_compiles_into_a_cache_polls_bring_out_in_parts_and_cache_in_puts_back_without_tritons_own(
+def test_the_peers_compile_into_a_cache_polls_bring_out_in_parts_and_cache_in_puts_back_without_tritons_own(
     tmp_path, monkeypatch
 ):
-    """Only ModelOpt's processes compile into the carried cache; a poll packs its graphs (not Triton's
+    """The peers' processes compile into the carried cache, ours' not; a poll packs its graphs (not Triton's
     cache of every autotuned candidate) in parts a call's files can hold, none over the cap, replacing
     an earlier poll's, and packs it again only once it changed (else its last parts again); a later
     session's cache-in (or stage, from .peers/cache) joins and unpacks them, never over a cache already
     there, and its polls bring the cache out only once it changed from what came in."""
-    cache, dest, carried = tmp_path / "m" / "inductor_modelopt", tmp_path / "out", tmp_path / ".peers_cache"
+    cache, dest, carried = tmp_path / "m" / "inductor_peers", tmp_path / "out", tmp_path / ".peers_cache"
     monkeypatch.setattr(pg, "COMPILE_CACHE", cache)
-    assert pg.env_for("modelopt")["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
     assert all(
-        pg.env_for(fw).get("TORCHINDUCTOR_CACHE_DIR") != str(cache) for fw in ("ours", "speculators", "specforge")
+        pg.env_for(fw)["TORCHINDUCTOR_CACHE_DIR"] == str(cache) for fw in ("modelopt", "speculators", "specforge")
     )
+    assert pg.env_for("ours").get("TORCHINDUCTOR_CACHE_DIR") != str(cache)
     dest.mkdir()
     pg.compile_cache_out(dest)
     assert not list(dest.iterdir())  # nothing compiled this session
@@ -462,8 +462,8 @@ def test_modelopt_compiles_into_a_cache_polls_bring_out_in_parts_and_cache_in_pu
     assert all(f.stat().st_size <= 2048 for f in parts)
     with tarfile.open(fileobj=io.BytesIO(b"".join(f.read_bytes() for f in parts))) as tar:
         assert sorted(m.name for m in tar.getmembers() if m.isfile()) == [
-            "inductor_modelopt/fxgraph/ab/entry",
-            "inductor_modelopt/fxgraph/ab/triton_bundle",
+            "inductor_peers/fxgraph/ab/entry",
+            "inductor_peers/fxgraph/ab/triton_bundle",
         ]
     packed = [f.read_bytes() for f in parts]
     again = tmp_path / "again"
@@ -477,7 +477,7 @@ def test_modelopt_compiles_into_a_cache_polls_bring_out_in_parts_and_cache_in_pu
     carried.mkdir()
     for f in parts:
         (carried / f.name).write_bytes(f.read_bytes())
-    fresh = tmp_path / "fresh" / "inductor_modelopt"
+    fresh = tmp_path / "fresh" / "inductor_peers"
     monkeypatch.setattr(pg, "COMPILE_CACHE", fresh)
     pg.main(["cache-in", str(carried)])
     assert (fresh / "fxgraph/ab/entry").read_bytes() == graph and not (fresh / "triton").exists()
@@ -491,7 +491,7 @@ def test_modelopt_compiles_into_a_cache_polls_bring_out_in_parts_and_cache_in_pu
     with tarfile.open(
         fileobj=io.BytesIO(b"".join(f.read_bytes() for f in pg.part_files(brought / pg.COMPILE_CACHE_TGZ)))
     ) as tar:
-        assert "inductor_modelopt/fxgraph/cd/entry" in tar.getnames()  # (changed: brought out whole)
+        assert "inductor_peers/fxgraph/cd/entry" in tar.getnames()  # (changed: brought out whole)
     (fresh / "fxgraph/cd/entry").unlink()
     (fresh / "fxgraph/ab/entry").write_bytes(b"newer")
     pg.compile_cache_in(carried)  # (a cache already there is this machine's own: kept)
@@ -499,7 +499,7 @@ def test_modelopt_compiles_into_a_cache_polls_bring_out_in_parts_and_cache_in_pu
     shutil.rmtree(fresh)
     (tmp_path / "peers" / "cache").mkdir(parents=True)  # (a small one, whole, in .peers/cache: stage's)
     with tarfile.open(tmp_path / "peers" / "cache" / pg.COMPILE_CACHE_TGZ, "w:gz") as tar:
-        tar.add(cache / "fxgraph", arcname="inductor_modelopt/fxgraph")
+        tar.add(cache / "fxgraph", arcname="inductor_peers/fxgraph")
     pg.compile_cache_in(tmp_path / "peers" / "cache")
     assert (fresh / "fxgraph/ab/entry").read_bytes() == graph
     monkeypatch.setattr(pg, "COMPILE_CACHE", cache)
@@ -523,18 +523,20 @@ def test_modelopt_compiles_into_a_cache_polls_bring_out_in_parts_and_cache_in_pu
 def test_the_cache_names_the_heads_that_trained_into_it_and_their_runs_are_counted_compiling_warm(
     tmp_path, monkeypatch, capsys
 ):
-    """A poll names in the cache the ModelOpt heads whose training ended here (not a failed one, nor
-    another framework's); the names travel in its parts and come back with cache-in. A job, or plan
-    over the parts cache-in will bring, then counts such a head's compile as a warm one's: the median
-    of its sized runs' compiles under half its probe's, or a carried cache's (90 s), whichever is longer."""
-    po, cache, dest = tmp_path / "po", tmp_path / "m" / "inductor_modelopt", tmp_path / ".peers_cache"
+    """A poll names in the cache the peers' heads whose training ended here (not a failed one, nor
+    ours'); the names travel in its parts and come back with cache-in. A job, or plan over the parts
+    cache-in will bring, then counts such a head's compile as a warm one's: the median of its sized
+    runs' compiles under half its probe's, or a carried cache's (ModelOpt: 90 s), whichever is longer;
+    cold for a framework no carried cache has been measured for yet."""
+    po, cache, dest = tmp_path / "po", tmp_path / "m" / "inductor_peers", tmp_path / ".peers_cache"
     monkeypatch.setattr(pg, "PO", po)
     monkeypatch.setattr(pg, "COMPILE_CACHE", cache)
     specs = [pr.RunSpec("modelopt", "default", "sweep", 180.0, 3e-4, 43, 2799, 16384, device="h100"),
              pr.RunSpec("modelopt", "matched", "sweep", 180.0, 3e-4, 42, 1927, 16384, device="h100"),
-             pr.RunSpec("ours", "muon", "final", 600.0, 0.02, 0, 2069, 16384, device="h100")]  # fmt: skip
+             pr.RunSpec("ours", "muon", "final", 600.0, 0.02, 0, 2069, 16384, device="h100"),
+             pr.RunSpec("speculators", "matched", "sweep", 180.0, 3e-3, 43, 2247, 16384, device="h100")]  # fmt: skip
     rows = []
-    for spec, rc in zip(specs, (0, 1, 0)):
+    for spec, rc in zip(specs, (0, 1, 0, 0)):
         (po / spec.name).mkdir(parents=True)
         (po / spec.name / "spec.json").write_text(json.dumps(pr.asdict(spec)))
         rows.append({"run": spec.name, "phase": "train", "seconds": 9.0, "start": 0, "end": 9, "rc": rc})
@@ -543,12 +545,12 @@ def test_the_cache_names_the_heads_that_trained_into_it_and_their_runs_are_count
     (cache / "fxgraph" / "entry").write_bytes(b"graph")
     dest.mkdir()
     pg.compile_cache_out(dest)
-    assert pg.cached_heads() == pg.carried_heads(dest) == {"modelopt:default@h100"}
-    fresh = tmp_path / "fresh" / "inductor_modelopt"
+    assert pg.cached_heads() == pg.carried_heads(dest) == {"modelopt:default@h100", "speculators:matched@h100"}
+    fresh = tmp_path / "fresh" / "inductor_peers"
     monkeypatch.setattr(pg, "COMPILE_CACHE", fresh)
     assert pg.cached_heads() == set()
     pg.main(["cache-in", str(dest)])
-    assert pg.cached_heads() == {"modelopt:default@h100"}
+    assert pg.cached_heads() == {"modelopt:default@h100", "speculators:matched@h100"}
     shutil.rmtree(cache)  # (a cache brought out before heads were named: none counted warm)
     (cache / "fxgraph").mkdir(parents=True)
     with tarfile.open(tmp_path / "old.tgz", "w:gz") as tar:
@@ -565,8 +567,13 @@ def test_the_cache_names_the_heads_that_trained_into_it_and_their_runs_are_count
                        planned_step_s=0.06, lanes=1)  # fmt: skip
     rest = 10000 * 0.06 + 60.0 + 2 * pg.EVAL_S + pg.SERVE_S
     assert pg.expected_s(known, final) == pytest.approx(rest + 381.0)
-    assert pg.expected_s(known, final, warm=True) == pytest.approx(rest + pg.CARRIED_COMPILE_S)  # (carried: 90 s)
-    monkeypatch.setattr(pg, "CARRIED_COMPILE_S", 0.0)
+    assert pg.expected_s(known, final, warm=True) == pytest.approx(rest + 90.0)  # (carried: 90 s)
+    speculators = [dataclasses.replace(r, framework="speculators") for r in known]
+    spec_final = dataclasses.replace(final, framework="speculators")
+    assert pg.expected_s(speculators, spec_final, warm=True) == pytest.approx(rest + 381.0)  # (none carried: cold)
+    monkeypatch.setitem(pg.CARRIED_COMPILE_S, "speculators", 30.0)
+    assert pg.expected_s(speculators, spec_final, warm=True) == pytest.approx(rest + 30.0)  # (its warm runs: ~20 s)
+    monkeypatch.setitem(pg.CARRIED_COMPILE_S, "modelopt", 0.0)
     assert pg.expected_s(known, final, warm=True) == pytest.approx(rest + 20.4)  # (the warm runs' median)
     assert pg.expected_s(known[:1], final, warm=True) == pytest.approx(rest + 381.0)  # (no warm run measured yet)
     s = object.__new__(pg.Session)
