@@ -223,11 +223,16 @@ def test_step_ab_profiles_the_recipes_own_step_at_each_value_of_an_option(tmp_pa
         assert [a for a in args if a.startswith("++loop.max_tokens_per_batch=")] == ["++loop.max_tokens_per_batch=300"]
         assert len([a for a in args if a.startswith("++out=")]) == 1
     prepared = (tmp_path / "w/prepare.log").stat().st_mtime_ns
-    # again into another OUT: the same prepared data, and the run a profile left in WORK starts afresh
+    # again into another OUT: the same prepared data, and the run a profile left in WORK starts afresh;
+    # PACK=1: OUT holds the profiles' archive alone
     again = [str(tmp_path / "out2"), *call[1:3], "false", *call[4:]]
-    done = subprocess.run([str(LAB / "step_ab.sh"), *again], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    done = subprocess.run([str(LAB / "step_ab.sh"), *again], cwd=ROOT, env={**env, "PACK": "1"}, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0 and "failed" not in done.stdout, done.stdout + done.stderr[-3000:]
-    assert Result.read(tmp_path / "out2/runtime.cudnn_attention-false-300.json").figures["steps_profiled"] == 2
+    assert [f.name for f in (tmp_path / "out2").iterdir()] == ["step_ab.tgz"]
+    with tarfile.open(tmp_path / "out2/step_ab.tgz") as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    assert Result.read(tmp_path / "unpacked/runtime.cudnn_attention-false-300.json").figures["steps_profiled"] == 2
     assert (tmp_path / "w/prepare.log").stat().st_mtime_ns == prepared  # (not prepared again)
 
 
