@@ -38,10 +38,11 @@ committed as ``benchmarks/data/<DATA_SET>`` (3.8 MB), which ``pack`` copies; whe
 synthesized by the session's first phase (outside every budget; 123-155 s on an H100, which gave the
 same conversations each time) and polls bring it out as ``<DATA_SET>.part-N``: put those in
 ``.peers/data/`` and pack again, so later sessions carry the same set. The peers' compile cache (the
-torch.compile graphs of ModelOpt, speculators and SpecForge; ours' are not in it) comes out as
+torch.compile graphs of the frameworks in ``PEERS_CACHED``: speculators and SpecForge, whose runs are
+left; ModelOpt's, 27-32 MiB packed, were carried in sessions 37-48) comes out as
 ``inductor_peers.tgz.part-N`` (15 MiB parts, 48 MiB at most): put them in ``.peers_cache/`` here and
 run ``peers_gpu.py cache-in .peers_cache`` in a call of their own that carries it (before ``start``),
-so a fresh machine may skip ModelOpt's 5-6 minutes of max-autotune and most of speculators' compile (a cache small enough may ride in
+so a fresh machine may skip most of their compile (ModelOpt's max-autotune: 5-6 minutes) (a cache small enough may ride in
 ``.peers/cache/`` instead, which ``stage`` unpacks). The cache names the heads whose training it holds
 (``heads.json``); ``plan`` and ``--end-by-s`` count those heads' compile warm. speculators' rows
 (its ``prepare-data``) come from its vLLM render endpoint, about 100 s once the server is up; the job
@@ -342,8 +343,10 @@ def env_for(fw: str) -> dict[str, str]:
             "TVM_FFI_CACHE_DIR": "/tmp/sg14cache/tvm-ffi", "FLASHINFER_WORKSPACE_BASE": "/tmp/sg14cache"}  # fmt: skip
 
 
-CACHED = ("modelopt", "speculators", "specforge")  # the frameworks that compile into the carried cache (ours
-# keeps its own: it has no runs left to start warm, and its graphs would only take the cache's room)
+# The frameworks that compile into the carried cache: those with runs left to start warm. One cache of
+# COMPILE_CACHE_MIB holds ModelOpt's graphs (27-32 MiB packed) or the others', hardly both, and a cache over it
+# is not brought out at all; ModelOpt's finals are done (its 3-minute seeds compile cold beside), ours' runs too.
+CACHED = tuple(os.environ.get("PEERS_CACHED", "speculators specforge").split())
 COMPILE_CACHE = Path(os.environ.get("COMPILE_CACHE", "/tmp/inductor_peers"))  # their torch.compile cache
 COMPILE_CACHE_TGZ = "inductor_peers.tgz"  # a poll's parts of it (.part-N); a later session starts warm
 # (sessions 37-48 carried ModelOpt's alone, as inductor_modelopt.tgz: pack those again under this name to use them)

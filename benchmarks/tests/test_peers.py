@@ -434,17 +434,18 @@ def test_the_committed_shared_set_is_the_one_the_results_trained_on():
 def test_the_peers_compile_into_a_cache_polls_bring_out_in_parts_and_cache_in_puts_back_without_tritons_own(
     tmp_path, monkeypatch
 ):
-    """The peers' processes compile into the carried cache, ours' not; a poll packs its graphs (not Triton's
+    """The processes of the peers with runs left compile into the carried cache, ModelOpt's (its runs
+    done, unless PEERS_CACHED names it) and ours' not; a poll packs its graphs (not Triton's
     cache of every autotuned candidate) in parts a call's files can hold, none over the cap, replacing
     an earlier poll's, and packs it again only once it changed (else its last parts again); a later
     session's cache-in (or stage, from .peers/cache) joins and unpacks them, never over a cache already
     there, and its polls bring the cache out only once it changed from what came in."""
     cache, dest, carried = tmp_path / "m" / "inductor_peers", tmp_path / "out", tmp_path / ".peers_cache"
     monkeypatch.setattr(pg, "COMPILE_CACHE", cache)
-    assert all(
-        pg.env_for(fw)["TORCHINDUCTOR_CACHE_DIR"] == str(cache) for fw in ("modelopt", "speculators", "specforge")
-    )
-    assert pg.env_for("ours").get("TORCHINDUCTOR_CACHE_DIR") != str(cache)
+    assert all(pg.env_for(fw)["TORCHINDUCTOR_CACHE_DIR"] == str(cache) for fw in ("speculators", "specforge"))
+    assert all(pg.env_for(fw).get("TORCHINDUCTOR_CACHE_DIR") != str(cache) for fw in ("ours", "modelopt"))
+    monkeypatch.setattr(pg, "CACHED", ("modelopt",))  # (PEERS_CACHED=modelopt: its graphs, as sessions 37-48)
+    assert pg.env_for("modelopt")["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
     dest.mkdir()
     pg.compile_cache_out(dest)
     assert not list(dest.iterdir())  # nothing compiled this session
@@ -523,14 +524,15 @@ def test_the_peers_compile_into_a_cache_polls_bring_out_in_parts_and_cache_in_pu
 def test_the_cache_names_the_heads_that_trained_into_it_and_their_runs_are_counted_compiling_warm(
     tmp_path, monkeypatch, capsys
 ):
-    """A poll names in the cache the peers' heads whose training ended here (not a failed one, nor
-    ours'); the names travel in its parts and come back with cache-in. A job, or plan over the parts
+    """A poll names in the cache the heads of its frameworks (``CACHED``) whose training ended here (not
+    a failed one, nor another framework's); the names travel in its parts and come back with cache-in. A job, or plan over the parts
     cache-in will bring, then counts such a head's compile as a warm one's: the median of its sized
     runs' compiles under half its probe's, or a carried cache's (ModelOpt: 90 s), whichever is longer;
     cold for a framework no carried cache has been measured for yet."""
     po, cache, dest = tmp_path / "po", tmp_path / "m" / "inductor_peers", tmp_path / ".peers_cache"
     monkeypatch.setattr(pg, "PO", po)
     monkeypatch.setattr(pg, "COMPILE_CACHE", cache)
+    monkeypatch.setattr(pg, "CACHED", ("modelopt", "speculators"))
     specs = [pr.RunSpec("modelopt", "default", "sweep", 180.0, 3e-4, 43, 2799, 16384, device="h100"),
              pr.RunSpec("modelopt", "matched", "sweep", 180.0, 3e-4, 42, 1927, 16384, device="h100"),
              pr.RunSpec("ours", "muon", "final", 600.0, 0.02, 0, 2069, 16384, device="h100"),
