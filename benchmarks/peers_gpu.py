@@ -42,7 +42,7 @@ torch.compile graphs of the frameworks in ``PEERS_CACHED``: speculators and Spec
 left; ModelOpt's, 27-32 MiB packed, were carried in sessions 37-48) comes out as
 ``inductor_peers.tgz.part-N`` (15 MiB parts, 48 MiB at most): put them in ``.peers_cache/`` here and
 run ``peers_gpu.py cache-in .peers_cache`` in a call of their own that carries it (before ``start``),
-so a fresh machine may skip most of their compile (ModelOpt's max-autotune: 5-6 minutes) (a cache small enough may ride in
+so a fresh machine may skip most of their compile (a cache small enough may ride in
 ``.peers/cache/`` instead, which ``stage`` unpacks). The cache names the heads whose training it holds
 (``heads.json``); ``plan`` and ``--end-by-s`` count those heads' compile warm. speculators' rows
 (its ``prepare-data``) come from its vLLM render endpoint, about 100 s once the server is up; the job
@@ -333,9 +333,9 @@ def env_for(fw: str) -> dict[str, str]:
         "specforge": ["/tmp/sfsite", "/tmp/sg14site"],  # (SGLang 0.5.14's site carries transformers 5.8.1: first)
     }
     path = [*site[fw], "/tmp/site", str(REPO), os.environ.get("PYTHONPATH", "")]
-    # ModelOpt's max-autotune compile took 5-6 min on a fresh machine, speculators' 1-4 min: the peers' cache
-    # goes out with the polls and comes back with a call of its own (cache-in; compilation is measured apart
-    # from the budget either way)
+    # a fresh machine compiles again (ModelOpt's max-autotune: 5-6 min; speculators': 1-4 min): the cache of the
+    # frameworks in CACHED goes out with the polls and comes back with a call of its own (cache-in; compilation is
+    # measured apart from the budget either way)
     cache = {"TORCHINDUCTOR_CACHE_DIR": str(COMPILE_CACHE)} if fw in CACHED else {}
     return {**os.environ, **cache, "PYTHONPATH": ":".join(p for p in path if p), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",

@@ -16,7 +16,7 @@
 # calls with other OUT dirs repeat the profiles on the same data); each profile's run starts afresh.
 set -euo pipefail
 if [ $# -lt 5 ]; then
-  sed -n '2,15p' "$0" >&2
+  sed -n '2,16p' "$0" >&2
   exit 2
 fi
 out=$1 data=$2 option=$3 values=$4 batches=$5
