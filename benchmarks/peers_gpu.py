@@ -1901,6 +1901,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("seconds", type=float)
     p.add_argument("dest", type=Path)
     a = ap.parse_args(argv)
+    if unknown := [fw for fw in CACHED if fw not in FRAMEWORKS]:
+        ap.error(f"PEERS_CACHED={' '.join(CACHED)}: {', '.join(unknown)} is no framework here ({' '.join(FRAMEWORKS)})")
     if getattr(a, "seed_early", False) and not (a.then_seed and a.what == "sweep"):
         ap.error("--seed-early: it starts --then-seed's pair early, so it goes with 'sweep ... --then-seed'")
     if a.cmd == "stage":

@@ -19,6 +19,13 @@ if [ $# -lt 5 ]; then
   sed -n '2,16p' "$0" >&2
   exit 2
 fi
+case ${PACK:-0} in
+0 | 1) ;;
+*)
+  echo "step_ab.sh: PACK=$PACK: 0 (the profiles' files in OUT_DIR) or 1 (their archive, step_ab.tgz)" >&2
+  exit 2
+  ;;
+esac
 out=$1 data=$2 option=$3 values=$4 batches=$5
 shift 5
 run=("$@")

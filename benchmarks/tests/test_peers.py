@@ -593,6 +593,10 @@ def test_the_cache_names_the_heads_that_trained_into_it_and_their_runs_are_count
         pg.main([*plan, str(tmp_path / "typo")])
     with pytest.raises(SystemExit, match=f"cache-in .*none: no {pg.COMPILE_CACHE_TGZ} or its .part-N there"):
         pg.main(["cache-in", str(tmp_path / "none")])
+    monkeypatch.setattr(pg, "CACHED", ("speculators", "specforg"))  # (PEERS_CACHED with a typo: refused, named)
+    with pytest.raises(SystemExit):
+        pg.main(["cache-in", str(dest)])
+    assert "PEERS_CACHED=speculators specforg: specforg is no framework here" in capsys.readouterr().err
 
 
 def test_the_recipes_head_family_goes_to_ours_and_to_speculators_flags_for_it(tmp_path):

@@ -236,6 +236,17 @@ def test_step_ab_profiles_the_recipes_own_step_at_each_value_of_an_option(tmp_pa
     assert (tmp_path / "w/prepare.log").stat().st_mtime_ns == prepared  # (not prepared again)
 
 
+def test_step_ab_refuses_a_pack_it_does_not_know_before_it_writes_anything(tmp_path):
+    """PACK other than 0 or 1 is refused, naming the variable and its values, before OUT_DIR or WORK exist."""
+    env = dict(os.environ, WORK=str(tmp_path / "w"), PACK="yes")
+    args = [str(tmp_path / "out"), str(tmp_path / "c.jsonl"), "online.compile", "false", "300"]
+    done = subprocess.run(
+        [str(LAB / "step_ab.sh"), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "PACK=yes: 0 (" in done.stderr and "or 1 (" in done.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "w").exists()
+
+
 def test_step_profile_refuses_an_out_that_holds_a_run(tmp_path):
     """The trainer would resume a run left in out= (a finished one makes no step to profile): refused
     before anything loads, naming the option."""
